@@ -1,0 +1,69 @@
+"""Backend registry: one small adapter per implementation, imported lazily.
+
+An adapter module (`impl_*/adapter.py`) offers `devices()`, `forward(config,
+tensors, inputs, options, *, device, precision, trace)` and `vjp(config,
+tensors, inputs, options, d_output, *, device, precision)`, NumPy in and out.
+A backend whose framework is missing is reported "not installed"; the others
+still run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+
+DEVICES = ("cpu", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    id: str
+    adapter: str  # module path of the adapter
+    framework: str  # what a user installs to get it
+    description: str
+
+
+REGISTRY: dict[str, Backend] = {
+    b.id: b
+    for b in (
+        Backend("numpy", "impl_numpy.adapter", "numpy", "the NumPy reference (impl_numpy)"),
+        Backend("torch", "impl_torch.adapter", "torch", "impl_torch, PyTorch"),
+        Backend("tf", "impl_tf.adapter", "tensorflow + keras", "impl_tf, Keras split_heads layer on TensorFlow"),
+        Backend("jax", "impl_jax.adapter", "jax + flax", "impl_jax, JAX / Flax NNX"),
+    )
+}
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend's framework (or the backend itself) is not installed here."""
+
+
+def get(backend_id: str) -> Backend:
+    try:
+        return REGISTRY[backend_id]
+    except KeyError:
+        raise ValueError(f"backend must be one of {', '.join(REGISTRY)}: got {backend_id!r}") from None
+
+
+def load(backend_id: str) -> ModuleType:
+    """Import a backend's adapter; BackendUnavailable says why it can't be."""
+    backend = get(backend_id)
+    try:
+        return importlib.import_module(backend.adapter)
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] == backend.adapter.split(".")[0]:
+            raise BackendUnavailable(f"backend {backend_id}: not implemented in this checkout ({backend.adapter})") from None
+        raise BackendUnavailable(f"backend {backend_id}: not installed ({err.name} missing; install {backend.framework})") from None
+
+
+def availability(backend_id: str) -> tuple[bool, str]:
+    try:
+        load(backend_id)
+    except BackendUnavailable as err:
+        return False, str(err)
+    return True, "installed"
+
+
+def devices(backend_id: str) -> list[str]:
+    return list(load(backend_id).devices())

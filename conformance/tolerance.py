@@ -1,0 +1,185 @@
+"""The tolerance policy: how close a result must be to the float64 reference.
+
+Reasoning (README "Tolerance policy" says the same in prose):
+
+* A dot product of length n computed in a precision with unit round-off u
+  has a relative error of order u * sqrt(n) for random-signed data (the
+  deterministic bound is n * u; rounding errors of mixed sign add like a
+  random walk, Higham, "Accuracy and Stability of Numerical Algorithms",
+  sec. 3.6). The forward pass chains four reductions: the projection (D),
+  the logits (H), the softmax sum and the attention average (S), the output
+  projection (N*V). So L = D + H + S + N*V for the output; L = D + H + S for
+  the attention weights; gradients add the batch and sequence sums of the
+  kernel gradients, L + B*max(T, S).
+* Softmax turns an absolute logit error e into a relative weight error e: a
+  logit of magnitude z computed with relative error r is off by z * r. So
+  everything downstream of the logits is scaled by (1 + z), z the largest
+  finite logit magnitude of the case.
+* Errors are measured against the scale of the reference tensor (its largest
+  magnitude), so a tensor of tiny values is not judged by a looser absolute
+  bar than its neighbours.
+
+    rtol = SAFETY * u * sqrt(L)
+    atol = rtol * (1 + z) * max|reference|
+    pass iff |actual - reference| <= atol + rtol * |reference| everywhere
+
+margin = max over elements of |actual - reference| / (atol + rtol*|reference|);
+a pass has margin <= 1. SAFETY was set from the random-case sweep
+(tests/test_conformance_sweep.py) so that the worst margin over thousands of
+correct cases stays well below 1 while TF32 (u = 2**-11) inputs in float32
+exceed it by orders of magnitude.
+
+Low precision (float16, bfloat16), as the flash-attention maintainers judge
+kernels: the bar is at least REFERENCE_FACTOR times the error of the NumPy
+reference run in the same dtype (same-precision reference minus float64
+reference), so a kernel is only asked to be about as good as a careful
+implementation in its own dtype can be.
+
+`precision="tf32"` (reduced matmul precision on GPUs, asked for explicitly)
+uses u = 2**-11 for float32 and says so in the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from weights import dtype_from_name
+
+SAFETY = 8.0
+REFERENCE_FACTOR = 3.0
+
+UNIT_ROUNDOFF = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "bfloat16": 2.0**-8,
+    "float16": 2.0**-11,
+    "tf32": 2.0**-11,  # 10 explicit mantissa bits
+}
+
+QUANTITIES = ("output", "weights", "grad", "stage")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    ok: bool
+    name: str
+    max_abs_error: float
+    index: tuple[int, ...] | None  # worst element (largest error / allowance)
+    actual: float | None
+    expected: float | None
+    margin: float  # worst |err| / allowance; <= 1 passes
+    tolerance: Tolerance
+
+    def describe(self) -> str:
+        if self.index is None:
+            return f"{self.name}: {'ok' if self.ok else 'FAIL'} ({self.tolerance.reason})"
+        return (
+            f"{self.name}: {'ok' if self.ok else 'FAIL'} margin {self.margin:.3g} "
+            f"(worst at {list(self.index)}: got {self.actual!r}, expected {self.expected!r}, "
+            f"max abs error {self.max_abs_error:.3g}; rtol {self.tolerance.rtol:.3g}, atol {self.tolerance.atol:.3g}: "
+            f"{self.tolerance.reason})"
+        )
+
+
+def reduction_length(quantity: str, *, D: int, H: int, S: int, NV: int, B: int = 1, T: int = 1) -> int:
+    if quantity not in QUANTITIES:
+        raise ValueError(f"quantity must be one of {', '.join(QUANTITIES)}: got {quantity!r}")
+    base = D + H + S
+    if quantity == "weights":
+        return base
+    length = base + NV
+    if quantity == "grad":
+        length += B * max(T, S)
+    return length
+
+
+def tolerance(
+    dtype: str,
+    *,
+    length: int,
+    reference_scale: float,
+    logit_scale: float = 0.0,
+    precision: str = "highest",
+    same_precision_error: float | None = None,
+) -> Tolerance:
+    """The allowance for one compared tensor (see the module docstring)."""
+    dtype = dtype_from_name(dtype).name
+    unit = UNIT_ROUNDOFF["tf32"] if precision == "tf32" and dtype == "float32" else UNIT_ROUNDOFF[dtype]
+    rtol = SAFETY * unit * math.sqrt(max(length, 1))
+    amplification = 1.0 + float(logit_scale)
+    atol = rtol * amplification * float(reference_scale)
+    reason = f"{dtype}{' with TF32 matmuls' if unit != UNIT_ROUNDOFF[dtype] else ''}: {SAFETY:g}*u*sqrt(L), u={unit:.3g}, L={length}, logit scale {logit_scale:.3g}"
+    if same_precision_error is not None and dtype in ("float16", "bfloat16"):
+        floor = REFERENCE_FACTOR * float(same_precision_error)
+        if floor > atol:
+            atol = floor
+            reason += f"; raised to {REFERENCE_FACTOR:g}x the same-precision reference's error ({same_precision_error:.3g})"
+    if atol == 0.0:
+        atol = np.finfo(np.float64).tiny  # an all-zero reference: any nonzero error fails
+    return Tolerance(rtol=rtol, atol=atol, reason=reason)
+
+
+def compare(name: str, actual, expected, tol: Tolerance) -> Comparison:
+    """Compare two arrays under one Tolerance. NaN matches NaN only where the
+    reference has NaN (a masked_row="nan" row); shapes must match."""
+    a = np.asarray(actual, dtype=np.float64)
+    r = np.asarray(expected, dtype=np.float64)
+    if a.shape != r.shape:
+        return Comparison(False, f"{name} (shape {a.shape} != {r.shape})", math.inf, None, None, None, math.inf, tol)
+    if a.size == 0:
+        return Comparison(True, name, 0.0, None, None, None, 0.0, tol)
+    allowance = tol.atol + tol.rtol * np.abs(np.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0))
+    both_nan = np.isnan(a) & np.isnan(r)
+    same_inf = np.isinf(a) & np.isinf(r) & (np.sign(a) == np.sign(r))
+    err = np.abs(a - r)
+    err = np.where(both_nan | same_inf, 0.0, err)
+    err = np.where(np.isnan(err), np.inf, err)  # NaN on one side only is a failure
+    ratio = err / allowance
+    flat = int(np.argmax(ratio))
+    index = tuple(int(i) for i in np.unravel_index(flat, a.shape))
+    margin = float(ratio.flat[flat])
+    finite_err = err[np.isfinite(err)]
+    max_abs = float(finite_err.max()) if finite_err.size == err.size else math.inf
+    return Comparison(
+        ok=margin <= 1.0, name=name, max_abs_error=max_abs, index=index, actual=float(a.flat[flat]),
+        expected=float(r.flat[flat]), margin=margin, tolerance=tol,
+    )
+
+
+def max_finite_abs(x) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    finite = x[np.isfinite(x)]
+    return float(np.abs(finite).max()) if finite.size else 0.0
+
+
+def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, reference, logits=None,
+               precision: str = "highest", same_precision_error: float | None = None) -> Tolerance:
+    """The Tolerance for one quantity of one case: the policy applied."""
+    D = max(config.query_dim, config.key_dim, config.value_dim)
+    length = reduction_length(quantity, D=D, H=config.head_dim, S=S, NV=config.num_heads * config.value_head_dim, B=B, T=T)
+    return tolerance(
+        dtype, length=length, reference_scale=max_finite_abs(reference),
+        logit_scale=0.0 if logits is None else max_finite_abs(logits), precision=precision,
+        same_precision_error=same_precision_error,
+    )
+
+
+def assert_close(name: str, actual, expected, *, config, dtype: str, quantity: str, B: int, T: int, S: int,
+                 logits=None, precision: str = "highest", same_precision_error: float | None = None) -> Comparison:
+    """For tests: compare under the policy, raise AssertionError with the numbers."""
+    tol = policy_for(config, dtype=dtype, quantity=quantity, B=B, T=T, S=S, reference=expected, logits=logits,
+                     precision=precision, same_precision_error=same_precision_error)
+    result = compare(name, actual, expected, tol)
+    if not result.ok:
+        raise AssertionError(result.describe())
+    return result

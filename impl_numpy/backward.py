@@ -1,0 +1,105 @@
+"""Hand-written vector-Jacobian product of multi_head_attention.
+
+Given the output cotangent d_output (B, T, O), returns the gradient of
+sum(output * d_output) with respect to query, key, value (those passed) and
+every canonical tensor. It walks functional.py's stages in reverse; each
+block names the stage it undoes. Checked against finite differences in
+float64 (tests/test_numpy_backward.py).
+
+Arithmetic runs in compute dtype (float32 for 16-bit storage); results are
+returned in the storage dtype. Where a key defaults to the query (self
+attention), the key and value gradients are folded into "query".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from weights import compute_dtype
+
+from . import functional as F
+
+
+def _grouped(x, K):  # (B, N, T, X) -> (B, K, G*T, X)
+    B, N, T, X = x.shape
+    return x.reshape(B, K, (N // K) * T, X)
+
+
+def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_output, mask=None, bias=None,
+                             is_causal=False, causal_alignment="top_left", training=False, dropout_mask=None,
+                             seed=None, dtype=None):
+    """Returns (output, grads) with grads a dict of NumPy arrays."""
+    key_given, value_given = key is not None, value is not None
+    shapes, p, (xq, xk, xv), allowed, bias_r4, keep, dtype = F.prepare(
+        config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
+        causal_alignment=causal_alignment, training=training, seed=seed, return_weights=False, dtype=dtype,
+    )
+    ct = compute_dtype(dtype)
+    p = {name: t.astype(ct) for name, t in p.items()}
+    xq, xk, xv = (x.astype(ct) for x in (xq, xk, xv))
+    d_out = np.asarray(d_output).astype(ct)
+    B, T, S = shapes.B, shapes.T, shapes.S
+    N, K, H, V, O = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim, config.out_dim
+    if d_out.shape != (B, T, O):
+        raise ValueError(f"d_output must have shape (B, T, O) = {(B, T, O)}: got {d_out.shape}")
+    scale = config.effective_scale
+
+    # forward, keeping what the backward pass needs (compute dtype throughout)
+    q = F.split_heads(F.project(xq, p["query.kernel"], p.get("query.bias")), N)  # (B, N, T, H)
+    k = F.split_heads(F.project(xk, p["key.kernel"], p.get("key.bias")), K)  # (B, K, S, H)
+    v = F.split_heads(F.project(xv, p["value.kernel"], p.get("value.bias")), K)  # (B, K, S, V)
+    x = F.mask(F.logits(q, k, scale), allowed, bias_r4)
+    w = F.softmax(x, config.masked_row)  # (B, N, T, S)
+    wd = F.dropout(w, keep, config.dropout)
+    ctx = F.merge_heads(F.attend(wd, v))  # (B, T, N*V)
+    out = F.output(ctx, p["output.kernel"], p.get("output.bias"))
+
+    grads: dict[str, np.ndarray] = {}
+    # output: out = ctx @ Wo + bo
+    Wo = p["output.kernel"].reshape(N * V, O)
+    grads["output.kernel"] = np.einsum("BTF,BTO->FO", ctx, d_out).reshape(N, V, O)
+    if config.use_output_bias:
+        grads["output.bias"] = d_out.sum(axis=(0, 1))
+    d_ctx = d_out @ Wo.T  # (B, T, N*V)
+    # merge_heads
+    d_ctx = d_ctx.reshape(B, T, N, V).transpose(0, 2, 1, 3)  # (B, N, T, V)
+    # attend: ctx = wd @ v (grouped)
+    d_wd = np.matmul(_grouped(d_ctx, K), v.swapaxes(-1, -2)).reshape(B, N, T, S)
+    d_v = np.matmul(_grouped(wd, K).swapaxes(-1, -2), _grouped(d_ctx, K))  # (B, K, S, V)
+    # dropout
+    d_w = d_wd if keep is None else np.where(keep, d_wd / (1.0 - config.dropout), 0)
+    # softmax: dx = w * (dw - sum(dw * w)); masked keys have w = 0, so dx = 0.
+    # A fully masked row's weights do not depend on its logits under "zero" and
+    # "uniform" (gradient 0); under "nan" they are NaN and so is the gradient.
+    d_x = w * (d_w - (d_w * w).sum(axis=-1, keepdims=True))
+    if config.masked_row == "uniform":
+        d_x = np.where(np.isfinite(x).any(axis=-1, keepdims=True), d_x, 0)
+    # mask: identity on allowed positions, -inf (no gradient) elsewhere
+    # logits: x = scale * q k^T (grouped)
+    d_s = _grouped(d_x * scale, K)  # (B, K, G*T, S)
+    d_q = np.matmul(d_s, k).reshape(B, N, T, H)
+    d_k = np.matmul(d_s.swapaxes(-1, -2), q.reshape(B, K, -1, H))  # (B, K, S, H)
+    # split_heads, then project: y = x @ W + b
+    def project_back(prefix, x_in, d_heads):
+        d_flat = d_heads.transpose(0, 2, 1, 3).reshape(x_in.shape[0], x_in.shape[1], -1)  # (B, L, F)
+        W = p[f"{prefix}.kernel"]
+        grads[f"{prefix}.kernel"] = np.einsum("BLD,BLF->DF", x_in, d_flat).reshape(W.shape)
+        if f"{prefix}.bias" in p:
+            grads[f"{prefix}.bias"] = d_flat.sum(axis=(0, 1)).reshape(p[f"{prefix}.bias"].shape)
+        return d_flat @ W.reshape(W.shape[0], -1).T  # (B, L, D)
+
+    d_query = project_back("query", xq, d_q)
+    d_key = project_back("key", xk, d_k)
+    d_value = project_back("value", xv, d_v)
+    if not value_given:
+        d_key = d_key + d_value
+    if not key_given:
+        d_query = d_query + d_key
+    grads["query"] = d_query
+    if key_given:
+        grads["key"] = d_key
+    if value_given:
+        grads["value"] = d_value
+    ordered = {name: grads[name] for name in ("query", "key", "value") if name in grads}
+    ordered.update({name: grads[name] for name in config.tensor_shapes()})
+    return out.astype(dtype), {name: g.astype(dtype) for name, g in ordered.items()}

@@ -1,0 +1,33 @@
+"""A thin layer around the functional spec: it holds a config and tensors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import weights
+from weights import AttentionConfig
+
+from .functional import multi_head_attention
+
+
+class MultiHeadAttention:
+    def __init__(self, config: AttentionConfig, tensors: dict[str, np.ndarray]):
+        weights.validate_tensors(config, tensors)
+        self.config = config
+        self.tensors = {name: np.array(t) for name, t in tensors.items()}
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> MultiHeadAttention:
+        return cls(*weights.load(path))
+
+    @classmethod
+    def from_tensors(cls, config: AttentionConfig, tensors: dict[str, np.ndarray]) -> MultiHeadAttention:
+        return cls(config, tensors)
+
+    def to_tensors(self) -> dict[str, np.ndarray]:
+        return {name: t.copy() for name, t in self.tensors.items()}
+
+    def __call__(self, query, key=None, value=None, **options):
+        return multi_head_attention(self.config, self.tensors, query, key, value, **options)

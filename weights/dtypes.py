@@ -1,0 +1,57 @@
+"""The four dtypes of the format, by name, and how 16-bit ones are computed.
+
+bfloat16 is not a NumPy dtype; ml_dtypes provides it (and safetensors' NumPy
+binding needs it imported before it can load BF16 tensors).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
+
+
+def dtype_from_name(name: str, *, argument: str = "dtype") -> np.dtype:
+    """The NumPy dtype for one of the format's dtype names."""
+    if isinstance(name, np.dtype) or (isinstance(name, type) and issubclass(name, np.generic)):
+        return resolve_dtype(np.dtype(name), argument=argument)
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{argument} must be one of {', '.join(DTYPES)}: got {name!r}"
+        ) from None
+
+
+def resolve_dtype(dtype: np.dtype, *, argument: str = "dtype") -> np.dtype:
+    """Check that a NumPy dtype is one of the format's four."""
+    dtype = np.dtype(dtype)
+    for known in DTYPES.values():
+        if dtype == known:
+            return known
+    raise ValueError(f"{argument} must be one of {', '.join(DTYPES)}: got {dtype.name}")
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    return resolve_dtype(dtype).name
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """Where reductions (matmul accumulation, softmax) run for a storage dtype.
+
+    16-bit storage is computed in float32, as every framework's kernels do;
+    float32 and float64 are computed in themselves.
+    """
+    dtype = resolve_dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize == 2 else dtype
+
+
+def finfo(dtype: np.dtype) -> ml_dtypes.finfo:
+    """finfo that also knows bfloat16."""
+    return ml_dtypes.finfo(resolve_dtype(dtype))

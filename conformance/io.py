@@ -1,0 +1,64 @@
+"""Reading `mha run` inputs files and writing outputs files (safetensors).
+
+Inputs file: `query` and optionally `key`, `value`, `mask` (bool, or 0/1
+integers / floats, True = may attend), `bias` (float, -inf allowed),
+`dropout_mask` (bool or 0/1, True = keep). Anything else is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import numpy as np
+from safetensors.numpy import save as _safetensors_bytes
+
+from weights import read_safetensors
+from weights.atomic import write_bytes_atomic
+
+INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask")
+
+
+class InputsError(ValueError):
+    """An inputs file that cannot be used: names the file and the problem."""
+
+
+def _as_bool(path, name: str, array: np.ndarray) -> np.ndarray:
+    if array.dtype == bool:
+        return array
+    if array.dtype.kind in "iuf" and array.size and np.isin(array, (0, 1)).all():
+        return array.astype(bool)
+    if array.dtype.kind in "iuf" and array.size == 0:
+        return array.astype(bool)
+    kind = "floats other than 0 and 1 (an additive mask belongs in `bias`)" if array.dtype.kind == "f" else "values other than 0 and 1"
+    raise InputsError(f"{path}: {name} must be bool or 0/1 (True = {'keep' if name == 'dropout_mask' else 'may attend'}): got dtype {array.dtype} with {kind}")
+
+
+def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    _, arrays = read_safetensors(path, error=InputsError)
+    unknown = sorted(set(arrays) - set(INPUT_NAMES))
+    if unknown:
+        raise InputsError(f"{path}: unexpected tensors {', '.join(unknown)}; an inputs file holds {', '.join(INPUT_NAMES)}")
+    if "query" not in arrays:
+        raise InputsError(f"{path}: no `query` tensor")
+    if "value" in arrays and "key" not in arrays:
+        raise InputsError(f"{path}: `value` without `key`")
+    inputs: dict[str, np.ndarray] = {}
+    for name in INPUT_NAMES:
+        if name not in arrays:
+            continue
+        array = arrays[name]
+        if name in ("mask", "dropout_mask"):
+            inputs[name] = _as_bool(path, name, array)
+        elif array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+            raise InputsError(f"{path}: {name} must be a float tensor: got dtype {array.dtype}")
+        else:
+            inputs[name] = array
+    return inputs
+
+
+def write_arrays(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *, overwrite: bool = False,
+                 metadata: Mapping[str, str] | None = None) -> None:
+    """Atomic safetensors write (old file or new file, never a mix)."""
+    data = _safetensors_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata=dict(metadata or {}) or None)
+    write_bytes_atomic(path, data, overwrite=overwrite)

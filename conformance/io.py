@@ -8,13 +8,14 @@ integers / floats, True = may attend), `bias` (float, -inf allowed),
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 from safetensors.numpy import save as _safetensors_bytes
 
 from weights import read_safetensors
 from weights.atomic import write_bytes_atomic
+from weights.format import canonical_safetensors_bytes
 
 INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask")
 
@@ -60,5 +61,5 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
 def write_arrays(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *, overwrite: bool = False,
                  metadata: Mapping[str, str] | None = None) -> None:
     """Atomic safetensors write (old file or new file, never a mix)."""
-    data = _safetensors_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata=dict(metadata or {}) or None)
+    data = canonical_safetensors_bytes(_safetensors_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata=dict(metadata or {}) or None))
     write_bytes_atomic(path, data, overwrite=overwrite)

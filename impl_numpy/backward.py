@@ -30,10 +30,11 @@ def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_
                              seed=None, dtype=None):
     """Returns (output, grads) with grads a dict of NumPy arrays."""
     key_given, value_given = key is not None, value is not None
-    shapes, p, (xq, xk, xv), allowed, bias_r4, keep, dtype = F.prepare(
+    shapes, p, (xq, xk, xv), mask4, bias_r4, keep, dtype = F.prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training, seed=seed, return_weights=False, dtype=dtype,
     )
+    allowed = F.allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
     ct = compute_dtype(dtype)
     p = {name: t.astype(ct) for name, t in p.items()}
     xq, xk, xv = (x.astype(ct) for x in (xq, xk, xv))

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import calls, configs
 
 import weights
 from conformance.cases import CASES, make_inputs, make_tensors, output_cotangent
 from impl_numpy import multi_head_attention, multi_head_attention_vjp
-from tests.strategies import calls, configs
 
 EPS = 1e-6
 

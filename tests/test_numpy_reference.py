@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from formulations import fused_qkv, per_head_loop, scalar_loop
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import calls, configs
 
 import weights
 from impl_numpy import causal_mask, multi_head_attention
-from tests.formulations import fused_qkv, per_head_loop, scalar_loop
-from tests.strategies import calls, configs
 from weights import AttentionConfig
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import configs
 
 import weights
-from tests.strategies import configs
 from weights import AttentionConfig, WeightsFormatError
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 import weights
 from weights import AttentionConfig
+from weights.dtypes import is_float
 
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16")
 
@@ -156,7 +157,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 def cast_inputs(inputs: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
     """Float inputs to the case dtype (bias too); bool masks unchanged."""
     dt = weights.dtype_from_name(dtype)
-    return {k: (v.astype(dt) if v.dtype.kind == "f" else v) for k, v in inputs.items()}
+    return {k: (v.astype(dt) if is_float(v.dtype) else v) for k, v in inputs.items()}
 
 
 def cast_tensors(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:

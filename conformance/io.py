@@ -15,6 +15,7 @@ from safetensors.numpy import save as _safetensors_bytes
 
 from weights import read_safetensors
 from weights.atomic import write_bytes_atomic
+from weights.dtypes import is_float
 from weights.format import canonical_safetensors_bytes
 
 INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask")
@@ -51,7 +52,7 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
         array = arrays[name]
         if name in ("mask", "dropout_mask"):
             inputs[name] = _as_bool(path, name, array)
-        elif array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        elif not is_float(array.dtype):
             raise InputsError(f"{path}: {name} must be a float tensor: got dtype {array.dtype}")
         else:
             inputs[name] = array

@@ -27,6 +27,7 @@ import numpy as np
 
 from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
 from weights.contract import check_bias_values, check_call
+from weights.dtypes import is_float
 
 from .masks import causal_mask
 
@@ -168,7 +169,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     bias_np = None if bias is None else np.asarray(bias)
     keep_np = None if dropout_mask is None else np.asarray(dropout_mask)
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.dtype.kind != "f" and x.dtype != dtype:
+        if not is_float(x.dtype):
             raise ValueError(f"{name} must be a float array: got dtype {x.dtype}")
     shapes = check_call(
         config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape,

@@ -19,6 +19,7 @@ from conformance import backends
 from conformance.cases import Case, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
 from conformance.tolerance import Comparison, compare, max_finite_abs, policy_for
 from impl_numpy import adapter as reference
+from impl_numpy.backward import multi_head_attention_vjp
 
 STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
 
@@ -103,11 +104,15 @@ def reference_for(case: Case) -> Reference:
     return _REFERENCE_CACHE[case.name]
 
 
+def clear_cache() -> None:
+    _REFERENCE_CACHE.clear()
+
+
 def expected_for(case: Case, dtype: str) -> dict:
     """float64 reference evaluated on the inputs and weights rounded to `dtype`
     (the exact answer for what the backend actually receives), plus the error
     of the NumPy reference run in `dtype` itself (for the low-precision rule)."""
-    key = f"{case.name}:{dtype}"
+    key = f"{case.name}:{dtype}:{hash(case)}"
     if key in _REFERENCE_CACHE:
         return _REFERENCE_CACHE[key].forward
     tensors = cast_tensors(make_tensors(case), dtype)
@@ -116,8 +121,9 @@ def expected_for(case: Case, dtype: str) -> dict:
     d_out = output_cotangent(case)
     options64 = case.options("float64") | {"return_weights": True}
     fwd = reference.forward(case.config, t64, i64, options64, trace=True)
-    grads = reference.vjp(case.config, t64, i64, case.options("float64"), d_out)["grads"]
-    expected = {"output": fwd["output"], "weights": fwd["weights"], "grads": grads, "trace": fwd["trace"],
+    grads, magnitudes = _reference_grads(case, t64, i64, d_out)
+    expected = {"output": fwd["output"], "weights": fwd["weights"], "grads": grads, "magnitudes": magnitudes,
+                "trace": fwd["trace"],
                 "logits": dict(fwd["trace"])["logits"], "tensors": tensors, "inputs": inputs, "d_output": d_out,
                 "same_precision": {}}
     if dtype in ("float16", "bfloat16"):
@@ -126,8 +132,21 @@ def expected_for(case: Case, dtype: str) -> dict:
         same = {"output": _max_err(low["output"], fwd["output"]), "weights": _max_err(low["weights"], fwd["weights"])}
         same.update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
         expected["same_precision"] = same
+    if len(_REFERENCE_CACHE) > 512:  # sweeps make thousands of cases
+        _REFERENCE_CACHE.clear()
     _REFERENCE_CACHE[key] = Reference(expected, {}, expected["logits"], {})
     return expected
+
+
+def _reference_grads(case: Case, tensors, inputs, d_out):
+    """float64 gradients and their term magnitudes (impl_numpy.backward)."""
+    _, grads, magnitudes = multi_head_attention_vjp(
+        case.config, tensors, inputs["query"], inputs["key"], inputs["value"], d_output=d_out,
+        mask=inputs.get("mask"), bias=inputs.get("bias"), dropout_mask=inputs.get("dropout_mask"),
+        is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training,
+        gradient_magnitudes=True,
+    )
+    return grads, magnitudes
 
 
 def _max_err(a, b) -> float:
@@ -145,9 +164,9 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
     same = exp["same_precision"]
     comparisons = []
 
-    def check(name, quantity, actual, expected):
+    def check(name, quantity, actual, expected, floor=0.0):
         tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=B, T=T, S=S, reference=expected,
-                         logits=exp["logits"], precision=precision, same_precision_error=same.get(name))
+                         logits=exp["logits"], precision=precision, same_precision_error=same.get(name), scale_floor=floor)
         comparisons.append(compare(name, actual, expected, tol))
 
     check("output", "output", result["output"], exp["output"])
@@ -159,7 +178,7 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
         for name, expected in exp["grads"].items():
             if name not in grads:
                 raise ValueError(f"backend returned no gradient for {name}")
-            check(f"grad {name}", "grad", grads[name], expected)
+            check(f"grad {name}", "grad", grads[name], expected, max_finite_abs(exp["magnitudes"][name]))
     return comparisons
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from conformance.cases import CASES, DTYPE_NAMES, Case
 from conformance.compare import expected_for
 from conformance.io import write_arrays
-from conformance.tolerance import policy_for
+from conformance.tolerance import max_finite_abs, policy_for
 from weights import AttentionConfig, read_safetensors
 
 FORMAT = "mha-vectors"
@@ -59,9 +59,9 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
     arrays["expected.output"] = exp["output"]
     tolerance = {}
 
-    def tol(name, quantity, reference):
+    def tol(name, quantity, reference, floor=0.0):
         t = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S, reference=reference,
-                       logits=exp["logits"], same_precision_error=exp["same_precision"].get(name))
+                       logits=exp["logits"], same_precision_error=exp["same_precision"].get(name), scale_floor=floor)
         tolerance[name] = {"rtol": t.rtol, "atol": t.atol, "reason": t.reason}
 
     tol("output", "output", exp["output"])
@@ -70,7 +70,7 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
         tol("weights", "weights", exp["weights"])
     for name, grad in exp["grads"].items():
         arrays[f"expected.grad.{name}"] = grad
-        tol(f"grad {name}", "grad", grad)
+        tol(f"grad {name}", "grad", grad, max_finite_abs(exp["magnitudes"][name]))
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "case": case.name, "dtype": dtype,
         "config": case.config.to_json(), "options": json.dumps(case.options(dtype), sort_keys=True),

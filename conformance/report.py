@@ -96,7 +96,7 @@ def _frameworks_in_use(backends_used: Iterable[str]) -> list[str]:
         prefix = re.split(r"[_\-.]", str(backend_id), maxsplit=1)[0]
         if prefix in FRAMEWORK_OF:
             wanted.append(FRAMEWORK_OF[prefix])
-    wanted += [name for name in ("torch", "tensorflow", "jax") if name in sys.modules]
+    wanted += [name for name in ("torch", "tensorflow", "jax") if sys.modules.get(name) is not None]
     return list(dict.fromkeys(wanted))
 
 
@@ -178,7 +178,7 @@ def environment(backends_used: list[str], devices: list[str], precision: str) ->
     }
     flags: dict[str, Any] = {"mode": precision, "meaning": _precision_meaning(precision)}
     for framework in _frameworks_in_use(backends_used):
-        if versions.get(framework, NOT_INSTALLED).startswith(NOT_INSTALLED) and framework not in sys.modules:
+        if versions.get(framework, NOT_INSTALLED).startswith(NOT_INSTALLED) and sys.modules.get(framework) is None:
             device_names[framework] = NOT_INSTALLED
             continue
         try:
@@ -466,7 +466,9 @@ def _env_sections(env: dict) -> list[tuple[str, list[tuple[str, str]]]]:
 
 
 def _md_cell(text: str) -> str:
-    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    """Backslash-escape what would break a table row or start raw HTML."""
+    text = str(text).replace("\\", "\\\\").replace("|", "\\|").replace("<", "\\<")
+    return text.replace("\r", " ").replace("\n", " ")
 
 
 def _md_table(header: Iterable[str], rows: Iterable[Iterable[str]]) -> list[str]:

@@ -120,13 +120,11 @@ def run(args) -> int:
         conventions = conv.measure(console=console)
         conv.render_terminal(conventions, console=console)
     bad = [r for r in results if r.status in (STATUS_FAIL, STATUS_ERROR)]
-    unsupported = [r for r in results if r.status not in (STATUS_PASS, STATUS_FAIL, STATUS_ERROR)]
     worst = max((r.margin for r in results if r.status in (STATUS_PASS, STATUS_FAIL)), default=0.0)
-    console.print(f"{len(results)} results: {len(results) - len(bad) - len(unsupported)} pass, {len(bad)} fail/error, "
-                  f"{len(unsupported)} unsupported; worst margin {worst:.3g}; {elapsed:.1f} s")
+    console.print(f"worst margin {worst:.3g}; {elapsed:.1f} s")
     env = report.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision)
     if args.report:
-        paths = report.write_report(args.report, results, env, conventions=conventions)
+        paths = report.write_report(args.report, results, env)
         console.print(f"report: {', '.join(str(p) for p in paths.values())}")
     if args.json:
         payload = {"environment": env, "skipped": [list(s) for s in skipped], "seconds": elapsed,

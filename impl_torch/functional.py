@@ -247,11 +247,8 @@ def check_tensors(config: AttentionConfig, tensors) -> torch.dtype:
             np_dtype = np.dtype(object)
         stand_ins[name] = np.broadcast_to(np.zeros((), np_dtype), tuple(t.shape))
     validate_tensors(config, stand_ins)  # raises, in the format's words
-    raise AssertionError(f"check_tensors found a problem that validate_tensors did not: {signature(tensors)}")
-
-
-def signature(tensors) -> dict[str, tuple]:
-    return {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()}
+    found = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()}
+    raise AssertionError(f"check_tensors found a problem that validate_tensors did not: {found}")
 
 
 def _check_bias_values(bias: torch.Tensor) -> None:
@@ -269,8 +266,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     """Validate a call and cast everything to the storage dtype."""
     stored = check_tensors(config, tensors)
     dtype = stored if dtype is None else torch_dtype(dtype)
-    query = to_torch(query)
-    device = query.device
+    device = next(iter(tensors.values())).device  # where the weights live; every input follows them
+    query = to_torch(query, device)
     key = query if key is None else to_torch(key, device)
     value = key if value is None else to_torch(value, device)
     mask_t = None if mask is None else to_torch(mask, device)
@@ -293,7 +290,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     if bias_t is not None:
         _check_bias_values(bias_t)
         bias_t = bias_t.to(compute_dtype(dtype)).reshape(shapes.bias_shape)
-    params = {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
+    params = {name: t.to(dtype) for name, t in tensors.items()}
     if training and keep_t is None and config.dropout > 0:
         keep_t = dropout_keep_mask((shapes.B, config.num_heads, shapes.T, shapes.S), config.dropout, seed, device)
     if not training:
@@ -326,7 +323,7 @@ def multi_head_attention(
     weights (B, N, T, S) after softmax and before dropout when return_weights.
 
     tensors: the canonical tensors (impl_numpy's names and layouts) as torch
-    tensors, on query's device. dtype: compute in this storage dtype
+    tensors on one device; inputs, masks and bias are moved to it. dtype: compute in this storage dtype
     (default: the tensors' dtype). use_sdpa: run logits..attend through
     F.scaled_dot_product_attention when nothing needs the (T, S) weights
     (no return_weights, no trace) and no dropout mask applies; else, and by

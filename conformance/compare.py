@@ -175,10 +175,23 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
             raise ValueError("backend returned no weights although return_weights was requested")
         check("weights", "weights", result["weights"], exp["weights"])
     if grads is not None:
-        for name, expected in exp["grads"].items():
-            if name not in grads:
-                raise ValueError(f"backend returned no gradient for {name}")
-            check(f"grad {name}", "grad", grads[name], expected, max_finite_abs(exp["magnitudes"][name]))
+        comparisons += judge_gradients(case, dtype, grads, precision=precision)
+    return comparisons
+
+
+def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "highest") -> list[Comparison]:
+    """Compare gradients (query, key, value, every canonical tensor) under the
+    policy: each scaled by the magnitude of the terms it is summed from."""
+    exp = expected_for(case, dtype)
+    comparisons = []
+    for name, expected in exp["grads"].items():
+        if name not in grads:
+            raise ValueError(f"backend returned no gradient for {name}")
+        key = f"grad {name}"
+        tol = policy_for(case.config, dtype=dtype, quantity="grad", B=case.B, T=case.T, S=case.S, reference=expected,
+                         logits=exp["logits"], precision=precision, same_precision_error=exp["same_precision"].get(key),
+                         scale_floor=max_finite_abs(exp["magnitudes"][name]))
+        comparisons.append(compare(key, grads[name], expected, tol))
     return comparisons
 
 
@@ -226,6 +239,10 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
             except NotImplementedError as err:
                 result.message = f"gradients unsupported: {err}"
         result.comparisons = judge(case, dtype, forward, grads, precision=precision)
+        got_dtype = np.asarray(forward["output"]).dtype
+        if got_dtype.name != dtype:
+            result.comparisons.append(Comparison(False, f"output dtype {got_dtype.name}, expected {dtype}", math.inf,
+                                                 None, None, None, math.inf, result.comparisons[0].tolerance))
         if keep_arrays:
             result.arrays = {"reference_weights": exp["weights"], "backend_weights": forward.get("weights"),
                              "reference_output": exp["output"], "backend_output": forward["output"]}

@@ -121,6 +121,7 @@ def tolerance(
     logit_scale: float = 0.0,
     precision: str = "highest",
     same_precision_error: float | None = None,
+    quantity_is_gradient: bool = False,
 ) -> Tolerance:
     """The allowance for one compared tensor (see the module docstring)."""
     dtype = dtype_from_name(dtype).name
@@ -131,6 +132,12 @@ def tolerance(
         unit = UNIT_ROUNDOFF["float32"]
         rtol = SAFETY * unit * math.sqrt(max(length, 1))
         floor = rtol * amplification * float(reference_scale)
+        if quantity_is_gradient:
+            # Gradients that cancel (the key bias one is exactly zero) are
+            # rounding noise of the size of their terms; one 16-bit sample of
+            # that noise says little about another's, so the floor is the
+            # noise itself: u * sqrt(L) * term magnitude, no safety factor.
+            floor = max(floor, UNIT_ROUNDOFF[dtype] * math.sqrt(max(length, 1)) * float(reference_scale))
         atol = max(REFERENCE_FACTOR * float(same_precision_error), floor)
         reason = (f"{dtype}: {REFERENCE_FACTOR:g}x the {dtype} reference's error {same_precision_error:.3g} "
                   f"(floor: float32's {SAFETY:g}*u*sqrt(L), L={length}, logit scale {logit_scale:.3g})")
@@ -195,7 +202,7 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
     return tolerance(
         dtype, length=length, reference_scale=max(max_finite_abs(reference), scale_floor),
         logit_scale=0.0 if logits is None else max_finite_abs(logits), precision=precision,
-        same_precision_error=same_precision_error,
+        same_precision_error=same_precision_error, quantity_is_gradient=quantity == "grad",
     )
 
 

@@ -89,18 +89,13 @@ def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
 
 def mask(x: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """Add bias, then set disallowed positions to -inf. allowed and bias are
-    rank-4 and broadcast to (B, N, T, S).
-
-    The -inf is added rather than selected (the same values for finite
-    logits), so that a NaN cotangent from a masked_row="nan" row reaches the
-    logits as it does in the reference VJP (impl_numpy/backward.py); a
-    select would stop it.
-    """
+    rank-4 and broadcast to (B, N, T, S). A select, so a masked position gets
+    no gradient (as in impl_numpy/backward.py)."""
     if bias is not None:
         ct = compute_dtype(x.dtype)
         x = (x.to(ct) + bias).to(x.dtype)
     if allowed is not None:
-        x = x + torch.zeros((), dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+        x = x.masked_fill(~allowed, float("-inf"))
     return x
 
 
@@ -196,7 +191,10 @@ def sdpa_attend(config: AttentionConfig, q, k, v, *, allowed, bias, plain_causal
         mean = v.to(ct).mean(dim=2, keepdim=True).to(dtype)  # (B, K, 1, V)
         mean = mean.repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V): head n reads n // G
         return torch.where(empty, mean, ctx)
-    return ctx * torch.where(empty, float("nan"), 1.0).to(dtype)
+    # "nan": the row's weights are the constant NaN, so its context is NaN and
+    # the value gradient sees NaN (as the reference VJP); query and key get none.
+    nan_ctx = (v.sum(dim=2, keepdim=True) * float("nan")).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
+    return torch.where(empty, nan_ctx.to(dtype), ctx)
 
 
 # -- helpers shared by the whole call ---------------------------------------------

@@ -39,12 +39,16 @@ def sweep(backend_id: str, count: int, first_seed: int = 0):
     assert not failures, f"{len(failures)} of {count * len(DTYPE_NAMES)} runs failed:\n" + "\n".join(failures[:20])
 
 
-@pytest.mark.parametrize("backend_id", ["numpy", "torch", "tf", "jax"])
+BACKENDS = [pytest.param("numpy"), pytest.param("torch", marks=pytest.mark.torch),
+            pytest.param("tf", marks=pytest.mark.tf), pytest.param("jax", marks=pytest.mark.jax)]
+
+
+@pytest.mark.parametrize("backend_id", BACKENDS)
 def test_random_sweep(backend_id):
     sweep(backend_id, SMALL, first_seed=10_000)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend_id", ["numpy", "torch", "tf", "jax"])
+@pytest.mark.parametrize("backend_id", BACKENDS)
 def test_random_sweep_1000(backend_id):
     sweep(backend_id, FULL)

@@ -14,6 +14,7 @@ import functools
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -238,6 +239,54 @@ def test_functional_entry_point_matches_reference():
     assert options["return_weights"]
     _close("functional output", np.asarray(out), r["output"], case, "float64", "output", None)
     _close("functional weights", np.asarray(w), r["weights"], case, "float64", "weights", None)
+
+
+def _ulps(actual, expected, dtype) -> np.ndarray:
+    """|actual - expected| in units in the last place of `dtype` at their magnitude."""
+    fi = ml_dtypes.finfo(weights.dtype_from_name(dtype))
+    a, r = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    mag = np.maximum(np.abs(a), np.abs(r))
+    ulp = np.maximum(2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0))) * float(fi.eps), float(fi.smallest_subnormal))
+    return np.abs(a - r) / ulp
+
+
+def _stage_inputs(stage, dtype):
+    """Non-negative data (no cancellation) with long reductions, NumPy arrays in `dtype`."""
+    rng = np.random.default_rng(len(stage))
+    dt = weights.dtype_from_name(dtype)
+    u = lambda *shape: rng.random(shape).astype(dt)  # noqa: E731
+    logits = (rng.standard_normal((2, 2, 8, 512)) * 3).astype(dt)
+    return {
+        "project": lambda f: f.project(u(2, 8, 256), u(256, 2, 4) / dt.type(16), u(2, 4)),
+        "logits": lambda f: f.logits(u(2, 4, 8, 256), u(2, 2, 8, 256), 0.0625),
+        "mask": lambda f: f.mask(logits, None, rng.random((2, 1, 8, 512)).astype(np.float32)),
+        "softmax": lambda f: f.softmax(logits, "zero"),
+        "dropout": lambda f: f.dropout(u(2, 2, 8, 512), rng.random((2, 2, 8, 512)) < 0.7, 0.3),
+        "attend": lambda f: f.attend(u(2, 4, 8, 512) / dt.type(512), u(2, 2, 512, 4)),
+        "output": lambda f: f.output(u(2, 8, 256), u(32, 8, 4) / dt.type(16), u(4)),
+    }[stage]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("stage", ["project", "logits", "mask", "softmax", "dropout", "attend", "output"])
+def test_precision_rule_16bit_stages(stage, dtype):
+    """The spec's precision rule: a 16-bit stage is its float32 arithmetic
+    rounded once to 16 bits. On non-negative data two float32 evaluations
+    differ by under n*2**-24 relative (no cancellation), far below a 16-bit
+    ulp, so the rounded results are equal or one ulp apart; arithmetic in 16
+    bits (e.g. softmax's exp and sum) lands several ulps away. This checks the
+    rule, not accuracy (that is the tolerance policy's job, above)."""
+    from impl_numpy import functional as np_functional
+
+    got = np.asarray(keras.ops.convert_to_numpy(_stage_inputs(stage, dtype)(tf_functional)))
+    want = _stage_inputs(stage, dtype)(np_functional)
+    assert got.dtype == want.dtype, f"{stage}: dtype {got.dtype}, the spec's {want.dtype}"
+    ulps = _ulps(got, want, dtype)
+    worst = np.unravel_index(int(np.argmax(ulps)), ulps.shape)
+    assert ulps.max() <= 1, (
+        f"{stage} {dtype}: {ulps.max():g} ulps from the spec at {list(worst)} "
+        f"(got {got[worst]!r}, spec {want[worst]!r}); {int((ulps > 1).sum())} of {ulps.size} beyond 1 ulp"
+    )
 
 
 # -- the layer: Keras layout, split_heads, seeds, masks from Keras --------------------------

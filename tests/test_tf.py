@@ -246,7 +246,8 @@ def _ulps(actual, expected, dtype) -> np.ndarray:
     fi = ml_dtypes.finfo(weights.dtype_from_name(dtype))
     a, r = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     mag = np.maximum(np.abs(a), np.abs(r))
-    ulp = np.maximum(2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0))) * float(fi.eps), float(fi.smallest_subnormal))
+    binade = 2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
+    ulp = np.maximum(binade * float(fi.eps), float(fi.smallest_subnormal))
     return np.abs(a - r) / ulp
 
 

@@ -14,7 +14,6 @@ _keras_was_imported = "keras" in sys.modules
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 if keras.backend.backend() != "tensorflow":
     _why = (
@@ -25,5 +24,7 @@ if keras.backend.backend() != "tensorflow":
         f"impl_tf needs Keras on the TensorFlow backend, but keras is running on {keras.backend.backend()!r} "
         f"({_why}); set KERAS_BACKEND=tensorflow before keras is first imported"
     )
+
+import tensorflow as tf  # noqa: E402
 
 __all__ = ["keras", "tf"]

@@ -73,5 +73,5 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     for name, source, g in zip([*given, *variables], sources, found):
         g = ops.zeros_like(source) if g is None else g  # not reached: every input and tensor feeds the output
         g = _numpy(ops.cast(g, dtype))
-        grads[name] = g.reshape(shapes[name]) if name in shapes else g
+        grads[name] = g.reshape(shapes[name]) if name in shapes else g  # Dense layout -> canonical shape
     return {"output": _numpy(out), "grads": grads}

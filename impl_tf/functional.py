@@ -88,7 +88,7 @@ def project(x, kernel, bias):
     y = _einsum(PROJECT, x, ops.reshape(kernel, (D, -1)), x.dtype)  # (B, L, F)
     if bias is not None:
         ct = compute_dtype(x.dtype)
-        y = ops.cast(ops.cast(y, ct) + ops.cast(ops.reshape(bias, (-1,)), ct), x.dtype)
+        y = ops.cast(ops.cast(y, ct) + ops.cast(ops.reshape(bias, (-1,)), ct), x.dtype)  # bias (F,); y (B, L, F)
     return y
 
 

@@ -149,6 +149,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def parameters(self) -> dict:
         """The canonical tensors as (differentiable) reshapes of the variables."""
         shapes = self.config.tensor_shapes()
+        # (D, N*H) -> (D, N, H), (N*H,) -> (N, H), (N*V, O) -> (N, V, O), ...: tensor_shapes()
         return {name: ops.reshape(v, shapes[name]) for name, v in self.canonical_variables().items()}
 
     def set_tensors(self, tensors: dict[str, np.ndarray]) -> None:
@@ -156,6 +157,7 @@ class MultiHeadAttention(keras.layers.Layer):
         weights.validate_tensors(self.config, tensors)
         dtype = weights.dtype_from_name(self.dtype_policy.variable_dtype)
         for name, variable in self.canonical_variables().items():
+            # canonical -> Dense layout: (D, N, H) -> (D, N*H), (N, H) -> (N*H,), (N, V, O) -> (N*V, O)
             variable.assign(np.asarray(tensors[name]).astype(dtype).reshape(tuple(variable.shape)))
 
     def to_tensors(self) -> dict[str, np.ndarray]:
@@ -163,7 +165,7 @@ class MultiHeadAttention(keras.layers.Layer):
         ml_dtypes.bfloat16)."""
         shapes = self.config.tensor_shapes()
         return {
-            name: np.array(ops.convert_to_numpy(v)).reshape(shapes[name])
+            name: np.array(ops.convert_to_numpy(v)).reshape(shapes[name])  # Dense layout -> tensor_shapes()
             for name, v in self.canonical_variables().items()
         }
 

@@ -357,6 +357,23 @@ def test_keras_padding_masks_become_the_mask():
     assert np.array_equal(out_mask, q_mask), f"output Keras mask {out_mask}, expected the query's {q_mask}"
 
 
+def test_model_fit_with_embedding_masks_and_dropout():
+    """Keras's own training loop: Embedding(mask_zero=True) masks, causal, dropout
+    drawn from the layer's SeedGenerator, traced batches of two sizes."""
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, dropout=0.1)
+    tokens = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
+    attended = impl_tf.MultiHeadAttention(config, seed=1)(embedded, is_causal=True)
+    assert getattr(attended, "_keras_mask", None) is not None, "the query's Keras mask was not carried to the output"
+    model = keras.Model(tokens, keras.layers.GlobalAveragePooling1D()(attended))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(0).integers(1, 20, (16, 6))
+    x[:, 4:] = 0  # padding
+    y = np.random.default_rng(1).standard_normal((16, 8)).astype("float32")
+    loss = model.fit(x, y, epochs=5, batch_size=5, verbose=0).history["loss"]
+    assert all(np.isfinite(loss)) and loss[-1] < loss[0], f"loss per epoch {loss}"
+
+
 # -- mask builders -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
@@ -604,6 +621,36 @@ def test_gpu_request_without_gpu_is_refused():
                         make_inputs(CASES["self_basic"]), {}, device="gpu")
     assert str(err.value) == want, f"adapter: {str(err.value)!r} != {want!r}"
     assert adapter.devices() == ["cpu"], f"devices() {adapter.devices()} without a GPU"
+
+
+# -- the backend: impl_tf picks TensorFlow, and refuses another -------------------------------
+
+def _import_in_subprocess(env_backend, code):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    if env_backend is not None:
+        env["KERAS_BACKEND"] = env_backend
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_import_selects_tensorflow_backend():
+    done = _import_in_subprocess(None, "import impl_tf, keras; print(keras.backend.backend())")
+    assert done.returncode == 0 and done.stdout.strip() == "tensorflow", (
+        f"rc {done.returncode}, stdout {done.stdout!r}, stderr tail {done.stderr[-500:]!r}"
+    )
+
+
+def test_import_refuses_another_backend():
+    pytest.importorskip("jax", reason="needs jax to start keras on another backend")
+    done = _import_in_subprocess("jax", "import keras; import impl_tf")
+    want = ("ImportError: impl_tf needs Keras on the TensorFlow backend, but keras is running on 'jax' "
+            "(keras was imported before impl_tf); set KERAS_BACKEND=tensorflow before keras is first imported")
+    assert done.returncode != 0 and want in done.stderr, f"rc {done.returncode}, stderr tail {done.stderr[-700:]!r}"
 
 
 # -- graphs: tf.function and XLA ------------------------------------------------------------

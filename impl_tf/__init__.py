@@ -1,0 +1,13 @@
+"""Multi-head attention in Keras on TensorFlow: a split_heads layer (seed 003's
+style) over a keras.ops mirror of the NumPy spec (see functional.py).
+
+Importing impl_tf selects Keras's TensorFlow backend (KERAS_BACKEND) unless
+keras was already imported, and refuses to run on another backend.
+"""
+
+from ._keras import keras  # noqa: F401  (first: picks the backend)
+from .functional import STAGES, TraceEntry, multi_head_attention
+from .layer import MultiHeadAttention
+from .masks import causal_mask, padding_mask
+
+__all__ = ["MultiHeadAttention", "STAGES", "TraceEntry", "causal_mask", "multi_head_attention", "padding_mask"]

@@ -1,0 +1,77 @@
+"""The conformance adapter: NumPy arrays in and out (see conformance/backends.py).
+
+The same three functions and argument names as impl_numpy/adapter.py. It
+builds the Keras layer from the canonical tensors and calls it; gradients
+come from tf.GradientTape. bfloat16 arrays are ml_dtypes.bfloat16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._keras import keras, tf
+from .layer import MultiHeadAttention, check_device, check_precision
+
+ops = keras.ops
+
+NAME = "tf"
+
+
+def devices() -> list[str]:
+    return ["cpu"] + (["gpu"] if tf.config.list_physical_devices("GPU") else [])
+
+
+def _kwargs(inputs, options):
+    return dict(
+        mask=inputs.get("mask"), bias=inputs.get("bias"), dropout_mask=inputs.get("dropout_mask"),
+        is_causal=bool(options.get("is_causal", False)),
+        causal_alignment=options.get("causal_alignment", "top_left"),
+        training=bool(options.get("training", False)), seed=options.get("seed"),
+    )
+
+
+def _layer(config, tensors, options, device, precision) -> MultiHeadAttention:
+    return MultiHeadAttention.from_tensors(
+        config, tensors, dtype=options.get("dtype"), device=check_device(device), precision=check_precision(precision)
+    )
+
+
+def _numpy(x) -> np.ndarray:
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    layer = _layer(config, tensors, options, device, precision)
+    return_weights = bool(options.get("return_weights", False))
+    kwargs = _kwargs(inputs, options)
+    result = layer(inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights, **kwargs)
+    out, w = result if return_weights else (result, None)
+    answer = {"output": _numpy(out)}
+    if w is not None:
+        answer["weights"] = _numpy(w)
+    if trace:
+        _, entries = layer.trace(inputs["query"], inputs.get("key"), inputs.get("value"), **kwargs)
+        answer["trace"] = [(e.stage, _numpy(e.value)) for e in entries]
+    return answer
+
+
+def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    layer = _layer(config, tensors, options, device, precision)
+    given = {n: ops.convert_to_tensor(inputs[n]) for n in ("query", "key", "value") if inputs.get(n) is not None}
+    variables = layer.canonical_variables()
+    with tf.GradientTape() as tape:
+        tape.watch(list(given.values()))
+        out = layer(given["query"], given.get("key"), given.get("value"), **_kwargs(inputs, options))
+    d_out = np.asarray(d_output)
+    if d_out.shape != tuple(out.shape):
+        raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")
+    sources = [*given.values(), *variables.values()]
+    found = tape.gradient(out, sources, output_gradients=ops.cast(d_out, out.dtype))
+    dtype = out.dtype
+    shapes = config.tensor_shapes()
+    grads = {}
+    for name, source, g in zip([*given, *variables], sources, found):
+        g = ops.zeros_like(source) if g is None else g  # not reached: every input and tensor feeds the output
+        g = _numpy(ops.cast(g, dtype))
+        grads[name] = g.reshape(shapes[name]) if name in shapes else g  # Dense layout -> canonical shape
+    return {"output": _numpy(out), "grads": grads}

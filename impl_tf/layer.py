@@ -1,0 +1,275 @@
+"""The Keras layer, in the split_heads style of seed 003 (the TensorFlow tutorial).
+
+Dense `wq`, `wk`, `wv`, `wo` hold the parameters in Keras's own layout:
+kernels (D, N*H), (D, K*H), (D, K*V), (N*V, O) and flat biases. The
+canonical tensors of the weight format, (D, N, H) and so on, are a reshape
+of those, so from_tensors / to_tensors are exact for every dtype.
+
+The layer is a thin wrapper: call() hands its parameters to
+functional.multi_head_attention, which runs the spec's stages. The dtype is
+the layer's dtype policy (float16, bfloat16, float32 or float64; variables
+and every stage's result in that dtype, arithmetic in float32 for 16-bit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+
+import weights
+from weights import AttentionConfig
+
+from . import functional
+from ._keras import keras, tf
+
+ops = keras.ops
+
+DEVICES = ("cpu", "gpu")
+PRECISIONS = ("highest", "tf32")
+
+
+def check_device(device: str | None) -> str | None:
+    """None (TensorFlow's own placement: a GPU when there is one), "cpu" or "gpu"."""
+    if device is None:
+        return None
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}: got {device!r}")
+    if device == "gpu" and not tf.config.list_physical_devices("GPU"):
+        raise ValueError(
+            "device gpu requested but TensorFlow sees no GPU (tf.config.list_physical_devices('GPU') is empty)"
+        )
+    return device
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}: got {precision!r}")
+    return precision
+
+
+@contextlib.contextmanager
+def placement(device: str | None):
+    """Run (and create variables) on a TensorFlow device: /CPU:0 or /GPU:0."""
+    if device is None:
+        yield
+        return
+    with tf.device("/GPU:0" if device == "gpu" else "/CPU:0"):
+        yield
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """TF32 matmuls off ("highest") or on ("tf32") for the block, restored after.
+
+    TensorFlow enables TF32 by default on Ampere and later GPUs; it only
+    matters there. Inside tf.function this takes effect while tracing.
+    """
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(precision == "tf32")
+    try:
+        yield
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(before)
+
+
+@keras.saving.register_keras_serializable(package="impl_tf")
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention on the contract's weights (weights.AttentionConfig).
+
+    layer(query, key=None, value=None, mask=None, bias=None, is_causal=False,
+    causal_alignment="top_left", training=None, dropout_mask=None, seed=None,
+    return_weights=False) -> output (B, T, O), or (output, weights (B, N, T, S)).
+
+    config: an AttentionConfig (or its dict, as get_config stores it).
+    device: None (TensorFlow's placement), "cpu" or "gpu".
+    precision: "highest" (TF32 off during the call) or "tf32".
+    seed: if given, training without dropout_mask or a call seed draws its
+      keep-mask from a keras.random.SeedGenerator(seed) (what model.fit
+      needs); if None, such a call is refused as the contract says.
+    dtype: the dtype policy, "float32" by default.
+
+    `mask` follows the contract (bool, True = may attend, (T, S), (B, T, S),
+    (B, 1, T, S) or (B, N, T, S)). When it is omitted and the inputs carry
+    Keras padding masks (Embedding(mask_zero=True) attaches (B, L) masks),
+    they become the mask, as in keras.layers.MultiHeadAttention: query
+    position t and key position s may meet iff both are unpadded. The output
+    carries the query's Keras mask on.
+    """
+
+    def __init__(self, config, *, device: str | None = None, precision: str = "highest", seed: int | None = None,
+                 **kwargs):
+        # The stages cast for themselves (16-bit stored, float32 arithmetic),
+        # and a float mask must reach the checks with its own dtype.
+        kwargs.setdefault("autocast", False)
+        super().__init__(**kwargs)
+        if isinstance(config, dict):
+            config = AttentionConfig.from_dict(config)
+        if not isinstance(config, AttentionConfig):
+            raise ValueError(f"config must be an AttentionConfig or its dict: got {type(config).__name__}")
+        policy = self.dtype_policy
+        if policy.variable_dtype != policy.compute_dtype:
+            raise ValueError(
+                "dtype must be one policy for variables and arithmetic (float16, bfloat16, float32 or float64; "
+                f"the layer casts 16-bit to float32 itself): got {policy.name}"
+            )
+        weights.dtype_from_name(policy.variable_dtype, argument="dtype")
+        self.config = config
+        self.device = check_device(device)
+        self.precision = check_precision(precision)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise ValueError(f"seed must be an integer: got {seed!r}")
+        self.seed = None if seed is None else int(seed)
+        c = config
+        N, K, H, V = c.num_heads, c.num_kv_heads, c.head_dim, c.value_head_dim
+        with placement(self.device):
+            self.wq = keras.layers.Dense(N * H, use_bias=c.use_query_bias, dtype=self.dtype_policy, name="wq")
+            self.wk = keras.layers.Dense(K * H, use_bias=c.use_key_bias, dtype=self.dtype_policy, name="wk")
+            self.wv = keras.layers.Dense(K * V, use_bias=c.use_value_bias, dtype=self.dtype_policy, name="wv")
+            self.wo = keras.layers.Dense(c.out_dim, use_bias=c.use_output_bias, dtype=self.dtype_policy, name="wo")
+            self.wq.build((None, c.query_dim))
+            self.wk.build((None, c.key_dim))
+            self.wv.build((None, c.value_dim))
+            self.wo.build((None, N * V))
+            self.seed_generator = None if seed is None else keras.random.SeedGenerator(self.seed)
+        self.supports_masking = True
+        self.built = True
+
+    # -- the canonical tensors ------------------------------------------------
+    def canonical_variables(self) -> dict[str, keras.Variable]:
+        """Canonical tensor name -> the Dense variable holding it (Keras layout)."""
+        found = {}
+        for prefix, dense in (("query", self.wq), ("key", self.wk), ("value", self.wv), ("output", self.wo)):
+            found[f"{prefix}.kernel"] = dense.kernel
+            if dense.use_bias:
+                found[f"{prefix}.bias"] = dense.bias
+        return {name: found[name] for name in self.config.tensor_shapes()}
+
+    def parameters(self) -> dict:
+        """The canonical tensors as (differentiable) reshapes of the variables."""
+        shapes = self.config.tensor_shapes()
+        # (D, N*H) -> (D, N, H), (N*H,) -> (N, H), (N*V, O) -> (N, V, O), ...: tensor_shapes()
+        return {name: ops.reshape(v, shapes[name]) for name, v in self.canonical_variables().items()}
+
+    def set_tensors(self, tensors: dict[str, np.ndarray]) -> None:
+        """Assign canonical tensors (validated first), cast to the layer's dtype."""
+        weights.validate_tensors(self.config, tensors)
+        dtype = weights.dtype_from_name(self.dtype_policy.variable_dtype)
+        for name, variable in self.canonical_variables().items():
+            # canonical -> Dense layout: (D, N, H) -> (D, N*H), (N, H) -> (N*H,), (N, V, O) -> (N*V, O)
+            variable.assign(np.asarray(tensors[name]).astype(dtype).reshape(tuple(variable.shape)))
+
+    def to_tensors(self) -> dict[str, np.ndarray]:
+        """The canonical tensors as NumPy arrays in the layer's dtype (bfloat16:
+        ml_dtypes.bfloat16)."""
+        shapes = self.config.tensor_shapes()
+        return {
+            name: np.array(ops.convert_to_numpy(v)).reshape(shapes[name])  # Dense layout -> tensor_shapes()
+            for name, v in self.canonical_variables().items()
+        }
+
+    @classmethod
+    def from_tensors(cls, config: AttentionConfig, tensors: dict[str, np.ndarray], *, dtype: str | None = None,
+                     **kwargs) -> MultiHeadAttention:
+        """A layer holding these canonical tensors, in their dtype unless dtype says otherwise."""
+        stored = weights.validate_tensors(config, tensors)
+        dtype = stored if dtype is None else weights.dtype_from_name(dtype)
+        layer = cls(config, dtype=dtype.name, **kwargs)
+        layer.set_tensors(tensors)
+        return layer
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **kwargs) -> MultiHeadAttention:
+        """A layer from a weight file (weights.load: strict, checksummed)."""
+        return cls.from_tensors(*weights.load(path), **kwargs)
+
+    # -- seed 003's helper ------------------------------------------------------
+    def split_heads(self, x, batch_size, num_heads: int | None = None):
+        """(B, L, heads*width) -> (B, heads, L, width); heads defaults to N, so
+        a projected query gives (B, N, T, H). Pass num_kv_heads for keys/values."""
+        heads = self.config.num_heads if num_heads is None else num_heads
+        x = ops.reshape(x, (batch_size, -1, heads, x.shape[-1] // heads))  # (B, L, heads, width)
+        return ops.transpose(x, (0, 2, 1, 3))  # (B, heads, L, width)
+
+    # -- calling ------------------------------------------------------------------
+    @staticmethod
+    def mask_from_keras_masks(query, key=None, value=None):
+        """Keras padding masks, (B, T) on the query and (B, S) on key/value,
+        as a contract mask (B, T|1, S|1); None if no input carries one."""
+        key = query if key is None else key
+        value = key if value is None else value
+        get = lambda x: getattr(x, "_keras_mask", None)  # noqa: E731  (where Keras keeps it)
+        q_mask = get(query)
+        kv_masks = [get(x) for x in ([key] if value is key else [key, value]) if get(x) is not None]
+        allowed = None if q_mask is None else ops.cast(q_mask, "bool")[:, :, None]  # (B, T, 1)
+        for kv in kv_masks:
+            kv = ops.cast(kv, "bool")[:, None, :]  # (B, 1, S)
+            allowed = kv if allowed is None else ops.logical_and(allowed, kv)
+        return allowed
+
+    def compute_mask(self, inputs, previous_mask=None):
+        """The output (B, T, O) keeps the query's Keras padding mask, if any."""
+        return getattr(inputs, "_keras_mask", None)
+
+    def __call__(self, query, key=None, value=None, **kwargs):
+        if kwargs.get("mask") is None:
+            kwargs["mask"] = self.mask_from_keras_masks(query, key, value)
+        return super().__call__(query, key, value, **kwargs)
+
+    def _generated_keep_mask(self, query, key, training, dropout_mask, seed):
+        if not (training and dropout_mask is None and seed is None and self.config.dropout > 0):
+            return dropout_mask
+        if self.seed_generator is None:
+            return None  # the contract's error follows
+        source = query if key is None else key
+        shape = (ops.shape(query)[0], self.config.num_heads, ops.shape(query)[1], ops.shape(source)[1])
+        return keras.random.uniform(shape, seed=self.seed_generator) >= self.config.dropout
+
+    def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
+             training=None, dropout_mask=None, seed=None, return_weights=False):
+        training = bool(training)
+        try:
+            with placement(self.device), matmul_precision(self.precision):
+                dropout_mask = self._generated_keep_mask(query, key, training, dropout_mask, seed)
+                return functional.multi_head_attention(
+                    self.config, self.parameters(), query, key, value, mask=mask, bias=bias, is_causal=is_causal,
+                    causal_alignment=causal_alignment, training=training, dropout_mask=dropout_mask, seed=seed,
+                    return_weights=return_weights,
+                )
+        except ValueError as err:
+            # Keras rewrites the message of an error raised in call() (adding
+            # the arguments) unless it is marked as already annotated; the
+            # contract's words must reach the caller unchanged.
+            err._keras_call_info_injected = True
+            raise
+
+    def trace(self, query, key=None, value=None, **options) -> tuple:
+        """(result, [TraceEntry(stage, tensor), ...]): the call with every stage
+        recorded (impl_numpy.STAGES' names). Runs eagerly, outside Keras's __call__."""
+        entries: list = []
+        options["training"] = bool(options.get("training"))
+        with placement(self.device), matmul_precision(self.precision):
+            result = functional.multi_head_attention(
+                self.config, self.parameters(), query, key, value, trace=entries, **options
+            )
+        return result, entries
+
+    def compute_output_spec(self, query, key=None, value=None, return_weights=False, **_options):
+        B, T = query.shape[0], query.shape[1]
+        S = (query if key is None else key).shape[1]
+        dtype = self.dtype_policy.compute_dtype
+        out = keras.KerasTensor((B, T, self.config.out_dim), dtype=dtype)
+        if return_weights:
+            return out, keras.KerasTensor((B, self.config.num_heads, T, S), dtype=dtype)
+        return out
+
+    # -- serialisation ---------------------------------------------------------------
+    def get_config(self) -> dict:
+        return {
+            **super().get_config(),
+            "config": self.config.to_dict(),
+            "device": self.device,
+            "precision": self.precision,
+            "seed": self.seed,
+        }

@@ -1,0 +1,738 @@
+"""impl_tf (Keras on TensorFlow) against the float64 NumPy reference.
+
+Every case of conformance.cases.CASES in every dtype: output, returned
+weights and gradients (tf.GradientTape, through impl_tf.adapter) under the
+one tolerance policy (conformance.tolerance). For float16 and bfloat16 the
+policy's floor is the NumPy reference's own error in that dtype. Then the
+mask builders, the weight round trips (.keras and canonical tensors), error
+wording, tf.function / XLA, and the GPU (skipped with a reason without one).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+INSTALL = "TensorFlow/Keras not installed: pip install -c constraints/cpu.txt '.[tf]'"
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+tf = pytest.importorskip("tensorflow", reason=INSTALL)
+keras = pytest.importorskip("keras", reason=INSTALL)
+
+import impl_numpy  # noqa: E402
+import impl_numpy.adapter as ref  # noqa: E402
+import impl_tf  # noqa: E402
+import weights  # noqa: E402
+from conformance.cases import (  # noqa: E402
+    CASES,
+    cast_inputs,
+    cast_tensors,
+    make_inputs,
+    make_tensors,
+    output_cotangent,
+)
+from conformance.tolerance import assert_close  # noqa: E402
+from impl_tf import adapter  # noqa: E402
+from impl_tf import functional as tf_functional  # noqa: E402
+
+pytestmark = pytest.mark.tf
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+needs_gpu = pytest.mark.skipif(
+    not HAS_GPU, reason="no GPU visible to TensorFlow (tf.config.list_physical_devices('GPU') is empty); "
+    "install tensorflow[and-cuda] on a CUDA machine to run")
+WEIGHT_CASES = [name for name, case in CASES.items() if case.return_weights]
+
+
+# -- computed once per case and dtype -------------------------------------------------
+
+def _max_abs_error(actual, expected) -> float:
+    """Largest |actual - expected| over finite pairs; NaN matching NaN counts 0."""
+    a, r = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    err = np.abs(a - r)
+    err = np.where(np.isnan(a) & np.isnan(r), 0.0, err)
+    finite = err[np.isfinite(err)]
+    return float(finite.max()) if finite.size else 0.0
+
+
+def _inputs(case, dtype):
+    return cast_inputs(make_inputs(case), dtype)
+
+
+def _cotangent(case, dtype):
+    return output_cotangent(case).astype(weights.dtype_from_name(dtype))
+
+
+@functools.cache
+def reference(case_name: str) -> dict:
+    """float64 NumPy reference: forward (with trace) and vjp."""
+    case = CASES[case_name]
+    tensors, inputs, options = make_tensors(case), make_inputs(case), case.options("float64")
+    forward = ref.forward(case.config, tensors, inputs, options, trace=True)
+    back = ref.vjp(case.config, tensors, inputs, options, output_cotangent(case))
+    return {"forward": forward, "grads": back["grads"], "logits": dict(forward["trace"])["logits"]}
+
+
+@functools.cache
+def same_precision_error(case_name: str, dtype: str) -> dict:
+    """The NumPy reference run in `dtype`: its max abs error vs float64 per quantity."""
+    case = CASES[case_name]
+    tensors, inputs, options = cast_tensors(make_tensors(case), dtype), _inputs(case, dtype), case.options(dtype)
+    forward = ref.forward(case.config, tensors, inputs, options)
+    back = ref.vjp(case.config, tensors, inputs, options, _cotangent(case, dtype))
+    r = reference(case_name)
+    errors = {"output": _max_abs_error(forward["output"], r["forward"]["output"])}
+    if "weights" in forward:
+        errors["weights"] = _max_abs_error(forward["weights"], r["forward"]["weights"])
+    errors.update({f"grad:{n}": _max_abs_error(g, r["grads"][n]) for n, g in back["grads"].items()})
+    return errors
+
+
+@functools.cache
+def tf_run(case_name: str, dtype: str) -> dict:
+    case = CASES[case_name]
+    tensors, inputs, options = cast_tensors(make_tensors(case), dtype), _inputs(case, dtype), case.options(dtype)
+    forward = adapter.forward(case.config, tensors, inputs, options)
+    back = adapter.vjp(case.config, tensors, inputs, options, _cotangent(case, dtype))
+    return {"forward": forward, "vjp": back}
+
+
+def _close(name, actual, expected, case, dtype, quantity, spe_key):
+    spe = same_precision_error(case.name, dtype)[spe_key] if dtype in ("float16", "bfloat16") else None
+    return assert_close(
+        name, actual, expected, config=case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S,
+        logits=reference(case.name)["logits"], same_precision_error=spe,
+    )
+
+
+def _check_dtype(name, array, dtype):
+    want = weights.dtype_from_name(dtype)
+    assert array.dtype == want, f"{name}: dtype {array.dtype}, expected {want}"
+
+
+# -- the case grid -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_output(case_name, dtype):
+    case = CASES[case_name]
+    out = tf_run(case_name, dtype)["forward"]["output"]
+    _check_dtype("output", out, dtype)
+    expected = reference(case_name)["forward"]["output"]
+    _close(f"{case_name}/{dtype} output", out, expected, case, dtype, "output", "output")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", WEIGHT_CASES)
+def test_weights(case_name, dtype):
+    case = CASES[case_name]
+    w = tf_run(case_name, dtype)["forward"]["weights"]
+    _check_dtype("weights", w, dtype)
+    _close(f"{case_name}/{dtype} weights", w, reference(case_name)["forward"]["weights"], case, dtype, "weights",
+           "weights")
+
+
+def test_weights_only_when_asked():
+    case = CASES["no_weights"]
+    answer = tf_run(case.name, "float32")["forward"]
+    assert sorted(answer) == ["output"], f"return_weights=False answered keys {sorted(answer)}"
+
+
+def key_bias_grad_is_round_off(case) -> bool:
+    """d(key.bias) is exactly 0 in exact arithmetic: key.bias adds q.b to every
+    logit of a query row, and softmax ignores a constant added to a row. With
+    S > 1 (and no NaN row) both sides hold only round-off, which the policy
+    measures against its own scale: the float64 reference's ~1e-16 noise gives
+    atol ~1e-31, so no other summation order passes. Reported to the
+    maintainers of conformance/tolerance.py; not loosened here."""
+    nan_rows = case.config.masked_row == "nan" and case.mask == "empty_rows"
+    return case.config.use_key_bias and case.S > 1 and not nan_rows
+
+
+KEY_BIAS_XFAIL = pytest.mark.xfail(
+    strict=True, reason="tolerance policy: d(key.bias) is 0 up to round-off, judged against the reference's own "
+    "round-off (see key_bias_grad_is_round_off)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_grads(case_name, dtype):
+    """Every gradient but a round-off-only key.bias one (test_grad_key_bias)."""
+    case = CASES[case_name]
+    grads = tf_run(case_name, dtype)["vjp"]["grads"]
+    expected = reference(case_name)["grads"]
+    assert list(grads) == list(expected), f"gradient names {list(grads)}, reference has {list(expected)}"
+    failures = []
+    for name, g in grads.items():
+        _check_dtype(f"grad {name}", g, dtype)
+        if name == "key.bias" and key_bias_grad_is_round_off(case):
+            continue
+        try:
+            _close(f"{case_name}/{dtype} grad {name}", g, expected[name], case, dtype, "grad", f"grad:{name}")
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case_name,dtype", [
+    pytest.param(name, dtype, marks=[KEY_BIAS_XFAIL] if key_bias_grad_is_round_off(case) else [])
+    for name, case in CASES.items() if case.config.use_key_bias for dtype in DTYPES
+])
+def test_grad_key_bias(case_name, dtype):
+    case = CASES[case_name]
+    got = tf_run(case_name, dtype)["vjp"]["grads"]["key.bias"]
+    _close(f"{case_name}/{dtype} grad key.bias", got, reference(case_name)["grads"]["key.bias"], case, dtype, "grad",
+           "grad:key.bias")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_self_attention_grads_fold_into_query(dtype):
+    """key and value omitted: their gradients land on query, as in the reference."""
+    case = CASES["causal_square"]
+    inputs = {"query": _inputs(case, dtype)["query"]}
+    tensors, options = cast_tensors(make_tensors(case), dtype), case.options(dtype)
+    got = adapter.vjp(case.config, tensors, inputs, options, _cotangent(case, dtype))["grads"]
+    want = ref.vjp(case.config, make_tensors(case), {"query": make_inputs(case)["query"]}, case.options("float64"),
+                   output_cotangent(case))["grads"]
+    assert list(got) == list(want), f"gradient names {list(got)}, reference has {list(want)}"
+    assert key_bias_grad_is_round_off(case)
+    for name in got:
+        if name != "key.bias":  # round-off only, see test_grad_key_bias
+            _close(f"self-attention grad {name}", got[name], want[name], case, dtype, "grad", f"grad:{name}")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")  # -inf - -inf in compare()
+@pytest.mark.parametrize("case_name", ["self_basic", "gqa", "mask_and_bias_causal", "dropout_train"])
+def test_trace_stages(case_name):
+    """Every stage, by impl_numpy's names, against the float64 reference's stage."""
+    case = CASES[case_name]
+    got = adapter.forward(case.config, cast_tensors(make_tensors(case), "float32"), _inputs(case, "float32"),
+                          case.options("float32"), trace=True)["trace"]
+    want = reference(case_name)["forward"]["trace"]
+    assert [s for s, _ in got] == list(impl_numpy.STAGES), f"stages {[s for s, _ in got]}"
+    assert tf_functional.STAGES == impl_numpy.STAGES, f"{tf_functional.STAGES} != {impl_numpy.STAGES}"
+    for (stage, value), (_, expected) in zip(got, want):
+        _close(f"{case_name} stage {stage}", value, expected, case, "float32", "stage", None)
+
+
+def test_einsum_strings_mirror_the_spec():
+    from impl_numpy import functional as np_functional
+
+    for name in ("PROJECT", "LOGITS", "ATTEND", "OUTPUT"):
+        got, want = getattr(tf_functional, name), getattr(np_functional, name)
+        assert got == want, f"{name}: impl_tf {got!r}, impl_numpy {want!r}"
+
+
+def test_functional_entry_point_matches_reference():
+    case = CASES["mask_and_bias_causal"]
+    inputs, options = make_inputs(case), case.options("float64")
+    out, w = impl_tf.multi_head_attention(
+        case.config, make_tensors(case), inputs["query"], inputs["key"], inputs["value"], mask=inputs["mask"],
+        bias=inputs["bias"], is_causal=True, return_weights=True,
+    )
+    r = reference(case.name)["forward"]
+    assert options["return_weights"]
+    _close("functional output", np.asarray(out), r["output"], case, "float64", "output", None)
+    _close("functional weights", np.asarray(w), r["weights"], case, "float64", "weights", None)
+
+
+def _ulps(actual, expected, dtype) -> np.ndarray:
+    """|actual - expected| in units in the last place of `dtype` at their magnitude."""
+    fi = ml_dtypes.finfo(weights.dtype_from_name(dtype))
+    a, r = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    mag = np.maximum(np.abs(a), np.abs(r))
+    binade = 2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
+    ulp = np.maximum(binade * float(fi.eps), float(fi.smallest_subnormal))
+    return np.abs(a - r) / ulp
+
+
+def _stage_inputs(stage, dtype):
+    """Non-negative data (no cancellation) with long reductions, NumPy arrays in `dtype`."""
+    rng = np.random.default_rng(len(stage))
+    dt = weights.dtype_from_name(dtype)
+    u = lambda *shape: rng.random(shape).astype(dt)  # noqa: E731
+    logits = (rng.standard_normal((2, 2, 8, 512)) * 3).astype(dt)
+    return {
+        "project": lambda f: f.project(u(2, 8, 256), u(256, 2, 4) / dt.type(16), u(2, 4)),
+        "logits": lambda f: f.logits(u(2, 4, 8, 256), u(2, 2, 8, 256), 0.0625),
+        "mask": lambda f: f.mask(logits, None, rng.random((2, 1, 8, 512)).astype(np.float32)),
+        "softmax": lambda f: f.softmax(logits, "zero"),
+        "dropout": lambda f: f.dropout(u(2, 2, 8, 512), rng.random((2, 2, 8, 512)) < 0.7, 0.3),
+        "attend": lambda f: f.attend(u(2, 4, 8, 512) / dt.type(512), u(2, 2, 512, 4)),
+        "output": lambda f: f.output(u(2, 8, 256), u(32, 8, 4) / dt.type(16), u(4)),
+    }[stage]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("stage", ["project", "logits", "mask", "softmax", "dropout", "attend", "output"])
+def test_precision_rule_16bit_stages(stage, dtype):
+    """The spec's precision rule: a 16-bit stage is its float32 arithmetic
+    rounded once to 16 bits. On non-negative data two float32 evaluations
+    differ by under n*2**-24 relative (no cancellation), far below a 16-bit
+    ulp, so the rounded results are equal or one ulp apart; arithmetic in 16
+    bits (e.g. softmax's exp and sum) lands several ulps away. This checks the
+    rule, not accuracy (that is the tolerance policy's job, above)."""
+    from impl_numpy import functional as np_functional
+
+    got = np.asarray(keras.ops.convert_to_numpy(_stage_inputs(stage, dtype)(tf_functional)))
+    want = _stage_inputs(stage, dtype)(np_functional)
+    assert got.dtype == want.dtype, f"{stage}: dtype {got.dtype}, the spec's {want.dtype}"
+    ulps = _ulps(got, want, dtype)
+    worst = np.unravel_index(int(np.argmax(ulps)), ulps.shape)
+    assert ulps.max() <= 1, (
+        f"{stage} {dtype}: {ulps.max():g} ulps from the spec at {list(worst)} "
+        f"(got {got[worst]!r}, spec {want[worst]!r}); {int((ulps > 1).sum())} of {ulps.size} beyond 1 ulp"
+    )
+
+
+# -- the layer: Keras layout, split_heads, seeds, masks from Keras --------------------------
+
+def _layer(case_name="gqa", dtype="float64", **kwargs):
+    case = CASES[case_name]
+    return case, impl_tf.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), dtype), **kwargs)
+
+
+def test_dense_layout_and_split_heads():
+    case, layer = _layer("gqa")
+    c = case.config
+    shapes = {d.name: tuple(d.kernel.shape) for d in (layer.wq, layer.wk, layer.wv, layer.wo)}
+    want = {"wq": (c.query_dim, c.num_heads * c.head_dim), "wk": (c.key_dim, c.num_kv_heads * c.head_dim),
+            "wv": (c.value_dim, c.num_kv_heads * c.value_head_dim), "wo": (c.num_heads * c.value_head_dim, c.out_dim)}
+    assert shapes == want, f"Dense kernels {shapes}, expected {want}"
+    inputs = make_inputs(case)
+    _, entries = layer.trace(inputs["query"], inputs["key"], inputs["value"])
+    stages = {e.stage: np.asarray(e.value) for e in entries}
+    projected = layer.wq(inputs["query"])  # the Dense layer itself, Keras's matmul + bias
+    _close("wq(query)", np.asarray(projected), stages["query.project"], case, "float64", "stage", None)
+    split = np.asarray(layer.split_heads(stages["query.project"], case.B))
+    assert split.shape == (case.B, c.num_heads, case.T, c.head_dim), f"split_heads shape {split.shape}"
+    assert np.array_equal(split, stages["query.split_heads"]), (
+        f"split_heads differs from the stage: max abs {np.abs(split - stages['query.split_heads']).max()}"
+    )
+    split_k = np.asarray(layer.split_heads(stages["key.project"], case.B, c.num_kv_heads))
+    assert np.array_equal(split_k, stages["key.split_heads"]), f"key split_heads shape {split_k.shape}"
+
+
+def test_call_seed_is_reproducible_and_layer_seed_draws():
+    case = CASES["dropout_train"]
+    inputs = make_inputs(case)
+    args = (inputs["query"], inputs["key"], inputs["value"])
+    _, layer = _layer(case.name)
+    a = np.asarray(layer(*args, training=True, seed=7))
+    b = np.asarray(layer(*args, training=True, seed=7))
+    c = np.asarray(layer(*args, training=True, seed=8))
+    assert np.array_equal(a, b), f"seed 7 twice differs by {np.abs(a - b).max()}"
+    assert not np.array_equal(a, c), "seeds 7 and 8 gave the same dropout"
+    eval_out = np.asarray(layer(*args, training=False))
+    assert not np.array_equal(a, eval_out), "training with dropout=0.25 equals inference"
+    _, seeded = _layer(case.name, seed=3)
+    d, e = (np.asarray(seeded(*args, training=True)) for _ in range(2))
+    assert not np.array_equal(d, e), "the layer's SeedGenerator drew the same keep-mask twice"
+    with pytest.raises(ValueError) as err:
+        layer(*args, training=True)
+    want = "training with dropout=0.25 needs dropout_mask (a bool keep-mask) or seed; got neither"
+    assert str(err.value) == want, f"{str(err.value)!r} != {want!r}"
+
+
+def test_keras_padding_masks_become_the_mask():
+    """Embedding(mask_zero=True) style (B, L) masks on the inputs act as the contract mask."""
+    case, layer = _layer("cross_basic")
+    inputs = make_inputs(case)
+    q_len, kv_len = np.array([4, 2]), np.array([6, 3])
+    q_mask = np.arange(case.T)[None] < q_len[:, None]  # (B, T)
+    kv_mask = np.arange(case.S)[None] < kv_len[:, None]  # (B, S)
+    q, k, v = (tf.constant(inputs[n]) for n in ("query", "key", "value"))
+    q._keras_mask, k._keras_mask, v._keras_mask = tf.constant(q_mask), tf.constant(kv_mask), tf.constant(kv_mask)
+    got = layer(q, k, v)
+    explicit = q_mask[:, None, :, None] & kv_mask[:, None, None, :]  # (B, 1, T, S)
+    want = layer(inputs["query"], inputs["key"], inputs["value"], mask=explicit)
+    got_np, want_np = np.asarray(got), np.asarray(want)
+    assert np.array_equal(got_np, want_np), f"max abs {np.abs(got_np - want_np).max()}"
+    out_mask = np.asarray(getattr(got, "_keras_mask", None))
+    assert np.array_equal(out_mask, q_mask), f"output Keras mask {out_mask}, expected the query's {q_mask}"
+
+
+def test_model_fit_with_embedding_masks_and_dropout():
+    """Keras's own training loop: Embedding(mask_zero=True) masks, causal, dropout
+    drawn from the layer's SeedGenerator, traced batches of two sizes."""
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, dropout=0.1)
+    tokens = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
+    attended = impl_tf.MultiHeadAttention(config, seed=1)(embedded, is_causal=True)
+    assert getattr(attended, "_keras_mask", None) is not None, "the query's Keras mask was not carried to the output"
+    model = keras.Model(tokens, keras.layers.GlobalAveragePooling1D()(attended))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(0).integers(1, 20, (16, 6))
+    x[:, 4:] = 0  # padding
+    y = np.random.default_rng(1).standard_normal((16, 8)).astype("float32")
+    loss = model.fit(x, y, epochs=5, batch_size=5, verbose=0).history["loss"]
+    assert all(np.isfinite(loss)) and loss[-1] < loss[0], f"loss per epoch {loss}"
+
+
+# -- mask builders -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("T,S", [(1, 1), (5, 5), (4, 6), (6, 4), (1, 7), (7, 1)])
+def test_causal_mask_equals_reference(T, S, alignment):
+    got = np.asarray(impl_tf.causal_mask(T, S, alignment))
+    want = impl_numpy.causal_mask(T, S, alignment)
+    assert got.dtype == np.bool_ and got.shape == want.shape, f"dtype {got.dtype} shape {got.shape}, want {want.shape}"
+    assert np.array_equal(got, want), f"differs at {np.argwhere(got != want).tolist()}"
+
+
+@pytest.mark.parametrize("lengths,S", [([3, 0, 5], 5), ([1], 1), (np.array([2, 7], np.int32), 7), ([0, 0], 3)])
+def test_padding_mask_equals_reference(lengths, S):
+    got = np.asarray(impl_tf.padding_mask(lengths, S))
+    want = impl_numpy.padding_mask(lengths, S)
+    assert got.dtype == np.bool_ and got.shape == want.shape, f"dtype {got.dtype} shape {got.shape}, want {want.shape}"
+    assert np.array_equal(got, want), f"differs at {np.argwhere(got != want).tolist()}"
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.causal_mask(3, 4, "center"),
+    lambda m: m.padding_mask([[1, 2]], 4),
+    lambda m: m.padding_mask([1.5, 2.0], 4),
+    lambda m: m.padding_mask([1, 5], 4),
+    lambda m: m.padding_mask([-1, 2], 4),
+], ids=["alignment", "rank", "float", "too_long", "negative"])
+def test_mask_builder_errors_match_reference(call):
+    with pytest.raises(ValueError) as want:
+        call(impl_numpy)
+    with pytest.raises(ValueError) as got:
+        call(impl_tf)
+    assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"
+
+
+# -- weights: canonical round trip, weight files, .keras, get_config --------------------------
+
+ROUND_TRIP_CASES = ["gqa", "value_head_dim", "out_dim", "no_biases"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", ROUND_TRIP_CASES)
+def test_tensors_round_trip_bit_exact(case_name, dtype):
+    case = CASES[case_name]
+    tensors = cast_tensors(make_tensors(case), dtype)
+    back = impl_tf.MultiHeadAttention.from_tensors(case.config, tensors).to_tensors()
+    assert list(back) == list(case.config.tensor_shapes()), f"names {list(back)}"
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, (
+            f"{name}: {back[name].dtype} {back[name].shape}, expected {t.dtype} {t.shape}"
+        )
+        differ = np.argwhere(back[name] != t)[:3].tolist()
+        assert back[name].tobytes() == t.tobytes(), f"{name}: bytes differ, first at {differ}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_from_file_bit_exact(tmp_path, dtype):
+    case = CASES["gqa"]
+    path = tmp_path / f"w-{dtype}.safetensors"
+    weights.save(path, case.config, cast_tensors(make_tensors(case), dtype))
+    layer = impl_tf.MultiHeadAttention.from_file(path)
+    config, stored = weights.load(path)
+    assert layer.config == config, f"{layer.config} != {config}"
+    back = layer.to_tensors()
+    for name, t in stored.items():
+        assert back[name].dtype == t.dtype, f"{name}: {back[name].dtype} vs {t.dtype}"
+        assert back[name].tobytes() == t.tobytes(), f"{name}: bytes differ, first at {np.argwhere(back[name] != t)[:3]}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_keras_file_round_trip(tmp_path, dtype):
+    case, layer = _layer("mask_and_bias_causal", dtype, precision="highest")
+    inputs = _inputs(case, dtype)
+    call = dict(mask=inputs["mask"], bias=inputs["bias"], is_causal=True, return_weights=True)
+    path = tmp_path / "layer.keras"
+    keras.saving.save_model(layer, path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, impl_tf.MultiHeadAttention), f"loaded a {type(loaded).__name__}"
+    assert loaded.config == layer.config and loaded.dtype_policy.name == dtype, f"{loaded.config} {loaded.dtype_policy}"
+    for (name, a), b in zip(layer.to_tensors().items(), loaded.to_tensors().values()):
+        assert a.tobytes() == b.tobytes(), f"{name} changed in the .keras round trip"
+    for got, want in zip(loaded(inputs["query"], **call), layer(inputs["query"], **call)):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.array_equal(got, want), f"outputs differ after load: max abs {np.abs(got - want).max()}"
+
+
+def test_keras_model_file_round_trip(tmp_path):
+    """The layer inside a functional Model: symbolic call, save, load, predict."""
+    case, layer = _layer("causal_top_left", "float32")
+    c = case.config
+    q, k, v = keras.Input((case.T, c.query_dim)), keras.Input((case.S, c.key_dim)), keras.Input((case.S, c.value_dim))
+    out = layer(q, k, v, is_causal=True)
+    assert tuple(out.shape) == (None, case.T, c.out_dim), f"symbolic output shape {out.shape}"
+    model = keras.Model([q, k, v], out)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    inputs = _inputs(case, "float32")
+    args = [inputs["query"], inputs["key"], inputs["value"]]
+    got, want = loaded.predict(args, verbose=0), model.predict(args, verbose=0)
+    assert np.array_equal(got, want), f"predict differs after load: max abs {np.abs(got - want).max()}"
+    _close("model.predict", got, reference(case.name)["forward"]["output"], case, "float32", "output", None)
+
+
+def test_get_config_from_config():
+    case, layer = _layer("masked_rows_uniform", "float16", precision="tf32" if HAS_GPU else "highest", seed=11)
+    config = layer.get_config()
+    json.dumps(config)  # a .keras file stores it as JSON
+    assert config["config"] == case.config.to_dict(), f"{config['config']} != {case.config.to_dict()}"
+    clone = impl_tf.MultiHeadAttention.from_config(config)
+    got = (clone.config, clone.dtype_policy.name, clone.device, clone.precision, clone.seed)
+    want = (layer.config, "float16", layer.device, layer.precision, 11)
+    assert got == want, f"from_config gave {got}, expected {want}"
+    clone.set_tensors(layer.to_tensors())
+    inputs = _inputs(case, "float16")
+    a = np.asarray(layer(inputs["query"], inputs["key"], inputs["value"], mask=inputs["mask"]), np.float64)
+    b = np.asarray(clone(inputs["query"], inputs["key"], inputs["value"], mask=inputs["mask"]), np.float64)
+    assert np.array_equal(a, b), f"clone differs: max abs {np.abs(a - b).max()}"
+
+
+# -- error wording: the reference's words, from every entry point ----------------------------
+
+def _bad(**change):
+    def make():
+        case = CASES["cross_basic"]
+        inputs = make_inputs(case)
+        call = {"query": inputs["query"], "key": inputs["key"], "value": inputs["value"]}
+        call.update(change)
+        return case, call
+    return make
+
+
+B, T, S, N = 2, 4, 6, 2
+rng = np.random.default_rng(0)
+nan_bias = rng.standard_normal((B, 1, T, S))
+nan_bias[1, 0, 2, 3] = np.nan
+BAD_CALLS = {
+    "query_rank": _bad(query=rng.standard_normal((T, 8))),
+    "query_features": _bad(query=rng.standard_normal((B, T, 7))),
+    "value_features": _bad(value=rng.standard_normal((B, S, 5))),
+    "batch_mismatch": _bad(key=rng.standard_normal((3, S, 8)), value=rng.standard_normal((3, S, 8))),
+    "length_mismatch": _bad(value=rng.standard_normal((B, S + 1, 8))),
+    "empty_query": _bad(query=np.zeros((B, 0, 8))),
+    "int_query": _bad(query=np.ones((B, T, 8), np.int64)),
+    "float_mask": _bad(mask=np.ones((B, 1, T, S))),
+    "int_mask": _bad(mask=np.ones((T, S), np.int32)),
+    "mask_shape": _bad(mask=np.ones((B, 3, T, S), bool)),
+    "mask_rank": _bad(mask=np.ones((S,), bool)),
+    "mask_rank3_wrong_batch": _bad(mask=np.ones((T, T, S), bool)),
+    "bias_int": _bad(bias=np.ones((T, S), np.int64)),
+    "bias_shape": _bad(bias=np.ones((B, N, T, S + 1))),
+    "bias_nan": _bad(bias=nan_bias),
+    "bias_pos_inf": _bad(bias=np.full((T, S), np.inf)),
+    "causal_alignment": _bad(is_causal=True, causal_alignment="center"),
+    "is_causal_not_bool": _bad(is_causal="yes"),
+    "dropout_mask_without_training": _bad(dropout_mask=np.ones((B, N, T, S), bool)),
+    "dropout_mask_dtype": _bad(training=True, dropout_mask=np.ones((B, N, T, S))),
+    "dropout_mask_shape": _bad(training=True, dropout_mask=np.ones((B, 1, T, S), bool)),
+    "seed_not_int": _bad(training=True, seed=1.5),
+}
+
+
+def _reference_error(make):
+    case, call = make()
+    with pytest.raises(ValueError) as err:
+        impl_numpy.multi_head_attention(case.config, make_tensors(case), **call)
+    return case, call, str(err.value)
+
+
+@pytest.mark.parametrize("bad", list(BAD_CALLS))
+def test_error_wording_layer(bad):
+    case, call, want = _reference_error(BAD_CALLS[bad])
+    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, make_tensors(case))
+    with pytest.raises(ValueError) as err:
+        layer(call.pop("query"), call.pop("key"), call.pop("value"), **call)
+    assert str(err.value) == want, f"{str(err.value)!r} != {want!r}"
+
+
+@pytest.mark.parametrize("bad", list(BAD_CALLS))
+def test_error_wording_functional(bad):
+    case, call, want = _reference_error(BAD_CALLS[bad])
+    with pytest.raises(ValueError) as err:
+        impl_tf.multi_head_attention(case.config, make_tensors(case), **call)
+    assert str(err.value) == want, f"{str(err.value)!r} != {want!r}"
+
+
+@pytest.mark.parametrize("bad", ["query_features", "float_mask", "causal_alignment", "dropout_mask_without_training",
+                                 "bias_nan"])
+def test_error_wording_adapter(bad):
+    case, call, want = _reference_error(BAD_CALLS[bad])
+    options = {k: call.pop(k) for k in ("is_causal", "causal_alignment", "training", "seed") if k in call}
+    with pytest.raises(ValueError) as err:
+        adapter.forward(case.config, make_tensors(case), call, options)
+    assert str(err.value) == want, f"{str(err.value)!r} != {want!r}"
+    with pytest.raises(ValueError) as err:
+        adapter.vjp(case.config, make_tensors(case), call, options, output_cotangent(case))
+    assert str(err.value) == want, f"vjp: {str(err.value)!r} != {want!r}"
+
+
+def test_bad_weights_same_words_as_reference():
+    case = CASES["gqa"]
+    tensors = make_tensors(case)
+    tensors["key.kernel"] = tensors["key.kernel"][:, :1]
+    del tensors["output.bias"]
+    tensors["extra"] = np.zeros(3)
+    with pytest.raises(ValueError) as want:
+        impl_numpy.MultiHeadAttention.from_tensors(case.config, tensors)
+    with pytest.raises(ValueError) as got:
+        impl_tf.MultiHeadAttention.from_tensors(case.config, tensors)
+    assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"
+
+
+def test_d_output_shape_error_matches_reference():
+    case = CASES["cross_basic"]
+    inputs, options = make_inputs(case), case.options("float64")
+    bad = np.zeros((case.B, case.T + 1, case.config.out_dim))
+    with pytest.raises(ValueError) as want:
+        ref.vjp(case.config, make_tensors(case), inputs, options, bad)
+    with pytest.raises(ValueError) as got:
+        adapter.vjp(case.config, make_tensors(case), inputs, options, bad)
+    assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"device": "tpu"}, "device must be one of cpu, gpu: got 'tpu'"),
+    ({"precision": "fast"}, "precision must be one of highest, tf32: got 'fast'"),
+    ({"dtype": "mixed_float16"}, "dtype must be one policy for variables and arithmetic (float16, bfloat16, float32 or "
+                                 "float64; the layer casts 16-bit to float32 itself): got mixed_float16"),
+    ({"seed": 1.5}, "seed must be an integer: got 1.5"),
+])
+def test_layer_argument_errors(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        impl_tf.MultiHeadAttention(CASES["self_basic"].config, **kwargs)
+    assert str(err.value) == message, f"{str(err.value)!r} != {message!r}"
+
+
+def test_gpu_request_without_gpu_is_refused():
+    if HAS_GPU:
+        pytest.skip("a GPU is present: the no-GPU error cannot occur here")
+    want = "device gpu requested but TensorFlow sees no GPU (tf.config.list_physical_devices('GPU') is empty)"
+    with pytest.raises(ValueError) as err:
+        impl_tf.MultiHeadAttention(CASES["self_basic"].config, device="gpu")
+    assert str(err.value) == want, f"{str(err.value)!r} != {want!r}"
+    with pytest.raises(ValueError) as err:
+        adapter.forward(CASES["self_basic"].config, make_tensors(CASES["self_basic"]),
+                        make_inputs(CASES["self_basic"]), {}, device="gpu")
+    assert str(err.value) == want, f"adapter: {str(err.value)!r} != {want!r}"
+    assert adapter.devices() == ["cpu"], f"devices() {adapter.devices()} without a GPU"
+
+
+# -- the backend: impl_tf picks TensorFlow, and refuses another -------------------------------
+
+def _import_in_subprocess(env_backend, code):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    if env_backend is not None:
+        env["KERAS_BACKEND"] = env_backend
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_import_selects_tensorflow_backend():
+    done = _import_in_subprocess(None, "import impl_tf, keras; print(keras.backend.backend())")
+    assert done.returncode == 0 and done.stdout.strip() == "tensorflow", (
+        f"rc {done.returncode}, stdout {done.stdout!r}, stderr tail {done.stderr[-500:]!r}"
+    )
+
+
+def test_import_refuses_another_backend():
+    pytest.importorskip("jax", reason="needs jax to start keras on another backend")
+    done = _import_in_subprocess("jax", "import keras; import impl_tf")
+    want = ("ImportError: impl_tf needs Keras on the TensorFlow backend, but keras is running on 'jax' "
+            "(keras was imported before impl_tf); set KERAS_BACKEND=tensorflow before keras is first imported")
+    assert done.returncode != 0 and want in done.stderr, f"rc {done.returncode}, stderr tail {done.stderr[-700:]!r}"
+
+
+# -- graphs: tf.function and XLA ------------------------------------------------------------
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["tf.function", "xla"])
+def test_tf_function(jit_compile):
+    case, layer = _layer("mask_and_bias_causal", "float32")
+    inputs = _inputs(case, "float32")
+
+    @tf.function(jit_compile=jit_compile)
+    def run(query, mask, bias):
+        return layer(query, mask=mask, bias=bias, is_causal=True, return_weights=True)
+
+    out, w = run(inputs["query"], inputs["mask"], inputs["bias"])
+    r = reference(case.name)["forward"]
+    _close("tf.function output", np.asarray(out), r["output"], case, "float32", "output", None)
+    _close("tf.function weights", np.asarray(w), r["weights"], case, "float32", "weights", None)
+
+
+def test_tf_function_dynamic_batch_and_gradient():
+    """A traced batch dimension (as model.fit traces) and a gradient inside the graph."""
+    case, layer = _layer("cross_basic", "float32")
+    c = case.config
+    spec = [tf.TensorSpec((None, case.T, c.query_dim), tf.float32),
+            tf.TensorSpec((None, case.S, c.key_dim), tf.float32)]
+
+    @tf.function(input_signature=spec)
+    def run(query, key):
+        with tf.GradientTape() as tape:
+            tape.watch(query)
+            out = layer(query, key, key)
+        return out, tape.gradient(out, query, output_gradients=tf.ones_like(out))
+
+    inputs = _inputs(case, "float32")
+    out, d_query = run(inputs["query"], inputs["key"])
+    want = ref.forward(c, make_tensors(case), {**make_inputs(case), "value": make_inputs(case)["key"]},
+                       case.options("float64"), trace=True)
+    _close("dynamic-batch output", np.asarray(out), want["output"], case, "float32", "output", None)
+    d_want = ref.vjp(c, make_tensors(case), {**make_inputs(case), "value": make_inputs(case)["key"]},
+                     case.options("float64"), np.ones((case.B, case.T, c.out_dim)))["grads"]["query"]
+    _close("dynamic-batch grad query", np.asarray(d_query), d_want, case, "float32", "grad", None)
+
+
+# -- GPU (collected everywhere, run where TensorFlow sees one) -----------------------------------
+
+GPU_CASES = ["self_basic", "gqa", "mask_and_bias_causal", "masked_rows_nan", "large_logits", "dropout_train"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", GPU_CASES)
+def test_gpu_matches_reference(case_name, dtype):
+    case = CASES[case_name]
+    tensors, inputs, options = cast_tensors(make_tensors(case), dtype), _inputs(case, dtype), case.options(dtype)
+    assert adapter.devices() == ["cpu", "gpu"], f"devices() {adapter.devices()}"
+    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, tensors, device="gpu")
+    out = layer(inputs["query"], inputs["key"], inputs["value"], mask=inputs.get("mask"), bias=inputs.get("bias"),
+                is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training,
+                dropout_mask=inputs.get("dropout_mask"))
+    assert "GPU" in out.device, f"output placed on {out.device}"
+    forward = adapter.forward(case.config, tensors, inputs, options, device="gpu")
+    back = adapter.vjp(case.config, tensors, inputs, options, _cotangent(case, dtype), device="gpu")
+    r = reference(case_name)
+    _close("gpu output", forward["output"], r["forward"]["output"], case, dtype, "output", "output")
+    _close("gpu weights", forward["weights"], r["forward"]["weights"], case, dtype, "weights", "weights")
+    for name, g in back["grads"].items():
+        _close(f"gpu grad {name}", g, r["grads"][name], case, dtype, "grad", f"grad:{name}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_tf32_only_when_asked():
+    """precision="tf32" passes the TF32 policy; "highest" passes float32's (TF32 switched off)."""
+    case = CASES["large_logits"]
+    tensors, inputs = cast_tensors(make_tensors(case), "float32"), _inputs(case, "float32")
+    options = case.options("float32")
+    r = reference(case.name)
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    for precision in ("tf32", "highest"):
+        out = adapter.forward(case.config, tensors, inputs, options, device="gpu", precision=precision)["output"]
+        assert_close(f"gpu {precision}", out, r["forward"]["output"], config=case.config, dtype="float32",
+                     quantity="output", B=case.B, T=case.T, S=case.S, logits=r["logits"], precision=precision)
+    after = tf.config.experimental.tensor_float_32_execution_enabled()
+    assert after == before, f"TF32 setting changed by the call: {before} -> {after}"

@@ -55,6 +55,8 @@ def load(backend_id: str) -> ModuleType:
         if err.name and err.name.split(".")[0] == backend.adapter.split(".")[0]:
             raise BackendUnavailable(f"backend {backend_id}: not implemented in this checkout ({backend.adapter})") from None
         raise BackendUnavailable(f"backend {backend_id}: not installed ({err.name} missing; install {backend.framework})") from None
+    except ImportError as err:  # installed but unusable (e.g. Keras already on another backend)
+        raise BackendUnavailable(f"backend {backend_id}: cannot be imported: {err}".replace("\n", " ")) from None
 
 
 def availability(backend_id: str) -> tuple[bool, str]:

@@ -112,15 +112,12 @@ def logits(q, k, scale: float):
 
 def mask(x, allowed, bias):
     """Add bias, then -inf at disallowed positions. allowed and bias are
-    rank-4 and broadcast to (B, N, T, S).
-
-    The -inf is added, not selected: on finite logits the values are the
-    same, and the gradient passes through unchanged as in the spec's backward.
-    """
+    rank-4 and broadcast to (B, N, T, S). A select, so a masked position gets
+    no gradient (as in impl_numpy/backward.py)."""
     if bias is not None:
         x = ops.cast(ops.cast(x, compute_dtype(x.dtype)) + bias, x.dtype)
     if allowed is not None:
-        x = x + ops.cast(ops.where(allowed, 0.0, -math.inf), x.dtype)
+        x = ops.where(allowed, x, ops.cast(-math.inf, x.dtype))
     return x
 
 

@@ -342,9 +342,14 @@ def _flax_nnx() -> Runner:
     def call(state, q, k, v, mask, causal, sow):
         m = nnx.merge(graphdef, state)
         # without sow_weights the module calls jax.nn.dot_product_attention; with it, flax's own weights path
-        out = m(q, k, v, mask=mask, is_causal=causal, sow_weights=sow)
-        w = nnx.pop(m, nnx.Intermediate)["attention_weights"].get_value()[0] if sow else None  # (B, N, T, S)
-        return out, w
+        if not sow:
+            return m(q, k, v, mask=mask, is_causal=causal), None
+        if hasattr(nnx, "capture"):  # flax >= 0.12: sow only inside nnx.capture
+            out, inter = nnx.capture(m, nnx.Intermediate)(q, k, v, mask=mask, is_causal=causal, sow_weights=True)
+        else:
+            out = m(q, k, v, mask=mask, is_causal=causal, sow_weights=True)
+            inter = nnx.pop(m, nnx.Intermediate)
+        return out, inter["attention_weights"].get_value()[0]  # (B, N, T, S)
 
     def run(q, k, v, masks=None, causal=False, want_weights=True):
         mask = None
@@ -605,7 +610,7 @@ def _fully_masked(runner: Runner, arg: str, kind: str, polarity: str, q, k, v) -
     label, err = _classify_row(out[b0, t0], {p: r[0][b0, t0] for p, r in refs.items()})
     result = {"output": label, "evidence": {"row_max_err": err,
                                             "other_rows_max_err": _num(_max_err(out[~empty], refs["zero"][0][~empty]))}}
-    if w is None:
+    if w is None or not runner.returns_weights:
         result["weights"] = "n/a: returns no weights"
     else:
         wlabel, werr = _classify_weights(w[b0, :, t0], S_)

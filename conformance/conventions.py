@@ -24,8 +24,10 @@ What is measured, per API:
 Layers get identity projections without biases (D = N*H), so their output is
 the attention itself, merged over heads, and compares directly with the
 reference's. JAX APIs run under jax.jit: one XLA compile per call signature
-instead of one per primitive, which keeps the whole run near 10 s. The expectations of shared/CONVENTIONS.md (SKETCH below) are
-used only to list where the measurement disagrees with them.
+instead of one per primitive, which keeps the whole run near 10 s.
+
+The expectations of shared/CONVENTIONS.md (SKETCH below) never reach a cell;
+they only list where the measurement disagrees with them.
 
 Shape letters as in impl_numpy: B batch, T query length, S key length,
 N heads, H head dim, D = N*H features.
@@ -508,26 +510,23 @@ APIS: tuple[Api, ...] = (
           lambda p=p: _numpy_reference(p)) for p in ("zero", "uniform", "nan")),
 )
 
-# What shared/CONVENTIONS.md sketches (by hand) for each API; None where it says
-# nothing. Only used to list disagreements with the measurement.
+# What shared/CONVENTIONS.md sketches (by hand) for each API, keyed like a row;
+# a key it says nothing about is absent. Only used to list disagreements.
+_ATTEND, _UNIFORM = "attend", POLICY_LABELS["uniform"]
+_TOP_LEFT = {"causal_T2_S4": "top_left", "causal_T4_S2": "top_left"}  # "torch SDPA, keras, jax/flax: top-left"
 SKETCH: dict[str, dict[str, str]] = {
     "torch nn.MultiheadAttention": {"mask_true_means": "masked", "fully_masked_row": "NaN"},
     "torch nn.MultiheadAttention (fast path)": {"mask_true_means": "masked", "fully_masked_row": "NaN"},
-    "torch F.scaled_dot_product_attention": {"mask_true_means": "attend", "fully_masked_row": "0",
-                                             "causal_T2_S4": "top_left"},
-    "keras MultiHeadAttention (fused)": {"mask_true_means": "attend",
-                                                    "fully_masked_row": "mean of V (uniform)",
-                                                    "causal_T2_S4": "top_left"},
-    "keras MultiHeadAttention (return_attention_scores=True)": {"mask_true_means": "attend", "fully_masked_row": "0",
-                                                                "fully_masked_weights": "0",
-                                                                "causal_T2_S4": "top_left"},
-    "flax.linen.MultiHeadDotProductAttention": {"mask_true_means": "attend", "fully_masked_row": "mean of V (uniform)"},
-    "flax.nnx.MultiHeadAttention": {"mask_true_means": "attend", "causal_T2_S4": "top_left"},
-    "jax.nn.dot_product_attention": {"mask_true_means": "attend", "fully_masked_row": "mean of V (uniform)",
-                                     "causal_T2_S4": "top_left"},
-    "onnxruntime Attention (opset 23, CPU)": {"mask_true_means": "attend", "fully_masked_row": "0",
+    "torch F.scaled_dot_product_attention": {"mask_true_means": _ATTEND, "fully_masked_row": "0", **_TOP_LEFT},
+    "keras MultiHeadAttention (fused)": {"mask_true_means": _ATTEND, "fully_masked_row": _UNIFORM, **_TOP_LEFT},
+    "keras MultiHeadAttention (return_attention_scores=True)": {"mask_true_means": _ATTEND, "fully_masked_row": "0",
+                                                                "fully_masked_weights": "0", **_TOP_LEFT},
+    "flax.linen.MultiHeadDotProductAttention": {"mask_true_means": _ATTEND, "fully_masked_row": _UNIFORM, **_TOP_LEFT},
+    "flax.nnx.MultiHeadAttention": {"mask_true_means": _ATTEND, **_TOP_LEFT},
+    "jax.nn.dot_product_attention": {"mask_true_means": _ATTEND, "fully_masked_row": _UNIFORM, **_TOP_LEFT},
+    "onnxruntime Attention (opset 23, CPU)": {"mask_true_means": _ATTEND, "fully_masked_row": "0",
                                               "causal_T2_S4_past_cache": "bottom_right"},
-    "onnx.reference Attention (opset 23)": {"mask_true_means": "attend", "causal_T2_S4_past_cache": "bottom_right"},
+    "onnx.reference Attention (opset 23)": {"mask_true_means": _ATTEND, "causal_T2_S4_past_cache": "bottom_right"},
 }
 SKETCH_SOURCE = "shared/CONVENTIONS.md"
 
@@ -990,7 +989,7 @@ def render_terminal(data: dict, console=None) -> None:
         console.print(f"no disagreement with {SKETCH_SOURCE}")
 
 
-if __name__ == "__main__":  # python -m conformance.conventions [--json]
+if __name__ == "__main__":  # python -m conformance.conventions [--json | --markdown]
     import json
 
     result = measure()

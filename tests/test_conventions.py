@@ -123,7 +123,7 @@ def test_precision_label_separates_float32_from_tf32():
 
 def test_disagreements_name_the_api_and_both_values():
     row = {"api": "torch F.scaled_dot_product_attention", "status": "measured", "fully_masked_row": "NaN",
-           "mask_true_means": "attend", "causal_T2_S4": "top_left"}
+           "mask_true_means": "attend", "causal_T2_S4": "top_left", "causal_T4_S2": "top_left"}
     lines = conv.disagreements({"rows": [row]})
     assert lines == ["torch F.scaled_dot_product_attention: fully_masked_row sketched as '0', measured 'NaN'"], lines
 

@@ -1,0 +1,231 @@
+"""The measured conventions table (conformance/conventions.py).
+
+Two kinds of test. The harness tests run the measurement on fake NumPy "APIs"
+with known, deliberately foreign conventions, so a measurement that always
+answered "attend" / "top_left" would fail them. The framework tests read the
+facts that the frameworks document from one real measure() run; each skips,
+naming the extra to install, when its framework is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conformance import conventions as conv
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything imports keras
+
+TORCH = "torch not installed: pip install -c constraints/cpu.txt '.[torch]'"
+TF = "keras/tensorflow not installed: pip install -c constraints/cpu.txt '.[tf]'"
+JAX = "jax/flax not installed: pip install -c constraints/cpu.txt '.[jax]'"
+ONNX = "onnx/onnxruntime not installed: pip install -c constraints/cpu.txt '.[onnx]'"
+
+UNIFORM = conv.POLICY_LABELS["uniform"]
+KNOWN_ROW_LABELS = set(conv.POLICY_LABELS.values())
+
+
+@pytest.fixture(scope="module")
+def data():
+    return conv.measure()
+
+
+def _row(data, api: str) -> dict:
+    rows = {r["api"]: r for r in data["rows"]}
+    assert api in rows, f"no row {api!r}; rows: {sorted(rows)}"
+    row = rows[api]
+    assert row["status"] == "measured", f"{api}: {row['status']}: {row.get('reason')}"
+    return row
+
+
+def _expect(row: dict, key: str, expected) -> None:
+    got = row.get(key)
+    assert got == expected, f"{row['api']}: {key} measured {got!r}, expected {expected!r}; evidence {row['evidence']}"
+
+
+# -- the harness, on fake APIs with known conventions ----------------------------------
+
+def _fake(name: str, run, *, weights: bool = True, build=None) -> conv.Api:
+    runner = conv.Runner(run, {"m": "full"}, returns_weights=weights)
+    return conv.Api(name, "numpy", ("numpy",), "(fake)", build or (lambda: runner))
+
+
+def _inverted(q, k, v, masks=None, causal=False, want_weights=True):
+    """True = masked, NaN rows, bottom-right causal: every convention foreign to the reference."""
+    allowed = None if not masks else ~masks["m"]
+    return conv.reference(q, k, v, allowed=allowed, is_causal=causal, alignment="bottom_right", masked_row="nan",
+                          dtype=np.float32)
+
+
+def _ignores_everything(q, k, v, masks=None, causal=False, want_weights=True):
+    return conv.reference(q, k, v, dtype=np.float32)
+
+
+def _odd_empty_rows(q, k, v, masks=None, causal=False, want_weights=True):
+    """True = attend, but a row without keys gets 0.5 everywhere (no policy of the reference)."""
+    allowed = None if not masks else masks["m"]
+    out, w = conv.reference(q, k, v, allowed=allowed, is_causal=causal, dtype=np.float32)
+    if allowed is not None:
+        out[~allowed.any(-1)] = 0.5  # (B, T) rows with no key
+    return out, w
+
+
+def test_harness_detects_foreign_conventions():
+    row = conv.measure_api(_fake("inverted", _inverted))
+    for key, expected in (("mask_true_means", "masked"), ("fully_masked_row", "NaN"), ("fully_masked_weights", "NaN"),
+                          ("causal_T2_S4", "bottom_right"), ("causal_T4_S2", "bottom_right")):
+        _expect(row, key, expected)
+    err = row["evidence"]["polarity[m]"]["max_err_if_true_masked"]
+    assert err <= conv.TOL, f"polarity match error {err} above tolerance {conv.TOL}"
+
+
+def test_harness_detects_ignored_mask_and_causal():
+    row = conv.measure_api(_fake("ignores", _ignores_everything))
+    _expect(row, "mask_true_means", "ignored")
+    assert row["fully_masked_row"].startswith("n/a"), row["fully_masked_row"]
+    _expect(row, "causal_T2_S4", "not causal")
+    _expect(row, "causal_T4_S2", "not causal")
+
+
+def test_harness_reports_values_no_policy_explains():
+    row = conv.measure_api(_fake("odd", _odd_empty_rows, weights=False))
+    assert row["fully_masked_row"].startswith("other (0.5"), row["fully_masked_row"]
+    _expect(row, "mask_true_means", "attend")
+    _expect(row, "causal_T4_S2", "top_left")
+
+
+def test_missing_framework_and_inexpressible_api_are_rows_not_crashes():
+    def refuse():
+        raise conv.NotExpressible("this runtime has no Attention op")
+
+    apis = (conv.Api("ghost", "ghost", ("mha_no_such_module",), "pip install ghost", lambda: None),
+            _fake("refuses", None, build=refuse))
+    data = conv.measure(apis=apis)
+    ghost, refuses = data["rows"]
+    assert ghost["status"] == conv.NOT_INSTALLED and "pip install ghost" in ghost["reason"], ghost
+    assert refuses["status"] == "n/a" and "no Attention op" in refuses["reason"], refuses
+    text = conv.to_markdown(data)
+    assert "| ghost | not installed |" in text, text
+    assert "pip install ghost" in text and "no Attention op" in text, text
+
+
+def test_precision_label_separates_float32_from_tf32():
+    a, b, exact = conv._precision_inputs()
+    f32 = conv._precision_label(a @ b, exact)
+    tf32 = lambda x: (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)  # keep 10 mantissa bits  # noqa: E731
+    reduced = conv._precision_label(tf32(a).astype(np.float64) @ tf32(b).astype(np.float64), exact)
+    assert f32["label"] == "float32" and f32["rel_err"] < 1e-6, f32
+    assert reduced["label"] == "TF32/bf16-like (reduced)" and 1e-4 < reduced["rel_err"] < 1e-2, reduced
+
+
+def test_disagreements_name_the_api_and_both_values():
+    row = {"api": "torch F.scaled_dot_product_attention", "status": "measured", "fully_masked_row": "NaN",
+           "mask_true_means": "attend", "causal_T2_S4": "top_left", "causal_T4_S2": "top_left"}
+    lines = conv.disagreements({"rows": [row]})
+    assert lines == ["torch F.scaled_dot_product_attention: fully_masked_row sketched as '0', measured 'NaN'"], lines
+
+
+# -- one real run -------------------------------------------------------------------------
+
+def test_numpy_reference_policies(data):
+    for policy, weights in (("zero", "0"), ("uniform", "uniform (1/S)"), ("nan", "NaN")):
+        row = _row(data, f"numpy reference (masked_row={policy})")
+        _expect(row, "mask_true_means", "attend")
+        _expect(row, "fully_masked_row", conv.POLICY_LABELS[policy])
+        _expect(row, "fully_masked_weights", weights)
+        _expect(row, "causal_T2_S4", "top_left")
+        _expect(row, "causal_T4_S2", "top_left")
+        m = row["float32_matmul"]["cpu"]
+        assert m["label"] == "float32" and m["rel_err"] < conv.FLOAT32_REL_ERR_MAX, m
+
+
+@pytest.mark.torch
+def test_torch(data):
+    pytest.importorskip("torch", reason=TORCH)
+    for api in ("torch nn.MultiheadAttention", "torch nn.MultiheadAttention (fast path)"):
+        row = _row(data, api)
+        _expect(row, "mask_true_means_by_argument", {"attn_mask": "masked", "key_padding_mask": "masked"})
+        _expect(row, "fully_masked_row", "NaN")
+    _expect(_row(data, "torch nn.MultiheadAttention"), "fully_masked_weights", "NaN")
+    calls = _row(data, "torch nn.MultiheadAttention (fast path)")["evidence"]["fast_path_calls"]
+    assert calls > 0, f"the fast-path row never reached torch._native_multi_head_attention ({calls} calls)"
+    sdpa = _row(data, "torch F.scaled_dot_product_attention")
+    _expect(sdpa, "mask_true_means", "attend")
+    _expect(sdpa, "causal_T2_S4", "top_left")
+    _expect(sdpa, "causal_T4_S2", "top_left")
+    assert sdpa["fully_masked_row"] in KNOWN_ROW_LABELS, sdpa["fully_masked_row"]
+
+
+@pytest.mark.tf
+def test_keras(data):
+    pytest.importorskip("tensorflow", reason=TF)
+    pytest.importorskip("keras", reason=TF)
+    for api in ("keras MultiHeadAttention (fused)", "keras MultiHeadAttention (return_attention_scores=True)"):
+        row = _row(data, api)
+        _expect(row, "mask_true_means", "attend")
+        _expect(row, "causal_T2_S4", "top_left")
+        _expect(row, "causal_T4_S2", "top_left")
+        assert row["fully_masked_row"] in KNOWN_ROW_LABELS, row["fully_masked_row"]
+
+
+@pytest.mark.jax
+def test_flax_and_jax(data):
+    pytest.importorskip("jax", reason=JAX)
+    pytest.importorskip("flax", reason=JAX)
+    for api in ("flax.linen.MultiHeadDotProductAttention", "flax.nnx.MultiHeadAttention", "jax.nn.dot_product_attention"):
+        row = _row(data, api)
+        _expect(row, "mask_true_means", "attend")
+        _expect(row, "fully_masked_row", UNIFORM)
+    for api in ("flax.linen.MultiHeadDotProductAttention", "flax.nnx.MultiHeadAttention"):
+        _expect(_row(data, api), "fully_masked_weights", "uniform (1/S)")
+    for api in ("flax.nnx.MultiHeadAttention", "jax.nn.dot_product_attention"):
+        _expect(_row(data, api), "causal_T2_S4", "top_left")
+        _expect(_row(data, api), "causal_T4_S2", "top_left")
+    linen = _row(data, "flax.linen.MultiHeadDotProductAttention")
+    assert linen["causal_T2_S4"].startswith("n/a"), linen["causal_T2_S4"]
+
+
+def test_onnx(data):
+    pytest.importorskip("onnx", reason=ONNX)
+    spec = _row(data, "onnx.reference Attention (opset 23)")
+    _expect(spec, "mask_true_means", "attend")
+    _expect(spec, "causal_T2_S4", "top_left")  # no cache: offset 0
+    _expect(spec, "causal_T2_S4_past_cache", "bottom_right")  # the cache shifts the diagonal
+    pytest.importorskip("onnxruntime", reason=ONNX)
+    rows = {r["api"]: r for r in data["rows"]}
+    ort = rows["onnxruntime Attention (opset 23, CPU)"]
+    if ort["status"] != "measured":  # a runtime without opset-23 Attention is a row saying why
+        assert ort["status"] == "n/a" and ort["reason"], ort
+        return
+    _expect(ort, "mask_true_means", "attend")
+
+
+def test_every_row_is_json_and_has_every_column(data):
+    json.dumps(data, allow_nan=False)
+    assert [r["api"] for r in data["rows"]] == [api.name for api in conv.APIS]
+    for row in data["rows"]:
+        if row["status"] != "measured":
+            continue
+        missing = [key for _, key in conv.COLUMNS if key not in row]
+        assert not missing, f"{row['api']}: missing {missing}"
+        for device, m in row["float32_matmul"].items():
+            assert m["label"] in ("float32", "TF32/bf16-like (reduced)") and isinstance(m["rel_err"], float), (row["api"], device, m)
+
+
+def test_markdown_and_terminal_show_every_api(data):
+    from rich.console import Console
+
+    text = conv.to_markdown(data)
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(conv.APIS), table  # header + one line per API
+    for api in conv.APIS:
+        assert any(line.startswith(f"| {api.name} |") for line in table), f"{api.name} missing from\n{text}"
+    assert f"with {conv.SKETCH_SOURCE}" in text, text
+    console = Console(record=True, width=400)
+    conv.render_terminal(data, console=console)
+    shown = console.export_text()
+    for api in conv.APIS:
+        assert api.name in shown, f"{api.name} missing from the terminal table"

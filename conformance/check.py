@@ -124,7 +124,7 @@ def run(args) -> int:
     console.print(f"worst margin {worst:.3g}; {elapsed:.1f} s")
     env = report.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision)
     if args.report:
-        paths = report.write_report(args.report, results, env)
+        paths = report.write_report(args.report, results, env, conventions=conventions)
         console.print(f"report: {', '.join(str(p) for p in paths.values())}")
     if args.json:
         payload = {"environment": env, "skipped": [list(s) for s in skipped], "seconds": elapsed,

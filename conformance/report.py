@@ -35,7 +35,6 @@ import os
 import platform
 import re
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ import numpy as np
 from conformance.cases import DTYPE_NAMES
 from conformance.compare import STATUS_ERROR, STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, CaseResult
 from conformance.tolerance import REFERENCE_FACTOR, SAFETY, UNIT_ROUNDOFF
+from weights.atomic import write_bytes_atomic
 
 STATUSES = (STATUS_PASS, STATUS_FAIL, STATUS_ERROR, STATUS_UNSUPPORTED)
 DEVICE_ORDER = ("cpu", "gpu")
@@ -417,17 +417,8 @@ def _write_heatmaps(directory: Path, result: CaseResult, why: str) -> tuple[list
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same directory, then rename over."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Old file or new file, never a mix (weights.atomic)."""
+    write_bytes_atomic(path, data, overwrite=True)
 
 
 def _summary(results: list[CaseResult]) -> str:
@@ -584,9 +575,32 @@ def _html(title, results, env, rows, bad, subject, why, heatmaps, heatmap_note) 
     return "\n".join(out) + "\n"
 
 
-def write_report(directory, results: list[CaseResult], env: dict, *, title: str = "mha check") -> dict[str, Path]:
+def _conventions_md(conventions: dict | None) -> str:
+    if conventions is None:
+        return ""
+    from conformance.conventions import to_markdown
+
+    return "\n## Framework conventions, measured in this run\n\n" + to_markdown(conventions)
+
+
+def _conventions_html(conventions: dict | None) -> str:
+    if conventions is None:
+        return ""
+    from conformance.conventions import COLUMNS, table_cells, to_markdown
+
+    rows, _ = table_cells(conventions)
+    lines = ["<h2>Framework conventions, measured in this run</h2>"]
+    lines += _html_table([title for title, _ in COLUMNS], [[(cell, "") for cell in cells] for cells in rows])
+    notes = to_markdown(conventions).split("\n\n", 1)[1] if "\n\n" in to_markdown(conventions) else ""
+    lines.append(f"<pre>{html.escape(notes)}</pre>")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(directory, results: list[CaseResult], env: dict, *, title: str = "mha check",
+                 conventions: dict | None = None) -> dict[str, Path]:
     """Write report.md, report.html and the heatmap PNGs into `directory`
-    (created if needed). Returns {"md": ..., "html": ..., "heatmap_head0": ...}."""
+    (created if needed). Returns {"md": ..., "html": ..., "heatmap_head0": ...}.
+    `conventions`: conformance.conventions.measure()'s result, if measured."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     results = list(results)
@@ -600,7 +614,12 @@ def write_report(directory, results: list[CaseResult], env: dict, *, title: str 
     paths: dict[str, Path] = {}
     for key, name, render in (("md", "report.md", _markdown), ("html", "report.html", _html)):
         paths[key] = directory / name
-        _atomic_write(paths[key], render(*args).encode("utf-8"))
+        text = render(*args)
+        if key == "md":
+            text += _conventions_md(conventions)
+        else:
+            text = text.replace("</body>", _conventions_html(conventions) + "</body>")
+        _atomic_write(paths[key], text.encode("utf-8"))
     paths.update({f"heatmap_head{n}": path for n, path in heatmaps})
     return paths
 

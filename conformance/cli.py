@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Quiet TensorFlow's C++ start-up logging before anything imports it.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     args = parser.parse_args(argv)
     from conformance.backends import BackendUnavailable

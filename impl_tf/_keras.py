@@ -12,6 +12,7 @@ import sys
 
 _keras_was_imported = "keras" in sys.modules
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter on stderr
 
 import keras  # noqa: E402
 

@@ -409,6 +409,11 @@ ROLES: dict[str, tuple[str, ...]] = {layout.id: tuple(layout.roles[0]) for layou
 Size = tuple[tuple[str, ...], ...]  # a sum of products of letters
 
 
+def spec(layout: str) -> Layout:
+    """The Layout (its tables, ties and bias rule) for a layout id."""
+    return _get(layout)
+
+
 def _get(layout: str) -> Layout:
     if isinstance(layout, Layout):
         return layout
@@ -753,6 +758,8 @@ def to_canonical(layout: str, state: Mapping[str, Any], **hints: Any) -> tuple[A
         unexpected = [k for k in in_scope if k not in by_key and k[len(base):] not in lay.ignored]
         if unexpected:
             problems.append(f"unexpected {', '.join(sorted(unexpected))}")
+        if unexpected and missing and lay.roles[0]:
+            problems.append(f"(modules named otherwise? pass names=, roles {', '.join(lay.roles[0])}; CLI --names)")
 
     # Arrays and dtypes.
     dtypes: dict[str, list[str]] = {}

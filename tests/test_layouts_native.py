@@ -24,7 +24,7 @@ import pytest
 
 from conformance.tolerance import assert_close
 from impl_numpy import multi_head_attention
-from weights import AttentionConfig, init, layouts
+from weights import AttentionConfig, init
 
 
 def reference(config, tensors, query, key=None, value=None, **options):

@@ -978,6 +978,21 @@ def _scatter(row: Row, head: int | None, arrays: list[np.ndarray]) -> np.ndarray
     return np.array(flat, order="C", copy=True)
 
 
+def mapping(layout: str, config: AttentionConfig, **hints: Any) -> dict[str, tuple[str, ...]]:
+    """Which canonical tensors each key of from_canonical's state holds (hints as from_canonical's)."""
+    state = from_canonical(layout, config, _zeros(config), **hints)
+    lay = _get(layout)
+    hints = {k: v for k, v in hints.items() if v is not None}
+    roles = _names_hint(lay, hints.get("names")) or lay.roles[0]
+    layer = hints.get("layer", 0 if lay.scope else None)
+    place = _Place(_pick_table(lay, config), roles, hints.get("prefix", ""), layer)
+    return {key: row.parts for key, row, _ in _expand(lay, place, config.num_heads) if key in state}
+
+
+def _zeros(config: AttentionConfig, dtype="float32") -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape, dtype=dtype) for name, shape in config.tensor_shapes().items()}
+
+
 def describe(layout: str) -> str:
     """The layout's table as text: key, canonical tensors, form; then its ties."""
     lay = _get(layout)

@@ -131,6 +131,15 @@ def _destinations(dst: str, layer_indices: list[int | None], all_layers: bool) -
     return [Path(dst)]
 
 
+def _check_dst_kind(path: Path, dst_layout: str) -> None:
+    kind = files.file_kind(path, argument="DST")
+    if kind == "hf-dir":
+        raise ValueError(f"DST is a folder; name a file (with --layer all: a folder or a {{layer}} pattern): "
+                         f"got {str(path)!r}")
+    if dst_layout == "canonical" and kind != "safetensors":
+        raise ValueError(f"DST: canonical weights are a .safetensors file (weights.save): got {str(path)!r}")
+
+
 def run(args) -> int:
     src_layout = _layout_arg("--from", getattr(args, "from_layout", None))
     dst_layout = _layout_arg("--to", getattr(args, "to_layout", None))
@@ -145,6 +154,8 @@ def run(args) -> int:
     if layer is not None and src_layout not in HF_LAYOUTS and dst_layout not in HF_LAYOUTS:
         raise ValueError(f"--layer applies to {', '.join(HF_LAYOUTS)}: got --from {src_layout} --to {dst_layout}")
     names, to_names = _names(args, src_layout, dst_layout)
+    if layer != "all" or "{layer}" in dst:  # DST names a file kind: check it before reading anything
+        _check_dst_kind(Path(dst.replace("{layer}", "0")), dst_layout)
 
     # 1. Read SRC into canonical tensors (one item per block with --layer all).
     if src_layout == "canonical":
@@ -187,9 +198,7 @@ def run(args) -> int:
     # 2. Destinations: all checked before anything is written.
     paths = _destinations(dst, [item[0] for item in items], layer == "all")
     for path in paths:
-        files.file_kind(path, argument="DST")
-        if dst_layout == "canonical" and files.file_kind(path, argument="DST") != "safetensors":
-            raise ValueError(f"DST: canonical weights are a .safetensors file (weights.save): got {str(path)!r}")
+        _check_dst_kind(path, dst_layout)
     existing = [str(p) for p in paths if p.exists()]
     if existing and not overwrite:
         raise ValueError(f"DST exists: {', '.join(existing)}; pass --overwrite to replace")

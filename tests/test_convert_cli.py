@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -322,3 +323,13 @@ def test_flax_msgpack_written_by_flax(tmp_path):
     with pytest.raises(WeightsFormatError) as info:
         files.read_state(tmp_path / "junk.msgpack")
     one_line_error(info, "junk.msgpack", "not a Flax msgpack file")
+
+
+@pytest.mark.parametrize("ext,module,words", [(".pt", "torch", "needs PyTorch"), (".weights.h5", "h5py", "needs h5py"),
+                                              (".msgpack", "flax", "needs Flax")])
+def test_missing_framework_says_what_to_install(tmp_path, monkeypatch, ext, module, words):
+    monkeypatch.setitem(sys.modules, module, None)  # import now fails as if it were not installed
+    (tmp_path / f"w{ext}").write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError) as info:
+        mha_convert("--from", "torch-mha", "--to", "canonical", tmp_path / f"w{ext}", tmp_path / "o.safetensors")
+    one_line_error(info, "SRC=", words, "pip install")

@@ -57,6 +57,7 @@ def conform(layout: str, config: AttentionConfig) -> AttentionConfig:
 
 
 def hints_for(layout: str, config: AttentionConfig) -> dict:
+    """The hints a reader passes: heads (flattened in most layouts) and the behaviour fields no state holds."""
     return {"num_heads": config.num_heads, "scale": config.scale, "dropout": config.dropout,
             "masked_row": config.masked_row}
 
@@ -83,7 +84,7 @@ def test_round_trip_bit_exact_every_dtype(layout, config, seed):
         state = layouts.from_canonical(layout, config, tensors, **hints)
         assert all(a.flags.c_contiguous for a in state.values()), f"{layout}: non-contiguous arrays"
         back_config, back = layouts.to_canonical(layout, state, **hints_for(layout, config), **hints)
-        differ = {f: (getattr(config, f), getattr(back_config, f)) for f in STRUCTURAL + ("scale", "dropout")
+        differ = {f: (getattr(config, f), getattr(back_config, f)) for f in config.to_dict()
                   if getattr(config, f) != getattr(back_config, f)}
         assert not differ, f"{layout} {dtype}: config fields changed (given, read back): {differ}"
         assert_bit_exact(tensors, back, f"{layout} {dtype} canonical -> state -> canonical")
@@ -282,6 +283,16 @@ def test_detect_layout():
         expected = "flax-linen-mha" if layout == "flax-nnx-mha" else layout  # the same keys
         assert layouts.detect_layout(state) == expected, layout
     assert layouts.detect_layout({"x": np.zeros(1)}) is None
+
+
+def test_canonical_layout_checks_a_given_config():
+    config = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, scale=0.5, masked_row="nan")
+    t = init(config, seed=8)
+    assert layouts.to_canonical("canonical", t, config=config)[0] is config
+    inferred, _ = layouts.to_canonical("canonical", t)
+    assert inferred == config.replace(scale=None, masked_row="zero")  # behaviour fields are not in tensors
+    with pytest.raises(WeightsFormatError, match=r"do not match config: out_dim=3 \(tensors say 4\)"):
+        layouts.to_canonical("canonical", t, config=config.replace(out_dim=3))
 
 
 def test_describe_lists_each_row():

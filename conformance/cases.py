@@ -15,6 +15,7 @@ import numpy as np
 
 import weights
 from weights import AttentionConfig
+from weights.dtypes import is_float
 
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16")
 
@@ -136,7 +137,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         inputs["mask"] = with_one_allowed(rng.random((T, S)) < 0.6)
     elif case.mask == "empty_rows":
         m = with_one_allowed(rng.random((B, 1, T, S)) < 0.6)
-        m[0, 0, 1, :] = False  # query 1 of batch 0: no key at all
+        m[0, 0, min(1, T - 1), :] = False  # query 1 of batch 0: no key at all
         m[-1, 0, -1, :] = False
         inputs["mask"] = m
     elif case.mask is not None:
@@ -156,7 +157,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 def cast_inputs(inputs: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
     """Float inputs to the case dtype (bias too); bool masks unchanged."""
     dt = weights.dtype_from_name(dtype)
-    return {k: (v.astype(dt) if v.dtype.kind == "f" else v) for k, v in inputs.items()}
+    return {k: (v.astype(dt) if is_float(v.dtype) else v) for k, v in inputs.items()}
 
 
 def cast_tensors(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
@@ -168,3 +169,33 @@ def output_cotangent(case: Case) -> np.ndarray:
     """The fixed d_output for gradient checks, (B, T, O), float64."""
     rng = np.random.default_rng(case.seed + 2)
     return rng.standard_normal((case.B, case.T, case.config.out_dim))
+
+
+def random_case(seed: int) -> Case:
+    """A random point of the same feature space, for sweeps (name random_<seed>)."""
+    rng = np.random.default_rng(seed)
+    pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
+    K = int(rng.integers(1, 4))
+    N = K * int(rng.integers(1, 4))
+    self_attention = bool(rng.random() < 0.4)
+    query_dim = int(rng.integers(1, 17))
+    dims = (query_dim, query_dim) if self_attention else (int(rng.integers(1, 17)), int(rng.integers(1, 17)))
+    config = AttentionConfig(
+        num_heads=N, num_kv_heads=K, query_dim=query_dim, key_dim=dims[0], value_dim=dims[1],
+        head_dim=int(rng.integers(1, 9)), value_head_dim=int(rng.integers(1, 9)), out_dim=int(rng.integers(1, 17)),
+        use_query_bias=bool(rng.random() < 0.8), use_key_bias=bool(rng.random() < 0.8),
+        use_value_bias=bool(rng.random() < 0.8), use_output_bias=bool(rng.random() < 0.8),
+        scale=None if rng.random() < 0.7 else float(rng.uniform(0.05, 1.5)),
+        dropout=pick([0.0, 0.0, 0.1, 0.4]), masked_row=pick(["zero", "uniform", "nan"]),
+    )
+    T = int(rng.integers(1, 9))
+    S = T if self_attention else int(rng.integers(1, 9))
+    mask = pick([None, None, "padding", "random", "random_bts", "random_ts", "empty_rows"])
+    causal = bool(rng.random() < 0.35)
+    return Case(
+        name=f"random_{seed}", config=config, B=int(rng.integers(1, 4)), T=T, S=S, self_attention=self_attention,
+        mask=mask, bias=pick([None, None, "random", "neg_inf"]), is_causal=causal,
+        causal_alignment=pick(["top_left", "bottom_right"]),
+        training=config.dropout > 0 and bool(rng.random() < 0.7), return_weights=bool(rng.random() < 0.8),
+        input_scale=pick([1.0, 1.0, 0.1, 3.0]),
+    )

@@ -8,13 +8,15 @@ integers / floats, True = may attend), `bias` (float, -inf allowed),
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 from safetensors.numpy import save as _safetensors_bytes
 
 from weights import read_safetensors
 from weights.atomic import write_bytes_atomic
+from weights.dtypes import is_float
+from weights.format import canonical_safetensors_bytes
 
 INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask")
 
@@ -50,7 +52,7 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
         array = arrays[name]
         if name in ("mask", "dropout_mask"):
             inputs[name] = _as_bool(path, name, array)
-        elif array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        elif not is_float(array.dtype):
             raise InputsError(f"{path}: {name} must be a float tensor: got dtype {array.dtype}")
         else:
             inputs[name] = array
@@ -60,5 +62,5 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
 def write_arrays(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *, overwrite: bool = False,
                  metadata: Mapping[str, str] | None = None) -> None:
     """Atomic safetensors write (old file or new file, never a mix)."""
-    data = _safetensors_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata=dict(metadata or {}) or None)
+    data = canonical_safetensors_bytes(_safetensors_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata=dict(metadata or {}) or None))
     write_bytes_atomic(path, data, overwrite=overwrite)

@@ -27,6 +27,7 @@ import numpy as np
 
 from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
 from weights.contract import check_bias_values, check_call
+from weights.dtypes import is_float
 
 from .masks import causal_mask
 
@@ -147,13 +148,11 @@ def dropout_keep_mask(shape: tuple[int, ...], rate: float, seed: int) -> np.ndar
     return np.random.default_rng(seed).random(shape) >= rate
 
 
-def allowed_mask(shapes, mask_array, is_causal: bool, causal_alignment: str) -> np.ndarray | None:
+def allowed_mask(mask4: np.ndarray | None, T: int, S: int, is_causal: bool, causal_alignment: str) -> np.ndarray | None:
     """mask AND causal, rank 4, broadcastable to (B, N, T, S); None if neither."""
-    allowed = None
-    if mask_array is not None:
-        allowed = np.asarray(mask_array, dtype=bool).reshape(shapes.mask_shape)
+    allowed = mask4
     if is_causal:
-        causal = causal_mask(shapes.T, shapes.S, causal_alignment)[None, None]  # (1, 1, T, S)
+        causal = causal_mask(T, S, causal_alignment)[None, None]  # (1, 1, T, S)
         allowed = causal if allowed is None else allowed & causal
     return allowed
 
@@ -170,7 +169,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     bias_np = None if bias is None else np.asarray(bias)
     keep_np = None if dropout_mask is None else np.asarray(dropout_mask)
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.dtype.kind != "f" and x.dtype != dtype:
+        if not is_float(x.dtype):
             raise ValueError(f"{name} must be a float array: got dtype {x.dtype}")
     shapes = check_call(
         config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape,
@@ -191,9 +190,9 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         keep_np = dropout_keep_mask((shapes.B, config.num_heads, shapes.T, shapes.S), config.dropout, seed)
     if not training:
         keep_np = None
-    allowed = allowed_mask(shapes, mask_np, is_causal, causal_alignment)
+    mask4 = None if mask_np is None else mask_np.reshape(shapes.mask_shape)
     cast = [x.astype(dtype, copy=False) for x in (query, key, value)]
-    return shapes, params, cast, allowed, bias_np, keep_np, dtype
+    return shapes, params, cast, mask4, bias_np, keep_np, dtype
 
 
 def multi_head_attention(
@@ -222,7 +221,7 @@ def multi_head_attention(
     chunk_size: exact online-softmax over key blocks of this size; never
     holds a (T, S) array (see chunked.py). Not with return_weights or trace.
     """
-    shapes, p, (query, key, value), allowed, bias_r4, keep, dtype = prepare(
+    shapes, p, (query, key, value), mask4, bias_r4, keep, dtype = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         return_weights=return_weights, dtype=dtype,
@@ -236,11 +235,11 @@ def multi_head_attention(
         k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)
         v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)
         ctx = chunked_attention_core(
-            config, q, k, v, mask=None if mask is None else np.asarray(mask, bool).reshape(shapes.mask_shape),
-            bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
+            config, q, k, v, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
         )
         return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"))
 
+    allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
     q = rec("query.project", project(query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
     k = rec("key.project", project(key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)

@@ -7,7 +7,7 @@ source explicitly: `to_allowed("torch-mha-attn-mask", m, num_heads=N)`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

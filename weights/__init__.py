@@ -5,7 +5,18 @@ NumPy, safetensors and ml_dtypes only; never a framework.
 
 from .config import MASKED_ROW_POLICIES, AttentionConfig
 from .dtypes import DTYPES, compute_dtype, dtype_from_name, dtype_name
-from .format import FORMAT, FORMAT_VERSION, WeightsFormatError, init, load, read_safetensors, save, tensor_sha256, to_bytes, validate_tensors
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    WeightsFormatError,
+    init,
+    load,
+    read_safetensors,
+    save,
+    tensor_sha256,
+    to_bytes,
+    validate_tensors,
+)
 
 __all__ = [
     "AttentionConfig", "MASKED_ROW_POLICIES", "DTYPES", "FORMAT", "FORMAT_VERSION", "WeightsFormatError",

@@ -38,6 +38,12 @@ def resolve_dtype(dtype: np.dtype, *, argument: str = "dtype") -> np.dtype:
     raise ValueError(f"{argument} must be one of {', '.join(DTYPES)}: got {dtype.name}")
 
 
+def is_float(dtype) -> bool:
+    """A float dtype, bfloat16 included (ml_dtypes' bfloat16 has kind 'V')."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype == DTYPES["bfloat16"]
+
+
 def dtype_name(dtype: np.dtype) -> str:
     return resolve_dtype(dtype).name
 

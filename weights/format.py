@@ -11,8 +11,8 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 from safetensors.numpy import save as _safetensors_bytes
@@ -102,7 +102,23 @@ def to_bytes(config: AttentionConfig, tensors: Mapping[str, np.ndarray], *, meta
         "config": config.to_json(),
         "sha256": json.dumps({name: tensor_sha256(a) for name, a in arrays.items()}, sort_keys=True),
     }
-    return _safetensors_bytes(arrays, metadata=header)
+    return canonical_safetensors_bytes(_safetensors_bytes(arrays, metadata=header))
+
+
+def canonical_safetensors_bytes(raw: bytes) -> bytes:
+    """The same safetensors file with its JSON header keys sorted.
+
+    safetensors writes header keys (notably __metadata__'s) in hash-map order,
+    which varies between runs; sorting them makes the bytes a function of the
+    content, so regenerated files and test vectors are byte-identical. The data
+    section is unchanged; the header is padded with spaces to 8 bytes, as
+    safetensors itself does.
+    """
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + raw[8 + n :]
 
 
 def save(
@@ -177,7 +193,7 @@ def read_safetensors(path: str | os.PathLike, *, error: type[ValueError] = Weigh
         raw = data[8 + header_len + start : 8 + header_len + end]
         arrays[name] = np.frombuffer(raw, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
     spans.sort()
-    for (s1, e1, n1), (s2, _, n2) in zip(spans, spans[1:]):
+    for (_, e1, n1), (s2, _, n2) in zip(spans, spans[1:]):
         if s2 < e1:
             raise error(f"{path}: tensors {n1!r} and {n2!r} overlap in the data section")
     return metadata, arrays
@@ -217,7 +233,7 @@ def load(path: str | os.PathLike) -> tuple[AttentionConfig, dict[str, np.ndarray
         problems.append(f"sha256 lists tensors not in the file: {', '.join(extra_sums)}")
     if problems:
         raise WeightsFormatError(f"{path}: " + "; ".join(problems))
-    return config, tensors
+    return config, {name: tensors[name] for name in config.tensor_shapes()}  # canonical order
 
 
 def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32") -> dict[str, np.ndarray]:

@@ -1,0 +1,135 @@
+"""`mha check`: the main job. Every backend x device x dtype x case, forward
+and gradients, judged against the float64 reference; a matrix in the
+terminal, optionally a report and JSON; exit 0 only if everything conforms.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from conformance import backends
+from conformance.cases import CASES, DTYPE_NAMES
+from conformance.compare import STATUS_ERROR, STATUS_FAIL, STATUS_PASS, CaseResult, run_case
+from conformance.tolerance import compare, policy_for
+
+CORE_BACKENDS = ("numpy", "torch", "tf", "jax")
+
+
+def plan(backend_ids, devices, console):
+    """(backend, device) pairs to run; missing frameworks are reported, not fatal."""
+    pairs, skipped = [], []
+    for backend_id in backend_ids:
+        try:
+            adapter = backends.load(backend_id)
+        except backends.BackendUnavailable as err:
+            skipped.append((backend_id, "-", str(err)))
+            continue
+        present = list(adapter.devices())
+        for device in devices or present:
+            if device in present:
+                pairs.append((backend_id, device, adapter))
+            else:
+                skipped.append((backend_id, device, f"backend {backend_id}: no {device} device here"))
+    return pairs, skipped
+
+
+def cross_device(results: list[CaseResult]) -> list[CaseResult]:
+    """CPU versus GPU of the same framework: a comparison of its own."""
+    by_key = {(r.backend, r.device, r.case, r.dtype): r for r in results if r.arrays.get("backend_output") is not None}
+    extra = []
+    for (backend_id, device, case_name, dtype), gpu in by_key.items():
+        cpu = by_key.get((backend_id, "cpu", case_name, dtype))
+        if device != "gpu" or cpu is None:
+            continue
+        case = CASES[case_name]
+        tol = policy_for(case.config, dtype=dtype, quantity="output", B=case.B, T=case.T, S=case.S,
+                         reference=cpu.arrays["backend_output"], precision=gpu.precision)
+        c = compare("output (gpu vs cpu)", gpu.arrays["backend_output"], cpu.arrays["backend_output"], tol)
+        extra.append(CaseResult(case_name, backend_id, "gpu-vs-cpu", dtype, gpu.precision,
+                                STATUS_PASS if c.ok else STATUS_FAIL, [c]))
+    return extra
+
+
+def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
+              gradients=True, console=None, progress=True):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console(stderr=True)
+    pairs, skipped = plan(backend_ids, devices, console)
+    cases = [CASES[n] for n in (case_names or CASES)]
+    jobs = [(b, d, a, c, t) for b, d, a in pairs for t in dtypes for c in cases]
+    results: list[CaseResult] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not progress, transient=True) as bar:
+        task = bar.add_task("mha check", total=len(jobs))
+        for backend_id, device, adapter, case, dtype in jobs:
+            bar.update(task, description=f"{backend_id}/{device}/{dtype} {case.name}")
+            results.append(run_case(case, backend_id, device=device, dtype=dtype, precision=precision,
+                                    gradients=gradients, adapter=adapter, keep_arrays=True))
+            bar.advance(task)
+    results.extend(cross_device(results))
+    return results, skipped
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("check", help="the main job: do the backends agree with the reference?")
+    p.add_argument("--backends", nargs="+", default=list(CORE_BACKENDS), choices=list(backends.REGISTRY),
+                   help="default: numpy torch tf jax (missing frameworks are reported, not fatal)")
+    p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
+                   help="default: every device present for each backend")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
+    p.add_argument("--cases", nargs="+", default=None, choices=list(CASES), metavar="CASE",
+                   help="default: all; names: " + ", ".join(CASES))
+    p.add_argument("--precision", default="highest", choices=["highest", "tf32"],
+                   help="tf32: let float32 matmuls use TF32 on GPUs, judged with TF32's unit round-off")
+    p.add_argument("--no-gradients", action="store_true", help="forward only")
+    p.add_argument("--report", metavar="DIR", help="write report.md, report.html and heatmaps here")
+    p.add_argument("--json", metavar="FILE", help="write every result as JSON")
+    p.add_argument("--conventions", action="store_true", help="also measure the native layers' conventions")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from conformance import report
+    from conformance.io import write_bytes_atomic
+
+    console = Console(highlight=False)
+    started = time.perf_counter()
+    if args.json and Path(args.json).is_dir():
+        raise ValueError(f"--json {args.json}: is a directory")
+    results, skipped = run_check(args.backends, args.devices, args.dtypes, args.cases, precision=args.precision,
+                                 gradients=not args.no_gradients, progress=console.is_terminal)
+    if not results:
+        reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"
+        raise ValueError(f"nothing to run: {reasons}")
+    elapsed = time.perf_counter() - started
+    if args.precision == "tf32":
+        console.print("[yellow]precision tf32: float32 matmuls may use TF32 on GPUs; float32 is judged with u = 2**-11[/]")
+    report.render_terminal(results, console=console)
+    for backend_id, device, reason in skipped:
+        console.print(f"[yellow]not run[/] {backend_id} {device}: {reason}")
+    conventions = None
+    if args.conventions:
+        from conformance import conventions as conv
+
+        conventions = conv.measure(console=console)
+        conv.render_terminal(conventions, console=console)
+    bad = [r for r in results if r.status in (STATUS_FAIL, STATUS_ERROR)]
+    worst = max((r.margin for r in results if r.status in (STATUS_PASS, STATUS_FAIL)), default=0.0)
+    console.print(f"worst margin {worst:.3g}; {elapsed:.1f} s")
+    env = report.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision)
+    if args.report:
+        paths = report.write_report(args.report, results, env)
+        console.print(f"report: {', '.join(str(p) for p in paths.values())}")
+    if args.json:
+        payload = {"environment": env, "skipped": [list(s) for s in skipped], "seconds": elapsed,
+                   "results": [r.to_json() for r in results]}
+        if conventions is not None:
+            payload["conventions"] = conventions
+        write_bytes_atomic(args.json, json.dumps(payload, indent=1).encode(), overwrite=True)
+    return 0 if not bad else 1

@@ -1,0 +1,261 @@
+"""Run one case on one backend and judge it against the float64 reference.
+
+A CaseResult holds every compared quantity (output, weights, each gradient)
+with its margin, and, when something failed, the first stage of the forward
+pass whose values left the tolerance (divergence localisation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from conformance import backends
+from conformance.cases import Case, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
+from conformance.tolerance import Comparison, compare, max_finite_abs, policy_for
+from impl_numpy import adapter as reference
+from impl_numpy.backward import multi_head_attention_vjp
+
+STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
+
+
+@dataclasses.dataclass
+class Divergence:
+    stage: str
+    index: tuple[int, ...] | None
+    actual: float | None
+    expected: float | None
+    margin: float
+
+    def describe(self) -> str:
+        return (f"first divergent stage: {self.stage} (worst at {list(self.index) if self.index else '-'}: "
+                f"backend {self.actual!r}, reference {self.expected!r}, margin {self.margin:.3g})")
+
+
+@dataclasses.dataclass
+class CaseResult:
+    case: str
+    backend: str
+    device: str
+    dtype: str
+    precision: str
+    status: str
+    comparisons: list[Comparison] = dataclasses.field(default_factory=list)
+    divergence: Divergence | None = None
+    message: str = ""
+    seconds: float = 0.0
+    arrays: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # for heatmaps
+
+    @property
+    def margin(self) -> float:
+        return max((c.margin for c in self.comparisons), default=0.0)
+
+    @property
+    def worst(self) -> Comparison | None:
+        return max(self.comparisons, key=lambda c: c.margin, default=None)
+
+    def to_json(self) -> dict:
+        worst = self.worst
+        return {
+            "case": self.case, "backend": self.backend, "device": self.device, "dtype": self.dtype,
+            "precision": self.precision, "status": self.status, "margin": _finite_or_str(self.margin),
+            "seconds": round(self.seconds, 4), "message": self.message,
+            "worst": None if worst is None else worst.describe(),
+            "divergence": None if self.divergence is None else self.divergence.describe(),
+            "comparisons": [
+                {"name": c.name, "ok": c.ok, "margin": _finite_or_str(c.margin), "max_abs_error": _finite_or_str(c.max_abs_error),
+                 "rtol": c.tolerance.rtol, "atol": c.tolerance.atol, "reason": c.tolerance.reason}
+                for c in self.comparisons
+            ],
+        }
+
+
+def _finite_or_str(x: float):
+    return x if math.isfinite(x) else str(x)
+
+
+@dataclasses.dataclass
+class Reference:
+    """The float64 answer for a case, plus what the tolerance policy needs."""
+
+    forward: dict
+    grads: dict
+    logits: np.ndarray
+    low_precision: dict[str, dict]  # dtype -> {"output", "weights", "grads"} from the reference run in that dtype
+
+
+_REFERENCE_CACHE: dict[str, Reference] = {}
+
+
+def reference_for(case: Case) -> Reference:
+    """float64 reference on the case's dtype-rounded inputs is computed per
+    dtype in `expected_for`; this caches the float64 run on float64 inputs."""
+    if case.name not in _REFERENCE_CACHE:
+        tensors, inputs = make_tensors(case), make_inputs(case)
+        fwd = reference.forward(case.config, tensors, inputs, case.options("float64") | {"return_weights": True}, trace=True)
+        grads = reference.vjp(case.config, tensors, inputs, case.options("float64"), output_cotangent(case))["grads"]
+        logits = dict(fwd["trace"])["logits"]
+        _REFERENCE_CACHE[case.name] = Reference(fwd, grads, logits, {})
+    return _REFERENCE_CACHE[case.name]
+
+
+def clear_cache() -> None:
+    _REFERENCE_CACHE.clear()
+
+
+def expected_for(case: Case, dtype: str) -> dict:
+    """float64 reference evaluated on the inputs and weights rounded to `dtype`
+    (the exact answer for what the backend actually receives), plus the error
+    of the NumPy reference run in `dtype` itself (for the low-precision rule)."""
+    key = f"{case.name}:{dtype}:{hash(case)}"
+    if key in _REFERENCE_CACHE:
+        return _REFERENCE_CACHE[key].forward
+    tensors = cast_tensors(make_tensors(case), dtype)
+    inputs = cast_inputs(make_inputs(case), dtype)
+    t64, i64 = cast_tensors(tensors, "float64"), cast_inputs(inputs, "float64")
+    d_out = output_cotangent(case)
+    options64 = case.options("float64") | {"return_weights": True}
+    fwd = reference.forward(case.config, t64, i64, options64, trace=True)
+    grads, magnitudes = _reference_grads(case, t64, i64, d_out)
+    expected = {"output": fwd["output"], "weights": fwd["weights"], "grads": grads, "magnitudes": magnitudes,
+                "trace": fwd["trace"],
+                "logits": dict(fwd["trace"])["logits"], "tensors": tensors, "inputs": inputs, "d_output": d_out,
+                "same_precision": {}}
+    if dtype in ("float16", "bfloat16"):
+        low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_weights": True})
+        low_grads = reference.vjp(case.config, tensors, inputs, case.options(dtype), d_out.astype(tensors["query.kernel"].dtype))["grads"]
+        same = {"output": _max_err(low["output"], fwd["output"]), "weights": _max_err(low["weights"], fwd["weights"])}
+        same.update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
+        expected["same_precision"] = same
+    if len(_REFERENCE_CACHE) > 512:  # sweeps make thousands of cases
+        _REFERENCE_CACHE.clear()
+    _REFERENCE_CACHE[key] = Reference(expected, {}, expected["logits"], {})
+    return expected
+
+
+def _reference_grads(case: Case, tensors, inputs, d_out):
+    """float64 gradients and their term magnitudes (impl_numpy.backward)."""
+    _, grads, magnitudes = multi_head_attention_vjp(
+        case.config, tensors, inputs["query"], inputs["key"], inputs["value"], d_output=d_out,
+        mask=inputs.get("mask"), bias=inputs.get("bias"), dropout_mask=inputs.get("dropout_mask"),
+        is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training,
+        gradient_magnitudes=True,
+    )
+    return grads, magnitudes
+
+
+def _max_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    both_nan = np.isnan(a) & np.isnan(b)
+    d = np.where(both_nan, 0.0, np.abs(a - b))
+    d = d[np.isfinite(d)]
+    return float(d.max()) if d.size else 0.0
+
+
+def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision: str) -> list[Comparison]:
+    """Compare a backend's forward result (and gradients) under the policy."""
+    exp = expected_for(case, dtype)
+    B, T, S = case.B, case.T, case.S
+    same = exp["same_precision"]
+    comparisons = []
+
+    def check(name, quantity, actual, expected, floor=0.0):
+        tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=B, T=T, S=S, reference=expected,
+                         logits=exp["logits"], precision=precision, same_precision_error=same.get(name), scale_floor=floor)
+        comparisons.append(compare(name, actual, expected, tol))
+
+    check("output", "output", result["output"], exp["output"])
+    if case.return_weights:
+        if "weights" not in result:
+            raise ValueError("backend returned no weights although return_weights was requested")
+        check("weights", "weights", result["weights"], exp["weights"])
+    if grads is not None:
+        comparisons += judge_gradients(case, dtype, grads, precision=precision)
+    return comparisons
+
+
+def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "highest") -> list[Comparison]:
+    """Compare gradients (query, key, value, every canonical tensor) under the
+    policy: each scaled by the magnitude of the terms it is summed from."""
+    exp = expected_for(case, dtype)
+    comparisons = []
+    for name, expected in exp["grads"].items():
+        if name not in grads:
+            raise ValueError(f"backend returned no gradient for {name}")
+        key = f"grad {name}"
+        tol = policy_for(case.config, dtype=dtype, quantity="grad", B=case.B, T=case.T, S=case.S, reference=expected,
+                         logits=exp["logits"], precision=precision, same_precision_error=exp["same_precision"].get(key),
+                         scale_floor=max_finite_abs(exp["magnitudes"][name]))
+        comparisons.append(compare(key, grads[name], expected, tol))
+    return comparisons
+
+
+def localise(case: Case, dtype: str, adapter, *, device: str, precision: str) -> Divergence | None:
+    """Re-run with the trace and name the first stage beyond tolerance."""
+    exp = expected_for(case, dtype)
+    try:
+        traced = adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype), device=device,
+                                 precision=precision, trace=True)
+    except NotImplementedError:
+        return None
+    ref_stages = dict(exp["trace"])
+    logit_scale = max_finite_abs(exp["logits"])
+    seen_logits = False
+    for stage, value in traced.get("trace", []):
+        if stage not in ref_stages:
+            continue
+        seen_logits = seen_logits or stage == "logits"
+        expected = ref_stages[stage]
+        tol = policy_for(case.config, dtype=dtype, quantity="output", B=case.B, T=case.T, S=case.S, reference=expected,
+                         logits=exp["logits"] if seen_logits else None, precision=precision)
+        c = compare(stage, value, expected, tol)
+        if not c.ok:
+            return Divergence(stage, c.index, c.actual, c.expected, c.margin)
+    del logit_scale
+    return None
+
+
+def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "float32", precision: str = "highest",
+             gradients: bool = True, adapter=None, keep_arrays: bool = False) -> CaseResult:
+    """One (case, backend, device, dtype): forward (+ gradients), judged."""
+    started = time.perf_counter()
+    result = CaseResult(case.name, backend_id, device, dtype, precision, STATUS_PASS)
+    try:
+        adapter = adapter or backends.load(backend_id)
+        exp = expected_for(case, dtype)
+        options = case.options(dtype)
+        forward = adapter.forward(case.config, exp["tensors"], exp["inputs"], options, device=device, precision=precision)
+        grads = None
+        if gradients:
+            try:
+                d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
+                grads = adapter.vjp(case.config, exp["tensors"], exp["inputs"], options, d_out, device=device,
+                                    precision=precision)["grads"]
+            except NotImplementedError as err:
+                result.message = f"gradients unsupported: {err}"
+        result.comparisons = judge(case, dtype, forward, grads, precision=precision)
+        got_dtype = np.asarray(forward["output"]).dtype
+        if got_dtype.name != dtype:
+            result.comparisons.append(Comparison(False, f"output dtype {got_dtype.name}, expected {dtype}", math.inf,
+                                                 None, None, None, math.inf, result.comparisons[0].tolerance))
+        if keep_arrays:
+            result.arrays = {"reference_weights": exp["weights"], "backend_weights": forward.get("weights"),
+                             "reference_output": exp["output"], "backend_output": forward["output"]}
+        if not all(c.ok for c in result.comparisons):
+            result.status = STATUS_FAIL
+            result.divergence = localise(case, dtype, adapter, device=device, precision=precision)
+    except NotImplementedError as err:
+        result.status, result.message = STATUS_UNSUPPORTED, str(err) or "not implemented"
+    except backends.BackendUnavailable as err:
+        result.status, result.message = STATUS_UNSUPPORTED, str(err)
+    except Exception as err:  # a backend crash is a finding, not a crash of the suite
+        result.status = STATUS_ERROR
+        result.message = f"{type(err).__name__}: {err}".replace("\n", " ")[:500]
+        result.arrays = {"traceback": traceback.format_exc()}
+    result.seconds = time.perf_counter() - started
+    return result

@@ -1,0 +1,147 @@
+"""Conformance vectors: one self-contained safetensors file per case and dtype.
+
+The language-neutral interface: any implementation, in any framework or
+language, can be checked against these files without this package.
+
+File `<case>.<dtype>.safetensors`:
+  weights.<canonical name>   the case's canonical tensors, in <dtype>
+  inputs.query|key|value     in <dtype>; inputs.bias in <dtype> when present
+  inputs.mask                bool, True = may attend (when present)
+  inputs.dropout_mask        bool, True = keep (training cases)
+  cotangent.output           (B, T, O) float64: the output cotangent
+  expected.output            float64
+  expected.weights           float64, (B, N, T, S) (when the case asks for them)
+  expected.grad.<name>       float64 gradients of sum(output * cotangent)
+__metadata__: format "mha-vectors", format_version "1", case, dtype, config
+(AttentionConfig JSON), options (JSON: is_causal, causal_alignment,
+return_weights, dtype, training), tolerance (JSON: quantity -> {rtol, atol,
+reason}, from conformance/tolerance.py), generator.
+
+Expected values are the float64 reference evaluated on the stored (already
+rounded) weights and inputs, so they are the exact answer for what an
+implementation receives. Files are deterministic: regenerating on the same
+machine gives identical bytes (header keys sorted, fixed seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from conformance.cases import CASES, DTYPE_NAMES, Case
+from conformance.compare import expected_for
+from conformance.io import write_arrays
+from conformance.tolerance import max_finite_abs, policy_for
+from weights import AttentionConfig, read_safetensors
+
+FORMAT = "mha-vectors"
+FORMAT_VERSION = "1"
+DEFAULT_DIR = Path(__file__).resolve().parent / "vectors"
+
+
+class VectorFormatError(ValueError):
+    pass
+
+
+def vector_name(case: str, dtype: str) -> str:
+    return f"{case}.{dtype}"
+
+
+def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    exp = expected_for(case, dtype)
+    arrays: dict[str, np.ndarray] = {}
+    arrays.update({f"weights.{k}": v for k, v in exp["tensors"].items()})
+    arrays.update({f"inputs.{k}": v for k, v in exp["inputs"].items()})
+    arrays["cotangent.output"] = exp["d_output"]
+    arrays["expected.output"] = exp["output"]
+    tolerance = {}
+
+    def tol(name, quantity, reference, floor=0.0):
+        t = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S, reference=reference,
+                       logits=exp["logits"], same_precision_error=exp["same_precision"].get(name), scale_floor=floor)
+        tolerance[name] = {"rtol": t.rtol, "atol": t.atol, "reason": t.reason}
+
+    tol("output", "output", exp["output"])
+    if case.return_weights:
+        arrays["expected.weights"] = exp["weights"]
+        tol("weights", "weights", exp["weights"])
+    for name, grad in exp["grads"].items():
+        arrays[f"expected.grad.{name}"] = grad
+        tol(f"grad {name}", "grad", grad, max_finite_abs(exp["magnitudes"][name]))
+    metadata = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "case": case.name, "dtype": dtype,
+        "config": case.config.to_json(), "options": json.dumps(case.options(dtype), sort_keys=True),
+        "tolerance": json.dumps(tolerance, sort_keys=True), "generator": "impl_numpy float64 reference",
+    }
+    return arrays, metadata
+
+
+def generate(directory: str | os.PathLike = DEFAULT_DIR, *, cases=None, dtypes=DTYPE_NAMES, overwrite: bool = True) -> list[Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in cases or CASES:
+        for dtype in dtypes:
+            arrays, metadata = build_vector(CASES[name], dtype)
+            path = directory / f"{vector_name(name, dtype)}.safetensors"
+            write_arrays(path, arrays, overwrite=overwrite, metadata=metadata)
+            written.append(path)
+    return written
+
+
+class Vector:
+    """One loaded vector file, split back into its parts."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        metadata, arrays = read_safetensors(self.path, error=VectorFormatError)
+        if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
+            raise VectorFormatError(f"{self.path}: not an {FORMAT} v{FORMAT_VERSION} file")
+        try:
+            self.name = f"{metadata['case']}.{metadata['dtype']}"
+            self.dtype = metadata["dtype"]
+            self.config = AttentionConfig.from_json(metadata["config"])
+            self.options = json.loads(metadata["options"])
+            self.tolerance = json.loads(metadata["tolerance"])
+        except (KeyError, ValueError) as err:
+            raise VectorFormatError(f"{self.path}: bad metadata: {err}") from None
+        groups: dict[str, dict[str, np.ndarray]] = {"weights": {}, "inputs": {}, "expected": {}, "cotangent": {}}
+        for key, value in arrays.items():
+            group, _, rest = key.partition(".")
+            if group not in groups:
+                raise VectorFormatError(f"{self.path}: unexpected tensor {key}")
+            groups[group][rest] = value
+        self.tensors = {k: groups["weights"][k] for k in self.config.tensor_shapes() if k in groups["weights"]}
+        self.inputs = groups["inputs"]
+        self.expected = groups["expected"]
+        self.cotangent = groups["cotangent"].get("output")
+
+
+def load_all(directory: str | os.PathLike = DEFAULT_DIR) -> list[Vector]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"--vectors {directory}: not a directory")
+    paths = sorted(directory.glob("*.safetensors"))
+    if not paths:
+        raise ValueError(f"--vectors {directory}: no *.safetensors vector files")
+    return [Vector(p) for p in paths]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("vectors", help="generate the conformance vectors from the float64 reference")
+    sub = p.add_subparsers(dest="vectors_command", required=True, parser_class=type(p))
+    g = sub.add_parser("generate", help="write one file per case and dtype")
+    g.add_argument("--out", default=str(DEFAULT_DIR), help=f"directory (default: the shipped {DEFAULT_DIR.name}/)")
+    g.add_argument("--cases", nargs="+", choices=list(CASES), default=None)
+    g.add_argument("--dtypes", nargs="+", choices=list(DTYPE_NAMES), default=list(DTYPE_NAMES))
+    g.set_defaults(func=run)
+
+
+def run(args) -> int:
+    written = generate(args.out, cases=args.cases, dtypes=args.dtypes)
+    total = sum(p.stat().st_size for p in written)
+    print(f"wrote {len(written)} vector files ({total / 1024:.0f} KiB) to {args.out}")
+    return 0

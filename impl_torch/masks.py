@@ -1,0 +1,39 @@
+"""Masks in the reference convention (bool, True = may attend), as torch tensors.
+
+Mirrors impl_numpy/masks.py's builders: the same masks, element for element,
+and the same error wording.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weights.contract import CAUSAL_ALIGNMENTS
+
+from .convert import dtype_name, to_torch
+
+
+def causal_mask(T: int, S: int, alignment: str = "top_left", device: torch.device | str | None = None) -> torch.Tensor:
+    """(T, S) bool. top_left: key j visible to query i iff j <= i.
+    bottom_right: iff j <= i + S - T (the last query sees every key, as in
+    decoding with a cache)."""
+    if alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {', '.join(CAUSAL_ALIGNMENTS)}: got {alignment!r}")
+    offset = 0 if alignment == "top_left" else S - T
+    return torch.arange(S, device=device)[None, :] <= torch.arange(T, device=device)[:, None] + offset  # (T, S)
+
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def padding_mask(lengths, S: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(B, 1, 1, S) bool: key j of batch b is visible iff j < lengths[b]."""
+    lengths = to_torch(lengths, device)
+    if lengths.ndim != 1 or lengths.dtype not in _INTEGER_DTYPES:
+        raise ValueError(
+            f"lengths must be a 1-D integer array: got dtype {dtype_name(lengths.dtype)} shape {tuple(lengths.shape)}"
+        )
+    if bool((lengths < 0).any()) or bool((lengths > S).any()):
+        raise ValueError(f"lengths must lie in [0, S={S}]: got {lengths.tolist()}")
+    arange = torch.arange(S, device=lengths.device)
+    return (arange[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)

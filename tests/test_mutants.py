@@ -1,0 +1,49 @@
+"""The suite fails realistic porting bugs, through both `mha check`'s
+comparison and `mha verify`, and passes the same port without the bug."""
+
+from __future__ import annotations
+
+import pytest
+from mutants import MUTANTS, MutantAdapter
+
+from conformance.cases import CASES
+from conformance.compare import STATUS_FAIL, STATUS_PASS, run_case
+from conformance.verify import verify
+
+DTYPES = ("float64", "float32", "bfloat16")
+
+
+def check_results(adapter, dtypes=DTYPES):
+    return [run_case(case, "mutant", dtype=dtype, adapter=adapter, gradients=False)
+            for case in CASES.values() for dtype in dtypes]
+
+
+def test_the_port_without_bugs_conforms():
+    results = check_results(MutantAdapter(None), dtypes=("float64", "float32", "float16", "bfloat16"))
+    bad = [f"{r.case}/{r.dtype}: {r.status} {r.worst.describe() if r.worst else r.message}" for r in results if r.status != STATUS_PASS]
+    assert not bad, "\n".join(bad)
+    failures = [r for r in verify(MutantAdapter(None)) if r.status != "pass"]
+    assert not failures, [f"{r.name}: {r.detail}" for r in failures]
+
+
+@pytest.mark.parametrize("bug", list(MUTANTS), ids=list(MUTANTS))
+def test_mutant_is_caught(bug):
+    adapter = MutantAdapter(bug)
+    results = check_results(adapter)
+    caught = [r for r in results if r.status == STATUS_FAIL]  # numerically wrong, not merely crashing
+    assert caught, f"mha check missed {bug} ({MUTANTS[bug]}) over {len(results)} case runs"
+    verified = verify(adapter)
+    failed = [r for r in verified if r.status == "fail"]
+    assert failed, f"mha verify missed {bug} ({MUTANTS[bug]}) over {len(verified)} vectors"
+    worst = max(r.margin for r in caught)
+    print(f"{bug}: check fails {len(caught)}/{len(results)} runs (worst margin {worst:.3g}); "
+          f"verify fails {len(failed)}/{len(verified)} vectors")
+
+
+def test_tf32_is_caught_in_float32_itself():
+    """The reason float32 tolerances are not loose: TF32 must fail float32 cases."""
+    results = check_results(MutantAdapter("tf32_matmul_inputs"), dtypes=("float32",))
+    failed = [r for r in results if r.status == STATUS_FAIL]
+    assert len(failed) >= len(results) // 2, f"TF32 caught in only {len(failed)}/{len(results)} float32 cases"
+    least = min(r.margin for r in failed)
+    print(f"tf32 in float32: {len(failed)}/{len(results)} cases fail, smallest failing margin {least:.3g}")

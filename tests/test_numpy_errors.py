@@ -1,0 +1,70 @@
+"""Every error path of a call: one line, naming the argument and the value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import weights
+from impl_numpy import multi_head_attention
+from weights import AttentionConfig
+
+CONFIG = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, dropout=0.1)
+TENSORS = weights.init(CONFIG, seed=0)
+X = np.zeros((2, 3, 4), np.float32)
+
+# (kwargs, exact message). Shared with the framework tests: every backend must
+# say the same words (tests/test_<framework>.py import this table).
+BAD_CALLS = [
+    (dict(query=np.zeros((3, 4), np.float32)), "query must have shape (B, L, query_dim) = (B, L, 4): got rank 2 shape (3, 4)"),
+    (dict(query=np.zeros((2, 3, 5), np.float32)), "query must have query_dim=4 features: got shape (2, 3, 5)"),
+    (dict(key=np.zeros((3, 3, 4), np.float32)), "query, key and value must share the batch size B: got 2, 3, 3"),
+    (dict(key=np.zeros((2, 3, 4), np.float32), value=np.zeros((2, 4, 4), np.float32)),
+     "key and value must share the length S: got key shape (2, 3, 4), value shape (2, 4, 4)"),
+    (dict(query=np.zeros((2, 0, 4), np.float32)), "query is empty: got shape (2, 0, 4); empty batches and sequences are refused"),
+    (dict(mask=np.ones((3, 3), np.float32)), "mask must be bool with True = may attend: got dtype float32 (an additive float mask goes in bias=)"),
+    (dict(mask=np.ones((2, 3), bool)), "mask has shape (2, 3), which does not broadcast to (B, N, T, S) = (2, 2, 3, 3); accepted: (T, S), (B, T, S), (B, 1, T, S) or (B, N, T, S)"),
+    (dict(mask=np.ones((3,), bool)), "mask must have shape (T, S), (B, T, S), (B, 1, T, S) or (B, N, T, S): got rank 1 shape (3,)"),
+    (dict(bias=np.ones((3, 3), bool)), "bias must be a float array: got dtype bool"),
+    (dict(bias=np.full((3, 3), np.nan)), "bias must not contain NaN or +inf (use -inf to mask a position)"),
+    (dict(is_causal=True, causal_alignment="bottom-right"), "causal_alignment must be one of top_left, bottom_right: got 'bottom-right'"),
+    (dict(dropout_mask=np.ones((2, 2, 3, 3), bool)), "dropout_mask was given but training is false; pass training=True (CLI: --training)"),
+    (dict(training=True), "training with dropout=0.1 needs dropout_mask (a bool keep-mask) or seed; got neither"),
+    (dict(training=True, dropout_mask=np.ones((2, 3, 3), bool)), "dropout_mask must have shape (B, N, T, S) = (2, 2, 3, 3): got (2, 3, 3)"),
+    (dict(dtype="int8"), "dtype must be one of float16, bfloat16, float32, float64: got 'int8'"),
+]
+
+
+def call_numpy(kwargs):
+    kwargs = dict(kwargs)
+    query = kwargs.pop("query", X)
+    return multi_head_attention(CONFIG, TENSORS, query, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_CALLS, ids=[m[:40] for _, m in BAD_CALLS])
+def test_bad_call_message(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        call_numpy(kwargs)
+    assert str(info.value) == message
+
+
+def test_bad_tensors_are_listed():
+    tensors = dict(TENSORS)
+    del tensors["query.bias"]
+    with pytest.raises(weights.WeightsFormatError, match="tensors: missing tensors: query.bias"):
+        multi_head_attention(CONFIG, tensors, X)
+
+
+def test_chunk_size_errors():
+    with pytest.raises(ValueError, match="chunk_size cannot be combined with return_weights"):
+        multi_head_attention(CONFIG, TENSORS, X, chunk_size=2, return_weights=True)
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer: got 0"):
+        multi_head_attention(CONFIG, TENSORS, X, chunk_size=0)
+
+
+def test_nan_in_query_propagates():
+    x = X.copy()
+    x[0, 1, 2] = np.nan
+    out = multi_head_attention(CONFIG, TENSORS, x)
+    assert np.isnan(out[0]).all(), "a NaN token reaches every output row of its sequence through keys/values"
+    assert np.isfinite(out[1]).all(), "other sequences stay finite"

@@ -55,6 +55,8 @@ def one_line_error(excinfo, *pieces):
         assert piece in message, f"{piece!r} not in {message!r}"
 
 
+MARKS = {".pt": pytest.mark.torch, ".pth": pytest.mark.torch, ".bin": pytest.mark.torch,
+         ".weights.h5": pytest.mark.tf, ".msgpack": pytest.mark.jax, ".safetensors": ()}
 CASES = [  # (layout, file extension, config)
     ("torch-mha", ".pt", dict(num_heads=2, query_dim=8, head_dim=4)),
     ("torch-mha", ".safetensors", dict(num_heads=2, query_dim=8, head_dim=4, key_dim=3, value_dim=5)),
@@ -72,10 +74,11 @@ CASES = [  # (layout, file extension, config)
     ("hf-bert", ".safetensors", dict(num_heads=2, query_dim=8, head_dim=4)),
     ("hf-gpt2", ".bin", dict(num_heads=2, query_dim=8, head_dim=4)),
 ]
+CASES = [pytest.param(*case, marks=MARKS[case[1]], id=f"{case[0]}{case[1]}") for case in CASES]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("layout,ext,dims", CASES, ids=[f"{c[0]}{c[1]}" for c in CASES])
+@pytest.mark.parametrize("layout,ext,dims", CASES)
 def test_round_trip_through_files(tmp_path, layout, ext, dims, dtype):
     need(ext)
     config = AttentionConfig(**dims)
@@ -93,6 +96,7 @@ def test_round_trip_through_files(tmp_path, layout, ext, dims, dtype):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["w.safetensors", foreign.name, "back.safetensors"])
 
 
+@pytest.mark.torch
 def test_layout_to_layout_and_names(tmp_path):
     pytest.importorskip("torch", reason="torch not installed: the .pt file kind needs it")
     config = AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
@@ -231,6 +235,7 @@ class _Plant:
         return (open, (self.marker, "w"))
 
 
+@pytest.mark.torch
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")  # the raw pickle below
 def test_torch_file_with_code_is_refused(tmp_path):
     torch = pytest.importorskip("torch", reason="torch not installed: the .pt file kind needs it")
@@ -256,6 +261,7 @@ def test_torch_file_with_code_is_refused(tmp_path):
     assert marker.exists(), "the payload did not plant its marker: the test proves nothing"
 
 
+@pytest.mark.torch
 def test_torch_checkpoint_nested_and_native(tmp_path):
     torch = pytest.importorskip("torch", reason="torch not installed: the .pt file kind needs it")
     from impl_torch.native import from_native
@@ -273,6 +279,7 @@ def test_torch_checkpoint_nested_and_native(tmp_path):
 
 # -- Keras and Flax files written by the frameworks themselves ----------------------------------
 
+@pytest.mark.tf
 def test_keras_weights_files_both_ways(tmp_path):
     pytest.importorskip("tensorflow", reason="TensorFlow not installed: pip install 'mha-conformance[tf]'")
     keras = pytest.importorskip("keras", reason="Keras not installed: pip install 'mha-conformance[tf]'")
@@ -305,6 +312,7 @@ def test_keras_weights_files_both_ways(tmp_path):
     one_line_error(info, "DST", "W_query.weight")
 
 
+@pytest.mark.jax
 def test_flax_msgpack_written_by_flax(tmp_path):
     jax = pytest.importorskip("jax", reason="JAX not installed: pip install 'mha-conformance[jax]'")
     pytest.importorskip("flax", reason="Flax not installed: pip install 'mha-conformance[jax]'")

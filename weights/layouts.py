@@ -1,0 +1,1024 @@
+"""Foreign weight layouts <-> the canonical tensors: one named table per layout.
+
+NumPy only, never a framework: a layout's `state` maps its own tensor names to
+NumPy arrays (the impl_*/native.py modules and conformance/files.py turn live
+objects and files into such dicts).
+
+    to_canonical(layout, state, **hints) -> (AttentionConfig, tensors)
+    from_canonical(layout, config, tensors, **hints) -> state
+
+How to read a table
+-------------------
+Every canonical tensor has a *flat view*: a projection kernel (in, heads, width)
+is the matrix (in, heads*width), heads outermost (exactly what
+impl_numpy's split_heads undoes); the output kernel (N, V, O) is (N*V, O); a
+bias is its flat vector. A row names one foreign tensor, the canonical
+tensor(s) it holds, and its *form*:
+
+    linear  torch nn.Linear, HF BERT:       weight = flat.T (out, in); bias = flat
+    dense   Keras Dense, HF GPT-2 Conv1D:   kernel = flat (in, out); bias = flat
+    heads   Keras EinsumDense, Flax         the canonical shape itself
+            DenseGeneral, canonical:
+
+A row naming several canonical tensors holds them concatenated along the
+feature (out) axis in that order: torch `in_proj_weight` = [Wq; Wk; Wv], GPT-2
+`c_attn` = [q | k | v]. A key with `{i}` repeats for each head i and holds that
+head's slice (kernel[:, i, :], bias[i]). Conversion is transposes, reshapes,
+concatenation and slicing only, so every round trip is bit-exact in every dtype.
+
+| layout            | foreign key (defaults; {role} names overridable)  | canonical                  | form   |
+|-------------------|---------------------------------------------------|----------------------------|--------|
+| canonical         | query.kernel, query.bias, ... output.bias         | the same                   | heads  |
+| torch-mha         | in_proj_weight (3E, E), in_proj_bias (3E)         | query+key+value            | linear |
+|   (kdim/vdim != E)| q_proj_weight, k_proj_weight, v_proj_weight       | query / key / value.kernel | linear |
+|                   | out_proj.weight (E, E), out_proj.bias             | output                     | linear |
+| torch-linears     | {query}.weight/.bias  W_query  (N*H, D)           | query                      | linear |
+|                   | {key} W_key, {value} W_value, {output} out_proj   | key, value, output         | linear |
+| torch-fused-qkv   | {qkv}.weight (3*N*H, D) qkv (or qkv_proj), .bias  | query+key+value            | linear |
+|                   | {output}.weight (O, N*H) proj (or out_proj)       | output                     | linear |
+| torch-per-head    | heads.{i}.W_q.weight (H, D), .bias; W_k; W_v      | head i of query/key/value  | linear |
+|                   | fc_out.weight (O, N*V), fc_out.bias               | output                     | linear |
+| keras-split-heads | WQ/kernel (D, N*H), WQ/bias; WK; WV               | query, key, value          | dense  |
+|                   | WO/kernel (N*V, O), WO/bias                       | output                     | dense  |
+| keras-mha         | query/kernel (D, N, H), query/bias; key; value    | query, key, value          | heads  |
+|                   | attention_output/kernel (N, V, O), .../bias       | output                     | heads  |
+| flax-linen-mha    | query/kernel (D, N, H) ...; out/kernel (N, H, O)  | query ... output           | heads  |
+| flax-nnx-mha      | the same keys as flax-linen-mha (GQA allowed)     | query ... output           | heads  |
+| hf-bert           | [P]encoder.layer.{L}.attention.self.query.weight  | query (key, value alike)   | linear |
+|                   | [P]encoder.layer.{L}.attention.output.dense.weight| output                     | linear |
+| hf-gpt2           | [P]h.{L}.attn.c_attn.weight (E, 3E), .bias        | query+key+value            | dense  |
+|                   | [P]h.{L}.attn.c_proj.weight (E, E), .bias         | output                     | dense  |
+
+What a layout cannot express (from_canonical raises ValueError naming the
+field and value; the same rules shape-check to_canonical):
+- torch-mha: num_kv_heads == num_heads, value_head_dim == head_dim,
+  query_dim == out_dim == num_heads*head_dim, and with kdim == vdim ==
+  embed_dim the packed in_proj_weight (else q/k/v_proj_weight); one `bias`
+  flag for all four projections.
+- torch-fused-qkv: one input (key_dim == value_dim == query_dim), equal q/k/v
+  widths (no GQA, value_head_dim == head_dim); q, k, v biases together.
+- torch-per-head: no GQA (each head owns its key and value projection).
+- keras-mha: no GQA; one use_bias. flax-linen-mha: no GQA, value_head_dim ==
+  head_dim, one use_bias. flax-nnx-mha: value_head_dim == head_dim, key_dim ==
+  value_dim (in_kv_features), one use_bias; GQA allowed (num_kv_heads).
+- hf-bert, hf-gpt2: every dimension is hidden_size = num_heads*head_dim, no
+  GQA, all four biases present.
+- torch-linears, keras-split-heads and canonical express every config.
+Behaviour fields (scale, dropout, masked_row) live in no state dict: they come
+from hints (`scale=`, `dropout=`, `masked_row=`), and for hf-* from the
+checkpoint's config.json (`hf_config=`: attention dropout, GPT-2's
+scale_attn_weights and scale_attn_by_inverse_layer_idx). from_canonical drops
+them. GPT-2 is causal: call the converted weights with is_causal=True.
+
+Hints
+-----
+num_heads   for layouts that flatten the heads (torch-*, keras-split-heads,
+            hf-*); checked against the heads a layout stores visibly.
+names       role -> module name ({"query": "W_q", ...}) or the names in role
+            order (torch-linears, torch-fused-qkv, torch-per-head,
+            keras-split-heads; see ROLES).
+prefix      what precedes the table's keys ("attn.", "params/",
+            "layers/multi_head_attention/", "bert."). Detected when left out:
+            a unique prefix under which the first row's key exists. Keys
+            outside the prefix belong to other modules and are ignored; keys
+            inside it that the table does not name are errors (hf-* read
+            their rows out of a whole checkpoint and ignore the rest).
+ignore      fnmatch patterns of keys to skip (buffers, optimizer state).
+layer       hf-*: which block; needed when the checkpoint has several.
+hf_config   hf-*: the checkpoint's config.json, as a dict or a path.
+config      canonical only: the AttentionConfig to check the tensors against.
+
+Every problem with a state is collected and raised as ONE WeightsFormatError:
+missing keys, unexpected keys, wrong shapes, wrong or mixed dtypes, NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .config import AttentionConfig
+from .dtypes import DTYPES, resolve_dtype
+from .format import WeightsFormatError, validate_tensors
+
+LINEAR, DENSE, HEADS = "linear", "dense", "heads"
+
+# Shape letters (impl_numpy's) <-> AttentionConfig fields. D, Dk, Dv are the
+# query, key and value input features.
+FIELDS = {
+    "N": "num_heads", "K": "num_kv_heads", "H": "head_dim", "V": "value_head_dim",
+    "D": "query_dim", "Dk": "key_dim", "Dv": "value_dim", "O": "out_dim",
+}
+LETTER = {field: letter for letter, field in FIELDS.items()}
+
+# A size is a sum of products of letters: (("N", "H"),) is N*H.
+# Canonical axes, the flat view, and one head's slice, per tensor.
+AXES = {
+    "query.kernel": ("D", "N", "H"), "query.bias": ("N", "H"),
+    "key.kernel": ("Dk", "K", "H"), "key.bias": ("K", "H"),
+    "value.kernel": ("Dv", "K", "V"), "value.bias": ("K", "V"),
+    "output.kernel": ("N", "V", "O"), "output.bias": ("O",),
+}
+FLAT = {
+    "query.kernel": (("D",), ("N", "H")), "query.bias": (("N", "H"),),
+    "key.kernel": (("Dk",), ("K", "H")), "key.bias": (("K", "H"),),
+    "value.kernel": (("Dv",), ("K", "V")), "value.bias": (("K", "V"),),
+    "output.kernel": (("N", "V"), ("O",)), "output.bias": (("O",),),
+}
+HEAD = {
+    "query.kernel": (("D",), ("H",)), "query.bias": (("H",),),
+    "key.kernel": (("Dk",), ("H",)), "key.bias": (("H",),),
+    "value.kernel": (("Dv",), ("V",)), "value.bias": (("V",),),
+}
+BIAS_FLAG = {
+    "query.bias": "use_query_bias", "key.bias": "use_key_bias",
+    "value.bias": "use_value_bias", "output.bias": "use_output_bias",
+}
+
+TO_HINTS = frozenset({"num_heads", "names", "prefix", "ignore", "layer", "hf_config", "config",
+                      "scale", "dropout", "masked_row"})
+FROM_HINTS = frozenset({"names", "prefix", "layer"})
+
+
+# -- the table vocabulary --------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    key: str  # foreign name relative to the prefix; {role} and {i} (head index) are filled in
+    parts: tuple[str, ...]  # canonical tensors, concatenated along the feature axis
+    form: str  # LINEAR | DENSE | HEADS
+
+    @property
+    def is_bias(self) -> bool:
+        return self.parts[0].endswith(".bias")
+
+    @property
+    def per_head(self) -> bool:
+        return "{i}" in self.key
+
+
+@dataclasses.dataclass(frozen=True)
+class Tie:
+    field: str  # a config field this layout cannot set freely ...
+    equals: str  # ... because it always equals this product of fields
+    why: str
+
+    @property
+    def letter(self) -> str:
+        return LETTER[self.field]
+
+    @property
+    def product(self) -> tuple[str, ...]:
+        return tuple(LETTER[f] for f in self.equals.split("*"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    rows: tuple[Row, ...]
+    ties: tuple[Tie, ...] = ()
+    when: Callable[[AttentionConfig], bool] | None = None  # from_canonical picks the first table this accepts
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    id: str
+    description: str
+    tables: tuple[Table, ...]
+    sep: str  # what joins module names in this layout's keys
+    roles: tuple[dict[str, str], ...] = ({},)  # default module names; alternatives accepted on read
+    bias: str = "each"  # "each": any bias may be absent; "all": all or none; "required": always present
+    bias_why: str = ""
+    scope: str = ""  # hf-*: the block's path, with {layer}
+    select: bool = False  # hf-*: read the table's keys out of a whole checkpoint, ignore the rest
+    ignored: tuple[str, ...] = ()  # keys (relative to the prefix) that are buffers, not weights
+    hf: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None  # config.json -> defaults
+    heads_visible: bool = False  # the number of heads can be read off the tensors
+
+
+def R(key: str, parts: str, form: str) -> Row:
+    return Row(key, tuple(parts.split()), form)
+
+
+NO_GQA = "num_heads"  # Tie target for "no grouped-query attention"
+
+
+def _bert_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    position = cfg.get("position_embedding_type", "absolute")
+    if position != "absolute":
+        raise ValueError(
+            f"hf_config: position_embedding_type={position!r} adds relative-position terms to the logits, "
+            "which the canonical config cannot express; only 'absolute' converts"
+        )
+    return {"num_heads": cfg.get("num_attention_heads"), "hidden": cfg.get("hidden_size"),
+            "dropout": cfg.get("attention_probs_dropout_prob"), "scale": None, "scale_by_layer": False}
+
+
+def _gpt2_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"num_heads": cfg.get("n_head"), "hidden": cfg.get("n_embd"), "dropout": cfg.get("attn_pdrop"),
+            "scale": None if cfg.get("scale_attn_weights", True) else 1.0,
+            "scale_by_layer": bool(cfg.get("scale_attn_by_inverse_layer_idx", False))}
+
+
+_HIDDEN_TIES = (
+    Tie("num_kv_heads", NO_GQA, "no grouped-query attention"),
+    Tie("value_head_dim", "head_dim", "value heads are hidden_size // num_heads wide"),
+    Tie("query_dim", "num_heads*head_dim", "hidden_size = num_heads * head_dim"),
+    Tie("key_dim", "num_heads*head_dim", "keys are projected from hidden states"),
+    Tie("value_dim", "num_heads*head_dim", "values are projected from hidden states"),
+    Tie("out_dim", "num_heads*head_dim", "the output projection maps hidden_size to hidden_size"),
+)
+
+_TORCH_MHA_TIES = (
+    Tie("num_kv_heads", NO_GQA, "nn.MultiheadAttention has no grouped-query attention"),
+    Tie("value_head_dim", "head_dim", "nn.MultiheadAttention's value heads are embed_dim // num_heads wide"),
+    Tie("query_dim", "num_heads*head_dim", "nn.MultiheadAttention's embed_dim = num_heads * head_dim"),
+    Tie("out_dim", "num_heads*head_dim", "nn.MultiheadAttention's output width is embed_dim"),
+)
+
+LAYOUT_LIST = (
+    Layout(
+        "canonical", "the common format's own tensors: query.kernel (D, N, H) ... output.bias (O,)",
+        sep=".", heads_visible=True,
+        tables=(Table((
+            R("query.kernel", "query.kernel", HEADS), R("query.bias", "query.bias", HEADS),
+            R("key.kernel", "key.kernel", HEADS), R("key.bias", "key.bias", HEADS),
+            R("value.kernel", "value.kernel", HEADS), R("value.bias", "value.bias", HEADS),
+            R("output.kernel", "output.kernel", HEADS), R("output.bias", "output.bias", HEADS),
+        )),),
+    ),
+    Layout(
+        "torch-mha", "torch nn.MultiheadAttention state dict: in_proj_weight (3E, E) = [Wq; Wk; Wv] "
+        "(q/k/v_proj_weight when kdim/vdim != E), out_proj; hint num_heads",
+        sep=".", bias="all", bias_why="nn.MultiheadAttention(bias=...) gives all four projections a bias or none",
+        tables=(
+            Table((
+                R("in_proj_weight", "query.kernel key.kernel value.kernel", LINEAR),  # (3E, E)
+                R("in_proj_bias", "query.bias key.bias value.bias", LINEAR),  # (3E,)
+                R("out_proj.weight", "output.kernel", LINEAR),  # (E, E)
+                R("out_proj.bias", "output.bias", LINEAR),  # (E,)
+            ), ties=_TORCH_MHA_TIES + (
+                Tie("key_dim", "num_heads*head_dim", "kdim == embed_dim uses the packed in_proj_weight"),
+                Tie("value_dim", "num_heads*head_dim", "vdim == embed_dim uses the packed in_proj_weight"),
+            ), when=lambda c: c.key_dim == c.query_dim == c.value_dim, note="packed (kdim == vdim == embed_dim)"),
+            Table((
+                R("q_proj_weight", "query.kernel", LINEAR),  # (E, E)
+                R("k_proj_weight", "key.kernel", LINEAR),  # (E, kdim)
+                R("v_proj_weight", "value.kernel", LINEAR),  # (E, vdim)
+                R("in_proj_bias", "query.bias key.bias value.bias", LINEAR),  # (3E,)
+                R("out_proj.weight", "output.kernel", LINEAR),
+                R("out_proj.bias", "output.bias", LINEAR),
+            ), ties=_TORCH_MHA_TIES, note="separate (kdim or vdim != embed_dim)"),
+        ),
+    ),
+    Layout(
+        "torch-linears", "separate q/k/v/out nn.Linear modules {query}.weight (N*H, D) ... (seed 004: "
+        "W_query, W_key, W_value, out_proj; its `mask` buffer is skipped); hint num_heads",
+        sep=".", roles=({"query": "W_query", "key": "W_key", "value": "W_value", "output": "out_proj"},),
+        ignored=("mask",),  # seed 004's causal-mask buffer (triu of ones): call with is_causal=True
+        tables=(Table((
+            R("{query}.weight", "query.kernel", LINEAR), R("{query}.bias", "query.bias", LINEAR),
+            R("{key}.weight", "key.kernel", LINEAR), R("{key}.bias", "key.bias", LINEAR),
+            R("{value}.weight", "value.kernel", LINEAR), R("{value}.bias", "value.bias", LINEAR),
+            R("{output}.weight", "output.kernel", LINEAR), R("{output}.bias", "output.bias", LINEAR),
+        )),),
+    ),
+    Layout(
+        "torch-fused-qkv", "one nn.Linear {qkv}.weight (3*N*H, D) with q, k, v stacked, then {output} "
+        "(seed 002: qkv/proj; seed 000: qkv_proj/out_proj); hint num_heads",
+        sep=".", roles=({"qkv": "qkv", "output": "proj"}, {"qkv": "qkv_proj", "output": "out_proj"}),
+        tables=(Table((
+            R("{qkv}.weight", "query.kernel key.kernel value.kernel", LINEAR),  # (3*N*H, D)
+            R("{qkv}.bias", "query.bias key.bias value.bias", LINEAR),  # (3*N*H,)
+            R("{output}.weight", "output.kernel", LINEAR),  # (O, N*H)
+            R("{output}.bias", "output.bias", LINEAR),
+        ), ties=(
+            Tie("num_kv_heads", NO_GQA, "qkv is reshaped (B, T, 3, N, H): q, k, v have the same heads"),
+            Tie("value_head_dim", "head_dim", "qkv is reshaped (B, T, 3, N, H): one head width"),
+            Tie("key_dim", "query_dim", "one input x feeds q, k and v"),
+            Tie("value_dim", "query_dim", "one input x feeds q, k and v"),
+        )),),
+    ),
+    Layout(
+        "torch-per-head", "a ModuleList of single-head modules {heads}.{i}.W_q/W_k/W_v (H, D) and {output} "
+        "fc_out (O, N*V) (seed 001); N is the number of heads found",
+        sep=".", heads_visible=True,
+        roles=({"heads": "heads", "query": "W_q", "key": "W_k", "value": "W_v", "output": "fc_out"},),
+        tables=(Table((
+            R("{heads}.{i}.{query}.weight", "query.kernel", LINEAR),  # (H, D), head i
+            R("{heads}.{i}.{query}.bias", "query.bias", LINEAR),
+            R("{heads}.{i}.{key}.weight", "key.kernel", LINEAR),  # (H, Dk)
+            R("{heads}.{i}.{key}.bias", "key.bias", LINEAR),
+            R("{heads}.{i}.{value}.weight", "value.kernel", LINEAR),  # (V, Dv)
+            R("{heads}.{i}.{value}.bias", "value.bias", LINEAR),
+            R("{output}.weight", "output.kernel", LINEAR), R("{output}.bias", "output.bias", LINEAR),
+        ), ties=(Tie("num_kv_heads", NO_GQA, "each head owns its key and value projections"),)),),
+    ),
+    Layout(
+        "keras-split-heads", "Keras Dense layers {query}/kernel (D, N*H) ... {output}/kernel (N*V, O) "
+        "(seed 003: WQ, WK, WV, WO); hint num_heads",
+        sep="/", roles=({"query": "WQ", "key": "WK", "value": "WV", "output": "WO"},),
+        tables=(Table((
+            R("{query}/kernel", "query.kernel", DENSE), R("{query}/bias", "query.bias", DENSE),
+            R("{key}/kernel", "key.kernel", DENSE), R("{key}/bias", "key.bias", DENSE),
+            R("{value}/kernel", "value.kernel", DENSE), R("{value}/bias", "value.bias", DENSE),
+            R("{output}/kernel", "output.kernel", DENSE), R("{output}/bias", "output.bias", DENSE),
+        )),),
+    ),
+    Layout(
+        "keras-mha", "keras.layers.MultiHeadAttention variables: query/kernel (D, N, H) ... "
+        "attention_output/kernel (N, V, O)",
+        sep="/", heads_visible=True, bias="all", bias_why="MultiHeadAttention(use_bias=...) covers every projection",
+        tables=(Table((
+            R("query/kernel", "query.kernel", HEADS), R("query/bias", "query.bias", HEADS),
+            R("key/kernel", "key.kernel", HEADS), R("key/bias", "key.bias", HEADS),
+            R("value/kernel", "value.kernel", HEADS), R("value/bias", "value.bias", HEADS),
+            R("attention_output/kernel", "output.kernel", HEADS), R("attention_output/bias", "output.bias", HEADS),
+        ), ties=(Tie("num_kv_heads", NO_GQA, "keras MultiHeadAttention has no grouped-query attention "
+                                            "(keras.layers.GroupedQueryAttention is another layer)"),)),),
+    ),
+    Layout(
+        "flax-linen-mha", "flax.linen.MultiHeadDotProductAttention params flattened with '/': "
+        "query/kernel (D, N, H) ... out/kernel (N, H, O)",
+        sep="/", heads_visible=True, bias="all", bias_why="use_bias covers every projection",
+        tables=(Table((
+            R("query/kernel", "query.kernel", HEADS), R("query/bias", "query.bias", HEADS),
+            R("key/kernel", "key.kernel", HEADS), R("key/bias", "key.bias", HEADS),
+            R("value/kernel", "value.kernel", HEADS), R("value/bias", "value.bias", HEADS),
+            R("out/kernel", "output.kernel", HEADS), R("out/bias", "output.bias", HEADS),
+        ), ties=(
+            Tie("num_kv_heads", NO_GQA, "linen MultiHeadDotProductAttention has no grouped-query attention"),
+            Tie("value_head_dim", "head_dim", "qkv_features sets the query, key and value head width"),
+        )),),
+    ),
+    Layout(
+        "flax-nnx-mha", "flax.nnx.MultiHeadAttention Params flattened with '/': the same keys as "
+        "flax-linen-mha, with num_kv_heads allowed",
+        sep="/", heads_visible=True, bias="all", bias_why="use_bias covers every projection",
+        tables=(Table((
+            R("query/kernel", "query.kernel", HEADS), R("query/bias", "query.bias", HEADS),
+            R("key/kernel", "key.kernel", HEADS), R("key/bias", "key.bias", HEADS),
+            R("value/kernel", "value.kernel", HEADS), R("value/bias", "value.bias", HEADS),
+            R("out/kernel", "output.kernel", HEADS), R("out/bias", "output.bias", HEADS),
+        ), ties=(
+            Tie("value_head_dim", "head_dim", "qkv_features sets the query, key and value head width"),
+            Tie("value_dim", "key_dim", "in_kv_features sets both the key and the value input width"),
+        )),),
+    ),
+    Layout(
+        "hf-bert", "a BERT-family checkpoint's self-attention: [prefix]encoder.layer.{L}.attention."
+        "self.{query,key,value} and output.dense nn.Linears; hints layer, num_heads or hf_config",
+        sep=".", bias="required", bias_why="BERT's Linear layers always have biases",
+        scope="encoder.layer.{layer}.attention.", select=True, hf=_bert_config,
+        tables=(Table((
+            R("self.query.weight", "query.kernel", LINEAR), R("self.query.bias", "query.bias", LINEAR),
+            R("self.key.weight", "key.kernel", LINEAR), R("self.key.bias", "key.bias", LINEAR),
+            R("self.value.weight", "value.kernel", LINEAR), R("self.value.bias", "value.bias", LINEAR),
+            R("output.dense.weight", "output.kernel", LINEAR), R("output.dense.bias", "output.bias", LINEAR),
+        ), ties=_HIDDEN_TIES),),
+    ),
+    Layout(
+        "hf-gpt2", "a GPT-2 checkpoint's attention: [prefix]h.{L}.attn.c_attn Conv1D weight (E, 3E) = "
+        "[q | k | v], c_proj (E, E); hints layer, num_heads or hf_config; causal",
+        sep=".", bias="required", bias_why="GPT-2's Conv1D layers always have biases",
+        scope="h.{layer}.attn.", select=True, hf=_gpt2_config,
+        tables=(Table((
+            R("c_attn.weight", "query.kernel key.kernel value.kernel", DENSE),  # (E, 3E), y = x W + b
+            R("c_attn.bias", "query.bias key.bias value.bias", DENSE),  # (3E,)
+            R("c_proj.weight", "output.kernel", DENSE),  # (E, E)
+            R("c_proj.bias", "output.bias", DENSE),
+        ), ties=_HIDDEN_TIES),),
+    ),
+)
+
+_BY_ID = {layout.id: layout for layout in LAYOUT_LIST}
+LAYOUTS: dict[str, str] = {layout.id: layout.description for layout in LAYOUT_LIST}
+ROLES: dict[str, tuple[str, ...]] = {layout.id: tuple(layout.roles[0]) for layout in LAYOUT_LIST if layout.roles[0]}
+
+
+# -- small helpers -----------------------------------------------------------------
+
+Size = tuple[tuple[str, ...], ...]  # a sum of products of letters
+
+
+def spec(layout: str) -> Layout:
+    """The Layout (its tables, ties and bias rule) for a layout id."""
+    return _get(layout)
+
+
+def _get(layout: str) -> Layout:
+    if isinstance(layout, Layout):
+        return layout
+    try:
+        return _BY_ID[layout]
+    except (KeyError, TypeError):
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}: got {layout!r}") from None
+
+
+def _substitute(size: Size, ties: Mapping[str, tuple[str, ...]]) -> Size:
+    """Replace tied letters by the product they equal (ties are written in free letters)."""
+    out = []
+    for term in size:
+        expanded: list[str] = []
+        for letter in term:
+            expanded.extend(ties.get(letter, (letter,)))
+        out.append(tuple(expanded))
+    return tuple(out)
+
+
+def _evaluate(size: Size, dims: Mapping[str, int | None]) -> int | None:
+    total = 0
+    for term in size:
+        value = 1
+        for letter in term:
+            if dims.get(letter) is None:
+                return None
+            value *= dims[letter]
+        total += value
+    return total
+
+
+def _row_size(row: Row) -> tuple[Size, ...]:
+    """The foreign tensor's shape: one size (a sum of products of letters) per axis."""
+    if row.form == HEADS:
+        return tuple(((letter,),) for letter in AXES[row.parts[0]])
+    if row.per_head:
+        axes = tuple((product,) for product in HEAD[row.parts[0]])
+    else:  # the parts are concatenated along the last (feature) axis and share the others
+        flats = [FLAT[p] for p in row.parts]
+        axes = tuple((product,) for product in flats[0][:-1]) + (tuple(f[-1] for f in flats),)
+    return axes[::-1] if row.form == LINEAR else axes
+
+
+def _fmt_shape(shape: Sequence[int | None]) -> str:
+    inner = ", ".join("?" if d is None else str(d) for d in shape)
+    return f"({inner},)" if len(shape) == 1 else f"({inner})"
+
+
+def _ties(table: Table) -> dict[str, tuple[str, ...]]:
+    return {tie.letter: tie.product for tie in table.ties}
+
+
+def _fill(template: str, roles: Mapping[str, str], i: int | None = None) -> str:
+    return template.format(**roles, i="{i}" if i is None else i)
+
+
+def _names_hint(layout: Layout, names) -> dict[str, str] | None:
+    if names is None:
+        return None
+    roles = layout.roles[0]
+    if not roles:
+        raise ValueError(f"names: layout {layout.id} has fixed names; names apply to {', '.join(ROLES)}: got {names!r}")
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+        if all("=" in n for n in names):
+            names = dict(n.split("=", 1) for n in names)
+    if isinstance(names, Mapping):
+        unknown = sorted(set(names) - set(roles))
+        if unknown:
+            raise ValueError(f"names: {layout.id} has roles {', '.join(roles)}: got unknown {', '.join(unknown)}")
+        chosen = {**roles, **{k: str(v) for k, v in names.items()}}
+    else:
+        names = list(names)
+        if len(names) != len(roles):
+            raise ValueError(
+                f"names: {layout.id} needs {len(roles)} names ({', '.join(roles)}) in that order, "
+                f"or role=name pairs: got {len(names)}: {', '.join(map(str, names))}"
+            )
+        chosen = dict(zip(roles, map(str, names)))
+    for role, name in chosen.items():
+        if not name or name.startswith(layout.sep) or name.endswith(layout.sep):
+            raise ValueError(f"names: {role} must be a module name like {roles[role]!r}: got {name!r}")
+    return chosen
+
+
+def _check_hints(where: str, layout: Layout, hints: Mapping[str, Any], allowed: frozenset) -> None:
+    unknown = sorted(set(hints) - allowed)
+    if unknown:
+        raise ValueError(
+            f"{where}({layout.id}): unknown hints {', '.join(unknown)}; accepted: {', '.join(sorted(allowed))}"
+        )
+    inapplicable = []
+    if layout.hf is None:
+        inapplicable += [h for h in ("layer", "hf_config") if hints.get(h) is not None]
+    if layout.id != "canonical" and hints.get("config") is not None:
+        inapplicable.append("config")
+    if inapplicable:
+        raise ValueError(f"{where}({layout.id}): hints {', '.join(inapplicable)} do not apply to this layout")
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer: got {value!r}")
+    return int(value)
+
+
+def _load_hf_config(value) -> Mapping[str, Any] | None:
+    if value is None or isinstance(value, Mapping):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        try:
+            with open(value, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except OSError as err:
+            raise ValueError(f"hf_config: cannot read {value}: {err.strerror or err}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"hf_config: {value} is not JSON: {err.msg} at line {err.lineno}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"hf_config: {value} must hold a JSON object")
+        return data
+    raise ValueError(f"hf_config must be a dict or the path of config.json: got {type(value).__name__}")
+
+
+# -- locating the table in a state dict ----------------------------------------------
+
+@dataclasses.dataclass
+class _Place:
+    table: Table
+    roles: dict[str, str]
+    prefix: str
+    layer: int | None
+
+    def base(self, layout: Layout) -> str:
+        return self.prefix + layout.scope.format(layer=self.layer)
+
+
+def _anchor_pattern(layout: Layout, table: Table, roles: Mapping[str, str]) -> re.Pattern:
+    anchor = _fill(table.rows[0].key, roles, 0)
+    scope = re.escape(layout.scope).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+    return re.compile(r"(?P<prefix>.*?)" + scope + re.escape(anchor))
+
+
+def _candidates(layout: Layout, state: Mapping[str, Any], names: dict[str, str] | None):
+    """Every (table, roles, prefix) under which the first row's key exists, with the layers found."""
+    found: dict[tuple[int, int, str], set] = {}
+    role_sets = [names] if names is not None else list(layout.roles)
+    for t_index, table in enumerate(layout.tables):
+        for r_index, roles in enumerate(role_sets):
+            pattern = _anchor_pattern(layout, table, roles)
+            for key in state:
+                match = pattern.fullmatch(key)
+                if not match:
+                    continue
+                prefix = match.group("prefix")
+                if prefix and not prefix.endswith(layout.sep):
+                    continue
+                layer = int(match.group("layer")) if layout.scope else None
+                found.setdefault((t_index, r_index, prefix), set()).add(layer)
+    return found, role_sets
+
+
+def _locate(layout: Layout, state: Mapping[str, Any], names, prefix, layer) -> _Place:
+    found, role_sets = _candidates(layout, state, names)
+    if prefix is not None:
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix must be a string: got {prefix!r}")
+        found = {k: v for k, v in found.items() if k[2] == prefix}
+    if layer is not None:
+        layer = _check_int("layer", layer)
+        found = {k: v for k, v in found.items() if layer in v}
+    if not found:  # nothing matches: read the default table, so the error lists what is missing
+        return _Place(layout.tables[0], role_sets[0], prefix or "", layer if layer is not None else 0)
+    if len(found) > 1:
+        prefixes = sorted({k[2] for k in found})
+        if len(prefixes) > 1:
+            raise WeightsFormatError(
+                f"{layout.id}: the state holds several candidates, under prefixes "
+                f"{', '.join(repr(p) for p in prefixes)}: pass prefix= (CLI --prefix)"
+            )
+        keys = sorted(_fill(layout.tables[k[0]].rows[0].key, role_sets[k[1]], 0) for k in found)
+        raise WeightsFormatError(
+            f"{layout.id}: the state matches several variants ({', '.join(keys)}): pass names= (CLI --names)"
+        )
+    ((t_index, r_index, chosen_prefix), layers) = next(iter(found.items()))
+    if layout.scope and layer is None:
+        if len(layers) > 1:
+            raise ValueError(
+                f"{layout.id}: the checkpoint has layers {_ranges(sorted(layers))}: pass layer=I "
+                "(CLI --layer I, or --layer all for one file per layer)"
+            )
+        layer = next(iter(layers))
+    return _Place(layout.tables[t_index], role_sets[r_index], chosen_prefix, layer)
+
+
+def _ranges(values: Sequence[int]) -> str:
+    if values and values == list(range(values[0], values[-1] + 1)) and len(values) > 2:
+        return f"{values[0]}..{values[-1]}"
+    return ", ".join(map(str, values))
+
+
+def layers(layout: str, state: Mapping[str, Any], *, prefix: str | None = None) -> list[int]:
+    """hf-*: the block indices a checkpoint holds (sorted)."""
+    lay = _get(layout)
+    if not lay.scope:
+        raise ValueError(f"layers() applies to hf-bert and hf-gpt2: got layout {lay.id}")
+    found, _ = _candidates(lay, state, None)
+    if prefix is not None:
+        found = {k: v for k, v in found.items() if k[2] == prefix}
+    prefixes = sorted({k[2] for k in found})
+    if len(prefixes) > 1:
+        raise WeightsFormatError(
+            f"{lay.id}: the state holds several candidates, under prefixes "
+            f"{', '.join(repr(p) for p in prefixes)}: pass prefix= (CLI --prefix)"
+        )
+    return sorted({layer for v in found.values() for layer in v})
+
+
+def detect_layout(state: Mapping[str, Any]) -> str | None:
+    """The first layout whose kernel keys all exist under one prefix, or None.
+
+    flax-linen-mha and flax-nnx-mha have the same keys; this answers
+    flax-linen-mha, and either converts the same tensors.
+    """
+    order = ("hf-bert", "hf-gpt2", "torch-mha", "torch-per-head", "torch-fused-qkv", "torch-linears",
+             "keras-split-heads", "keras-mha", "flax-linen-mha", "canonical")
+    for layout_id in order:
+        layout = _BY_ID[layout_id]
+        found, role_sets = _candidates(layout, state, None)
+        for (t_index, r_index, prefix), found_layers in found.items():
+            table, roles = layout.tables[t_index], role_sets[r_index]
+            for layer in found_layers:
+                base = prefix + layout.scope.format(layer=layer)
+                kernels = [_fill(row.key, roles, 0) for row in table.rows if not row.is_bias]
+                if all(base + key in state for key in kernels):
+                    return layout_id
+    return None
+
+
+# -- state -> canonical ----------------------------------------------------------------
+
+def _expand(layout: Layout, place: _Place, num_heads: int) -> list[tuple[str, Row, int | None]]:
+    """(key, row, head) for every tensor of the table; per-head rows grouped by head, as torch orders them."""
+    base = place.base(layout)
+    out: list[tuple[str, Row, int | None]] = []
+    head_rows = [row for row in place.table.rows if row.per_head]
+    for row in place.table.rows:
+        if row is (head_rows[0] if head_rows else None):
+            out += [(base + _fill(r.key, place.roles, i), r, i) for i in range(num_heads) for r in head_rows]
+        elif not row.per_head:
+            out.append((base + _fill(row.key, place.roles), row, None))
+    return out
+
+
+def _array_problem(key: str, array: Any) -> str | None:
+    if not isinstance(array, np.ndarray):
+        return f"{key} is a {type(array).__name__}, not a numpy array"
+    try:
+        resolve_dtype(array.dtype)
+    except (TypeError, ValueError):
+        return f"{key} has dtype {array.dtype}, expected one of {', '.join(DTYPES)}"
+    if array.size and not np.isfinite(array.astype(np.float64)).all():
+        return f"{key} contains NaN or Inf"
+    return None
+
+
+def to_canonical(layout: str, state: Mapping[str, Any], **hints: Any) -> tuple[AttentionConfig, dict[str, np.ndarray]]:
+    """Read a layout's state dict: (config, canonical tensors), bit-exact.
+
+    Raises one WeightsFormatError listing every missing, unexpected,
+    mis-shaped or mis-typed key; ValueError for a bad hint.
+    """
+    lay = _get(layout)
+    _check_hints("to_canonical", lay, hints, TO_HINTS)
+    hints = {k: v for k, v in hints.items() if v is not None}
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state must be a mapping of names to numpy arrays: got {type(state).__name__}")
+    bad_keys = [k for k in state if not isinstance(k, str)]
+    if bad_keys:
+        raise ValueError(f"state keys must be strings: got {', '.join(map(repr, bad_keys[:5]))}")
+    names = _names_hint(lay, hints.get("names"))
+    ignore = hints.get("ignore") or ()
+    ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+    hint_heads = hints.get("num_heads")
+    if hint_heads is not None and (isinstance(hint_heads, bool) or not isinstance(hint_heads, (int, np.integer))
+                                   or hint_heads < 1):
+        raise ValueError(f"num_heads must be a positive integer: got {hint_heads!r}")
+
+    visible = {k: v for k, v in state.items() if not any(fnmatch.fnmatchcase(k, p) for p in ignore)}
+    place = _locate(lay, visible, names, hints.get("prefix"), hints.get("layer"))
+    base = place.base(lay)
+    problems: list[str] = []
+
+    # Config-level facts: hints, config.json.
+    known: dict[str, int] = {}
+    heads_source = "the num_heads hint"
+    if hint_heads is not None:
+        known["N"] = int(hint_heads)
+    hf = {}
+    if lay.hf is not None:
+        hf_config = _load_hf_config(hints.get("hf_config"))
+        if hf_config is not None:
+            hf = lay.hf(hf_config)
+            n_cfg = hf.get("num_heads")
+            if n_cfg is not None:
+                if "N" in known and known["N"] != n_cfg:
+                    raise ValueError(f"num_heads={known['N']} disagrees with the checkpoint's config.json ({n_cfg})")
+                known["N"] = int(n_cfg)
+                heads_source = heads_source if hint_heads is not None else "config.json"
+    per_head = any(row.per_head for row in place.table.rows)
+    if per_head:
+        heads_re = re.compile(re.escape(base + place.roles["heads"] + lay.sep) + r"(\d+)" + re.escape(lay.sep))
+        indices = {int(m.group(1)) for k in visible if (m := heads_re.match(k))}
+        counted = max(indices) + 1 if indices else None
+        if counted is not None:
+            if "N" in known and known["N"] != counted:
+                problems.append(f"num_heads={known['N']} was given but the state holds {counted} heads")
+            known["N"] = counted
+            heads_source = f"the {counted} heads found"
+
+    expanded = _expand(lay, place, known.get("N", 1))
+    by_key = {key: (row, i) for key, row, i in expanded}
+
+    # Presence: kernels always; biases by the layout's rule.
+    present = {key for key in by_key if key in visible}
+    missing = [key for key, row, _ in expanded if not row.is_bias and key not in present]
+    bias_keys = [key for key, row, _ in expanded if row.is_bias]
+    if lay.bias == "required":
+        missing += [key for key in bias_keys if key not in present]
+    elif lay.bias == "all" and any(key in present for key in bias_keys):
+        missing += [f"{key} (biases come all or none: {lay.bias_why})" for key in bias_keys if key not in present]
+    elif per_head:  # one bias flag per projection: every head or none
+        for row in place.table.rows:
+            if row.is_bias and row.per_head:
+                keys = [k for k, r, _ in expanded if r is row]
+                if any(k in present for k in keys):
+                    missing += [f"{k} (other heads have this bias)" for k in keys if k not in present]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if not lay.select:
+        in_scope = [k for k in visible if k.startswith(base)]
+        unexpected = [k for k in in_scope if k not in by_key and k[len(base):] not in lay.ignored]
+        if unexpected:
+            problems.append(f"unexpected {', '.join(sorted(unexpected))}")
+        if unexpected and missing and lay.roles[0]:
+            problems.append(f"(modules named otherwise? pass names=, roles {', '.join(lay.roles[0])}; CLI --names)")
+
+    # Arrays and dtypes.
+    dtypes: dict[str, list[str]] = {}
+    for key in sorted(present, key=list(by_key).index):
+        issue = _array_problem(key, visible[key])
+        if issue:
+            problems.append(issue)
+        else:
+            dtypes.setdefault(resolve_dtype(visible[key].dtype).name, []).append(key)
+    if len(dtypes) > 1:
+        problems.append("mixed dtypes (one dtype for all tensors): "
+                        + "; ".join(f"{d}: {', '.join(keys)}" for d, keys in dtypes.items()))
+
+    # Sizes: solve the letters from the present tensors, then check every shape.
+    ties = _ties(place.table)
+    if "hidden" in hf and hf["hidden"] is not None:
+        facts = [(_substitute((("D",),), ties), int(hf["hidden"]))]
+    else:
+        facts = []
+    for key, (row, _) in by_key.items():
+        array = visible.get(key)
+        size = _row_size(row)
+        if isinstance(array, np.ndarray) and array.ndim == len(size):
+            facts += [(_substitute(s, ties), int(d)) for s, d in zip(size, array.shape)]
+    dims = _solve(facts, dict(known))
+    for letter, product in ties.items():
+        dims[letter] = _evaluate((product,), dims)
+    shape_problems = []
+    for key, row, _ in expanded:
+        if key not in present or not isinstance(visible[key], np.ndarray):
+            continue
+        size = _row_size(row)
+        expected = tuple(_evaluate(_substitute(s, ties), dims) for s in size)
+        got = visible[key].shape
+        if len(got) != len(expected) or any(e is not None and e != g for e, g in zip(expected, got)):
+            shape_problems.append(f"{key} has shape {_fmt_shape(got)}, expected {_fmt_shape(expected)}")
+    if shape_problems and "N" in known and not per_head:
+        shape_problems[-1] += f" (num_heads={known['N']} from {heads_source})"
+    problems += shape_problems
+
+    config = None
+    unknown = [FIELDS[letter] for letter in FIELDS if dims.get(letter) is None]
+    if "num_heads" in unknown and not missing:
+        problems.append(f"num_heads is not stored in a {lay.id} state: pass num_heads (CLI --num-heads)")
+    elif unknown and not problems:
+        reason = f" with num_heads={known['N']} from {heads_source}" if "N" in known else ""
+        sizes = ", ".join(f"{k} {_fmt_shape(visible[k].shape)}" for k in sorted(present))
+        problems.append(f"cannot determine {', '.join(unknown)}{reason}: the tensors' sizes do not divide into "
+                        f"that many heads ({sizes})")
+    if not problems:
+        flags = {flag: any(name in by_key[k][0].parts for k in present) for name, flag in BIAS_FLAG.items()}
+        behaviour = {"scale": hf.get("scale"), "dropout": hf.get("dropout")}
+        if hf.get("scale_by_layer"):
+            unit = 1.0 / math.sqrt(dims["H"]) if behaviour["scale"] is None else behaviour["scale"]
+            behaviour["scale"] = unit / (place.layer + 1)
+        behaviour = {k: v for k, v in behaviour.items() if v is not None}
+        behaviour.update({k: hints[k] for k in ("scale", "dropout", "masked_row") if hints.get(k) is not None})
+        try:
+            config = AttentionConfig(**{FIELDS[letter]: dims[letter] for letter in FIELDS}, **flags, **behaviour)
+        except ValueError as err:
+            problems.append(str(err))
+    if config is not None and hints.get("config") is not None:
+        given = hints["config"]
+        if not isinstance(given, AttentionConfig):
+            raise ValueError(f"config must be an AttentionConfig: got {type(given).__name__}")
+        structural = [f for f in given.to_dict() if f not in ("scale", "dropout", "masked_row")]
+        differ = [f"{f}={getattr(given, f)!r} (tensors say {getattr(config, f)!r})"
+                  for f in structural if getattr(given, f) != getattr(config, f)]
+        if differ:
+            problems.append("the tensors do not match config: " + ", ".join(differ))
+        config = given
+    if problems:
+        raise WeightsFormatError(f"{lay.id}: " + "; ".join(problems))
+
+    tensors = _gather(config, [(key, *by_key[key], visible[key]) for key in by_key if key in present])
+    validate_tensors(config, tensors, source=lay.id)  # internal invariant: the table is complete
+    return config, tensors
+
+
+def _solve(facts: list[tuple[Size, int]], known: dict[str, int]) -> dict[str, int | None]:
+    """Fill letters from facts `size == value` that have one unknown letter,
+    appearing linearly. The first consistent fact wins; the shape check after
+    it reports every tensor that disagrees."""
+    changed = True
+    while changed:
+        changed = False
+        for size, value in facts:
+            unknown = {letter for term in size for letter in term if letter not in known}
+            if len(unknown) != 1:
+                continue
+            (x,) = unknown
+            coeff = rest = 0
+            for term in size:
+                product = math.prod(known[letter] for letter in term if letter != x)
+                count = term.count(x)
+                if count > 1:
+                    break
+                coeff, rest = (coeff + product, rest) if count else (coeff, rest + product)
+            else:
+                if coeff and (value - rest) > 0 and (value - rest) % coeff == 0:
+                    known[x] = (value - rest) // coeff
+                    changed = True
+    return {letter: known.get(letter) for letter in FIELDS}
+
+
+def _gather(config: AttentionConfig, items) -> dict[str, np.ndarray]:
+    """Foreign arrays -> canonical tensors: undo the transpose, split the
+    concatenation, reshape (or place one head's slice)."""
+    shapes = config.tensor_shapes()
+    dims = {letter: getattr(config, field) for letter, field in FIELDS.items()}
+    tensors: dict[str, np.ndarray] = {}
+    for _key, row, head, array in items:
+        if row.form == HEADS:
+            tensors[row.parts[0]] = np.array(array, order="C", copy=True)
+            continue
+        flat = array.T if (row.form == LINEAR and array.ndim == 2) else array  # (in, out) or (out,)
+        if head is not None:
+            name = row.parts[0]
+            target = tensors.setdefault(name, np.empty(shapes[name], dtype=array.dtype))
+            if name.endswith(".kernel"):
+                target[:, head, :] = flat  # (in, width)
+            else:
+                target[head] = flat  # (width,)
+            continue
+        widths = [_evaluate((FLAT[p][-1],), dims) for p in row.parts]
+        pieces = np.split(flat, np.cumsum(widths)[:-1], axis=-1)
+        for name, piece in zip(row.parts, pieces):
+            tensors[name] = np.array(piece.reshape(shapes[name]), order="C", copy=True)
+    return {name: tensors[name] for name in shapes if name in tensors}
+
+
+# -- canonical -> state ----------------------------------------------------------------
+
+def cannot_express(layout: str, config: AttentionConfig) -> list[str]:
+    """Why `layout` cannot hold `config`: one line per offending field, or []."""
+    lay = _get(layout)
+    table = _pick_table(lay, config)
+    problems = []
+    for tie in table.ties:
+        value = getattr(config, tie.field)
+        target = math.prod(getattr(config, f) for f in tie.equals.split("*"))
+        if value != target:
+            shown = f"{tie.equals} = {target}" if "*" in tie.equals else f"{tie.equals}={target}"
+            problems.append(f"{tie.field}={value} (needs {tie.field} == {shown}: {tie.why})")
+    flags = {name: getattr(config, flag) for name, flag in BIAS_FLAG.items()}
+    if lay.bias == "required":
+        problems += [f"{BIAS_FLAG[n]}=False ({lay.bias_why})" for n, on in flags.items() if not on]
+    elif lay.bias == "all" and len(set(flags.values())) > 1:
+        off = [BIAS_FLAG[n] for n, on in flags.items() if not on]
+        problems.append(f"{', '.join(f'{f}=False' for f in off)} with other biases on ({lay.bias_why})")
+    for row in table.rows:
+        if row.is_bias and len(row.parts) > 1 and len({flags[p] for p in row.parts}) > 1:
+            shown = ", ".join(f"{BIAS_FLAG[p]}={flags[p]}" for p in row.parts)
+            problems.append(f"{shown} ({row.key} holds the {' and '.join(p.split('.')[0] for p in row.parts)} "
+                            "biases together)")
+    return problems
+
+
+def _pick_table(layout: Layout, config: AttentionConfig) -> Table:
+    for table in layout.tables:
+        if table.when is None or table.when(config):
+            return table
+    raise AssertionError(f"{layout.id}: no table accepts the config")  # the last table has no `when`
+
+
+def from_canonical(layout: str, config: AttentionConfig, tensors: Mapping[str, np.ndarray],
+                   **hints: Any) -> dict[str, np.ndarray]:
+    """Write canonical tensors in a layout: state dict name -> array, bit-exact.
+
+    ValueError naming each field and value the layout cannot express.
+    Hints: names, prefix, layer (hf-*; default 0).
+    """
+    lay = _get(layout)
+    _check_hints("from_canonical", lay, hints, FROM_HINTS)
+    hints = {k: v for k, v in hints.items() if v is not None}
+    if not isinstance(config, AttentionConfig):
+        raise ValueError(f"config must be an AttentionConfig: got {type(config).__name__}")
+    validate_tensors(config, tensors, source="canonical tensors")
+    problems = cannot_express(lay.id, config)
+    if problems:
+        raise ValueError(f"{lay.id} cannot express " + "; ".join(problems))
+    prefix = hints.get("prefix") or ""
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix must be a string: got {prefix!r}")
+    layer = _check_int("layer", hints["layer"]) if hints.get("layer") is not None else (0 if lay.scope else None)
+    roles = _names_hint(lay, hints.get("names")) or lay.roles[0]
+    place = _Place(_pick_table(lay, config), roles, prefix, layer)
+    state: dict[str, np.ndarray] = {}
+    for key, row, head in _expand(lay, place, config.num_heads):
+        if not all(part in tensors for part in row.parts):
+            continue  # a bias the config does not have
+        state[key] = _scatter(row, head, [tensors[p] for p in row.parts])
+    return state
+
+
+def _scatter(row: Row, head: int | None, arrays: list[np.ndarray]) -> np.ndarray:
+    """Canonical tensors -> one foreign array: flatten, concatenate, transpose
+    (or take one head's slice)."""
+    if row.form == HEADS:
+        return np.array(arrays[0], order="C", copy=True)
+    name = row.parts[0]
+    if head is not None:
+        flat = arrays[0][:, head, :] if name.endswith(".kernel") else arrays[0][head]  # (in, width) / (width,)
+    else:
+        flats = []
+        for part, array in zip(row.parts, arrays):
+            if part == "output.kernel":
+                flats.append(array.reshape(-1, array.shape[-1]))  # (N*V, O)
+            elif part.endswith(".kernel"):
+                flats.append(array.reshape(array.shape[0], -1))  # (in, heads*width)
+            else:
+                flats.append(array.reshape(-1))  # (heads*width,)
+        flat = flats[0] if len(flats) == 1 else np.concatenate(flats, axis=-1)
+    if row.form == LINEAR and flat.ndim == 2:
+        flat = flat.T  # (out, in)
+    return np.array(flat, order="C", copy=True)
+
+
+def mapping(layout: str, config: AttentionConfig, **hints: Any) -> dict[str, tuple[str, ...]]:
+    """Which canonical tensors each key of from_canonical's state holds (hints as from_canonical's)."""
+    state = from_canonical(layout, config, _zeros(config), **hints)
+    lay = _get(layout)
+    hints = {k: v for k, v in hints.items() if v is not None}
+    roles = _names_hint(lay, hints.get("names")) or lay.roles[0]
+    layer = hints.get("layer", 0 if lay.scope else None)
+    place = _Place(_pick_table(lay, config), roles, hints.get("prefix", ""), layer)
+    return {key: row.parts for key, row, _ in _expand(lay, place, config.num_heads) if key in state}
+
+
+def _zeros(config: AttentionConfig, dtype="float32") -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape, dtype=dtype) for name, shape in config.tensor_shapes().items()}
+
+
+def describe(layout: str) -> str:
+    """The layout's table as text: key, canonical tensors, form; then its ties."""
+    lay = _get(layout)
+    lines = [f"{lay.id}: {lay.description}"]
+    for table in lay.tables:
+        if table.note:
+            lines.append(f"  [{table.note}]")
+        roles = lay.roles[0]
+        for row in table.rows:
+            key = lay.scope.replace("{layer}", "{L}") + _fill(row.key, roles)
+            lines.append(f"  {key:<44} {' + '.join(row.parts):<42} {row.form}")
+        lines += [f"  tie: {tie.field} == {tie.equals} ({tie.why})" for tie in table.ties]
+    if lay.bias != "each":
+        lines.append(f"  biases: {lay.bias} ({lay.bias_why})")
+    return "\n".join(lines)
+
+
+def _self_check() -> None:
+    """Internal invariant: a concatenated kernel row's parts share their input axis once tied."""
+    for layout in LAYOUT_LIST:
+        for table in layout.tables:
+            ties = _ties(table)
+            for row in table.rows:
+                if len(row.parts) > 1 and not row.is_bias:
+                    ins = {_substitute((FLAT[p][0],), ties) for p in row.parts}
+                    assert len(ins) == 1, (layout.id, row.key)
+
+
+_self_check()

@@ -14,6 +14,8 @@ import importlib
 from types import ModuleType
 
 DEVICES = ("cpu", "gpu")
+CORE = ("numpy", "torch", "tf", "jax")
+NATIVE = ("torch-native-mha", "torch-sdpa", "keras-native-mha", "flax-linen-mha", "flax-nnx-mha", "jax-dpa", "onnxruntime")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,18 @@ REGISTRY: dict[str, Backend] = {
         Backend("torch", "impl_torch.adapter", "torch", "impl_torch, PyTorch"),
         Backend("tf", "impl_tf.adapter", "tensorflow + keras", "impl_tf, Keras split_heads layer on TensorFlow"),
         Backend("jax", "impl_jax.adapter", "jax + flax", "impl_jax, JAX / Flax NNX"),
+        # The frameworks' own layers, run on the canonical weights (issue: interop).
+        Backend("torch-native-mha", "conformance.native.torch_native_mha", "torch", "torch nn.MultiheadAttention"),
+        Backend("torch-sdpa", "conformance.native.torch_sdpa", "torch",
+                "F.scaled_dot_product_attention around our projections"),
+        Backend("keras-native-mha", "conformance.native.keras_native_mha", "tensorflow + keras",
+                "keras.layers.MultiHeadAttention"),
+        Backend("flax-linen-mha", "conformance.native.flax_linen_mha", "jax + flax",
+                "flax.linen.MultiHeadDotProductAttention"),
+        Backend("flax-nnx-mha", "conformance.native.flax_nnx_mha", "jax + flax", "flax.nnx.MultiHeadAttention"),
+        Backend("jax-dpa", "conformance.native.jax_dpa", "jax", "jax.nn.dot_product_attention around our projections"),
+        Backend("onnxruntime", "conformance.native.onnxruntime", "onnx + onnxruntime",
+                "our layer exported to ONNX (opset 23), run by onnxruntime"),
     )
 }
 
@@ -52,7 +66,8 @@ def load(backend_id: str) -> ModuleType:
     try:
         return importlib.import_module(backend.adapter)
     except ModuleNotFoundError as err:
-        if err.name and err.name.split(".")[0] == backend.adapter.split(".")[0]:
+        if err.name and (err.name == backend.adapter or err.name.split(".")[0] in ("impl_torch", "impl_tf", "impl_jax")
+                         and err.name.split(".")[0] == backend.adapter.split(".")[0]):
             raise BackendUnavailable(f"backend {backend_id}: not implemented in this checkout ({backend.adapter})") from None
         raise BackendUnavailable(f"backend {backend_id}: not installed ({err.name} missing; install {backend.framework})") from None
     except ImportError as err:  # installed but unusable (e.g. Keras already on another backend)

@@ -66,8 +66,7 @@ def load(backend_id: str) -> ModuleType:
     try:
         return importlib.import_module(backend.adapter)
     except ModuleNotFoundError as err:
-        if err.name and (err.name == backend.adapter or err.name.split(".")[0] in ("impl_torch", "impl_tf", "impl_jax")
-                         and err.name.split(".")[0] == backend.adapter.split(".")[0]):
+        if err.name and (backend.adapter + ".").startswith(err.name + "."):
             raise BackendUnavailable(f"backend {backend_id}: not implemented in this checkout ({backend.adapter})") from None
         raise BackendUnavailable(f"backend {backend_id}: not installed ({err.name} missing; install {backend.framework})") from None
     except ImportError as err:  # installed but unusable (e.g. Keras already on another backend)

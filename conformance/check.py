@@ -14,7 +14,7 @@ from conformance.cases import CASES, DTYPE_NAMES
 from conformance.compare import STATUS_ERROR, STATUS_FAIL, STATUS_PASS, CaseResult, run_case
 from conformance.tolerance import compare, policy_for
 
-CORE_BACKENDS = ("numpy", "torch", "tf", "jax")
+CORE_BACKENDS = backends.CORE
 
 
 def plan(backend_ids, devices, console):
@@ -74,10 +74,22 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
     return results, skipped
 
 
+def expand_backends(names) -> list[str]:
+    groups = {"core": list(backends.CORE), "native": list(backends.NATIVE), "all": list(backends.REGISTRY)}
+    expanded = []
+    for name in names:
+        for backend_id in groups.get(name, [name]):
+            if backend_id not in expanded:
+                expanded.append(backend_id)
+    return expanded
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("check", help="the main job: do the backends agree with the reference?")
-    p.add_argument("--backends", nargs="+", default=list(CORE_BACKENDS), choices=list(backends.REGISTRY),
-                   help="default: numpy torch tf jax (missing frameworks are reported, not fatal)")
+    p.add_argument("--backends", nargs="+", default=["core"], choices=["core", "native", "all", *backends.REGISTRY],
+                   metavar="BACKEND",
+                   help="ids, or groups: core (numpy torch tf jax, the default), native (the frameworks' own layers: "
+                        + ", ".join(backends.NATIVE) + "), all; missing frameworks are reported, not fatal")
     p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
                    help="default: every device present for each backend")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
@@ -102,7 +114,7 @@ def run(args) -> int:
     started = time.perf_counter()
     if args.json and Path(args.json).is_dir():
         raise ValueError(f"--json {args.json}: is a directory")
-    results, skipped = run_check(args.backends, args.devices, args.dtypes, args.cases, precision=args.precision,
+    results, skipped = run_check(expand_backends(args.backends), args.devices, args.dtypes, args.cases, precision=args.precision,
                                  gradients=not args.no_gradients, progress=console.is_terminal)
     if not results:
         reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"

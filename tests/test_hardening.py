@@ -1,0 +1,207 @@
+"""Hardening (issue 6): bad files, bad inputs and interrupted writes never crash, mislead or lose data.
+
+Every malformed weights file ends in `WeightsFormatError`, every malformed
+inputs file in `InputsError`, each one line naming the file and the problem:
+never another exception, never a hang, never a silently wrong result.
+
+The fuzzers count the cases they run; the counts are printed at the end of the
+session (terminal summary, and on stdout with -s) and each fuzzer asserts a
+minimum so one that silently runs nothing fails. `pytest -m slow` runs the
+long versions.
+
+No framework is imported here: weights and conformance.io are NumPy-only.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import struct
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+import weights
+from conformance.io import InputsError, read_inputs
+from weights import AttentionConfig, WeightsFormatError
+
+# -- case counts ---------------------------------------------------------------------
+
+COUNTS: collections.Counter[str] = collections.Counter()
+
+
+class _CountsReport:
+    """A plugin registered at run time: prints the fuzzers' case counts at the end."""
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if COUNTS:
+            terminalreporter.section("hardening: cases run")
+            for name, count in sorted(COUNTS.items()):
+                terminalreporter.write_line(f"{name:<48} {count:>8}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_counts(request):
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("hardening-counts"):
+        manager.register(_CountsReport(), "hardening-counts")
+    yield
+    print("\nhardening cases run: " + ", ".join(f"{k}={v}" for k, v in sorted(COUNTS.items())))
+
+
+@pytest.fixture(autouse=True)
+def _no_hang(request):
+    """A hang is a failure: SIGALRM after a generous bound per test."""
+    limit = 900 if request.node.get_closest_marker("slow") else 120
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"{request.node.name} ran past {limit} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(limit)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+SMALL = AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
+
+
+def header_of(data: bytes) -> dict:
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n])
+
+
+def raw_file(header, body: bytes = b"", *, length: int | None = None) -> bytes:
+    """A safetensors file from a header (dict, str or bytes) and a body, as given: no checks."""
+    if isinstance(header, dict):
+        header = json.dumps(header, separators=(",", ":"))
+    if isinstance(header, str):
+        header = header.encode("utf-8", "surrogatepass")
+    return struct.pack("<Q", len(header) if length is None else length) + header + body
+
+
+def refusal(read, path, error: type[ValueError], *fragments: str) -> str:
+    """Call read(path); it must raise exactly `error`, one line, naming the path and each fragment."""
+    try:
+        result = read(path)
+    except error as err:
+        caught = err
+    except BaseException as err:  # any other exception is the failure tested for
+        raise AssertionError(
+            f"{read.__name__}({path}) raised {type(err).__name__}: {err}, not {error.__name__}"
+        ) from err
+    else:
+        raise AssertionError(f"{read.__name__}({path}) accepted a bad file and returned {type(result).__name__}")
+    message = str(caught)
+    assert str(path) in message, f"message does not name the file {path}: {message!r}"
+    assert "\n" not in message, f"message is not one line: {message!r}"
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def write(tmp_path: Path, data: bytes, name: str = "f.safetensors") -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+QUERY_ENTRY = {"dtype": "F32", "shape": [1, 1, 1], "data_offsets": [0, 4]}
+
+
+# -- reader regressions: each crashed or was silently accepted before the fix --------------
+
+READER_CASES = [
+        ("dtype is a list (unhashable)",
+         raw_file({"query": {"dtype": ["F32"], "shape": [1, 1, 1], "data_offsets": [0, 4]}}, b"\0" * 4),
+         ["'query'", "dtype"]),
+        ("dtype is an object",
+         raw_file({"query": {"dtype": {}, "shape": [1, 1, 1], "data_offsets": [0, 4]}}, b"\0" * 4), ["dtype"]),
+        ("dimension beyond int64",
+         raw_file('{"query":{"dtype":"F32","shape":[' + str(10**30) + '],"data_offsets":[0,4]}}', b"\0" * 4),
+         ["'query'"]),
+        ("dimensions whose product wraps int64 to 0",
+         raw_file({"query": {"dtype": "F32", "shape": [2**32, 2**32], "data_offsets": [0, 0]}}), ["'query'"]),
+        ("100 dimensions", raw_file({"query": {"dtype": "F32", "shape": [1] * 100, "data_offsets": [0, 4]}}, b"\0" * 4),
+         ["'query'", "dimensions"]),
+        ("zero-size but huge dimensions",
+         raw_file({"query": {"dtype": "F32", "shape": [0, 2**62], "data_offsets": [0, 0]}}), ["'query'"]),
+        ("deeply nested JSON header", raw_file("[" * 100_000 + "]" * 100_000), ["header"]),
+        ("5000-digit integer in the header", raw_file('{"query":' + "1" * 5000 + "}"), ["header"]),
+        ("NaN constant in the header",
+         raw_file('{"query":{"dtype":"F32","shape":[NaN],"data_offsets":[0,4]}}', b"\0" * 4), ["header"]),
+        ("duplicate tensor name",
+         raw_file('{"query":{"dtype":"F32","shape":[1,1,1],"data_offsets":[0,4]},'
+                  '"query":{"dtype":"F32","shape":[1,1,1],"data_offsets":[4,8]}}', b"\0" * 8),
+         ["duplicate", "'query'"]),
+        ("duplicate __metadata__",
+         raw_file('{"__metadata__":{"a":"1"},"__metadata__":{"a":"2"},'
+                  '"query":{"dtype":"F32","shape":[1,1,1],"data_offsets":[0,4]}}', b"\0" * 4),
+         ["duplicate", "__metadata__"]),
+        ("duplicate metadata key",
+         raw_file('{"__metadata__":{"a":"1","a":"2"},"query":{"dtype":"F32","shape":[1,1,1],"data_offsets":[0,4]}}',
+                  b"\0" * 4), ["duplicate", "'a'"]),
+        ("duplicate field in a tensor entry",
+         raw_file('{"query":{"dtype":"F32","dtype":"F16","shape":[1,1,1],"data_offsets":[0,4]}}', b"\0" * 4),
+         ["duplicate", "'dtype'"]),
+        ("__metadata__ is a list", raw_file({"__metadata__": [], "query": QUERY_ENTRY}, b"\0" * 4), ["__metadata__"]),
+        ("__metadata__ is false", raw_file({"__metadata__": False, "query": QUERY_ENTRY}, b"\0" * 4), ["__metadata__"]),
+        ("__metadata__ is an empty string",
+         raw_file({"__metadata__": "", "query": QUERY_ENTRY}, b"\0" * 4), ["__metadata__"]),
+        ("lone surrogate escape in a metadata value",
+         raw_file('{"__metadata__":{"x":"\\ud800"},"query":{"dtype":"F32","shape":[1,1,1],"data_offsets":[0,4]}}',
+                  b"\0" * 4), ["Unicode"]),
+        ("lone surrogate escape in a tensor name",
+         raw_file('{"\\udfff":{"dtype":"F32","shape":[1,1,1],"data_offsets":[0,4]}}', b"\0" * 4), ["Unicode"]),
+        ("bytes after the last tensor", raw_file({"query": QUERY_ENTRY}, b"\0" * 4 + b"junk"), ["4 bytes after"]),
+        ("a gap between tensors",
+         raw_file({"query": QUERY_ENTRY, "key": {"dtype": "F32", "shape": [1, 1, 1], "data_offsets": [8, 12]}},
+                  b"\0" * 12), ["gap", "'key'"]),
+        ("data section but no tensors", raw_file({}, b"\0" * 4), ["4 bytes after"]),
+        ("bool tensor holding the byte 2",
+         raw_file({"query": QUERY_ENTRY, "mask": {"dtype": "BOOL", "shape": [1, 1], "data_offsets": [4, 5]}},
+                  b"\0" * 4 + b"\x02"), ["'mask'", "BOOL"]),
+]
+
+
+@pytest.mark.parametrize("label, data, fragments", [pytest.param(*case, id=case[0]) for case in READER_CASES])
+def test_reader_refuses_with_its_own_error(tmp_path, label, data, fragments):
+    path = write(tmp_path, data)
+    refusal(weights.read_safetensors, path, WeightsFormatError, *fragments)
+    refusal(read_inputs, path, InputsError, *fragments)
+    refusal(weights.load, path, WeightsFormatError)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "char device"])
+def test_reader_refuses_what_is_not_a_regular_file_without_blocking(tmp_path, kind):
+    if kind == "fifo":
+        path = tmp_path / "pipe.safetensors"
+        os.mkfifo(path)  # nobody writes: opening and reading it naively blocks forever
+    elif kind == "directory":
+        path = tmp_path / "dir.safetensors"
+        path.mkdir()
+    else:
+        path = Path("/dev/zero")  # reading it naively never ends and fills memory
+    signal.alarm(10)
+    refusal(weights.load, path, WeightsFormatError, "not a regular file" if kind != "directory" else "directory")
+    refusal(read_inputs, path, InputsError)
+
+
+def test_reader_refuses_a_header_above_the_safetensors_limit_before_reading_it(tmp_path):
+    path = tmp_path / "big-header.safetensors"
+    with open(path, "wb") as handle:
+        handle.write(raw_file(b"{}", length=100_000_001))
+        handle.truncate(8 + 100_000_001)  # sparse: the header is really there, 100 MB of NUL
+    tracemalloc.start()
+    try:
+        refusal(weights.load, path, WeightsFormatError, "100000001", "limit")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 10_000_000, f"refusing a 100 MB header allocated {peak} bytes"

@@ -22,6 +22,7 @@ import struct
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import weights
@@ -205,3 +206,43 @@ def test_reader_refuses_a_header_above_the_safetensors_limit_before_reading_it(t
     finally:
         tracemalloc.stop()
     assert peak < 10_000_000, f"refusing a 100 MB header allocated {peak} bytes"
+
+
+# -- determinism of the writers -----------------------------------------------------------
+
+def test_to_bytes_is_deterministic_within_and_across_calls():
+    """safetensors 0.8 writes __metadata__ from a Rust HashMap: random key order on every call."""
+    tensors = weights.init(SMALL, seed=0)
+    outputs = {weights.to_bytes(SMALL, tensors, metadata={"a": "1", "note": "x", "z": "2"}) for _ in range(40)}
+    assert len(outputs) == 1, f"40 calls gave {len(outputs)} different byte strings"
+
+
+def test_write_arrays_is_deterministic(tmp_path):
+    from conformance.io import write_arrays
+
+    arrays = {"output": np.arange(6, dtype=np.float32).reshape(1, 2, 3), "weights": np.ones((1, 1, 2, 2), np.float32)}
+    contents = set()
+    for i in range(20):
+        write_arrays(tmp_path / f"o{i}", arrays, metadata={"backend": "numpy", "dtype": "float32", "x": "y"})
+        contents.add((tmp_path / f"o{i}").read_bytes())
+    assert len(contents) == 1, f"20 writes gave {len(contents)} different files"
+
+
+@pytest.mark.parametrize("dtype", list(weights.DTYPES))
+def test_written_files_are_plain_safetensors(tmp_path, dtype):
+    """Whatever writes our files, safetensors' own reader must read them back identically."""
+    from safetensors import safe_open
+
+    tensors = weights.init(SMALL, seed=3, dtype=dtype)
+    path = tmp_path / "w.safetensors"
+    weights.save(path, SMALL, tensors, metadata={"note": "interop"})
+    with safe_open(str(path), framework="numpy") as handle:
+        metadata = handle.metadata()
+        names = list(handle.keys())
+        if dtype != "bfloat16":  # safetensors' NumPy binding cannot build bfloat16 arrays
+            for name in names:
+                got = handle.get_tensor(name)
+                assert got.dtype == tensors[name].dtype and got.tobytes() == tensors[name].tobytes(), name
+    assert sorted(names) == sorted(tensors)
+    assert metadata["note"] == "interop" and metadata["format"] == "mha-weights"
+    assert metadata == weights.read_safetensors(path)[0]

@@ -16,7 +16,7 @@ from safetensors.numpy import save as _safetensors_bytes
 from weights import read_safetensors
 from weights.atomic import write_bytes_atomic
 from weights.dtypes import is_float
-from weights.format import canonical_safetensors_bytes
+from weights.format import canonical_safetensors_bytes, show_names
 
 INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask")
 
@@ -45,7 +45,7 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     unknown = sorted(set(arrays) - set(INPUT_NAMES))
     if unknown:
         raise InputsError(
-            f"{path}: unexpected tensors {', '.join(unknown)}; an inputs file holds {', '.join(INPUT_NAMES)}"
+            f"{path}: unexpected tensors {show_names(unknown)}; an inputs file holds {', '.join(INPUT_NAMES)}"
         )
     if "query" not in arrays:
         raise InputsError(f"{path}: no `query` tensor")

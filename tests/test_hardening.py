@@ -113,6 +113,13 @@ def write(tmp_path: Path, data: bytes, name: str = "f.safetensors") -> Path:
     return path
 
 
+def st_bytes(arrays: dict, metadata: dict | None = None) -> bytes:
+    """A valid safetensors file of these arrays, with any metadata (the format's own writer, no checks)."""
+    from safetensors.numpy import save
+
+    return weights.format.canonical_safetensors_bytes(save(arrays, metadata=metadata))
+
+
 QUERY_ENTRY = {"dtype": "F32", "shape": [1, 1, 1], "data_offsets": [0, 4]}
 
 
@@ -246,3 +253,75 @@ def test_written_files_are_plain_safetensors(tmp_path, dtype):
     assert sorted(names) == sorted(tensors)
     assert metadata["note"] == "interop" and metadata["format"] == "mha-weights"
     assert metadata == weights.read_safetensors(path)[0]
+
+
+# -- crafted weight files: one problem each, checksums valid --------------------------------
+
+def craft_weights(tensors: dict, *, config: str | None = None, sums: dict | None = None, **metadata: str) -> bytes:
+    """A weights file with exactly the given problems: the sha256 map is right unless `sums` is given."""
+    meta = {
+        "format": weights.FORMAT,
+        "format_version": weights.FORMAT_VERSION,
+        "config": SMALL.to_json() if config is None else config,
+        "sha256": json.dumps({n: weights.tensor_sha256(a) for n, a in tensors.items()} if sums is None else sums),
+    }
+    meta.update(metadata)
+    return st_bytes(tensors, metadata=meta)
+
+
+def small_tensors(dtype="float32", seed=0) -> dict:
+    return weights.init(SMALL, seed=seed, dtype=dtype)
+
+
+BAD_CONFIGS = [
+    ("{nope", "not valid JSON"),
+    ("", "not valid JSON"),
+    ("[]", "must be a JSON object"),
+    ("null", "must be a JSON object"),
+    ("5", "must be a JSON object"),
+    ("[" * 100_000 + "]" * 100_000, "config"),
+    ('{"num_heads": ' + "9" * 5000 + ', "query_dim": 4, "head_dim": 2}', "config"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "scale": ' + "1" + "0" * 400 + "}", "too large"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "scale": 1e400}', "scale"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "scale": NaN}', "contains NaN"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "dropout": -Infinity}', "contains -Infinity"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "heads": 2}', "unknown fields"),
+    ('{"num_heads": 2, "query_dim": 4}', "missing required fields: head_dim"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "num_kv_heads": 3}', "num_kv_heads must divide num_heads"),
+    ('{"num_heads": 0, "query_dim": 4, "head_dim": 2}', "num_heads must be a positive integer"),
+    ('{"num_heads": 2.0, "query_dim": 4, "head_dim": 2}', "num_heads must be a positive integer"),
+    ('{"num_heads": true, "query_dim": 4, "head_dim": 2}', "num_heads must be a positive integer"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "masked_row": ["zero"]}', "masked_row"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "use_key_bias": 1}', "use_key_bias"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "num_heads": 3}', "'num_heads' twice"),
+]
+
+
+@pytest.mark.parametrize("config, fragment", BAD_CONFIGS, ids=[f"config{i}" for i in range(len(BAD_CONFIGS))])
+def test_load_refuses_a_bad_config(tmp_path, config, fragment):
+    path = write(tmp_path, craft_weights(small_tensors(), config=config))
+    message = refusal(weights.load, path, WeightsFormatError, "bad config", fragment)
+    assert "bad config: '" not in message, f"the reason is quoted as a repr: {message!r}"
+    COUNTS["crafted: bad config"] += 1
+
+
+def test_load_without_a_config_or_checksums(tmp_path):
+    tensors = small_tensors()
+    data = st_bytes(tensors, metadata={"format": "mha-weights", "format_version": "1"})
+    refusal(weights.load, write(tmp_path, data), WeightsFormatError, "config")
+    for sums in ("", "[]", "{", "[" * 100_000 + "]" * 100_000, '"x"'):
+        data = craft_weights(tensors, sha256=sums)
+        refusal(weights.load, write(tmp_path, data), WeightsFormatError, "sha256 metadata is not a JSON object")
+
+
+@pytest.mark.parametrize("name", ["extra\nline", "\x1b[2Jclear", "a, b", "x" * 10_000])
+def test_messages_stay_one_short_line_whatever_the_tensor_names(tmp_path, name):
+    tensors = {**small_tensors(), name: np.zeros(2, np.float32)}
+    path = write(tmp_path, craft_weights(tensors))
+    message = refusal(weights.load, path, WeightsFormatError, "unexpected tensors")
+    assert len(message) < 400 + len(str(path)), f"{len(message)} characters"
+    assert "\x1b" not in message
+    inputs = write(tmp_path, st_bytes({"query": np.zeros((1, 1, 4), np.float32),
+                                                               name: np.zeros(1, np.float32)}), "i.safetensors")
+    message = refusal(read_inputs, inputs, InputsError, "unexpected tensors")
+    assert len(message) < 400 + len(str(inputs)) and "\x1b" not in message

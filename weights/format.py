@@ -60,7 +60,7 @@ def validate_tensors(
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+        problems.append(f"unexpected tensors: {show_names(unexpected)}")
     dtypes: dict[str, list[str]] = {}
     for name, shape in expected.items():
         if name not in tensors:
@@ -182,22 +182,41 @@ def _short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _show_name(name: object) -> str:
+    """A tensor name from a file as a message may show it: as is if short and printable, else a cut repr."""
+    if isinstance(name, str) and name.isprintable() and len(name) <= 80 and "," not in name:
+        return name
+    return _short(name)
+
+
+def show_names(names: list, limit: int = 10) -> str:
+    """Names for a one-line message: at most `limit`, each shown safely, then how many more."""
+    shown = ", ".join(_show_name(n) for n in names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
 def _parse_header(raw: bytes) -> object:
     """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity, no lone surrogates. Raises _HeaderProblem."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise _HeaderProblem(f"is not UTF-8 (byte {err.start})") from None
+    return _parse_json_text(text, what="is")
+
+
+def _parse_json_text(text: str, what: str = "") -> object:
+    """json.loads that refuses duplicate keys, NaN/Infinity, lone surrogates and deep nesting (_HeaderProblem)."""
+    what = f"{what} " if what else ""
     try:
         return json.loads(text, object_pairs_hook=_object_pairs, parse_constant=_refuse_constant)
     except json.JSONDecodeError as err:
-        raise _HeaderProblem(f"is not JSON: {err.msg} at byte {err.pos}") from None
+        raise _HeaderProblem(f"{what}not JSON: {err.msg} at byte {err.pos}") from None
     except RecursionError:
-        raise _HeaderProblem("is not usable JSON: nested too deeply") from None
+        raise _HeaderProblem(f"{what}not usable JSON: nested too deeply") from None
     except _HeaderProblem:
         raise
     except ValueError as err:  # e.g. an integer beyond Python's 4300-digit conversion limit
-        raise _HeaderProblem(f"is not usable JSON: {str(err).splitlines()[0]}") from None
+        raise _HeaderProblem(f"{what}not usable JSON: {str(err).splitlines()[0]}") from None
 
 
 def _read_exactly(handle, count: int) -> bytes:
@@ -344,28 +363,36 @@ def load(path: str | os.PathLike) -> tuple[AttentionConfig, dict[str, np.ndarray
         raise WeightsFormatError(
             f"{path}: format_version is {metadata.get('format_version')!r}; this reader knows {FORMAT_VERSION!r}"
         )
+    if "config" not in metadata:
+        raise WeightsFormatError(f"{path}: bad config: the metadata has no config")
     try:
-        config = AttentionConfig.from_json(metadata.get("config", ""))
-    except ValueError as err:
-        raise WeightsFormatError(f"{path}: bad config: {err}") from None
+        # Strict JSON first (no duplicate keys, NaN or deep nesting), then the config's own checks.
+        config = AttentionConfig.from_dict(_parse_json_text(metadata["config"]))
+    except _HeaderProblem as err:
+        raise WeightsFormatError(f"{path}: bad config: config is not valid JSON: {err}") from None
+    except OverflowError as err:  # config.py lets `"scale": 1000...0` (400 digits) raise this
+        raise WeightsFormatError(f"{path}: bad config: a number in the config is too large ({err})") from None
+    except (ValueError, TypeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else repr(err)
+        raise WeightsFormatError(f"{path}: bad config: {reason}") from None
     try:
-        checksums = json.loads(metadata.get("sha256", ""))
-        if not isinstance(checksums, dict):
-            raise ValueError
-    except ValueError:
-        raise WeightsFormatError(f"{path}: sha256 metadata is not a JSON object") from None
+        checksums = _parse_json_text(metadata.get("sha256", ""))
+    except _HeaderProblem:
+        checksums = None
+    if not isinstance(checksums, dict):
+        raise WeightsFormatError(f"{path}: sha256 metadata is not a JSON object")
     try:
         validate_tensors(config, tensors, source=str(path))
     except WeightsFormatError as err:
         problems.append(str(err).removeprefix(f"{path}: "))
     for name, array in tensors.items():
         if name not in checksums:
-            problems.append(f"no sha256 for {name}")
+            problems.append(f"no sha256 for {_show_name(name)}")
         elif tensor_sha256(array) != checksums[name]:
             problems.append(f"sha256 mismatch for {name} (the tensor's bytes changed after it was written)")
     extra_sums = sorted(set(checksums) - set(tensors))
     if extra_sums:
-        problems.append(f"sha256 lists tensors not in the file: {', '.join(extra_sums)}")
+        problems.append(f"sha256 lists tensors not in the file: {show_names(extra_sums)}")
     if problems:
         raise WeightsFormatError(f"{path}: " + "; ".join(problems))
     return config, {name: tensors[name] for name in config.tensor_shapes()}  # canonical order

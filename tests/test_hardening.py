@@ -70,6 +70,25 @@ def _no_hang(request):
 
 # -- helpers ---------------------------------------------------------------------------
 
+@pytest.fixture
+def scratch(tmp_path):
+    """A directory for files rewritten thousands of times: tmpfs when there is one.
+
+    On ext4, truncating and rewriting a file forces its data to disk
+    (auto_da_alloc), 1 ms a case; the fuzzers rewrite one file per case.
+    """
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        import shutil
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="mha-hardening-", dir=shm))
+        yield directory
+        shutil.rmtree(directory, ignore_errors=True)
+    else:
+        yield tmp_path
+
+
 SMALL = AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
 
 
@@ -325,3 +344,104 @@ def test_messages_stay_one_short_line_whatever_the_tensor_names(tmp_path, name):
                                                                name: np.zeros(1, np.float32)}), "i.safetensors")
     message = refusal(read_inputs, inputs, InputsError, "unexpected tensors")
     assert len(message) < 400 + len(str(inputs)) and "\x1b" not in message
+
+
+# -- header corruption: every bit of the header, exhaustively -------------------------------
+
+def same_load(got, config: AttentionConfig, tensors: dict) -> str | None:
+    """None if a loaded (config, tensors) is exactly the original, else what differs."""
+    got_config, got_tensors = got
+    if got_config != config:
+        return f"config {got_config} != {config}"
+    if list(got_tensors) != list(tensors):
+        return f"tensor names {list(got_tensors)} != {list(tensors)}"
+    for name, array in tensors.items():
+        other = got_tensors[name]
+        if other.dtype != array.dtype or other.shape != array.shape or other.tobytes() != array.tobytes():
+            return f"{name} differs: {other.dtype}{other.shape} vs {array.dtype}{array.shape}"
+    return None
+
+
+def load_or_refuse(path: Path, config: AttentionConfig, tensors: dict, what: str) -> str:
+    """'refused' or 'identical'; anything else (another exception, a changed result) fails."""
+    try:
+        got = weights.load(path)
+    except WeightsFormatError as err:
+        message = str(err)
+        assert message.startswith(f"{path}: ") and "\n" not in message, f"{what}: {message!r}"
+        return "refused"
+    except BaseException as err:  # the failure tested for
+        raise AssertionError(f"{what}: load raised {type(err).__name__}: {err}") from err
+    difference = same_load(got, config, tensors)
+    assert difference is None, f"{what}: loaded a silently different result: {difference}"
+    return "identical"
+
+
+def header_bit_flips(directory: Path, config: AttentionConfig, dtype: str, counter: str,
+                     metadata: dict | None = None) -> collections.Counter:
+    """Flip every bit of the length prefix and the header, one at a time; load each."""
+    tensors = weights.init(config, seed=5, dtype=dtype)
+    good = weights.to_bytes(config, tensors, metadata=metadata)
+    (n,) = struct.unpack("<Q", good[:8])
+    path = directory / "flip.safetensors"
+    outcomes: collections.Counter = collections.Counter()
+    for byte in range(8 + n):
+        for bit in range(8):
+            data = bytearray(good)
+            data[byte] ^= 1 << bit
+            path.write_bytes(data)
+            outcomes[load_or_refuse(path, config, tensors, f"byte {byte} bit {bit}")] += 1
+            COUNTS[counter] += 1
+    return outcomes
+
+
+# An explicit scale, dropout and user metadata: before header_sha256 one flipped bit
+# turned scale 0.125 into 8.125 (or dropout 0.25 into 0.65, or the note) and the file loaded.
+SCALED = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, scale=0.125, dropout=0.25, num_kv_heads=1)
+HEADER_FLIP_CASES = [
+    pytest.param(SMALL, "float32", None, id="small-float32"),
+    pytest.param(SCALED, "bfloat16", {"note": "hello"}, id="scaled-bfloat16-note"),
+]
+HEADER_FLIP_SLOW_CASES = [
+    pytest.param(AttentionConfig(num_heads=4, query_dim=6, head_dim=3, key_dim=5, value_dim=7, value_head_dim=2,
+                                 out_dim=3, num_kv_heads=2, use_key_bias=False, masked_row="uniform"),
+                 "float16", {"a": "1", "b": "x"}, id="gqa-float16"),
+    pytest.param(AttentionConfig(num_heads=1, query_dim=2, head_dim=1, use_query_bias=False, use_value_bias=False,
+                                 use_output_bias=False, scale=-1.5, masked_row="nan"), "float64", None, id="nobias-float64"),
+]
+
+
+@pytest.mark.parametrize("config, dtype, metadata", HEADER_FLIP_CASES)
+def test_every_single_bit_flip_in_the_header_is_refused_or_harmless(scratch, config, dtype, metadata):
+    outcomes = header_bit_flips(scratch, config, dtype, "header bit flips (exhaustive)", metadata)
+    assert sum(outcomes.values()) >= 8 * 1000, outcomes
+    assert outcomes["refused"] >= 0.99 * sum(outcomes.values()), outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, dtype, metadata", HEADER_FLIP_SLOW_CASES)
+def test_every_single_bit_flip_in_the_header_is_refused_or_harmless_slow(scratch, config, dtype, metadata):
+    outcomes = header_bit_flips(scratch, config, dtype, "header bit flips (exhaustive, slow configs)", metadata)
+    assert sum(outcomes.values()) >= 8 * 1000, outcomes
+    assert outcomes["refused"] >= 0.99 * sum(outcomes.values()), outcomes
+
+
+def test_header_sha256_is_written_and_verified(tmp_path):
+    tensors = small_tensors()
+    path = tmp_path / "w.safetensors"
+    weights.save(path, SCALED.replace(num_kv_heads=2), tensors, metadata={"note": "hello"})
+    metadata, arrays = weights.read_safetensors(path)
+    assert metadata["header_sha256"] == weights.format.header_sha256(metadata, arrays)
+    # The header changed, the tensors did not: caught only by header_sha256.
+    data = path.read_bytes().replace(b'\\"scale\\": 0.125', b'\\"scale\\": 8.125')
+    assert data != path.read_bytes(), "the test did not find the scale in the header"
+    refusal(weights.load, write(tmp_path, data, "scale.safetensors"), WeightsFormatError, "header_sha256 mismatch")
+    data = path.read_bytes().replace(b'"note":"hello"', b'"note":"jello"')
+    refusal(weights.load, write(tmp_path, data, "note.safetensors"), WeightsFormatError, "header_sha256 mismatch")
+    # A file written before header_sha256 existed (no such key) still loads.
+    old = craft_weights(tensors)
+    assert "header_sha256" not in weights.format.canonical_safetensors_bytes(old).decode("latin-1")
+    config, loaded = weights.load(write(tmp_path, old, "old.safetensors"))
+    assert config == SMALL and same_load((config, loaded), SMALL, tensors) is None
+    with pytest.raises(ValueError, match="reserved keys: got header_sha256"):
+        weights.to_bytes(SMALL, tensors, metadata={"header_sha256": "0" * 64})

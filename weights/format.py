@@ -1,8 +1,13 @@
 """The common weight file: safetensors with a strict, checksummed header.
 
 `__metadata__` holds `format` ("mha-weights"), `format_version` ("1"),
-`config` (AttentionConfig as JSON, every field resolved) and `sha256` (JSON map
-tensor name -> hex digest of the tensor's little-endian C-order bytes).
+`config` (AttentionConfig as JSON, every field resolved), `sha256` (JSON map
+tensor name -> hex digest of the tensor's little-endian C-order bytes) and
+`header_sha256` (hex digest of the rest of the header: see `header_sha256`).
+`sha256` alone left the header unprotected: one flipped bit turned
+`"scale": 0.125` into `8.125`, or `"dropout": 0.0` into `0.8`, and the file
+still loaded. `header_sha256` is verified when present, so files written
+before it existed still load.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from .dtypes import DTYPES, dtype_from_name, resolve_dtype
 
 FORMAT = "mha-weights"
 FORMAT_VERSION = "1"
-RESERVED_METADATA = ("format", "format_version", "config", "sha256")
+RESERVED_METADATA = ("format", "format_version", "config", "sha256", "header_sha256")
 
 # safetensors' header dtype codes -> little-endian NumPy dtypes (bytes are stored little-endian).
 _SAFETENSORS_NUMPY = {
@@ -44,6 +49,25 @@ def tensor_sha256(array: np.ndarray) -> str:
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     return hashlib.sha256(array.tobytes(order="C")).hexdigest()
+
+
+def header_sha256(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> str:
+    """Hex sha256 of a weight file's header content.
+
+    Covers every `__metadata__` entry except `header_sha256` itself (so the
+    config, the tensor checksums and user metadata) and each tensor's name,
+    dtype and shape, as the canonical JSON
+    `{"metadata": {...}, "tensors": {name: [dtype name, shape]}}` with sorted
+    keys, no spaces and ASCII escapes. Data offsets are not covered: the
+    reader checks that the tensors tile the data section, and `sha256` covers
+    their bytes.
+    """
+    content = {
+        "metadata": {k: v for k, v in metadata.items() if k != "header_sha256"},
+        "tensors": {name: [np.dtype(a.dtype).name, [int(d) for d in a.shape]] for name, a in tensors.items()},
+    }
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def validate_tensors(
@@ -108,6 +132,7 @@ def to_bytes(
         "config": config.to_json(),
         "sha256": json.dumps({name: tensor_sha256(a) for name, a in arrays.items()}, sort_keys=True),
     }
+    header["header_sha256"] = header_sha256(header, arrays)
     return canonical_safetensors_bytes(_safetensors_bytes(arrays, metadata=header))
 
 
@@ -393,6 +418,8 @@ def load(path: str | os.PathLike) -> tuple[AttentionConfig, dict[str, np.ndarray
     extra_sums = sorted(set(checksums) - set(tensors))
     if extra_sums:
         problems.append(f"sha256 lists tensors not in the file: {show_names(extra_sums)}")
+    if "header_sha256" in metadata and header_sha256(metadata, tensors) != metadata["header_sha256"]:
+        problems.append("header_sha256 mismatch (the config, metadata, dtypes or shapes changed after it was written)")
     if problems:
         raise WeightsFormatError(f"{path}: " + "; ".join(problems))
     return config, {name: tensors[name] for name in config.tensor_shapes()}  # canonical order

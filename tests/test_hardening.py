@@ -18,6 +18,7 @@ import collections
 import json
 import os
 import signal
+import stat
 import struct
 import tracemalloc
 from pathlib import Path
@@ -445,3 +446,240 @@ def test_header_sha256_is_written_and_verified(tmp_path):
     assert config == SMALL and same_load((config, loaded), SMALL, tensors) is None
     with pytest.raises(ValueError, match="reserved keys: got header_sha256"):
         weights.to_bytes(SMALL, tensors, metadata={"header_sha256": "0" * 64})
+
+
+# -- atomic writes: permissions, interrupts, kills, races ----------------------------------
+
+def temp_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+
+
+def test_saved_files_get_the_umask_permissions_not_0600(tmp_path):
+    """mkstemp creates 0600 files; a weights file shared on a cluster must be readable like any other."""
+    old = os.umask(0o022)
+    try:
+        weights.save(tmp_path / "w.safetensors", SMALL, small_tensors())
+        from conformance.io import write_arrays
+
+        write_arrays(tmp_path / "o.safetensors", {"output": np.zeros((1, 1, 4), np.float32)})
+        (tmp_path / "plain").write_bytes(b"")
+    finally:
+        os.umask(old)
+    expected = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    for name in ("w.safetensors", "o.safetensors"):
+        mode = stat.S_IMODE((tmp_path / name).stat().st_mode)
+        assert mode == expected == 0o644, f"{name} has mode {oct(mode)}, a plain new file {oct(expected)}"
+
+
+@pytest.mark.parametrize("where", ["os.open", "write", "os.fsync", "os.replace", "os.link"])
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_keyboard_interrupt_during_a_write_leaves_no_temp_file(tmp_path, monkeypatch, where, overwrite):
+    """Ctrl-C at each step of write_bytes_atomic: no temp file, the destination old or new, never a mix.
+
+    "os.open" raises just after the temporary file was created, as a signal
+    arriving between the system call and Python storing its result would.
+    """
+    path = tmp_path / "w.safetensors"
+    old_tensors, new_tensors = small_tensors(seed=1), small_tensors(seed=2)
+    if overwrite:
+        weights.save(path, SMALL, old_tensors)
+    before = path.read_bytes() if overwrite else None
+    real = {"os.open": os.open, "os.fsync": os.fsync, "os.replace": os.replace, "os.link": os.link}
+    calls = collections.Counter()
+
+    def interrupt(name):
+        def wrapper(*args, **kwargs):
+            if name == "os.open":
+                flags = args[1] if len(args) > 1 else kwargs.get("flags", 0)
+                if not (flags & os.O_CREAT and str(args[0]).startswith(str(tmp_path))):
+                    return real[name](*args, **kwargs)
+                os.close(real[name](*args, **kwargs))  # the file now exists; the caller never learns its fd
+            calls[name] += 1
+            raise KeyboardInterrupt
+        return wrapper
+
+    if where == "write":
+        import io
+
+        class Interrupting(io.BufferedWriter):
+            def write(self, data):
+                calls["write"] += 1
+                raise KeyboardInterrupt
+
+        real_fdopen = os.fdopen
+        monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: Interrupting(real_fdopen(fd, "wb", buffering=0))
+                            if "w" in mode else real_fdopen(fd, mode, *a, **k))
+    else:
+        monkeypatch.setattr(os, where.split(".")[1], interrupt(where))
+    if where == "os.replace" and not overwrite or where == "os.link" and overwrite:
+        weights.save(path, SMALL, new_tensors, overwrite=overwrite)  # this path does not call it
+        assert not calls and temp_files(tmp_path) == []
+        return
+    with pytest.raises(KeyboardInterrupt):
+        weights.save(path, SMALL, new_tensors, overwrite=overwrite)
+    monkeypatch.undo()
+    assert calls[where] == 1, f"the interrupt at {where} was not reached: {calls}"
+    assert temp_files(tmp_path) == [], f"Ctrl-C at {where} left {temp_files(tmp_path)}"
+    if overwrite:
+        assert path.read_bytes() == before, "the old file was changed by an interrupted write"
+    else:
+        assert not path.exists(), "an interrupted first write left a destination file"
+
+
+def test_save_without_overwrite_refuses_an_existing_file_and_leaves_it_byte_identical(tmp_path):
+    path = tmp_path / "w.safetensors"
+    weights.save(path, SMALL, small_tensors(seed=1))
+    before, mtime = path.read_bytes(), path.stat().st_mtime_ns
+    for target in (path, tmp_path / "link"):
+        if target.name == "link":
+            target.symlink_to(path)
+        with pytest.raises(FileExistsError, match="exists; pass overwrite=True"):
+            weights.save(target, SMALL, small_tensors(seed=2))
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileExistsError, match="exists; pass overwrite=True"):
+        weights.save(dangling, SMALL, small_tensors(seed=2))
+    assert path.read_bytes() == before and path.stat().st_mtime_ns == mtime
+    assert not (tmp_path / "nowhere").exists(), "a dangling symlink was followed"
+    assert temp_files(tmp_path) == []
+
+
+def test_overwriting_keeps_the_destination_permissions(tmp_path):
+    path = tmp_path / "w.safetensors"
+    weights.save(path, SMALL, small_tensors(seed=1))
+    path.chmod(0o640)
+    weights.save(path, SMALL, small_tensors(seed=2), overwrite=True)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640, oct(stat.S_IMODE(path.stat().st_mode))
+
+
+def fork(child) -> int:
+    """Run child() in a forked process that exits with its return value (never returns to pytest)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            code = child() or 0
+        except BaseException:  # the child's own failure, reported by its exit code
+            code = 3
+        finally:
+            os._exit(code)
+    return pid
+
+
+def two_contents():
+    """Two different valid weight files, big enough (~260 kB) that a write takes a while."""
+    config = AttentionConfig(num_heads=8, query_dim=64, head_dim=16)
+    a, b = weights.init(config, seed=11, dtype="float64"), weights.init(config, seed=12, dtype="float64")
+    return config, (a, b), (weights.to_bytes(config, a), weights.to_bytes(config, b))
+
+
+def kill_writer_repeatedly(directory: Path, iterations: int, budget_s: float, counter: str) -> collections.Counter:
+    """Fork a writer that replaces one file forever, alternating two contents; SIGKILL it at a random
+    moment while this process keeps loading the file; after each kill the file must be one of the two,
+    complete, and load and verify."""
+    import random
+    import time
+
+    config, tensors, contents = two_contents()
+    path = directory / "w.safetensors"
+    weights.save(path, config, tensors[0])
+    rng = random.Random(6)
+    outcomes: collections.Counter = collections.Counter()
+    deadline = time.monotonic() + budget_s
+    for iteration in range(iterations):
+        if time.monotonic() > deadline:
+            break
+        ready_r, ready_w = os.pipe()
+
+        def writer(ready_w=ready_w, start=iteration):
+            os.write(ready_w, b"r")
+            i = start
+            while True:
+                weights.save(path, config, tensors[i % 2], overwrite=True)
+                i += 1
+
+        pid = fork(writer)
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"r"
+        os.close(ready_r)
+        stop = time.monotonic() + rng.uniform(0.0, 0.03)
+        while time.monotonic() < stop:  # concurrent readers see old or new, never a mix
+            try:
+                got = weights.load(path)
+            except WeightsFormatError as err:
+                raise AssertionError(f"a reader saw a partial file while the writer ran: {err}") from None
+            assert same_load(got, config, tensors[0]) is None or same_load(got, config, tensors[1]) is None
+            outcomes["concurrent loads"] += 1
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"writer ended with {status}"
+        data = path.read_bytes()
+        assert data in contents, f"kill {iteration}: the file is neither old nor new ({len(data)} bytes)"
+        outcomes[f"left content {'AB'[contents.index(data)]}"] += 1
+        got = weights.load(path)
+        assert same_load(got, config, tensors[contents.index(data)]) is None
+        leftovers = temp_files(directory)
+        outcomes["kills mid-write (temp file left)" if leftovers else "kills between writes"] += 1
+        for name in leftovers:  # a SIGKILLed writer cannot clean up; the next save does not need it
+            (directory / name).unlink()
+        outcomes["kills"] += 1
+        COUNTS[counter] += 1
+    return outcomes
+
+
+def test_sigkill_during_save_leaves_the_old_file_or_the_new_one(tmp_path):
+    outcomes = kill_writer_repeatedly(tmp_path, iterations=60, budget_s=15, counter="writer SIGKILLs")
+    print(f"\nSIGKILL outcomes: {dict(outcomes)}")
+    assert outcomes["kills"] >= 20, outcomes
+    assert outcomes["kills mid-write (temp file left)"] >= 1, f"no kill landed inside a write: {outcomes}"
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_leaves_the_old_file_or_the_new_one_slow(tmp_path):
+    outcomes = kill_writer_repeatedly(tmp_path, iterations=1000, budget_s=240, counter="writer SIGKILLs (slow)")
+    print(f"\nSIGKILL outcomes: {dict(outcomes)}")
+    assert outcomes["kills"] >= 300, outcomes
+    assert outcomes["kills mid-write (temp file left)"] >= 10, outcomes
+
+
+def test_a_clean_exit_leaves_no_temp_files(tmp_path):
+    config, tensors, contents = two_contents()
+
+    def writer():
+        for i in range(20):
+            weights.save(tmp_path / "w.safetensors", config, tensors[i % 2], overwrite=True)
+            weights.save(tmp_path / f"new{i}.safetensors", config, tensors[i % 2])
+        return 0
+
+    pid = fork(writer)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert temp_files(tmp_path) == [], temp_files(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["w.safetensors"] + [f"new{i}.safetensors" for i in range(20)])
+    assert (tmp_path / "w.safetensors").read_bytes() == contents[1]
+
+
+def test_concurrent_first_writes_without_overwrite_exactly_one_wins(tmp_path):
+    config, tensors, contents = two_contents()
+    path = tmp_path / "w.safetensors"
+    go_r, go_w = os.pipe()
+    pids = []
+    for k in range(6):
+        def writer(k=k):
+            os.read(go_r, 1)  # all start together
+            try:
+                weights.save(path, config, tensors[k % 2])
+            except FileExistsError:
+                return 17
+            return 10 + k % 2
+        pids.append(fork(writer))
+    os.close(go_r)
+    os.write(go_w, b"x" * len(pids))
+    os.close(go_w)
+    codes = [os.WEXITSTATUS(os.waitpid(pid, 0)[1]) for pid in pids]
+    winners = [c for c in codes if c in (10, 11)]
+    assert len(winners) == 1 and codes.count(17) == len(pids) - 1, f"exit codes {codes}"
+    assert path.read_bytes() == contents[winners[0] - 10]
+    assert temp_files(tmp_path) == []
+    COUNTS["concurrent first writers"] += len(pids)

@@ -28,11 +28,10 @@ class InputsError(ValueError):
 def _as_bool(path, name: str, array: np.ndarray) -> np.ndarray:
     if array.dtype == bool:
         return array
-    if array.dtype.kind in "iuf" and array.size and np.isin(array, (0, 1)).all():
+    numeric = array.dtype.kind in "iu" or is_float(array.dtype)  # bfloat16 has kind 'V'
+    if numeric and (array.size == 0 or np.isin(array, (0, 1)).all()):
         return array.astype(bool)
-    if array.dtype.kind in "iuf" and array.size == 0:
-        return array.astype(bool)
-    if array.dtype.kind == "f":
+    if is_float(array.dtype):
         kind = "floats other than 0 and 1 (an additive mask belongs in `bias`)"
     else:
         kind = "values other than 0 and 1"

@@ -683,3 +683,30 @@ def test_concurrent_first_writes_without_overwrite_exactly_one_wins(tmp_path):
     assert path.read_bytes() == contents[winners[0] - 10]
     assert temp_files(tmp_path) == []
     COUNTS["concurrent first writers"] += len(pids)
+
+
+# -- inputs files -------------------------------------------------------------------------------
+
+def inputs_file(directory: Path, name: str = "i.safetensors", **arrays) -> Path:
+    return write(directory, st_bytes(arrays), name)
+
+
+Q = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+
+
+@pytest.mark.parametrize("mask_dtype", ["bool", "uint8", "int8", "int64", "float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("name", ["mask", "dropout_mask"])
+def test_inputs_masks_of_0_and_1_in_any_numeric_dtype_read_as_bool(tmp_path, name, mask_dtype):
+    pattern = np.array([[1, 0, 1], [0, 1, 1], [1, 1, 0]], dtype=np.int64)
+    path = inputs_file(tmp_path, query=Q, **{name: pattern.astype(weights.DTYPES.get(mask_dtype, mask_dtype))})
+    got = read_inputs(path)[name]
+    assert got.dtype == bool and np.array_equal(got, pattern.astype(bool)), got
+
+
+@pytest.mark.parametrize("mask_dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("value", [0.5, -1.0, np.nan, np.inf, -np.inf, 2.0])
+def test_inputs_float_masks_other_than_0_and_1_are_refused(tmp_path, mask_dtype, value):
+    mask = np.ones((3, 3), dtype=np.float64)
+    mask[1, 2] = value
+    path = inputs_file(tmp_path, query=Q, mask=mask.astype(weights.DTYPES[mask_dtype]))
+    refusal(read_inputs, path, InputsError, "mask must be bool or 0/1", "floats other than 0 and 1", mask_dtype)

@@ -16,7 +16,7 @@ from safetensors.numpy import save as _safetensors_bytes
 from weights import read_safetensors
 from weights.atomic import write_bytes_atomic
 from weights.dtypes import is_float
-from weights.format import canonical_safetensors_bytes
+from weights.format import canonical_safetensors_bytes, show_names
 
 INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask")
 
@@ -28,19 +28,24 @@ class InputsError(ValueError):
 def _as_bool(path, name: str, array: np.ndarray) -> np.ndarray:
     if array.dtype == bool:
         return array
-    if array.dtype.kind in "iuf" and array.size and np.isin(array, (0, 1)).all():
+    numeric = array.dtype.kind in "iu" or is_float(array.dtype)  # bfloat16 has kind 'V'
+    if numeric and (array.size == 0 or np.isin(array, (0, 1)).all()):
         return array.astype(bool)
-    if array.dtype.kind in "iuf" and array.size == 0:
-        return array.astype(bool)
-    kind = "floats other than 0 and 1 (an additive mask belongs in `bias`)" if array.dtype.kind == "f" else "values other than 0 and 1"
-    raise InputsError(f"{path}: {name} must be bool or 0/1 (True = {'keep' if name == 'dropout_mask' else 'may attend'}): got dtype {array.dtype} with {kind}")
+    if is_float(array.dtype):
+        kind = "floats other than 0 and 1 (an additive mask belongs in `bias`)"
+    else:
+        kind = "values other than 0 and 1"
+    meaning = "keep" if name == "dropout_mask" else "may attend"
+    raise InputsError(f"{path}: {name} must be bool or 0/1 (True = {meaning}): got dtype {array.dtype} with {kind}")
 
 
 def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     _, arrays = read_safetensors(path, error=InputsError)
     unknown = sorted(set(arrays) - set(INPUT_NAMES))
     if unknown:
-        raise InputsError(f"{path}: unexpected tensors {', '.join(unknown)}; an inputs file holds {', '.join(INPUT_NAMES)}")
+        raise InputsError(
+            f"{path}: unexpected tensors {show_names(unknown)}; an inputs file holds {', '.join(INPUT_NAMES)}"
+        )
     if "query" not in arrays:
         raise InputsError(f"{path}: no `query` tensor")
     if "value" in arrays and "key" not in arrays:
@@ -62,5 +67,6 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
 def write_arrays(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *, overwrite: bool = False,
                  metadata: Mapping[str, str] | None = None) -> None:
     """Atomic safetensors write (old file or new file, never a mix)."""
-    data = canonical_safetensors_bytes(_safetensors_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata=dict(metadata or {}) or None))
+    contiguous = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    data = canonical_safetensors_bytes(_safetensors_bytes(contiguous, metadata=dict(metadata or {}) or None))
     write_bytes_atomic(path, data, overwrite=overwrite)

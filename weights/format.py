@@ -1,15 +1,22 @@
 """The common weight file: safetensors with a strict, checksummed header.
 
 `__metadata__` holds `format` ("mha-weights"), `format_version` ("1"),
-`config` (AttentionConfig as JSON, every field resolved) and `sha256` (JSON map
-tensor name -> hex digest of the tensor's little-endian C-order bytes).
+`config` (AttentionConfig as JSON, every field resolved), `sha256` (JSON map
+tensor name -> hex digest of the tensor's little-endian C-order bytes) and
+`header_sha256` (hex digest of the rest of the header: see `header_sha256`).
+`sha256` alone left the header unprotected: one flipped bit turned
+`"scale": 0.125` into `8.125`, or `"dropout": 0.0` into `0.8`, and the file
+still loaded. `header_sha256` is verified when present, so files written
+before it existed still load.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +30,7 @@ from .dtypes import DTYPES, dtype_from_name, resolve_dtype
 
 FORMAT = "mha-weights"
 FORMAT_VERSION = "1"
-RESERVED_METADATA = ("format", "format_version", "config", "sha256")
+RESERVED_METADATA = ("format", "format_version", "config", "sha256", "header_sha256")
 
 # safetensors' header dtype codes -> little-endian NumPy dtypes (bytes are stored little-endian).
 _SAFETENSORS_NUMPY = {
@@ -44,7 +51,28 @@ def tensor_sha256(array: np.ndarray) -> str:
     return hashlib.sha256(array.tobytes(order="C")).hexdigest()
 
 
-def validate_tensors(config: AttentionConfig, tensors: Mapping[str, np.ndarray], *, source: str = "tensors") -> np.dtype:
+def header_sha256(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> str:
+    """Hex sha256 of a weight file's header content.
+
+    Covers every `__metadata__` entry except `header_sha256` itself (so the
+    config, the tensor checksums and user metadata) and each tensor's name,
+    dtype and shape, as the canonical JSON
+    `{"metadata": {...}, "tensors": {name: [dtype name, shape]}}` with sorted
+    keys, no spaces and ASCII escapes. Data offsets are not covered: the
+    reader checks that the tensors tile the data section, and `sha256` covers
+    their bytes.
+    """
+    content = {
+        "metadata": {k: v for k, v in metadata.items() if k != "header_sha256"},
+        "tensors": {name: [np.dtype(a.dtype).name, [int(d) for d in a.shape]] for name, a in tensors.items()},
+    }
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def validate_tensors(
+    config: AttentionConfig, tensors: Mapping[str, np.ndarray], *, source: str = "tensors"
+) -> np.dtype:
     """Check names, shapes and dtype against the config; return the one dtype.
 
     Raises one WeightsFormatError listing every problem.
@@ -56,7 +84,7 @@ def validate_tensors(config: AttentionConfig, tensors: Mapping[str, np.ndarray],
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+        problems.append(f"unexpected tensors: {show_names(unexpected)}")
     dtypes: dict[str, list[str]] = {}
     for name, shape in expected.items():
         if name not in tensors:
@@ -84,7 +112,9 @@ def validate_tensors(config: AttentionConfig, tensors: Mapping[str, np.ndarray],
     return DTYPES[next(iter(dtypes))]
 
 
-def to_bytes(config: AttentionConfig, tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> bytes:
+def to_bytes(
+    config: AttentionConfig, tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None
+) -> bytes:
     """The file's bytes. Deterministic: the same inputs give the same bytes."""
     validate_tensors(config, tensors)
     extra = dict(metadata or {})
@@ -102,6 +132,7 @@ def to_bytes(config: AttentionConfig, tensors: Mapping[str, np.ndarray], *, meta
         "config": config.to_json(),
         "sha256": json.dumps({name: tensor_sha256(a) for name, a in arrays.items()}, sort_keys=True),
     }
+    header["header_sha256"] = header_sha256(header, arrays)
     return canonical_safetensors_bytes(_safetensors_bytes(arrays, metadata=header))
 
 
@@ -133,46 +164,172 @@ def save(
     write_bytes_atomic(path, to_bytes(config, tensors, metadata=metadata), overwrite=overwrite)
 
 
-def read_safetensors(path: str | os.PathLike, *, error: type[ValueError] = WeightsFormatError) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+# safetensors' own limit on the JSON header; a longer one is refused before it is read.
+MAX_HEADER_BYTES = 100_000_000
+# NumPy 1.x's limit on dimensions; the format's tensors have at most 3.
+MAX_NDIM = 32
+
+
+class _HeaderProblem(ValueError):
+    """Raised from inside json.loads hooks; read_safetensors turns it into `error`."""
+
+
+def _checked_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _HeaderProblem(
+            f"contains the string {_short(text)} with a lone surrogate escape (not valid Unicode)"
+        ) from None
+    return text
+
+
+def _object_pairs(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object that refuses duplicate keys (json.loads would keep the last silently)."""
+    seen: set[str] = set()
+    for key, value in pairs:
+        _checked_text(key)
+        if isinstance(value, str):
+            _checked_text(value)
+        if key in seen:
+            raise _HeaderProblem(f"has the key {_short(key)} twice (duplicate)")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _refuse_constant(name: str):
+    raise _HeaderProblem(f"contains {name}, which is not JSON")
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr of a value from a file, cut so a message stays short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _show_name(name: object) -> str:
+    """A tensor name from a file as a message may show it: as is if short and printable, else a cut repr."""
+    if isinstance(name, str) and name.isprintable() and len(name) <= 80 and "," not in name:
+        return name
+    return _short(name)
+
+
+def show_names(names: list, limit: int = 10) -> str:
+    """Names for a one-line message: at most `limit`, each shown safely, then how many more."""
+    shown = ", ".join(_show_name(n) for n in names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def _parse_header(raw: bytes) -> object:
+    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity, no lone surrogates. Raises _HeaderProblem."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _HeaderProblem(f"is not UTF-8 (byte {err.start})") from None
+    return _parse_json_text(text, what="is")
+
+
+def _parse_json_text(text: str, what: str = "") -> object:
+    """json.loads that refuses duplicate keys, NaN/Infinity, lone surrogates and deep nesting (_HeaderProblem)."""
+    what = f"{what} " if what else ""
+    try:
+        return json.loads(text, object_pairs_hook=_object_pairs, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as err:
+        raise _HeaderProblem(f"{what}not JSON: {err.msg} at byte {err.pos}") from None
+    except RecursionError:
+        raise _HeaderProblem(f"{what}not usable JSON: nested too deeply") from None
+    except _HeaderProblem:
+        raise
+    except ValueError as err:  # e.g. an integer beyond Python's 4300-digit conversion limit
+        raise _HeaderProblem(f"{what}not usable JSON: {str(err).splitlines()[0]}") from None
+
+
+def _read_exactly(handle, count: int) -> bytes:
+    chunks, left = [], count
+    while left:
+        chunk = handle.read(left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_safetensors(
+    path: str | os.PathLike, *, error: type[ValueError] = WeightsFormatError
+) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     """Read any safetensors file strictly: (metadata, arrays) or `error`.
 
-    The header is checked by hand before the safetensors parser sees it, so a
-    header length beyond the file is refused without allocating it.
+    Only regular files are read (a FIFO or a device could block or never end).
+    The 8-byte header length is checked against the file's size before the
+    header is read, and every tensor's claimed bytes against the data section
+    before any of it is read, so nothing is allocated for a size the file does
+    not have. As safetensors itself requires, the tensors must tile the data
+    section exactly: no overlap, no gap, no trailing bytes. Duplicate keys,
+    NaN/Infinity and lone surrogate escapes in the header are refused, and so
+    are BOOL bytes other than 0 and 1.
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except IsADirectoryError:
         raise error(f"{path}: is a directory, not a safetensors file") from None
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except OSError as err:
         raise error(f"{path}: cannot read: {err.strerror or err}") from None
-    if len(data) < 8:
-        raise error(f"{path}: not a safetensors file: {len(data)} bytes, shorter than the 8-byte header length")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > len(data) - 8:
-        raise error(f"{path}: not a safetensors file: header length {header_len} exceeds the file's remaining {len(data) - 8} bytes")
     try:
-        header = json.loads(data[8 : 8 + header_len].decode("utf-8"))
-    except UnicodeDecodeError:
-        raise error(f"{path}: safetensors header is not UTF-8") from None
-    except json.JSONDecodeError as err:
-        raise error(f"{path}: safetensors header is not JSON: {err.msg} at byte {err.pos}") from None
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise error(f"{path}: is a directory, not a safetensors file")
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"{path}: not a regular file (a FIFO, device or socket); give the path of a safetensors file")
+    except BaseException:
+        os.close(fd)
+        raise
+    size = info.st_size
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            return _read_open_file(path, handle, size, error)
+        except OSError as err:
+            raise error(f"{path}: cannot read: {err.strerror or err}") from None
+
+
+def _read_open_file(
+    path: Path, handle, size: int, error: type[ValueError]
+) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    prefix = _read_exactly(handle, 8)
+    if len(prefix) < 8:
+        raise error(f"{path}: not a safetensors file: {len(prefix)} bytes, shorter than the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > size - 8:
+        raise error(
+            f"{path}: not a safetensors file: header length {header_len} exceeds the file's remaining {size - 8} bytes"
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise error(f"{path}: safetensors header length {header_len} is above the limit of {MAX_HEADER_BYTES} bytes")
+    raw_header = _read_exactly(handle, header_len)
+    if len(raw_header) < header_len:
+        raise error(f"{path}: the file shrank while it was read ({8 + len(raw_header)} of {size} bytes)")
+    try:
+        header = _parse_header(raw_header)
+    except _HeaderProblem as err:
+        raise error(f"{path}: safetensors header {err}") from None
     if not isinstance(header, dict):
         raise error(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise error(f"{path}: __metadata__ must map strings to strings")
-    body = len(data) - 8 - header_len
-    arrays: dict[str, np.ndarray] = {}
-    spans = []
-    for name, info in header.items():
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise error(f"{path}: tensor {name!r} has a malformed header entry")
-        dtype_code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype_code not in _SAFETENSORS_NUMPY:
-            raise error(f"{path}: tensor {name!r} has unsupported dtype {dtype_code!r}")
+    body = size - 8 - header_len
+    layout: list[tuple[int, int, str, np.dtype, tuple[int, ...], str]] = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise error(f"{path}: tensor {_short(name)} has a malformed header entry")
+        dtype_code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype_code, str) or dtype_code not in _SAFETENSORS_NUMPY:
+            raise error(f"{path}: tensor {_short(name)} has unsupported dtype {_short(dtype_code)}")
         dtype = np.dtype(_SAFETENSORS_NUMPY[dtype_code])
         if (
             not isinstance(shape, list)
@@ -181,21 +338,43 @@ def read_safetensors(path: str | os.PathLike, *, error: type[ValueError] = Weigh
             or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         ):
-            raise error(f"{path}: tensor {name!r} has a malformed shape or data_offsets")
+            raise error(f"{path}: tensor {_short(name)} has a malformed shape or data_offsets")
+        if len(shape) > MAX_NDIM:
+            raise error(f"{path}: tensor {_short(name)} has {len(shape)} dimensions; at most {MAX_NDIM} are supported")
         start, end = offsets
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if not 0 <= start <= end <= body or end - start != count * dtype.itemsize:
+        nbytes = math.prod(shape) * dtype.itemsize  # Python integers: no overflow
+        if not 0 <= start <= end <= body or end - start != nbytes:
             raise error(
-                f"{path}: tensor {name!r} claims bytes {start}..{end} for shape {shape} {dtype_code}, "
+                f"{path}: tensor {_short(name)} claims bytes {start}..{end} for shape {_short(shape)} {dtype_code}, "
                 f"but the data section has {body} bytes"
             )
-        spans.append((start, end, name))
-        raw = data[8 + header_len + start : 8 + header_len + end]
-        arrays[name] = np.frombuffer(raw, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
-    spans.sort()
-    for (_, e1, n1), (s2, _, n2) in zip(spans, spans[1:]):
-        if s2 < e1:
-            raise error(f"{path}: tensors {n1!r} and {n2!r} overlap in the data section")
+        layout.append((start, end, name, dtype, tuple(shape), dtype_code))
+    layout.sort(key=lambda item: (item[0], item[1]))
+    position, previous = 0, None
+    for start, end, name, *_ in layout:
+        if start < position:
+            raise error(f"{path}: tensors {_short(previous)} and {_short(name)} overlap in the data section")
+        if start > position:
+            raise error(f"{path}: the data section has a gap of {start - position} bytes before tensor {_short(name)}")
+        position, previous = end, name
+    if position != body:
+        raise error(f"{path}: the data section has {body - position} bytes after the last tensor that no tensor claims")
+    data = _read_exactly(handle, body)
+    if len(data) != body or handle.read(1):
+        raise error(f"{path}: the file changed size while it was read")
+    arrays: dict[str, np.ndarray] = {}
+    for start, end, name, dtype, shape, dtype_code in layout:
+        try:
+            flat = np.frombuffer(data, dtype=dtype, count=(end - start) // dtype.itemsize, offset=start)
+            array = flat.reshape(shape)
+        except ValueError as err:
+            raise error(
+                f"{path}: tensor {_short(name)} with shape {_short(list(shape))} cannot be held: {err}"
+            ) from None
+        if dtype_code == "BOOL" and flat.view(np.uint8).max(initial=0) > 1:
+            raise error(f"{path}: tensor {_short(name)} is BOOL but holds bytes other than 0 and 1")
+        arrays[name] = array.astype(dtype.newbyteorder("="))
+    arrays = {name: arrays[name] for name in header}  # the header's order
     return metadata, arrays
 
 
@@ -209,28 +388,38 @@ def load(path: str | os.PathLike) -> tuple[AttentionConfig, dict[str, np.ndarray
         raise WeightsFormatError(
             f"{path}: format_version is {metadata.get('format_version')!r}; this reader knows {FORMAT_VERSION!r}"
         )
+    if "config" not in metadata:
+        raise WeightsFormatError(f"{path}: bad config: the metadata has no config")
     try:
-        config = AttentionConfig.from_json(metadata.get("config", ""))
-    except ValueError as err:
-        raise WeightsFormatError(f"{path}: bad config: {err}") from None
+        # Strict JSON first (no duplicate keys, NaN or deep nesting), then the config's own checks.
+        config = AttentionConfig.from_dict(_parse_json_text(metadata["config"]))
+    except _HeaderProblem as err:
+        raise WeightsFormatError(f"{path}: bad config: config is not valid JSON: {err}") from None
+    except OverflowError as err:  # config.py lets `"scale": 1000...0` (400 digits) raise this
+        raise WeightsFormatError(f"{path}: bad config: a number in the config is too large ({err})") from None
+    except (ValueError, TypeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else repr(err)
+        raise WeightsFormatError(f"{path}: bad config: {reason}") from None
     try:
-        checksums = json.loads(metadata.get("sha256", ""))
-        if not isinstance(checksums, dict):
-            raise ValueError
-    except ValueError:
-        raise WeightsFormatError(f"{path}: sha256 metadata is not a JSON object") from None
+        checksums = _parse_json_text(metadata.get("sha256", ""))
+    except _HeaderProblem:
+        checksums = None
+    if not isinstance(checksums, dict):
+        raise WeightsFormatError(f"{path}: sha256 metadata is not a JSON object")
     try:
         validate_tensors(config, tensors, source=str(path))
     except WeightsFormatError as err:
         problems.append(str(err).removeprefix(f"{path}: "))
     for name, array in tensors.items():
         if name not in checksums:
-            problems.append(f"no sha256 for {name}")
+            problems.append(f"no sha256 for {_show_name(name)}")
         elif tensor_sha256(array) != checksums[name]:
             problems.append(f"sha256 mismatch for {name} (the tensor's bytes changed after it was written)")
     extra_sums = sorted(set(checksums) - set(tensors))
     if extra_sums:
-        problems.append(f"sha256 lists tensors not in the file: {', '.join(extra_sums)}")
+        problems.append(f"sha256 lists tensors not in the file: {show_names(extra_sums)}")
+    if "header_sha256" in metadata and header_sha256(metadata, tensors) != metadata["header_sha256"]:
+        problems.append("header_sha256 mismatch (the config, metadata, dtypes or shapes changed after it was written)")
     if problems:
         raise WeightsFormatError(f"{path}: " + "; ".join(problems))
     return config, {name: tensors[name] for name in config.tensor_shapes()}  # canonical order

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
-from weights.contract import check_bias_values, check_call
+from weights.contract import check_bias_values, check_call, check_input_values
 from weights.dtypes import is_float
 
 from .masks import causal_mask
@@ -158,7 +158,7 @@ def allowed_mask(mask4: np.ndarray | None, T: int, S: int, is_causal: bool, caus
 
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, return_weights, dtype):
+            training, seed, return_weights, dtype, materializes_scores=True):
     """Validate a call and cast everything to the storage dtype."""
     stored = validate_tensors(config, tensors)
     dtype = stored if dtype is None else dtype_from_name(dtype)
@@ -180,8 +180,10 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         dropout_mask_shape=None if keep_np is None else keep_np.shape,
         dropout_mask_dtype=None if keep_np is None else keep_np.dtype.name,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights,
+        return_weights=return_weights, materializes_scores=materializes_scores,
+        scores_itemsize=compute_dtype(dtype).itemsize,
     )
+    check_input_values(query=query, key=key, value=value)
     if bias_np is not None:
         check_bias_values(bias_np)
         bias_np = bias_np.astype(compute_dtype(dtype)).reshape(shapes.bias_shape)
@@ -224,7 +226,7 @@ def multi_head_attention(
     shapes, p, (query, key, value), mask4, bias_r4, keep, dtype = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, dtype=dtype,
+        return_weights=return_weights, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
     )
     if chunk_size is not None:
         from .chunked import chunked_attention_core

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from weights.contract import check_input_values
+
 from ._keras import keras, tf
 from .layer import MultiHeadAttention, check_device, check_precision
 
@@ -41,6 +43,7 @@ def _numpy(x) -> np.ndarray:
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    check_input_values(query=inputs.get("query"), key=inputs.get("key"), value=inputs.get("value"))
     layer = _layer(config, tensors, options, device, precision)
     return_weights = bool(options.get("return_weights", False))
     kwargs = _kwargs(inputs, options)
@@ -56,6 +59,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    check_input_values(query=inputs.get("query"), key=inputs.get("key"), value=inputs.get("value"))
     layer = _layer(config, tensors, options, device, precision)
     given = {n: ops.convert_to_tensor(inputs[n]) for n in ("query", "key", "value") if inputs.get(n) is not None}
     variables = layer.canonical_variables()

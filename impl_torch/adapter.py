@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import weights
+from weights.contract import check_input_values
 
 from .convert import to_numpy, to_torch
 from .device import devices as _devices
@@ -44,6 +45,7 @@ def _tensors(config, tensors, device, *, requires_grad=False):
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    check_input_values(query=inputs.get("query"), key=inputs.get("key"), value=inputs.get("value"))
     dev = resolve_device(device)
     params = _tensors(config, tensors, dev)
     entries = [] if trace else None
@@ -62,6 +64,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    check_input_values(query=inputs.get("query"), key=inputs.get("key"), value=inputs.get("value"))
     dev = resolve_device(device)
     params = _tensors(config, tensors, dev, requires_grad=True)
     xs = {name: to_torch(inputs[name], dev).requires_grad_(True)

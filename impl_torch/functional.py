@@ -284,6 +284,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         dropout_mask_dtype=None if keep_t is None else dtype_name(keep_t.dtype),
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         return_weights=return_weights,
+        # The memory guard reads /proc/meminfo: done eagerly, skipped while
+        # torch.compile traces (it would break the graph), and on a GPU whose
+        # memory the host's MemAvailable does not describe.
+        materializes_scores=not torch.compiler.is_compiling() and query.device.type == "cpu",
+        scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8,
     )
     if bias_t is not None:
         _check_bias_values(bias_t)

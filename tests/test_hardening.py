@@ -308,7 +308,7 @@ BAD_CONFIGS = [
     ("5", "must be a JSON object"),
     ("[" * 100_000 + "]" * 100_000, "config"),
     ('{"num_heads": ' + "9" * 5000 + ', "query_dim": 4, "head_dim": 2}', "config"),
-    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "scale": ' + "1" + "0" * 400 + "}", "too large"),
+    ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "scale": ' + "1" + "0" * 400 + "}", "scale must be a finite number or null"),
     ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "scale": 1e400}', "scale"),
     ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "scale": NaN}', "contains NaN"),
     ('{"num_heads": 2, "query_dim": 4, "head_dim": 2, "dropout": -Infinity}', "contains -Infinity"),
@@ -1365,10 +1365,11 @@ def test_heads_that_do_not_divide_are_refused_by_the_config(num_heads, num_kv_he
     assert f"{num_kv_heads}" in str(info.value)
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("value", [np.nan])
 def test_nan_or_inf_in_query_comes_out_as_nan(value):
-    """Documented choice: non-finite query values are not refused; they propagate as NaN to the outputs
-    that read them (cross-attention: that query row; self-attention: the whole sequence, through keys)."""
+    """Documented choice: NaN in the query is not refused; it propagates as NaN to the outputs that read
+    it (cross-attention: that query row; self-attention: the whole sequence, through keys). +-inf is
+    refused (tests/test_numpy_errors.py): an infinite logit would look like a masked one."""
     query = XQ.copy()
     query[1, 2, 3] = value
     with np.errstate(invalid="ignore", over="ignore"):

@@ -68,3 +68,34 @@ def test_nan_in_query_propagates():
     out = multi_head_attention(CONFIG, TENSORS, x)
     assert np.isnan(out[0]).all(), "a NaN token reaches every output row of its sequence through keys/values"
     assert np.isfinite(out[1]).all(), "other sequences stay finite"
+
+
+def test_inf_inputs_are_refused_nan_propagates():
+    x = X.copy()
+    x[0, 0, 0] = np.inf
+    with pytest.raises(ValueError, match=r"query contains \+-inf; NaN propagates"):
+        multi_head_attention(CONFIG, TENSORS, x)
+    # The case that motivated it: an infinite query made every logit -inf, and
+    # the row silently took the masked-row policy.
+    config = AttentionConfig(num_heads=1, query_dim=1, head_dim=1, use_query_bias=False, use_key_bias=False,
+                             use_value_bias=False, use_output_bias=False)
+    ones = {n: np.ones(s) for n, s in config.tensor_shapes().items()}
+    with pytest.raises(ValueError, match="infinite inputs are refused"):
+        multi_head_attention(config, ones, np.array([[[np.inf]]]), np.array([[[-1.0], [-2.0]]]))
+
+
+def test_scores_that_cannot_fit_are_refused_up_front(monkeypatch):
+    from weights import contract
+
+    monkeypatch.setattr(contract, "available_memory_bytes", lambda: 64 * 2**20)  # 64 MiB
+    x = np.zeros((1, 2048, 4), np.float32)  # (1, 2, 2048, 2048) float32 scores x 4 copies = 128 MiB
+    with pytest.raises(ValueError, match=r"attention scores need about 0\.1 GiB, more than the 0\.1 GiB of memory"):
+        multi_head_attention(CONFIG, TENSORS, x)
+    out = multi_head_attention(CONFIG, TENSORS, x, chunk_size=256)  # the chunked path holds no (T, S) array
+    assert out.shape == (1, 2048, 4)
+
+
+def test_a_real_t_by_s_beyond_memory_is_refused():
+    x = np.zeros((1, 2**20, 4), np.float32)  # 4 TiB of scores
+    with pytest.raises(ValueError, match="attention scores need about"):
+        multi_head_attention(CONFIG, TENSORS, x)

@@ -68,8 +68,14 @@ class AttentionConfig:
         for name in ("use_query_bias", "use_key_bias", "use_value_bias", "use_output_bias"):
             _check_bool(name, getattr(self, name))
         if self.scale is not None:
-            if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
-                raise ValueError(f"scale must be a finite number or null: got {self.scale!r}")
+            bad = isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
+            try:
+                bad = bad or not math.isfinite(float(self.scale))
+            except OverflowError:  # an int beyond float range
+                bad = True
+            if bad:
+                shown = repr(self.scale) if len(repr(self.scale)) <= 40 else repr(self.scale)[:37] + "..."
+                raise ValueError(f"scale must be a finite number or null: got {shown}")
             object.__setattr__(self, "scale", float(self.scale))
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be a number in [0, 1): got {self.dropout!r}")
@@ -131,8 +137,12 @@ class AttentionConfig:
 
     @classmethod
     def from_json(cls, text: str) -> AttentionConfig:
+        from .strict_json import _HeaderProblem, _parse_json_text
+
+        if not isinstance(text, str):
+            raise ValueError(f"config is not valid JSON: got {type(text).__name__}")
         try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as err:
+            data = _parse_json_text(text)
+        except _HeaderProblem as err:
             raise ValueError(f"config is not valid JSON: {err}") from None
         return cls.from_dict(data)

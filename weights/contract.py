@@ -75,8 +75,14 @@ def check_call(
     training: bool = False,
     seed: int | None = None,
     return_weights: bool = False,
+    materializes_scores: bool = True,
+    scores_itemsize: int = 4,
 ) -> CallShapes:
-    """Validate one call; ValueError names the argument and the value received."""
+    """Validate one call; ValueError names the argument and the value received.
+
+    materializes_scores: the call will hold (B, N, T, S) arrays (every path
+    but impl_numpy's chunked one); it is refused up front when they cannot
+    fit in the memory available, instead of ending in an out-of-memory kill."""
     q = _shape(query_shape)
     k = q if key_shape is None else _shape(key_shape)
     v = k if value_shape is None else _shape(value_shape)
@@ -126,7 +132,61 @@ def check_call(
         )
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise ValueError(f"seed must be an integer: got {seed!r}")
+    if materializes_scores:
+        check_scores_fit(B, N, T, S, scores_itemsize)
     return CallShapes(B=B, T=T, S=S, mask_shape=mask4, bias_shape=bias4)
+
+
+# Arrays of (B, N, T, S) alive at once on the plain path: logits, masked
+# logits, exp, weights (and the dropped weights in training).
+SCORE_COPIES = 4
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, capped by RLIMIT_AS; None if unknown."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            available = soft if available is None else min(available, soft)
+    except (ImportError, ValueError, OSError):
+        pass
+    return available
+
+
+def check_scores_fit(B: int, N: int, T: int, S: int, itemsize: int, available: int | None = None) -> None:
+    need = B * N * T * S * itemsize * SCORE_COPIES
+    available = available_memory_bytes() if available is None else available
+    if available is not None and need > available:
+        raise ValueError(
+            f"the (B, N, T, S) = {(B, N, T, S)} attention scores need about {need / 2**30:.1f} GiB, more than the "
+            f"{available / 2**30:.1f} GiB of memory available; use the chunked path (impl_numpy: chunk_size=) "
+            "without return_weights, or a smaller batch"
+        )
+
+
+def check_input_values(**arrays) -> None:
+    """query/key/value may hold NaN (it propagates) but not +-inf: an infinite
+    logit is indistinguishable from a masked one, so a row could silently
+    follow the masked-row policy instead of becoming NaN."""
+    for name, array in arrays.items():
+        if array is None:
+            continue
+        values = np.asarray(array)
+        if values.dtype.kind == "f" or values.dtype.name == "bfloat16":
+            if np.isinf(values.astype(np.float64)).any():
+                raise ValueError(f"{name} contains +-inf; NaN propagates but infinite inputs are refused "
+                                 "(an infinite logit would look like a masked one)")
 
 
 def check_bias_values(bias) -> None:

@@ -97,4 +97,7 @@ class MultiHeadAttention(nnx.Module):
         return {name: np.array(jax.device_get(t)) for name, t in self.params.items()}
 
     def __call__(self, query, key=None, value=None, **options):
-        return apply(self.config, self.params, query, key, value, **options)
+        """apply() on this layer's parameters; arrays made from NumPy arguments
+        (and masks built inside) land on the layer's device."""
+        with jax.default_device(resolve_device(self.device)):
+            return apply(self.config, self.params, query, key, value, **options)

@@ -46,7 +46,7 @@ from conformance.tolerance import assert_close, compare, max_finite_abs, policy_
 
 pytestmark = pytest.mark.jax
 
-NO_GPU = "no GPU: jax.devices('gpu') fails"
+NO_GPU = "no GPU: jax.devices('gpu') fails (a GPU machine needs a CUDA jaxlib: pip install 'jax[cuda12]')"
 needs_gpu = pytest.mark.skipif(not impl_jax.gpu_available(), reason=NO_GPU)
 
 

@@ -64,6 +64,7 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, config: AttentionConfig, tensors: dict[str, np.ndarray] | None = None, *,
                  seed: int = 0, dtype: str = "float32", device: str = "cpu"):
+        target = resolve_device(device)  # a bad or missing device fails first
         if tensors is None:
             tensors = weights.init(config, seed=seed, dtype=dtype)
         stored = weights.validate_tensors(config, tensors)
@@ -71,7 +72,7 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(X64_MESSAGE)
         self.config = config
         self.device = device
-        placed = jax.device_put({name: np.asarray(t) for name, t in tensors.items()}, resolve_device(device))
+        placed = jax.device_put({name: np.asarray(t) for name, t in tensors.items()}, target)
         for name in ("query", "key", "value", "output"):
             setattr(self, name, Projection(placed[f"{name}.kernel"], placed.get(f"{name}.bias")))
 

@@ -1,0 +1,22 @@
+"""Multi-head attention in JAX / Flax NNX, mirroring the NumPy spec (impl_numpy).
+
+- `apply(config, params, query, ...)`: pure; works under jax.jit (static
+  arguments: STATIC_ARGNAMES), jax.grad and jax.vmap.
+- `MultiHeadAttention`: an nnx.Module holding the canonical tensors as nnx.Params.
+- `causal_mask`, `padding_mask`: the reference's masks as jax arrays.
+
+float64 needs JAX's x64 mode. Importing impl_jax does not switch it on (it is
+process-wide and changes every JAX program's default dtypes); a float64 call
+without it raises ValueError naming the fix. impl_jax.adapter, the
+conformance entry point, switches it on when imported, since float64 is a
+conformance dtype.
+"""
+
+from .functional import STAGES, STATIC_ARGNAMES, TraceEntry, apply, multi_head_attention
+from .layer import MultiHeadAttention, gpu_available, resolve_device
+from .masks import causal_mask, padding_mask
+
+__all__ = [
+    "MultiHeadAttention", "STAGES", "STATIC_ARGNAMES", "TraceEntry", "apply", "causal_mask", "gpu_available",
+    "multi_head_attention", "padding_mask", "resolve_device",
+]

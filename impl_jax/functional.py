@@ -1,0 +1,376 @@
+"""Multi-head attention in JAX, one pure function per stage: mirrors impl_numpy/functional.py.
+
+Same stage functions, same names, same order, same einsum strings as the
+NumPy spec; jax.numpy and jax.lax only. Shape letters as in impl_numpy:
+  B batch             T query length        S key/value length
+  N query heads       K key/value heads     G = N / K query heads per K head
+  H head dim (q, k)   V value head dim      D input features    O output features
+  F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
+
+Stages: project -> split_heads -> logits (scale) -> mask (and bias) ->
+softmax -> dropout -> attend -> merge_heads -> output.
+
+Precision rule (as the spec): each stage's result is stored in the storage
+dtype; its arithmetic runs in `compute_dtype`, float32 for float16/bfloat16,
+the dtype itself otherwise. Every einsum runs at lax.Precision.HIGHEST
+(true float32 on GPUs, where JAX's default is TF32) unless the caller passes
+precision="tf32" or "default" (both lax.Precision.DEFAULT: TF32 on Ampere and
+later GPUs unless jax_default_matmul_precision says otherwise, float32 on CPUs).
+
+float64 needs JAX's x64 mode. This module never switches it on (that would
+change the default dtypes of every other JAX program in the process); a
+float64 call without it raises ValueError saying how to enable it, instead
+of silently computing in float32. impl_jax.adapter (the conformance entry
+point) does enable it.
+
+`apply` is pure and works under jax.jit, jax.grad and jax.vmap. Validation
+(weights.contract.check_call) reads only static shapes and dtypes, so it runs
+at trace time; the one value check (NaN / +inf in bias) runs only when bias
+is concrete (eager calls), so jit callers check bias themselves
+(weights.contract.check_bias_values; the adapter does). Under jit pass
+STATIC_ARGNAMES as static_argnames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from weights import DTYPES, AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
+from weights.contract import check_bias_values, check_call
+from weights.dtypes import is_float, resolve_dtype
+
+from .masks import causal_mask
+
+# The contractions, written once; the same strings as impl_numpy.
+PROJECT = "BLD,DF->BLF"
+LOGITS = "BKGTH,BKSH->BKGTS"
+ATTEND = "BKGTS,BKSV->BKGTV"
+OUTPUT = "BTF,FO->BTO"
+
+PRECISIONS = {
+    "highest": lax.Precision.HIGHEST,  # float32 matmuls everywhere (the correctness setting)
+    "tf32": lax.Precision.DEFAULT,  # TF32 on Ampere+ GPUs: asked for explicitly
+    "default": lax.Precision.DEFAULT,  # whatever the platform does by default
+}
+
+# Arguments of `apply` that must be static under jax.jit (hashable Python values).
+STATIC_ARGNAMES = (
+    "config", "is_causal", "causal_alignment", "training", "seed", "return_weights", "precision", "dtype",
+)
+
+X64_MESSAGE = (
+    "float64 needs JAX's x64 mode, which is off: call jax.config.update('jax_enable_x64', True) "
+    "(or set JAX_ENABLE_X64=1) before creating arrays; impl_jax never computes a float64 request in float32"
+)
+
+
+@dataclasses.dataclass
+class TraceEntry:
+    stage: str
+    value: Any  # the stage's output, a jax.Array (a tracer inside jit)
+
+
+def _record(trace: list | None, stage: str, value):
+    if trace is not None:
+        trace.append(TraceEntry(stage, value))
+    return value
+
+
+def _precision(precision: str) -> lax.Precision:
+    try:
+        return PRECISIONS[precision]
+    except (KeyError, TypeError):
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}: got {precision!r}") from None
+
+
+def _einsum(spec: str, a, b, dtype, precision: str):
+    """einsum in compute dtype, result stored in `dtype` (the spec's _matmul)."""
+    ct = compute_dtype(dtype)
+    y = jnp.einsum(spec, a.astype(ct), b.astype(ct), precision=_precision(precision))
+    return y.astype(dtype)
+
+
+# -- stages --------------------------------------------------------------------
+
+def project(x, kernel, bias, precision: str = "highest"):
+    """PROJECT: x (B, L, D) times kernel (D, heads, width) flattened -> (B, L, F)."""
+    D = kernel.shape[0]
+    y = _einsum(PROJECT, x, kernel.reshape(D, -1), x.dtype, precision)  # (B, L, F)
+    if bias is not None:
+        ct = compute_dtype(x.dtype)
+        y = (y.astype(ct) + bias.reshape(-1).astype(ct)).astype(x.dtype)  # (B, L, F)
+    return y
+
+
+def split_heads(x, num_heads: int):
+    """(B, L, heads*width) -> (B, heads, L, width), as seed 003's split_heads."""
+    B, L, F = x.shape
+    x = x.reshape(B, L, num_heads, F // num_heads)  # (B, L, heads, width)
+    return x.transpose(0, 2, 1, 3)  # (B, heads, L, width)
+
+
+def logits(q, k, scale: float, precision: str = "highest"):
+    """LOGITS times scale: q (B, N, T, H), k (B, K, S, H) -> (B, N, T, S).
+    Query head n reads key head n // G."""
+    B, N, T, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, K, N // K, T, H)  # (B, K, G, T, H)
+    ct = compute_dtype(q.dtype)
+    scores = jnp.einsum(LOGITS, qg.astype(ct), k.astype(ct), precision=_precision(precision))  # (B, K, G, T, S)
+    return (scores * jnp.asarray(scale, ct)).reshape(B, N, T, S).astype(q.dtype)  # (B, N, T, S)
+
+
+def mask(x, allowed, bias):
+    """Add bias, then set disallowed positions to -inf. allowed and bias are
+    rank-4 and broadcast to (B, N, T, S). A select, so a masked position gets
+    no gradient (as in impl_numpy/backward.py)."""
+    if bias is not None:
+        x = (x.astype(compute_dtype(x.dtype)) + bias).astype(x.dtype)
+    if allowed is not None:
+        x = jnp.where(allowed, x, jnp.asarray(-jnp.inf, x.dtype))
+    return x
+
+
+def softmax(x, masked_row: str):
+    """Softmax over S in compute dtype. A row with no finite logit (every key
+    masked) becomes: "zero" all 0, "uniform" all 1/S, "nan" all NaN."""
+    ct = compute_dtype(x.dtype)
+    xc = x.astype(ct)
+    row_max = jnp.max(xc, axis=-1, keepdims=True)  # (B, N, T, 1)
+    empty = row_max == -jnp.inf
+    # softmax is shift-invariant: the shift carries no gradient
+    shift = lax.stop_gradient(jnp.where(empty, jnp.asarray(0, ct), row_max))  # (B, N, T, 1)
+    e = jnp.exp(xc - shift)  # masked -> exactly 0
+    total = e.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
+    w = e / jnp.where(empty, jnp.asarray(1, ct), total)
+    fill = {"zero": 0.0, "uniform": 1.0 / x.shape[-1], "nan": np.nan}[masked_row]
+    w = jnp.where(empty, jnp.asarray(fill, ct), w)  # the filled row carries no gradient to its logits
+    return w.astype(x.dtype)
+
+
+def dropout(w, keep, rate: float):
+    """Inverted dropout with an explicit keep-mask (B, N, T, S)."""
+    if keep is None:
+        return w
+    ct = compute_dtype(w.dtype)
+    return jnp.where(keep, w.astype(ct) / jnp.asarray(1.0 - rate, ct), jnp.asarray(0, ct)).astype(w.dtype)
+
+
+def attend(w, v, precision: str = "highest"):
+    """ATTEND: weights (B, N, T, S), v (B, K, S, V) -> (B, N, T, V)."""
+    B, N, T, S = w.shape
+    K = v.shape[1]
+    wg = w.reshape(B, K, N // K, T, S)  # (B, K, G, T, S)
+    return _einsum(ATTEND, wg, v, w.dtype, precision).reshape(B, N, T, v.shape[-1])  # (B, N, T, V)
+
+
+def merge_heads(x):
+    """(B, N, T, V) -> (B, T, N*V)."""
+    B, N, T, V = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, N * V)  # (B, T, N*V)
+
+
+def output(x, kernel, bias, precision: str = "highest"):
+    """OUTPUT: (B, T, N*V) times kernel (N, V, O) flattened -> (B, T, O)."""
+    y = _einsum(OUTPUT, x, kernel.reshape(-1, kernel.shape[-1]), x.dtype, precision)  # (B, T, O)
+    if bias is not None:
+        ct = compute_dtype(x.dtype)
+        y = (y.astype(ct) + bias.astype(ct)).astype(x.dtype)  # (B, T, O)
+    return y
+
+
+# -- helpers shared by the whole call ---------------------------------------------
+
+def dropout_keep_mask(shape: tuple[int, ...], rate: float, rng) -> jax.Array:
+    """JAX's own keep-mask from a PRNG key. Seeds are per framework: for the
+    same dropout across frameworks pass an explicit dropout_mask instead."""
+    return jax.random.bernoulli(rng, 1.0 - rate, shape)
+
+
+def allowed_mask(mask4, T: int, S: int, is_causal: bool, causal_alignment: str):
+    """mask AND causal, rank 4, broadcastable to (B, N, T, S); None if neither."""
+    allowed = mask4
+    if is_causal:
+        causal = causal_mask(T, S, causal_alignment)[None, None]  # (1, 1, T, S)
+        allowed = causal if allowed is None else allowed & causal
+    return allowed
+
+
+# -- validation: static shapes and dtypes, so it runs at jit trace time -------------
+
+def is_concrete(x) -> bool:
+    """True for values that can be read (NumPy, eager jax.Array); False for tracers."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def x64_enabled() -> bool:
+    return bool(jax.config.jax_enable_x64)
+
+
+def _as_array(x):
+    """Arrays (NumPy, jax, tracers) as they are; anything else through NumPy."""
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+
+
+def check_params(config: AttentionConfig, params) -> np.dtype:
+    """Names, shapes and the one dtype of `params` (jax or NumPy arrays, or
+    tracers) in weights.validate_tensors' words; returns the dtype. Values
+    (NaN / Inf) are checked where tensors enter (the layer, the adapter)."""
+    expected = config.tensor_shapes()
+    params = {name: _as_array(t) for name, t in params.items()}
+    dtypes = {np.dtype(t.dtype) for t in params.values()}
+    if (
+        set(params) == set(expected)
+        and all(tuple(params[n].shape) == shape for n, shape in expected.items())
+        and len(dtypes) == 1
+        and next(iter(dtypes)) in DTYPES.values()
+    ):
+        return resolve_dtype(next(iter(dtypes)))
+    # Something is wrong: the reference words it, from stand-ins of the same
+    # shapes and dtypes that hold no memory of their own.
+    return validate_tensors(config, {n: np.broadcast_to(np.zeros((), t.dtype), t.shape) for n, t in params.items()})
+
+
+def check(config, params, query, key=None, value=None, *, mask=None, bias=None, dropout_mask=None,
+          is_causal=False, causal_alignment="top_left", training=False, seed=None, rng=None,
+          return_weights=False, dtype=None, precision="highest"):
+    """Validate a call in the reference's order and words; returns (CallShapes,
+    storage dtype). Reads shapes and dtypes only, and bias values when bias
+    is concrete."""
+    stored = check_params(config, params)
+    dtype = stored if dtype is None else dtype_from_name(dtype)
+    if dtype == np.float64 and not x64_enabled():
+        raise ValueError(X64_MESSAGE)
+    _precision(precision)
+    query = _as_array(query)
+    key = query if key is None else _as_array(key)
+    value = key if value is None else _as_array(value)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not is_float(x.dtype):
+            raise ValueError(f"{name} must be a float array: got dtype {x.dtype}")
+    if seed is not None and rng is not None:
+        raise ValueError(f"pass seed or rng, not both: got seed={seed!r} and an rng key")
+    mask, bias, keep = (None if a is None else _as_array(a) for a in (mask, bias, dropout_mask))
+    shapes = check_call(
+        config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape,
+        mask_shape=None if mask is None else mask.shape,
+        mask_dtype=None if mask is None else np.dtype(mask.dtype).name,
+        bias_shape=None if bias is None else bias.shape,
+        bias_dtype=None if bias is None else np.dtype(bias.dtype).name,
+        dropout_mask_shape=None if keep is None else keep.shape,
+        dropout_mask_dtype=None if keep is None else np.dtype(keep.dtype).name,
+        is_causal=is_causal, causal_alignment=causal_alignment, training=training,
+        seed=0 if rng is not None else seed,  # an rng key stands in for a seed
+        return_weights=return_weights,
+    )
+    if bias is not None and is_concrete(bias):
+        check_bias_values(np.asarray(bias))
+    return shapes, dtype
+
+
+def _cast(x, dtype):
+    """To a jax.Array of `dtype`. NumPy arrays are cast by NumPy (the
+    reference's rounding, and no float64 detour when x64 is off)."""
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x.astype(dtype, copy=False))
+    return jnp.asarray(x).astype(dtype)
+
+
+def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
+            training, seed, rng, return_weights, dtype, precision):
+    """Validate a call (`check`) and cast everything to the storage dtype."""
+    shapes, dtype = check(
+        config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
+        causal_alignment=causal_alignment, training=training, seed=seed, rng=rng, return_weights=return_weights,
+        dtype=dtype, precision=precision,
+    )
+    if bias is not None:
+        bias = _cast(_as_array(bias), compute_dtype(dtype)).reshape(shapes.bias_shape)  # (B|1, N|1, T|1, S|1)
+    cast_params = {name: _cast(_as_array(t), dtype) for name, t in params.items()}
+    keep = None if dropout_mask is None else jnp.asarray(_as_array(dropout_mask))
+    if training and keep is None and config.dropout > 0:
+        rng = jax.random.key(seed) if rng is None else rng
+        keep = dropout_keep_mask((shapes.B, config.num_heads, shapes.T, shapes.S), config.dropout, rng)
+    if not training:
+        keep = None
+    mask4 = None if mask is None else jnp.asarray(_as_array(mask)).reshape(shapes.mask_shape)  # (B|1, N|1, T|1, S|1)
+    query = _as_array(query)
+    key = query if key is None else _as_array(key)
+    value = key if value is None else _as_array(value)
+    cast = [_cast(x, dtype) for x in (query, key, value)]
+    return shapes, cast_params, cast, mask4, bias, keep, dtype
+
+
+def apply(
+    config: AttentionConfig,
+    params: dict[str, Any],
+    query,
+    key=None,
+    value=None,
+    *,
+    mask=None,
+    bias=None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    training: bool = False,
+    dropout_mask=None,
+    seed: int | None = None,
+    rng=None,
+    return_weights: bool = False,
+    precision: str = "highest",
+    dtype: str | None = None,
+    trace: list | None = None,
+):
+    """The forward pass, pure. Returns output (B, T, O), or (output, weights)
+    with weights (B, N, T, S) after softmax and before dropout when
+    return_weights.
+
+    params: canonical name -> array ("query.kernel" (D, N, H), ...).
+    seed / rng: dropout in training without a dropout_mask: an int seed
+    (static under jit) or a jax.random key (traced).
+    dtype: compute in this storage dtype (default: the params' dtype).
+    trace: a list that receives a TraceEntry per stage (impl_numpy's STAGES);
+    inside jit the entries hold tracers, so return them from the jitted
+    function to read them (impl_jax.adapter does).
+    """
+    shapes, p, (query, key, value), mask4, bias_r4, keep, dtype = prepare(
+        config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
+        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed, rng=rng,
+        return_weights=return_weights, dtype=dtype, precision=precision,
+    )
+    allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
+    pr = precision
+    rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
+    q = rec("query.project", project(query, p["query.kernel"], p.get("query.bias"), pr))  # (B, T, N*H)
+    k = rec("key.project", project(key, p["key.kernel"], p.get("key.bias"), pr))  # (B, S, K*H)
+    v = rec("value.project", project(value, p["value.kernel"], p.get("value.bias"), pr))  # (B, S, K*V)
+    q = rec("query.split_heads", split_heads(q, config.num_heads))  # (B, N, T, H)
+    k = rec("key.split_heads", split_heads(k, config.num_kv_heads))  # (B, K, S, H)
+    v = rec("value.split_heads", split_heads(v, config.num_kv_heads))  # (B, K, S, V)
+    x = rec("logits", logits(q, k, config.effective_scale, pr))  # (B, N, T, S)
+    x = rec("mask", mask_stage(x, allowed, bias_r4))
+    w = rec("softmax", softmax(x, config.masked_row))  # (B, N, T, S)
+    wd = rec("dropout", dropout(w, keep, config.dropout))
+    ctx = rec("attend", attend(wd, v, pr))  # (B, N, T, V)
+    ctx = rec("merge_heads", merge_heads(ctx))  # (B, T, N*V)
+    out = rec("output", output(ctx, p["output.kernel"], p.get("output.bias"), pr))  # (B, T, O)
+    return (out, w) if return_weights else out
+
+
+# The spec's name for the whole call.
+multi_head_attention = apply
+
+# `mask` is both a stage and an argument name; the call uses this alias.
+mask_stage = mask
+
+STAGES = (
+    "query.project", "key.project", "value.project",
+    "query.split_heads", "key.split_heads", "value.split_heads",
+    "logits", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
+)

@@ -1,0 +1,104 @@
+"""A Flax NNX layer around the pure `apply`: it holds a config and nnx.Params.
+
+Parameters live in submodules named after the canonical tensors, so the NNX
+state path ("query", "kernel") *is* the canonical name "query.kernel" and the
+layout is the canonical one: query.kernel (D, N, H), query.bias (N, H), ...,
+output.kernel (N, V, O), output.bias (O). Flax's own attention calls the
+output projection `out`; this layer keeps the contract's `output`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+import weights
+from weights import AttentionConfig
+
+from .functional import X64_MESSAGE, apply, x64_enabled
+
+DEVICES = ("cpu", "gpu")
+NO_GPU_MESSAGE = "device gpu requested but JAX sees no GPU (jax.devices('gpu') fails)"
+
+
+def gpu_available() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+def resolve_device(device: str) -> jax.Device:
+    """"cpu" or "gpu" -> the first jax.Device of that platform."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}: got {device!r}")
+    try:
+        return jax.devices(device)[0]
+    except RuntimeError:
+        if device == "gpu":
+            raise ValueError(NO_GPU_MESSAGE) from None
+        raise
+
+
+class Projection(nnx.Module):
+    """One canonical projection: kernel (in, heads, width) or (N, V, O), and
+    an optional bias."""
+
+    def __init__(self, kernel: jax.Array, bias: jax.Array | None):
+        self.kernel = nnx.Param(kernel)
+        self.bias = None if bias is None else nnx.Param(bias)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head attention on the common weight format.
+
+    `MultiHeadAttention(config, seed=0, dtype="float32")` draws weights with
+    weights.init (the same numbers every framework draws for that seed);
+    `from_tensors` / `from_file` load canonical tensors. The call takes
+    apply's options: mask, bias, is_causal, causal_alignment, training,
+    dropout_mask, seed, rng, return_weights, precision, dtype, trace.
+    """
+
+    def __init__(self, config: AttentionConfig, tensors: dict[str, np.ndarray] | None = None, *,
+                 seed: int = 0, dtype: str = "float32", device: str = "cpu"):
+        target = resolve_device(device)  # a bad or missing device fails first
+        if tensors is None:
+            tensors = weights.init(config, seed=seed, dtype=dtype)
+        stored = weights.validate_tensors(config, tensors)
+        if stored == np.float64 and not x64_enabled():
+            raise ValueError(X64_MESSAGE)
+        self.config = config
+        self.device = device
+        placed = jax.device_put({name: np.asarray(t) for name, t in tensors.items()}, target)
+        for name in ("query", "key", "value", "output"):
+            setattr(self, name, Projection(placed[f"{name}.kernel"], placed.get(f"{name}.bias")))
+
+    @classmethod
+    def from_tensors(cls, config: AttentionConfig, tensors: dict[str, np.ndarray], *,
+                     device: str = "cpu") -> MultiHeadAttention:
+        return cls(config, tensors, device=device)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, *, device: str = "cpu") -> MultiHeadAttention:
+        config, tensors = weights.load(path)
+        return cls(config, tensors, device=device)
+
+    @property
+    def params(self) -> dict[str, jax.Array]:
+        """Canonical name -> jax.Array, the `params` argument of `apply`."""
+        flat = nnx.to_flat_state(nnx.state(self, nnx.Param))
+        found = {".".join(map(str, path)): variable[...] for path, variable in flat}
+        return {name: found[name] for name in self.config.tensor_shapes()}
+
+    def to_tensors(self) -> dict[str, np.ndarray]:
+        """Canonical NumPy arrays (bfloat16 as ml_dtypes.bfloat16), bit-exact."""
+        return {name: np.array(jax.device_get(t)) for name, t in self.params.items()}
+
+    def __call__(self, query, key=None, value=None, **options):
+        """apply() on this layer's parameters; arrays made from NumPy arguments
+        (and masks built inside) land on the layer's device."""
+        with jax.default_device(resolve_device(self.device)):
+            return apply(self.config, self.params, query, key, value, **options)

@@ -1,0 +1,691 @@
+"""impl_jax against the float64 NumPy reference, on the named case grid.
+
+Tolerances come only from conformance.tolerance (the one policy), through
+conformance.compare.run_case as `mha check` uses it; nothing here picks a
+number. Bit-exact properties (round trips, mask builders, error wording,
+x64 on/off) are compared exactly, with the differing values in the message.
+
+Importing impl_jax.adapter switches on JAX's x64 mode (float64 is a
+conformance dtype); tests that need it off use the `jax.enable_x64(False)`
+context manager.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+INSTALL = "JAX/Flax not installed: pip install -c constraints/cpu.txt '.[jax]'"
+jax = pytest.importorskip("jax", reason=INSTALL)
+pytest.importorskip("flax", reason=INSTALL)
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from reference_checks import assert_case_conforms, assert_gradients_conform  # noqa: E402
+
+import impl_jax  # noqa: E402
+import impl_jax.adapter as adapter  # noqa: E402  (switches x64 on)
+import impl_jax.functional as jax_functional  # noqa: E402
+import impl_numpy  # noqa: E402
+import impl_numpy.adapter as numpy_adapter  # noqa: E402
+import weights  # noqa: E402
+from conformance.cases import (  # noqa: E402
+    CASES,
+    DTYPE_NAMES,
+    cast_inputs,
+    cast_tensors,
+    make_inputs,
+    make_tensors,
+    output_cotangent,
+)
+from conformance.compare import expected_for  # noqa: E402
+from conformance.tolerance import assert_close, compare, max_finite_abs, policy_for  # noqa: E402
+
+pytestmark = pytest.mark.jax
+
+NO_GPU = "no GPU: jax.devices('gpu') fails (a GPU machine needs a CUDA jaxlib: pip install 'jax[cuda12]')"
+needs_gpu = pytest.mark.skipif(not impl_jax.gpu_available(), reason=NO_GPU)
+
+
+# -- references and helpers ---------------------------------------------------------------
+
+@functools.cache
+def reference(name: str):
+    """float64 NumPy reference on float64 inputs: forward with trace, vjp."""
+    case = CASES[name]
+    tensors, inputs = make_tensors(case), make_inputs(case)
+    fwd = numpy_adapter.forward(case.config, tensors, inputs, case.options("float64"), trace=True)
+    vjp = numpy_adapter.vjp(case.config, tensors, inputs, case.options("float64"), output_cotangent(case))
+    return fwd, vjp
+
+
+def logits_of(name: str) -> np.ndarray:
+    return dict(reference(name)[0]["trace"])["logits"]
+
+
+def close(label, actual, expected, name, dtype, quantity, **kwargs):
+    case = CASES[name]
+    return assert_close(f"{name}/{dtype}/{label}", actual, expected, config=case.config, dtype=dtype,
+                        quantity=quantity, B=case.B, T=case.T, S=case.S, logits=logits_of(name), **kwargs)
+
+
+def case_arrays(name: str, dtype: str):
+    case = CASES[name]
+    return case, cast_tensors(make_tensors(case), dtype), cast_inputs(make_inputs(case), dtype)
+
+
+def call_kwargs(case, inputs) -> dict:
+    """apply's keyword arguments for a case (everything but query, key, value)."""
+    return dict(mask=inputs.get("mask"), bias=inputs.get("bias"), dropout_mask=inputs.get("dropout_mask"),
+                is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training)
+
+
+def bits(x) -> np.ndarray:
+    """An array's bytes, for bit-exact comparisons (NaN == NaN, -0 != 0)."""
+    x = np.ascontiguousarray(np.asarray(x))
+    return x.view(np.uint8)
+
+
+def assert_bit_equal(label, got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{label}: {got.dtype}{got.shape} != {want.dtype}{want.shape}")
+    differ = bits(got) != bits(want)
+    if differ.any():
+        a, b = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+        worst = int(np.nanargmax(np.where(np.isnan(a - b), np.inf, np.abs(a - b))))
+        raise AssertionError(f"{label}: {int(differ.sum())} bytes differ; e.g. at flat index {worst}: "
+                             f"{a[worst]!r} != {b[worst]!r}")
+
+
+class Recorder:
+    """An adapter that keeps its last answers (so the grid calls JAX once)."""
+
+    def __init__(self, inner):
+        self.inner, self.forward_answer, self.vjp_answer = inner, None, None
+
+    def devices(self):
+        return self.inner.devices()
+
+    def forward(self, *args, **kwargs):
+        self.forward_answer = self.inner.forward(*args, **kwargs)
+        return self.forward_answer
+
+    def vjp(self, *args, **kwargs):
+        self.vjp_answer = self.inner.vjp(*args, **kwargs)
+        return self.vjp_answer
+
+
+# -- forward, weights, gradients over every case and dtype --------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_case_matches_reference(name, dtype):
+    """Output, weights and every gradient (jax.vjp), judged exactly as `mha check` does."""
+    case = CASES[name]
+    recorder = Recorder(adapter)
+    assert_case_conforms(case, dtype, "jax", recorder)
+    want = weights.dtype_from_name(dtype)
+    fwd, back = recorder.forward_answer, recorder.vjp_answer
+    assert sorted(fwd) == (["output", "weights"] if case.return_weights else ["output"]), (
+        f"forward answered keys {sorted(fwd)} with return_weights={case.return_weights}")
+    expected_grads = expected_for(case, dtype)["grads"]
+    assert list(back["grads"]) == list(expected_grads), f"gradient names {list(back['grads'])} != {list(expected_grads)}"
+    for label, array in [("output", fwd["output"]), *((f"grad {g}", a) for g, a in back["grads"].items())]:
+        assert isinstance(array, np.ndarray) and array.dtype == want, (
+            f"{label}: {type(array).__name__} of dtype {array.dtype}, expected a NumPy {want}")
+    # vjp's own forward value is judged too (run_case judges forward()'s)
+    exp = expected_for(case, dtype)
+    tol = policy_for(case.config, dtype=dtype, quantity="output", B=case.B, T=case.T, S=case.S,
+                     reference=exp["output"], logits=exp["logits"],
+                     same_precision_error=exp["same_precision"].get("output"))
+    result = compare(f"{name}/{dtype}/vjp output", back["output"], exp["output"], tol)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_self_attention_grads_fold_into_query(dtype):
+    """key and value default to the query: one gradient, for query, as in the reference."""
+    case = CASES["self_basic"]
+    tensors = cast_tensors(make_tensors(case), dtype)
+    inputs = {"query": cast_inputs(make_inputs(case), dtype)["query"]}
+    d_out = output_cotangent(case).astype(weights.dtype_from_name(dtype))
+    got = adapter.vjp(case.config, tensors, inputs, case.options(dtype), d_out)["grads"]
+    t64, q64 = cast_tensors(tensors, "float64"), inputs["query"].astype(np.float64)
+    _, want, magnitudes = impl_numpy.multi_head_attention_vjp(case.config, t64, q64, d_output=d_out.astype(np.float64),
+                                                              gradient_magnitudes=True)
+    assert list(got) == list(want) and "key" not in got, f"gradient names {list(got)} != {list(want)}"
+    for g in want:
+        close(f"grad {g}", got[g], want[g], case.name, dtype, "grad", scale_floor=max_finite_abs(magnitudes[g]))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")  # -inf - -inf in compare()
+@pytest.mark.parametrize("name", ["mask_and_bias_causal", "dropout_train"])
+def test_trace_stages_match_reference(name):
+    """Every stage, named as impl_numpy.STAGES, against the float64 reference's stage."""
+    case, tensors, inputs = case_arrays(name, "float32")
+    got = adapter.forward(case.config, tensors, inputs, case.options("float32"), trace=True)["trace"]
+    want = reference(name)[0]["trace"]
+    assert [s for s, _ in got] == list(impl_numpy.STAGES), f"stages {[s for s, _ in got]}"
+    assert impl_jax.STAGES == impl_numpy.STAGES, f"{impl_jax.STAGES} != {impl_numpy.STAGES}"
+    failures = []
+    for (stage, value), (_, expected) in zip(got, want):
+        try:
+            close(f"stage {stage}", value, expected, name, "float32", "stage")
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, "\n".join(failures)
+
+
+def test_einsum_strings_mirror_the_spec():
+    from impl_numpy import functional as numpy_functional
+
+    for constant in ("PROJECT", "LOGITS", "ATTEND", "OUTPUT"):
+        got, want = getattr(jax_functional, constant), getattr(numpy_functional, constant)
+        assert got == want, f"{constant}: impl_jax {got!r}, impl_numpy {want!r}"
+
+
+def _ulps(actual, expected, dtype) -> np.ndarray:
+    """|actual - expected| in units in the last place of `dtype` at their magnitude."""
+    fi = ml_dtypes.finfo(weights.dtype_from_name(dtype))
+    a, r = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    mag = np.maximum(np.abs(a), np.abs(r))
+    binade = 2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
+    return np.abs(a - r) / np.maximum(binade * float(fi.eps), float(fi.smallest_subnormal))
+
+
+def _stage_call(stage, dtype, module, as_array):
+    """One stage on non-negative data with long reductions; arrays made by `as_array`."""
+    rng = np.random.default_rng(len(stage))
+    dt = weights.dtype_from_name(dtype)
+    u = lambda *shape: as_array(rng.random(shape).astype(dt))  # noqa: E731
+    logits = as_array((rng.standard_normal((2, 2, 8, 512)) * 3).astype(dt))
+    calls = {
+        "project": lambda: module.project(u(2, 8, 256), u(256, 2, 4) / 16, u(2, 4)),
+        "logits": lambda: module.logits(u(2, 4, 8, 256), u(2, 2, 8, 256), 0.0625),
+        "mask": lambda: module.mask(logits, None, as_array(rng.random((2, 1, 8, 512)).astype(np.float32))),
+        "softmax": lambda: module.softmax(logits, "zero"),
+        "dropout": lambda: module.dropout(u(2, 2, 8, 512), as_array(rng.random((2, 2, 8, 512)) < 0.7), 0.3),
+        "attend": lambda: module.attend(u(2, 4, 8, 512) / 512, u(2, 2, 512, 4)),
+        "output": lambda: module.output(u(2, 8, 256), u(32, 8, 4) / 16, u(4)),
+    }
+    return calls[stage]()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("stage", ["project", "logits", "mask", "softmax", "dropout", "attend", "output"])
+def test_precision_rule_16bit_stages(stage, dtype):
+    """The spec's precision rule: a 16-bit stage is its float32 arithmetic
+    rounded once to 16 bits. On non-negative data two float32 evaluations
+    differ by far less than a 16-bit ulp, so the rounded results are equal or
+    one ulp apart; arithmetic in 16 bits lands several ulps away."""
+    from impl_numpy import functional as numpy_functional
+
+    got = _stage_call(stage, dtype, jax_functional, jnp.asarray)
+    assert isinstance(got, jax.Array), f"{stage}: returned {type(got).__name__}, not a jax.Array"
+    got = np.asarray(got)
+    want = _stage_call(stage, dtype, numpy_functional, np.asarray)
+    assert got.dtype == want.dtype, f"{stage}: dtype {got.dtype}, the spec's {want.dtype}"
+    ulps = _ulps(got, want, dtype)
+    worst = np.unravel_index(int(np.argmax(ulps)), ulps.shape)
+    assert ulps.max() <= 1, (
+        f"{stage} {dtype}: {ulps.max():g} ulps from the spec at {list(worst)} "
+        f"(got {got[worst]!r}, spec {want[worst]!r}); {int((ulps > 1).sum())} of {ulps.size} beyond 1 ulp")
+
+
+# -- jit, grad, vmap of the pure apply ------------------------------------------------------
+
+JIT_APPLY = jax.jit(impl_jax.apply, static_argnames=impl_jax.STATIC_ARGNAMES)
+
+
+def test_jit_matches_eager_and_reference():
+    name = "mask_and_bias_causal"
+    case, tensors, inputs = case_arrays(name, "float32")
+    args = (case.config, tensors, inputs["query"], inputs["key"], inputs["value"])
+    eager_out, eager_w = impl_jax.apply(*args, return_weights=True, **call_kwargs(case, inputs))
+    jit_out, jit_w = JIT_APPLY(*args, return_weights=True, **call_kwargs(case, inputs))
+    for label, got, eager in (("output", jit_out, eager_out), ("weights", jit_w, eager_w)):
+        close(f"jit vs eager {label}", np.asarray(got), np.asarray(eager), name, "float32", label)
+        close(f"jit {label}", np.asarray(got), reference(name)[0][label], name, "float32", label)
+
+
+def test_grad_matches_reference_jit_and_eager():
+    """jax.grad of <apply(...), d_output> for inputs and every tensor, jitted and eager."""
+    name = "gqa"
+    case, tensors, inputs = case_arrays(name, "float32")
+    d_out = jnp.asarray(output_cotangent(case).astype(np.float32))
+    extra = call_kwargs(case, inputs)
+
+    def loss(params, query, key, value):
+        return jnp.sum(impl_jax.apply(case.config, params, query, key, value, **extra) * d_out)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    xs = [jnp.asarray(inputs[n]) for n in ("query", "key", "value")]
+    params = {n: jnp.asarray(t) for n, t in tensors.items()}
+    jitted = jax.jit(grad)(params, *xs)
+    eager = grad(params, *xs)
+    for g_params, g_query, g_key, g_value in (jitted, eager):
+        grads = {"query": g_query, "key": g_key, "value": g_value, **g_params}
+        assert_gradients_conform(case, "float32", {n: np.asarray(g) for n, g in grads.items()})
+    for n in jitted[0]:
+        close(f"grad {n} jit vs eager", np.asarray(jitted[0][n]), np.asarray(eager[0][n]), name, "float32", "grad",
+              scale_floor=max_finite_abs(expected_for(case, "float32")["magnitudes"][n]))
+
+
+def test_vmap_over_inputs_and_over_parameters_matches_loop():
+    """vmap (jitted) over a stack of input sets (mask too), and over a stack of
+    weight sets, against eager calls one by one."""
+    name = "padding_mask"
+    case = CASES[name]
+    dtype = "float32"
+    rng = np.random.default_rng(11)
+    c = case.config
+    E = 3
+    queries = rng.standard_normal((E, case.B, case.T, c.query_dim)).astype(np.float32)
+    keys = rng.standard_normal((E, case.B, case.S, c.key_dim)).astype(np.float32)
+    values = rng.standard_normal((E, case.B, case.S, c.value_dim)).astype(np.float32)
+    masks = rng.random((E, case.B, 1, 1, case.S)) < 0.7
+    masks[..., 0] = True
+    tensors = cast_tensors(make_tensors(case), dtype)
+
+    def one(q, k, v, m):
+        return impl_jax.apply(c, tensors, q, k, v, mask=m)
+
+    stacked = np.asarray(jax.jit(jax.vmap(one))(queries, keys, values, masks))
+    for e in range(E):
+        want = numpy_adapter.forward(c, make_tensors(case), {"query": queries[e], "key": keys[e], "value": values[e],
+                                                              "mask": masks[e]}, {"return_weights": False})["output"]
+        eager = np.asarray(one(queries[e], keys[e], values[e], masks[e]))
+        close(f"vmap[{e}] vs eager", stacked[e], eager, name, dtype, "output")
+        close(f"vmap[{e}] vs reference", stacked[e], want, name, dtype, "output")
+
+    ensemble = [cast_tensors(weights.init(c, seed=s, dtype="float64"), dtype) for s in (1, 2)]
+    params = jax.tree.map(lambda *ts: jnp.stack(ts), *ensemble)
+    q, k, v, m = queries[0], keys[0], values[0], masks[0]
+    by_params = np.asarray(jax.jit(jax.vmap(lambda p: impl_jax.apply(c, p, q, k, v, mask=m)))(params))
+    for e, member in enumerate(ensemble):
+        eager = np.asarray(impl_jax.apply(c, member, q, k, v, mask=m))
+        close(f"vmap over params[{e}] vs eager", by_params[e], eager, name, dtype, "output")
+
+
+# -- dropout seeds, precision option ---------------------------------------------------------
+
+def test_seed_and_rng_give_jax_bernoulli_keep_mask():
+    name = "dropout_train"
+    case, tensors, inputs = case_arrays(name, "float32")
+    c = case.config
+    args = (c, tensors, inputs["query"], inputs["key"], inputs["value"])
+    shape = (case.B, c.num_heads, case.T, case.S)
+    keep = np.asarray(jax.random.bernoulli(jax.random.key(5), 1.0 - c.dropout, shape))
+    explicit = JIT_APPLY(*args, training=True, dropout_mask=keep)
+    by_seed = JIT_APPLY(*args, training=True, seed=5)
+    by_rng = JIT_APPLY(*args, training=True, rng=jax.random.key(5))
+    other = JIT_APPLY(*args, training=True, rng=jax.random.key(6))
+    assert_bit_equal("seed=5 vs explicit mask", by_seed, explicit)
+    assert_bit_equal("rng=key(5) vs explicit mask", by_rng, explicit)
+    differ = float(np.max(np.abs(np.asarray(other) - np.asarray(by_seed))))
+    assert differ > 0, f"keys 5 and 6 gave the same output (max difference {differ})"
+    with pytest.raises(ValueError) as info:
+        impl_jax.apply(*args, training=True, seed=5, rng=jax.random.key(5))
+    assert str(info.value) == "pass seed or rng, not both: got seed=5 and an rng key", str(info.value)
+
+
+def test_bad_precision_is_refused():
+    case, tensors, inputs = case_arrays("self_basic", "float32")
+    with pytest.raises(ValueError) as info:
+        impl_jax.apply(case.config, tensors, inputs["query"], precision="fp8")
+    assert str(info.value) == "precision must be one of highest, tf32, default: got 'fp8'", str(info.value)
+
+
+# -- float64 and x64 ---------------------------------------------------------------------------
+
+def test_float64_is_computed_in_float64():
+    """A float64 call returns float64 and meets float64's tolerance, which a
+    float32 computation of the same call misses by orders of magnitude."""
+    name = "mask_and_bias_causal"
+    case, tensors, inputs = case_arrays(name, "float64")
+    args = (case.config, tensors, inputs["query"], inputs["key"], inputs["value"])
+    out = JIT_APPLY(*args, **call_kwargs(case, inputs))
+    assert out.dtype == jnp.float64, f"float64 call returned {out.dtype}"
+    want = reference(name)[0]["output"]
+    result = close("float64 output", np.asarray(out), want, name, "float64", "output")
+    in_float32 = np.asarray(JIT_APPLY(*args, dtype="float32", **call_kwargs(case, inputs)))
+    tol = policy_for(case.config, dtype="float64", quantity="output", B=case.B, T=case.T, S=case.S, reference=want,
+                     logits=logits_of(name))
+    as_if_float32 = compare("float32 computation judged as float64", in_float32, want, tol)
+    assert in_float32.dtype == np.float32 and not as_if_float32.ok and as_if_float32.margin > 1e3, (
+        f"a float32 computation should miss the float64 policy: {as_if_float32.describe()} (float64: margin "
+        f"{result.margin:.3g})")
+
+
+def test_float64_refused_without_x64():
+    case, tensors, inputs = case_arrays("self_basic", "float64")
+    with jax.enable_x64(False):
+        for label, call in (
+            ("apply", lambda: impl_jax.apply(case.config, tensors, inputs["query"])),
+            ("apply dtype=float64", lambda: impl_jax.apply(case.config, cast_tensors(tensors, "float32"),
+                                                           inputs["query"], dtype="float64")),
+            ("layer", lambda: impl_jax.MultiHeadAttention.from_tensors(case.config, tensors)),
+        ):
+            with pytest.raises(ValueError) as info:
+                call()
+            assert str(info.value) == jax_functional.X64_MESSAGE, f"{label}: {info.value}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_x64_mode_does_not_change_other_dtypes(dtype):
+    """float32 / 16-bit results are bit-identical with x64 on (as the adapter sets it) and off."""
+    name = "mask_and_bias_causal"
+    case, tensors, inputs = case_arrays(name, dtype)
+    args = (case.config, tensors, inputs["query"], inputs["key"], inputs["value"])
+    assert jax.config.jax_enable_x64, "impl_jax.adapter should have switched x64 on"
+    on = JIT_APPLY(*args, return_weights=True, **call_kwargs(case, inputs))
+    with jax.enable_x64(False):
+        off = JIT_APPLY(*args, return_weights=True, **call_kwargs(case, inputs))
+        off = [np.asarray(x) for x in off]
+    for label, a, b in zip(("output", "weights"), on, off):
+        assert_bit_equal(f"{dtype} {label}, x64 on vs off", np.asarray(a), b)
+
+
+# -- masks -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_causal_mask_equals_reference(alignment):
+    jitted = jax.jit(impl_jax.causal_mask, static_argnums=(0, 1, 2))
+    for T in range(1, 7):
+        for S in range(1, 7):
+            want = impl_numpy.causal_mask(T, S, alignment)
+            calls = [("eager", lambda: impl_jax.causal_mask(T, S, alignment))]
+            if (T, S) in ((4, 6), (6, 4), (5, 5)):  # one compile each: a few shapes suffice
+                calls.append(("jit", lambda: jitted(T, S, alignment)))
+            for label, call in calls:
+                got = np.asarray(call())
+                assert got.dtype == want.dtype and np.array_equal(got, want), (
+                    f"{label} causal_mask({T}, {S}, {alignment!r}): differs at {np.argwhere(got != want).tolist()}")
+
+
+def test_padding_mask_equals_reference():
+    jitted = jax.jit(impl_jax.padding_mask, static_argnums=1)
+    for lengths, S in (([3, 0, 5], 5), ([1], 1), ([2, 2], 4), (np.array([4, 1], np.int32), 4)):
+        want = impl_numpy.padding_mask(np.asarray(lengths), S)
+        for label, got in (("eager", impl_jax.padding_mask(lengths, S)),
+                           ("jit", jitted(jnp.asarray(np.asarray(lengths)), S))):
+            got = np.asarray(got)
+            assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), (
+                f"{label} padding_mask({lengths}, {S}): jax {got.astype(int).tolist()}, "
+                f"numpy {want.astype(int).tolist()}")
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("call", [
+    ("causal_mask", (3, 4, "bottom"), {}),
+    ("padding_mask", (np.array([1.0, 2.0]), 3), {}),
+    ("padding_mask", (np.array([[1, 2]]), 3), {}),
+    ("padding_mask", (np.array([1, 4]), 3), {}),
+    ("padding_mask", (np.array([-1]), 3), {}),
+], ids=["alignment", "float_lengths", "2d_lengths", "too_long", "negative"])
+def test_mask_builder_errors_match_reference(call):
+    fn, args, kwargs = call
+    got = error_of(getattr(impl_jax, fn), *args, **kwargs)
+    want = error_of(getattr(impl_numpy, fn), *args, **kwargs)
+    assert got == want, f"jax: {got!r}\nnumpy: {want!r}"
+
+
+# -- error wording -----------------------------------------------------------------------------
+
+def _bad_calls():
+    """(id, changes to a valid call): each must raise the reference's ValueError."""
+    rng = np.random.default_rng(7)
+    B, T, S, D = 2, 5, 5, 8
+    x = rng.standard_normal((B, T, D))
+    nan_bias = np.zeros((B, 1, T, S))
+    nan_bias[0, 0, 1, 2] = np.nan
+    return {
+        "rank": dict(query=x[0]),
+        "features": dict(query=rng.standard_normal((B, T, 7))),
+        "batch": dict(key=rng.standard_normal((3, S, D))),
+        "length": dict(key=x, value=rng.standard_normal((B, S + 1, D))),
+        "empty": dict(query=np.zeros((0, T, D))),
+        "int_query": dict(query=np.ones((B, T, D), dtype=np.int64)),
+        "float_mask": dict(mask=np.ones((T, S))),
+        "int_mask": dict(mask=np.ones((T, S), dtype=np.int64)),
+        "mask_shape": dict(mask=np.ones((B, T, S + 1), dtype=bool)),
+        "mask_rank": dict(mask=np.ones((1, 1, 1, T, S), dtype=bool)),
+        "bias_shape": dict(bias=np.zeros((3, 1, T, S))),
+        "int_bias": dict(bias=np.zeros((T, S), dtype=np.int64)),
+        "nan_bias": dict(bias=nan_bias),
+        "posinf_bias": dict(bias=np.full((T, S), np.inf)),
+        "causal_alignment": dict(is_causal=True, causal_alignment="bottom"),
+        "is_causal": dict(is_causal="yes"),
+        "dropout_mask_without_training": dict(dropout_mask=np.ones((B, 2, T, S), dtype=bool)),
+        "dropout_mask_shape": dict(training=True, dropout_mask=np.ones((B, 1, T, S), dtype=bool)),
+        "dropout_mask_dtype": dict(training=True, dropout_mask=np.ones((B, 2, T, S))),
+        "training_without_mask_or_seed": dict(training=True),
+        "seed_type": dict(training=True, seed=1.5),
+        "dtype_name": dict(dtype="float8"),
+    }
+
+
+BAD_CALLS = _bad_calls()
+VALUE_CHECKS = ("nan_bias", "posinf_bias")  # need concrete values: not checked inside jit (documented)
+BAD_CONFIG = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, dropout=0.1)
+BAD_TENSORS = weights.init(BAD_CONFIG, seed=0, dtype="float64")
+
+
+@pytest.mark.parametrize("bad", list(BAD_CALLS))
+def test_error_wording_matches_reference(bad):
+    """apply (NumPy and jax.Array arguments), the jitted apply and the layer say the reference's words."""
+    call = dict(query=np.random.default_rng(1).standard_normal((2, 5, 8)))
+    call.update(BAD_CALLS[bad])
+    query = call.pop("query")
+    want = error_of(impl_numpy.multi_head_attention, BAD_CONFIG, BAD_TENSORS, query, **call)
+    got = error_of(impl_jax.apply, BAD_CONFIG, BAD_TENSORS, query, **call)
+    assert got == want, f"apply:\njax: {got!r}\nnumpy: {want!r}"
+    as_jax = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in call.items()}
+    jax_tensors = {n: jnp.asarray(t) for n, t in BAD_TENSORS.items()}
+    got = error_of(impl_jax.apply, BAD_CONFIG, jax_tensors, jnp.asarray(query), **as_jax)
+    assert got == want, f"apply on jax arrays:\njax: {got!r}\nnumpy: {want!r}"
+    if bad not in VALUE_CHECKS:
+        got = error_of(JIT_APPLY, BAD_CONFIG, jax_tensors, jnp.asarray(query), **as_jax)
+        assert got == want, f"jitted apply:\njax: {got!r}\nnumpy: {want!r}"
+    layer = impl_jax.MultiHeadAttention.from_tensors(BAD_CONFIG, BAD_TENSORS)
+    got = error_of(layer, query, **call)
+    assert got == want, f"layer:\njax: {got!r}\nnumpy: {want!r}"
+
+
+@pytest.mark.parametrize("bad", ["features", "float_mask", "mask_shape", "nan_bias", "causal_alignment",
+                                 "dropout_mask_without_training", "dtype_name"])
+def test_error_wording_adapter(bad):
+    call = dict(query=np.random.default_rng(1).standard_normal((2, 5, 8)))
+    call.update(BAD_CALLS[bad])
+    inputs = {k: call.pop(k) for k in ("query", "key", "value", "mask", "bias", "dropout_mask") if k in call}
+    options = {"return_weights": True, **call}
+    want = error_of(numpy_adapter.forward, BAD_CONFIG, BAD_TENSORS, inputs, options)
+    for label, fn, args in (("forward", adapter.forward, ()), ("vjp", adapter.vjp, (np.zeros((2, 5, 8)),))):
+        got = error_of(fn, BAD_CONFIG, BAD_TENSORS, inputs, options, *args)
+        assert got == want, f"adapter.{label}:\njax: {got!r}\nnumpy: {want!r}"
+
+
+def test_tensor_errors_match_reference():
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    query = np.zeros((1, 3, 8), np.float32)
+    broken = dict(tensors)
+    del broken["key.bias"]
+    broken["extra"] = np.zeros(3, np.float32)
+    broken["query.kernel"] = np.zeros((8, 2, 5), np.float32)
+    broken["value.bias"] = broken["value.bias"].astype(np.float64)
+    want = error_of(impl_numpy.multi_head_attention, config, broken, query)
+    for label, fn, args in (
+        ("apply", impl_jax.apply, (config, broken, query)),
+        ("apply on jax arrays", impl_jax.apply, (config, {k: jnp.asarray(v) for k, v in broken.items()}, query)),
+        ("layer", impl_jax.MultiHeadAttention.from_tensors, (config, broken)),
+        ("adapter", adapter.forward, (config, broken, {"query": query}, {})),
+    ):
+        got = error_of(fn, *args)
+        assert got == want, f"{label}:\njax: {got!r}\nnumpy: {want!r}"
+    nan = dict(tensors)
+    nan["output.bias"] = np.full_like(nan["output.bias"], np.nan)
+    want = error_of(numpy_adapter.forward, config, nan, {"query": query}, {})
+    for label, fn in (("layer", lambda: impl_jax.MultiHeadAttention.from_tensors(config, nan)),
+                      ("adapter", lambda: adapter.forward(config, nan, {"query": query}, {}))):
+        got = error_of(fn)
+        assert got == want, f"{label} with a NaN tensor:\njax: {got!r}\nnumpy: {want!r}"
+
+
+def test_d_output_shape_error_matches_reference():
+    case, tensors, inputs = case_arrays("cross_basic", "float32")
+    d_out = np.zeros((case.B, case.T + 1, case.config.out_dim), np.float32)
+    want = error_of(numpy_adapter.vjp, case.config, tensors, inputs, case.options("float32"), d_out)
+    got = error_of(adapter.vjp, case.config, tensors, inputs, case.options("float32"), d_out)
+    assert got == want, f"jax: {got!r}\nnumpy: {want!r}"
+
+
+# -- the layer ---------------------------------------------------------------------------------
+
+LAYER_CASES = ["cross_dims", "gqa", "value_head_dim", "no_biases", "out_dim"]
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", LAYER_CASES)
+def test_layer_round_trip_is_bit_exact(name, dtype):
+    config = CASES[name].config
+    tensors = weights.init(config, seed=3, dtype=dtype)
+    layer = impl_jax.MultiHeadAttention.from_tensors(config, tensors)
+    back = layer.to_tensors()
+    assert list(back) == list(tensors), f"names {list(back)} != {list(tensors)}"
+    for key, original in tensors.items():
+        assert isinstance(back[key], np.ndarray), f"{key}: {type(back[key]).__name__}, not a NumPy array"
+        assert_bit_equal(f"{key} after the round trip", back[key], original)
+        assert weights.tensor_sha256(back[key]) == weights.tensor_sha256(original), f"{key}: sha256 differs"
+    drawn = impl_jax.MultiHeadAttention(config, seed=3, dtype=dtype).to_tensors()
+    for key, original in tensors.items():
+        assert_bit_equal(f"{key} drawn by the layer with seed 3", drawn[key], original)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_from_file_is_bit_exact(tmp_path, dtype):
+    config = CASES["gqa"].config
+    path = tmp_path / f"w.{dtype}.safetensors"
+    weights.save(path, config, weights.init(config, seed=4, dtype=dtype))
+    _, loaded = weights.load(path)
+    back = impl_jax.MultiHeadAttention.from_file(path).to_tensors()
+    assert list(back) == list(loaded), f"names {list(back)} != {list(loaded)}"
+    for key in loaded:
+        assert_bit_equal(f"{key} from file", back[key], loaded[key])
+
+
+def test_layer_is_an_nnx_module_in_the_canonical_layout():
+    config = CASES["gqa"].config
+    layer = impl_jax.MultiHeadAttention(config, seed=0, dtype="float32")
+    assert isinstance(layer, nnx.Module), f"{type(layer).__mro__}"
+    flat = nnx.to_flat_state(nnx.state(layer, nnx.Param))
+    found = {".".join(map(str, path)): (type(v).__name__, tuple(v[...].shape)) for path, v in flat}
+    want = {name: ("Param", shape) for name, shape in config.tensor_shapes().items()}
+    assert found == want, f"nnx.Param state {found} != canonical {want}"
+
+
+def test_layer_from_file_matches_reference(tmp_path):
+    name = "mask_and_bias_causal"
+    case = CASES[name]
+    tensors, inputs = make_tensors(case), make_inputs(case)
+    path = tmp_path / "w.safetensors"
+    weights.save(path, case.config, tensors)
+    layer = impl_jax.MultiHeadAttention.from_file(path)
+    out, w = layer(inputs["query"], inputs["key"], inputs["value"], return_weights=True, **call_kwargs(case, inputs))
+    assert out.dtype == jnp.float64, f"layer output dtype {out.dtype}"
+    close("layer output", np.asarray(out), reference(name)[0]["output"], name, "float64", "output")
+    close("layer weights", np.asarray(w), reference(name)[0]["weights"], name, "float64", "weights")
+
+
+def test_nnx_grad_and_jit_through_the_layer():
+    """nnx.grad of the layer gives the canonical gradients; nnx.jit runs its call."""
+    name = "masked_rows_uniform"
+    case, tensors, inputs = case_arrays(name, "float32")
+    layer = impl_jax.MultiHeadAttention.from_tensors(case.config, tensors)
+    d_out = jnp.asarray(output_cotangent(case).astype(np.float32))
+    extra = call_kwargs(case, inputs)
+    q, k, v = (jnp.asarray(inputs[n]) for n in ("query", "key", "value"))
+
+    def loss(module, q, k, v):
+        out = module(q, k, v, **extra)
+        return jnp.sum(out * d_out), out
+
+    @nnx.jit
+    def grads_of(module, q, k, v):
+        return nnx.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(module, q, k, v)
+
+    (g_module, g_q, g_k, g_v), out = grads_of(layer, q, k, v)
+    flat = {".".join(map(str, path)): np.asarray(g[...]) for path, g in nnx.to_flat_state(g_module)}
+    flat.update({"query": np.asarray(g_q), "key": np.asarray(g_k), "value": np.asarray(g_v)})
+    assert_gradients_conform(case, "float32", flat)
+    close("nnx.jit output", np.asarray(out), reference(name)[0]["output"], name, "float32", "output")
+
+
+# -- devices -----------------------------------------------------------------------------------
+
+@pytest.mark.skipif(impl_jax.gpu_available(), reason="this machine has a GPU")
+def test_gpu_request_without_gpu_is_refused():
+    config = CASES["self_basic"].config
+    message = "device gpu requested but JAX sees no GPU (jax.devices('gpu') fails)"
+    case, tensors, inputs = case_arrays("self_basic", "float32")
+    for label, call in (
+        ("layer", lambda: impl_jax.MultiHeadAttention(config, device="gpu")),
+        ("adapter.forward", lambda: adapter.forward(config, tensors, inputs, {}, device="gpu")),
+    ):
+        assert error_of(call) == message, f"{label}: {error_of(call)!r}"
+    assert adapter.devices() == ["cpu"], f"devices() {adapter.devices()}"
+
+
+def test_device_names_and_cpu_placement():
+    config = CASES["self_basic"].config
+    got = error_of(impl_jax.MultiHeadAttention, config, device="tpu")
+    assert got == "device must be one of cpu, gpu: got 'tpu'", got
+    layer = impl_jax.MultiHeadAttention(config, device="cpu")
+    platforms = {d.platform for t in layer.params.values() for d in t.devices()}
+    assert platforms == {"cpu"}, f"parameters on {platforms}"
+
+
+GPU_CASES = ["self_basic", "gqa", "mask_and_bias_causal", "masked_rows_nan", "large_logits", "dropout_train"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_gpu_matches_reference(name, dtype):
+    assert adapter.devices() == ["cpu", "gpu"], f"devices() {adapter.devices()}"
+    assert_case_conforms(CASES[name], dtype, "jax", adapter, device="gpu")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_layer_places_parameters_and_output_on_the_gpu():
+    name = "mask_and_bias_causal"
+    case, tensors, inputs = case_arrays(name, "float32")
+    layer = impl_jax.MultiHeadAttention.from_tensors(case.config, tensors, device="gpu")
+    platforms = {d.platform for t in layer.params.values() for d in t.devices()}
+    assert platforms == {"gpu"}, f"parameters on {platforms}"
+    out = layer(inputs["query"], inputs["key"], inputs["value"], **call_kwargs(case, inputs))
+    assert {d.platform for d in out.devices()} == {"gpu"}, f"output on {out.devices()}"
+    close("gpu layer output", np.asarray(out), reference(name)[0]["output"], name, "float32", "output")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_tf32_only_when_asked():
+    """precision="tf32" passes the TF32 policy; the default "highest" passes float32's."""
+    name = "large_logits"
+    case, tensors, inputs = case_arrays(name, "float32")
+    for precision in ("tf32", "highest"):
+        out = adapter.forward(case.config, tensors, inputs, case.options("float32"), device="gpu",
+                              precision=precision)["output"]
+        close(f"gpu {precision}", out, reference(name)[0]["output"], name, "float32", "output", precision=precision)

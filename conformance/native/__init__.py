@@ -1,0 +1,244 @@
+"""The frameworks' own attention layers as conformance backends.
+
+One module per backend id of conformance/backends.py, each with the adapter
+interface of impl_numpy/adapter.py (NAME, devices(), forward(...), vjp(...)),
+NumPy in and out. Two kinds:
+
+- native layers built from the canonical tensors (impl_*.native.to_native):
+  torch nn.MultiheadAttention, keras.layers.MultiHeadAttention,
+  flax.linen.MultiHeadDotProductAttention, flax.nnx.MultiHeadAttention;
+- native attention kernels around our own projections: torch
+  F.scaled_dot_product_attention, jax.nn.dot_product_attention, and an ONNX
+  graph of our layer (opset-23 Attention) run by onnxruntime.
+
+What the native API cannot express raises NotImplementedError with the
+reason, which the suite reports as "unsupported": a config its weights
+cannot hold, a scale it does not take, a mask shape or bias it has no
+argument for, an explicit dropout mask, and a query row with no allowed key
+when the case's masked_row policy is not what the API does with such a row
+(shared/CONVENTIONS.md). Everything else runs and is judged: a native
+behaviour that differs from the reference then shows as a failure with its
+margin (each module's BY_DESIGN names the ones that are expected).
+
+Kernels that return no attention weights (SDPA, jax.nn.dot_product_attention)
+have them read out of the kernel itself: a second call with the value set to
+the identity (V = I_S, so weights @ I = weights); see `identity_values`.
+
+Shape letters as in impl_numpy: B batch, T query length, S key length,
+N query heads, K key/value heads, H head dim, V value head dim, D input
+features, O output features.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from impl_numpy.masks import causal_mask
+from weights import AttentionConfig, layouts
+from weights.contract import CallShapes, check_call
+
+PRECISIONS = ("highest", "tf32")
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+ROW_LABELS = {"zero": "0", "uniform": "uniform weights (mean of V)", "nan": "NaN"}
+
+
+# -- the call ------------------------------------------------------------------------
+
+def call_shapes(config: AttentionConfig, inputs: Mapping, options: Mapping) -> CallShapes:
+    """Validate the call as every implementation does (weights.contract)."""
+    q, k, v = inputs["query"], inputs.get("key"), inputs.get("value")
+    k = q if k is None else k
+    v = k if v is None else v
+    mask, bias, keep = inputs.get("mask"), inputs.get("bias"), inputs.get("dropout_mask")
+    return check_call(
+        config, query_shape=np.shape(q), key_shape=np.shape(k), value_shape=np.shape(v),
+        mask_shape=None if mask is None else np.shape(mask),
+        mask_dtype=None if mask is None else np.asarray(mask).dtype.name,
+        bias_shape=None if bias is None else np.shape(bias),
+        bias_dtype=None if bias is None else np.asarray(bias).dtype.name,
+        dropout_mask_shape=None if keep is None else np.shape(keep),
+        dropout_mask_dtype=None if keep is None else np.asarray(keep).dtype.name,
+        is_causal=bool(options.get("is_causal", False)), causal_alignment=options.get("causal_alignment", "top_left"),
+        training=bool(options.get("training", False)), seed=options.get("seed"),
+        return_weights=bool(options.get("return_weights", False)),
+    )
+
+
+def qkv(inputs: Mapping) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    q = np.asarray(inputs["query"])
+    k = q if inputs.get("key") is None else np.asarray(inputs["key"])
+    v = k if inputs.get("value") is None else np.asarray(inputs["value"])
+    return q, k, v
+
+
+def dtype_name(tensors: Mapping, options: Mapping) -> str:
+    """The storage dtype of the call: options["dtype"], else the tensors'."""
+    name = options.get("dtype") or np.dtype(next(iter(tensors.values())).dtype).name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}: got {name!r}")
+    return name
+
+
+def cast(tensors: Mapping, inputs: Mapping, dtype: str) -> tuple[dict, dict]:
+    """Tensors and float inputs in the storage dtype (bool masks unchanged)."""
+    import weights
+
+    dt = weights.dtype_from_name(dtype)
+    tensors = {k: np.asarray(v).astype(dt) for k, v in tensors.items()}
+    inputs = {k: (v if v is None or np.asarray(v).dtype == bool else np.asarray(v).astype(dt))
+              for k, v in inputs.items()}
+    return tensors, inputs
+
+
+def check_device(backend: str, device: str, available: list[str]) -> None:
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be cpu or gpu: got {device!r}")
+    if device not in available:
+        raise ValueError(f"device {device} requested but backend {backend} sees none here (available: "
+                         f"{', '.join(available)})")
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}: got {precision!r}")
+
+
+# -- masks -----------------------------------------------------------------------------
+
+def mask4(shapes: CallShapes, inputs: Mapping) -> np.ndarray | None:
+    """The case's mask as rank-4 (B|1, N|1, T, S) bool, True = may attend."""
+    m = inputs.get("mask")
+    return None if m is None else np.asarray(m, dtype=bool).reshape(shapes.mask_shape)
+
+
+def bias4(shapes: CallShapes, inputs: Mapping) -> np.ndarray | None:
+    b = inputs.get("bias")
+    return None if b is None else np.asarray(b).reshape(shapes.bias_shape)
+
+
+def allowed4(shapes: CallShapes, inputs: Mapping, options: Mapping, *, causal: bool | None = None) -> np.ndarray | None:
+    """mask AND (if `causal`, default the call's is_causal) the causal mask, rank 4."""
+    allowed = mask4(shapes, inputs)
+    if options.get("is_causal") if causal is None else causal:
+        c = causal_mask(shapes.T, shapes.S, options.get("causal_alignment", "top_left"))[None, None]  # (1, 1, T, S)
+        allowed = c if allowed is None else allowed & c
+    return allowed
+
+
+def empty_rows(shapes: CallShapes, inputs: Mapping, options: Mapping) -> tuple[bool, bool]:
+    """(a row has no allowed key by mask/causal, a row has none once bias -inf is counted too)."""
+    allowed = allowed4(shapes, inputs, options)
+    by_mask = bool(allowed is not None and (~allowed.any(-1)).any())
+    bias = bias4(shapes, inputs)
+    if bias is None:
+        return by_mask, by_mask
+    finite = ~np.isneginf(bias) if allowed is None else allowed & ~np.isneginf(bias)
+    return by_mask, bool((~finite.any(-1)).any())
+
+
+def check_masked_rows(backend: str, config: AttentionConfig, shapes: CallShapes, inputs: Mapping, options: Mapping,
+                      native: str, how: str, *, by_bias: str | None = None) -> None:
+    """Refuse a call with a query row that has no allowed key when the API's
+    own answer for such a row (`native`: "zero" | "uniform" | "nan" |
+    anything else) is not the case's masked_row policy. `by_bias`: the
+    answer for a row left without a key by bias -inf alone, if different."""
+    by_mask, by_any = empty_rows(shapes, inputs, options)
+    if not by_any:
+        return
+    if not by_mask and by_bias is not None:
+        native = by_bias
+    if native != config.masked_row:
+        said = ROW_LABELS.get(native, native)
+        raise NotImplementedError(
+            f"{backend}: a query row with no allowed key gives {said} ({how}); the case asks "
+            f"masked_row={config.masked_row!r} ({ROW_LABELS[config.masked_row]})")
+
+
+def check_dropout(backend: str, config: AttentionConfig, inputs: Mapping, options: Mapping) -> None:
+    """Training with dropout needs the case's explicit keep-mask, which no native API takes."""
+    if options.get("training") and (config.dropout > 0 or inputs.get("dropout_mask") is not None):
+        raise NotImplementedError(
+            f"{backend}: dropout in training takes no explicit dropout mask (the API draws its own random one), "
+            "so its result cannot be compared with the reference's")
+
+
+def check_default_scale(backend: str, config: AttentionConfig) -> None:
+    default = 1.0 / math.sqrt(config.head_dim)
+    if config.scale is not None and not math.isclose(config.scale, default, rel_tol=1e-12):
+        raise NotImplementedError(f"{backend}: always scales by 1/sqrt(head_dim) = {default:.6g}; the case asks "
+                                  f"scale={config.scale}")
+
+
+def check_layout(backend: str, layout: str, config: AttentionConfig) -> None:
+    problems = layouts.cannot_express(layout, config)
+    if problems:
+        raise NotImplementedError(f"{backend}: its weights ({layout}) cannot express " + "; ".join(problems))
+
+
+def refuse_weights(backend: str, options: Mapping, why: str) -> None:
+    if options.get("return_weights"):
+        raise NotImplementedError(f"{backend}: returns no attention weights ({why})")
+
+
+# -- gradients in a foreign layout -> canonical ------------------------------------------
+
+def grads_to_canonical(layout: str, state: Mapping[str, np.ndarray], **hints) -> dict[str, np.ndarray]:
+    """Gradients named and shaped as a layout's state -> canonical names and shapes.
+
+    The layout tables are transposes, reshapes and concatenations only, so
+    gradients convert like weights; non-finite entries (a NaN row's gradient)
+    are carried through as codes, since the converter refuses NaN and Inf."""
+    codes = {k: np.select([np.isnan(v), np.isposinf(v), np.isneginf(v)], [1.0, 2.0, 3.0], 0.0)
+             for k, v in ((k, np.asarray(v, dtype=np.float64)) for k, v in state.items())}
+    finite = {k: np.where(np.isfinite(np.asarray(v, dtype=np.float64)), v, 0).astype(np.asarray(v).dtype)
+              for k, v in state.items()}
+    _, tensors = layouts.to_canonical(layout, finite, **hints)
+    _, code_tensors = layouts.to_canonical(layout, codes, **hints)
+    out = {}
+    for name, t in tensors.items():
+        code = code_tensors[name]
+        t = np.array(t, copy=True)
+        if (code != 0).any():
+            fill = np.select([code == 1, code == 2, code == 3], [np.nan, np.inf, -np.inf], 0.0)
+            t = np.where(code != 0, fill.astype(np.float64), t.astype(np.float64)).astype(t.dtype)
+        out[name] = t
+    return out
+
+
+def order_grads(config: AttentionConfig, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """query, key, value, then the canonical tensors in the config's order."""
+    names = [n for n in ("query", "key", "value") if n in grads] + list(config.tensor_shapes())
+    missing = [n for n in names if n not in grads]
+    assert not missing, f"gradients missing for {missing}"
+    return {n: grads[n] for n in names}
+
+
+def identity_values(S: int, width: int | None = None, dtype=np.float32) -> np.ndarray:
+    """(S, width) = [I_S | 0]: as the value of an attention kernel its output
+    row t is the weights row t (then zeros): the weights read out of a kernel
+    that returns none, computed by the kernel itself."""
+    width = S if width is None else width
+    eye = np.zeros((S, width), dtype=dtype)
+    eye[np.arange(S), np.arange(S)] = 1
+    return eye
+
+
+def classify_row(row, values) -> str:
+    """What an API gave for a query row with no allowed key: "nan", "zero",
+    "uniform" (the mean of the values) or "other (...)". row (..., V) and
+    values (..., S, V) broadcast per head."""
+    row = np.asarray(row, dtype=np.float64)
+    if np.isnan(row).all():
+        return "nan"
+    if np.isnan(row).any():
+        return "other (partly NaN)"
+    mean = np.asarray(values, dtype=np.float64).mean(axis=-2)
+    scale = max(1.0, float(np.abs(mean).max()))
+    if np.abs(row).max() <= 1e-6:
+        return "zero"
+    if np.abs(row - mean).max() <= 1e-3 * scale:
+        return "uniform"
+    return f"other ({' '.join(f'{x:.3g}' for x in row.reshape(-1)[:4])} ...)"

@@ -18,7 +18,9 @@ argument for, an explicit dropout mask, and a query row with no allowed key
 when the case's masked_row policy is not what the API does with such a row
 (shared/CONVENTIONS.md). Everything else runs and is judged: a native
 behaviour that differs from the reference then shows as a failure with its
-margin (each module's BY_DESIGN names the ones that are expected).
+margin. Each module's `known_difference(case, dtype)` names the failures
+that are expected, with the reason (tests/test_native_backends.py asserts
+that exactly those fail).
 
 Kernels that return no attention weights (SDPA, jax.nn.dot_product_attention)
 have them read out of the kernel itself: a second call with the value set to
@@ -31,7 +33,9 @@ features, O output features.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from collections.abc import Mapping
 
 import numpy as np
@@ -43,6 +47,18 @@ from weights.contract import CallShapes, check_call
 PRECISIONS = ("highest", "tf32")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 ROW_LABELS = {"zero": "0", "uniform": "uniform weights (mean of V)", "nan": "NaN"}
+
+
+# -- imports ---------------------------------------------------------------------------
+
+def require(*modules: str) -> None:
+    """Called at the top of each backend module: a missing framework makes
+    importing the module fail with ModuleNotFoundError naming it, which the
+    registry reports as "not installed"; the framework itself is imported
+    lazily, on first use."""
+    for name in modules:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 # -- the call ------------------------------------------------------------------------
@@ -242,3 +258,13 @@ def classify_row(row, values) -> str:
     if np.abs(row - mean).max() <= 1e-3 * scale:
         return "uniform"
     return f"other ({' '.join(f'{x:.3g}' for x in row.reshape(-1)[:4])} ...)"
+
+
+def case_has_empty_rows(case) -> bool:
+    """Whether a conformance case (conformance.cases.Case) has a query row
+    with no allowed key (mask, causal or bias -inf)."""
+    from conformance.cases import make_inputs
+
+    inputs = make_inputs(case)
+    shapes = call_shapes(case.config, inputs, case.options("float64"))
+    return empty_rows(shapes, inputs, case.options("float64"))[1]

@@ -31,6 +31,7 @@ from . import (
     allowed4,
     bias4,
     call_shapes,
+    case_has_empty_rows,
     cast,
     check_default_scale,
     check_device,
@@ -43,11 +44,22 @@ from . import (
     grads_to_canonical,
     order_grads,
     qkv,
+    require,
 )
+
+require("torch")
 
 NAME = "torch-native-mha"
 LAYOUT = "torch-mha"
-BY_DESIGN: dict[str, str] = {}  # no expected failure: what it cannot do is refused
+
+
+def known_difference(case, dtype: str) -> str | None:
+    """The expected failure of a case, with its reason; None if it must pass."""
+    if case.config.masked_row == "nan" and case.return_weights and case_has_empty_rows(case):
+        return ("gradients: the NaN of a query row with no allowed key (need_weights=True) reaches the query and key "
+                "gradients and every projection's through softmax's backward; the reference's masked_row='nan' keeps "
+                "it to the value path (the row's query gets gradient 0)")
+    return None
 
 
 def devices() -> list[str]:

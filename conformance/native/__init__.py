@@ -268,3 +268,45 @@ def case_has_empty_rows(case) -> bool:
     inputs = make_inputs(case)
     shapes = call_shapes(case.config, inputs, case.options("float64"))
     return empty_rows(shapes, inputs, case.options("float64"))[1]
+
+
+# -- JAX ---------------------------------------------------------------------------------
+
+def jax_devices() -> list[str]:
+    import jax
+
+    return ["cpu"] + (["gpu"] if any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()) else [])
+
+
+def jax_context(device: str, dtype: str, precision: str):
+    """x64 for float64 (only then), the device, and float32 matmul precision
+    ("highest": no TF32 on GPUs, JAX's default there being reduced)."""
+    import contextlib
+
+    import jax
+
+    stack = contextlib.ExitStack()
+    if dtype == "float64":
+        stack.enter_context(jax.enable_x64(True))
+    platform = "cpu" if device == "cpu" else next(d.platform for d in jax.devices() if d.platform != "cpu")
+    stack.enter_context(jax.default_device(jax.devices(platform)[0]))
+    stack.enter_context(jax.default_matmul_precision("highest" if precision == "highest" else "tensorfloat32"))
+    return stack
+
+
+def jax_array(x, dtype: str | None = None):
+    import jax.numpy as jnp
+
+    x = np.asarray(x)
+    return jnp.asarray(x) if dtype is None or x.dtype == bool else jnp.asarray(x, dtype=dtype)
+
+
+def flatten_tree(tree, prefix: str = "") -> dict[str, np.ndarray]:
+    """A nested dict of arrays -> {"a/b/c": numpy array}."""
+    flat = {}
+    for key, value in tree.items():
+        if hasattr(value, "items"):
+            flat.update(flatten_tree(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = np.asarray(value)
+    return flat

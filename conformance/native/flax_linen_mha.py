@@ -5,10 +5,9 @@ The module and its params come from impl_jax.native.to_native(kind="linen")
 jax x64, for that call only); applied with deterministic=True; weights from
 the same call with sow_weights=True (the "intermediates" collection);
 gradients by jax.vjp over params and inputs, mapped back to canonical names
-through the same layout table. Eager, not jax.jit: the grid's cases share
-shapes, so eager dispatch reuses each primitive's compile across cases,
-where a jit compiles each case's whole call anew (slower over the grid on
-CPU). Linen always computes the weights itself
+through the same layout table. One jitted program computes output, weights
+and gradients, so forward and vjp share one XLA compile (conformance.native.
+jax_jit). Linen always computes the weights itself
 (flax.linen.dot_product_attention_weights: softmax in the call's dtype).
 
 Masks: mask (B|1, N|1, T, S), True = attend (our polarity). Linen has no
@@ -41,6 +40,7 @@ from . import (
     jax_array,
     jax_context,
     jax_devices,
+    jax_jit,
     order_grads,
     qkv,
     require,
@@ -79,46 +79,47 @@ def _prepare(config, tensors, inputs, options, device, precision):
     return dtype, tensors, inputs, mask
 
 
-def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+@jax_jit(static_argnames=("module", "want_weights"))
+def _everything(params, query, key, value, mask, d_out, *, module, want_weights):
+    """(output, weights or None, gradients for d_out): one compiled program for
+    the case, shared by forward (d_out zero) and vjp (see jax_jit)."""
+    import jax
+
+    def f(params, q, k, v):
+        return module.apply({"params": params}, q, k, v, mask=mask, deterministic=True)
+
+    out, pullback = jax.vjp(f, params, query, key, value)
+    weights = None
+    if want_weights:
+        _, state = module.apply({"params": params}, query, key, value, mask=mask, deterministic=True,
+                                sow_weights=True, mutable=["intermediates"])
+        weights = state["intermediates"]["attention_weights"][0]  # (B, N, T, S)
+    return out, weights, pullback(d_out.astype(out.dtype))
+
+
+def _run(config, tensors, inputs, options, d_out, device, precision):
     from impl_jax.native import to_native
 
     dtype, tensors, inputs, mask = _prepare(config, tensors, inputs, options, device, precision)
+    expected = (*np.shape(inputs["query"])[:2], config.out_dim)
+    d_out = np.zeros(expected) if d_out is None else np.asarray(d_out)
+    if d_out.shape != expected:
+        raise ValueError(f"d_output must have shape (B, T, O) = {expected}: got {d_out.shape}")
     with jax_context(device, dtype, precision):
         module, variables = to_native(config, tensors, kind="linen")
-        q, k, v = (jax_array(x) for x in qkv(inputs))
-        m = None if mask is None else jax_array(mask)
-        if not options.get("return_weights"):
-            return {"output": np.asarray(module.apply(variables, q, k, v, mask=m, deterministic=True))}
-        out, state = module.apply(variables, q, k, v, mask=m, deterministic=True, sow_weights=True,
-                                  mutable=["intermediates"])
-        w = state["intermediates"]["attention_weights"][0]  # (B, N, T, S)
-        return {"output": np.asarray(out), "weights": np.asarray(w)}
+        out, w, (d_params, dq, dk, dv) = _everything(
+            variables["params"], *(jax_array(x) for x in qkv(inputs)), None if mask is None else jax_array(mask),
+            jax_array(d_out, dtype), module=module, want_weights=bool(options.get("return_weights", False)))
+        grads = grads_to_canonical(LAYOUT, flatten_tree(d_params))
+        grads.update(query=np.asarray(dq), key=np.asarray(dk), value=np.asarray(dv))
+        return np.asarray(out), None if w is None else np.asarray(w), grads
+
+
+def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    out, w, _ = _run(config, tensors, inputs, options, None, device, precision)
+    return {"output": out} if w is None else {"output": out, "weights": w}
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
-    import jax
-
-    from impl_jax.native import to_native
-
-    dtype, tensors, inputs, mask = _prepare(config, tensors, inputs, options, device, precision)
-    with jax_context(device, dtype, precision):
-        module, variables = to_native(config, tensors, kind="linen")
-        xs = {n: jax_array(x) for n, x in zip(("query", "key", "value"), qkv(inputs))}
-        m = None if mask is None else jax_array(mask)
-
-        def f(params, q, k, v):
-            return module.apply({"params": params}, q, k, v, mask=m, deterministic=True)
-
-        def out_and_grads(params, q, k, v, d_out):
-            out, pullback = jax.vjp(f, params, q, k, v)
-            return out, pullback(d_out.astype(out.dtype))
-
-        d_out = np.asarray(d_output)
-        expected = (*np.shape(xs["query"])[:2], config.out_dim)
-        if d_out.shape != expected:
-            raise ValueError(f"d_output must have shape (B, T, O) = {expected}: got {d_out.shape}")
-        out, (d_params, dq, dk, dv) = out_and_grads(variables["params"], xs["query"], xs["key"], xs["value"],
-                                                    jax_array(d_out, dtype))
-        grads = grads_to_canonical(LAYOUT, flatten_tree(d_params))
-        grads.update(query=np.asarray(dq), key=np.asarray(dk), value=np.asarray(dv))
-        return {"output": np.asarray(out), "grads": order_grads(config, grads)}
+    out, _, grads = _run(config, tensors, inputs, options, d_output, device, precision)
+    return {"output": out, "grads": order_grads(config, grads)}

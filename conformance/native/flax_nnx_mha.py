@@ -4,7 +4,8 @@ The module comes from impl_jax.native.to_native(kind="nnx") (layout
 flax-nnx-mha) with param_dtype = the tensors' dtype (float64 under jax x64,
 for that call only), called with deterministic=True; gradients by jax.vjp
 over its nnx.Param state and the inputs (nnx.split / nnx.merge), mapped back
-to canonical names through the same layout table. Eager, as flax-linen-mha.
+to canonical names through the same layout table. One jitted program
+computes output, weights and gradients (conformance.native.jax_jit).
 
 Two code paths, both the module's own: the output comes from the default
 call, which (no dropout, no sow) hands the attention to
@@ -49,6 +50,7 @@ from . import (
     jax_array,
     jax_context,
     jax_devices,
+    jax_jit,
     order_grads,
     qkv,
     require,
@@ -107,43 +109,51 @@ def _weights(module, q, k, v, m, top_left):
     return w[0]
 
 
-def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    from impl_jax.native import to_native
-
-    dtype, tensors, inputs, mask, top_left = _prepare(config, tensors, inputs, options, device, precision)
-    with jax_context(device, dtype, precision):
-        module = to_native(config, tensors, kind="nnx")
-        q, k, v = (jax_array(x) for x in qkv(inputs))
-        m = None if mask is None else jax_array(mask)
-        answer = {"output": np.asarray(module(q, k, v, mask=m, is_causal=top_left, deterministic=True))}
-        if options.get("return_weights"):
-            answer["weights"] = np.asarray(_weights(module, q, k, v, m, top_left))
-    return answer
-
-
-def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+@jax_jit(static_argnames=("graphdef", "top_left", "want_weights"))
+def _everything(params, rest, query, key, value, mask, d_out, *, graphdef, top_left, want_weights):
+    """(output, weights or None, gradients for d_out): one compiled program for
+    the case, shared by forward (d_out zero) and vjp (see jax_jit)."""
     import jax
+    from flax import nnx
+
+    def f(params, q, k, v):
+        return nnx.merge(graphdef, params, rest)(q, k, v, mask=mask, is_causal=top_left, deterministic=True)
+
+    out, pullback = jax.vjp(f, params, query, key, value)
+    weights = None
+    if want_weights:
+        weights = _weights(nnx.merge(graphdef, params, rest), query, key, value, mask, top_left)
+    return out, weights, pullback(d_out.astype(out.dtype))
+
+
+def _run(config, tensors, inputs, options, d_out, device, precision):
     from flax import nnx
 
     from impl_jax.native import to_native
 
     dtype, tensors, inputs, mask, top_left = _prepare(config, tensors, inputs, options, device, precision)
+    expected = (*np.shape(inputs["query"])[:2], config.out_dim)
+    d_out = np.zeros(expected) if d_out is None else np.asarray(d_out)
+    if d_out.shape != expected:
+        raise ValueError(f"d_output must have shape (B, T, O) = {expected}: got {d_out.shape}")
     with jax_context(device, dtype, precision):
-        module = to_native(config, tensors, kind="nnx")
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        xs = {n: jax_array(x) for n, x in zip(("query", "key", "value"), qkv(inputs))}
-        m = None if mask is None else jax_array(mask)
-
-        def f(params, q, k, v):
-            return nnx.merge(graphdef, params, rest)(q, k, v, mask=m, is_causal=top_left, deterministic=True)
-
-        out, pullback = jax.vjp(f, params, xs["query"], xs["key"], xs["value"])
-        d_out = np.asarray(d_output)
-        if d_out.shape != tuple(out.shape):
-            raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")
-        d_params, dq, dk, dv = pullback(jax_array(d_out, out.dtype))
+        graphdef, params, rest = nnx.split(to_native(config, tensors, kind="nnx"), nnx.Param, ...)
+        out, w, (d_params, dq, dk, dv) = _everything(
+            params, rest, *(jax_array(x) for x in qkv(inputs)), None if mask is None else jax_array(mask),
+            jax_array(d_out, dtype), graphdef=graphdef, top_left=top_left,
+            want_weights=bool(options.get("return_weights", False)))
         flat = {"/".join(map(str, path)): np.asarray(leaf.get_value() if hasattr(leaf, "get_value") else leaf)
                 for path, leaf in nnx.to_flat_state(d_params)}
         grads = grads_to_canonical(LAYOUT, flat)
         grads.update(query=np.asarray(dq), key=np.asarray(dk), value=np.asarray(dv))
-        return {"output": np.asarray(out), "grads": order_grads(config, grads)}
+        return np.asarray(out), None if w is None else np.asarray(w), grads
+
+
+def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    out, w, _ = _run(config, tensors, inputs, options, None, device, precision)
+    return {"output": out} if w is None else {"output": out, "weights": w}
+
+
+def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    out, _, grads = _run(config, tensors, inputs, options, d_output, device, precision)
+    return {"output": out, "grads": order_grads(config, grads)}

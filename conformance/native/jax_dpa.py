@@ -31,8 +31,6 @@ suite shows the failure and its margin.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from . import (
@@ -49,6 +47,7 @@ from . import (
     jax_array,
     jax_context,
     jax_devices,
+    jax_jit,
     order_grads,
     qkv,
     require,
@@ -63,21 +62,6 @@ OUTPUT = "BTF,FO->BTO"
 
 FLOAT64_SOFTMAX = ("float64: the result is float32-accurate: jax.nn.dot_product_attention computes the softmax in "
                    "float32 whatever the input dtype")
-
-
-def _jit(fn, **kwargs):
-    """jax.jit, applied on first call (jax is imported lazily)."""
-    compiled = {}
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kw):
-        if "fn" not in compiled:
-            import jax
-
-            compiled["fn"] = jax.jit(fn, **kwargs)
-        return compiled["fn"](*args, **kw)
-
-    return wrapper
 
 
 def known_difference(case, dtype: str) -> str | None:
@@ -166,11 +150,10 @@ def _masks(masks):
     return {n: None if a is None else jax_array(a) for n, a in masks.items()}
 
 
-@functools.partial(_jit, static_argnames=("config", "is_causal", "want_weights"))
+@jax_jit(static_argnames=("config", "is_causal", "want_weights"))
 def _everything(p, query, key, value, mask, bias, d_out, *, config, is_causal, want_weights):
     """(output, weights or None, gradients for d_out): one compiled program for
-    the case, shared by forward (d_out zero) and vjp, so a case costs one XLA
-    compile (the slow part on CPU) instead of one per call or per primitive."""
+    the case, shared by forward (d_out zero) and vjp (see jax_jit)."""
     import jax
 
     def f(p, q, k, v):

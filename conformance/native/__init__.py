@@ -41,7 +41,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from impl_numpy.masks import causal_mask
-from weights import AttentionConfig, layouts
+from weights import AttentionConfig, dtype_from_name, layouts, validate_tensors
 from weights.contract import CallShapes, check_call
 
 PRECISIONS = ("highest", "tf32")
@@ -98,11 +98,12 @@ def dtype_name(tensors: Mapping, options: Mapping) -> str:
     return name
 
 
-def cast(tensors: Mapping, inputs: Mapping, dtype: str) -> tuple[dict, dict]:
-    """Tensors and float inputs in the storage dtype (bool masks unchanged)."""
-    import weights
-
-    dt = weights.dtype_from_name(dtype)
+def cast(tensors: Mapping, inputs: Mapping, dtype: str, config: AttentionConfig | None = None) -> tuple[dict, dict]:
+    """Tensors (validated against `config` when given, as the reference does)
+    and float inputs in the storage dtype (bool masks unchanged)."""
+    if config is not None:
+        validate_tensors(config, tensors)
+    dt = dtype_from_name(dtype)
     tensors = {k: np.asarray(v).astype(dt) for k, v in tensors.items()}
     inputs = {k: (v if v is None or np.asarray(v).dtype == bool else np.asarray(v).astype(dt))
               for k, v in inputs.items()}

@@ -80,7 +80,7 @@ def _prepare(config, tensors, inputs, options, device, precision):
     check_precision(precision)
     check_device(NAME, device, devices())
     dtype = dtype_name(tensors, options)
-    tensors, inputs = cast(tensors, inputs, dtype)
+    tensors, inputs = cast(tensors, inputs, dtype, config)
     shapes = call_shapes(config, inputs, options)
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)

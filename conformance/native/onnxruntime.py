@@ -291,7 +291,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     check_precision(precision)
     check_device(NAME, device, devices())
     dtype = dtype_name(tensors, options)
-    tensors, inputs = cast(tensors, inputs, dtype)
+    tensors, inputs = cast(tensors, inputs, dtype, config)
     shapes = call_shapes(config, inputs, options)
     if options.get("training") and config.dropout > 0 and inputs.get("dropout_mask") is None:
         raise NotImplementedError(f"{NAME}: dropout in training needs the case's explicit dropout_mask (the graph "

@@ -88,7 +88,7 @@ def _prepare(config, tensors, inputs, options, device, precision):
     check_precision(precision)
     check_device(NAME, device, devices())
     dtype = dtype_name(tensors, options)
-    tensors, inputs = cast(tensors, inputs, dtype)
+    tensors, inputs = cast(tensors, inputs, dtype, config)
     shapes = call_shapes(config, inputs, options)
     check_dropout(NAME, config, inputs, options)
     float_mask = inputs.get("bias") is not None

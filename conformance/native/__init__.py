@@ -1,0 +1,349 @@
+"""The frameworks' own attention layers as conformance backends.
+
+One module per backend id of conformance/backends.py, each with the adapter
+interface of impl_numpy/adapter.py (NAME, devices(), forward(...), vjp(...)),
+NumPy in and out. Two kinds:
+
+- native layers built from the canonical tensors (impl_*.native.to_native):
+  torch nn.MultiheadAttention, keras.layers.MultiHeadAttention,
+  flax.linen.MultiHeadDotProductAttention, flax.nnx.MultiHeadAttention;
+- native attention kernels around our own projections: torch
+  F.scaled_dot_product_attention, jax.nn.dot_product_attention, and an ONNX
+  graph of our layer (opset-23 Attention) run by onnxruntime.
+
+What the native API cannot express raises NotImplementedError with the
+reason, which the suite reports as "unsupported": a config its weights
+cannot hold, a scale it does not take, a mask shape or bias it has no
+argument for, an explicit dropout mask, and a query row with no allowed key
+when the case's masked_row policy is not what the API does with such a row
+(shared/CONVENTIONS.md). Everything else runs and is judged: a native
+behaviour that differs from the reference then shows as a failure with its
+margin. Each module's `known_difference(case, dtype)` names the failures
+that are expected, with the reason (tests/test_native_backends.py asserts
+that exactly those fail).
+
+Kernels that return no attention weights (SDPA, jax.nn.dot_product_attention)
+have them read out of the kernel itself: a second call with the value set to
+the identity (V = I_S, so weights @ I = weights); see `identity_values`.
+
+Shape letters as in impl_numpy: B batch, T query length, S key length,
+N query heads, K key/value heads, H head dim, V value head dim, D input
+features, O output features.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from collections.abc import Mapping
+
+import numpy as np
+
+from impl_numpy.masks import causal_mask
+from weights import AttentionConfig, dtype_from_name, layouts, validate_tensors
+from weights.contract import CallShapes, check_call
+
+PRECISIONS = ("highest", "tf32")
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+ROW_LABELS = {"zero": "0", "uniform": "uniform weights (mean of V)", "nan": "NaN"}
+
+
+# -- imports ---------------------------------------------------------------------------
+
+def require(*modules: str) -> None:
+    """Called at the top of each backend module: a missing framework makes
+    importing the module fail with ModuleNotFoundError naming it, which the
+    registry reports as "not installed"; the framework itself is imported
+    lazily, on first use."""
+    for name in modules:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+# -- the call ------------------------------------------------------------------------
+
+def call_shapes(config: AttentionConfig, inputs: Mapping, options: Mapping) -> CallShapes:
+    """Validate the call as every implementation does (weights.contract)."""
+    q, k, v = inputs["query"], inputs.get("key"), inputs.get("value")
+    k = q if k is None else k
+    v = k if v is None else v
+    mask, bias, keep = inputs.get("mask"), inputs.get("bias"), inputs.get("dropout_mask")
+    return check_call(
+        config, query_shape=np.shape(q), key_shape=np.shape(k), value_shape=np.shape(v),
+        mask_shape=None if mask is None else np.shape(mask),
+        mask_dtype=None if mask is None else np.asarray(mask).dtype.name,
+        bias_shape=None if bias is None else np.shape(bias),
+        bias_dtype=None if bias is None else np.asarray(bias).dtype.name,
+        dropout_mask_shape=None if keep is None else np.shape(keep),
+        dropout_mask_dtype=None if keep is None else np.asarray(keep).dtype.name,
+        is_causal=bool(options.get("is_causal", False)), causal_alignment=options.get("causal_alignment", "top_left"),
+        training=bool(options.get("training", False)), seed=options.get("seed"),
+        return_weights=bool(options.get("return_weights", False)),
+    )
+
+
+def qkv(inputs: Mapping) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    q = np.asarray(inputs["query"])
+    k = q if inputs.get("key") is None else np.asarray(inputs["key"])
+    v = k if inputs.get("value") is None else np.asarray(inputs["value"])
+    return q, k, v
+
+
+def dtype_name(tensors: Mapping, options: Mapping) -> str:
+    """The storage dtype of the call: options["dtype"], else the tensors'."""
+    name = options.get("dtype") or np.dtype(next(iter(tensors.values())).dtype).name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}: got {name!r}")
+    return name
+
+
+def cast(tensors: Mapping, inputs: Mapping, dtype: str, config: AttentionConfig | None = None) -> tuple[dict, dict]:
+    """Tensors (validated against `config` when given, as the reference does)
+    and float inputs in the storage dtype (bool masks unchanged)."""
+    if config is not None:
+        validate_tensors(config, tensors)
+    dt = dtype_from_name(dtype)
+    tensors = {k: np.asarray(v).astype(dt) for k, v in tensors.items()}
+    inputs = {k: (v if v is None or np.asarray(v).dtype == bool else np.asarray(v).astype(dt))
+              for k, v in inputs.items()}
+    return tensors, inputs
+
+
+def check_device(backend: str, device: str, available: list[str]) -> None:
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be cpu or gpu: got {device!r}")
+    if device not in available:
+        raise ValueError(f"device {device} requested but backend {backend} sees none here (available: "
+                         f"{', '.join(available)})")
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}: got {precision!r}")
+
+
+# -- masks -----------------------------------------------------------------------------
+
+def mask4(shapes: CallShapes, inputs: Mapping) -> np.ndarray | None:
+    """The case's mask as rank-4 (B|1, N|1, T, S) bool, True = may attend."""
+    m = inputs.get("mask")
+    return None if m is None else np.asarray(m, dtype=bool).reshape(shapes.mask_shape)
+
+
+def bias4(shapes: CallShapes, inputs: Mapping) -> np.ndarray | None:
+    b = inputs.get("bias")
+    return None if b is None else np.asarray(b).reshape(shapes.bias_shape)
+
+
+def allowed4(shapes: CallShapes, inputs: Mapping, options: Mapping, *, causal: bool | None = None) -> np.ndarray | None:
+    """mask AND (if `causal`, default the call's is_causal) the causal mask, rank 4."""
+    allowed = mask4(shapes, inputs)
+    if options.get("is_causal") if causal is None else causal:
+        c = causal_mask(shapes.T, shapes.S, options.get("causal_alignment", "top_left"))[None, None]  # (1, 1, T, S)
+        allowed = c if allowed is None else allowed & c
+    return allowed
+
+
+def empty_rows(shapes: CallShapes, inputs: Mapping, options: Mapping) -> tuple[bool, bool]:
+    """(a row has no allowed key by mask/causal, a row has none once bias -inf is counted too)."""
+    allowed = allowed4(shapes, inputs, options)
+    by_mask = bool(allowed is not None and (~allowed.any(-1)).any())
+    bias = bias4(shapes, inputs)
+    if bias is None:
+        return by_mask, by_mask
+    finite = ~np.isneginf(bias) if allowed is None else allowed & ~np.isneginf(bias)
+    return by_mask, bool((~finite.any(-1)).any())
+
+
+def check_masked_rows(backend: str, config: AttentionConfig, shapes: CallShapes, inputs: Mapping, options: Mapping,
+                      native: str, how: str, *, by_bias: str | None = None) -> None:
+    """Refuse a call with a query row that has no allowed key when the API's
+    own answer for such a row (`native`: "zero" | "uniform" | "nan" |
+    anything else) is not the case's masked_row policy. `by_bias`: the
+    answer for a row left without a key by bias -inf alone, if different."""
+    by_mask, by_any = empty_rows(shapes, inputs, options)
+    if not by_any:
+        return
+    if not by_mask and by_bias is not None:
+        native = by_bias
+    if native != config.masked_row:
+        said = ROW_LABELS.get(native, native)
+        raise NotImplementedError(
+            f"{backend}: a query row with no allowed key gives {said} ({how}); the case asks "
+            f"masked_row={config.masked_row!r} ({ROW_LABELS[config.masked_row]})")
+
+
+def check_dropout(backend: str, config: AttentionConfig, inputs: Mapping, options: Mapping) -> None:
+    """Training with dropout needs the case's explicit keep-mask, which no native API takes."""
+    if options.get("training") and (config.dropout > 0 or inputs.get("dropout_mask") is not None):
+        raise NotImplementedError(
+            f"{backend}: dropout in training takes no explicit dropout mask (the API draws its own random one), "
+            "so its result cannot be compared with the reference's")
+
+
+def check_default_scale(backend: str, config: AttentionConfig) -> None:
+    default = 1.0 / math.sqrt(config.head_dim)
+    if config.scale is not None and not math.isclose(config.scale, default, rel_tol=1e-12):
+        raise NotImplementedError(f"{backend}: always scales by 1/sqrt(head_dim) = {default:.6g}; the case asks "
+                                  f"scale={config.scale}")
+
+
+def check_layout(backend: str, layout: str, config: AttentionConfig) -> None:
+    problems = layouts.cannot_express(layout, config)
+    if problems:
+        raise NotImplementedError(f"{backend}: its weights ({layout}) cannot express " + "; ".join(problems))
+
+
+def refuse_weights(backend: str, options: Mapping, why: str) -> None:
+    if options.get("return_weights"):
+        raise NotImplementedError(f"{backend}: returns no attention weights ({why})")
+
+
+# -- gradients in a foreign layout -> canonical ------------------------------------------
+
+def grads_to_canonical(layout: str, state: Mapping[str, np.ndarray], **hints) -> dict[str, np.ndarray]:
+    """Gradients named and shaped as a layout's state -> canonical names and shapes.
+
+    The layout tables are transposes, reshapes and concatenations only, so
+    gradients convert like weights; non-finite entries (a NaN row's gradient)
+    are carried through as codes, since the converter refuses NaN and Inf."""
+    codes = {k: np.select([np.isnan(v), np.isposinf(v), np.isneginf(v)], [1.0, 2.0, 3.0], 0.0)
+             for k, v in ((k, np.asarray(v, dtype=np.float64)) for k, v in state.items())}
+    finite = {k: np.where(np.isfinite(np.asarray(v, dtype=np.float64)), v, 0).astype(np.asarray(v).dtype)
+              for k, v in state.items()}
+    _, tensors = layouts.to_canonical(layout, finite, **hints)
+    _, code_tensors = layouts.to_canonical(layout, codes, **hints)
+    out = {}
+    for name, t in tensors.items():
+        code = code_tensors[name]
+        t = np.array(t, copy=True)
+        if (code != 0).any():
+            fill = np.select([code == 1, code == 2, code == 3], [np.nan, np.inf, -np.inf], 0.0)
+            t = np.where(code != 0, fill.astype(np.float64), t.astype(np.float64)).astype(t.dtype)
+        out[name] = t
+    return out
+
+
+def order_grads(config: AttentionConfig, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """query, key, value, then the canonical tensors in the config's order."""
+    names = [n for n in ("query", "key", "value") if n in grads] + list(config.tensor_shapes())
+    missing = [n for n in names if n not in grads]
+    assert not missing, f"gradients missing for {missing}"
+    return {n: grads[n] for n in names}
+
+
+def identity_values(S: int, width: int | None = None, dtype=np.float32) -> np.ndarray:
+    """(S, width) = [I_S | 0]: as the value of an attention kernel its output
+    row t is the weights row t (then zeros): the weights read out of a kernel
+    that returns none, computed by the kernel itself."""
+    width = S if width is None else width
+    eye = np.zeros((S, width), dtype=dtype)
+    eye[np.arange(S), np.arange(S)] = 1
+    return eye
+
+
+def classify_row(row, values) -> str:
+    """What an API gave for a query row with no allowed key: "nan", "zero",
+    "uniform" (the mean of the values) or "other (...)". row (..., V) and
+    values (..., S, V) broadcast per head."""
+    row = np.asarray(row, dtype=np.float64)
+    if np.isnan(row).all():
+        return "nan"
+    if np.isnan(row).any():
+        return "other (partly NaN)"
+    mean = np.asarray(values, dtype=np.float64).mean(axis=-2)
+    scale = max(1.0, float(np.abs(mean).max()))
+    if np.abs(row).max() <= 1e-6:
+        return "zero"
+    if np.abs(row - mean).max() <= 1e-3 * scale:
+        return "uniform"
+    return f"other ({' '.join(f'{x:.3g}' for x in row.reshape(-1)[:4])} ...)"
+
+
+def case_has_empty_rows(case) -> bool:
+    """Whether a conformance case (conformance.cases.Case) has a query row
+    with no allowed key (mask, causal or bias -inf)."""
+    from conformance.cases import make_inputs
+
+    inputs = make_inputs(case)
+    shapes = call_shapes(case.config, inputs, case.options("float64"))
+    return empty_rows(shapes, inputs, case.options("float64"))[1]
+
+
+# -- JAX ---------------------------------------------------------------------------------
+
+def jax_devices() -> list[str]:
+    import jax
+
+    return ["cpu"] + (["gpu"] if any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()) else [])
+
+
+def jax_context(device: str, dtype: str, precision: str):
+    """x64 for float64 (only then), the device, and float32 matmul precision
+    ("highest": no TF32 on GPUs, JAX's default there being reduced)."""
+    import contextlib
+
+    import jax
+
+    stack = contextlib.ExitStack()
+    if dtype == "float64":
+        stack.enter_context(jax.enable_x64(True))
+    platform = "cpu" if device == "cpu" else next(d.platform for d in jax.devices() if d.platform != "cpu")
+    stack.enter_context(jax.default_device(jax.devices(platform)[0]))
+    stack.enter_context(jax.default_matmul_precision("highest" if precision == "highest" else "tensorfloat32"))
+    return stack
+
+
+def jax_jit(fn=None, **kwargs):
+    """jax.jit, applied on first call (so jax is imported lazily). Used on one
+    function per backend that computes output, weights and gradients
+    together: run_case's forward and vjp then share one XLA compile per case
+    (compiling is the slow part on CPU: about 1 s a case here, against
+    several seconds of op-by-op compiles for eager calls on new shapes).
+
+    One exception, measured with jax 0.10.2: jax.nn.dot_product_attention
+    asks for the dot precision preset F16_F16_F32 on float16 inputs inside a
+    try/except that falls back to the default precision where the platform
+    lacks it; under jit the refusal comes at compile time, outside that try,
+    so a jitted float16 call fails on CPU ("The precision 'F16_F16_F32' is
+    not supported by dot_general on CPU"). The call then runs eagerly, where
+    the fallback works, as it does for a user who does not jit."""
+    import functools
+
+    if fn is None:
+        return functools.partial(jax_jit, **kwargs)
+    compiled = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        if "fn" not in compiled:
+            import jax
+
+            compiled["fn"] = jax.jit(fn, **kwargs)
+        try:
+            return compiled["fn"](*args, **kw)
+        except ValueError as err:
+            if "is not supported by dot_general" not in str(err):
+                raise
+            return fn(*args, **kw)
+
+    return wrapper
+
+
+def jax_array(x, dtype: str | None = None):
+    import jax.numpy as jnp
+
+    x = np.asarray(x)
+    return jnp.asarray(x) if dtype is None or x.dtype == bool else jnp.asarray(x, dtype=dtype)
+
+
+def flatten_tree(tree, prefix: str = "") -> dict[str, np.ndarray]:
+    """A nested dict of arrays -> {"a/b/c": numpy array}."""
+    flat = {}
+    for key, value in tree.items():
+        if hasattr(value, "items"):
+            flat.update(flatten_tree(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = np.asarray(value)
+    return flat

@@ -1,0 +1,159 @@
+"""Backend flax-nnx-mha: flax.nnx.MultiHeadAttention.
+
+The module comes from impl_jax.native.to_native(kind="nnx") (layout
+flax-nnx-mha) with param_dtype = the tensors' dtype (float64 under jax x64,
+for that call only), called with deterministic=True; gradients by jax.vjp
+over its nnx.Param state and the inputs (nnx.split / nnx.merge), mapped back
+to canonical names through the same layout table. One jitted program
+computes output, weights and gradients (conformance.native.jax_jit).
+
+Two code paths, both the module's own: the output comes from the default
+call, which (no dropout, no sow) hands the attention to
+jax.nn.dot_product_attention; the weights, which that path does not return,
+come from a second call with sow_weights=True (inside nnx.capture), which
+goes through flax's dot_product_attention_weights instead.
+
+Masks: mask (B|1, N|1, T, S), True = attend (our polarity). Causal top-left
+is is_causal=True (top-left in both paths); bottom-right is folded into the
+mask. GQA natively (num_kv_heads).
+
+Cannot express: value_head_dim != head_dim, key_dim != value_dim (one
+in_kv_features), mixed bias flags (one use_bias), a scale other than
+1/sqrt(head_dim), an additive bias (no argument for one), an explicit dropout
+mask. A query row with no allowed key gets uniform weights in both paths
+(finite large negative fills), so such a row runs only for
+masked_row="uniform".
+
+Measured difference (known_difference): in float64 the output is only
+float32-accurate, because jax.nn.dot_product_attention computes the softmax
+in float32 whatever the input dtype (jax/_src/nn/functions.py: "Softmax and
+it is always carried out in fp32"). It is run, not refused, so the suite
+shows the failure and its margin; the weights (flax's own path) are float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import (
+    allowed4,
+    call_shapes,
+    cast,
+    check_default_scale,
+    check_device,
+    check_dropout,
+    check_layout,
+    check_masked_rows,
+    check_precision,
+    dtype_name,
+    grads_to_canonical,
+    jax_array,
+    jax_context,
+    jax_devices,
+    jax_jit,
+    order_grads,
+    qkv,
+    require,
+)
+
+require("jax", "flax")
+
+NAME = "flax-nnx-mha"
+LAYOUT = "flax-nnx-mha"
+
+FLOAT64_SOFTMAX = ("float64: the output is float32-accurate: the module's default path calls "
+                   "jax.nn.dot_product_attention, which computes the softmax in float32 whatever the input dtype")
+
+
+def known_difference(case, dtype: str) -> str | None:
+    """The expected failure of a case, with its reason; None if it must pass."""
+    if dtype == "float64" and case.S > 1:  # with one key the softmax is exactly 1 in any precision
+        return FLOAT64_SOFTMAX
+    return None
+
+
+def devices() -> list[str]:
+    return jax_devices()
+
+
+def _prepare(config, tensors, inputs, options, device, precision):
+    check_precision(precision)
+    check_device(NAME, device, devices())
+    dtype = dtype_name(tensors, options)
+    tensors, inputs = cast(tensors, inputs, dtype, config)
+    shapes = call_shapes(config, inputs, options)
+    check_layout(NAME, LAYOUT, config)
+    check_default_scale(NAME, config)
+    check_dropout(NAME, config, inputs, options)
+    if inputs.get("bias") is not None:
+        raise NotImplementedError(f"{NAME}: MultiHeadAttention takes no additive attention bias (its mask is boolean)")
+    check_masked_rows(NAME, config, shapes, inputs, options, "uniform",
+                      "masked logits are set to a finite large negative number")
+    top_left = bool(options.get("is_causal")) and options.get("causal_alignment", "top_left") == "top_left"
+    mask = allowed4(shapes, inputs, options, causal=bool(options.get("is_causal")) and not top_left)
+    return dtype, tensors, inputs, mask, top_left
+
+
+def _weights(module, q, k, v, m, top_left):
+    """The sow_weights=True path's weights (B, N, T, S)."""
+    from flax import nnx
+
+    kwargs = dict(mask=m, is_causal=top_left, deterministic=True, sow_weights=True)
+    if hasattr(nnx, "capture"):  # flax >= 0.12: sow only inside nnx.capture
+        _, inter = nnx.capture(module, nnx.Intermediate)(q, k, v, **kwargs)
+    else:
+        module(q, k, v, **kwargs)
+        inter = nnx.pop(module, nnx.Intermediate)
+    w = inter["attention_weights"]
+    w = w.get_value() if hasattr(w, "get_value") else w.value
+    return w[0]
+
+
+@jax_jit(static_argnames=("graphdef", "top_left", "want_weights"))
+def _everything(params, rest, query, key, value, mask, d_out, *, graphdef, top_left, want_weights):
+    """(output, weights or None, gradients for d_out): one compiled program for
+    the case, shared by forward (d_out zero) and vjp (see jax_jit)."""
+    import jax
+    from flax import nnx
+
+    def f(params, q, k, v):
+        return nnx.merge(graphdef, params, rest)(q, k, v, mask=mask, is_causal=top_left, deterministic=True)
+
+    out, pullback = jax.vjp(f, params, query, key, value)
+    weights = None
+    if want_weights:
+        weights = _weights(nnx.merge(graphdef, params, rest), query, key, value, mask, top_left)
+    return out, weights, pullback(d_out.astype(out.dtype))
+
+
+def _run(config, tensors, inputs, options, d_out, device, precision):
+    from flax import nnx
+
+    from impl_jax.native import to_native
+
+    dtype, tensors, inputs, mask, top_left = _prepare(config, tensors, inputs, options, device, precision)
+    expected = (*np.shape(inputs["query"])[:2], config.out_dim)
+    d_out = np.zeros(expected) if d_out is None else np.asarray(d_out)
+    if d_out.shape != expected:
+        raise ValueError(f"d_output must have shape (B, T, O) = {expected}: got {d_out.shape}")
+    with jax_context(device, dtype, precision):
+        graphdef, params, rest = nnx.split(to_native(config, tensors, kind="nnx"), nnx.Param, ...)
+        out, w, (d_params, dq, dk, dv) = _everything(
+            params, rest, *(jax_array(x) for x in qkv(inputs)), None if mask is None else jax_array(mask),
+            jax_array(d_out, dtype), graphdef=graphdef, top_left=top_left,
+            want_weights=bool(options.get("return_weights", False)))
+        flat = {"/".join(map(str, path)): np.asarray(leaf.get_value() if hasattr(leaf, "get_value") else leaf)
+                for path, leaf in nnx.to_flat_state(d_params)}
+        grads = grads_to_canonical(LAYOUT, flat)
+        grads.update(query=np.asarray(dq), key=np.asarray(dk), value=np.asarray(dv))
+        return np.asarray(out), None if w is None else np.asarray(w), grads
+
+
+def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    out, w, _ = _run(config, tensors, inputs, options, None, device, precision)
+    return {"output": out} if w is None else {"output": out, "weights": w}
+
+
+def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    out, _, grads = _run(config, tensors, inputs, options, d_output, device, precision)
+    return {"output": out, "grads": order_grads(config, grads)}

@@ -1,0 +1,193 @@
+"""Backend jax-dpa: jax.nn.dot_product_attention around our projections.
+
+Projections, head split/merge and the output projection are written here in
+jax.numpy after impl_numpy's stages (same einsum strings, same precision
+rule: float32 arithmetic for float16/bfloat16 storage); logits, mask, bias,
+softmax and attend are one jax.nn.dot_product_attention(implementation="xla")
+call on (B, T, N, H) / (B, S, K, H) arrays:
+
+- GQA natively (K key/value heads), any scale (scale=);
+- mask (B|1, N|1, T, S) bool, True = attend (our polarity); bias added;
+  causal top-left is is_causal=True (top-left), bottom-right is folded into
+  the mask;
+- the kernel needs value's head width == key's: for value_head_dim !=
+  head_dim the query, key and value heads are zero-padded to the larger
+  width (zero columns add exact zeros to q.k; the value's padding columns
+  come out 0 and are dropped), with the scale passed explicitly;
+- attention weights: the kernel returns none; they are read out of the same
+  kernel by a second call with the value set to the identity (V = I_S, heads
+  zero-padded likewise; conformance.native.identity_values).
+
+Cannot express: an explicit dropout mask (the function has no dropout). A
+query row with no allowed key gets uniform weights (masked logits are set to
+-0.7 * float32 max, a finite number), so such a row runs only for
+masked_row="uniform".
+
+Measured difference (known_difference): in float64 the result is only
+float32-accurate: the function computes the softmax in float32 whatever the
+input dtype ("Softmax and it is always carried out in fp32"). It runs, so the
+suite shows the failure and its margin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import (
+    allowed4,
+    bias4,
+    call_shapes,
+    cast,
+    check_device,
+    check_dropout,
+    check_masked_rows,
+    check_precision,
+    dtype_name,
+    identity_values,
+    jax_array,
+    jax_context,
+    jax_devices,
+    jax_jit,
+    order_grads,
+    qkv,
+    require,
+)
+
+require("jax")
+
+NAME = "jax-dpa"
+
+PROJECT = "BLD,DF->BLF"  # as impl_numpy
+OUTPUT = "BTF,FO->BTO"
+
+FLOAT64_SOFTMAX = ("float64: the result is float32-accurate: jax.nn.dot_product_attention computes the softmax in "
+                   "float32 whatever the input dtype")
+
+
+def known_difference(case, dtype: str) -> str | None:
+    """The expected failure of a case, with its reason; None if it must pass."""
+    if dtype == "float64" and case.S > 1:  # with one key the softmax is exactly 1 in any precision
+        return FLOAT64_SOFTMAX
+    return None
+
+
+def devices() -> list[str]:
+    return jax_devices()
+
+
+def _prepare(config, tensors, inputs, options, device, precision):
+    check_precision(precision)
+    check_device(NAME, device, devices())
+    dtype = dtype_name(tensors, options)
+    tensors, inputs = cast(tensors, inputs, dtype, config)
+    shapes = call_shapes(config, inputs, options)
+    check_dropout(NAME, config, inputs, options)
+    check_masked_rows(NAME, config, shapes, inputs, options, "uniform",
+                      "masked logits are set to -0.7 * float32 max, a finite number", by_bias="nan")
+    top_left = bool(options.get("is_causal")) and options.get("causal_alignment", "top_left") == "top_left"
+    mask = allowed4(shapes, inputs, options, causal=bool(options.get("is_causal")) and not top_left)
+    bias = bias4(shapes, inputs)
+    if bias is not None and dtype in ("float16", "bfloat16"):
+        bias = bias.astype(np.float32)  # the logits' dtype; the values are the case's
+    return dtype, tensors, inputs, {"mask": mask, "bias": bias}, top_left
+
+
+def _compute_dtype(dtype):
+    import jax.numpy as jnp
+
+    return jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
+
+
+def _project(x, kernel, bias):
+    """PROJECT: x (B, L, D), kernel (D, heads, width) -> (B, L, heads, width)."""
+    import jax.numpy as jnp
+
+    D, heads, width = kernel.shape
+    ct = _compute_dtype(x.dtype)
+    y = jnp.einsum(PROJECT, x.astype(ct), kernel.reshape(D, heads * width).astype(ct))  # (B, L, F)
+    if bias is not None:
+        y = y + bias.reshape(-1).astype(ct)
+    return y.astype(x.dtype).reshape(*x.shape[:2], heads, width)  # (B, L, heads, width)
+
+
+def _pad(x, width):
+    import jax.numpy as jnp
+
+    return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def _attention(p, query, key, value, mask, bias, *, config, is_causal, want_weights):
+    """Our projections around the kernel: output (B, T, O) and weights (B, N, T, S) or None."""
+    import jax
+    import jax.numpy as jnp
+
+    q = _project(query, p["query.kernel"], p.get("query.bias"))  # (B, T, N, H)
+    k = _project(key, p["key.kernel"], p.get("key.bias"))  # (B, S, K, H)
+    v = _project(value, p["value.kernel"], p.get("value.bias"))  # (B, S, K, V)
+    H, V = q.shape[-1], v.shape[-1]
+    common = dict(scale=config.effective_scale, implementation="xla", is_causal=is_causal, mask=mask, bias=bias)
+    width = max(H, V)
+    ctx = jax.nn.dot_product_attention(_pad(q, width), _pad(k, width), _pad(v, width), **common)  # (B, T, N, width)
+    B, T, N = ctx.shape[:3]
+    ctx = ctx[..., :V].reshape(B, T, N * V)  # (B, T, N*V)
+    ct = _compute_dtype(ctx.dtype)
+    out = jnp.einsum(OUTPUT, ctx.astype(ct), p["output.kernel"].reshape(N * V, -1).astype(ct))  # (B, T, O)
+    if p.get("output.bias") is not None:
+        out = out + p["output.bias"].astype(ct)
+    out = out.astype(ctx.dtype)
+    weights = None
+    if want_weights:
+        S, K = k.shape[1], k.shape[2]
+        width = max(H, S)
+        eye = jnp.asarray(identity_values(S, width), dtype=v.dtype)  # (S, width) = [I_S | 0]
+        eye = jnp.broadcast_to(eye[None, :, None, :], (B, S, K, width))  # (B, S, K, width)
+        w = jax.nn.dot_product_attention(_pad(q, width), _pad(k, width), eye, **common)  # (B, T, N, width)
+        weights = jnp.transpose(w[..., :S], (0, 2, 1, 3))  # (B, N, T, S)
+    return out, weights
+
+
+def _masks(masks):
+    return {n: None if a is None else jax_array(a) for n, a in masks.items()}
+
+
+@jax_jit(static_argnames=("config", "is_causal", "want_weights"))
+def _everything(p, query, key, value, mask, bias, d_out, *, config, is_causal, want_weights):
+    """(output, weights or None, gradients for d_out): one compiled program for
+    the case, shared by forward (d_out zero) and vjp (see jax_jit)."""
+    import jax
+
+    def f(p, q, k, v):
+        return _attention(p, q, k, v, mask, bias, config=config, is_causal=is_causal, want_weights=False)[0]
+
+    out, pullback = jax.vjp(f, p, query, key, value)
+    weights = None
+    if want_weights:
+        weights = _attention(p, query, key, value, mask, bias, config=config, is_causal=is_causal,
+                             want_weights=True)[1]
+    return out, weights, pullback(d_out.astype(out.dtype))
+
+
+def _run(config, tensors, inputs, options, d_out, device, precision):
+    dtype, tensors, inputs, masks, top_left = _prepare(config, tensors, inputs, options, device, precision)
+    expected = (*np.shape(inputs["query"])[:2], config.out_dim)
+    d_out = np.zeros(expected) if d_out is None else np.asarray(d_out)
+    if d_out.shape != expected:
+        raise ValueError(f"d_output must have shape (B, T, O) = {expected}: got {d_out.shape}")
+    with jax_context(device, dtype, precision):
+        p = {n: jax_array(t) for n, t in tensors.items()}
+        out, w, (d_p, dq, dk, dv) = _everything(
+            p, *(jax_array(x) for x in qkv(inputs)), **_masks(masks), d_out=jax_array(d_out, dtype), config=config,
+            is_causal=top_left, want_weights=bool(options.get("return_weights", False)))
+        grads = {n: np.asarray(g) for n, g in d_p.items()}
+        grads.update(query=np.asarray(dq), key=np.asarray(dk), value=np.asarray(dv))
+        return np.asarray(out), None if w is None else np.asarray(w), grads
+
+
+def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    out, w, _ = _run(config, tensors, inputs, options, None, device, precision)
+    return {"output": out} if w is None else {"output": out, "weights": w}
+
+
+def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    out, _, grads = _run(config, tensors, inputs, options, d_output, device, precision)
+    return {"output": out, "grads": order_grads(config, grads)}

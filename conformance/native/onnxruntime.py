@@ -1,0 +1,312 @@
+"""Backend onnxruntime: our layer exported to an ONNX graph, run by onnxruntime.
+
+The graph (opset 23, IR version 11: onnx writes a newer IR than onnxruntime
+1.30 reads) holds the canonical tensors as initializers and has two forms:
+
+- "attention" (the default): MatMul (+ Add) projections, Reshape/Transpose
+  to (B, heads, L, width), ONE opset-23 `Attention` node (scale=, GQA from
+  K/V's head count, value_head_dim != head_dim, a bool attn_mask with True =
+  attend, a bias as a float attn_mask with -inf where not allowed, is_causal
+  for top-left causal without a mask, qk_matmul_output_mode=3 for the
+  weights after softmax), then merge and the output MatMul (+ Add).
+  Bottom-right causal is folded into attn_mask (the node's is_causal is
+  top-left; with a KV cache ONNX means bottom-right, see conventions).
+- "plain" (only where the Attention node cannot express the case): the same
+  projections around MatMul, Mul (scale), Add (bias), Where (mask, -inf),
+  Softmax, Where (a fully masked row -> the case's masked_row policy), Where
+  (dropout with the case's keep-mask), MatMul. Used for an explicit dropout
+  mask (the node has none) and for a query row with no allowed key when the
+  node's own answer for it, measured per dtype by a probe (`native_masked_row`),
+  is not the case's masked_row: onnxruntime 1.30 CPU gives 0 in float32 and
+  float16 but NaN in float64 (see below).
+
+Measured (onnxruntime 1.30, CPU): the Attention node rejects an attn_mask
+whose query axis is broadcast ((B, 1, 1, S): "inconsistent q_sequence_length
+(between attn_mask and Q)", which onnx.reference accepts), so the exported
+mask is expanded to (B|1, N|1, T, S). onnxruntime's CPU kernel covers float
+and float16 only; for float64 it runs the ONNX function body of Attention,
+which (a) scales q and k each by Sqrt(scale) computed in float32, so results
+are float32-accurate unless sqrt(scale) is exact in float32 (scale 1 or 1/4
+are; 1/sqrt(4) = 0.5 is not), see `known_difference`, and (b) gives NaN for
+a query row with no allowed key (softmax over -inf), where the float kernel
+gives 0.
+
+`graph_form(...)` says which form a call uses. Forward only: vjp raises
+NotImplementedError (onnxruntime's inference sessions compute no gradients).
+bfloat16: onnxruntime's CPU provider has no bfloat16 kernels for these ops,
+reported as unsupported with its own message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import (
+    allowed4,
+    bias4,
+    call_shapes,
+    cast,
+    check_device,
+    check_precision,
+    classify_row,
+    dtype_name,
+    empty_rows,
+    qkv,
+    require,
+)
+
+require("onnx", "onnxruntime")
+
+NAME = "onnxruntime"
+OPSET = 23
+IR_VERSION = 11
+
+
+FLOAT64_ATTENTION = (
+    "float64: onnxruntime has no CPU Attention kernel for double and runs the ONNX function body, which multiplies q "
+    "and k each by Sqrt(scale) computed in float32 (the scale attribute is a 32-bit float): a relative error of "
+    "about 1e-8 in every logit unless sqrt(scale) is exact in float32")
+
+
+def _sqrt_scale_exact(scale: float) -> bool:
+    root = np.sqrt(np.float32(scale), dtype=np.float32)
+    return float(np.float32(scale)) == scale and float(root) * float(root) == scale
+
+
+def known_difference(case, dtype: str) -> str | None:
+    """The expected failure of a case, with its reason; None if it must pass."""
+    if dtype != "float64" or case.S == 1:  # with one key the softmax is exactly 1 in any precision
+        return None
+    if _sqrt_scale_exact(case.config.effective_scale):
+        return None
+    from conformance.cases import cast_inputs, make_inputs
+
+    inputs = cast_inputs(make_inputs(case), dtype)
+    shapes = call_shapes(case.config, inputs, case.options(dtype))
+    if graph_form(case.config, shapes, inputs, case.options(dtype), "cpu", dtype) == "attention":
+        return FLOAT64_ATTENTION
+    return None
+
+
+def devices() -> list[str]:
+    import onnxruntime as ort
+
+    return ["cpu"] + (["gpu"] if "CUDAExecutionProvider" in ort.get_available_providers() else [])
+
+
+def _elem(dtype: str) -> int:
+    from onnx import TensorProto
+
+    return {"float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE, "float16": TensorProto.FLOAT16,
+            "bfloat16": TensorProto.BFLOAT16}[dtype]
+
+
+def _session(model, device: str, precision: str):
+    import onnxruntime as ort
+
+    if device == "gpu":
+        providers = [("CUDAExecutionProvider", {"use_tf32": "1" if precision == "tf32" else "0"})]
+    else:
+        providers = ["CPUExecutionProvider"]
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors reach us as exceptions; no copy on stderr
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    except Exception as err:  # noqa: BLE001 - onnxruntime's own error types
+        if type(err).__name__ in ("NotImplemented", "InvalidGraph", "Fail"):
+            text = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise NotImplementedError(f"{NAME}: onnxruntime cannot run this graph on {device}: {text}") from None
+        raise
+
+
+# -- the probe ---------------------------------------------------------------------------
+
+_ROWS: dict[tuple, str] = {}
+
+
+def native_masked_row(device: str, dtype: str, float_mask: bool) -> str:
+    """What the Attention node gives for a query row with no allowed key
+    (a bool mask, or a float mask of -inf), measured on a small graph."""
+    key = (device, dtype, float_mask)
+    if key not in _ROWS:
+        from onnx import TensorProto, helper
+
+        np_dtype = np.dtype(dtype)
+        info = lambda n, t, s: helper.make_tensor_value_info(n, t, list(s))  # noqa: E731
+        mask_type = _elem(dtype) if float_mask else TensorProto.BOOL
+        graph = helper.make_graph(
+            [helper.make_node("Attention", ["Q", "K", "V", "M"], ["Y"])], "probe",
+            [info("Q", _elem(dtype), (1, 1, 2, 2)), info("K", _elem(dtype), (1, 1, 3, 2)),
+             info("V", _elem(dtype), (1, 1, 3, 2)), info("M", mask_type, (2, 3))],
+            [info("Y", _elem(dtype), (1, 1, 2, 2))])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+        v = np.array([[[[0.0, 2.0], [2.0, 4.0], [4.0, 0.0]]]], dtype=np_dtype)  # (B, N, S, H)
+        allowed = np.ones((2, 3), dtype=bool)
+        allowed[0] = False  # query 0: no key
+        m = np.where(allowed, 0.0, -np.inf).astype(np_dtype) if float_mask else allowed
+        y = _session(model, device, "highest").run(None, {"Q": np.ones((1, 1, 2, 2), np_dtype), "K": v, "V": v, "M": m})[0]
+        _ROWS[key] = classify_row(y[0, 0, 0], v[0, 0])
+    return _ROWS[key]
+
+
+# -- the graph ---------------------------------------------------------------------------
+
+class _Graph:
+    """A small helper to write an ONNX graph node by node."""
+
+    def __init__(self, dtype: str):
+        self.dtype, self.np_dtype = dtype, np.dtype(dtype)
+        self.nodes, self.inits, self.inputs, self.feeds = [], [], [], {}
+        self.count = 0
+
+    def name(self, stem: str) -> str:
+        self.count += 1
+        return f"{stem}_{self.count}"
+
+    def const(self, stem: str, array) -> str:
+        from onnx import numpy_helper
+
+        name = self.name(stem)
+        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def input(self, name: str, array) -> str:
+        from onnx import TensorProto, helper
+
+        array = np.asarray(array)
+        elem = TensorProto.BOOL if array.dtype == bool else _elem(array.dtype.name)
+        self.inputs.append(helper.make_tensor_value_info(name, elem, list(array.shape)))
+        self.feeds[name] = array
+        return name
+
+    def op(self, op_type: str, inputs, stem=None, outputs=1, **attrs):
+        from onnx import helper
+
+        names = [self.name(stem or op_type.lower()) for _ in range(outputs)] if isinstance(outputs, int) else outputs
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, **attrs))
+        return names[0] if len(names) == 1 else names
+
+    def model(self, outputs: dict[str, tuple]):
+        from onnx import helper
+
+        outs = [helper.make_tensor_value_info(name, _elem(self.dtype), list(shape)) for name, shape in outputs.items()]
+        graph = helper.make_graph(self.nodes, "multi_head_attention", self.inputs, outs, initializer=self.inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+
+
+def _project(g: _Graph, x: str, kernel, bias, heads: int) -> str:
+    """(B, L, D) @ kernel (D, heads, width) (+ bias) -> (B, heads, L, width)."""
+    D, _, width = kernel.shape
+    y = g.op("MatMul", [x, g.const("kernel", kernel.reshape(D, heads * width))])  # (B, L, heads*width)
+    if bias is not None:
+        y = g.op("Add", [y, g.const("bias", bias.reshape(-1))])
+    y = g.op("Reshape", [y, g.const("shape", np.array([0, 0, heads, width], np.int64))])  # (B, L, heads, width)
+    return g.op("Transpose", [y], perm=[0, 2, 1, 3])  # (B, heads, L, width)
+
+
+def graph_form(config, shapes, inputs, options, device: str, dtype: str) -> str:
+    """"attention" (one Attention node) or "plain" (MatMul/Softmax ops): see the module docstring."""
+    if options.get("training") and (config.dropout > 0 or inputs.get("dropout_mask") is not None):
+        return "plain"
+    if empty_rows(shapes, inputs, options)[1]:
+        if native_masked_row(device, dtype, inputs.get("bias") is not None) != config.masked_row:
+            return "plain"
+    return "attention"
+
+
+def _build(config, tensors, inputs, options, shapes, form: str, want_weights: bool):
+    B, T, S, N, K = shapes.B, shapes.T, shapes.S, config.num_heads, config.num_kv_heads
+    V, O = config.value_head_dim, config.out_dim
+    dtype = np.dtype(next(iter(tensors.values())).dtype).name
+    g = _Graph(dtype)
+    query, key, value = (g.input(n, x) for n, x in zip(("query", "key", "value"), qkv(inputs)))
+    q = _project(g, query, tensors["query.kernel"], tensors.get("query.bias"), N)  # (B, N, T, H)
+    k = _project(g, key, tensors["key.kernel"], tensors.get("key.bias"), K)  # (B, K, S, H)
+    v = _project(g, value, tensors["value.kernel"], tensors.get("value.bias"), K)  # (B, K, S, V)
+    bias = bias4(shapes, inputs)
+    top_left = bool(options.get("is_causal")) and options.get("causal_alignment", "top_left") == "top_left"
+    if form == "attention":
+        causal_flag = top_left and inputs.get("mask") is None and bias is None
+        allowed = allowed4(shapes, inputs, options, causal=bool(options.get("is_causal")) and not causal_flag)
+        names = [q, k, v]
+        if bias is not None:
+            full = bias.astype(np.float64) if allowed is None else np.where(allowed, bias.astype(np.float64), -np.inf)
+            names.append(g.input("attn_mask", full.astype(g.np_dtype)))  # added to the logits
+        elif allowed is not None:
+            allowed = np.broadcast_to(allowed, (*allowed.shape[:2], T, S))  # onnxruntime needs the T axis
+            names.append(g.input("attn_mask", np.ascontiguousarray(allowed)))  # bool, True = attend
+        outs = ["ctx", "", "", "weights"] if want_weights else ["ctx"]
+        g.op("Attention", names, outputs=outs, scale=float(config.effective_scale), is_causal=int(causal_flag),
+             **({"qk_matmul_output_mode": 3} if want_weights else {}))
+        ctx = "ctx"  # (B, N, T, V)
+    else:
+        ctx = _plain_core(g, config, shapes, inputs, options, q, k, v, bias)
+    ctx = g.op("Transpose", [ctx], perm=[0, 2, 1, 3])  # (B, T, N, V)
+    ctx = g.op("Reshape", [ctx, g.const("shape", np.array([0, 0, N * V], np.int64))])  # (B, T, N*V)
+    kernel = tensors["output.kernel"].reshape(N * V, O)
+    if tensors.get("output.bias") is None:
+        g.op("MatMul", [ctx, g.const("kernel", kernel)], outputs=["output"])
+    else:
+        y = g.op("MatMul", [ctx, g.const("kernel", kernel)])
+        g.op("Add", [y, g.const("bias", tensors["output.bias"])], outputs=["output"])
+    outputs = {"output": (B, T, O)}
+    if want_weights:
+        outputs["weights"] = (B, N, T, S)
+    return g.model(outputs), g.feeds
+
+
+def _plain_core(g: _Graph, config, shapes, inputs, options, q, k, v, bias) -> str:
+    """logits -> mask/bias -> softmax (masked_row policy) -> dropout -> attend, in plain ops."""
+    B, S, N, K = shapes.B, shapes.S, config.num_heads, config.num_kv_heads
+    H, V, G = config.head_dim, config.value_head_dim, config.group_size
+
+    def per_query_head(x, width):  # (B, K, S, width) -> (B, N, S, width): head n reads n // G
+        if G == 1:
+            return x
+        x = g.op("Unsqueeze", [x, g.const("axes", np.array([2], np.int64))])  # (B, K, 1, S, width)
+        x = g.op("Expand", [x, g.const("shape", np.array([B, K, G, S, width], np.int64))])  # (B, K, G, S, width)
+        return g.op("Reshape", [x, g.const("shape", np.array([B, N, S, width], np.int64))])  # (B, N, S, width)
+
+    k, v = per_query_head(k, H), per_query_head(v, V)
+    kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])  # (B, N, H, S)
+    x = g.op("Mul", [g.op("MatMul", [q, kt]), g.const("scale", np.array(config.effective_scale, g.np_dtype))])
+    if bias is not None:
+        x = g.op("Add", [x, g.const("bias", bias.astype(g.np_dtype))])  # (B|1, N|1, T, S)
+    allowed = allowed4(shapes, inputs, options)
+    if allowed is not None:
+        x = g.op("Where", [g.const("allowed", allowed), x, g.const("neg_inf", np.array(-np.inf, g.np_dtype))])
+    w = g.op("Softmax", [x], axis=-1)  # (B, N, T, S)
+    row_max = g.op("ReduceMax", [x, g.const("axes", np.array([-1], np.int64))], keepdims=1)  # (B, N, T, 1)
+    empty = g.op("IsInf", [row_max], detect_positive=0)  # a row with no finite logit
+    fill = {"zero": 0.0, "uniform": 1.0 / S, "nan": np.nan}[config.masked_row]
+    w = g.op("Where", [empty, g.const("fill", np.array(fill, g.np_dtype)), w], outputs=["weights"])
+    if options.get("training") and inputs.get("dropout_mask") is not None:
+        keep = g.input("dropout_mask", np.asarray(inputs["dropout_mask"], dtype=bool))  # (B, N, T, S)
+        scaled = g.op("Mul", [w, g.const("inv_keep", np.array(1.0 / (1.0 - config.dropout), g.np_dtype))])
+        w = g.op("Where", [keep, scaled, g.const("zero", np.array(0.0, g.np_dtype))])
+    return g.op("MatMul", [w, v])  # (B, N, T, V)
+
+
+def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    check_precision(precision)
+    check_device(NAME, device, devices())
+    dtype = dtype_name(tensors, options)
+    tensors, inputs = cast(tensors, inputs, dtype, config)
+    shapes = call_shapes(config, inputs, options)
+    if options.get("training") and config.dropout > 0 and inputs.get("dropout_mask") is None:
+        raise NotImplementedError(f"{NAME}: dropout in training needs the case's explicit dropout_mask (the graph "
+                                  "draws no random numbers)")
+    want = bool(options.get("return_weights", False))
+    form = graph_form(config, shapes, inputs, options, device, dtype)
+    model, feeds = _build(config, tensors, inputs, options, shapes, form, want or form == "plain")
+    session = _session(model, device, precision)
+    names = [o.name for o in session.get_outputs()]
+    got = dict(zip(names, session.run(None, feeds)))
+    answer = {"output": got["output"]}
+    if want:
+        answer["weights"] = got["weights"]
+    return answer
+
+
+def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    raise NotImplementedError(f"{NAME}: forward only (an onnxruntime InferenceSession computes no gradients)")

@@ -1,0 +1,291 @@
+"""The frameworks' native attention layers as conformance backends (conformance/native).
+
+Every native backend runs the named case grid through conformance.compare.run_case
+(the suite's own judge) in float32 and float64, and a few cases in float16 and
+bfloat16. For each backend the test states what its API can express
+(SUPPORTED, the case names that run); every other case must be reported
+"unsupported" with a reason that names the backend. A supported case must pass,
+unless the backend's `known_difference(case, dtype)` documents why it fails
+(a measured difference from the reference), and then it must fail, for that
+reason only: precision findings fail by less than float32's unit round-off
+would allow; the torch NaN finding fails in the gradients only.
+
+Time: the JAX backends compile one XLA program per case (about 1.5 s on a
+small CPU), so the default run gives them the refusals plus FAST cases; the
+whole grid is `pytest -m slow`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import weights
+from conformance import backends
+from conformance.cases import CASES
+from conformance.compare import STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, run_case
+from conformance.tolerance import UNIT_ROUNDOFF
+from impl_numpy import multi_head_attention
+
+FRAMEWORK_MARKS = {
+    "torch-native-mha": pytest.mark.torch, "torch-sdpa": pytest.mark.torch, "keras-native-mha": pytest.mark.tf,
+    "flax-linen-mha": pytest.mark.jax, "flax-nnx-mha": pytest.mark.jax, "jax-dpa": pytest.mark.jax,
+    "onnxruntime": None,
+}
+assert set(FRAMEWORK_MARKS) == set(backends.NATIVE), "every native backend needs its framework mark"
+
+JAX_BACKENDS = ("flax-linen-mha", "flax-nnx-mha", "jax-dpa")
+
+_BASIC = {"self_basic", "cross_basic", "no_biases", "query_len_1", "key_len_1", "causal_square", "causal_top_left",
+          "causal_bottom_right", "padding_mask", "mask_bts", "mask_ts", "no_weights"}
+
+# What each API can express: the cases that run (float32 and float64 alike).
+SUPPORTED: dict[str, set[str]] = {
+    # one bias flag, N*H == D == O, V == H, default scale, no GQA; NaN for a fully masked row (need_weights=True)
+    "torch-native-mha": _BASIC | {"cross_dims", "mask_bnts", "bias", "bias_neg_inf", "masked_rows_nan"},
+    # everything but an explicit dropout mask, and fully masked rows give 0
+    "torch-sdpa": set(CASES) - {"masked_rows_uniform", "masked_rows_nan", "dropout_train"},
+    # one bias flag, default scale, no GQA, no bias, one mask for all heads; 0 for a fully masked row with scores
+    "keras-native-mha": _BASIC | {"cross_dims", "value_head_dim", "out_dim", "causal_bottom_right_long_query",
+                                  "masked_rows_zero"},
+    # one bias flag, default scale, no GQA, V == H, no bias; uniform for a fully masked row
+    "flax-linen-mha": _BASIC | {"cross_dims", "out_dim", "mask_bnts", "masked_rows_uniform"},
+    # as linen but GQA, and key_dim == value_dim
+    "flax-nnx-mha": _BASIC | {"out_dim", "gqa", "mqa", "mask_bnts", "masked_rows_uniform"},
+    # everything but an explicit dropout mask; uniform for a fully masked row
+    "jax-dpa": set(CASES) - {"causal_bottom_right_long_query", "masked_rows_zero", "masked_rows_nan", "dropout_train"},
+    # everything (the Attention node, or plain ops where it cannot express a case)
+    "onnxruntime": set(CASES),
+}
+assert all(names <= set(CASES) for names in SUPPORTED.values())
+
+# The JAX backends' supported cases in the default run (the rest: -m slow).
+FAST: dict[str, set[str]] = {
+    "flax-linen-mha": {"mask_bnts", "causal_bottom_right", "masked_rows_uniform"},
+    "flax-nnx-mha": {"gqa", "causal_top_left", "masked_rows_uniform"},
+    "jax-dpa": {"value_head_dim", "bias_neg_inf", "mask_and_bias_causal", "masked_rows_uniform"},
+}
+
+LOW_PRECISION_CASES = ("self_basic", "mask_bts", "causal_bottom_right")
+# float32's unit round-off over float64's: a float64 margin below this is an error float32 arithmetic explains
+FLOAT32_OVER_FLOAT64 = UNIT_ROUNDOFF["float32"] / UNIT_ROUNDOFF["float64"]
+
+
+def _param(backend_id, *rest):
+    mark = FRAMEWORK_MARKS[backend_id]
+    return pytest.param(backend_id, *rest, marks=[mark] if mark else [], id="-".join([backend_id, *rest]))
+
+
+def _adapter(backend_id):
+    try:
+        return backends.load(backend_id)
+    except backends.BackendUnavailable as err:
+        pytest.skip(str(err))
+
+
+def _describe(result) -> str:
+    worst = result.worst
+    lines = [f"{result.backend} {result.dtype} {result.case}: {result.status}"
+             + (f" (margin {result.margin:.3g})" if result.comparisons else "")]
+    lines += [f"    {c.describe()}" for c in result.comparisons if not c.ok] or (
+        [f"    worst: {worst.describe()}"] if worst is not None and result.status == STATUS_FAIL else [])
+    if result.message:
+        lines.append(f"    message: {result.message}")
+    return "\n".join(lines)
+
+
+def _problem(adapter, backend_id: str, case_name: str, dtype: str, result) -> str | None:
+    """Why a result breaks the backend's contract, or None."""
+    case = CASES[case_name]
+    if result.status not in (STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED):
+        return f"crashed instead of passing, failing or refusing:\n{_describe(result)}"
+    if case_name not in SUPPORTED[backend_id]:
+        if result.status != STATUS_UNSUPPORTED:
+            return f"expected unsupported (the API cannot express it):\n{_describe(result)}"
+        if not result.message.startswith(f"{backend_id}: ") or len(result.message) < len(backend_id) + 12:
+            return f"an unsupported case needs a reason naming the backend:\n{_describe(result)}"
+        return None
+    if result.status == STATUS_UNSUPPORTED:
+        return f"expected to run (the API can express it):\n{_describe(result)}"
+    expected = adapter.known_difference(case, dtype)
+    if expected is None:
+        return None if result.status == STATUS_PASS else f"expected to pass:\n{_describe(result)}"
+    if result.status != STATUS_FAIL:
+        return f"expected to fail ({expected}):\n{_describe(result)}"
+    if expected.startswith("float64"):  # a precision finding: float32-size errors, no more
+        too_far = [c for c in result.comparisons if not c.margin * (1 / FLOAT32_OVER_FLOAT64) <= 1.0]
+        if too_far:
+            return (f"fails by more than float32 arithmetic explains ({expected}):\n"
+                    + "\n".join(f"    {c.describe()}" for c in too_far))
+    else:  # a gradient finding: the forward pass conforms
+        bad_forward = [c for c in result.comparisons if not c.ok and not c.name.startswith("grad ")]
+        if bad_forward:
+            return f"the forward pass fails too ({expected}):\n" + "\n".join(f"    {c.describe()}" for c in bad_forward)
+    return None
+
+
+def _run_grid(backend_id: str, dtype: str, names) -> None:
+    adapter = _adapter(backend_id)
+    problems = []
+    for name in names:
+        result = run_case(CASES[name], backend_id, dtype=dtype, adapter=adapter)
+        problem = _problem(adapter, backend_id, name, dtype, result)
+        if problem:
+            problems.append(f"[{name}] {problem}")
+    assert not problems, f"{backend_id} {dtype}: {len(problems)} case(s) break the contract:\n" + "\n".join(problems)
+
+
+def _default_names(backend_id: str) -> list[str]:
+    if backend_id not in JAX_BACKENDS:
+        return list(CASES)
+    return [n for n in CASES if n not in SUPPORTED[backend_id] or n in FAST[backend_id]]
+
+
+# -- the grid --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend_id,dtype", [_param(b, d) for b in backends.NATIVE for d in ("float32", "float64")])
+def test_case_grid(backend_id, dtype):
+    """Every case: supported ones pass (or fail exactly as documented), the rest are refused with a reason."""
+    _run_grid(backend_id, dtype, _default_names(backend_id))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend_id,dtype", [_param(b, d) for b in JAX_BACKENDS for d in ("float32", "float64")])
+def test_case_grid_jax_rest(backend_id, dtype):
+    """The JAX backends' supported cases left out of the default run."""
+    _run_grid(backend_id, dtype, [n for n in CASES if n not in _default_names(backend_id)])
+
+
+@pytest.mark.parametrize("backend_id,dtype", [_param(b, d) for b in backends.NATIVE
+                                              if b not in JAX_BACKENDS for d in ("float16", "bfloat16")]
+                         + [_param(b, "bfloat16") for b in JAX_BACKENDS])
+def test_low_precision(backend_id, dtype):
+    """A few cases in 16-bit, judged by the suite's 16-bit rule (3x the same-dtype reference's error).
+    onnxruntime has no bfloat16 CPU kernels: refused with onnxruntime's words."""
+    adapter = _adapter(backend_id)
+    problems = []
+    for name in LOW_PRECISION_CASES[:1] if backend_id in JAX_BACKENDS else LOW_PRECISION_CASES:
+        result = run_case(CASES[name], backend_id, dtype=dtype, adapter=adapter)
+        if backend_id == "onnxruntime" and dtype == "bfloat16":
+            if result.status != STATUS_UNSUPPORTED or "NOT_IMPLEMENTED" not in result.message:
+                problems.append(f"[{name}] expected unsupported (no bfloat16 CPU kernels):\n{_describe(result)}")
+            continue
+        problem = _problem(adapter, backend_id, name, dtype, result)
+        if problem:
+            problems.append(f"[{name}] {problem}")
+    assert not problems, f"{backend_id} {dtype}:\n" + "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend_id", [_param(b) for b in ("flax-nnx-mha", "jax-dpa")])
+def test_float16_jax_dot_product_attention(backend_id):
+    """jax.nn.dot_product_attention in float16 does not compile under jit on CPU (precision preset
+    F16_F16_F32); the adapter then runs eagerly, where jax's own fallback works."""
+    _run_grid(backend_id, "float16", ["self_basic", "padding_mask"])
+
+
+# -- mask polarity ---------------------------------------------------------------------
+
+POLARITY_SHAPES = {"per_query": (2, 4, 6), "padding": (2, 1, 1, 6)}
+
+
+def _polarity_inputs(kind: str):
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=11, dtype="float32")
+    rng = np.random.default_rng(12)
+    B, T, S = 2, 4, 6
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((B, T, 8), (B, S, 8), (B, S, 8)))
+    if kind == "per_query":
+        b, t, s = np.ogrid[:B, :T, :S]
+        mask = (b + 2 * t + s) % 3 != 0  # (B, T, S): every row holds both values
+    else:
+        b, s = np.ogrid[:B, :S]
+        mask = ((b + s) % 3 != 0)[:, None, None, :]  # (B, 1, 1, S): a padding-style mask, both values per batch
+    assert mask.any(-1).all() and (~mask).any(-1).all(), "neither the mask nor its complement may empty a row"
+    return config, tensors, {"query": q, "key": k, "value": v, "mask": mask}
+
+
+@pytest.mark.parametrize("backend_id,kind", [_param(b, k) for b in backends.NATIVE for k in POLARITY_SHAPES])
+def test_mask_polarity(backend_id, kind):
+    """Our bool mask means True = attend; each backend translates it to its API's polarity (torch
+    nn.MultiheadAttention: True = masked, via attn_mask or key_padding_mask). The output must match the
+    reference with the mask and be far from the reference with the mask inverted."""
+    adapter = _adapter(backend_id)
+    config, tensors, inputs = _polarity_inputs(kind)
+    out = adapter.forward(config, tensors, inputs, {"dtype": "float32"})["output"]
+    t64 = {n: t.astype(np.float64) for n, t in tensors.items()}
+    qkv64 = [inputs[n].astype(np.float64) for n in ("query", "key", "value")]
+    mask4 = inputs["mask"] if inputs["mask"].ndim == 4 else inputs["mask"][:, None]
+    err = float(np.abs(out - multi_head_attention(config, t64, *qkv64, mask=mask4)).max())
+    err_inverted = float(np.abs(out - multi_head_attention(config, t64, *qkv64, mask=~mask4)).max())
+    assert err < 1e-4 < 1e-2 < err_inverted, (
+        f"{backend_id} mask {POLARITY_SHAPES[kind]}: max error {err:.3g} against the reference with the mask "
+        f"(True = attend), {err_inverted:.3g} with it inverted; expected < 1e-4 and > 1e-2")
+
+
+# -- pieces ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend_id", [_param(b) for b in backends.NATIVE])
+def test_devices(backend_id):
+    adapter = _adapter(backend_id)
+    found = adapter.devices()
+    assert found[0] == "cpu" and set(found) <= {"cpu", "gpu"} and len(set(found)) == len(found), (
+        f"{backend_id}.devices() must list cpu first, then gpu only where the framework sees one: got {found}")
+    with pytest.raises(ValueError, match="device"):
+        case = CASES["self_basic"]
+        from conformance.cases import make_inputs, make_tensors
+
+        adapter.forward(case.config, make_tensors(case), make_inputs(case), case.options("float64"), device="tpu")
+
+
+def test_onnxruntime_graph_form_and_no_gradients():
+    """Which graph a case gets: the Attention node, or plain ops where the node cannot express it."""
+    adapter = _adapter("onnxruntime")
+    from conformance.cases import cast_inputs, make_inputs
+    from conformance.native import call_shapes
+
+    def form(name, dtype):
+        case = CASES[name]
+        inputs = cast_inputs(make_inputs(case), dtype)
+        return adapter.graph_form(case.config, call_shapes(case.config, inputs, case.options(dtype)), inputs,
+                                  case.options(dtype), "cpu", dtype)
+
+    got = {(name, dtype): form(name, dtype) for name in ("self_basic", "bias", "dropout_train", "masked_rows_zero",
+                                                        "masked_rows_nan") for dtype in ("float32", "float64")}
+    expected = {
+        ("self_basic", "float32"): "attention", ("self_basic", "float64"): "attention",
+        ("bias", "float32"): "attention", ("bias", "float64"): "attention",
+        ("dropout_train", "float32"): "plain", ("dropout_train", "float64"): "plain",
+        # the node gives 0 for a fully masked row in float32 (its kernel), NaN in float64 (the function body)
+        ("masked_rows_zero", "float32"): "attention", ("masked_rows_zero", "float64"): "plain",
+        ("masked_rows_nan", "float32"): "plain", ("masked_rows_nan", "float64"): "attention",
+    }
+    assert got == expected, f"graph forms: got {got}, expected {expected}"
+    with pytest.raises(NotImplementedError, match="forward only"):
+        adapter.vjp(None, {}, {}, {}, None)
+
+
+def test_gradients_cross_layouts_with_nan():
+    """Native gradients come back in the layout's names and shapes; a NaN (a fully masked row's, torch)
+    must land where the layout table puts it, since the converter itself refuses NaN."""
+    from conformance.native import grads_to_canonical
+    from weights import layouts
+
+    config = weights.AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
+    tensors = weights.init(config, seed=1, dtype="float32")
+    state = layouts.from_canonical("torch-mha", config, tensors)
+    state["in_proj_weight"] = state["in_proj_weight"].copy()
+    state["in_proj_weight"][5, 1] = np.nan  # [Wq; Wk; Wv] (3E, E): row 5 = key head 0, h 1; column 1 = input 1
+    state["out_proj.bias"] = state["out_proj.bias"].copy()
+    state["out_proj.bias"][2] = -np.inf
+    got = grads_to_canonical("torch-mha", state, num_heads=2)
+    clean = {k: np.where(np.isfinite(v), v, 0).astype(v.dtype) for k, v in state.items()}
+    _, expected = layouts.to_canonical("torch-mha", clean, num_heads=2)
+    where_nan = {n: np.argwhere(np.isnan(t)).tolist() for n, t in got.items() if np.isnan(t).any()}
+    assert where_nan == {"key.kernel": [[1, 0, 1]]}, f"NaN positions: {where_nan}"
+    assert np.isneginf(got["output.bias"][2]) and math.isfinite(float(got["output.bias"][1]))
+    for name, t in expected.items():
+        finite = np.isfinite(got[name])
+        assert np.array_equal(got[name][finite], t[finite]), f"{name}: finite entries differ from the converter's"

@@ -249,6 +249,10 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
         if not all(c.ok for c in result.comparisons):
             result.status = STATUS_FAIL
             result.divergence = localise(case, dtype, adapter, device=device, precision=precision)
+            known = getattr(adapter, "known_difference", None)
+            reason = known(case, dtype) if known is not None else None
+            if reason:  # a native layer that differs by design: still a failure, with its reason
+                result.message = (result.message + "; " if result.message else "") + f"known difference: {reason}"
     except NotImplementedError as err:
         result.status, result.message = STATUS_UNSUPPORTED, str(err) or "not implemented"
     except backends.BackendUnavailable as err:

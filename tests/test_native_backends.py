@@ -32,7 +32,7 @@ from impl_numpy import multi_head_attention
 FRAMEWORK_MARKS = {
     "torch-native-mha": pytest.mark.torch, "torch-sdpa": pytest.mark.torch, "keras-native-mha": pytest.mark.tf,
     "flax-linen-mha": pytest.mark.jax, "flax-nnx-mha": pytest.mark.jax, "jax-dpa": pytest.mark.jax,
-    "onnxruntime": None,
+    "onnxruntime": pytest.mark.onnx,
 }
 assert set(FRAMEWORK_MARKS) == set(backends.NATIVE), "every native backend needs its framework mark"
 

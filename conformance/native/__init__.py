@@ -42,7 +42,7 @@ import numpy as np
 
 from impl_numpy.masks import causal_mask
 from weights import AttentionConfig, dtype_from_name, layouts, validate_tensors
-from weights.contract import CallShapes, check_call
+from weights.contract import CallShapes, check_call, check_input_values
 
 PRECISIONS = ("highest", "tf32")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -69,6 +69,7 @@ def call_shapes(config: AttentionConfig, inputs: Mapping, options: Mapping) -> C
     k = q if k is None else k
     v = k if v is None else v
     mask, bias, keep = inputs.get("mask"), inputs.get("bias"), inputs.get("dropout_mask")
+    check_input_values(query=q, key=k, value=v)
     return check_call(
         config, query_shape=np.shape(q), key_shape=np.shape(k), value_shape=np.shape(v),
         mask_shape=None if mask is None else np.shape(mask),

@@ -6,6 +6,7 @@ terminal, optionally a report and JSON; exit 0 only if everything conforms.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -52,24 +53,52 @@ def cross_device(results: list[CaseResult]) -> list[CaseResult]:
     return extra
 
 
+def _run_chunk(backend_id, device, dtype, case_names, precision, gradients):
+    """One (backend, device, dtype) over its cases; runs in a worker process."""
+    adapter = backends.load(backend_id)
+    return [run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
+                     adapter=adapter, keep_arrays=True) for name in case_names]
+
+
+# Slowest first, so the parallel run is not left waiting on a late long chunk
+# (JAX compiles one program per case and dtype).
+_COST_ORDER = {"jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "tf": 2, "keras-native-mha": 2}
+
+
 def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
-              gradients=True, console=None, progress=True):
+              gradients=True, console=None, progress=True, jobs=None):
+    """Every (backend, device, dtype) chunk of cases. jobs > 1 runs chunks in
+    that many worker processes (each imports its own frameworks); the
+    results are the same objects either way."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console(stderr=True)
     pairs, skipped = plan(backend_ids, devices, console)
-    cases = [CASES[n] for n in (case_names or CASES)]
-    jobs = [(b, d, a, c, t) for b, d, a in pairs for t in dtypes for c in cases]
+    names = list(case_names or CASES)
+    chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes), key=lambda c: _COST_ORDER.get(c[0], 3))
+    jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), len(chunks)))
     results: list[CaseResult] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not progress, transient=True) as bar:
-        task = bar.add_task("mha check", total=len(jobs))
-        for backend_id, device, adapter, case, dtype in jobs:
-            bar.update(task, description=f"{backend_id}/{device}/{dtype} {case.name}")
-            results.append(run_case(case, backend_id, device=device, dtype=dtype, precision=precision,
-                                    gradients=gradients, adapter=adapter, keep_arrays=True))
-            bar.advance(task)
+        task = bar.add_task("mha check", total=len(chunks) * len(names))
+        if jobs == 1:
+            for backend_id, device, dtype in chunks:
+                bar.update(task, description=f"{backend_id}/{device}/{dtype}")
+                results += _run_chunk(backend_id, device, dtype, names, precision, gradients)
+                bar.advance(task, len(names))
+        else:
+            import concurrent.futures
+            import multiprocessing
+
+            # spawn: TensorFlow and JAX hold threads that a fork would copy half-alive.
+            with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                futures = [pool.submit(_run_chunk, b, d, t, names, precision, gradients) for b, d, t in chunks]
+                for future in concurrent.futures.as_completed(futures):
+                    results += future.result()
+                    bar.advance(task, len(names))
+    order = {chunk: i for i, chunk in enumerate((b, d, t) for b, d, _ in pairs for t in dtypes)}
+    results.sort(key=lambda r: order[(r.backend, r.device, r.dtype)])
     results.extend(cross_device(results))
     return results, skipped
 
@@ -101,6 +130,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--report", metavar="DIR", help="write report.md, report.html and heatmaps here")
     p.add_argument("--json", metavar="FILE", help="write every result as JSON")
     p.add_argument("--conventions", action="store_true", help="also measure the native layers' conventions")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="worker processes (default: one per CPU core; 1 runs everything in this process)")
     p.set_defaults(func=run)
 
 
@@ -115,7 +146,7 @@ def run(args) -> int:
     if args.json and Path(args.json).is_dir():
         raise ValueError(f"--json {args.json}: is a directory")
     results, skipped = run_check(expand_backends(args.backends), args.devices, args.dtypes, args.cases, precision=args.precision,
-                                 gradients=not args.no_gradients, progress=console.is_terminal)
+                                 gradients=not args.no_gradients, progress=console.is_terminal, jobs=args.jobs)
     if not results:
         reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"
         raise ValueError(f"nothing to run: {reasons}")

@@ -894,7 +894,7 @@ def print_report(console, data: dict) -> None:
             f"{b} {min(v):.0f}-{max(v):.0f}" for b, v in rates.items()))
     sweep = [r for r in rows if r["sweep"]]
     if sweep:
-        st = Table(title="sweep: forward median ms (B 1, D 512, N 8, not causal)")
+        st = Table(title=f"sweep: forward median ms (B {sweep[0]['B']}, D {sweep[0]['D']}, N {sweep[0]['N']}, not causal)")
         st.add_column("T", justify="right")
         cols = sorted({(r["backend"], r["path"]) for r in sweep}, key=lambda k: (BACKENDS.index(k[0]), k[1]))
         for b, p in cols:
@@ -949,7 +949,8 @@ def write_plots(data: dict, directory: Path) -> list[Path]:
     ax.set_yscale("log")
     ax.set_xlabel("sequence length T = S")
     ax.set_ylabel("forward time, median (s)")
-    ax.set_title("mha bench sweep: B 1, D 512, N 8, float32" + (" (--quick)" if data["settings"]["quick"] else ""))
+    dims = f"B {sweep[0]['B']}, D {sweep[0]['D']}, N {sweep[0]['N']}" if sweep else ""
+    ax.set_title(f"mha bench sweep: {dims}, float32, not causal" + (" (--quick)" if data["settings"]["quick"] else ""))
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)

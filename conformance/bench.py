@@ -26,8 +26,10 @@ Method
   ratio's two halves are measured minutes, not hours, apart on this shared
   machine.
 - Peak memory, one more call after the timed ones: NumPy with tracemalloc
-  (NumPy reports its array buffers to it); the frameworks as growth of the
-  process's peak resident set: malloc_trim(0), "5" written to
+  (NumPy reports its array buffers to it); TensorFlow with its allocator's
+  counters (tf.config.experimental.get_memory_info, CPU too: its oneDNN CPU
+  allocator pools large blocks, so RSS would not move); torch and JAX as
+  growth of the process's peak resident set: malloc_trim(0), "5" written to
   /proc/self/clear_refs (resets VmHWM), then VmHWM after the call minus VmRSS
   before it. GPU: the framework's own peak-allocation counter.
 - Long sequences (T >= LONG_T): each implementation's chunked path if it has
@@ -514,12 +516,17 @@ def glue_tf(device: str, quick: bool) -> Glue:
         return done(lambda: tf.linalg.matmul(a, a))
 
     def memory(call):
-        if device == "gpu":
-            tf.config.experimental.reset_memory_stats("GPU:0")
-            base = tf.config.experimental.get_memory_info("GPU:0")["current"]
-            out = call()
-            return tf.config.experimental.get_memory_info("GPU:0")["peak"] - base, "TF GPU peak memory growth", out
-        return _rss_memory(call)
+        # TF's allocator's own counters, CPU included: with oneDNN on, the CPU allocator pools
+        # large blocks (a BFC allocator), so the process RSS does not grow after the first call.
+        name = "GPU:0" if device == "gpu" else "CPU:0"
+        try:
+            tf.config.experimental.reset_memory_stats(name)
+            base = tf.config.experimental.get_memory_info(name)["current"]
+        except (ValueError, RuntimeError):
+            return _rss_memory(call)
+        out = call()
+        peak = tf.config.experimental.get_memory_info(name)["peak"] - base
+        return peak, f"tf.config.experimental.get_memory_info({name!r}) peak growth", out
 
     info = {"version": tf.__version__, "keras": keras.__version__, "device": dev, "tf32": False,
             "keras_mha_kernel": "keras einsum path (Keras flash attention is not used on the TensorFlow backend)"}
@@ -1081,8 +1088,9 @@ def run(args) -> int:
                 "chunk_size": CHUNK_SIZE,
                 "flops": "forward 4*B*T*D^2 + 4*B*S*D^2 + 4*B*N*T*S*H (full T*S when causal); forward+backward 3x",
                 "matmul": "median time of one float32 matmul_n^3 matmul in the framework, re-measured per shape",
-                "memory": "numpy: tracemalloc peak; others: peak RSS growth via /proc/self/clear_refs + VmHWM "
-                          "(GPU: the framework's peak-allocation counter); one extra call after timing",
+                "memory": "numpy: tracemalloc peak; tf: get_memory_info peak growth; torch, jax: peak RSS growth via "
+                          "/proc/self/clear_refs + VmHWM (GPU: the framework's peak-allocation counter); "
+                          "one extra call after timing",
                 "ratio_to_native": "time / fastest native path, same backend, shape, pass and mode"},
             "backends": {}, "results": [], "matmul": [], "sweep_stops": {}}
     for backend in args.backends:

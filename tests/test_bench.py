@@ -1,0 +1,168 @@
+"""`mha bench --quick`: it runs on every installed backend, writes every field,
+draws the plots and evaluates every target. No assertion here is about speed:
+the machine is shared and timings are noise; only that numbers exist, are
+finite and positive, and that targets() judges them by the issue's thresholds."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+
+import pytest
+
+from conformance import bench
+from conformance.cli import main
+
+# Every result row carries these keys (None where a number does not apply).
+ROW_FIELDS = (
+    "backend", "shape", "B", "T", "S", "D", "N", "H", "causal", "sweep", "path", "kind", "mode", "pass", "note",
+    "status", "flops", "io_bytes", "matmul_flops_per_s", "median_s", "min_s", "max_s", "q1_s", "q3_s", "times_s",
+    "repeats", "first_call_s", "compile_s", "peak_bytes", "memory_method", "peak_over_io", "max_abs_diff_vs_numpy",
+    "reference_max_abs", "pct_matmul", "native_path", "ratio_to_native",
+)
+TOP_FIELDS = ("schema", "created", "command", "machine", "settings", "backends", "results", "matmul", "sweep_stops",
+              "targets", "total_s")
+TARGET_FIELDS = ("target", "backend", "shape", "measured", "threshold", "unit", "path", "pass", "status")
+# 3 frameworks x 2 shapes x (rate, eager ratio, compiled ratio) + 2 causal shapes x (4 backends + the
+# numpy-and-one-framework summary) + numpy at bert-base + 4 backends' long memory.
+N_TARGETS = 3 * 2 * 3 + 2 * (4 + 1) + 1 + 4
+# numpy is quick on every shape; the frameworks get one plain, one causal long, and the sweep.
+QUICK_SHAPES = {"numpy": ["bert-base", "vit-b16", "gpt2", "long", "sweep"], "torch": ["bert-base", "long", "sweep"],
+                "tf": ["bert-base", "long", "sweep"], "jax": ["bert-base", "long", "sweep"]}
+IMPORTS = {"numpy": ("numpy", "impl_numpy"), "torch": ("torch", "impl_torch.functional"),
+           "tf": ("tensorflow", "keras", "impl_tf.functional"), "jax": ("jax", "flax.nnx", "impl_jax.functional")}
+
+
+def _unavailable(backend: str) -> str | None:
+    for module in IMPORTS[backend]:
+        try:
+            importlib.util.find_spec(module)
+        except (ImportError, ValueError) as err:
+            return f"{module} not importable ({err})"
+        if importlib.util.find_spec(module) is None:
+            return f"{module} not installed: install the `{backend}` extra (pip install -e .[{backend}])"
+    return None
+
+
+def _run(tmp_path, capsys, *argv):
+    out_json, plot_dir = tmp_path / "bench.json", tmp_path / "plots"
+    code = main(["bench", "--quick", *argv, "--json", str(out_json), "--plot", str(plot_dir)])
+    printed, err = capsys.readouterr()
+    assert code == 0, f"mha bench exited {code}; stderr tail: {err[-2000:]}"
+    return json.loads(out_json.read_text()), plot_dir, printed
+
+
+def _finite_positive(row: dict, field: str) -> None:
+    value = row[field]
+    assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (
+        f"{row['backend']} {row['shape']} {row['path']} [{row['pass']}]: {field} = {value!r}, "
+        "expected a finite positive number")
+
+
+@pytest.mark.parametrize("backend", bench.BACKENDS)
+def test_quick_run_writes_every_field(backend, tmp_path, capsys):
+    why = _unavailable(backend)
+    if why:
+        pytest.skip(f"backend {backend}: {why}")
+    data, plot_dir, printed = _run(tmp_path, capsys, "--backends", backend, "--shapes", *QUICK_SHAPES[backend])
+
+    missing = [f for f in TOP_FIELDS if f not in data]
+    assert not missing, f"JSON lacks top-level fields {missing}"
+    status = data["backends"][backend]["status"]
+    assert status == "ok", f"backend {backend} reported {status!r}"
+    rows = data["results"]
+    assert rows, "no result rows"
+    for row in rows:
+        lacking = [f for f in ROW_FIELDS if f not in row]
+        assert not lacking, f"row {row.get('path')} at {row.get('shape')} lacks {lacking}"
+        assert row["status"] == "ok", f"{row['shape']} {row['path']} [{row['pass']}]: {row['status']}"
+        for field in ("median_s", "min_s", "max_s", "first_call_s", "flops", "matmul_flops_per_s", "pct_matmul"):
+            _finite_positive(row, field)
+        if any(n["kind"] == "native" and (n["shape"], n["pass"]) == (row["shape"], row["pass"]) for n in rows):
+            _finite_positive(row, "ratio_to_native")  # NumPy has no native forward+backward to compare with
+        assert row["min_s"] <= row["median_s"] <= row["max_s"], (
+            f"{row['path']}: min {row['min_s']} median {row['median_s']} max {row['max_s']} out of order")
+        assert row["repeats"] == len(row["times_s"]) >= 1, f"{row['path']}: repeats {row['repeats']}, times {row['times_s']}"
+        if not row["sweep"]:
+            assert row["memory_method"], f"{row['path']} at {row['shape']}: no memory method recorded"
+            if row["peak_bytes"] is not None:
+                assert row["peak_bytes"] >= 0, f"{row['path']}: peak_bytes {row['peak_bytes']}"
+        if row["max_abs_diff_vs_numpy"] is not None:
+            # a sanity check of what was timed, not a conformance test: float32 vs the float32 reference
+            bound = 1e-3 * max(1.0, row["reference_max_abs"])
+            assert row["max_abs_diff_vs_numpy"] <= bound, (
+                f"{row['path']} at {row['shape']} differs from impl_numpy by {row['max_abs_diff_vs_numpy']:.3g} "
+                f"(bound {bound:.3g}): the benchmark timed a wrong computation")
+    kinds = {(r["shape"], r["kind"]) for r in rows if not r["sweep"]}
+    for shape in QUICK_SHAPES[backend]:
+        if shape != "sweep":
+            assert {(shape, "ours"), (shape, "native")} <= kinds, f"{shape}: ours and native not both timed: {kinds}"
+    assert any(r["sweep"] for r in rows), "no sweep point measured"
+    assert data["matmul"] and all(m["flops_per_s"] > 0 for m in data["matmul"]), data["matmul"]
+
+    pngs = sorted(plot_dir.glob("*.png"))
+    expected = {"sweep.png", *(f"ratio-{s}.png" for s in QUICK_SHAPES[backend] if s != "sweep")}
+    assert expected <= {p.name for p in pngs}, f"plots written: {[p.name for p in pngs]}, expected {sorted(expected)}"
+    for png in pngs:
+        head = png.read_bytes()[:8]
+        assert png.stat().st_size > 1000 and head == b"\x89PNG\r\n\x1a\n", f"{png.name}: {png.stat().st_size} bytes, head {head!r}"
+
+    assert len(data["targets"]) == N_TARGETS, f"{len(data['targets'])} target entries, expected {N_TARGETS}"
+    for entry in data["targets"]:
+        assert set(TARGET_FIELDS) <= set(entry), f"target entry lacks fields: {entry}"
+    assert "targets (issue 7)" in printed and "mha bench" in printed, f"table or targets not printed: {printed[:500]}"
+
+
+def test_unavailable_backend_is_reported_not_fatal(tmp_path, capsys):
+    data, _, printed = _run(tmp_path, capsys, "--backends", "numpy", "--device", "gpu", "--shapes", "bert-base")
+    status = data["backends"]["numpy"]["status"]
+    assert status.startswith("unavailable:") and "CPU only" in status, f"status {status!r}"
+    assert data["results"] == [], data["results"]
+    assert all(e["pass"] is None for e in data["targets"]), [e for e in data["targets"] if e["pass"] is not None]
+    assert "numpy: unavailable" in printed, printed[-1000:]
+
+
+def _row(backend, shape, path, kind, mode, median, pct, *, pass_="forward", peak_over_io=None):
+    return {"backend": backend, "shape": shape, "path": path, "kind": kind, "mode": mode, "pass": pass_,
+            "status": "ok", "median_s": median, "pct_matmul": pct, "peak_over_io": peak_over_io}
+
+
+def test_targets_judge_by_the_issue_thresholds():
+    rows = [
+        _row("torch", "bert-base", "ours.sdpa.eager", "ours", "eager", 1.05, 90.0),
+        _row("torch", "bert-base", "native.sdpa.eager", "native", "eager", 1.0, 95.0),
+        _row("torch", "bert-base", "ours.compiled", "ours", "compiled", 1.2, 80.0),
+        _row("torch", "bert-base", "native.sdpa.compiled", "native", "compiled", 1.0, 96.0),
+        _row("numpy", "bert-base", "ours", "ours", "eager", 1.0, 74.9),
+        _row("numpy", "gpt2", "ours.chunked", "ours", "eager", 1.0, 130.0),
+        _row("jax", "gpt2", "ours.jit", "ours", "compiled", 1.0, 101.0),
+        _row("numpy", "long", "ours.chunked", "ours", "eager", 1.0, 120.0, peak_over_io=3.5),
+        _row("tf", "long", "ours.xla", "ours", "compiled", 1.0, 20.0, peak_over_io=60.0),
+    ]
+    entries = bench.targets(rows)
+    assert len(entries) == N_TARGETS, len(entries)
+    by = {e["target"]: e for e in entries}
+
+    def check(name, passed, measured):
+        e = by[name]
+        assert e["pass"] is passed and (measured is None or abs(e["measured"] - measured) < 1e-9), (name, e)
+
+    check("torch forward at bert-base >= 85% of matmul rate", True, 90.0)
+    check("torch eager forward at bert-base <= 1.10x native fastest eager", True, 1.05)
+    check("torch compiled forward at bert-base <= 1.10x native fastest compiled", False, 1.2)
+    check("tf forward at bert-base >= 85% of matmul rate", None, None)
+    check("numpy float32 forward at bert-base >= 75% of matmul rate", False, 74.9)
+    check("causal gpt2: > 100% in numpy and at least one framework", True, None)
+    check("causal long: > 100% in numpy and at least one framework", False, None)
+    check("numpy long forward peak memory < 4x inputs+outputs", True, 3.5)
+    check("tf long forward peak memory < 4x inputs+outputs", False, 60.0)
+    check("jax long forward peak memory < 4x inputs+outputs", None, None)
+    assert all(e["status"] in ("pass", "miss") or e["status"].startswith("not measured") for e in entries)
+
+
+def test_flop_count_is_the_issues_formula():
+    s = bench.SHAPES["bert-base"]
+    assert s.flops == 8 * 8 * 128 * 768**2 + 4 * 8 * 12 * 128 * 128 * 64, s.flops
+    g = bench.SHAPES["gpt2"]  # causal: still the full T*S
+    assert g.flops == 8 * 4 * 1024 * 768**2 + 4 * 4 * 12 * 1024 * 1024 * 64, g.flops

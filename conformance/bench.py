@@ -294,6 +294,7 @@ def glue_numpy(device: str, quick: bool) -> Glue:
 def glue_torch(device: str, quick: bool) -> Glue:
     import torch
     import torch.nn.functional as F
+
     from impl_torch.functional import multi_head_attention
 
     if device == "gpu" and not torch.cuda.is_available():
@@ -537,6 +538,7 @@ def glue_jax(device: str, quick: bool) -> Glue:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+
     from impl_jax.functional import apply  # not impl_jax.adapter: it turns x64 on process-wide
 
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPUs (CPUs compute float32 anyway)

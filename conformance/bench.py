@@ -294,6 +294,7 @@ def glue_numpy(device: str, quick: bool) -> Glue:
 def glue_torch(device: str, quick: bool) -> Glue:
     import torch
     import torch.nn.functional as F
+
     from impl_torch.functional import multi_head_attention
 
     if device == "gpu" and not torch.cuda.is_available():
@@ -379,18 +380,13 @@ def glue_torch(device: str, quick: bool) -> Glue:
         out.append(Path_("ours.sdpa.eager", "ours", "eager", "forward", fwd(lambda: ours(True)(x, t)),
                          note=ours_sdpa_kernel, compare=True))
         if not shape.sweep:
-            compiled_ours = torch.compile(ours(not shape.long and not c), backend=compiler, dynamic=False)
-            out.append(Path_("ours.sdpa.compiled" if shape.long or c else "ours.compiled", "ours", "compiled", "forward",
-                             fwd(lambda: compiled_ours(x, t)), ts_arrays=0 if shape.long or c else 3,
+            compiled_sdpa = torch.compile(ours(True), backend=compiler, dynamic=False)
+            out.append(Path_("ours.sdpa.compiled", "ours", "compiled", "forward", fwd(lambda: compiled_sdpa(x, t)),
                              note=f"torch.compile {compiler}", compare=True))
-            if not shape.long and c:
+            if not shape.long:
                 compiled_plain = torch.compile(ours(False), backend=compiler, dynamic=False)
                 out.append(Path_("ours.compiled", "ours", "compiled", "forward", fwd(lambda: compiled_plain(x, t)),
                                  ts_arrays=3, note=f"torch.compile {compiler}", compare=True))
-            if not shape.long and not c:
-                compiled_sdpa = torch.compile(ours(True), backend=compiler, dynamic=False)
-                out.append(Path_("ours.sdpa.compiled", "ours", "compiled", "forward", fwd(lambda: compiled_sdpa(x, t)),
-                                 note=f"torch.compile {compiler}", compare=True))
         out.append(Path_("native.sdpa.eager", "native", "eager", "forward", fwd(lambda: native_sdpa(x)), note=sdpa_kernel))
         if not shape.sweep:
             out.append(Path_("native.mha.eager", "native", "eager", "forward", fwd(lambda: native_mha(x)), ts_arrays=3,
@@ -537,6 +533,7 @@ def glue_jax(device: str, quick: bool) -> Glue:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+
     from impl_jax.functional import apply  # not impl_jax.adapter: it turns x64 on process-wide
 
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPUs (CPUs compute float32 anyway)

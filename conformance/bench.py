@@ -489,16 +489,16 @@ def glue_tf(device: str, quick: bool) -> Glue:
                 with tf.GradientTape() as tape:
                     tape.watch([inp, tt])
                     y = ours(inp, tt)
-                tape.gradient(y, [inp, tt], output_gradients=g)
-                return y
+                grads = tape.gradient(y, [inp, tt], output_gradients=g)
+                return y, grads  # returned, or tf.function prunes the backward pass away
 
             @tf.function(jit_compile=True)
             def native_grad(inp):
                 with tf.GradientTape() as tape:
                     tape.watch(inp)
                     y = native(inp)
-                tape.gradient(y, [inp, *layer.trainable_variables], output_gradients=g)
-                return y
+                grads = tape.gradient(y, [inp, *layer.trainable_variables], output_gradients=g)
+                return y, grads
 
             out.append(Path_("ours.xla", "ours", "compiled", "forward+backward", done(lambda: ours_grad(x, t)),
                              ts_arrays=5, note="GradientTape in tf.function(jit_compile=True)"))

@@ -380,18 +380,13 @@ def glue_torch(device: str, quick: bool) -> Glue:
         out.append(Path_("ours.sdpa.eager", "ours", "eager", "forward", fwd(lambda: ours(True)(x, t)),
                          note=ours_sdpa_kernel, compare=True))
         if not shape.sweep:
-            compiled_ours = torch.compile(ours(not shape.long and not c), backend=compiler, dynamic=False)
-            out.append(Path_("ours.sdpa.compiled" if shape.long or c else "ours.compiled", "ours", "compiled", "forward",
-                             fwd(lambda: compiled_ours(x, t)), ts_arrays=0 if shape.long or c else 3,
+            compiled_sdpa = torch.compile(ours(True), backend=compiler, dynamic=False)
+            out.append(Path_("ours.sdpa.compiled", "ours", "compiled", "forward", fwd(lambda: compiled_sdpa(x, t)),
                              note=f"torch.compile {compiler}", compare=True))
-            if not shape.long and c:
+            if not shape.long:
                 compiled_plain = torch.compile(ours(False), backend=compiler, dynamic=False)
                 out.append(Path_("ours.compiled", "ours", "compiled", "forward", fwd(lambda: compiled_plain(x, t)),
                                  ts_arrays=3, note=f"torch.compile {compiler}", compare=True))
-            if not shape.long and not c:
-                compiled_sdpa = torch.compile(ours(True), backend=compiler, dynamic=False)
-                out.append(Path_("ours.sdpa.compiled", "ours", "compiled", "forward", fwd(lambda: compiled_sdpa(x, t)),
-                                 note=f"torch.compile {compiler}", compare=True))
         out.append(Path_("native.sdpa.eager", "native", "eager", "forward", fwd(lambda: native_sdpa(x)), note=sdpa_kernel))
         if not shape.sweep:
             out.append(Path_("native.mha.eager", "native", "eager", "forward", fwd(lambda: native_mha(x)), ts_arrays=3,
@@ -494,16 +489,16 @@ def glue_tf(device: str, quick: bool) -> Glue:
                 with tf.GradientTape() as tape:
                     tape.watch([inp, tt])
                     y = ours(inp, tt)
-                tape.gradient(y, [inp, tt], output_gradients=g)
-                return y
+                grads = tape.gradient(y, [inp, tt], output_gradients=g)
+                return y, grads  # returned, or tf.function prunes the backward pass away
 
             @tf.function(jit_compile=True)
             def native_grad(inp):
                 with tf.GradientTape() as tape:
                     tape.watch(inp)
                     y = native(inp)
-                tape.gradient(y, [inp, *layer.trainable_variables], output_gradients=g)
-                return y
+                grads = tape.gradient(y, [inp, *layer.trainable_variables], output_gradients=g)
+                return y, grads
 
             out.append(Path_("ours.xla", "ours", "compiled", "forward+backward", done(lambda: ours_grad(x, t)),
                              ts_arrays=5, note="GradientTape in tf.function(jit_compile=True)"))

@@ -24,7 +24,7 @@ pytest.importorskip("flax", reason=INSTALL)
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from reference_checks import assert_case_conforms, assert_gradients_conform  # noqa: E402
+from reference_checks import assert_case_conforms, assert_gradients_conform, bad_calls, error_of  # noqa: E402
 
 import impl_jax  # noqa: E402
 import impl_jax.adapter as adapter  # noqa: E402  (switches x64 on)
@@ -419,12 +419,6 @@ def test_padding_mask_equals_reference():
                 f"numpy {want.astype(int).tolist()}")
 
 
-def error_of(fn, *args, **kwargs) -> str:
-    with pytest.raises(ValueError) as info:
-        fn(*args, **kwargs)
-    return str(info.value)
-
-
 @pytest.mark.parametrize("call", [
     ("causal_mask", (3, 4, "bottom"), {}),
     ("padding_mask", (np.array([1.0, 2.0]), 3), {}),
@@ -441,40 +435,7 @@ def test_mask_builder_errors_match_reference(call):
 
 # -- error wording -----------------------------------------------------------------------------
 
-def _bad_calls():
-    """(id, changes to a valid call): each must raise the reference's ValueError."""
-    rng = np.random.default_rng(7)
-    B, T, S, D = 2, 5, 5, 8
-    x = rng.standard_normal((B, T, D))
-    nan_bias = np.zeros((B, 1, T, S))
-    nan_bias[0, 0, 1, 2] = np.nan
-    return {
-        "rank": dict(query=x[0]),
-        "features": dict(query=rng.standard_normal((B, T, 7))),
-        "batch": dict(key=rng.standard_normal((3, S, D))),
-        "length": dict(key=x, value=rng.standard_normal((B, S + 1, D))),
-        "empty": dict(query=np.zeros((0, T, D))),
-        "int_query": dict(query=np.ones((B, T, D), dtype=np.int64)),
-        "float_mask": dict(mask=np.ones((T, S))),
-        "int_mask": dict(mask=np.ones((T, S), dtype=np.int64)),
-        "mask_shape": dict(mask=np.ones((B, T, S + 1), dtype=bool)),
-        "mask_rank": dict(mask=np.ones((1, 1, 1, T, S), dtype=bool)),
-        "bias_shape": dict(bias=np.zeros((3, 1, T, S))),
-        "int_bias": dict(bias=np.zeros((T, S), dtype=np.int64)),
-        "nan_bias": dict(bias=nan_bias),
-        "posinf_bias": dict(bias=np.full((T, S), np.inf)),
-        "causal_alignment": dict(is_causal=True, causal_alignment="bottom"),
-        "is_causal": dict(is_causal="yes"),
-        "dropout_mask_without_training": dict(dropout_mask=np.ones((B, 2, T, S), dtype=bool)),
-        "dropout_mask_shape": dict(training=True, dropout_mask=np.ones((B, 1, T, S), dtype=bool)),
-        "dropout_mask_dtype": dict(training=True, dropout_mask=np.ones((B, 2, T, S))),
-        "training_without_mask_or_seed": dict(training=True),
-        "seed_type": dict(training=True, seed=1.5),
-        "dtype_name": dict(dtype="float8"),
-    }
-
-
-BAD_CALLS = _bad_calls()
+BAD_CALLS = bad_calls()
 VALUE_CHECKS = ("nan_bias", "posinf_bias")  # need concrete values: not checked inside jit (documented)
 BAD_CONFIG = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, dropout=0.1)
 BAD_TENSORS = weights.init(BAD_CONFIG, seed=0, dtype="float64")

@@ -15,7 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'")
 
-from reference_checks import WithOptions, assert_case_conforms, assert_gradients_conform  # noqa: E402
+from reference_checks import (  # noqa: E402
+    WithOptions,
+    assert_case_conforms,
+    assert_gradients_conform,
+    bad_calls,
+    error_of,
+)
 
 import impl_numpy  # noqa: E402
 import impl_numpy.adapter as numpy_adapter  # noqa: E402
@@ -267,12 +273,6 @@ def test_padding_mask_equals_reference():
             f"padding_mask({lengths}, {S}): torch {got.astype(int).tolist()}, numpy {want.astype(int).tolist()}")
 
 
-def error_of(fn, *args, **kwargs) -> str:
-    with pytest.raises(ValueError) as info:
-        fn(*args, **kwargs)
-    return str(info.value)
-
-
 @pytest.mark.parametrize("call", [
     ("causal_mask", (3, 4, "bottom"), {}),
     ("padding_mask", (np.array([1.0, 2.0]), 3), {}),
@@ -289,40 +289,7 @@ def test_mask_builder_errors_match_reference(call):
 
 # -- error wording ---------------------------------------------------------------------
 
-def _bad_calls():
-    """(id, changes to a valid call): each must raise the reference's ValueError."""
-    rng = np.random.default_rng(7)
-    B, T, S, D = 2, 5, 5, 8
-    x = rng.standard_normal((B, T, D))
-    nan_bias = np.zeros((B, 1, T, S))
-    nan_bias[0, 0, 1, 2] = np.nan
-    return {
-        "rank": dict(query=x[0]),
-        "features": dict(query=rng.standard_normal((B, T, 7))),
-        "batch": dict(key=rng.standard_normal((3, S, D))),
-        "length": dict(key=x, value=rng.standard_normal((B, S + 1, D))),
-        "empty": dict(query=np.zeros((0, T, D))),
-        "int_query": dict(query=np.ones((B, T, D), dtype=np.int64)),
-        "float_mask": dict(mask=np.ones((T, S))),
-        "int_mask": dict(mask=np.ones((T, S), dtype=np.int64)),
-        "mask_shape": dict(mask=np.ones((B, T, S + 1), dtype=bool)),
-        "mask_rank": dict(mask=np.ones((1, 1, 1, T, S), dtype=bool)),
-        "bias_shape": dict(bias=np.zeros((3, 1, T, S))),
-        "int_bias": dict(bias=np.zeros((T, S), dtype=np.int64)),
-        "nan_bias": dict(bias=nan_bias),
-        "posinf_bias": dict(bias=np.full((T, S), np.inf)),
-        "causal_alignment": dict(is_causal=True, causal_alignment="bottom"),
-        "is_causal": dict(is_causal="yes"),
-        "dropout_mask_without_training": dict(dropout_mask=np.ones((B, 2, T, S), dtype=bool)),
-        "dropout_mask_shape": dict(training=True, dropout_mask=np.ones((B, 1, T, S), dtype=bool)),
-        "dropout_mask_dtype": dict(training=True, dropout_mask=np.ones((B, 2, T, S))),
-        "training_without_mask_or_seed": dict(training=True),
-        "seed_type": dict(training=True, seed=1.5),
-        "dtype_name": dict(dtype="float8"),
-    }
-
-
-BAD_CALLS = _bad_calls()
+BAD_CALLS = bad_calls()
 
 
 @pytest.mark.parametrize("bad", list(BAD_CALLS))

@@ -166,3 +166,25 @@ def test_flop_count_is_the_issues_formula():
     assert s.flops == 8 * 8 * 128 * 768**2 + 4 * 8 * 12 * 128 * 128 * 64, s.flops
     g = bench.SHAPES["gpt2"]  # causal: still the full T*S
     assert g.flops == 8 * 4 * 1024 * 768**2 + 4 * 4 * 12 * 1024 * 1024 * 64, g.flops
+
+
+def test_report_and_plots_survive_failed_and_skipped_rows(tmp_path):
+    """A path that failed in setup (path None) or was skipped must not break the table or plots."""
+    import io
+
+    from rich.console import Console
+
+    ok = {**_row("numpy", "sweep-128", "ours", "ours", "eager", 0.01, 50.0), "sweep": True, "T": 128, "B": 1,
+          "D": 512, "N": 8, "min_s": 0.009, "max_s": 0.011, "ratio_to_native": 1.0, "first_call_s": 0.02,
+          "peak_bytes": None, "note": ""}
+    broken = {**ok, "path": None, "kind": None, "mode": None, "pass": None, "T": 256, "shape": "sweep-256",
+              "status": "failed: setting up paths: ValueError: too big", "median_s": None, "pct_matmul": None}
+    skipped = {**ok, "T": 512, "shape": "sweep-512", "status": "skipped: over --mem-limit", "median_s": None,
+               "pct_matmul": None}
+    data = {"settings": {"quick": True}, "results": [ok, broken, skipped], "backends": {"numpy": {"status": "ok"}},
+            "matmul": [], "sweep_stops": {}, "targets": bench.targets([ok, broken, skipped])}
+    out = io.StringIO()
+    bench.print_report(Console(file=out, width=200), data)
+    assert "sweep" in out.getvalue() and "targets" in out.getvalue(), out.getvalue()[:500]
+    written = bench.write_plots(data, tmp_path)
+    assert (tmp_path / "sweep.png").stat().st_size > 1000, written

@@ -112,23 +112,27 @@ def raw_file(header, body: bytes = b"", *, length: int | None = None) -> bytes:
     return struct.pack("<Q", len(header) if length is None else length) + header + body
 
 
-def refusal(read, path, error: type[ValueError], *fragments: str) -> str:
-    """Call read(path); it must raise exactly `error`, one line, naming the path and each fragment."""
+def refusal_problems(read, path, error: type[ValueError], *fragments: str) -> tuple[str, list[str]]:
+    """Call read(path): (its message, what is wrong with the refusal). Right means it raised exactly
+    `error`, on one line, naming the path and each fragment; any other outcome is a problem."""
     try:
         result = read(path)
     except error as err:
-        caught = err
+        message = str(err)
     except BaseException as err:  # any other exception is the failure tested for
-        raise AssertionError(
-            f"{read.__name__}({path}) raised {type(err).__name__}: {err}, not {error.__name__}"
-        ) from err
+        return "", [f"{read.__name__}({path}) raised {type(err).__name__}: {err}, not {error.__name__}"]
     else:
-        raise AssertionError(f"{read.__name__}({path}) accepted a bad file and returned {type(result).__name__}")
-    message = str(caught)
-    assert str(path) in message, f"message does not name the file {path}: {message!r}"
-    assert "\n" not in message, f"message is not one line: {message!r}"
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
+        return "", [f"{read.__name__}({path}) accepted a bad file and returned {type(result).__name__}"]
+    problems = [] if str(path) in message else [f"message does not name the file {path}: {message!r}"]
+    problems += [f"message is not one line: {message!r}"] if "\n" in message else []
+    problems += [f"{fragment!r} not in {message!r}" for fragment in fragments if fragment not in message]
+    return message, problems
+
+
+def refusal(read, path, error: type[ValueError], *fragments: str) -> str:
+    """refusal_problems, asserting there are none; returns the message."""
+    message, problems = refusal_problems(read, path, error, *fragments)
+    assert not problems, "; ".join(problems)
     return message
 
 
@@ -206,9 +210,10 @@ READER_CASES = [
 @pytest.mark.parametrize("label, data, fragments", [pytest.param(*case, id=case[0]) for case in READER_CASES])
 def test_reader_refuses_with_its_own_error(tmp_path, label, data, fragments):
     path = write(tmp_path, data)
-    refusal(weights.read_safetensors, path, WeightsFormatError, *fragments)
-    refusal(read_inputs, path, InputsError, *fragments)
-    refusal(weights.load, path, WeightsFormatError)
+    problems = (refusal_problems(weights.read_safetensors, path, WeightsFormatError, *fragments)[1]
+                + refusal_problems(read_inputs, path, InputsError, *fragments)[1]
+                + refusal_problems(weights.load, path, WeightsFormatError)[1])
+    assert not problems, f"{label}: " + "; ".join(problems)
     COUNTS["crafted headers (reader regressions)"] += 1
 
 
@@ -223,8 +228,10 @@ def test_reader_refuses_what_is_not_a_regular_file_without_blocking(tmp_path, ki
     else:
         path = Path("/dev/zero")  # reading it naively never ends and fills memory
     signal.alarm(10)
-    refusal(weights.load, path, WeightsFormatError, "not a regular file" if kind != "directory" else "directory")
-    refusal(read_inputs, path, InputsError)
+    problems = (refusal_problems(weights.load, path, WeightsFormatError,
+                                 "not a regular file" if kind != "directory" else "directory")[1]
+                + refusal_problems(read_inputs, path, InputsError)[1])
+    assert not problems, f"{kind}: " + "; ".join(problems)
     COUNTS["not regular files (FIFO, directory, device)"] += 1
 
 
@@ -718,7 +725,9 @@ def test_inputs_float_masks_other_than_0_and_1_are_refused(tmp_path, mask_dtype,
     mask = np.ones((3, 3), dtype=np.float64)
     mask[1, 2] = value
     path = inputs_file(tmp_path, query=Q, mask=mask.astype(weights.DTYPES[mask_dtype]))
-    refusal(read_inputs, path, InputsError, "mask must be bool or 0/1", "floats other than 0 and 1", mask_dtype)
+    _, problems = refusal_problems(read_inputs, path, InputsError, "mask must be bool or 0/1",
+                                   "floats other than 0 and 1", mask_dtype)
+    assert not problems, "; ".join(problems)
     COUNTS["inputs masks (0/1 and not)"] += 1
 
 
@@ -765,10 +774,15 @@ def test_truncated_inputs_files_are_refused_at_every_byte(scratch):
 @pytest.mark.parametrize("dtype", list(weights.DTYPES))
 def test_truncated_files_are_refused_at_every_byte_slow(scratch, dtype):
     config = AttentionConfig(num_heads=4, query_dim=6, head_dim=3, num_kv_heads=2, use_value_bias=False)
-    truncate_everywhere(scratch, weights.to_bytes(config, weights.init(config, seed=1, dtype=dtype)), weights.load,
-                        WeightsFormatError, "truncations: weights (exhaustive, slow configs)")
-    truncate_everywhere(scratch, sample_inputs_bytes(dtype), read_inputs, InputsError,
-                        "truncations: inputs (exhaustive, slow dtypes)")
+    data = weights.to_bytes(config, weights.init(config, seed=1, dtype=dtype))
+    before = COUNTS["truncations: weights (exhaustive, slow configs)"]
+    size = truncate_everywhere(scratch, data, weights.load, WeightsFormatError,
+                               "truncations: weights (exhaustive, slow configs)")
+    assert COUNTS["truncations: weights (exhaustive, slow configs)"] - before == size == len(data)
+    before = COUNTS["truncations: inputs (exhaustive, slow dtypes)"]
+    size = truncate_everywhere(scratch, sample_inputs_bytes(dtype), read_inputs, InputsError,
+                               "truncations: inputs (exhaustive, slow dtypes)")
+    assert COUNTS["truncations: inputs (exhaustive, slow dtypes)"] - before == size >= 500
 
 
 # -- checksums: every bit of the data section ---------------------------------------------------
@@ -1200,7 +1214,8 @@ def test_crafted_weight_files_are_refused_with_the_reason(tmp_path, label, make,
         for key in [k for k, v in metadata.items() if v is None]:
             header["__metadata__"].pop(key)
         data = raw_file(header, data[8 + struct.unpack("<Q", data[:8])[0] :])
-    refusal(weights.load, write(tmp_path, data), WeightsFormatError, *fragments)
+    _, problems = refusal_problems(weights.load, write(tmp_path, data), WeightsFormatError, *fragments)
+    assert not problems, f"{label}: " + "; ".join(problems)
     COUNTS["crafted weight files (one class each)"] += 1
 
 

@@ -42,7 +42,7 @@ from conformance.cases import (  # noqa: E402
     output_cotangent,
 )
 from conformance.compare import expected_for  # noqa: E402
-from conformance.tolerance import assert_close, compare, max_finite_abs, policy_for  # noqa: E402
+from conformance.tolerance import compare, max_finite_abs, policy_for  # noqa: E402
 
 pytestmark = pytest.mark.jax
 
@@ -66,10 +66,12 @@ def logits_of(name: str) -> np.ndarray:
     return dict(reference(name)[0]["trace"])["logits"]
 
 
-def close(label, actual, expected, name, dtype, quantity, **kwargs):
+def compared(label, actual, expected, name, dtype, quantity, **kwargs):
+    """The policy's Comparison of actual against expected (not raising: callers assert .ok)."""
     case = CASES[name]
-    return assert_close(f"{name}/{dtype}/{label}", actual, expected, config=case.config, dtype=dtype,
-                        quantity=quantity, B=case.B, T=case.T, S=case.S, logits=logits_of(name), **kwargs)
+    tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S, reference=expected,
+                     logits=logits_of(name), **kwargs)
+    return compare(f"{name}/{dtype}/{label}", actual, expected, tol)
 
 
 def case_arrays(name: str, dtype: str):
@@ -159,7 +161,7 @@ def test_self_attention_grads_fold_into_query(dtype):
                                                               gradient_magnitudes=True)
     assert list(got) == list(want) and "key" not in got, f"gradient names {list(got)} != {list(want)}"
     for g in want:
-        close(f"grad {g}", got[g], want[g], case.name, dtype, "grad", scale_floor=max_finite_abs(magnitudes[g]))
+        assert (cmp := compared(f"grad {g}", got[g], want[g], case.name, dtype, "grad", scale_floor=max_finite_abs(magnitudes[g]))).ok, cmp.describe()
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")  # -inf - -inf in compare()
@@ -174,7 +176,7 @@ def test_trace_stages_match_reference(name):
     failures = []
     for (stage, value), (_, expected) in zip(got, want):
         try:
-            close(f"stage {stage}", value, expected, name, "float32", "stage")
+            assert (cmp := compared(f"stage {stage}", value, expected, name, "float32", "stage")).ok, cmp.describe()
         except AssertionError as err:
             failures.append(str(err))
     assert not failures, "\n".join(failures)
@@ -248,8 +250,8 @@ def test_jit_matches_eager_and_reference():
     eager_out, eager_w = impl_jax.apply(*args, return_weights=True, **call_kwargs(case, inputs))
     jit_out, jit_w = JIT_APPLY(*args, return_weights=True, **call_kwargs(case, inputs))
     for label, got, eager in (("output", jit_out, eager_out), ("weights", jit_w, eager_w)):
-        close(f"jit vs eager {label}", np.asarray(got), np.asarray(eager), name, "float32", label)
-        close(f"jit {label}", np.asarray(got), reference(name)[0][label], name, "float32", label)
+        assert (cmp := compared(f"jit vs eager {label}", np.asarray(got), np.asarray(eager), name, "float32", label)).ok, cmp.describe()
+        assert (cmp := compared(f"jit {label}", np.asarray(got), reference(name)[0][label], name, "float32", label)).ok, cmp.describe()
 
 
 def test_grad_matches_reference_jit_and_eager():
@@ -271,8 +273,8 @@ def test_grad_matches_reference_jit_and_eager():
         grads = {"query": g_query, "key": g_key, "value": g_value, **g_params}
         assert_gradients_conform(case, "float32", {n: np.asarray(g) for n, g in grads.items()})
     for n in jitted[0]:
-        close(f"grad {n} jit vs eager", np.asarray(jitted[0][n]), np.asarray(eager[0][n]), name, "float32", "grad",
-              scale_floor=max_finite_abs(expected_for(case, "float32")["magnitudes"][n]))
+        assert (cmp := compared(f"grad {n} jit vs eager", np.asarray(jitted[0][n]), np.asarray(eager[0][n]), name, "float32", "grad",
+              scale_floor=max_finite_abs(expected_for(case, "float32")["magnitudes"][n]))).ok, cmp.describe()
 
 
 def test_vmap_over_inputs_and_over_parameters_matches_loop():
@@ -299,8 +301,8 @@ def test_vmap_over_inputs_and_over_parameters_matches_loop():
         want = numpy_adapter.forward(c, make_tensors(case), {"query": queries[e], "key": keys[e], "value": values[e],
                                                               "mask": masks[e]}, {"return_weights": False})["output"]
         eager = np.asarray(one(queries[e], keys[e], values[e], masks[e]))
-        close(f"vmap[{e}] vs eager", stacked[e], eager, name, dtype, "output")
-        close(f"vmap[{e}] vs reference", stacked[e], want, name, dtype, "output")
+        assert (cmp := compared(f"vmap[{e}] vs eager", stacked[e], eager, name, dtype, "output")).ok, cmp.describe()
+        assert (cmp := compared(f"vmap[{e}] vs reference", stacked[e], want, name, dtype, "output")).ok, cmp.describe()
 
     ensemble = [cast_tensors(weights.init(c, seed=s, dtype="float64"), dtype) for s in (1, 2)]
     params = jax.tree.map(lambda *ts: jnp.stack(ts), *ensemble)
@@ -308,7 +310,7 @@ def test_vmap_over_inputs_and_over_parameters_matches_loop():
     by_params = np.asarray(jax.jit(jax.vmap(lambda p: impl_jax.apply(c, p, q, k, v, mask=m)))(params))
     for e, member in enumerate(ensemble):
         eager = np.asarray(impl_jax.apply(c, member, q, k, v, mask=m))
-        close(f"vmap over params[{e}] vs eager", by_params[e], eager, name, dtype, "output")
+        assert (cmp := compared(f"vmap over params[{e}] vs eager", by_params[e], eager, name, dtype, "output")).ok, cmp.describe()
 
 
 # -- dropout seeds, precision option ---------------------------------------------------------
@@ -351,7 +353,8 @@ def test_float64_is_computed_in_float64():
     out = JIT_APPLY(*args, **call_kwargs(case, inputs))
     assert out.dtype == jnp.float64, f"float64 call returned {out.dtype}"
     want = reference(name)[0]["output"]
-    result = close("float64 output", np.asarray(out), want, name, "float64", "output")
+    result = compared("float64 output", np.asarray(out), want, name, "float64", "output")
+    assert result.ok, result.describe()
     in_float32 = np.asarray(JIT_APPLY(*args, dtype="float32", **call_kwargs(case, inputs)))
     tol = policy_for(case.config, dtype="float64", quantity="output", B=case.B, T=case.T, S=case.S, reference=want,
                      logits=logits_of(name))
@@ -563,8 +566,8 @@ def test_layer_from_file_matches_reference(tmp_path):
     layer = impl_jax.MultiHeadAttention.from_file(path)
     out, w = layer(inputs["query"], inputs["key"], inputs["value"], return_weights=True, **call_kwargs(case, inputs))
     assert out.dtype == jnp.float64, f"layer output dtype {out.dtype}"
-    close("layer output", np.asarray(out), reference(name)[0]["output"], name, "float64", "output")
-    close("layer weights", np.asarray(w), reference(name)[0]["weights"], name, "float64", "weights")
+    assert (cmp := compared("layer output", np.asarray(out), reference(name)[0]["output"], name, "float64", "output")).ok, cmp.describe()
+    assert (cmp := compared("layer weights", np.asarray(w), reference(name)[0]["weights"], name, "float64", "weights")).ok, cmp.describe()
 
 
 def test_nnx_grad_and_jit_through_the_layer():
@@ -588,7 +591,7 @@ def test_nnx_grad_and_jit_through_the_layer():
     flat = {".".join(map(str, path)): np.asarray(g[...]) for path, g in nnx.to_flat_state(g_module)}
     flat.update({"query": np.asarray(g_q), "key": np.asarray(g_k), "value": np.asarray(g_v)})
     assert_gradients_conform(case, "float32", flat)
-    close("nnx.jit output", np.asarray(out), reference(name)[0]["output"], name, "float32", "output")
+    assert (cmp := compared("nnx.jit output", np.asarray(out), reference(name)[0]["output"], name, "float32", "output")).ok, cmp.describe()
 
 
 # -- devices -----------------------------------------------------------------------------------
@@ -637,7 +640,7 @@ def test_gpu_layer_places_parameters_and_output_on_the_gpu():
     assert platforms == {"gpu"}, f"parameters on {platforms}"
     out = layer(inputs["query"], inputs["key"], inputs["value"], **call_kwargs(case, inputs))
     assert {d.platform for d in out.devices()} == {"gpu"}, f"output on {out.devices()}"
-    close("gpu layer output", np.asarray(out), reference(name)[0]["output"], name, "float32", "output")
+    assert (cmp := compared("gpu layer output", np.asarray(out), reference(name)[0]["output"], name, "float32", "output")).ok, cmp.describe()
 
 
 @pytest.mark.gpu
@@ -649,4 +652,4 @@ def test_gpu_tf32_only_when_asked():
     for precision in ("tf32", "highest"):
         out = adapter.forward(case.config, tensors, inputs, case.options("float32"), device="gpu",
                               precision=precision)["output"]
-        close(f"gpu {precision}", out, reference(name)[0]["output"], name, "float32", "output", precision=precision)
+        assert (cmp := compared(f"gpu {precision}", out, reference(name)[0]["output"], name, "float32", "output", precision=precision)).ok, cmp.describe()

@@ -126,7 +126,9 @@ def _problem(adapter, backend_id: str, case_name: str, dtype: str, result) -> st
     return None
 
 
-def _run_grid(backend_id: str, dtype: str, names) -> None:
+def grid_problems(backend_id: str, dtype: str, names) -> list[str]:
+    """Run `names` (at least one) on the backend; one line per case that breaks the contract."""
+    assert names, f"{backend_id} {dtype}: no cases selected"
     adapter = _adapter(backend_id)
     problems = []
     for name in names:
@@ -134,7 +136,7 @@ def _run_grid(backend_id: str, dtype: str, names) -> None:
         problem = _problem(adapter, backend_id, name, dtype, result)
         if problem:
             problems.append(f"[{name}] {problem}")
-    assert not problems, f"{backend_id} {dtype}: {len(problems)} case(s) break the contract:\n" + "\n".join(problems)
+    return problems
 
 
 def _default_names(backend_id: str) -> list[str]:
@@ -148,14 +150,16 @@ def _default_names(backend_id: str) -> list[str]:
 @pytest.mark.parametrize("backend_id,dtype", [_param(b, d) for b in backends.NATIVE for d in ("float32", "float64")])
 def test_case_grid(backend_id, dtype):
     """Every case: supported ones pass (or fail exactly as documented), the rest are refused with a reason."""
-    _run_grid(backend_id, dtype, _default_names(backend_id))
+    problems = grid_problems(backend_id, dtype, _default_names(backend_id))
+    assert not problems, f"{len(problems)} case(s) break the contract:\n" + "\n".join(problems)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend_id,dtype", [_param(b, d) for b in JAX_BACKENDS for d in ("float32", "float64")])
 def test_case_grid_jax_rest(backend_id, dtype):
     """The JAX backends' supported cases left out of the default run."""
-    _run_grid(backend_id, dtype, [n for n in CASES if n not in _default_names(backend_id)])
+    problems = grid_problems(backend_id, dtype, [n for n in CASES if n not in _default_names(backend_id)])
+    assert not problems, f"{len(problems)} case(s) break the contract:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("backend_id,dtype", [_param(b, d) for b in backends.NATIVE
@@ -183,7 +187,8 @@ def test_low_precision(backend_id, dtype):
 def test_float16_jax_dot_product_attention(backend_id):
     """jax.nn.dot_product_attention in float16 does not compile under jit on CPU (precision preset
     F16_F16_F32); the adapter then runs eagerly, where jax's own fallback works."""
-    _run_grid(backend_id, "float16", ["self_basic", "padding_mask"])
+    problems = grid_problems(backend_id, "float16", ["self_basic", "padding_mask"])
+    assert not problems, f"{len(problems)} case(s) break the contract:\n" + "\n".join(problems)
 
 
 # -- mask polarity ---------------------------------------------------------------------

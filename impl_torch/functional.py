@@ -260,7 +260,7 @@ def _check_bias_values(bias: torch.Tensor) -> None:
 
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, return_weights, dtype):
+            training, seed, return_weights, dtype, materializes_scores=True):
     """Validate a call and cast everything to the storage dtype."""
     stored = check_tensors(config, tensors)
     dtype = stored if dtype is None else torch_dtype(dtype)
@@ -287,7 +287,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         # The memory guard reads /proc/meminfo: done eagerly, skipped while
         # torch.compile traces (it would break the graph), and on a GPU whose
         # memory the host's MemAvailable does not describe.
-        materializes_scores=not torch.compiler.is_compiling() and query.device.type == "cpu",
+        materializes_scores=materializes_scores and not torch.compiler.is_compiling() and query.device.type == "cpu",
         scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8,
     )
     if bias_t is not None:
@@ -332,10 +332,13 @@ def multi_head_attention(
     (no return_weights, no trace) and no dropout mask applies; else, and by
     default, the explicit stages.
     """
+    # SDPA computes the core blockwise on its own: no (B, N, T, S) scores to guard.
+    will_use_sdpa = (use_sdpa and not return_weights and trace is None
+                     and not (training and (dropout_mask is not None or config.dropout > 0)))
     shapes, p, (query, key, value), allowed, bias_r4, keep, dtype = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, dtype=dtype,
+        return_weights=return_weights, dtype=dtype, materializes_scores=not will_use_sdpa,
     )
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
     q = rec("query.project", project(query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
@@ -345,7 +348,7 @@ def multi_head_attention(
     k = rec("key.split_heads", split_heads(k, config.num_kv_heads))  # (B, K, S, H)
     v = rec("value.split_heads", split_heads(v, config.num_kv_heads))  # (B, K, S, V)
     w = None
-    if use_sdpa and not return_weights and trace is None and keep is None:
+    if will_use_sdpa:
         plain_causal = (is_causal and mask is None and bias is None
                         and (causal_alignment == "top_left" or shapes.T == shapes.S))
         ctx = sdpa_attend(config, q, k, v, allowed=allowed, bias=bias_r4, plain_causal=plain_causal)  # (B, N, T, V)

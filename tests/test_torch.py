@@ -526,3 +526,18 @@ def test_gpu_layer_round_trip_and_tf32_policy():
                                 precision="tf32")["output"]
     assert_close("tf32 output", out, reference(case.name)[0]["output"], config=case.config, dtype="float32",
                  quantity="output", B=case.B, T=case.T, S=case.S, logits=logits_of(case.name), precision="tf32")
+
+
+def test_memory_guard_spares_the_sdpa_path(monkeypatch):
+    """SDPA never forms the (B, N, T, S) scores, so the guard that refuses the
+    explicit path must not refuse it (it did: T = S = 16384 was refused)."""
+    from weights import contract
+
+    monkeypatch.setattr(contract, "available_memory_bytes", lambda: 64 * 2**20)  # 64 MiB
+    config = weights.AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
+    tensors = {n: torch.from_numpy(t) for n, t in weights.init(config, seed=0).items()}
+    x = torch.zeros(1, 2048, 4)  # explicit path: (1, 2, 2048, 2048) float32 scores x 4 copies = 128 MiB
+    with pytest.raises(ValueError, match="attention scores need about"):
+        impl_torch.multi_head_attention(config, tensors, x)
+    out = impl_torch.multi_head_attention(config, tensors, x, use_sdpa=True)
+    assert tuple(out.shape) == (1, 2048, 4), f"SDPA output shape {tuple(out.shape)}"

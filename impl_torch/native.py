@@ -24,30 +24,12 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
-import torch
 from torch import nn
 
 from weights import AttentionConfig, layouts
 
-TORCH_DTYPES = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
-}
-
-
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu().contiguous()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
-    return tensor.numpy().copy()
-
-
-def to_torch(array: np.ndarray) -> torch.Tensor:
-    array = np.ascontiguousarray(array)
-    if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(array.copy())
+from .convert import to_numpy, to_torch, torch_dtype
 
 
 def state_dict(module: nn.Module) -> dict[str, np.ndarray]:
@@ -98,7 +80,7 @@ def to_native(config: AttentionConfig, tensors, *, into: nn.Module | None = None
         raise ValueError(f"to_native builds nn.MultiheadAttention (torch-mha); pass into= for layout {layout!r}")
     state = layouts.from_canonical("torch-mha", config, tensors, **hints)
     _check_scale(config, "nn.MultiheadAttention")
-    dtype = TORCH_DTYPES[np.dtype(next(iter(tensors.values())).dtype).name]
+    dtype = torch_dtype(np.dtype(next(iter(tensors.values())).dtype).name)
     module = nn.MultiheadAttention(
         embed_dim=config.query_dim, num_heads=config.num_heads, dropout=config.dropout,
         bias=config.use_query_bias, kdim=config.key_dim, vdim=config.value_dim, batch_first=True, dtype=dtype,

@@ -348,3 +348,18 @@ def flatten_tree(tree, prefix: str = "") -> dict[str, np.ndarray]:
         else:
             flat[f"{prefix}{key}"] = np.asarray(value)
     return flat
+
+
+def torch_vjp(out, leaves: Mapping, d_output) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Output and the gradients of sum(out * d_output) for each named leaf
+    tensor (zeros for a leaf the output does not use), as NumPy arrays."""
+    import torch
+
+    from impl_torch.convert import to_numpy, to_torch
+
+    d_out = to_torch(np.asarray(d_output)).to(device=out.device, dtype=out.dtype)
+    if tuple(d_out.shape) != tuple(out.shape):
+        raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {tuple(d_out.shape)}")
+    found = torch.autograd.grad(out, list(leaves.values()), grad_outputs=d_out, allow_unused=True)
+    grads = {name: to_numpy(torch.zeros_like(leaf) if g is None else g) for (name, leaf), g in zip(leaves.items(), found)}
+    return to_numpy(out), grads

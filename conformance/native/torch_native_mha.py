@@ -45,6 +45,7 @@ from . import (
     order_grads,
     qkv,
     require,
+    torch_vjp,
 )
 
 require("torch")
@@ -148,8 +149,8 @@ def _call(module, q, k, v, masks, need_weights):
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     import torch
 
+    from impl_torch.convert import to_numpy, to_torch
     from impl_torch.device import matmul_precision
-    from impl_torch.native import to_numpy, to_torch
 
     dtype, tensors, inputs, shapes = _prepare(config, tensors, inputs, options, device, precision)
     module = _build(config, tensors, device)
@@ -166,10 +167,9 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
-    import torch
 
+    from impl_torch.convert import to_torch
     from impl_torch.device import matmul_precision
-    from impl_torch.native import to_numpy, to_torch
 
     dtype, tensors, inputs, shapes = _prepare(config, tensors, inputs, options, device, precision)
     module = _build(config, tensors, device)
@@ -180,12 +180,7 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     with matmul_precision(precision):
         need_weights = bool(options.get("return_weights", False))  # the forward's path (see the docstring)
         out, _ = _call(module, xs["query"], xs["key"], xs["value"], masks, need_weights)
-        d_out = to_torch(np.asarray(d_output)).to(device=dev, dtype=out.dtype)
-        if tuple(d_out.shape) != tuple(out.shape):
-            raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {tuple(d_out.shape)}")
-        leaves = {**xs, **params}
-        found = torch.autograd.grad(out, list(leaves.values()), grad_outputs=d_out, allow_unused=True)
-    grads = {name: to_numpy(torch.zeros_like(leaf) if g is None else g) for (name, leaf), g in zip(leaves.items(), found)}
+        out, grads = torch_vjp(out, {**xs, **params}, d_output)
     canonical = grads_to_canonical(LAYOUT, {n: grads[n] for n in params}, num_heads=config.num_heads)
     canonical.update({n: grads[n] for n in xs})
-    return {"output": to_numpy(out), "grads": order_grads(config, canonical)}
+    return {"output": out, "grads": order_grads(config, canonical)}

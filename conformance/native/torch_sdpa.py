@@ -41,6 +41,7 @@ from . import (
     order_grads,
     qkv,
     require,
+    torch_vjp,
 )
 
 require("torch")
@@ -148,8 +149,8 @@ def _run(config, params, x, kwargs, *, want_weights, trace):
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     import torch
 
+    from impl_torch.convert import to_numpy, to_torch
     from impl_torch.device import matmul_precision, resolve_device
-    from impl_torch.native import to_numpy, to_torch
 
     dtype, tensors, inputs, shapes = _prepare(config, tensors, inputs, options, device, precision)
     dev = resolve_device(device)
@@ -168,10 +169,9 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
-    import torch
 
+    from impl_torch.convert import to_torch
     from impl_torch.device import matmul_precision, resolve_device
-    from impl_torch.native import to_numpy, to_torch
 
     dtype, tensors, inputs, shapes = _prepare(config, tensors, inputs, options, device, precision)
     dev = resolve_device(device)
@@ -180,10 +180,5 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     with matmul_precision(precision):
         out, _, _ = _run(config, params, x, _sdpa_masks(shapes, inputs, options, dtype, dev),
                          want_weights=False, trace=False)
-        d_out = to_torch(np.asarray(d_output)).to(device=dev, dtype=out.dtype)
-        if tuple(d_out.shape) != tuple(out.shape):
-            raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {tuple(d_out.shape)}")
-        leaves = {**x, **params}
-        found = torch.autograd.grad(out, list(leaves.values()), grad_outputs=d_out, allow_unused=True)
-    grads = {name: to_numpy(torch.zeros_like(leaf) if g is None else g) for (name, leaf), g in zip(leaves.items(), found)}
-    return {"output": to_numpy(out), "grads": order_grads(config, grads)}
+        out, grads = torch_vjp(out, {**x, **params}, d_output)
+    return {"output": out, "grads": order_grads(config, grads)}

@@ -363,3 +363,15 @@ def torch_vjp(out, leaves: Mapping, d_output) -> tuple[np.ndarray, dict[str, np.
     found = torch.autograd.grad(out, list(leaves.values()), grad_outputs=d_out, allow_unused=True)
     grads = {name: to_numpy(torch.zeros_like(leaf) if g is None else g) for (name, leaf), g in zip(leaves.items(), found)}
     return to_numpy(out), grads
+
+
+def prepare_call(name: str, config: AttentionConfig, tensors, inputs, options, device: str, precision: str,
+                 devices: list[str]):
+    """The start every native backend shares: precision and device checked,
+    tensors and inputs cast to the call's dtype, the call validated.
+    Returns (dtype name, tensors, inputs, CallShapes)."""
+    check_precision(precision)
+    check_device(name, device, devices)
+    dtype = dtype_name(tensors, options)
+    tensors, inputs = cast(tensors, inputs, dtype, config)
+    return dtype, tensors, inputs, call_shapes(config, inputs, options)

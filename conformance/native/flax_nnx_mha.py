@@ -37,21 +37,17 @@ import numpy as np
 
 from . import (
     allowed4,
-    call_shapes,
-    cast,
     check_default_scale,
-    check_device,
     check_dropout,
     check_layout,
     check_masked_rows,
-    check_precision,
-    dtype_name,
     grads_to_canonical,
     jax_array,
     jax_context,
     jax_devices,
     jax_jit,
     order_grads,
+    prepare_call,
     qkv,
     require,
 )
@@ -77,11 +73,7 @@ def devices() -> list[str]:
 
 
 def _prepare(config, tensors, inputs, options, device, precision):
-    check_precision(precision)
-    check_device(NAME, device, devices())
-    dtype = dtype_name(tensors, options)
-    tensors, inputs = cast(tensors, inputs, dtype, config)
-    shapes = call_shapes(config, inputs, options)
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)

@@ -36,19 +36,15 @@ import numpy as np
 from . import (
     allowed4,
     bias4,
-    call_shapes,
-    cast,
-    check_device,
     check_dropout,
     check_masked_rows,
-    check_precision,
-    dtype_name,
     identity_values,
     jax_array,
     jax_context,
     jax_devices,
     jax_jit,
     order_grads,
+    prepare_call,
     qkv,
     require,
 )
@@ -76,11 +72,7 @@ def devices() -> list[str]:
 
 
 def _prepare(config, tensors, inputs, options, device, precision):
-    check_precision(precision)
-    check_device(NAME, device, devices())
-    dtype = dtype_name(tensors, options)
-    tensors, inputs = cast(tensors, inputs, dtype, config)
-    shapes = call_shapes(config, inputs, options)
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
     check_dropout(NAME, config, inputs, options)
     check_masked_rows(NAME, config, shapes, inputs, options, "uniform",
                       "masked logits are set to -0.7 * float32 max, a finite number", by_bias="nan")

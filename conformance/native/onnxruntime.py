@@ -45,12 +45,9 @@ from . import (
     allowed4,
     bias4,
     call_shapes,
-    cast,
-    check_device,
-    check_precision,
     classify_row,
-    dtype_name,
     empty_rows,
+    prepare_call,
     qkv,
     require,
 )
@@ -288,11 +285,7 @@ def _plain_core(g: _Graph, config, shapes, inputs, options, q, k, v, bias) -> st
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    check_precision(precision)
-    check_device(NAME, device, devices())
-    dtype = dtype_name(tensors, options)
-    tensors, inputs = cast(tensors, inputs, dtype, config)
-    shapes = call_shapes(config, inputs, options)
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
     if options.get("training") and config.dropout > 0 and inputs.get("dropout_mask") is None:
         raise NotImplementedError(f"{NAME}: dropout in training needs the case's explicit dropout_mask (the graph "
                                   "draws no random numbers)")

@@ -30,15 +30,11 @@ import numpy as np
 from . import (
     allowed4,
     bias4,
-    call_shapes,
-    cast,
-    check_device,
     check_dropout,
     check_masked_rows,
-    check_precision,
     classify_row,
-    dtype_name,
     order_grads,
+    prepare_call,
     qkv,
     require,
     torch_vjp,
@@ -86,11 +82,7 @@ def native_masked_row(device: str, dtype: str, float_mask: bool) -> str:
 
 
 def _prepare(config, tensors, inputs, options, device, precision):
-    check_precision(precision)
-    check_device(NAME, device, devices())
-    dtype = dtype_name(tensors, options)
-    tensors, inputs = cast(tensors, inputs, dtype, config)
-    shapes = call_shapes(config, inputs, options)
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
     check_dropout(NAME, config, inputs, options)
     float_mask = inputs.get("bias") is not None
     check_masked_rows(NAME, config, shapes, inputs, options, native_masked_row(device, dtype, float_mask),

@@ -90,3 +90,13 @@ def bad_calls():
         "seed_type": dict(training=True, seed=1.5),
         "dtype_name": dict(dtype="float8"),
     }
+
+
+# (mask builder name, args, kwargs): each must raise impl_numpy's ValueError in its words.
+MASK_BUILDER_BAD_CALLS = {
+    "alignment": ("causal_mask", (3, 4, "bottom"), {}),
+    "float_lengths": ("padding_mask", (np.array([1.0, 2.0]), 3), {}),
+    "2d_lengths": ("padding_mask", (np.array([[1, 2]]), 3), {}),
+    "too_long": ("padding_mask", (np.array([1, 4]), 3), {}),
+    "negative": ("padding_mask", (np.array([-1]), 3), {}),
+}

@@ -24,7 +24,13 @@ pytest.importorskip("flax", reason=INSTALL)
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from reference_checks import assert_case_conforms, assert_gradients_conform, bad_calls, error_of  # noqa: E402
+from reference_checks import (  # noqa: E402
+    MASK_BUILDER_BAD_CALLS,
+    assert_case_conforms,
+    assert_gradients_conform,
+    bad_calls,
+    error_of,
+)
 
 import impl_jax  # noqa: E402
 import impl_jax.adapter as adapter  # noqa: E402  (switches x64 on)
@@ -422,13 +428,7 @@ def test_padding_mask_equals_reference():
                 f"numpy {want.astype(int).tolist()}")
 
 
-@pytest.mark.parametrize("call", [
-    ("causal_mask", (3, 4, "bottom"), {}),
-    ("padding_mask", (np.array([1.0, 2.0]), 3), {}),
-    ("padding_mask", (np.array([[1, 2]]), 3), {}),
-    ("padding_mask", (np.array([1, 4]), 3), {}),
-    ("padding_mask", (np.array([-1]), 3), {}),
-], ids=["alignment", "float_lengths", "2d_lengths", "too_long", "negative"])
+@pytest.mark.parametrize("call", list(MASK_BUILDER_BAD_CALLS.values()), ids=list(MASK_BUILDER_BAD_CALLS))
 def test_mask_builder_errors_match_reference(call):
     fn, args, kwargs = call
     got = error_of(getattr(impl_jax, fn), *args, **kwargs)

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'")
 
 from reference_checks import (  # noqa: E402
+    MASK_BUILDER_BAD_CALLS,
     WithOptions,
     assert_case_conforms,
     assert_gradients_conform,
@@ -273,13 +274,7 @@ def test_padding_mask_equals_reference():
             f"padding_mask({lengths}, {S}): torch {got.astype(int).tolist()}, numpy {want.astype(int).tolist()}")
 
 
-@pytest.mark.parametrize("call", [
-    ("causal_mask", (3, 4, "bottom"), {}),
-    ("padding_mask", (np.array([1.0, 2.0]), 3), {}),
-    ("padding_mask", (np.array([[1, 2]]), 3), {}),
-    ("padding_mask", (np.array([1, 4]), 3), {}),
-    ("padding_mask", (np.array([-1]), 3), {}),
-], ids=["alignment", "float_lengths", "2d_lengths", "too_long", "negative"])
+@pytest.mark.parametrize("call", list(MASK_BUILDER_BAD_CALLS.values()), ids=list(MASK_BUILDER_BAD_CALLS))
 def test_mask_builder_errors_match_reference(call):
     fn, args, kwargs = call
     got = error_of(getattr(impl_torch, fn), *args, **kwargs)

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 import weights
+from weights.contract import check_input_values
 
 from .functional import STAGES, apply, check
 from .layer import gpu_available, resolve_device
@@ -82,6 +83,7 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
     shapes, dtype = check(config, tensors, host["query"], host.get("key"), host.get("value"), mask=host.get("mask"),
                           bias=host.get("bias"), dropout_mask=host.get("dropout_mask"), return_weights=return_weights,
                           **dict(static))
+    check_input_values(query=host["query"], key=host.get("key"), value=host.get("value"))
     want = (shapes.B, shapes.T, config.out_dim)
     if d_output is None:
         d_output = np.zeros(want, dtype)

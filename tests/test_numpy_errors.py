@@ -99,3 +99,19 @@ def test_a_real_t_by_s_beyond_memory_is_refused():
     x = np.zeros((1, 2**20, 4), np.float32)  # 4 TiB of scores
     with pytest.raises(ValueError, match="attention scores need about"):
         multi_head_attention(CONFIG, TENSORS, x)
+
+
+@pytest.mark.parametrize("backend_id", ["numpy", pytest.param("torch", marks=pytest.mark.torch),
+                                        pytest.param("tf", marks=pytest.mark.tf), pytest.param("jax", marks=pytest.mark.jax)])
+def test_inf_inputs_get_the_same_words_from_every_adapter(backend_id):
+    from conformance import backends
+
+    ok, reason = backends.availability(backend_id)
+    if not ok:
+        pytest.skip(reason)
+    x = X.copy()
+    x[0, 0, 0] = -np.inf
+    with pytest.raises(ValueError) as info:
+        backends.load(backend_id).forward(CONFIG, TENSORS, {"query": x}, {})
+    assert str(info.value) == ("query contains +-inf; NaN propagates but infinite inputs are refused "
+                               "(an infinite logit would look like a masked one)")

@@ -38,7 +38,8 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
     offset = 0 if causal_alignment == "top_left" else S - T
     rate = ct.type(1.0 - config.dropout)
     out = np.empty((B, N, T, V), dtype=dtype)
-    kc, vc = k.astype(ct), v.astype(ct)
+    kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
+    rounds = ct != dtype  # 16-bit: stage results are rounded to the storage dtype
     for t0 in range(0, T, chunk_size):
         t1 = min(T, t0 + chunk_size)
         qb = q[:, :, t0:t1].astype(ct).reshape(B, K, G * (t1 - t0), H)  # (B, K, G*t, H)
@@ -58,25 +59,32 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
                 uniform_acc += np.matmul(wu.reshape(B, K, -1, s1 - s0), vb).reshape(B, N, t1 - t0, V)
             if is_causal and s0 > (t1 - 1) + offset:
                 continue  # every key in this block is after every query: hidden
-            # The stages of functional.py, on one block (same rounding rule).
-            x = np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2))  # (B, K, G*t, s)
-            x = (x * scale).reshape(B, N, t1 - t0, s1 - s0).astype(dtype).astype(ct)
+            # The stages of functional.py, on one block (same rounding rule), in place:
+            # the block (B, N, t, s) is the only large temporary.
+            x = np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2)).reshape(B, N, t1 - t0, s1 - s0)
+            x *= scale
+            if rounds:
+                x = x.astype(dtype).astype(ct)
             if bias is not None:
-                x = (x + _block(bias, (T, S), t0, t1, s0, s1)).astype(dtype).astype(ct)
+                x += _block(bias, (T, S), t0, t1, s0, s1)
+                if rounds:
+                    x = x.astype(dtype).astype(ct)
             allowed = _block(mask, (T, S), t0, t1, s0, s1)
-            if is_causal:
+            if is_causal and s1 - 1 > t0 + offset:  # the block crosses the diagonal
                 causal = np.arange(s0, s1)[None, :] <= np.arange(t0, t1)[:, None] + offset
                 allowed = causal if allowed is None else allowed & causal
             if allowed is not None:
-                x = np.where(allowed, x, -np.inf)
+                np.copyto(x, ct.type(-np.inf), where=~allowed)
             m_new = np.maximum(m, x.max(axis=-1, keepdims=True))
             m_safe = np.where(m_new == -np.inf, 0, m_new)
             correction = np.exp(m - m_safe)  # 0 when m was -inf
-            e = np.exp(x - m_safe)  # (B, N, t, s)
+            x -= m_safe
+            e = np.exp(x, out=x)  # (B, N, t, s)
             l = l * correction + e.sum(axis=-1, keepdims=True)
             if keep_b is not None:
                 e = np.where(keep_b, e / rate, 0)
-            acc = acc * correction + np.matmul(e.reshape(B, K, -1, s1 - s0), vb).reshape(B, N, t1 - t0, V)
+            acc *= correction
+            acc += np.matmul(e.reshape(B, K, -1, s1 - s0), vb).reshape(B, N, t1 - t0, V)
             m = m_new
         empty = l == 0
         ctx = acc / np.where(empty, 1, l)

@@ -55,15 +55,33 @@ def _matmul(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)).astype(dtype, copy=False)
 
 
+def _product_plus_bias(y: np.ndarray, bias: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
+    """A matmul result y (compute dtype) plus bias, stored in dtype. The product
+    is rounded to the storage dtype before the bias is added (the rounding rule);
+    in float32/float64 that rounding is the identity, so the add runs in place."""
+    if bias is not None:
+        if y.dtype != dtype:
+            y = y.astype(dtype).astype(y.dtype)
+        y += bias
+    return y.astype(dtype, copy=False)
+
+
+def _matmul_2d(x: np.ndarray, kernel2d: np.ndarray) -> np.ndarray:
+    """x (B, L, D) times (D, F) as one (B*L, D) GEMM in compute dtype: one
+    large matmul runs near the BLAS roofline, B small ones do not."""
+    B, L, D = x.shape
+    ct = compute_dtype(x.dtype)
+    y = np.matmul(x.reshape(B * L, D).astype(ct, copy=False), kernel2d.astype(ct, copy=False))  # (B*L, F)
+    return y.reshape(B, L, -1)
+
+
 # -- stages --------------------------------------------------------------------
 
 def project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     """PROJECT: x (B, L, D) times kernel (D, heads, width) flattened -> (B, L, F)."""
     D = kernel.shape[0]
-    y = _matmul(x, kernel.reshape(D, -1), x.dtype)  # (B, L, F)
-    if bias is not None:
-        y = (y.astype(compute_dtype(x.dtype)) + bias.reshape(-1)).astype(x.dtype)
-    return y
+    y = _matmul_2d(x, kernel.reshape(D, -1))  # (B, L, F)
+    return _product_plus_bias(y, None if bias is None else bias.reshape(-1), x.dtype)
 
 
 def split_heads(x: np.ndarray, num_heads: int) -> np.ndarray:
@@ -80,8 +98,9 @@ def logits(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
     K, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, K, (N // K) * T, H)  # (B, K, G*T, H)
     ct = compute_dtype(q.dtype)
-    scores = np.matmul(qg.astype(ct), k.astype(ct).swapaxes(-1, -2))  # (B, K, G*T, S)
-    return (scores * ct.type(scale)).reshape(B, N, T, S).astype(q.dtype)  # (B, N, T, S)
+    scores = np.matmul(qg.astype(ct, copy=False), k.astype(ct, copy=False).swapaxes(-1, -2))  # (B, K, G*T, S)
+    scores *= ct.type(scale)
+    return scores.reshape(B, N, T, S).astype(q.dtype, copy=False)  # (B, N, T, S)
 
 
 def mask(x: np.ndarray, allowed: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
@@ -98,16 +117,18 @@ def softmax(x: np.ndarray, masked_row: str) -> np.ndarray:
     """Softmax over S in compute dtype. A row with no finite logit (every key
     masked) becomes: "zero" all 0, "uniform" all 1/S, "nan" all NaN."""
     ct = compute_dtype(x.dtype)
-    xc = x.astype(ct)
-    row_max = xc.max(axis=-1, keepdims=True)  # (B, N, T, 1)
+    row_max = x.max(axis=-1, keepdims=True).astype(ct)  # (B, N, T, 1); exact in any dtype
     empty = row_max == -np.inf
-    e = np.exp(xc - np.where(empty, ct.type(0), row_max))  # masked -> exactly 0
-    total = e.sum(axis=-1, keepdims=True)
-    w = e / np.where(empty, ct.type(1), total)
+    row_max[empty] = 0
+    w = np.subtract(x, row_max, dtype=ct)  # a fresh array (x may be a traced stage), then worked on in place
+    np.exp(w, out=w)  # masked -> exactly 0
+    total = w.sum(axis=-1, keepdims=True)
+    total[empty] = 1
+    w /= total
     if empty.any():
         fill = {"zero": 0.0, "uniform": 1.0 / x.shape[-1], "nan": np.nan}[masked_row]
         w = np.where(empty, ct.type(fill), w)
-    return w.astype(x.dtype)
+    return w.astype(x.dtype, copy=False)
 
 
 def dropout(w: np.ndarray, keep: np.ndarray | None, rate: float) -> np.ndarray:
@@ -134,10 +155,8 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
 
 def output(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     """OUTPUT: (B, T, N*V) times kernel (N, V, O) flattened -> (B, T, O)."""
-    y = _matmul(x, kernel.reshape(-1, kernel.shape[-1]), x.dtype)  # (B, T, O)
-    if bias is not None:
-        y = (y.astype(compute_dtype(x.dtype)) + bias).astype(x.dtype)
-    return y
+    y = _matmul_2d(x, kernel.reshape(-1, kernel.shape[-1]))  # (B, T, O)
+    return _product_plus_bias(y, bias, x.dtype)
 
 
 # -- helpers shared by the whole call ---------------------------------------------

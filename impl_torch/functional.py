@@ -65,7 +65,9 @@ def project(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None) ->
     y = _einsum(PROJECT, x, kernel.reshape(D, -1), x.dtype)  # (B, L, F)
     if bias is not None:
         ct = compute_dtype(x.dtype)
-        y = (y.to(ct) + bias.reshape(-1).to(ct)).to(x.dtype)  # bias (F,)
+        # In place on the fresh product (its matmul's backward needs only the inputs):
+        # one (B, L, F) array fewer at the peak.
+        y = y.to(ct).add_(bias.reshape(-1).to(ct)).to(x.dtype)  # bias (F,)
     return y
 
 
@@ -143,7 +145,7 @@ def output(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None) -> 
     y = _einsum(OUTPUT, x, kernel.reshape(-1, kernel.shape[-1]), x.dtype)  # (B, T, O)
     if bias is not None:
         ct = compute_dtype(x.dtype)
-        y = (y.to(ct) + bias.to(ct)).to(x.dtype)
+        y = y.to(ct).add_(bias.to(ct)).to(x.dtype)  # in place, as in project
     return y
 
 
@@ -260,8 +262,10 @@ def _check_bias_values(bias: torch.Tensor) -> None:
 
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, return_weights, dtype, materializes_scores=True):
-    """Validate a call and cast everything to the storage dtype."""
+            training, seed, return_weights, dtype, materializes_scores=True, sdpa=False):
+    """Validate a call and cast everything to the storage dtype. sdpa: the
+    core will run through SDPA; when SDPA's own is_causal can apply (returned
+    as plain_causal), the (T, S) causal mask is not built at all."""
     stored = check_tensors(config, tensors)
     dtype = stored if dtype is None else torch_dtype(dtype)
     device = next(iter(tensors.values())).device  # where the weights live; every input follows them
@@ -298,9 +302,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         keep_t = dropout_keep_mask((shapes.B, config.num_heads, shapes.T, shapes.S), config.dropout, seed, device)
     if not training:
         keep_t = None
-    allowed = allowed_mask(shapes, mask_t, is_causal, causal_alignment, device)
+    plain_causal = (sdpa and is_causal and mask_t is None and bias_t is None
+                    and (causal_alignment == "top_left" or shapes.T == shapes.S))
+    allowed = allowed_mask(shapes, mask_t, is_causal and not plain_causal, causal_alignment, device)
     cast = [x.to(dtype) for x in (query, key, value)]
-    return shapes, params, cast, allowed, bias_t, keep_t, dtype
+    return shapes, params, cast, allowed, bias_t, keep_t, dtype, plain_causal
 
 
 def multi_head_attention(
@@ -335,10 +341,10 @@ def multi_head_attention(
     # SDPA computes the core blockwise on its own: no (B, N, T, S) scores to guard.
     will_use_sdpa = (use_sdpa and not return_weights and trace is None
                      and not (training and (dropout_mask is not None or config.dropout > 0)))
-    shapes, p, (query, key, value), allowed, bias_r4, keep, dtype = prepare(
+    shapes, p, (query, key, value), allowed, bias_r4, keep, dtype, plain_causal = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, dtype=dtype, materializes_scores=not will_use_sdpa,
+        return_weights=return_weights, dtype=dtype, materializes_scores=not will_use_sdpa, sdpa=will_use_sdpa,
     )
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
     q = rec("query.project", project(query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
@@ -349,8 +355,6 @@ def multi_head_attention(
     v = rec("value.split_heads", split_heads(v, config.num_kv_heads))  # (B, K, S, V)
     w = None
     if will_use_sdpa:
-        plain_causal = (is_causal and mask is None and bias is None
-                        and (causal_alignment == "top_left" or shapes.T == shapes.S))
         ctx = sdpa_attend(config, q, k, v, allowed=allowed, bias=bias_r4, plain_causal=plain_causal)  # (B, N, T, V)
     else:
         x = rec("logits", logits(q, k, config.effective_scale))  # (B, N, T, S)

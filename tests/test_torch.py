@@ -241,6 +241,21 @@ def test_sdpa_plain_causal_uses_sdpa_is_causal(sdpa_calls):
     assert [c.get("is_causal") for c in sdpa_calls] == [True], f"SDPA calls: {sdpa_calls}"
 
 
+def test_sdpa_plain_causal_builds_no_causal_mask(monkeypatch):
+    """SDPA's is_causal does the masking, so the (T, S) boolean mask (64 MiB at
+    the bench's long shape) is never built; a bottom-right case with T != S
+    still builds it, as SDPA cannot express that alignment."""
+    built = []
+    real = torch_functional.causal_mask
+    monkeypatch.setattr(torch_functional, "causal_mask", lambda *a, **k: built.append(a) or real(*a, **k))
+    for name, expect_built in (("causal_top_left", False), ("causal_bottom_right", True)):
+        built.clear()
+        case = CASES[name]
+        torch_adapter.forward(case.config, make_tensors(case), make_inputs(case),
+                              dict(case.options("float64"), use_sdpa=True, return_weights=False))
+        assert bool(built) == expect_built, f"{name}: causal_mask built {len(built)} times"
+
+
 def test_measured_sdpa_on_cpu_returns_zero_for_fully_masked_rows():
     """The fact shared/CONVENTIONS.md states for torch 2.13 on CPU. impl_torch
     does not rely on it (those rows never reach SDPA); if this starts failing,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conformance import backends
 from conformance.cases import CASES, DTYPE_NAMES
-from conformance.compare import STATUS_ERROR, STATUS_FAIL, STATUS_PASS, CaseResult, run_case
+from conformance.compare import STATUS_ERROR, STATUS_FAIL, STATUS_PASS, CaseResult, release_compiled_programs, run_case
 from conformance.tolerance import compare, policy_for
 
 CORE_BACKENDS = backends.CORE
@@ -80,8 +80,10 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
     adapter = backends.load(backend_id)
     if compile_cache is not None and "jax" in backends.get(backend_id).framework:
         enable_jax_compile_cache(compile_cache)
-    return [run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
-                     adapter=adapter, keep_arrays=True) for name in case_names]
+    results = [run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
+                        adapter=adapter, keep_arrays=True) for name in case_names]
+    release_compiled_programs()  # a worker runs many chunks: keep its memory mappings bounded
+    return results
 
 
 # Slowest first, so the parallel run is not left waiting on a late long chunk

@@ -75,11 +75,13 @@ def enable_jax_compile_cache(directory) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, compile_cache=None):
+def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, compile_cache=None, xla_full_opt=False):
     """One (backend, device, dtype) over its cases; runs in a worker process."""
     adapter = backends.load(backend_id)
     if compile_cache is not None and "jax" in backends.get(backend_id).framework:
         enable_jax_compile_cache(compile_cache)
+    if hasattr(adapter, "set_cpu_compile"):  # impl_jax: see FAST_CPU_COMPILE there
+        adapter.set_cpu_compile("default" if xla_full_opt else "fast")
     results = [run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
                         adapter=adapter, keep_arrays=True) for name in case_names]
     release_compiled_programs()  # a worker runs many chunks: keep its memory mappings bounded
@@ -92,11 +94,13 @@ _COST_ORDER = {"jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "
 
 
 def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
-              gradients=True, console=None, progress=True, jobs=None, compile_cache=None):
+              gradients=True, console=None, progress=True, jobs=None, compile_cache=None, xla_full_opt=False):
     """Every (backend, device, dtype) chunk of cases. jobs > 1 runs chunks in
     that many worker processes (each imports its own frameworks); the
     results are the same objects either way. compile_cache: a directory for
-    JAX's persistent compilation cache (None: compile everything afresh)."""
+    JAX's persistent compilation cache (None: compile everything afresh).
+    xla_full_opt: compile impl_jax's CPU programs with XLA's default options
+    instead of impl_jax.adapter.FAST_CPU_COMPILE."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -112,7 +116,8 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
         if jobs == 1:
             for backend_id, device, dtype in chunks:
                 bar.update(task, description=f"{backend_id}/{device}/{dtype}")
-                results += _run_chunk(backend_id, device, dtype, names, precision, gradients, compile_cache)
+                results += _run_chunk(backend_id, device, dtype, names, precision, gradients, compile_cache,
+                                      xla_full_opt)
                 bar.advance(task, len(names))
         else:
             import concurrent.futures
@@ -120,7 +125,7 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
 
             # spawn: TensorFlow and JAX hold threads that a fork would copy half-alive.
             with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = [pool.submit(_run_chunk, b, d, t, names, precision, gradients, compile_cache)
+                futures = [pool.submit(_run_chunk, b, d, t, names, precision, gradients, compile_cache, xla_full_opt)
                            for b, d, t in chunks]
                 for future in concurrent.futures.as_completed(futures):
                     results += future.result()
@@ -163,6 +168,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-compile-cache", action="store_true",
                    help="compile every JAX program afresh instead of using JAX's persistent compilation cache "
                         "(default location: $MHA_CACHE_DIR or ~/.cache/mha, under jax/)")
+    p.add_argument("--xla-full-opt", action="store_true",
+                   help="compile impl_jax's CPU programs with XLA's default optimisation (about 4x slower to compile) "
+                        "instead of LLVM -O0 and XLA's classic fusion emitters; the HLO optimisation is the same")
     p.set_defaults(func=run)
 
 
@@ -178,7 +186,8 @@ def run(args) -> int:
         raise ValueError(f"--json {args.json}: is a directory")
     results, skipped = run_check(expand_backends(args.backends), args.devices, args.dtypes, args.cases, precision=args.precision,
                                  gradients=not args.no_gradients, progress=console.is_terminal, jobs=args.jobs,
-                                 compile_cache=None if args.no_compile_cache else default_compile_cache())
+                                 compile_cache=None if args.no_compile_cache else default_compile_cache(),
+                                 xla_full_opt=args.xla_full_opt)
     if not results:
         reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"
         raise ValueError(f"nothing to run: {reasons}")
@@ -198,6 +207,9 @@ def run(args) -> int:
     worst = max((r.margin for r in results if r.status in (STATUS_PASS, STATUS_FAIL)), default=0.0)
     console.print(f"worst margin {worst:.3g}; {elapsed:.1f} s")
     env = report.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision)
+    if "jax" in {r.backend for r in results}:
+        env["precision"]["jax cpu compile"] = ("XLA defaults (--xla-full-opt)" if args.xla_full_opt else
+                                               "LLVM -O0, classic fusion emitters (impl_jax.adapter.FAST_CPU_COMPILE)")
     if args.report:
         paths = report.write_report(args.report, results, env, conventions=conventions)
         console.print(f"report: {', '.join(str(p) for p in paths.values())}")

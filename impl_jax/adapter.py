@@ -13,8 +13,6 @@ results are the same with x64 on or off (tests/test_jax.py checks that).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 
@@ -52,8 +50,7 @@ def _call(config, params, arrays, static, **extra):
                  bias=arrays.get("bias"), dropout_mask=arrays.get("dropout_mask"), **dict(static), **extra)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "static", "return_weights", "with_trace"))
-def _program(config, params, arrays, d_output, *, static, return_weights, with_trace):
+def _forward_and_vjp(config, params, arrays, d_output, *, static, return_weights, with_trace):
     """The forward pass and its VJP (jax.vjp) in one compiled program.
 
     forward() and vjp() both run it (forward with a zero cotangent), so a
@@ -74,6 +71,37 @@ def _program(config, params, arrays, d_output, *, static, return_weights, with_t
     return out, w, stages, d_params, d_inputs
 
 
+# XLA compile options for the CPU programs of the conformance suite. A case's
+# program runs in microseconds and compiles in about half a second, most of it
+# in LLVM's optimiser and XLA's newer fusion emitters; LLVM at -O0 with the
+# classic emitters compiles the same optimised HLO about 4x faster (16 cases:
+# 8.5 s -> 2.0 s here), which is what lets a cold `mha check` fit a minute.
+# XLA's HLO passes (fusion, layout, simplification: where what is computed is
+# decided) run as by default; these options change how the fused kernels are
+# turned into machine code. `mha check --xla-full-opt` compiles with XLA's
+# defaults instead; GPU programs always do.
+FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+_STATIC_ARGNAMES = ("config", "static", "return_weights", "with_trace")
+_PROGRAMS = {
+    "fast": jax.jit(_forward_and_vjp, static_argnames=_STATIC_ARGNAMES, compiler_options=FAST_CPU_COMPILE),
+    "default": jax.jit(_forward_and_vjp, static_argnames=_STATIC_ARGNAMES),
+}
+_cpu_compile = "fast"
+
+
+def set_cpu_compile(mode: str) -> None:
+    """"fast" (the default: FAST_CPU_COMPILE) or "default" (XLA's own options)
+    for the CPU programs this adapter compiles from now on."""
+    global _cpu_compile
+    if mode not in _PROGRAMS:
+        raise ValueError(f"cpu compile mode must be one of {', '.join(_PROGRAMS)}: got {mode!r}")
+    _cpu_compile = mode
+
+
+def cpu_compile() -> str:
+    return _cpu_compile
+
+
 def _run(config, tensors, inputs, options, d_output, *, device, precision, with_trace):
     """Validate on the host, place everything on the device, run the program."""
     weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
@@ -92,7 +120,8 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
         raise ValueError(f"d_output must have shape (B, T, O) = {want}: got {d_output.shape}")
     dev = resolve_device(device)
     params, arrays, d_output = jax.device_put((dict(tensors), host, d_output.astype(dtype)), dev)
-    return _program(config, params, arrays, d_output, static=static, return_weights=return_weights,
+    program = _PROGRAMS[_cpu_compile if dev.platform == "cpu" else "default"]
+    return program(config, params, arrays, d_output, static=static, return_weights=return_weights,
                     with_trace=with_trace)
 
 

@@ -695,6 +695,26 @@ def test_clear_cache_releases_jax_compiled_programs():
     from conformance.compare import clear_cache, run_case
 
     run_case(CASES["self_basic"], "jax", dtype="float32")
-    assert adapter._program._cache_size() >= 1
+    assert adapter._PROGRAMS[adapter.cpu_compile()]._cache_size() >= 1
     clear_cache()
-    assert adapter._program._cache_size() == 0
+    assert adapter._PROGRAMS[adapter.cpu_compile()]._cache_size() == 0
+
+
+def test_cpu_compile_modes_both_conform():
+    """The adapter compiles CPU programs with FAST_CPU_COMPILE unless told
+    otherwise (`mha check --xla-full-opt`); each mode compiles its own
+    program, and both pass the same case, with a gradient check."""
+    from conformance.compare import STATUS_PASS, clear_cache, run_case
+
+    clear_cache()
+    assert adapter.cpu_compile() == "fast"
+    try:
+        for mode in ("fast", "default"):
+            adapter.set_cpu_compile(mode)
+            result = run_case(CASES["causal_bottom_right"], "jax", dtype="float32")
+            assert result.status == STATUS_PASS, (mode, result.worst.describe() if result.worst else result.message)
+            assert adapter._PROGRAMS[mode]._cache_size() == 1, mode
+    finally:
+        adapter.set_cpu_compile("fast")
+    with pytest.raises(ValueError, match="got 'O3'"):
+        adapter.set_cpu_compile("O3")

@@ -718,3 +718,16 @@ def test_cpu_compile_modes_both_conform():
         adapter.set_cpu_compile("fast")
     with pytest.raises(ValueError, match="got 'O3'"):
         adapter.set_cpu_compile("O3")
+
+
+@pytest.mark.parametrize("full_opt", [False, True])
+def test_mha_check_sets_the_cpu_compile_mode(monkeypatch, full_opt):
+    """run_check (and so `mha check [--xla-full-opt]`) tells the adapter which mode to compile in."""
+    from conformance.check import run_check
+
+    asked = []
+    monkeypatch.setattr(adapter, "set_cpu_compile", asked.append)
+    results, _ = run_check(["jax"], dtypes=["float32"], case_names=["self_basic"], jobs=1, progress=False,
+                           xla_full_opt=full_opt)
+    assert [r.status for r in results] == ["pass"], [r.message for r in results]
+    assert asked == ["default" if full_opt else "fast"], asked

@@ -62,6 +62,7 @@ PRECISIONS = {
 # Arguments of `apply` that must be static under jax.jit (hashable Python values).
 STATIC_ARGNAMES = (
     "config", "is_causal", "causal_alignment", "training", "seed", "return_weights", "precision", "dtype",
+    "chunk_size",
 )
 
 X64_MESSAGE = (
@@ -239,10 +240,11 @@ def check_params(config: AttentionConfig, params) -> np.dtype:
 
 def check(config, params, query, key=None, value=None, *, mask=None, bias=None, dropout_mask=None,
           is_causal=False, causal_alignment="top_left", training=False, seed=None, rng=None,
-          return_weights=False, dtype=None, precision="highest"):
+          return_weights=False, dtype=None, precision="highest", materializes_scores=True):
     """Validate a call in the reference's order and words; returns (CallShapes,
     storage dtype). Reads shapes and dtypes only, and bias values when bias
-    is concrete."""
+    is concrete. materializes_scores=False (the chunked path) skips the
+    up-front refusal of (B, N, T, S) arrays that cannot fit in memory."""
     stored = check_params(config, params)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     if dtype == np.float64 and not x64_enabled():
@@ -267,7 +269,8 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
         dropout_mask_dtype=None if keep is None else np.dtype(keep.dtype).name,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training,
         seed=0 if rng is not None else seed,  # an rng key stands in for a seed
-        return_weights=return_weights,
+        return_weights=return_weights, materializes_scores=materializes_scores,
+        scores_itemsize=compute_dtype(dtype).itemsize,
     )
     if bias is not None and is_concrete(bias):
         check_bias_values(np.asarray(bias))
@@ -283,12 +286,12 @@ def _cast(x, dtype):
 
 
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, rng, return_weights, dtype, precision):
+            training, seed, rng, return_weights, dtype, precision, materializes_scores=True):
     """Validate a call (`check`) and cast everything to the storage dtype."""
     shapes, dtype = check(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training, seed=seed, rng=rng, return_weights=return_weights,
-        dtype=dtype, precision=precision,
+        dtype=dtype, precision=precision, materializes_scores=materializes_scores,
     )
     if bias is not None:
         bias = _cast(_as_array(bias), compute_dtype(dtype)).reshape(shapes.bias_shape)  # (B|1, N|1, T|1, S|1)
@@ -325,6 +328,7 @@ def apply(
     return_weights: bool = False,
     precision: str = "highest",
     dtype: str | None = None,
+    chunk_size: int | None = None,
     trace: list | None = None,
 ):
     """The forward pass, pure. Returns output (B, T, O), or (output, weights)
@@ -335,6 +339,9 @@ def apply(
     seed / rng: dropout in training without a dropout_mask: an int seed
     (static under jit) or a jax.random key (traced).
     dtype: compute in this storage dtype (default: the params' dtype).
+    chunk_size: exact online softmax over key (and query) blocks of this size;
+    never holds a (T, S) array and skips key blocks the causal mask hides
+    (see chunked.py; static under jit). Not with return_weights or trace.
     trace: a list that receives a TraceEntry per stage (impl_numpy's STAGES);
     inside jit the entries hold tracers, so return them from the jitted
     function to read them (impl_jax.adapter does).
@@ -343,7 +350,15 @@ def apply(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed, rng=rng,
         return_weights=return_weights, dtype=dtype, precision=precision,
+        materializes_scores=chunk_size is None or return_weights,
     )
+    if chunk_size is not None:
+        from .chunked import CHUNK_REFUSAL, chunked_attention
+
+        if return_weights or trace is not None:
+            raise ValueError(CHUNK_REFUSAL)
+        return chunked_attention(config, p, query, key, value, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal,
+                                 causal_alignment=causal_alignment, chunk_size=chunk_size, precision=precision)
     allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
     pr = precision
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731

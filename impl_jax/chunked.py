@@ -5,9 +5,8 @@ The same recurrence as the NumPy spec of this mode (Milakov & Gimelshein
 `chunk_size` rows and keys in blocks of `chunk_size` columns; for each query
 block a running max m, running sum l and running numerator acc are rescaled
 as each key block arrives, so the largest temporary is (B, N, chunk, chunk).
-Key blocks that the causal mask hides entirely are skipped (lax.switch: a
-hidden block costs nothing, a block the diagonal crosses gets the causal
-select, a block wholly below it none). The stage functions of functional.py
+Key blocks that the causal mask hides entirely are skipped (lax.cond: a
+hidden block costs a branch, no arithmetic). The stage functions of functional.py
 run on each block (project of a query block, split_heads, logits, mask,
 merge_heads, output), so the 16-bit rounding rule is the plain path's.
 
@@ -87,20 +86,31 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     offset = 0 if causal_alignment == "top_left" else S - T
     scale = config.effective_scale
     rate = jnp.asarray(1.0 - config.dropout, ct)
-    uniform = config.masked_row == "uniform"
-    fill = {"zero": 0.0, "uniform": 0.0, "nan": np.nan}[config.masked_row]
+    # A fully masked row's weights, as functional.softmax fills them: 0, 1/S or NaN on all S keys, then
+    # dropout. Its context is those weights times V over every key (hidden blocks too), so that its
+    # gradient reaches V as on the plain path: 1/S each, or NaN where such a row exists.
+    fill = {"zero": None, "uniform": 1.0 / S, "nan": np.nan}[config.masked_row]
     pr = _precision(precision)
 
     k_all = project(key, p["key.kernel"], p.get("key.bias"), precision)  # (B, S, K*H)
     v_all = project(value, p["value.kernel"], p.get("value.bias"), precision)  # (B, S, K*V)
-    if uniform and keep is None:
-        # A fully masked row's weights are 1/S everywhere: its context is the mean of V.
-        mean_v = (v_all.astype(ct).sum(axis=1) / jnp.asarray(S, ct)).reshape(B, K, 1, 1, V)  # (B, K, 1, 1, V)
-        mean_v = jnp.broadcast_to(mean_v, (B, K, G, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
+    if fill is not None and keep is None:
+        v_sum = v_all.astype(ct).sum(axis=1).reshape(B, K, 1, 1, V)  # (B, K, 1, 1, V)
+        v_sum = jnp.broadcast_to(v_sum, (B, K, G, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
 
     def attend_acc(w, vb):
         """w (B, N, Cq, Ck) in compute dtype times vb (B, K, Ck, V) -> (B, N, Cq, V), in compute dtype."""
         return jnp.einsum(ATTEND, w.reshape(B, K, G, Cq, Ck), vb.astype(ct), precision=pr).reshape(B, N, Cq, V)
+
+    def key_blocks(j, s0):
+        """Key block j: its keys and values (B, K, Ck, H|V), and which of its keys no earlier block had."""
+        kb = split_heads(lax.dynamic_slice_in_dim(k_all, s0, Ck, axis=1), K)  # (B, K, Ck, H)
+        vb = split_heads(lax.dynamic_slice_in_dim(v_all, s0, Ck, axis=1), K)  # (B, K, Ck, V)
+        cols = s0 + jnp.arange(Ck, dtype=jnp.int32)  # (Ck,) key indices
+        fresh = (cols >= j * Ck)[None, None, None, :] if k_overlap else None  # (1, 1, 1, Ck)
+        return kb, vb, cols, fresh
+
+    xs = (jnp.arange(nk, dtype=jnp.int32), jnp.asarray(k_starts))
 
     def query_block(t0):
         qb = project(lax.dynamic_slice_in_dim(query, t0, Cq, axis=1), p["query.kernel"], p.get("query.bias"),
@@ -110,69 +120,56 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
 
         def key_block(carry, js):
             j, s0 = js
-            m, l, acc, uacc = carry
-            kb = split_heads(lax.dynamic_slice_in_dim(k_all, s0, Ck, axis=1), K)  # (B, K, Ck, H)
-            vb = split_heads(lax.dynamic_slice_in_dim(v_all, s0, Ck, axis=1), K)  # (B, K, Ck, V)
+            kb, vb, cols, fresh = key_blocks(j, s0)
             keep_b = _block(keep, T, S, t0, Cq, s0, Ck)  # (B, N, Cq, Ck) or None
-            if uacc is not None:
-                # uniform rows with dropout: 1/S everywhere, then the keep-mask, over every block
-                wu = jnp.where(keep_b, jnp.asarray(1.0 / S, ct) / rate, jnp.asarray(0, ct))
-                uacc = uacc + attend_acc(wu, vb)
 
-            def compute(structural: bool):
-                def run(m, l, acc):
-                    x = logits(qb, kb, scale, precision)  # (B, N, Cq, Ck), storage dtype
-                    allowed = _block(mask, T, S, t0, Cq, s0, Ck)
-                    if structural:  # causal diagonal and/or the overlapping keys of the last block
-                        cols = s0 + jnp.arange(Ck, dtype=jnp.int32)  # (Ck,) key indices
-                        ok = jnp.ones((Cq, Ck), bool)
-                        if is_causal:
-                            ok = cols[None, :] <= rows[:, None] + offset  # (Cq, Ck)
-                        if k_overlap:
-                            ok = ok & (cols >= j * Ck)[None, :]
-                        ok = ok[None, None]  # (1, 1, Cq, Ck)
-                        allowed = ok if allowed is None else allowed & ok
-                    x = mask_stage(x, allowed, _block(bias, T, S, t0, Cq, s0, Ck)).astype(ct)
-                    # softmax is shift-invariant: the running max carries no gradient
-                    m_new = lax.stop_gradient(jnp.maximum(m, x.max(axis=-1, keepdims=True)))  # (B, N, Cq, 1)
-                    m_safe = jnp.where(m_new == -jnp.inf, jnp.asarray(0, ct), m_new)
-                    correction = jnp.exp(m - m_safe)  # 0 while m is -inf
-                    e = jnp.exp(x - m_safe)  # masked -> exactly 0
-                    l_new = l * correction + e.sum(axis=-1, keepdims=True)
-                    if keep_b is not None:
-                        e = jnp.where(keep_b, e / rate, jnp.asarray(0, ct))
-                    return m_new, l_new, acc * correction + attend_acc(e, vb)
-                return run
+            def compute(m, l, acc):
+                x = logits(qb, kb, scale, precision)  # (B, N, Cq, Ck), storage dtype
+                allowed = _block(mask, T, S, t0, Cq, s0, Ck)
+                if is_causal or k_overlap:  # the causal diagonal, the overlapping keys of the last block
+                    ok = fresh
+                    if is_causal:
+                        causal = (cols[None, :] <= rows[:, None] + offset)[None, None]  # (1, 1, Cq, Ck)
+                        ok = causal if ok is None else ok & causal
+                    allowed = ok if allowed is None else allowed & ok
+                x = mask_stage(x, allowed, _block(bias, T, S, t0, Cq, s0, Ck)).astype(ct)
+                # softmax is shift-invariant: the running max carries no gradient
+                m_new = lax.stop_gradient(jnp.maximum(m, x.max(axis=-1, keepdims=True)))  # (B, N, Cq, 1)
+                m_safe = jnp.where(m_new == -jnp.inf, jnp.asarray(0, ct), m_new)
+                correction = jnp.exp(m - m_safe)  # 0 while m is -inf
+                e = jnp.exp(x - m_safe)  # masked -> exactly 0
+                l_new = l * correction + e.sum(axis=-1, keepdims=True)
+                if keep_b is not None:
+                    e = jnp.where(keep_b, e / rate, jnp.asarray(0, ct))
+                return m_new, l_new, acc * correction + attend_acc(e, vb)
 
-            def skip(m, l, acc):
-                return m, l, acc
+            if is_causal:
+                hidden = s0 > t0 + (Cq - 1) + offset  # every key of the block is after every query's last visible one
+                return lax.cond(hidden, lambda *c: c, compute, *carry), None
+            return compute(*carry), None
 
-            if is_causal or k_overlap:
-                last_row = t0 + (Cq - 1)
-                hidden = (s0 > last_row + offset) if is_causal else jnp.asarray(False)
-                crosses = (s0 + (Ck - 1) > t0 + offset) if is_causal else jnp.asarray(False)
-                if k_overlap:
-                    crosses = crosses | (j == nk - 1)
-                branch = jnp.where(hidden, 0, jnp.where(crosses, 2, 1))
-                m, l, acc = lax.switch(branch, [skip, compute(False), compute(True)], m, l, acc)
-            else:
-                m, l, acc = compute(False)(m, l, acc)
-            return (m, l, acc, uacc), None
-
-        init = (
-            jnp.full((B, N, Cq, 1), -jnp.inf, ct),
-            jnp.zeros((B, N, Cq, 1), ct),
-            jnp.zeros((B, N, Cq, V), ct),
-            jnp.zeros((B, N, Cq, V), ct) if uniform and keep is not None else None,
-        )
-        xs = (jnp.arange(nk, dtype=jnp.int32), jnp.asarray(k_starts))
-        (m, l, acc, uacc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init, xs)
+        init = (jnp.full((B, N, Cq, 1), -jnp.inf, ct), jnp.zeros((B, N, Cq, 1), ct), jnp.zeros((B, N, Cq, V), ct))
+        (m, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init, xs)
         empty = l == 0  # no allowed key in the row (l >= 1 otherwise: the max contributes exp(0))
         ctx = acc / jnp.where(empty, jnp.asarray(1, ct), l)
-        if uniform:
-            ctx = jnp.where(empty, mean_v if uacc is None else uacc, ctx)
+        if fill is None:
+            ctx = jnp.where(empty, jnp.asarray(0, ct), ctx)
+        elif keep is None:
+            # the fill weight on every key: its factor is 0 on the other rows, so no NaN reaches their gradients
+            ctx = jnp.where(empty, jnp.where(empty, jnp.asarray(fill, ct), jnp.asarray(0, ct)) * v_sum, ctx)
         else:
-            ctx = jnp.where(empty, jnp.asarray(fill, ct), ctx)
+            # with dropout: the fill weights, kept or dropped key by key, on the empty rows only: one more
+            # pass over the key blocks (training with masked_row "uniform" or "nan" only)
+            def fill_block(filled, js):
+                j, s0 = js
+                _, vb, _, fresh = key_blocks(j, s0)
+                kept = _block(keep, T, S, t0, Cq, s0, Ck) & empty
+                kept = kept if fresh is None else kept & fresh
+                w = jnp.where(kept, jnp.asarray(fill, ct) / rate, jnp.asarray(0, ct))  # (B, N, Cq, Ck)
+                return filled + attend_acc(w, vb), None
+
+            filled, _ = lax.scan(jax.checkpoint(fill_block, prevent_cse=False), jnp.zeros_like(acc), xs)
+            ctx = jnp.where(empty, filled, ctx)
         ctx = merge_heads(ctx.astype(dtype))  # (B, Cq, N*V)
         return output(ctx, p["output.kernel"], p.get("output.bias"), precision)  # (B, Cq, O)
 

@@ -186,6 +186,68 @@ def output(x, kernel, bias, precision: str = "highest"):
     return y
 
 
+# -- the fast path: logits .. attend in one expression -----------------------------
+
+def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, precision: str = "highest"):
+    """logits -> mask -> softmax -> attend in one expression, for calls that
+    ask for neither the weights nor the trace, in float32 or float64 (where
+    every stage's rounding to the storage dtype is the identity) and without
+    dropout. The same einsum strings and the same arithmetic up to the order
+    of rounding: the row max is subtracted from the scaled, biased logits, and
+    the softmax's division by the row sum is applied to the (T, V) context
+    instead of the (T, S) weights.
+
+    Written for XLA CPU's YNNPACK fusion, which compiles dot, max, exp, sum,
+    dot and the division into one tiled kernel (the (B, N, T, S) arrays are
+    never written to memory) as long as the expression holds no select:
+    masks and bias enter as one additive term (0 or -inf, plus bias), and a
+    row with no allowed key gets 0 there instead (finite, no NaN in any
+    gradient) and its context replaced afterwards by the masked_row policy's
+    (0, the mean of V, NaN), as functional.softmax fills its weights.
+
+    q (B, N, T, H), k (B, K, S, H), v (B, K, S, V); allowed (bool) and bias
+    rank 4, broadcasting to (B, N, T, S), or None -> context (B, N, T, V)."""
+    B, N, T, H = q.shape
+    K, S, V = k.shape[1], k.shape[2], v.shape[3]
+    ct = compute_dtype(q.dtype)
+    pr = _precision(precision)
+    add = empty = None
+    if allowed is not None or bias is not None:
+        ok = allowed
+        if bias is not None:
+            finite = bias > -jnp.inf
+            ok = finite if ok is None else ok & finite
+        empty = ~jnp.any(ok, axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): rows with no allowed key
+        add = jnp.where(ok, jnp.asarray(0, ct) if bias is None else bias.astype(ct), jnp.asarray(-jnp.inf, ct))
+        add = jnp.where(empty, jnp.asarray(0, ct), add)  # an empty row is computed finite, then replaced
+    G = N // K
+    # LOGITS and ATTEND with G and T as one axis (a free reshape of (B, N, T, H)), as impl_numpy's
+    # matmuls do: XLA then fuses the whole expression, where a separate G axis costs a layout copy.
+    qg = q.reshape(B, K, G * T, H).astype(ct)  # (B, K, G*T, H)
+    x = jnp.einsum(LOGITS.replace("G", ""), qg, k.astype(ct), precision=pr) * jnp.asarray(scale, ct)  # (B, K, G*T, S)
+    if add is not None:
+        b, n, t, s = add.shape
+        if n > 1:  # per head: (b, N, T, s) -> (b, K, G*T, s)
+            add = jnp.broadcast_to(add, (b, N, T, s)).reshape(b, K, G * T, s)
+        elif t > 1 and G > 1:  # the same (T, s) for each of the G query heads of a K head
+            add = jnp.broadcast_to(add[:, :, None], (b, 1, G, T, s)).reshape(b, 1, G * T, s)
+        x = x + add  # (B, K, G*T, S)
+    row_max = lax.stop_gradient(x.max(axis=-1, keepdims=True))  # softmax is shift-invariant
+    e = jnp.exp(x - row_max)  # (B, K, G*T, S)
+    ctx = jnp.einsum(ATTEND.replace("G", ""), e, v.astype(ct), precision=pr) / e.sum(axis=-1, keepdims=True)
+    ctx = ctx.reshape(B, N, T, V)  # (B, N, T, V)
+    if empty is not None:
+        if masked_row == "zero":
+            fill = jnp.asarray(0, ct)
+        else:  # the fill weights (1/S, or NaN) times V, so that V's gradient is the plain path's
+            v_sum = v.astype(ct).sum(axis=2, keepdims=True)  # (B, K, 1, V)
+            v_sum = jnp.broadcast_to(v_sum[:, :, None], (B, K, N // K, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
+            w = 1.0 / S if masked_row == "uniform" else np.nan
+            fill = jnp.where(empty, jnp.asarray(w, ct), jnp.asarray(0, ct)) * v_sum  # NaN only on empty rows
+        ctx = jnp.where(empty, fill, ctx)
+    return ctx.astype(q.dtype)
+
+
 # -- helpers shared by the whole call ---------------------------------------------
 
 def dropout_keep_mask(shape: tuple[int, ...], rate: float, rng) -> jax.Array:
@@ -368,11 +430,15 @@ def apply(
     q = rec("query.split_heads", split_heads(q, config.num_heads))  # (B, N, T, H)
     k = rec("key.split_heads", split_heads(k, config.num_kv_heads))  # (B, K, S, H)
     v = rec("value.split_heads", split_heads(v, config.num_kv_heads))  # (B, K, S, V)
-    x = rec("logits", logits(q, k, config.effective_scale, pr))  # (B, N, T, S)
-    x = rec("mask", mask_stage(x, allowed, bias_r4))
-    w = rec("softmax", softmax(x, config.masked_row))  # (B, N, T, S)
-    wd = rec("dropout", dropout(w, keep, config.dropout))
-    ctx = rec("attend", attend(wd, v, pr))  # (B, N, T, V)
+    if trace is None and not return_weights and keep is None and compute_dtype(dtype) == dtype:
+        # nothing asks for the stages between: logits .. attend fused (same einsums, same results)
+        ctx = fused_attention(q, k, v, allowed, bias_r4, config.effective_scale, config.masked_row, pr)
+    else:
+        x = rec("logits", logits(q, k, config.effective_scale, pr))  # (B, N, T, S)
+        x = rec("mask", mask_stage(x, allowed, bias_r4))
+        w = rec("softmax", softmax(x, config.masked_row))  # (B, N, T, S)
+        wd = rec("dropout", dropout(w, keep, config.dropout))
+        ctx = rec("attend", attend(wd, v, pr))  # (B, N, T, V)
     ctx = rec("merge_heads", merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", output(ctx, p["output.kernel"], p.get("output.bias"), pr))  # (B, T, O)
     return (out, w) if return_weights else out

@@ -817,7 +817,8 @@ def _moderate_call(masked_row: str, T: int, S: int, *, dropout: float = 0.0, see
 
 
 def _judge_forward_and_grads(label, config, tensors, xs, call, dtype, chunk_size):
-    """Chunked output and its jax.vjp (jitted) against the float64 NumPy reference, under the policy."""
+    """apply's output (chunked, or plain when chunk_size is None; no weights asked
+    for) and its jax.vjp (jitted) against the float64 NumPy reference, under the policy."""
     from conformance.tolerance import assert_close
 
     B, T, S = xs[0].shape[0], xs[0].shape[1], xs[1].shape[1]
@@ -974,3 +975,62 @@ def test_chunked_refusals_match_reference(extra):
     assert got == want, f"layer:\njax: {got!r}\nnumpy: {want!r}"
     if "return_weights" in extra:
         assert got == CHUNK_REFUSAL, got
+
+
+
+# -- the fused fast path (no weights, no trace: logits .. attend in one expression) ------------
+
+FAST_FLOAT64 = ["gqa", "mqa", "causal_bottom_right_long_query", "bias_neg_inf", "mask_and_bias_causal",
+                "masked_rows_uniform", "masked_rows_nan", "no_weights"]
+
+
+@pytest.mark.parametrize(("name", "dtype"), [*((name, "float32") for name in CASES),
+                                             *((name, "float64") for name in FAST_FLOAT64)])
+def test_fast_path_case_matches_reference(name, dtype):
+    """The grid without weights: float32 and float64 calls take functional.fused_attention
+    (dropout cases the stages); output and every gradient judged as `mha check` judges them."""
+    assert_case_conforms(without_weights(CASES[name]), dtype, "jax", adapter)
+
+
+@pytest.mark.parametrize(("masked_row", "alignment", "T", "S"), [
+    ("zero", "top_left", 37, 53), ("uniform", "bottom_right", 53, 37), ("nan", "bottom_right", 37, 53),
+    ("nan", "top_left", 53, 37)])
+def test_fast_path_forward_and_grads_float64(masked_row, alignment, T, S):
+    """GQA, H != V, a random mask, a bias with -inf, fully masked rows (by the
+    mask, the bias and bottom_right causality) under each policy: the fused
+    path's output and its jax.vjp against the float64 reference."""
+    config, tensors, xs, call = _moderate_call(masked_row, T, S)
+    call.update(is_causal=True, causal_alignment=alignment)
+    _judge_forward_and_grads(f"fused {masked_row} {alignment} T={T} S={S}", config, tensors, xs, call, "float64", None)
+
+
+def test_fast_path_is_taken_only_when_nothing_needs_the_stages(monkeypatch):
+    """The stages run when weights, the trace or dropout need them, or in 16
+    bits (whose stage-by-stage rounding the fused path would skip); otherwise
+    fused_attention replaces logits .. attend."""
+    name = "mask_and_bias_causal"
+    case, tensors, inputs = case_arrays(name, "float32")
+    args = (case.config, tensors, inputs["query"], inputs["key"], inputs["value"])
+    stages = []
+    for stage in ("logits", "softmax", "attend"):
+        original = getattr(jax_functional, stage)
+        monkeypatch.setattr(jax_functional, stage,
+                            lambda *a, _f=original, _s=stage, **k: stages.append(_s) or _f(*a, **k))
+    fused = []
+    original_fused = jax_functional.fused_attention
+    monkeypatch.setattr(jax_functional, "fused_attention", lambda *a, **k: fused.append(1) or original_fused(*a, **k))
+
+    def paths(**options):
+        stages.clear(), fused.clear()
+        impl_jax.apply(*args, **call_kwargs(case, inputs), **options)
+        return ("fused" if fused else "") + ("stages" if stages == ["logits", "softmax", "attend"] else "")
+
+    dropout_case, dropout_tensors, dropout_inputs = case_arrays("dropout_train", "float32")
+    assert paths() == "fused", paths()
+    assert paths(return_weights=True) == "stages"
+    assert paths(trace=[]) == "stages"
+    assert paths(dtype="bfloat16") == "stages"
+    stages.clear(), fused.clear()
+    impl_jax.apply(dropout_case.config, dropout_tensors, dropout_inputs["query"], dropout_inputs["key"],
+                   dropout_inputs["value"], **call_kwargs(dropout_case, dropout_inputs))
+    assert stages == ["logits", "softmax", "attend"] and not fused, (stages, fused)

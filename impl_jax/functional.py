@@ -10,6 +10,13 @@ NumPy spec; jax.numpy and jax.lax only. Shape letters as in impl_numpy:
 Stages: project -> split_heads -> logits (scale) -> mask (and bias) ->
 softmax -> dropout -> attend -> merge_heads -> output.
 
+Paths. With return_weights or a trace, or dropout, or 16-bit storage, every
+stage runs as written. Otherwise logits .. attend run as one expression
+(fused_attention: same einsums, softmax normalised on the context), which
+XLA CPU compiles into one kernel instead of five passes over (B, N, T, S).
+chunk_size= takes chunked.py's online softmax over blocks instead: no (T, S)
+array, causal blocks skipped.
+
 Precision rule (as the spec): each stage's result is stored in the storage
 dtype; its arithmetic runs in `compute_dtype`, float32 for float16/bfloat16,
 the dtype itself otherwise. Every einsum runs at lax.Precision.HIGHEST

@@ -5,10 +5,15 @@ The same recurrence as the NumPy spec of this mode (Milakov & Gimelshein
 `chunk_size` rows and keys in blocks of `chunk_size` columns; for each query
 block a running max m, running sum l and running numerator acc are rescaled
 as each key block arrives, so the largest temporary is (B, N, chunk, chunk).
-Key blocks that the causal mask hides entirely are skipped (lax.cond: a
-hidden block costs a branch, no arithmetic). The stage functions of functional.py
-run on each block (project of a query block, split_heads, logits, mask,
-merge_heads, output), so the 16-bit rounding rule is the plain path's.
+Key blocks that the causal mask hides entirely are skipped (lax.switch: a
+hidden block costs a branch and no arithmetic; only blocks the diagonal
+crosses pay for the causal select). The stage functions of functional.py run
+on each block (project of a query block, split_heads, logits, mask,
+merge_heads, output), so the 16-bit rounding rule is the plain path's. In
+float32/float64, where that rounding is the identity, the scale multiplies
+the (chunk, H) queries instead of every (chunk, chunk) block of logits (one
+pass over each block fewer; the same product up to one rounding, exactly
+the same when the scale is a power of two, as 1/sqrt(64)).
 
 Pure JAX: lax.scan over query blocks, lax.scan over key blocks inside, so the
 call works under jax.jit (chunk_size is static), jax.grad and jax.vmap. Both
@@ -34,7 +39,7 @@ from jax import lax
 
 from weights import compute_dtype
 
-from .functional import ATTEND, _precision, logits, mask_stage, merge_heads, output, project, split_heads
+from .functional import ATTEND, LOGITS, _precision, logits, mask_stage, merge_heads, output, project, split_heads
 
 CHUNK_REFUSAL = (
     "chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights"
@@ -91,6 +96,7 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     # gradient reaches V as on the plain path: 1/S each, or NaN where such a row exists.
     fill = {"zero": None, "uniform": 1.0 / S, "nan": np.nan}[config.masked_row]
     pr = _precision(precision)
+    exact = ct == dtype  # float32/float64: rounding each stage to the storage dtype is the identity
 
     k_all = project(key, p["key.kernel"], p.get("key.bias"), precision)  # (B, S, K*H)
     v_all = project(value, p["value.kernel"], p.get("value.bias"), precision)  # (B, S, K*V)
@@ -117,36 +123,55 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                      precision)  # (B, Cq, N*H)
         qb = split_heads(qb, N)  # (B, N, Cq, H)
         rows = t0 + jnp.arange(Cq, dtype=jnp.int32)  # (Cq,) query indices
+        if exact:  # float32/float64: the scale on the (Cq, H) queries, not on every (Cq, Ck) block of logits
+            qs = qb.astype(ct) * jnp.asarray(scale, ct)
+            qs = qs.reshape(B, K, G * Cq, config.head_dim)  # (B, K, G*Cq, H)
 
         def key_block(carry, js):
             j, s0 = js
             kb, vb, cols, fresh = key_blocks(j, s0)
             keep_b = _block(keep, T, S, t0, Cq, s0, Ck)  # (B, N, Cq, Ck) or None
 
-            def compute(m, l, acc):
-                x = logits(qb, kb, scale, precision)  # (B, N, Cq, Ck), storage dtype
-                allowed = _block(mask, T, S, t0, Cq, s0, Ck)
-                if is_causal or k_overlap:  # the causal diagonal, the overlapping keys of the last block
-                    ok = fresh
-                    if is_causal:
-                        causal = (cols[None, :] <= rows[:, None] + offset)[None, None]  # (1, 1, Cq, Ck)
-                        ok = causal if ok is None else ok & causal
-                    allowed = ok if allowed is None else allowed & ok
-                x = mask_stage(x, allowed, _block(bias, T, S, t0, Cq, s0, Ck)).astype(ct)
-                # softmax is shift-invariant: the running max carries no gradient
-                m_new = lax.stop_gradient(jnp.maximum(m, x.max(axis=-1, keepdims=True)))  # (B, N, Cq, 1)
-                m_safe = jnp.where(m_new == -jnp.inf, jnp.asarray(0, ct), m_new)
-                correction = jnp.exp(m - m_safe)  # 0 while m is -inf
-                e = jnp.exp(x - m_safe)  # masked -> exactly 0
-                l_new = l * correction + e.sum(axis=-1, keepdims=True)
-                if keep_b is not None:
-                    e = jnp.where(keep_b, e / rate, jnp.asarray(0, ct))
-                return m_new, l_new, acc * correction + attend_acc(e, vb)
+            def compute(structural: bool):
+                def run(m, l, acc):
+                    allowed = _block(mask, T, S, t0, Cq, s0, Ck)
+                    if structural:  # the causal diagonal and/or the overlapping keys of the last block
+                        ok = fresh
+                        if is_causal:
+                            causal = (cols[None, :] <= rows[:, None] + offset)[None, None]  # (1, 1, Cq, Ck)
+                            ok = causal if ok is None else ok & causal
+                        allowed = ok if allowed is None else allowed & ok
+                    bias_b = _block(bias, T, S, t0, Cq, s0, Ck)
+                    if exact:  # the stages' arithmetic, rounding to the storage dtype being the identity
+                        x = jnp.einsum(LOGITS.replace("G", ""), qs, kb.astype(ct), precision=pr).reshape(B, N, Cq, Ck)
+                        if bias_b is not None:
+                            x = x + bias_b
+                        if allowed is not None:
+                            x = jnp.where(allowed, x, jnp.asarray(-jnp.inf, ct))
+                    else:  # 16-bit: the stage functions, each result rounded to the storage dtype
+                        x = logits(qb, kb, scale, precision)  # (B, N, Cq, Ck), storage dtype
+                        x = mask_stage(x, allowed, bias_b).astype(ct)
+                    # softmax is shift-invariant: the running max carries no gradient
+                    m_new = lax.stop_gradient(jnp.maximum(m, x.max(axis=-1, keepdims=True)))  # (B, N, Cq, 1)
+                    m_safe = jnp.where(m_new == -jnp.inf, jnp.asarray(0, ct), m_new)
+                    correction = jnp.exp(m - m_safe)  # 0 while m is -inf
+                    e = jnp.exp(x - m_safe)  # masked -> exactly 0
+                    l_new = l * correction + e.sum(axis=-1, keepdims=True)
+                    if keep_b is not None:
+                        e = jnp.where(keep_b, e / rate, jnp.asarray(0, ct))
+                    return m_new, l_new, acc * correction + attend_acc(e, vb)
+                return run
 
-            if is_causal:
-                hidden = s0 > t0 + (Cq - 1) + offset  # every key of the block is after every query's last visible one
-                return lax.cond(hidden, lambda *c: c, compute, *carry), None
-            return compute(*carry), None
+            if not (is_causal or k_overlap):
+                return compute(False)(*carry), None
+            # hidden: every key after every query's last visible one; crosses: the causal diagonal or
+            # the overlap runs through the block, which then needs the structural mask
+            hidden = (s0 > t0 + (Cq - 1) + offset) if is_causal else False
+            crosses = (s0 + (Ck - 1) > t0 + offset) if is_causal else False
+            if k_overlap:
+                crosses = crosses | (j == nk - 1)
+            branch = jnp.where(hidden, 0, jnp.where(crosses, 2, 1))
+            return lax.switch(branch, [lambda *c: c, compute(False), compute(True)], *carry), None
 
         init = (jnp.full((B, N, Cq, 1), -jnp.inf, ct), jnp.zeros((B, N, Cq, 1), ct), jnp.zeros((B, N, Cq, V), ct))
         (m, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init, xs)

@@ -27,7 +27,9 @@ context exist whole. A length that is not a multiple of the block size is
 not padded (that would copy q, k, v, masks and bias): the last block starts
 at L - chunk and overlaps its neighbour; overlapping keys are masked out of
 the last key block, overlapping query rows are computed twice (identically)
-and kept once.
+and kept once. Dropout: an explicit dropout_mask is (B, N, T, S) by contract,
+and a seed (or rng) draws that whole keep-mask as the plain path does (as
+impl_numpy does), so a seed means the same dropout on both paths.
 """
 
 from __future__ import annotations

@@ -199,10 +199,10 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     """logits -> mask -> softmax -> attend in one expression, for calls that
     ask for neither the weights nor the trace, in float32 or float64 (where
     every stage's rounding to the storage dtype is the identity) and without
-    dropout. The same einsum strings and the same arithmetic up to the order
-    of rounding: the row max is subtracted from the scaled, biased logits, and
-    the softmax's division by the row sum is applied to the (T, V) context
-    instead of the (T, S) weights.
+    dropout. The same contractions (LOGITS and ATTEND with G folded into T,
+    as impl_numpy's matmuls do) and the same arithmetic up to the order of
+    rounding: the softmax's division by the row sum is applied to the (T, V)
+    context instead of the (T, S) weights.
 
     Written for XLA CPU's YNNPACK fusion, which compiles dot, max, exp, sum,
     dot and the division into one tiled kernel (the (B, N, T, S) arrays are
@@ -438,7 +438,8 @@ def apply(
     k = rec("key.split_heads", split_heads(k, config.num_kv_heads))  # (B, K, S, H)
     v = rec("value.split_heads", split_heads(v, config.num_kv_heads))  # (B, K, S, V)
     if trace is None and not return_weights and keep is None and compute_dtype(dtype) == dtype:
-        # nothing asks for the stages between: logits .. attend fused (same einsums, same results)
+        # nothing asks for the stages between: logits .. attend as one expression (the same
+        # contractions; results equal to the stages' within the tolerance policy)
         ctx = fused_attention(q, k, v, allowed, bias_r4, config.effective_scale, config.masked_row, pr)
     else:
         x = rec("logits", logits(q, k, config.effective_scale, pr))  # (B, N, T, S)

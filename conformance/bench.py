@@ -67,6 +67,7 @@ FRAMEWORKS = ("torch", "tf", "jax")
 MATMUL_N = 2048
 LONG_T = 2048  # from this query length on, the long-sequence (chunked) paths
 CHUNK_SIZE = 256  # NumPy's chunk_size for causal and long shapes (fastest of 128/256/512 at gpt2 here)
+JAX_CHUNK_SIZE = 256  # impl_jax's chunk_size for causal and long shapes (fastest of 128/256/512 at gpt2; 256 and 512 tie at long)
 MIN_REPEATS = 3
 SCHEMA = "mha-bench/1"
 
@@ -575,14 +576,24 @@ def glue_jax(device: str, quick: bool) -> Glue:
             mask = nnx.make_causal_mask(inp[..., 0]) if c else None  # (B, 1, T, T)
             return nnx.merge(graphdef, st)(inp, mask=mask)
 
+        chunk = min(JAX_CHUNK_SIZE, shape.T)
+
+        def ours_chunked(pp, inp):
+            return apply(config, pp, inp, is_causal=c, chunk_size=chunk)
+
         ours_jit = jax.jit(ours)
+        chunked_jit = jax.jit(ours_chunked)
         dpa_jit = jax.jit(dpa, static_argnames="implementation")
         nnx_jit = jax.jit(nnx_mha)
         out = []
-        if not shape.sweep:
+        if not shape.sweep and not shape.long:
             out.append(Path_("ours.eager", "ours", "eager", "forward", done(lambda: ours(p, x)), ts_arrays=5, compare=True))
-        out.append(Path_("ours.jit", "ours", "compiled", "forward", done(lambda: ours_jit(p, x)), ts_arrays=2,
-                         note="jax.jit", compare=True))
+        if not shape.long:
+            out.append(Path_("ours.jit", "ours", "compiled", "forward", done(lambda: ours_jit(p, x)), ts_arrays=2,
+                             note="jax.jit", compare=True))
+        if c or shape.long:
+            out.append(Path_("ours.chunked", "ours", "compiled", "forward", done(lambda: chunked_jit(p, x)),
+                             note=f"jax.jit, chunk_size={chunk}", compare=True))
         if not shape.sweep:
             out.append(Path_("native.nnx_mha.eager", "native", "eager", "forward", done(lambda: nnx_mha(state, x)),
                              ts_arrays=5))

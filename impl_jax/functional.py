@@ -10,6 +10,13 @@ NumPy spec; jax.numpy and jax.lax only. Shape letters as in impl_numpy:
 Stages: project -> split_heads -> logits (scale) -> mask (and bias) ->
 softmax -> dropout -> attend -> merge_heads -> output.
 
+Paths. With return_weights or a trace, or dropout, or 16-bit storage, every
+stage runs as written. Otherwise logits .. attend run as one expression
+(fused_attention: same einsums, softmax normalised on the context), which
+XLA CPU compiles into one kernel instead of five passes over (B, N, T, S).
+chunk_size= takes chunked.py's online softmax over blocks instead: no (T, S)
+array, causal blocks skipped.
+
 Precision rule (as the spec): each stage's result is stored in the storage
 dtype; its arithmetic runs in `compute_dtype`, float32 for float16/bfloat16,
 the dtype itself otherwise. Every einsum runs at lax.Precision.HIGHEST
@@ -62,6 +69,7 @@ PRECISIONS = {
 # Arguments of `apply` that must be static under jax.jit (hashable Python values).
 STATIC_ARGNAMES = (
     "config", "is_causal", "causal_alignment", "training", "seed", "return_weights", "precision", "dtype",
+    "chunk_size",
 )
 
 X64_MESSAGE = (
@@ -185,6 +193,68 @@ def output(x, kernel, bias, precision: str = "highest"):
     return y
 
 
+# -- the fast path: logits .. attend in one expression -----------------------------
+
+def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, precision: str = "highest"):
+    """logits -> mask -> softmax -> attend in one expression, for calls that
+    ask for neither the weights nor the trace, in float32 or float64 (where
+    every stage's rounding to the storage dtype is the identity) and without
+    dropout. The same contractions (LOGITS and ATTEND with G folded into T,
+    as impl_numpy's matmuls do) and the same arithmetic up to the order of
+    rounding: the softmax's division by the row sum is applied to the (T, V)
+    context instead of the (T, S) weights.
+
+    Written for XLA CPU's YNNPACK fusion, which compiles dot, max, exp, sum,
+    dot and the division into one tiled kernel (the (B, N, T, S) arrays are
+    never written to memory) as long as the expression holds no select:
+    masks and bias enter as one additive term (0 or -inf, plus bias), and a
+    row with no allowed key gets 0 there instead (finite, no NaN in any
+    gradient) and its context replaced afterwards by the masked_row policy's
+    (0, the mean of V, NaN), as functional.softmax fills its weights.
+
+    q (B, N, T, H), k (B, K, S, H), v (B, K, S, V); allowed (bool) and bias
+    rank 4, broadcasting to (B, N, T, S), or None -> context (B, N, T, V)."""
+    B, N, T, H = q.shape
+    K, S, V = k.shape[1], k.shape[2], v.shape[3]
+    ct = compute_dtype(q.dtype)
+    pr = _precision(precision)
+    add = empty = None
+    if allowed is not None or bias is not None:
+        ok = allowed
+        if bias is not None:
+            finite = bias > -jnp.inf
+            ok = finite if ok is None else ok & finite
+        empty = ~jnp.any(ok, axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): rows with no allowed key
+        add = jnp.where(ok, jnp.asarray(0, ct) if bias is None else bias.astype(ct), jnp.asarray(-jnp.inf, ct))
+        add = jnp.where(empty, jnp.asarray(0, ct), add)  # an empty row is computed finite, then replaced
+    G = N // K
+    # LOGITS and ATTEND with G and T as one axis (a free reshape of (B, N, T, H)), as impl_numpy's
+    # matmuls do: XLA then fuses the whole expression, where a separate G axis costs a layout copy.
+    qg = q.reshape(B, K, G * T, H).astype(ct)  # (B, K, G*T, H)
+    x = jnp.einsum(LOGITS.replace("G", ""), qg, k.astype(ct), precision=pr) * jnp.asarray(scale, ct)  # (B, K, G*T, S)
+    if add is not None:
+        b, n, t, s = add.shape
+        if n > 1:  # per head: (b, N, T, s) -> (b, K, G*T, s)
+            add = jnp.broadcast_to(add, (b, N, T, s)).reshape(b, K, G * T, s)
+        elif t > 1 and G > 1:  # the same (T, s) for each of the G query heads of a K head
+            add = jnp.broadcast_to(add[:, :, None], (b, 1, G, T, s)).reshape(b, 1, G * T, s)
+        x = x + add  # (B, K, G*T, S)
+    row_max = lax.stop_gradient(x.max(axis=-1, keepdims=True))  # softmax is shift-invariant
+    e = jnp.exp(x - row_max)  # (B, K, G*T, S)
+    ctx = jnp.einsum(ATTEND.replace("G", ""), e, v.astype(ct), precision=pr) / e.sum(axis=-1, keepdims=True)
+    ctx = ctx.reshape(B, N, T, V)  # (B, N, T, V)
+    if empty is not None:
+        if masked_row == "zero":
+            fill = jnp.asarray(0, ct)
+        else:  # the fill weights (1/S, or NaN) times V, so that V's gradient is the plain path's
+            v_sum = v.astype(ct).sum(axis=2, keepdims=True)  # (B, K, 1, V)
+            v_sum = jnp.broadcast_to(v_sum[:, :, None], (B, K, N // K, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
+            w = 1.0 / S if masked_row == "uniform" else np.nan
+            fill = jnp.where(empty, jnp.asarray(w, ct), jnp.asarray(0, ct)) * v_sum  # NaN only on empty rows
+        ctx = jnp.where(empty, fill, ctx)
+    return ctx.astype(q.dtype)
+
+
 # -- helpers shared by the whole call ---------------------------------------------
 
 def dropout_keep_mask(shape: tuple[int, ...], rate: float, rng) -> jax.Array:
@@ -239,10 +309,11 @@ def check_params(config: AttentionConfig, params) -> np.dtype:
 
 def check(config, params, query, key=None, value=None, *, mask=None, bias=None, dropout_mask=None,
           is_causal=False, causal_alignment="top_left", training=False, seed=None, rng=None,
-          return_weights=False, dtype=None, precision="highest"):
+          return_weights=False, dtype=None, precision="highest", materializes_scores=True):
     """Validate a call in the reference's order and words; returns (CallShapes,
     storage dtype). Reads shapes and dtypes only, and bias values when bias
-    is concrete."""
+    is concrete. materializes_scores=False (the chunked path) skips the
+    up-front refusal of (B, N, T, S) arrays that cannot fit in memory."""
     stored = check_params(config, params)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     if dtype == np.float64 and not x64_enabled():
@@ -267,7 +338,8 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
         dropout_mask_dtype=None if keep is None else np.dtype(keep.dtype).name,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training,
         seed=0 if rng is not None else seed,  # an rng key stands in for a seed
-        return_weights=return_weights,
+        return_weights=return_weights, materializes_scores=materializes_scores,
+        scores_itemsize=compute_dtype(dtype).itemsize,
     )
     if bias is not None and is_concrete(bias):
         check_bias_values(np.asarray(bias))
@@ -283,12 +355,12 @@ def _cast(x, dtype):
 
 
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, rng, return_weights, dtype, precision):
+            training, seed, rng, return_weights, dtype, precision, materializes_scores=True):
     """Validate a call (`check`) and cast everything to the storage dtype."""
     shapes, dtype = check(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training, seed=seed, rng=rng, return_weights=return_weights,
-        dtype=dtype, precision=precision,
+        dtype=dtype, precision=precision, materializes_scores=materializes_scores,
     )
     if bias is not None:
         bias = _cast(_as_array(bias), compute_dtype(dtype)).reshape(shapes.bias_shape)  # (B|1, N|1, T|1, S|1)
@@ -325,6 +397,7 @@ def apply(
     return_weights: bool = False,
     precision: str = "highest",
     dtype: str | None = None,
+    chunk_size: int | None = None,
     trace: list | None = None,
 ):
     """The forward pass, pure. Returns output (B, T, O), or (output, weights)
@@ -335,6 +408,9 @@ def apply(
     seed / rng: dropout in training without a dropout_mask: an int seed
     (static under jit) or a jax.random key (traced).
     dtype: compute in this storage dtype (default: the params' dtype).
+    chunk_size: exact online softmax over key (and query) blocks of this size;
+    never holds a (T, S) array and skips key blocks the causal mask hides
+    (see chunked.py; static under jit). Not with return_weights or trace.
     trace: a list that receives a TraceEntry per stage (impl_numpy's STAGES);
     inside jit the entries hold tracers, so return them from the jitted
     function to read them (impl_jax.adapter does).
@@ -343,7 +419,15 @@ def apply(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed, rng=rng,
         return_weights=return_weights, dtype=dtype, precision=precision,
+        materializes_scores=chunk_size is None or return_weights,
     )
+    if chunk_size is not None:
+        from .chunked import CHUNK_REFUSAL, chunked_attention
+
+        if return_weights or trace is not None:
+            raise ValueError(CHUNK_REFUSAL)
+        return chunked_attention(config, p, query, key, value, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal,
+                                 causal_alignment=causal_alignment, chunk_size=chunk_size, precision=precision)
     allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
     pr = precision
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
@@ -353,11 +437,16 @@ def apply(
     q = rec("query.split_heads", split_heads(q, config.num_heads))  # (B, N, T, H)
     k = rec("key.split_heads", split_heads(k, config.num_kv_heads))  # (B, K, S, H)
     v = rec("value.split_heads", split_heads(v, config.num_kv_heads))  # (B, K, S, V)
-    x = rec("logits", logits(q, k, config.effective_scale, pr))  # (B, N, T, S)
-    x = rec("mask", mask_stage(x, allowed, bias_r4))
-    w = rec("softmax", softmax(x, config.masked_row))  # (B, N, T, S)
-    wd = rec("dropout", dropout(w, keep, config.dropout))
-    ctx = rec("attend", attend(wd, v, pr))  # (B, N, T, V)
+    if trace is None and not return_weights and keep is None and compute_dtype(dtype) == dtype:
+        # nothing asks for the stages between: logits .. attend as one expression (the same
+        # contractions; results equal to the stages' within the tolerance policy)
+        ctx = fused_attention(q, k, v, allowed, bias_r4, config.effective_scale, config.masked_row, pr)
+    else:
+        x = rec("logits", logits(q, k, config.effective_scale, pr))  # (B, N, T, S)
+        x = rec("mask", mask_stage(x, allowed, bias_r4))
+        w = rec("softmax", softmax(x, config.masked_row))  # (B, N, T, S)
+        wd = rec("dropout", dropout(w, keep, config.dropout))
+        ctx = rec("attend", attend(wd, v, pr))  # (B, N, T, V)
     ctx = rec("merge_heads", merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", output(ctx, p["output.kernel"], p.get("output.bias"), pr))  # (B, T, O)
     return (out, w) if return_weights else out

@@ -59,7 +59,7 @@ class MultiHeadAttention(nnx.Module):
     weights.init (the same numbers every framework draws for that seed);
     `from_tensors` / `from_file` load canonical tensors. The call takes
     apply's options: mask, bias, is_causal, causal_alignment, training,
-    dropout_mask, seed, rng, return_weights, precision, dtype, trace.
+    dropout_mask, seed, rng, return_weights, precision, dtype, chunk_size, trace.
     """
 
     def __init__(self, config: AttentionConfig, tensors: dict[str, np.ndarray] | None = None, *,

@@ -731,3 +731,337 @@ def test_mha_check_sets_the_cpu_compile_mode(monkeypatch, full_opt):
                            xla_full_opt=full_opt)
     assert [r.status for r in results] == ["pass"], [r.message for r in results]
     assert asked == ["default" if full_opt else "fast"], asked
+
+
+# -- the chunked path (chunk_size=): exact online softmax over blocks, no (T, S) array -----------
+
+CHUNK_REFUSAL = ("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the "
+                 "(T, S) weights")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "static"))
+def _chunked_program(config, params, arrays, d_output, *, static):
+    """apply(..., chunk_size=) and its jax.vjp, one compiled program (as impl_jax.adapter does for the plain path)."""
+    inputs = {n: arrays[n] for n in ("query", "key", "value") if n in arrays}
+
+    def f(params, inputs):
+        return impl_jax.apply(config, params, inputs["query"], inputs.get("key"), inputs.get("value"),
+                              mask=arrays.get("mask"), bias=arrays.get("bias"), dropout_mask=arrays.get("dropout_mask"),
+                              **dict(static))
+
+    out, pull = jax.vjp(f, params, inputs)
+    d_params, d_inputs = pull(d_output.astype(out.dtype))
+    return out, d_params, d_inputs
+
+
+class ChunkedAdapter:
+    """The conformance adapter's interface over apply(..., chunk_size=): lets
+    run_case judge the chunked path exactly as `mha check` judges the plain one."""
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+
+    def devices(self):
+        return ["cpu"]
+
+    def _run(self, config, tensors, inputs, options, d_output):
+        assert not options.get("return_weights"), "the chunked path returns no weights: judge cases without them"
+        static = (("is_causal", bool(options.get("is_causal", False))),
+                  ("causal_alignment", options.get("causal_alignment", "top_left")),
+                  ("training", bool(options.get("training", False))), ("dtype", options.get("dtype")),
+                  ("chunk_size", self.chunk_size))
+        arrays = {n: np.asarray(a) for n, a in inputs.items() if a is not None}
+        dtype = weights.dtype_from_name(options["dtype"])
+        if d_output is None:
+            d_output = np.zeros((arrays["query"].shape[0], arrays["query"].shape[1], config.out_dim), dtype)
+        return _chunked_program(config, dict(tensors), arrays, np.asarray(d_output), static=static)
+
+    def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+        if trace:
+            raise NotImplementedError("the chunked path has no stage trace")
+        return {"output": np.asarray(self._run(config, tensors, inputs, options, None)[0])}
+
+    def vjp(self, config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+        out, d_params, d_inputs = self._run(config, tensors, inputs, options, d_output)
+        grads = {n: np.asarray(d_inputs[n]) for n in ("query", "key", "value") if n in d_inputs}
+        grads.update({n: np.asarray(d_params[n]) for n in config.tensor_shapes()})
+        return {"output": np.asarray(out), "grads": grads}
+
+
+def without_weights(case):
+    """The same case (same name, so the same inputs) asking for no weights."""
+    import dataclasses
+
+    return dataclasses.replace(case, return_weights=False)
+
+
+# A chunked program compiles in 2-4 s here (nested scans, their VJP), so the
+# default run takes the cases where blocks matter, in float32, plus float64
+# and 16-bit for the trickiest; the whole grid in every dtype is `slow`.
+CHUNKED_FAST = {
+    "float32": ["gqa", "query_len_1", "key_len_1", "causal_bottom_right_long_query", "bias_neg_inf",
+                "mask_and_bias_causal", "masked_rows_uniform", "masked_rows_nan", "dropout_train"],
+    "float64": ["masked_rows_nan", "dropout_train"],
+    "float16": ["causal_bottom_right"],
+    "bfloat16": ["mask_and_bias_causal"],
+}
+
+
+@pytest.mark.parametrize(("name", "dtype"), [
+    pytest.param(name, dtype, marks=() if name in CHUNKED_FAST[dtype] else pytest.mark.slow)
+    for dtype in DTYPE_NAMES for name in CASES])
+def test_chunked_case_matches_reference(name, dtype):
+    """Every case of the grid (masks, bias, -inf bias, both causal alignments,
+    fully masked rows under each policy, GQA/MQA, dropout mask, T or S = 1)
+    through chunk_size=2: several query and key blocks, the last one
+    overlapping its neighbour (T, S = 5 or 6), output and every gradient
+    judged against the float64 reference as `mha check` judges them."""
+    assert_case_conforms(without_weights(CASES[name]), dtype, "jax", ChunkedAdapter(2))
+
+
+@pytest.mark.parametrize(("name", "chunk_size"), [
+    ("causal_bottom_right_long_query", 1), ("mask_and_bias_causal", 3), ("masked_rows_uniform", 4),
+    ("dropout_train", 64), *(pytest.param(name, chunk, marks=pytest.mark.slow) for chunk in (1, 3, 4, 64) for name in (
+        "causal_bottom_right", "causal_bottom_right_long_query", "mask_and_bias_causal", "masked_rows_uniform",
+        "dropout_train", "mqa"))])
+def test_chunked_block_sizes(name, chunk_size):
+    """Blocks of one row/column, blocks that divide or overlap, one block for everything."""
+    assert_case_conforms(without_weights(CASES[name]), "float32", "jax", ChunkedAdapter(chunk_size))
+
+
+def _moderate_call(masked_row: str, T: int, S: int, *, dropout: float = 0.0, seed: int = 0):
+    """GQA config and inputs with a random (B, 1, T, S) mask, fully masked rows
+    (by the mask and by -inf bias), a float bias and, if dropout, a keep-mask."""
+    config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8, value_head_dim=6,
+                                     out_dim=12, masked_row=masked_row, dropout=dropout)
+    tensors = weights.init(config, seed=seed, dtype="float64")
+    rng = np.random.default_rng(seed + 1)
+    q, k = rng.standard_normal((2, T, 16)), rng.standard_normal((2, S, 16))
+    v = rng.standard_normal((2, S, 16))
+    mask = rng.random((2, 1, T, S)) < 0.6
+    mask[0, 0, 3] = False  # a fully masked row
+    bias = rng.standard_normal((2, 4, T, S))
+    bias[1, 2, T - 2] = -np.inf  # a fully masked row of one head, by bias
+    call = dict(mask=mask, bias=bias)
+    if dropout:
+        call.update(training=True, dropout_mask=rng.random((2, 4, T, S)) >= dropout)
+    return config, tensors, (q, k, v), call
+
+
+def _judge_forward_and_grads(label, config, tensors, xs, call, dtype, chunk_size):
+    """apply's output (chunked, or plain when chunk_size is None; no weights asked
+    for) and its jax.vjp (jitted) against the float64 NumPy reference, under the policy."""
+    from conformance.tolerance import assert_close
+
+    B, T, S = xs[0].shape[0], xs[0].shape[1], xs[1].shape[1]
+    t, x = cast_tensors(tensors, dtype), [a.astype(weights.dtype_from_name(dtype)) for a in xs]
+    t64, x64 = cast_tensors(t, "float64"), [a.astype(np.float64) for a in x]
+    c = {k: v for k, v in call.items()}
+    trace = []
+    want = impl_numpy.multi_head_attention(config, t64, *x64, trace=trace, **c)
+    logits = dict((e.stage, e.value) for e in trace)["logits"]
+    d_out = np.random.default_rng(5).standard_normal(want.shape)
+    _, want_grads, magnitudes = impl_numpy.multi_head_attention_vjp(config, t64, *x64, d_output=d_out,
+                                                                     gradient_magnitudes=True, **c)
+    same = {}
+    if dtype in ("float16", "bfloat16"):
+        low = impl_numpy.multi_head_attention(config, t, *x, **c)
+        same["output"] = float(np.nanmax(np.abs(low.astype(np.float64) - want), initial=0.0))
+    dims = dict(config=config, dtype=dtype, B=B, T=T, S=S, logits=logits)
+
+    @jax.jit
+    def forward_and_vjp(params, q, k, v):
+        out, pull = jax.vjp(lambda *a: impl_jax.apply(config, *a, chunk_size=chunk_size, **c), params, q, k, v)
+        return out, pull(d_out.astype(out.dtype))
+
+    out, (g_params, g_q, g_k, g_v) = forward_and_vjp(t, *x)
+    assert out.dtype == weights.dtype_from_name(dtype), f"{label}: output dtype {out.dtype}"
+    assert_close(f"{label} output", np.asarray(out), want, quantity="output", same_precision_error=same.get("output"),
+                 **dims)
+    if dtype in ("float16", "bfloat16"):
+        return  # 16-bit gradients: judged on the grid (test_chunked_case_matches_reference)
+    got = {"query": g_q, "key": g_k, "value": g_v, **g_params}
+    for name in want_grads:
+        assert_close(f"{label} grad {name}", np.asarray(got[name]), want_grads[name], quantity="grad",
+                     scale_floor=max_finite_abs(magnitudes[name]), **dims)
+
+
+CHUNKED_MODERATE_FAST = {("zero", "top_left", 37, 53), ("uniform", "bottom_right", 53, 37), ("nan", "bottom_right", 37, 53)}
+
+
+@pytest.mark.parametrize(("masked_row", "alignment", "T", "S"), [
+    pytest.param(*combo, marks=() if combo in CHUNKED_MODERATE_FAST else pytest.mark.slow)
+    for combo in ((m, a, T, S) for m in ("zero", "uniform", "nan") for a in ("top_left", "bottom_right")
+                  for T, S in ((37, 53), (53, 37)))])
+def test_chunked_forward_and_grads_float64(masked_row, alignment, T, S):
+    """Lengths over several blocks that do not divide them, causal in both
+    alignments (T > S bottom_right hides whole query blocks), mask, bias with
+    -inf, fully masked rows, GQA, H != V, O != D: output and every gradient
+    (jax.vjp through the scans) against the float64 reference."""
+    config, tensors, xs, call = _moderate_call(masked_row, T, S)
+    call.update(is_causal=True, causal_alignment=alignment)
+    _judge_forward_and_grads(f"{masked_row} {alignment} T={T} S={S}", config, tensors, xs, call, "float64", 8)
+
+
+@pytest.mark.parametrize("masked_row", [pytest.param("zero", marks=pytest.mark.slow), "uniform", "nan"])
+def test_chunked_dropout_mask_forward_and_grads(masked_row):
+    """An explicit keep-mask: the running sum takes the weights before dropout,
+    the numerator after (as impl_numpy/chunked.py); uniform rows too."""
+    config, tensors, xs, call = _moderate_call(masked_row, 29, 41, dropout=0.3)
+    _judge_forward_and_grads(f"dropout {masked_row}", config, tensors, xs, call, "float64", 8)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow),
+                                   pytest.param("float16", marks=pytest.mark.slow), "bfloat16"])
+def test_chunked_moderate_length_other_dtypes(dtype):
+    config, tensors, xs, call = _moderate_call("uniform", 45, 45)
+    call.update(is_causal=True)
+    _judge_forward_and_grads(f"{dtype} causal", config, tensors, xs, call, dtype, 16)
+
+
+def test_chunked_skips_the_key_blocks_the_causal_mask_hides():
+    """NaN in the values of the last keys reaches every row of the plain path
+    (0 weight times NaN is NaN); the chunked path never multiplies by the
+    blocks it skips, so query blocks that cannot see those keys stay finite,
+    and equal the plain path's rows without the NaN."""
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    rng = np.random.default_rng(3)
+    T, chunk = 32, 8
+    x = rng.standard_normal((1, T, 8)).astype(np.float32)
+    v = x.copy()
+    v[0, -chunk:] = np.nan  # the values of the last key block
+    plain = np.asarray(impl_jax.apply(config, tensors, x, x, v, is_causal=True))
+    assert np.isnan(plain).all(), "the plain path should spread the NaN to every row"
+    chunked = np.asarray(JIT_APPLY(config, tensors, x, x, v, is_causal=True, chunk_size=chunk))
+    clean = np.asarray(impl_jax.apply(config, tensors, x, x, x, is_causal=True))
+    hidden_rows = slice(0, T - chunk)  # query blocks 0..2 never see the last key block
+    assert np.isfinite(chunked[:, hidden_rows]).all(), (
+        f"rows that cannot see the last key block are not finite: {np.argwhere(~np.isfinite(chunked[0, hidden_rows]))[:5]}")
+    assert np.isnan(chunked[:, T - chunk:]).all(), "rows that see the NaN keys should be NaN"
+    err = float(np.abs(chunked[:, hidden_rows] - clean[:, hidden_rows]).max())
+    assert err <= 1e-5 * float(np.abs(clean).max()), f"chunked rows differ from the plain path's by {err:.3g}"
+
+
+def test_chunked_holds_no_t_by_s_array():
+    """XLA's own buffer assignment for the compiled chunked program: the
+    temporaries plus the output stay within a few times the inputs and
+    output, where one (B, N, T, S) float32 array is 256 MiB."""
+    config = weights.AttentionConfig(num_heads=4, query_dim=64, head_dim=16)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    T, chunk = 4096, 256
+    x = np.zeros((1, T, 64), np.float32)
+    io = 2 * x.nbytes
+    ts = config.num_heads * T * T * 4
+    block = config.num_heads * chunk * chunk * 4
+    for causal in (False, True):
+        compiled = jax.jit(lambda p, q: impl_jax.apply(config, p, q, is_causal=causal, chunk_size=chunk)).lower(
+            tensors, x).compile()
+        memory = compiled.memory_analysis()
+        used = memory.temp_size_in_bytes + memory.output_size_in_bytes
+        budget = 4 * io + 8 * block
+        assert used < budget, (f"causal={causal}: temporaries {memory.temp_size_in_bytes / 2**20:.1f} MiB + output "
+                               f"{memory.output_size_in_bytes / 2**20:.1f} MiB > budget {budget / 2**20:.1f} MiB "
+                               f"(one (B, N, T, S) array: {ts / 2**20:.0f} MiB)")
+
+
+def test_chunked_seed_draws_the_plain_paths_keep_mask():
+    case, tensors, inputs = case_arrays("dropout_train", "float32")
+    args = (case.config, tensors, inputs["query"], inputs["key"], inputs["value"])
+    plain = np.asarray(JIT_APPLY(*args, training=True, seed=5))
+    chunked = np.asarray(JIT_APPLY(*args, training=True, seed=5, chunk_size=2))
+    assert (cmp := compared("seed=5 chunked vs plain", chunked, plain, case.name, "float32", "output")).ok, cmp.describe()
+
+
+def test_chunked_layer_vmap_and_eager():
+    """The layer passes chunk_size through; vmap over inputs and eager calls agree with the reference."""
+    name = "mask_and_bias_causal"
+    case, tensors, inputs = case_arrays(name, "float32")
+    layer = impl_jax.MultiHeadAttention.from_tensors(case.config, tensors)
+    want = reference(name)[0]["output"]
+    kw = call_kwargs(case, inputs)
+    out = layer(inputs["query"], inputs["key"], inputs["value"], chunk_size=2, **kw)
+    assert (cmp := compared("layer chunked", np.asarray(out), want, name, "float32", "output")).ok, cmp.describe()
+    stacked = jax.vmap(lambda q: impl_jax.apply(case.config, tensors, q, inputs["key"], inputs["value"], chunk_size=3,
+                                                **kw))(jnp.stack([inputs["query"]] * 2))
+    for e in range(2):
+        assert (cmp := compared(f"vmap[{e}] chunked", np.asarray(stacked[e]), want, name, "float32", "output")).ok, cmp.describe()
+
+
+@pytest.mark.parametrize("extra", [dict(return_weights=True), dict(trace=[]), dict(chunk_size=0),
+                                   dict(chunk_size=-3), dict(chunk_size=2.0), dict(chunk_size=True),
+                                   dict(chunk_size="8")], ids=str)
+def test_chunked_refusals_match_reference(extra):
+    """The reference's words, from apply on NumPy arrays, the jitted apply and the layer."""
+    call = {"chunk_size": 4, **extra}
+    query = np.random.default_rng(1).standard_normal((2, 5, 8))
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    want = error_of(impl_numpy.multi_head_attention, config, tensors, query, **call)
+    got = error_of(impl_jax.apply, config, tensors, query, **call)
+    assert got == want, f"apply:\njax: {got!r}\nnumpy: {want!r}"
+    if "trace" not in extra:
+        got = error_of(JIT_APPLY, config, tensors, query, **call)
+        assert got == want, f"jitted apply:\njax: {got!r}\nnumpy: {want!r}"
+    got = error_of(impl_jax.MultiHeadAttention.from_tensors(config, tensors), query, **call)
+    assert got == want, f"layer:\njax: {got!r}\nnumpy: {want!r}"
+    if "return_weights" in extra:
+        assert got == CHUNK_REFUSAL, got
+
+
+
+# -- the fused fast path (no weights, no trace: logits .. attend in one expression) ------------
+
+FAST_FLOAT64 = ["mqa", "causal_bottom_right_long_query", "mask_and_bias_causal", "masked_rows_nan"]
+
+
+@pytest.mark.parametrize(("name", "dtype"), [*((name, "float32") for name in CASES),
+                                             *((name, "float64") for name in FAST_FLOAT64)])
+def test_fast_path_case_matches_reference(name, dtype):
+    """The grid without weights: float32 and float64 calls take functional.fused_attention
+    (dropout cases the stages); output and every gradient judged as `mha check` judges them."""
+    assert_case_conforms(without_weights(CASES[name]), dtype, "jax", adapter)
+
+
+@pytest.mark.parametrize(("masked_row", "alignment", "T", "S"), [
+    ("zero", "top_left", 37, 53), ("uniform", "bottom_right", 53, 37), ("nan", "bottom_right", 37, 53),
+    ("nan", "top_left", 53, 37)])
+def test_fast_path_forward_and_grads_float64(masked_row, alignment, T, S):
+    """GQA, H != V, a random mask, a bias with -inf, fully masked rows (by the
+    mask, the bias and bottom_right causality) under each policy: the fused
+    path's output and its jax.vjp against the float64 reference."""
+    config, tensors, xs, call = _moderate_call(masked_row, T, S)
+    call.update(is_causal=True, causal_alignment=alignment)
+    _judge_forward_and_grads(f"fused {masked_row} {alignment} T={T} S={S}", config, tensors, xs, call, "float64", None)
+
+
+def test_fast_path_is_taken_only_when_nothing_needs_the_stages(monkeypatch):
+    """The stages run when weights, the trace or dropout need them, or in 16
+    bits (whose stage-by-stage rounding the fused path would skip); otherwise
+    fused_attention replaces logits .. attend."""
+    name = "mask_and_bias_causal"
+    case, tensors, inputs = case_arrays(name, "float32")
+    args = (case.config, tensors, inputs["query"], inputs["key"], inputs["value"])
+    stages = []
+    for stage in ("logits", "softmax", "attend"):
+        original = getattr(jax_functional, stage)
+        monkeypatch.setattr(jax_functional, stage,
+                            lambda *a, _f=original, _s=stage, **k: stages.append(_s) or _f(*a, **k))
+    fused = []
+    original_fused = jax_functional.fused_attention
+    monkeypatch.setattr(jax_functional, "fused_attention", lambda *a, **k: fused.append(1) or original_fused(*a, **k))
+
+    def paths(**options):
+        stages.clear(), fused.clear()
+        impl_jax.apply(*args, **call_kwargs(case, inputs), **options)
+        return ("fused" if fused else "") + ("stages" if stages == ["logits", "softmax", "attend"] else "")
+
+    dropout_case, dropout_tensors, dropout_inputs = case_arrays("dropout_train", "float32")
+    assert paths() == "fused", paths()
+    assert paths(return_weights=True) == "stages"
+    assert paths(trace=[]) == "stages"
+    assert paths(dtype="bfloat16") == "stages"
+    stages.clear(), fused.clear()
+    impl_jax.apply(dropout_case.config, dropout_tensors, dropout_inputs["query"], dropout_inputs["key"],
+                   dropout_inputs["value"], **call_kwargs(dropout_case, dropout_inputs))
+    assert stages == ["logits", "softmax", "attend"] and not fused, (stages, fused)

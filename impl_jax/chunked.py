@@ -1,0 +1,213 @@
+"""Exact attention over key blocks with an online softmax (no (T, S) array): mirrors impl_numpy/chunked.py.
+
+The same recurrence as the NumPy spec of this mode (Milakov & Gimelshein
+2018, the one flash-attention uses): queries are taken in blocks of
+`chunk_size` rows and keys in blocks of `chunk_size` columns; for each query
+block a running max m, running sum l and running numerator acc are rescaled
+as each key block arrives, so the largest temporary is (B, N, chunk, chunk).
+Key blocks that the causal mask hides entirely are skipped (lax.switch: a
+hidden block costs a branch and no arithmetic; only blocks the diagonal
+crosses pay for the causal select). The stage functions of functional.py run
+on each block (project of a query block, split_heads, logits, mask,
+merge_heads, output), so the 16-bit rounding rule is the plain path's. In
+float32/float64, where that rounding is the identity, the scale multiplies
+the (chunk, H) queries instead of every (chunk, chunk) block of logits (one
+pass over each block fewer; the same product up to one rounding, exactly
+the same when the scale is a power of two, as 1/sqrt(64)).
+
+Pure JAX: lax.scan over query blocks, lax.scan over key blocks inside, so the
+call works under jax.jit (chunk_size is static), jax.grad and jax.vmap. Both
+scan bodies are rematerialised in the backward pass (jax.checkpoint): the
+gradient holds per-block residuals, not the (T, S) weights.
+
+Memory. The key and value projections are computed once, (B, S, K*H) and
+(B, S, K*V); the query projection, the attention and the output projection
+run per query block, so neither the (B, T, N*H) queries nor the (B, T, N*V)
+context exist whole. A length that is not a multiple of the block size is
+not padded (that would copy q, k, v, masks and bias): the last block starts
+at L - chunk and overlaps its neighbour; overlapping keys are masked out of
+the last key block, overlapping query rows are computed twice (identically)
+and kept once. Dropout: an explicit dropout_mask is (B, N, T, S) by contract,
+and a seed (or rng) draws that whole keep-mask as the plain path does (as
+impl_numpy does), so a seed means the same dropout on both paths.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from weights import compute_dtype
+
+from .functional import ATTEND, LOGITS, _precision, logits, mask_stage, merge_heads, output, project, split_heads
+
+CHUNK_REFUSAL = (
+    "chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights"
+)
+
+
+def check_chunk_size(chunk_size) -> int:
+    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def _starts(length: int, block: int) -> np.ndarray:
+    """First index of each block; the last one is clamped to length - block (overlap, no padding)."""
+    n = -(-length // block)
+    return np.minimum(np.arange(n) * block, length - block).astype(np.int32)
+
+
+def _block(array, T: int, S: int, t0, Cq: int, s0, Ck: int):
+    """A rank-4 broadcastable array's (t0:t0+Cq, s0:s0+Ck) block, slicing only the full T and S axes."""
+    if array is None:
+        return None
+    if array.shape[2] == T:
+        array = lax.dynamic_slice_in_dim(array, t0, Cq, axis=2)
+    if array.shape[3] == S:
+        array = lax.dynamic_slice_in_dim(array, s0, Ck, axis=3)
+    return array
+
+
+def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_causal: bool, causal_alignment: str,
+                      chunk_size: int, precision: str = "highest"):
+    """query (B, T, query_dim), key (B, S, key_dim), value (B, S, value_dim), all
+    cast to the storage dtype, canonical tensors p -> output (B, T, O).
+
+    mask (bool), bias (compute dtype) and keep (bool, (B, N, T, S)) are rank
+    4 and broadcast to (B, N, T, S), or None: prepare()'s results."""
+    chunk_size = check_chunk_size(chunk_size)
+    dtype = query.dtype
+    ct = compute_dtype(dtype)
+    B, T, _ = query.shape
+    S = key.shape[1]
+    N, K = config.num_heads, config.num_kv_heads
+    G = N // K
+    V = config.value_head_dim
+    Cq, Ck = min(chunk_size, T), min(chunk_size, S)
+    q_starts, k_starts = _starts(T, Cq), _starts(S, Ck)
+    nq, nk = len(q_starts), len(k_starts)
+    k_overlap = S % Ck != 0  # the last key block overlaps its neighbour: its first keys are masked out
+    offset = 0 if causal_alignment == "top_left" else S - T
+    scale = config.effective_scale
+    rate = jnp.asarray(1.0 - config.dropout, ct)
+    # A fully masked row's weights, as functional.softmax fills them: 0, 1/S or NaN on all S keys, then
+    # dropout. Its context is those weights times V over every key (hidden blocks too), so that its
+    # gradient reaches V as on the plain path: 1/S each, or NaN where such a row exists.
+    fill = {"zero": None, "uniform": 1.0 / S, "nan": np.nan}[config.masked_row]
+    pr = _precision(precision)
+    exact = ct == dtype  # float32/float64: rounding each stage to the storage dtype is the identity
+
+    k_all = project(key, p["key.kernel"], p.get("key.bias"), precision)  # (B, S, K*H)
+    v_all = project(value, p["value.kernel"], p.get("value.bias"), precision)  # (B, S, K*V)
+    if fill is not None and keep is None:
+        v_sum = v_all.astype(ct).sum(axis=1).reshape(B, K, 1, 1, V)  # (B, K, 1, 1, V)
+        v_sum = jnp.broadcast_to(v_sum, (B, K, G, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
+
+    def attend_acc(w, vb):
+        """w (B, N, Cq, Ck) in compute dtype times vb (B, K, Ck, V) -> (B, N, Cq, V), in compute dtype."""
+        return jnp.einsum(ATTEND, w.reshape(B, K, G, Cq, Ck), vb.astype(ct), precision=pr).reshape(B, N, Cq, V)
+
+    def key_blocks(j, s0):
+        """Key block j: its keys and values (B, K, Ck, H|V), and which of its keys no earlier block had."""
+        kb = split_heads(lax.dynamic_slice_in_dim(k_all, s0, Ck, axis=1), K)  # (B, K, Ck, H)
+        vb = split_heads(lax.dynamic_slice_in_dim(v_all, s0, Ck, axis=1), K)  # (B, K, Ck, V)
+        cols = s0 + jnp.arange(Ck, dtype=jnp.int32)  # (Ck,) key indices
+        fresh = (cols >= j * Ck)[None, None, None, :] if k_overlap else None  # (1, 1, 1, Ck)
+        return kb, vb, cols, fresh
+
+    xs = (jnp.arange(nk, dtype=jnp.int32), jnp.asarray(k_starts))
+
+    def query_block(t0):
+        qb = project(lax.dynamic_slice_in_dim(query, t0, Cq, axis=1), p["query.kernel"], p.get("query.bias"),
+                     precision)  # (B, Cq, N*H)
+        qb = split_heads(qb, N)  # (B, N, Cq, H)
+        rows = t0 + jnp.arange(Cq, dtype=jnp.int32)  # (Cq,) query indices
+        if exact:  # float32/float64: the scale on the (Cq, H) queries, not on every (Cq, Ck) block of logits
+            qs = qb.astype(ct) * jnp.asarray(scale, ct)
+            qs = qs.reshape(B, K, G * Cq, config.head_dim)  # (B, K, G*Cq, H)
+
+        def key_block(carry, js):
+            j, s0 = js
+            kb, vb, cols, fresh = key_blocks(j, s0)
+            keep_b = _block(keep, T, S, t0, Cq, s0, Ck)  # (B, N, Cq, Ck) or None
+
+            def compute(structural: bool):
+                def run(m, l, acc):
+                    allowed = _block(mask, T, S, t0, Cq, s0, Ck)
+                    if structural:  # the causal diagonal and/or the overlapping keys of the last block
+                        ok = fresh
+                        if is_causal:
+                            causal = (cols[None, :] <= rows[:, None] + offset)[None, None]  # (1, 1, Cq, Ck)
+                            ok = causal if ok is None else ok & causal
+                        allowed = ok if allowed is None else allowed & ok
+                    bias_b = _block(bias, T, S, t0, Cq, s0, Ck)
+                    if exact:  # the stages' arithmetic, rounding to the storage dtype being the identity
+                        x = jnp.einsum(LOGITS.replace("G", ""), qs, kb.astype(ct), precision=pr).reshape(B, N, Cq, Ck)
+                        if bias_b is not None:
+                            x = x + bias_b
+                        if allowed is not None:
+                            x = jnp.where(allowed, x, jnp.asarray(-jnp.inf, ct))
+                    else:  # 16-bit: the stage functions, each result rounded to the storage dtype
+                        x = logits(qb, kb, scale, precision)  # (B, N, Cq, Ck), storage dtype
+                        x = mask_stage(x, allowed, bias_b).astype(ct)
+                    # softmax is shift-invariant: the running max carries no gradient
+                    m_new = lax.stop_gradient(jnp.maximum(m, x.max(axis=-1, keepdims=True)))  # (B, N, Cq, 1)
+                    m_safe = jnp.where(m_new == -jnp.inf, jnp.asarray(0, ct), m_new)
+                    correction = jnp.exp(m - m_safe)  # 0 while m is -inf
+                    e = jnp.exp(x - m_safe)  # masked -> exactly 0
+                    l_new = l * correction + e.sum(axis=-1, keepdims=True)
+                    if keep_b is not None:
+                        e = jnp.where(keep_b, e / rate, jnp.asarray(0, ct))
+                    return m_new, l_new, acc * correction + attend_acc(e, vb)
+                return run
+
+            if not (is_causal or k_overlap):
+                return compute(False)(*carry), None
+            # hidden: every key after every query's last visible one; crosses: the causal diagonal or
+            # the overlap runs through the block, which then needs the structural mask
+            hidden = (s0 > t0 + (Cq - 1) + offset) if is_causal else False
+            crosses = (s0 + (Ck - 1) > t0 + offset) if is_causal else False
+            if k_overlap:
+                crosses = crosses | (j == nk - 1)
+            branch = jnp.where(hidden, 0, jnp.where(crosses, 2, 1))
+            return lax.switch(branch, [lambda *c: c, compute(False), compute(True)], *carry), None
+
+        init = (jnp.full((B, N, Cq, 1), -jnp.inf, ct), jnp.zeros((B, N, Cq, 1), ct), jnp.zeros((B, N, Cq, V), ct))
+        (m, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init, xs)
+        empty = l == 0  # no allowed key in the row (l >= 1 otherwise: the max contributes exp(0))
+        ctx = acc / jnp.where(empty, jnp.asarray(1, ct), l)
+        if fill is None:
+            ctx = jnp.where(empty, jnp.asarray(0, ct), ctx)
+        elif keep is None:
+            # the fill weight on every key: its factor is 0 on the other rows, so no NaN reaches their gradients
+            ctx = jnp.where(empty, jnp.where(empty, jnp.asarray(fill, ct), jnp.asarray(0, ct)) * v_sum, ctx)
+        else:
+            # with dropout: the fill weights, kept or dropped key by key, on the empty rows only: one more
+            # pass over the key blocks (training with masked_row "uniform" or "nan" only)
+            def fill_block(filled, js):
+                j, s0 = js
+                _, vb, _, fresh = key_blocks(j, s0)
+                kept = _block(keep, T, S, t0, Cq, s0, Ck) & empty
+                kept = kept if fresh is None else kept & fresh
+                w = jnp.where(kept, jnp.asarray(fill, ct) / rate, jnp.asarray(0, ct))  # (B, N, Cq, Ck)
+                return filled + attend_acc(w, vb), None
+
+            filled, _ = lax.scan(jax.checkpoint(fill_block, prevent_cse=False), jnp.zeros_like(acc), xs)
+            ctx = jnp.where(empty, filled, ctx)
+        ctx = merge_heads(ctx.astype(dtype))  # (B, Cq, N*V)
+        return output(ctx, p["output.kernel"], p.get("output.bias"), precision)  # (B, Cq, O)
+
+    def step(_, t0):
+        return None, query_block(t0)
+
+    _, ys = lax.scan(jax.checkpoint(step, prevent_cse=False), None, jnp.asarray(q_starts))  # (nq, B, Cq, O)
+    O = ys.shape[-1]
+    out = jnp.moveaxis(ys, 0, 1)  # (B, nq, Cq, O)
+    if T % Cq == 0:
+        return out.reshape(B, T, O)  # (B, T, O)
+    tail = T - (nq - 1) * Cq  # rows of the last (overlapping) block not in the one before
+    head = out[:, :-1].reshape(B, (nq - 1) * Cq, O)
+    return jnp.concatenate([head, out[:, -1, Cq - tail:]], axis=1)  # (B, T, O)

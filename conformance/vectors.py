@@ -20,7 +20,9 @@ reason}, from conformance/tolerance.py), generator.
 Expected values are the float64 reference evaluated on the stored (already
 rounded) weights and inputs, so they are the exact answer for what an
 implementation receives. Files are deterministic: regenerating on the same
-machine gives identical bytes (header keys sorted, fixed seeds).
+machine gives identical bytes (header keys sorted, fixed seeds). On another CPU
+OpenBLAS may pick another GEMM kernel, which rounds float64 sums differently: expected
+values and the tolerances measured from low-precision runs then differ in their last bits.
 """
 
 from __future__ import annotations

@@ -44,6 +44,14 @@ def is_float(dtype) -> bool:
     return dtype.kind == "f" or dtype == DTYPES["bfloat16"]
 
 
+def sum_is_finite(array: np.ndarray) -> bool:
+    """A one-pass proof that every element of a float16/32/64 array is finite:
+    a NaN or an Inf anywhere makes the sum NaN or Inf. False proves nothing
+    (finite values can overflow the sum, bfloat16 is not summed): the caller
+    then checks element by element."""
+    return array.dtype.kind == "f" and bool(np.isfinite(array.sum()))
+
+
 def dtype_name(dtype: np.dtype) -> str:
     return resolve_dtype(dtype).name
 

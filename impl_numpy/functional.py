@@ -31,6 +31,9 @@ from weights.dtypes import is_float
 
 from .masks import causal_mask
 
+# Query and key block size of the fused fast path (see multi_head_attention).
+FUSED_BLOCK = 512
+
 # The contractions, written once; the mirrors use the same strings.
 PROJECT = "BLD,DF->BLF"
 LOGITS = "BKGTH,BKSH->BKGTS"
@@ -202,7 +205,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         return_weights=return_weights, materializes_scores=materializes_scores,
         scores_itemsize=compute_dtype(dtype).itemsize,
     )
-    check_input_values(query=query, key=key, value=value)
+    check_input_values(query=query, key=None if key is query else key, value=None if value is key else value)
     if bias_np is not None:
         check_bias_values(bias_np)
         bias_np = bias_np.astype(compute_dtype(dtype)).reshape(shapes.bias_shape)
@@ -241,24 +244,33 @@ def multi_head_attention(
     dtype: compute in this storage dtype (default: the tensors' dtype).
     chunk_size: exact online-softmax over key blocks of this size; never
     holds a (T, S) array (see chunked.py). Not with return_weights or trace.
+
+    Fast path: when nothing between the projections is asked for (no trace,
+    no weights) and the storage dtype computes in itself (float32, float64),
+    logits ... attend run fused, block by block, in chunked.py's core (blocks
+    of FUSED_BLOCK, hidden causal blocks skipped): the same results to
+    round-off. The stage functions above are the spec; the trace, the weights
+    and 16-bit storage (whose every stage result is rounded) take them.
     """
     shapes, p, (query, key, value), mask4, bias_r4, keep, dtype = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         return_weights=return_weights, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
     )
-    if chunk_size is not None:
+    if chunk_size is not None and (return_weights or trace is not None):
+        raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
+    if chunk_size is not None or (trace is None and not return_weights and compute_dtype(dtype) == dtype):
         from .chunked import chunked_attention_core
 
-        if return_weights or trace is not None:
-            raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
-        q = split_heads(project(query, p["query.kernel"], p.get("query.bias")), config.num_heads)
-        k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)
-        v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)
+        q = split_heads(project(query, p["query.kernel"], p.get("query.bias")), config.num_heads)  # (B, N, T, H)
+        k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)  # (B, K, S, H)
+        v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)  # (B, K, S, V)
         ctx = chunked_attention_core(
-            config, q, k, v, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
-        )
-        return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"))
+            config, q, k, v, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
+            chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size,
+        )  # (B, N, T, V)
+        del q, k, v  # only the context and the output are alive during the output projection
+        return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
 
     allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731

@@ -56,33 +56,48 @@ def _masked_row_context(weight, keep, v, t0, t1, N, T, S, chunk_size, rate):
     return ctx
 
 
-def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size):
+def one_allocation(dtype, *shapes):
+    """Arrays of these shapes carved from one allocation. The first touch of
+    each fresh 4 KiB page is a page fault, which costs about what an exp costs
+    per float32 element; NumPy asks the kernel for huge pages for allocations
+    from 4 MiB on, so one large block faults a few hundred times less often
+    than several 3 MiB arrays (bert-base's q, k, v and context)."""
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    flat = np.empty(sum(sizes), dtype=dtype)
+    offsets = np.cumsum([0, *sizes])
+    return [flat[a:b].reshape(shape) for a, b, shape in zip(offsets[:-1], offsets[1:], shapes)]
+
+
+def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, out=None):
     """q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> context (B, N, T, V).
 
-    The context is a transposed view of a (B, T, N, V) array, so merge_heads
-    is a free reshape."""
+    q comes already multiplied by the scale, in the compute dtype (the caller
+    folds the scale into its projection: T*H products instead of T*S). The
+    context is a transposed view of a (B, T, N, V) array (`out` if given), so
+    merge_heads is a free reshape."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
     B, N, T, H = q.shape
     K, S, V = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
-    dtype = q.dtype
+    dtype = k.dtype
     ct = compute_dtype(dtype)
     rounds = ct != dtype  # 16-bit: stage results are rounded to the storage dtype
-    scale = ct.type(config.effective_scale)
     offset = 0 if causal_alignment == "top_left" else S - T  # key j visible to query i iff j <= i + offset
     rate = ct.type(1.0 - config.dropout)
     kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
-    context = np.empty((B, T, N, V), dtype=dtype)  # merge_heads' layout
-    rows = min(chunk_size, QUERY_ROWS)
-    scores = np.empty(B * N * min(rows, T) * min(chunk_size, S), dtype=ct)  # every block's logits, in turn
+    context = np.empty((B, T, N, V), dtype=dtype) if out is None else out  # merge_heads' layout
+    rows = min(chunk_size, QUERY_ROWS, T)
+    # Reused by every block: its logits (worked on in place), its numerator and one product.
+    scores, numerator, product = one_allocation(ct, B * N * rows * min(chunk_size, S), B * N * rows * V, B * N * rows * V)
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         t = t1 - t0
         # Causal: the keys after this block's last diagonal are hidden from every row in it.
         s_stop = min(S, max(0, t1 + offset)) if is_causal else S
-        qb = np.multiply(q[:, :, t0:t1], scale, dtype=ct).reshape(B, K, G * t, H)  # (B, K, G*t, H), scaled
-        m = l = acc = None  # running max, sum and numerator, (B, N, t, 1|1|V); None before the first key block
+        qb = q[:, :, t0:t1].reshape(B, K, G * t, H)  # (B, K, G*t, H); a copy only when G > 1
+        acc = numerator[: B * N * t * V].reshape(B, K, G * t, V)  # running numerator
+        m = l = None  # running max and sum, (B, N, t, 1); None before the first key block
         for s0 in range(0, s_stop, chunk_size):
             s1 = min(s_stop, s0 + chunk_size)
             s = s1 - s0
@@ -114,19 +129,24 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
             if keep is not None:
                 e /= rate
                 np.copyto(e, ct.type(0), where=~_block(keep, (T, S), t0, t1, s0, s1))
-            pv = np.matmul(e.reshape(B, K, G * t, s), vc[:, :, s0:s1]).reshape(B, N, t, V)
+            e = e.reshape(B, K, G * t, s)
             if m is None:
-                l, acc = row_sum, pv
+                np.matmul(e, vc[:, :, s0:s1], out=acc)
+                l = row_sum
             else:
+                pv = product[: B * N * t * V].reshape(B, K, G * t, V)
+                np.matmul(e, vc[:, :, s0:s1], out=pv)
                 correction = np.exp(m - m_safe)  # 0 where m was -inf
                 l *= correction
                 l += row_sum
-                acc *= correction
-                acc += pv
+                acc4 = acc.reshape(B, N, t, V)
+                acc4 *= correction
+                acc4 += pv.reshape(B, N, t, V)
             m = m_new
-        if acc is None:  # every key is hidden from every row of this block
+        acc = acc.reshape(B, N, t, V)
+        if l is None:  # every key is hidden from every row of this block
             l = np.zeros((B, N, t, 1), dtype=ct)
-            acc = np.zeros((B, N, t, V), dtype=ct)
+            acc[...] = 0
         empty = l == 0  # (B, N, t, 1): rows with no allowed key
         any_empty = empty.any()
         if any_empty:

@@ -69,21 +69,23 @@ def _product_plus_bias(y: np.ndarray, bias: np.ndarray | None, dtype: np.dtype) 
     return y.astype(dtype, copy=False)
 
 
-def _matmul_2d(x: np.ndarray, kernel2d: np.ndarray) -> np.ndarray:
+def _matmul_2d(x: np.ndarray, kernel2d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x (B, L, D) times (D, F) as one (B*L, D) GEMM in compute dtype: one
     large matmul runs near the BLAS roofline, B small ones do not."""
     B, L, D = x.shape
     ct = compute_dtype(x.dtype)
-    y = np.matmul(x.reshape(B * L, D).astype(ct, copy=False), kernel2d.astype(ct, copy=False))  # (B*L, F)
+    y = np.matmul(x.reshape(B * L, D).astype(ct, copy=False), kernel2d.astype(ct, copy=False),
+                  out=None if out is None else out.reshape(B * L, -1))  # (B*L, F)
     return y.reshape(B, L, -1)
 
 
 # -- stages --------------------------------------------------------------------
 
-def project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """PROJECT: x (B, L, D) times kernel (D, heads, width) flattened -> (B, L, F)."""
+def project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None = None) -> np.ndarray:
+    """PROJECT: x (B, L, D) times kernel (D, heads, width) flattened -> (B, L, F).
+    out: a contiguous (B, L, F) array to compute into (float32/float64 only)."""
     D = kernel.shape[0]
-    y = _matmul_2d(x, kernel.reshape(D, -1))  # (B, L, F)
+    y = _matmul_2d(x, kernel.reshape(D, -1), out)  # (B, L, F)
     return _product_plus_bias(y, None if bias is None else bias.reshape(-1), x.dtype)
 
 
@@ -259,17 +261,24 @@ def multi_head_attention(
     )
     if chunk_size is not None and (return_weights or trace is not None):
         raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
-    if chunk_size is not None or (trace is None and not return_weights and compute_dtype(dtype) == dtype):
-        from .chunked import chunked_attention_core
+    ct = compute_dtype(dtype)
+    if chunk_size is not None or (trace is None and not return_weights and ct == dtype):
+        from .chunked import chunked_attention_core, one_allocation
 
-        q = split_heads(project(query, p["query.kernel"], p.get("query.bias")), config.num_heads)  # (B, N, T, H)
-        k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)  # (B, K, S, H)
-        v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)  # (B, K, S, V)
+        N, K, H, V = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim
+        B, T, S = shapes.B, shapes.T, shapes.S
+        # float32/64: q, k, v and the context in one allocation (one_allocation says why)
+        outs = one_allocation(ct, (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V)) if ct == dtype else [None] * 4
+        q = project(query, p["query.kernel"], p.get("query.bias"), outs[0]).astype(ct, copy=False)  # (B, T, N*H)
+        q *= ct.type(config.effective_scale)  # the logits' scale, folded into the queries: T*H products, not T*S
+        k = project(key, p["key.kernel"], p.get("key.bias"), outs[1])  # (B, S, K*H)
+        v = project(value, p["value.kernel"], p.get("value.bias"), outs[2])  # (B, S, K*V)
         ctx = chunked_attention_core(
-            config, q, k, v, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
-            chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size,
+            config, split_heads(q, N), split_heads(k, K), split_heads(v, K), mask=mask4, bias=bias_r4, keep=keep,
+            is_causal=is_causal, causal_alignment=causal_alignment,
+            chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size, out=outs[3],
         )  # (B, N, T, V)
-        del q, k, v  # only the context and the output are alive during the output projection
+        del q, k, v  # 16-bit: only the context and the output are alive during the output projection
         return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
 
     allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)

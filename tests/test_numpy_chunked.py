@@ -69,26 +69,31 @@ def test_chunked_matches_plain_at_moderate_length_float64():
 
 
 @pytest.mark.parametrize("alignment, T, S", [("top_left", 300, 300), ("bottom_right", 200, 330), ("bottom_right", 330, 200)])
-@pytest.mark.parametrize("chunk", [64, None])
-def test_float32_blocks_meet_the_tolerance_policy(alignment, T, S, chunk):
-    """float32 through several query and key blocks (GQA, a mask, causal),
-    against the float64 stages, judged by the project's tolerance policy."""
+@pytest.mark.parametrize("dtype, chunk", [("float32", 64), ("float32", None), ("float16", 64), ("bfloat16", 96)])
+def test_blocks_meet_the_tolerance_policy(alignment, T, S, dtype, chunk):
+    """float32 and 16-bit through several query and key blocks (GQA, a mask,
+    causal), against the float64 stages, judged by the project's tolerance
+    policy (16-bit: against 3x the stages' own error in that dtype)."""
     from conformance.tolerance import assert_close
 
     config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8)
-    tensors = weights.init(config, seed=5, dtype="float32")
+    tensors = weights.init(config, seed=5, dtype=dtype)
     rng = np.random.default_rng(6)
-    q = rng.standard_normal((2, T, 16)).astype(np.float32)
-    kv = rng.standard_normal((2, S, 16)).astype(np.float32)
+    q = rng.standard_normal((2, T, 16)).astype(tensors["query.kernel"].dtype)
+    kv = rng.standard_normal((2, S, 16)).astype(q.dtype)
     mask = rng.random((2, 1, T, S)) < 0.8
     options = dict(mask=mask, is_causal=True, causal_alignment=alignment)
     t64 = {name: t.astype(np.float64) for name, t in tensors.items()}
     trace = []
     expected = multi_head_attention(config, t64, q.astype(np.float64), kv.astype(np.float64), trace=trace, **options)
+    same_precision = None
+    if dtype != "float32":
+        own = multi_head_attention(config, tensors, q, kv, trace=[], **options).astype(np.float64)
+        same_precision = float(np.abs(own - expected).max())
     actual = multi_head_attention(config, tensors, q, kv, chunk_size=chunk, **options)
-    assert actual.dtype == np.float32
-    assert_close(f"chunk_size={chunk}", actual, expected, config=config, dtype="float32", quantity="output",
-                 B=2, T=T, S=S, logits=dict((e.stage, e.value) for e in trace)["logits"])
+    assert actual.dtype == q.dtype
+    assert_close(f"{dtype} chunk_size={chunk}", actual, expected, config=config, dtype=dtype, quantity="output",
+                 B=2, T=T, S=S, logits=dict((e.stage, e.value) for e in trace)["logits"], same_precision_error=same_precision)
 
 
 @pytest.mark.parametrize("chunk", [32, None])

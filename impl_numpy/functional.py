@@ -31,7 +31,7 @@ from weights.dtypes import is_float
 
 from .masks import causal_mask
 
-# Query and key block size of the fused fast path (see multi_head_attention).
+# The fused fast path's chunk_size: key blocks of 512 (query blocks of chunked.QUERY_ROWS).
 FUSED_BLOCK = 512
 
 # The contractions, written once; the mirrors use the same strings.
@@ -249,10 +249,11 @@ def multi_head_attention(
 
     Fast path: when nothing between the projections is asked for (no trace,
     no weights) and the storage dtype computes in itself (float32, float64),
-    logits ... attend run fused, block by block, in chunked.py's core (blocks
-    of FUSED_BLOCK, hidden causal blocks skipped): the same results to
-    round-off. The stage functions above are the spec; the trace, the weights
-    and 16-bit storage (whose every stage result is rounded) take them.
+    logits ... attend run fused, block by block, in chunked.py's core (key
+    blocks of FUSED_BLOCK, hidden causal blocks skipped): the same results to
+    round-off (but see chunked.py on NaN in a hidden key). The stage functions
+    above are the spec; the trace, the weights and 16-bit storage (whose
+    every stage result is rounded) take them.
     """
     shapes, p, (query, key, value), mask4, bias_r4, keep, dtype = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,

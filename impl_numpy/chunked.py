@@ -1,11 +1,23 @@
 """Exact attention over key blocks with an online softmax (no (T, S) array).
 
-Queries are taken in blocks of `chunk_size` rows and keys in blocks of
-`chunk_size` columns, so the largest temporary is (B, N, chunk, chunk). For
-each query block a running max m, running sum l and running numerator acc are
-rescaled as each key block arrives (Milakov & Gimelshein 2018, the recurrence
-flash-attention uses). Key blocks that the causal mask hides entirely are
-skipped. The result equals functional.py's plain path to round-off.
+Keys are taken in blocks of `chunk_size` columns and queries in blocks of
+min(chunk_size, QUERY_ROWS) rows, so the largest temporary is
+(B, N, rows, chunk). For each query block a running max m, running sum l and
+running numerator acc are rescaled as each key block arrives (Milakov &
+Gimelshein 2018, the recurrence flash-attention uses). Key blocks that the
+causal mask hides entirely are never computed, nor read: a NaN in a hidden
+key or value reaches no row here, while the stages' attend matmul spreads it
+through 0 * NaN. Otherwise the result equals the stages' to round-off.
+
+This is also the plain call's fast engine (functional.py uses it when no trace
+and no weights are asked for), so it is written for speed as well as
+clarity: the caller folds the scale into its query projection (T*H products
+instead of T*S), one block buffer is reused for every block's logits and
+worked on in place, and the context is written straight into merge_heads'
+(B, T, N, V) layout. NumPy's elementwise passes run on one core while its
+BLAS matmuls use both, so each pass over a block counts; exp is the largest
+part of the work that is not a matmul: about 2 ns per element here, longer
+than the element's 4*H = 256 matmul FLOPs take at the BLAS rate.
 """
 
 from __future__ import annotations
@@ -13,6 +25,12 @@ from __future__ import annotations
 import numpy as np
 
 from weights import compute_dtype
+
+# Queries are taken in blocks of at most this many rows (keys in blocks of
+# chunk_size): a causal query block computes a (rows x rows) triangle of hidden
+# logits on its diagonal, so fewer rows waste less, while BLAS runs the
+# per-head (rows x H) x (H x chunk) products well from about 128 rows on.
+QUERY_ROWS = 128
 
 
 def _block(array, axis_sizes, t0, t1, s0, s1):
@@ -25,75 +43,120 @@ def _block(array, axis_sizes, t0, t1, s0, s1):
     return array[:, :, ts, ss]
 
 
-def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size):
-    """q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> context (B, N, T, V)."""
+def _masked_row_context(weight, keep, v, t0, t1, N, T, S, chunk_size, rate):
+    """The context of query rows t0..t1 if each were a row with no allowed key:
+    the masked-row policy's `weight` on every key (hidden ones included), then
+    dropout, times v, as the stages compute it. (B, N, t, V)."""
+    B, K, _, V = v.shape
+    t = t1 - t0
+    ctx = np.zeros((B, N, t, V), dtype=v.dtype)
+    for s0 in range(0, S, chunk_size):
+        s1 = min(S, s0 + chunk_size)
+        w = np.full((B, N, t, s1 - s0), weight, dtype=v.dtype)
+        if keep is not None:
+            w = np.where(_block(keep, (T, S), t0, t1, s0, s1), w / rate, 0)
+        ctx += np.matmul(w.reshape(B, K, -1, s1 - s0), v[:, :, s0:s1]).reshape(B, N, t, V)
+    return ctx
+
+
+def one_allocation(dtype, *shapes):
+    """Arrays of these shapes carved from one allocation. The first touch of
+    each fresh 4 KiB page is a page fault, which costs about what an exp costs
+    per float32 element; NumPy asks the kernel for huge pages for allocations
+    from 4 MiB on, so one large block faults a few hundred times less often
+    than several 3 MiB arrays (bert-base's q, k, v and context)."""
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    flat = np.empty(sum(sizes), dtype=dtype)
+    offsets = np.cumsum([0, *sizes])
+    return [flat[a:b].reshape(shape) for a, b, shape in zip(offsets[:-1], offsets[1:], shapes)]
+
+
+def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, out=None):
+    """q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> context (B, N, T, V).
+
+    q comes already multiplied by the scale, in the compute dtype (the caller
+    folds the scale into its projection: T*H products instead of T*S). The
+    context is a transposed view of a (B, T, N, V) array (`out` if given), so
+    merge_heads is a free reshape."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
     B, N, T, H = q.shape
     K, S, V = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
-    dtype = q.dtype
+    dtype = k.dtype
     ct = compute_dtype(dtype)
-    scale = ct.type(config.effective_scale)
-    offset = 0 if causal_alignment == "top_left" else S - T
-    rate = ct.type(1.0 - config.dropout)
-    out = np.empty((B, N, T, V), dtype=dtype)
-    kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
     rounds = ct != dtype  # 16-bit: stage results are rounded to the storage dtype
-    for t0 in range(0, T, chunk_size):
-        t1 = min(T, t0 + chunk_size)
-        qb = q[:, :, t0:t1].astype(ct).reshape(B, K, G * (t1 - t0), H)  # (B, K, G*t, H)
-        m = np.full((B, N, t1 - t0, 1), -np.inf, dtype=ct)
-        l = np.zeros((B, N, t1 - t0, 1), dtype=ct)
-        acc = np.zeros((B, N, t1 - t0, V), dtype=ct)
-        uniform_acc = np.zeros((B, N, t1 - t0, V), dtype=ct) if config.masked_row == "uniform" else None
-        for s0 in range(0, S, chunk_size):
-            s1 = min(S, s0 + chunk_size)
-            vb = vc[:, :, s0:s1]  # (B, K, s, V)
-            keep_b = _block(keep, (T, S), t0, t1, s0, s1)
-            if uniform_acc is not None:
-                # A fully masked row's weights are 1/S everywhere (then dropout).
-                wu = np.full((B, N, t1 - t0, s1 - s0), 1.0 / S, dtype=ct)
-                if keep_b is not None:
-                    wu = np.where(keep_b, wu / rate, 0)
-                uniform_acc += np.matmul(wu.reshape(B, K, -1, s1 - s0), vb).reshape(B, N, t1 - t0, V)
-            if is_causal and s0 > (t1 - 1) + offset:
-                continue  # every key in this block is after every query: hidden
-            # The stages of functional.py, on one block (same rounding rule), in place:
-            # the block (B, N, t, s) is the only large temporary.
-            x = np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2)).reshape(B, N, t1 - t0, s1 - s0)
-            x *= scale
+    offset = 0 if causal_alignment == "top_left" else S - T  # key j visible to query i iff j <= i + offset
+    rate = ct.type(1.0 - config.dropout)
+    kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
+    context = np.empty((B, T, N, V), dtype=dtype) if out is None else out  # merge_heads' layout
+    rows = min(chunk_size, QUERY_ROWS, T)
+    # Reused by every block: its logits (worked on in place), its numerator and one product.
+    scores, numerator, product = one_allocation(ct, B * N * rows * min(chunk_size, S), B * N * rows * V, B * N * rows * V)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        t = t1 - t0
+        # Causal: the keys after this block's last diagonal are hidden from every row in it.
+        s_stop = min(S, max(0, t1 + offset)) if is_causal else S
+        qb = q[:, :, t0:t1].reshape(B, K, G * t, H)  # (B, K, G*t, H); a copy only when G > 1
+        acc = numerator[: B * N * t * V].reshape(B, K, G * t, V)  # running numerator
+        m = l = None  # running max and sum, (B, N, t, 1); None before the first key block
+        for s0 in range(0, s_stop, chunk_size):
+            s1 = min(s_stop, s0 + chunk_size)
+            s = s1 - s0
+            # The stages of functional.py on one block (same rounding rule), in place in `scores`.
+            x = scores[: B * N * t * s].reshape(B, K, G * t, s)
+            np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2), out=x)  # logits, already scaled
+            x = x.reshape(B, N, t, s)
             if rounds:
-                x = x.astype(dtype).astype(ct)
+                x[...] = x.astype(dtype)
             if bias is not None:
                 x += _block(bias, (T, S), t0, t1, s0, s1)
                 if rounds:
-                    x = x.astype(dtype).astype(ct)
+                    x[...] = x.astype(dtype)
             allowed = _block(mask, (T, S), t0, t1, s0, s1)
+            hidden = None if allowed is None else ~allowed
             if is_causal and s1 - 1 > t0 + offset:  # the block crosses the diagonal
-                causal = np.arange(s0, s1)[None, :] <= np.arange(t0, t1)[:, None] + offset
-                allowed = causal if allowed is None else allowed & causal
-            if allowed is not None:
-                np.copyto(x, ct.type(-np.inf), where=~allowed)
-            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))
-            m_safe = np.where(m_new == -np.inf, 0, m_new)
-            correction = np.exp(m - m_safe)  # 0 when m was -inf
+                after = np.arange(s0, s1)[None, :] > np.arange(t0, t1)[:, None] + offset  # (t, s)
+                hidden = after if hidden is None else hidden | after
+            if hidden is not None:
+                np.copyto(x, ct.type(-np.inf), where=hidden)
+            # Online softmax: exp against the running max, earlier blocks rescaled when it grows.
+            m_new = x.max(axis=-1, keepdims=True)
+            if m is not None:
+                np.maximum(m, m_new, out=m_new)
+            m_safe = np.where(m_new == -np.inf, ct.type(0), m_new)  # a row that has seen no key yet
             x -= m_safe
-            e = np.exp(x, out=x)  # (B, N, t, s)
-            l = l * correction + e.sum(axis=-1, keepdims=True)
-            if keep_b is not None:
-                e = np.where(keep_b, e / rate, 0)
-            acc *= correction
-            acc += np.matmul(e.reshape(B, K, -1, s1 - s0), vb).reshape(B, N, t1 - t0, V)
-            m = m_new
-        empty = l == 0
-        ctx = acc / np.where(empty, 1, l)
-        if empty.any():
-            if config.masked_row == "zero":
-                ctx = np.where(empty, 0, ctx)
-            elif config.masked_row == "uniform":
-                ctx = np.where(empty, uniform_acc, ctx)
+            e = np.exp(x, out=x)  # masked -> exactly 0
+            row_sum = e.sum(axis=-1, keepdims=True)
+            if keep is not None:
+                e /= rate
+                np.copyto(e, ct.type(0), where=~_block(keep, (T, S), t0, t1, s0, s1))
+            e = e.reshape(B, K, G * t, s)
+            if m is None:
+                np.matmul(e, vc[:, :, s0:s1], out=acc)
+                l = row_sum
             else:
-                ctx = np.where(empty, np.nan, ctx)
-        out[:, :, t0:t1] = ctx.astype(dtype)
-    return out
+                pv = product[: B * N * t * V].reshape(B, K, G * t, V)
+                np.matmul(e, vc[:, :, s0:s1], out=pv)
+                correction = np.exp(m - m_safe)  # 0 where m was -inf
+                l *= correction
+                l += row_sum
+                acc4 = acc.reshape(B, N, t, V)
+                acc4 *= correction
+                acc4 += pv.reshape(B, N, t, V)
+            m = m_new
+        acc = acc.reshape(B, N, t, V)
+        if l is None:  # every key is hidden from every row of this block
+            l = np.zeros((B, N, t, 1), dtype=ct)
+            acc[...] = 0
+        empty = l == 0  # (B, N, t, 1): rows with no allowed key
+        any_empty = empty.any()
+        if any_empty:
+            l[empty] = 1
+        acc /= l
+        if any_empty and config.masked_row != "zero":  # "zero": acc is already 0 there
+            weight = 1.0 / S if config.masked_row == "uniform" else np.nan
+            acc = np.where(empty, _masked_row_context(weight, keep, vc, t0, t1, N, T, S, chunk_size, rate), acc)
+        context[:, t0:t1] = acc.transpose(0, 2, 1, 3)  # (B, t, N, V), stored in dtype
+    return context.transpose(0, 2, 1, 3)  # (B, N, T, V)

@@ -31,6 +31,9 @@ from weights.dtypes import is_float
 
 from .masks import causal_mask
 
+# The fused fast path's chunk_size: key blocks of 512 (query blocks of chunked.QUERY_ROWS).
+FUSED_BLOCK = 512
+
 # The contractions, written once; the mirrors use the same strings.
 PROJECT = "BLD,DF->BLF"
 LOGITS = "BKGTH,BKSH->BKGTS"
@@ -66,21 +69,23 @@ def _product_plus_bias(y: np.ndarray, bias: np.ndarray | None, dtype: np.dtype) 
     return y.astype(dtype, copy=False)
 
 
-def _matmul_2d(x: np.ndarray, kernel2d: np.ndarray) -> np.ndarray:
+def _matmul_2d(x: np.ndarray, kernel2d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x (B, L, D) times (D, F) as one (B*L, D) GEMM in compute dtype: one
     large matmul runs near the BLAS roofline, B small ones do not."""
     B, L, D = x.shape
     ct = compute_dtype(x.dtype)
-    y = np.matmul(x.reshape(B * L, D).astype(ct, copy=False), kernel2d.astype(ct, copy=False))  # (B*L, F)
+    y = np.matmul(x.reshape(B * L, D).astype(ct, copy=False), kernel2d.astype(ct, copy=False),
+                  out=None if out is None else out.reshape(B * L, -1))  # (B*L, F)
     return y.reshape(B, L, -1)
 
 
 # -- stages --------------------------------------------------------------------
 
-def project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """PROJECT: x (B, L, D) times kernel (D, heads, width) flattened -> (B, L, F)."""
+def project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None = None) -> np.ndarray:
+    """PROJECT: x (B, L, D) times kernel (D, heads, width) flattened -> (B, L, F).
+    out: a contiguous (B, L, F) array to compute into (float32/float64 only)."""
     D = kernel.shape[0]
-    y = _matmul_2d(x, kernel.reshape(D, -1))  # (B, L, F)
+    y = _matmul_2d(x, kernel.reshape(D, -1), out)  # (B, L, F)
     return _product_plus_bias(y, None if bias is None else bias.reshape(-1), x.dtype)
 
 
@@ -202,7 +207,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         return_weights=return_weights, materializes_scores=materializes_scores,
         scores_itemsize=compute_dtype(dtype).itemsize,
     )
-    check_input_values(query=query, key=key, value=value)
+    check_input_values(query=query, key=None if key is query else key, value=None if value is key else value)
     if bias_np is not None:
         check_bias_values(bias_np)
         bias_np = bias_np.astype(compute_dtype(dtype)).reshape(shapes.bias_shape)
@@ -241,24 +246,41 @@ def multi_head_attention(
     dtype: compute in this storage dtype (default: the tensors' dtype).
     chunk_size: exact online-softmax over key blocks of this size; never
     holds a (T, S) array (see chunked.py). Not with return_weights or trace.
+
+    Fast path: when nothing between the projections is asked for (no trace,
+    no weights) and the storage dtype computes in itself (float32, float64),
+    logits ... attend run fused, block by block, in chunked.py's core (key
+    blocks of FUSED_BLOCK, hidden causal blocks skipped): the same results to
+    round-off (but see chunked.py on NaN in a hidden key). The stage functions
+    above are the spec; the trace, the weights and 16-bit storage (whose
+    every stage result is rounded) take them.
     """
     shapes, p, (query, key, value), mask4, bias_r4, keep, dtype = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         return_weights=return_weights, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
     )
-    if chunk_size is not None:
-        from .chunked import chunked_attention_core
+    if chunk_size is not None and (return_weights or trace is not None):
+        raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
+    ct = compute_dtype(dtype)
+    if chunk_size is not None or (trace is None and not return_weights and ct == dtype):
+        from .chunked import chunked_attention_core, one_allocation
 
-        if return_weights or trace is not None:
-            raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
-        q = split_heads(project(query, p["query.kernel"], p.get("query.bias")), config.num_heads)
-        k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)
-        v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)
+        N, K, H, V = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim
+        B, T, S = shapes.B, shapes.T, shapes.S
+        # float32/64: q, k, v and the context in one allocation (one_allocation says why)
+        outs = one_allocation(ct, (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V)) if ct == dtype else [None] * 4
+        q = project(query, p["query.kernel"], p.get("query.bias"), outs[0]).astype(ct, copy=False)  # (B, T, N*H)
+        q *= ct.type(config.effective_scale)  # the logits' scale, folded into the queries: T*H products, not T*S
+        k = project(key, p["key.kernel"], p.get("key.bias"), outs[1])  # (B, S, K*H)
+        v = project(value, p["value.kernel"], p.get("value.bias"), outs[2])  # (B, S, K*V)
         ctx = chunked_attention_core(
-            config, q, k, v, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
-        )
-        return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"))
+            config, split_heads(q, N), split_heads(k, K), split_heads(v, K), mask=mask4, bias=bias_r4, keep=keep,
+            is_causal=is_causal, causal_alignment=causal_alignment,
+            chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size, out=outs[3],
+        )  # (B, N, T, V)
+        del q, k, v  # 16-bit: only the context and the output are alive during the output projection
+        return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
 
     allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731

@@ -1,4 +1,6 @@
-"""The chunked path never holds a (T, S) array, and agrees with the plain path."""
+"""The chunked path (and the fused fast path built on its core) never holds a
+(T, S) array, skips the key blocks a causal mask hides, and agrees with the
+stage-by-stage path."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import pytest
 
 import weights
 from impl_numpy import multi_head_attention
+from impl_numpy.chunked import QUERY_ROWS
+from impl_numpy.functional import FUSED_BLOCK
 
 
 def peak_bytes(fn):
@@ -55,9 +59,57 @@ def test_chunked_matches_plain_at_moderate_length_float64():
     mask = rng.random((2, 1, 300, 300)) < 0.5
     mask[0, 0, 7] = False  # a fully masked row
     for alignment in ("top_left", "bottom_right"):
-        plain = multi_head_attention(config, tensors, x, mask=mask, is_causal=True, causal_alignment=alignment)
-        for chunk in (1, 64, 299, 1000):
+        plain = multi_head_attention(config, tensors, x, mask=mask, is_causal=True, causal_alignment=alignment,
+                                     trace=[])  # the stages (a trace turns the fused fast path off)
+        for chunk in (1, 64, 299, 1000, None):  # None: the plain call's fused fast path
             chunked = multi_head_attention(config, tensors, x, mask=mask, is_causal=True, causal_alignment=alignment,
                                            chunk_size=chunk)
             err = np.abs(chunked - plain).max()
             assert err <= 1e-13, f"{alignment} chunk {chunk}: max abs difference {err:.3g}"
+
+
+@pytest.mark.parametrize("alignment, T, S", [("top_left", 300, 300), ("bottom_right", 200, 330), ("bottom_right", 330, 200)])
+@pytest.mark.parametrize("dtype, chunk", [("float32", 64), ("float32", None), ("float16", 64), ("bfloat16", 96)])
+def test_blocks_meet_the_tolerance_policy(alignment, T, S, dtype, chunk):
+    """float32 and 16-bit through several query and key blocks (GQA, a mask,
+    causal), against the float64 stages, judged by the project's tolerance
+    policy (16-bit: against 3x the stages' own error in that dtype)."""
+    from conformance.tolerance import assert_close
+
+    config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8)
+    tensors = weights.init(config, seed=5, dtype=dtype)
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, T, 16)).astype(tensors["query.kernel"].dtype)
+    kv = rng.standard_normal((2, S, 16)).astype(q.dtype)
+    mask = rng.random((2, 1, T, S)) < 0.8
+    options = dict(mask=mask, is_causal=True, causal_alignment=alignment)
+    t64 = {name: t.astype(np.float64) for name, t in tensors.items()}
+    trace = []
+    expected = multi_head_attention(config, t64, q.astype(np.float64), kv.astype(np.float64), trace=trace, **options)
+    same_precision = None
+    if dtype != "float32":
+        own = multi_head_attention(config, tensors, q, kv, trace=[], **options).astype(np.float64)
+        same_precision = float(np.abs(own - expected).max())
+    actual = multi_head_attention(config, tensors, q, kv, chunk_size=chunk, **options)
+    assert actual.dtype == q.dtype
+    assert_close(f"{dtype} chunk_size={chunk}", actual, expected, config=config, dtype=dtype, quantity="output",
+                 B=2, T=T, S=S, logits=dict((e.stage, e.value) for e in trace)["logits"], same_precision_error=same_precision)
+
+
+@pytest.mark.parametrize("chunk", [32, None])
+def test_hidden_key_blocks_are_never_read(chunk):
+    """A NaN in the last token's key and value: every row that reads its block
+    gets NaN (0 * NaN in the attend matmul), so rows stay finite exactly where
+    the key block holding it was skipped as hidden by the causal mask."""
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    T = 600
+    x = np.random.default_rng(0).standard_normal((1, T, 8))
+    kv = x.copy()
+    kv[0, -1] = np.nan
+    out = multi_head_attention(config, tensors, x, kv, is_causal=True, chunk_size=chunk)
+    rows = min(FUSED_BLOCK if chunk is None else chunk, QUERY_ROWS)  # the query block size
+    first_reading_row = (T - 1) // rows * rows  # only the last query block reaches key T-1
+    finite_rows = np.isfinite(out[0]).all(axis=-1)
+    assert finite_rows[:first_reading_row].all() and not finite_rows[first_reading_row:].any(), (
+        f"finite rows {np.flatnonzero(finite_rows)[[0, -1]]}, expected 0..{first_reading_row - 1}")

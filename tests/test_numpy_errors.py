@@ -115,3 +115,29 @@ def test_inf_inputs_get_the_same_words_from_every_adapter(backend_id):
         backends.load(backend_id).forward(CONFIG, TENSORS, {"query": x}, {})
     assert str(info.value) == ("query contains +-inf; NaN propagates but infinite inputs are refused "
                                "(an infinite logit would look like a masked one)")
+
+
+@pytest.mark.parametrize("dtype, big", [("float16", 6.0e4), ("bfloat16", 3.0e38), ("float32", 3.0e38), ("float64", 1.7e308)])
+def test_finite_checks_catch_one_bad_element_in_every_dtype(dtype, big):
+    """The weight and input checks run in the array's own dtype (bfloat16
+    through float64): a lone NaN/Inf is still found, and the largest finite
+    values are not mistaken for one."""
+    from weights.contract import check_input_values
+
+    tensors = weights.init(CONFIG, seed=0, dtype=dtype)
+    huge = {name: np.full(t.shape, big, dtype=t.dtype) for name, t in tensors.items()}
+    assert weights.validate_tensors(CONFIG, huge) == np.dtype(tensors["output.kernel"].dtype)
+    check_input_values(query=np.full((2, 3, 4), big, dtype=tensors["output.kernel"].dtype))
+    for bad in (np.nan, np.inf, -np.inf):
+        broken = dict(tensors)
+        broken["output.kernel"] = tensors["output.kernel"].copy()
+        broken["output.kernel"].flat[-1] = bad
+        with pytest.raises(weights.WeightsFormatError, match="output.kernel contains NaN or Inf"):
+            weights.validate_tensors(CONFIG, broken)
+        x = np.zeros((2, 3, 4), dtype=tensors["output.kernel"].dtype)
+        x.flat[-1] = bad
+        if np.isnan(bad):
+            check_input_values(query=x)  # NaN propagates
+        else:
+            with pytest.raises(ValueError, match=r"query contains \+-inf"):
+                check_input_values(query=x)

@@ -111,14 +111,33 @@ def test_all_true_mask_equals_no_mask(data):
     np.testing.assert_array_equal(a, b, err_msg="an all-True mask must be bit-identical to no mask")
 
 
+def staged(config, tensors, query, key, value, **options):
+    """The stage-by-stage path: asking for a trace turns the fused fast path off."""
+    return multi_head_attention(config, tensors, query, key, value, trace=[], **options)
+
+
 @given(data=st.data(), chunk=st.integers(1, 4))
-def test_chunked_equals_plain(data, chunk):
+def test_chunked_equals_staged(data, chunk):
     config = data.draw(configs(dropout=True))
     tensors = weights.init(config, seed=3, dtype="float64")
     query, key, value, options = data.draw(calls(config))
-    plain = multi_head_attention(config, tensors, query, key, value, **options)
+    expected = staged(config, tensors, query, key, value, **options)
     chunked = multi_head_attention(config, tensors, query, key, value, chunk_size=chunk, **options)
-    assert_allclose64(chunked, plain, f"chunk_size={chunk}", rtol=1e-11, atol=1e-12)
+    assert_allclose64(chunked, expected, f"chunk_size={chunk}", rtol=1e-11, atol=1e-12)
+
+
+@given(data=st.data())
+def test_fused_fast_path_equals_staged(data):
+    """Without trace or weights, float64 runs logits..attend fused (chunked.py's
+    core); it must agree with the stages, every option included."""
+    config = data.draw(configs(dropout=True))
+    tensors = weights.init(config, seed=4, dtype="float64")
+    query, key, value, options = data.draw(calls(config))
+    expected = staged(config, tensors, query, key, value, **options)
+    fused = multi_head_attention(config, tensors, query, key, value, **options)
+    assert_allclose64(fused, expected, "fused fast path", rtol=1e-11, atol=1e-12)
+    with_weights, _ = multi_head_attention(config, tensors, query, key, value, return_weights=True, **options)
+    np.testing.assert_array_equal(with_weights, expected, err_msg="return_weights takes the stages too")
 
 
 def test_masked_row_policies():

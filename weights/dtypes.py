@@ -44,6 +44,13 @@ def is_float(dtype) -> bool:
     return dtype.kind == "f" or dtype == DTYPES["bfloat16"]
 
 
+def for_value_checks(array: np.ndarray) -> np.ndarray:
+    """The array itself when np.isfinite / np.isinf take its dtype (float16,
+    float32, float64), a float64 copy otherwise (bfloat16): the copy cost
+    three times the check."""
+    return array if array.dtype.kind == "f" else array.astype(np.float64)
+
+
 def dtype_name(dtype: np.dtype) -> str:
     return resolve_dtype(dtype).name
 

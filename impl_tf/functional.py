@@ -26,7 +26,20 @@ same:
   multiplies a fully masked row by NaN instead of filling it, so such a row's
   logits get a NaN gradient as in the spec rather than a select's 0.
 
-Not mirrored: impl_numpy's chunked mode (`chunk_size`).
+Two paths beyond the stages, both exact to the tolerance policy:
+- When neither `trace` nor `return_weights` is asked for, logits -> mask ->
+  softmax -> dropout -> attend run as one fused computation
+  (`fused_attention`): the scale folded into q, TensorFlow's own softmax
+  kernel, masks and masked rows handled with as few passes over the (B, N,
+  T, S) scores as the call allows. The stages above stay the spec's; trace
+  and weights always come from them.
+- `chunk_size=` (chunked.py): impl_numpy's chunked mode, exact attention with
+  an online softmax over key blocks that never holds a (T, S) array and
+  skips key blocks the causal mask hides.
+
+Contractions run through tf.einsum with the spec's strings: keras.ops.einsum
+rewrites "BLD,DF->BLF" into a broadcasting 3-D matmul that TensorFlow runs
+about 1.3x slower than the einsum it came from.
 """
 
 from __future__ import annotations
@@ -77,7 +90,7 @@ def compute_dtype(dtype) -> str:
 
 def _einsum(subscripts: str, a, b, dtype):
     ct = compute_dtype(dtype)
-    return ops.cast(ops.einsum(subscripts, ops.cast(a, ct), ops.cast(b, ct)), dtype)
+    return ops.cast(tf.einsum(subscripts, ops.cast(a, ct), ops.cast(b, ct)), dtype)
 
 
 # -- stages --------------------------------------------------------------------
@@ -106,7 +119,7 @@ def logits(q, k, scale: float):
     K, S = k.shape[1], ops.shape(k)[2]
     qg = ops.reshape(q, (B, K, N // K, T, H))  # (B, K, G, T, H)
     ct = compute_dtype(q.dtype)
-    scores = ops.einsum(LOGITS, ops.cast(qg, ct), ops.cast(k, ct))  # (B, K, G, T, S)
+    scores = tf.einsum(LOGITS, ops.cast(qg, ct), ops.cast(k, ct))  # (B, K, G, T, S)
     return ops.cast(ops.reshape(scores * scale, (B, N, T, S)), q.dtype)  # (B, N, T, S)
 
 
@@ -171,6 +184,64 @@ def output(x, kernel, bias):
     return y
 
 
+# -- the fused fast path (no trace, no weights) -----------------------------------
+
+def may_have_empty_rows(mask4, bias, is_causal: bool, causal_alignment: str, T, S) -> bool:
+    """False only where no query row can lose every key: no mask, no bias, and
+    causal (if at all) aligned so that every query sees key 0 or more."""
+    if mask4 is not None or bias is not None:
+        return True
+    if not is_causal or causal_alignment == "top_left":
+        return False
+    return not (isinstance(T, int) and isinstance(S, int) and S >= T)  # bottom_right: query 0 sees S - T + 1 keys
+
+
+def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_alignment: str, scale: float,
+                    rate: float, masked_row: str):
+    """logits -> mask -> softmax -> dropout -> attend as one computation, for
+    calls that ask for neither the trace nor the weights: q (B, N, T, H),
+    k (B, K, S, H), v (B, K, S, V) -> (B, N, T, V) in the storage dtype.
+
+    Equal to the stages within the tolerance policy (the arithmetic runs in the
+    compute dtype throughout; the stages round each result to the storage
+    dtype). The differences of form: the scale multiplies q (T*H values, not
+    T*S); TensorFlow's softmax kernel; a position whose bias is -inf is folded
+    into the allowed mask, so that, as in the spec, no masked position passes
+    a gradient; and a fully masked row (every allowed flag False) is found on
+    the (broadcast) mask instead of the scores, then given its `masked_row`
+    value with one select. Its softmax is NaN before that select, and that
+    NaN reaches no gradient: every position of such a row is masked, and the
+    mask's select passes none.
+    """
+    dtype = dtype_name(q)
+    ct = compute_dtype(dtype)
+    B, N, T, H = ops.shape(q)
+    K, S, V = k.shape[1], ops.shape(k)[2], v.shape[-1]
+    qg = ops.reshape(ops.cast(q, ct) * tf.constant(scale, ct), (B, K, N // K, T, H))  # (B, K, G, T, H)
+    x = ops.reshape(tf.einsum(LOGITS, qg, ops.cast(k, ct)), (B, N, T, S))  # (B, N, T, S), scaled
+    allowed = mask4
+    if is_causal:
+        causal = causal_mask(T, S, causal_alignment)[None, None]  # (1, 1, T, S)
+        allowed = causal if allowed is None else ops.logical_and(allowed, causal)
+    if bias is not None:
+        x = x + bias
+        finite = bias > tf.constant(-math.inf, ct)  # (B|1, N|1, T|1, S|1)
+        allowed = finite if allowed is None else ops.logical_and(allowed, finite)
+    if allowed is not None:
+        x = tf.where(allowed, x, tf.constant(-math.inf, ct))
+    w = tf.nn.softmax(x, axis=-1)  # (B, N, T, S); a row with no allowed key is NaN here
+    if may_have_empty_rows(mask4, bias, is_causal, causal_alignment, T, S):
+        empty = ops.logical_not(ops.any(allowed, axis=-1, keepdims=True))  # (B|1, N|1, T|1, 1), on the mask
+        fill = {"zero": 0.0, "uniform": 1.0, "nan": math.nan}[masked_row]
+        fill = tf.constant(fill, ct) / tf.cast(S, ct) if masked_row == "uniform" else tf.constant(fill, ct)
+        w = tf.where(empty, fill, w)
+    if keep is not None:
+        w = tf.where(keep, w / tf.constant(1.0 - rate, ct), tf.constant(0.0, ct))
+    wg = ops.reshape(w, (B, K, N // K, T, S))  # (B, K, G, T, S)
+    ctx = tf.einsum(ATTEND, wg, ops.cast(v, ct))  # (B, K, G, T, V)
+    return ops.cast(ops.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)
+
+
 # -- helpers shared by the whole call ---------------------------------------------
 
 def _is_symbolic(x) -> bool:
@@ -204,11 +275,9 @@ def dropout_keep_mask(shape, rate: float, seed) -> Any:
     return keras.random.uniform(shape, seed=seed) >= rate
 
 
-def allowed_mask(shapes, mask_tensor, is_causal: bool, causal_alignment: str, T, S):
+def allowed_mask(mask4, is_causal: bool, causal_alignment: str, T, S):
     """mask AND causal, rank 4, broadcastable to (B, N, T, S); None if neither."""
-    allowed = None
-    if mask_tensor is not None:
-        allowed = _rank4(ops.cast(mask_tensor, "bool"))
+    allowed = mask4
     if is_causal:
         causal = causal_mask(T, S, causal_alignment)[None, None]  # (1, 1, T, S)
         allowed = causal if allowed is None else ops.logical_and(allowed, causal)
@@ -234,9 +303,11 @@ def check_tensors(config: AttentionConfig, tensors) -> str:
 
 def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=None, *, mask=None, bias=None,
                  dropout_mask=None, is_causal=False, causal_alignment="top_left", training=False, seed=None,
-                 return_weights=False):
+                 return_weights=False, materializes_scores=True):
     """The spec's checks on one call, shapes and dtypes only (plus bias values
-    when they are concrete): ValueError with the spec's words. Returns CallShapes."""
+    when they are concrete): ValueError with the spec's words. Returns CallShapes.
+    materializes_scores: the call holds (B, N, T, S) arrays (all but the chunked
+    path), refused up front when they cannot fit in memory."""
     key = query if key is None else key
     value = key if value is None else value
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -252,7 +323,8 @@ def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=Non
         dropout_mask_shape=None if dropout_mask is None else _static_shape(dropout_mask),
         dropout_mask_dtype=None if dropout_mask is None else dtype_name(dropout_mask),
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights,
+        return_weights=return_weights, materializes_scores=materializes_scores,
+        scores_itemsize=np.dtype(compute_dtype(dtype)).itemsize,
     )
     if bias is not None and not _is_symbolic(bias):
         check_bias_values(ops.convert_to_numpy(bias))  # traced bias values are not inspected
@@ -264,8 +336,11 @@ def _tensor(x):
 
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, return_weights, dtype):
-    """Validate a call and cast everything to the storage dtype."""
+            training, seed, return_weights, dtype, materializes_scores=True):
+    """Validate a call and cast everything to the storage dtype. Returns
+    (shapes, params, [query, key, value], mask4, bias_r4, keep, dtype): mask4
+    the caller's mask at rank 4 (causal not folded in), bias_r4 in the compute
+    dtype at rank 4, keep the dropout keep-mask when training, else None."""
     stored = check_tensors(config, tensors)
     dtype = stored if dtype is None else dtype_from_name(dtype).name
     training = bool(training)
@@ -276,6 +351,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     shapes = check_inputs(
         config, dtype, query, key, value, mask=mask_t, bias=bias_t, dropout_mask=keep_t, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training, seed=seed, return_weights=return_weights,
+        materializes_scores=materializes_scores,
     )
     if bias_t is not None:
         bias_t = _rank4(ops.cast(bias_t, compute_dtype(dtype)))  # (B|1, N|1, T|1, S|1)
@@ -285,9 +361,9 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         keep_t = dropout_keep_mask((B, config.num_heads, T, S), config.dropout, seed)
     if not training:
         keep_t = None
-    allowed = allowed_mask(shapes, mask_t, is_causal, causal_alignment, T, S)
+    mask4 = None if mask_t is None else _rank4(ops.cast(mask_t, "bool"))  # (B|1, N|1, T|1, S|1)
     cast = [ops.cast(x, dtype) for x in (query, key, value)]
-    return shapes, params, cast, allowed, bias_t, keep_t, dtype
+    return shapes, params, cast, mask4, bias_t, keep_t, dtype
 
 
 def multi_head_attention(
@@ -306,6 +382,7 @@ def multi_head_attention(
     seed: int | None = None,
     return_weights: bool = False,
     dtype: str | None = None,
+    chunk_size: int | None = None,
     trace: list | None = None,
 ):
     """The forward pass. Returns output (B, T, O), or (output, weights) with
@@ -313,13 +390,40 @@ def multi_head_attention(
 
     tensors: the canonical tensors (NumPy arrays, or tensors/variables of the
     canonical shapes). dtype: compute in this storage dtype (default: the
-    tensors' dtype). trace: a list that receives a TraceEntry per stage.
+    tensors' dtype). chunk_size: exact online softmax over key blocks of this
+    size, queries in blocks of the same size; never holds a (T, S) array (see
+    chunked.py). Not with return_weights or trace. trace: a list that
+    receives a TraceEntry per stage.
     """
-    shapes, p, (query, key, value), allowed, bias_r4, keep, dtype = prepare(
+    shapes, p, (query, key, value), mask4, bias_r4, keep, dtype = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, dtype=dtype,
+        return_weights=return_weights, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
     )
+    T, S = _size(shapes.T, query, 1), _size(shapes.S, key, 1)
+    if chunk_size is not None:
+        from .chunked import chunked_attention
+
+        if return_weights or trace is not None:
+            raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
+        k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)  # (B, K, S, H)
+        v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)  # (B, K, S, V)
+        ctx = chunked_attention(
+            config, query, p["query.kernel"], p.get("query.bias"), k, v, mask4=mask4, bias=bias_r4, keep=keep,
+            is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
+        )  # (B, T, N*V): the queries are projected block by block
+        del k, v
+        return output(ctx, p["output.kernel"], p.get("output.bias"))  # (B, T, O)
+    if trace is None and not return_weights:
+        q = split_heads(project(query, p["query.kernel"], p.get("query.bias")), config.num_heads)  # (B, N, T, H)
+        k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)  # (B, K, S, H)
+        v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)  # (B, K, S, V)
+        ctx = fused_attention(
+            q, k, v, mask4=mask4, bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
+            scale=config.effective_scale, rate=config.dropout, masked_row=config.masked_row,
+        )  # (B, N, T, V)
+        return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
+    allowed = allowed_mask(mask4, is_causal, causal_alignment, T, S)
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
     q = rec("query.project", project(query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
     k = rec("key.project", project(key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)

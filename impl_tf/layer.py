@@ -80,7 +80,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
     layer(query, key=None, value=None, mask=None, bias=None, is_causal=False,
     causal_alignment="top_left", training=None, dropout_mask=None, seed=None,
-    return_weights=False) -> output (B, T, O), or (output, weights (B, N, T, S)).
+    return_weights=False, chunk_size=None) -> output (B, T, O), or (output, weights (B, N, T, S)).
+    chunk_size: the chunked path (functional.multi_head_attention's; exact,
+    never holds a (T, S) array; not with return_weights).
 
     config: an AttentionConfig (or its dict, as get_config stores it).
     device: None (TensorFlow's placement), "cpu" or "gpu".
@@ -227,7 +229,7 @@ class MultiHeadAttention(keras.layers.Layer):
         return keras.random.uniform(shape, seed=self.seed_generator) >= self.config.dropout
 
     def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
-             training=None, dropout_mask=None, seed=None, return_weights=False):
+             training=None, dropout_mask=None, seed=None, return_weights=False, chunk_size=None):
         training = bool(training)
         try:
             with placement(self.device), matmul_precision(self.precision):
@@ -235,7 +237,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 return functional.multi_head_attention(
                     self.config, self.parameters(), query, key, value, mask=mask, bias=bias, is_causal=is_causal,
                     causal_alignment=causal_alignment, training=training, dropout_mask=dropout_mask, seed=seed,
-                    return_weights=return_weights,
+                    return_weights=return_weights, chunk_size=chunk_size,
                 )
         except ValueError as err:
             # Keras rewrites the message of an error raised in call() (adding

@@ -1,0 +1,216 @@
+"""Exact attention over key blocks with an online softmax (no (T, S) array):
+mirrors impl_numpy/chunked.py, the spec of this mode.
+
+Queries are taken in blocks of `chunk_size` rows and keys in blocks of
+`chunk_size` columns, so the largest temporary is (B, N, chunk, chunk). For
+each query block a running max m, running sum l and running numerator acc are
+rescaled as each key block arrives (Milakov & Gimelshein 2018, the recurrence
+flash-attention uses). Key blocks that the causal mask hides entirely are
+skipped. The result equals functional.py's plain path within the tolerance
+policy (the same stages on blocks, the same rounding rule).
+
+Beyond impl_numpy, for memory: the query projection runs block by block too
+(the (B, T, N*H) queries are never held; at T = 8192, D = 512 they would be
+as large as the inputs), and each query block leaves as merged heads
+(B, chunk, N*V), so the caller's output projection is the only other
+(B, T, ...) array.
+
+How it runs: a Python loop over the query blocks (their number and sizes are
+static) and, inside each, a tf.while_loop over the key blocks every query of
+the block sees entirely (no causal mask there), then the one or two blocks on
+the causal diagonal and a last partial key block, unrolled. Eagerly that is
+plain Python; under tf.function the graph holds one loop per query block, and
+each query block waits for the previous one (a control dependency), so the
+executor never runs two at once and memory stays at one block's worth. The
+shapes are static, so tf.function(jit_compile=True) compiles it too.
+GradientTape differentiates it as written: the running max is held
+constant (the result does not depend on it), and masked positions pass no
+gradient, as in the spec's backward.
+
+T and S must be known when a graph is traced (a batch of unknown size is
+fine): the blocks are laid out from them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._keras import keras, tf
+
+ops = keras.ops
+
+
+def check_chunk_size(chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def _block(array, T: int, S: int, t0, tb: int, s0, sb: int):
+    """The (t0:t0+tb, s0:s0+sb) block of a rank-4 array broadcastable to
+    (B, N, T, S); an axis of size 1 is broadcast and kept whole. t0 and s0
+    may be tensors (inside a loop); the sizes are static."""
+    if array is None:
+        return None
+    full_t, full_s = array.shape[2] != 1 or T == 1, array.shape[3] != 1 or S == 1
+    begin = [0, 0, t0 if full_t else 0, s0 if full_s else 0]
+    size = [-1, -1, tb if full_t else 1, sb if full_s else 1]
+    if not any(tf.is_tensor(b) for b in begin):
+        return array[:, :, begin[2]:begin[2] + size[2], begin[3]:begin[3] + size[3]]
+    return tf.slice(array, tf.stack([tf.cast(b, tf.int32) for b in begin]), size)
+
+
+def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, keep, is_causal: bool,
+                      causal_alignment: str, chunk_size: int):
+    """query (B, T, D) (projected here, block by block), k (B, K, S, H),
+    v (B, K, S, V), all in the storage dtype -> merged context (B, T, N*V).
+
+    mask4: bool, rank 4 broadcastable to (B, N, T, S), causal not included;
+    bias: compute dtype, rank 4; keep: the dropout keep-mask (B, N, T, S) or None.
+    """
+    from . import functional as F
+
+    C = check_chunk_size(chunk_size)
+    T, S = query.shape[1], k.shape[2]
+    if T is None or S is None:
+        raise ValueError(
+            f"chunk_size needs the query and key lengths known when the graph is traced: got T={T}, S={S}"
+        )
+    T, S = int(T), int(S)
+    N, K, V = config.num_heads, config.num_kv_heads, config.value_head_dim
+    G = N // K
+    B = query.shape[0] if query.shape[0] is not None else tf.shape(query)[0]
+    dtype = F.dtype_name(query)
+    ct = F.compute_dtype(dtype)
+    rounds = ct != dtype  # 16-bit: stage results are rounded to the storage dtype
+    scale = tf.constant(config.effective_scale, ct)  # not via float32
+    neg_inf = tf.constant(-math.inf, ct)
+    offset = 0 if causal_alignment == "top_left" else S - T
+    rate = tf.constant(1.0 - config.dropout, ct)
+    masked_row = config.masked_row
+    kc, vc = ops.cast(k, ct), ops.cast(v, ct)  # (B, K, S, H), (B, K, S, V)
+    n_full_s = S // C  # key blocks of the full size; a last one of S % C follows
+    v_total = None  # over all S: what a fully masked row's context is made of (not "zero")
+    if masked_row == "uniform" and keep is None:
+        v_total = ops.mean(vc, axis=2, keepdims=True)[:, :, None]  # (B, K, 1, 1, V): weights 1/S everywhere
+    elif masked_row == "nan" and keep is None:
+        v_total = ops.sum(vc, axis=2, keepdims=True)[:, :, None]  # (B, K, 1, 1, V): weights NaN everywhere
+
+    def round_(x):
+        return ops.cast(ops.cast(x, dtype), ct) if rounds else x
+
+    def key_block(state, qg, t0: int, tb: int, s0, sb: int, causal: bool):
+        """One key block into the running (m, l, acc) of a query block: the stages
+        of functional.py on a (B, N, tb, sb) block."""
+        m, l, acc = state
+        kb = tf.slice(kc, tf.stack([0, 0, tf.cast(s0, tf.int32), 0]), [-1, -1, sb, -1]) if tf.is_tensor(s0) \
+            else kc[:, :, s0:s0 + sb]  # (B, K, sb, H)
+        vb = tf.slice(vc, tf.stack([0, 0, tf.cast(s0, tf.int32), 0]), [-1, -1, sb, -1]) if tf.is_tensor(s0) \
+            else vc[:, :, s0:s0 + sb]  # (B, K, sb, V)
+        x = round_(ops.reshape(tf.einsum(F.LOGITS, qg, kb), (B, N, tb, sb)))  # (B, N, tb, sb), scaled
+        allowed = _block(mask4, T, S, t0, tb, s0, sb)
+        if bias is not None:
+            bb = _block(bias, T, S, t0, tb, s0, sb)
+            x = round_(x + bb)
+            finite = bb > neg_inf  # a -inf bias masks, and passes no gradient (the spec's backward)
+            allowed = finite if allowed is None else ops.logical_and(allowed, finite)
+        if causal:  # the block crosses the diagonal (s0 is static here)
+            visible = np.arange(s0, s0 + sb)[None, :] <= np.arange(t0, t0 + tb)[:, None] + offset  # (tb, sb)
+            allowed = visible[None, None] if allowed is None else ops.logical_and(allowed, visible[None, None])
+        if allowed is not None:
+            x = tf.where(allowed, x, neg_inf)
+        m_new = tf.stop_gradient(ops.maximum(m, ops.max(x, axis=-1, keepdims=True)))  # (B, N, tb, 1)
+        m_safe = tf.where(m_new == neg_inf, ops.zeros_like(m_new), m_new)  # a row with no key yet: 0
+        correction = ops.exp(m - m_safe)  # 0 while m is -inf
+        e = ops.exp(x - m_safe)  # (B, N, tb, sb); masked -> exactly 0
+        l = l * correction + ops.sum(e, axis=-1, keepdims=True)
+        if keep is not None:
+            e = tf.where(_block(keep, T, S, t0, tb, s0, sb), e / rate, ops.zeros_like(e))
+        eg = ops.reshape(e, (B, K, G, tb, sb))  # (B, K, G, tb, sb)
+        acc = acc * correction + ops.reshape(tf.einsum(F.ATTEND, eg, vb), (B, N, tb, V))
+        return m_new, l, acc
+
+    def key_loop(state, qg, t0: int, tb: int, j0: int, j1: int):
+        """Full key blocks j0 <= j < j1, none crossing the diagonal: one tf.while_loop."""
+        if j1 <= j0:
+            return state
+        if j1 - j0 == 1:
+            return key_block(state, qg, t0, tb, j0 * C, C, False)
+
+        def body(j, m, l, acc):
+            return (j + 1, *key_block((m, l, acc), qg, t0, tb, j * C, C, False))
+
+        _, *state = tf.while_loop(lambda j, *_: j < j1, body, (tf.constant(j0), *state),
+                                  maximum_iterations=j1 - j0)
+        return tuple(state)
+
+    def masked_row_ctx(t0: int, tb: int, empty):
+        """The context the spec gives a fully masked row (B, N, tb, V), over
+        every key, hidden or not: "uniform" weights 1/S, "nan" weights NaN,
+        each then through dropout. A "nan" row's weights are NaN only on the
+        rows that are empty (0 elsewhere), so that, as in the spec, the NaN
+        reaches the value gradient through those rows' kept keys and nothing else."""
+        empty_g = ops.reshape(empty, (B, K, G, tb, 1))
+        if keep is None:
+            if masked_row == "uniform":
+                return ops.reshape(ops.broadcast_to(v_total, (B, K, G, tb, V)), (B, N, tb, V))
+            nan_or_zero = tf.where(empty_g, tf.constant(math.nan, ct), tf.constant(0.0, ct))  # (B, K, G, tb, 1)
+            return ops.reshape(nan_or_zero * v_total, (B, N, tb, V))
+
+        def add(u, s0, sb):
+            kept = _block(keep, T, S, t0, tb, s0, sb)  # (B, N, tb, sb)
+            if masked_row == "uniform":
+                w = tf.where(kept, tf.constant(1.0 / S, ct) / rate, tf.constant(0.0, ct))
+            else:
+                w = tf.where(ops.logical_and(kept, empty), tf.constant(math.nan, ct), tf.constant(0.0, ct))
+            vb = tf.slice(vc, tf.stack([0, 0, tf.cast(s0, tf.int32), 0]), [-1, -1, sb, -1]) if tf.is_tensor(s0) \
+                else vc[:, :, s0:s0 + sb]
+            return u + ops.reshape(tf.einsum(F.ATTEND, ops.reshape(w, (B, K, G, tb, sb)), vb), (B, N, tb, V))
+
+        u = ops.zeros((B, N, tb, V), dtype=ct)
+        if n_full_s:
+            _, u = tf.while_loop(lambda j, _: j < n_full_s, lambda j, u: (j + 1, add(u, j * C, C)),
+                                 (tf.constant(0), u), maximum_iterations=n_full_s)
+        if S % C:
+            u = add(u, n_full_s * C, S % C)
+        return u
+
+    def query_block(t0: int, tb: int):
+        """Context of queries t0 <= t < t0 + tb, merged: (B, tb, N*V)."""
+        q = F.split_heads(F.project(query[:, t0:t0 + tb], q_kernel, q_bias), N)  # (B, N, tb, H)
+        qg = ops.reshape(ops.cast(q, ct) * scale, (B, K, G, tb, -1))  # (B, K, G, tb, H)
+        state = (ops.full((B, N, tb, 1), neg_inf, dtype=ct), ops.zeros((B, N, tb, 1), dtype=ct),
+                 ops.zeros((B, N, tb, V), dtype=ct))
+        if is_causal:
+            last = t0 + tb - 1 + offset  # the last key the block's last query sees
+            first = t0 + offset  # keys up to here are seen by every query of the block
+            n_seen = min(n_full_s, max(0, (first + 1) // C))  # full key blocks seen entirely
+            n_any = min(n_full_s, max(0, last // C + 1))  # full key blocks seen at least in part
+            state = key_loop(state, qg, t0, tb, 0, n_seen)
+            for j in range(n_seen, n_any):  # the diagonal: one or two blocks
+                state = key_block(state, qg, t0, tb, j * C, C, True)
+            if S % C and n_full_s * C <= last:
+                state = key_block(state, qg, t0, tb, n_full_s * C, S % C, True)
+        else:
+            state = key_loop(state, qg, t0, tb, 0, n_full_s)
+            if S % C:
+                state = key_block(state, qg, t0, tb, n_full_s * C, S % C, False)
+        m, l, acc = state
+        empty = l == 0  # (B, N, tb, 1): no key allowed (a row with any has l >= 1)
+        ctx = acc / tf.where(empty, ops.ones_like(l), l)  # (B, N, tb, V)
+        if masked_row == "zero":
+            ctx = tf.where(empty, ops.zeros_like(ctx), ctx)
+        else:
+            ctx = tf.where(empty, masked_row_ctx(t0, tb, empty), ctx)
+        return F.merge_heads(ops.cast(ctx, dtype))  # (B, tb, N*V)
+
+    blocks = []
+    for t0 in range(0, T, C):
+        if blocks:  # under tf.function: one query block at a time (bounded memory)
+            with tf.control_dependencies([blocks[-1]]):
+                blocks.append(query_block(t0, min(C, T - t0)))
+        else:
+            blocks.append(query_block(t0, min(C, T - t0)))
+    return blocks[0] if len(blocks) == 1 else ops.concatenate(blocks, axis=1)  # (B, T, N*V)

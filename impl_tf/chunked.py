@@ -90,7 +90,7 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
     offset = 0 if causal_alignment == "top_left" else S - T
     rate = tf.constant(1.0 - config.dropout, ct)
     masked_row = config.masked_row
-    kc, vc = ops.cast(k, ct), ops.cast(v, ct)  # (B, K, S, H), (B, K, S, V)
+    kc, vc = F._cast(k, ct), F._cast(v, ct)  # (B, K, S, H), (B, K, S, V)
     n_full_s = S // C  # key blocks of the full size; a last one of S % C follows
     v_total = None  # over all S: what a fully masked row's context is made of (not "zero")
     if masked_row == "uniform" and keep is None:
@@ -99,7 +99,7 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
         v_total = ops.sum(vc, axis=2, keepdims=True)[:, :, None]  # (B, K, 1, 1, V): weights NaN everywhere
 
     def round_(x):
-        return ops.cast(ops.cast(x, dtype), ct) if rounds else x
+        return F._cast(F._cast(x, dtype), ct) if rounds else x
 
     def key_block(state, qg, t0: int, tb: int, s0, sb: int, causal: bool):
         """One key block into the running (m, l, acc) of a query block: the stages
@@ -180,7 +180,7 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
     def query_block(t0: int, tb: int):
         """Context of queries t0 <= t < t0 + tb, merged: (B, tb, N*V)."""
         q = F.split_heads(F.project(query[:, t0:t0 + tb], q_kernel, q_bias), N)  # (B, N, tb, H)
-        qg = ops.reshape(ops.cast(q, ct) * scale, (B, K, G, tb, -1))  # (B, K, G, tb, H)
+        qg = ops.reshape(F._cast(q, ct) * scale, (B, K, G, tb, -1))  # (B, K, G, tb, H)
         state = (ops.full((B, N, tb, 1), neg_inf, dtype=ct), ops.zeros((B, N, tb, 1), dtype=ct),
                  ops.zeros((B, N, tb, V), dtype=ct))
         if is_causal:
@@ -204,7 +204,7 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
             ctx = tf.where(empty, ops.zeros_like(ctx), ctx)
         else:
             ctx = tf.where(empty, masked_row_ctx(t0, tb, empty), ctx)
-        return F.merge_heads(ops.cast(ctx, dtype))  # (B, tb, N*V)
+        return F.merge_heads(F._cast(ctx, dtype))  # (B, tb, N*V)
 
     blocks = []
     for t0 in range(0, T, C):

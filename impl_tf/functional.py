@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from weights import AttentionConfig, dtype_from_name, validate_tensors
+from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
 from weights.contract import check_bias_values, check_call
 
 from ._keras import keras, tf
@@ -88,9 +88,17 @@ def compute_dtype(dtype) -> str:
     return "float32" if name in ("float16", "bfloat16") else name
 
 
+def _cast(x, dtype: str):
+    """ops.cast, without its dispatch when x is a tensor of that dtype already
+    (most casts of a float32 or float64 call: about 30 us each, eagerly)."""
+    if tf.is_tensor(x) and x.dtype == dtype:
+        return x
+    return ops.cast(x, dtype)
+
+
 def _einsum(subscripts: str, a, b, dtype):
     ct = compute_dtype(dtype)
-    return ops.cast(tf.einsum(subscripts, ops.cast(a, ct), ops.cast(b, ct)), dtype)
+    return _cast(tf.einsum(subscripts, _cast(a, ct), _cast(b, ct)), dtype)
 
 
 # -- stages --------------------------------------------------------------------
@@ -101,7 +109,7 @@ def project(x, kernel, bias):
     y = _einsum(PROJECT, x, ops.reshape(kernel, (D, -1)), x.dtype)  # (B, L, F)
     if bias is not None:
         ct = compute_dtype(x.dtype)
-        y = ops.cast(ops.cast(y, ct) + ops.cast(ops.reshape(bias, (-1,)), ct), x.dtype)  # bias (F,); y (B, L, F)
+        y = _cast(_cast(y, ct) + _cast(ops.reshape(bias, (-1,)), ct), x.dtype)  # bias (F,); y (B, L, F)
     return y
 
 
@@ -119,8 +127,8 @@ def logits(q, k, scale: float):
     K, S = k.shape[1], ops.shape(k)[2]
     qg = ops.reshape(q, (B, K, N // K, T, H))  # (B, K, G, T, H)
     ct = compute_dtype(q.dtype)
-    scores = tf.einsum(LOGITS, ops.cast(qg, ct), ops.cast(k, ct))  # (B, K, G, T, S)
-    return ops.cast(ops.reshape(scores * scale, (B, N, T, S)), q.dtype)  # (B, N, T, S)
+    scores = tf.einsum(LOGITS, _cast(qg, ct), _cast(k, ct))  # (B, K, G, T, S)
+    return _cast(ops.reshape(scores * scale, (B, N, T, S)), q.dtype)  # (B, N, T, S)
 
 
 def mask(x, allowed, bias):
@@ -128,9 +136,9 @@ def mask(x, allowed, bias):
     rank-4 and broadcast to (B, N, T, S). A select, so a masked position gets
     no gradient (as in impl_numpy/backward.py)."""
     if bias is not None:
-        x = ops.cast(ops.cast(x, compute_dtype(x.dtype)) + bias, x.dtype)
+        x = _cast(_cast(x, compute_dtype(x.dtype)) + bias, x.dtype)
     if allowed is not None:
-        x = ops.where(allowed, x, ops.cast(-math.inf, x.dtype))
+        x = ops.where(allowed, x, _cast(-math.inf, x.dtype))
     return x
 
 
@@ -138,26 +146,26 @@ def softmax(x, masked_row: str):
     """Softmax over S in compute dtype. A row with no finite logit (every key
     masked) becomes: "zero" all 0, "uniform" all 1/S, "nan" all NaN."""
     ct = compute_dtype(x.dtype)
-    xc = ops.cast(x, ct)
+    xc = _cast(x, ct)
     row_max = ops.stop_gradient(ops.max(xc, axis=-1, keepdims=True))  # (B, N, T, 1)
     empty = ops.equal(row_max, -math.inf)
     e = ops.exp(xc - ops.where(empty, ops.zeros_like(row_max), row_max))  # masked -> exactly 0
     total = ops.sum(e, axis=-1, keepdims=True)
     w = e / ops.where(empty, ops.ones_like(total), total)  # an empty row is all 0 here
     if masked_row == "uniform":
-        w = ops.where(empty, ops.ones_like(w) / ops.cast(ops.shape(x)[-1], ct), w)
+        w = ops.where(empty, ops.ones_like(w) / _cast(ops.shape(x)[-1], ct), w)
     elif masked_row == "nan":
         # times NaN, not a NaN fill: the row's gradient is NaN too, as in the spec
         w = w * ops.where(empty, ops.full_like(total, math.nan), ops.ones_like(total))
-    return ops.cast(w, x.dtype)
+    return _cast(w, x.dtype)
 
 
 def dropout(w, keep, rate: float):
     """Inverted dropout with an explicit keep-mask (B, N, T, S)."""
     if keep is None:
         return w
-    wc = ops.cast(w, compute_dtype(w.dtype))
-    return ops.cast(ops.where(keep, wc / (1.0 - rate), ops.zeros_like(wc)), w.dtype)
+    wc = _cast(w, compute_dtype(w.dtype))
+    return _cast(ops.where(keep, wc / (1.0 - rate), ops.zeros_like(wc)), w.dtype)
 
 
 def attend(w, v):
@@ -180,7 +188,7 @@ def output(x, kernel, bias):
     y = _einsum(OUTPUT, x, ops.reshape(kernel, (-1, kernel.shape[-1])), x.dtype)  # (B, T, O)
     if bias is not None:
         ct = compute_dtype(x.dtype)
-        y = ops.cast(ops.cast(y, ct) + ops.cast(bias, ct), x.dtype)
+        y = _cast(_cast(y, ct) + _cast(bias, ct), x.dtype)
     return y
 
 
@@ -217,8 +225,8 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     ct = compute_dtype(dtype)
     B, N, T, H = ops.shape(q)
     K, S, V = k.shape[1], ops.shape(k)[2], v.shape[-1]
-    qg = ops.reshape(ops.cast(q, ct) * tf.constant(scale, ct), (B, K, N // K, T, H))  # (B, K, G, T, H)
-    x = ops.reshape(tf.einsum(LOGITS, qg, ops.cast(k, ct)), (B, N, T, S))  # (B, N, T, S), scaled
+    qg = ops.reshape(_cast(q, ct) * tf.constant(scale, ct), (B, K, N // K, T, H))  # (B, K, G, T, H)
+    x = ops.reshape(tf.einsum(LOGITS, qg, _cast(k, ct)), (B, N, T, S))  # (B, N, T, S), scaled
     allowed = mask4
     if is_causal:
         causal = causal_mask(T, S, causal_alignment)[None, None]  # (1, 1, T, S)
@@ -238,8 +246,29 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     if keep is not None:
         w = tf.where(keep, w / tf.constant(1.0 - rate, ct), tf.constant(0.0, ct))
     wg = ops.reshape(w, (B, K, N // K, T, S))  # (B, K, G, T, S)
-    ctx = tf.einsum(ATTEND, wg, ops.cast(v, ct))  # (B, K, G, T, V)
-    return ops.cast(ops.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)
+    ctx = tf.einsum(ATTEND, wg, _cast(v, ct))  # (B, K, G, T, V)
+    return _cast(ops.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)
+
+
+# Score arrays of this many elements or more run fused_attention compiled by
+# XLA, eagerly too: TensorFlow's own CPU kernels run the (T, H) x (H, S) batched
+# matmuls at 20-35% of their large-matmul rate (XLA: 40-90%), and every
+# elementwise op over (B, N, T, S) writes a fresh array, one page fault per 4
+# KiB once it passes glibc's 32 MiB mmap threshold. XLA fuses those passes.
+# Smaller calls (the conformance grid) stay eager: compiling would cost more
+# than it saves. The first call of a shape pays the compile.
+XLA_MIN_SCORES = 2**18
+
+_fused_attention_xla = tf.function(fused_attention, jit_compile=True, autograph=False)
+
+
+def _attention(q, k, v, **options):
+    """fused_attention, through XLA when the scores are large (XLA_MIN_SCORES)."""
+    B, N, T = q.shape[:3]
+    S = k.shape[2]
+    if None not in (N, T, S) and (B or 1) * N * T * S >= XLA_MIN_SCORES:
+        return _fused_attention_xla(q, k, v, **options)
+    return fused_attention(q, k, v, **options)
 
 
 # -- helpers shared by the whole call ---------------------------------------------
@@ -288,6 +317,17 @@ def check_tensors(config: AttentionConfig, tensors) -> str:
     """validate_tensors on NumPy arrays; on framework tensors and variables,
     the same checks of names, shapes and dtype (values are not read).
     Returns the storage dtype's name."""
+    expected = config.tensor_shapes()
+    if len(tensors) == len(expected) and not any(isinstance(t, np.ndarray) for t in tensors.values()):
+        # Framework tensors, the usual call: names, shapes and one dtype checked
+        # here; anything amiss goes the long way for validate_tensors' words.
+        try:
+            same_shapes = all(tuple(tensors[name].shape) == shape for name, shape in expected.items())
+            names = {dtype_name(tensors[name]) for name in expected} if same_shapes else set()
+        except (KeyError, AttributeError, ValueError, TypeError):
+            names = set()
+        if len(names) == 1 and next(iter(names)) in DTYPES:
+            return next(iter(names))
     proxies = {}
     for name, t in tensors.items():
         if isinstance(t, np.ndarray) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
@@ -354,15 +394,15 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         materializes_scores=materializes_scores,
     )
     if bias_t is not None:
-        bias_t = _rank4(ops.cast(bias_t, compute_dtype(dtype)))  # (B|1, N|1, T|1, S|1)
-    params = {name: ops.cast(t, dtype) for name, t in tensors.items()}
+        bias_t = _rank4(_cast(bias_t, compute_dtype(dtype)))  # (B|1, N|1, T|1, S|1)
+    params = {name: _cast(t, dtype) for name, t in tensors.items()}
     B, T, S = _size(shapes.B, query, 0), _size(shapes.T, query, 1), _size(shapes.S, key, 1)
     if training and keep_t is None and config.dropout > 0:
         keep_t = dropout_keep_mask((B, config.num_heads, T, S), config.dropout, seed)
     if not training:
         keep_t = None
-    mask4 = None if mask_t is None else _rank4(ops.cast(mask_t, "bool"))  # (B|1, N|1, T|1, S|1)
-    cast = [ops.cast(x, dtype) for x in (query, key, value)]
+    mask4 = None if mask_t is None else _rank4(_cast(mask_t, "bool"))  # (B|1, N|1, T|1, S|1)
+    cast = [_cast(x, dtype) for x in (query, key, value)]
     return shapes, params, cast, mask4, bias_t, keep_t, dtype
 
 
@@ -418,7 +458,7 @@ def multi_head_attention(
         q = split_heads(project(query, p["query.kernel"], p.get("query.bias")), config.num_heads)  # (B, N, T, H)
         k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)  # (B, K, S, H)
         v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)  # (B, K, S, V)
-        ctx = fused_attention(
+        ctx = _attention(
             q, k, v, mask4=mask4, bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
             scale=config.effective_scale, rate=config.dropout, masked_row=config.masked_row,
         )  # (B, N, T, V)

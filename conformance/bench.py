@@ -67,8 +67,8 @@ FRAMEWORKS = ("torch", "tf", "jax")
 MATMUL_N = 2048
 LONG_T = 2048  # from this query length on, the long-sequence (chunked) paths
 CHUNK_SIZE = 256  # NumPy's chunk_size for causal and long shapes (fastest of 128/256/512 at gpt2 here)
-TF_CHUNK_SIZE = 128  # impl_tf's, for B*N >= 32 (gpt2); with fewer batch x heads (long, sweep) the larger:
-TF_CHUNK_SIZE_SMALL_BATCH = 512
+TF_CHUNK_SIZE = 128  # impl_tf's, where B*N >= 32 (gpt2: 117% of matmul against 109% with 256, tf.function)
+TF_CHUNK_SIZE_SMALL_BATCH = 256  # impl_tf's, B*N < 32 (long: 125%, against 131% with 512 but ~30% more memory)
 MIN_REPEATS = 3
 SCHEMA = "mha-bench/1"
 
@@ -481,9 +481,8 @@ def glue_tf(device: str, quick: bool) -> Glue:
             out.append(Path_("ours.xla", "ours", "compiled", "forward", done(lambda: ours_xla(x, t)), ts_arrays=2,
                              note="tf.function(jit_compile=True)", compare=True))
         if c or shape.long:
-            # The chunked path (never a (T, S) array; causal key blocks skipped). Its key-block step is
-            # compiled by XLA either way; chunk sizes measured here: (B, N, chunk, chunk) blocks of about
-            # 1-2 M elements run best (gpt2: 128 over 256 and 512; long: 512 over 256 and 128).
+            # The chunked path (never a (T, S) array; causal key blocks skipped); its key-block step is
+            # compiled by XLA in both modes. Chunk sizes: see TF_CHUNK_SIZE.
             chunk = min(shape.T, TF_CHUNK_SIZE if shape.B * shape.N >= 32 else TF_CHUNK_SIZE_SMALL_BATCH)
 
             def ours_chunked(inp, tt):
@@ -545,8 +544,12 @@ def glue_tf(device: str, quick: bool) -> Glue:
         peak = tf.config.experimental.get_memory_info(name)["peak"] - base
         return peak, f"tf.config.experimental.get_memory_info({name!r}) peak growth", out
 
+    from impl_tf import chunked, functional
+
     info = {"version": tf.__version__, "keras": keras.__version__, "device": dev, "tf32": False,
-            "keras_mha_kernel": "keras einsum path (Keras flash attention is not used on the TensorFlow backend)"}
+            "keras_mha_kernel": "keras einsum path (Keras flash attention is not used on the TensorFlow backend)",
+            "ours_kernels": f"fused attention core compiled by XLA from {functional.XLA_MIN_SCORES} score elements, "
+                            f"chunked key-block step from {chunked.XLA_MIN_BLOCK} (eager paths too)"}
     return Glue(info, matmul, paths, lambda y: np.asarray(y), memory)
 
 

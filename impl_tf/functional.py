@@ -448,13 +448,13 @@ def multi_head_attention(
 
         if return_weights or trace is not None:
             raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
-        k = split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads)  # (B, K, S, H)
-        v = split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads)  # (B, K, S, V)
         ctx = chunked_attention(
-            config, query, p["query.kernel"], p.get("query.bias"), k, v, mask4=mask4, bias=bias_r4, keep=keep,
-            is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
-        )  # (B, T, N*V): the queries are projected block by block
-        del k, v
+            config, query, p["query.kernel"], p.get("query.bias"),
+            split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads),  # (B, K, S, H)
+            split_heads(project(value, p["value.kernel"], p.get("value.bias")), config.num_kv_heads),  # (B, K, S, V)
+            mask4=mask4, bias=bias_r4, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
+            chunk_size=chunk_size,
+        )  # (B, T, N*V): the queries are projected block by block, k and v released before this returns
         return output(ctx, p["output.kernel"], p.get("output.bias"))  # (B, T, O)
     if trace is None and not return_weights:
         q = split_heads(project(query, p["query.kernel"], p.get("query.bias")), config.num_heads)  # (B, N, T, H)

@@ -28,10 +28,12 @@ compiled by XLA once its (B, N, chunk, chunk) scores reach XLA_MIN_BLOCK
 elements: TensorFlow's CPU kernels run its (chunk x H) x (H x chunk) batched
 matmuls at 20-35% of their large-matmul rate and make one pass over the block
 per elementwise op; XLA fuses them (at gpt2, 2.5x faster per block). Smaller
-blocks (the conformance grid) run as TensorFlow ops. Under an outer
-tf.function(jit_compile=True) everything is one XLA program and works, but
-XLA:CPU runs the key loop (a while loop) several times slower than
-tf.function without jit_compile, which already compiles the block.
+blocks (the conformance grid) run as TensorFlow ops. Block offsets are
+tensors, sliced with xla.dynamic_slice when compiled (tf.slice's offsets
+would be compile-time constants: one compilation per block). Under an outer
+tf.function(jit_compile=True) the whole call is one XLA program (at gpt2
+about 15% slower than tf.function, which runs the projections as
+TensorFlow's own matmuls).
 
 GradientTape differentiates it as written: the running max is held constant
 (the result does not depend on it), and masked positions pass no gradient,
@@ -59,19 +61,32 @@ def check_chunk_size(chunk_size) -> int:
     return int(chunk_size)
 
 
-def _block(array, T: int, S: int, t0, tb: int, s0, sb: int):
+def _slice(array, begin, size, compiled: bool):
+    """tf.slice with tensor offsets (begin) and static sizes (-1: the whole
+    axis). Compiled by XLA, tf.slice's offsets are compile-time constants
+    (one compilation per offset); xla.dynamic_slice's are not."""
+    begin = tf.stack([tf.cast(b, tf.int32) for b in begin])
+    if not compiled:
+        return tf.slice(array, begin, size)
+    from tensorflow.compiler.tf2xla.python import xla  # TensorFlow's own XLA op wrappers
+
+    size = [tf.shape(array)[i] if n == -1 else n for i, n in enumerate(size)]
+    return xla.dynamic_slice(array, begin, tf.stack(size))
+
+
+def _block(array, T: int, S: int, t0, tb: int, s0, sb: int, compiled: bool = False):
     """The (t0:t0+tb, s0:s0+sb) block of a rank-4 array broadcastable to
     (B, N, T, S); an axis of size 1 is broadcast and kept whole. t0 and s0
     are int32 scalars (tensors); the sizes are static."""
     if array is None:
         return None
     full_t, full_s = array.shape[2] != 1 or T == 1, array.shape[3] != 1 or S == 1
-    begin = tf.stack([0, 0, t0 if full_t else 0, s0 if full_s else 0])
-    return tf.slice(array, begin, [-1, -1, tb if full_t else 1, sb if full_s else 1])
+    begin = [0, 0, t0 if full_t else 0, s0 if full_s else 0]
+    return _slice(array, begin, [-1, -1, tb if full_t else 1, sb if full_s else 1], compiled)
 
 
 def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, *, T: int, S: int, tb: int, sb: int,
-              causal: bool, offset: int, rate: float, dtype: str):
+              causal: bool, offset: int, rate: float, dtype: str, compiled: bool = False):
     """One key block s0 <= s < s0 + sb into the running (m, l, acc) of the query
     block t0 <= t < t0 + tb: functional.py's stages on a (B, N, tb, sb) block.
 
@@ -79,6 +94,7 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, *, T: int, S: in
     the compute dtype; t0, s0 int32 scalars; mask4 / bias / keep the call's
     rank-4 arrays (or None). causal: the block crosses the causal diagonal.
     Stage results are rounded to the storage `dtype` as in impl_numpy.
+    compiled: traced for XLA (the offsets then slice with xla.dynamic_slice).
     LOGITS and ATTEND are matmuls on the grouped queries, as impl_numpy's
     chunked mode writes them (XLA runs them 1.3-1.7x faster than the 5-D
     einsum's dot)."""
@@ -90,12 +106,12 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, *, T: int, S: in
     def round_(x):
         return _cast(_cast(x, dtype), ct) if ct != dtype else x
 
-    kb = tf.slice(kc, tf.stack([0, 0, s0, 0]), [-1, -1, sb, -1])  # (B, K, sb, H)
-    vb = tf.slice(vc, tf.stack([0, 0, s0, 0]), [-1, -1, sb, -1])  # (B, K, sb, V)
+    kb = _slice(kc, [0, 0, s0, 0], [-1, -1, sb, -1], compiled)  # (B, K, sb, H)
+    vb = _slice(vc, [0, 0, s0, 0], [-1, -1, sb, -1], compiled)  # (B, K, sb, V)
     x = round_(ops.reshape(tf.matmul(qg, kb, transpose_b=True), (B, N, tb, sb)))  # (B, N, tb, sb), scaled
-    allowed = _block(mask4, T, S, t0, tb, s0, sb)
+    allowed = _block(mask4, T, S, t0, tb, s0, sb, compiled)
     if bias is not None:
-        bb = _block(bias, T, S, t0, tb, s0, sb)
+        bb = _block(bias, T, S, t0, tb, s0, sb, compiled)
         x = round_(x + bb)
         finite = bb > neg_inf  # a -inf bias masks, and passes no gradient (the spec's backward)
         allowed = finite if allowed is None else ops.logical_and(allowed, finite)
@@ -110,7 +126,8 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, *, T: int, S: in
     e = ops.exp(x - m_safe)  # (B, N, tb, sb); masked -> exactly 0
     l = l * correction + ops.sum(e, axis=-1, keepdims=True)
     if keep is not None:
-        e = tf.where(_block(keep, T, S, t0, tb, s0, sb), e / tf.constant(1.0 - rate, ct), ops.zeros_like(e))
+        e = tf.where(_block(keep, T, S, t0, tb, s0, sb, compiled), e / tf.constant(1.0 - rate, ct),
+                     ops.zeros_like(e))
     eg = ops.reshape(e, (B, K, G * tb, sb))  # (B, K, G*tb, sb)
     acc = acc * correction + ops.reshape(tf.matmul(eg, vb), (B, N, tb, V))
     return m_new, l, acc
@@ -133,7 +150,7 @@ def compiled_key_block(mask4, bias, keep, **static):
         def step(m, l, acc, qg, kc, vc, t0, s0, *optional):
             given = iter(optional)
             mask4, bias, keep = (next(given) if p else None for p in present)
-            return key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, **static)
+            return key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, compiled=True, **static)
 
         _COMPILED[cache_key] = tf.function(step, jit_compile=True, autograph=False)
     return _COMPILED[cache_key]
@@ -217,7 +234,7 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
                 w = tf.where(kept, tf.constant(1.0 / S, ct) / tf.constant(1.0 - rate, ct), tf.constant(0.0, ct))
             else:
                 w = tf.where(ops.logical_and(kept, empty), tf.constant(math.nan, ct), tf.constant(0.0, ct))
-            vb = tf.slice(vc, tf.stack([0, 0, s0, 0]), [-1, -1, sb, -1])  # (B, K, sb, V)
+            vb = _slice(vc, [0, 0, s0, 0], [-1, -1, sb, -1], False)  # (B, K, sb, V)
             return u + ops.reshape(tf.matmul(ops.reshape(w, (B, K, G * tb, sb)), vb), (B, N, tb, V))
 
         u = ops.zeros((B, N, tb, V), dtype=ct)

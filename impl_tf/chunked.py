@@ -70,8 +70,18 @@ def _slice(array, begin, size, compiled: bool):
         return tf.slice(array, begin, size)
     from tensorflow.compiler.tf2xla.python import xla  # TensorFlow's own XLA op wrappers
 
-    size = [tf.shape(array)[i] if n == -1 else n for i, n in enumerate(size)]
-    return xla.dynamic_slice(array, begin, tf.stack(size))
+    size = tf.stack([tf.shape(array)[i] if n == -1 else n for i, n in enumerate(size)])
+    if not array.dtype.is_floating:
+        return xla.dynamic_slice(array, begin, size)  # a mask: no gradient
+
+    @tf.custom_gradient
+    def sliced(x):  # XlaDynamicSlice has no registered gradient: the slice's, written out
+        def grad(dy):
+            return xla.dynamic_update_slice(tf.zeros_like(x), dy, begin)
+
+        return xla.dynamic_slice(x, begin, size), grad
+
+    return sliced(array)
 
 
 def _block(array, T: int, S: int, t0, tb: int, s0, sb: int, compiled: bool = False):

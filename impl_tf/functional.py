@@ -37,9 +37,11 @@ Two paths beyond the stages, both exact to the tolerance policy:
   an online softmax over key blocks that never holds a (T, S) array and
   skips key blocks the causal mask hides.
 
-Contractions run through tf.einsum with the spec's strings: keras.ops.einsum
-rewrites "BLD,DF->BLF" into a broadcasting 3-D matmul that TensorFlow runs
-about 1.3x slower than the einsum it came from.
+The stages' contractions run through tf.einsum with the spec's strings:
+keras.ops.einsum rewrites "BLD,DF->BLF" into a broadcasting 3-D matmul that
+TensorFlow runs about 1.3x slower than the einsum it came from. The fused and
+chunked paths write LOGITS and ATTEND as matmuls on the grouped (B, K, G*T, .)
+queries, as impl_numpy computes them.
 """
 
 from __future__ import annotations

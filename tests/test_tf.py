@@ -828,6 +828,27 @@ def test_chunk_size_errors_match_reference(bad):
     assert str(got.value) == str(want.value), f"layer: {str(got.value)!r} != {str(want.value)!r}"
 
 
+def test_layer_chunk_size_default_and_config():
+    """A layer built with chunk_size runs its calls chunked (the same result as a
+    call's chunk_size, which overrides it), and keeps it through get_config."""
+    case = LONG_CASES["long_self_causal_gqa"]
+    inputs = _inputs(case, "float32")
+    call = dict(mask=inputs["mask"], bias=inputs["bias"], is_causal=True)
+    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), "float32"),
+                                                    chunk_size=8)
+    plain = impl_tf.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), "float32"))
+    got, want = np.asarray(layer(inputs["query"], **call)), np.asarray(plain(inputs["query"], chunk_size=8, **call))
+    assert np.array_equal(got, want), f"layer chunk_size=8 differs from a call's chunk_size=8: {np.abs(got - want).max()}"
+    clone = impl_tf.MultiHeadAttention.from_config(layer.get_config())
+    assert clone.chunk_size == 8, f"chunk_size after from_config: {clone.chunk_size}"
+    with pytest.raises(ValueError) as err:
+        layer(inputs["query"], return_weights=True, **call)
+    assert "chunk_size cannot be combined with return_weights" in str(err.value), str(err.value)
+    with pytest.raises(ValueError) as err:
+        impl_tf.MultiHeadAttention(case.config, chunk_size=0)
+    assert str(err.value) == "chunk_size must be a positive integer: got 0", str(err.value)
+
+
 @pytest.mark.parametrize("ask", ["return_weights", "trace"])
 def test_chunked_refuses_weights_and_trace(ask):
     case = CASES["cross_basic"]

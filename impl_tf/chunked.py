@@ -20,8 +20,10 @@ static) and, inside each, a tf.while_loop over the key blocks every query of
 the block sees entirely (no causal mask there), then the one or two blocks on
 the causal diagonal and a last partial key block. Eagerly that is plain
 Python; under tf.function the graph holds one loop per query block, and each
-query block waits for the previous one (a control dependency), so the
-executor never runs two at once and memory stays at one block's worth.
+query block waits for the one IN_FLIGHT blocks before it (a control
+dependency): the executor runs two at a time, one per core of this 2-core
+machine (a block's step keeps about 1.4 cores busy: at gpt2 74% -> 102% of
+the matmul rate, at long 112% -> 138%), and memory stays at two blocks' worth.
 
 One key block (`key_block`: logits, mask, online-softmax update, attend) is
 compiled by XLA once its (B, N, chunk, chunk) scores reach XLA_MIN_BLOCK
@@ -52,6 +54,7 @@ from .functional import _cast, compute_dtype, dtype_name, merge_heads, project, 
 
 ops = keras.ops
 
+IN_FLIGHT = 2  # query blocks a graph may run at once
 XLA_MIN_BLOCK = 2**16  # (B, N, chunk, chunk) score elements from which a key block runs compiled by XLA
 
 
@@ -286,8 +289,8 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
 
     blocks = []
     for t0 in range(0, T, C):
-        if blocks:  # under tf.function: one query block at a time (bounded memory)
-            with tf.control_dependencies([blocks[-1]]):
+        if len(blocks) >= IN_FLIGHT:  # under tf.function: IN_FLIGHT query blocks at a time (bounded memory)
+            with tf.control_dependencies([blocks[-IN_FLIGHT]]):
                 blocks.append(query_block(t0, min(C, T - t0)))
         else:
             blocks.append(query_block(t0, min(C, T - t0)))

@@ -33,7 +33,7 @@ Method
   /proc/self/clear_refs (resets VmHWM), then VmHWM after the call minus VmRSS
   before it. GPU: the framework's own peak-allocation counter.
 - Long sequences (T >= LONG_T): each implementation's chunked path if it has
-  one (NumPy chunk_size=, torch SDPA); weights are never requested. A path
+  one (NumPy and Keras chunk_size=, torch SDPA); weights are never requested. A path
   whose (B, N, T, S) float32 arrays would not fit in --mem-limit is skipped
   with that reason instead of run.
 - Sweep (T = S = 128 ... 16384, B 1, D 512, N 8): forward only, one path of
@@ -68,6 +68,8 @@ MATMUL_N = 2048
 LONG_T = 2048  # from this query length on, the long-sequence (chunked) paths
 CHUNK_SIZE = 512  # NumPy's chunk_size for causal and long shapes: key blocks of 512, query blocks of 128 (impl_numpy.chunked.QUERY_ROWS)
 JAX_CHUNK_SIZE = 256  # impl_jax's chunk_size for causal and long shapes (fastest of 128/256/512 at gpt2; 256 and 512 tie at long)
+TF_CHUNK_SIZE = 128  # impl_tf's, where B*N >= 32 (gpt2: 117% of matmul against 109% with 256, tf.function)
+TF_CHUNK_SIZE_SMALL_BATCH = 256  # impl_tf's, B*N < 32 (long: 125%, against 131% with 512 but ~30% more memory)
 MIN_REPEATS = 3
 SCHEMA = "mha-bench/1"
 
@@ -471,13 +473,28 @@ def glue_tf(device: str, quick: bool) -> Glue:
         out = []
         ours_xla = tf.function(ours, jit_compile=True, reduce_retracing=False)
         native_xla = tf.function(native, jit_compile=True)
-        if not shape.sweep:
+        if not shape.sweep and not shape.long:
             out.append(Path_("ours.eager", "ours", "eager", "forward", done(lambda: ours(x, t)), ts_arrays=5, compare=True))
             ours_graph = tf.function(ours)
             out.append(Path_("ours.graph", "ours", "compiled", "forward", done(lambda: ours_graph(x, t)), ts_arrays=4,
                              note="tf.function", compare=True))
-        out.append(Path_("ours.xla", "ours", "compiled", "forward", done(lambda: ours_xla(x, t)), ts_arrays=2,
-                         note="tf.function(jit_compile=True)", compare=True))
+        if not shape.long:
+            out.append(Path_("ours.xla", "ours", "compiled", "forward", done(lambda: ours_xla(x, t)), ts_arrays=2,
+                             note="tf.function(jit_compile=True)", compare=True))
+        if c or shape.long:
+            # The chunked path (never a (T, S) array; causal key blocks skipped); its key-block step is
+            # compiled by XLA in both modes. Chunk sizes: see TF_CHUNK_SIZE.
+            chunk = min(shape.T, TF_CHUNK_SIZE if shape.B * shape.N >= 32 else TF_CHUNK_SIZE_SMALL_BATCH)
+
+            def ours_chunked(inp, tt):
+                return multi_head_attention(config, tt, inp, is_causal=c, chunk_size=chunk)
+
+            ours_chunked_graph = tf.function(ours_chunked)
+            if not shape.sweep:
+                out.append(Path_("ours.chunked.eager", "ours", "eager", "forward", done(lambda: ours_chunked(x, t)),
+                                 note=f"chunk_size={chunk}", compare=True))
+            out.append(Path_("ours.chunked.graph", "ours", "compiled", "forward", done(lambda: ours_chunked_graph(x, t)),
+                             note=f"chunk_size={chunk}, tf.function", compare=True))
         if not shape.sweep:
             out.append(Path_("native.keras_mha.eager", "native", "eager", "forward", done(lambda: native(x)), ts_arrays=5))
             native_graph = tf.function(native)
@@ -528,8 +545,12 @@ def glue_tf(device: str, quick: bool) -> Glue:
         peak = tf.config.experimental.get_memory_info(name)["peak"] - base
         return peak, f"tf.config.experimental.get_memory_info({name!r}) peak growth", out
 
+    from impl_tf import chunked, functional
+
     info = {"version": tf.__version__, "keras": keras.__version__, "device": dev, "tf32": False,
-            "keras_mha_kernel": "keras einsum path (Keras flash attention is not used on the TensorFlow backend)"}
+            "keras_mha_kernel": "keras einsum path (Keras flash attention is not used on the TensorFlow backend)",
+            "ours_kernels": f"fused attention core compiled by XLA from {functional.XLA_MIN_SCORES} score elements, "
+                            f"chunked key-block step from {chunked.XLA_MIN_BLOCK} (eager paths too)"}
     return Glue(info, matmul, paths, lambda y: np.asarray(y), memory)
 
 

@@ -2,7 +2,8 @@
 
 The same three functions and argument names as impl_numpy/adapter.py. It
 builds the Keras layer from the canonical tensors and calls it; gradients
-come from tf.GradientTape. bfloat16 arrays are ml_dtypes.bfloat16.
+come from tf.GradientTape. bfloat16 arrays are ml_dtypes.bfloat16. An
+options["chunk_size"] selects the chunked path (tests run the grid through it).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _kwargs(inputs, options):
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"),
+        chunk_size=options.get("chunk_size"),
     )
 
 

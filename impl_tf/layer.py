@@ -23,6 +23,7 @@ from weights import AttentionConfig
 
 from . import functional
 from ._keras import keras, tf
+from .chunked import check_chunk_size
 
 ops = keras.ops
 
@@ -80,7 +81,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
     layer(query, key=None, value=None, mask=None, bias=None, is_causal=False,
     causal_alignment="top_left", training=None, dropout_mask=None, seed=None,
-    return_weights=False) -> output (B, T, O), or (output, weights (B, N, T, S)).
+    return_weights=False, chunk_size=None) -> output (B, T, O), or (output, weights (B, N, T, S)).
+    chunk_size: the chunked path (functional.multi_head_attention's; exact,
+    never holds a (T, S) array; not with return_weights); None: the layer's.
 
     config: an AttentionConfig (or its dict, as get_config stores it).
     device: None (TensorFlow's placement), "cpu" or "gpu".
@@ -88,6 +91,8 @@ class MultiHeadAttention(keras.layers.Layer):
     seed: if given, training without dropout_mask or a call seed draws its
       keep-mask from a keras.random.SeedGenerator(seed) (what model.fit
       needs); if None, such a call is refused as the contract says.
+    chunk_size: the calls' default chunk_size (None: the plain path), so a
+      model that calls the layer on long sequences runs the chunked path.
     dtype: the dtype policy, "float32" by default.
 
     `mask` follows the contract (bool, True = may attend, (T, S), (B, T, S),
@@ -99,7 +104,7 @@ class MultiHeadAttention(keras.layers.Layer):
     """
 
     def __init__(self, config, *, device: str | None = None, precision: str = "highest", seed: int | None = None,
-                 **kwargs):
+                 chunk_size: int | None = None, **kwargs):
         # The stages cast for themselves (16-bit stored, float32 arithmetic),
         # and a float mask must reach the checks with its own dtype.
         kwargs.setdefault("autocast", False)
@@ -121,6 +126,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise ValueError(f"seed must be an integer: got {seed!r}")
         self.seed = None if seed is None else int(seed)
+        self.chunk_size = None if chunk_size is None else check_chunk_size(chunk_size)
         c = config
         N, K, H, V = c.num_heads, c.num_kv_heads, c.head_dim, c.value_head_dim
         with placement(self.device):
@@ -227,7 +233,7 @@ class MultiHeadAttention(keras.layers.Layer):
         return keras.random.uniform(shape, seed=self.seed_generator) >= self.config.dropout
 
     def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
-             training=None, dropout_mask=None, seed=None, return_weights=False):
+             training=None, dropout_mask=None, seed=None, return_weights=False, chunk_size=None):
         training = bool(training)
         try:
             with placement(self.device), matmul_precision(self.precision):
@@ -235,7 +241,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 return functional.multi_head_attention(
                     self.config, self.parameters(), query, key, value, mask=mask, bias=bias, is_causal=is_causal,
                     causal_alignment=causal_alignment, training=training, dropout_mask=dropout_mask, seed=seed,
-                    return_weights=return_weights,
+                    return_weights=return_weights, chunk_size=self.chunk_size if chunk_size is None else chunk_size,
                 )
         except ValueError as err:
             # Keras rewrites the message of an error raised in call() (adding
@@ -272,4 +278,5 @@ class MultiHeadAttention(keras.layers.Layer):
             "device": self.device,
             "precision": self.precision,
             "seed": self.seed,
+            "chunk_size": self.chunk_size,
         }

@@ -5,11 +5,13 @@ weights and gradients (tf.GradientTape, through impl_tf.adapter) under the
 one tolerance policy (conformance.tolerance). For float16 and bfloat16 the
 policy's floor is the NumPy reference's own error in that dtype. Then the
 mask builders, the weight round trips (.keras and canonical tensors), error
-wording, tf.function / XLA, and the GPU (skipped with a reason without one).
+wording, tf.function / XLA, the fused fast path (no weights, no trace), the
+chunked path (chunk_size=), and the GPU (skipped with a reason without one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -31,6 +33,7 @@ import impl_tf  # noqa: E402
 import weights  # noqa: E402
 from conformance.cases import (  # noqa: E402
     CASES,
+    Case,
     cast_inputs,
     cast_tensors,
     make_inputs,
@@ -39,6 +42,7 @@ from conformance.cases import (  # noqa: E402
 )
 from conformance.tolerance import assert_close, max_finite_abs  # noqa: E402
 from impl_tf import adapter  # noqa: E402
+from impl_tf import chunked as tf_chunked  # noqa: E402
 from impl_tf import functional as tf_functional  # noqa: E402
 
 pytestmark = pytest.mark.tf
@@ -640,6 +644,257 @@ def test_tf_function_dynamic_batch_and_gradient():
     d_want = ref.vjp(c, make_tensors(case), {**make_inputs(case), "value": make_inputs(case)["key"]},
                      case.options("float64"), np.ones((case.B, case.T, c.out_dim)))["grads"]["query"]
     _close("dynamic-batch grad query", np.asarray(d_query), d_want, case, "float32", "grad", None)
+
+
+# -- the fused path (no weights, no trace) and the chunked path (chunk_size=) -------------------
+
+NO_WEIGHTS = {name: dataclasses.replace(case, return_weights=False) for name, case in CASES.items()}
+
+
+class Chunked:
+    """The adapter with options["chunk_size"]; a traced forward (run_case's
+    localisation of a failure) goes through the stages, which the chunked
+    path refuses, so that a failure reports its stage rather than that refusal."""
+
+    def __init__(self, chunk_size):
+        self.chunk_size = chunk_size
+
+    def devices(self):
+        return adapter.devices()
+
+    def forward(self, config, tensors, inputs, options, **kwargs):
+        extra = {} if kwargs.get("trace") else {"chunk_size": self.chunk_size}
+        return adapter.forward(config, tensors, inputs, {**options, **extra}, **kwargs)
+
+    def vjp(self, config, tensors, inputs, options, d_output, **kwargs):
+        return adapter.vjp(config, tensors, inputs, {**options, "chunk_size": self.chunk_size}, d_output, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_fused_path_matches_reference(case_name, dtype):
+    """Without weights or trace a call runs fused_attention: every case's output,
+    judged as `mha check` does. (Its gradients are test_case_matches_reference's:
+    the vjp asks for no weights, so it differentiates this path.)"""
+    assert_case_conforms(NO_WEIGHTS[case_name], dtype, "tf", adapter, gradients=False)
+
+
+XLA_CASES = ["gqa", "mqa", "causal_bottom_right_long_query", "mask_bts", "bias_neg_inf", "mask_and_bias_causal",
+             "masked_rows_zero", "masked_rows_uniform", "masked_rows_nan", "large_logits", "dropout_train"]
+
+
+@pytest.mark.parametrize("case_name,dtype", [
+    pytest.param(name, dtype, marks=() if dtype == "float32" else pytest.mark.slow)
+    for name in XLA_CASES for dtype in ("float64", "float32", "bfloat16")
+])
+def test_fused_core_through_xla_matches_reference(case_name, dtype, monkeypatch):
+    """Large calls run fused_attention compiled by XLA: forced here on the small
+    cases, output and gradients (a compilation each: float32 by default, the
+    other dtypes with the slow tests)."""
+    monkeypatch.setattr(tf_functional, "XLA_MIN_SCORES", 0)
+    assert_case_conforms(NO_WEIGHTS[case_name], dtype, "tf", adapter)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_chunked_matches_reference(case_name, dtype):
+    """Every case through chunk_size=2 (T, S of 1 to 6: full blocks, a last
+    partial block, blocks on the causal diagonal), output and gradients."""
+    assert_case_conforms(NO_WEIGHTS[case_name], dtype, "tf", Chunked(2))
+
+
+def _cfg(**kw):
+    return weights.AttentionConfig(**{"num_heads": 2, "query_dim": 8, "head_dim": 4, **kw})
+
+
+# Longer sequences: several full key blocks per query block (the while loop), a last partial block,
+# both causal alignments (bottom_right with T > S leaves the first rows no key at all), every
+# masked_row policy with fully masked rows, GQA / MQA, bias with -inf, dropout.
+LONG_CASES = {c.name: c for c in [
+    Case("long_self_causal_gqa", _cfg(num_heads=4, num_kv_heads=2), T=37, S=37, mask="padding", bias="random",
+         is_causal=True, return_weights=False),
+    Case("long_cross_bottom_right_uniform", _cfg(masked_row="uniform", dropout=0.2), self_attention=False, T=29,
+         S=41, mask="random_bts", is_causal=True, causal_alignment="bottom_right", training=True,
+         return_weights=False),
+    Case("long_cross_bottom_right_t_over_s_nan", _cfg(masked_row="nan", dropout=0.3), self_attention=False, T=41,
+         S=23, bias="neg_inf", is_causal=True, causal_alignment="bottom_right", training=True, return_weights=False),
+    Case("long_cross_empty_rows_mqa", _cfg(num_heads=3, num_kv_heads=1, masked_row="zero"), self_attention=False,
+         T=33, S=40, mask="empty_rows", return_weights=False),
+    Case("long_cross_uniform_dropout_empty_rows", _cfg(masked_row="uniform", dropout=0.25), self_attention=False,
+         T=30, S=27, mask="empty_rows", bias="random", training=True, return_weights=False),
+    Case("long_cross_nan_causal_empty_rows", _cfg(masked_row="nan"), self_attention=False, T=26, S=35,
+         mask="empty_rows", is_causal=True, return_weights=False),
+]}
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("case_name", list(LONG_CASES))
+def test_chunked_long_cases_match_reference(case_name, dtype, chunk):
+    assert_case_conforms(LONG_CASES[case_name], dtype, "tf", Chunked(chunk))
+
+
+XLA_FAST = {("long_self_causal_gqa", "float32"), ("long_cross_bottom_right_t_over_s_nan", "float32")}
+
+
+@pytest.mark.parametrize("case_name,dtype", [
+    pytest.param(name, dtype, marks=() if (name, dtype) in XLA_FAST else pytest.mark.slow)
+    for name in LONG_CASES for dtype in ("float32", "bfloat16")
+])
+def test_chunked_key_blocks_through_xla_match_reference(case_name, dtype, monkeypatch):
+    """Large key blocks run compiled by XLA: forced here, output and gradients
+    (each case compiles several block shapes forward and backward: most are slow)."""
+    monkeypatch.setattr(tf_chunked, "XLA_MIN_BLOCK", 0)
+    assert_case_conforms(LONG_CASES[case_name], dtype, "tf", Chunked(8))
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("T,S,chunk", [(16, 16, 4), (10, 18, 4), (18, 10, 4), (13, 13, 5)])
+def test_chunked_skips_hidden_causal_blocks(T, S, chunk, alignment, monkeypatch):
+    """Exactly the key blocks in which some query of the block sees some key run;
+    the others are never computed. (Eager calls of the TF-op step, counted.)"""
+    calls = []
+    real = tf_chunked.key_block
+
+    def counted(*args, **kwargs):
+        calls.append((int(args[6]), int(args[7])))  # t0, s0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tf_chunked, "key_block", counted)
+    config = _cfg()
+    rng = np.random.default_rng(T * S)
+    x, kv = rng.standard_normal((1, T, 8)), rng.standard_normal((1, S, 8))
+    tensors = weights.init(config, seed=3, dtype="float64")
+    got = impl_tf.multi_head_attention(config, tensors, x, kv, kv, is_causal=True, causal_alignment=alignment,
+                                       chunk_size=chunk)
+    offset = 0 if alignment == "top_left" else S - T
+    want = sorted((t0, s0) for t0 in range(0, T, chunk) for s0 in range(0, S, chunk)
+                  if s0 <= min(T, t0 + chunk) - 1 + offset)
+    assert sorted(calls) == want, f"key blocks run {sorted(calls)}, expected {want}"
+    expected = impl_numpy.multi_head_attention(config, tensors, x, kv, kv, is_causal=True, causal_alignment=alignment)
+    err = np.abs(np.asarray(got) - expected).max()
+    assert err <= 1e-13, f"max abs difference to the reference {err:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["tf.function", "xla", "traced batch"])
+def test_chunked_in_graphs_with_gradient(mode):
+    """The layer's chunk_size under tf.function and XLA (with a mask and a bias;
+    and a traced batch size, as model.fit traces, without them), a GradientTape
+    inside the graph, against the float64 reference's output and vjp."""
+    case = LONG_CASES["long_self_causal_gqa"]
+    if mode == "traced batch":
+        case = dataclasses.replace(case, mask=None, bias=None)
+    c = case.config
+    layer = impl_tf.MultiHeadAttention.from_tensors(c, cast_tensors(make_tensors(case), "float32"))
+    inputs, inputs64 = _inputs(case, "float32"), make_inputs(case)
+    cotangent = _cotangent(case, "float32")
+    spec = [tf.TensorSpec((None, case.T, c.query_dim), tf.float32)] if mode == "traced batch" else None
+
+    @tf.function(jit_compile=mode == "xla", input_signature=spec)
+    def run(query):
+        with tf.GradientTape() as tape:
+            tape.watch(query)
+            out = layer(query, mask=inputs.get("mask"), bias=inputs.get("bias"), is_causal=True, chunk_size=8)
+        return out, tape.gradient(out, query, output_gradients=cotangent)
+
+    out, d_query = run(tf.constant(inputs["query"]))
+    given = {k: inputs64[k] for k in ("query", "mask", "bias") if k in inputs64}
+    options = case.options("float64")
+    want = ref.vjp(c, make_tensors(case), given, options, output_cotangent(case))
+    logits = dict(ref.forward(c, make_tensors(case), given, options, trace=True)["trace"])["logits"]
+    magnitudes = impl_numpy.multi_head_attention_vjp(
+        c, make_tensors(case), given["query"], d_output=output_cotangent(case), mask=given.get("mask"),
+        bias=given.get("bias"), is_causal=True, gradient_magnitudes=True)[2]
+    assert_close(f"chunked output ({mode})", np.asarray(out), want["output"], config=c, dtype="float32",
+                 quantity="output", B=case.B, T=case.T, S=case.S, logits=logits)
+    assert_close(f"chunked grad query ({mode})", np.asarray(d_query), want["grads"]["query"], config=c,
+                 dtype="float32", quantity="grad", B=case.B, T=case.T, S=case.S, logits=logits,
+                 scale_floor=max_finite_abs(magnitudes["query"]))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_chunk_size_errors_match_reference(bad):
+    case = CASES["cross_basic"]
+    inputs = make_inputs(case)
+    args = (case.config, make_tensors(case), inputs["query"], inputs["key"], inputs["value"])
+    with pytest.raises(ValueError) as want:
+        impl_numpy.multi_head_attention(*args, chunk_size=bad)
+    with pytest.raises(ValueError) as got:
+        impl_tf.multi_head_attention(*args, chunk_size=bad)
+    assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"
+    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, make_tensors(case))
+    with pytest.raises(ValueError) as got:
+        layer(inputs["query"], inputs["key"], inputs["value"], chunk_size=bad)
+    assert str(got.value) == str(want.value), f"layer: {str(got.value)!r} != {str(want.value)!r}"
+
+
+def test_layer_chunk_size_default_and_config():
+    """A layer built with chunk_size runs its calls chunked (the same result as a
+    call's chunk_size, which overrides it), and keeps it through get_config."""
+    case = LONG_CASES["long_self_causal_gqa"]
+    inputs = _inputs(case, "float32")
+    call = dict(mask=inputs["mask"], bias=inputs["bias"], is_causal=True)
+    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), "float32"),
+                                                    chunk_size=8)
+    plain = impl_tf.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), "float32"))
+    got, want = np.asarray(layer(inputs["query"], **call)), np.asarray(plain(inputs["query"], chunk_size=8, **call))
+    assert np.array_equal(got, want), f"layer chunk_size=8 differs from a call's chunk_size=8: {np.abs(got - want).max()}"
+    clone = impl_tf.MultiHeadAttention.from_config(layer.get_config())
+    assert clone.chunk_size == 8, f"chunk_size after from_config: {clone.chunk_size}"
+    with pytest.raises(ValueError) as err:
+        layer(inputs["query"], return_weights=True, **call)
+    assert "chunk_size cannot be combined with return_weights" in str(err.value), str(err.value)
+    with pytest.raises(ValueError) as err:
+        impl_tf.MultiHeadAttention(case.config, chunk_size=0)
+    assert str(err.value) == "chunk_size must be a positive integer: got 0", str(err.value)
+
+
+@pytest.mark.parametrize("ask", ["return_weights", "trace"])
+def test_chunked_refuses_weights_and_trace(ask):
+    case = CASES["cross_basic"]
+    inputs = make_inputs(case)
+    args = (case.config, make_tensors(case), inputs["query"], inputs["key"], inputs["value"])
+    kwargs = {"return_weights": True} if ask == "return_weights" else {"trace": []}
+    with pytest.raises(ValueError) as want:
+        impl_numpy.multi_head_attention(*args, chunk_size=4, **kwargs)
+    with pytest.raises(ValueError) as got:
+        impl_tf.multi_head_attention(*args, chunk_size=4, **kwargs)
+    assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"
+
+
+def test_chunked_needs_static_lengths():
+    config = _cfg()
+    tensors = weights.init(config, seed=0, dtype="float32")
+    run = tf.function(lambda q: impl_tf.multi_head_attention(config, tensors, q, chunk_size=4), autograph=False,
+                      input_signature=[tf.TensorSpec((2, None, 8), tf.float32)])
+    with pytest.raises(ValueError) as err:
+        run(tf.zeros((2, 6, 8)))
+    want = "chunk_size needs the query and key lengths known when the graph is traced: got T=None, S=None"
+    assert str(err.value) == want, f"{str(err.value)!r} != {want!r}"
+
+
+def test_chunked_memory_is_blocks_not_t_by_s():
+    """T = S = 4096, N = 4, causal: the chunked call's peak resident-set growth
+    stays far below one (B, N, T, S) float32 array (256 MiB; the plain path
+    holds several). Measured as `mha bench` does for TensorFlow on the CPU."""
+    from conformance.bench import _rss_memory
+
+    config = weights.AttentionConfig(num_heads=4, query_dim=64, head_dim=16)
+    tensors = {k: tf.constant(v) for k, v in weights.init(config, seed=0, dtype="float32").items()}
+    x = tf.constant(np.random.default_rng(0).standard_normal((1, 4096, 64)).astype(np.float32))
+
+    def call():
+        return impl_tf.multi_head_attention(config, tensors, x, is_causal=True, chunk_size=256).numpy()
+
+    call()  # compile the key-block steps
+    peak, method, out = _rss_memory(call)
+    if peak is None:
+        pytest.skip(f"peak memory not measurable here: {method}")
+    ts = config.num_heads * 4096 * 4096 * 4
+    io = 2 * x.numpy().nbytes
+    assert peak < ts / 4, (f"peak {peak / 2**20:.1f} MiB ({method}); one (B, N, T, S) array is {ts / 2**20:.0f} MiB, "
+                           f"inputs+outputs {io / 2**20:.1f} MiB")
+    assert np.isfinite(out).all(), "non-finite output"
 
 
 # -- GPU (collected everywhere, run where TensorFlow sees one) -----------------------------------

@@ -33,7 +33,8 @@ Method
   /proc/self/clear_refs (resets VmHWM), then VmHWM after the call minus VmRSS
   before it. GPU: the framework's own peak-allocation counter.
 - Long sequences (T >= LONG_T): each implementation's chunked path if it has
-  one (NumPy and Keras chunk_size=, torch SDPA); weights are never requested. A path
+  one (chunk_size= in NumPy, Keras and JAX; torch through SDPA); causal shapes
+  (gpt2) time the chunked paths too; weights are never requested. A path
   whose (B, N, T, S) float32 arrays would not fit in --mem-limit is skipped
   with that reason instead of run.
 - Sweep (T = S = 128 ... 16384, B 1, D 512, N 8): forward only, one path of

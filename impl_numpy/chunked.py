@@ -22,6 +22,11 @@ than the element's 4*H = 256 matmul FLOPs take at the BLAS rate.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+
 import numpy as np
 
 from weights import compute_dtype
@@ -31,6 +36,42 @@ from weights import compute_dtype
 # logits on its diagonal, so fewer rows waste less, while BLAS runs the
 # per-head (rows x H) x (H x chunk) products well from about 128 rows on.
 QUERY_ROWS = 128
+
+# Calls with (B, N, T, S) of at least this many logits run their heads on
+# THREADS threads (chunked_attention_core says why); below it, thread handoffs
+# and the BLAS thread switch cost more than the second core gives.
+THREADED_MIN_SCORES = 2**20
+THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+_executor = None
+_controller = None
+_setup_lock = threading.Lock()
+_threaded_lock = threading.Lock()  # one threaded core at a time: the BLAS limit is process-wide
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _executor
+    with _setup_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=max(1, THREADS), thread_name_prefix="mha-numpy")
+        return _executor
+
+
+@contextlib.contextmanager
+def _threaded_section():
+    """BLAS (NumPy's OpenBLAS, or MKL) held to one thread, process-wide, for
+    the block, so that each of our threads runs its matmuls on its own core;
+    serialised, so that concurrent callers cannot restore each other's limits
+    in the wrong order. The controller (a scan of the loaded libraries, about
+    a millisecond) is made once."""
+    global _controller
+    from threadpoolctl import ThreadpoolController
+
+    with _setup_lock:
+        if _controller is None:
+            _controller = ThreadpoolController()
+    with _threaded_lock, _controller.limit(limits=1, user_api="blas"):
+        yield
 
 
 def _block(array, axis_sizes, t0, t1, s0, s1):
@@ -77,9 +118,46 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
     q comes already multiplied by the scale, in the compute dtype (the caller
     folds the scale into its projection: T*H products instead of T*S). The
     context is a transposed view of a (B, T, N, V) array (`out` if given), so
-    merge_heads is a free reshape."""
+    merge_heads is a free reshape.
+
+    Large calls split their key/value heads (each with its G query heads)
+    across THREADS threads, BLAS held to one thread meanwhile: NumPy's
+    elementwise passes (exp above all) run on one core, so one thread leaves
+    the other core idle for everything but the matmuls. Heads are independent,
+    so the result is the single-threaded one's to round-off."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
+    B, N, T, H = q.shape
+    K, S, V = k.shape[1], k.shape[2], v.shape[3]
+    context = np.empty((B, T, N, V), dtype=k.dtype) if out is None else out  # merge_heads' layout
+    parts = min(THREADS, K) if B * N * T * S >= THREADED_MIN_SCORES else 1
+    options = dict(is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size)
+    if parts <= 1:
+        _core(config, q, k, v, mask=mask, bias=bias, keep=keep, context=context, **options)
+        return context.transpose(0, 2, 1, 3)  # (B, N, T, V)
+    G = N // K
+    bounds = [K * i // parts for i in range(parts + 1)]
+
+    def heads(k0, k1):  # kv heads k0..k1 and their query heads, written into context's own columns
+        n0, n1 = k0 * G, k1 * G
+        _core(config, q[:, n0:n1], k[:, k0:k1], v[:, k0:k1], mask=_heads(mask, N, n0, n1),
+              bias=_heads(bias, N, n0, n1), keep=_heads(keep, N, n0, n1), context=context[:, :, n0:n1], **options)
+
+    with _threaded_section():
+        futures = [_pool().submit(heads, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        wait(futures)  # all of them, before BLAS gets its threads back
+    for future in futures:
+        future.result()  # re-raises a thread's exception here
+    return context.transpose(0, 2, 1, 3)  # (B, N, T, V)
+
+
+def _heads(array, N, n0, n1):
+    """A rank-4 broadcastable (B|1, N|1, T|1, S|1) array's heads n0..n1 (all of a broadcast axis)."""
+    return array if array is None or array.shape[1] != N else array[:, n0:n1]
+
+
+def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, context):
+    """The online softmax over key blocks for all of q's heads, into context (B, T, N, V)."""
     B, N, T, H = q.shape
     K, S, V = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
@@ -89,7 +167,6 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
     offset = 0 if causal_alignment == "top_left" else S - T  # key j visible to query i iff j <= i + offset
     rate = ct.type(1.0 - config.dropout)
     kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
-    context = np.empty((B, T, N, V), dtype=dtype) if out is None else out  # merge_heads' layout
     rows = min(chunk_size, QUERY_ROWS, T)
     # Reused by every block: its logits (worked on in place), its numerator and one product.
     scores, numerator, product = one_allocation(ct, B * N * rows * min(chunk_size, S), B * N * rows * V, B * N * rows * V)
@@ -159,4 +236,3 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
             weight = 1.0 / S if config.masked_row == "uniform" else np.nan
             acc = np.where(empty, _masked_row_context(weight, keep, vc, t0, t1, N, T, S, chunk_size, rate), acc)
         context[:, t0:t1] = acc.transpose(0, 2, 1, 3)  # (B, t, N, V), stored in dtype
-    return context.transpose(0, 2, 1, 3)  # (B, N, T, V)

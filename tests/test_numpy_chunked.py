@@ -113,3 +113,71 @@ def test_hidden_key_blocks_are_never_read(chunk):
     finite_rows = np.isfinite(out[0]).all(axis=-1)
     assert finite_rows[:first_reading_row].all() and not finite_rows[first_reading_row:].any(), (
         f"finite rows {np.flatnonzero(finite_rows)[[0, -1]]}, expected 0..{first_reading_row - 1}")
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("mask_heads, bias_heads", [(1, None), (4, 4), (None, 1)])
+@pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
+def test_heads_on_threads_equal_the_stages(threads, mask_heads, bias_heads, masked_row, monkeypatch):
+    """Large calls split their kv heads across threads (forced here on a small
+    one): masks, bias and dropout with a full or a broadcast head axis, GQA,
+    fully masked rows, causal; against the float64 stages."""
+    from impl_numpy import chunked
+
+    monkeypatch.setattr(chunked, "THREADED_MIN_SCORES", 0)
+    monkeypatch.setattr(chunked, "THREADS", threads)
+    config = weights.AttentionConfig(num_heads=4, num_kv_heads=2 if threads == 2 else 4, query_dim=16, head_dim=8,
+                                     masked_row=masked_row, dropout=0.25)
+    tensors = weights.init(config, seed=3, dtype="float64")
+    rng = np.random.default_rng(4)
+    B, T, S = 2, 70, 90
+    q, kv = rng.standard_normal((B, T, 16)), rng.standard_normal((B, S, 16))
+    options = dict(is_causal=True, causal_alignment="bottom_right", training=True,
+                   dropout_mask=rng.random((B, 4, T, S)) < 0.75)
+    if mask_heads:
+        options["mask"] = rng.random((B, mask_heads, T, S)) < 0.7
+        options["mask"][:, :, 3] = False  # fully masked rows
+    if bias_heads:
+        options["bias"] = rng.standard_normal((B, bias_heads, T, S))
+    staged = multi_head_attention(config, tensors, q, kv, trace=[], **options)
+    for chunk in (16, None):
+        threaded = multi_head_attention(config, tensors, q, kv, chunk_size=chunk, **options)
+        both_nan = np.isnan(threaded) & np.isnan(staged)
+        assert np.array_equal(np.isnan(threaded), np.isnan(staged)), f"chunk {chunk}: NaN rows differ"
+        err = np.abs(np.where(both_nan, 0, threaded - staged)).max()
+        assert err <= 1e-13, f"chunk {chunk}, {threads} threads: max abs difference {err:.3g}"
+
+
+def test_threaded_call_restores_blas_threads_and_raises_a_threads_error(monkeypatch):
+    from threadpoolctl import threadpool_info
+
+    from impl_numpy import chunked
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    before = blas_threads()
+    monkeypatch.setattr(chunked, "THREADED_MIN_SCORES", 0)
+    monkeypatch.setattr(chunked, "THREADS", 2)
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    x = np.random.default_rng(0).standard_normal((1, 40, 8)).astype(np.float32)
+    seen = []
+    real_core = chunked._core
+
+    def core_seeing_blas(*args, **kwargs):
+        seen.append(blas_threads())
+        return real_core(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "_core", core_seeing_blas)
+    multi_head_attention(config, tensors, x)
+    assert len(seen) == 2 and all(all(n == 1 for n in s) for s in seen), f"BLAS threads inside the threads: {seen}"
+    assert blas_threads() == before
+
+    def failing_core(*args, **kwargs):
+        raise RuntimeError("a thread's failure")
+
+    monkeypatch.setattr(chunked, "_core", failing_core)
+    with pytest.raises(RuntimeError, match="a thread's failure"):
+        multi_head_attention(config, tensors, x)
+    assert blas_threads() == before

@@ -38,7 +38,8 @@ def sweep(backend_id: str, count: int, first_seed: int = 0):
     clear_cache()
     summary = ", ".join(f"{d} {worst[d]:.3g}" for d in DTYPE_NAMES)
     print(f"{backend_id}: {count} random cases x {len(DTYPE_NAMES)} dtypes, {len(failures)} failures; worst margins: {summary}")
-    assert not failures, f"{len(failures)} of {count * len(DTYPE_NAMES)} runs failed:\n" + "\n".join(failures[:20])
+    return failures, worst
+
 
 
 BACKENDS = [pytest.param("numpy"), pytest.param("torch", marks=pytest.mark.torch),
@@ -47,10 +48,14 @@ BACKENDS = [pytest.param("numpy"), pytest.param("torch", marks=pytest.mark.torch
 
 @pytest.mark.parametrize("backend_id", BACKENDS)
 def test_random_sweep(backend_id):
-    sweep(backend_id, SMALL, first_seed=10_000)
+    failures, worst = sweep(backend_id, SMALL, first_seed=10_000)
+    assert not failures, f"{len(failures)} of {SMALL * len(DTYPE_NAMES)} runs failed:\n" + "\n".join(failures[:20])
+    assert set(worst) == set(DTYPE_NAMES) and all(m <= 1 for m in worst.values()), dict(worst)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend_id", BACKENDS)
 def test_random_sweep_1000(backend_id):
-    sweep(backend_id, FULL)
+    failures, worst = sweep(backend_id, FULL)
+    assert not failures, f"{len(failures)} of {FULL * len(DTYPE_NAMES)} runs failed:\n" + "\n".join(failures[:20])
+    assert set(worst) == set(DTYPE_NAMES) and all(m <= 1 for m in worst.values()), dict(worst)

@@ -1240,12 +1240,14 @@ def test_overlapping_and_shuffled_data_offsets(tmp_path):
     qb, kb = header["query.bias"]["data_offsets"], header["key.bias"]["data_offsets"]
     overlapping = json.loads(json.dumps(header))
     overlapping["key.bias"]["data_offsets"] = list(qb)  # two tensors read the same 16 bytes
-    refusal(weights.load, write(tmp_path, raw_file(overlapping, body), "o.safetensors"), WeightsFormatError,
-            "'key.bias' overlap" if qb[0] < kb[0] else "overlap")
+    _, overlap_problems = refusal_problems(weights.load, write(tmp_path, raw_file(overlapping, body), "o.safetensors"),
+                                           WeightsFormatError, "'key.bias' overlap" if qb[0] < kb[0] else "overlap")
     shuffled = json.loads(json.dumps(header))  # two same-size tensors swap their bytes: checksums catch it
     shuffled["query.bias"]["data_offsets"], shuffled["key.bias"]["data_offsets"] = kb, qb
-    refusal(weights.load, write(tmp_path, raw_file(shuffled, body), "s.safetensors"), WeightsFormatError,
-            "sha256 mismatch for query.bias", "sha256 mismatch for key.bias")
+    _, shuffle_problems = refusal_problems(weights.load, write(tmp_path, raw_file(shuffled, body), "s.safetensors"),
+                                           WeightsFormatError, "sha256 mismatch for query.bias",
+                                           "sha256 mismatch for key.bias")
+    assert not overlap_problems and not shuffle_problems, "; ".join(overlap_problems + shuffle_problems)
     COUNTS["crafted weight files (one class each)"] += 2
 
 
@@ -1267,22 +1269,26 @@ def test_non_utf8_bytes_in_the_header_are_refused(tmp_path, bad, where):
 
 # -- resource limits: sizes the file does not have are refused before anything is allocated -------
 
-def refused_without_allocating(path: Path, *fragments: str) -> None:
+def problems_refusing_without_allocating(path: Path, *fragments: str) -> list[str]:
+    """refusal_problems for both readers, plus any that allocated 1 MB or more to refuse."""
+    problems = []
     for read, error in ((weights.load, WeightsFormatError), (read_inputs, InputsError)):
         tracemalloc.start()
         try:
-            refusal(read, path, error, *fragments)
+            problems += refusal_problems(read, path, error, *fragments)[1]
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        assert peak < 1_000_000, f"{read.__name__} allocated {peak} bytes to refuse {path.name}"
+        problems += [f"{read.__name__} allocated {peak} bytes to refuse {path.name}"] if peak >= 1_000_000 else []
+    return problems
 
 
 @pytest.mark.parametrize("length", [2**60, 2**64 - 1, 2**63, 2**32, 10**12, 1000])
 def test_a_header_length_beyond_the_file_is_refused_up_front(tmp_path, length):
     path = write(tmp_path, raw_file(b'{"query":{"dtype":"F32","shape":[1,1,1],"data_offsets":[0,4]}}', b"\0" * 4,
                                     length=length))
-    refused_without_allocating(path, f"header length {length} exceeds the file's remaining")
+    problems = problems_refusing_without_allocating(path, f"header length {length} exceeds the file's remaining")
+    assert not problems, "; ".join(problems)
     COUNTS["resource limits"] += 1
 
 
@@ -1292,7 +1298,8 @@ def test_a_header_length_beyond_the_file_is_refused_up_front(tmp_path, length):
 ])
 def test_a_tensor_claiming_more_bytes_than_the_file_is_refused_up_front(tmp_path, shape, offsets):
     path = write(tmp_path, raw_file({"query": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}, b"\0" * 4))
-    refused_without_allocating(path, "'query' claims bytes", "but the data section has 4 bytes")
+    problems = problems_refusing_without_allocating(path, "'query' claims bytes", "but the data section has 4 bytes")
+    assert not problems, "; ".join(problems)
     COUNTS["resource limits"] += 1
 
 

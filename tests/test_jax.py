@@ -876,14 +876,22 @@ def _judge_forward_and_grads(label, config, tensors, xs, call, dtype, chunk_size
 
     out, (g_params, g_q, g_k, g_v) = forward_and_vjp(t, *x)
     assert out.dtype == weights.dtype_from_name(dtype), f"{label}: output dtype {out.dtype}"
-    assert_close(f"{label} output", np.asarray(out), want, quantity="output", same_precision_error=same.get("output"),
-                 **dims)
+    judged = [assert_close(f"{label} output", np.asarray(out), want, quantity="output",
+                           same_precision_error=same.get("output"), **dims)]
     if dtype in ("float16", "bfloat16"):
-        return  # 16-bit gradients: judged on the grid (test_chunked_case_matches_reference)
+        return judged  # 16-bit gradients: judged on the grid (test_chunked_case_matches_reference)
     got = {"query": g_q, "key": g_k, "value": g_v, **g_params}
-    for name in want_grads:
-        assert_close(f"{label} grad {name}", np.asarray(got[name]), want_grads[name], quantity="grad",
-                     scale_floor=max_finite_abs(magnitudes[name]), **dims)
+    judged += [assert_close(f"{label} grad {name}", np.asarray(got[name]), want_grads[name], quantity="grad",
+                            scale_floor=max_finite_abs(magnitudes[name]), **dims) for name in want_grads]
+    return judged
+
+
+def _assert_judged(judged, config, gradients=True):
+    """The output, and with gradients query, key, value and every canonical tensor, all within tolerance."""
+    names = {c.name.rsplit(" ", 1)[-1] for c in judged}
+    want = {"output"} | ({"query", "key", "value", *config.tensor_shapes()} if gradients else set())
+    assert names == want and all(c.ok and c.margin <= 1 for c in judged), (
+        sorted(names ^ want), [c.describe() for c in judged if not c.ok])
 
 
 CHUNKED_MODERATE_FAST = {("zero", "top_left", 37, 53), ("uniform", "bottom_right", 53, 37), ("nan", "bottom_right", 37, 53)}
@@ -900,7 +908,8 @@ def test_chunked_forward_and_grads_float64(masked_row, alignment, T, S):
     (jax.vjp through the scans) against the float64 reference."""
     config, tensors, xs, call = _moderate_call(masked_row, T, S)
     call.update(is_causal=True, causal_alignment=alignment)
-    _judge_forward_and_grads(f"{masked_row} {alignment} T={T} S={S}", config, tensors, xs, call, "float64", 8)
+    _assert_judged(_judge_forward_and_grads(f"{masked_row} {alignment} T={T} S={S}", config, tensors, xs, call,
+                                            "float64", 8), config)
 
 
 @pytest.mark.parametrize("masked_row", [pytest.param("zero", marks=pytest.mark.slow), "uniform", "nan"])
@@ -908,7 +917,7 @@ def test_chunked_dropout_mask_forward_and_grads(masked_row):
     """An explicit keep-mask: the running sum takes the weights before dropout,
     the numerator after (as impl_numpy/chunked.py); uniform rows too."""
     config, tensors, xs, call = _moderate_call(masked_row, 29, 41, dropout=0.3)
-    _judge_forward_and_grads(f"dropout {masked_row}", config, tensors, xs, call, "float64", 8)
+    _assert_judged(_judge_forward_and_grads(f"dropout {masked_row}", config, tensors, xs, call, "float64", 8), config)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow),
@@ -916,7 +925,8 @@ def test_chunked_dropout_mask_forward_and_grads(masked_row):
 def test_chunked_moderate_length_other_dtypes(dtype):
     config, tensors, xs, call = _moderate_call("uniform", 45, 45)
     call.update(is_causal=True)
-    _judge_forward_and_grads(f"{dtype} causal", config, tensors, xs, call, dtype, 16)
+    _assert_judged(_judge_forward_and_grads(f"{dtype} causal", config, tensors, xs, call, dtype, 16), config,
+                   gradients=dtype not in ("float16", "bfloat16"))
 
 
 def test_chunked_skips_the_key_blocks_the_causal_mask_hides():
@@ -1032,7 +1042,8 @@ def test_fast_path_forward_and_grads_float64(masked_row, alignment, T, S):
     path's output and its jax.vjp against the float64 reference."""
     config, tensors, xs, call = _moderate_call(masked_row, T, S)
     call.update(is_causal=True, causal_alignment=alignment)
-    _judge_forward_and_grads(f"fused {masked_row} {alignment} T={T} S={S}", config, tensors, xs, call, "float64", None)
+    _assert_judged(_judge_forward_and_grads(f"fused {masked_row} {alignment} T={T} S={S}", config, tensors, xs,
+                                            call, "float64", None), config)
 
 
 def test_fast_path_is_taken_only_when_nothing_needs_the_stages(monkeypatch):

@@ -21,10 +21,13 @@ Method
 - A measurement: one first call (timed: for compiled paths it includes the
   compile; `compile_s` = first call - median), one more warm-up call when the
   first took under 2 s, then up to --repeats timed calls (at least 3, fewer
-  once --max-seconds of timing has passed). Median, min, max, quartiles.
-- The matmul rate is re-measured before every shape in every worker, so the
-  ratio's two halves are measured minutes, not hours, apart on this shared
-  machine.
+  once --max-seconds of a path's timing has passed). Median, min, max,
+  quartiles.
+- Round robin: the timed calls of one shape's paths and of the large matmul
+  take turns, one of each per round (measure_round_robin). This machine is a
+  shared VM whose speed drifts by tens of percent within minutes (CPU steal);
+  timed in turn, every path of a shape and its matmul see the same drift, so
+  the ratios (% of matmul, x native) hold where absolute times do not.
 - Peak memory, one more call after the timed ones: NumPy with tracemalloc
   (NumPy reports its array buffers to it); TensorFlow with its allocator's
   counters (tf.config.experimental.get_memory_info, CPU too: its oneDNN CPU
@@ -680,18 +683,61 @@ def time_call(call) -> float:
     return time.perf_counter() - t0
 
 
-def measure(call, *, repeats: int, max_seconds: float) -> dict:
-    """First call (timed apart), warm-up, then the timed repeats."""
-    first = time_call(call)
-    if first < 2.0:
-        time_call(call)
-    times: list[float] = []
-    started = time.perf_counter()
-    while len(times) < repeats:
-        times.append(time_call(call))
-        if len(times) >= min(MIN_REPEATS, repeats) and time.perf_counter() - started > max_seconds:
-            break
-    return summarize(times) | {"first_call_s": first}
+MATMUL = "matmul"  # measure_round_robin's name for the large-matmul reference
+
+
+def measure_round_robin(calls: dict, reference, *, repeats: int, max_seconds: float) -> dict:
+    """Time every call of `calls` (name -> callable) and the reference (the
+    large matmul) in turn, round after round, so that a change in the
+    machine's speed (this is a shared VM: CPU steal comes and goes) reaches
+    every path of a shape and its matmul alike, and the ratios between them
+    hold. Each call first runs once apart (timed: compile_s) plus one warm-up
+    when that took under 2 s. A call leaves the rotation after `repeats`
+    timed runs, or after MIN_REPEATS once its own timed runs passed
+    max_seconds; the reference is timed once per round while any call is in
+    the rotation, at least MIN_REPEATS times.
+
+    Returns name -> summarize()'s dict plus first_call_s and matmul_ratio
+    (the median over rounds of the call's time / the reference's time in the
+    same round: a drift that begins mid-shape moves it by at most one round's
+    pair, where it could move a ratio of two medians by the whole drift), or
+    the exception the call raised; under MATMUL, the reference's summary."""
+    results: dict = {}
+    active: dict = {}
+    for name, call in calls.items():
+        try:
+            first = time_call(call)
+            if first < 2.0:
+                time_call(call)
+        except Exception as err:  # noqa: BLE001 - reported in that path's row
+            results[name] = err
+            continue
+        active[name] = (call, first)
+    first_ref = time_call(reference)
+    time_call(reference)
+    times: dict = {name: [] for name in active} | {MATMUL: []}
+    spent = dict.fromkeys(active, 0.0)
+    minimum = min(MIN_REPEATS, repeats)
+    ratios: dict = {name: [] for name in active}
+    while active or len(times[MATMUL]) < MIN_REPEATS:
+        ref = time_call(reference)
+        times[MATMUL].append(ref)
+        for name, (call, first) in list(active.items()):
+            try:
+                t = time_call(call)
+            except Exception as err:  # noqa: BLE001
+                results[name] = err
+                del active[name], times[name]
+                continue
+            times[name].append(t)
+            ratios[name].append(t / ref)
+            spent[name] += t
+            if len(times[name]) >= repeats or (len(times[name]) >= minimum and spent[name] > max_seconds):
+                results[name] = summarize(times[name]) | {"first_call_s": first,
+                                                          "matmul_ratio": statistics.median(ratios[name])}
+                del active[name]
+    results[MATMUL] = summarize(times[MATMUL]) | {"first_call_s": first_ref}
+    return results
 
 
 def summarize(times: list[float]) -> dict:
@@ -722,19 +768,17 @@ def run_worker(spec: dict) -> dict:
         config = weights.AttentionConfig(num_heads=shape.N, query_dim=shape.D, head_dim=shape.H)
         tensors = weights.init(config, seed=0, dtype="float32")
         x = np.random.default_rng(0).standard_normal((shape.B, shape.T, shape.D)).astype(np.float32)
-        mm = measure(glue.matmul(spec["matmul_n"]), repeats=max(3, spec["repeats"]), max_seconds=spec["max_seconds"])
-        rate = 2 * spec["matmul_n"] ** 3 / mm["median_s"]
-        matmuls.append({"backend": backend, "shape": shape.name, "n": spec["matmul_n"], **mm, "flops_per_s": rate})
         reference = None
         try:
             paths = glue.paths(shape, config, tensors, x)
         except Exception as err:  # noqa: BLE001
-            results.append(_row(backend, shape, None, f"failed: setting up paths: {type(err).__name__}: {err}", rate))
+            results.append(_row(backend, shape, None, f"failed: setting up paths: {type(err).__name__}: {err}", None))
             _log(f"  {backend} {shape.name}: could not set up paths: {err}")
             continue
+        rows, timed = [], {}
         for path in paths:
             key = f"{path.name}/{path.pass_}"
-            row = _row(backend, shape, path, "ok", rate)
+            row = _row(backend, shape, path, "ok", None)
             estimate = path.ts_arrays * shape.ts_bytes
             if shape.sweep and key in stopped:
                 row["status"] = f"skipped: {stopped[key]}"
@@ -742,8 +786,20 @@ def run_worker(spec: dict) -> dict:
                 row["status"] = (f"skipped: would hold ~{estimate / 2**30:.1f} GiB of (B, N, T, S) arrays "
                                  f"(no chunked path), over --mem-limit {spec['mem_limit'] / 2**30:.1f} GiB")
             else:
+                timed[key] = path.call
+            rows.append((key, path, row))
+        measured = measure_round_robin(timed, glue.matmul(spec["matmul_n"]), repeats=spec["repeats"],
+                                       max_seconds=spec["max_seconds"])
+        mm = measured.pop(MATMUL)
+        rate = 2 * spec["matmul_n"] ** 3 / mm["median_s"]
+        matmuls.append({"backend": backend, "shape": shape.name, "n": spec["matmul_n"], **mm, "flops_per_s": rate})
+        for key, path, row in rows:
+            row["matmul_flops_per_s"], row["matmul_flops"] = rate, 2 * spec["matmul_n"] ** 3
+            if key in measured:
                 try:
-                    row.update(measure(path.call, repeats=spec["repeats"], max_seconds=spec["max_seconds"]))
+                    if isinstance(measured[key], Exception):
+                        raise measured[key]
+                    row.update(measured[key])
                     row["compile_s"] = max(0.0, row["first_call_s"] - row["median_s"])
                     if not shape.sweep:
                         peak, method, y = glue.memory(path.call)
@@ -759,7 +815,7 @@ def run_worker(spec: dict) -> dict:
                 except Exception as err:  # noqa: BLE001
                     row["status"] = f"failed: {type(err).__name__}: {err}".splitlines()[0][:300]
                     if os.environ.get("MHA_DEBUG"):
-                        traceback.print_exc()
+                        traceback.print_exception(err)
             if shape.sweep and row["status"] == "ok" and row["median_s"] > spec["budget"]:
                 stopped[key] = f"stopped after T={shape.T}: {row['median_s']:.1f} s > budget {spec['budget']:g} s"
                 sweep_stops[key] = stopped[key]
@@ -768,7 +824,7 @@ def run_worker(spec: dict) -> dict:
             _log(f"  {backend:5} {shape.name:12} {path.name:24} {path.pass_:16} " + (
                 f"{row['median_s'] * 1e3:10.2f} ms  {row['pct_matmul']:6.1f}% of matmul"
                 if row["status"] == "ok" else row["status"]))
-        del paths
+        del paths, timed, rows
         gc.collect()
     return {"backend": backend, "status": "ok", "info": glue.info, "results": results, "matmul": matmuls,
             "sweep_stops": sweep_stops, "worker_s": time.perf_counter() - started}
@@ -789,7 +845,7 @@ def _row(backend, shape, path, status, rate) -> dict:
         "mode": None if path is None else path.mode, "pass": None if path is None else path.pass_,
         "note": "" if path is None else path.note, "status": status,
         "flops": shape.flops * (3 if path is not None and path.pass_ == "forward+backward" else 1),
-        "io_bytes": shape.io_bytes, "matmul_flops_per_s": rate,
+        "io_bytes": shape.io_bytes, "matmul_flops_per_s": rate, "matmul_flops": None, "matmul_ratio": None,
         "median_s": None, "min_s": None, "max_s": None, "q1_s": None, "q3_s": None, "times_s": [], "repeats": 0,
         "first_call_s": None, "compile_s": None, "peak_bytes": None, "memory_method": None, "peak_over_io": None,
         "max_abs_diff_vs_numpy": None, "reference_max_abs": None,
@@ -799,7 +855,12 @@ def _row(backend, shape, path, status, rate) -> dict:
 
 def _finish(row: dict) -> None:
     if row["status"] == "ok":
-        row["pct_matmul"] = 100.0 * row["flops"] / row["median_s"] / row["matmul_flops_per_s"]
+        # the paired ratio where the row has one (round robin); a row built from
+        # medians alone (tests, older JSON) divides by the matmul rate
+        if row.get("matmul_ratio") is not None:
+            row["pct_matmul"] = 100.0 * row["flops"] / row["matmul_flops"] / row["matmul_ratio"]
+        else:
+            row["pct_matmul"] = 100.0 * row["flops"] / row["median_s"] / row["matmul_flops_per_s"]
 
 
 def add_native_ratios(results: list[dict]) -> None:
@@ -1120,7 +1181,7 @@ def run(args) -> int:
                 "shapes": {s.name: s.to_dict() for s in shapes}, "min_repeats": MIN_REPEATS, "long_T": LONG_T,
                 "chunk_size": CHUNK_SIZE,
                 "flops": "forward 4*B*T*D^2 + 4*B*S*D^2 + 4*B*N*T*S*H (full T*S when causal); forward+backward 3x",
-                "matmul": "median time of one float32 matmul_n^3 matmul in the framework, re-measured per shape",
+                "matmul": "median time of one float32 matmul_n^3 matmul in the framework, timed in turn with the shape's paths",
                 "memory": "numpy: tracemalloc peak; tf: get_memory_info peak growth; torch, jax: peak RSS growth via "
                           "/proc/self/clear_refs + VmHWM (GPU: the framework's peak-allocation counter); "
                           "one extra call after timing",

@@ -17,7 +17,7 @@ from conformance.cli import main
 # Every result row carries these keys (None where a number does not apply).
 ROW_FIELDS = (
     "backend", "shape", "B", "T", "S", "D", "N", "H", "causal", "sweep", "path", "kind", "mode", "pass", "note",
-    "status", "flops", "io_bytes", "matmul_flops_per_s", "median_s", "min_s", "max_s", "q1_s", "q3_s", "times_s",
+    "status", "flops", "io_bytes", "matmul_flops_per_s", "matmul_flops", "matmul_ratio", "median_s", "min_s", "max_s", "q1_s", "q3_s", "times_s",
     "repeats", "first_call_s", "compile_s", "peak_bytes", "memory_method", "peak_over_io", "max_abs_diff_vs_numpy",
     "reference_max_abs", "pct_matmul", "native_path", "ratio_to_native",
 )
@@ -77,7 +77,8 @@ def test_quick_run_writes_every_field(backend, tmp_path, capsys):
         lacking = [f for f in ROW_FIELDS if f not in row]
         assert not lacking, f"row {row.get('path')} at {row.get('shape')} lacks {lacking}"
         assert row["status"] == "ok", f"{row['shape']} {row['path']} [{row['pass']}]: {row['status']}"
-        for field in ("median_s", "min_s", "max_s", "first_call_s", "flops", "matmul_flops_per_s", "pct_matmul"):
+        for field in ("median_s", "min_s", "max_s", "first_call_s", "flops", "matmul_flops_per_s", "matmul_flops",
+                      "matmul_ratio", "pct_matmul"):
             _finite_positive(row, field)
         if any(n["kind"] == "native" and (n["shape"], n["pass"]) == (row["shape"], row["pass"]) for n in rows):
             _finite_positive(row, "ratio_to_native")  # NumPy has no native forward+backward to compare with
@@ -159,6 +160,58 @@ def test_targets_judge_by_the_issue_thresholds():
     check("tf long forward peak memory < 4x inputs+outputs", False, 60.0)
     check("jax long forward peak memory < 4x inputs+outputs", None, None)
     assert all(e["status"] in ("pass", "miss") or e["status"].startswith("not measured") for e in entries)
+
+
+class _DriftingClock:
+    """A stand-in for bench.time_call: each call's duration is its work times the machine's
+    slowness, which triples after `switch` calls (CPU steal arriving mid-shape)."""
+
+    def __init__(self, switch: int):
+        self.switch, self.calls, self.order = switch, 0, []
+
+    def __call__(self, call) -> float:
+        name, work = call()
+        self.order.append(name)
+        self.calls += 1
+        return work * (3.0 if self.calls > self.switch else 1.0)
+
+
+def _fake(name: str, work: float):
+    return lambda: (name, work)
+
+
+def test_round_robin_ratios_survive_a_change_of_machine_speed(monkeypatch):
+    """Paths and the matmul take turns, so a slowdown reaches all of them alike: the ratios of
+    the paired ratios stay the work ratios (1/4 and 1.5/4), although the slowdown begins in the
+    middle of a round. Timed one after another (all of a's repeats, then b's, then the
+    matmul's), a would read 1/12 of the matmul."""
+    clock = _DriftingClock(switch=20)
+    monkeypatch.setattr(bench, "time_call", clock)
+    out = bench.measure_round_robin({"a": _fake("a", 1.0), "b": _fake("b", 1.5)}, _fake("mm", 4.0),
+                                    repeats=9, max_seconds=1e9)
+    assert out["a"]["matmul_ratio"] == pytest.approx(0.25), out
+    assert out["b"]["matmul_ratio"] == pytest.approx(0.375), out
+    assert out["a"]["repeats"] == out["b"]["repeats"] == 9 == out[bench.MATMUL]["repeats"]
+    timed = clock.order[6:]  # after each one's first call and warm-up
+    assert timed[:6] == ["mm", "a", "b", "mm", "a", "b"], clock.order
+
+
+def test_round_robin_keeps_repeats_budgets_and_failures_per_path(monkeypatch):
+    """A path over its time budget leaves after MIN_REPEATS, a failing path is reported with its
+    exception, the rest carry on, and the matmul is timed while any path is timed."""
+    monkeypatch.setattr(bench, "time_call", _DriftingClock(switch=10**9))
+    calls = {"quick": _fake("quick", 0.01), "slow": _fake("slow", 5.0)}
+
+    def broken():
+        raise RuntimeError("out of memory")
+
+    out = bench.measure_round_robin(calls | {"broken": broken}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
+    assert isinstance(out["broken"], RuntimeError), out["broken"]
+    assert out["slow"]["repeats"] == bench.MIN_REPEATS, out["slow"]  # 3 x 5 s > 10 s
+    assert out["quick"]["repeats"] == 7 == out[bench.MATMUL]["repeats"], out
+    assert out["slow"]["first_call_s"] == 5.0 and out[bench.MATMUL]["first_call_s"] == 0.1
+    empty = bench.measure_round_robin({}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
+    assert empty[bench.MATMUL]["repeats"] == bench.MIN_REPEATS
 
 
 def test_flop_count_is_the_issues_formula():

@@ -281,9 +281,9 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
         m, l, acc = state
         empty = l == 0  # (B, N, tb, 1): no key allowed (a row with any has l >= 1)
         ctx = acc / tf.where(empty, ops.ones_like(l), l)  # (B, N, tb, V)
-        if masked_row == "zero":
-            ctx = tf.where(empty, ops.zeros_like(ctx), ctx)
-        else:
+        # "zero": an empty row's acc is already its context, 0 * v as in the spec's attend (so a NaN in
+        # a value it computed reaches it, as in impl_numpy); no select, which would hide that NaN.
+        if masked_row != "zero":
             ctx = tf.where(empty, masked_row_ctx(t0, tb, empty), ctx)
         return merge_heads(_cast(ctx, dtype))  # (B, tb, N*V)
 

@@ -20,7 +20,7 @@ static) and, inside each, a tf.while_loop over the key blocks every query of
 the block sees entirely (no causal mask there), then the one or two blocks on
 the causal diagonal and a last partial key block. Eagerly that is plain
 Python; under tf.function the graph holds one loop per query block, and each
-query block waits for the one IN_FLIGHT blocks before it (a control
+query block waits for the block IN_FLIGHT places before it (a control
 dependency): the executor runs two at a time, one per core of this 2-core
 machine (a block's step keeps about 1.4 cores busy: at gpt2 74% -> 102% of
 the matmul rate, at long 112% -> 138%), and memory stays at two blocks' worth.
@@ -105,7 +105,8 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, *, T: int, S: in
 
     qg (B, K, G*tb, H) scaled queries and kc (B, K, S, H), vc (B, K, S, V) in
     the compute dtype; t0, s0 int32 scalars; mask4 / bias / keep the call's
-    rank-4 arrays (or None). causal: the block crosses the causal diagonal.
+    rank-4 arrays (or None). causal: apply the causal mask (the block may
+    cross the diagonal: the diagonal's blocks and a last partial key block).
     Stage results are rounded to the storage `dtype` as in impl_numpy.
     compiled: traced for XLA (the offsets then slice with xla.dynamic_slice).
     LOGITS and ATTEND are matmuls on the grouped queries, as impl_numpy's
@@ -281,9 +282,9 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
         m, l, acc = state
         empty = l == 0  # (B, N, tb, 1): no key allowed (a row with any has l >= 1)
         ctx = acc / tf.where(empty, ops.ones_like(l), l)  # (B, N, tb, V)
-        if masked_row == "zero":
-            ctx = tf.where(empty, ops.zeros_like(ctx), ctx)
-        else:
+        # "zero": an empty row's acc is already its context, 0 * v as in the spec's attend (so a NaN in
+        # a value it computed reaches it, as in impl_numpy); no select, which would hide that NaN.
+        if masked_row != "zero":
             ctx = tf.where(empty, masked_row_ctx(t0, tb, empty), ctx)
         return merge_heads(_cast(ctx, dtype))  # (B, tb, N*V)
 

@@ -18,13 +18,15 @@ dtype; its arithmetic (matmul accumulation, exp and sums) runs in
 `compute_dtype`, float32 for float16/bfloat16 inputs, the dtype itself
 otherwise.
 
-Three differences of form, all for TensorFlow's autodiff to give the spec's
+Differences of form, all for TensorFlow's autodiff to give the spec's
 hand-written gradients (impl_numpy/backward.py); the forward values are the
 same:
 - softmax subtracts a stop_gradient row max (softmax does not depend on it);
-- the mask stage adds 0 / -inf instead of selecting, and masked_row="nan"
-  multiplies a fully masked row by NaN instead of filling it, so such a row's
-  logits get a NaN gradient as in the spec rather than a select's 0.
+- masked_row="nan" multiplies a fully masked row by NaN instead of filling
+  it, so such a row's softmax input gets a NaN gradient as in the spec (the
+  value gradient too); the mask stage's select (a -inf bias included) then
+  passes none of it to the logits, as the spec's backward zeroes every -inf
+  position.
 
 Two paths beyond the stages, both exact to the tolerance policy:
 - When neither `trace` nor `return_weights` is asked for, logits -> mask ->
@@ -136,9 +138,14 @@ def logits(q, k, scale: float):
 def mask(x, allowed, bias):
     """Add bias, then -inf at disallowed positions. allowed and bias are
     rank-4 and broadcast to (B, N, T, S). A select, so a masked position gets
-    no gradient (as in impl_numpy/backward.py)."""
+    no gradient (as in impl_numpy/backward.py); a -inf in bias masks, so it
+    joins the select (the value is -inf either way): otherwise a "nan" row
+    masked by bias alone would pass its NaN to the query and key gradients."""
     if bias is not None:
-        x = _cast(_cast(x, compute_dtype(x.dtype)) + bias, x.dtype)
+        ct = compute_dtype(x.dtype)
+        x = _cast(_cast(x, ct) + bias, x.dtype)
+        finite = bias > tf.constant(-math.inf, ct)  # (B|1, N|1, T|1, S|1)
+        allowed = finite if allowed is None else ops.logical_and(allowed, finite)
     if allowed is not None:
         x = ops.where(allowed, x, _cast(-math.inf, x.dtype))
     return x

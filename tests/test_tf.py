@@ -875,6 +875,58 @@ def test_chunked_needs_static_lengths():
     assert str(err.value) == want, f"{str(err.value)!r} != {want!r}"
 
 
+@pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
+@pytest.mark.parametrize("chunk", [None, 2, 3])
+def test_nan_value_reaches_fully_masked_rows_as_in_the_spec(chunk, masked_row):
+    """NaN in a value propagates (README): a fully masked row's weights (0 under
+    "zero") meet it in the spec's attend, 0 * NaN, so that row's output is NaN
+    too, in the float64 stages and in impl_numpy's chunked mode. The fused
+    path (chunk None) and the chunked path must give the same rows NaN."""
+    config = _cfg(masked_row=masked_row)
+    tensors = weights.init(config, seed=5, dtype="float64")
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 6, 8)), rng.standard_normal((1, 6, 8))
+    v[0, 4, 0] = np.nan  # key 4's value
+    mask = np.ones((5, 6), bool)
+    mask[1] = False  # row 1: no allowed key
+    mask[3, 4] = False  # row 3 hides key 4 (its weight there is 0 too)
+    want = impl_numpy.multi_head_attention(config, tensors, q, k, v, mask=mask, trace=[])  # the stages
+    got = np.asarray(impl_tf.multi_head_attention(config, tensors, q, k, v, mask=mask, chunk_size=chunk))
+    want_rows, got_rows = np.isnan(want[0]).any(axis=-1), np.isnan(got[0]).any(axis=-1)
+    assert want_rows.all(), f"the reference itself: NaN rows {want_rows.tolist()}"  # 0 * NaN everywhere
+    assert np.array_equal(got_rows, want_rows), f"NaN rows {got_rows.tolist()}, the spec's {want_rows.tolist()}"
+
+@pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
+@pytest.mark.parametrize("path", ["stages", "fused", "chunked"])
+def test_row_masked_by_bias_passes_the_spec_gradients(path, masked_row):
+    """A row whose every key has bias -inf (no bool mask): GradientTape's
+    gradients on each path (the stages, taken with return_weights; the fused
+    path; chunk_size=2) equal impl_numpy's hand-written vjp in float64, NaN
+    where it is NaN ("nan": the value gradient only) and nowhere else."""
+    config = _cfg(masked_row=masked_row)
+    tensors = weights.init(config, seed=6, dtype="float64")
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 8))
+    bias = rng.standard_normal((2, 3, 5))
+    bias[0, 1] = -np.inf  # batch 0, query 1: no key
+    bias[1, 2, 1:] = -np.inf  # batch 1, query 2: key 0 only
+    d_out = rng.standard_normal((2, 3, 8))
+    _, want = impl_numpy.multi_head_attention_vjp(config, tensors, q, k, v, d_output=d_out, bias=bias)
+    xs = [tf.constant(x) for x in (q, k, v)]
+    with tf.GradientTape() as tape:
+        tape.watch(xs)
+        out = impl_tf.multi_head_attention(config, tensors, *xs, bias=bias, return_weights=path == "stages",
+                                           chunk_size=2 if path == "chunked" else None)
+        out = out[0] if path == "stages" else out
+    got = tape.gradient(out, xs, output_gradients=tf.constant(d_out))
+    for name, g in zip(("query", "key", "value"), got):
+        g, w = np.asarray(g), want[name]
+        assert np.array_equal(np.isnan(g), np.isnan(w)), (
+            f"grad {name}: NaN at {np.argwhere(np.isnan(g)).tolist()}, the spec's at {np.argwhere(np.isnan(w)).tolist()}")
+        err = np.abs(np.nan_to_num(g) - np.nan_to_num(w)).max()
+        assert err <= 1e-12, f"grad {name}: max abs difference to the spec's vjp {err:.3g} (tolerance 1e-12)"
+
+
 def test_chunked_memory_is_blocks_not_t_by_s():
     """T = S = 4096, N = 4, causal: the chunked call's peak resident-set growth
     stays far below one (B, N, T, S) float32 array (256 MiB; the plain path

@@ -92,10 +92,14 @@ def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
 def mask(x: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """Add bias, then set disallowed positions to -inf. allowed and bias are
     rank-4 and broadcast to (B, N, T, S). A select, so a masked position gets
-    no gradient (as in impl_numpy/backward.py)."""
+    no gradient (as in impl_numpy/backward.py); a -inf in bias masks, so it
+    joins the select (the value is -inf either way): otherwise a "nan" row
+    masked by bias alone would pass its NaN to the query and key gradients."""
     if bias is not None:
         ct = compute_dtype(x.dtype)
         x = (x.to(ct) + bias).to(x.dtype)
+        finite = bias > float("-inf")  # (B|1, N|1, T|1, S|1)
+        allowed = finite if allowed is None else allowed & finite
     if allowed is not None:
         x = x.masked_fill(~allowed, float("-inf"))
     return x
@@ -194,9 +198,12 @@ def sdpa_attend(config: AttentionConfig, q, k, v, *, allowed, bias, plain_causal
         mean = mean.repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V): head n reads n // G
         return torch.where(empty, mean, ctx)
     # "nan": the row's weights are the constant NaN, so its context is NaN and
-    # the value gradient sees NaN (as the reference VJP); query and key get none.
-    nan_ctx = (v.sum(dim=2, keepdim=True) * float("nan")).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
-    return torch.where(empty, nan_ctx.to(dtype), ctx)
+    # the value gradient of its batch and head sees NaN (as the reference VJP);
+    # query and key get none. The factor is 0 on every other row, so no NaN
+    # reaches the value gradient of a batch without an empty row.
+    factor = torch.where(empty, float("nan"), 0.0)  # (B|1, N|1, T, 1)
+    v_sum = v.sum(dim=2, keepdim=True).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
+    return torch.where(empty, (factor * v_sum).to(dtype), ctx)
 
 
 # -- helpers shared by the whole call ---------------------------------------------

@@ -551,3 +551,35 @@ def test_memory_guard_spares_the_sdpa_path(monkeypatch):
         impl_torch.multi_head_attention(config, tensors, x)
     out = impl_torch.multi_head_attention(config, tensors, x, use_sdpa=True)
     assert tuple(out.shape) == (1, 2048, 4), f"SDPA output shape {tuple(out.shape)}"
+
+
+@pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
+@pytest.mark.parametrize("path", ["stages", "plain", "sdpa"])
+def test_row_masked_by_bias_passes_the_spec_gradients(path, masked_row):
+    """A row whose every key has bias -inf (no bool mask): autograd's gradients
+    on each path (the stages with return_weights, the plain call, use_sdpa)
+    equal impl_numpy's hand-written vjp in float64, NaN where it is NaN ("nan":
+    the value gradient only, and only in batch 0, the one with an empty row) and
+    nowhere else. Before the mask stage let a -inf bias join its select, "nan"
+    put NaN in the query and key gradients; before its fill factor was 0 on
+    the other rows, use_sdpa put NaN in batch 1's value gradient too."""
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, masked_row=masked_row)
+    tensors = weights.init(config, seed=6, dtype="float64")
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 8))
+    bias = rng.standard_normal((2, 3, 5))
+    bias[0, 1] = -np.inf  # batch 0, query 1: no key
+    bias[1, 2, 1:] = -np.inf  # batch 1, query 2: key 0 only
+    d_out = rng.standard_normal((2, 3, 8))
+    _, want = impl_numpy.multi_head_attention_vjp(config, tensors, q, k, v, d_output=d_out, bias=bias)
+    xs = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    out = impl_torch.multi_head_attention(config, {n: torch.tensor(t) for n, t in tensors.items()}, *xs,
+                                          bias=torch.tensor(bias), return_weights=path == "stages",
+                                          use_sdpa=path == "sdpa")
+    (out[0] if path == "stages" else out).backward(torch.tensor(d_out))
+    for name, x in zip(("query", "key", "value"), xs):
+        g, w = x.grad.numpy(), want[name]
+        assert np.array_equal(np.isnan(g), np.isnan(w)), (
+            f"grad {name}: NaN at {np.argwhere(np.isnan(g)).tolist()}, the spec's at {np.argwhere(np.isnan(w)).tolist()}")
+        err = np.abs(np.nan_to_num(g) - np.nan_to_num(w)).max()
+        assert err <= 1e-12, f"grad {name}: max abs difference to the spec's vjp {err:.3g} (tolerance 1e-12)"

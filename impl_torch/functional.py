@@ -191,7 +191,11 @@ def sdpa_attend(config: AttentionConfig, q, k, v, *, allowed, bias, plain_causal
     ctx = nnF.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)  # (B, N, T, V)
     ctx = ctx.to(dtype)
     if config.masked_row == "zero":
-        return ctx.masked_fill(empty, 0.0)
+        # the spec's 0 weights times V: 0, or NaN in a value column holding a NaN or an inf
+        # (0 * NaN, 0 * inf); a constant, so no gradient, as 0 weights pass none to V
+        bad = (~torch.isfinite(v)).any(dim=2, keepdim=True).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
+        zero = torch.zeros((), dtype=dtype, device=v.device).masked_fill(bad, float("nan"))  # (B, N, 1, V)
+        return torch.where(empty, zero, ctx)
     if config.masked_row == "uniform":
         ct = compute_dtype(v.dtype)
         mean = v.to(ct).mean(dim=2, keepdim=True).to(dtype)  # (B, K, 1, V)

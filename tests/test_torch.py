@@ -583,3 +583,28 @@ def test_row_masked_by_bias_passes_the_spec_gradients(path, masked_row):
             f"grad {name}: NaN at {np.argwhere(np.isnan(g)).tolist()}, the spec's at {np.argwhere(np.isnan(w)).tolist()}")
         err = np.abs(np.nan_to_num(g) - np.nan_to_num(w)).max()
         assert err <= 1e-12, f"grad {name}: max abs difference to the spec's vjp {err:.3g} (tolerance 1e-12)"
+
+
+@pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
+@pytest.mark.parametrize("use_sdpa", [False, True])
+def test_nan_value_reaches_fully_masked_rows_as_in_the_spec(use_sdpa, masked_row):
+    """NaN in a value propagates (README): a fully masked row's weights (0 under
+    "zero") meet it in the spec's attend, 0 * NaN, so that row's output is NaN
+    too. The SDPA path, which fills such rows after the kernel, must give the
+    same rows NaN as the float64 stages."""
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, masked_row=masked_row)
+    tensors = weights.init(config, seed=5, dtype="float64")
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 6, 8)), rng.standard_normal((2, 6, 8))
+    v[0, 4, 0] = np.nan  # batch 0, key 4's value; batch 1 has no NaN
+    mask = np.ones((5, 6), bool)
+    mask[1] = False  # row 1: no allowed key
+    mask[3, 4] = False  # row 3 hides key 4 (its weight there is 0 too)
+    want = impl_numpy.multi_head_attention(config, tensors, q, k, v, mask=mask, trace=[])  # the stages
+    got = impl_torch.multi_head_attention(config, {n: torch.tensor(t) for n, t in tensors.items()},
+                                          *(torch.tensor(x) for x in (q, k, v)), mask=torch.tensor(mask),
+                                          use_sdpa=use_sdpa).numpy()
+    want_rows, got_rows = np.isnan(want).any(axis=-1), np.isnan(got).any(axis=-1)  # (B, T)
+    assert want_rows[0].all() and (want_rows[1] == (masked_row == "nan") * np.eye(5, dtype=bool)[1]).all(), (
+        f"the reference itself: NaN rows {want_rows.tolist()}")
+    assert np.array_equal(got_rows, want_rows), f"NaN rows {got_rows.tolist()}, the spec's {want_rows.tolist()}"

@@ -171,6 +171,7 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
     rate = ct.type(1.0 - config.dropout)
     kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
     rows = min(chunk_size, QUERY_ROWS, T)
+    bias_masks = bias is not None and bool(np.isneginf(bias).any())
     # Reused by every block: its logits (worked on in place), its numerator and one product.
     scores, numerator, product = one_allocation(ct, B * N * rows * min(chunk_size, S), B * N * rows * V, B * N * rows * V)
     for t0 in range(0, T, rows):
@@ -196,6 +197,9 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                     x[...] = x.astype(dtype)
             allowed = _block(mask, (T, S), t0, t1, s0, s1)
             hidden = None if allowed is None else ~allowed
+            if bias_masks:  # a -inf bias is a mask (functional.mask): a NaN logit there is hidden too
+                neg = np.isneginf(_block(bias, (T, S), t0, t1, s0, s1))
+                hidden = neg if hidden is None else hidden | neg
             if is_causal and s1 - 1 > t0 + offset:  # the block crosses the diagonal
                 after = np.arange(s0, s1)[None, :] > np.arange(t0, t1)[:, None] + offset  # (t, s)
                 hidden = after if hidden is None else hidden | after

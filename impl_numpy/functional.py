@@ -110,9 +110,13 @@ def logits(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
 
 def mask(x: np.ndarray, allowed: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
     """Add bias, then set disallowed positions to -inf. allowed and bias are
-    rank-4 and broadcast to (B, N, T, S)."""
+    rank-4 and broadcast to (B, N, T, S). A -inf in bias is a mask, the same
+    as a False in allowed: the position is set to -inf, whatever the logit
+    (a NaN logit there, from a NaN key, is hidden as a bool mask hides it)."""
     if bias is not None:
         x = (x.astype(compute_dtype(x.dtype)) + bias).astype(x.dtype)
+        finite = bias > -np.inf  # (B|1, N|1, T|1, S|1)
+        allowed = finite if allowed is None else allowed & finite
     if allowed is not None:
         x = np.where(allowed, x, x.dtype.type(-np.inf))
     return x

@@ -226,3 +226,30 @@ def test_seeded_dropout_is_reproducible_and_rescales():
         per_head_loop(config, tensors, x, x, x, dropout_mask=keep), rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(multi_head_attention(config, tensors, x, training=False),
                                   multi_head_attention(config, tensors, x))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("kind", ["mask", "bias", "causal"])
+def test_a_nan_key_reaches_exactly_the_rows_that_see_it(kind, fast):
+    """A NaN in key 4 makes its logit NaN for every query. A position hidden by
+    a bool mask, by a -inf bias (a mask too: README) or by the causal mask is
+    set to -inf whatever its logit, so exactly the rows that see key 4 are
+    NaN, on the stages (trace) and on the fast path, and the -inf bias gives
+    the bool mask's very output."""
+    config = AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=5, dtype="float64")
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8))
+    k[0, 4, 0] = np.nan
+    visible = np.ones((5, 5), bool)
+    visible[:3, 4] = False
+    kw = {"mask": {"mask": visible}, "bias": {"bias": np.where(visible, 0.0, -np.inf)},
+          "causal": {"is_causal": True}}[kind]
+    if kind == "causal":
+        visible = np.tril(visible | True)
+    out = multi_head_attention(config, tensors, q, k, v, **kw, **({} if fast else {"trace": []}))
+    assert np.array_equal(np.isnan(out[0]).any(axis=-1), visible[:, 4]), (
+        f"NaN rows {np.isnan(out[0]).any(axis=-1).tolist()}, rows that see key 4 {visible[:, 4].tolist()}")
+    if kind == "bias":
+        masked = multi_head_attention(config, tensors, q, k, v, mask=visible, **({} if fast else {"trace": []}))
+        np.testing.assert_array_equal(out, masked)

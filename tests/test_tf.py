@@ -896,6 +896,31 @@ def test_nan_value_reaches_fully_masked_rows_as_in_the_spec(chunk, masked_row):
     assert want_rows.all(), f"the reference itself: NaN rows {want_rows.tolist()}"  # 0 * NaN everywhere
     assert np.array_equal(got_rows, want_rows), f"NaN rows {got_rows.tolist()}, the spec's {want_rows.tolist()}"
 
+
+@pytest.mark.parametrize("kind", ["mask", "bias", "causal"])
+@pytest.mark.parametrize("path", ["stages", "fused", "chunked"])
+def test_a_nan_key_reaches_exactly_the_rows_that_see_it(path, kind):
+    """As the spec (tests/test_numpy_reference.py): a NaN in key 4 reaches only
+    the rows that see key 4; a bool mask, a -inf bias and the causal mask each
+    hide it, on the stages, the fused path and chunk_size=2."""
+    config = _cfg()
+    tensors = weights.init(config, seed=5, dtype="float64")
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8))
+    k[0, 4, 0] = np.nan
+    visible = np.ones((5, 5), bool)
+    visible[:3, 4] = False
+    kw = {"mask": {"mask": visible}, "bias": {"bias": np.where(visible, 0.0, -np.inf)},
+          "causal": {"is_causal": True}}[kind]
+    if kind == "causal":
+        visible = np.tril(np.ones((5, 5), bool))
+    out = impl_tf.multi_head_attention(config, tensors, q, k, v, **kw, return_weights=path == "stages",
+                                       chunk_size=2 if path == "chunked" else None)
+    out = np.asarray(out[0] if path == "stages" else out)
+    assert np.array_equal(np.isnan(out[0]).any(axis=-1), visible[:, 4]), (
+        f"NaN rows {np.isnan(out[0]).any(axis=-1).tolist()}, rows that see key 4 {visible[:, 4].tolist()}")
+
+
 @pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
 @pytest.mark.parametrize("path", ["stages", "fused", "chunked"])
 def test_row_masked_by_bias_passes_the_spec_gradients(path, masked_row):

@@ -608,3 +608,29 @@ def test_nan_value_reaches_fully_masked_rows_as_in_the_spec(use_sdpa, masked_row
     assert want_rows[0].all() and (want_rows[1] == (masked_row == "nan") * np.eye(5, dtype=bool)[1]).all(), (
         f"the reference itself: NaN rows {want_rows.tolist()}")
     assert np.array_equal(got_rows, want_rows), f"NaN rows {got_rows.tolist()}, the spec's {want_rows.tolist()}"
+
+
+@pytest.mark.parametrize("kind", ["mask", "bias", "causal"])
+@pytest.mark.parametrize("path", ["stages", "plain"])
+def test_a_nan_key_reaches_exactly_the_rows_that_see_it(path, kind):
+    """As the spec (tests/test_numpy_reference.py): a NaN in key 4 reaches only
+    the rows that see key 4; a bool mask, a -inf bias and the causal mask each
+    hide it. Not use_sdpa: SDPA's kernels add a mask as -inf, and NaN - inf is
+    NaN, so there every row of a masked call is NaN (README)."""
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=5, dtype="float64")
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8))
+    k[0, 4, 0] = np.nan
+    visible = np.ones((5, 5), bool)
+    visible[:3, 4] = False
+    kw = {"mask": {"mask": torch.tensor(visible)}, "bias": {"bias": torch.tensor(np.where(visible, 0.0, -np.inf))},
+          "causal": {"is_causal": True}}[kind]
+    if kind == "causal":
+        visible = np.tril(np.ones((5, 5), bool))
+    out = impl_torch.multi_head_attention(config, {n: torch.tensor(t) for n, t in tensors.items()},
+                                          *(torch.tensor(x) for x in (q, k, v)), **kw,
+                                          return_weights=path == "stages")
+    out = (out[0] if path == "stages" else out).numpy()
+    assert np.array_equal(np.isnan(out[0]).any(axis=-1), visible[:, 4]), (
+        f"NaN rows {np.isnan(out[0]).any(axis=-1).tolist()}, rows that see key 4 {visible[:, 4].tolist()}")

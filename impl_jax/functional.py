@@ -204,13 +204,18 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     rounding: the softmax's division by the row sum is applied to the (T, V)
     context instead of the (T, S) weights.
 
-    Written for XLA CPU's YNNPACK fusion, which compiles dot, max, exp, sum,
-    dot and the division into one tiled kernel (the (B, N, T, S) arrays are
-    never written to memory) as long as the expression holds no select:
-    masks and bias enter as one additive term (0 or -inf, plus bias), and a
+    Written for XLA CPU's YNNPACK fusion, which fuses dot, max, exp, sum,
+    dot and the division as long as the expression holds no select: bias
+    enters as an additive term (plus -inf where the mask hides a key), and a
     row with no allowed key gets 0 there instead (finite, no NaN in any
     gradient) and its context replaced afterwards by the masked_row policy's
-    (0, the mean of V, NaN), as functional.softmax fills its weights.
+    (0, the mean of V, NaN), as functional.softmax fills its weights. A mask
+    (or is_causal) also needs one select, as mask() has: a NaN or infinite
+    logit at a hidden position (a NaN key, an overflowing product) plus -inf
+    is NaN and would reach the whole row, where the stages give that position
+    weight 0. It costs one more elementwise pass over the logits; calls with
+    neither mask nor causality (bias alone: there x + -inf is NaN in mask()
+    too) stay select-free.
 
     q (B, N, T, H), k (B, K, S, H), v (B, K, S, V); allowed (bool) and bias
     rank 4, broadcasting to (B, N, T, S), or None -> context (B, N, T, V)."""
@@ -218,7 +223,7 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     K, S, V = k.shape[1], k.shape[2], v.shape[3]
     ct = compute_dtype(q.dtype)
     pr = _precision(precision)
-    add = empty = None
+    add = empty = visible = None
     if allowed is not None or bias is not None:
         ok = allowed
         if bias is not None:
@@ -227,18 +232,27 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
         empty = ~jnp.any(ok, axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): rows with no allowed key
         add = jnp.where(ok, jnp.asarray(0, ct) if bias is None else bias.astype(ct), jnp.asarray(-jnp.inf, ct))
         add = jnp.where(empty, jnp.asarray(0, ct), add)  # an empty row is computed finite, then replaced
+        if allowed is not None:
+            visible = allowed | empty  # the positions mask() keeps (and empty rows, kept finite)
     G = N // K
+
+    def grouped(a):
+        """A rank-4 (b, n, t, s) array broadcasting to (B, N, T, S) -> broadcasting to (B, K, G*T, S)."""
+        b, n, t, s = a.shape
+        if n > 1:  # per head: (b, N, T, s) -> (b, K, G*T, s)
+            return jnp.broadcast_to(a, (b, N, T, s)).reshape(b, K, G * T, s)
+        if t > 1 and G > 1:  # the same (T, s) for each of the G query heads of a K head
+            return jnp.broadcast_to(a[:, :, None], (b, 1, G, T, s)).reshape(b, 1, G * T, s)
+        return a
+
     # LOGITS and ATTEND with G and T as one axis (a free reshape of (B, N, T, H)), as impl_numpy's
     # matmuls do: XLA then fuses the whole expression, where a separate G axis costs a layout copy.
     qg = q.reshape(B, K, G * T, H).astype(ct)  # (B, K, G*T, H)
     x = jnp.einsum(LOGITS.replace("G", ""), qg, k.astype(ct), precision=pr) * jnp.asarray(scale, ct)  # (B, K, G*T, S)
     if add is not None:
-        b, n, t, s = add.shape
-        if n > 1:  # per head: (b, N, T, s) -> (b, K, G*T, s)
-            add = jnp.broadcast_to(add, (b, N, T, s)).reshape(b, K, G * T, s)
-        elif t > 1 and G > 1:  # the same (T, s) for each of the G query heads of a K head
-            add = jnp.broadcast_to(add[:, :, None], (b, 1, G, T, s)).reshape(b, 1, G * T, s)
-        x = x + add  # (B, K, G*T, S)
+        x = x + grouped(add)  # (B, K, G*T, S)
+    if visible is not None:  # a hidden NaN or inf logit must not reach its row (as in mask())
+        x = jnp.where(grouped(visible), x, jnp.asarray(-jnp.inf, ct))  # (B, K, G*T, S)
     row_max = lax.stop_gradient(x.max(axis=-1, keepdims=True))  # softmax is shift-invariant
     e = jnp.exp(x - row_max)  # (B, K, G*T, S)
     ctx = jnp.einsum(ATTEND.replace("G", ""), e, v.astype(ct), precision=pr) / e.sum(axis=-1, keepdims=True)

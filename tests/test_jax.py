@@ -1076,3 +1076,34 @@ def test_fast_path_is_taken_only_when_nothing_needs_the_stages(monkeypatch):
     impl_jax.apply(dropout_case.config, dropout_tensors, dropout_inputs["query"], dropout_inputs["key"],
                    dropout_inputs["value"], **call_kwargs(dropout_case, dropout_inputs))
     assert stages == ["logits", "softmax", "attend"] and not fused, (stages, fused)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN logits in the reference
+@pytest.mark.parametrize("hidden_by", ["padding_mask", "causal"])
+def test_fast_path_nan_key_hidden_by_the_mask_reaches_no_row(hidden_by):
+    """A NaN in a key that the mask (or causality) hides from a row: the stages
+    set that logit to -inf by a select, so the row stays finite (only a NaN
+    value spreads, through 0 * NaN); the fused path must not add -inf to the
+    NaN logit and make every row NaN. Expected: the float64 NumPy stages."""
+    from conformance.tolerance import assert_close
+
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    rng = np.random.default_rng(0)
+    T = S = 6
+    q, k, v = (rng.standard_normal((2, L, 8)).astype(np.float32) for L in (T, S, S))
+    k[:, -1] = np.nan  # the last key: padding in one call, the future of every other row in the other
+    call = dict(mask=impl_numpy.padding_mask(np.array([S - 1, S - 2]), S)) if hidden_by == "padding_mask" else dict(
+        is_causal=True)
+    t64 = cast_tensors(tensors, "float64")
+    trace = []
+    want = impl_numpy.multi_head_attention(config, t64, q.astype(np.float64), k.astype(np.float64),
+                                           v.astype(np.float64), trace=trace, **call)
+    assert np.isfinite(want[:, :-1]).all(), "the reference should keep the rows that cannot see the NaN key finite"
+    for label, fn in (("eager", impl_jax.apply), ("jit", JIT_APPLY)):
+        got = np.asarray(fn(config, tensors, q, k, v, **call))
+        assert np.array_equal(np.isnan(got), np.isnan(want)), (
+            f"{hidden_by} {label}: NaN rows {np.isnan(got).any(-1).astype(int).tolist()}, "
+            f"reference {np.isnan(want).any(-1).astype(int).tolist()}")
+        assert_close(f"{hidden_by} {label} output", got, want, config=config, dtype="float32", quantity="output",
+                     B=2, T=T, S=S, logits=dict((e.stage, e.value) for e in trace)["logits"])

@@ -9,11 +9,15 @@ Key blocks that the causal mask hides entirely are skipped (lax.switch: a
 hidden block costs a branch and no arithmetic; only blocks the diagonal
 crosses pay for the causal select). The stage functions of functional.py run
 on each block (project of a query block, split_heads, logits, mask,
-merge_heads, output), so the 16-bit rounding rule is the plain path's. In
-float32/float64, where that rounding is the identity, the scale multiplies
-the (chunk, H) queries instead of every (chunk, chunk) block of logits (one
-pass over each block fewer; the same product up to one rounding, exactly
-the same when the scale is a power of two, as 1/sqrt(64)).
+merge_heads, output), so in 16 bits those stages round as the plain path's
+do. Softmax, dropout and attend, merged into the running recurrence, stay in
+float32 until the context is stored (the plain path also rounds the weights
+and the dropped-out weights to 16 bits; impl_numpy's chunked core, like this
+one, does not). In float32/float64, where rounding to the storage dtype is
+the identity, the scale multiplies the (chunk, H) queries instead of every
+(chunk, chunk) block of logits (one pass over each block fewer; the same
+product up to one rounding, exactly the same when the scale is a power of
+two, as 1/sqrt(64)).
 
 Pure JAX: lax.scan over query blocks, lax.scan over key blocks inside, so the
 call works under jax.jit (chunk_size is static), jax.grad and jax.vmap. Both

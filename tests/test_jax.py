@@ -1084,7 +1084,8 @@ def test_fast_path_nan_key_hidden_by_the_mask_reaches_no_row(hidden_by):
     """A NaN in a key that the mask (or causality) hides from a row: the stages
     set that logit to -inf by a select, so the row stays finite (only a NaN
     value spreads, through 0 * NaN); the fused path must not add -inf to the
-    NaN logit and make every row NaN. Expected: the float64 NumPy stages."""
+    NaN logit and make every row NaN, nor may the chunked path (blocks of 4:
+    the NaN key in the overlapping last block). Expected: the float64 NumPy stages."""
     from conformance.tolerance import assert_close
 
     config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
@@ -1100,8 +1101,8 @@ def test_fast_path_nan_key_hidden_by_the_mask_reaches_no_row(hidden_by):
     want = impl_numpy.multi_head_attention(config, t64, q.astype(np.float64), k.astype(np.float64),
                                            v.astype(np.float64), trace=trace, **call)
     assert np.isfinite(want[:, :-1]).all(), "the reference should keep the rows that cannot see the NaN key finite"
-    for label, fn in (("eager", impl_jax.apply), ("jit", JIT_APPLY)):
-        got = np.asarray(fn(config, tensors, q, k, v, **call))
+    for label, fn, chunk in (("eager", impl_jax.apply, None), ("jit", JIT_APPLY, None), ("chunked", JIT_APPLY, 4)):
+        got = np.asarray(fn(config, tensors, q, k, v, chunk_size=chunk, **call))
         assert np.array_equal(np.isnan(got), np.isnan(want)), (
             f"{hidden_by} {label}: NaN rows {np.isnan(got).any(-1).astype(int).tolist()}, "
             f"reference {np.isnan(want).any(-1).astype(int).tolist()}")

@@ -152,6 +152,8 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                         x = jnp.einsum(LOGITS.replace("G", ""), qs, kb.astype(ct), precision=pr).reshape(B, N, Cq, Ck)
                         if bias_b is not None:
                             x = x + bias_b
+                            finite = bias_b > -jnp.inf  # a -inf bias is a mask, as in mask(): NaN logits there too
+                            allowed = finite if allowed is None else allowed & finite
                         if allowed is not None:
                             x = jnp.where(allowed, x, jnp.asarray(-jnp.inf, ct))
                     else:  # 16-bit: the stage functions, each result rounded to the storage dtype

@@ -136,10 +136,14 @@ def logits(q, k, scale: float, precision: str = "highest"):
 
 def mask(x, allowed, bias):
     """Add bias, then set disallowed positions to -inf. allowed and bias are
-    rank-4 and broadcast to (B, N, T, S). A select, so a masked position gets
-    no gradient (as in impl_numpy/backward.py)."""
+    rank-4 and broadcast to (B, N, T, S). A -inf in bias is a mask, the same
+    as a False in allowed: the position is set to -inf, whatever the logit (a
+    NaN logit there, from a NaN key, is hidden as a bool mask hides it). A
+    select, so a masked position gets no gradient (as in impl_numpy/backward.py)."""
     if bias is not None:
         x = (x.astype(compute_dtype(x.dtype)) + bias).astype(x.dtype)
+        finite = bias > -jnp.inf  # (B|1, N|1, T|1, S|1)
+        allowed = finite if allowed is None else allowed & finite
     if allowed is not None:
         x = jnp.where(allowed, x, jnp.asarray(-jnp.inf, x.dtype))
     return x
@@ -209,13 +213,12 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     enters as an additive term (plus -inf where the mask hides a key), and a
     row with no allowed key gets 0 there instead (finite, no NaN in any
     gradient) and its context replaced afterwards by the masked_row policy's
-    (0, the mean of V, NaN), as functional.softmax fills its weights. A mask
-    (or is_causal) also needs one select, as mask() has: a NaN or infinite
+    (0, the mean of V, NaN), as functional.softmax fills its weights. A mask,
+    is_causal or bias also needs one select, as mask() has: a NaN or infinite
     logit at a hidden position (a NaN key, an overflowing product) plus -inf
     is NaN and would reach the whole row, where the stages give that position
     weight 0. It costs one more elementwise pass over the logits; calls with
-    neither mask nor causality (bias alone: there x + -inf is NaN in mask()
-    too) stay select-free.
+    neither mask, causality nor bias stay select-free.
 
     q (B, N, T, H), k (B, K, S, H), v (B, K, S, V); allowed (bool) and bias
     rank 4, broadcasting to (B, N, T, S), or None -> context (B, N, T, V)."""
@@ -232,8 +235,7 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
         empty = ~jnp.any(ok, axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): rows with no allowed key
         add = jnp.where(ok, jnp.asarray(0, ct) if bias is None else bias.astype(ct), jnp.asarray(-jnp.inf, ct))
         add = jnp.where(empty, jnp.asarray(0, ct), add)  # an empty row is computed finite, then replaced
-        if allowed is not None:
-            visible = allowed | empty  # the positions mask() keeps (and empty rows, kept finite)
+        visible = ok | empty  # the positions mask() keeps (and empty rows, kept finite)
     G = N // K
 
     def grouped(a):

@@ -1079,13 +1079,14 @@ def test_fast_path_is_taken_only_when_nothing_needs_the_stages(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN logits in the reference
-@pytest.mark.parametrize("hidden_by", ["padding_mask", "causal"])
+@pytest.mark.parametrize("hidden_by", ["padding_mask", "causal", "neg_inf_bias"])
 def test_fast_path_nan_key_hidden_by_the_mask_reaches_no_row(hidden_by):
     """A NaN in a key that the mask (or causality) hides from a row: the stages
     set that logit to -inf by a select, so the row stays finite (only a NaN
     value spreads, through 0 * NaN); the fused path must not add -inf to the
     NaN logit and make every row NaN, nor may the chunked path (blocks of 4:
-    the NaN key in the overlapping last block). Expected: the float64 NumPy stages."""
+    the NaN key in the overlapping last block). A -inf bias is a mask too
+    (the spec's mask() selects on it). Expected: the float64 NumPy stages."""
     from conformance.tolerance import assert_close
 
     config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
@@ -1094,14 +1095,16 @@ def test_fast_path_nan_key_hidden_by_the_mask_reaches_no_row(hidden_by):
     T = S = 6
     q, k, v = (rng.standard_normal((2, L, 8)).astype(np.float32) for L in (T, S, S))
     k[:, -1] = np.nan  # the last key: padding in one call, the future of every other row in the other
-    call = dict(mask=impl_numpy.padding_mask(np.array([S - 1, S - 2]), S)) if hidden_by == "padding_mask" else dict(
-        is_causal=True)
+    padding = impl_numpy.padding_mask(np.array([S - 1, S - 2]), S)  # (B, 1, 1, S)
+    call = {"padding_mask": dict(mask=padding), "causal": dict(is_causal=True),
+            "neg_inf_bias": dict(bias=np.where(padding, 0.0, -np.inf))}[hidden_by]  # a -inf bias is a mask (README)
     t64 = cast_tensors(tensors, "float64")
     trace = []
     want = impl_numpy.multi_head_attention(config, t64, q.astype(np.float64), k.astype(np.float64),
                                            v.astype(np.float64), trace=trace, **call)
     assert np.isfinite(want[:, :-1]).all(), "the reference should keep the rows that cannot see the NaN key finite"
-    for label, fn, chunk in (("eager", impl_jax.apply, None), ("jit", JIT_APPLY, None), ("chunked", JIT_APPLY, 4)):
+    for label, fn, chunk in (("eager", impl_jax.apply, None), ("jit", JIT_APPLY, None), ("chunked", JIT_APPLY, 4),
+                             ("stages", lambda *a, **kw: impl_jax.apply(*a, return_weights=True, **kw)[0], None)):
         got = np.asarray(fn(config, tensors, q, k, v, chunk_size=chunk, **call))
         assert np.array_equal(np.isnan(got), np.isnan(want)), (
             f"{hidden_by} {label}: NaN rows {np.isnan(got).any(-1).astype(int).tolist()}, "

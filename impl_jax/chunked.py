@@ -99,14 +99,16 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     rate = jnp.asarray(1.0 - config.dropout, ct)
     # A fully masked row's weights, as functional.softmax fills them: 0, 1/S or NaN on all S keys, then
     # dropout. Its context is those weights times V over every key (hidden blocks too), so that its
-    # gradient reaches V as on the plain path: 1/S each, or NaN where such a row exists.
-    fill = {"zero": None, "uniform": 1.0 / S, "nan": np.nan}[config.masked_row]
+    # gradient reaches V as on the plain path: 1/S each, or NaN where such a row exists; "zero" gives
+    # 0 x V (NaN in a column where a value is NaN), with or without dropout (which keeps 0 weights 0).
+    fill = {"zero": 0.0, "uniform": 1.0 / S, "nan": np.nan}[config.masked_row]
+    fill_everywhere = keep is None or fill == 0.0  # the same fill weight on every key of an empty row
     pr = _precision(precision)
     exact = ct == dtype  # float32/float64: rounding each stage to the storage dtype is the identity
 
     k_all = project(key, p["key.kernel"], p.get("key.bias"), precision)  # (B, S, K*H)
     v_all = project(value, p["value.kernel"], p.get("value.bias"), precision)  # (B, S, K*V)
-    if fill is not None and keep is None:
+    if fill_everywhere:
         v_sum = v_all.astype(ct).sum(axis=1).reshape(B, K, 1, 1, V)  # (B, K, 1, 1, V)
         v_sum = jnp.broadcast_to(v_sum, (B, K, G, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
 
@@ -185,9 +187,7 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
         (m, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init, xs)
         empty = l == 0  # no allowed key in the row (l >= 1 otherwise: the max contributes exp(0))
         ctx = acc / jnp.where(empty, jnp.asarray(1, ct), l)
-        if fill is None:
-            ctx = jnp.where(empty, jnp.asarray(0, ct), ctx)
-        elif keep is None:
+        if fill_everywhere:
             # the fill weight on every key: its factor is 0 on the other rows, so no NaN reaches their gradients
             ctx = jnp.where(empty, jnp.where(empty, jnp.asarray(fill, ct), jnp.asarray(0, ct)) * v_sum, ctx)
         else:

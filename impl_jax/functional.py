@@ -260,13 +260,12 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     ctx = jnp.einsum(ATTEND.replace("G", ""), e, v.astype(ct), precision=pr) / e.sum(axis=-1, keepdims=True)
     ctx = ctx.reshape(B, N, T, V)  # (B, N, T, V)
     if empty is not None:
-        if masked_row == "zero":
-            fill = jnp.asarray(0, ct)
-        else:  # the fill weights (1/S, or NaN) times V, so that V's gradient is the plain path's
-            v_sum = v.astype(ct).sum(axis=2, keepdims=True)  # (B, K, 1, V)
-            v_sum = jnp.broadcast_to(v_sum[:, :, None], (B, K, N // K, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
-            w = 1.0 / S if masked_row == "uniform" else np.nan
-            fill = jnp.where(empty, jnp.asarray(w, ct), jnp.asarray(0, ct)) * v_sum  # NaN only on empty rows
+        # the fill weights (0, 1/S or NaN) times V, as the stages' attend: V's gradient is the plain path's,
+        # and "zero" gives 0 x V (NaN in a column where a value is NaN), not a plain 0
+        v_sum = v.astype(ct).sum(axis=2, keepdims=True)  # (B, K, 1, V)
+        v_sum = jnp.broadcast_to(v_sum[:, :, None], (B, K, N // K, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
+        w = {"zero": 0.0, "uniform": 1.0 / S, "nan": np.nan}[masked_row]
+        fill = jnp.where(empty, jnp.asarray(w, ct), jnp.asarray(0, ct)) * v_sum  # NaN only on empty rows
         ctx = jnp.where(empty, fill, ctx)
     return ctx.astype(q.dtype)
 

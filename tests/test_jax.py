@@ -1111,3 +1111,38 @@ def test_fast_path_nan_key_hidden_by_the_mask_reaches_no_row(hidden_by):
             f"reference {np.isnan(want).any(-1).astype(int).tolist()}")
         assert_close(f"{hidden_by} {label} output", got, want, config=config, dtype="float32", quantity="output",
                      B=2, T=T, S=S, logits=dict((e.stage, e.value) for e in trace)["logits"])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # 0 * NaN in the reference
+@pytest.mark.parametrize("training", [False, True])
+def test_masked_row_zero_is_zero_weights_times_v_on_every_path(training):
+    """masked_row="zero": a fully masked row's weights are 0 and its context is
+    0 x V, as the stages compute it, so a NaN in a value column makes that
+    row's column NaN (0 x NaN), as on the spec's stages and fast path; the
+    fused and chunked paths must not select a plain 0 there. Dropout keeps
+    0 weights 0. Expected: the float64 NumPy stages."""
+    from conformance.tolerance import assert_close
+
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, dropout=0.25)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    rng = np.random.default_rng(0)
+    B, T, S = 2, 5, 5
+    q, k, v = (rng.standard_normal((B, L, 8)).astype(np.float32) for L in (T, S, S))
+    v[0, 1, 0] = np.nan  # one value feature of key 1 (batch 0): every value column it feeds is NaN
+    mask = np.ones((T, S), bool)
+    mask[2] = False  # row 2 sees no key
+    mask[0, 1] = False  # row 0 does not see key 1: still NaN through 0 x NaN, as every row
+    call = dict(mask=mask)
+    if training:
+        call.update(training=True, dropout_mask=rng.random((B, 2, T, S)) >= 0.25)
+    trace = []
+    want = impl_numpy.multi_head_attention(config, cast_tensors(tensors, "float64"), q.astype(np.float64),
+                                           k.astype(np.float64), v.astype(np.float64), trace=trace, **call)
+    assert np.isnan(want[0]).all() and np.isfinite(want[1]).all(), "the reference should spread the NaN in batch 0 only"
+    for label, chunk in (("plain", None), ("chunked", 2)):
+        got = np.asarray(JIT_APPLY(config, tensors, q, k, v, chunk_size=chunk, **call))
+        assert np.array_equal(np.isnan(got), np.isnan(want)), (
+            f"{label} training={training}: NaN at {np.argwhere(np.isnan(got) != np.isnan(want))[:5].tolist()} "
+            f"differs from the reference")
+        assert_close(f"{label} training={training} output", got, want, config=config, dtype="float32",
+                     quantity="output", B=B, T=T, S=S, logits=dict((e.stage, e.value) for e in trace)["logits"])

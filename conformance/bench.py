@@ -71,7 +71,9 @@ FRAMEWORKS = ("torch", "tf", "jax")
 MATMUL_N = 2048
 LONG_T = 2048  # from this query length on, the long-sequence (chunked) paths
 CHUNK_SIZE = 512  # NumPy's chunk_size for causal and long shapes: key blocks of 512, query blocks of 128 (impl_numpy.chunked.QUERY_ROWS)
-JAX_CHUNK_SIZE = 256  # impl_jax's chunk_size for causal and long shapes (fastest of 128/256/512 at gpt2; 256 and 512 tie at long)
+JAX_CHUNK_SIZE = 256  # impl_jax's chunk_size where B*N >= 32 (gpt2: 66.8% of matmul against 61.8% with 512)
+JAX_CHUNK_SIZE_SMALL_BATCH = 512  # B*N < 32 (long: 92.4% against 63.1% with 256; XLA:CPU runs the 8 heads' (512 x 64)
+# x (64 x 512) block matmuls on both cores, the (256 x 64) x (64 x 256) ones on one). Round robin, 2026-11-23.
 TF_CHUNK_SIZE = 128  # impl_tf's, where B*N >= 32 (gpt2: 117% of matmul against 109% with 256, tf.function)
 TF_CHUNK_SIZE_SMALL_BATCH = 256  # impl_tf's, B*N < 32 (long: 125%, against 131% with 512 but ~30% more memory)
 MIN_REPEATS = 3
@@ -601,7 +603,7 @@ def glue_jax(device: str, quick: bool) -> Glue:
             mask = nnx.make_causal_mask(inp[..., 0]) if c else None  # (B, 1, T, T)
             return nnx.merge(graphdef, st)(inp, mask=mask)
 
-        chunk = min(JAX_CHUNK_SIZE, shape.T)
+        chunk = min(shape.T, JAX_CHUNK_SIZE if shape.B * shape.N >= 32 else JAX_CHUNK_SIZE_SMALL_BATCH)
 
         def ours_chunked(pp, inp):
             return apply(config, pp, inp, is_causal=c, chunk_size=chunk)

@@ -100,3 +100,63 @@ MASK_BUILDER_BAD_CALLS = {
     "too_long": ("padding_mask", (np.array([1, 4]), 3), {}),
     "negative": ("padding_mask", (np.array([-1]), 3), {}),
 }
+
+
+# -- non-finite inputs: the same small calls for every framework's tests --------------
+
+def nan_key_call(kind: str):
+    """A NaN in key 4 (B 1, T = S = 5, D 8, two heads, float64) and a call that
+    hides key 4 from rows 0-2 by `kind`: "mask" (bool), "bias" (-inf) or
+    "causal" (which hides it from rows 0-3). Returns config, tensors, (q, k, v),
+    the call's NumPy options, and the rows that see key 4 (T,) bool: exactly
+    those rows are NaN in the spec."""
+    import weights
+
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=5, dtype="float64")
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8))
+    k[0, 4, 0] = np.nan
+    visible = np.ones((5, 5), bool)
+    visible[:3, 4] = False
+    options = {"mask": {"mask": visible}, "bias": {"bias": np.where(visible, 0.0, -np.inf)},
+               "causal": {"is_causal": True}}[kind]
+    if kind == "causal":
+        visible = np.tril(np.ones((5, 5), bool))
+    return config, tensors, (q, k, v), options, visible[:, 4]
+
+
+def assert_nan_rows(out, sees_key) -> None:
+    """out (1, T, O): its NaN rows are exactly the rows that see the NaN key."""
+    rows = np.isnan(np.asarray(out)[0]).any(axis=-1)
+    assert np.array_equal(rows, sees_key), f"NaN rows {rows.tolist()}, rows that see key 4 {sees_key.tolist()}"
+
+
+def bias_masked_rows_call(masked_row: str):
+    """Rows masked by a -inf bias alone (no bool mask; B 2, T 3, S 5, float64):
+    batch 0's query 1 sees no key, batch 1's query 2 key 0 only. Returns
+    config, tensors, (q, k, v), bias, d_output and the spec's gradients
+    (impl_numpy's hand-written vjp) of query, key and value."""
+    import impl_numpy
+    import weights
+
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, masked_row=masked_row)
+    tensors = weights.init(config, seed=6, dtype="float64")
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 8))
+    bias = rng.standard_normal((2, 3, 5))
+    bias[0, 1] = -np.inf
+    bias[1, 2, 1:] = -np.inf
+    d_out = rng.standard_normal((2, 3, 8))
+    _, want = impl_numpy.multi_head_attention_vjp(config, tensors, q, k, v, d_output=d_out, bias=bias)
+    return config, tensors, (q, k, v), bias, d_out, want
+
+
+def assert_spec_gradients(got: dict, want: dict) -> None:
+    """Gradients of query, key and value: NaN exactly where the spec's are, 1e-12 elsewhere (float64)."""
+    for name in ("query", "key", "value"):
+        g, w = np.asarray(got[name]), want[name]
+        assert np.array_equal(np.isnan(g), np.isnan(w)), (
+            f"grad {name}: NaN at {np.argwhere(np.isnan(g)).tolist()}, the spec's at {np.argwhere(np.isnan(w)).tolist()}")
+        err = np.abs(np.nan_to_num(g) - np.nan_to_num(w)).max()
+        assert err <= 1e-12, f"grad {name}: max abs difference to the spec's vjp {err:.3g} (tolerance 1e-12)"

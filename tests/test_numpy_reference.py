@@ -7,6 +7,7 @@ import pytest
 from formulations import fused_qkv, per_head_loop, scalar_loop
 from hypothesis import given
 from hypothesis import strategies as st
+from reference_checks import assert_nan_rows, nan_key_call
 from strategies import calls, configs
 
 import weights
@@ -236,20 +237,10 @@ def test_a_nan_key_reaches_exactly_the_rows_that_see_it(kind, fast):
     set to -inf whatever its logit, so exactly the rows that see key 4 are
     NaN, on the stages (trace) and on the fast path, and the -inf bias gives
     the bool mask's very output."""
-    config = AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
-    tensors = weights.init(config, seed=5, dtype="float64")
-    rng = np.random.default_rng(5)
-    q, k, v = rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8))
-    k[0, 4, 0] = np.nan
-    visible = np.ones((5, 5), bool)
-    visible[:3, 4] = False
-    kw = {"mask": {"mask": visible}, "bias": {"bias": np.where(visible, 0.0, -np.inf)},
-          "causal": {"is_causal": True}}[kind]
-    if kind == "causal":
-        visible = np.tril(visible | True)
-    out = multi_head_attention(config, tensors, q, k, v, **kw, **({} if fast else {"trace": []}))
-    assert np.array_equal(np.isnan(out[0]).any(axis=-1), visible[:, 4]), (
-        f"NaN rows {np.isnan(out[0]).any(axis=-1).tolist()}, rows that see key 4 {visible[:, 4].tolist()}")
+    config, tensors, (q, k, v), options, sees_key = nan_key_call(kind)
+    trace = {} if fast else {"trace": []}
+    out = multi_head_attention(config, tensors, q, k, v, **options, **trace)
+    assert_nan_rows(out, sees_key)
     if kind == "bias":
-        masked = multi_head_attention(config, tensors, q, k, v, mask=visible, **({} if fast else {"trace": []}))
+        masked = multi_head_attention(config, tensors, q, k, v, mask=np.isfinite(options["bias"]), **trace)
         np.testing.assert_array_equal(out, masked)

@@ -25,7 +25,13 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 tf = pytest.importorskip("tensorflow", reason=INSTALL)
 keras = pytest.importorskip("keras", reason=INSTALL)
 
-from reference_checks import assert_case_conforms  # noqa: E402
+from reference_checks import (  # noqa: E402
+    assert_case_conforms,
+    assert_nan_rows,
+    assert_spec_gradients,
+    bias_masked_rows_call,
+    nan_key_call,
+)
 
 import impl_numpy  # noqa: E402
 import impl_numpy.adapter as ref  # noqa: E402
@@ -903,22 +909,10 @@ def test_a_nan_key_reaches_exactly_the_rows_that_see_it(path, kind):
     """As the spec (tests/test_numpy_reference.py): a NaN in key 4 reaches only
     the rows that see key 4; a bool mask, a -inf bias and the causal mask each
     hide it, on the stages, the fused path and chunk_size=2."""
-    config = _cfg()
-    tensors = weights.init(config, seed=5, dtype="float64")
-    rng = np.random.default_rng(5)
-    q, k, v = rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8))
-    k[0, 4, 0] = np.nan
-    visible = np.ones((5, 5), bool)
-    visible[:3, 4] = False
-    kw = {"mask": {"mask": visible}, "bias": {"bias": np.where(visible, 0.0, -np.inf)},
-          "causal": {"is_causal": True}}[kind]
-    if kind == "causal":
-        visible = np.tril(np.ones((5, 5), bool))
-    out = impl_tf.multi_head_attention(config, tensors, q, k, v, **kw, return_weights=path == "stages",
+    config, tensors, (q, k, v), options, sees_key = nan_key_call(kind)
+    out = impl_tf.multi_head_attention(config, tensors, q, k, v, **options, return_weights=path == "stages",
                                        chunk_size=2 if path == "chunked" else None)
-    out = np.asarray(out[0] if path == "stages" else out)
-    assert np.array_equal(np.isnan(out[0]).any(axis=-1), visible[:, 4]), (
-        f"NaN rows {np.isnan(out[0]).any(axis=-1).tolist()}, rows that see key 4 {visible[:, 4].tolist()}")
+    assert_nan_rows(out[0] if path == "stages" else out, sees_key)
 
 
 @pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
@@ -928,15 +922,7 @@ def test_row_masked_by_bias_passes_the_spec_gradients(path, masked_row):
     gradients on each path (the stages, taken with return_weights; the fused
     path; chunk_size=2) equal impl_numpy's hand-written vjp in float64, NaN
     where it is NaN ("nan": the value gradient only) and nowhere else."""
-    config = _cfg(masked_row=masked_row)
-    tensors = weights.init(config, seed=6, dtype="float64")
-    rng = np.random.default_rng(6)
-    q, k, v = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 8))
-    bias = rng.standard_normal((2, 3, 5))
-    bias[0, 1] = -np.inf  # batch 0, query 1: no key
-    bias[1, 2, 1:] = -np.inf  # batch 1, query 2: key 0 only
-    d_out = rng.standard_normal((2, 3, 8))
-    _, want = impl_numpy.multi_head_attention_vjp(config, tensors, q, k, v, d_output=d_out, bias=bias)
+    config, tensors, (q, k, v), bias, d_out, want = bias_masked_rows_call(masked_row)
     xs = [tf.constant(x) for x in (q, k, v)]
     with tf.GradientTape() as tape:
         tape.watch(xs)
@@ -944,12 +930,7 @@ def test_row_masked_by_bias_passes_the_spec_gradients(path, masked_row):
                                            chunk_size=2 if path == "chunked" else None)
         out = out[0] if path == "stages" else out
     got = tape.gradient(out, xs, output_gradients=tf.constant(d_out))
-    for name, g in zip(("query", "key", "value"), got):
-        g, w = np.asarray(g), want[name]
-        assert np.array_equal(np.isnan(g), np.isnan(w)), (
-            f"grad {name}: NaN at {np.argwhere(np.isnan(g)).tolist()}, the spec's at {np.argwhere(np.isnan(w)).tolist()}")
-        err = np.abs(np.nan_to_num(g) - np.nan_to_num(w)).max()
-        assert err <= 1e-12, f"grad {name}: max abs difference to the spec's vjp {err:.3g} (tolerance 1e-12)"
+    assert_spec_gradients(dict(zip(("query", "key", "value"), got)), want)
 
 
 def test_chunked_memory_is_blocks_not_t_by_s():

@@ -20,8 +20,12 @@ from reference_checks import (  # noqa: E402
     WithOptions,
     assert_case_conforms,
     assert_gradients_conform,
+    assert_nan_rows,
+    assert_spec_gradients,
     bad_calls,
+    bias_masked_rows_call,
     error_of,
+    nan_key_call,
 )
 
 import impl_numpy  # noqa: E402
@@ -563,26 +567,13 @@ def test_row_masked_by_bias_passes_the_spec_gradients(path, masked_row):
     nowhere else. Before the mask stage let a -inf bias join its select, "nan"
     put NaN in the query and key gradients; before its fill factor was 0 on
     the other rows, use_sdpa put NaN in batch 1's value gradient too."""
-    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, masked_row=masked_row)
-    tensors = weights.init(config, seed=6, dtype="float64")
-    rng = np.random.default_rng(6)
-    q, k, v = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 8))
-    bias = rng.standard_normal((2, 3, 5))
-    bias[0, 1] = -np.inf  # batch 0, query 1: no key
-    bias[1, 2, 1:] = -np.inf  # batch 1, query 2: key 0 only
-    d_out = rng.standard_normal((2, 3, 8))
-    _, want = impl_numpy.multi_head_attention_vjp(config, tensors, q, k, v, d_output=d_out, bias=bias)
+    config, tensors, (q, k, v), bias, d_out, want = bias_masked_rows_call(masked_row)
     xs = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
     out = impl_torch.multi_head_attention(config, {n: torch.tensor(t) for n, t in tensors.items()}, *xs,
                                           bias=torch.tensor(bias), return_weights=path == "stages",
                                           use_sdpa=path == "sdpa")
     (out[0] if path == "stages" else out).backward(torch.tensor(d_out))
-    for name, x in zip(("query", "key", "value"), xs):
-        g, w = x.grad.numpy(), want[name]
-        assert np.array_equal(np.isnan(g), np.isnan(w)), (
-            f"grad {name}: NaN at {np.argwhere(np.isnan(g)).tolist()}, the spec's at {np.argwhere(np.isnan(w)).tolist()}")
-        err = np.abs(np.nan_to_num(g) - np.nan_to_num(w)).max()
-        assert err <= 1e-12, f"grad {name}: max abs difference to the spec's vjp {err:.3g} (tolerance 1e-12)"
+    assert_spec_gradients({name: x.grad.numpy() for name, x in zip(("query", "key", "value"), xs)}, want)
 
 
 @pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
@@ -617,20 +608,10 @@ def test_a_nan_key_reaches_exactly_the_rows_that_see_it(path, kind):
     the rows that see key 4; a bool mask, a -inf bias and the causal mask each
     hide it. Not use_sdpa: SDPA's kernels add a mask as -inf, and NaN - inf is
     NaN, so there every row of a masked call is NaN (README)."""
-    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
-    tensors = weights.init(config, seed=5, dtype="float64")
-    rng = np.random.default_rng(5)
-    q, k, v = rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8)), rng.standard_normal((1, 5, 8))
-    k[0, 4, 0] = np.nan
-    visible = np.ones((5, 5), bool)
-    visible[:3, 4] = False
-    kw = {"mask": {"mask": torch.tensor(visible)}, "bias": {"bias": torch.tensor(np.where(visible, 0.0, -np.inf))},
-          "causal": {"is_causal": True}}[kind]
-    if kind == "causal":
-        visible = np.tril(np.ones((5, 5), bool))
+    config, tensors, (q, k, v), options, sees_key = nan_key_call(kind)
     out = impl_torch.multi_head_attention(config, {n: torch.tensor(t) for n, t in tensors.items()},
-                                          *(torch.tensor(x) for x in (q, k, v)), **kw,
+                                          *(torch.tensor(x) for x in (q, k, v)),
+                                          **{name: torch.tensor(a) if isinstance(a, np.ndarray) else a
+                                             for name, a in options.items()},
                                           return_weights=path == "stages")
-    out = (out[0] if path == "stages" else out).numpy()
-    assert np.array_equal(np.isnan(out[0]).any(axis=-1), visible[:, 4]), (
-        f"NaN rows {np.isnan(out[0]).any(axis=-1).tolist()}, rows that see key 4 {visible[:, 4].tolist()}")
+    assert_nan_rows((out[0] if path == "stages" else out).numpy(), sees_key)

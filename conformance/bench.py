@@ -23,11 +23,13 @@ Method
   first took under 2 s, then up to --repeats timed calls (at least 3, fewer
   once --max-seconds of a path's timing has passed). Median, min, max,
   quartiles.
-- Round robin: the timed calls of one shape's paths and of the large matmul
-  take turns, one of each per round (measure_round_robin). This machine is a
-  shared VM whose speed drifts by tens of percent within minutes (CPU steal);
-  timed in turn, every path of a shape and its matmul see the same drift, so
-  the ratios (% of matmul, x native) hold where absolute times do not.
+- Pairs: each timed call of a path comes right after one timed run of the
+  large matmul (measure_paired), and % of matmul is the median of the pairs'
+  ratios. This machine is a shared VM whose speed drifts by tens of percent
+  within minutes (CPU steal); a path and its matmul see the same drift. The
+  paths themselves are timed one after another, each in its own steady state
+  (measure_paired says why not round robin), so x native still compares two
+  medians taken a minute or so apart.
 - Peak memory, one more call after the timed ones: NumPy with tracemalloc
   (NumPy reports its array buffers to it); TensorFlow with its allocator's
   counters (tf.config.experimental.get_memory_info, CPU too: its oneDNN CPU
@@ -685,60 +687,57 @@ def time_call(call) -> float:
     return time.perf_counter() - t0
 
 
-MATMUL = "matmul"  # measure_round_robin's name for the large-matmul reference
+MATMUL = "matmul"  # measure_paired's name for the large-matmul reference
 
 
-def measure_round_robin(calls: dict, reference, *, repeats: int, max_seconds: float) -> dict:
-    """Time every call of `calls` (name -> callable) and the reference (the
-    large matmul) in turn, round after round, so that a change in the
-    machine's speed (this is a shared VM: CPU steal comes and goes) reaches
-    every path of a shape and its matmul alike, and the ratios between them
-    hold. Each call first runs once apart (timed: compile_s) plus one warm-up
-    when that took under 2 s. A call leaves the rotation after `repeats`
-    timed runs, or after MIN_REPEATS once its own timed runs passed
-    max_seconds; the reference is timed once per round while any call is in
-    the rotation, at least MIN_REPEATS times.
+def measure_paired(calls: dict, reference, *, repeats: int, max_seconds: float) -> dict:
+    """Time every call of `calls` (name -> callable), one after another, each
+    of its timed runs a moment after one run of the reference (the large
+    matmul), so that a change in the machine's speed (this is a shared VM:
+    CPU steal comes and goes) reaches a path and its matmul alike. Each call
+    first runs once apart (timed: compile_s) plus one warm-up when that took
+    under 2 s, then up to `repeats` timed runs, MIN_REPEATS once its timed
+    runs passed max_seconds. A call that took under 2 s runs once more,
+    untimed, between the matmul and each timed run.
+
+    Why: a call's speed depends on what ran just before it in the process,
+    beyond the machine. NumPy's plain forward at bert-base took 57 ms run
+    after run, 72 ms right after the matmul, and 82 ms right after the
+    hand-written backward (measured 2026-11-23). So each timed run follows a
+    run of its own path, and the paths are not interleaved with each other.
 
     Returns name -> summarize()'s dict plus first_call_s and matmul_ratio
-    (the median over rounds of the call's time / the reference's time in the
-    same round: a drift that begins mid-shape moves it by at most one round's
-    pair, where it could move a ratio of two medians by the whole drift), or
-    the exception the call raised; under MATMUL, the reference's summary."""
+    (the median over pairs of the call's time / the matmul's time just
+    before it: a drift that begins mid-path moves it by at most one pair,
+    where it could move a ratio of two medians by the whole drift), or the
+    exception the call raised; under MATMUL, every matmul run's summary
+    (at least MIN_REPEATS)."""
     results: dict = {}
-    active: dict = {}
+    first_ref = time_call(reference)
+    time_call(reference)
+    reference_times: list[float] = []
     for name, call in calls.items():
         try:
             first = time_call(call)
             if first < 2.0:
                 time_call(call)
+            times, ratios, spent = [], [], 0.0
+            while len(times) < repeats and not (len(times) >= min(MIN_REPEATS, repeats) and spent > max_seconds):
+                ref = time_call(reference)
+                if first < 2.0:
+                    call()  # untimed: the timed run follows a run of its own path, not the matmul
+                t = time_call(call)
+                reference_times.append(ref)
+                times.append(t)
+                ratios.append(t / ref)
+                spent += t
         except Exception as err:  # noqa: BLE001 - reported in that path's row
             results[name] = err
             continue
-        active[name] = (call, first)
-    first_ref = time_call(reference)
-    time_call(reference)
-    times: dict = {name: [] for name in active} | {MATMUL: []}
-    spent = dict.fromkeys(active, 0.0)
-    minimum = min(MIN_REPEATS, repeats)
-    ratios: dict = {name: [] for name in active}
-    while active or len(times[MATMUL]) < MIN_REPEATS:
-        ref = time_call(reference)
-        times[MATMUL].append(ref)
-        for name, (call, first) in list(active.items()):
-            try:
-                t = time_call(call)
-            except Exception as err:  # noqa: BLE001
-                results[name] = err
-                del active[name], times[name]
-                continue
-            times[name].append(t)
-            ratios[name].append(t / ref)
-            spent[name] += t
-            if len(times[name]) >= repeats or (len(times[name]) >= minimum and spent[name] > max_seconds):
-                results[name] = summarize(times[name]) | {"first_call_s": first,
-                                                          "matmul_ratio": statistics.median(ratios[name])}
-                del active[name]
-    results[MATMUL] = summarize(times[MATMUL]) | {"first_call_s": first_ref}
+        results[name] = summarize(times) | {"first_call_s": first, "matmul_ratio": statistics.median(ratios)}
+    while len(reference_times) < MIN_REPEATS:
+        reference_times.append(time_call(reference))
+    results[MATMUL] = summarize(reference_times) | {"first_call_s": first_ref}
     return results
 
 
@@ -790,7 +789,7 @@ def run_worker(spec: dict) -> dict:
             else:
                 timed[key] = path.call
             rows.append((key, path, row))
-        measured = measure_round_robin(timed, glue.matmul(spec["matmul_n"]), repeats=spec["repeats"],
+        measured = measure_paired(timed, glue.matmul(spec["matmul_n"]), repeats=spec["repeats"],
                                        max_seconds=spec["max_seconds"])
         mm = measured.pop(MATMUL)
         rate = 2 * spec["matmul_n"] ** 3 / mm["median_s"]
@@ -857,7 +856,7 @@ def _row(backend, shape, path, status, rate) -> dict:
 
 def _finish(row: dict) -> None:
     if row["status"] == "ok":
-        # the paired ratio where the row has one (round robin); a row built from
+        # the paired ratio where the row has one (measure_paired); a row built from
         # medians alone (tests, older JSON) divides by the matmul rate
         if row.get("matmul_ratio") is not None:
             row["pct_matmul"] = 100.0 * row["flops"] / row["matmul_flops"] / row["matmul_ratio"]
@@ -1183,7 +1182,7 @@ def run(args) -> int:
                 "shapes": {s.name: s.to_dict() for s in shapes}, "min_repeats": MIN_REPEATS, "long_T": LONG_T,
                 "chunk_size": CHUNK_SIZE,
                 "flops": "forward 4*B*T*D^2 + 4*B*S*D^2 + 4*B*N*T*S*H (full T*S when causal); forward+backward 3x",
-                "matmul": "median time of one float32 matmul_n^3 matmul in the framework, timed in turn with the shape's paths",
+                "matmul": "median time of one float32 matmul_n^3 matmul in the framework, one run before each timed path call",
                 "memory": "numpy: tracemalloc peak; tf: get_memory_info peak growth; torch, jax: peak RSS growth via "
                           "/proc/self/clear_refs + VmHWM (GPU: the framework's peak-allocation counter); "
                           "one extra call after timing",

@@ -180,37 +180,38 @@ def _fake(name: str, work: float):
     return lambda: (name, work)
 
 
-def test_round_robin_ratios_survive_a_change_of_machine_speed(monkeypatch):
-    """Paths and the matmul take turns, so a slowdown reaches all of them alike: the ratios of
-    the paired ratios stay the work ratios (1/4 and 1.5/4), although the slowdown begins in the
-    middle of a round. Timed one after another (all of a's repeats, then b's, then the
-    matmul's), a would read 1/12 of the matmul."""
-    clock = _DriftingClock(switch=20)
+def test_paired_ratios_survive_a_change_of_machine_speed(monkeypatch):
+    """Each timed run of a path follows one of the matmul, so a slowdown that begins in the
+    middle of a's runs (one pair straddles it) leaves the paired ratios at the work ratios,
+    1/4 and 1.5/4. Had the matmul been timed only before the paths (the old method), with the
+    slowdown arriving after it, a would read 3/4 and b 1.125."""
+    clock = _DriftingClock(switch=9)
     monkeypatch.setattr(bench, "time_call", clock)
-    out = bench.measure_round_robin({"a": _fake("a", 1.0), "b": _fake("b", 1.5)}, _fake("mm", 4.0),
-                                    repeats=9, max_seconds=1e9)
+    out = bench.measure_paired({"a": _fake("a", 1.0), "b": _fake("b", 1.5)}, _fake("mm", 4.0),
+                               repeats=9, max_seconds=1e9)
     assert out["a"]["matmul_ratio"] == pytest.approx(0.25), out
     assert out["b"]["matmul_ratio"] == pytest.approx(0.375), out
-    assert out["a"]["repeats"] == out["b"]["repeats"] == 9 == out[bench.MATMUL]["repeats"]
-    timed = clock.order[6:]  # after each one's first call and warm-up
-    assert timed[:6] == ["mm", "a", "b", "mm", "a", "b"], clock.order
+    assert out["a"]["repeats"] == out["b"]["repeats"] == 9 and out[bench.MATMUL]["repeats"] == 18, out
+    # a's untimed runs after each matmul do not reach the clock; b's first run, slowed to 4.5 s, has no warm-up
+    assert clock.order == ["mm", "mm", "a", "a", *["mm", "a"] * 9, "b", *["mm", "b"] * 9], clock.order
 
 
-def test_round_robin_keeps_repeats_budgets_and_failures_per_path(monkeypatch):
-    """A path over its time budget leaves after MIN_REPEATS, a failing path is reported with its
-    exception, the rest carry on, and the matmul is timed while any path is timed."""
+def test_paired_keeps_repeats_budgets_and_failures_per_path(monkeypatch):
+    """A path over its time budget stops after MIN_REPEATS, a failing path is reported with its
+    exception, the rest carry on; the matmul is timed once per timed path run, and at least
+    MIN_REPEATS times."""
     monkeypatch.setattr(bench, "time_call", _DriftingClock(switch=10**9))
     calls = {"quick": _fake("quick", 0.01), "slow": _fake("slow", 5.0)}
 
     def broken():
         raise RuntimeError("out of memory")
 
-    out = bench.measure_round_robin(calls | {"broken": broken}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
+    out = bench.measure_paired(calls | {"broken": broken}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
     assert isinstance(out["broken"], RuntimeError), out["broken"]
     assert out["slow"]["repeats"] == bench.MIN_REPEATS, out["slow"]  # 3 x 5 s > 10 s
-    assert out["quick"]["repeats"] == 7 == out[bench.MATMUL]["repeats"], out
+    assert out["quick"]["repeats"] == 7 and out[bench.MATMUL]["repeats"] == 7 + bench.MIN_REPEATS, out
     assert out["slow"]["first_call_s"] == 5.0 and out[bench.MATMUL]["first_call_s"] == 0.1
-    empty = bench.measure_round_robin({}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
+    empty = bench.measure_paired({}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
     assert empty[bench.MATMUL]["repeats"] == bench.MIN_REPEATS
 
 

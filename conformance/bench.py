@@ -856,12 +856,8 @@ def _row(backend, shape, path, status, rate) -> dict:
 
 def _finish(row: dict) -> None:
     if row["status"] == "ok":
-        # the paired ratio where the row has one (measure_paired); a row built from
-        # medians alone (tests, older JSON) divides by the matmul rate
-        if row.get("matmul_ratio") is not None:
-            row["pct_matmul"] = 100.0 * row["flops"] / row["matmul_flops"] / row["matmul_ratio"]
-        else:
-            row["pct_matmul"] = 100.0 * row["flops"] / row["median_s"] / row["matmul_flops_per_s"]
+        # measure_paired's ratio: the path's time over the matmul run just before it, median over pairs
+        row["pct_matmul"] = 100.0 * row["flops"] / row["matmul_flops"] / row["matmul_ratio"]
 
 
 def add_native_ratios(results: list[dict]) -> None:

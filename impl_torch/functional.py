@@ -190,23 +190,14 @@ def sdpa_attend(config: AttentionConfig, q, k, v, *, allowed, bias, plain_causal
         attn_mask = safe_bias.masked_fill(~open_rows, float("-inf"))
     ctx = nnF.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)  # (B, N, T, V)
     ctx = ctx.to(dtype)
-    if config.masked_row == "zero":
-        # the spec's 0 weights times V: 0, or NaN in a value column holding a NaN or an inf
-        # (0 * NaN, 0 * inf); a constant, so no gradient, as 0 weights pass none to V
-        bad = (~torch.isfinite(v)).any(dim=2, keepdim=True).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
-        zero = torch.zeros((), dtype=dtype, device=v.device).masked_fill(bad, float("nan"))  # (B, N, 1, V)
-        return torch.where(empty, zero, ctx)
-    if config.masked_row == "uniform":
-        ct = compute_dtype(v.dtype)
-        mean = v.to(ct).mean(dim=2, keepdim=True).to(dtype)  # (B, K, 1, V)
-        mean = mean.repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V): head n reads n // G
-        return torch.where(empty, mean, ctx)
-    # "nan": the row's weights are the constant NaN, so its context is NaN and
-    # the value gradient of its batch and head sees NaN (as the reference VJP);
-    # query and key get none. The factor is 0 on every other row, so no NaN
-    # reaches the value gradient of a batch without an empty row.
-    factor = torch.where(empty, float("nan"), 0.0)  # (B|1, N|1, T, 1)
-    v_sum = v.sum(dim=2, keepdim=True).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
+    # The policy's weights (0, 1/S or NaN) on every key times V, as the spec's attend: "zero" is
+    # NaN in a value column holding a NaN (0 * NaN), "uniform" the mean of V, "nan" NaN, and V's
+    # gradient is the spec's. The factor is 0 on every other row, so no NaN reaches their gradients.
+    ct = compute_dtype(v.dtype)
+    weight = {"zero": 0.0, "uniform": 1.0 / v.shape[2], "nan": float("nan")}[config.masked_row]
+    zero = torch.zeros((), dtype=ct, device=v.device)
+    factor = torch.where(empty, zero + weight, zero)  # (B|1, N|1, T, 1), 1/S in the compute dtype
+    v_sum = v.to(ct).sum(dim=2, keepdim=True).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
     return torch.where(empty, (factor * v_sum).to(dtype), ctx)
 
 

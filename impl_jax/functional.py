@@ -209,16 +209,16 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     context instead of the (T, S) weights.
 
     Written for XLA CPU's YNNPACK fusion, which fuses dot, max, exp, sum,
-    dot and the division as long as the expression holds no select: bias
-    enters as an additive term (plus -inf where the mask hides a key), and a
-    row with no allowed key gets 0 there instead (finite, no NaN in any
-    gradient) and its context replaced afterwards by the masked_row policy's
-    (0, the mean of V, NaN), as functional.softmax fills its weights. A mask,
-    is_causal or bias also needs one select, as mask() has: a NaN or infinite
-    logit at a hidden position (a NaN key, an overflowing product) plus -inf
-    is NaN and would reach the whole row, where the stages give that position
-    weight 0. It costs one more elementwise pass over the logits; calls with
-    neither mask, causality nor bias stay select-free.
+    dot and the division as long as the expression holds no select: a call
+    with neither mask, causality nor bias runs as that one fusion. Otherwise
+    one select hides positions, as mask() does (an added -inf would not: a
+    NaN or infinite logit there, from a NaN key or an overflowing product,
+    plus -inf is NaN and would reach the whole row, where the stages give it
+    weight 0), and a bias is added where it is finite; the select sits
+    outside the fusion (one more pass over the logits). A row with no allowed key is
+    computed finite (every position kept, no bias) and its context replaced
+    afterwards by the masked_row policy's (0 x V, the mean of V, NaN), as
+    functional.softmax fills its weights.
 
     q (B, N, T, H), k (B, K, S, H), v (B, K, S, V); allowed (bool) and bias
     rank 4, broadcasting to (B, N, T, S), or None -> context (B, N, T, V)."""
@@ -233,9 +233,9 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
             finite = bias > -jnp.inf
             ok = finite if ok is None else ok & finite
         empty = ~jnp.any(ok, axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): rows with no allowed key
-        add = jnp.where(ok, jnp.asarray(0, ct) if bias is None else bias.astype(ct), jnp.asarray(-jnp.inf, ct))
-        add = jnp.where(empty, jnp.asarray(0, ct), add)  # an empty row is computed finite, then replaced
-        visible = ok | empty  # the positions mask() keeps (and empty rows, kept finite)
+        visible = ok | empty  # the positions mask() keeps, and an empty row's (computed finite, then replaced)
+        if bias is not None:  # 0 where hidden or in an empty row: the select below sets what is hidden
+            add = jnp.where(ok, bias.astype(ct), jnp.asarray(0, ct))
     G = N // K
 
     def grouped(a):

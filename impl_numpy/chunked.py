@@ -4,14 +4,15 @@ Keys are taken in blocks of `chunk_size` columns and queries in blocks of
 min(chunk_size, QUERY_ROWS) rows, so the largest temporary is
 (B, N, rows, chunk). For each query block a running max m, running sum l and
 running numerator acc are rescaled as each key block arrives (Milakov &
-Gimelshein 2018, the recurrence flash-attention uses). Key blocks that the
+Gimelshein 2018, the recurrence flash-attention uses), unless every logit is
+known to be small enough to need no max (logits_bounded). Key blocks that the
 causal mask hides entirely are never computed, nor read: a NaN in a hidden
 key or value reaches no row here, while the stages' attend matmul spreads it
 through 0 * NaN. Otherwise the result equals the stages' to round-off.
 
-This is also the plain call's fast engine (functional.py uses it when no trace
-and no weights are asked for), so it is written for speed as well as
-clarity: the caller folds the scale into its query projection (T*H products
+This is also the plain call's fast engine (functional.py hands fused_forward
+the call when no trace and no weights are asked for), so it is written for
+speed as well as clarity: fused_forward folds the scale into its query projection (T*H products
 instead of T*S), one block buffer is reused for every block's logits and
 worked on in place, and the context is written straight into merge_heads'
 (B, T, N, V) layout. NumPy's elementwise passes run on one core while its
@@ -44,6 +45,25 @@ QUERY_ROWS = 128
 # bert-base (1.6M), 8-28% slower at B 1 T=S 512 and 1024 (2M, 8M), where
 # each thread's blocks are small.
 THREADED_MIN_SCORES = 12 * 2**20
+
+# Plain calls with at least this many matmul FLOPs (fused_forward) run every
+# stage on THREADS threads, BLAS held to one thread each; below it, BLAS's own
+# threads for the projections (fused_forward says why). Measured here,
+# float32, right after an OpenBLAS call (its idle worker still spinning):
+# B 16 T=S 128 D 768 (10.5 GFLOP) the same time either way, B 16 T=S 256
+# (22.5 GFLOP) 15% faster on threads, gpt2 13%, vit-b16 13%; bert-base (5.2
+# GFLOP) 9-28% slower, as the spin outlasts much of the call.
+THREADED_MIN_FLOPS = 16 * 10**9
+# A call whose logits are all known, before any is computed, to lie within
+# +-LOGIT_BOUND needs no running max: exp(logit) itself neither overflows
+# (e^60 * S * max|v| stays far below float32's 3.4e38) nor underflows (e^-60 is
+# a normal float32), so every block's exp, sum and numerator simply add up.
+# That drops the max pass, the subtraction and the rescaling of earlier
+# blocks (see logits_bounded). Any real logit |q.k| of the tested models is
+# far inside it; 60 leaves float32's exp 27 of its 87 in reserve.
+LOGIT_BOUND = 60.0
+SKIP_MAX_WHEN_BOUNDED = True  # False: always the running max (tests of both ways, timing A/B)
+
 THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 _executor = None
@@ -115,7 +135,145 @@ def one_allocation(dtype, *shapes):
     return [flat[a:b].reshape(shape) for a, b, shape in zip(offsets[:-1], offsets[1:], shapes)]
 
 
-def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, out=None):
+def logits_bounded(q, k, v, bias) -> bool:
+    """True when every logit of this call lies within +-LOGIT_BOUND, known
+    without computing one: |q_i . k_j| <= |q_i| |k_j| (Cauchy-Schwarz), taken
+    per head over the largest query and key norms (q comes already scaled).
+    Also asks that sum_j e^logit * |v_j| stays finite. A bias (ALiBi's run to
+    -hundreds) takes the running max. NaN anywhere in q, k or v fails every
+    comparison, so NaN takes the running max too, whose NaN rules are the
+    stages' (functional.py). Costs two passes over q and k that square and
+    sum in one go (einsum), and two reductions of v: about 1 ms at bert-base."""
+    if bias is not None:
+        return False
+    B, N, T, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    if T == 0 or S == 0:
+        return False
+    ct = compute_dtype(k.dtype)
+    q_norms = np.einsum("bnth,bnth->bnt", q, q, dtype=ct).max(axis=2)  # (B, N): largest squared norm per head
+    k_norms = np.einsum("bksh,bksh->bks", k, k, dtype=ct).max(axis=2)  # (B, K)
+    largest = float((q_norms.reshape(B, K, N // K) * k_norms[:, :, None]).max())  # bound on logit^2
+    v_largest = max(abs(float(v.max())), abs(float(v.min()))) if v.size else 0.0
+    return (largest <= LOGIT_BOUND**2
+            and v_largest * S * np.exp(LOGIT_BOUND) <= float(np.finfo(ct).max) / 16)
+
+
+def matmul_flops(config, B, T, S):
+    """The call's matmul FLOPs: four projections, logits and attend (full T*S)."""
+    N, K, H, V = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim
+    projections = (T * config.query_dim * N * H + S * config.key_dim * K * H + S * config.value_dim * K * V
+                   + T * N * V * config.out_dim)
+    return 2 * B * (projections + N * T * S * (H + V))
+
+
+def _run(tasks) -> None:
+    """Run callables on the pool and wait for all of them; re-raise the first failure."""
+    futures = [_pool().submit(task) for task in tasks]
+    wait(futures)  # all of them, before the caller moves on (or BLAS gets its threads back)
+    for future in futures:
+        future.result()
+
+
+def _row_parts(rows: int, parts: int):
+    return [(rows * i // parts, rows * (i + 1) // parts) for i in range(parts)]
+
+
+def fused_forward(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_alignment, chunk_size):
+    """The plain call's fast path (and chunk_size=): project, the fused core
+    below, output. query (B, T, Dq), key (B, S, Dk), value (B, S, Dv), already
+    cast to the storage dtype; mask, bias, keep rank 4, broadcastable. -> (B, T, O).
+
+    Calls of at least THREADED_MIN_FLOPS (float32/float64) run every stage on
+    THREADS threads under one BLAS limit of one thread: the projections and
+    the output split their rows, the core its heads (or its batch). Why not
+    BLAS's own threads for the matmuls and ours for the core only: OpenBLAS's
+    idle worker spins for about 0.1 s after each multi-threaded call (2^28
+    cycles, its THREAD_TIMEOUT), holding one of this machine's two cores, so
+    the core that followed BLAS-threaded projections ran its first 0.1 s on
+    one core (measured: two threads' matmuls took 59.8 ms right after an
+    OpenBLAS call, 36 ms 0.15 s later, 35 ms with OPENBLAS_THREAD_TIMEOUT=4).
+    Rows and heads are independent, so the result is the single-threaded
+    one's to round-off."""
+    B, T, S = query.shape[0], query.shape[1], key.shape[1]
+    options = dict(mask=mask, bias=bias, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
+                   chunk_size=chunk_size)
+    ct = compute_dtype(query.dtype)
+    if THREADS < 2 or ct != query.dtype or matmul_flops(config, B, T, S) < THREADED_MIN_FLOPS:
+        return _fused(config, p, query, key, value, parts=1, **options)
+    with _threaded_section():
+        return _fused(config, p, query, key, value, parts=THREADS, **options)
+
+
+def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, parts,
+           core_threads=True, out=None):
+    """fused_forward's stages; parts > 1: on `parts` threads, BLAS already held to one thread: batch slices, each
+    from its projections to its output, where B >= parts; else each stage split (rows, heads) in turn.
+    out: a (B, T, O) array to write the output into (float32/float64, parts == 1)."""
+    from .functional import merge_heads, output, project, split_heads
+
+    dtype = query.dtype
+    ct = compute_dtype(dtype)
+    N, K, H, V = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim
+    B, T, S = query.shape[0], query.shape[1], key.shape[1]
+    scale = ct.type(config.effective_scale)  # the logits' scale, folded into the queries: T*H products, not T*S
+    core = dict(mask=mask, bias=bias, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
+                chunk_size=chunk_size)
+    if parts == 1:
+        # float32/64: q, k, v and the context in one allocation (one_allocation says why)
+        shapes = (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V)
+        outs = one_allocation(ct, *shapes) if ct == dtype else [None] * 4
+        q = project(query, p["query.kernel"], p.get("query.bias"), outs[0]).astype(ct, copy=False)  # (B, T, N*H)
+        q *= scale
+        k = project(key, p["key.kernel"], p.get("key.bias"), outs[1])  # (B, S, K*H)
+        v = project(value, p["value.kernel"], p.get("value.bias"), outs[2])  # (B, S, K*V)
+        ctx = chunked_attention_core(config, split_heads(q, N), split_heads(k, K), split_heads(v, K), out=outs[3],
+                                     threaded=core_threads, **core)  # (B, N, T, V)
+        del q, k, v  # 16-bit: only the context and the output are alive during the output projection
+        return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"), out)  # (B, T, O)
+
+    if B >= parts:  # batch slices: no waiting between stages (measured faster than the split stages at gpt2, vit-b16)
+        out = np.empty((B, T, config.out_dim), dtype=dtype)
+
+        def batches(b0, b1):
+            def part(array):  # a batch axis of 1 broadcasts
+                return array if array is None or array.shape[0] == 1 else array[b0:b1]
+
+            _fused(config, p, query[b0:b1], key[b0:b1], value[b0:b1], mask=part(mask), bias=part(bias),
+                   keep=part(keep), is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
+                   parts=1, core_threads=False, out=out[b0:b1])
+
+        _run([lambda a=a, b=b: batches(a, b) for a, b in _row_parts(B, parts)])
+        return out
+
+    q, k, v, context = one_allocation(ct, (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V))
+
+    def rows_of(array):  # (B, L, F) -> (1, B*L, F); a copy only where the input is not contiguous
+        return np.ascontiguousarray(array).reshape(1, -1, array.shape[-1])
+
+    def project_rows(group, r0, r1):  # the stage function on rows r0..r1 of (B*L, D), into the same rows of its output
+        for name, x, y in group:
+            rows = project(x[:, r0:r1], p[name + ".kernel"], p.get(name + ".bias"), y[:, r0:r1])
+            if name == "query":
+                rows *= scale
+
+    projections = [("query", rows_of(query), q.reshape(1, B * T, -1)), ("key", rows_of(key), k.reshape(1, B * S, -1)),
+                   ("value", rows_of(value), v.reshape(1, B * S, -1))]
+    # one row split when T == S (self-attention, cross-attention of equal lengths); else one per length
+    groups = [(projections, B * T)] if T == S else [(projections[:1], B * T), (projections[1:], B * S)]
+    for group, rows in groups:
+        _run([lambda g=group, a=a, b=b: project_rows(g, a, b) for a, b in _row_parts(rows, parts)])
+    _run(_core_tasks(config, split_heads(q, N), split_heads(k, K), split_heads(v, K), context=context, parts=parts,
+                     **core))
+    merged = context.reshape(B * T, N * V)
+    out = np.empty((B * T, config.out_dim), dtype=dtype)
+    _run([lambda a=a, b=b: output(merged[None, a:b], p["output.kernel"], p.get("output.bias"), out[None, a:b])
+          for a, b in _row_parts(B * T, parts)])
+    return out.reshape(B, T, -1)
+
+
+def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, out=None,
+                           threaded=True):
     """q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> context (B, N, T, V).
 
     q comes already multiplied by the scale, in the compute dtype (the caller
@@ -123,35 +281,55 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
     context is a transposed view of a (B, T, N, V) array (`out` if given), so
     merge_heads is a free reshape.
 
-    Large calls split their key/value heads (each with its G query heads)
-    across THREADS threads, BLAS held to one thread meanwhile: NumPy's
-    elementwise passes (exp above all) run on one core, so one thread leaves
-    the other core idle for everything but the matmuls. Heads are independent,
-    so the result is the single-threaded one's to round-off."""
+    Calls with at least THREADED_MIN_SCORES logits split their key/value
+    heads (each with its G query heads), or else their batch, across THREADS
+    threads, BLAS held to one thread meanwhile: NumPy's elementwise passes
+    (exp above all) run on one core, so one thread leaves the other core idle
+    for everything but the matmuls. Heads are independent, so the result is
+    the single-threaded one's to round-off. threaded=False: this thread only."""
+    B, N, T, H = q.shape
+    S, V = k.shape[2], v.shape[3]
+    context = np.empty((B, T, N, V), dtype=k.dtype) if out is None else out  # merge_heads' layout
+    parts = THREADS if threaded and B * N * T * S >= THREADED_MIN_SCORES else 1
+    tasks = _core_tasks(config, q, k, v, mask=mask, bias=bias, keep=keep, is_causal=is_causal,
+                        causal_alignment=causal_alignment, chunk_size=chunk_size, context=context, parts=parts)
+    if len(tasks) == 1:
+        tasks[0]()
+    else:
+        with _threaded_section():
+            _run(tasks)
+    return context.transpose(0, 2, 1, 3)  # (B, N, T, V)
+
+
+def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, context, parts):
+    """The core as up to `parts` independent callables over kv heads (each
+    with its G query heads), or over the batch when there are fewer kv heads
+    than parts; each writes its own part of context (B, T, N, V)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
-    B, N, T, H = q.shape
-    K, S, V = k.shape[1], k.shape[2], v.shape[3]
-    context = np.empty((B, T, N, V), dtype=k.dtype) if out is None else out  # merge_heads' layout
-    parts = min(THREADS, K) if B * N * T * S >= THREADED_MIN_SCORES else 1
-    options = dict(is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size)
-    if parts <= 1:
-        _core(config, q, k, v, mask=mask, bias=bias, keep=keep, context=context, **options)
-        return context.transpose(0, 2, 1, 3)  # (B, N, T, V)
+    B, N = q.shape[:2]
+    K = k.shape[1]
     G = N // K
-    bounds = [K * i // parts for i in range(parts + 1)]
+    options = dict(is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
+                   bounded=SKIP_MAX_WHEN_BOUNDED and logits_bounded(q, k, v, bias))
 
     def heads(k0, k1):  # kv heads k0..k1 and their query heads, written into context's own columns
         n0, n1 = k0 * G, k1 * G
         _core(config, q[:, n0:n1], k[:, k0:k1], v[:, k0:k1], mask=_heads(mask, N, n0, n1),
               bias=_heads(bias, N, n0, n1), keep=_heads(keep, N, n0, n1), context=context[:, :, n0:n1], **options)
 
-    with _threaded_section():
-        futures = [_pool().submit(heads, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        wait(futures)  # all of them, before BLAS gets its threads back
-    for future in futures:
-        future.result()  # re-raises a thread's exception here
-    return context.transpose(0, 2, 1, 3)  # (B, N, T, V)
+    def batches(b0, b1):
+        def part(array):  # a batch axis of 1 broadcasts
+            return array if array is None or array.shape[0] == 1 else array[b0:b1]
+
+        _core(config, q[b0:b1], k[b0:b1], v[b0:b1], mask=part(mask), bias=part(bias), keep=part(keep),
+              context=context[b0:b1], **options)
+
+    if parts > 1 and K >= parts:
+        return [lambda a=a, b=b: heads(a, b) for a, b in _row_parts(K, parts)]
+    if parts > 1 and B >= parts:
+        return [lambda a=a, b=b: batches(a, b) for a, b in _row_parts(B, parts)]
+    return [lambda: heads(0, K)]
 
 
 def _heads(array, N, n0, n1):
@@ -159,8 +337,9 @@ def _heads(array, N, n0, n1):
     return array if array is None or array.shape[1] != N else array[:, n0:n1]
 
 
-def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, context):
-    """The online softmax over key blocks for all of q's heads, into context (B, T, N, V)."""
+def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, bounded, context):
+    """The online softmax over key blocks for all of q's heads, into context (B, T, N, V).
+    bounded (logits_bounded): every block's exp is taken against 0, not the running max."""
     B, N, T, H = q.shape
     K, S, V = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
@@ -205,6 +384,22 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                 hidden = after if hidden is None else hidden | after
             if hidden is not None:
                 np.copyto(x, ct.type(-np.inf), where=hidden)
+            if bounded:  # every logit within +-LOGIT_BOUND: no max, nothing to rescale
+                e = np.exp(x, out=x)  # masked -> exactly 0
+                row_sum = e.sum(axis=-1, keepdims=True)
+                if keep is not None:
+                    e /= rate
+                    np.copyto(e, ct.type(0), where=~_block(keep, (T, S), t0, t1, s0, s1))
+                e = e.reshape(B, K, G * t, s)
+                if l is None:
+                    np.matmul(e, vc[:, :, s0:s1], out=acc)
+                    l = row_sum
+                else:
+                    pv = product[: B * N * t * V].reshape(B, K, G * t, V)
+                    np.matmul(e, vc[:, :, s0:s1], out=pv)
+                    acc += pv
+                    l += row_sum
+                continue
             # Online softmax: exp against the running max, earlier blocks rescaled when it grows.
             m_new = x.max(axis=-1, keepdims=True)
             if m is not None:

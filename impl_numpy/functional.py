@@ -162,9 +162,10 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1, 3).reshape(B, T, N * V)  # (B, T, N*V)
 
 
-def output(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """OUTPUT: (B, T, N*V) times kernel (N, V, O) flattened -> (B, T, O)."""
-    y = _matmul_2d(x, kernel.reshape(-1, kernel.shape[-1]))  # (B, T, O)
+def output(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None = None) -> np.ndarray:
+    """OUTPUT: (B, T, N*V) times kernel (N, V, O) flattened -> (B, T, O).
+    out: a contiguous (B, T, O) array to compute into (float32/float64 only)."""
+    y = _matmul_2d(x, kernel.reshape(-1, kernel.shape[-1]), out)  # (B, T, O)
     return _product_plus_bias(y, bias, x.dtype)
 
 
@@ -268,23 +269,11 @@ def multi_head_attention(
         raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
     ct = compute_dtype(dtype)
     if chunk_size is not None or (trace is None and not return_weights and ct == dtype):
-        from .chunked import chunked_attention_core, one_allocation
+        from .chunked import fused_forward
 
-        N, K, H, V = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim
-        B, T, S = shapes.B, shapes.T, shapes.S
-        # float32/64: q, k, v and the context in one allocation (one_allocation says why)
-        outs = one_allocation(ct, (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V)) if ct == dtype else [None] * 4
-        q = project(query, p["query.kernel"], p.get("query.bias"), outs[0]).astype(ct, copy=False)  # (B, T, N*H)
-        q *= ct.type(config.effective_scale)  # the logits' scale, folded into the queries: T*H products, not T*S
-        k = project(key, p["key.kernel"], p.get("key.bias"), outs[1])  # (B, S, K*H)
-        v = project(value, p["value.kernel"], p.get("value.bias"), outs[2])  # (B, S, K*V)
-        ctx = chunked_attention_core(
-            config, split_heads(q, N), split_heads(k, K), split_heads(v, K), mask=mask4, bias=bias_r4, keep=keep,
-            is_causal=is_causal, causal_alignment=causal_alignment,
-            chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size, out=outs[3],
-        )  # (B, N, T, V)
-        del q, k, v  # 16-bit: only the context and the output are alive during the output projection
-        return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
+        return fused_forward(config, p, query, key, value, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal,
+                             causal_alignment=causal_alignment,
+                             chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size)  # (B, T, O)
 
     allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731

@@ -15,6 +15,16 @@ from impl_numpy.chunked import QUERY_ROWS
 from impl_numpy.functional import FUSED_BLOCK
 
 
+@pytest.fixture(params=["bounded", "running max"])
+def softmax_way(request, monkeypatch):
+    """Both ways of chunked.py's softmax: where the logits are bounded (every
+    test's data here) the bounded way runs unless switched off."""
+    from impl_numpy import chunked
+
+    monkeypatch.setattr(chunked, "SKIP_MAX_WHEN_BOUNDED", request.param == "bounded")
+    return request.param
+
+
 def peak_bytes(fn):
     tracemalloc.start()
     try:
@@ -51,7 +61,7 @@ def test_16384_runs_in_bounded_memory():
     assert peak < 6 * (x.nbytes + out.nbytes) + 8 * block
 
 
-def test_chunked_matches_plain_at_moderate_length_float64():
+def test_chunked_matches_plain_at_moderate_length_float64(softmax_way):
     config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8, masked_row="uniform")
     tensors = weights.init(config, seed=1, dtype="float64")
     rng = np.random.default_rng(2)
@@ -70,7 +80,7 @@ def test_chunked_matches_plain_at_moderate_length_float64():
 
 @pytest.mark.parametrize("alignment, T, S", [("top_left", 300, 300), ("bottom_right", 200, 330), ("bottom_right", 330, 200)])
 @pytest.mark.parametrize("dtype, chunk", [("float32", 64), ("float32", None), ("float16", 64), ("bfloat16", 96)])
-def test_blocks_meet_the_tolerance_policy(alignment, T, S, dtype, chunk):
+def test_blocks_meet_the_tolerance_policy(alignment, T, S, dtype, chunk, softmax_way):
     """float32 and 16-bit through several query and key blocks (GQA, a mask,
     causal), against the float64 stages, judged by the project's tolerance
     policy (16-bit: against 3x the stages' own error in that dtype)."""
@@ -97,7 +107,7 @@ def test_blocks_meet_the_tolerance_policy(alignment, T, S, dtype, chunk):
 
 
 @pytest.mark.parametrize("chunk", [32, None])
-def test_hidden_key_blocks_are_never_read(chunk):
+def test_hidden_key_blocks_are_never_read(chunk, softmax_way):
     """A NaN in the last token's key and value: every row that reads its block
     gets NaN (0 * NaN in the attend matmul), so rows stay finite exactly where
     the key block holding it was skipped as hidden by the causal mask."""
@@ -181,3 +191,208 @@ def test_threaded_call_restores_blas_threads_and_raises_a_threads_error(monkeypa
     with pytest.raises(RuntimeError, match="a thread's failure"):
         multi_head_attention(config, tensors, x)
     assert blas_threads() == before
+
+
+# -- bounded logits: no running max when |q_i| |k_j| <= LOGIT_BOUND ------------------
+
+def _spy_core(monkeypatch):
+    """Record the `bounded` flag of every _core call (which softmax way ran)."""
+    from impl_numpy import chunked
+
+    seen, real_core = [], chunked._core
+
+    def core(*args, **kwargs):
+        seen.append(kwargs["bounded"])
+        return real_core(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "_core", core)
+    return seen
+
+
+@pytest.mark.parametrize("way", ["bounded", "running max"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("masked_row", ["zero", "uniform", "nan"])
+def test_both_softmax_ways_equal_the_stages(way, threads, masked_row, monkeypatch):
+    """The bounded way (exp against 0, blocks simply summed) and the running
+    max take the same causal, masked, dropped-out GQA call over several query
+    and key blocks, with fully masked rows, to the float64 stages' result; the
+    spy proves which way ran."""
+    from impl_numpy import chunked
+
+    monkeypatch.setattr(chunked, "SKIP_MAX_WHEN_BOUNDED", way == "bounded")
+    monkeypatch.setattr(chunked, "THREADED_MIN_SCORES", 0 if threads > 1 else 2**62)
+    monkeypatch.setattr(chunked, "THREADS", threads)
+    seen = _spy_core(monkeypatch)
+    config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8, masked_row=masked_row,
+                                     dropout=0.25)
+    tensors = weights.init(config, seed=7, dtype="float64")
+    rng = np.random.default_rng(8)
+    B, T, S = 2, 150, 170
+    q, kv = rng.standard_normal((B, T, 16)), rng.standard_normal((B, S, 16))
+    mask = rng.random((B, 1, T, S)) < 0.7
+    mask[:, :, 5] = False  # fully masked rows
+    options = dict(mask=mask, is_causal=True, causal_alignment="bottom_right", training=True,
+                   dropout_mask=rng.random((B, 4, T, S)) < 0.75)
+    staged = multi_head_attention(config, tensors, q, kv, trace=[], **options)
+    for chunk in (32, None):
+        seen.clear()
+        out = multi_head_attention(config, tensors, q, kv, chunk_size=chunk, **options)
+        assert seen and all(b == (way == "bounded") for b in seen), f"chunk {chunk}: _core ran with bounded={seen}"
+        assert np.array_equal(np.isnan(out), np.isnan(staged)), f"chunk {chunk}: NaN rows differ"
+        err = np.abs(np.where(np.isnan(out), 0, out - staged)).max()
+        assert err <= 1e-13, f"{way}, chunk {chunk}: max abs difference {err:.3g}"
+
+
+def _qkv(logit, H=4, S=8, dtype=np.float32):
+    """q (1, 1, 1, H), k and v (1, 1, S, H) whose largest |q| |k| is `logit`."""
+    q = np.zeros((1, 1, 1, H), dtype)
+    q[..., 0] = logit / 2
+    k = np.zeros((1, 1, S, H), dtype)
+    k[..., 1, 0] = 2.0
+    return q, k, np.ones((1, 1, S, H), dtype)
+
+
+def test_logits_bounded_is_cauchy_schwarz_against_the_bound():
+    from impl_numpy.chunked import LOGIT_BOUND, logits_bounded
+
+    assert logits_bounded(*_qkv(LOGIT_BOUND * 0.999), None)
+    assert not logits_bounded(*_qkv(LOGIT_BOUND * 1.001), None)
+    q, k, v = _qkv(1.0)
+    assert not logits_bounded(q, k, v, np.zeros((1, 1, 1, 8), np.float32)), "a bias takes the running max"
+    for array in (q, k, v):
+        bad = array.copy()
+        bad.flat[0] = np.nan
+        args = [bad if a is array else a for a in (q, k, v)]
+        assert not logits_bounded(*args, None), "NaN takes the running max"
+    assert not logits_bounded(q, k, v * np.float32(1e20), None), "sum_j e^60 |v_j| could overflow float32"
+    # GQA: query head n reads kv head n // G; a large query head against a small kv head stays bounded.
+    qg = np.zeros((1, 4, 1, 4), np.float32)
+    qg[0, :2, 0, 0] = 100.0  # query heads 0, 1 read kv head 0
+    qg[0, 2:, 0, 0] = 0.1  # query heads 2, 3 read kv head 1
+    kg = np.zeros((1, 2, 8, 4), np.float32)
+    kg[0, 0, 0, 0] = 0.1
+    kg[0, 1, 0, 0] = 100.0
+    assert logits_bounded(qg, kg, np.ones((1, 2, 8, 4), np.float32), None)  # 100 * 0.1 = 10 in both pairs
+    assert not logits_bounded(qg[:, ::-1].copy(), kg, np.ones((1, 2, 8, 4), np.float32), None)
+
+
+def test_logits_past_the_bound_take_the_running_max(monkeypatch):
+    """float32 logits near 100: exp(100) overflows float32, so without the
+    bound check the bounded way would return inf/NaN. The call must match
+    the float64 stages; forcing the bounded way shows what the check prevents."""
+    from impl_numpy import chunked
+
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    x = (np.random.default_rng(1).standard_normal((1, 40, 8)) * 30).astype(np.float32)
+    t64 = {name: t.astype(np.float64) for name, t in tensors.items()}
+    trace = []
+    expected = multi_head_attention(config, t64, x.astype(np.float64), trace=trace)
+    logits = dict((e.stage, e.value) for e in trace)["logits"]
+    assert np.abs(logits).max() > 90, "the case needs logits past exp's range"
+    seen = _spy_core(monkeypatch)
+    out = multi_head_attention(config, tensors, x)
+    assert seen == [False]
+    err = np.abs(out - expected).max()
+    assert err <= 1e-4 * np.abs(expected).max(), f"running max: max abs difference {err:.3g}"
+    monkeypatch.setattr(chunked, "logits_bounded", lambda *args: True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        forced = multi_head_attention(config, tensors, x)
+    assert not np.isfinite(forced).all(), "the bounded way should overflow here (else this case tests nothing)"
+
+
+# -- large calls: every stage on threads (fused_forward) ------------------------------
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("B, T, S, K", [(4, 40, 40, 2), (1, 70, 70, 4), (1, 50, 90, 1), (2, 64, 48, 1), (5, 33, 33, 4)])
+def test_threaded_stages_equal_the_stages(threads, B, T, S, K, monkeypatch):
+    """Forced onto threads (THREADED_MIN_FLOPS 0): batch slices where B >=
+    threads, else projections and output split by rows and the core by kv
+    heads or batch, with T != S, GQA/MQA, a non-contiguous query, a separate
+    key and value of other widths, a mask broadcast over heads, a dropout
+    mask, every masked-row policy; against the float64 stages."""
+    from impl_numpy import chunked
+
+    monkeypatch.setattr(chunked, "THREADED_MIN_FLOPS", 0)
+    monkeypatch.setattr(chunked, "THREADS", threads)
+    rng = np.random.default_rng(B * 100 + T)
+    for masked_row in ("zero", "uniform", "nan"):
+        config = weights.AttentionConfig(num_heads=4, num_kv_heads=K, query_dim=12, key_dim=10, value_dim=6,
+                                         head_dim=8, value_head_dim=5, out_dim=7, masked_row=masked_row, dropout=0.2)
+        tensors = weights.init(config, seed=B + T, dtype="float64")
+        query = rng.standard_normal((B, 12, T)).transpose(0, 2, 1)  # not contiguous
+        key, value = rng.standard_normal((B, S, 10)), rng.standard_normal((B, S, 6))
+        mask = rng.random((B, 1, T, S)) < 0.7
+        mask[:, :, 2] = False  # fully masked rows
+        options = dict(mask=mask, is_causal=True, causal_alignment="bottom_right", training=True,
+                       dropout_mask=rng.random((B, 4, T, S)) < 0.8)
+        staged = multi_head_attention(config, tensors, query, key, value, trace=[], **options)
+        for chunk in (16, None):
+            threaded = multi_head_attention(config, tensors, query, key, value, chunk_size=chunk, **options)
+            assert threaded.shape == (B, T, 7)
+            assert np.array_equal(np.isnan(threaded), np.isnan(staged)), f"{masked_row} chunk {chunk}: NaN rows differ"
+            err = np.abs(np.where(np.isnan(staged), 0, threaded - staged)).max()
+            assert err <= 1e-13, f"{masked_row} chunk {chunk}: max abs difference {err:.3g}"
+
+
+def test_threaded_stages_hold_blas_to_one_thread_and_raise_a_threads_error(monkeypatch):
+    from threadpoolctl import threadpool_info
+
+    from impl_numpy import chunked, functional
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    before = blas_threads()
+    monkeypatch.setattr(chunked, "THREADED_MIN_FLOPS", 0)
+    monkeypatch.setattr(chunked, "THREADS", 2)
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    seen = {}
+    real_project, real_output = functional.project, functional.output
+
+    def spy(name, real):
+        def stage(*args, **kwargs):
+            seen.setdefault(name, []).append(blas_threads())
+            return real(*args, **kwargs)
+        return stage
+
+    monkeypatch.setattr(functional, "project", spy("project", real_project))
+    monkeypatch.setattr(functional, "output", spy("output", real_output))
+    for B in (1, 3):  # split stages, batch slices
+        seen.clear()
+        multi_head_attention(config, tensors, np.random.default_rng(0).standard_normal((B, 40, 8)).astype(np.float32))
+        assert len(seen["project"]) == 6 and len(seen["output"]) == 2, f"B {B}: stage calls {seen}"
+        assert all(n == 1 for calls in seen.values() for s in calls for n in s), f"B {B}: BLAS threads inside: {seen}"
+        assert blas_threads() == before
+
+    def failing_output(*args, **kwargs):
+        raise RuntimeError("a thread's failure")
+
+    monkeypatch.setattr(functional, "output", failing_output)
+    with pytest.raises(RuntimeError, match="a thread's failure"):
+        multi_head_attention(config, tensors, np.zeros((3, 40, 8), np.float32))
+    assert blas_threads() == before
+
+
+def test_core_splits_its_batch_when_kv_heads_are_fewer_than_threads(monkeypatch):
+    """MQA (one kv head) on two threads: the core's parts are batch slices."""
+    from impl_numpy import chunked
+
+    monkeypatch.setattr(chunked, "THREADED_MIN_SCORES", 0)
+    monkeypatch.setattr(chunked, "THREADS", 2)
+    seen = []
+    real_core = chunked._core
+
+    def core(config, q, *args, **kwargs):
+        seen.append(q.shape)
+        return real_core(config, q, *args, **kwargs)
+
+    monkeypatch.setattr(chunked, "_core", core)
+    config = weights.AttentionConfig(num_heads=4, num_kv_heads=1, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    x = np.random.default_rng(1).standard_normal((3, 20, 8))
+    out = multi_head_attention(config, tensors, x, is_causal=True, chunk_size=8)
+    assert sorted(seen) == [(1, 4, 20, 4), (2, 4, 20, 4)], seen
+    staged = multi_head_attention(config, tensors, x, is_causal=True, trace=[])
+    assert np.abs(out - staged).max() <= 1e-13

@@ -124,9 +124,11 @@ def test_unavailable_backend_is_reported_not_fatal(tmp_path, capsys):
     assert "numpy: unavailable" in printed, printed[-1000:]
 
 
-def _row(backend, shape, path, kind, mode, median, pct, *, pass_="forward", peak_over_io=None):
+def _row(backend, shape, path, kind, mode, median, pct, *, pass_="forward", peak_over_io=None, matmul_ratio=None):
+    """A result row; its paired time (matmul_ratio) is its median unless given."""
     return {"backend": backend, "shape": shape, "path": path, "kind": kind, "mode": mode, "pass": pass_,
-            "status": "ok", "median_s": median, "pct_matmul": pct, "peak_over_io": peak_over_io}
+            "status": "ok", "median_s": median, "pct_matmul": pct, "peak_over_io": peak_over_io,
+            "matmul_ratio": median if matmul_ratio is None else matmul_ratio}
 
 
 def test_targets_judge_by_the_issue_thresholds():
@@ -160,6 +162,21 @@ def test_targets_judge_by_the_issue_thresholds():
     check("tf long forward peak memory < 4x inputs+outputs", False, 60.0)
     check("jax long forward peak memory < 4x inputs+outputs", None, None)
     assert all(e["status"] in ("pass", "miss") or e["status"].startswith("not measured") for e in entries)
+
+
+def test_ratio_to_native_compares_paired_times_not_medians():
+    """The native path ran while the machine was twice as slow (its matmul too):
+    its median is 2.0 s against ours 1.2 s, but against their own matmul runs
+    ours takes 1.2 and native 1.0 of a matmul, so ours is 1.2x native (a miss),
+    not 0.6x (a pass)."""
+    rows = [_row("torch", "bert-base", "ours.sdpa.eager", "ours", "eager", 1.2, 90.0, matmul_ratio=1.2),
+            _row("torch", "bert-base", "native.sdpa.eager", "native", "eager", 2.0, 95.0, matmul_ratio=1.0),
+            _row("torch", "bert-base", "native.mha.eager", "native", "eager", 2.2, 95.0, matmul_ratio=1.05)]
+    bench.add_native_ratios(rows)
+    assert rows[0]["native_path"] == "native.sdpa.eager" and rows[0]["ratio_to_native"] == pytest.approx(1.2), rows[0]
+    entry = next(e for e in bench.targets(rows) if e["target"] == "torch eager forward at bert-base <= 1.10x native "
+                 "fastest eager")
+    assert entry["measured"] == pytest.approx(1.2) and entry["pass"] is False, entry
 
 
 class _DriftingClock:

@@ -43,7 +43,8 @@ QUERY_ROWS = 128
 # one and two threads interleaved: the whole call 18% faster at gpt2 (50M
 # logits), 19% at B 1 T=S 2048 (34M), 11% at vit-b16 (15M); no gain at
 # bert-base (1.6M), 8-28% slower at B 1 T=S 512 and 1024 (2M, 8M), where
-# each thread's blocks are small.
+# each thread's blocks are small (and OpenBLAS's worker, still spinning after
+# the BLAS-threaded projections, holds a core: fused_forward).
 THREADED_MIN_SCORES = 12 * 2**20
 
 # Plain calls with at least this many matmul FLOPs (fused_forward) run every
@@ -59,8 +60,10 @@ THREADED_MIN_FLOPS = 16 * 10**9
 # (e^60 * S * max|v| stays far below float32's 3.4e38) nor underflows (e^-60 is
 # a normal float32), so every block's exp, sum and numerator simply add up.
 # That drops the max pass, the subtraction and the rescaling of earlier
-# blocks (see logits_bounded). Any real logit |q.k| of the tested models is
-# far inside it; 60 leaves float32's exp 27 of its 87 in reserve.
+# blocks (see logits_bounded): measured 1.3 ms of the 13 ms core at bert-base,
+# 7% of the whole call at `long`. The test is on |q_i| |k_j|, which can exceed
+# every |q_i . k_j| by far, so some calls that would fit take the running
+# max; either way the result is the same to round-off.
 LOGIT_BOUND = 60.0
 SKIP_MAX_WHEN_BOUNDED = True  # False: always the running max (tests of both ways, timing A/B)
 
@@ -188,11 +191,12 @@ def fused_forward(config, p, query, key, value, *, mask, bias, keep, is_causal, 
     THREADS threads under one BLAS limit of one thread: the projections and
     the output split their rows, the core its heads (or its batch). Why not
     BLAS's own threads for the matmuls and ours for the core only: OpenBLAS's
-    idle worker spins for about 0.1 s after each multi-threaded call (2^28
-    cycles, its THREAD_TIMEOUT), holding one of this machine's two cores, so
-    the core that followed BLAS-threaded projections ran its first 0.1 s on
-    one core (measured: two threads' matmuls took 59.8 ms right after an
-    OpenBLAS call, 36 ms 0.15 s later, 35 ms with OPENBLAS_THREAD_TIMEOUT=4).
+    idle worker keeps spinning for 0.1-0.15 s after each multi-threaded call,
+    holding one of this machine's two cores, so the core that followed
+    BLAS-threaded projections ran its first 0.1 s on one core (measured: two
+    threads' matmuls took 59.8 ms right after an OpenBLAS call, 44.6 ms 0.1 s
+    later, 36 ms 0.15 s later, 35 ms in a process started with
+    OPENBLAS_THREAD_TIMEOUT=4, which shortens the spin).
     Rows and heads are independent, so the result is the single-threaded
     one's to round-off."""
     B, T, S = query.shape[0], query.shape[1], key.shape[1]

@@ -388,47 +388,34 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                 hidden = after if hidden is None else hidden | after
             if hidden is not None:
                 np.copyto(x, ct.type(-np.inf), where=hidden)
-            if bounded:  # every logit within +-LOGIT_BOUND: no max, nothing to rescale
-                e = np.exp(x, out=x)  # masked -> exactly 0
-                row_sum = e.sum(axis=-1, keepdims=True)
-                if keep is not None:
-                    e /= rate
-                    np.copyto(e, ct.type(0), where=~_block(keep, (T, S), t0, t1, s0, s1))
-                e = e.reshape(B, K, G * t, s)
-                if l is None:
-                    np.matmul(e, vc[:, :, s0:s1], out=acc)
-                    l = row_sum
-                else:
-                    pv = product[: B * N * t * V].reshape(B, K, G * t, V)
-                    np.matmul(e, vc[:, :, s0:s1], out=pv)
-                    acc += pv
-                    l += row_sum
-                continue
-            # Online softmax: exp against the running max, earlier blocks rescaled when it grows.
-            m_new = x.max(axis=-1, keepdims=True)
-            if m is not None:
-                np.maximum(m, m_new, out=m_new)
-            m_safe = np.where(m_new == -np.inf, ct.type(0), m_new)  # a row that has seen no key yet
-            x -= m_safe
+            if not bounded:  # online softmax: exp against the running max, earlier blocks rescaled when it grows
+                m_new = x.max(axis=-1, keepdims=True)
+                if m is not None:
+                    np.maximum(m, m_new, out=m_new)
+                m_safe = np.where(m_new == -np.inf, ct.type(0), m_new)  # a row that has seen no key yet
+                x -= m_safe
+            # (bounded, logits_bounded: every logit within +-LOGIT_BOUND, exp against 0, nothing to rescale)
             e = np.exp(x, out=x)  # masked -> exactly 0
             row_sum = e.sum(axis=-1, keepdims=True)
             if keep is not None:
                 e /= rate
                 np.copyto(e, ct.type(0), where=~_block(keep, (T, S), t0, t1, s0, s1))
             e = e.reshape(B, K, G * t, s)
-            if m is None:
+            if l is None:  # the first key block
                 np.matmul(e, vc[:, :, s0:s1], out=acc)
                 l = row_sum
             else:
                 pv = product[: B * N * t * V].reshape(B, K, G * t, V)
                 np.matmul(e, vc[:, :, s0:s1], out=pv)
-                correction = np.exp(m - m_safe)  # 0 where m was -inf
-                l *= correction
-                l += row_sum
                 acc4 = acc.reshape(B, N, t, V)
-                acc4 *= correction
+                if not bounded:
+                    correction = np.exp(m - m_safe)  # 0 where m was -inf
+                    l *= correction
+                    acc4 *= correction
+                l += row_sum
                 acc4 += pv.reshape(B, N, t, V)
-            m = m_new
+            if not bounded:
+                m = m_new
         acc = acc.reshape(B, N, t, V)
         if l is None:  # every key is hidden from every row of this block
             l = np.zeros((B, N, t, 1), dtype=ct)

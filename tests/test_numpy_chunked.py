@@ -25,6 +25,19 @@ def softmax_way(request, monkeypatch):
     return request.param
 
 
+def blas_threads():
+    from threadpoolctl import threadpool_info
+
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+def assert_equals_stages(label, out, staged, tol=1e-13):
+    """NaN exactly where the float64 stages have NaN, and within tol elsewhere."""
+    assert np.array_equal(np.isnan(out), np.isnan(staged)), f"{label}: NaN rows differ"
+    err = np.abs(np.where(np.isnan(staged), 0, out - staged)).max()
+    assert err <= tol, f"{label}: max abs difference {err:.3g}"
+
+
 def peak_bytes(fn):
     tracemalloc.start()
     try:
@@ -152,44 +165,47 @@ def test_heads_on_threads_equal_the_stages(threads, mask_heads, bias_heads, mask
     staged = multi_head_attention(config, tensors, q, kv, trace=[], **options)
     for chunk in (16, None):
         threaded = multi_head_attention(config, tensors, q, kv, chunk_size=chunk, **options)
-        both_nan = np.isnan(threaded) & np.isnan(staged)
-        assert np.array_equal(np.isnan(threaded), np.isnan(staged)), f"chunk {chunk}: NaN rows differ"
-        err = np.abs(np.where(both_nan, 0, threaded - staged)).max()
-        assert err <= 1e-13, f"chunk {chunk}, {threads} threads: max abs difference {err:.3g}"
+        assert_equals_stages(f"chunk {chunk}, {threads} threads", threaded, staged)
 
 
-def test_threaded_call_restores_blas_threads_and_raises_a_threads_error(monkeypatch):
-    from threadpoolctl import threadpool_info
-
-    from impl_numpy import chunked
-
-    def blas_threads():
-        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+@pytest.mark.parametrize("threaded", ["core", "stages"])
+def test_threads_hold_blas_to_one_thread_and_raise_a_threads_error(threaded, monkeypatch):
+    """The core alone (THREADED_MIN_SCORES) or every stage (THREADED_MIN_FLOPS:
+    split stages at B 1, batch slices at B 3) on two threads: BLAS held to one
+    thread inside each thread's work, restored after, also when a thread
+    fails, whose exception the call raises."""
+    from impl_numpy import chunked, functional
 
     before = blas_threads()
-    monkeypatch.setattr(chunked, "THREADED_MIN_SCORES", 0)
     monkeypatch.setattr(chunked, "THREADS", 2)
+    monkeypatch.setattr(chunked, "THREADED_MIN_SCORES" if threaded == "core" else "THREADED_MIN_FLOPS", 0)
+    spied = [(chunked, "_core")] if threaded == "core" else [(functional, "project"), (functional, "output")]
+    calls = {"_core": 2} if threaded == "core" else {"project": 6, "output": 2}
     config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
     tensors = weights.init(config, seed=0, dtype="float32")
-    x = np.random.default_rng(0).standard_normal((1, 40, 8)).astype(np.float32)
-    seen = []
-    real_core = chunked._core
+    seen = {}
 
-    def core_seeing_blas(*args, **kwargs):
-        seen.append(blas_threads())
-        return real_core(*args, **kwargs)
+    def spy(name, real):
+        def stage(*args, **kwargs):
+            seen.setdefault(name, []).append(blas_threads())
+            return real(*args, **kwargs)
+        return stage
 
-    monkeypatch.setattr(chunked, "_core", core_seeing_blas)
-    multi_head_attention(config, tensors, x)
-    assert len(seen) == 2 and all(all(n == 1 for n in s) for s in seen), f"BLAS threads inside the threads: {seen}"
-    assert blas_threads() == before
+    for module, name in spied:
+        monkeypatch.setattr(module, name, spy(name, getattr(module, name)))
+    for B in (1, 3):
+        seen.clear()
+        multi_head_attention(config, tensors, np.random.default_rng(0).standard_normal((B, 40, 8)).astype(np.float32))
+        assert {name: len(s) for name, s in seen.items()} == calls, f"B {B}: stage calls {seen}"
+        assert all(n == 1 for runs in seen.values() for s in runs for n in s), f"B {B}: BLAS threads inside: {seen}"
+        assert blas_threads() == before
 
-    def failing_core(*args, **kwargs):
+    def failing(*args, **kwargs):
         raise RuntimeError("a thread's failure")
 
-    monkeypatch.setattr(chunked, "_core", failing_core)
+    monkeypatch.setattr(*spied[-1], failing)
     with pytest.raises(RuntimeError, match="a thread's failure"):
-        multi_head_attention(config, tensors, x)
+        multi_head_attention(config, tensors, np.zeros((3, 40, 8), np.float32))
     assert blas_threads() == before
 
 
@@ -238,9 +254,7 @@ def test_both_softmax_ways_equal_the_stages(way, threads, masked_row, monkeypatc
         seen.clear()
         out = multi_head_attention(config, tensors, q, kv, chunk_size=chunk, **options)
         assert seen and all(b == (way == "bounded") for b in seen), f"chunk {chunk}: _core ran with bounded={seen}"
-        assert np.array_equal(np.isnan(out), np.isnan(staged)), f"chunk {chunk}: NaN rows differ"
-        err = np.abs(np.where(np.isnan(out), 0, out - staged)).max()
-        assert err <= 1e-13, f"{way}, chunk {chunk}: max abs difference {err:.3g}"
+        assert_equals_stages(f"{way}, chunk {chunk}", out, staged)
 
 
 def _qkv(logit, H=4, S=8, dtype=np.float32):
@@ -330,49 +344,8 @@ def test_threaded_stages_equal_the_stages(threads, B, T, S, K, monkeypatch):
         for chunk in (16, None):
             threaded = multi_head_attention(config, tensors, query, key, value, chunk_size=chunk, **options)
             assert threaded.shape == (B, T, 7)
-            assert np.array_equal(np.isnan(threaded), np.isnan(staged)), f"{masked_row} chunk {chunk}: NaN rows differ"
-            err = np.abs(np.where(np.isnan(staged), 0, threaded - staged)).max()
-            assert err <= 1e-13, f"{masked_row} chunk {chunk}: max abs difference {err:.3g}"
+            assert_equals_stages(f"{masked_row} chunk {chunk}", threaded, staged)
 
-
-def test_threaded_stages_hold_blas_to_one_thread_and_raise_a_threads_error(monkeypatch):
-    from threadpoolctl import threadpool_info
-
-    from impl_numpy import chunked, functional
-
-    def blas_threads():
-        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-
-    before = blas_threads()
-    monkeypatch.setattr(chunked, "THREADED_MIN_FLOPS", 0)
-    monkeypatch.setattr(chunked, "THREADS", 2)
-    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
-    tensors = weights.init(config, seed=0, dtype="float32")
-    seen = {}
-    real_project, real_output = functional.project, functional.output
-
-    def spy(name, real):
-        def stage(*args, **kwargs):
-            seen.setdefault(name, []).append(blas_threads())
-            return real(*args, **kwargs)
-        return stage
-
-    monkeypatch.setattr(functional, "project", spy("project", real_project))
-    monkeypatch.setattr(functional, "output", spy("output", real_output))
-    for B in (1, 3):  # split stages, batch slices
-        seen.clear()
-        multi_head_attention(config, tensors, np.random.default_rng(0).standard_normal((B, 40, 8)).astype(np.float32))
-        assert len(seen["project"]) == 6 and len(seen["output"]) == 2, f"B {B}: stage calls {seen}"
-        assert all(n == 1 for calls in seen.values() for s in calls for n in s), f"B {B}: BLAS threads inside: {seen}"
-        assert blas_threads() == before
-
-    def failing_output(*args, **kwargs):
-        raise RuntimeError("a thread's failure")
-
-    monkeypatch.setattr(functional, "output", failing_output)
-    with pytest.raises(RuntimeError, match="a thread's failure"):
-        multi_head_attention(config, tensors, np.zeros((3, 40, 8), np.float32))
-    assert blas_threads() == before
 
 
 def test_core_splits_its_batch_when_kv_heads_are_fewer_than_threads(monkeypatch):

@@ -8,6 +8,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import weights
 from impl_numpy import multi_head_attention
@@ -369,3 +371,27 @@ def test_core_splits_its_batch_when_kv_heads_are_fewer_than_threads(monkeypatch)
     assert sorted(seen) == [(1, 4, 20, 4), (2, 4, 20, 4)], seen
     staged = multi_head_attention(config, tensors, x, is_causal=True, trace=[])
     assert np.abs(out - staged).max() <= 1e-13
+
+
+@given(B=st.integers(1, 2), K=st.integers(1, 3), G=st.integers(1, 3), T=st.integers(1, 9), S=st.integers(1, 9),
+       H=st.integers(1, 8), margin=st.floats(0.001, 0.1), below=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_logits_bounded_decides_on_the_largest_norms_of_each_head_pair(B, K, G, T, S, H, margin, below, seed):
+    """An independent formulation (a loop over query heads, each against its
+    kv head n // G, norms row by row) gives the largest |q_i| |k_j|; the data
+    are scaled so that it lands `margin` below or above LOGIT_BOUND. The
+    decision must follow it, and a yes must mean every logit is within the
+    bound (Cauchy-Schwarz)."""
+    from impl_numpy.chunked import LOGIT_BOUND, logits_bounded
+
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, K * G, T, H)) * rng.random((1, K * G, 1, 1))  # heads of unequal size
+    k = rng.standard_normal((B, K, S, H)) * rng.random((1, K, 1, 1))
+    largest = max(max(np.linalg.norm(q[b, n, i]) for i in range(T))
+                  * max(np.linalg.norm(k[b, n // G, j]) for j in range(S))
+                  for b in range(B) for n in range(K * G))
+    target = LOGIT_BOUND * (1 - margin if below else 1 + margin)
+    q, k = q * np.sqrt(target / largest), k * np.sqrt(target / largest)  # the largest product is now `target`
+    bounded = logits_bounded(q, k, rng.standard_normal((B, K, S, 2)), None)
+    assert bounded == below, f"largest |q_i| |k_j| {target:.6g}: logits_bounded said {bounded}"
+    logits = np.einsum("bkgth,bksh->bkgts", q.reshape(B, K, G, T, H), k)
+    assert np.abs(logits).max() <= target * (1 + 1e-12), "Cauchy-Schwarz"

@@ -12,10 +12,10 @@ through 0 * NaN. Otherwise the result equals the stages' to round-off.
 
 This is also the plain call's fast engine (functional.py hands fused_forward
 the call when no trace and no weights are asked for), so it is written for
-speed as well as clarity: fused_forward folds the scale into its query projection (T*H products
-instead of T*S), one block buffer is reused for every block's logits and
-worked on in place, and the context is written straight into merge_heads'
-(B, T, N, V) layout. NumPy's elementwise passes run on one core while its
+speed as well as clarity: fused_forward folds the scale into its query
+projection (T*H products instead of T*S), one block buffer is reused for
+every block's logits and worked on in place, and the context is written
+straight into merge_heads' (B, T, N, V) layout. NumPy's elementwise passes run on one core while its
 BLAS matmuls use both, so each pass over a block counts; exp is the largest
 part of the work that is not a matmul: about 2 ns per element here, longer
 than the element's 4*H = 256 matmul FLOPs take at the BLAS rate.
@@ -223,10 +223,10 @@ def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_
     scale = ct.type(config.effective_scale)  # the logits' scale, folded into the queries: T*H products, not T*S
     core = dict(mask=mask, bias=bias, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
                 chunk_size=chunk_size)
+    # q, k, v and the context in one allocation (one_allocation says why); 16-bit: the stages' own arrays
+    buffers = (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V)
     if parts == 1:
-        # float32/64: q, k, v and the context in one allocation (one_allocation says why)
-        shapes = (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V)
-        outs = one_allocation(ct, *shapes) if ct == dtype else [None] * 4
+        outs = one_allocation(ct, *buffers) if ct == dtype else [None] * 4
         q = project(query, p["query.kernel"], p.get("query.bias"), outs[0]).astype(ct, copy=False)  # (B, T, N*H)
         q *= scale
         k = project(key, p["key.kernel"], p.get("key.bias"), outs[1])  # (B, S, K*H)
@@ -240,17 +240,15 @@ def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_
         out = np.empty((B, T, config.out_dim), dtype=dtype)
 
         def batches(b0, b1):
-            def part(array):  # a batch axis of 1 broadcasts
-                return array if array is None or array.shape[0] == 1 else array[b0:b1]
-
-            _fused(config, p, query[b0:b1], key[b0:b1], value[b0:b1], mask=part(mask), bias=part(bias),
-                   keep=part(keep), is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
-                   parts=1, core_threads=False, out=out[b0:b1])
+            _fused(config, p, query[b0:b1], key[b0:b1], value[b0:b1], mask=_batch(mask, b0, b1),
+                   bias=_batch(bias, b0, b1), keep=_batch(keep, b0, b1), is_causal=is_causal,
+                   causal_alignment=causal_alignment, chunk_size=chunk_size, parts=1, core_threads=False,
+                   out=out[b0:b1])
 
         _run([lambda a=a, b=b: batches(a, b) for a, b in _row_parts(B, parts)])
         return out
 
-    q, k, v, context = one_allocation(ct, (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V))
+    q, k, v, context = one_allocation(ct, *buffers)
 
     def rows_of(array):  # (B, L, F) -> (1, B*L, F); a copy only where the input is not contiguous
         return np.ascontiguousarray(array).reshape(1, -1, array.shape[-1])
@@ -323,11 +321,8 @@ def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignmen
               bias=_heads(bias, N, n0, n1), keep=_heads(keep, N, n0, n1), context=context[:, :, n0:n1], **options)
 
     def batches(b0, b1):
-        def part(array):  # a batch axis of 1 broadcasts
-            return array if array is None or array.shape[0] == 1 else array[b0:b1]
-
-        _core(config, q[b0:b1], k[b0:b1], v[b0:b1], mask=part(mask), bias=part(bias), keep=part(keep),
-              context=context[b0:b1], **options)
+        _core(config, q[b0:b1], k[b0:b1], v[b0:b1], mask=_batch(mask, b0, b1), bias=_batch(bias, b0, b1),
+              keep=_batch(keep, b0, b1), context=context[b0:b1], **options)
 
     if parts > 1 and K >= parts:
         return [lambda a=a, b=b: heads(a, b) for a, b in _row_parts(K, parts)]
@@ -339,6 +334,11 @@ def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignmen
 def _heads(array, N, n0, n1):
     """A rank-4 broadcastable (B|1, N|1, T|1, S|1) array's heads n0..n1 (all of a broadcast axis)."""
     return array if array is None or array.shape[1] != N else array[:, n0:n1]
+
+
+def _batch(array, b0, b1):
+    """A rank-4 broadcastable (B|1, N|1, T|1, S|1) array's batch rows b0..b1 (all of a broadcast axis)."""
+    return array if array is None or array.shape[0] == 1 else array[b0:b1]
 
 
 def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, bounded, context):

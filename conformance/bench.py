@@ -28,8 +28,9 @@ Method
   ratios. This machine is a shared VM whose speed drifts by tens of percent
   within minutes (CPU steal); a path and its matmul see the same drift. The
   paths themselves are timed one after another, each in its own steady state
-  (measure_paired says why not round robin), so x native still compares two
-  medians taken a minute or so apart.
+  (measure_paired says why not round robin), a minute or so apart, so x
+  native divides the two paths' paired ratios (add_native_ratios), in which
+  a drift between them cancels.
 - Peak memory, one more call after the timed ones: NumPy with tracemalloc
   (NumPy reports its array buffers to it); TensorFlow with its allocator's
   counters (tf.config.experimental.get_memory_info, CPU too: its oneDNN CPU
@@ -790,7 +791,7 @@ def run_worker(spec: dict) -> dict:
                 timed[key] = path.call
             rows.append((key, path, row))
         measured = measure_paired(timed, glue.matmul(spec["matmul_n"]), repeats=spec["repeats"],
-                                       max_seconds=spec["max_seconds"])
+                                  max_seconds=spec["max_seconds"])
         mm = measured.pop(MATMUL)
         rate = 2 * spec["matmul_n"] ** 3 / mm["median_s"]
         matmuls.append({"backend": backend, "shape": shape.name, "n": spec["matmul_n"], **mm, "flops_per_s": rate})

@@ -33,6 +33,18 @@ def blas_threads():
     return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 
 
+def spy(monkeypatch, module, name, record):
+    """Wrap module.name so that each call first appends record(args, kwargs); returns that list."""
+    seen, real = [], getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        seen.append(record(args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return seen
+
+
 def assert_equals_stages(label, out, staged, tol=1e-13):
     """NaN exactly where the float64 stages have NaN, and within tol elsewhere."""
     assert np.array_equal(np.isnan(out), np.isnan(staged)), f"{label}: NaN rows differ"
@@ -185,18 +197,10 @@ def test_threads_hold_blas_to_one_thread_and_raise_a_threads_error(threaded, mon
     calls = {"_core": 2} if threaded == "core" else {"project": 6, "output": 2}
     config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
     tensors = weights.init(config, seed=0, dtype="float32")
-    seen = {}
-
-    def spy(name, real):
-        def stage(*args, **kwargs):
-            seen.setdefault(name, []).append(blas_threads())
-            return real(*args, **kwargs)
-        return stage
-
-    for module, name in spied:
-        monkeypatch.setattr(module, name, spy(name, getattr(module, name)))
+    seen = {name: spy(monkeypatch, module, name, lambda args, kwargs: blas_threads()) for module, name in spied}
     for B in (1, 3):
-        seen.clear()
+        for runs in seen.values():
+            runs.clear()
         multi_head_attention(config, tensors, np.random.default_rng(0).standard_normal((B, 40, 8)).astype(np.float32))
         assert {name: len(s) for name, s in seen.items()} == calls, f"B {B}: stage calls {seen}"
         assert all(n == 1 for runs in seen.values() for s in runs for n in s), f"B {B}: BLAS threads inside: {seen}"
@@ -217,14 +221,7 @@ def _spy_core(monkeypatch):
     """Record the `bounded` flag of every _core call (which softmax way ran)."""
     from impl_numpy import chunked
 
-    seen, real_core = [], chunked._core
-
-    def core(*args, **kwargs):
-        seen.append(kwargs["bounded"])
-        return real_core(*args, **kwargs)
-
-    monkeypatch.setattr(chunked, "_core", core)
-    return seen
+    return spy(monkeypatch, chunked, "_core", lambda args, kwargs: kwargs["bounded"])
 
 
 @pytest.mark.parametrize("way", ["bounded", "running max"])
@@ -356,14 +353,7 @@ def test_core_splits_its_batch_when_kv_heads_are_fewer_than_threads(monkeypatch)
 
     monkeypatch.setattr(chunked, "THREADED_MIN_SCORES", 0)
     monkeypatch.setattr(chunked, "THREADS", 2)
-    seen = []
-    real_core = chunked._core
-
-    def core(config, q, *args, **kwargs):
-        seen.append(q.shape)
-        return real_core(config, q, *args, **kwargs)
-
-    monkeypatch.setattr(chunked, "_core", core)
+    seen = spy(monkeypatch, chunked, "_core", lambda args, kwargs: args[1].shape)  # q's
     config = weights.AttentionConfig(num_heads=4, num_kv_heads=1, query_dim=8, head_dim=4)
     tensors = weights.init(config, seed=0, dtype="float64")
     x = np.random.default_rng(1).standard_normal((3, 20, 8))

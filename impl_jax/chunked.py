@@ -44,18 +44,9 @@ import numpy as np
 from jax import lax
 
 from weights import compute_dtype
+from weights.contract import check_chunk_size
 
 from .functional import ATTEND, LOGITS, _precision, logits, mask_stage, merge_heads, output, project, split_heads
-
-CHUNK_REFUSAL = (
-    "chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights"
-)
-
-
-def check_chunk_size(chunk_size) -> int:
-    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
-    return int(chunk_size)
 
 
 def _starts(length: int, block: int) -> np.ndarray:

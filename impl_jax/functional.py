@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 from weights import DTYPES, AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
-from weights.contract import check_bias_values, check_call
+from weights.contract import check_bias_values, check_call, check_chunk_size
 from weights.dtypes import is_float, resolve_dtype
 
 from .masks import causal_mask
@@ -436,11 +436,10 @@ def apply(
         return_weights=return_weights, dtype=dtype, precision=precision,
         materializes_scores=chunk_size is None or return_weights,
     )
+    chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     if chunk_size is not None:
-        from .chunked import CHUNK_REFUSAL, chunked_attention
+        from .chunked import chunked_attention
 
-        if return_weights or trace is not None:
-            raise ValueError(CHUNK_REFUSAL)
         return chunked_attention(config, p, query, key, value, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal,
                                  causal_alignment=causal_alignment, chunk_size=chunk_size, precision=precision)
     allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)

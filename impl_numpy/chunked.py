@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 
 from weights import compute_dtype
+from weights.contract import check_chunk_size
 
 # Queries are taken in blocks of at most this many rows (keys in blocks of
 # chunk_size): a causal query block computes a (rows x rows) triangle of hidden
@@ -307,8 +308,7 @@ def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignmen
     """The core as up to `parts` independent callables over kv heads (each
     with its G query heads), or over the batch when there are fewer kv heads
     than parts; each writes its own part of context (B, T, N, V)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
+    chunk_size = check_chunk_size(chunk_size)  # also here: chunked_attention_core is called directly too
     B, N = q.shape[:2]
     K = k.shape[1]
     G = N // K

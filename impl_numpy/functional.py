@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
-from weights.contract import check_bias_values, check_call, check_input_values
+from weights.contract import check_bias_values, check_call, check_chunk_size, check_input_values
 from weights.dtypes import is_float
 
 from .masks import causal_mask
@@ -265,8 +265,7 @@ def multi_head_attention(
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         return_weights=return_weights, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
     )
-    if chunk_size is not None and (return_weights or trace is not None):
-        raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
+    chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     ct = compute_dtype(dtype)
     if chunk_size is not None or (trace is None and not return_weights and ct == dtype):
         from .chunked import fused_forward

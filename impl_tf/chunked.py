@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+from weights.contract import check_chunk_size
 
 from ._keras import keras, tf
 from .functional import _cast, compute_dtype, dtype_name, merge_heads, project, split_heads
@@ -56,12 +56,6 @@ ops = keras.ops
 
 IN_FLIGHT = 2  # query blocks a graph may run at once
 XLA_MIN_BLOCK = 2**16  # (B, N, chunk, chunk) score elements from which a key block runs compiled by XLA
-
-
-def check_chunk_size(chunk_size) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
-    return int(chunk_size)
 
 
 def _slice(array, begin, size, compiled: bool):

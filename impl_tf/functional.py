@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
-from weights.contract import check_bias_values, check_call
+from weights.contract import check_bias_values, check_call, check_chunk_size
 
 from ._keras import keras, tf
 from .masks import causal_mask
@@ -452,11 +452,10 @@ def multi_head_attention(
         return_weights=return_weights, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
     )
     T, S = _size(shapes.T, query, 1), _size(shapes.S, key, 1)
+    chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     if chunk_size is not None:
         from .chunked import chunked_attention
 
-        if return_weights or trace is not None:
-            raise ValueError("chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights")
         ctx = chunked_attention(
             config, query, p["query.kernel"], p.get("query.bias"),
             split_heads(project(key, p["key.kernel"], p.get("key.bias")), config.num_kv_heads),  # (B, K, S, H)

@@ -20,10 +20,10 @@ import numpy as np
 
 import weights
 from weights import AttentionConfig
+from weights.contract import check_chunk_size
 
 from . import functional
 from ._keras import keras, tf
-from .chunked import check_chunk_size
 
 ops = keras.ops
 

@@ -1001,13 +1001,22 @@ def test_chunked_layer_vmap_and_eager():
 @pytest.mark.parametrize("extra", [dict(return_weights=True), dict(trace=[]), dict(chunk_size=0),
                                    dict(chunk_size=-3), dict(chunk_size=2.0), dict(chunk_size=True),
                                    dict(chunk_size="8")], ids=str)
-def test_chunked_refusals_match_reference(extra):
-    """The reference's words, from apply on NumPy arrays, the jitted apply and the layer."""
+def test_chunked_refusals_match_reference(extra, monkeypatch):
+    """The reference's words, from apply on NumPy arrays, the jitted apply and
+    the layer, before any projection runs."""
     call = {"chunk_size": 4, **extra}
     query = np.random.default_rng(1).standard_normal((2, 5, 8))
     config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
     tensors = weights.init(config, seed=0, dtype="float64")
     want = error_of(impl_numpy.multi_head_attention, config, tensors, query, **call)
+
+    def project(*args, **kwargs):
+        raise AssertionError("a projection ran before chunk_size was checked")
+
+    from impl_jax import chunked as jax_chunked
+
+    monkeypatch.setattr(jax_functional, "project", project)
+    monkeypatch.setattr(jax_chunked, "project", project)
     got = error_of(impl_jax.apply, config, tensors, query, **call)
     assert got == want, f"apply:\njax: {got!r}\nnumpy: {want!r}"
     if "trace" not in extra:

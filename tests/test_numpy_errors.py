@@ -62,6 +62,19 @@ def test_chunk_size_errors():
         multi_head_attention(CONFIG, TENSORS, X, chunk_size=0)
 
 
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True, "8"])
+def test_bad_chunk_size_is_refused_before_any_projection(chunk_size, monkeypatch):
+    import impl_numpy.functional as functional
+
+    def project(*args, **kwargs):
+        raise AssertionError("a projection ran before chunk_size was checked")
+
+    monkeypatch.setattr(functional, "project", project)
+    with pytest.raises(ValueError) as err:
+        multi_head_attention(CONFIG, TENSORS, X, chunk_size=chunk_size)
+    assert str(err.value) == f"chunk_size must be a positive integer: got {chunk_size!r}"
+
+
 def test_nan_in_query_propagates():
     x = X.copy()
     x[0, 1, 2] = np.nan

@@ -821,12 +821,19 @@ def test_chunked_in_graphs_with_gradient(mode):
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
-def test_chunk_size_errors_match_reference(bad):
+def test_chunk_size_errors_match_reference(bad, monkeypatch):
+    """Same words as the reference, and before any projection runs."""
     case = CASES["cross_basic"]
     inputs = make_inputs(case)
     args = (case.config, make_tensors(case), inputs["query"], inputs["key"], inputs["value"])
     with pytest.raises(ValueError) as want:
         impl_numpy.multi_head_attention(*args, chunk_size=bad)
+
+    def project(*args, **kwargs):
+        raise AssertionError("a projection ran before chunk_size was checked")
+
+    monkeypatch.setattr(tf_functional, "project", project)
+    monkeypatch.setattr(tf_chunked, "project", project)
     with pytest.raises(ValueError) as got:
         impl_tf.multi_head_attention(*args, chunk_size=bad)
     assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"

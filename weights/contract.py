@@ -143,6 +143,24 @@ def check_call(
 SCORE_COPIES = 4
 
 
+CHUNK_REFUSAL = (
+    "chunk_size cannot be combined with return_weights or trace: the chunked path never forms the (T, S) weights"
+)
+
+
+def check_chunk_size(chunk_size, *, return_weights: bool = False, traced: bool = False) -> int | None:
+    """chunk_size= of a call: None, or a positive integer, and not with
+    return_weights or a trace. Each implementation checks it right after
+    check_call, before computing anything."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer: got {chunk_size!r}")
+    if return_weights or traced:
+        raise ValueError(CHUNK_REFUSAL)
+    return int(chunk_size)
+
+
 def available_memory_bytes() -> int | None:
     """MemAvailable from /proc/meminfo, capped by RLIMIT_AS; None if unknown."""
     available = None

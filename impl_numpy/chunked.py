@@ -54,7 +54,8 @@ THREADED_MIN_SCORES = 12 * 2**20
 # float32, right after an OpenBLAS call (its idle worker still spinning):
 # B 16 T=S 128 D 768 (10.5 GFLOP) the same time either way, B 16 T=S 256
 # (22.5 GFLOP) 15% faster on threads, gpt2 13%, vit-b16 13%; bert-base (5.2
-# GFLOP) 9-28% slower, as the spin outlasts much of the call.
+# GFLOP) 39-63% slower right after a feed-forward-sized matmul, as the spin
+# outlasts the call (docs/bench/threads_ab.py, figures in the README).
 THREADED_MIN_FLOPS = 16 * 10**9
 # A call whose logits are all known, before any is computed, to lie within
 # +-LOGIT_BOUND needs no running max: exp(logit) itself neither overflows

@@ -1,0 +1,71 @@
+"""Torch at gpt2 (causal, float32, eager, no_grad): our SDPA path against its parts.
+
+The README's torch gpt2 profile comes from this script (run: python
+docs/bench/torch_gpt2_parts.py). Each part is timed right after one run of
+the 2048 x 2048 float32 matmul and reported as a multiple of that matmul's
+time (median of 9), as `mha bench` pairs its figures:
+
+  ours         impl_torch's multi_head_attention(use_sdpa=True, is_causal=True)
+  projections  the four x @ W + b products alone
+  sdpa         F.scaled_dot_product_attention(is_causal=True) alone, on
+               (B, N, T, H) inputs
+
+and each as % of the matmul rate with gpt2's full FLOP count, as the bench
+counts it (8*B*T*D^2 + 4*B*N*T*S*H). Timings, not a test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import weights
+from impl_torch.functional import multi_head_attention
+
+B, T, D, N = 4, 1024, 768, 12
+H = D // N
+ROUNDS = 9
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    config = weights.AttentionConfig(num_heads=N, query_dim=D, head_dim=H)
+    tensors = {k: torch.from_numpy(v) for k, v in weights.init(config, seed=0, dtype="float32").items()}
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((B, T, D)).astype(np.float32))
+    names = ("query", "key", "value", "output")
+    kernels = {n: tensors[n + ".kernel"].reshape(D, -1) for n in names}
+    q, k, v = (torch.randn(B, N, T, H) for _ in range(3))
+    parts = {
+        "ours": lambda: multi_head_attention(config, tensors, x, is_causal=True, use_sdpa=True),
+        "projections": lambda: [x @ kernels[n] + tensors[n + ".bias"].reshape(-1) for n in names],
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    a = torch.randn(2048, 2048)
+    c = torch.empty_like(a)
+    ratios: dict[str, list[float]] = {n: [] for n in parts}
+    with torch.no_grad():
+        for part in parts.values():
+            part()
+        for _ in range(ROUNDS):
+            for name, part in parts.items():
+                t0 = time.perf_counter()
+                torch.matmul(a, a, out=c)
+                matmul = time.perf_counter() - t0
+                part()  # the timed run follows a run of its own, not the matmul
+                t0 = time.perf_counter()
+                part()
+                ratios[name].append((time.perf_counter() - t0) / matmul)
+    full_flops = 8 * B * T * D * D + 4 * B * N * T * T * H
+    for name in parts:
+        r = float(np.median(ratios[name]))
+        print(f"{name:12} {r:.3f} matmul-times = {100 * full_flops / (2 * 2048**3) / r:.1f}% of the matmul rate "
+              "with gpt2's full FLOPs")
+    bound = float(np.median(ratios["projections"]) + np.median(ratios["sdpa"]))
+    print(f"projections + sdpa: {bound:.3f} matmul-times, at most {100 * full_flops / (2 * 2048**3) / bound:.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -52,10 +52,10 @@ THREADED_MIN_SCORES = 12 * 2**20
 # stage on THREADS threads, BLAS held to one thread each; below it, BLAS's own
 # threads for the projections (fused_forward says why). Measured here,
 # float32, right after an OpenBLAS call (its idle worker still spinning):
-# B 16 T=S 128 D 768 (10.5 GFLOP) the same time either way, B 16 T=S 256
-# (22.5 GFLOP) 15% faster on threads, gpt2 13%, vit-b16 13%; bert-base (5.2
-# GFLOP) 39-63% slower right after a feed-forward-sized matmul, as the spin
-# outlasts the call (docs/bench/threads_ab.py, figures in the README).
+# B 16 T=S 256 (22.5 GFLOP) 15% faster on threads, gpt2 13%, vit-b16 13%;
+# on eight shapes of 0.6-10.5 GFLOP, bert-base among them, slower in all
+# but one of 24 measurements (bert-base 39-63%), as the spin outlasts the
+# call (docs/bench/threads_ab.py, three runs, figures in the README).
 THREADED_MIN_FLOPS = 16 * 10**9
 # A call whose logits are all known, before any is computed, to lie within
 # +-LOGIT_BOUND needs no running max: exp(logit) itself neither overflows

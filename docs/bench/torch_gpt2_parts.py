@@ -1,9 +1,9 @@
 """Torch at gpt2 (causal, float32, eager, no_grad): our SDPA path against its parts.
 
 The README's torch gpt2 profile comes from this script (run: python
-docs/bench/torch_gpt2_parts.py). Each part is timed right after one run of
-the 2048 x 2048 float32 matmul and reported as a multiple of that matmul's
-time (median of 9), as `mha bench` pairs its figures:
+docs/bench/torch_gpt2_parts.py). Each part is timed by `mha bench`'s own
+measure_paired against torch's 2048 x 2048 float32 matmul and reported as a
+multiple of that matmul's time (median over ROUNDS pairs):
 
   ours         impl_torch's multi_head_attention(use_sdpa=True, is_causal=True)
   projections  the four x @ W + b products alone
@@ -16,13 +16,12 @@ counts it (8*B*T*D^2 + 4*B*N*T*S*H). Timings, not a test.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import weights
+from conformance.bench import glue_torch, measure_paired
 from impl_torch.functional import multi_head_attention
 
 B, T, D, N = 4, 1024, 768, 12
@@ -43,27 +42,18 @@ def main() -> None:
         "projections": lambda: [x @ kernels[n] + tensors[n + ".bias"].reshape(-1) for n in names],
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
-    a = torch.randn(2048, 2048)
-    c = torch.empty_like(a)
-    ratios: dict[str, list[float]] = {n: [] for n in parts}
     with torch.no_grad():
-        for part in parts.values():
-            part()
-        for _ in range(ROUNDS):
-            for name, part in parts.items():
-                t0 = time.perf_counter()
-                torch.matmul(a, a, out=c)
-                matmul = time.perf_counter() - t0
-                part()  # the timed run follows a run of its own, not the matmul
-                t0 = time.perf_counter()
-                part()
-                ratios[name].append((time.perf_counter() - t0) / matmul)
-    full_flops = 8 * B * T * D * D + 4 * B * N * T * T * H
+        measured = measure_paired(parts, glue_torch("cpu", quick=True).matmul(2048), repeats=ROUNDS,
+                                  max_seconds=float("inf"))
     for name in parts:
-        r = float(np.median(ratios[name]))
+        if isinstance(measured[name], Exception):  # measure_paired reports a path's failure in its place
+            raise measured[name]
+    ratios = {name: measured[name]["matmul_ratio"] for name in parts}
+    full_flops = 8 * B * T * D * D + 4 * B * N * T * T * H
+    for name, r in ratios.items():
         print(f"{name:12} {r:.3f} matmul-times = {100 * full_flops / (2 * 2048**3) / r:.1f}% of the matmul rate "
               "with gpt2's full FLOPs")
-    bound = float(np.median(ratios["projections"]) + np.median(ratios["sdpa"]))
+    bound = ratios["projections"] + ratios["sdpa"]
     print(f"projections + sdpa: {bound:.3f} matmul-times, at most {100 * full_flops / (2 * 2048**3) / bound:.1f}%")
 
 

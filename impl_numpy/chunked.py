@@ -15,10 +15,11 @@ the call when no trace and no weights are asked for), so it is written for
 speed as well as clarity: fused_forward folds the scale into its query
 projection (T*H products instead of T*S), one block buffer is reused for
 every block's logits and worked on in place, and the context is written
-straight into merge_heads' (B, T, N, V) layout. NumPy's elementwise passes run on one core while its
-BLAS matmuls use both, so each pass over a block counts; exp is the largest
-part of the work that is not a matmul: about 2 ns per element here, longer
-than the element's 4*H = 256 matmul FLOPs take at the BLAS rate.
+straight into merge_heads' (B, T, N, V) layout. NumPy's elementwise passes
+run on one core while its BLAS matmuls use both, so each pass over a block
+counts; exp is the largest part of the work that is not a matmul: about 2 ns
+per element here, longer than the element's 4*H = 256 matmul FLOPs take at
+the BLAS rate.
 """
 
 from __future__ import annotations

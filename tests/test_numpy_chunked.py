@@ -346,7 +346,6 @@ def test_threaded_stages_equal_the_stages(threads, B, T, S, K, monkeypatch):
             assert_equals_stages(f"{masked_row} chunk {chunk}", threaded, staged)
 
 
-
 def test_core_splits_its_batch_when_kv_heads_are_fewer_than_threads(monkeypatch):
     """MQA (one kv head) on two threads: the core's parts are batch slices."""
     from impl_numpy import chunked

@@ -70,12 +70,21 @@ THREADED_MIN_FLOPS = 16 * 10**9
 LOGIT_BOUND = 60.0
 SKIP_MAX_WHEN_BOUNDED = True  # False: always the running max (tests of both ways, timing A/B)
 
+# Scratch buffers (workspace) kept between calls: at most this many bytes in
+# all. bert-base's two (q, k, v and the context; the core's block buffers)
+# take 25 MiB; larger calls allocate afresh, where the faults weigh less
+# against their work. Memory figures (mha bench) release them first, so
+# that a call's own buffers count in its peak.
+WORKSPACE_KEEP_BYTES = 32 * 2**20
+
 THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 _executor = None
 _controller = None
 _setup_lock = threading.Lock()
 _threaded_lock = threading.Lock()  # one threaded core at a time: the BLAS limit is process-wide
+_kept: list[np.ndarray] = []  # workspace buffers not in use, the one unused longest first
+_kept_lock = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -129,16 +138,50 @@ def _masked_row_context(weight, keep, v, t0, t1, N, T, S, chunk_size, rate):
     return ctx
 
 
-def one_allocation(dtype, *shapes):
-    """Arrays of these shapes carved from one allocation. The first touch of
-    each fresh 4 KiB page is a page fault, which costs about what an exp costs
-    per float32 element; NumPy asks the kernel for huge pages for allocations
-    from 4 MiB on, so one large block faults a few hundred times less often
-    than several 3 MiB arrays (bert-base's q, k, v and context)."""
+def release_workspace() -> None:
+    """Free the buffers kept between calls (workspace below)."""
+    with _kept_lock:
+        _kept.clear()
+
+
+def kept_workspace_bytes() -> int:
+    """The bytes of the buffers kept between calls, now."""
+    with _kept_lock:
+        return sum(buffer.nbytes for buffer in _kept)
+
+
+@contextlib.contextmanager
+def workspace(dtype, *shapes):
+    """Scratch arrays of these shapes, carved from one buffer that is kept
+    for later calls (up to WORKSPACE_KEEP_BYTES in all, process-wide). Each
+    buffer serves one caller at a time; nothing carved here may outlive the
+    with block (the fast path returns no view of it).
+
+    Why keep them: the first touch of each fresh page costs the kernel a page
+    fault and the page's zeroing, and a fresh buffer is fresh pages (NumPy
+    asks for huge pages from 4 MiB on, which fault less often but zero as
+    much). Measured at bert-base (float32, 2 cores, AVX-512 EPYC, interleaved
+    with the bench's 2048 matmul, two runs of 40 pairs): fresh buffers 65.2%
+    and 70.1% of the matmul rate, kept ones 72.9% and 80.3%."""
+    dtype = np.dtype(dtype)
     sizes = [int(np.prod(shape)) for shape in shapes]
-    flat = np.empty(sum(sizes), dtype=dtype)
-    offsets = np.cumsum([0, *sizes])
-    return [flat[a:b].reshape(shape) for a, b, shape in zip(offsets[:-1], offsets[1:], shapes)]
+    need = sum(sizes)
+    with _kept_lock:
+        fitting = [buffer for buffer in _kept if buffer.dtype == dtype and buffer.size >= need]
+        flat = min(fitting, key=lambda buffer: buffer.size) if fitting else None
+        if flat is not None:
+            _kept[:] = [buffer for buffer in _kept if buffer is not flat]
+    if flat is None:
+        flat = np.empty(need, dtype=dtype)
+    try:
+        offsets = np.cumsum([0, *sizes])
+        yield [flat[a:b].reshape(shape) for a, b, shape in zip(offsets[:-1], offsets[1:], shapes)]
+    finally:
+        if flat.nbytes <= WORKSPACE_KEEP_BYTES:
+            with _kept_lock:
+                _kept.append(flat)
+                while sum(buffer.nbytes for buffer in _kept) > WORKSPACE_KEEP_BYTES:
+                    _kept.pop(0)  # the one unused longest
 
 
 def logits_bounded(q, k, v, bias) -> bool:
@@ -226,18 +269,18 @@ def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_
     scale = ct.type(config.effective_scale)  # the logits' scale, folded into the queries: T*H products, not T*S
     core = dict(mask=mask, bias=bias, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
                 chunk_size=chunk_size)
-    # q, k, v and the context in one allocation (one_allocation says why); 16-bit: the stages' own arrays
+    # q, k, v and the context in one buffer, kept between calls (workspace says why); 16-bit: the stages' own arrays
     buffers = (B, T, N * H), (B, S, K * H), (B, S, K * V), (B, T, N, V)
     if parts == 1:
-        outs = one_allocation(ct, *buffers) if ct == dtype else [None] * 4
-        q = project(query, p["query.kernel"], p.get("query.bias"), outs[0]).astype(ct, copy=False)  # (B, T, N*H)
-        q *= scale
-        k = project(key, p["key.kernel"], p.get("key.bias"), outs[1])  # (B, S, K*H)
-        v = project(value, p["value.kernel"], p.get("value.bias"), outs[2])  # (B, S, K*V)
-        ctx = chunked_attention_core(config, split_heads(q, N), split_heads(k, K), split_heads(v, K), out=outs[3],
-                                     threaded=core_threads, **core)  # (B, N, T, V)
-        del q, k, v  # 16-bit: only the context and the output are alive during the output projection
-        return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"), out)  # (B, T, O)
+        with workspace(ct, *buffers) if ct == dtype else contextlib.nullcontext([None] * 4) as outs:
+            q = project(query, p["query.kernel"], p.get("query.bias"), outs[0]).astype(ct, copy=False)  # (B, T, N*H)
+            q *= scale
+            k = project(key, p["key.kernel"], p.get("key.bias"), outs[1])  # (B, S, K*H)
+            v = project(value, p["value.kernel"], p.get("value.bias"), outs[2])  # (B, S, K*V)
+            ctx = chunked_attention_core(config, split_heads(q, N), split_heads(k, K), split_heads(v, K), out=outs[3],
+                                         threaded=core_threads, **core)  # (B, N, T, V)
+            del q, k, v  # 16-bit: only the context and the output are alive during the output projection
+            return output(merge_heads(ctx), p["output.kernel"], p.get("output.bias"), out)  # (B, T, O)
 
     if B >= parts:  # batch slices: no waiting between stages (measured faster than the split stages at gpt2, vit-b16)
         out = np.empty((B, T, config.out_dim), dtype=dtype)
@@ -251,30 +294,31 @@ def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_
         _run([lambda a=a, b=b: batches(a, b) for a, b in _row_parts(B, parts)])
         return out
 
-    q, k, v, context = one_allocation(ct, *buffers)
+    with workspace(ct, *buffers) as (q, k, v, context):
 
-    def rows_of(array):  # (B, L, F) -> (1, B*L, F); a copy only where the input is not contiguous
-        return np.ascontiguousarray(array).reshape(1, -1, array.shape[-1])
+        def rows_of(array):  # (B, L, F) -> (1, B*L, F); a copy only where the input is not contiguous
+            return np.ascontiguousarray(array).reshape(1, -1, array.shape[-1])
 
-    def project_rows(group, r0, r1):  # the stage function on rows r0..r1 of (B*L, D), into the same rows of its output
-        for name, x, y in group:
-            rows = project(x[:, r0:r1], p[name + ".kernel"], p.get(name + ".bias"), y[:, r0:r1])
-            if name == "query":
-                rows *= scale
+        def project_rows(group, r0, r1):  # the stage on rows r0..r1 of (B*L, D), into the same rows of its output
+            for name, x, y in group:
+                rows = project(x[:, r0:r1], p[name + ".kernel"], p.get(name + ".bias"), y[:, r0:r1])
+                if name == "query":
+                    rows *= scale
 
-    projections = [("query", rows_of(query), q.reshape(1, B * T, -1)), ("key", rows_of(key), k.reshape(1, B * S, -1)),
-                   ("value", rows_of(value), v.reshape(1, B * S, -1))]
-    # one row split when T == S (self-attention, cross-attention of equal lengths); else one per length
-    groups = [(projections, B * T)] if T == S else [(projections[:1], B * T), (projections[1:], B * S)]
-    for group, rows in groups:
-        _run([lambda g=group, a=a, b=b: project_rows(g, a, b) for a, b in _row_parts(rows, parts)])
-    _run(_core_tasks(config, split_heads(q, N), split_heads(k, K), split_heads(v, K), context=context, parts=parts,
-                     **core))
-    merged = context.reshape(B * T, N * V)
-    out = np.empty((B * T, config.out_dim), dtype=dtype)
-    _run([lambda a=a, b=b: output(merged[None, a:b], p["output.kernel"], p.get("output.bias"), out[None, a:b])
-          for a, b in _row_parts(B * T, parts)])
-    return out.reshape(B, T, -1)
+        projections = [("query", rows_of(query), q.reshape(1, B * T, -1)),
+                       ("key", rows_of(key), k.reshape(1, B * S, -1)),
+                       ("value", rows_of(value), v.reshape(1, B * S, -1))]
+        # one row split when T == S (self-attention, cross-attention of equal lengths); else one per length
+        groups = [(projections, B * T)] if T == S else [(projections[:1], B * T), (projections[1:], B * S)]
+        for group, rows in groups:
+            _run([lambda g=group, a=a, b=b: project_rows(g, a, b) for a, b in _row_parts(rows, parts)])
+        _run(_core_tasks(config, split_heads(q, N), split_heads(k, K), split_heads(v, K), context=context, parts=parts,
+                         **core))
+        merged = context.reshape(B * T, N * V)
+        out = np.empty((B * T, config.out_dim), dtype=dtype)
+        _run([lambda a=a, b=b: output(merged[None, a:b], p["output.kernel"], p.get("output.bias"), out[None, a:b])
+              for a, b in _row_parts(B * T, parts)])
+        return out.reshape(B, T, -1)
 
 
 def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, out=None,
@@ -358,76 +402,77 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
     rows = min(chunk_size, QUERY_ROWS, T)
     bias_masks = bias is not None and bool(np.isneginf(bias).any())
     # Reused by every block: its logits (worked on in place), its numerator and one product.
-    scores, numerator, product = one_allocation(ct, B * N * rows * min(chunk_size, S), B * N * rows * V, B * N * rows * V)
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        t = t1 - t0
-        # Causal: the keys after this block's last diagonal are hidden from every row in it.
-        s_stop = min(S, max(0, t1 + offset)) if is_causal else S
-        qb = q[:, :, t0:t1].reshape(B, K, G * t, H)  # (B, K, G*t, H); a copy only when G > 1
-        acc = numerator[: B * N * t * V].reshape(B, K, G * t, V)  # running numerator
-        m = l = None  # running max and sum, (B, N, t, 1); None before the first key block
-        for s0 in range(0, s_stop, chunk_size):
-            s1 = min(s_stop, s0 + chunk_size)
-            s = s1 - s0
-            # The stages of functional.py on one block (same rounding rule), in place in `scores`.
-            x = scores[: B * N * t * s].reshape(B, K, G * t, s)
-            np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2), out=x)  # logits, already scaled
-            x = x.reshape(B, N, t, s)
-            if rounds:
-                x[...] = x.astype(dtype)
-            if bias is not None:
-                x += _block(bias, (T, S), t0, t1, s0, s1)
+    block_buffers = (B * N * rows * min(chunk_size, S),), (B * N * rows * V,), (B * N * rows * V,)
+    with workspace(ct, *block_buffers) as (scores, numerator, product):
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            t = t1 - t0
+            # Causal: the keys after this block's last diagonal are hidden from every row in it.
+            s_stop = min(S, max(0, t1 + offset)) if is_causal else S
+            qb = q[:, :, t0:t1].reshape(B, K, G * t, H)  # (B, K, G*t, H); a copy only when G > 1
+            acc = numerator[: B * N * t * V].reshape(B, K, G * t, V)  # running numerator
+            m = l = None  # running max and sum, (B, N, t, 1); None before the first key block
+            for s0 in range(0, s_stop, chunk_size):
+                s1 = min(s_stop, s0 + chunk_size)
+                s = s1 - s0
+                # The stages of functional.py on one block (same rounding rule), in place in `scores`.
+                x = scores[: B * N * t * s].reshape(B, K, G * t, s)
+                np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2), out=x)  # logits, already scaled
+                x = x.reshape(B, N, t, s)
                 if rounds:
                     x[...] = x.astype(dtype)
-            allowed = _block(mask, (T, S), t0, t1, s0, s1)
-            hidden = None if allowed is None else ~allowed
-            if bias_masks:  # a -inf bias is a mask (functional.mask): a NaN logit there is hidden too
-                neg = np.isneginf(_block(bias, (T, S), t0, t1, s0, s1))
-                hidden = neg if hidden is None else hidden | neg
-            if is_causal and s1 - 1 > t0 + offset:  # the block crosses the diagonal
-                after = np.arange(s0, s1)[None, :] > np.arange(t0, t1)[:, None] + offset  # (t, s)
-                hidden = after if hidden is None else hidden | after
-            if hidden is not None:
-                np.copyto(x, ct.type(-np.inf), where=hidden)
-            if not bounded:  # online softmax: exp against the running max, earlier blocks rescaled when it grows
-                m_new = x.max(axis=-1, keepdims=True)
-                if m is not None:
-                    np.maximum(m, m_new, out=m_new)
-                m_safe = np.where(m_new == -np.inf, ct.type(0), m_new)  # a row that has seen no key yet
-                x -= m_safe
-            # (bounded, logits_bounded: every logit within +-LOGIT_BOUND, exp against 0, nothing to rescale)
-            e = np.exp(x, out=x)  # masked -> exactly 0
-            row_sum = e.sum(axis=-1, keepdims=True)
-            if keep is not None:
-                e /= rate
-                np.copyto(e, ct.type(0), where=~_block(keep, (T, S), t0, t1, s0, s1))
-            e = e.reshape(B, K, G * t, s)
-            if l is None:  # the first key block
-                np.matmul(e, vc[:, :, s0:s1], out=acc)
-                l = row_sum
-            else:
-                pv = product[: B * N * t * V].reshape(B, K, G * t, V)
-                np.matmul(e, vc[:, :, s0:s1], out=pv)
-                acc4 = acc.reshape(B, N, t, V)
+                if bias is not None:
+                    x += _block(bias, (T, S), t0, t1, s0, s1)
+                    if rounds:
+                        x[...] = x.astype(dtype)
+                allowed = _block(mask, (T, S), t0, t1, s0, s1)
+                hidden = None if allowed is None else ~allowed
+                if bias_masks:  # a -inf bias is a mask (functional.mask): a NaN logit there is hidden too
+                    neg = np.isneginf(_block(bias, (T, S), t0, t1, s0, s1))
+                    hidden = neg if hidden is None else hidden | neg
+                if is_causal and s1 - 1 > t0 + offset:  # the block crosses the diagonal
+                    after = np.arange(s0, s1)[None, :] > np.arange(t0, t1)[:, None] + offset  # (t, s)
+                    hidden = after if hidden is None else hidden | after
+                if hidden is not None:
+                    np.copyto(x, ct.type(-np.inf), where=hidden)
+                if not bounded:  # online softmax: exp against the running max, earlier blocks rescaled when it grows
+                    m_new = x.max(axis=-1, keepdims=True)
+                    if m is not None:
+                        np.maximum(m, m_new, out=m_new)
+                    m_safe = np.where(m_new == -np.inf, ct.type(0), m_new)  # a row that has seen no key yet
+                    x -= m_safe
+                # (bounded, logits_bounded: every logit within +-LOGIT_BOUND, exp against 0, nothing to rescale)
+                e = np.exp(x, out=x)  # masked -> exactly 0
+                row_sum = e.sum(axis=-1, keepdims=True)
+                if keep is not None:
+                    e /= rate
+                    np.copyto(e, ct.type(0), where=~_block(keep, (T, S), t0, t1, s0, s1))
+                e = e.reshape(B, K, G * t, s)
+                if l is None:  # the first key block
+                    np.matmul(e, vc[:, :, s0:s1], out=acc)
+                    l = row_sum
+                else:
+                    pv = product[: B * N * t * V].reshape(B, K, G * t, V)
+                    np.matmul(e, vc[:, :, s0:s1], out=pv)
+                    acc4 = acc.reshape(B, N, t, V)
+                    if not bounded:
+                        correction = np.exp(m - m_safe)  # 0 where m was -inf
+                        l *= correction
+                        acc4 *= correction
+                    l += row_sum
+                    acc4 += pv.reshape(B, N, t, V)
                 if not bounded:
-                    correction = np.exp(m - m_safe)  # 0 where m was -inf
-                    l *= correction
-                    acc4 *= correction
-                l += row_sum
-                acc4 += pv.reshape(B, N, t, V)
-            if not bounded:
-                m = m_new
-        acc = acc.reshape(B, N, t, V)
-        if l is None:  # every key is hidden from every row of this block
-            l = np.zeros((B, N, t, 1), dtype=ct)
-            acc[...] = 0
-        empty = l == 0  # (B, N, t, 1): rows with no allowed key
-        any_empty = empty.any()
-        if any_empty:
-            l[empty] = 1
-        acc /= l
-        if any_empty and config.masked_row != "zero":  # "zero": acc is already 0 there
-            weight = 1.0 / S if config.masked_row == "uniform" else np.nan
-            acc = np.where(empty, _masked_row_context(weight, keep, vc, t0, t1, N, T, S, chunk_size, rate), acc)
-        context[:, t0:t1] = acc.transpose(0, 2, 1, 3)  # (B, t, N, V), stored in dtype
+                    m = m_new
+            acc = acc.reshape(B, N, t, V)
+            if l is None:  # every key is hidden from every row of this block
+                l = np.zeros((B, N, t, 1), dtype=ct)
+                acc[...] = 0
+            empty = l == 0  # (B, N, t, 1): rows with no allowed key
+            any_empty = empty.any()
+            if any_empty:
+                l[empty] = 1
+            acc /= l
+            if any_empty and config.masked_row != "zero":  # "zero": acc is already 0 there
+                weight = 1.0 / S if config.masked_row == "uniform" else np.nan
+                acc = np.where(empty, _masked_row_context(weight, keep, vc, t0, t1, N, T, S, chunk_size, rate), acc)
+            context[:, t0:t1] = acc.transpose(0, 2, 1, 3)  # (B, t, N, V), stored in dtype

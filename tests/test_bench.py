@@ -239,6 +239,30 @@ def test_flop_count_is_the_issues_formula():
     assert g.flops == 8 * 4 * 1024 * 768**2 + 4 * 4 * 12 * 1024 * 1024 * 64, g.flops
 
 
+def test_numpy_memory_counts_the_buffers_kept_between_calls():
+    """The fast path keeps its scratch buffers for the next call
+    (chunked.workspace); the bench's memory figure must still count them, as
+    the call's own, not report only what a warm call allocates afresh."""
+    import numpy as np
+
+    import weights
+    from impl_numpy import chunked
+    from impl_numpy.functional import multi_head_attention
+
+    config = weights.AttentionConfig(num_heads=4, query_dim=32, head_dim=8)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    x = np.random.default_rng(0).standard_normal((2, 64, 32)).astype(np.float32)
+
+    def call():
+        return multi_head_attention(config, tensors, x)
+
+    call()  # warm: its buffers are kept now
+    kept = chunked.kept_workspace_bytes()
+    assert kept > 0
+    peak, method, _ = bench.glue_numpy("cpu", quick=True).memory(call)
+    assert peak >= kept + x.nbytes, f"{method} {peak} B: the kept buffers ({kept} B) and the output are not counted"
+
+
 def test_report_and_plots_survive_failed_and_skipped_rows(tmp_path):
     """A path that failed in setup (path None) or was skipped must not break the table or plots."""
     import io

@@ -53,6 +53,9 @@ def assert_equals_stages(label, out, staged, tol=1e-13):
 
 
 def peak_bytes(fn):
+    from impl_numpy.chunked import release_workspace
+
+    release_workspace()  # so that the call's kept scratch buffers are allocated, and counted, inside the trace
     tracemalloc.start()
     try:
         result = fn()
@@ -384,3 +387,85 @@ def test_logits_bounded_decides_on_the_largest_norms_of_each_head_pair(B, K, G, 
     assert bounded == below, f"largest |q_i| |k_j| {target:.6g}: logits_bounded said {bounded}"
     logits = np.einsum("bkgth,bksh->bkgts", q.reshape(B, K, G, T, H), k)
     assert np.abs(logits).max() <= target * (1 + 1e-12), "Cauchy-Schwarz"
+
+
+# -- scratch buffers kept between calls (chunked.workspace) ----------------------------------------------------------
+
+def _bert_like(B=2, T=48, seed=0):
+    config = weights.AttentionConfig(num_heads=4, query_dim=32, head_dim=8)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    return config, tensors, np.random.default_rng(seed).standard_normal((B, T, 32)).astype(np.float32)
+
+
+def test_kept_buffers_serve_later_calls_and_never_reach_the_caller(monkeypatch):
+    """A second call of the same shape takes the first call's buffers (no new
+    scratch allocation), and writes nothing into the first call's output: the
+    output must be its own array, not a view of a buffer the next call reuses."""
+    from impl_numpy import chunked
+
+    config, tensors, x = _bert_like()
+    chunked.release_workspace()
+    first = multi_head_attention(config, tensors, x)
+    kept = {id(buffer) for buffer in chunked._kept}
+    assert kept and chunked.kept_workspace_bytes() > 0, "the fast path kept no buffer"
+    saved = first.copy()
+    fresh = spy(monkeypatch, np, "empty", lambda args, kwargs: args[0])
+    second = multi_head_attention(config, tensors, x[::-1].copy())
+    assert {id(buffer) for buffer in chunked._kept} == kept, "the second call did not reuse the kept buffers"
+    scratch = [size for size in fresh if np.ndim(size) == 0 and int(size) >= x.size]
+    assert not scratch, f"the second call allocated scratch afresh: {scratch}"
+    assert np.array_equal(first, saved), "the second call wrote into the first call's output"
+    for buffer in chunked._kept:
+        assert not np.shares_memory(second, buffer), "the output is a view of a kept buffer"
+    monkeypatch.setattr(chunked, "WORKSPACE_KEEP_BYTES", 0)
+    chunked.release_workspace()
+    assert np.array_equal(second, multi_head_attention(config, tensors, x[::-1].copy())), \
+        "kept buffers changed the result"
+    assert chunked.kept_workspace_bytes() == 0
+
+
+def test_workspace_hands_a_buffer_to_one_caller_at_a_time():
+    """Nested or concurrent users of the workspace never share a buffer."""
+    from impl_numpy import chunked
+
+    chunked.release_workspace()
+    with chunked.workspace(np.float32, (100,)) as (a,):
+        pass
+    with chunked.workspace(np.float32, (100,)) as (b,), chunked.workspace(np.float32, (60,), (40,)) as (c, d):
+        assert np.shares_memory(a, b), "a kept buffer was not reused"
+        assert not np.shares_memory(b, c) and not np.shares_memory(b, d) and not np.shares_memory(c, d)
+    assert len(chunked._kept) == 2
+
+
+def test_kept_bytes_stay_under_the_cap_and_release_frees_them(monkeypatch):
+    from impl_numpy import chunked
+
+    monkeypatch.setattr(chunked, "WORKSPACE_KEEP_BYTES", 64 * 2**10)
+    chunked.release_workspace()
+    for B, T in [(1, 8), (2, 40), (1, 100), (3, 17), (1, 8)]:  # scratch from 2 KiB to about 100 KiB
+        config, tensors, x = _bert_like(B, T)
+        staged = multi_head_attention(config, tensors, x, return_weights=True)[0]
+        out = multi_head_attention(config, tensors, x)
+        assert np.abs(out - staged).max() < 1e-5, f"B {B} T {T}"
+        assert 0 < chunked.kept_workspace_bytes() <= chunked.WORKSPACE_KEEP_BYTES, f"after B {B} T {T}"
+    chunked.release_workspace()
+    assert chunked.kept_workspace_bytes() == 0
+
+
+def test_concurrent_calls_each_get_their_own_result():
+    """Four threads calling at once (each on its own inputs) get exactly what
+    each gets alone: a kept buffer handed to two callers would mix them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config, tensors, _ = _bert_like()
+    inputs = [_bert_like(seed=seed)[2] for seed in range(4)]
+    alone = [multi_head_attention(config, tensors, x) for x in inputs]
+
+    def repeat(i):
+        return [multi_head_attention(config, tensors, inputs[i]) for _ in range(25)]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(repeat, range(4)))
+    for i, outs in enumerate(results):
+        for out in outs:
+            assert np.array_equal(out, alone[i]), f"thread {i}: a result differs from the call made alone"

@@ -300,6 +300,7 @@ def glue_numpy(device: str, quick: bool) -> Glue:
 
     info = {"version": np.__version__, "blas": _numpy_blas(),
             "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"), "threads": "BLAS default"}
+
     def memory(call):
         from impl_numpy.chunked import release_workspace
 

@@ -167,10 +167,8 @@ def workspace(dtype, *shapes):
     sizes = [int(np.prod(shape)) for shape in shapes]
     need = sum(sizes)
     with _kept_lock:
-        fitting = [buffer for buffer in _kept if buffer.dtype == dtype and buffer.size >= need]
-        flat = min(fitting, key=lambda buffer: buffer.size) if fitting else None
-        if flat is not None:
-            _kept[:] = [buffer for buffer in _kept if buffer is not flat]
+        fitting = [i for i, buffer in enumerate(_kept) if buffer.dtype == dtype and buffer.size >= need]
+        flat = _kept.pop(min(fitting, key=lambda i: _kept[i].size)) if fitting else None  # the smallest that fits
     if flat is None:
         flat = np.empty(need, dtype=dtype)
     try:

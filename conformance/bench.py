@@ -1035,6 +1035,7 @@ def write_plots(data: dict, directory: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     directory.mkdir(parents=True, exist_ok=True)
     written = []
@@ -1087,7 +1088,10 @@ def write_plots(data: dict, directory: Path) -> list[Path]:
         ax1.invert_yaxis()
         ax1.axvline(1.0, color="k", lw=0.8)
         ax1.axvline(1.10, color="k", lw=0.8, ls=":")
-        ax1.set_xscale("log")
+        ax1.set_xscale("log", base=2)
+        ax1.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=2, subs=(1.0, 1.5)))  # ... 0.75, 1, 1.5, 2 ...
+        ax1.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        ax1.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # log minor labels collide
         ax1.set_xlabel("time / native fastest (same framework, pass, mode); < 1 is faster")
         ax2.axvline(100, color="k", lw=0.8)
         ax2.axvline(85, color="k", lw=0.8, ls=":")

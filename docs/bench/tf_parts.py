@@ -1,0 +1,81 @@
+"""Keras/TF (impl_tf) at bert-base or vit-b16 (float32 forward) against its parts.
+
+The README's TF profile comes from this script (run: python
+docs/bench/tf_parts.py [bert-base vit-b16]). Each part is timed by
+`mha bench`'s own measure_paired against TF's 2048 x 2048 float32 matmul and
+reported as a multiple of that matmul's time (median over ROUNDS pairs):
+
+  ours.graph   impl_tf's multi_head_attention under tf.function
+  ours.xla     the same under tf.function(jit_compile=True)
+  projections  the four x @ W + b products alone, on (B*T, D) rows, graph
+  core         logits, softmax and attend alone on (B, N, T, H) q, k, v
+               (tf.matmul, graph): what the attention itself costs
+  logits       Q.K^T alone (graph)
+
+projections + core, timed apart, is about what the whole call costs (XLA,
+compiling the whole call, may do better than its parts). Timings, not a test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import weights  # noqa: E402 - after the TF log level
+from conformance.bench import SHAPES, glue_tf, measure_paired  # noqa: E402
+from impl_tf._keras import tf  # noqa: E402
+from impl_tf.functional import multi_head_attention  # noqa: E402
+
+ROUNDS = 9
+
+
+def parts_of(name: str) -> dict:
+    shape = SHAPES[name]
+    B, T, D, N = shape.B, shape.T, shape.D, shape.N
+    H = D // N
+    config = weights.AttentionConfig(num_heads=N, query_dim=D, head_dim=H)
+    tensors = {k: tf.constant(v) for k, v in weights.init(config, seed=0, dtype="float32").items()}
+    x = tf.constant(np.random.default_rng(0).standard_normal((B, T, D)).astype(np.float32))
+    names = ("query", "key", "value", "output")
+    kernels = {n: tf.reshape(tensors[n + ".kernel"], (D, D)) for n in names}
+    biases = {n: tf.reshape(tensors[n + ".bias"], (D,)) for n in names}
+    rows = tf.reshape(x, (B * T, D))
+    q, k, v = (tf.constant(np.random.default_rng(i).standard_normal((B, N, T, H)).astype(np.float32))
+               for i in range(3))
+
+    def core():
+        w = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) * (1 / H**0.5), axis=-1)
+        return tf.matmul(w, v)
+
+    return {
+        "ours.graph": tf.function(lambda: multi_head_attention(config, tensors, x)),
+        "ours.xla": tf.function(lambda: multi_head_attention(config, tensors, x), jit_compile=True),
+        "projections": tf.function(lambda: [tf.matmul(rows, kernels[n]) + biases[n] for n in names]),
+        "core": tf.function(core),
+        "logits": tf.function(lambda: tf.matmul(q, k, transpose_b=True)),
+    }
+
+
+def main(names) -> None:
+    matmul = glue_tf("cpu", quick=True).matmul(2048)
+    for name in names:
+        parts = parts_of(name)
+        measured = measure_paired(parts, matmul, repeats=ROUNDS, max_seconds=float("inf"))
+        for part in parts:
+            if isinstance(measured[part], Exception):  # measure_paired reports a part's failure in its place
+                raise measured[part]
+        full = SHAPES[name].flops
+        print(f"{name} (2048 matmul {2 * 2048**3 / measured['matmul']['median_s'] / 1e9:.0f} GFLOP/s, median of its "
+              f"runs; {full / (2 * 2048**3):.3f} matmul-times is 100% with the full FLOPs):")
+        for part in parts:
+            print(f"  {part:12} {measured[part]['matmul_ratio']:.3f} matmul-times")
+        bound = measured["projections"]["matmul_ratio"] + measured["core"]["matmul_ratio"]
+        print(f"  projections + core, timed apart: {bound:.3f} matmul-times ({100 * full / (2 * 2048**3) / bound:.1f}%)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["bert-base", "vit-b16"])

@@ -47,3 +47,89 @@ def test_torch_gpt2_parts_prints_every_part_and_the_bound(monkeypatch, capsys):
     for part in ("ours", "projections", "sdpa"):
         assert re.search(rf"^{part} +[\d.]+ matmul-times = [\d.]+% of the matmul rate", out, re.M), out
     assert re.search(r"^projections \+ sdpa: [\d.]+ matmul-times, at most [\d.]+%", out, re.M), out
+
+
+def tiny_shapes():
+    """bert-base, vit-b16, gpt2 and long under their own names, small enough for a test."""
+    from conformance.bench import Shape
+
+    return {
+        "bert-base": Shape("bert-base", B=2, T=16, S=16, D=16, N=2, causal=False),
+        "vit-b16": Shape("vit-b16", B=2, T=13, S=13, D=16, N=2, causal=False),
+        "gpt2": Shape("gpt2", B=1, T=64, S=64, D=16, N=2, causal=True),
+        "long": Shape("long", B=1, T=64, S=64, D=16, N=2, causal=True),
+    }
+
+
+def test_numpy_parts_prints_every_part_and_counts_the_logits_the_core_computes(monkeypatch, capsys):
+    from impl_numpy import chunked
+
+    script = load("numpy_parts")
+    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
+    monkeypatch.setattr(script, "ROUNDS", 1)
+    monkeypatch.setattr(script, "FUSED_BLOCK", 16)  # key blocks of 16, query blocks of 8: several of each
+    monkeypatch.setattr(chunked, "QUERY_ROWS", 8)
+    script.main(["bert-base", "gpt2"])
+    out = capsys.readouterr().out
+    # Causal, top-left, 8 query blocks of 8 rows: block i sees its first 8i keys, so the core computes
+    # (1 + ... + 8) / (8 * 8) = 9/16 of the T*S logits; without the mask all of them.
+    assert re.search(r"^bert-base .*the core computes 100\.0% of the T\*S logits", out, re.M), out
+    assert re.search(r"^gpt2 .*the core computes 56\.2% of the T\*S logits", out, re.M), out
+    for part in ("ours", "projections", "core", "core.gemm"):
+        assert len(re.findall(rf"^  {re.escape(part)} +[\d.]+ matmul-times = [\d.]+% of the matmul rate", out,
+                              re.M)) == 2, out
+    assert len(re.findall(r"^  core\.exp +[\d.]+ matmul-times = [\d.]+ ns per logit", out, re.M)) == 2, out
+    assert len(re.findall(r"^  projections \+ core: [\d.]+ matmul-times, at most [\d.]+%", out, re.M)) == 2, out
+
+
+def test_projection_bound_numpy_prints_each_shape(monkeypatch, capsys):
+    script = load("projection_bound")
+    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
+    monkeypatch.setattr(script, "ROUNDS", 1)
+    script.main(["numpy"])
+    out = capsys.readouterr().out
+    for name in script.SHAPE_NAMES:
+        assert re.search(rf"^  {name} +projections [\d.]+ matmul-times: own rate [\d.]+%, ceiling [\d.]+%", out,
+                         re.M), out
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.torch),
+                                     pytest.param("tf", marks=pytest.mark.tf),
+                                     pytest.param("jax", marks=pytest.mark.jax)])
+def test_projection_bound_frameworks_print_each_shape(backend, monkeypatch, capsys):
+    pytest.importorskip({"torch": "torch", "tf": "tensorflow", "jax": "jax"}[backend])
+    script = load("projection_bound")
+    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
+    monkeypatch.setattr(script, "ROUNDS", 1)
+    script.main([backend])
+    out = capsys.readouterr().out
+    assert len(re.findall(r"projections [\d.]+ matmul-times: own rate [\d.]+%", out)) == len(script.SHAPE_NAMES), out
+
+
+@pytest.mark.jax
+def test_jax_causal_parts_counts_the_visible_block_pairs(monkeypatch, capsys):
+    pytest.importorskip("jax")
+    script = load("jax_causal_parts")
+    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
+    monkeypatch.setattr(script, "ROUNDS", 1)
+    monkeypatch.setattr(script, "JAX_CHUNK_SIZE_SMALL_BATCH", 16)  # B*N = 2: 4 blocks of 16 on each axis
+    script.main(["gpt2"])
+    out = capsys.readouterr().out
+    # 4 query blocks x 4 key blocks; the causal mask leaves block i its first i + 1 key blocks: 1+2+3+4
+    assert re.search(r"^gpt2, blocks of 16: 10 of 16 block pairs computed", out, re.M), out
+    for part in ("ours.chunked", "projections", "blocks", "dense"):
+        assert re.search(rf"^  {re.escape(part)} +[\d.]+ matmul-times = [\d.]+% of the matmul rate", out, re.M), out
+    assert re.search(r"^  projections \+ blocks, timed apart: [\d.]+ matmul-times \([\d.]+%\)", out, re.M), out
+
+
+@pytest.mark.tf
+def test_tf_parts_prints_every_part(monkeypatch, capsys):
+    pytest.importorskip("tensorflow")
+    script = load("tf_parts")
+    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
+    monkeypatch.setattr(script, "ROUNDS", 1)
+    script.main(["bert-base"])
+    out = capsys.readouterr().out
+    for part in ("ours.graph", "ours.xla", "projections", "core", "logits"):
+        assert re.search(rf"^  {re.escape(part)} +[\d.]+ matmul-times$", out, re.M), out
+    assert re.search(r"^  projections \+ core, timed apart: [\d.]+ matmul-times \([\d.]+%\)", out, re.M), out

@@ -78,7 +78,8 @@ JAX_CHUNK_SIZE = 256  # impl_jax's chunk_size where B*N >= 32 (gpt2: 66.8% of ma
 JAX_CHUNK_SIZE_SMALL_BATCH = 512  # B*N < 32 (long: 92.4% against 63.1% with 256; XLA:CPU runs the 8 heads' (512 x 64)
 # x (64 x 512) block matmuls on both cores, the (256 x 64) x (64 x 256) ones on one). Round robin, 2026-11-23.
 TF_CHUNK_SIZE = 128  # impl_tf's, where B*N >= 32 (gpt2: 117% of matmul against 109% with 256, tf.function)
-TF_CHUNK_SIZE_SMALL_BATCH = 256  # impl_tf's, B*N < 32 (long: 125%, against 131% with 512 but ~30% more memory)
+TF_CHUNK_SIZE_SMALL_BATCH = 512  # impl_tf's, B*N < 32. long, tf.function: 131% against 125% with 256 on run F's
+# machine; 81-82% against 73-74% with 256 and 68-69% with 1024 on run G's (2026-11-24, paired, two rounds)
 MIN_REPEATS = 3
 SCHEMA = "mha-bench/1"
 

@@ -128,8 +128,12 @@ def test_tf_parts_prints_every_part(monkeypatch, capsys):
     script = load("tf_parts")
     monkeypatch.setattr(script, "SHAPES", tiny_shapes())
     monkeypatch.setattr(script, "ROUNDS", 1)
-    script.main(["bert-base"])
+    monkeypatch.setattr(script, "TF_CHUNK_SIZE_SMALL_BATCH", 16)  # B*N = 2: 4 blocks of 16 on each axis
+    script.main(["bert-base", "gpt2"])
     out = capsys.readouterr().out
-    for part in ("ours.graph", "ours.xla", "projections", "core", "logits"):
+    for part in ("ours.graph", "ours.xla", "projections", "core", "logits", "ours.chunked", "blocks"):
         assert re.search(rf"^  {re.escape(part)} +[\d.]+ matmul-times$", out, re.M), out
+    assert re.search(r"^bert-base, no mask ", out, re.M), out
+    assert re.search(r"^gpt2, blocks of 16: 10 of 16 block pairs computed", out, re.M), out
     assert re.search(r"^  projections \+ core, timed apart: [\d.]+ matmul-times \([\d.]+%\)", out, re.M), out
+    assert re.search(r"^  projections \+ blocks, timed apart: [\d.]+ matmul-times \([\d.]+%\)", out, re.M), out

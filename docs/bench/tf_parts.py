@@ -1,7 +1,7 @@
-"""Keras/TF (impl_tf) at bert-base or vit-b16 (float32 forward) against its parts.
+"""Keras/TF (impl_tf), float32 forward, against its parts at bert-base, vit-b16, gpt2 and long.
 
 The README's TF profile comes from this script (run: python
-docs/bench/tf_parts.py [bert-base vit-b16]). Each part is timed by
+docs/bench/tf_parts.py [bert-base vit-b16 gpt2 long]). Each part is timed by
 `mha bench`'s own measure_paired against TF's 2048 x 2048 float32 matmul and
 reported as a multiple of that matmul's time (median over ROUNDS pairs):
 
@@ -12,8 +12,18 @@ reported as a multiple of that matmul's time (median over ROUNDS pairs):
                (tf.matmul, graph): what the attention itself costs
   logits       Q.K^T alone (graph)
 
-projections + core, timed apart, is about what the whole call costs (XLA,
-compiling the whole call, may do better than its parts). Timings, not a test.
+and at the causal shapes (gpt2, long), with the chunk size `mha bench` uses:
+
+  ours.chunked the chunked path (chunk_size=) under tf.function
+  projections  as above
+  blocks       the (query block, key block) steps the causal mask leaves,
+               alone (logits, exp against the block's max, sum, times V;
+               no masking or rescaling), in one graph, on q, k, v
+               projected beforehand
+
+projections + core (or + blocks), timed apart, is about what the whole call
+costs (XLA, compiling the whole call, may do better than its parts).
+Timings, not a test.
 """
 
 from __future__ import annotations
@@ -26,14 +36,14 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import weights  # noqa: E402 - after the TF log level
-from conformance.bench import SHAPES, glue_tf, measure_paired  # noqa: E402
+from conformance.bench import SHAPES, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH, glue_tf, measure_paired  # noqa: E402
 from impl_tf._keras import tf  # noqa: E402
 from impl_tf.functional import multi_head_attention  # noqa: E402
 
 ROUNDS = 9
 
 
-def parts_of(name: str) -> dict:
+def parts_of(name: str) -> tuple[dict, str]:
     shape = SHAPES[name]
     B, T, D, N = shape.B, shape.T, shape.D, shape.N
     H = D // N
@@ -47,6 +57,23 @@ def parts_of(name: str) -> dict:
     q, k, v = (tf.constant(np.random.default_rng(i).standard_normal((B, N, T, H)).astype(np.float32))
                for i in range(3))
 
+    projections = tf.function(lambda: [tf.matmul(rows, kernels[n]) + biases[n] for n in names])
+    if shape.causal:
+        C = min(T, TF_CHUNK_SIZE if B * N >= 32 else TF_CHUNK_SIZE_SMALL_BATCH)  # as `mha bench` chooses it
+        pairs = [(t0, s0) for t0 in range(0, T, C) for s0 in range(0, t0 + 1, C)]  # the blocks the mask leaves
+
+        def blocks():
+            out = []
+            for t0, s0 in pairs:
+                s = tf.matmul(q[:, :, t0:t0 + C], k[:, :, s0:s0 + C], transpose_b=True)
+                e = tf.exp(s - tf.reduce_max(s, axis=-1, keepdims=True))
+                out.append(tf.matmul(e, v[:, :, s0:s0 + C]) / tf.reduce_sum(e, axis=-1, keepdims=True))
+            return tf.add_n(out)
+
+        chunked = tf.function(lambda: multi_head_attention(config, tensors, x, is_causal=True, chunk_size=C))
+        return {"ours.chunked": chunked, "projections": projections, "blocks": tf.function(blocks)}, \
+            f"blocks of {C}: {len(pairs)} of {(T // C) ** 2} block pairs computed"
+
     def core():
         w = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) * (1 / H**0.5), axis=-1)
         return tf.matmul(w, v)
@@ -54,28 +81,29 @@ def parts_of(name: str) -> dict:
     return {
         "ours.graph": tf.function(lambda: multi_head_attention(config, tensors, x)),
         "ours.xla": tf.function(lambda: multi_head_attention(config, tensors, x), jit_compile=True),
-        "projections": tf.function(lambda: [tf.matmul(rows, kernels[n]) + biases[n] for n in names]),
+        "projections": projections,
         "core": tf.function(core),
         "logits": tf.function(lambda: tf.matmul(q, k, transpose_b=True)),
-    }
+    }, "no mask"
 
 
 def main(names) -> None:
     matmul = glue_tf("cpu", quick=True).matmul(2048)
     for name in names:
-        parts = parts_of(name)
+        parts, what = parts_of(name)
+        core = "blocks" if "blocks" in parts else "core"
         measured = measure_paired(parts, matmul, repeats=ROUNDS, max_seconds=float("inf"))
         for part in parts:
             if isinstance(measured[part], Exception):  # measure_paired reports a part's failure in its place
                 raise measured[part]
         full = SHAPES[name].flops
-        print(f"{name} (2048 matmul {2 * 2048**3 / measured['matmul']['median_s'] / 1e9:.0f} GFLOP/s, median of its "
-              f"runs; {full / (2 * 2048**3):.3f} matmul-times is 100% with the full FLOPs):")
+        print(f"{name}, {what} (2048 matmul {2 * 2048**3 / measured['matmul']['median_s'] / 1e9:.0f} GFLOP/s, "
+              f"median of its runs; {full / (2 * 2048**3):.3f} matmul-times is 100% with the full FLOPs):")
         for part in parts:
             print(f"  {part:12} {measured[part]['matmul_ratio']:.3f} matmul-times")
-        bound = measured["projections"]["matmul_ratio"] + measured["core"]["matmul_ratio"]
-        print(f"  projections + core, timed apart: {bound:.3f} matmul-times ({100 * full / (2 * 2048**3) / bound:.1f}%)")
+        bound = measured["projections"]["matmul_ratio"] + measured[core]["matmul_ratio"]
+        print(f"  projections + {core}, timed apart: {bound:.3f} matmul-times ({100 * full / (2 * 2048**3) / bound:.1f}%)")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["bert-base", "vit-b16"])
+    main(sys.argv[1:] or ["bert-base", "vit-b16", "gpt2", "long"])

@@ -750,6 +750,17 @@ def measure_paired(calls: dict, reference, *, repeats: int, max_seconds: float) 
     return results
 
 
+def paired_ratios(calls: dict, reference, *, repeats: int) -> tuple[dict, float]:
+    """measure_paired for the timing scripts (docs/bench): each call's
+    matmul_ratio (its time in matmul-times) and the reference's median time
+    in seconds; a call that failed raises its exception here."""
+    measured = measure_paired(calls, reference, repeats=repeats, max_seconds=float("inf"))
+    for name in calls:
+        if isinstance(measured[name], Exception):
+            raise measured[name]
+    return {name: measured[name]["matmul_ratio"] for name in calls}, measured[MATMUL]["median_s"]
+
+
 def summarize(times: list[float]) -> dict:
     s = sorted(times)
     q = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else [s[0]] * 3

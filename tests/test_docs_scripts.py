@@ -61,16 +61,20 @@ def tiny_shapes():
     }
 
 
+def run_tiny(name: str, args, monkeypatch, capsys, **settings) -> str:
+    """Run docs/bench/<name>.py's main(args) on tiny_shapes(), one round, with these module settings; its output."""
+    script = load(name)
+    for setting, value in dict(SHAPES=tiny_shapes(), ROUNDS=1, **settings).items():
+        monkeypatch.setattr(script, setting, value)
+    script.main(args)
+    return capsys.readouterr().out
+
+
 def test_numpy_parts_prints_every_part_and_counts_the_logits_the_core_computes(monkeypatch, capsys):
     from impl_numpy import chunked
 
-    script = load("numpy_parts")
-    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
-    monkeypatch.setattr(script, "ROUNDS", 1)
-    monkeypatch.setattr(script, "FUSED_BLOCK", 16)  # key blocks of 16, query blocks of 8: several of each
-    monkeypatch.setattr(chunked, "QUERY_ROWS", 8)
-    script.main(["bert-base", "gpt2"])
-    out = capsys.readouterr().out
+    monkeypatch.setattr(chunked, "QUERY_ROWS", 8)  # with key blocks of 16 (FUSED_BLOCK): several of each
+    out = run_tiny("numpy_parts", ["bert-base", "gpt2"], monkeypatch, capsys, FUSED_BLOCK=16)
     # Causal, top-left, 8 query blocks of 8 rows: block i sees its first 8i keys, so the core computes
     # (1 + ... + 8) / (8 * 8) = 9/16 of the T*S logits; without the mask all of them.
     assert re.search(r"^bert-base .*the core computes 100\.0% of the T\*S logits", out, re.M), out
@@ -83,12 +87,8 @@ def test_numpy_parts_prints_every_part_and_counts_the_logits_the_core_computes(m
 
 
 def test_projection_bound_numpy_prints_each_shape(monkeypatch, capsys):
-    script = load("projection_bound")
-    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
-    monkeypatch.setattr(script, "ROUNDS", 1)
-    script.main(["numpy"])
-    out = capsys.readouterr().out
-    for name in script.SHAPE_NAMES:
+    out = run_tiny("projection_bound", ["numpy"], monkeypatch, capsys)
+    for name in ("bert-base", "vit-b16", "gpt2"):
         assert re.search(rf"^  {name} +projections [\d.]+ matmul-times: own rate [\d.]+%, ceiling [\d.]+%", out,
                          re.M), out
 
@@ -98,23 +98,15 @@ def test_projection_bound_numpy_prints_each_shape(monkeypatch, capsys):
                                      pytest.param("jax", marks=pytest.mark.jax)])
 def test_projection_bound_frameworks_print_each_shape(backend, monkeypatch, capsys):
     pytest.importorskip({"torch": "torch", "tf": "tensorflow", "jax": "jax"}[backend])
-    script = load("projection_bound")
-    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
-    monkeypatch.setattr(script, "ROUNDS", 1)
-    script.main([backend])
-    out = capsys.readouterr().out
-    assert len(re.findall(r"projections [\d.]+ matmul-times: own rate [\d.]+%", out)) == len(script.SHAPE_NAMES), out
+    out = run_tiny("projection_bound", [backend], monkeypatch, capsys)
+    assert len(re.findall(r"projections [\d.]+ matmul-times: own rate [\d.]+%", out)) == 3, out
 
 
 @pytest.mark.jax
 def test_jax_causal_parts_counts_the_visible_block_pairs(monkeypatch, capsys):
     pytest.importorskip("jax")
-    script = load("jax_causal_parts")
-    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
-    monkeypatch.setattr(script, "ROUNDS", 1)
-    monkeypatch.setattr(script, "JAX_CHUNK_SIZE_SMALL_BATCH", 16)  # B*N = 2: 4 blocks of 16 on each axis
-    script.main(["gpt2"])
-    out = capsys.readouterr().out
+    # B*N = 2: the small-batch chunk, 4 blocks of 16 on each axis
+    out = run_tiny("jax_causal_parts", ["gpt2"], monkeypatch, capsys, JAX_CHUNK_SIZE_SMALL_BATCH=16)
     # 4 query blocks x 4 key blocks; the causal mask leaves block i its first i + 1 key blocks: 1+2+3+4
     assert re.search(r"^gpt2, blocks of 16: 10 of 16 block pairs computed", out, re.M), out
     for part in ("ours.chunked", "projections", "blocks", "dense"):
@@ -125,12 +117,8 @@ def test_jax_causal_parts_counts_the_visible_block_pairs(monkeypatch, capsys):
 @pytest.mark.tf
 def test_tf_parts_prints_every_part(monkeypatch, capsys):
     pytest.importorskip("tensorflow")
-    script = load("tf_parts")
-    monkeypatch.setattr(script, "SHAPES", tiny_shapes())
-    monkeypatch.setattr(script, "ROUNDS", 1)
-    monkeypatch.setattr(script, "TF_CHUNK_SIZE_SMALL_BATCH", 16)  # B*N = 2: 4 blocks of 16 on each axis
-    script.main(["bert-base", "gpt2"])
-    out = capsys.readouterr().out
+    # B*N = 2: the small-batch chunk, 4 blocks of 16 on each axis
+    out = run_tiny("tf_parts", ["bert-base", "gpt2"], monkeypatch, capsys, TF_CHUNK_SIZE_SMALL_BATCH=16)
     for part in ("ours.graph", "ours.xla", "projections", "core", "logits", "ours.chunked", "blocks"):
         assert re.search(rf"^  {re.escape(part)} +[\d.]+ matmul-times$", out, re.M), out
     assert re.search(r"^bert-base, no mask ", out, re.M), out

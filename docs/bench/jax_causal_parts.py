@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 
 import weights
-from conformance.bench import JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH, SHAPES, glue_jax, measure_paired
+from conformance.bench import JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH, SHAPES, glue_jax, paired_ratios
 from impl_jax.functional import apply
 
 ROUNDS = 9
@@ -101,12 +101,7 @@ def main(names) -> None:
     matmul = glue_jax("cpu", quick=True).matmul(2048)
     for name in names:
         parts, flops, full, C, computed, all_blocks = parts_of(name)
-        measured = measure_paired(parts, matmul, repeats=ROUNDS, max_seconds=float("inf"))
-        for part in parts:
-            if isinstance(measured[part], Exception):  # measure_paired reports a part's failure in its place
-                raise measured[part]
-        ratios = {part: measured[part]["matmul_ratio"] for part in parts}
-        rate = measured["matmul"]["median_s"]
+        ratios, rate = paired_ratios(parts, matmul, repeats=ROUNDS)
         print(f"{name}, blocks of {C}: {computed} of {all_blocks} block pairs computed "
               f"(2048 matmul {2 * 2048**3 / rate / 1e9:.0f} GFLOP/s, median of its runs):")
         for part, r in ratios.items():

@@ -31,7 +31,7 @@ import sys
 import numpy as np
 
 import weights
-from conformance.bench import CHUNK_SIZE, SHAPES, glue_numpy, measure_paired
+from conformance.bench import CHUNK_SIZE, SHAPES, glue_numpy, paired_ratios
 from impl_numpy import chunked
 from impl_numpy.functional import FUSED_BLOCK, multi_head_attention
 
@@ -104,12 +104,7 @@ def main(names) -> None:
     matmul = glue_numpy("cpu", quick=True).matmul(2048)
     for name in names:
         parts, flops, full, logits = parts_of(name)
-        measured = measure_paired(parts, matmul, repeats=ROUNDS, max_seconds=float("inf"))
-        for part in parts:
-            if isinstance(measured[part], Exception):  # measure_paired reports a part's failure in its place
-                raise measured[part]
-        ratios = {part: measured[part]["matmul_ratio"] for part in parts}
-        matmul_s = measured["matmul"]["median_s"]
+        ratios, matmul_s = paired_ratios(parts, matmul, repeats=ROUNDS)
         print(f"{name} (2048 matmul {2 * 2048**3 / matmul_s / 1e9:.0f} GFLOP/s, median of its runs; "
               f"the core computes {100 * flops['core'] / (full - flops['projections']):.1f}% of the T*S logits):")
         for part, r in ratios.items():

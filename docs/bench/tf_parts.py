@@ -36,7 +36,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import weights  # noqa: E402 - after the TF log level
-from conformance.bench import SHAPES, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH, glue_tf, measure_paired  # noqa: E402
+from conformance.bench import SHAPES, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH, glue_tf, paired_ratios  # noqa: E402
 from impl_tf._keras import tf  # noqa: E402
 from impl_tf.functional import multi_head_attention  # noqa: E402
 
@@ -92,16 +92,13 @@ def main(names) -> None:
     for name in names:
         parts, what = parts_of(name)
         core = "blocks" if "blocks" in parts else "core"
-        measured = measure_paired(parts, matmul, repeats=ROUNDS, max_seconds=float("inf"))
-        for part in parts:
-            if isinstance(measured[part], Exception):  # measure_paired reports a part's failure in its place
-                raise measured[part]
+        ratios, matmul_s = paired_ratios(parts, matmul, repeats=ROUNDS)
         full = SHAPES[name].flops
-        print(f"{name}, {what} (2048 matmul {2 * 2048**3 / measured['matmul']['median_s'] / 1e9:.0f} GFLOP/s, "
+        print(f"{name}, {what} (2048 matmul {2 * 2048**3 / matmul_s / 1e9:.0f} GFLOP/s, "
               f"median of its runs; {full / (2 * 2048**3):.3f} matmul-times is 100% with the full FLOPs):")
         for part in parts:
-            print(f"  {part:12} {measured[part]['matmul_ratio']:.3f} matmul-times")
-        bound = measured["projections"]["matmul_ratio"] + measured[core]["matmul_ratio"]
+            print(f"  {part:12} {ratios[part]:.3f} matmul-times")
+        bound = ratios["projections"] + ratios[core]
         print(f"  projections + {core}, timed apart: {bound:.3f} matmul-times ({100 * full / (2 * 2048**3) / bound:.1f}%)")
 
 

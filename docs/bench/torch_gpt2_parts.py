@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import weights
-from conformance.bench import glue_torch, measure_paired
+from conformance.bench import glue_torch, paired_ratios
 from impl_torch.functional import multi_head_attention
 
 B, T, D, N = 4, 1024, 768, 12
@@ -43,12 +43,7 @@ def main() -> None:
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
     with torch.no_grad():
-        measured = measure_paired(parts, glue_torch("cpu", quick=True).matmul(2048), repeats=ROUNDS,
-                                  max_seconds=float("inf"))
-    for name in parts:
-        if isinstance(measured[name], Exception):  # measure_paired reports a path's failure in its place
-            raise measured[name]
-    ratios = {name: measured[name]["matmul_ratio"] for name in parts}
+        ratios, _ = paired_ratios(parts, glue_torch("cpu", quick=True).matmul(2048), repeats=ROUNDS)
     full_flops = 8 * B * T * D * D + 4 * B * N * T * T * H
     for name, r in ratios.items():
         print(f"{name:12} {r:.3f} matmul-times = {100 * full_flops / (2 * 2048**3) / r:.1f}% of the matmul rate "

@@ -16,8 +16,10 @@ framework's 2048 x 2048 float32 matmul, and prints
                               whole call would score if its attention core
                               took no time at all
 
-A framework whose ceiling is under a target's line cannot reach that target
-on this machine, whatever its attention does. Timings, not a test.
+Where a call runs these very products (NumPy; torch eager), a ceiling under
+a target's line puts that target out of reach on this machine, whatever its
+attention does; a compiled graph (Keras, JAX) can beat the sum of its parts
+timed apart, so there the ceiling is a guide. Timings, not a test.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from impl_numpy.functional import FUSED_BLOCK, multi_head_attention
 ROUNDS = 9
 
 
-def parts_of(name: str) -> tuple[dict, int]:
+def parts_of(name: str) -> tuple[dict, dict, int, int]:
     shape = SHAPES[name]
     B, T, D, N, causal = shape.B, shape.T, shape.D, shape.N, shape.causal
     H = D // N
@@ -95,9 +95,10 @@ def parts_of(name: str) -> tuple[dict, int]:
         "core.gemm": core_gemm,
         "core.exp": core_exp,
     }
-    computed = 4 * B * N * H * qrows * sum(s1 - s0 for _, s0, s1 in pairs)  # the core's matmul FLOPs
+    logits_computed = B * N * qrows * sum(s1 - s0 for _, s0, s1 in pairs)
+    computed = 4 * H * logits_computed  # the core's matmul FLOPs: Q.K^T and P.V, 2*H each per logit
     flops = {"ours": shape.flops, "projections": 8 * B * T * D * D, "core": computed, "core.gemm": computed}
-    return parts, flops, shape.flops, B * N * qrows * sum(s1 - s0 for _, s0, s1 in pairs)
+    return parts, flops, shape.flops, logits_computed
 
 
 def main(names) -> None:

@@ -142,6 +142,12 @@ QUICK_SHAPES = {
 QUICK_SWEEP_LENGTHS = (16, 32, 64)
 
 
+def framework_chunk(shape: Shape, large_batch: int, small_batch: int) -> int:
+    """The chunk_size `mha bench` gives a framework's chunked path (impl_tf, impl_jax) at `shape`:
+    large_batch where B*N >= 32, else small_batch (the *_CHUNK_SIZE constants say why), at most T."""
+    return min(shape.T, large_batch if shape.B * shape.N >= 32 else small_batch)
+
+
 def sweep_shapes(lengths) -> list[Shape]:
     return [Shape(f"sweep-{T}", B=1, T=T, S=T, D=512 if T >= 128 else 64, N=8 if T >= 128 else 4, causal=False,
                   sweep=True) for T in lengths]
@@ -501,7 +507,7 @@ def glue_tf(device: str, quick: bool) -> Glue:
         if c or shape.long:
             # The chunked path (never a (T, S) array; causal key blocks skipped); its key-block step is
             # compiled by XLA in both modes. Chunk sizes: see TF_CHUNK_SIZE.
-            chunk = min(shape.T, TF_CHUNK_SIZE if shape.B * shape.N >= 32 else TF_CHUNK_SIZE_SMALL_BATCH)
+            chunk = framework_chunk(shape, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH)
 
             def ours_chunked(inp, tt):
                 return multi_head_attention(config, tt, inp, is_causal=c, chunk_size=chunk)
@@ -614,7 +620,7 @@ def glue_jax(device: str, quick: bool) -> Glue:
             mask = nnx.make_causal_mask(inp[..., 0]) if c else None  # (B, 1, T, T)
             return nnx.merge(graphdef, st)(inp, mask=mask)
 
-        chunk = min(shape.T, JAX_CHUNK_SIZE if shape.B * shape.N >= 32 else JAX_CHUNK_SIZE_SMALL_BATCH)
+        chunk = framework_chunk(shape, JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH)
 
         def ours_chunked(pp, inp):
             return apply(config, pp, inp, is_causal=c, chunk_size=chunk)

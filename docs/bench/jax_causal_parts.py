@@ -35,7 +35,14 @@ import numpy as np
 from jax import lax
 
 import weights
-from conformance.bench import JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH, SHAPES, glue_jax, paired_ratios
+from conformance.bench import (
+    JAX_CHUNK_SIZE,
+    JAX_CHUNK_SIZE_SMALL_BATCH,
+    SHAPES,
+    framework_chunk,
+    glue_jax,
+    paired_ratios,
+)
 from impl_jax.functional import apply
 
 ROUNDS = 9
@@ -45,7 +52,7 @@ def parts_of(name: str):
     shape = SHAPES[name]
     B, T, D, N = shape.B, shape.T, shape.D, shape.N
     H = D // N
-    C = min(T, JAX_CHUNK_SIZE if B * N >= 32 else JAX_CHUNK_SIZE_SMALL_BATCH)  # as `mha bench` chooses it
+    C = framework_chunk(shape, JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH)  # as `mha bench` chooses it
     config = weights.AttentionConfig(num_heads=N, query_dim=D, head_dim=H)
     p = jax.device_put(weights.init(config, seed=0, dtype="float32"))
     x = jax.device_put(np.random.default_rng(0).standard_normal((B, T, D)).astype(np.float32))

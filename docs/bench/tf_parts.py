@@ -36,7 +36,14 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import weights  # noqa: E402 - after the TF log level
-from conformance.bench import SHAPES, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH, glue_tf, paired_ratios  # noqa: E402
+from conformance.bench import (  # noqa: E402
+    SHAPES,
+    TF_CHUNK_SIZE,
+    TF_CHUNK_SIZE_SMALL_BATCH,
+    framework_chunk,
+    glue_tf,
+    paired_ratios,
+)
 from impl_tf._keras import tf  # noqa: E402
 from impl_tf.functional import multi_head_attention  # noqa: E402
 
@@ -59,7 +66,7 @@ def parts_of(name: str) -> tuple[dict, str]:
 
     projections = tf.function(lambda: [tf.matmul(rows, kernels[n]) + biases[n] for n in names])
     if shape.causal:
-        C = min(T, TF_CHUNK_SIZE if B * N >= 32 else TF_CHUNK_SIZE_SMALL_BATCH)  # as `mha bench` chooses it
+        C = framework_chunk(shape, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH)  # as `mha bench` chooses it
         pairs = [(t0, s0) for t0 in range(0, T, C) for s0 in range(0, t0 + 1, C)]  # the blocks the mask leaves
 
         def blocks():

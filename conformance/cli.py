@@ -19,8 +19,7 @@ import numpy as np
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 # Subcommands defined in other modules, registered if the module exists.
-EXTERNAL_COMMANDS = ("conformance.convert", "conformance.check", "conformance.verify", "conformance.vectors",
-                     "conformance.bench")
+EXTERNAL_COMMANDS = ("conformance.convert", "conformance.check", "conformance.verify", "conformance.vectors", "bench")
 
 
 class OneLineParser(argparse.ArgumentParser):

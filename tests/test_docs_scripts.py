@@ -1,23 +1,17 @@
-"""The timing scripts the README cites (docs/bench/*.py) still run, on tiny
-shapes. No assertion is about speed: only that each prints its figures and
-leaves the library as it found it."""
+"""The timing scripts docs/performance.md cites (bench/scripts/*.py) still
+run, on tiny shapes. No assertion is about speed: only that each prints its
+figures and leaves the library as it found it."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "docs" / "bench"
-
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"docs_bench_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"bench.scripts.{name}")
 
 
 def test_threads_ab_prints_both_settings_and_restores_the_threshold(monkeypatch, capsys):
@@ -51,7 +45,7 @@ def test_torch_gpt2_parts_prints_every_part_and_the_bound(monkeypatch, capsys):
 
 def tiny_shapes():
     """bert-base, vit-b16, gpt2 and long under their own names, small enough for a test."""
-    from conformance.bench import Shape
+    from bench.core import Shape
 
     return {
         "bert-base": Shape("bert-base", B=2, T=16, S=16, D=16, N=2, causal=False),
@@ -62,7 +56,7 @@ def tiny_shapes():
 
 
 def run_tiny(name: str, args, monkeypatch, capsys, **settings) -> str:
-    """Run docs/bench/<name>.py's main(args) on tiny_shapes(), one round, with these module settings; its output."""
+    """Run bench/scripts/<name>.py's main(args) on tiny_shapes(), one round, with these module settings; its output."""
     script = load(name)
     for setting, value in dict(SHAPES=tiny_shapes(), ROUNDS=1, **settings).items():
         monkeypatch.setattr(script, setting, value)

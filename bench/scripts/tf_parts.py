@@ -1,9 +1,10 @@
 """Keras/TF (impl_tf), float32 forward, against its parts at bert-base, vit-b16, gpt2 and long.
 
-The README's TF profile comes from this script (run: python
-docs/bench/tf_parts.py [bert-base vit-b16 gpt2 long]). Each part is timed by
-`mha bench`'s own measure_paired against TF's 2048 x 2048 float32 matmul and
-reported as a multiple of that matmul's time (median over ROUNDS pairs):
+docs/performance.md's TF profile comes from this script (run:
+python -m bench.scripts.tf_parts [bert-base vit-b16 gpt2 long]). Each part
+is timed by `mha bench`'s own measure_paired against TF's 2048 x 2048
+float32 matmul and reported as a multiple of that matmul's time (median over
+ROUNDS pairs):
 
   ours.graph   impl_tf's multi_head_attention under tf.function
   ours.xla     the same under tf.function(jit_compile=True)
@@ -36,7 +37,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import weights  # noqa: E402 - after the TF log level
-from conformance.bench import (  # noqa: E402
+from bench.core import (  # noqa: E402
     SHAPES,
     TF_CHUNK_SIZE,
     TF_CHUNK_SIZE_SMALL_BATCH,

@@ -14,7 +14,7 @@ one large float32 matmul in that framework; every time is then a ratio:
                      compiled; NumPy has only eager).
 
 Method
-- Each backend runs in its own worker process (`python -m conformance.bench
+- Each backend runs in its own worker process (`python -m bench.core
   --worker`): frameworks do not share thread pools or allocators, a crash or
   an out-of-memory kill is reported as that backend's failure, and peak
   memory is the worker's own.
@@ -1179,7 +1179,7 @@ def run_backend(backend: str, spec: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="mha-bench-") as tmp:
         spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_file.write_text(json.dumps({**spec, "backend": backend}))
-        proc = subprocess.run([sys.executable, "-m", "conformance.bench", "--worker", str(spec_file), str(out_file)],
+        proc = subprocess.run([sys.executable, "-m", "bench.core", "--worker", str(spec_file), str(out_file)],
                               env=env, stdout=subprocess.PIPE, stderr=None, text=True)
         if proc.returncode != 0 or not out_file.exists():
             why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
@@ -1233,7 +1233,7 @@ def run(args) -> int:
     data["machine"]["loadavg_end"] = os.getloadavg()
     data["total_s"] = time.perf_counter() - started
     if args.json:  # first: a problem in printing must not lose the numbers
-        from conformance.io import write_bytes_atomic
+        from weights.atomic import write_bytes_atomic
 
         write_bytes_atomic(args.json, (json.dumps(data, indent=1) + "\n").encode(), overwrite=True)
     print_report(console, data)
@@ -1246,7 +1246,7 @@ def run(args) -> int:
 
 
 def _worker_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance.bench")
+    parser = argparse.ArgumentParser(prog="python -m bench.core")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
     args = parser.parse_args(argv)
     spec = json.loads(Path(args.worker[0]).read_text())

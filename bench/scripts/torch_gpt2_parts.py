@@ -1,9 +1,9 @@
 """Torch at gpt2 (causal, float32, eager, no_grad): our SDPA path against its parts.
 
-The README's torch gpt2 profile comes from this script (run: python
-docs/bench/torch_gpt2_parts.py). Each part is timed by `mha bench`'s own
-measure_paired against torch's 2048 x 2048 float32 matmul and reported as a
-multiple of that matmul's time (median over ROUNDS pairs):
+docs/performance.md's torch gpt2 profile comes from this script (run:
+python -m bench.scripts.torch_gpt2_parts). Each part is timed by
+`mha bench`'s own measure_paired against torch's 2048 x 2048 float32 matmul
+and reported as a multiple of that matmul's time (median over ROUNDS pairs):
 
   ours         impl_torch's multi_head_attention(use_sdpa=True, is_causal=True)
   projections  the four x @ W + b products alone
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import weights
-from conformance.bench import glue_torch, paired_ratios
+from bench.core import glue_torch, paired_ratios
 from impl_torch.functional import multi_head_attention
 
 B, T, D, N = 4, 1024, 768, 12

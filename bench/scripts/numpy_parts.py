@@ -1,12 +1,13 @@
 """NumPy's fast path (float32 forward) against its parts, at bert-base, gpt2 and long.
 
-The README's NumPy profile comes from this script (run: python
-docs/bench/numpy_parts.py [bert-base gpt2 long]). Each part is timed by
-`mha bench`'s own measure_paired against NumPy's 2048 x 2048 float32 matmul
-and reported as a multiple of that matmul's time (median over ROUNDS pairs)
-and as % of the matmul rate with its FLOPs: the shape's full count for the
-whole call, as the bench counts it (8*B*T*D^2 + 4*B*N*T*S*H, full T*S when
-causal), the FLOPs they do for the parts (exp: time per logit):
+docs/performance.md's NumPy profile comes from this script (run:
+python -m bench.scripts.numpy_parts [bert-base gpt2 long]). Each part is
+timed by `mha bench`'s own measure_paired against NumPy's 2048 x 2048
+float32 matmul and reported as a multiple of that matmul's time (median over
+ROUNDS pairs) and as % of the matmul rate with its FLOPs: the shape's full
+count for the whole call, as the bench counts it (8*B*T*D^2 + 4*B*N*T*S*H,
+full T*S when causal), the FLOPs they do for the parts (exp: time per
+logit):
 
   ours         impl_numpy's multi_head_attention, as `mha bench` calls it
   projections  the four x @ W + b products alone (BLAS's threads)
@@ -31,7 +32,7 @@ import sys
 import numpy as np
 
 import weights
-from conformance.bench import CHUNK_SIZE, SHAPES, glue_numpy, paired_ratios
+from bench.core import CHUNK_SIZE, SHAPES, glue_numpy, paired_ratios
 from impl_numpy import chunked
 from impl_numpy.functional import FUSED_BLOCK, multi_head_attention
 

@@ -1,10 +1,11 @@
 """NumPy's fast path on our threads against BLAS's threads, in two settings.
 
-The README's figures for impl_numpy.chunked.THREADED_MIN_FLOPS come from this
-script (run: python docs/bench/threads_ab.py). For each shape (float32
-self-attention, no mask) it times the plain call with the threshold forced
-off (BLAS's threads for the projections; the serial core) and forced on (every
-stage on our threads, BLAS held to one), interleaved, each timed call either
+docs/performance.md's figures for impl_numpy.chunked.THREADED_MIN_FLOPS come
+from this script (run: python -m bench.scripts.threads_ab). For each shape
+(float32 self-attention, no mask) it times the plain call with the threshold
+forced off (BLAS's threads for the projections; the serial core) and forced
+on (every stage on our threads, BLAS held to one), interleaved, each timed
+call either
 
   ffn     right after a feed-forward-sized matmul (B*T x D by D x 4D), what a
           transformer block runs between two attentions: OpenBLAS's idle

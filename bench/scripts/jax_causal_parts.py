@@ -1,11 +1,12 @@
 """JAX's chunked path at the causal shapes (float32 forward, under jit) against its parts.
 
-The README's JAX causal profile comes from this script (run: python
-docs/bench/jax_causal_parts.py [gpt2 long]). Each part runs under jax.jit
-and is timed by `mha bench`'s own measure_paired against JAX's 2048 x 2048
-float32 matmul, reported as a multiple of that matmul's time (median over
-ROUNDS pairs) and as % of the matmul rate, with the shape's full FLOP count
-(as the bench counts it) or, for the block steps, with the FLOPs they do:
+docs/performance.md's JAX causal profile comes from this script (run:
+python -m bench.scripts.jax_causal_parts [gpt2 long]). Each part runs under
+jax.jit and is timed by `mha bench`'s own measure_paired against JAX's 2048
+x 2048 float32 matmul, reported as a multiple of that matmul's time (median
+over ROUNDS pairs) and as % of the matmul rate, with the shape's full FLOP
+count (as the bench counts it) or, for the block steps, with the FLOPs they
+do:
 
   ours.chunked  impl_jax's apply(chunk_size=...) as `mha bench` calls it
   projections   the four projections alone (einsum + bias, whole sequences)
@@ -35,7 +36,7 @@ import numpy as np
 from jax import lax
 
 import weights
-from conformance.bench import (
+from bench.core import (
     JAX_CHUNK_SIZE,
     JAX_CHUNK_SIZE_SMALL_BATCH,
     SHAPES,

@@ -1,12 +1,12 @@
 """The ceiling the four projections put on each framework's "% of matmul rate".
 
-The README's projection bounds come from this script (run: python
-docs/bench/projection_bound.py [numpy torch tf jax]). For each backend and
-shape it times the four projections alone (x @ W + b for query, key, value
-and output, on (B*T, D) rows: no attention core at all) in the framework's
-fast mode (NumPy; torch eager under no_grad, F.linear; TF under tf.function;
-JAX under jit), with `mha bench`'s own measure_paired against that
-framework's 2048 x 2048 float32 matmul, and prints
+docs/performance.md's projection bounds come from this script (run:
+python -m bench.scripts.projection_bound [numpy torch tf jax]). For each
+backend and shape it times the four projections alone (x @ W + b for query,
+key, value and output, on (B*T, D) rows: no attention core at all) in the
+framework's fast mode (NumPy; torch eager under no_grad, F.linear; TF under
+tf.function; JAX under jit), with `mha bench`'s own measure_paired against
+that framework's 2048 x 2048 float32 matmul, and prints
 
   the projections' own rate   % of the matmul rate with their own FLOPs
                               (8*B*T*D^2): how well D x D products of this
@@ -17,9 +17,9 @@ framework's 2048 x 2048 float32 matmul, and prints
                               took no time at all
 
 Where a call runs these very products (NumPy; torch eager), a ceiling under
-a target's line puts that target out of reach on this machine, whatever its
-attention does; a compiled graph (Keras, JAX) can beat the sum of its parts
-timed apart, so there the ceiling is a guide. Timings, not a test.
+a target's line puts that target out of reach on the machine it ran on,
+whatever its attention does; a compiled graph (Keras, JAX) can beat the sum
+of its parts timed apart, so there the ceiling is a guide. Timings, not a test.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 
 import numpy as np
 
-from conformance.bench import GLUE, SHAPES, paired_ratios
+from bench.core import GLUE, SHAPES, paired_ratios
 
 ROUNDS = 9
 SHAPE_NAMES = ("bert-base", "vit-b16", "gpt2")

@@ -1,7 +1,8 @@
 """The executable spec of multi-head attention in NumPy (see functional.py)."""
 
+from .attention import multi_head_attention
 from .backward import multi_head_attention_vjp
-from .functional import STAGES, TraceEntry, multi_head_attention
+from .functional import STAGES, TraceEntry
 from .layer import MultiHeadAttention
 from .masks import CONVENTIONS, causal_mask, combine, padding_mask, to_allowed
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .attention import multi_head_attention
 from .backward import multi_head_attention_vjp
-from .functional import multi_head_attention
 
 NAME = "numpy"
 
@@ -18,13 +18,26 @@ def devices() -> list[str]:
     return ["cpu"]
 
 
+# The optional call inputs every adapter passes through under their contract names.
+OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
+                   "segment_ids", "key_segment_ids")
+
+
 def _kwargs(inputs, options):
     return dict(
-        mask=inputs.get("mask"), bias=inputs.get("bias"), dropout_mask=inputs.get("dropout_mask"),
+        **{name: inputs.get(name) for name in OPTIONAL_INPUTS},
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"), dtype=options.get("dtype"),
     )
+
+
+def split_result(result, return_weights: bool, return_cache: bool) -> dict:
+    """multi_head_attention's (output[, weights][, present_key, present_value]) as a dict of NumPy arrays."""
+    parts = list(result) if (return_weights or return_cache) else [result]
+    names = ["output"] + (["weights"] if return_weights else []) + (["present_key", "present_value"]
+                                                                     if return_cache else [])
+    return {name: np.asarray(value) for name, value in zip(names, parts, strict=True)}
 
 
 def _check_device(device: str) -> None:
@@ -35,14 +48,12 @@ def _check_device(device: str) -> None:
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     _check_device(device)
     entries = [] if trace else None
+    return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     result = multi_head_attention(
-        config, tensors, inputs["query"], inputs.get("key"), inputs.get("value"),
-        return_weights=bool(options.get("return_weights", False)), trace=entries, **_kwargs(inputs, options),
+        config, tensors, inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights,
+        return_cache=return_cache, trace=entries, **_kwargs(inputs, options),
     )
-    out, w = result if options.get("return_weights") else (result, None)
-    answer = {"output": np.asarray(out)}
-    if w is not None:
-        answer["weights"] = np.asarray(w)
+    answer = split_result(result, return_weights, return_cache)
     if trace:
         answer["trace"] = [(e.stage, np.asarray(e.value)) for e in entries]
     return answer

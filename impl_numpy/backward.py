@@ -2,8 +2,10 @@
 
 Given the output cotangent d_output (B, T, O), returns the gradient of
 sum(output * d_output) with respect to query, key, value (those passed) and
-every canonical tensor. It walks functional.py's stages in reverse; each
-block names the stage it undoes. Checked against finite differences in
+every canonical tensor (and past_key / past_value when a cache is given).
+It walks functional.py's stages in reverse; each block names the stage it
+undoes: output, merge_heads, attend, dropout, softmax (and sinks), mask,
+softcap, logits, the cache's split, rope, split_heads, norm, project. Checked against finite differences in
 float64 (tests/test_numpy_backward.py).
 
 Precision follows the forward rule: each backward stage's result is stored in
@@ -25,6 +27,7 @@ import numpy as np
 from weights import compute_dtype
 
 from . import functional as F
+from .attention import prepare, rope_tables
 
 
 def _grouped(x, K):  # (B, N, T, X) -> (B, K, G*T, X)
@@ -32,30 +35,48 @@ def _grouped(x, K):  # (B, N, T, X) -> (B, K, G*T, X)
     return x.reshape(B, K, (N // K) * T, X)
 
 
-def _prepare(config, tensors, query, key, value, d_output, options):
-    shapes, p, (xq, xk, xv), mask4, bias_r4, keep, dtype = F.prepare(
-        config, tensors, query, key, value, return_weights=False, **options
-    )
-    allowed = F.allowed_mask(mask4, shapes.T, shapes.S, options["is_causal"], options["causal_alignment"])
-    ct = compute_dtype(dtype)
-    del ct
-    d_out = np.asarray(d_output).astype(dtype)
-    B, T, O = shapes.B, shapes.T, config.out_dim
-    if d_out.shape != (B, T, O):
-        raise ValueError(f"d_output must have shape (B, T, O) = {(B, T, O)}: got {d_out.shape}")
-    return shapes, p, [xq, xk, xv], allowed, bias_r4, keep, dtype, d_out
+def _merge(x):  # (B, heads, L, X) -> (B, L, heads*X): split_heads undone
+    B, n, L, X = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, L, n * X)
 
 
-def _backward(config, p, xq, xk, xv, allowed, bias_r4, keep, d_out, *, magnitude=False):
-    """The forward pass kept for backward, then the backward pass.
+def _norm_parts(x, kind, eps, heads, scope, ct):
+    """norm's forward pieces in compute dtype: x (B, L, F) -> xhat (B, L, groups, W), r (B, L, groups, 1)."""
+    B, L, F = x.shape
+    width = F // heads if scope == "head" else F
+    y = x.astype(ct).reshape(B, L, F // width, width)
+    if kind == "layer":
+        y = y - y.mean(axis=-1, keepdims=True)
+    r = 1 / np.sqrt((y * y).mean(axis=-1, keepdims=True) + ct.type(eps))
+    return y * r, r
+
+
+def _rope_pair(x, R, interleaved):
+    return (x[..., 0:R:2], x[..., 1:R:2]) if interleaved else (x[..., : R // 2], x[..., R // 2: R])
+
+
+def _rope_join(y1, y2, rest, interleaved):
+    turned = np.stack([y1, y2], axis=-1).reshape(*y1.shape[:-1], -1) if interleaved else np.concatenate([y1, y2], -1)
+    return np.concatenate([turned, rest], axis=-1)
+
+
+def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=False, true_forward=None):
+    """The forward pass kept for backward, then the backward pass. Returns
+    (out, w, wd, kept, grads).
 
     magnitude=True: inputs, tensors and d_out are replaced by their absolute
-    values and the softmax backward's subtraction by an addition, while the
-    softmax weights come from the true forward pass."""
+    values, every difference in the backward by a sum, and the nonlinear
+    stages' factors (softmax weights, the norm's 1/rms and normalised x,
+    cos/sin, softcap's slope) taken from the true forward (true_forward: the
+    first call's `kept`) as magnitudes."""
     N, K, H, V, O = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim, config.out_dim
-    scale = config.effective_scale
-    dtype = xq.dtype
+    dtype = call.dtype
     ct = compute_dtype(dtype)
+    P = call.shapes.P
+    scale = config.effective_scale
+    p = call.params
+    xq, xk, xv = call.query, call.key, call.value
+    past_key, past_value = call.past_key, call.past_value
 
     def mm(a, b):  # a matmul: accumulate in compute dtype, store in dtype
         return np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)).astype(dtype, copy=False)
@@ -66,27 +87,64 @@ def _backward(config, p, xq, xk, xv, allowed, bias_r4, keep, d_out, *, magnitude
     def ew(a):  # an elementwise result, stored
         return a.astype(dtype, copy=False)
 
-    # forward, keeping what the backward pass needs (compute dtype throughout)
-    q = F.split_heads(F.project(xq, p["query.kernel"], p.get("query.bias")), N)  # (B, N, T, H)
-    k = F.split_heads(F.project(xk, p["key.kernel"], p.get("key.bias")), K)  # (B, K, S, H)
-    v = F.split_heads(F.project(xv, p["value.kernel"], p.get("value.bias")), K)  # (B, K, S, V)
-    x = F.mask(F.logits(q, k, scale), allowed, bias_r4)
-    w = F.softmax(x, config.masked_row)  # (B, N, T, S)
-    wd = F.dropout(w, keep, config.dropout)
+    norm_cfg, rope_cfg, cap = config.qk_norm, config.rope, config.logit_softcap
+    if magnitude:
+        kept = true_forward
+        p = {name: np.abs(t) for name, t in p.items()}
+        xq, xk, xv, d_out, scale = np.abs(xq), np.abs(xk), np.abs(xv), np.abs(d_out), abs(scale)
+        past_key = None if past_key is None else np.abs(past_key)
+        past_value = None if past_value is None else np.abs(past_value)
+    else:
+        kept = {}
+    qp = F.project(xq, p["query.kernel"], p.get("query.bias"))  # (B, T, N*H)
+    kp = F.project(xk, p["key.kernel"], p.get("key.bias"))  # (B, S, K*H)
+    vp = F.project(xv, p["value.kernel"], p.get("value.bias"))  # (B, S, K*V)
+    if norm_cfg is not None:
+        for name, x, heads in (("query", qp, N), ("key", kp, K)):
+            if not magnitude:
+                kept[name + ".norm"] = _norm_parts(x, norm_cfg.type, norm_cfg.eps, heads, norm_cfg.scope, ct)
+            xhat, _ = kept[name + ".norm"]
+            y = (np.abs(xhat) if magnitude else xhat) * p[name + ".norm.scale"].astype(ct).reshape(-1)
+            if name + ".norm.bias" in p:
+                y = y + p[name + ".norm.bias"].astype(ct).reshape(-1)
+            y = ew(y.reshape(x.shape))
+            if name == "query":
+                qn = y
+            else:
+                kn = y
+    else:
+        qn, kn = qp, kp
+    q, k_new, v_new = F.split_heads(qn, N), F.split_heads(kn, K), F.split_heads(vp, K)
+    if rope_cfg is not None:
+        R, inter = rope_cfg.rotary_dim, rope_cfg.interleaved
+        if not magnitude:
+            inv_freq, factor = rope_tables(config)
+            for name, positions in (("query", call.positions), ("key", call.key_positions)):
+                angles = F.rope_angles(positions, inv_freq, dtype)
+                kept[name + ".rope"] = (np.cos(angles) * ct.type(factor), np.sin(angles) * ct.type(factor))
+            q, k_new = (F.rope(x, F.rope_angles(pos, inv_freq, dtype), R, inter, factor)
+                        for x, pos in ((q, call.positions), (k_new, call.key_positions)))
+        else:
+            def rope_abs(x, cs):
+                c, s_ = np.abs(cs[0]), np.abs(cs[1])
+                x1, x2 = _rope_pair(x.astype(ct), R, inter)
+                return ew(_rope_join(x1 * c + x2 * s_, x2 * c + x1 * s_, x[..., R:].astype(ct), inter))
+
+            q, k_new = rope_abs(q, kept["query.rope"]), rope_abs(k_new, kept["key.rope"])
+    k = k_new if past_key is None else np.concatenate([past_key, k_new], axis=2)  # (B, K, S_total, H)
+    v = v_new if past_value is None else np.concatenate([past_value, v_new], axis=2)  # (B, K, S_total, V)
+    if not magnitude:
+        allowed = call.allowed(config, is_causal, causal_alignment)
+        x0 = F.logits(q, k, scale)  # (B, N, T, S_total)
+        xc = F.softcap(x0, cap) if cap is not None else x0
+        x = F.mask(xc, allowed, call.bias4)
+        w = F.softmax(x, config.masked_row, p.get("sinks"))  # (B, N, T, S_total)
+        wd = F.dropout(w, call.keep, config.dropout)
+        kept.update(x0=x0, x=x, w=w, wd=wd)
+    x0, x, w, wd = kept["x0"], kept["x"], kept["w"], kept["wd"]
     ctx = F.merge_heads(F.attend(wd, v))  # (B, T, N*V)
     out = F.output(ctx, p["output.kernel"], p.get("output.bias"))
-    if magnitude:
-        w_true, wd_true = yield  # the caller sends the real weights
-        ab = {name: np.abs(t) for name, t in p.items()}
-        q = F.split_heads(F.project(np.abs(xq), ab["query.kernel"], ab.get("query.bias")), N)
-        k = F.split_heads(F.project(np.abs(xk), ab["key.kernel"], ab.get("key.bias")), K)
-        v = F.split_heads(F.project(np.abs(xv), ab["value.kernel"], ab.get("value.bias")), K)
-        w, wd = w_true, wd_true
-        ctx = F.merge_heads(F.attend(wd, v))
-        p, xq, xk, xv, d_out, scale = ab, np.abs(xq), np.abs(xk), np.abs(xv), np.abs(d_out), abs(scale)
-    else:
-        yield out, w, wd
-    B, T, S = xq.shape[0], xq.shape[1], xk.shape[1]
+    B, T, S_total = xq.shape[0], xq.shape[1], k.shape[2]
 
     grads: dict[str, np.ndarray] = {}
     # output: out = ctx @ Wo + bo
@@ -98,30 +156,73 @@ def _backward(config, p, xq, xk, xv, allowed, bias_r4, keep, d_out, *, magnitude
     # merge_heads
     d_ctx = d_ctx.reshape(B, T, N, V).transpose(0, 2, 1, 3)  # (B, N, T, V)
     # attend: ctx = wd @ v (grouped)
-    d_wd = mm(_grouped(d_ctx, K), v.swapaxes(-1, -2)).reshape(B, N, T, S)
-    d_v = mm(_grouped(wd, K).swapaxes(-1, -2), _grouped(d_ctx, K))  # (B, K, S, V)
+    d_wd = mm(_grouped(d_ctx, K), v.swapaxes(-1, -2)).reshape(B, N, T, S_total)
+    d_v = mm(_grouped(wd, K).swapaxes(-1, -2), _grouped(d_ctx, K))  # (B, K, S_total, V)
     # dropout
+    keep = call.keep
     d_w = d_wd if keep is None else ew(np.where(keep, d_wd.astype(ct) / ct.type(1.0 - config.dropout), 0))
     # softmax: dx = w * (dw - sum(dw * w)), in compute dtype like the forward.
     # A fully masked row's weights do not depend on its logits under "zero" and
     # "uniform" (gradient 0); under "nan" they are NaN (see the mask stage).
+    # Sinks: the sink is one more logit whose weight w_sink = 1 - sum(w) feeds
+    # nothing, so d_sink = -w_sink * sum(dw * w), summed over rows.
     wc, dwc = w.astype(ct), d_w.astype(ct)
-    row = (dwc * wc).sum(axis=-1, keepdims=True)
+    row = (dwc * wc).sum(axis=-1, keepdims=True)  # (B, N, T, 1)
     d_x = wc * (dwc + row if magnitude else dwc - row)
-    if config.masked_row == "uniform":
+    if config.masked_row == "uniform" and not config.use_sinks:
         d_x = np.where(np.isfinite(x).any(axis=-1, keepdims=True), d_x, 0)
+    if config.use_sinks:
+        w_sink = np.clip(1 - wc.sum(axis=-1, keepdims=True), 0, 1)  # (B, N, T, 1)
+        d_sink = w_sink * row
+        grads["sinks"] = ew((d_sink if magnitude else -d_sink).sum(axis=(0, 2, 3)))  # (N,)
     # mask: identity on allowed positions; a masked (-inf) position gets no
     # gradient, as autodiff of a `where` gives: so a "nan" row's NaN weights
     # reach the value gradient only, not the query and key gradients.
     d_x = ew(np.where(x == -np.inf, 0, d_x))
+    # softcap: d/dx c tanh(x / c) = 1 - tanh(x / c)^2 (positive: the same in magnitude mode)
+    if cap is not None:
+        t = np.tanh(x0.astype(ct) / ct.type(cap))
+        d_x = ew(d_x.astype(ct) * (1 - t * t))
     # logits: x = scale * q k^T (grouped)
-    d_s = _grouped(ew(d_x.astype(ct) * ct.type(scale)), K)  # (B, K, G*T, S)
+    d_s = _grouped(ew(d_x.astype(ct) * ct.type(scale)), K)  # (B, K, G*T, S_total)
     d_q = mm(d_s, k).reshape(B, N, T, H)
-    d_k = mm(d_s.swapaxes(-1, -2), q.reshape(B, K, -1, H))  # (B, K, S, H)
+    d_k = mm(d_s.swapaxes(-1, -2), q.reshape(B, K, -1, H))  # (B, K, S_total, H)
+    # the cache: k = concat(past_key, k_new), v likewise
+    if P:
+        grads["past_key"], d_k = d_k[:, :, :P], d_k[:, :, P:]
+        grads["past_value"], d_v = d_v[:, :, :P], d_v[:, :, P:]
+    # rope: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), so dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s
+    if rope_cfg is not None:
+        def rope_back(dy, cs):
+            c, s_ = (np.abs(cs[0]), np.abs(cs[1])) if magnitude else cs
+            dy1, dy2 = _rope_pair(dy.astype(ct), R, inter)
+            dx2 = dy2 * c + dy1 * s_ if magnitude else dy2 * c - dy1 * s_
+            return ew(_rope_join(dy1 * c + dy2 * s_, dx2, dy[..., R:].astype(ct), inter))
 
-    # split_heads, then project: y = x @ W + b
-    def project_back(prefix, x_in, d_heads):
-        d_flat = d_heads.transpose(0, 2, 1, 3).reshape(x_in.shape[0], x_in.shape[1], -1)  # (B, L, F)
+        d_q, d_k = rope_back(d_q, kept["query.rope"]), rope_back(d_k, kept["key.rope"])
+    d_q, d_k, d_v = _merge(d_q), _merge(d_k), _merge(d_v)  # (B, L, F): split_heads undone
+    # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
+    # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
+    if norm_cfg is not None:
+        def norm_back(name, dy):
+            xhat, r = kept[name + ".norm"]
+            if magnitude:
+                xhat = np.abs(xhat)
+            dyc = dy.astype(ct).reshape(xhat.shape)  # (B, L, groups, W)
+            scale_shape = p[name + ".norm.scale"].shape
+            grads[name + ".norm.scale"] = ew((dyc * xhat).reshape(-1, *scale_shape).sum(axis=0))
+            if name + ".norm.bias" in p:
+                grads[name + ".norm.bias"] = ew(dyc.reshape(-1, *scale_shape).sum(axis=0))
+            dxhat = dyc * p[name + ".norm.scale"].astype(ct).reshape(-1)
+            inner = xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+            if norm_cfg.type == "layer":
+                inner = inner + dxhat.mean(axis=-1, keepdims=True)
+            return ew((r * (dxhat + inner if magnitude else dxhat - inner)).reshape(dy.shape))
+
+        d_q, d_k = norm_back("query", d_q), norm_back("key", d_k)
+
+    # project: y = x @ W + b
+    def project_back(prefix, x_in, d_flat):
         W = p[f"{prefix}.kernel"]
         grads[f"{prefix}.kernel"] = ein("BLD,BLF->DF", x_in, d_flat).reshape(W.shape)
         if f"{prefix}.bias" in p:
@@ -131,7 +232,7 @@ def _backward(config, p, xq, xk, xv, allowed, bias_r4, keep, d_out, *, magnitude
     grads["query"] = project_back("query", xq, d_q)
     grads["key"] = project_back("key", xk, d_k)
     grads["value"] = project_back("value", xv, d_v)
-    yield grads
+    return out, kept, grads
 
 
 def _fold(config, grads, key_given, value_given, dtype):
@@ -145,24 +246,33 @@ def _fold(config, grads, key_given, value_given, dtype):
         ordered["key"] = d_key
     if value_given:
         ordered["value"] = d_value
+    for name in ("past_key", "past_value"):
+        if name in grads:
+            ordered[name] = grads[name]
     ordered.update({name: grads[name] for name in config.tensor_shapes()})
     return {name: g.astype(dtype) for name, g in ordered.items()}
 
 
 def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_output, mask=None, bias=None,
                              is_causal=False, causal_alignment="top_left", training=False, dropout_mask=None,
-                             seed=None, dtype=None, gradient_magnitudes=False):
+                             seed=None, dtype=None, positions=None, key_positions=None, past_key=None,
+                             past_value=None, segment_ids=None, key_segment_ids=None, gradient_magnitudes=False):
     """Returns (output, grads), or (output, grads, magnitudes) with
     gradient_magnitudes=True (see the module docstring)."""
-    options = dict(mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
-                   causal_alignment=causal_alignment, training=training, seed=seed, dtype=dtype)
-    shapes, p, (xq, xk, xv), allowed, bias_r4, keep, dtype, d_out = _prepare(config, tensors, query, key, value, d_output, options)
-    walk = _backward(config, p, xq, xk, xv, allowed, bias_r4, keep, d_out)
-    out, w, wd = next(walk)
-    grads = _fold(config, next(walk), key is not None, value is not None, dtype)
+    call = prepare(config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
+                   is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
+                   return_weights=False, dtype=dtype, positions=positions, key_positions=key_positions,
+                   past_key=past_key, past_value=past_value, segment_ids=segment_ids,
+                   key_segment_ids=key_segment_ids)
+    dtype = call.dtype
+    d_out = np.asarray(d_output).astype(dtype)
+    B, T, O = call.shapes.B, call.shapes.T, config.out_dim
+    if d_out.shape != (B, T, O):
+        raise ValueError(f"d_output must have shape (B, T, O) = {(B, T, O)}: got {d_out.shape}")
+    out, kept, raw = _backward(config, call, d_out, is_causal, causal_alignment)
+    grads = _fold(config, raw, key is not None, value is not None, dtype)
     if not gradient_magnitudes:
         return out.astype(dtype), grads
-    mag_walk = _backward(config, p, xq, xk, xv, allowed, bias_r4, keep, d_out, magnitude=True)
-    next(mag_walk)
-    magnitudes = _fold(config, mag_walk.send((w, wd)), key is not None, value is not None, dtype)
+    _, _, raw_mag = _backward(config, call, d_out, is_causal, causal_alignment, magnitude=True, true_forward=kept)
+    magnitudes = _fold(config, raw_mag, key is not None, value is not None, dtype)
     return out.astype(dtype), grads, magnitudes

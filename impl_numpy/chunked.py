@@ -226,10 +226,17 @@ def _row_parts(rows: int, parts: int):
     return [(rows * i // parts, rows * (i + 1) // parts) for i in range(parts)]
 
 
-def fused_forward(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_alignment, chunk_size):
+def fused_forward(config, call, *, is_causal, causal_alignment, chunk_size, return_cache=False):
     """The plain call's fast path (and chunk_size=): project, the fused core
-    below, output. query (B, T, Dq), key (B, S, Dk), value (B, S, Dv), already
-    cast to the storage dtype; mask, bias, keep rank 4, broadcastable. -> (B, T, O).
+    below, output. call: attention.prepare's validated call (inputs cast to
+    the storage dtype; mask, bias, keep rank 4, broadcastable).
+    -> (output (B, T, O), present_key, present_value) (None, None unless
+    return_cache).
+
+    A call with any modern feature (norm, rope, a cache, segments, softcap,
+    windows, sinks, or return_cache) takes _fused_modern: the stages up to the
+    present keys, then the same core, which skips the key blocks a window
+    hides as it skips causally hidden ones.
 
     Calls of at least THREADED_MIN_FLOPS (float32/float64) run every stage on
     THREADS threads under one BLAS limit of one thread: the projections and
@@ -243,14 +250,37 @@ def fused_forward(config, p, query, key, value, *, mask, bias, keep, is_causal, 
     OPENBLAS_THREAD_TIMEOUT=4, which shortens the spin).
     Rows and heads are independent, so the result is the single-threaded
     one's to round-off."""
+    if config.is_modern or call.modern or return_cache:
+        return _fused_modern(config, call, is_causal=is_causal, causal_alignment=causal_alignment,
+                             chunk_size=chunk_size)
+    p, query, key, value = call.params, call.query, call.key, call.value
     B, T, S = query.shape[0], query.shape[1], key.shape[1]
-    options = dict(mask=mask, bias=bias, keep=keep, is_causal=is_causal, causal_alignment=causal_alignment,
-                   chunk_size=chunk_size)
+    options = dict(mask=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal,
+                   causal_alignment=causal_alignment, chunk_size=chunk_size)
     ct = compute_dtype(query.dtype)
     if THREADS < 2 or ct != query.dtype or matmul_flops(config, B, T, S) < THREADED_MIN_FLOPS:
-        return _fused(config, p, query, key, value, parts=1, **options)
+        return _fused(config, p, query, key, value, parts=1, **options), None, None
     with _threaded_section():
-        return _fused(config, p, query, key, value, parts=THREADS, **options)
+        return _fused(config, p, query, key, value, parts=THREADS, **options), None, None
+
+
+def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size):
+    """fused_forward for a call with modern features: the stages from the
+    projections to the present keys (attention.qkv_heads), the scale folded
+    into q after RoPE, the core (its heads on threads where the call is
+    large), the output. -> (output, present_key, present_value)."""
+    from . import functional as F
+    from .attention import qkv_heads
+
+    q, k, v = qkv_heads(config, call)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+    ct = compute_dtype(call.dtype)
+    q = q.astype(ct) * ct.type(config.effective_scale)
+    ctx = chunked_attention_core(config, q, k, v, mask=call.mask4, bias=call.bias4, keep=call.keep,
+                                 is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
+                                 sinks=call.params.get("sinks"), segment_ids=call.segment_ids,
+                                 key_segment_ids=call.key_segment_ids)  # (B, N, T, V)
+    p = call.params
+    return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), k, v
 
 
 def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, parts,
@@ -320,7 +350,7 @@ def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_
 
 
 def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, out=None,
-                           threaded=True):
+                           threaded=True, sinks=None, segment_ids=None, key_segment_ids=None):
     """q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> context (B, N, T, V).
 
     q comes already multiplied by the scale, in the compute dtype (the caller
@@ -333,13 +363,17 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
     threads, BLAS held to one thread meanwhile: NumPy's elementwise passes
     (exp above all) run on one core, so one thread leaves the other core idle
     for everything but the matmuls. Heads are independent, so the result is
-    the single-threaded one's to round-off. threaded=False: this thread only."""
+    the single-threaded one's to round-off. threaded=False: this thread only.
+
+    The config's softcap, window and sinks apply here; sinks (N,) and the
+    segment ids ((T,) or (B, T), and (S,) or (B, S)) are arguments."""
     B, N, T, H = q.shape
     S, V = k.shape[2], v.shape[3]
     context = np.empty((B, T, N, V), dtype=k.dtype) if out is None else out  # merge_heads' layout
     parts = THREADS if threaded and B * N * T * S >= THREADED_MIN_SCORES else 1
     tasks = _core_tasks(config, q, k, v, mask=mask, bias=bias, keep=keep, is_causal=is_causal,
-                        causal_alignment=causal_alignment, chunk_size=chunk_size, context=context, parts=parts)
+                        causal_alignment=causal_alignment, chunk_size=chunk_size, context=context, parts=parts,
+                        sinks=sinks, segment_ids=segment_ids, key_segment_ids=key_segment_ids)
     if len(tasks) == 1:
         tasks[0]()
     else:
@@ -348,7 +382,8 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
     return context.transpose(0, 2, 1, 3)  # (B, N, T, V)
 
 
-def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, context, parts):
+def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, context, parts,
+                sinks=None, segment_ids=None, key_segment_ids=None):
     """The core as up to `parts` independent callables over kv heads (each
     with its G query heads), or over the batch when there are fewer kv heads
     than parts; each writes its own part of context (B, T, N, V)."""
@@ -356,17 +391,23 @@ def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignmen
     B, N = q.shape[:2]
     K = k.shape[1]
     G = N // K
+    # Sinks need the running max (a sink logit is not bounded by |q| |k|).
     options = dict(is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
-                   bounded=SKIP_MAX_WHEN_BOUNDED and logits_bounded(q, k, v, bias))
+                   bounded=SKIP_MAX_WHEN_BOUNDED and sinks is None and logits_bounded(q, k, v, bias))
+    q_ids = None if segment_ids is None else np.asarray(segment_ids).reshape(-1, q.shape[2])  # (B|1, T)
+    k_ids = None if segment_ids is None else np.asarray(key_segment_ids).reshape(-1, k.shape[2])  # (B|1, S)
 
     def heads(k0, k1):  # kv heads k0..k1 and their query heads, written into context's own columns
         n0, n1 = k0 * G, k1 * G
         _core(config, q[:, n0:n1], k[:, k0:k1], v[:, k0:k1], mask=_heads(mask, N, n0, n1),
-              bias=_heads(bias, N, n0, n1), keep=_heads(keep, N, n0, n1), context=context[:, :, n0:n1], **options)
+              bias=_heads(bias, N, n0, n1), keep=_heads(keep, N, n0, n1), context=context[:, :, n0:n1],
+              sinks=None if sinks is None else sinks[n0:n1], q_ids=q_ids, k_ids=k_ids, **options)
 
     def batches(b0, b1):
         _core(config, q[b0:b1], k[b0:b1], v[b0:b1], mask=_batch(mask, b0, b1), bias=_batch(bias, b0, b1),
-              keep=_batch(keep, b0, b1), context=context[b0:b1], **options)
+              keep=_batch(keep, b0, b1), context=context[b0:b1], sinks=sinks,
+              q_ids=None if q_ids is None else _ids(q_ids, b0, b1),
+              k_ids=None if k_ids is None else _ids(k_ids, b0, b1), **options)
 
     if parts > 1 and K >= parts:
         return [lambda a=a, b=b: heads(a, b) for a, b in _row_parts(K, parts)]
@@ -385,16 +426,27 @@ def _batch(array, b0, b1):
     return array if array is None or array.shape[0] == 1 else array[b0:b1]
 
 
-def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, bounded, context):
+def _ids(ids, b0, b1):
+    """Segment ids (B|1, L): batch rows b0..b1 (all of a broadcast row)."""
+    return ids if ids.shape[0] == 1 else ids[b0:b1]
+
+
+def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, bounded, context,
+          sinks=None, q_ids=None, k_ids=None):
     """The online softmax over key blocks for all of q's heads, into context (B, T, N, V).
-    bounded (logits_bounded): every block's exp is taken against 0, not the running max."""
+    bounded (logits_bounded): every block's exp is taken against 0, not the running max.
+    sinks (N,): the running max and sum start at the sink (exp(sink - sink) = 1), the numerator at 0.
+    q_ids (B|1, T), k_ids (B|1, S): segment ids, compared block by block (no (T, S) array)."""
     B, N, T, H = q.shape
     K, S, V = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
     dtype = k.dtype
     ct = compute_dtype(dtype)
     rounds = ct != dtype  # 16-bit: stage results are rounded to the storage dtype
-    offset = 0 if causal_alignment == "top_left" else S - T  # key j visible to query i iff j <= i + offset
+    offset = 0 if causal_alignment == "top_left" else S - T  # query i's aligned position is i + offset
+    left, right = config.window_left, config.window_right  # key j visible iff i+offset-left <= j <= i+offset+right
+    cap = None if config.logit_softcap is None else ct.type(config.logit_softcap)
+    sink = None if sinks is None else sinks.astype(ct).reshape(1, N, 1, 1)
     rate = ct.type(1.0 - config.dropout)
     kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
     rows = min(chunk_size, QUERY_ROWS, T)
@@ -405,12 +457,21 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             t = t1 - t0
-            # Causal: the keys after this block's last diagonal are hidden from every row in it.
+            # Causal: the keys after this block's last diagonal are hidden from every row in it; a window
+            # hides the keys past its right edge, and those before its left edge, from the whole block.
             s_stop = min(S, max(0, t1 + offset)) if is_causal else S
+            if right >= 0:
+                s_stop = min(s_stop, max(0, t1 - 1 + offset + right + 1))
+            s_start = min(s_stop, max(0, t0 + offset - left)) if left >= 0 else 0
+            s_start -= s_start % chunk_size  # blocks stay aligned to chunk_size (the same blocks as without it)
             qb = q[:, :, t0:t1].reshape(B, K, G * t, H)  # (B, K, G*t, H); a copy only when G > 1
             acc = numerator[: B * N * t * V].reshape(B, K, G * t, V)  # running numerator
             m = l = None  # running max and sum, (B, N, t, 1); None before the first key block
-            for s0 in range(0, s_stop, chunk_size):
+            if sink is not None:  # the sink joins every row first: max = sink, sum = 1, numerator 0
+                m = np.broadcast_to(sink, (B, N, t, 1)).copy()
+                l = np.ones((B, N, t, 1), dtype=ct)
+                acc[...] = 0
+            for s0 in range(s_start, s_stop, chunk_size):
                 s1 = min(s_stop, s0 + chunk_size)
                 s = s1 - s0
                 # The stages of functional.py on one block (same rounding rule), in place in `scores`.
@@ -419,6 +480,12 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                 x = x.reshape(B, N, t, s)
                 if rounds:
                     x[...] = x.astype(dtype)
+                if cap is not None:  # functional.softcap, before mask and bias
+                    x /= cap
+                    np.tanh(x, out=x)
+                    x *= cap
+                    if rounds:
+                        x[...] = x.astype(dtype)
                 if bias is not None:
                     x += _block(bias, (T, S), t0, t1, s0, s1)
                     if rounds:
@@ -431,6 +498,18 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                 if is_causal and s1 - 1 > t0 + offset:  # the block crosses the diagonal
                     after = np.arange(s0, s1)[None, :] > np.arange(t0, t1)[:, None] + offset  # (t, s)
                     hidden = after if hidden is None else hidden | after
+                if (left >= 0 and s0 < t1 - 1 + offset - left) or (right >= 0 and s1 - 1 > t0 + offset + right):
+                    aligned = np.arange(t0, t1)[:, None] + offset  # (t, 1): the window crosses this block
+                    j = np.arange(s0, s1)[None, :]
+                    outside = np.zeros((t, s), dtype=bool)
+                    if left >= 0:
+                        outside |= j < aligned - left
+                    if right >= 0:
+                        outside |= j > aligned + right
+                    hidden = outside if hidden is None else hidden | outside
+                if q_ids is not None:  # packed sequences: only keys of the query's own segment
+                    other = (q_ids[:, t0:t1, None] != k_ids[:, None, s0:s1])[:, None]  # (B|1, 1, t, s)
+                    hidden = other if hidden is None else hidden | other
                 if hidden is not None:
                     np.copyto(x, ct.type(-np.inf), where=hidden)
                 if not bounded:  # online softmax: exp against the running max, earlier blocks rescaled when it grows
@@ -446,7 +525,7 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                     e /= rate
                     np.copyto(e, ct.type(0), where=~_block(keep, (T, S), t0, t1, s0, s1))
                 e = e.reshape(B, K, G * t, s)
-                if l is None:  # the first key block
+                if l is None:  # the first key block (without sinks)
                     np.matmul(e, vc[:, :, s0:s1], out=acc)
                     l = row_sum
                 else:
@@ -465,7 +544,7 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
             if l is None:  # every key is hidden from every row of this block
                 l = np.zeros((B, N, t, 1), dtype=ct)
                 acc[...] = 0
-            empty = l == 0  # (B, N, t, 1): rows with no allowed key
+            empty = l == 0  # (B, N, t, 1): rows with no allowed key (never with sinks: the sink's 1 stays)
             any_empty = empty.any()
             if any_empty:
                 l[empty] = 1

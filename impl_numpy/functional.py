@@ -10,8 +10,13 @@ Shape letters (used in every comment and einsum string of the project):
   H head dim (q, k)   V value head dim      D input features    O output features
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
-Stages: project -> split_heads -> logits (scale) -> mask (and bias) ->
-softmax -> dropout -> attend -> merge_heads -> output.
+Stages (the bracketed ones where the config turns them on):
+project -> [norm] -> split_heads -> [rope] -> [cache appended] -> logits
+(scale) -> [softcap] -> mask (bias, causal, window, segments) -> softmax
+[+ sinks] -> dropout -> attend -> merge_heads -> output.
+
+The call that runs them (and chooses the fast paths) is attention.py; this
+file holds the stages alone.
 
 Precision rule: each stage's result is stored in the storage dtype; its
 arithmetic (matmul accumulation, exp and sums) runs in `compute_dtype`,
@@ -25,14 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
-from weights.contract import check_bias_values, check_call, check_chunk_size, check_input_values
-from weights.dtypes import is_float
+from weights import compute_dtype
 
-from .masks import causal_mask
-
-# The fused fast path's chunk_size: key blocks of 512 (query blocks of chunked.QUERY_ROWS).
-FUSED_BLOCK = 512
+from .masks import causal_mask, segment_mask, window_mask
 
 # The contractions, written once; the mirrors use the same strings.
 PROJECT = "BLD,DF->BLF"
@@ -89,11 +89,59 @@ def project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None, out: np.
     return _product_plus_bias(y, None if bias is None else bias.reshape(-1), x.dtype)
 
 
+def norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, kind: str, eps: float, heads: int,
+         scope: str) -> np.ndarray:
+    """QK-norm of a projection x (B, L, F = heads*H), in compute dtype.
+    scope "head": each head's H features normalised on their own, scale/bias (H,)
+    shared by the heads (Qwen3, Gemma 3); "all": the whole F at once, scale/bias
+    (heads, H) (OLMo 2). The stage runs before split_heads in both scopes (on
+    the flat projection; "head" views it as (B, L, heads, H) inside), so its
+    trace has one layout. kind "rms": x / sqrt(mean(x^2) + eps) * scale;
+    "layer": (x - mean) / sqrt(var + eps) * scale + bias (eps inside the root)."""
+    B, L, F = x.shape
+    ct = compute_dtype(x.dtype)
+    width = F // heads if scope == "head" else F
+    y = x.astype(ct).reshape(B, L, F // width, width)  # (B, L, heads|1, H|F)
+    if kind == "layer":
+        y = y - y.mean(axis=-1, keepdims=True)
+    y = y / np.sqrt((y * y).mean(axis=-1, keepdims=True) + ct.type(eps))
+    y = y * scale.astype(ct).reshape(-1)  # (H,) on every head, or (heads, H) flat as (F,)
+    if bias is not None:
+        y = y + bias.astype(ct).reshape(-1)
+    return y.reshape(B, L, F).astype(x.dtype)  # (B, L, F)
+
+
 def split_heads(x: np.ndarray, num_heads: int) -> np.ndarray:
     """(B, L, heads*width) -> (B, heads, L, width), as seed 003's split_heads."""
     B, L, F = x.shape
     x = x.reshape(B, L, num_heads, F // num_heads)  # (B, L, heads, width)
     return x.transpose(0, 2, 1, 3)  # (B, heads, L, width)
+
+
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """position x frequency in compute dtype: positions (B|1, L) int, inv_freq
+    (R/2,) float64 (weights.rope) -> (B|1, 1, L, R/2)."""
+    ct = compute_dtype(dtype)
+    return positions.astype(ct)[:, None, :, None] * inv_freq.astype(ct)  # (B|1, 1, L, R/2)
+
+
+def rope(x: np.ndarray, angles: np.ndarray, rotary_dim: int, interleaved: bool, attention_factor: float) -> np.ndarray:
+    """Rotate each pair of x's first rotary_dim features by its angle; x (B,
+    heads, L, H), angles (B|1, 1, L, R/2). Half-split (interleaved False)
+    pairs feature i with i + R/2 (GPT-NeoX, Hugging Face's rotate_half);
+    interleaved pairs 2i with 2i+1 (GPT-J, Meta's Llama). (x1, x2) ->
+    (x1 cos - x2 sin, x2 cos + x1 sin), cos and sin times attention_factor
+    (YaRN; 1 otherwise); features past rotary_dim pass through."""
+    ct = compute_dtype(x.dtype)
+    R = rotary_dim
+    cos = np.cos(angles) * ct.type(attention_factor)  # (B|1, 1, L, R/2)
+    sin = np.sin(angles) * ct.type(attention_factor)
+    xr = x[..., :R].astype(ct)
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., : R // 2], xr[..., R // 2:])
+    y1 = x1 * cos - x2 * sin  # (B, heads, L, R/2)
+    y2 = x2 * cos + x1 * sin
+    turned = np.stack([y1, y2], axis=-1).reshape(xr.shape) if interleaved else np.concatenate([y1, y2], axis=-1)
+    return np.concatenate([turned.astype(x.dtype), x[..., R:]], axis=-1)  # (B, heads, L, H)
 
 
 def logits(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
@@ -106,6 +154,14 @@ def logits(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
     scores = np.matmul(qg.astype(ct, copy=False), k.astype(ct, copy=False).swapaxes(-1, -2))  # (B, K, G*T, S)
     scores *= ct.type(scale)
     return scores.reshape(B, N, T, S).astype(q.dtype, copy=False)  # (B, N, T, S)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(logits / cap), after the scale and before mask and bias, so a
+    masked position stays -inf (Gemma 2's attn_logit_softcapping, ONNX's softcap)."""
+    ct = compute_dtype(x.dtype)
+    c = ct.type(cap)
+    return (np.tanh(x.astype(ct) / c) * c).astype(x.dtype)
 
 
 def mask(x: np.ndarray, allowed: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
@@ -122,16 +178,25 @@ def mask(x: np.ndarray, allowed: np.ndarray | None, bias: np.ndarray | None) -> 
     return x
 
 
-def softmax(x: np.ndarray, masked_row: str) -> np.ndarray:
+def softmax(x: np.ndarray, masked_row: str, sinks: np.ndarray | None = None) -> np.ndarray:
     """Softmax over S in compute dtype. A row with no finite logit (every key
-    masked) becomes: "zero" all 0, "uniform" all 1/S, "nan" all NaN."""
+    masked) becomes: "zero" all 0, "uniform" all 1/S, "nan" all NaN.
+    sinks (N,): one logit per head that joins every row's denominator and
+    attends to nothing (gpt-oss): the row's max includes it and the weights
+    over S sum to less than 1; a fully masked row puts all its mass on the
+    sink (weights 0, whatever masked_row says)."""
     ct = compute_dtype(x.dtype)
     row_max = x.max(axis=-1, keepdims=True).astype(ct)  # (B, N, T, 1); exact in any dtype
+    sink = None if sinks is None else sinks.astype(ct).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+    if sink is not None:
+        row_max = np.maximum(row_max, sink)
     empty = row_max == -np.inf
     row_max[empty] = 0
     w = np.subtract(x, row_max, dtype=ct)  # a fresh array (x may be a traced stage), then worked on in place
     np.exp(w, out=w)  # masked -> exactly 0
     total = w.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - row_max)
     total[empty] = 1
     w /= total
     if empty.any():
@@ -169,6 +234,10 @@ def output(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None, out: np.n
     return _product_plus_bias(y, bias, x.dtype)
 
 
+# `mask` is both a stage and an argument name; callers use this alias.
+mask_stage = mask
+
+
 # -- helpers shared by the whole call ---------------------------------------------
 
 def dropout_keep_mask(shape: tuple[int, ...], rate: float, seed: int) -> np.ndarray:
@@ -177,126 +246,46 @@ def dropout_keep_mask(shape: tuple[int, ...], rate: float, seed: int) -> np.ndar
     return np.random.default_rng(seed).random(shape) >= rate
 
 
-def allowed_mask(mask4: np.ndarray | None, T: int, S: int, is_causal: bool, causal_alignment: str) -> np.ndarray | None:
-    """mask AND causal, rank 4, broadcastable to (B, N, T, S); None if neither."""
+def allowed_mask(mask4: np.ndarray | None, T: int, S: int, is_causal: bool, causal_alignment: str, *,
+                 window_left: int = -1, window_right: int = -1, segment_ids=None, key_segment_ids=None
+                 ) -> np.ndarray | None:
+    """mask AND causal AND window AND segments, rank 4, broadcastable to (B, N,
+    T, S) (S: every key, the cache's included); None if none applies."""
     allowed = mask4
+
+    def both(extra):
+        return extra if allowed is None else allowed & extra
+
     if is_causal:
-        causal = causal_mask(T, S, causal_alignment)[None, None]  # (1, 1, T, S)
-        allowed = causal if allowed is None else allowed & causal
+        allowed = both(causal_mask(T, S, causal_alignment)[None, None])  # (1, 1, T, S)
+    if window_left >= 0 or window_right >= 0:
+        allowed = both(window_mask(T, S, window_left, window_right, causal_alignment)[None, None])  # (1, 1, T, S)
+    if segment_ids is not None:
+        allowed = both(segment_mask(segment_ids, key_segment_ids))  # (B|1, 1, T, S)
     return allowed
 
 
-def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, return_weights, dtype, materializes_scores=True):
-    """Validate a call and cast everything to the storage dtype."""
-    stored = validate_tensors(config, tensors)
-    dtype = stored if dtype is None else dtype_from_name(dtype)
-    query = np.asarray(query)
-    key = query if key is None else np.asarray(key)
-    value = key if value is None else np.asarray(value)
-    mask_np = None if mask is None else np.asarray(mask)
-    bias_np = None if bias is None else np.asarray(bias)
-    keep_np = None if dropout_mask is None else np.asarray(dropout_mask)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not is_float(x.dtype):
-            raise ValueError(f"{name} must be a float array: got dtype {x.dtype}")
-    shapes = check_call(
-        config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape,
-        mask_shape=None if mask_np is None else mask_np.shape,
-        mask_dtype=None if mask_np is None else mask_np.dtype.name,
-        bias_shape=None if bias_np is None else bias_np.shape,
-        bias_dtype=None if bias_np is None else bias_np.dtype.name,
-        dropout_mask_shape=None if keep_np is None else keep_np.shape,
-        dropout_mask_dtype=None if keep_np is None else keep_np.dtype.name,
-        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, materializes_scores=materializes_scores,
-        scores_itemsize=compute_dtype(dtype).itemsize,
-    )
-    check_input_values(query=query, key=None if key is query else key, value=None if value is key else value)
-    if bias_np is not None:
-        check_bias_values(bias_np)
-        bias_np = bias_np.astype(compute_dtype(dtype)).reshape(shapes.bias_shape)
-    params = {name: t.astype(dtype, copy=False) for name, t in tensors.items()}
-    if training and keep_np is None and config.dropout > 0:
-        keep_np = dropout_keep_mask((shapes.B, config.num_heads, shapes.T, shapes.S), config.dropout, seed)
-    if not training:
-        keep_np = None
-    mask4 = None if mask_np is None else mask_np.reshape(shapes.mask_shape)
-    cast = [x.astype(dtype, copy=False) for x in (query, key, value)]
-    return shapes, params, cast, mask4, bias_np, keep_np, dtype
+def default_positions(positions, P: int, L: int) -> np.ndarray:
+    """(B|1, L) int64: the given positions ((L,) or (B, L)), or P + arange(L)
+    (the cache's length P offsets new tokens)."""
+    if positions is None:
+        return (P + np.arange(L, dtype=np.int64))[None]  # (1, L)
+    positions = np.asarray(positions).astype(np.int64)
+    return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
-
-def multi_head_attention(
-    config: AttentionConfig,
-    tensors: dict[str, np.ndarray],
-    query: np.ndarray,
-    key: np.ndarray | None = None,
-    value: np.ndarray | None = None,
-    *,
-    mask: np.ndarray | None = None,
-    bias: np.ndarray | None = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    training: bool = False,
-    dropout_mask: np.ndarray | None = None,
-    seed: int | None = None,
-    return_weights: bool = False,
-    dtype: str | None = None,
-    chunk_size: int | None = None,
-    trace: list | None = None,
-):
-    """The forward pass. Returns output (B, T, O), or (output, weights) with
-    weights (B, N, T, S) after softmax and before dropout when return_weights.
-
-    dtype: compute in this storage dtype (default: the tensors' dtype).
-    chunk_size: exact online-softmax over key blocks of this size; never
-    holds a (T, S) array (see chunked.py). Not with return_weights or trace.
-
-    Fast path: when nothing between the projections is asked for (no trace,
-    no weights) and the storage dtype computes in itself (float32, float64),
-    logits ... attend run fused, block by block, in chunked.py's core (key
-    blocks of FUSED_BLOCK, hidden causal blocks skipped): the same results to
-    round-off (but see chunked.py on NaN in a hidden key). The stage functions
-    above are the spec; the trace, the weights and 16-bit storage (whose
-    every stage result is rounded) take them.
-    """
-    shapes, p, (query, key, value), mask4, bias_r4, keep, dtype = prepare(
-        config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
-        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
-    )
-    chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
-    ct = compute_dtype(dtype)
-    if chunk_size is not None or (trace is None and not return_weights and ct == dtype):
-        from .chunked import fused_forward
-
-        return fused_forward(config, p, query, key, value, mask=mask4, bias=bias_r4, keep=keep, is_causal=is_causal,
-                             causal_alignment=causal_alignment,
-                             chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size)  # (B, T, O)
-
-    allowed = allowed_mask(mask4, shapes.T, shapes.S, is_causal, causal_alignment)
-    rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
-    q = rec("query.project", project(query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
-    k = rec("key.project", project(key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
-    v = rec("value.project", project(value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
-    q = rec("query.split_heads", split_heads(q, config.num_heads))  # (B, N, T, H)
-    k = rec("key.split_heads", split_heads(k, config.num_kv_heads))  # (B, K, S, H)
-    v = rec("value.split_heads", split_heads(v, config.num_kv_heads))  # (B, K, S, V)
-    x = rec("logits", logits(q, k, config.effective_scale))  # (B, N, T, S)
-    x = rec("mask", mask_stage(x, allowed, bias_r4))
-    w = rec("softmax", softmax(x, config.masked_row))  # (B, N, T, S)
-    wd = rec("dropout", dropout(w, keep, config.dropout))
-    ctx = rec("attend", attend(wd, v))  # (B, N, T, V)
-    ctx = rec("merge_heads", merge_heads(ctx))  # (B, T, N*V)
-    out = rec("output", output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
-    return (out, w) if return_weights else out
-
-
-# `mask` is both a stage and an argument name; the call uses this alias.
-mask_stage = mask
 
 STAGES = (
-    "query.project", "key.project", "value.project",
-    "query.split_heads", "key.split_heads", "value.split_heads",
-    "logits", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
+    "query.project", "key.project", "value.project", "query.norm", "key.norm",
+    "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
+    "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
 )
+"""Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""
+
+
+def __getattr__(name):
+    # Transitional: the call moved to attention.py; importers of the old names are being updated.
+    if name in ("multi_head_attention", "FUSED_BLOCK", "prepare"):
+        from . import attention
+
+        return getattr(attention, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ import numpy as np
 import weights
 from weights import AttentionConfig
 
-from .functional import multi_head_attention
+from .attention import multi_head_attention
 
 
 class MultiHeadAttention:

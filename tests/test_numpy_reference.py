@@ -206,10 +206,14 @@ def test_low_precision_rule_softmax_in_float32(dtype):
 def test_trace_names_every_stage_in_order():
     from impl_numpy import STAGES
 
-    config = AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
-    trace = []
-    multi_head_attention(config, weights.init(config, seed=0), np.zeros((1, 2, 4), np.float32), trace=trace)
-    assert tuple(e.stage for e in trace) == STAGES
+    optional = {"query.norm", "key.norm", "query.rope", "key.rope", "softcap"}
+    plain = AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
+    every = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, rope={}, qk_norm={"type": "rms"},
+                            logit_softcap=5.0, use_sinks=True, window_left=1)
+    for config, expected in ((plain, tuple(s for s in STAGES if s not in optional)), (every, STAGES)):
+        trace = []
+        multi_head_attention(config, weights.init(config, seed=0), np.ones((1, 2, 4), np.float32), trace=trace)
+        assert tuple(e.stage for e in trace) == expected, (config, [e.stage for e in trace])
 
 
 def test_seeded_dropout_is_reproducible_and_rescales():

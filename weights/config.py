@@ -2,6 +2,13 @@
 
 Shape letters (see impl_numpy for the full list): N query heads, K key/value
 heads, H head dim, V value head dim, O output features.
+
+The modern fields (rope, logit_softcap, window_left, window_right, qk_norm,
+use_sinks) default to the behaviour of a plain layer. A config file holds
+them only where they differ from that default (`to_json`), so a file of a
+plain layer reads the same as before they existed, and a reader that
+predates them refuses a file that uses one (as an unknown field) instead of
+silently computing without it. `to_dict` gives every field.
 """
 
 from __future__ import annotations
@@ -12,6 +19,9 @@ import math
 from typing import Any
 
 MASKED_ROW_POLICIES = ("zero", "uniform", "nan")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+QK_NORM_TYPES = ("rms", "layer")
+QK_NORM_SCOPES = ("head", "all")
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -23,6 +33,170 @@ def _check_positive_int(name: str, value: Any) -> None:
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false: got {value!r}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _finite_number(name: str, value: Any, *, positive: bool = False) -> float:
+    """value as a float; ValueError naming `name` unless it is a finite number (> 0 when positive)."""
+    bad = isinstance(value, bool) or not isinstance(value, (int, float))
+    try:
+        bad = bad or not math.isfinite(float(value))
+    except OverflowError:  # an int beyond float range
+        bad = True
+    if bad or (positive and float(value) <= 0):
+        kind = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{name} must be {kind}: got {_shown(value)}")
+    return float(value)
+
+
+def _object(name: str, value: Any, allowed: tuple[str, ...]) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object or null: got {_shown(value)}")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name} has unknown fields: {', '.join(map(repr, unknown))}; accepted: {', '.join(allowed)}")
+    return value
+
+
+# The keys each rope scaling type reads (names as in the models' config.json rope_scaling); None = required.
+_SCALING_KEYS: dict[str, dict[str, Any]] = {
+    "linear": {"factor": None},
+    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None,
+               "original_max_position_embeddings": None},
+    # YaRN: beta_fast / beta_slow 32 / 1 and truncate true are the paper's and transformers' defaults;
+    # attention_factor, when absent, follows from factor (and mscale / mscale_all_dim when both are given).
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0, "beta_slow": 1.0,
+             "attention_factor": None, "mscale": None, "mscale_all_dim": None, "truncate": True},
+}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-factor rule (Peng et al. 2023, as transformers' _compute_yarn_parameters): 0.1 m ln(s) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Frequency rescaling for long contexts. Only the fields of `type` are set (the others None)."""
+
+    type: str  # "linear" | "llama3" | "yarn"
+    factor: float  # linear: positions / factor; llama3: low frequencies / factor; yarn: interpolated ones / factor
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn: the pre-training context length
+    beta_fast: float | None = None  # yarn: rotations at which the ramp starts (32)
+    beta_slow: float | None = None  # yarn: rotations at which it ends (1)
+    attention_factor: float | None = None  # yarn: multiplies cos and sin (resolved: never None for yarn)
+    truncate: bool | None = None  # yarn: round the ramp's ends to whole dimensions (true)
+
+    @classmethod
+    def from_value(cls, value: Any) -> RopeScaling | None:
+        if value is None or isinstance(value, RopeScaling):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"rope.scaling must be an object or null: got {_shown(value)}")
+        kind = value.get("type")
+        if kind not in _SCALING_KEYS:
+            raise ValueError(f"rope.scaling.type must be one of {', '.join(ROPE_SCALING_TYPES)}: got {_shown(kind)}")
+        keys = _SCALING_KEYS[kind]
+        data = _object(f"rope.scaling ({kind})", value, ("type", *keys))
+        missing = [key for key, default in keys.items() if default is None and key not in data
+                   and key not in ("attention_factor", "mscale", "mscale_all_dim")]
+        if missing:
+            raise ValueError(f"rope.scaling ({kind}) is missing {', '.join(missing)}")
+        fields = {key: data.get(key, default) for key, default in keys.items()}
+        resolved: dict[str, Any] = {"type": kind, "factor": _finite_number("rope.scaling.factor", fields["factor"],
+                                                                           positive=True)}
+        if "original_max_position_embeddings" in keys:
+            _check_positive_int("rope.scaling.original_max_position_embeddings",
+                                fields["original_max_position_embeddings"])
+            resolved["original_max_position_embeddings"] = fields["original_max_position_embeddings"]
+        if kind == "llama3":
+            low = _finite_number("rope.scaling.low_freq_factor", fields["low_freq_factor"], positive=True)
+            high = _finite_number("rope.scaling.high_freq_factor", fields["high_freq_factor"], positive=True)
+            if high <= low:
+                raise ValueError(f"rope.scaling.high_freq_factor must exceed low_freq_factor: got {high} <= {low}")
+            resolved.update(low_freq_factor=low, high_freq_factor=high)
+        if kind == "yarn":
+            resolved["beta_fast"] = _finite_number("rope.scaling.beta_fast", fields["beta_fast"], positive=True)
+            resolved["beta_slow"] = _finite_number("rope.scaling.beta_slow", fields["beta_slow"], positive=True)
+            _check_bool("rope.scaling.truncate", fields["truncate"])
+            resolved["truncate"] = fields["truncate"]
+            factor = resolved["factor"]
+            if fields["attention_factor"] is not None:
+                attention = _finite_number("rope.scaling.attention_factor", fields["attention_factor"], positive=True)
+            elif fields["mscale"] is not None and fields["mscale_all_dim"] is not None:
+                m = _finite_number("rope.scaling.mscale", fields["mscale"])
+                m_all = _finite_number("rope.scaling.mscale_all_dim", fields["mscale_all_dim"])
+                attention = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor)
+            else:
+                attention = _yarn_mscale(factor)
+            resolved["attention_factor"] = float(attention)
+        return cls(**resolved)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the keys of this type (the resolved form: yarn's attention_factor included)."""
+        return {"type": self.type, **{key: getattr(self, key) for key in _SCALING_KEYS[self.type]
+                                      if key not in ("mscale", "mscale_all_dim")}}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rope:
+    """Rotary position embedding of q and k (never v)."""
+
+    theta: float = 10000.0  # base of the frequencies theta^(-2i/rotary_dim)
+    rotary_dim: int | None = None  # features rotated per head, from the first; None means H (resolved by the config)
+    interleaved: bool = False  # False: i pairs with i + rotary_dim/2 (half-split); True: 2i with 2i+1
+    scaling: RopeScaling | None = None
+
+    @classmethod
+    def from_value(cls, value: Any) -> Rope | None:
+        if value is None or isinstance(value, Rope):
+            return value
+        data = _object("rope", value, ("theta", "rotary_dim", "interleaved", "scaling"))
+        theta = _finite_number("rope.theta", data.get("theta", 10000.0), positive=True)
+        interleaved = data.get("interleaved", False)
+        _check_bool("rope.interleaved", interleaved)
+        return cls(theta=theta, rotary_dim=data.get("rotary_dim"), interleaved=interleaved,
+                   scaling=RopeScaling.from_value(data.get("scaling")))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"theta": self.theta, "rotary_dim": self.rotary_dim, "interleaved": self.interleaved,
+                "scaling": None if self.scaling is None else self.scaling.to_dict()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QKNorm:
+    """Normalisation of q and k after projection, before RoPE."""
+
+    type: str  # "rms" (x / sqrt(mean x^2 + eps) * scale) | "layer" ((x - mean) / sqrt(var + eps) * scale + bias)
+    eps: float = 1e-6  # inside the square root
+    scope: str = "head"  # "head": over H of each head (Qwen3, Gemma 3); "all": over the whole N*H or K*H (OLMo 2)
+
+    @classmethod
+    def from_value(cls, value: Any) -> QKNorm | None:
+        if value is None or isinstance(value, QKNorm):
+            return value
+        data = _object("qk_norm", value, ("type", "eps", "scope"))
+        if data.get("type") not in QK_NORM_TYPES:
+            raise ValueError(f"qk_norm.type must be one of {', '.join(QK_NORM_TYPES)}: got {_shown(data.get('type'))}")
+        if data.get("scope", "head") not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm.scope must be one of {', '.join(QK_NORM_SCOPES)}: "
+                             f"got {_shown(data.get('scope'))}")
+        eps = _finite_number("qk_norm.eps", data.get("eps", 1e-6), positive=True)
+        return cls(type=data["type"], eps=eps, scope=data.get("scope", "head"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "eps": self.eps, "scope": self.scope}
+
+
+# The modern fields and their defaults: `to_json` leaves a field out while it holds its default.
+MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1,
+                                   "qk_norm": None, "use_sinks": False}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +219,12 @@ class AttentionConfig:
     scale: float | None = None  # multiplies q.k; None means 1/sqrt(head_dim)
     dropout: float = 0.0  # probability of dropping an attention weight in training
     masked_row: str = "zero"  # a query row with no allowed key: "zero" | "uniform" | "nan"
+    rope: Rope | None = None  # rotary position embedding of q and k (a dict converts); None: no positions
+    logit_softcap: float | None = None  # c: logits <- c * tanh(logits / c), after the scale, before mask and bias
+    window_left: int = -1  # key j visible to query i only if j >= p_i - window_left; -1: unbounded
+    window_right: int = -1  # ... and only if j <= p_i + window_right; -1: unbounded (p_i: i aligned as causal is)
+    qk_norm: QKNorm | None = None  # normalise q and k after projection (a dict converts)
+    use_sinks: bool = False  # a learned logit per query head joins every softmax (tensor `sinks`, (N,))
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -74,8 +254,7 @@ class AttentionConfig:
             except OverflowError:  # an int beyond float range
                 bad = True
             if bad:
-                shown = repr(self.scale) if len(repr(self.scale)) <= 40 else repr(self.scale)[:37] + "..."
-                raise ValueError(f"scale must be a finite number or null: got {shown}")
+                raise ValueError(f"scale must be a finite number or null: got {_shown(self.scale)}")
             object.__setattr__(self, "scale", float(self.scale))
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be a number in [0, 1): got {self.dropout!r}")
@@ -84,6 +263,30 @@ class AttentionConfig:
             raise ValueError(
                 f"masked_row must be one of {', '.join(MASKED_ROW_POLICIES)}: got {self.masked_row!r}"
             )
+        self._resolve_modern()
+
+    def _resolve_modern(self) -> None:
+        rope = Rope.from_value(self.rope)
+        if rope is not None:
+            rotary_dim = self.head_dim if rope.rotary_dim is None else rope.rotary_dim
+            if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2:
+                raise ValueError(f"rope.rotary_dim must be an even integer >= 2 or null: got {_shown(rotary_dim)}")
+            if rotary_dim % 2:
+                raise ValueError(f"rope.rotary_dim must be even (features rotate in pairs): got {rotary_dim}")
+            if rotary_dim > self.head_dim:
+                raise ValueError(f"rope.rotary_dim must be at most head_dim: got rotary_dim={rotary_dim}, "
+                                 f"head_dim={self.head_dim}")
+            rope = dataclasses.replace(rope, rotary_dim=rotary_dim)
+        object.__setattr__(self, "rope", rope)
+        if self.logit_softcap is not None:
+            object.__setattr__(self, "logit_softcap", _finite_number("logit_softcap", self.logit_softcap,
+                                                                     positive=True))
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise ValueError(f"{name} must be an integer >= -1 (-1: unbounded): got {_shown(value)}")
+        object.__setattr__(self, "qk_norm", QKNorm.from_value(self.qk_norm))
+        _check_bool("use_sinks", self.use_sinks)
 
     # -- derived quantities -------------------------------------------------
     @property
@@ -101,23 +304,50 @@ class AttentionConfig:
         shapes: dict[str, tuple[int, ...]] = {"query.kernel": (self.query_dim, N, H)}
         if self.use_query_bias:
             shapes["query.bias"] = (N, H)
+        shapes.update(self._norm_shapes("query", N))
         shapes["key.kernel"] = (self.key_dim, K, H)
         if self.use_key_bias:
             shapes["key.bias"] = (K, H)
+        shapes.update(self._norm_shapes("key", K))
         shapes["value.kernel"] = (self.value_dim, K, V)
         if self.use_value_bias:
             shapes["value.bias"] = (K, V)
         shapes["output.kernel"] = (N, V, self.out_dim)
         if self.use_output_bias:
             shapes["output.bias"] = (self.out_dim,)
+        if self.use_sinks:
+            shapes["sinks"] = (N,)
         return shapes
+
+    def _norm_shapes(self, prefix: str, heads: int) -> dict[str, tuple[int, ...]]:
+        """query.norm.* / key.norm.*: (H,) shared by every head, or (heads, H) over the whole projection."""
+        if self.qk_norm is None:
+            return {}
+        shape = (self.head_dim,) if self.qk_norm.scope == "head" else (heads, self.head_dim)
+        names = ("scale", "bias") if self.qk_norm.type == "layer" else ("scale",)
+        return {f"{prefix}.norm.{name}": shape for name in names}
+
+    @property
+    def is_modern(self) -> bool:
+        """Uses any field beyond the plain layer's."""
+        return any(getattr(self, name) != default for name, default in MODERN_DEFAULTS.items())
 
     # -- serialisation -------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, plain JSON values (rope, qk_norm as objects or None)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("rope", "qk_norm"):
+            if data[name] is not None:
+                data[name] = data[name].to_dict()
+        return data
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        """The file form: every plain field, and the modern ones that differ from their defaults."""
+        data = self.to_dict()
+        for name, default in MODERN_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
+        return json.dumps(data, sort_keys=True)
 
     def replace(self, **changes: Any) -> AttentionConfig:
         return dataclasses.replace(self, **changes)

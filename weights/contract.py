@@ -22,13 +22,22 @@ MASK_RANKS_HELP = "(T, S), (B, T, S), (B, 1, T, S) or (B, N, T, S)"
 
 @dataclasses.dataclass(frozen=True)
 class CallShapes:
-    """Sizes of one call, and the rank-4 shapes its mask, bias and dropout mask take."""
+    """Sizes of one call, and the rank-4 shapes its mask and bias take.
+
+    S is the length of the new keys and values (the key/value inputs), P the
+    cache's (past_key / past_value; 0 without a cache): masks, bias, causal,
+    windows, segment ids and the weights see S_total = P + S keys."""
 
     B: int
     T: int
     S: int
     mask_shape: tuple[int, int, int, int] | None
     bias_shape: tuple[int, int, int, int] | None
+    P: int = 0
+
+    @property
+    def S_total(self) -> int:
+        return self.P + self.S
 
 
 def _shape(x) -> tuple[int, ...] | None:
@@ -59,6 +68,39 @@ def broadcast_shape(argument: str, shape: Sequence[int], B: int, N: int, T: int,
     return full  # type: ignore[return-value]
 
 
+def _is_integer(dtype_name: str | None) -> bool:
+    return dtype_name is not None and dtype_name.startswith(("int", "uint"))
+
+
+def check_ids(argument: str, shape, dtype_name: str | None, B: int, L: int, letter: str) -> None:
+    """An integer array of shape (L,) or (B, L): positions and segment ids."""
+    shape = _shape(shape)
+    if not _is_integer(dtype_name) or shape not in ((L,), (B, L)):
+        raise ValueError(f"{argument} must be an integer array of shape ({letter},) or (B, {letter}) = ({L},) or "
+                         f"({B}, {L}): got dtype {dtype_name} shape {shape}")
+
+
+def _check_cache(config: AttentionConfig, past_key_shape, past_key_dtype, past_value_shape, past_value_dtype,
+                 B: int) -> int:
+    """past_key (B, K, P, H) and past_value (B, K, P, V), both or neither; returns P."""
+    if (past_key_shape is None) != (past_value_shape is None):
+        given = "past_key" if past_value_shape is None else "past_value"
+        raise ValueError(f"past_key and past_value must be given together: got {given} alone")
+    if past_key_shape is None:
+        return 0
+    K, H, V = config.num_kv_heads, config.head_dim, config.value_head_dim
+    pk, pv = _shape(past_key_shape), _shape(past_value_shape)
+    for name, shape, dtype_name, width, letter in (("past_key", pk, past_key_dtype, H, "H"),
+                                                   ("past_value", pv, past_value_dtype, V, "V")):
+        if dtype_name is None or "float" not in dtype_name:
+            raise ValueError(f"{name} must be a float array: got dtype {dtype_name}")
+        if len(shape) != 4 or shape[0] != B or shape[1] != K or shape[3] != width:
+            raise ValueError(f"{name} must have shape (B, K, P, {letter}) = ({B}, {K}, P, {width}): got {shape}")
+    if pk[2] != pv[2]:
+        raise ValueError(f"past_key and past_value must hold the same number of positions P: got {pk[2]} and {pv[2]}")
+    return pk[2]
+
+
 def check_call(
     config: AttentionConfig,
     *,
@@ -71,19 +113,39 @@ def check_call(
     bias_dtype: str | None = None,
     dropout_mask_shape=None,
     dropout_mask_dtype: str | None = None,
+    positions_shape=None,
+    positions_dtype: str | None = None,
+    key_positions_shape=None,
+    key_positions_dtype: str | None = None,
+    past_key_shape=None,
+    past_key_dtype: str | None = None,
+    past_value_shape=None,
+    past_value_dtype: str | None = None,
+    segment_ids_shape=None,
+    segment_ids_dtype: str | None = None,
+    key_segment_ids_shape=None,
+    key_segment_ids_dtype: str | None = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
     training: bool = False,
     seed: int | None = None,
     return_weights: bool = False,
+    return_cache: bool = False,
     materializes_scores: bool = True,
     scores_itemsize: int = 4,
 ) -> CallShapes:
     """Validate one call; ValueError names the argument and the value received.
 
-    materializes_scores: the call will hold (B, N, T, S) arrays (every path
-    but impl_numpy's chunked one); it is refused up front when they cannot
-    fit in the memory available, instead of ending in an out-of-memory kill."""
+    positions (T,) or (B, T) and key_positions (S,) or (B, S): integer RoPE
+    positions of the queries and the new keys. past_key (B, K, P, H) and
+    past_value (B, K, P, V): the cache (both or neither). segment_ids (T,) or
+    (B, T) and key_segment_ids (S_total,) or (B, S_total): packed sequences;
+    key_segment_ids may be left out only where S_total == T (the keys are the
+    queries' positions). Masks, bias and the dropout mask cover S_total keys.
+
+    materializes_scores: the call will hold (B, N, T, S_total) arrays (every
+    path but the chunked ones); it is refused up front when they cannot fit
+    in the memory available, instead of ending in an out-of-memory kill."""
     q = _shape(query_shape)
     k = q if key_shape is None else _shape(key_shape)
     v = k if value_shape is None else _shape(value_shape)
@@ -106,27 +168,51 @@ def check_call(
         raise ValueError(f"key and value must share the length S: got key shape {k}, value shape {v}")
     B, T, S = q[0], q[1], k[1]
     N = config.num_heads
+    P = _check_cache(config, past_key_shape, past_key_dtype, past_value_shape, past_value_dtype, B)
+    S_total = P + S  # the keys masks, bias, causal, windows and the weights see
     mask4 = bias4 = None
     if mask_shape is not None:
         if mask_dtype != "bool":
             hint = " (an additive float mask goes in bias=)" if mask_dtype and "float" in mask_dtype else ""
             raise ValueError(f"mask must be bool with True = may attend: got dtype {mask_dtype}{hint}")
-        mask4 = broadcast_shape("mask", _shape(mask_shape), B, N, T, S)
+        mask4 = broadcast_shape("mask", _shape(mask_shape), B, N, T, S_total)
     if bias_shape is not None:
         if bias_dtype is None or "float" not in bias_dtype:
             raise ValueError(f"bias must be a float array: got dtype {bias_dtype}")
-        bias4 = broadcast_shape("bias", _shape(bias_shape), B, N, T, S)
+        bias4 = broadcast_shape("bias", _shape(bias_shape), B, N, T, S_total)
+    if positions_shape is not None:
+        check_ids("positions", positions_shape, positions_dtype, B, T, "T")
+    if key_positions_shape is not None:
+        check_ids("key_positions", key_positions_shape, key_positions_dtype, B, S, "S")
+    if segment_ids_shape is not None:
+        check_ids("segment_ids", segment_ids_shape, segment_ids_dtype, B, T, "T")
+        if key_segment_ids_shape is None and S_total != T:
+            raise ValueError(f"key_segment_ids is required when the keys are not the queries' positions: "
+                             f"got segment_ids for T={T} queries and none for S_total={S_total} keys")
+    if key_segment_ids_shape is not None:
+        if segment_ids_shape is None:
+            raise ValueError("key_segment_ids was given without segment_ids (the queries' ids)")
+        check_ids("key_segment_ids", key_segment_ids_shape, key_segment_ids_dtype, B, S_total, "S_total")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise ValueError(f"is_causal must be true or false: got {is_causal!r}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {', '.join(CAUSAL_ALIGNMENTS)}: got {causal_alignment!r}")
+    windowed = config.window_left >= 0 or config.window_right >= 0
+    if P > 0 and (is_causal or windowed) and causal_alignment != "bottom_right":
+        raise ValueError(f"a call with a cache (P={P}) aligns its queries after the cached keys: "
+                         f"{'is_causal' if is_causal else 'a window'} needs causal_alignment='bottom_right': "
+                         f"got {causal_alignment!r}")
+    if not isinstance(return_cache, (bool, np.bool_)):
+        raise ValueError(f"return_cache must be true or false: got {return_cache!r}")
     if dropout_mask_shape is not None:
         if not training:
             raise ValueError("dropout_mask was given but training is false; pass training=True (CLI: --training)")
         if dropout_mask_dtype != "bool":
             raise ValueError(f"dropout_mask must be bool with True = keep: got dtype {dropout_mask_dtype}")
-        if _shape(dropout_mask_shape) != (B, N, T, S):
-            raise ValueError(f"dropout_mask must have shape (B, N, T, S) = {(B, N, T, S)}: got {_shape(dropout_mask_shape)}")
+        if _shape(dropout_mask_shape) != (B, N, T, S_total):
+            letters = "(B, N, T, S)" if P == 0 else "(B, N, T, S_total)"
+            raise ValueError(f"dropout_mask must have shape {letters} = {(B, N, T, S_total)}: "
+                             f"got {_shape(dropout_mask_shape)}")
     elif training and config.dropout > 0 and seed is None:
         raise ValueError(
             f"training with dropout={config.dropout} needs dropout_mask (a bool keep-mask) or seed; got neither"
@@ -134,8 +220,8 @@ def check_call(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise ValueError(f"seed must be an integer: got {seed!r}")
     if materializes_scores:
-        check_scores_fit(B, N, T, S, scores_itemsize)
-    return CallShapes(B=B, T=T, S=S, mask_shape=mask4, bias_shape=bias4)
+        check_scores_fit(B, N, T, S_total, scores_itemsize)
+    return CallShapes(B=B, T=T, S=S, mask_shape=mask4, bias_shape=bias4, P=P)
 
 
 # Arrays of (B, N, T, S) alive at once on the plain path: logits, masked

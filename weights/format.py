@@ -353,11 +353,17 @@ def load(path: str | os.PathLike) -> tuple[AttentionConfig, dict[str, np.ndarray
 
 
 def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32") -> dict[str, np.ndarray]:
-    """Random weights: every tensor uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)].
+    """Random weights: every projection tensor uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)].
 
     That is torch nn.Linear's default range (biases included, so a test that
     drops a bias sees it); drawn in float64 from numpy's PCG64 with `seed` and
     rounded to `dtype`, so a seed gives the same values on every machine.
+    QK-norm scales are drawn in [0.5, 1.5] (around a trained norm's 1, far
+    enough from it that a scale applied to the wrong feature shows), their
+    biases and the sinks in [-0.5, 0.5] and [-1, 1] (a sink of the size of
+    the logits, so that it takes a visible share of every row). Tensors are
+    drawn in `config.tensor_shapes()` order, so a plain config draws what it
+    drew before the modern tensors existed.
     """
     dtype = dtype_from_name(dtype) if isinstance(dtype, str) else resolve_dtype(dtype)
     rng = np.random.default_rng(seed)
@@ -367,8 +373,14 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
         "value": config.value_dim,
         "output": config.num_heads * config.value_head_dim,
     }
+    ranges = {"norm.scale": (0.5, 1.5), "norm.bias": (-0.5, 0.5), "sinks": (-1.0, 1.0)}
     tensors = {}
     for name, shape in config.tensor_shapes().items():
-        bound = 1.0 / np.sqrt(fan_in[name.split(".")[0]])
-        tensors[name] = rng.uniform(-bound, bound, size=shape).astype(dtype)
+        kind = next((k for k in ranges if name.endswith(k)), None)
+        if kind is None:
+            bound = 1.0 / np.sqrt(fan_in[name.split(".")[0]])
+            low, high = -bound, bound
+        else:
+            low, high = ranges[kind]
+        tensors[name] = rng.uniform(low, high, size=shape).astype(dtype)
     return tensors

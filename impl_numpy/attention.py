@@ -1,0 +1,227 @@
+"""The call: validate, then run functional.py's stages, or the fused fast
+path of chunked.py where it gives the same numbers faster.
+
+Kept apart from functional.py so that imports point one way: this module
+and chunked.py import the stages; the stages import neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
+from weights.contract import CallShapes, check_bias_values, check_call, check_chunk_size, check_input_values
+from weights.dtypes import is_float
+from weights.rope import attention_factor, inverse_frequencies
+
+from . import functional as F
+
+# The fused fast path's chunk_size: key blocks of 512 (query blocks of chunked.QUERY_ROWS).
+FUSED_BLOCK = 512
+
+
+@dataclasses.dataclass
+class Call:
+    """One validated call, every array in its storage dtype (ids and positions int64)."""
+
+    shapes: CallShapes
+    params: dict[str, np.ndarray]
+    query: np.ndarray  # (B, T, Dq)
+    key: np.ndarray  # (B, S, Dk)
+    value: np.ndarray  # (B, S, Dv)
+    mask4: np.ndarray | None  # (B|1, N|1, T|1, S_total|1) bool
+    bias4: np.ndarray | None  # same, compute dtype
+    keep: np.ndarray | None  # dropout keep-mask (B, N, T, S_total), or None
+    dtype: np.dtype
+    positions: np.ndarray | None  # (B|1, T) where the config has rope
+    key_positions: np.ndarray | None  # (B|1, S)
+    past_key: np.ndarray | None  # (B, K, P, H)
+    past_value: np.ndarray | None  # (B, K, P, V)
+    segment_ids: np.ndarray | None  # (T,) or (B, T)
+    key_segment_ids: np.ndarray | None  # (S_total,) or (B, S_total)
+
+    def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
+        """mask AND causal AND window AND segments over every key (rank 4), or None."""
+        return F.allowed_mask(self.mask4, self.shapes.T, self.shapes.S_total, is_causal, causal_alignment,
+                              window_left=config.window_left, window_right=config.window_right,
+                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids)
+
+    @property
+    def modern(self) -> bool:
+        """Uses a cache or packed segments (the config's own features: config.is_modern)."""
+        return self.past_key is not None or self.segment_ids is not None
+
+
+def _optional(x):
+    return None if x is None else np.asarray(x)
+
+
+def _meta(x, name):  # check_call's shape and dtype arguments of one optional input
+    return {f"{name}_shape": None if x is None else x.shape, f"{name}_dtype": None if x is None else x.dtype.name}
+
+
+def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
+            training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
+            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
+            materializes_scores=True) -> Call:
+    """Validate a call and cast everything to the storage dtype."""
+    stored = validate_tensors(config, tensors)
+    dtype = stored if dtype is None else dtype_from_name(dtype)
+    query = np.asarray(query)
+    key = query if key is None else np.asarray(key)
+    value = key if value is None else np.asarray(value)
+    optional = {name: _optional(x) for name, x in (
+        ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
+        ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
+        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids))}
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not is_float(x.dtype):
+            raise ValueError(f"{name} must be a float array: got dtype {x.dtype}")
+    meta = {}
+    for name, x in optional.items():
+        meta.update(_meta(x, name))
+    shapes = check_call(
+        config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape, **meta,
+        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
+        return_weights=return_weights, return_cache=return_cache, materializes_scores=materializes_scores,
+        scores_itemsize=compute_dtype(dtype).itemsize,
+    )
+    past_key, past_value = optional["past_key"], optional["past_value"]
+    check_input_values(query=query, key=None if key is query else key, value=None if value is key else value)
+    if past_key is not None:
+        check_input_values(past_key=past_key, past_value=past_value)
+    bias_np = optional["bias"]
+    if bias_np is not None:
+        check_bias_values(bias_np)
+        bias_np = bias_np.astype(compute_dtype(dtype)).reshape(shapes.bias_shape)
+    params = {name: t.astype(dtype, copy=False) for name, t in tensors.items()}
+    keep = optional["dropout_mask"]
+    if training and keep is None and config.dropout > 0:
+        keep = F.dropout_keep_mask((shapes.B, config.num_heads, shapes.T, shapes.S_total), config.dropout, seed)
+    if not training:
+        keep = None
+    mask_np = optional["mask"]
+    segment_ids, key_segment_ids = optional["segment_ids"], optional["key_segment_ids"]
+    if segment_ids is not None and key_segment_ids is None:
+        key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
+    rope = config.rope is not None
+    return Call(
+        shapes=shapes, params=params, query=query.astype(dtype, copy=False), key=key.astype(dtype, copy=False),
+        value=value.astype(dtype, copy=False), mask4=None if mask_np is None else mask_np.reshape(shapes.mask_shape),
+        bias4=bias_np, keep=keep, dtype=dtype,
+        positions=F.default_positions(optional["positions"], shapes.P, shapes.T) if rope else None,
+        key_positions=F.default_positions(optional["key_positions"], shapes.P, shapes.S) if rope else None,
+        past_key=None if past_key is None else past_key.astype(dtype, copy=False),
+        past_value=None if past_value is None else past_value.astype(dtype, copy=False),
+        segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+    )
+
+
+def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
+    """The config's rotary frequencies (float64) and attention factor."""
+    return inverse_frequencies(config.rope), attention_factor(config.rope)
+
+
+def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value):
+    """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
+    T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
+    present cache)."""
+    p, N, K = call.params, config.num_heads, config.num_kv_heads
+    q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+    k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
+    v = rec("value.project", F.project(call.value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+    if config.qk_norm is not None:
+        n = config.qk_norm
+        q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N, n.scope))
+        k = rec("key.norm", F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+    k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
+    v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
+    if config.rope is not None:
+        inv_freq, factor = rope_tables(config)
+        R, interleaved = config.rope.rotary_dim, config.rope.interleaved
+        q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
+        k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if call.past_key is not None:  # the cache holds keys after norm and rope (as Hugging Face and ONNX store it)
+        k = np.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
+        v = np.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
+    return q, k, v
+
+
+def multi_head_attention(
+    config: AttentionConfig,
+    tensors: dict[str, np.ndarray],
+    query: np.ndarray,
+    key: np.ndarray | None = None,
+    value: np.ndarray | None = None,
+    *,
+    mask: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    training: bool = False,
+    dropout_mask: np.ndarray | None = None,
+    seed: int | None = None,
+    positions: np.ndarray | None = None,
+    key_positions: np.ndarray | None = None,
+    past_key: np.ndarray | None = None,
+    past_value: np.ndarray | None = None,
+    segment_ids: np.ndarray | None = None,
+    key_segment_ids: np.ndarray | None = None,
+    return_weights: bool = False,
+    return_cache: bool = False,
+    dtype: str | None = None,
+    chunk_size: int | None = None,
+    trace: list | None = None,
+):
+    """The forward pass. Returns output (B, T, O); with return_weights also
+    weights (B, N, T, P+S) after softmax and before dropout; with
+    return_cache also present_key (B, K, P+S, H) and present_value (B, K,
+    P+S, V): (output[, weights][, present_key, present_value]).
+
+    dtype: compute in this storage dtype (default: the tensors' dtype).
+    chunk_size: exact online-softmax over key blocks of this size; never
+    holds a (T, S) array (see chunked.py). Not with return_weights or trace.
+
+    Fast path: when nothing between the projections is asked for (no trace,
+    no weights) and the storage dtype computes in itself (float32, float64),
+    logits ... attend run fused, block by block, in chunked.py's core (key
+    blocks of FUSED_BLOCK, hidden causal and window blocks skipped): the same
+    results to round-off (but see chunked.py on NaN in a hidden key). The
+    stages are the spec; the trace, the weights and 16-bit storage (whose
+    every stage result is rounded) take them.
+    """
+    call = prepare(
+        config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
+        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
+        positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
+        segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
+        return_cache=return_cache, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
+    )
+    chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
+    ct = compute_dtype(call.dtype)
+    if chunk_size is not None or (trace is None and not return_weights and ct == call.dtype):
+        from .chunked import fused_forward
+
+        out, present_key, present_value = fused_forward(
+            config, call, is_causal=is_causal, causal_alignment=causal_alignment,
+            chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size, return_cache=return_cache)  # (B, T, O)
+        return (out, present_key, present_value) if return_cache else out
+
+    rec = lambda stage, value: F._record(trace, stage, value)  # noqa: E731
+    p = call.params
+    q, k, v = qkv_heads(config, call, rec)
+    allowed = call.allowed(config, is_causal, causal_alignment)
+    x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
+    if config.logit_softcap is not None:
+        x = rec("softcap", F.softcap(x, config.logit_softcap))
+    x = rec("mask", F.mask_stage(x, allowed, call.bias4))
+    w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
+    wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
+    ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
+    out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
+    result = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
+    return result[0] if len(result) == 1 else result

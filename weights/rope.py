@@ -1,0 +1,76 @@
+"""Rotary position embedding: the frequencies a Rope config stands for.
+
+The frequencies are constants of the layer (a function of the config only),
+so the contract computes them once, in float64, for every implementation;
+each implementation then forms the angles (position x frequency), their cos
+and sin and the rotation with its own framework's ops, in its compute dtype.
+tests/test_rope.py checks these rules against transformers' own
+`modeling_rope_utils` where it is installed, and against the formulas
+written out independently where it is not.
+
+Pair i of the rotary_dim/2 pairs turns at inv_freq[i] = theta^(-2i/rotary_dim)
+radians per position, then:
+- linear: inv_freq / factor (the same as positions / factor).
+- llama3 (Llama 3.1's rope_scaling): wavelengths 2 pi / inv_freq longer than
+  original_max_position_embeddings / low_freq_factor are divided by factor,
+  shorter than original_max_position_embeddings / high_freq_factor kept, and
+  in between interpolated with smooth = (original / wavelength -
+  low_freq_factor) / (high_freq_factor - low_freq_factor).
+- yarn (Peng et al. 2023; gpt-oss, Qwen, DeepSeek configs): pair i blends
+  inv_freq / factor (interpolation) with inv_freq (extrapolation) by a
+  linear ramp over the pair index between the dimensions where a frequency
+  turns beta_fast and beta_slow times over original_max_position_embeddings
+  (rounded outwards when truncate); cos and sin are multiplied by
+  attention_factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import Rope
+
+
+def inverse_frequencies(rope: Rope) -> np.ndarray:
+    """(rotary_dim/2,) float64 radians per position of each rotating pair."""
+    R = rope.rotary_dim
+    base = rope.theta ** (-np.arange(0, R, 2, dtype=np.float64) / R)  # (R/2,)
+    scaling = rope.scaling
+    if scaling is None:
+        return base
+    if scaling.type == "linear":
+        return base / scaling.factor
+    if scaling.type == "llama3":
+        original = scaling.original_max_position_embeddings
+        low_wavelength = original / scaling.low_freq_factor
+        high_wavelength = original / scaling.high_freq_factor
+        wavelength = 2 * math.pi / base
+        scaled = np.where(wavelength > low_wavelength, base / scaling.factor, base)
+        smooth = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor
+                                                                    - scaling.low_freq_factor)
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+        return np.where(medium, blended, scaled)
+    # yarn
+    original = scaling.original_max_position_embeddings
+
+    def dimension_of(rotations: float) -> float:  # the (fractional) dimension turning `rotations` times over original
+        return R * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dimension_of(scaling.beta_fast), dimension_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, R - 1)
+    if low == high:
+        high += 0.001  # as transformers: a ramp of zero width would divide by zero
+    ramp = np.clip((np.arange(R // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolation = 1.0 - ramp  # 1: keep the original frequency; 0: divide it by factor
+    return base / scaling.factor * (1.0 - extrapolation) + base * extrapolation
+
+
+def attention_factor(rope: Rope) -> float:
+    """What cos and sin are multiplied by: yarn's attention_factor, else 1."""
+    scaling = rope.scaling
+    return scaling.attention_factor if scaling is not None and scaling.type == "yarn" else 1.0

@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-import bench.core as bench
+from bench import glue, measure, report, shapes
+from bench.targets import add_native_ratios, targets
 from conformance.cli import main
 
 # Every result row carries these keys (None where a number does not apply).
@@ -60,7 +61,7 @@ def _finite_positive(row: dict, field: str) -> None:
         "expected a finite positive number")
 
 
-@pytest.mark.parametrize("backend", bench.BACKENDS)
+@pytest.mark.parametrize("backend", shapes.BACKENDS)
 def test_quick_run_writes_every_field(backend, tmp_path, capsys):
     why = _unavailable(backend)
     if why:
@@ -143,7 +144,7 @@ def test_targets_judge_by_the_issue_thresholds():
         _row("numpy", "long", "ours.chunked", "ours", "eager", 1.0, 120.0, peak_over_io=3.5),
         _row("tf", "long", "ours.xla", "ours", "compiled", 1.0, 20.0, peak_over_io=60.0),
     ]
-    entries = bench.targets(rows)
+    entries = targets(rows)
     assert len(entries) == N_TARGETS, len(entries)
     by = {e["target"]: e for e in entries}
 
@@ -172,15 +173,15 @@ def test_ratio_to_native_compares_paired_times_not_medians():
     rows = [_row("torch", "bert-base", "ours.sdpa.eager", "ours", "eager", 1.2, 90.0, matmul_ratio=1.2),
             _row("torch", "bert-base", "native.sdpa.eager", "native", "eager", 2.0, 95.0, matmul_ratio=1.0),
             _row("torch", "bert-base", "native.mha.eager", "native", "eager", 2.2, 95.0, matmul_ratio=1.05)]
-    bench.add_native_ratios(rows)
+    add_native_ratios(rows)
     assert rows[0]["native_path"] == "native.sdpa.eager" and rows[0]["ratio_to_native"] == pytest.approx(1.2), rows[0]
-    entry = next(e for e in bench.targets(rows) if e["target"] == "torch eager forward at bert-base <= 1.10x native "
+    entry = next(e for e in targets(rows) if e["target"] == "torch eager forward at bert-base <= 1.10x native "
                  "fastest eager")
     assert entry["measured"] == pytest.approx(1.2) and entry["pass"] is False, entry
 
 
 class _DriftingClock:
-    """A stand-in for bench.time_call: each call's duration is its work times the machine's
+    """A stand-in for bench.measure.time_call: each call's duration is its work times the machine's
     slowness, which triples after `switch` calls (CPU steal arriving mid-shape)."""
 
     def __init__(self, switch: int):
@@ -203,12 +204,12 @@ def test_paired_ratios_survive_a_change_of_machine_speed(monkeypatch):
     1/4 and 1.5/4. Had the matmul been timed only before the paths (the old method), with the
     slowdown arriving after it, a would read 3/4 and b 1.125."""
     clock = _DriftingClock(switch=9)
-    monkeypatch.setattr(bench, "time_call", clock)
-    out = bench.measure_paired({"a": _fake("a", 1.0), "b": _fake("b", 1.5)}, _fake("mm", 4.0),
+    monkeypatch.setattr(measure, "time_call", clock)
+    out = measure.measure_paired({"a": _fake("a", 1.0), "b": _fake("b", 1.5)}, _fake("mm", 4.0),
                                repeats=9, max_seconds=1e9)
     assert out["a"]["matmul_ratio"] == pytest.approx(0.25), out
     assert out["b"]["matmul_ratio"] == pytest.approx(0.375), out
-    assert out["a"]["repeats"] == out["b"]["repeats"] == 9 and out[bench.MATMUL]["repeats"] == 18, out
+    assert out["a"]["repeats"] == out["b"]["repeats"] == 9 and out[measure.MATMUL]["repeats"] == 18, out
     # a's untimed runs after each matmul do not reach the clock; b's first run, slowed to 4.5 s, has no warm-up
     assert clock.order == ["mm", "mm", "a", "a", *["mm", "a"] * 9, "b", *["mm", "b"] * 9], clock.order
 
@@ -217,25 +218,25 @@ def test_paired_keeps_repeats_budgets_and_failures_per_path(monkeypatch):
     """A path over its time budget stops after MIN_REPEATS, a failing path is reported with its
     exception, the rest carry on; the matmul is timed once per timed path run, and at least
     MIN_REPEATS times."""
-    monkeypatch.setattr(bench, "time_call", _DriftingClock(switch=10**9))
+    monkeypatch.setattr(measure, "time_call", _DriftingClock(switch=10**9))
     calls = {"quick": _fake("quick", 0.01), "slow": _fake("slow", 5.0)}
 
     def broken():
         raise RuntimeError("out of memory")
 
-    out = bench.measure_paired(calls | {"broken": broken}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
+    out = measure.measure_paired(calls | {"broken": broken}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
     assert isinstance(out["broken"], RuntimeError), out["broken"]
-    assert out["slow"]["repeats"] == bench.MIN_REPEATS, out["slow"]  # 3 x 5 s > 10 s
-    assert out["quick"]["repeats"] == 7 and out[bench.MATMUL]["repeats"] == 7 + bench.MIN_REPEATS, out
-    assert out["slow"]["first_call_s"] == 5.0 and out[bench.MATMUL]["first_call_s"] == 0.1
-    empty = bench.measure_paired({}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
-    assert empty[bench.MATMUL]["repeats"] == bench.MIN_REPEATS
+    assert out["slow"]["repeats"] == measure.MIN_REPEATS, out["slow"]  # 3 x 5 s > 10 s
+    assert out["quick"]["repeats"] == 7 and out[measure.MATMUL]["repeats"] == 7 + measure.MIN_REPEATS, out
+    assert out["slow"]["first_call_s"] == 5.0 and out[measure.MATMUL]["first_call_s"] == 0.1
+    empty = measure.measure_paired({}, _fake("mm", 0.1), repeats=7, max_seconds=10.0)
+    assert empty[measure.MATMUL]["repeats"] == measure.MIN_REPEATS
 
 
 def test_flop_count_is_the_issues_formula():
-    s = bench.SHAPES["bert-base"]
+    s = shapes.SHAPES["bert-base"]
     assert s.flops == 8 * 8 * 128 * 768**2 + 4 * 8 * 12 * 128 * 128 * 64, s.flops
-    g = bench.SHAPES["gpt2"]  # causal: still the full T*S
+    g = shapes.SHAPES["gpt2"]  # causal: still the full T*S
     assert g.flops == 8 * 4 * 1024 * 768**2 + 4 * 4 * 12 * 1024 * 1024 * 64, g.flops
 
 
@@ -260,7 +261,7 @@ def test_numpy_memory_counts_the_buffers_kept_between_calls():
     call()  # warm: its buffers are kept now
     kept = chunked.kept_workspace_bytes()
     assert kept > 0
-    peak, method, _ = bench.glue_numpy("cpu", quick=True).memory(call)
+    peak, method, _ = glue.glue_numpy("cpu", quick=True).memory(call)
     assert peak >= kept + x.nbytes, f"{method} {peak} B: the kept buffers ({kept} B) and the output are not counted"
 
 
@@ -278,9 +279,9 @@ def test_report_and_plots_survive_failed_and_skipped_rows(tmp_path):
     skipped = {**ok, "T": 512, "shape": "sweep-512", "status": "skipped: over --mem-limit", "median_s": None,
                "pct_matmul": None}
     data = {"settings": {"quick": True}, "results": [ok, broken, skipped], "backends": {"numpy": {"status": "ok"}},
-            "matmul": [], "sweep_stops": {}, "targets": bench.targets([ok, broken, skipped])}
+            "matmul": [], "sweep_stops": {}, "targets": targets([ok, broken, skipped])}
     out = io.StringIO()
-    bench.print_report(Console(file=out, width=200), data)
+    report.print_report(Console(file=out, width=200), data)
     assert "sweep" in out.getvalue() and "targets" in out.getvalue(), out.getvalue()[:500]
-    written = bench.write_plots(data, tmp_path)
+    written = report.write_plots(data, tmp_path)
     assert (tmp_path / "sweep.png").stat().st_size > 1000, written

@@ -45,7 +45,7 @@ def test_torch_gpt2_parts_prints_every_part_and_the_bound(monkeypatch, capsys):
 
 def tiny_shapes():
     """bert-base, vit-b16, gpt2 and long under their own names, small enough for a test."""
-    from bench.core import Shape
+    from bench.shapes import Shape
 
     return {
         "bert-base": Shape("bert-base", B=2, T=16, S=16, D=16, N=2, causal=False),

@@ -944,7 +944,7 @@ def test_chunked_memory_is_blocks_not_t_by_s():
     """T = S = 4096, N = 4, causal: the chunked call's peak resident-set growth
     stays far below one (B, N, T, S) float32 array (256 MiB; the plain path
     holds several). Measured as `mha bench` does for TensorFlow on the CPU."""
-    from bench.core import _rss_memory
+    from bench.measure import rss_memory as _rss_memory
 
     config = weights.AttentionConfig(num_heads=4, query_dim=64, head_dim=16)
     tensors = {k: tf.constant(v) for k, v in weights.init(config, seed=0, dtype="float32").items()}

@@ -36,14 +36,9 @@ import numpy as np
 from jax import lax
 
 import weights
-from bench.core import (
-    JAX_CHUNK_SIZE,
-    JAX_CHUNK_SIZE_SMALL_BATCH,
-    SHAPES,
-    framework_chunk,
-    glue_jax,
-    paired_ratios,
-)
+from bench.glue import glue_jax
+from bench.measure import paired_ratios
+from bench.shapes import JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH, SHAPES, framework_chunk
 from impl_jax.functional import apply
 
 ROUNDS = 9

@@ -32,7 +32,9 @@ import sys
 import numpy as np
 
 import weights
-from bench.core import CHUNK_SIZE, SHAPES, glue_numpy, paired_ratios
+from bench.glue import glue_numpy
+from bench.measure import paired_ratios
+from bench.shapes import CHUNK_SIZE, SHAPES
 from impl_numpy import chunked
 from impl_numpy.functional import FUSED_BLOCK, multi_head_attention
 

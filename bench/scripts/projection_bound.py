@@ -29,7 +29,9 @@ import sys
 
 import numpy as np
 
-from bench.core import GLUE, SHAPES, paired_ratios
+from bench.glue import GLUE
+from bench.measure import paired_ratios
+from bench.shapes import SHAPES
 
 ROUNDS = 9
 SHAPE_NAMES = ("bert-base", "vit-b16", "gpt2")

@@ -37,14 +37,9 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import weights  # noqa: E402 - after the TF log level
-from bench.core import (  # noqa: E402
-    SHAPES,
-    TF_CHUNK_SIZE,
-    TF_CHUNK_SIZE_SMALL_BATCH,
-    framework_chunk,
-    glue_tf,
-    paired_ratios,
-)
+from bench.glue import glue_tf  # noqa: E402
+from bench.measure import paired_ratios  # noqa: E402
+from bench.shapes import SHAPES, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH, framework_chunk  # noqa: E402
 from impl_tf._keras import tf  # noqa: E402
 from impl_tf.functional import multi_head_attention  # noqa: E402
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import weights
-from bench.core import glue_torch, paired_ratios
+from bench.glue import glue_torch
+from bench.measure import paired_ratios
 from impl_torch.functional import multi_head_attention
 
 B, T, D, N = 4, 1024, 768, 12

@@ -1,0 +1,144 @@
+"""`mha bench`: the command, which runs one worker process per backend
+(bench.worker) and gathers, judges and reports what they measured."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.measure import MIN_REPEATS, proc_kb
+from bench.report import print_report, write_plots
+from bench.shapes import (
+    BACKENDS,
+    CHUNK_SIZE,
+    LONG_T,
+    MATMUL_N,
+    QUICK_SHAPES,
+    QUICK_SWEEP_LENGTHS,
+    SHAPES,
+    SWEEP_LENGTHS,
+    sweep_shapes,
+)
+from bench.targets import add_native_ratios, targets
+
+SCHEMA = "mha-bench/1"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time every backend against its framework's native paths and matmul rate")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, "sweep"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--dtype", default="float32", choices=["float32"], help="only float32 is benchmarked")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 7; --quick 2)")
+    p.add_argument("--max-seconds", type=float, default=10.0,
+                   help="stop repeating a measurement after this much timing, once 3 calls are done (default 10)")
+    p.add_argument("--budget", type=float, default=5.0,
+                   help="sweep: stop a path after a point whose median exceeds this many seconds (default 5)")
+    p.add_argument("--sweep-max", type=int, default=SWEEP_LENGTHS[-1], help="largest sweep length (default 16384)")
+    p.add_argument("--mem-limit", type=float, default=None,
+                   help="GiB a path's (B, N, T, S) arrays may take (default: 40%% of MemAvailable)")
+    p.add_argument("--json", metavar="FILE", help="write every raw number as JSON")
+    p.add_argument("--plot", metavar="DIR", help="write sweep.png and ratio-<shape>.png here")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, 2 repeats: checks that everything runs")
+    p.set_defaults(func=run)
+
+
+def _mem_available() -> int:
+    try:
+        return proc_kb("/proc/meminfo", "MemAvailable") * 1024
+    except OSError:
+        return 8 * 2**30
+
+
+def _machine() -> dict:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0],
+            "loadavg_start": os.getloadavg(),
+            "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS",
+                                                    "KERAS_BACKEND")}}
+
+
+def run_backend(backend: str, spec: dict) -> dict:
+    """Run one backend's worker in a child process; its stderr (progress) passes through."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.setdefault("KERAS_BACKEND", "tensorflow")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with tempfile.TemporaryDirectory(prefix="mha-bench-") as tmp:
+        spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_file.write_text(json.dumps({**spec, "backend": backend}))
+        proc = subprocess.run([sys.executable, "-m", "bench.worker", "--worker", str(spec_file), str(out_file)],
+                              env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+        if proc.returncode != 0 or not out_file.exists():
+            why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+            tail = (proc.stdout or "").strip().splitlines()[-1:] or [""]
+            return {"backend": backend, "status": f"unavailable: worker died ({why}) {tail[0]}".strip()}
+        return json.loads(out_file.read_text())
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    quick = args.quick
+    repeats = args.repeats if args.repeats is not None else (2 if quick else 7)
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1: got {repeats}")
+    shape_table = QUICK_SHAPES if quick else SHAPES
+    shapes = [shape_table[s] for s in args.shapes if s != "sweep"]
+    if "sweep" in args.shapes:
+        lengths = QUICK_SWEEP_LENGTHS if quick else tuple(T for T in SWEEP_LENGTHS if T <= args.sweep_max)
+        shapes += sweep_shapes(lengths)
+    mem_limit = int(args.mem_limit * 2**30) if args.mem_limit is not None else int(0.4 * _mem_available())
+    spec = {"shapes": [dataclasses.asdict(s) for s in shapes], "device": args.device, "dtype": args.dtype,
+            "repeats": repeats, "max_seconds": args.max_seconds, "budget": args.budget, "mem_limit": mem_limit,
+            "quick": quick, "matmul_n": 256 if quick else MATMUL_N}
+    started = time.perf_counter()
+    data = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": ["mha", *sys.argv[1:]],
+            "machine": _machine(),
+            "settings": {k: v for k, v in spec.items() if k != "shapes"} | {
+                "shapes": {s.name: s.to_dict() for s in shapes}, "min_repeats": MIN_REPEATS, "long_T": LONG_T,
+                "chunk_size": CHUNK_SIZE,
+                "flops": "forward 4*B*T*D^2 + 4*B*S*D^2 + 4*B*N*T*S*H (full T*S when causal); forward+backward 3x",
+                "matmul": "median time of one float32 matmul_n^3 matmul in the framework, one run before each timed path call",
+                "memory": "numpy: tracemalloc peak; tf: get_memory_info peak growth; torch, jax: peak RSS growth via "
+                          "/proc/self/clear_refs + VmHWM (GPU: the framework's peak-allocation counter); "
+                          "one extra call after timing",
+                "ratio_to_native": "time / fastest native path, same backend, shape, pass and mode"},
+            "backends": {}, "results": [], "matmul": [], "sweep_stops": {}}
+    for backend in args.backends:
+        console.print(f"[bold]{backend}[/]: running ({len(shapes)} shapes) ...")
+        out = run_backend(backend, spec)
+        data["backends"][backend] = {"status": out["status"], "info": out.get("info", {}),
+                                     "worker_s": out.get("worker_s")}
+        data["results"] += out.get("results", [])
+        data["matmul"] += out.get("matmul", [])
+        data["sweep_stops"].update({f"{backend} {k}": v for k, v in out.get("sweep_stops", {}).items()})
+        if out["status"] != "ok":
+            console.print(f"[yellow]{backend}: {out['status']}[/]")
+    add_native_ratios(data["results"])
+    data["targets"] = targets(data)
+    data["machine"]["loadavg_end"] = os.getloadavg()
+    data["total_s"] = time.perf_counter() - started
+    if args.json:  # first: a problem in printing must not lose the numbers
+        from weights.atomic import write_bytes_atomic
+
+        write_bytes_atomic(args.json, (json.dumps(data, indent=1) + "\n").encode(), overwrite=True)
+    print_report(console, data)
+    if args.json:
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        for path in write_plots(data, Path(args.plot)):
+            console.print(f"wrote {path}")
+    return 0

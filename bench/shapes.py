@@ -1,0 +1,86 @@
+"""The shapes `mha bench` times and the chunk sizes it gives each framework's chunked path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+BACKENDS = ("numpy", "torch", "tf", "jax")
+FRAMEWORKS = ("torch", "tf", "jax")
+MATMUL_N = 2048
+LONG_T = 2048  # from this query length on, the long-sequence (chunked) paths
+CHUNK_SIZE = 512  # NumPy's chunk_size for causal and long shapes: key blocks of 512, query blocks of 128 (impl_numpy.chunked.QUERY_ROWS)
+JAX_CHUNK_SIZE = 256  # impl_jax's chunk_size where B*N >= 32 (gpt2: 66.8% of matmul against 61.8% with 512)
+JAX_CHUNK_SIZE_SMALL_BATCH = 512  # B*N < 32 (long: 92.4% against 63.1% with 256; XLA:CPU runs the 8 heads' (512 x 64)
+# x (64 x 512) block matmuls on both cores, the (256 x 64) x (64 x 256) ones on one). Round robin, 2026-11-23.
+TF_CHUNK_SIZE = 128  # impl_tf's, where B*N >= 32 (gpt2: 117% of matmul against 109% with 256, tf.function)
+TF_CHUNK_SIZE_SMALL_BATCH = 512  # impl_tf's, B*N < 32. long, tf.function: 131% against 125% with 256 on run F's
+# machine; 81-82% against 73-74% with 256 and 68-69% with 1024 on run G's (2026-11-24, paired, two rounds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    B: int
+    T: int
+    S: int
+    D: int
+    N: int
+    causal: bool
+    sweep: bool = False  # a point of the sweep (forward only, reduced path set)
+
+    @property
+    def H(self) -> int:
+        return self.D // self.N
+
+    @property
+    def flops(self) -> int:
+        """Forward FLOPs: q and output projections over T, k and v over S, and
+        QK^T plus WV over the full T x S (even when causal)."""
+        B, T, S, D, N, H = self.B, self.T, self.S, self.D, self.N, self.H
+        return 4 * B * T * D * D + 4 * B * S * D * D + 4 * B * N * T * S * H
+
+    @property
+    def io_bytes(self) -> int:
+        """float32 bytes of the inputs and the output: self-attention passes one
+        (B, T, D) query as key and value, and gets one (B, T, D) back."""
+        return 2 * self.B * self.T * self.D * 4
+
+    @property
+    def ts_bytes(self) -> int:
+        """One float32 (B, N, T, S) array."""
+        return self.B * self.N * self.T * self.S * 4
+
+    @property
+    def long(self) -> bool:
+        return self.T >= LONG_T
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "H": self.H, "flops": self.flops, "io_bytes": self.io_bytes}
+
+
+SHAPES = {
+    "bert-base": Shape("bert-base", B=8, T=128, S=128, D=768, N=12, causal=False),
+    "vit-b16": Shape("vit-b16", B=32, T=197, S=197, D=768, N=12, causal=False),
+    "gpt2": Shape("gpt2", B=4, T=1024, S=1024, D=768, N=12, causal=True),
+    "long": Shape("long", B=1, T=8192, S=8192, D=512, N=8, causal=True),
+}
+SWEEP_LENGTHS = tuple(2 ** i for i in range(7, 15))  # 128 ... 16384
+# --quick: the same names, shrunk, so every part of the pipeline runs in seconds.
+QUICK_SHAPES = {
+    "bert-base": Shape("bert-base", B=2, T=16, S=16, D=64, N=4, causal=False),
+    "vit-b16": Shape("vit-b16", B=2, T=13, S=13, D=64, N=4, causal=False),
+    "gpt2": Shape("gpt2", B=1, T=64, S=64, D=64, N=4, causal=True),
+    "long": Shape("long", B=1, T=LONG_T, S=LONG_T, D=32, N=2, causal=True),
+}
+QUICK_SWEEP_LENGTHS = (16, 32, 64)
+
+
+def framework_chunk(shape: Shape, large_batch: int, small_batch: int) -> int:
+    """The chunk_size `mha bench` gives a framework's chunked path (impl_tf, impl_jax) at `shape`:
+    large_batch where B*N >= 32, else small_batch (the *_CHUNK_SIZE constants say why), at most T."""
+    return min(shape.T, large_batch if shape.B * shape.N >= 32 else small_batch)
+
+
+def sweep_shapes(lengths) -> list[Shape]:
+    return [Shape(f"sweep-{T}", B=1, T=T, S=T, D=512 if T >= 128 else 64, N=8 if T >= 128 else 4, causal=False,
+                  sweep=True) for T in lengths]

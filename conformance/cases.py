@@ -35,16 +35,28 @@ class Case:
     training: bool = False  # with an explicit dropout mask
     return_weights: bool = True
     input_scale: float = 1.0  # > 1 makes large logits
+    # The modern inputs (all off by default: a plain case's vectors are unchanged)
+    positions: str | None = None  # None (the defaults) | "far" | "per_batch" | "packed" (with segment ids)
+    P: int = 0  # cache length: past_key / past_value of P positions
+    return_cache: bool = False
 
     @property
     def seed(self) -> int:
         return zlib.crc32(self.name.encode())
 
+    @property
+    def S_total(self) -> int:
+        """Keys that masks, bias, causal and windows see: the cache's and the new ones."""
+        return self.P + self.S
+
     def options(self, dtype: str) -> dict[str, Any]:
-        return {
+        options = {
             "is_causal": self.is_causal, "causal_alignment": self.causal_alignment,
             "return_weights": self.return_weights, "dtype": dtype, "training": self.training,
         }
+        if self.return_cache:
+            options["return_cache"] = True
+        return options
 
 
 def _cfg(**kw) -> AttentionConfig:
@@ -89,6 +101,49 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
+    ] + _modern_grid()
+
+
+def _modern_grid() -> list[Case]:
+    """Rope, cache, windows, softcap, QK-norm, sinks, packed segments, and their combinations."""
+    cross = dict(self_attention=False, T=4, S=6)
+    causal = dict(is_causal=True)
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    # llama3 / yarn with a short original context (16), so that positions past it (positions="far")
+    # and head_dim 8's four frequencies reach every branch of the rules.
+    llama3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    return [
+        Case("rope_half", _cfg(rope={}), T=6, S=6, **causal),
+        Case("rope_interleaved", _cfg(rope={"interleaved": True}), **cross),
+        Case("rope_partial", _cfg(head_dim=8, rope={"rotary_dim": 4, "theta": 100.0}), **causal),
+        Case("rope_llama3", _cfg(head_dim=8, rope={"scaling": llama3}), positions="far", **causal),
+        Case("rope_yarn", _cfg(head_dim=8, rope={"interleaved": True, "scaling": yarn}), positions="per_batch",
+             **cross),
+        Case("rope_linear_per_batch", _cfg(rope={"scaling": {"type": "linear", "factor": 2.0}}),
+             positions="per_batch", **causal),
+        Case("decode_cache", _cfg(num_heads=4, num_kv_heads=2, rope={}), T=1, S=1, P=5, return_weights=False,
+             **decode),
+        Case("cache_window_gqa", _cfg(num_heads=4, num_kv_heads=2, rope={}, window_left=2), T=3, S=3, P=4,
+             **decode),
+        Case("return_cache_no_past", _cfg(rope={}), return_cache=True, **causal),
+        Case("window_left_causal", _cfg(window_left=2), T=7, S=7, **causal),
+        Case("window_right", _cfg(window_right=1), **cross),
+        Case("window_both_bottom_right", _cfg(window_left=1, window_right=1), mask="padding",
+             causal_alignment="bottom_right", **cross),
+        Case("softcap", _cfg(scale=1.0, logit_softcap=2.0), bias="neg_inf", input_scale=4.0, **cross),
+        Case("softcap_masked_rows", _cfg(logit_softcap=5.0, masked_row="uniform"), mask="empty_rows", **cross),
+        Case("qk_norm_rms_head", _cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "rms"}), **causal),
+        Case("qk_norm_layer_all", _cfg(qk_norm={"type": "layer", "scope": "all", "eps": 1e-5}), **cross),
+        Case("sinks", _cfg(num_heads=4, num_kv_heads=2, use_sinks=True), mask="padding", **causal),
+        Case("sinks_masked_rows", _cfg(use_sinks=True, masked_row="nan"), mask="empty_rows", **cross),
+        Case("segments_packed", _cfg(rope={}), T=7, S=7, positions="packed", **causal),
+        Case("modern_everything",
+             _cfg(num_heads=4, num_kv_heads=2, head_dim=8, window_left=3, logit_softcap=8.0, use_sinks=True,
+                  qk_norm={"type": "rms", "scope": "all"},
+                  rope={"rotary_dim": 6, "interleaved": True, "scaling": yarn}),
+             T=3, S=3, P=4, positions="far", mask="padding", bias="random", **decode),
     ]
 
 
@@ -102,22 +157,25 @@ def make_tensors(case: Case) -> dict[str, np.ndarray]:
 
 
 def make_inputs(case: Case) -> dict[str, np.ndarray]:
-    """query, key, value (always explicit) and the case's mask, bias, dropout_mask.
+    """query, key, value (always explicit) and the case's mask, bias,
+    dropout_mask, positions, key_positions, past_key, past_value, segment_ids.
 
     Masks other than "empty_rows" leave every query row at least one key, so a
-    case only meets fully masked rows where it says so.
+    case only meets fully masked rows where it says so. Masks and biases cover
+    every key, the cache's included (S_total = P + S).
     """
     c = case.config
     rng = np.random.default_rng(case.seed + 1)
-    B, T, S, N = case.B, case.T, case.S, c.num_heads
+    B, T, N = case.B, case.T, c.num_heads
+    S = case.S_total  # from here on: every key
     query = rng.standard_normal((B, T, c.query_dim)) * case.input_scale
     if case.self_attention:
-        if not (T == S and c.query_dim == c.key_dim == c.value_dim):
-            raise ValueError(f"case {case.name}: self attention needs T == S and equal input dims")
+        if not (T == case.S and case.P == 0 and c.query_dim == c.key_dim == c.value_dim):
+            raise ValueError(f"case {case.name}: self attention needs T == S, no cache and equal input dims")
         key = value = query
     else:
-        key = rng.standard_normal((B, S, c.key_dim)) * case.input_scale
-        value = rng.standard_normal((B, S, c.value_dim)) * case.input_scale
+        key = rng.standard_normal((B, case.S, c.key_dim)) * case.input_scale
+        value = rng.standard_normal((B, case.S, c.value_dim)) * case.input_scale
     inputs: dict[str, np.ndarray] = {"query": query, "key": key.copy(), "value": value.copy()}
 
     def with_one_allowed(m: np.ndarray) -> np.ndarray:
@@ -151,6 +209,39 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         inputs["bias"] = b
     if case.training:
         inputs["dropout_mask"] = rng.random((B, N, T, S)) >= c.dropout
+    inputs.update(_modern_inputs(case, np.random.default_rng(case.seed + 3)))
+    return inputs
+
+
+def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
+    """The cache (after projection, norm and rope, as a model stores it: unit-scale values), and the
+    positions: "far" 37 places on, past a short original context; "per_batch" a different offset per
+    row; "packed" two or three documents per row whose positions restart, with their segment ids."""
+    c, B, T, S, P = case.config, case.B, case.T, case.S, case.P
+    inputs: dict[str, np.ndarray] = {}
+    if P:
+        inputs["past_key"] = rng.standard_normal((B, c.num_kv_heads, P, c.head_dim))
+        inputs["past_value"] = rng.standard_normal((B, c.num_kv_heads, P, c.value_head_dim))
+    if case.positions == "far":
+        inputs["positions"] = 37 + P + np.arange(T, dtype=np.int64)  # (T,)
+        inputs["key_positions"] = 37 + P + np.arange(S, dtype=np.int64)  # (S,)
+    elif case.positions == "per_batch":
+        offsets = rng.integers(0, 60, size=(B, 1))
+        inputs["positions"] = (offsets + P + np.arange(T)).astype(np.int64)  # (B, T)
+        inputs["key_positions"] = (offsets + P + np.arange(S)).astype(np.int64)  # (B, S)
+    elif case.positions == "packed":
+        if not (case.self_attention and P == 0):
+            raise ValueError(f"case {case.name}: packed positions need self attention without a cache")
+        ids = np.zeros((B, T), dtype=np.int64)
+        positions = np.zeros((B, T), dtype=np.int64)
+        for b in range(B):
+            cuts = np.sort(rng.choice(np.arange(1, T), size=min(2, T - 1), replace=False))
+            ids[b] = np.searchsorted(cuts, np.arange(T), side="right")  # 0, 0, 1, 1, 1, 2, ...
+            starts = np.concatenate([[0], cuts])[ids[b]]
+            positions[b] = np.arange(T) - starts  # restart per document
+        inputs.update(segment_ids=ids, positions=positions, key_positions=positions.copy())
+    elif case.positions is not None:
+        raise ValueError(f"case {case.name}: unknown positions kind {case.positions!r}")
     return inputs
 
 

@@ -117,11 +117,13 @@ def expected_for(case: Case, dtype: str) -> dict:
     expected = {"output": fwd["output"], "weights": fwd["weights"], "grads": grads, "magnitudes": magnitudes,
                 "trace": fwd["trace"],
                 "logits": dict(fwd["trace"])["logits"], "tensors": tensors, "inputs": inputs, "d_output": d_out,
-                "same_precision": {}}
+                "same_precision": {}, "max_position": max_position(case, inputs)}
+    cache = [name for name in ("present_key", "present_value") if name in fwd]
+    expected.update({name: fwd[name] for name in cache})
     if dtype in ("float16", "bfloat16"):
         low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_weights": True})
         low_grads = reference.vjp(case.config, tensors, inputs, case.options(dtype), d_out.astype(tensors["query.kernel"].dtype))["grads"]
-        same = {"output": _max_err(low["output"], fwd["output"]), "weights": _max_err(low["weights"], fwd["weights"])}
+        same = {name: _max_err(low[name], fwd[name]) for name in ("output", "weights", *cache)}
         same.update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
         expected["same_precision"] = same
     if len(_EXPECTED_CACHE) > 512:  # sweeps make thousands of cases
@@ -130,11 +132,17 @@ def expected_for(case: Case, dtype: str) -> dict:
     return expected
 
 
+def max_position(case: Case, inputs) -> int:
+    """The largest |position| RoPE sees in the case (the tolerance's angle term)."""
+    given = [np.abs(inputs[name]).max() for name in ("positions", "key_positions") if name in inputs]
+    return int(max(given, default=case.P + max(case.T, case.S)))
+
+
 def _reference_grads(case: Case, tensors, inputs, d_out):
     """float64 gradients and their term magnitudes (impl_numpy.backward)."""
     _, grads, magnitudes = multi_head_attention_vjp(
         case.config, tensors, inputs["query"], inputs["key"], inputs["value"], d_output=d_out,
-        mask=inputs.get("mask"), bias=inputs.get("bias"), dropout_mask=inputs.get("dropout_mask"),
+        **{name: inputs.get(name) for name in reference.OPTIONAL_INPUTS},
         is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training,
         gradient_magnitudes=True,
     )
@@ -152,37 +160,48 @@ def _max_err(a, b) -> float:
 def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision: str) -> list[Comparison]:
     """Compare a backend's forward result (and gradients) under the policy."""
     exp = expected_for(case, dtype)
-    B, T, S = case.B, case.T, case.S
-    same = exp["same_precision"]
     comparisons = []
 
-    def check(name, quantity, actual, expected, floor=0.0):
-        tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=B, T=T, S=S, reference=expected,
-                         logits=exp["logits"], precision=precision, same_precision_error=same.get(name), scale_floor=floor)
-        comparisons.append(compare(name, actual, expected, tol))
+    def check(name, quantity, actual, expected):
+        comparisons.append(compare(name, actual, expected, case_policy(case, dtype, name, quantity, expected,
+                                                                        precision=precision)))
 
     check("output", "output", result["output"], exp["output"])
     if case.return_weights:
         if "weights" not in result:
             raise ValueError("backend returned no weights although return_weights was requested")
         check("weights", "weights", result["weights"], exp["weights"])
+    for name in ("present_key", "present_value") if case.return_cache else ():
+        if name not in result:
+            raise ValueError(f"backend returned no {name} although return_cache was requested")
+        check(name, "output", result[name], exp[name])
     if grads is not None:
         comparisons += judge_gradients(case, dtype, grads, precision=precision)
     return comparisons
 
 
+def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, precision: str = "highest",
+                scale_floor: float = 0.0, logits: bool = True):
+    """The policy's Tolerance for one quantity of a case (its S is every key, the cache's included)."""
+    exp = expected_for(case, dtype)
+    return policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
+                      reference=reference, logits=exp["logits"] if logits else None, precision=precision,
+                      same_precision_error=exp["same_precision"].get(name) if quantity != "stage" else None,
+                      scale_floor=scale_floor, max_position=exp["max_position"])
+
+
 def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "highest") -> list[Comparison]:
-    """Compare gradients (query, key, value, every canonical tensor) under the
-    policy: each scaled by the magnitude of the terms it is summed from."""
+    """Compare gradients (query, key, value, every canonical tensor, past_key
+    and past_value with a cache) under the policy: each scaled by the
+    magnitude of the terms it is summed from."""
     exp = expected_for(case, dtype)
     comparisons = []
     for name, expected in exp["grads"].items():
         if name not in grads:
             raise ValueError(f"backend returned no gradient for {name}")
         key = f"grad {name}"
-        tol = policy_for(case.config, dtype=dtype, quantity="grad", B=case.B, T=case.T, S=case.S, reference=expected,
-                         logits=exp["logits"], precision=precision, same_precision_error=exp["same_precision"].get(key),
-                         scale_floor=max_finite_abs(exp["magnitudes"][name]))
+        tol = case_policy(case, dtype, key, "grad", expected, precision=precision,
+                          scale_floor=max_finite_abs(exp["magnitudes"][name]))
         comparisons.append(compare(key, grads[name], expected, tol))
     return comparisons
 
@@ -202,8 +221,7 @@ def localise(case: Case, dtype: str, adapter, *, device: str, precision: str) ->
             continue
         seen_logits = seen_logits or stage == "logits"
         expected = ref_stages[stage]
-        tol = policy_for(case.config, dtype=dtype, quantity="output", B=case.B, T=case.T, S=case.S, reference=expected,
-                         logits=exp["logits"] if seen_logits else None, precision=precision)
+        tol = case_policy(case, dtype, stage, "stage", expected, precision=precision, logits=seen_logits)
         c = compare(stage, value, expected, tol)
         if not c.ok:
             return Divergence(stage, c.index, c.actual, c.expected, c.margin)

@@ -47,6 +47,22 @@ quantities the 16-bit reference happens to get exactly, and rtol is at least
 one 16-bit step (2u): results stored in 16 bits that straddle a rounding
 boundary differ by one step whatever the reference's own error.
 
+The modern stages lengthen L (modern_length):
+* RoPE: the angle position x frequency is rounded to the compute dtype,
+  an absolute error u * theta for an angle theta, so the rotated q and k
+  carry a relative error of about u * theta_max (theta_max: the largest
+  angle of the case, max |position| x the largest frequency). Adding
+  theta_max^2 to L makes sqrt(L) >= theta_max: the bar grows with the
+  position, as the error does. (cos and sin of a large angle add no more
+  than the angle's own rounding: both are computed to within an ulp.)
+* QK-norm: a mean of squares over H (head scope) or the whole N*H / K*H
+  (all), one more reduction of that length before the logits.
+* Sinks: one more term in every softmax denominator (S + 1).
+* The cache: every key counts, S is S_total = P + S.
+* Softcap: c tanh(x / c) has slope <= 1, so it adds no error beyond one
+  rounding; the logit scale z is taken before it (the larger value), the
+  conservative side.
+
 `precision="tf32"` (reduced matmul precision on GPUs, asked for explicitly)
 uses u = 2**-11 for float32 and says so in the reason.
 """
@@ -196,18 +212,39 @@ def max_finite_abs(x) -> float:
     return float(np.abs(finite).max()) if finite.size else 0.0
 
 
+def modern_length(config, max_position: int) -> int:
+    """What the modern stages add to the reduction length L (module docstring)."""
+    extra = 0
+    if config.rope is not None:
+        from weights.rope import inverse_frequencies
+
+        theta_max = abs(max_position) * float(inverse_frequencies(config.rope).max())
+        extra += math.ceil(theta_max**2)
+    if config.qk_norm is not None:
+        heads = 1 if config.qk_norm.scope == "head" else max(config.num_heads, config.num_kv_heads)
+        extra += heads * config.head_dim
+    if config.use_sinks:
+        extra += 1
+    return extra
+
+
 def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, reference, logits=None,
                precision: str = "highest", same_precision_error: float | None = None,
-               scale_floor: float = 0.0) -> Tolerance:
+               scale_floor: float = 0.0, max_position: int | None = None) -> Tolerance:
     """The Tolerance for one quantity of one case: the policy applied.
 
     scale_floor: a magnitude the reference scale may not fall below. For a
     gradient it is the largest term magnitude the gradient is summed from
     (impl_numpy's gradient_magnitudes), because gradients cancel: the key
     bias gradient is exactly zero, and what a backend returns there is
-    rounding noise the size of those terms."""
+    rounding noise the size of those terms.
+
+    S: every key the softmax sees (P + S with a cache). max_position: the
+    largest |position| of the call (RoPE); None: T + S, the largest a
+    call without explicit positions reaches."""
     D = max(config.query_dim, config.key_dim, config.value_dim)
     length = reduction_length(quantity, D=D, H=config.head_dim, S=S, NV=config.num_heads * config.value_head_dim, B=B, T=T)
+    length += modern_length(config, T + S if max_position is None else max_position)
     return tolerance(
         dtype, length=length, reference_scale=max(max_finite_abs(reference), scale_floor),
         logit_scale=0.0 if logits is None else max_finite_abs(logits), precision=precision,

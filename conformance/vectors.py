@@ -8,13 +8,18 @@ File `<case>.<dtype>.safetensors`:
   inputs.query|key|value     in <dtype>; inputs.bias in <dtype> when present
   inputs.mask                bool, True = may attend (when present)
   inputs.dropout_mask        bool, True = keep (training cases)
+  inputs.positions, inputs.key_positions, inputs.segment_ids
+                             int64 (cases with explicit positions / packed rows)
+  inputs.past_key|past_value in <dtype> (cases with a cache)
   cotangent.output           (B, T, O) float64: the output cotangent
   expected.output            float64
-  expected.weights           float64, (B, N, T, S) (when the case asks for them)
+  expected.weights           float64, (B, N, T, P+S) (when the case asks for them)
+  expected.present_key|present_value
+                             float64 (when options.return_cache)
   expected.grad.<name>       float64 gradients of sum(output * cotangent)
 __metadata__: format "mha-vectors", format_version "1", case, dtype, config
 (AttentionConfig JSON), options (JSON: is_causal, causal_alignment,
-return_weights, dtype, training), tolerance (JSON: quantity -> {rtol, atol,
+return_weights, dtype, training, and return_cache where true), tolerance (JSON: quantity -> {rtol, atol,
 reason}, from conformance/tolerance.py), generator.
 
 Expected values are the float64 reference evaluated on the stored (already
@@ -34,9 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from conformance.cases import CASES, DTYPE_NAMES, Case
-from conformance.compare import expected_for
+from conformance.compare import case_policy, expected_for
 from conformance.io import write_arrays
-from conformance.tolerance import max_finite_abs, policy_for
+from conformance.tolerance import max_finite_abs
 from weights import AttentionConfig, read_safetensors
 
 FORMAT = "mha-vectors"
@@ -62,14 +67,16 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
     tolerance = {}
 
     def tol(name, quantity, reference, floor=0.0):
-        t = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S, reference=reference,
-                       logits=exp["logits"], same_precision_error=exp["same_precision"].get(name), scale_floor=floor)
+        t = case_policy(case, dtype, name, quantity, reference, scale_floor=floor)
         tolerance[name] = {"rtol": t.rtol, "atol": t.atol, "reason": t.reason}
 
     tol("output", "output", exp["output"])
     if case.return_weights:
         arrays["expected.weights"] = exp["weights"]
         tol("weights", "weights", exp["weights"])
+    for name in ("present_key", "present_value") if case.return_cache else ():
+        arrays[f"expected.{name}"] = exp[name]
+        tol(name, "output", exp[name])
     for name, grad in exp["grads"].items():
         arrays[f"expected.grad.{name}"] = grad
         tol(f"grad {name}", "grad", grad, max_finite_abs(exp["magnitudes"][name]))

@@ -67,8 +67,13 @@ def test_one_vector_per_case_and_dtype_with_everything_inside():
         assert {"query", "key", "value"} <= set(v.inputs)
         assert v.cotangent.shape == (case.B, case.T, case.config.out_dim)
         assert ("weights" in v.expected) == case.return_weights
+        assert ("present_key" in v.expected) == ("present_value" in v.expected) == case.return_cache
+        assert v.options.get("return_cache", False) == case.return_cache
         grads = {k for k in v.expected if k.startswith("grad.")}
-        assert grads == {f"grad.{n}" for n in ["query", "key", "value", *case.config.tensor_shapes()]}
+        cache = ["past_key", "past_value"] if case.P else []
+        assert grads == {f"grad.{n}" for n in ["query", "key", "value", *cache, *case.config.tensor_shapes()]}
+        for name in ("positions", "key_positions", "segment_ids"):
+            assert name not in v.inputs or v.inputs[name].dtype == np.int64, (v.name, name)
         assert set(v.tolerance) >= {"output"} and all(t["rtol"] > 0 and t["atol"] > 0 for t in v.tolerance.values())
         assert v.tensors["query.kernel"].dtype.name == v.dtype
 

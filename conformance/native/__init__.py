@@ -365,6 +365,25 @@ def torch_vjp(out, leaves: Mapping, d_output) -> tuple[np.ndarray, dict[str, np.
     return to_numpy(out), grads
 
 
+# The modern call inputs (issue 18's contract): none of the wrapped native APIs is given them yet.
+MODERN_INPUTS = ("positions", "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids")
+
+
+def refuse_modern(name: str, config: AttentionConfig, inputs, options) -> None:
+    """NotImplementedError for the modern features (rope, qk_norm, softcap,
+    windows, sinks, a cache, segments): these wrappers call the native APIs
+    as the plain layer does; the APIs that have some of them (flex_attention,
+    jax.nn.dot_product_attention's local_window_size, ONNX opset 25) get
+    their own backends with their own conventions."""
+    from weights.config import MODERN_DEFAULTS
+
+    used = [field for field, default in MODERN_DEFAULTS.items() if getattr(config, field) != default]
+    used += [field for field in MODERN_INPUTS if inputs.get(field) is not None]
+    used += ["return_cache"] if options.get("return_cache") else []
+    if used:
+        raise NotImplementedError(f"{name}: this wrapper of the native API does not express {', '.join(used)}")
+
+
 def prepare_call(name: str, config: AttentionConfig, tensors, inputs, options, device: str, precision: str,
                  devices: list[str]):
     """The start every native backend shares: precision and device checked,
@@ -372,6 +391,7 @@ def prepare_call(name: str, config: AttentionConfig, tensors, inputs, options, d
     Returns (dtype name, tensors, inputs, CallShapes)."""
     check_precision(precision)
     check_device(name, device, devices)
+    refuse_modern(name, config, inputs, options)
     dtype = dtype_name(tensors, options)
     tensors, inputs = cast(tensors, inputs, dtype, config)
     return dtype, tensors, inputs, call_shapes(config, inputs, options)

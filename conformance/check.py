@@ -45,7 +45,7 @@ def cross_device(results: list[CaseResult]) -> list[CaseResult]:
         if device != "gpu" or cpu is None:
             continue
         case = CASES[case_name]
-        tol = policy_for(case.config, dtype=dtype, quantity="output", B=case.B, T=case.T, S=case.S,
+        tol = policy_for(case.config, dtype=dtype, quantity="output", B=case.B, T=case.T, S=case.S_total,
                          reference=cpu.arrays["backend_output"], precision=gpu.precision)
         c = compare("output (gpu vs cpu)", gpu.arrays["backend_output"], cpu.arrays["backend_output"], tol)
         extra.append(CaseResult(case_name, backend_id, "gpu-vs-cpu", dtype, gpu.precision,
@@ -162,6 +162,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-gradients", action="store_true", help="forward only")
     p.add_argument("--report", metavar="DIR", help="write report.md, report.html and heatmaps here")
     p.add_argument("--json", metavar="FILE", help="write every result as JSON")
+    p.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per case x backend x device x dtype")
     p.add_argument("--conventions", action="store_true", help="also measure the native layers' conventions")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="worker processes (default: one per CPU core; 1 runs everything in this process)")
@@ -184,6 +185,10 @@ def run(args) -> int:
     started = time.perf_counter()
     if args.json and Path(args.json).is_dir():
         raise ValueError(f"--json {args.json}: is a directory")
+    if args.junit:
+        from conformance.verify import check_destination
+
+        check_destination("--junit", args.junit)
     results, skipped = run_check(expand_backends(args.backends), args.devices, args.dtypes, args.cases, precision=args.precision,
                                  gradients=not args.no_gradients, progress=console.is_terminal, jobs=args.jobs,
                                  compile_cache=None if args.no_compile_cache else default_compile_cache(),
@@ -219,4 +224,8 @@ def run(args) -> int:
         if conventions is not None:
             payload["conventions"] = conventions
         write_bytes_atomic(args.json, json.dumps(payload, indent=1).encode(), overwrite=True)
+    if args.junit:
+        from conformance.junit import write_check
+
+        write_check(args.junit, results, seconds=elapsed, skipped=skipped)
     return 0 if not bad else 1

@@ -1,16 +1,30 @@
 """`mha verify --impl MODULE:FUNCTION`: check an outside implementation
-against the shipped vectors.
+against the shipped vectors (docs/verify-in-ci.md is the user's guide).
 
-The function is called as `fn(config, tensors, inputs, options)`:
+The function is called once per vector as `fn(config, tensors, inputs, options)`:
   config   the AttentionConfig as a plain dict (its JSON fields)
-  tensors  canonical tensors, name -> ndarray in the case's dtype
-  inputs   query, key, value and, when the case has them, mask (bool, True =
-           may attend), bias and dropout_mask (bool, True = keep)
-  options  is_causal, causal_alignment, return_weights, dtype (a name such as
-           "bfloat16"), training
-and returns a dict with `output` (and `weights` when options["return_weights"]).
-Raising NotImplementedError marks a case "unsupported" (a failure unless
---allow-unsupported). Exit 0 only if every case passes.
+  tensors  canonical tensors, name -> ndarray in the vector's dtype
+  inputs   every `inputs.*` array of the vector, unchanged: query, key, value
+           and, where the vector has them, mask (bool, True = may attend),
+           bias, dropout_mask (bool, True = keep), and whatever inputs later
+           vector formats add (some of them integer arrays)
+  options  every option of the vector, unchanged (is_causal,
+           causal_alignment, return_weights, dtype, training, ...), plus
+           `cotangent`: the vector's output cotangent, float64 (B, T, O),
+           where the vector carries gradients
+and returns a dict with
+  output   (B, T, O), and every other quantity the vector's tolerance names
+           (weights (B, N, T, S) when options["return_weights"], ...)
+  grads    optional: name -> gradient of sum(output * cotangent), for query,
+           key, value and every canonical tensor name (query.kernel ...):
+           each `expected.grad.<name>` of the vector is checked. Without it
+           the vector is verified on the forward pass only ("forward only");
+           --require-gradients makes that a failure.
+  trace    optional: a list of (stage name, array) pairs of the forward pass;
+           a failing vector then names the first stage that left the
+           tolerance, against impl_numpy's stages of the same name.
+Raising NotImplementedError marks a vector "unsupported" (a failure unless
+--allow-unsupported). Exit 0 only if every vector passes.
 """
 
 from __future__ import annotations
@@ -19,20 +33,49 @@ import dataclasses
 import importlib
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
 
-from conformance.tolerance import Tolerance, compare
+from conformance.tolerance import Comparison, Tolerance, compare, policy_for
 from conformance.vectors import DEFAULT_DIR, Vector, load_all
+from weights.dtypes import is_float
+
+STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
+# What a passing vector's gradients were: checked, not returned by the function, or none in the vector.
+GRADIENTS_CHECKED, GRADIENTS_FORWARD_ONLY, GRADIENTS_NONE = "checked", "forward only", "none in vector"
+GRAD_PREFIX = "grad "  # tolerance keys of gradients: "grad query.kernel"
 
 
 @dataclasses.dataclass
 class VerifyResult:
     name: str
     status: str  # pass | fail | unsupported | error
-    detail: str
+    detail: str  # one line: why, or the worst comparison of a pass
     margin: float = 0.0
+    gradients: str = GRADIENTS_NONE
+    comparisons: list[Comparison] = dataclasses.field(default_factory=list)
+    divergence: str | None = None  # the first divergent stage (a failing vector whose function returned a trace)
+    seconds: float = 0.0
+    traceback: str = ""  # the function's own traceback, for status error
+
+    @property
+    def forward_only(self) -> bool:
+        return self.status == STATUS_PASS and self.gradients == GRADIENTS_FORWARD_ONLY
+
+    @property
+    def label(self) -> str:
+        return "pass (forward only)" if self.forward_only else self.status
+
+    def message(self) -> str:
+        """What `mha verify --verbose` prints for this vector (and a failing pytest item says)."""
+        lines = [f"{self.label} {self.name}: {self.detail}"]
+        if self.status == STATUS_FAIL:
+            lines += [f"  {c.describe()}" for c in self.comparisons if not c.ok]
+        if self.divergence:
+            lines.append(f"  {self.divergence}")
+        return "\n".join(lines)
 
 
 def load_function(spec: str):
@@ -51,67 +94,257 @@ def load_function(spec: str):
     return fn
 
 
-def verify_vector(fn, vector: Vector) -> VerifyResult:
+def gradient_names(vector: Vector) -> list[str]:
+    """Every gradient the vector carries (expected.grad.<name>)."""
+    return [key[len("grad."):] for key in vector.expected if key.startswith("grad.")]
+
+
+def forward_quantities(vector: Vector) -> list[str]:
+    """Every non-gradient quantity the vector's tolerance names, output first."""
+    names = [q for q in vector.tolerance if not q.startswith(GRAD_PREFIX)]
+    return sorted(names, key=lambda q: (q != "output", q))
+
+
+def _tolerance(vector: Vector, key: str) -> Tolerance:
+    t = vector.tolerance[key]
+    return Tolerance(t["rtol"], t["atol"], t["reason"])
+
+
+def _call(fn, vector: Vector):
     options = dict(vector.options)
+    if vector.cotangent is not None:
+        options["cotangent"] = vector.cotangent.copy()
+    return fn(vector.config.to_dict(), {k: v.copy() for k, v in vector.tensors.items()},
+              {k: v.copy() for k, v in vector.inputs.items()}, options)
+
+
+def verify_vector(fn, vector: Vector, *, require_gradients: bool = False) -> VerifyResult:
+    """Call `fn` on one vector and judge every quantity it carries."""
+    started = time.perf_counter()
+    result = _verify(fn, vector, require_gradients)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
+    name = vector.name
     try:
-        result = fn(vector.config.to_dict(), {k: v.copy() for k, v in vector.tensors.items()},
-                    {k: v.copy() for k, v in vector.inputs.items()}, options)
+        answer = _call(fn, vector)
     except NotImplementedError as err:
-        return VerifyResult(vector.name, "unsupported", str(err) or "NotImplementedError")
+        return VerifyResult(name, STATUS_UNSUPPORTED, str(err) or "NotImplementedError")
     except Exception as err:  # the implementation under test crashed: report, go on
-        return VerifyResult(vector.name, "error", f"{type(err).__name__}: {err}".replace("\n", " ")[:300])
-    if not isinstance(result, dict) or "output" not in result:
-        return VerifyResult(vector.name, "error", f"returned {type(result).__name__}, expected a dict with 'output'")
-    quantities = ["output"] + (["weights"] if options.get("return_weights") else [])
-    worst = None
-    for q in quantities:
-        if q not in result:
-            return VerifyResult(vector.name, "fail", f"no {q!r} in the result although return_weights was requested")
-        t = vector.tolerance[q]
+        return VerifyResult(name, STATUS_ERROR, f"{type(err).__name__}: {err}".replace("\n", " ")[:500],
+                            traceback=traceback.format_exc())
+    if not isinstance(answer, dict) or "output" not in answer:
+        return VerifyResult(name, STATUS_ERROR, f"returned {type(answer).__name__}, expected a dict with 'output'")
+    comparisons: list[Comparison] = []
+    for q in forward_quantities(vector):
+        if q not in answer:
+            why = " (options[\"return_weights\"] is true)" if q == "weights" else ""
+            return VerifyResult(name, STATUS_FAIL, f"no {q!r} in the result{why}; the vector checks "
+                                + ", ".join(forward_quantities(vector)))
         try:
-            actual = np.asarray(result[q])
+            actual = np.asarray(answer[q])
         except Exception as err:
-            return VerifyResult(vector.name, "error", f"{q} is not an array: {err}")
-        c = compare(q, actual, vector.expected[q], Tolerance(t["rtol"], t["atol"], t["reason"]))
-        if worst is None or c.margin > worst.margin:
-            worst = c
+            return VerifyResult(name, STATUS_ERROR, f"{q} is not an array: {type(err).__name__}: {err}")
+        if q not in vector.expected:
+            return VerifyResult(name, STATUS_ERROR, f"vector {vector.path}: tolerance names {q!r} but there is no "
+                                f"expected.{q}")
+        comparisons.append(compare(q, actual, vector.expected[q], _tolerance(vector, q)))
+
+    wanted = gradient_names(vector)
+    grads = answer.get("grads")
+    gradients = GRADIENTS_NONE
+    problem = None
+    if wanted and grads is None:
+        gradients = GRADIENTS_FORWARD_ONLY
+        if require_gradients:
+            problem = (f"no 'grads' in the result (gradients required): the vector carries {len(wanted)} gradients "
+                       f"({', '.join(wanted)})")
+    elif wanted:
+        if not isinstance(grads, dict):
+            return VerifyResult(name, STATUS_ERROR, f"grads is a {type(grads).__name__}, expected a dict name -> array")
+        missing = [g for g in wanted if g not in grads]
+        if missing:
+            problem = f"grads lacks {', '.join(missing)} (the vector carries {', '.join(wanted)})"
+        gradients = GRADIENTS_CHECKED
+        for g in wanted:
+            if g in grads:
+                try:
+                    actual = np.asarray(grads[g])
+                except Exception as err:
+                    return VerifyResult(name, STATUS_ERROR, f"grads[{g!r}] is not an array: {type(err).__name__}: {err}")
+                comparisons.append(compare(f"grad {g}", actual, vector.expected[f"grad.{g}"],
+                                           _tolerance(vector, GRAD_PREFIX + g)))
+
+    worst = max(comparisons, key=lambda c: c.margin)
+    failed = [c for c in comparisons if not c.ok]
+    if not failed and problem is None:
+        detail = f"worst {worst.describe()}"
+        if gradients == GRADIENTS_FORWARD_ONLY:
+            detail = f"forward only (no 'grads' returned; {len(wanted)} gradients not checked); {detail}"
+        return VerifyResult(name, STATUS_PASS, detail, worst.margin, gradients, comparisons)
+    parts = []
+    if failed:
+        parts.append(f"{len(failed)} of {len(comparisons)} quantities beyond tolerance ("
+                     + ", ".join(f"{c.name} margin {c.margin:.3g}" for c in failed) + ")")
+    if problem:
+        parts.append(problem)
+    divergence = None
+    if answer.get("trace") is not None:
+        divergence = first_divergent_stage(vector, answer["trace"])
+    return VerifyResult(name, STATUS_FAIL, "; ".join(parts), worst.margin, gradients, comparisons, divergence)
+
+
+def reference_trace(vector: Vector, dtype: str = "float64") -> list[tuple[str, np.ndarray]]:
+    """impl_numpy's stages for the vector on its stored (already rounded)
+    tensors and inputs: in float64 the stages of the exact answer; in the
+    vector's own dtype, what a careful implementation in that dtype gets."""
+    from impl_numpy import adapter as reference
+
+    def cast(v):
+        return np.asarray(v, dtype=np.float64) if dtype == "float64" and is_float(v.dtype) else v
+
+    tensors = {k: cast(v) for k, v in vector.tensors.items()}
+    inputs = {k: cast(v) for k, v in vector.inputs.items()}
+    options = dict(vector.options) | {"dtype": dtype}
+    return reference.forward(vector.config, tensors, inputs, options, trace=True)["trace"]
+
+
+def _max_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    with np.errstate(invalid="ignore"):
+        d = np.where(np.isnan(a) & np.isnan(b), 0.0, np.abs(a - b))
+    d = d[np.isfinite(d)]
+    return float(d.max()) if d.size else 0.0
+
+
+def first_divergent_stage(vector: Vector, trace) -> str:
+    """Compare the function's trace with the reference's, stage by stage by
+    name, under the policy (as conformance.compare.localise does for mha
+    check); one line naming the first stage beyond tolerance."""
+    try:
+        pairs = [(str(stage), value) for stage, value in trace]
+    except (TypeError, ValueError):
+        return "trace: not a list of (stage name, array) pairs; no stage compared"
+    reference = dict(reference_trace(vector))
+    logits = reference.get("logits")
+    B, T = np.shape(vector.inputs["query"])[:2]
+    S = np.shape(logits)[-1] if logits is not None else np.shape(vector.inputs.get("key", vector.inputs["query"]))[1]
+    # 16-bit stages are judged as the vector's own quantities are: against the
+    # error of the reference run in that dtype (the u*sqrt(L) formula with a
+    # 16-bit u lets large-logit stages off by a quarter through).
+    same_precision = {}
+    if vector.dtype in ("float16", "bfloat16"):
+        same_precision = {stage: _max_error(value, reference[stage])
+                          for stage, value in reference_trace(vector, vector.dtype) if stage in reference}
+    seen_logits = False
+    compared = []
+    for stage, value in pairs:
+        if stage not in reference:
+            continue
+        seen_logits = seen_logits or stage == "logits"
+        expected = reference[stage]
+        tol = policy_for(vector.config, dtype=vector.dtype, quantity="output", B=B, T=T, S=S, reference=expected,
+                         logits=logits if seen_logits else None, same_precision_error=same_precision.get(stage))
+        try:
+            c = compare(stage, np.asarray(value), expected, tol)
+        except Exception as err:
+            return f"first divergent stage: {stage} (not an array: {type(err).__name__}: {err})"
+        compared.append(stage)
         if not c.ok:
-            return VerifyResult(vector.name, "fail", c.describe(), c.margin)
-    return VerifyResult(vector.name, "pass", worst.describe(), worst.margin)
+            if c.index is None:  # a shape mismatch
+                return f"first divergent stage: {c.name}; stages before it agree ({', '.join(compared[:-1]) or 'none'})"
+            return (f"first divergent stage: {stage} (worst at {list(c.index)}: got {c.actual!r}, reference "
+                    f"{c.expected!r}, margin {c.margin:.3g}; rtol {tol.rtol:.3g}, atol {tol.atol:.3g}: {tol.reason})")
+    if not compared:
+        return (f"trace: none of its {len(pairs)} stage names is a reference stage ({', '.join(reference)}); "
+                "no stage compared")
+    return f"trace: all {len(compared)} stages with reference names agree ({', '.join(compared)})"
 
 
-def verify(fn, directory=DEFAULT_DIR, *, only=None) -> list[VerifyResult]:
-    vectors = load_all(directory)
+def select(vectors: list[Vector], *, only=None, dtypes=None) -> list[Vector]:
     if only:
         vectors = [v for v in vectors if any(v.name.startswith(o) for o in only)]
-    return [verify_vector(fn, v) for v in vectors]
+    if dtypes:
+        vectors = [v for v in vectors if v.dtype in dtypes]
+    return vectors
+
+
+def verify(fn, directory=DEFAULT_DIR, *, only=None, dtypes=None, require_gradients: bool = False) -> list[VerifyResult]:
+    vectors = select(load_all(directory), only=only, dtypes=dtypes)
+    return [verify_vector(fn, v, require_gradients=require_gradients) for v in vectors]
+
+
+def summary(results: list[VerifyResult]) -> str:
+    """'128 vectors: 120 pass (8 forward only), 8 unsupported; worst margin 0.21'."""
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    parts = []
+    for status in (STATUS_PASS, STATUS_FAIL, STATUS_ERROR, STATUS_UNSUPPORTED):
+        if counts.get(status):
+            text = f"{counts[status]} {status}"
+            forward_only = sum(r.forward_only for r in results)
+            if status == STATUS_PASS and forward_only:
+                text += f" ({forward_only} forward only: no 'grads' returned)"
+            parts.append(text)
+    worst = max((r.margin for r in results if r.status in (STATUS_PASS, STATUS_FAIL) and r.comparisons), default=0.0)
+    return f"{len(results)} vectors: {', '.join(parts) or 'none'}; worst margin {worst:.3g}"
+
+
+def check_destination(flag: str, path) -> None:
+    """Refuse an output file that cannot be written before the run, not after it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {path.parent} does not exist")
 
 
 def add_parser(subparsers) -> None:
+    from conformance.cases import DTYPE_NAMES
+
     p = subparsers.add_parser("verify", help="check your own implementation against the shipped vectors")
     p.add_argument("--impl", required=True, help="MODULE:FUNCTION taking (config, tensors, inputs, options)")
     p.add_argument("--vectors", default=str(DEFAULT_DIR), help="directory of vector files (default: the shipped ones)")
     p.add_argument("--cases", nargs="+", default=None, help="only vectors whose name starts with one of these")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPE_NAMES), help="only vectors of these dtypes")
     p.add_argument("--allow-unsupported", action="store_true", help="unsupported cases do not fail the run")
-    p.add_argument("--verbose", action="store_true", help="a line per vector, passing ones too")
+    p.add_argument("--require-gradients", action="store_true",
+                   help="a function that returns no 'grads' fails (default: it passes as 'forward only')")
+    p.add_argument("--junit", metavar="FILE", help="write JUnit XML, one testcase per vector")
+    p.add_argument("--verbose", action="store_true", help="every vector's message, passing ones too")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from rich.console import Console
+    from rich.text import Text
 
+    if args.junit:
+        check_destination("--junit", args.junit)
     fn = load_function(args.impl)
     started = time.perf_counter()
-    results = verify(fn, args.vectors, only=args.cases)
-    console = Console(highlight=False)
-    counts: dict[str, int] = {}
+    results = verify(fn, args.vectors, only=args.cases, dtypes=args.dtypes, require_gradients=args.require_gradients)
+    if not results:
+        raise ValueError(f"--cases {' '.join(args.cases or [])} --dtypes {' '.join(args.dtypes or [])}: no vector "
+                         f"in {args.vectors} matches")
+    elapsed = time.perf_counter() - started
+    # soft_wrap: a CI log or a pipe gets each message on one line, not cut at 80 columns
+    console = Console(highlight=False, soft_wrap=True)
+    colours = {STATUS_PASS: "green", STATUS_FAIL: "red", STATUS_ERROR: "red", STATUS_UNSUPPORTED: "yellow"}
     for r in results:
-        counts[r.status] = counts.get(r.status, 0) + 1
-        if r.status != "pass" or args.verbose:
-            colour = {"pass": "green", "fail": "red", "error": "red", "unsupported": "yellow"}[r.status]
-            console.print(f"[{colour}]{r.status:11}[/] {r.name}: {r.detail}")
-    worst = max((r.margin for r in results if r.status in ("pass", "fail")), default=0.0)
-    console.print(f"{args.impl}: {len(results)} vectors, " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-                  + f"; worst margin {worst:.3g}; {time.perf_counter() - started:.1f} s")
-    bad = counts.get("fail", 0) + counts.get("error", 0) + (0 if args.allow_unsupported else counts.get("unsupported", 0))
+        if r.status != STATUS_PASS or args.verbose:
+            text = Text(r.message())
+            text.stylize("yellow" if r.forward_only else colours[r.status], 0, len(r.label))
+            console.print(text)
+    console.print(Text(f"{args.impl}: {summary(results)}; {elapsed:.1f} s"))
+    if args.junit:
+        from conformance.junit import write_verify
+
+        write_verify(args.junit, results, impl=args.impl, seconds=elapsed)
+        console.print(Text(f"junit: {args.junit}"))
+    bad = sum(r.status in (STATUS_FAIL, STATUS_ERROR) or (r.status == STATUS_UNSUPPORTED and not args.allow_unsupported)
+              for r in results)
     return 0 if bad == 0 else 1

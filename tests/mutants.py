@@ -32,7 +32,8 @@ def port(config, tensors, inputs, options, bug=None):
     if bug == "key_value_swapped":
         k_in, v_in = v_in, k_in
     B, T, _ = q_in.shape
-    S = k_in.shape[1]
+    P = inputs["past_key"].shape[2] if "past_key" in inputs else 0
+    S = P + k_in.shape[1]  # every key: the cache's and the new ones
 
     def mm(a, b):
         if bug == "tf32_matmul_inputs":
@@ -46,21 +47,37 @@ def port(config, tensors, inputs, options, bug=None):
         y = mm(x, kernel)
         if f"{name}.bias" in t:
             y = y + t[f"{name}.bias"].reshape(-1)
+        if config.get("qk_norm") and name in ("query", "key"):
+            y = _qk_norm(y, t, name, heads, H, config["qk_norm"], bug)
         if bug == "heads_split_wrong_order":
             return y.reshape(x.shape[0], x.shape[1], width, heads).transpose(0, 3, 1, 2)  # (B, heads, L, width)
         return y.reshape(x.shape[0], x.shape[1], heads, width).transpose(0, 2, 1, 3)  # (B, heads, L, width)
 
     q, k, v = proj(q_in, "query", N, H), proj(k_in, "key", K, H), proj(v_in, "value", K, V)
+    if config.get("rope"):
+        start = 0 if bug == "rope_positions_no_cache_offset" else P
+        positions = inputs.get("positions", start + np.arange(T))
+        key_positions = inputs.get("key_positions", start + np.arange(k.shape[2]))
+        q, k = _rope(q, positions, config, H, bug), _rope(k, key_positions, config, H, bug)
+        if bug == "rope_on_value" and V == H:
+            v = _rope(v, key_positions, config, H, bug)
+    if P:
+        k = np.concatenate([inputs["past_key"].astype(ct), k], axis=2)  # (B, K, P+S, H)
+        v = np.concatenate([inputs["past_value"].astype(ct), v], axis=2)
+    present = (k, v)
     kv_of = (np.arange(N) % K) if bug == "gqa_head_mapping_modulo" else (np.arange(N) // G)
     k, v = k[:, kv_of], v[:, kv_of]  # (B, N, S, H)
     scale = config["scale"] if config["scale"] is not None else 1.0 / np.sqrt(H)
     if bug == "wrong_scale":
         scale = 1.0 / H
     logits = mm(q, k.transpose(0, 1, 3, 2))
+    cap = config.get("logit_softcap")
     if bug == "bias_before_scale" and "bias" in inputs:
         logits = (logits + inputs["bias"].astype(ct).reshape(_rank4(inputs["bias"].shape))) * scale
     else:
         logits = logits * scale
+        if cap and bug != "softcap_after_mask":
+            logits = cap * np.tanh(logits / cap)
         if "bias" in inputs:
             logits = logits + inputs["bias"].astype(ct).reshape(_rank4(inputs["bias"].shape))
     allowed = np.ones((B, N, T, S), bool)
@@ -79,13 +96,32 @@ def port(config, tensors, inputs, options, bug=None):
         i, j = np.arange(T)[:, None], np.arange(S)[None, :]
         causal = (j < i + offset) if bug == "causal_off_by_one" else (j <= i + offset)
         allowed &= causal
+    left, right = config.get("window_left", -1), config.get("window_right", -1)
+    if left >= 0 or right >= 0:
+        p = np.arange(T)[:, None] + (0 if options["causal_alignment"] == "top_left" else S - T)
+        j = np.arange(S)[None, :]
+        if left >= 0:
+            allowed &= (j > p - left) if bug == "window_off_by_one" else (j >= p - left)
+        if right >= 0:
+            allowed &= j <= p + right
+    if "segment_ids" in inputs:
+        q_ids = np.asarray(inputs["segment_ids"]).reshape(-1, T)
+        k_ids = np.asarray(inputs.get("key_segment_ids", inputs["segment_ids"])).reshape(-1, S)
+        allowed &= (q_ids[:, :, None] == k_ids[:, None, :])[:, None]
     fill = -1e9 if bug == "mask_fill_minus_1e9" else -np.inf
     logits = np.where(allowed, logits, fill)
+    if cap and bug == "softcap_after_mask":  # -inf becomes -cap: masked keys get weight
+        logits = cap * np.tanh(logits / cap)
+    sinks = t["sinks"].reshape(1, N, 1, 1) if config.get("use_sinks") and bug != "sinks_ignored" else None
     axis = -2 if bug == "softmax_wrong_axis" else -1
     if bug == "no_max_subtraction":
         with np.errstate(over="ignore", invalid="ignore"):
             e = np.exp(logits)
             w = e / e.sum(axis, keepdims=True)
+    elif sinks is not None:  # one more logit per head in every row, attending to nothing
+        top = np.maximum(logits.max(axis, keepdims=True), sinks)
+        e = np.exp(logits - top)
+        w = e / (e.sum(axis, keepdims=True) + np.exp(sinks - top))
     else:
         top = logits.max(axis, keepdims=True)
         empty = ~np.isfinite(top)
@@ -109,7 +145,58 @@ def port(config, tensors, inputs, options, bug=None):
     result = {"output": out.astype(dtype)}
     if options["return_weights"]:
         result["weights"] = weights_out.astype(dtype)
+    if options.get("return_cache"):
+        result["present_key"], result["present_value"] = (x.astype(dtype) for x in present)
     return result
+
+
+def _qk_norm(y, t, name, heads, H, norm, bug):
+    """QK-norm of a flat projection (B, L, heads*H): per head over H, or over all of it."""
+    B, L, F = y.shape
+    per_head = norm["scope"] == "head"
+    if bug == "qk_norm_scope_swapped":
+        per_head = not per_head
+    g = y.reshape(B, L, heads, H) if per_head else y.reshape(B, L, 1, F)
+    if norm["type"] == "layer":
+        g = g - g.mean(-1, keepdims=True)
+    ms = (g * g).mean(-1, keepdims=True)
+    g = g / (np.sqrt(ms) + norm["eps"]) if bug == "norm_eps_outside_sqrt" else g / np.sqrt(ms + norm["eps"])
+    g = g.reshape(B, L, F)
+
+    def per_feature(x):  # (H,) for every head, or (heads, H): as (F,)
+        return np.tile(x, heads) if x.ndim == 1 else x.reshape(-1)
+
+    g = g * per_feature(t[f"{name}.norm.scale"])
+    if f"{name}.norm.bias" in t:
+        g = g + per_feature(t[f"{name}.norm.bias"])
+    return g
+
+
+def _rope(x, positions, config, H, bug):
+    """Rotary embedding of x (B, heads, L, H) at positions (L,) or (B, L), written out as a port would."""
+    from weights.config import Rope
+    from weights.rope import attention_factor, inverse_frequencies
+
+    rope = config["rope"]
+    R = H if bug == "partial_rotary_whole_head" else rope["rotary_dim"]
+    scaling = rope["scaling"]
+    if scaling is None or (bug == "llama3_scaling_ignored" and scaling["type"] == "llama3"):
+        inv_freq = 1.0 / rope["theta"] ** (np.arange(0, R, 2) / R)
+    else:  # the scaled rules from weights.rope (tests/test_rope.py checks them against transformers)
+        inv_freq = inverse_frequencies(Rope.from_value(dict(rope, rotary_dim=R)))
+    if bug == "rope_freqs_bfloat16":
+        inv_freq = inv_freq.astype(ml_dtypes.bfloat16).astype(np.float64)
+    factor = 1.0
+    if scaling is not None and scaling["type"] == "yarn" and bug != "yarn_attention_factor_ignored":
+        factor = attention_factor(Rope.from_value(rope))
+    angle = np.asarray(positions, np.float64).reshape(-1, 1, np.shape(positions)[-1], 1) * inv_freq  # (B|1, 1, L, R/2)
+    cos, sin = np.cos(angle) * factor, np.sin(angle) * factor
+    interleaved = rope["interleaved"] != (bug == "rope_convention_swapped")
+    head = x[..., :R]
+    x1, x2 = (head[..., 0::2], head[..., 1::2]) if interleaved else (head[..., : R // 2], head[..., R // 2:])
+    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    turned = np.stack([y1, y2], -1).reshape(head.shape) if interleaved else np.concatenate([y1, y2], -1)
+    return np.concatenate([turned, x[..., R:]], -1).astype(x.dtype)
 
 
 def _rank4(shape):
@@ -134,6 +221,19 @@ MUTANTS = {
     "dropout_no_rescale": "dropout without the 1/(1-p) rescale",
     "weights_after_dropout": "returned weights taken after dropout",
     "mask_bts_broadcast_as_leading": "a (B, T, S) mask broadcast as (1, B, T, S) by NumPy rules",
+    # the modern features (issue 18)
+    "rope_convention_swapped": "RoPE pairs interleaved where the config says half-split, and the reverse",
+    "rope_on_value": "RoPE applied to the values too",
+    "rope_positions_no_cache_offset": "RoPE's default positions start at 0 while decoding (cache offset forgotten)",
+    "rope_freqs_bfloat16": "RoPE frequencies computed in bfloat16",
+    "llama3_scaling_ignored": "Llama 3's frequency rescaling left out",
+    "yarn_attention_factor_ignored": "YaRN's attention factor (on cos and sin) left out",
+    "partial_rotary_whole_head": "partial rotary (rotary_dim < H) applied to the whole head",
+    "softcap_after_mask": "logit softcap after the mask: -inf becomes -cap, masked keys leak",
+    "window_off_by_one": "sliding window j > p - left instead of j >= p - left",
+    "sinks_ignored": "attention sinks left out of the softmax",
+    "qk_norm_scope_swapped": "QK-norm over the whole projection where per head, and the reverse",
+    "norm_eps_outside_sqrt": "QK-norm's eps added outside the square root",
 }
 
 

@@ -1,11 +1,12 @@
 """Multi-head attention in PyTorch, mirroring the NumPy spec (impl_numpy) stage by stage."""
 
+from .attention import multi_head_attention
 from .device import devices, matmul_precision, resolve_device
-from .functional import STAGES, TraceEntry, multi_head_attention
+from .functional import STAGES, TraceEntry
 from .layer import MultiHeadAttention
-from .masks import causal_mask, padding_mask
+from .masks import causal_mask, padding_mask, segment_mask, window_mask
 
 __all__ = [
     "MultiHeadAttention", "STAGES", "TraceEntry", "causal_mask", "devices", "matmul_precision",
-    "multi_head_attention", "padding_mask", "resolve_device",
+    "multi_head_attention", "padding_mask", "resolve_device", "segment_mask", "window_mask",
 ]

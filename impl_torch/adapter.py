@@ -14,24 +14,30 @@ import torch
 import weights
 from weights.contract import check_input_values
 
+from .attention import multi_head_attention
 from .convert import to_numpy, to_torch
 from .device import devices as _devices
 from .device import matmul_precision, resolve_device
-from .functional import multi_head_attention
 
 NAME = "torch"
+
+# The optional call inputs passed through under their contract names (impl_numpy.adapter.OPTIONAL_INPUTS;
+# tests/test_torch_modern.py checks the two agree). Positions and segment ids stay integer.
+OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
+                   "segment_ids", "key_segment_ids")
+CACHE = ("past_key", "past_value")
 
 
 def devices() -> list[str]:
     return _devices()
 
 
-def _kwargs(inputs, options, device):
+def _kwargs(inputs, options, device, *, skip=()):
     def get(name):
         return None if inputs.get(name) is None else to_torch(inputs[name], device)
 
     return dict(
-        mask=get("mask"), bias=get("bias"), dropout_mask=get("dropout_mask"),
+        **{name: get(name) for name in OPTIONAL_INPUTS if name not in skip},
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"), dtype=options.get("dtype"),
@@ -39,44 +45,58 @@ def _kwargs(inputs, options, device):
     )
 
 
+def _check_values(inputs) -> None:
+    """The reference's value checks (NaN propagates, +-inf is refused), once, in NumPy."""
+    check_input_values(**{name: inputs.get(name) for name in ("query", "key", "value", *CACHE)})
+
+
 def _tensors(config, tensors, device, *, requires_grad=False):
     weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
     return {name: to_torch(t, device).requires_grad_(requires_grad) for name, t in tensors.items()}
 
 
+def split_result(result, return_weights: bool, return_cache: bool) -> dict:
+    """multi_head_attention's (output[, weights][, present_key, present_value]) as a dict of NumPy arrays."""
+    parts = list(result) if (return_weights or return_cache) else [result]
+    names = ["output"] + (["weights"] if return_weights else []) + (["present_key", "present_value"]
+                                                                     if return_cache else [])
+    return {name: to_numpy(value) for name, value in zip(names, parts, strict=True)}
+
+
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    check_input_values(query=inputs.get("query"), key=inputs.get("key"), value=inputs.get("value"))
+    _check_values(inputs)
     dev = resolve_device(device)
     params = _tensors(config, tensors, dev)
     entries = [] if trace else None
+    return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     with matmul_precision(precision), torch.no_grad():
         result = multi_head_attention(
             config, params, to_torch(inputs["query"], dev), inputs.get("key"), inputs.get("value"),
-            return_weights=bool(options.get("return_weights", False)), trace=entries, **_kwargs(inputs, options, dev),
+            return_weights=return_weights, return_cache=return_cache, trace=entries,
+            **_kwargs(inputs, options, dev),
         )
-    out, w = result if options.get("return_weights") else (result, None)
-    answer = {"output": to_numpy(out)}
-    if w is not None:
-        answer["weights"] = to_numpy(w)
+    answer = split_result(result, return_weights, return_cache)
     if trace:
         answer["trace"] = [(e.stage, to_numpy(e.value)) for e in entries]
     return answer
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
-    check_input_values(query=inputs.get("query"), key=inputs.get("key"), value=inputs.get("value"))
+    _check_values(inputs)
     dev = resolve_device(device)
     params = _tensors(config, tensors, dev, requires_grad=True)
+    # The inputs and the cache are leaves; positions, ids and masks are not differentiable.
     xs = {name: to_torch(inputs[name], dev).requires_grad_(True)
-          for name in ("query", "key", "value") if inputs.get(name) is not None}
+          for name in ("query", "key", "value", *CACHE) if inputs.get(name) is not None}
     with matmul_precision(precision):
         out = multi_head_attention(config, params, xs["query"], xs.get("key"), xs.get("value"),
-                                   **_kwargs(inputs, options, dev))
+                                   past_key=xs.get("past_key"), past_value=xs.get("past_value"),
+                                   **_kwargs(inputs, options, dev, skip=CACHE))
         d_out = to_torch(np.asarray(d_output), dev)
         if tuple(d_out.shape) != tuple(out.shape):
             raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {tuple(d_out.shape)}")
         leaves = {**xs, **params}
         grads = torch.autograd.grad(out, list(leaves.values()), grad_outputs=d_out.to(out.dtype), allow_unused=True)
     by_name = {name: (torch.zeros_like(leaf) if g is None else g) for (name, leaf), g in zip(leaves.items(), grads)}
-    order = [name for name in ("query", "key", "value") if name in xs] + list(config.tensor_shapes())
+    order = [name for name in ("query", "key", "value", *CACHE) if name in xs] + list(config.tensor_shapes())
     return {"output": to_numpy(out), "grads": {name: to_numpy(by_name[name].to(out.dtype)) for name in order}}

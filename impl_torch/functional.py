@@ -7,15 +7,18 @@ NumPy spec; torch ops only. Shape letters as in impl_numpy:
   H head dim (q, k)   V value head dim      D input features    O output features
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
-Stages: project -> split_heads -> logits (scale) -> mask (and bias) ->
-softmax -> dropout -> attend -> merge_heads -> output.
+Stages (the bracketed ones where the config turns them on):
+project -> [norm] -> split_heads -> [rope] -> [cache appended] -> logits
+(scale) -> [softcap] -> mask (bias, causal, window, segments) -> softmax
+[+ sinks] -> dropout -> attend -> merge_heads -> output.
+
+The call that runs them (and chooses SDPA, the torch-only fast core in
+sdpa.py) is attention.py; this file holds the stages alone and imports
+neither.
 
 Precision rule (as the spec): each stage's result is stored in the storage
 dtype; its arithmetic runs in `compute_dtype`, float32 for float16/bfloat16.
 Under autocast, torch's own rules pick the matmul dtype instead.
-
-One torch-only addition: `use_sdpa=True` runs logits..attend through
-`F.scaled_dot_product_attention` when the call allows it (see `sdpa_attend`).
 """
 
 from __future__ import annotations
@@ -23,15 +26,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as nnF
 
-from weights import DTYPES, AttentionConfig, WeightsFormatError, validate_tensors
-from weights.contract import check_bias_values, check_call
-
-from .convert import TORCH_DTYPES, compute_dtype, dtype_name, to_torch, torch_dtype
-from .masks import causal_mask
+from .convert import compute_dtype
+from .masks import causal_mask, segment_mask, window_mask
 
 # The contractions, written once; the same strings as impl_numpy.
 PROJECT = "BLD,DF->BLF"
@@ -71,11 +69,60 @@ def project(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None) ->
     return y
 
 
+def norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float, heads: int,
+         scope: str) -> torch.Tensor:
+    """QK-norm of a projection x (B, L, F = heads*H), in compute dtype.
+    scope "head": each head's H features normalised on their own, scale/bias (H,)
+    shared by the heads (Qwen3, Gemma 3); "all": the whole F at once, scale/bias
+    (heads, H) (OLMo 2). Runs before split_heads in both scopes (on the flat
+    projection), so its trace has one layout. kind "rms": x / sqrt(mean(x^2) +
+    eps) * scale; "layer": (x - mean) / sqrt(var + eps) * scale + bias."""
+    B, L, F = x.shape
+    ct = compute_dtype(x.dtype)
+    width = F // heads if scope == "head" else F
+    y = x.to(ct).reshape(B, L, F // width, width)  # (B, L, heads|1, H|F)
+    if kind == "layer":
+        y = y - y.mean(dim=-1, keepdim=True)
+    y = y / torch.sqrt((y * y).mean(dim=-1, keepdim=True) + eps)
+    y = y * scale.to(ct).reshape(-1)  # (H,) on every head, or (heads, H) flat as (F,)
+    if bias is not None:
+        y = y + bias.to(ct).reshape(-1)
+    return y.reshape(B, L, F).to(x.dtype)  # (B, L, F)
+
+
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(B, L, heads*width) -> (B, heads, L, width), as seed 003's split_heads."""
     B, L, F = x.shape
     x = x.reshape(B, L, num_heads, F // num_heads)  # (B, L, heads, width)
     return x.transpose(1, 2)  # (B, heads, L, width)
+
+
+def rope_angles(positions: torch.Tensor, inv_freq, dtype: torch.dtype) -> torch.Tensor:
+    """position x frequency in compute dtype: positions (B|1, L) int, inv_freq
+    (R/2,) float64 (weights.rope, a NumPy array) -> (B|1, 1, L, R/2)."""
+    ct = compute_dtype(dtype)
+    freq = torch.as_tensor(inv_freq, device=positions.device).to(ct)  # float64 rounded once, as the spec's astype
+    return positions.to(ct)[:, None, :, None] * freq  # (B|1, 1, L, R/2)
+
+
+def rope(x: torch.Tensor, angles: torch.Tensor, rotary_dim: int, interleaved: bool,
+         attention_factor: float) -> torch.Tensor:
+    """Rotate each pair of x's first rotary_dim features by its angle; x (B,
+    heads, L, H), angles (B|1, 1, L, R/2). Half-split (interleaved False)
+    pairs feature i with i + R/2 (GPT-NeoX, Hugging Face's rotate_half);
+    interleaved pairs 2i with 2i+1 (GPT-J, Meta's Llama). (x1, x2) ->
+    (x1 cos - x2 sin, x2 cos + x1 sin), cos and sin times attention_factor
+    (YaRN; 1 otherwise); features past rotary_dim pass through."""
+    ct = compute_dtype(x.dtype)
+    R = rotary_dim
+    cos = torch.cos(angles) * attention_factor  # (B|1, 1, L, R/2)
+    sin = torch.sin(angles) * attention_factor
+    xr = x[..., :R].to(ct)
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., : R // 2], xr[..., R // 2:])
+    y1 = x1 * cos - x2 * sin  # (B, heads, L, R/2)
+    y2 = x2 * cos + x1 * sin
+    turned = torch.stack([y1, y2], dim=-1).reshape(xr.shape) if interleaved else torch.cat([y1, y2], dim=-1)
+    return torch.cat([turned.to(x.dtype), x[..., R:]], dim=-1)  # (B, heads, L, H)
 
 
 def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -87,6 +134,13 @@ def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     ct = compute_dtype(q.dtype)
     scores = torch.einsum(LOGITS, qg.to(ct), k.to(ct))  # (B, K, G, T, S)
     return (scores * scale).reshape(B, N, T, S).to(q.dtype)  # (B, N, T, S)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), after the scale and before mask and bias, so a
+    masked position stays -inf (Gemma 2's attn_logit_softcapping, ONNX's softcap)."""
+    ct = compute_dtype(x.dtype)
+    return (torch.tanh(x.to(ct) / cap) * cap).to(x.dtype)
 
 
 def mask(x: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -105,15 +159,25 @@ def mask(x: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | Non
     return x
 
 
-def softmax(x: torch.Tensor, masked_row: str) -> torch.Tensor:
+def softmax(x: torch.Tensor, masked_row: str, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax over S in compute dtype. A row with no finite logit (every key
-    masked) becomes: "zero" all 0, "uniform" all 1/S, "nan" all NaN."""
+    masked) becomes: "zero" all 0, "uniform" all 1/S, "nan" all NaN.
+    sinks (N,): one logit per head that joins every row's denominator and
+    attends to nothing (gpt-oss): the row's max includes it and the weights
+    over S sum to less than 1; a fully masked row puts all its mass on the
+    sink (weights 0, whatever masked_row says)."""
     ct = compute_dtype(x.dtype)
     xc = x.to(ct)
     row_max = xc.amax(dim=-1, keepdim=True).detach()  # (B, N, T, 1); a shift, not a function of x
-    empty = row_max == float("-inf")
-    e = torch.exp(xc - torch.where(empty, 0.0, row_max))  # masked -> exactly 0
+    sink = None if sinks is None else sinks.to(ct).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink.detach())
+    empty = row_max == float("-inf")  # never with sinks (they are finite)
+    shift = torch.where(empty, 0.0, row_max)
+    e = torch.exp(xc - shift)  # masked -> exactly 0
     total = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - shift)
     w = e / torch.where(empty, 1.0, total)  # an empty row is all 0 here: "zero" done
     if masked_row == "uniform":
         w = torch.where(empty, 1.0 / x.shape[-1], w)
@@ -153,52 +217,8 @@ def output(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None) -> 
     return y
 
 
-# -- the SDPA core (torch only) -------------------------------------------------
-
-def sdpa_attend(config: AttentionConfig, q, k, v, *, allowed, bias, plain_causal: bool) -> torch.Tensor:
-    """logits -> mask -> softmax -> attend through F.scaled_dot_product_attention:
-    q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> (B, N, T, V).
-
-    `plain_causal`: the only masking is top-left causal, so SDPA's own
-    is_causal (top-left) applies. Otherwise the mask is built here (both
-    causal alignments, padding, bias).
-
-    Rows with no allowed key never reach SDPA: what kernels return for them
-    differs (0 from the CPU kernels of torch 2.13, measured in
-    tests/test_torch.py; NaN from others), so such rows are opened to every key
-    and their result is then replaced by the masked_row policy's: 0, the mean
-    of v, or NaN. Gradients follow the policy too.
-    """
-    gqa = config.num_kv_heads != config.num_heads
-    scale = config.effective_scale
-    dtype = v.dtype  # the storage dtype: the result is stored in it even under autocast
-    if plain_causal:
-        return nnF.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa).to(dtype)
-    if allowed is None and bias is None:
-        return nnF.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa).to(dtype)
-    finite = torch.ones((), dtype=torch.bool, device=q.device) if allowed is None else allowed
-    if bias is not None:
-        finite = finite & ~torch.isneginf(bias)  # (B|1, N|1, T|1, S|1)
-    T, S = q.shape[2], k.shape[2]
-    finite = finite.expand(*finite.shape[:2], T, S)
-    empty = ~finite.any(dim=-1, keepdim=True)  # (B|1, N|1, T, 1)
-    open_rows = finite | empty
-    if bias is None:
-        attn_mask = open_rows
-    else:
-        safe_bias = bias.masked_fill(torch.isneginf(bias), 0.0).to(q.dtype)
-        attn_mask = safe_bias.masked_fill(~open_rows, float("-inf"))
-    ctx = nnF.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)  # (B, N, T, V)
-    ctx = ctx.to(dtype)
-    # The policy's weights (0, 1/S or NaN) on every key times V, as the spec's attend: "zero" is
-    # NaN in a value column holding a NaN (0 * NaN), "uniform" the mean of V, "nan" NaN, and V's
-    # gradient is the spec's. The factor is 0 on every other row, so no NaN reaches their gradients.
-    ct = compute_dtype(v.dtype)
-    weight = {"zero": 0.0, "uniform": 1.0 / v.shape[2], "nan": float("nan")}[config.masked_row]
-    zero = torch.zeros((), dtype=ct, device=v.device)
-    factor = torch.where(empty, zero + weight, zero)  # (B|1, N|1, T, 1), 1/S in the compute dtype
-    v_sum = v.to(ct).sum(dim=2, keepdim=True).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
-    return torch.where(empty, (factor * v_sum).to(dtype), ctx)
+# `mask` is both a stage and an argument name; callers use this alias.
+mask_stage = mask
 
 
 # -- helpers shared by the whole call ---------------------------------------------
@@ -210,170 +230,51 @@ def dropout_keep_mask(shape: tuple[int, ...], rate: float, seed: int, device: to
     return torch.rand(shape, generator=generator, device=device) >= rate
 
 
-def allowed_mask(shapes, mask_tensor, is_causal: bool, causal_alignment: str, device) -> torch.Tensor | None:
-    """mask AND causal, rank 4, broadcastable to (B, N, T, S); None if neither."""
-    allowed = None
-    if mask_tensor is not None:
-        allowed = mask_tensor.to(device=device, dtype=torch.bool).reshape(shapes.mask_shape)
+def allowed_mask(mask4: torch.Tensor | None, T: int, S: int, is_causal: bool, causal_alignment: str, *,
+                 window_left: int = -1, window_right: int = -1, segment_ids=None, key_segment_ids=None,
+                 device=None) -> torch.Tensor | None:
+    """mask AND causal AND window AND segments, rank 4, broadcastable to (B, N,
+    T, S) (S: every key, the cache's included); None if none applies."""
+    allowed = mask4
+
+    def both(extra):
+        return extra if allowed is None else allowed & extra
+
     if is_causal:
-        causal = causal_mask(shapes.T, shapes.S, causal_alignment, device=device)[None, None]  # (1, 1, T, S)
-        allowed = causal if allowed is None else allowed & causal
+        allowed = both(causal_mask(T, S, causal_alignment, device=device)[None, None])  # (1, 1, T, S)
+    if window_left >= 0 or window_right >= 0:
+        allowed = both(window_mask(T, S, window_left, window_right, causal_alignment, device=device)[None, None])
+    if segment_ids is not None:
+        allowed = both(segment_mask(segment_ids, key_segment_ids))  # (B|1, 1, T, S)
     return allowed
 
 
-def check_tensors(config: AttentionConfig, tensors) -> torch.dtype:
-    """Names, shapes and the one dtype of canonical torch tensors; returns that dtype.
+def default_positions(positions: torch.Tensor | None, P: int, L: int, device=None) -> torch.Tensor:
+    """(B|1, L) int64: the given positions ((L,) or (B, L)), or P + arange(L)
+    (the cache's length P offsets new tokens)."""
+    if positions is None:
+        return (P + torch.arange(L, dtype=torch.int64, device=device))[None]  # (1, L)
+    positions = positions.to(device=device, dtype=torch.int64)
+    return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
-    Shapes and dtypes only (values are never read, so a call does not wait on
-    the device; the layer and the adapter check values once, in NumPy, when
-    they load tensors). Plain Python on the happy path, so torch.compile
-    traces it; a problem is worded by weights.validate_tensors itself, run on
-    shape-only NumPy stand-ins.
-    """
-    expected = config.tensor_shapes()
-    names_ok = len(tensors) == len(expected) and all(name in tensors for name in expected)
-    if names_ok and all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        dtypes = [t.dtype for t in tensors.values()]
-        if (all(tuple(tensors[name].shape) == shape for name, shape in expected.items())
-                and all(d == dtypes[0] for d in dtypes) and dtypes[0] in TORCH_DTYPES.values()):
-            return dtypes[0]
-    strangers = [f"{name} is a {type(t).__name__}, not a torch tensor"
-                 for name, t in tensors.items() if not isinstance(t, torch.Tensor)]
-    if strangers:
-        raise WeightsFormatError("tensors: " + "; ".join(strangers))
-    stand_ins = {}
-    for name, t in tensors.items():
-        try:
-            np_dtype = DTYPES.get(dtype_name(t.dtype)) or np.dtype(dtype_name(t.dtype))
-        except TypeError:
-            np_dtype = np.dtype(object)
-        stand_ins[name] = np.broadcast_to(np.zeros((), np_dtype), tuple(t.shape))
-    validate_tensors(config, stand_ins)  # raises, in the format's words
-    found = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()}
-    raise AssertionError(f"check_tensors found a problem that validate_tensors did not: {found}")
-
-
-def _check_bias_values(bias: torch.Tensor) -> None:
-    """The contract's NaN / +inf check on bias values. It needs the values on
-    the host, so torch.compile skips it (it would split the graph)."""
-    if torch.compiler.is_compiling():
-        return
-    bad = torch.isnan(bias) | torch.isposinf(bias)
-    if bool(bad.any()):
-        check_bias_values(bias[bad][:1].double().cpu().numpy())  # raises, in the contract's words
-
-
-def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, return_weights, dtype, materializes_scores=True, sdpa=False):
-    """Validate a call and cast everything to the storage dtype. sdpa: the
-    core will run through SDPA; when SDPA's own is_causal can apply (returned
-    as plain_causal), the (T, S) causal mask is not built at all."""
-    stored = check_tensors(config, tensors)
-    dtype = stored if dtype is None else torch_dtype(dtype)
-    device = next(iter(tensors.values())).device  # where the weights live; every input follows them
-    query = to_torch(query, device)
-    key = query if key is None else to_torch(key, device)
-    value = key if value is None else to_torch(value, device)
-    mask_t = None if mask is None else to_torch(mask, device)
-    bias_t = None if bias is None else to_torch(bias, device)
-    keep_t = None if dropout_mask is None else to_torch(dropout_mask, device)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not x.is_floating_point() and x.dtype != dtype:
-            raise ValueError(f"{name} must be a float array: got dtype {dtype_name(x.dtype)}")
-    shapes = check_call(
-        config, query_shape=tuple(query.shape), key_shape=tuple(key.shape), value_shape=tuple(value.shape),
-        mask_shape=None if mask_t is None else tuple(mask_t.shape),
-        mask_dtype=None if mask_t is None else dtype_name(mask_t.dtype),
-        bias_shape=None if bias_t is None else tuple(bias_t.shape),
-        bias_dtype=None if bias_t is None else dtype_name(bias_t.dtype),
-        dropout_mask_shape=None if keep_t is None else tuple(keep_t.shape),
-        dropout_mask_dtype=None if keep_t is None else dtype_name(keep_t.dtype),
-        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights,
-        # The memory guard reads /proc/meminfo: done eagerly, skipped while
-        # torch.compile traces (it would break the graph), and on a GPU whose
-        # memory the host's MemAvailable does not describe.
-        materializes_scores=materializes_scores and not torch.compiler.is_compiling() and query.device.type == "cpu",
-        scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8,
-    )
-    if bias_t is not None:
-        _check_bias_values(bias_t)
-        bias_t = bias_t.to(compute_dtype(dtype)).reshape(shapes.bias_shape)
-    params = {name: t.to(dtype) for name, t in tensors.items()}
-    if training and keep_t is None and config.dropout > 0:
-        keep_t = dropout_keep_mask((shapes.B, config.num_heads, shapes.T, shapes.S), config.dropout, seed, device)
-    if not training:
-        keep_t = None
-    plain_causal = (sdpa and is_causal and mask_t is None and bias_t is None
-                    and (causal_alignment == "top_left" or shapes.T == shapes.S))
-    allowed = allowed_mask(shapes, mask_t, is_causal and not plain_causal, causal_alignment, device)
-    cast = [x.to(dtype) for x in (query, key, value)]
-    return shapes, params, cast, allowed, bias_t, keep_t, dtype, plain_causal
-
-
-def multi_head_attention(
-    config: AttentionConfig,
-    tensors: dict[str, torch.Tensor],
-    query: torch.Tensor,
-    key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-    *,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    training: bool = False,
-    dropout_mask: torch.Tensor | None = None,
-    seed: int | None = None,
-    return_weights: bool = False,
-    dtype: str | torch.dtype | None = None,
-    trace: list | None = None,
-    use_sdpa: bool = False,
-):
-    """The forward pass. Returns output (B, T, O), or (output, weights) with
-    weights (B, N, T, S) after softmax and before dropout when return_weights.
-
-    tensors: the canonical tensors (impl_numpy's names and layouts) as torch
-    tensors on one device; inputs, masks and bias are moved to it. dtype: compute in this storage dtype
-    (default: the tensors' dtype). use_sdpa: run logits..attend through
-    F.scaled_dot_product_attention when nothing needs the (T, S) weights
-    (no return_weights, no trace) and no dropout mask applies; else, and by
-    default, the explicit stages.
-    """
-    # SDPA computes the core blockwise on its own: no (B, N, T, S) scores to guard.
-    will_use_sdpa = (use_sdpa and not return_weights and trace is None
-                     and not (training and (dropout_mask is not None or config.dropout > 0)))
-    shapes, p, (query, key, value), allowed, bias_r4, keep, dtype, plain_causal = prepare(
-        config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
-        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, dtype=dtype, materializes_scores=not will_use_sdpa, sdpa=will_use_sdpa,
-    )
-    rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
-    q = rec("query.project", project(query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
-    k = rec("key.project", project(key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
-    v = rec("value.project", project(value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
-    q = rec("query.split_heads", split_heads(q, config.num_heads))  # (B, N, T, H)
-    k = rec("key.split_heads", split_heads(k, config.num_kv_heads))  # (B, K, S, H)
-    v = rec("value.split_heads", split_heads(v, config.num_kv_heads))  # (B, K, S, V)
-    w = None
-    if will_use_sdpa:
-        ctx = sdpa_attend(config, q, k, v, allowed=allowed, bias=bias_r4, plain_causal=plain_causal)  # (B, N, T, V)
-    else:
-        x = rec("logits", logits(q, k, config.effective_scale))  # (B, N, T, S)
-        x = rec("mask", mask_stage(x, allowed, bias_r4))
-        w = rec("softmax", softmax(x, config.masked_row))  # (B, N, T, S)
-        wd = rec("dropout", dropout(w, keep, config.dropout))
-        ctx = rec("attend", attend(wd, v))  # (B, N, T, V)
-    ctx = rec("merge_heads", merge_heads(ctx))  # (B, T, N*V)
-    out = rec("output", output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
-    return (out, w) if return_weights else out
-
-
-# `mask` is both a stage and an argument name; the call uses this alias.
-mask_stage = mask
 
 STAGES = (
-    "query.project", "key.project", "value.project",
-    "query.split_heads", "key.split_heads", "value.split_heads",
-    "logits", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
+    "query.project", "key.project", "value.project", "query.norm", "key.norm",
+    "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
+    "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
 )
+"""Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""
+
+
+def __getattr__(name):
+    # The call moved to attention.py (and the SDPA core to sdpa.py); bench/glue.py and
+    # bench/scripts/torch_gpt2_parts.py still import multi_head_attention from here.
+    if name in ("multi_head_attention", "prepare", "check_tensors"):
+        from . import attention
+
+        return getattr(attention, name)
+    if name == "sdpa_attend":
+        from . import sdpa
+
+        return sdpa.sdpa_attend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,6 +13,16 @@ canonical tensors are views of them:
 | value.bias (K, V)           | value.bias (K*V,)             | bias.reshape(K, V)        |
 | output.kernel (N, V, O)     | output.weight (O, N*V)        | weight.T.reshape(N, V, O) |
 | output.bias (O,)            | output.bias (O,)              | as is                     |
+| query.norm.scale (H,)/(N, H)| query_norm.weight (H,)/(N*H,) | weight.reshape(shape)     |
+| query.norm.bias (layer)     | query_norm.bias               | bias.reshape(shape)       |
+| key.norm.scale (H,)/(K, H)  | key_norm.weight (H,)/(K*H,)   | weight.reshape(shape)     |
+| key.norm.bias (layer)       | key_norm.bias                 | bias.reshape(shape)       |
+| sinks (N,)                  | sinks (N,)                    | as is                     |
+
+The QK-norm parameters live in nn.RMSNorm / nn.LayerNorm modules over the
+normalised width (H for scope "head", the whole projection for "all"), as a
+torch port holds them; only their parameters are used (the computation is
+functional.norm, the spec's stage).
 
 The forward pass is `functional.multi_head_attention` on those views, so the
 layer computes exactly what the functional mirror computes, with gradients
@@ -31,20 +41,38 @@ from torch import nn
 import weights
 from weights import AttentionConfig
 
+from .attention import multi_head_attention
 from .convert import to_numpy, to_torch, torch_dtype
 from .device import matmul_precision, torch_device
-from .functional import multi_head_attention
 
 
-def _linear_layout(config: AttentionConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """canonical name -> (projection, canonical shape)."""
-    return {name: (name.split(".")[0], shape) for name, shape in config.tensor_shapes().items()}
+def _layout(config: AttentionConfig) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """canonical name -> (submodule ("" for the layer itself), parameter name, canonical shape)."""
+    out = {}
+    for name, shape in config.tensor_shapes().items():
+        parts = name.split(".")
+        if len(parts) == 3:  # query.norm.scale -> query_norm.weight
+            out[name] = (f"{parts[0]}_norm", "weight" if parts[2] == "scale" else "bias", shape)
+        elif len(parts) == 2:  # query.kernel -> query.weight (transposed), query.bias -> query.bias
+            out[name] = (parts[0], "weight" if parts[1] == "kernel" else "bias", shape)
+        else:  # sinks
+            out[name] = ("", name, shape)
+    return out
+
+
+def _norm_module(config: AttentionConfig, heads: int, kw) -> nn.Module:
+    n = config.qk_norm
+    width = config.head_dim * (1 if n.scope == "head" else heads)
+    if n.type == "rms":
+        return nn.RMSNorm(width, eps=n.eps, **kw)
+    return nn.LayerNorm(width, eps=n.eps, **kw)
 
 
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with the contract's options (mask, bias, causal with
     both alignments, masked_row, GQA, dropout with an explicit keep-mask,
-    return_weights) on any device and dtype.
+    return_weights; RoPE, QK-norm, softcap, windows, sinks, the KV cache and
+    segment ids where the config and the call ask) on any device and dtype.
 
     `training` follows the module's mode (`.train()` / `.eval()`) unless a call
     passes it; in training with dropout > 0 and neither `dropout_mask` nor
@@ -64,17 +92,22 @@ class MultiHeadAttention(nn.Module):
         self.key = nn.Linear(c.key_dim, c.num_kv_heads * c.head_dim, bias=c.use_key_bias, **kw)
         self.value = nn.Linear(c.value_dim, c.num_kv_heads * c.value_head_dim, bias=c.use_value_bias, **kw)
         self.output = nn.Linear(c.num_heads * c.value_head_dim, c.out_dim, bias=c.use_output_bias, **kw)
+        if c.qk_norm is not None:
+            self.query_norm = _norm_module(c, c.num_heads, kw)
+            self.key_norm = _norm_module(c, c.num_kv_heads, kw)
+        if c.use_sinks:
+            self.sinks = nn.Parameter(torch.zeros(c.num_heads, **kw))  # (N,); 0: the sink starts as one more key
 
     # -- canonical tensors <-> nn.Linear ----------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
         """The canonical tensors as differentiable views of the parameters."""
         out = {}
-        for name, (proj, shape) in _linear_layout(self.config).items():
-            linear = getattr(self, proj)
+        for name, (module, param, shape) in _layout(self.config).items():
+            tensor = getattr(getattr(self, module) if module else self, param)
             if name.endswith(".kernel"):
-                out[name] = linear.weight.T.reshape(shape)  # (D, heads, width) or (N, V, O)
+                out[name] = tensor.T.reshape(shape)  # (D, heads, width) or (N, V, O)
             else:
-                out[name] = linear.bias.reshape(shape)  # (heads, width) or (O,)
+                out[name] = tensor.reshape(shape)  # (heads, width), (O,), (H,), (heads, H) or (N,)
         return out
 
     @torch.no_grad()
@@ -83,13 +116,13 @@ class MultiHeadAttention(nn.Module):
         weights.validate_tensors; the module's dtype becomes theirs)."""
         dtype = weights.validate_tensors(self.config, tensors)
         self.to(dtype=torch_dtype(dtype.name))
-        for name, (proj, _) in _linear_layout(self.config).items():
-            linear = getattr(self, proj)
+        for name, (module, param, _) in _layout(self.config).items():
+            target = getattr(getattr(self, module) if module else self, param)
             source = to_torch(tensors[name])
             if name.endswith(".kernel"):
-                linear.weight.copy_(source.reshape(-1, linear.weight.shape[0]).T)  # (out, in)
+                target.copy_(source.reshape(-1, target.shape[0]).T)  # (out, in)
             else:
-                linear.bias.copy_(source.reshape(-1))  # (out,)
+                target.copy_(source.reshape(target.shape))  # (out,), the norm's width or (N,)
 
     def to_tensors(self) -> dict[str, np.ndarray]:
         """The canonical tensors as NumPy arrays (bfloat16 as ml_dtypes.bfloat16), bit-exact."""
@@ -114,11 +147,16 @@ class MultiHeadAttention(nn.Module):
     # -- the call ------------------------------------------------------------------
     def forward(self, query, key=None, value=None, *, mask=None, bias=None, is_causal: bool = False,
                 causal_alignment: str = "top_left", training: bool | None = None, dropout_mask=None,
-                seed: int | None = None, return_weights: bool = False, use_sdpa: bool | None = None,
-                precision: str | None = "highest", trace: list | None = None):
+                seed: int | None = None, positions=None, key_positions=None, past_key=None, past_value=None,
+                segment_ids=None, key_segment_ids=None, return_weights: bool = False, return_cache: bool = False,
+                use_sdpa: bool | None = None, precision: str | None = "highest", trace: list | None = None):
         """query (B, T, query_dim), key (B, S, key_dim) default query, value
-        (B, S, value_dim) default key -> output (B, T, O), or (output,
-        weights (B, N, T, S)) with return_weights. Inputs are cast to the
+        (B, S, value_dim) default key -> output (B, T, O); with
+        return_weights also weights (B, N, T, P+S), with return_cache also
+        present_key and present_value (functional's return convention).
+        positions / key_positions (RoPE), past_key / past_value (the cache)
+        and segment_ids / key_segment_ids as in
+        attention.multi_head_attention. Inputs are cast to the
         module's dtype. precision: "highest" or "tf32" for the call's float32
         matmuls, None to leave torch's global settings as they are. Under
         torch.compile the settings in force at compile time apply (a compiled
@@ -128,8 +166,10 @@ class MultiHeadAttention(nn.Module):
         if training and self.config.dropout > 0 and dropout_mask is None and seed is None:
             seed = int(torch.randint(0, 2**62, ()))  # torch's global generator, as nn.Dropout
         options = dict(mask=mask, bias=bias, is_causal=is_causal, causal_alignment=causal_alignment,
-                       training=training, dropout_mask=dropout_mask, seed=seed, return_weights=return_weights,
-                       trace=trace, use_sdpa=self.use_sdpa if use_sdpa is None else use_sdpa)
+                       training=training, dropout_mask=dropout_mask, seed=seed, positions=positions,
+                       key_positions=key_positions, past_key=past_key, past_value=past_value,
+                       segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
+                       return_cache=return_cache, trace=trace, use_sdpa=self.use_sdpa if use_sdpa is None else use_sdpa)
         if precision is None or torch.compiler.is_compiling():
             return multi_head_attention(self.config, self.canonical_tensors(), query, key, value, **options)
         with matmul_precision(precision):

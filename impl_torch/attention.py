@@ -1,0 +1,269 @@
+"""The call: validate, then run functional.py's stages, or SDPA's fused core
+(sdpa.py) where the caller asks for it and it gives the same numbers.
+
+Mirrors impl_numpy/attention.py (prepare -> Call, qkv_heads,
+multi_head_attention with the same arguments and return convention). Kept
+apart from functional.py so that imports point one way: this module and
+sdpa.py import the stages; the stages import neither.
+
+Which path honours which feature:
+- the stages (the default, and every call with weights, a trace or a dropout
+  mask): every feature of the contract.
+- SDPA (use_sdpa=True): masks, bias, causal, windows and segment ids (one
+  bool mask, built by functional.allowed_mask), with RoPE, QK-norm and the
+  cache applied before it (qkv_heads). Softcap and sinks have no SDPA
+  counterpart: a config with either takes the stages instead.
+torch has no chunked path (no chunk_size argument): SDPA's kernels already
+work blockwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from weights import DTYPES, AttentionConfig, WeightsFormatError, validate_tensors
+from weights.contract import CallShapes, check_bias_values, check_call
+from weights.rope import attention_factor, inverse_frequencies
+
+from . import functional as F
+from .convert import TORCH_DTYPES, compute_dtype, dtype_name, to_torch, torch_dtype
+from .sdpa import sdpa_attend
+
+
+@dataclasses.dataclass
+class Call:
+    """One validated call, every tensor on the weights' device in its storage dtype
+    (ids and positions integer)."""
+
+    shapes: CallShapes
+    params: dict[str, torch.Tensor]
+    query: torch.Tensor  # (B, T, Dq)
+    key: torch.Tensor  # (B, S, Dk)
+    value: torch.Tensor  # (B, S, Dv)
+    allowed: torch.Tensor | None  # mask AND causal AND window AND segments (B|1, N|1, T, S_total|1), or None
+    bias4: torch.Tensor | None  # (B|1, N|1, T|1, S_total|1), compute dtype
+    keep: torch.Tensor | None  # dropout keep-mask (B, N, T, S_total), or None
+    dtype: torch.dtype
+    plain_causal: bool  # SDPA's own is_causal stands for the whole mask (allowed then omits the causal part)
+    positions: torch.Tensor | None = None  # (B|1, T) int64 where the config has rope
+    key_positions: torch.Tensor | None = None  # (B|1, S)
+    past_key: torch.Tensor | None = None  # (B, K, P, H)
+    past_value: torch.Tensor | None = None  # (B, K, P, V)
+
+
+def check_tensors(config: AttentionConfig, tensors) -> torch.dtype:
+    """Names, shapes and the one dtype of canonical torch tensors; returns that dtype.
+
+    Shapes and dtypes only (values are never read, so a call does not wait on
+    the device; the layer and the adapter check values once, in NumPy, when
+    they load tensors). Plain Python on the happy path, so torch.compile
+    traces it; a problem is worded by weights.validate_tensors itself, run on
+    shape-only NumPy stand-ins.
+    """
+    expected = config.tensor_shapes()
+    names_ok = len(tensors) == len(expected) and all(name in tensors for name in expected)
+    if names_ok and all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        dtypes = [t.dtype for t in tensors.values()]
+        if (all(tuple(tensors[name].shape) == shape for name, shape in expected.items())
+                and all(d == dtypes[0] for d in dtypes) and dtypes[0] in TORCH_DTYPES.values()):
+            return dtypes[0]
+    strangers = [f"{name} is a {type(t).__name__}, not a torch tensor"
+                 for name, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    if strangers:
+        raise WeightsFormatError("tensors: " + "; ".join(strangers))
+    stand_ins = {}
+    for name, t in tensors.items():
+        try:
+            np_dtype = DTYPES.get(dtype_name(t.dtype)) or np.dtype(dtype_name(t.dtype))
+        except TypeError:
+            np_dtype = np.dtype(object)
+        stand_ins[name] = np.broadcast_to(np.zeros((), np_dtype), tuple(t.shape))
+    validate_tensors(config, stand_ins)  # raises, in the format's words
+    found = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()}
+    raise AssertionError(f"check_tensors found a problem that validate_tensors did not: {found}")
+
+
+def _check_bias_values(bias: torch.Tensor) -> None:
+    """The contract's NaN / +inf check on bias values. It needs the values on
+    the host, so torch.compile skips it (it would split the graph)."""
+    if torch.compiler.is_compiling():
+        return
+    bad = torch.isnan(bias) | torch.isposinf(bias)
+    if bool(bad.any()):
+        check_bias_values(bias[bad][:1].double().cpu().numpy())  # raises, in the contract's words
+
+
+def _meta(x: torch.Tensor | None, name: str) -> dict:
+    """check_call's shape and dtype arguments of one optional input."""
+    return {f"{name}_shape": None if x is None else tuple(x.shape),
+            f"{name}_dtype": None if x is None else dtype_name(x.dtype)}
+
+
+def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
+            training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
+            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
+            materializes_scores=True, sdpa=False) -> Call:
+    """Validate a call and cast everything to the storage dtype. sdpa: the
+    core will run through SDPA; when SDPA's own is_causal can apply (the
+    Call's plain_causal), the (T, S) causal mask is not built at all."""
+    stored = check_tensors(config, tensors)
+    dtype = stored if dtype is None else torch_dtype(dtype)
+    device = next(iter(tensors.values())).device  # where the weights live; every input follows them
+    query = to_torch(query, device)
+    key = query if key is None else to_torch(key, device)
+    value = key if value is None else to_torch(value, device)
+    optional = {name: None if x is None else to_torch(x, device) for name, x in (
+        ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
+        ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
+        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids))}
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not x.is_floating_point() and x.dtype != dtype:
+            raise ValueError(f"{name} must be a float array: got dtype {dtype_name(x.dtype)}")
+    meta = {}
+    for name, x in optional.items():
+        meta.update(_meta(x, name))
+    shapes = check_call(
+        config, query_shape=tuple(query.shape), key_shape=tuple(key.shape), value_shape=tuple(value.shape), **meta,
+        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
+        return_weights=return_weights, return_cache=return_cache,
+        # The memory guard reads /proc/meminfo: done eagerly, skipped while
+        # torch.compile traces (it would break the graph), and on a GPU whose
+        # memory the host's MemAvailable does not describe.
+        materializes_scores=materializes_scores and not torch.compiler.is_compiling() and query.device.type == "cpu",
+        scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8,
+    )
+    T, S_total = shapes.T, shapes.S_total
+    mask_t, bias_t, keep_t = optional["mask"], optional["bias"], optional["dropout_mask"]
+    if bias_t is not None:
+        _check_bias_values(bias_t)
+        bias_t = bias_t.to(compute_dtype(dtype)).reshape(shapes.bias_shape)
+    params = {name: t.to(dtype) for name, t in tensors.items()}
+    if training and keep_t is None and config.dropout > 0:
+        keep_t = F.dropout_keep_mask((shapes.B, config.num_heads, T, S_total), config.dropout, seed, device)
+    if not training:
+        keep_t = None
+    segment_ids, key_segment_ids = optional["segment_ids"], optional["key_segment_ids"]
+    if segment_ids is not None and key_segment_ids is None:
+        key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
+    windowed = config.window_left >= 0 or config.window_right >= 0
+    plain_causal = (sdpa and is_causal and mask_t is None and bias_t is None and not windowed
+                    and segment_ids is None and (causal_alignment == "top_left" or T == S_total))
+    mask4 = None if mask_t is None else mask_t.reshape(shapes.mask_shape)
+    allowed = F.allowed_mask(mask4, T, S_total, is_causal and not plain_causal, causal_alignment,
+                             window_left=config.window_left, window_right=config.window_right,
+                             segment_ids=segment_ids, key_segment_ids=key_segment_ids, device=device)
+    query, key, value = (x.to(dtype) for x in (query, key, value))
+    call = Call(shapes=shapes, params=params, query=query, key=key, value=value, allowed=allowed, bias4=bias_t,
+                keep=keep_t, dtype=dtype, plain_causal=plain_causal)
+    if config.rope is not None:
+        call.positions = F.default_positions(optional["positions"], shapes.P, T, device)
+        call.key_positions = F.default_positions(optional["key_positions"], shapes.P, shapes.S, device)
+    if optional["past_key"] is not None:
+        call.past_key, call.past_value = optional["past_key"].to(dtype), optional["past_value"].to(dtype)
+    return call
+
+
+def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
+    """The config's rotary frequencies (float64, weights.rope) and attention factor."""
+    return inverse_frequencies(config.rope), attention_factor(config.rope)
+
+
+def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value):
+    """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
+    T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
+    present cache)."""
+    p, N, K = call.params, config.num_heads, config.num_kv_heads
+    q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+    k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
+    v = rec("value.project", F.project(call.value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+    if config.qk_norm is not None:
+        n = config.qk_norm
+        q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N, n.scope))
+        k = rec("key.norm", F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+    k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
+    v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
+    if config.rope is not None:
+        inv_freq, factor = rope_tables(config)
+        R, interleaved = config.rope.rotary_dim, config.rope.interleaved
+        q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
+        k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if call.past_key is not None:  # the cache holds keys after norm and rope (as Hugging Face and ONNX store it)
+        k = torch.cat([call.past_key, k], dim=2)  # (B, K, P+S, H)
+        v = torch.cat([call.past_value, v], dim=2)  # (B, K, P+S, V)
+    return q, k, v
+
+
+def multi_head_attention(
+    config: AttentionConfig,
+    tensors: dict[str, torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    training: bool = False,
+    dropout_mask: torch.Tensor | None = None,
+    seed: int | None = None,
+    positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    past_key: torch.Tensor | None = None,
+    past_value: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    key_segment_ids: torch.Tensor | None = None,
+    return_weights: bool = False,
+    return_cache: bool = False,
+    dtype: str | torch.dtype | None = None,
+    trace: list | None = None,
+    use_sdpa: bool = False,
+):
+    """The forward pass. Returns output (B, T, O); with return_weights also
+    weights (B, N, T, P+S) after softmax and before dropout; with
+    return_cache also present_key (B, K, P+S, H) and present_value (B, K,
+    P+S, V): (output[, weights][, present_key, present_value]).
+
+    tensors: the canonical tensors (impl_numpy's names and layouts) as torch
+    tensors on one device; inputs, masks, bias, ids and the cache are moved
+    to it. dtype: compute in this storage dtype (default: the tensors'
+    dtype). use_sdpa: run logits..attend through
+    F.scaled_dot_product_attention (sdpa.py) when nothing needs the (T, S)
+    weights (no return_weights, no trace), no dropout mask applies and the
+    config has neither softcap nor sinks; else, and by default, the stages.
+    """
+    # SDPA computes the core blockwise on its own: no (B, N, T, S) scores to guard.
+    will_use_sdpa = (use_sdpa and not return_weights and trace is None
+                     and not (training and (dropout_mask is not None or config.dropout > 0))
+                     and config.logit_softcap is None and not config.use_sinks)
+    call = prepare(
+        config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
+        is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
+        positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
+        segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
+        return_cache=return_cache, dtype=dtype, materializes_scores=not will_use_sdpa, sdpa=will_use_sdpa,
+    )
+    rec = lambda stage, value: F._record(trace, stage, value)  # noqa: E731
+    p = call.params
+    q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+    w = None
+    if will_use_sdpa:
+        ctx = sdpa_attend(config, q, k, v, allowed=call.allowed, bias=call.bias4,
+                          plain_causal=call.plain_causal)  # (B, N, T, V)
+    else:
+        x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
+        if config.logit_softcap is not None:
+            x = rec("softcap", F.softcap(x, config.logit_softcap))
+        x = rec("mask", F.mask_stage(x, call.allowed, call.bias4))
+        w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
+        wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
+        ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
+    out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
+    if not (return_weights or return_cache):
+        return out
+    return (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())

@@ -1,0 +1,114 @@
+"""weights.rope's frequency rules against transformers' own (modeling_rope_utils),
+and against the formulas written out here where transformers is not installed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from weights import AttentionConfig
+from weights.config import Rope
+from weights.rope import attention_factor, inverse_frequencies
+
+SCALINGS = [
+    None,
+    {"type": "linear", "factor": 4.0},
+    {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0},
+]
+
+
+def _rope(scaling, theta=150000.0, rotary_dim=64):
+    return Rope.from_value({"theta": theta, "rotary_dim": rotary_dim, "scaling": scaling})
+
+
+def _transformers_frequencies(scaling, theta, rotary_dim):
+    """transformers' ROPE_INIT_FUNCTIONS on a LlamaConfig carrying the same rope settings."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = {"rope_type": "default" if scaling is None else scaling["type"], "rope_theta": theta}
+    if scaling is not None:
+        parameters.update({k: v for k, v in scaling.items() if k != "type"})
+    config = transformers.LlamaConfig(hidden_size=rotary_dim * 2, num_attention_heads=2, head_dim=rotary_dim,
+                                      max_position_embeddings=4 * 8192, rope_parameters=parameters)
+    if scaling is None:
+        inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2) / rotary_dim)
+        return inv_freq, 1.0
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[scaling["type"]](config, "cpu")
+    return inv_freq.double().numpy(), float(factor)
+
+
+def _id(scaling):
+    if scaling is None:
+        return "none"
+    return "-".join([scaling["type"], f"{scaling['factor']:g}", str(scaling.get("original_max_position_embeddings", "")),
+                     "mscale" if "mscale" in scaling else ""]).rstrip("-")
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=_id)
+def test_frequencies_match_transformers(scaling):
+    theta, R = 150000.0, 64
+    expected, expected_factor = _transformers_frequencies(scaling, theta, R)
+    got = inverse_frequencies(_rope(scaling, theta, R))
+    # transformers computes in float32: agreement to float32 rounding, relative
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=0)
+    assert attention_factor(_rope(scaling, theta, R)) == pytest.approx(expected_factor, rel=1e-6)
+
+
+def test_frequencies_written_out():
+    """The rules restated from their papers, independently of weights.rope's code."""
+    R, theta = 8, 10000.0
+    base = np.array([theta ** (-2 * i / R) for i in range(R // 2)])
+    np.testing.assert_allclose(inverse_frequencies(_rope(None, theta, R)), base, rtol=1e-15)
+    np.testing.assert_allclose(inverse_frequencies(_rope({"type": "linear", "factor": 2.0}, theta, R)), base / 2,
+                               rtol=1e-15)
+    # llama3 with original 16, low 1, high 4: wavelengths 2pi/f = 6.28 (between 16/4 and 16/1: blended),
+    # 62.8, 628, 6283 (longer than 16: divided by the factor 8)
+    llama3 = inverse_frequencies(_rope(SCALINGS[3], theta, R))
+    smooth = (16 / (2 * math.pi / base[0]) - 1) / (4 - 1)
+    assert llama3[0] == pytest.approx((1 - smooth) * base[0] / 8 + smooth * base[0], rel=1e-14)
+    np.testing.assert_allclose(llama3[1:], base[1:] / 8, rtol=1e-15)
+    # yarn with original 16, factor 4: the ramp runs over pair 0..1, so pair 0 keeps its frequency, the rest / 4
+    yarn = inverse_frequencies(_rope(SCALINGS[5], theta, R))
+    np.testing.assert_allclose(yarn, np.concatenate([base[:1], base[1:] / 4]), rtol=1e-15)
+    assert attention_factor(_rope(SCALINGS[5], theta, R)) == pytest.approx(0.1 * math.log(4) + 1)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("rope", {"rotary_dim": 3}, "rope.rotary_dim must be even"),
+    ("rope", {"rotary_dim": 16}, "rope.rotary_dim must be at most head_dim"),
+    ("rope", {"scaling": {"type": "ntk", "factor": 2.0}}, "rope.scaling.type must be one of"),
+    ("rope", {"scaling": {"type": "llama3", "factor": 2.0}}, "rope.scaling (llama3) is missing"),
+    ("rope", {"spin": 1}, "rope has unknown fields"),
+    ("logit_softcap", 0.0, "logit_softcap must be a finite number > 0"),
+    ("window_left", -2, "window_left must be an integer >= -1"),
+    ("qk_norm", {"type": "batch"}, "qk_norm.type must be one of"),
+    ("qk_norm", {"type": "rms", "scope": "group"}, "qk_norm.scope must be one of"),
+])
+def test_bad_modern_config_is_one_line_naming_the_field(field, value, words):
+    with pytest.raises(ValueError) as info:
+        AttentionConfig(num_heads=2, query_dim=8, head_dim=4, **{field: value})
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_modern_config_round_trips_and_plain_files_stay_plain():
+    config = AttentionConfig(num_heads=2, query_dim=8, head_dim=4, rope={"scaling": SCALINGS[5]},
+                             qk_norm={"type": "layer", "scope": "all"}, logit_softcap=30.0, window_left=3,
+                             use_sinks=True)
+    again = AttentionConfig.from_json(config.to_json())
+    assert again == config and again.rope.rotary_dim == 4
+    assert again.rope.scaling.attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+    plain = AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    for name in ("rope", "qk_norm", "logit_softcap", "window_left", "window_right", "use_sinks"):
+        assert f'"{name}"' not in plain.to_json() and f'"{name}"' in config.to_dict().__repr__().replace("'", '"')
+    shapes = config.tensor_shapes()
+    assert shapes["query.norm.scale"] == (2, 4) and shapes["key.norm.bias"] == (2, 4) and shapes["sinks"] == (2,)

@@ -1,0 +1,170 @@
+"""The modern features in the NumPy spec: against an independent port
+(tests/mutants.py, written from the contract's words), decoding with the
+cache against the full causal call, the fused/chunked path against the
+stages, the VJP against finite differences, and the call's validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mutants import port
+from test_numpy_backward import check_against_fd
+
+import weights
+from impl_numpy import multi_head_attention
+from impl_numpy.backward import multi_head_attention_vjp
+from weights import AttentionConfig
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+@st.composite
+def modern_calls(draw):
+    """A config drawing every modern feature, and a call (float64) with a cache or segments."""
+    K = draw(st.integers(1, 2))
+    N = K * draw(st.integers(1, 2))
+    H = 2 * draw(st.integers(1, 4))
+    rope = draw(st.one_of(st.none(), st.fixed_dictionaries({
+        "rotary_dim": st.sampled_from([None, 2]), "interleaved": st.booleans(),
+        "theta": st.sampled_from([100.0, 10000.0]), "scaling": st.sampled_from([None, YARN, LLAMA3])})))
+    config = AttentionConfig(
+        num_heads=N, num_kv_heads=K, query_dim=6, head_dim=H, rope=rope,
+        qk_norm=draw(st.one_of(st.none(), st.fixed_dictionaries({
+            "type": st.sampled_from(["rms", "layer"]), "scope": st.sampled_from(["head", "all"])}))),
+        logit_softcap=draw(st.sampled_from([None, 0.5, 4.0])), use_sinks=draw(st.booleans()),
+        window_left=draw(st.integers(-1, 3)), window_right=draw(st.integers(-1, 2)),
+        masked_row=draw(st.sampled_from(["zero", "uniform"])),
+    )
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    B, T = draw(st.integers(1, 2)), draw(st.integers(1, 6))
+    P = draw(st.integers(0, 4))
+    S = T if P == 0 and draw(st.booleans()) else draw(st.integers(1, 6))
+    causal = draw(st.booleans())
+    inputs = {"query": rng.standard_normal((B, T, 6)), "key": rng.standard_normal((B, S, 6)),
+              "value": rng.standard_normal((B, S, 6))}
+    if P:
+        inputs["past_key"] = rng.standard_normal((B, K, P, H))
+        inputs["past_value"] = rng.standard_normal((B, K, P, H))
+    if draw(st.booleans()):
+        inputs["positions"] = rng.integers(0, 50, size=(B, T))
+        inputs["key_positions"] = rng.integers(0, 50, size=(B, S))
+    if draw(st.booleans()):
+        inputs["segment_ids"] = rng.integers(0, 2, size=(B, T))
+        inputs["key_segment_ids"] = rng.integers(0, 2, size=(B, P + S))
+    if draw(st.booleans()):
+        inputs["mask"] = rng.random((B, 1, T, P + S)) < 0.7
+    options = {"is_causal": causal, "causal_alignment": "bottom_right" if P or draw(st.booleans()) else "top_left"}
+    return config, weights.init(config, seed=seed % 1000, dtype="float64"), inputs, options
+
+
+@settings(max_examples=60, deadline=None)
+@given(modern_calls())
+def test_stages_equal_the_independent_port_and_the_chunked_path(call):
+    config, tensors, inputs, options = call
+    out, w, present_key, present_value = multi_head_attention(config, tensors, **inputs, **options,
+                                                              return_weights=True, return_cache=True)
+    ported = port(config.to_dict(), tensors, inputs, {**options, "dtype": "float64", "training": False,
+                                                      "return_weights": True, "return_cache": True})
+    for name, got in (("output", out), ("weights", w), ("present_key", present_key),
+                      ("present_value", present_value)):
+        np.testing.assert_allclose(got, ported[name], rtol=1e-10, atol=1e-12, err_msg=name)
+    for chunk in (1, 2, 5):
+        fused, fk, fv = multi_head_attention(config, tensors, **inputs, **options, chunk_size=chunk, return_cache=True)
+        np.testing.assert_allclose(fused, out, rtol=1e-10, atol=1e-12, err_msg=f"chunk_size={chunk}")
+        assert fk.tobytes() == present_key.tobytes() and fv.tobytes() == present_value.tobytes()
+    # the plain fast path (no chunk_size, float64) takes the same core
+    np.testing.assert_allclose(multi_head_attention(config, tensors, **inputs, **options), out, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("features", [
+    {"rope": {}},
+    {"rope": {"interleaved": True, "rotary_dim": 2, "scaling": YARN}, "qk_norm": {"type": "rms"}},
+    {"rope": {}, "window_left": 2, "use_sinks": True, "logit_softcap": 3.0},
+    {"qk_norm": {"type": "layer", "scope": "all"}, "window_left": 0},
+], ids=["rope", "yarn_partial_norm", "window_sinks_softcap", "norm_all_window_0"])
+def test_decoding_token_by_token_equals_the_full_causal_call(features, dtype):
+    config = AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4, **features)
+    tensors = weights.init(config, seed=3, dtype=dtype)
+    x = np.random.default_rng(0).standard_normal((2, 7, 8)).astype(dtype)
+    full = multi_head_attention(config, tensors, x, is_causal=True)
+    prompt = 3
+    out, k, v = multi_head_attention(config, tensors, x[:, :prompt], is_causal=True, return_cache=True)
+    rows = [out]
+    for i in range(prompt, 7):
+        out, k, v = multi_head_attention(config, tensors, x[:, i:i + 1], past_key=k, past_value=v, is_causal=True,
+                                         causal_alignment="bottom_right", return_cache=True)
+        rows.append(out)
+    assert k.shape == (2, 2, 7, 4)
+    tol = 1e-12 if dtype == "float64" else 2e-6
+    np.testing.assert_allclose(np.concatenate(rows, axis=1), full, rtol=tol, atol=tol)
+
+
+def test_gradients_through_every_modern_stage_match_finite_differences():
+    config = AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=6, head_dim=4, rope={"rotary_dim": 2},
+                             qk_norm={"type": "layer", "scope": "head"}, logit_softcap=2.0, use_sinks=True,
+                             window_left=2)
+    rng = np.random.default_rng(5)
+    tensors = weights.init(config, seed=5, dtype="float64")
+    inputs = {"query": rng.standard_normal((2, 3, 6)), "key": rng.standard_normal((2, 3, 6)),
+              "value": rng.standard_normal((2, 3, 6)), "past_key": rng.standard_normal((2, 2, 2, 4)),
+              "past_value": rng.standard_normal((2, 2, 2, 4))}
+    options = {"is_causal": True, "causal_alignment": "bottom_right"}
+    d_out = rng.standard_normal((2, 3, 6))
+    check_against_fd(config, tensors, inputs, options, d_out, "modern")
+    _, grads = multi_head_attention_vjp(config, tensors, d_output=d_out, **inputs, **options)
+    assert {"past_key", "past_value", "sinks", "query.norm.scale", "key.norm.bias"} <= set(grads)
+
+
+def test_norm_all_scope_gradients_match_finite_differences():
+    config = AttentionConfig(num_heads=2, query_dim=6, head_dim=4, qk_norm={"type": "rms", "scope": "all"},
+                             rope={"interleaved": True}, window_right=1)
+    rng = np.random.default_rng(6)
+    tensors = weights.init(config, seed=6, dtype="float64")
+    inputs = {"query": rng.standard_normal((2, 4, 6)), "segment_ids": np.array([0, 0, 1, 1]),
+              "positions": np.array([0, 1, 0, 1]), "key_positions": np.array([0, 1, 0, 1])}
+    check_against_fd(config, tensors, inputs, {"is_causal": False}, rng.standard_normal((2, 4, 6)), "norm all")
+
+
+def test_a_fully_masked_row_with_sinks_gives_zero_whatever_masked_row_says():
+    for policy in ("zero", "uniform", "nan"):
+        config = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, use_sinks=True, masked_row=policy)
+        tensors = weights.init(config, seed=0, dtype="float64")
+        x = np.random.default_rng(1).standard_normal((1, 3, 4))
+        mask = np.ones((1, 1, 3, 3), bool)
+        mask[0, 0, 1] = False
+        out, w = multi_head_attention(config, tensors, x, mask=mask, return_weights=True)
+        assert np.all(w[0, :, 1] == 0), policy
+        assert np.allclose(out[0, 1], tensors["output.bias"]), policy
+        assert np.all(w.sum(-1)[0, :, [0, 2]] < 1)  # the sink takes some of every row's mass
+
+
+def _error(**kwargs):
+    config = kwargs.pop("config", AttentionConfig(num_heads=2, query_dim=4, head_dim=2, rope={}))
+    tensors = kwargs.pop("tensors", weights.init(config, seed=0))
+    x = np.zeros((2, 3, 4), np.float32)
+    with pytest.raises(ValueError) as info:
+        multi_head_attention(config, tensors, x, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_modern_calls_name_the_argument():
+    cache = np.zeros((2, 2, 4, 2), np.float32)
+    assert "positions" in _error(positions=np.arange(4))
+    assert "positions" in _error(positions=np.arange(3.0))
+    assert "past_value" in _error(past_key=cache)
+    assert "past_key" in _error(past_key=cache[:, :1], past_value=cache[:, :1])
+    assert "bottom_right" in _error(past_key=cache, past_value=cache, is_causal=True)
+    assert "key_segment_ids" in _error(past_key=cache, past_value=cache, segment_ids=np.zeros(3, np.int64),
+                                       causal_alignment="bottom_right")
+    normed = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, qk_norm={"type": "rms"})
+    tensors = weights.init(normed, seed=0)
+    del tensors["key.norm.scale"]
+    assert "key.norm.scale" in _error(config=normed, tensors=tensors)

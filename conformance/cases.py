@@ -283,10 +283,40 @@ def random_case(seed: int) -> Case:
     S = T if self_attention else int(rng.integers(1, 9))
     mask = pick([None, None, "padding", "random", "random_bts", "random_ts", "empty_rows"])
     causal = bool(rng.random() < 0.35)
-    return Case(
+    case = Case(
         name=f"random_{seed}", config=config, B=int(rng.integers(1, 4)), T=T, S=S, self_attention=self_attention,
         mask=mask, bias=pick([None, None, "random", "neg_inf"]), is_causal=causal,
         causal_alignment=pick(["top_left", "bottom_right"]),
         training=config.dropout > 0 and bool(rng.random() < 0.7), return_weights=bool(rng.random() < 0.8),
         input_scale=pick([1.0, 1.0, 0.1, 3.0]),
+    )
+    # Half the cases draw the modern features too (drawn after the plain ones, from the same stream).
+    return _with_modern_features(case, rng, pick) if rng.random() < 0.5 else case
+
+
+def _with_modern_features(case: Case, rng, pick) -> Case:
+    H = case.config.head_dim
+    features: dict[str, Any] = {}
+    if H >= 2 and rng.random() < 0.6:
+        scaling = pick([None, None, {"type": "linear", "factor": 2.0},
+                        {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16},
+                        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}])
+        features["rope"] = {"rotary_dim": pick([H - H % 2, 2]), "interleaved": bool(rng.random() < 0.5),
+                            "theta": pick([100.0, 10000.0]), "scaling": scaling}
+    if rng.random() < 0.3:
+        features["qk_norm"] = {"type": pick(["rms", "layer"]), "scope": pick(["head", "all"])}
+    if rng.random() < 0.3:
+        features["logit_softcap"] = pick([1.0, 5.0, 30.0])
+    if rng.random() < 0.3:
+        features["window_left"] = int(rng.integers(-1, 4))
+        features["window_right"] = pick([-1, -1, 0, 2])
+    if rng.random() < 0.3:
+        features["use_sinks"] = True
+    P = int(rng.integers(1, 5)) if not case.self_attention and rng.random() < 0.4 else 0
+    kinds = [None, "far", "per_batch"] + (["packed"] if case.self_attention else [])
+    return dataclasses.replace(
+        case, config=dataclasses.replace(case.config, **features), P=P, positions=pick(kinds),
+        return_cache=bool(rng.random() < 0.5),
+        causal_alignment="bottom_right" if P else case.causal_alignment,  # decoding with a cache: bottom_right
     )

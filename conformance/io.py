@@ -2,7 +2,10 @@
 
 Inputs file: `query` and optionally `key`, `value`, `mask` (bool, or 0/1
 integers / floats, True = may attend), `bias` (float, -inf allowed),
-`dropout_mask` (bool or 0/1, True = keep). Anything else is refused.
+`dropout_mask` (bool or 0/1, True = keep), `positions` / `key_positions`
+(integer, RoPE positions), `past_key` / `past_value` (float, the KV cache),
+`segment_ids` / `key_segment_ids` (integer, packed sequences). Anything else
+is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from weights.atomic import write_bytes_atomic
 from weights.dtypes import is_float
 from weights.format import canonical_safetensors_bytes, show_names
 
-INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask")
+INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask", "positions", "key_positions", "past_key",
+               "past_value", "segment_ids", "key_segment_ids")
+INTEGER_INPUTS = ("positions", "key_positions", "segment_ids", "key_segment_ids")
 
 
 class InputsError(ValueError):
@@ -57,6 +62,10 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
         array = arrays[name]
         if name in ("mask", "dropout_mask"):
             inputs[name] = _as_bool(path, name, array)
+        elif name in INTEGER_INPUTS:
+            if array.dtype.kind not in "iu":
+                raise InputsError(f"{path}: {name} must be an integer tensor: got dtype {array.dtype}")
+            inputs[name] = array.astype(np.int64)
         elif not is_float(array.dtype):
             raise InputsError(f"{path}: {name} must be a float tensor: got dtype {array.dtype}")
         else:

@@ -23,6 +23,11 @@ and returns a dict with
   trace    optional: a list of (stage name, array) pairs of the forward pass;
            a failing vector then names the first stage that left the
            tolerance, against impl_numpy's stages of the same name.
+  not_returned  optional: quantity -> reason, for what the implementation's
+           API has no way to give (a layer that returns no attention
+           weights: {"weights": "..."}; a self-attention layer's one input:
+           {"grad query": ..., "grad key": ..., "grad value": ...}). Those
+           are not checked, and the reason is reported; "output" always is.
 Raising NotImplementedError marks a vector "unsupported" (a failure unless
 --allow-unsupported). Exit 0 only if every vector passes.
 """
@@ -59,6 +64,7 @@ class VerifyResult:
     divergence: str | None = None  # the first divergent stage (a failing vector whose function returned a trace)
     seconds: float = 0.0
     traceback: str = ""  # the function's own traceback, for status error
+    unchecked: dict[str, str] = dataclasses.field(default_factory=dict)  # quantity -> why the function has none
 
     @property
     def forward_only(self) -> bool:
@@ -137,8 +143,16 @@ def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
                             traceback=traceback.format_exc())
     if not isinstance(answer, dict) or "output" not in answer:
         return VerifyResult(name, STATUS_ERROR, f"returned {type(answer).__name__}, expected a dict with 'output'")
+    not_returned = answer.get("not_returned") or {}
+    if not isinstance(not_returned, dict):
+        return VerifyResult(name, STATUS_ERROR, f"not_returned is a {type(not_returned).__name__}, expected a dict "
+                            "quantity -> reason")
+    unchecked: dict[str, str] = {}
     comparisons: list[Comparison] = []
     for q in forward_quantities(vector):
+        if q not in answer and q != "output" and q in not_returned:
+            unchecked[q] = str(not_returned[q])
+            continue
         if q not in answer:
             why = " (options[\"return_weights\"] is true)" if q == "weights" else ""
             return VerifyResult(name, STATUS_FAIL, f"no {q!r} in the result{why}; the vector checks "
@@ -164,7 +178,9 @@ def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
     elif wanted:
         if not isinstance(grads, dict):
             return VerifyResult(name, STATUS_ERROR, f"grads is a {type(grads).__name__}, expected a dict name -> array")
-        missing = [g for g in wanted if g not in grads]
+        unchecked |= {GRAD_PREFIX + g: str(not_returned[GRAD_PREFIX + g]) for g in wanted
+                      if g not in grads and GRAD_PREFIX + g in not_returned}
+        missing = [g for g in wanted if g not in grads and GRAD_PREFIX + g not in not_returned]
         if missing:
             problem = f"grads lacks {', '.join(missing)} (the vector carries {', '.join(wanted)})"
         gradients = GRADIENTS_CHECKED
@@ -181,9 +197,11 @@ def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
     failed = [c for c in comparisons if not c.ok]
     if not failed and problem is None:
         detail = f"worst {worst.describe()}"
+        if unchecked:
+            detail = f"{describe_unchecked(unchecked)}; {detail}"
         if gradients == GRADIENTS_FORWARD_ONLY:
             detail = f"forward only (no 'grads' returned; {len(wanted)} gradients not checked); {detail}"
-        return VerifyResult(name, STATUS_PASS, detail, worst.margin, gradients, comparisons)
+        return VerifyResult(name, STATUS_PASS, detail, worst.margin, gradients, comparisons, unchecked=unchecked)
     parts = []
     if failed:
         parts.append(f"{len(failed)} of {len(comparisons)} quantities beyond tolerance ("
@@ -193,7 +211,16 @@ def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
     divergence = None
     if answer.get("trace") is not None:
         divergence = first_divergent_stage(vector, answer["trace"])
-    return VerifyResult(name, STATUS_FAIL, "; ".join(parts), worst.margin, gradients, comparisons, divergence)
+    return VerifyResult(name, STATUS_FAIL, "; ".join(parts), worst.margin, gradients, comparisons, divergence,
+                        unchecked=unchecked)
+
+
+def describe_unchecked(unchecked: dict[str, str]) -> str:
+    """'not returned: weights (no weights API); grad query, grad key (one input)', quantities grouped by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for quantity, reason in unchecked.items():
+        by_reason.setdefault(reason, []).append(quantity)
+    return "not returned: " + "; ".join(f"{', '.join(qs)} ({reason})" for reason, qs in by_reason.items())
 
 
 def reference_trace(vector: Vector, dtype: str = "float64") -> list[tuple[str, np.ndarray]]:
@@ -286,8 +313,11 @@ def summary(results: list[VerifyResult]) -> str:
         if counts.get(status):
             text = f"{counts[status]} {status}"
             forward_only = sum(r.forward_only for r in results)
-            if status == STATUS_PASS and forward_only:
-                text += f" ({forward_only} forward only: no 'grads' returned)"
+            partial = sum(r.status == STATUS_PASS and bool(r.unchecked) for r in results)
+            notes = ([f"{forward_only} forward only: no 'grads' returned"] if forward_only else []) + (
+                [f"{partial} with quantities not returned"] if partial else [])
+            if status == STATUS_PASS and notes:
+                text += f" ({'; '.join(notes)})"
             parts.append(text)
     worst = max((r.margin for r in results if r.status in (STATUS_PASS, STATUS_FAIL) and r.comparisons), default=0.0)
     return f"{len(results)} vectors: {', '.join(parts) or 'none'}; worst margin {worst:.3g}"

@@ -366,3 +366,36 @@ def test_check_junit_failure_message_and_backends_not_run(tmp_path):
     assert cases[("mha.check.mutant.cpu", "self_basic.float32")].find("failure") is None
     assert cases[("mha.check.torch.-", "not run")].find("skipped").text == "backend torch: torch is not installed"
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
+
+
+def test_quantities_declared_not_returned_are_reported_and_not_checked():
+    def no_weights_one_input(config, tensors, inputs, options):
+        result = attention(config, tensors, inputs, options)
+        result.pop("weights", None)
+        for name in ("query", "key", "value"):
+            result["grads"].pop(name)
+        result["not_returned"] = {"weights": "this API returns none", "grad query": "one input",
+                                  "grad key": "one input", "grad value": "one input"}
+        return result
+
+    result = V.verify_vector(no_weights_one_input, VECTORS["self_basic.float32"], require_gradients=True)
+    assert result.status == V.STATUS_PASS, result.message()
+    assert result.unchecked == {"weights": "this API returns none", "grad query": "one input", "grad key": "one input",
+                                "grad value": "one input"}
+    assert "not returned: weights (this API returns none); grad key, grad query, grad value (one input)" in result.detail
+    assert sorted(c.name for c in result.comparisons) == sorted(
+        ["output"] + [f"grad {n}" for n in VECTORS["self_basic.float32"].tensors])
+    assert "(1 with quantities not returned)" in V.summary([result])
+
+    def undeclared(config, tensors, inputs, options):
+        result = no_weights_one_input(config, tensors, inputs, options)
+        del result["not_returned"]["grad key"]
+        return result
+
+    failed = V.verify_vector(undeclared, VECTORS["self_basic.float32"])
+    assert failed.status == V.STATUS_FAIL and "grads lacks key" in failed.detail
+
+    def output_excused(config, tensors, inputs, options):
+        return {"weights": attention(config, tensors, inputs, options)["weights"], "not_returned": {"output": "no"}}
+
+    assert V.verify_vector(output_excused, VECTORS["self_basic.float32"]).status == V.STATUS_ERROR

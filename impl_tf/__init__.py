@@ -6,8 +6,10 @@ keras was already imported, and refuses to run on another backend.
 """
 
 from ._keras import keras  # noqa: F401  (first: picks the backend)
-from .functional import STAGES, TraceEntry, multi_head_attention
+from .attention import multi_head_attention
+from .functional import STAGES, TraceEntry
 from .layer import MultiHeadAttention
-from .masks import causal_mask, padding_mask
+from .masks import causal_mask, padding_mask, segment_mask, window_mask
 
-__all__ = ["MultiHeadAttention", "STAGES", "TraceEntry", "causal_mask", "multi_head_attention", "padding_mask"]
+__all__ = ["MultiHeadAttention", "STAGES", "TraceEntry", "causal_mask", "multi_head_attention", "padding_mask",
+           "segment_mask", "window_mask"]

@@ -24,9 +24,14 @@ def devices() -> list[str]:
     return ["cpu"] + (["gpu"] if tf.config.list_physical_devices("GPU") else [])
 
 
+# The optional call inputs passed through under their contract names (impl_numpy.adapter.OPTIONAL_INPUTS).
+OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
+                   "segment_ids", "key_segment_ids")
+
+
 def _kwargs(inputs, options):
     return dict(
-        mask=inputs.get("mask"), bias=inputs.get("bias"), dropout_mask=inputs.get("dropout_mask"),
+        **{name: inputs.get(name) for name in OPTIONAL_INPUTS},
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"),
@@ -44,16 +49,26 @@ def _numpy(x) -> np.ndarray:
     return np.asarray(ops.convert_to_numpy(x))
 
 
+def _check_values(inputs):
+    check_input_values(**{name: inputs.get(name) for name in ("query", "key", "value", "past_key", "past_value")})
+
+
+def split_result(result, return_weights: bool, return_cache: bool) -> dict:
+    """multi_head_attention's (output[, weights][, present_key, present_value]) as a dict of NumPy arrays."""
+    parts = list(result) if (return_weights or return_cache) else [result]
+    names = ["output"] + (["weights"] if return_weights else []) + (["present_key", "present_value"]
+                                                                     if return_cache else [])
+    return {name: _numpy(value) for name, value in zip(names, parts, strict=True)}
+
+
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    check_input_values(query=inputs.get("query"), key=inputs.get("key"), value=inputs.get("value"))
+    _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
-    return_weights = bool(options.get("return_weights", False))
+    return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     kwargs = _kwargs(inputs, options)
-    result = layer(inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights, **kwargs)
-    out, w = result if return_weights else (result, None)
-    answer = {"output": _numpy(out)}
-    if w is not None:
-        answer["weights"] = _numpy(w)
+    result = layer(inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights,
+                   return_cache=return_cache, **kwargs)
+    answer = split_result(result, return_weights, return_cache)
     if trace:
         _, entries = layer.trace(inputs["query"], inputs.get("key"), inputs.get("value"), **kwargs)
         answer["trace"] = [(e.stage, _numpy(e.value)) for e in entries]
@@ -61,13 +76,15 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
-    check_input_values(query=inputs.get("query"), key=inputs.get("key"), value=inputs.get("value"))
+    _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
-    given = {n: ops.convert_to_tensor(inputs[n]) for n in ("query", "key", "value") if inputs.get(n) is not None}
+    differentiable = ("query", "key", "value", "past_key", "past_value")  # the float inputs, in the reference's order
+    given = {n: ops.convert_to_tensor(inputs[n]) for n in differentiable if inputs.get(n) is not None}
     variables = layer.canonical_variables()
+    kwargs = {**_kwargs(inputs, options), **{n: given[n] for n in ("past_key", "past_value") if n in given}}
     with tf.GradientTape() as tape:
         tape.watch(list(given.values()))
-        out = layer(given["query"], given.get("key"), given.get("value"), **_kwargs(inputs, options))
+        out = layer(given["query"], given.get("key"), given.get("value"), **kwargs)
     d_out = np.asarray(d_output)
     if d_out.shape != tuple(out.shape):
         raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")

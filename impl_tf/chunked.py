@@ -5,9 +5,17 @@ Queries are taken in blocks of `chunk_size` rows and keys in blocks of
 `chunk_size` columns, so the largest temporary is (B, N, chunk, chunk). For
 each query block a running max m, running sum l and running numerator acc are
 rescaled as each key block arrives (Milakov & Gimelshein 2018, the recurrence
-flash-attention uses). Key blocks that the causal mask hides entirely are
-skipped. The result equals functional.py's plain path within the tolerance
-policy (the same stages on blocks, the same rounding rule).
+flash-attention uses). Key blocks that the causal mask or a window hides
+from every query of a block are skipped, as impl_numpy/chunked.py skips them.
+The result equals the stages within the tolerance policy (the same stages on
+blocks, the same rounding rule).
+
+Every feature of the config and the call: QK-norm and RoPE run on each
+query block after its projection (both act per token); the keys and values
+arrive as the present cache (attention.qkv_heads); the softcap follows the
+logits of each block; windows and segment ids mask within a block; sinks
+start each query block's running max and sum (max = the sink, sum = 1,
+numerator 0), so a row that sees no key ends with a context of 0.
 
 Beyond impl_numpy, for memory: the query projection runs block by block too
 (the (B, T, N*H) queries are never held; at T = 8192, D = 512 they would be
@@ -48,9 +56,10 @@ from __future__ import annotations
 import math
 
 from weights.contract import check_chunk_size
+from weights.rope import attention_factor, inverse_frequencies
 
 from ._keras import keras, tf
-from .functional import _cast, compute_dtype, dtype_name, merge_heads, project, split_heads
+from .functional import _cast, compute_dtype, dtype_name, merge_heads, norm, project, rope, rope_angles, split_heads
 
 ops = keras.ops
 
@@ -92,15 +101,18 @@ def _block(array, T: int, S: int, t0, tb: int, s0, sb: int, compiled: bool = Fal
     return _slice(array, begin, [-1, -1, tb if full_t else 1, sb if full_s else 1], compiled)
 
 
-def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, *, T: int, S: int, tb: int, sb: int,
-              causal: bool, offset: int, rate: float, dtype: str, compiled: bool = False):
+def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids=None, k_ids=None, *, T: int, S: int,
+              tb: int, sb: int, causal: bool, offset: int, rate: float, dtype: str, compiled: bool = False,
+              left: int = -1, right: int = -1, cap: float | None = None):
     """One key block s0 <= s < s0 + sb into the running (m, l, acc) of the query
     block t0 <= t < t0 + tb: functional.py's stages on a (B, N, tb, sb) block.
 
     qg (B, K, G*tb, H) scaled queries and kc (B, K, S, H), vc (B, K, S, V) in
     the compute dtype; t0, s0 int32 scalars; mask4 / bias / keep the call's
-    rank-4 arrays (or None). causal: apply the causal mask (the block may
-    cross the diagonal: the diagonal's blocks and a last partial key block).
+    rank-4 arrays (or None); q_ids (B|1, T), k_ids (B|1, S) segment ids (or
+    None). causal, left, right: apply the causal mask and a window of that
+    many keys left / right (-1: none) to the block (one that crosses the
+    diagonal or a window's edge; key_plan says which). cap: the logit softcap.
     Stage results are rounded to the storage `dtype` as in impl_numpy.
     compiled: traced for XLA (the offsets then slice with xla.dynamic_slice).
     LOGITS and ATTEND are matmuls on the grouped queries, as impl_numpy's
@@ -114,18 +126,35 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, *, T: int, S: in
     def round_(x):
         return _cast(_cast(x, dtype), ct) if ct != dtype else x
 
+    def both(a, b):
+        return b if a is None else ops.logical_and(a, b)
+
     kb = _slice(kc, [0, 0, s0, 0], [-1, -1, sb, -1], compiled)  # (B, K, sb, H)
     vb = _slice(vc, [0, 0, s0, 0], [-1, -1, sb, -1], compiled)  # (B, K, sb, V)
     x = round_(ops.reshape(tf.matmul(qg, kb, transpose_b=True), (B, N, tb, sb)))  # (B, N, tb, sb), scaled
+    if cap is not None:  # functional.softcap, before mask and bias
+        c = tf.constant(cap, ct)
+        x = round_(tf.tanh(x / c) * c)
     allowed = _block(mask4, T, S, t0, tb, s0, sb, compiled)
     if bias is not None:
         bb = _block(bias, T, S, t0, tb, s0, sb, compiled)
         x = round_(x + bb)
-        finite = bb > neg_inf  # a -inf bias masks, and passes no gradient (the spec's backward)
-        allowed = finite if allowed is None else ops.logical_and(allowed, finite)
-    if causal:
-        visible = (tf.range(sb) + s0)[None, :] <= (tf.range(tb) + t0)[:, None] + offset  # (tb, sb)
-        allowed = visible[None, None] if allowed is None else ops.logical_and(allowed, visible[None, None])
+        allowed = both(allowed, bb > neg_inf)  # a -inf bias masks, and passes no gradient (the spec's backward)
+    if causal or left >= 0 or right >= 0:
+        aligned = (tf.range(tb) + t0)[:, None] + offset  # (tb, 1): the rows' aligned positions
+        j = (tf.range(sb) + s0)[None, :]  # (1, sb)
+        visible = None
+        if causal:
+            visible = j <= aligned
+        if left >= 0:
+            visible = both(visible, j >= aligned - left)
+        if right >= 0:
+            visible = both(visible, j <= aligned + right)
+        allowed = both(allowed, visible[None, None])  # (1, 1, tb, sb)
+    if q_ids is not None:  # packed sequences: only keys of the query's own segment
+        qi = _slice(q_ids, [0, t0], [-1, tb], compiled)  # (B|1, tb)
+        ki = _slice(k_ids, [0, s0], [-1, sb], compiled)  # (B|1, sb)
+        allowed = both(allowed, ops.equal(qi[:, :, None], ki[:, None, :])[:, None])  # (B|1, 1, tb, sb)
     if allowed is not None:
         x = tf.where(allowed, x, neg_inf)
     m_new = tf.stop_gradient(ops.maximum(m, ops.max(x, axis=-1, keepdims=True)))  # (B, N, tb, 1)
@@ -144,12 +173,12 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, *, T: int, S: in
 _COMPILED: dict[tuple, object] = {}
 
 
-def compiled_key_block(mask4, bias, keep, **static):
+def compiled_key_block(mask4, bias, keep, q_ids=None, k_ids=None, **static):
     """key_block compiled by XLA for these static arguments, taking tensors
     only, positionally: (m, l, acc, qg, kc, vc, t0, s0, *present of mask4,
-    bias, keep). Eagerly a call costs a third less dispatch than the same
-    tf.function called with keywords and Nones."""
-    present = (mask4 is not None, bias is not None, keep is not None)
+    bias, keep, q_ids, k_ids). Eagerly a call costs a third less dispatch
+    than the same tf.function called with keywords and Nones."""
+    present = (mask4 is not None, bias is not None, keep is not None, q_ids is not None, k_ids is not None)
     cache_key = (present, tuple(sorted(static.items())))
     if cache_key not in _COMPILED:
         if len(_COMPILED) >= 64:
@@ -157,22 +186,47 @@ def compiled_key_block(mask4, bias, keep, **static):
 
         def step(m, l, acc, qg, kc, vc, t0, s0, *optional):
             given = iter(optional)
-            mask4, bias, keep = (next(given) if p else None for p in present)
-            return key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, compiled=True, **static)
+            mask4, bias, keep, q_ids, k_ids = (next(given) if p else None for p in present)
+            return key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids, k_ids, compiled=True, **static)
 
         _COMPILED[cache_key] = tf.function(step, jit_compile=True, autograph=False)
     return _COMPILED[cache_key]
 
 
-def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, keep, is_causal: bool,
-                      causal_alignment: str, chunk_size: int):
-    """query (B, T, D) (projected here, block by block), k (B, K, S, H),
-    v (B, K, S, V), all in the storage dtype -> merged context (B, T, N*V).
+def key_plan(t0: int, tb: int, *, T: int, S: int, C: int, offset: int, causal: bool, left: int, right: int):
+    """The key blocks query rows t0 <= t < t0 + tb run, as (s0, sb, masked)
+    triples: blocks aligned to C (the last one S % C long), from the first
+    that any of the rows sees to the last, the others skipped; `masked` where
+    the causal mask or the window hides some key of the block from some row
+    of it (the diagonal, a window's edges), so the block must apply them.
+    Rows are aligned as causal_alignment says (row t at t + offset)."""
+    first, last = t0 + offset, t0 + tb - 1 + offset  # the block's first and last aligned rows
+    reach = [bound for bound in ((0 if causal else -1), right) if bound >= 0]  # keys right of the row it sees
+    r = min(reach) if reach else None
+    stop = S if r is None else min(S, max(0, last + r + 1))  # past the last key any row sees
+    start = min(stop, max(0, first - left)) if left >= 0 else 0  # the first key any row sees
+    plan = []
+    for s0 in range(start - start % C, stop, C):
+        sb = min(C, S - s0)
+        masked = (r is not None and s0 + sb - 1 > first + r) or (left >= 0 and s0 < last - left)
+        plan.append((s0, sb, masked))
+    return plan
+
+
+def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bias, keep, is_causal: bool,
+                      causal_alignment: str, chunk_size: int, segment_ids=None, key_segment_ids=None):
+    """query (B, T, D) (projected here, block by block, with its norm and
+    rope), k (B, K, S, H), v (B, K, S, V) (the present keys and values: a
+    cache's included), all in the storage dtype -> merged context (B, T, N*V).
     Pass k and v without keeping references: they are released (eagerly)
     before the (B, T, N*V) context is assembled.
 
-    mask4: bool, rank 4 broadcastable to (B, N, T, S), causal not included;
-    bias: compute dtype, rank 4; keep: the dropout keep-mask (B, N, T, S) or None.
+    params: the canonical tensors (query.kernel, query.bias, query.norm.*,
+    sinks read here); positions (B|1, T) int: the queries' rope positions.
+    mask4: bool, rank 4 broadcastable to (B, N, T, S), causal and window not
+    included; bias: compute dtype, rank 4; keep: the dropout keep-mask (B, N,
+    T, S) or None; segment_ids (T,) or (B, T) and key_segment_ids (S,) or
+    (B, S), or None.
     """
     C = check_chunk_size(chunk_size)
     T, S = query.shape[1], k.shape[2]
@@ -187,26 +241,40 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
     dtype = dtype_name(query)
     ct = compute_dtype(dtype)
     offset = 0 if causal_alignment == "top_left" else S - T
+    left, right = config.window_left, config.window_right
     rate = config.dropout
     masked_row = config.masked_row
     kc, vc = _cast(k, ct), _cast(v, ct)  # (B, K, S, H), (B, K, S, V)
-    n_full_s = S // C  # key blocks of the full size; a last one of S % C follows
     use_xla = (query.shape[0] or 1) * N * C * C >= XLA_MIN_BLOCK
     static = dict(T=T, S=S, offset=offset, rate=rate, dtype=dtype)
-    optional = [a for a in (mask4, bias, keep) if a is not None]
+    if config.logit_softcap is not None:
+        static["cap"] = config.logit_softcap
+    q_ids = k_ids = None
+    if segment_ids is not None:  # (B|1, T) and (B|1, S), one integer dtype
+        q_ids = ops.convert_to_tensor(segment_ids)
+        q_ids = q_ids[None] if len(q_ids.shape) == 1 else q_ids
+        k_ids = ops.cast(ops.convert_to_tensor(key_segment_ids), q_ids.dtype)
+        k_ids = k_ids[None] if len(k_ids.shape) == 1 else k_ids
+    optional = [a for a in (mask4, bias, keep, q_ids, k_ids) if a is not None]
+    sinks = params.get("sinks") if config.use_sinks else None
+    sink = None if sinks is None else ops.reshape(_cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
+    q_norm = config.qk_norm
+    if config.rope is not None:
+        inv_freq, factor = inverse_frequencies(config.rope), attention_factor(config.rope)
 
     def i32(x):
         return tf.constant(x, tf.int32) if isinstance(x, int) else x
 
-    def run(state, qg, t0, tb, s0, sb, causal):
+    def run(state, qg, t0, tb, s0, sb, masked):
+        window = dict(causal=is_causal, left=left, right=right) if masked else dict(causal=False)
         if use_xla:
-            step = compiled_key_block(mask4, bias, keep, tb=tb, sb=sb, causal=causal, **static)
+            step = compiled_key_block(mask4, bias, keep, q_ids, k_ids, tb=tb, sb=sb, **window, **static)
             return step(*state, qg, kc, vc, i32(t0), i32(s0), *optional)
-        return key_block(*state, qg, kc, vc, i32(t0), i32(s0), mask4, bias, keep, tb=tb, sb=sb, causal=causal,
-                         **static)
+        return key_block(*state, qg, kc, vc, i32(t0), i32(s0), mask4, bias, keep, q_ids, k_ids, tb=tb, sb=sb,
+                         **window, **static)
 
     def key_loop(state, qg, t0: int, tb: int, j0: int, j1: int):
-        """Full key blocks j0 <= j < j1, none crossing the diagonal: one tf.while_loop."""
+        """Full key blocks j0 <= j < j1, none crossing the diagonal or a window's edge: one tf.while_loop."""
         if j1 - j0 <= 1:
             return state if j1 <= j0 else run(state, qg, t0, tb, j0 * C, C, False)
 
@@ -218,9 +286,9 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
         return tuple(state)
 
     v_total = None  # over all S: what a fully masked row's context is made of (not "zero")
-    if masked_row == "uniform" and keep is None:
+    if masked_row == "uniform" and keep is None and sink is None:
         v_total = ops.mean(vc, axis=2, keepdims=True)[:, :, None]  # (B, K, 1, 1, V): weights 1/S everywhere
-    elif masked_row == "nan" and keep is None:
+    elif masked_row == "nan" and keep is None and sink is None:
         v_total = ops.sum(vc, axis=2, keepdims=True)[:, :, None]  # (B, K, 1, 1, V): weights NaN everywhere
 
     def masked_row_ctx(t0: int, tb: int, empty):
@@ -245,6 +313,7 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
             vb = _slice(vc, [0, 0, s0, 0], [-1, -1, sb, -1], False)  # (B, K, sb, V)
             return u + ops.reshape(tf.matmul(ops.reshape(w, (B, K, G * tb, sb)), vb), (B, N, tb, V))
 
+        n_full_s = S // C
         u = ops.zeros((B, N, tb, V), dtype=ct)
         if n_full_s:
             _, u = tf.while_loop(lambda j, _: j < n_full_s, lambda j, u: (j + 1, add(u, j * C, C)),
@@ -253,32 +322,48 @@ def chunked_attention(config, query, q_kernel, q_bias, k, v, *, mask4, bias, kee
             u = add(u, i32(n_full_s * C), S % C)
         return u
 
+    def query_heads(t0: int, tb: int):
+        """The block's queries after project -> [norm] -> split_heads -> [rope]: (B, N, tb, H)."""
+        q = project(query[:, t0:t0 + tb], params["query.kernel"], params.get("query.bias"))  # (B, tb, N*H)
+        if q_norm is not None:  # per token, so the block's rows alone
+            q = norm(q, params["query.norm.scale"], params.get("query.norm.bias"), q_norm.type, q_norm.eps, N,
+                     q_norm.scope)
+        q = split_heads(q, N)  # (B, N, tb, H)
+        if config.rope is not None:
+            angles = rope_angles(positions[:, t0:t0 + tb], inv_freq, dtype)  # (B|1, 1, tb, R/2)
+            q = rope(q, angles, config.rope.rotary_dim, config.rope.interleaved, factor)
+        return q
+
     def query_block(t0: int, tb: int):
         """Context of queries t0 <= t < t0 + tb, merged: (B, tb, N*V)."""
-        q = split_heads(project(query[:, t0:t0 + tb], q_kernel, q_bias), N)  # (B, N, tb, H)
+        q = query_heads(t0, tb)  # (B, N, tb, H)
         qg = ops.reshape(_cast(q, ct) * tf.constant(config.effective_scale, ct), (B, K, G * tb, -1))  # (B, K, G*tb, H)
-        state = (ops.full((B, N, tb, 1), -math.inf, dtype=ct), ops.zeros((B, N, tb, 1), dtype=ct),
-                 ops.zeros((B, N, tb, V), dtype=ct))
-        if is_causal:
-            last = t0 + tb - 1 + offset  # the last key the block's last query sees
-            first = t0 + offset  # keys up to here are seen by every query of the block
-            n_seen = min(n_full_s, max(0, (first + 1) // C))  # full key blocks seen entirely
-            n_any = min(n_full_s, max(0, last // C + 1))  # full key blocks seen at least in part
-            state = key_loop(state, qg, t0, tb, 0, n_seen)
-            for j in range(n_seen, n_any):  # the diagonal: one or two blocks
-                state = run(state, qg, t0, tb, j * C, C, True)
-            if S % C and n_full_s * C <= last:
-                state = run(state, qg, t0, tb, n_full_s * C, S % C, True)
-        else:
-            state = key_loop(state, qg, t0, tb, 0, n_full_s)
-            if S % C:
-                state = run(state, qg, t0, tb, n_full_s * C, S % C, False)
+        if sink is None:
+            state = (ops.full((B, N, tb, 1), -math.inf, dtype=ct), ops.zeros((B, N, tb, 1), dtype=ct),
+                     ops.zeros((B, N, tb, V), dtype=ct))
+        else:  # the sink joins every row first: max = sink, sum = exp(sink - max) = 1 (its gradient), numerator 0
+            m0 = tf.stop_gradient(ops.maximum(ops.full((B, N, tb, 1), -math.inf, dtype=ct), sink))
+            state = (m0, ops.exp(sink - m0), ops.zeros((B, N, tb, V), dtype=ct))
+        plan = key_plan(t0, tb, T=T, S=S, C=C, offset=offset, causal=is_causal, left=left, right=right)
+        i = 0
+        while i < len(plan):  # runs of full unmasked blocks in one while loop, the others one by one
+            j = i
+            while j < len(plan) and not plan[j][2] and plan[j][1] == C:
+                j += 1
+            if j > i:
+                state = key_loop(state, qg, t0, tb, plan[i][0] // C, plan[j - 1][0] // C + 1)
+                i = j
+            else:
+                s0, sb, masked = plan[i]
+                state = run(state, qg, t0, tb, s0, sb, masked)
+                i += 1
         m, l, acc = state
-        empty = l == 0  # (B, N, tb, 1): no key allowed (a row with any has l >= 1)
+        empty = l == 0  # (B, N, tb, 1): no key allowed (a row with any has l >= 1; never with sinks)
         ctx = acc / tf.where(empty, ops.ones_like(l), l)  # (B, N, tb, V)
         # "zero": an empty row's acc is already its context, 0 * v as in the spec's attend (so a NaN in
         # a value it computed reaches it, as in impl_numpy); no select, which would hide that NaN.
-        if masked_row != "zero":
+        # With sinks an empty row's context is 0 whatever masked_row says: acc is 0 there.
+        if masked_row != "zero" and sink is None:
             ctx = tf.where(empty, masked_row_ctx(t0, tb, empty), ctx)
         return merge_heads(_cast(ctx, dtype))  # (B, tb, N*V)
 

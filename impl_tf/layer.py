@@ -5,8 +5,12 @@ kernels (D, N*H), (D, K*H), (D, K*V), (N*V, O) and flat biases. The
 canonical tensors of the weight format, (D, N, H) and so on, are a reshape
 of those, so from_tensors / to_tensors are exact for every dtype.
 
+QK-norm's scales and biases and the sinks, where the config has them, are
+variables of their canonical shapes (query_norm_scale, ..., sinks).
+
 The layer is a thin wrapper: call() hands its parameters to
-functional.multi_head_attention, which runs the spec's stages. The dtype is
+attention.multi_head_attention, which runs the spec's stages (or its fused
+and chunked paths). The dtype is
 the layer's dtype policy (float16, bfloat16, float32 or float64; variables
 and every stage's result in that dtype, arithmetic in float32 for 16-bit).
 """
@@ -22,7 +26,7 @@ import weights
 from weights import AttentionConfig
 from weights.contract import check_chunk_size
 
-from . import functional
+from . import attention
 from ._keras import keras, tf
 
 ops = keras.ops
@@ -81,9 +85,14 @@ class MultiHeadAttention(keras.layers.Layer):
 
     layer(query, key=None, value=None, mask=None, bias=None, is_causal=False,
     causal_alignment="top_left", training=None, dropout_mask=None, seed=None,
-    return_weights=False, chunk_size=None) -> output (B, T, O), or (output, weights (B, N, T, S)).
-    chunk_size: the chunked path (functional.multi_head_attention's; exact,
-    never holds a (T, S) array; not with return_weights); None: the layer's.
+    positions=None, key_positions=None, past_key=None, past_value=None,
+    segment_ids=None, key_segment_ids=None, return_weights=False,
+    return_cache=False, chunk_size=None) -> output (B, T, O)[, weights (B, N,
+    T, P+S)][, present_key (B, K, P+S, H), present_value (B, K, P+S, V)].
+    The modern inputs as attention.multi_head_attention takes them: rope
+    positions, the cache (decoding: causal_alignment="bottom_right"), packed
+    segment ids. chunk_size: the chunked path (exact, never holds a (T, S)
+    array; not with return_weights); None: the layer's.
 
     config: an AttentionConfig (or its dict, as get_config stores it).
     device: None (TensorFlow's placement), "cpu" or "gpu".
@@ -138,6 +147,13 @@ class MultiHeadAttention(keras.layers.Layer):
             self.wk.build((None, c.key_dim))
             self.wv.build((None, c.value_dim))
             self.wo.build((None, N * V))
+            # QK-norm and sinks: variables of the canonical shapes (scale 1, bias 0, sink logits 0).
+            self.extra_variables = {}
+            for name, shape in c.tensor_shapes().items():
+                if ".norm." in name or name == "sinks":
+                    init = "ones" if name.endswith(".scale") else "zeros"
+                    self.extra_variables[name] = self.add_weight(shape=shape, initializer=init,
+                                                                 name=name.replace(".", "_"))
             self.seed_generator = None if seed is None else keras.random.SeedGenerator(self.seed)
         self.supports_masking = True
         self.built = True
@@ -150,6 +166,7 @@ class MultiHeadAttention(keras.layers.Layer):
             found[f"{prefix}.kernel"] = dense.kernel
             if dense.use_bias:
                 found[f"{prefix}.bias"] = dense.bias
+        found.update(self.extra_variables)
         return {name: found[name] for name in self.config.tensor_shapes()}
 
     def parameters(self) -> dict:
@@ -223,25 +240,30 @@ class MultiHeadAttention(keras.layers.Layer):
             kwargs["mask"] = self.mask_from_keras_masks(query, key, value)
         return super().__call__(query, key, value, **kwargs)
 
-    def _generated_keep_mask(self, query, key, training, dropout_mask, seed):
+    def _generated_keep_mask(self, query, key, training, dropout_mask, seed, past_key=None):
         if not (training and dropout_mask is None and seed is None and self.config.dropout > 0):
             return dropout_mask
         if self.seed_generator is None:
             return None  # the contract's error follows
         source = query if key is None else key
-        shape = (ops.shape(query)[0], self.config.num_heads, ops.shape(query)[1], ops.shape(source)[1])
+        S_total = ops.shape(source)[1] + (0 if past_key is None else ops.shape(past_key)[2])
+        shape = (ops.shape(query)[0], self.config.num_heads, ops.shape(query)[1], S_total)
         return keras.random.uniform(shape, seed=self.seed_generator) >= self.config.dropout
 
     def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
-             training=None, dropout_mask=None, seed=None, return_weights=False, chunk_size=None):
+             training=None, dropout_mask=None, seed=None, positions=None, key_positions=None, past_key=None,
+             past_value=None, segment_ids=None, key_segment_ids=None, return_weights=False, return_cache=False,
+             chunk_size=None):
         training = bool(training)
         try:
             with placement(self.device), matmul_precision(self.precision):
-                dropout_mask = self._generated_keep_mask(query, key, training, dropout_mask, seed)
-                return functional.multi_head_attention(
+                dropout_mask = self._generated_keep_mask(query, key, training, dropout_mask, seed, past_key)
+                return attention.multi_head_attention(
                     self.config, self.parameters(), query, key, value, mask=mask, bias=bias, is_causal=is_causal,
                     causal_alignment=causal_alignment, training=training, dropout_mask=dropout_mask, seed=seed,
-                    return_weights=return_weights, chunk_size=self.chunk_size if chunk_size is None else chunk_size,
+                    positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
+                    segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
+                    return_cache=return_cache, chunk_size=self.chunk_size if chunk_size is None else chunk_size,
                 )
         except ValueError as err:
             # Keras rewrites the message of an error raised in call() (adding
@@ -256,19 +278,27 @@ class MultiHeadAttention(keras.layers.Layer):
         entries: list = []
         options["training"] = bool(options.get("training"))
         with placement(self.device), matmul_precision(self.precision):
-            result = functional.multi_head_attention(
+            result = attention.multi_head_attention(
                 self.config, self.parameters(), query, key, value, trace=entries, **options
             )
         return result, entries
 
-    def compute_output_spec(self, query, key=None, value=None, return_weights=False, **_options):
+    def compute_output_spec(self, query, key=None, value=None, return_weights=False, return_cache=False,
+                            past_key=None, **_options):
+        c = self.config
         B, T = query.shape[0], query.shape[1]
         S = (query if key is None else key).shape[1]
+        if past_key is not None:
+            P = past_key.shape[2]
+            S = None if S is None or P is None else S + P
         dtype = self.dtype_policy.compute_dtype
-        out = keras.KerasTensor((B, T, self.config.out_dim), dtype=dtype)
+        parts = [keras.KerasTensor((B, T, c.out_dim), dtype=dtype)]
         if return_weights:
-            return out, keras.KerasTensor((B, self.config.num_heads, T, S), dtype=dtype)
-        return out
+            parts.append(keras.KerasTensor((B, c.num_heads, T, S), dtype=dtype))
+        if return_cache:
+            parts += [keras.KerasTensor((B, c.num_kv_heads, S, c.head_dim), dtype=dtype),
+                      keras.KerasTensor((B, c.num_kv_heads, S, c.value_head_dim), dtype=dtype)]
+        return parts[0] if len(parts) == 1 else tuple(parts)
 
     # -- serialisation ---------------------------------------------------------------
     def get_config(self) -> dict:

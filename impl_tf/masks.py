@@ -25,6 +25,32 @@ def causal_mask(T, S, alignment: str = "top_left"):
     return ops.arange(S)[None, :] <= ops.arange(T)[:, None] + offset  # (T, S)
 
 
+def window_mask(T, S, left: int, right: int, alignment: str = "top_left"):
+    """(T, S) bool: key j visible to query i iff p_i - left <= j <= p_i + right,
+    p_i = i (top_left) or i + S - T (bottom_right), a bound of -1 unbounded.
+    T and S may be traced scalars."""
+    if alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {', '.join(CAUSAL_ALIGNMENTS)}: got {alignment!r}")
+    aligned = ops.arange(T)[:, None] + (0 if alignment == "top_left" else S - T)  # (T, 1): p_i
+    j = ops.arange(S)[None, :]  # (1, S)
+    visible = ops.ones((T, S), dtype="bool")
+    if left >= 0:
+        visible = ops.logical_and(visible, j >= aligned - left)
+    if right >= 0:
+        visible = ops.logical_and(visible, j <= aligned + right)
+    return visible  # (T, S)
+
+
+def segment_mask(segment_ids, key_segment_ids):
+    """(B|1, 1, T, S) bool: key j visible to query i iff their segment ids are
+    equal (packed sequences). Ids are (T,) or (B, T) and (S,) or (B, S)."""
+    q_ids = ops.convert_to_tensor(segment_ids)
+    k_ids = ops.convert_to_tensor(key_segment_ids)
+    q_ids = q_ids[None] if len(q_ids.shape) == 1 else q_ids  # (B|1, T)
+    k_ids = k_ids[None] if len(k_ids.shape) == 1 else k_ids  # (B|1, S)
+    return ops.equal(q_ids[:, :, None], ops.cast(k_ids, q_ids.dtype)[:, None, :])[:, None]  # (B|1, 1, T, S)
+
+
 def padding_mask(lengths, S: int):
     """(B, 1, 1, S) bool: key j of batch b is visible iff j < lengths[b]."""
     if not tf.is_tensor(lengths):

@@ -8,15 +8,29 @@ Subcommands live in their own modules and register themselves through
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import importlib.metadata
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+# The reader of stdout went away (`mha trace --json | head`): exit without a
+# word, with the status a shell shows for a process killed by SIGPIPE
+# (128 + 13), as cat or grep do there, so `set -o pipefail` still sees that
+# the output was not all read. Not 0: the run may have been cut short.
+EXIT_CLOSED_PIPE = 141
+DISTRIBUTION = "mha-conformance"
+# rich wraps at 80 columns when stdout is not a terminal (or at the width of
+# the terminal on stdin); a file or a pipe gets whole lines instead: this many
+# columns, through the COLUMNS variable rich reads (one setting for every
+# console any subcommand makes). A COLUMNS the user set wins.
+REDIRECTED_COLUMNS = 4096
 
 # Subcommands defined in other modules, registered if the module exists.
 EXTERNAL_COMMANDS = ("conformance.convert", "conformance.check", "conformance.verify", "conformance.vectors", "bench")
@@ -28,6 +42,20 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(EXIT_USAGE)
+
+
+def package_version() -> str:
+    """The installed distribution's version; from a source checkout that is
+    not installed, pyproject.toml's, marked so."""
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version(DISTRIBUTION)
+    import tomllib
+
+    with contextlib.suppress(OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+        if project["project"]["name"] == DISTRIBUTION:
+            return f"{project['project']['version']} (source checkout, not installed)"
+    return "unknown (not installed)"
 
 
 def _read_config(path: str):
@@ -57,6 +85,7 @@ def _call_options(args) -> dict:
     return {
         "is_causal": args.causal, "causal_alignment": args.causal_alignment,
         "return_weights": getattr(args, "return_weights", False), "dtype": args.dtype,
+        "return_cache": getattr(args, "return_cache", False),
         "training": getattr(args, "training", False), "seed": getattr(args, "seed", None),
     }
 
@@ -83,10 +112,14 @@ def cmd_run(args) -> int:
     arrays = {"output": result["output"]}
     if args.return_weights:
         arrays["weights"] = result["weights"]
+    if args.return_cache:  # the cache for the next call: feed them back as past_key / past_value
+        arrays["present_key"], arrays["present_value"] = result["present_key"], result["present_value"]
     write_arrays(args.out, arrays, overwrite=args.overwrite,
                  metadata={"backend": args.backend, "device": args.device, "dtype": str(result["output"].dtype)})
     shape = "x".join(map(str, result["output"].shape))
-    print(f"wrote {args.out}: output {shape}{' and weights' if args.return_weights else ''} ({args.backend}, {args.device})")
+    also = [name for name, asked in (("weights", args.return_weights), ("present_key/present_value", args.return_cache))
+            if asked]
+    print(f"wrote {args.out}: output {shape}{''.join(' and ' + a for a in also)} ({args.backend}, {args.device})")
     return EXIT_OK
 
 
@@ -145,7 +178,7 @@ def _add_call_arguments(p, *, write: bool) -> None:
 
     p.add_argument("--backend", default="numpy", choices=list(REGISTRY), help="implementation to run (default numpy)")
     p.add_argument("--weights", required=True, help="weight file (mha-weights safetensors)")
-    p.add_argument("--inputs", required=True, help="inputs safetensors: query [key value mask bias dropout_mask]")
+    p.add_argument("--inputs", required=True, help="inputs safetensors: query [key value mask bias dropout_mask positions key_positions past_key past_value segment_ids key_segment_ids]")
     p.add_argument("--causal", action="store_true", help="apply a causal mask")
     p.add_argument("--causal-alignment", default="top_left", choices=["top_left", "bottom_right"])
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights' dtype)")
@@ -157,6 +190,8 @@ def _add_call_arguments(p, *, write: bool) -> None:
     if write:
         p.add_argument("--out", required=True, help="output safetensors file")
         p.add_argument("--return-weights", action="store_true", help="also write the attention weights")
+        p.add_argument("--return-cache", action="store_true",
+                       help="also write present_key and present_value (the KV cache for the next call's past_key/past_value)")
         p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
 
 
@@ -164,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     from weights import DTYPES
 
     parser = OneLineParser(prog="mha", description="Multi-head attention across frameworks: run, trace, check.")
+    parser.add_argument("--version", action="version", version=f"mha ({DISTRIBUTION}) {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     p = sub.add_parser("init", help="write random weights for a config")
@@ -195,15 +231,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    # Quiet TensorFlow's C++ start-up logging before anything imports it.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from conformance.backends import BackendUnavailable
-
+@contextlib.contextmanager
+def _environment(**values: str):
+    """Set environment variables for the block, then put back what was there
+    (main() also runs inside test processes)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
-        return args.func(args)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # closed or replaced stdout
+        return False
+
+
+@contextlib.contextmanager
+def full_width_output():
+    """COLUMNS=REDIRECTED_COLUMNS for the block when stdout is a file or a
+    pipe and the user set none. Not around argument parsing: argparse reads
+    COLUMNS too, and its --help is best wrapped at 80 on a pipe."""
+    wide = "COLUMNS" not in os.environ and not _stdout_is_terminal()
+    with _environment(**({"COLUMNS": str(REDIRECTED_COLUMNS)} if wide else {})):
+        yield
+
+
+def _closed_pipe() -> int:
+    # Point stdout at /dev/null so the interpreter's final flush of what is
+    # still buffered cannot raise BrokenPipeError a second time.
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_CLOSED_PIPE
+
+
+def guarded(command: Callable[[], int]) -> int:
+    """Run a command line's work as `mha` does: framework log lines filtered
+    (conformance.backends.quiet_framework_logging), every error one line on
+    stderr, a quiet exit on a closed stdout."""
+    from conformance.backends import BackendUnavailable, quiet_framework_logging
+
+    restore_stderr = quiet_framework_logging()  # before anything imports a framework
+    try:
+        code = command()
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handlers below
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except (ValueError, OSError, BackendUnavailable) as err:
         message = str(err).replace("\n", " ") or type(err).__name__
         if isinstance(err, OSError) and err.filename and err.strerror:
@@ -218,6 +301,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         sys.stderr.write(f"mha: internal error: {type(err).__name__}: {err} (MHA_DEBUG=1 shows the traceback)\n")
         return EXIT_INTERNAL
+    finally:
+        restore_stderr()
+
+
+def main(argv: list[str] | None = None) -> int:
+    def command() -> int:
+        args = build_parser().parse_args(argv)
+        with full_width_output():
+            return args.func(args)
+
+    return guarded(command)
 
 
 if __name__ == "__main__":

@@ -143,14 +143,29 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("vectors", help="generate the conformance vectors from the float64 reference")
     sub = p.add_subparsers(dest="vectors_command", required=True, parser_class=type(p))
     g = sub.add_parser("generate", help="write one file per case and dtype")
-    g.add_argument("--out", default=str(DEFAULT_DIR), help=f"directory (default: the shipped {DEFAULT_DIR.name}/)")
+    g.add_argument("--out", default=None,
+                   help=f"directory (default: the shipped vectors, {DEFAULT_DIR}, which takes --overwrite)")
     g.add_argument("--cases", nargs="+", choices=list(CASES), default=None)
     g.add_argument("--dtypes", nargs="+", choices=list(DTYPE_NAMES), default=list(DTYPE_NAMES))
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace vector files that exist (without --out: regenerate the shipped vectors)")
     g.set_defaults(func=run)
 
 
 def run(args) -> int:
-    written = generate(args.out, cases=args.cases, dtypes=args.dtypes)
+    # Like `mha init` and `mha run`, never replace a file without --overwrite;
+    # checked before the first write, so a refusal leaves the directory as it was.
+    # Without --out the files replaced are the ones `mha verify` and `mha check`
+    # judge by: the error says so and where they are.
+    out = Path(args.out) if args.out is not None else DEFAULT_DIR
+    names = [vector_name(case, dtype) for case in (args.cases or CASES) for dtype in args.dtypes]
+    existing = [name for name in names if (out / f"{name}.safetensors").exists()]
+    if existing and not args.overwrite:
+        where = f"the shipped vectors in {out}" if args.out is None else f"--out {out}"
+        raise ValueError(f"{len(existing)} of the {len(names)} vector files exist in {where}: pass --overwrite to "
+                         f"replace them{' or --out DIR to write elsewhere' if args.out is None else ''}")
+    written = generate(out, cases=args.cases, dtypes=args.dtypes, overwrite=args.overwrite)
     total = sum(p.stat().st_size for p in written)
-    print(f"wrote {len(written)} vector files ({total / 1024:.0f} KiB) to {args.out}")
+    shipped = " (the shipped vectors)" if out.resolve() == DEFAULT_DIR else ""
+    print(f"wrote {len(written)} vector files ({total / 1024:.0f} KiB) to {out}{shipped}")
     return 0

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import re
+import select
+import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import weights
+from conformance import backends, cli
 from conformance.cli import main
 from conformance.io import read_inputs, write_arrays
 from impl_numpy import multi_head_attention
@@ -118,3 +125,167 @@ def test_console_script_runs_without_traceback(tmp_path):
     assert proc.returncode == 2, proc
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert "bad.safetensors: not a safetensors file: header length" in proc.stderr
+
+
+# -- what a user sees around the commands: version, framework logs, pipes and files ----------
+
+def _env() -> dict:
+    """The environment of a user's shell: no COLUMNS (a pipe would be 80 wide), no debug switch."""
+    drop = ("COLUMNS", "MHA_DEBUG", backends.QUIET_ENV)
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _cli(*argv, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "conformance", *map(str, argv)], cwd=ROOT, env=_env(), **kwargs)
+
+
+def _pyproject_version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+
+
+EXAMPLE_ARGS = ("--weights", EXAMPLE / "weights.safetensors", "--inputs", EXAMPLE / "inputs.safetensors")
+
+
+def test_version_is_the_distributions(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    out = capsys.readouterr().out
+    try:
+        expected = importlib.metadata.version("mha-conformance")
+    except importlib.metadata.PackageNotFoundError:
+        expected = f"{_pyproject_version()} (source checkout, not installed)"
+    assert info.value.code == 0 and out == f"mha (mha-conformance) {expected}\n", out
+
+
+def test_version_from_a_checkout_that_is_not_installed(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cli.package_version() == f"{_pyproject_version()} (source checkout, not installed)"
+
+
+def test_the_stderr_filter_drops_absl_lines_and_keeps_everything_else():
+    kept = [b"mha: error: --weights x: no such file\n",
+            b"Error: a line of our own that starts like a log line\n",
+            b"F0000 00:00:1795606569.1 7 check.cc:1] Check failed: fatal lines always pass\n",
+            b"Traceback (most recent call last):\n",
+            b"\x1b[?25l\rprogress 3/8"]  # a progress bar: no newline
+    dropped = [b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+               b"I0000 00:00:1795606567.396789    5509 port.cc:153] oneDNN custom operations are on.\n",
+               b"E0000 00:00:1795606569.456302    5509 mkl_util.h:12] oneDNN supports DT_HALF only on platforms "
+               b"with AVX-512. Falling back to the default Eigen-based implementation if present.\n",
+               b"W1124 12:34:56.789012   42 cpu_client.cc:7] a warning after absl::InitializeLog\n"]
+    stream = [dropped[0], dropped[1], kept[0], kept[1], dropped[2], kept[2], dropped[3], kept[3], kept[4]]
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", backends._FILTER], input=b"".join(stream),
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == b"", proc
+    assert proc.stdout == b"".join(kept), proc.stdout
+
+
+def test_the_stderr_filter_passes_a_partial_line_at_once():
+    """A prompt or progress line that starts like a log line waits 50 ms, not for a newline."""
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", backends._FILTER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"Waiting for the device")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "the partial line was held back"
+        assert os.read(proc.stdout.fileno(), 100) == b"Waiting for the device"
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=20)
+
+
+def test_main_leaves_the_environment_as_it_found_it(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv(backends.QUIET_ENV, raising=False)
+    before = dict(os.environ)
+    code, _, err = run_cli("trace", *EXAMPLE_ARGS, capsys=capsys)
+    assert code == 0, err
+    assert dict(os.environ) == before
+
+
+def test_a_closed_stdout_exits_quietly():
+    """The reader is gone before the first write (`mha ... | head` after head has exited)."""
+    proc = subprocess.Popen([sys.executable, "-m", "conformance", "trace", "--json", *map(str, EXAMPLE_ARGS)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=_env())
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert err == b"", err
+    assert proc.returncode == cli.EXIT_CLOSED_PIPE
+
+
+def test_piped_into_head_says_nothing_on_stderr():
+    command = " ".join(shlex.quote(str(a)) for a in (sys.executable, "-m", "conformance", "trace", "--json",
+                                                     "--values", 1000, *EXAMPLE_ARGS)) + " | head -1"
+    proc = subprocess.run(command, shell=True, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
+    assert proc.stdout == "{\n" and proc.stderr == "", proc
+
+
+def test_a_wide_table_reaches_a_file_whole(tmp_path):
+    """rich would fold the values column at 80 columns; a file gets each stage on one line."""
+    path = tmp_path / "trace.txt"
+    with path.open("w") as f:
+        proc = _cli("trace", "--values", 12, *EXAMPLE_ARGS, stdout=f, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc
+    stages = json.loads(_cli("trace", "--json", "--values", 12, *EXAMPLE_ARGS, capture_output=True, text=True,
+                             timeout=120).stdout)["stages"]
+    lines = path.read_text().splitlines()
+    assert max(map(len, lines)) > 80, "every row fits in 80 columns: the test shows nothing"
+    for stage in stages:
+        first = " ".join(f"{x:.4g}" for x in stage["first"])
+        assert any(f" {stage['stage']} " in line and first in line for line in lines), \
+            f"{stage['stage']}: its row is cut or folded:\n" + "\n".join(lines)
+
+
+def test_the_check_matrix_reaches_a_file_one_row_per_line(tmp_path):
+    path = tmp_path / "check.txt"
+    with path.open("w") as f:
+        proc = _cli("check", "--backends", "numpy", "--cases", "self_basic", "cross_dims", "--dtypes", "float32",
+                    "float16", "--jobs", 1, "--no-gradients", stdout=f, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc  # rich's disabled progress bar ends in a newline
+    lines = path.read_text().splitlines()
+    rule = next(i for i, line in enumerate(lines) if set(line.strip()) == {"─"})
+    rows = lines[rule + 1:rule + 3]
+    assert all(row.split()[:3] in (["numpy", "cpu", "float32"], ["numpy", "cpu", "float16"]) for row in rows), lines
+    assert all(re.search(r" \S+ \([a-z ._]+\)\s*$", row) for row in rows), f"worst case cell not whole:\n{lines}"
+    assert lines[rule + 3].startswith("4 results"), "\n".join(lines)
+
+
+@pytest.mark.tf
+def test_tensorflow_logs_nothing_through_the_cli(tmp_path):
+    pytest.importorskip("tensorflow", reason="TensorFlow not installed")
+    out = tmp_path / "o.safetensors"
+    proc = _cli("run", "--backend", "tf", "--dtype", "float16", *EXAMPLE_ARGS, "--out", out,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout == f"wrote {out}: output 2x4x2 (tf, cpu)\n", proc.stdout
+    # worker processes inherit the filter (the parent imports TensorFlow too, to list its devices)
+    proc = _cli("check", "--backends", "tf", "numpy", "--cases", "self_basic", "--dtypes", "float16",
+                "--jobs", 2, "--no-gradients", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+
+
+def test_vectors_generate_never_replaces_the_shipped_vectors_unasked(capsys):
+    from conformance.vectors import DEFAULT_DIR
+
+    shipped = {p: p.stat().st_mtime_ns for p in DEFAULT_DIR.glob("*.safetensors")}
+    assert shipped, "no shipped vectors"
+    code, out, err = run_cli("vectors", "generate", "--cases", "self_basic", "--dtypes", "float32", capsys=capsys)
+    assert code == 2 and out == "", (code, out, err)
+    assert err.count("\n") == 1 and f"the shipped vectors in {DEFAULT_DIR}" in err and "--overwrite" in err, err
+    assert {p: p.stat().st_mtime_ns for p in DEFAULT_DIR.glob("*.safetensors")} == shipped
+
+
+def test_vectors_generate_to_a_directory_replaces_only_with_overwrite(tmp_path, capsys):
+    argv = ("vectors", "generate", "--cases", "self_basic", "--dtypes", "float32", "--out", tmp_path)
+    code, out, err = run_cli(*argv, capsys=capsys)
+    assert code == 0 and out == f"wrote 1 vector files ({(tmp_path / 'self_basic.float32.safetensors').stat().st_size / 1024:.0f} KiB) to {tmp_path}\n", (out, err)
+    path = tmp_path / "self_basic.float32.safetensors"
+    path.write_bytes(b"stale")
+    code, out, err = run_cli(*argv, capsys=capsys)
+    assert code == 2 and "1 of the 1 vector files exist in --out" in err and path.read_bytes() == b"stale", err
+    code, out, err = run_cli(*argv, "--overwrite", capsys=capsys)
+    assert code == 0 and path.read_bytes() != b"stale", err

@@ -26,8 +26,10 @@ the attention itself, merged over heads, and compares directly with the
 reference's. JAX APIs run under jax.jit: one XLA compile per call signature
 instead of one per primitive, which keeps the whole run near 10 s.
 
-The expectations of shared/CONVENTIONS.md (SKETCH below) never reach a cell;
-they only list where the measurement disagrees with them.
+The project's recorded expectations (conventions_expected.json beside this
+module: the frameworks' documented behaviour, or an earlier measurement where
+they document none) never reach a cell; they only list where the measurement
+disagrees with them.
 
 Shape letters as in impl_numpy: B batch, T query length, S key length,
 N heads, H head dim, D = N*H features.
@@ -47,6 +49,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from conformance.backends import quiet_python_loggers
 
 B, T, S, N, H = 2, 4, 5, 2, 4
 D = N * H
@@ -510,25 +514,46 @@ APIS: tuple[Api, ...] = (
           lambda p=p: _numpy_reference(p)) for p in ("zero", "uniform", "nan")),
 )
 
-# What shared/CONVENTIONS.md sketches (by hand) for each API, keyed like a row;
-# a key it says nothing about is absent. Only used to list disagreements.
-_ATTEND, _UNIFORM = "attend", POLICY_LABELS["uniform"]
-_TOP_LEFT = {"causal_T2_S4": "top_left", "causal_T4_S2": "top_left"}  # "torch SDPA, keras, jax/flax: top-left"
-SKETCH: dict[str, dict[str, str]] = {
-    "torch nn.MultiheadAttention": {"mask_true_means": "masked", "fully_masked_row": "NaN"},
-    "torch nn.MultiheadAttention (fast path)": {"mask_true_means": "masked", "fully_masked_row": "NaN"},
-    "torch F.scaled_dot_product_attention": {"mask_true_means": _ATTEND, "fully_masked_row": "0", **_TOP_LEFT},
-    "keras MultiHeadAttention (fused)": {"mask_true_means": _ATTEND, "fully_masked_row": _UNIFORM, **_TOP_LEFT},
-    "keras MultiHeadAttention (return_attention_scores=True)": {"mask_true_means": _ATTEND, "fully_masked_row": "0",
-                                                                "fully_masked_weights": "0", **_TOP_LEFT},
-    "flax.linen.MultiHeadDotProductAttention": {"mask_true_means": _ATTEND, "fully_masked_row": _UNIFORM, **_TOP_LEFT},
-    "flax.nnx.MultiHeadAttention": {"mask_true_means": _ATTEND, **_TOP_LEFT},
-    "jax.nn.dot_product_attention": {"mask_true_means": _ATTEND, "fully_masked_row": _UNIFORM, **_TOP_LEFT},
-    "onnxruntime Attention (opset 23, CPU)": {"mask_true_means": _ATTEND, "fully_masked_row": "0",
-                                              "causal_T2_S4_past_cache": "bottom_right"},
-    "onnx.reference Attention (opset 23)": {"mask_true_means": _ATTEND, "causal_T2_S4_past_cache": "bottom_right"},
-}
-SKETCH_SOURCE = "shared/CONVENTIONS.md"
+# The project's recorded expectations, a data file shipped beside this module
+# (package data) so a clone or an installed wheel has them; see its "about".
+EXPECTED_FILE = "conventions_expected.json"
+EXPECTED_SOURCE = f"the recorded expectations (conformance/{EXPECTED_FILE})"
+# Row keys an expectation may name: the table's columns and the extra
+# measurements some runners add (ONNX's past-cache causal alignment).
+EXPECTED_KEYS = ("mask_true_means", "fully_masked_row", "fully_masked_weights", "causal_T2_S4", "causal_T4_S2",
+                 "causal_T2_S4_past_cache")
+
+
+def parse_expected(text: str) -> dict[str, dict[str, str]]:
+    """API name -> {row key: expected value} from EXPECTED_FILE's text; a
+    malformed file is a one-line ValueError."""
+    import json
+
+    try:
+        apis = json.loads(text)["apis"]
+        table = {str(api): {str(k): str(v) for k, v in entry["expect"].items()} for api, entry in apis.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"conformance/{EXPECTED_FILE}: malformed: {type(err).__name__}: {err}") from None
+    for api, expect in table.items():
+        unknown = sorted(set(expect) - set(EXPECTED_KEYS))
+        if unknown:
+            raise ValueError(f"conformance/{EXPECTED_FILE}: {api!r} names unknown keys {unknown} "
+                             f"(known: {', '.join(EXPECTED_KEYS)})")
+    return table
+
+
+@functools.cache
+def expected() -> dict[str, dict[str, str]]:
+    """The recorded expectations, read once from the package's data file.
+    Only used to list disagreements."""
+    import importlib.resources
+
+    resource = importlib.resources.files("conformance") / EXPECTED_FILE
+    try:
+        text = resource.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"conformance/{EXPECTED_FILE}: cannot read: {err}") from None
+    return parse_expected(text)
 
 
 # -- the measurements ------------------------------------------------------------------
@@ -848,6 +873,7 @@ def measure(console=None, apis: tuple[Api, ...] | None = None) -> dict:
             if status is not None:
                 status.update(f"measuring conventions: {api.name}")
             row = measure_api(api)
+            quiet_python_loggers()  # under the CLI: the framework this API imported logs errors only
             if row["status"] == "measured" and api.framework not in matmul and api.framework in MATMUL_PROBES:
                 try:
                     matmul[api.framework] = MATMUL_PROBES[api.framework](a, b, exact, devices)
@@ -926,15 +952,16 @@ def _notes(data: dict) -> list[str]:
 
 
 def disagreements(data: dict) -> list[str]:
-    """One line per measured fact that differs from the sketch in shared/CONVENTIONS.md."""
+    """One line per measured fact that differs from the recorded expectations."""
     lines = []
+    table = expected()
     for row in data["rows"]:
         if row.get("status") != "measured":
             continue
-        for key, expected in SKETCH.get(row["api"], {}).items():
+        for key, want in table.get(row["api"], {}).items():
             got = row.get(key)
-            if got != expected:
-                lines.append(f"{row['api']}: {key} sketched as {expected!r}, measured {got!r}")
+            if got != want:
+                lines.append(f"{row['api']}: {key} expected {want!r}, measured {got!r}")
     return lines
 
 
@@ -948,7 +975,7 @@ def _setup_line(data: dict) -> str:
 
 def to_markdown(data: dict) -> str:
     """The table (Markdown), its footnotes and notes, versions, and one line per
-    disagreement with shared/CONVENTIONS.md."""
+    disagreement with the recorded expectations."""
     rows, footnotes = table_cells(data)
     out = ["| " + " | ".join(title for title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in rows]
@@ -958,7 +985,7 @@ def to_markdown(data: dict) -> str:
         out += ["", "Notes:", *[f"- {note}" for note in notes]]
     out += ["", _setup_line(data), "", "Versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items()) + "."]
     lines = disagreements(data)
-    out += ["", f"Disagreements with {SKETCH_SOURCE}:" if lines else f"No disagreement with {SKETCH_SOURCE}."]
+    out += ["", f"Disagreements with {EXPECTED_SOURCE}:" if lines else f"No disagreement with {EXPECTED_SOURCE}."]
     out += [f"- {line}" for line in lines]
     return "\n".join(out) + "\n"
 
@@ -982,20 +1009,43 @@ def render_terminal(data: dict, console=None) -> None:
         console.print(escape(line))
     lines = disagreements(data)
     if lines:
-        console.print(f"[bold]disagreements with {SKETCH_SOURCE}:[/]")
+        console.print(f"[bold]disagreements with {escape(EXPECTED_SOURCE)}:[/]")
         for line in lines:
             console.print(escape(f"  {line}"))
     else:
-        console.print(f"no disagreement with {SKETCH_SOURCE}")
+        console.print(f"no disagreement with {escape(EXPECTED_SOURCE)}")
 
 
-if __name__ == "__main__":  # python -m conformance.conventions [--json | --markdown]
+def main(argv: list[str] | None = None) -> int:
+    """python -m conformance.conventions [--json | --markdown]"""
     import json
 
-    result = measure()
-    if "--json" in sys.argv:
-        print(json.dumps(result, indent=1))
-    elif "--markdown" in sys.argv:
-        print(to_markdown(result))
-    else:
-        render_terminal(result)
+    from conformance.cli import OneLineParser, full_width_output, guarded
+
+    def command() -> int:
+        parser = OneLineParser(
+            prog="python -m conformance.conventions",
+            description="Measure the conventions of each framework's own attention API (bool mask polarity, the "
+                        "output and weights of a fully masked row, causal alignment when T != S, the default float32 "
+                        "matmul precision on each device) against the NumPy reference, and print the table with "
+                        f"every disagreement with {EXPECTED_SOURCE}. Frameworks that are not installed are rows "
+                        "saying so. `mha check --conventions` prints the same table after the main job.")
+        form = parser.add_mutually_exclusive_group()
+        form.add_argument("--json", action="store_true", help="print the whole measurement, evidence included, as JSON")
+        form.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+        args = parser.parse_args(argv)
+        with full_width_output():
+            result = measure()
+            if args.json:
+                print(json.dumps(result, indent=1))
+            elif args.markdown:
+                print(to_markdown(result))
+            else:
+                render_terminal(result)
+        return 0
+
+    return guarded(command)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

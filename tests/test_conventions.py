@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ TF = "keras/tensorflow not installed: pip install -c constraints/cpu.txt '.[tf]'
 JAX = "jax/flax not installed: pip install -c constraints/cpu.txt '.[jax]'"
 ONNX = "onnx/onnxruntime not installed: pip install -c constraints/cpu.txt '.[onnx]'"
 
+ROOT = Path(__file__).resolve().parents[1]
 UNIFORM = conv.POLICY_LABELS["uniform"]
 KNOWN_ROW_LABELS = set(conv.POLICY_LABELS.values())
 
@@ -125,7 +127,64 @@ def test_disagreements_name_the_api_and_both_values():
     row = {"api": "torch F.scaled_dot_product_attention", "status": "measured", "fully_masked_row": "NaN",
            "mask_true_means": "attend", "causal_T2_S4": "top_left", "causal_T4_S2": "top_left"}
     lines = conv.disagreements({"rows": [row]})
-    assert lines == ["torch F.scaled_dot_product_attention: fully_masked_row sketched as '0', measured 'NaN'"], lines
+    assert lines == ["torch F.scaled_dot_product_attention: fully_masked_row expected '0', measured 'NaN'"], lines
+
+
+def test_expectations_are_project_data_for_known_apis_and_keys():
+    """The expectations ship in the package (a user's clone has no notes
+    beside it): every API they name is a row of the table, every key one the
+    measurement fills, and each entry says where it comes from."""
+    import importlib.resources
+
+    text = (importlib.resources.files("conformance") / conv.EXPECTED_FILE).read_text(encoding="utf-8")
+    raw = json.loads(text)["apis"]
+    table = conv.expected()
+    assert set(table) == set(raw) and set(table) <= {api.name for api in conv.APIS}, sorted(set(table) - {a.name for a in conv.APIS})
+    for api, entry in raw.items():
+        assert entry["expect"] and set(entry["expect"]) <= set(conv.EXPECTED_KEYS), (api, entry)
+        assert len(entry["source"]) > 20, f"{api}: no source for its expectations"
+    keys = {key for _, key in conv.COLUMNS} | {"causal_T2_S4_past_cache"}
+    assert set(conv.EXPECTED_KEYS) <= keys, set(conv.EXPECTED_KEYS) - keys
+    assert "shared/" not in text and "shared/" not in conv.EXPECTED_SOURCE
+
+
+def test_malformed_expectations_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"names unknown keys \['mask_polarity'\]"):
+        conv.parse_expected(json.dumps({"apis": {"x": {"expect": {"mask_polarity": "attend"}, "source": "s"}}}))
+    with pytest.raises(ValueError, match="malformed: KeyError"):
+        conv.parse_expected(json.dumps({"api": {}}))
+    with pytest.raises(ValueError, match="malformed: JSONDecodeError"):
+        conv.parse_expected("{")
+
+
+def test_what_the_user_sees_points_nowhere_outside_the_package():
+    row = {"api": "torch F.scaled_dot_product_attention", "status": "measured", "fully_masked_row": "NaN",
+           "mask_true_means": "attend", "fully_masked_weights": "n/a", "causal_T2_S4": "top_left",
+           "causal_T4_S2": "top_left", "float32_matmul": {}, "evidence": {}, "notes": []}
+    data = {"rows": [row], "versions": {"numpy": np.__version__}, "seconds": 0.1, "tolerance": conv.TOL,
+            "matmul_shape": list(conv.MATMUL_SHAPE), "shapes": {"B": 2, "T": 4, "S": 5, "N": 2, "H": 4}}
+    from rich.console import Console
+
+    console = Console(record=True, width=300)
+    conv.render_terminal(data, console=console)
+    for text in (conv.to_markdown(data), console.export_text()):
+        assert "shared/" not in text, text
+        assert "fully_masked_row expected '0', measured 'NaN'" in text, text
+        assert "conformance/conventions_expected.json" in text, text
+
+
+def test_module_help_prints_help_without_measuring():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "conformance.conventions", "--help"], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0 and proc.stderr == "", proc
+    assert proc.stdout.startswith("usage: python -m conformance.conventions") and "--markdown" in proc.stdout, proc.stdout
+    assert "Native attention APIs" not in proc.stdout, "--help ran the measurement"
+    bad = subprocess.run([sys.executable, "-m", "conformance.conventions", "--tabular"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unrecognized arguments: --tabular" in bad.stderr, bad
 
 
 # -- one real run -------------------------------------------------------------------------
@@ -223,7 +282,7 @@ def test_markdown_and_terminal_show_every_api(data):
     assert len(table) == 1 + len(conv.APIS), table  # header + one line per API
     for api in conv.APIS:
         assert any(line.startswith(f"| {api.name} |") for line in table), f"{api.name} missing from\n{text}"
-    assert f"with {conv.SKETCH_SOURCE}" in text, text
+    assert f"with {conv.EXPECTED_SOURCE}" in text, text
     console = Console(record=True, width=400)
     conv.render_terminal(data, console=console)
     shown = console.export_text()

@@ -16,7 +16,7 @@ reason, which the suite reports as "unsupported": a config its weights
 cannot hold, a scale it does not take, a mask shape or bias it has no
 argument for, an explicit dropout mask, and a query row with no allowed key
 when the case's masked_row policy is not what the API does with such a row
-(shared/CONVENTIONS.md). Everything else runs and is judged: a native
+(`mha check --conventions` measures it). Everything else runs and is judged: a native
 behaviour that differs from the reference then shows as a failure with its
 margin. Each module's `known_difference(case, dtype)` names the failures
 that are expected, with the reason (tests/test_native_backends.py asserts

@@ -150,12 +150,23 @@ def _onnxruntime_probe(devices: dict, flags: dict) -> None:
 PROBES = {"torch": _torch_probe, "jax": _jax_probe, "tensorflow": _tf_probe, "onnxruntime": _onnxruntime_probe}
 
 
-def _precision_meaning(precision: str) -> str:
+def _precision_meaning(precision: str, gpu_in_run: bool) -> str:
+    """What the precision mode meant on the devices this run used. Every
+    backend sets its framework's float32 matmul precision for each call
+    (impl_torch/device.py, impl_tf/layer.py, impl_jax, conformance/native)
+    and restores it after; TF32 exists only on GPUs."""
+    tolerance = (f"tolerance rtol = {SAFETY:g} * u * sqrt(L) with u the dtype's unit round-off; float16/bfloat16 at "
+                 f"least {REFERENCE_FACTOR:g}x the same-precision reference's error")
+    wider = (f"float32 is judged with u = {UNIT_ROUNDOFF['tf32']:.3g} (10 mantissa bits) instead of "
+             f"{UNIT_ROUNDOFF['float32']:.3g}: a wider tolerance")
+    if not gpu_in_run:
+        if precision == "tf32":
+            return f"tf32 asked for, but TF32 does not apply: no GPU in this run; {wider}"
+        return f"float32 matmuls at the frameworks' highest precision on the CPU (TF32 does not apply: no GPU in this run); {tolerance}"
     if precision == "tf32":
-        return (f"TF32 / reduced-precision matmuls allowed; float32 is judged with u = {UNIT_ROUNDOFF['tf32']:.3g} "
-                f"(10 mantissa bits) instead of {UNIT_ROUNDOFF['float32']:.3g}: a wider tolerance")
-    return (f"TF32 and reduced-precision matmuls off; tolerance rtol = {SAFETY:g} * u * sqrt(L) with u the dtype's "
-            f"unit round-off; float16/bfloat16 at least {REFERENCE_FACTOR:g}x the same-precision reference's error")
+        return f"TF32 / reduced-precision matmuls allowed on the GPU during every backend call; {wider}"
+    return ("TF32 and reduced-precision matmuls off on the GPU during every backend call (each backend sets this for "
+            f"the call and restores the framework's setting after); {tolerance}")
 
 
 def environment(backends_used: list[str], devices: list[str], precision: str) -> dict:
@@ -163,28 +174,42 @@ def environment(backends_used: list[str], devices: list[str], precision: str) ->
 
     Versions are read without importing (a framework already imported reports
     its own `__version__`); device names and TF32 flags are asked of the
-    frameworks the run's backends use (and of any already imported). Nothing
+    frameworks the run's backends use (and of any already imported), and
+    listed only when the run used a GPU, the one device they govern. Nothing
     here raises: a missing framework is "not installed", a broken one records
     its error.
     """
     distributions = _ask(importlib.metadata.packages_distributions, default={})
     versions = {"python": f"{platform.python_version()} ({platform.python_implementation()})"}
     versions.update({name: _version_of(name, distributions) for name in PACKAGES})
-    versions["mha-conformance"] = _ask(lambda: importlib.metadata.version("mha-conformance"), default="source checkout")
+    from conformance.cli import package_version
+
+    versions["mha-conformance"] = _ask(package_version, default="unknown")
 
     device_names: dict[str, Any] = {
         "requested": list(devices),
         "cpu": f"{_cpu_model()} ({os.cpu_count() or '?'} logical cores)",
     }
-    flags: dict[str, Any] = {"mode": precision, "meaning": _precision_meaning(precision)}
+    gpu_in_run = "gpu" in devices
+    flags: dict[str, Any] = {"mode": precision, "meaning": _precision_meaning(precision, gpu_in_run)}
+    framework_flags: dict[str, Any] = {}
     for framework in _frameworks_in_use(backends_used):
         if versions.get(framework, NOT_INSTALLED).startswith(NOT_INSTALLED) and sys.modules.get(framework) is None:
             device_names[framework] = NOT_INSTALLED
             continue
         try:
-            PROBES[framework](device_names, flags)
+            PROBES[framework](device_names, framework_flags)
         except Exception as err:  # import failure of an installed framework
             device_names[framework] = f"unavailable ({type(err).__name__}: {err})".replace("\n", " ")[:300]
+    if not gpu_in_run:
+        # The frameworks' TF32 switches (torch's cudnn.allow_tf32 defaults to True,
+        # TensorFlow's tensor_float_32_execution_enabled() too) govern GPU kernels
+        # only: listing their values here would read as if they had been in force.
+        flags["TF32"] = "does not apply: no GPU in this run"
+    elif framework_flags:
+        flags["framework settings"] = ("the values below, read outside the calls; every call sets its own precision "
+                                       "(see meaning) and restores them after")
+        flags.update(framework_flags)
     return {
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "platform": platform.platform(),

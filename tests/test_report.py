@@ -347,11 +347,39 @@ def test_environment_records_versions_devices_and_precision():
     assert env["versions"]["python"].startswith(".".join(map(str, sys.version_info[:3])))
     assert all(isinstance(v, str) and v for v in env["versions"].values()), env["versions"]
     assert env["devices"]["requested"] == ["cpu"] and env["devices"]["cpu"]
-    assert env["precision"]["mode"] == "highest" and "off" in env["precision"]["meaning"]
+    assert env["precision"]["mode"] == "highest" and "no GPU in this run" in env["precision"]["meaning"]
     if not had_tf:
         assert sys.modules.get("tensorflow") is None, "a numpy-only run must not import TensorFlow"
     tf32 = report.environment(["numpy"], ["cpu"], "tf32")["precision"]
-    assert tf32["mode"] == "tf32" and "wider tolerance" in tf32["meaning"]
+    assert tf32["mode"] == "tf32" and "wider tolerance" in tf32["meaning"] and "does not apply" in tf32["meaning"]
+
+
+def _fake_torch(cudnn_tf32: bool) -> types.ModuleType:
+    """torch as the report's probe sees it: one CUDA device and the TF32 switches."""
+    torch = types.ModuleType("torch")
+    torch.__version__ = "0.0-fake"
+    torch.cuda = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1,
+                                       get_device_name=lambda i: "Fake GPU")
+    torch.backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=types.SimpleNamespace(allow_tf32=False)),
+                                           cudnn=types.SimpleNamespace(allow_tf32=cudnn_tf32))
+    torch.get_float32_matmul_precision = lambda: "highest"
+    return torch
+
+
+def test_precision_lists_tf32_switches_only_where_a_gpu_ran(monkeypatch):
+    """torch's cudnn.allow_tf32 defaults to True; on a CPU-only run it governs
+    nothing, and the report must not read as if TF32 had been on or off."""
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(cudnn_tf32=True))
+    cpu = report.environment(["torch"], ["cpu"], "highest")["precision"]
+    assert cpu["TF32"] == "does not apply: no GPU in this run", cpu
+    assert not any("tf32" in key.lower() or "float32_matmul" in key for key in cpu if key != "TF32"), cpu
+    assert "off" not in cpu["meaning"].split(";")[0] and "no GPU in this run" in cpu["meaning"], cpu["meaning"]
+    gpu = report.environment(["torch"], ["cpu", "gpu"], "highest")["precision"]
+    assert "TF32" not in gpu and "off on the GPU during every backend call" in gpu["meaning"], gpu
+    assert gpu["torch.backends.cudnn.allow_tf32"] is True and gpu["torch.backends.cuda.matmul.allow_tf32"] is False, gpu
+    assert "read outside the calls" in gpu["framework settings"], gpu
+    allowed = report.environment(["torch"], ["gpu"], "tf32")["precision"]
+    assert "allowed on the GPU" in allowed["meaning"] and "wider tolerance" in allowed["meaning"], allowed
 
 
 def test_environment_never_crashes_on_missing_or_broken_frameworks(monkeypatch):

@@ -96,12 +96,6 @@ def _check_bias_values(bias: torch.Tensor) -> None:
         check_bias_values(bias[bad][:1].double().cpu().numpy())  # raises, in the contract's words
 
 
-def _meta(x: torch.Tensor | None, name: str) -> dict:
-    """check_call's shape and dtype arguments of one optional input."""
-    return {f"{name}_shape": None if x is None else tuple(x.shape),
-            f"{name}_dtype": None if x is None else dtype_name(x.dtype)}
-
-
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
@@ -115,16 +109,17 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     query = to_torch(query, device)
     key = query if key is None else to_torch(key, device)
     value = key if value is None else to_torch(value, device)
-    optional = {name: None if x is None else to_torch(x, device) for name, x in (
+    # Only the inputs given (a plain call has few): check_call's shape and dtype arguments of each.
+    given = {name: to_torch(x, device) for name, x in (
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
-        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids))}
+        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids)) if x is not None}
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not x.is_floating_point() and x.dtype != dtype:
             raise ValueError(f"{name} must be a float array: got dtype {dtype_name(x.dtype)}")
     meta = {}
-    for name, x in optional.items():
-        meta.update(_meta(x, name))
+    for name, x in given.items():
+        meta[f"{name}_shape"], meta[f"{name}_dtype"] = tuple(x.shape), dtype_name(x.dtype)
     shapes = check_call(
         config, query_shape=tuple(query.shape), key_shape=tuple(key.shape), value_shape=tuple(value.shape), **meta,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
@@ -136,7 +131,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8,
     )
     T, S_total = shapes.T, shapes.S_total
-    mask_t, bias_t, keep_t = optional["mask"], optional["bias"], optional["dropout_mask"]
+    mask_t, bias_t, keep_t = given.get("mask"), given.get("bias"), given.get("dropout_mask")
     if bias_t is not None:
         _check_bias_values(bias_t)
         bias_t = bias_t.to(compute_dtype(dtype)).reshape(shapes.bias_shape)
@@ -145,7 +140,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         keep_t = F.dropout_keep_mask((shapes.B, config.num_heads, T, S_total), config.dropout, seed, device)
     if not training:
         keep_t = None
-    segment_ids, key_segment_ids = optional["segment_ids"], optional["key_segment_ids"]
+    segment_ids, key_segment_ids = given.get("segment_ids"), given.get("key_segment_ids")
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     windowed = config.window_left >= 0 or config.window_right >= 0
@@ -159,10 +154,10 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     call = Call(shapes=shapes, params=params, query=query, key=key, value=value, allowed=allowed, bias4=bias_t,
                 keep=keep_t, dtype=dtype, plain_causal=plain_causal)
     if config.rope is not None:
-        call.positions = F.default_positions(optional["positions"], shapes.P, T, device)
-        call.key_positions = F.default_positions(optional["key_positions"], shapes.P, shapes.S, device)
-    if optional["past_key"] is not None:
-        call.past_key, call.past_value = optional["past_key"].to(dtype), optional["past_value"].to(dtype)
+        call.positions = F.default_positions(given.get("positions"), shapes.P, T, device)
+        call.key_positions = F.default_positions(given.get("key_positions"), shapes.P, shapes.S, device)
+    if "past_key" in given:
+        call.past_key, call.past_value = given["past_key"].to(dtype), given["past_value"].to(dtype)
     return call
 
 

@@ -111,7 +111,7 @@ def check(label, actual, expected, *, name, dtype, quantity, spe_key, precision=
     spe = same_precision_errors(name, dtype)
     try:
         assert_close(f"{name}/{dtype}/{label}", actual, expected, config=case.config, dtype=dtype, quantity=quantity,
-                     B=case.B, T=case.T, S=case.S, logits=logits_of(name), precision=precision,
+                     B=case.B, T=case.T, S=case.S_total, logits=logits_of(name), precision=precision,
                      same_precision_error=None if spe is None else spe[spe_key])
     except AssertionError as err:
         return str(err)
@@ -157,7 +157,7 @@ def test_self_attention_without_key_and_dtype_option(dtype):
         assert got["grads"][g].dtype == want_dtype, f"grad {g}: dtype {got['grads'][g].dtype} != {want_dtype}"
         try:
             assert_close(f"self_basic key=None/{dtype}/grad.{g}", got["grads"][g], expected, config=case.config,
-                         dtype=dtype, quantity="grad", B=case.B, T=case.T, S=case.S, logits=logits_of(case.name),
+                         dtype=dtype, quantity="grad", B=case.B, T=case.T, S=case.S_total, logits=logits_of(case.name),
                          scale_floor=max_finite_abs(magnitudes[g]))
         except AssertionError as err:
             failures.append(str(err))
@@ -178,7 +178,7 @@ def test_trace_stages_match_reference_stage_by_stage():
         try:
             with np.errstate(invalid="ignore"):  # the mask stage holds -inf on both sides: inf - inf in compare
                 assert_close(stage, value, expected, config=case.config, dtype="float64", quantity="stage", B=case.B,
-                             T=case.T, S=case.S, logits=logits_of(name))
+                             T=case.T, S=case.S_total, logits=logits_of(name))
         except AssertionError as err:
             failures.append(str(err))
     assert not failures, "\n".join(failures)
@@ -229,7 +229,7 @@ def test_sdpa_path_matches_explicit_path_in_float64(name):
     explicit = torch_run(name, "float64")[0]["output"]
     sdpa = torch_run(name, "float64", use_sdpa=True)[0]["output"]
     assert_close(f"{name}: sdpa vs explicit", sdpa, explicit, config=case.config, dtype="float64", quantity="output",
-                 B=case.B, T=case.T, S=case.S, logits=logits_of(name))
+                 B=case.B, T=case.T, S=case.S_total, logits=logits_of(name))
 
 
 def test_sdpa_not_used_when_weights_trace_or_dropout_mask_are_needed(sdpa_calls):
@@ -377,7 +377,7 @@ def test_layer_from_file_matches_reference(tmp_path):
     out = layer(to_torch(inputs["query"]), to_torch(inputs["key"]), to_torch(inputs["value"]),
                 mask=to_torch(inputs["mask"]), bias=to_torch(inputs["bias"]), is_causal=True)
     assert_close("layer vs reference", to_numpy(out), reference(case.name)[0]["output"], config=case.config,
-                 dtype="float64", quantity="output", B=case.B, T=case.T, S=case.S, logits=logits_of(case.name))
+                 dtype="float64", quantity="output", B=case.B, T=case.T, S=case.S_total, logits=logits_of(case.name))
 
 
 def canonical_grads(layer) -> dict[str, np.ndarray]:
@@ -421,7 +421,7 @@ def test_layer_training_mode_follows_module_and_torch_seed():
     assert not torch.equal(first, evaluated), "training mode with dropout=0.25 gave the eval-mode output"
     explicit = layer(q, k, v, dropout_mask=to_torch(inputs["dropout_mask"]))
     assert_close("layer with the case's keep-mask", to_numpy(explicit), reference(case.name)[0]["output"],
-                 config=case.config, dtype="float64", quantity="output", B=case.B, T=case.T, S=case.S,
+                 config=case.config, dtype="float64", quantity="output", B=case.B, T=case.T, S=case.S_total,
                  logits=logits_of(case.name))
 
 
@@ -480,10 +480,10 @@ def test_torch_compile_full_graph_forward_and_backward():
     out = compiled(query, key, value, mask=to_torch(inputs["mask"]), bias=to_torch(inputs["bias"]), is_causal=True)
     out.backward(to_torch(output_cotangent(case)))
     assert_close("compiled output", to_numpy(out), reference(name)[0]["output"], config=case.config, dtype="float64",
-                 quantity="output", B=case.B, T=case.T, S=case.S, logits=logits_of(name))
+                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=logits_of(name))
     for label, x in (("query", query), ("key", key), ("value", value)):
         assert_close(f"compiled d_{label}", to_numpy(x.grad), reference(name)[1]["grads"][label], config=case.config,
-                     dtype="float64", quantity="grad", B=case.B, T=case.T, S=case.S, logits=logits_of(name))
+                     dtype="float64", quantity="grad", B=case.B, T=case.T, S=case.S_total, logits=logits_of(name))
 
 
 @pytest.mark.slow  # inductor's C++ build: ~45 s cold on 2 cores (aot_eager above covers capture and autograd)
@@ -498,7 +498,7 @@ def test_torch_compile_inductor_forward():
     with torch.no_grad():
         out = compiled(*(to_torch(inputs[n]) for n in ("query", "key", "value")))
     assert_close("inductor output", to_numpy(out), reference(name)[0]["output"], config=case.config, dtype="float32",
-                 quantity="output", B=case.B, T=case.T, S=case.S, logits=logits_of(name))
+                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=logits_of(name))
 
 
 @pytest.mark.parametrize("use_sdpa", [False, True], ids=["explicit", "sdpa"])
@@ -513,7 +513,7 @@ def test_autocast_cpu_bfloat16(name, use_sdpa):
                     causal_alignment=case.causal_alignment, use_sdpa=use_sdpa, **extra)
     assert out.dtype == torch.float32, f"output dtype {out.dtype}: stages store in the module's dtype"
     assert_close("autocast output", to_numpy(out), reference(name)[0]["output"], config=case.config, dtype="bfloat16",
-                 quantity="output", B=case.B, T=case.T, S=case.S, logits=logits_of(name),
+                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=logits_of(name),
                  same_precision_error=same_precision_errors(name, "bfloat16")["output"])
 
 
@@ -544,7 +544,7 @@ def test_gpu_layer_round_trip_and_tf32_policy():
     out = torch_adapter.forward(case.config, tensors, inputs, case.options("float32"), device="gpu",
                                 precision="tf32")["output"]
     assert_close("tf32 output", out, reference(case.name)[0]["output"], config=case.config, dtype="float32",
-                 quantity="output", B=case.B, T=case.T, S=case.S, logits=logits_of(case.name), precision="tf32")
+                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=logits_of(case.name), precision="tf32")
 
 
 def test_memory_guard_spares_the_sdpa_path(monkeypatch):

@@ -187,12 +187,11 @@ def quiet_framework_logging():
         quiet_python_loggers()
         return lambda: None
     saved = {name: os.environ.get(name) for name in ("TF_CPP_MIN_LOG_LEVEL", QUIET_ENV)}
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # what TensorFlow logs through its own C++ logger: all but fatal off, as the filter does
+    # TensorFlow's own C++ logger honours this: all but fatal off, as the filter does
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ[QUIET_ENV] = "1"
     quiet_python_loggers()
-    filter_process, original = _start_filter(), None
-    if filter_process is not None:
-        filter_process, original = filter_process
+    filter_process, original = _start_filter() or (None, None)
 
     def restore() -> None:
         for name, value in saved.items():

@@ -243,7 +243,7 @@ def fused_forward(config, call, *, is_causal, causal_alignment, chunk_size, retu
     the output split their rows, the core its heads (or its batch). Why not
     BLAS's own threads for the matmuls and ours for the core only: OpenBLAS's
     idle worker keeps spinning for 0.1-0.15 s after each multi-threaded call,
-    holding one of this machine's two cores, so the core that followed
+    holding one of the 2-core Xeon VM's two cores, so the core that followed
     BLAS-threaded projections ran its first 0.1 s on one core (measured: two
     threads' matmuls took 59.8 ms right after an OpenBLAS call, 44.6 ms 0.1 s
     later, 36 ms 0.15 s later, 35 ms in a process started with

@@ -1,5 +1,5 @@
 """Masks in the reference convention (bool, True = may attend), and converters
-from every foreign convention listed in shared/CONVENTIONS.md.
+from every foreign convention the frameworks use (docs/conventions.md measures them).
 
 A converter is named after the convention it reads, so a port states its
 source explicitly: `to_allowed("torch-mha-attn-mask", m, num_heads=N)`.

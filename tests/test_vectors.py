@@ -31,7 +31,7 @@ def test_shipped_vectors_match_a_regeneration_here(tmp_path):
     written = sorted(generate(tmp_path))
     shipped = sorted(DEFAULT_DIR.glob("*.safetensors"))
     assert [p.name for p in written] == [p.name for p in shipped], "shipped vector set differs from the case grid"
-    hint = "(run `mha vectors generate`)"
+    hint = "(run `mha vectors generate --overwrite`)"
     for new, old in zip(written, shipped):
         meta_new, arrays_new = read_safetensors(new)
         meta_old, arrays_old = read_safetensors(old)

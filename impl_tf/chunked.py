@@ -204,7 +204,9 @@ def key_plan(t0: int, tb: int, *, T: int, S: int, C: int, offset: int, causal: b
     reach = [bound for bound in ((0 if causal else -1), right) if bound >= 0]  # keys right of the row it sees
     r = min(reach) if reach else None
     stop = S if r is None else min(S, max(0, last + r + 1))  # past the last key any row sees
-    start = min(stop, max(0, first - left)) if left >= 0 else 0  # the first key any row sees
+    start = max(0, first - left) if left >= 0 else 0  # the first key any row sees
+    if start >= stop:  # no row of the block sees any key (rows after a short key sequence, left window)
+        return []
     plan = []
     for s0 in range(start - start % C, stop, C):
         sb = min(C, S - s0)

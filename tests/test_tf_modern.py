@@ -1,0 +1,754 @@
+"""impl_tf's modern attention (RoPE, QK-norm, softcap, windows, sinks, the KV
+cache, segment ids) against the float64 NumPy reference.
+
+The named modern cases of conformance/cases.py already run through
+tests/test_tf.py's grid (every dtype; the stages, the fused path and
+chunk_size=2); this file adds the combinations the grid leaves out on every
+path (the XLA-compiled fused core and key blocks too), longer chunked calls
+whose windows skip key blocks, the new stages one by one (trace, 16-bit
+rounding rule), token-by-token decoding with the cache, the layer's new
+variables, graphs, and error wording. Expected values come from impl_numpy
+in float64 (or, for the precision rule, from impl_numpy's stage in the same
+dtype); tolerances from conformance.tolerance only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+INSTALL = "TensorFlow/Keras not installed: pip install -c constraints/cpu.txt '.[tf]'"
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+tf = pytest.importorskip("tensorflow", reason=INSTALL)
+keras = pytest.importorskip("keras", reason=INSTALL)
+
+from reference_checks import WithOptions, assert_case_conforms, assert_gradients_conform, error_of  # noqa: E402
+
+import impl_numpy  # noqa: E402
+import impl_numpy.adapter as numpy_adapter  # noqa: E402
+import impl_tf  # noqa: E402
+import weights  # noqa: E402
+from conformance.cases import (  # noqa: E402
+    CASES,
+    DTYPE_NAMES,
+    Case,
+    cast_inputs,
+    cast_tensors,
+    make_inputs,
+    make_tensors,
+    output_cotangent,
+)
+from conformance.compare import expected_for  # noqa: E402
+from conformance.tolerance import assert_close  # noqa: E402
+from impl_tf import adapter as tf_adapter  # noqa: E402
+from impl_tf import attention as tf_attention  # noqa: E402
+from impl_tf import chunked as tf_chunked  # noqa: E402
+from impl_tf import functional as tf_functional  # noqa: E402
+from weights.config import Rope, RopeScaling  # noqa: E402
+from weights.rope import inverse_frequencies  # noqa: E402
+
+pytestmark = pytest.mark.tf
+
+HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def _cfg(**kw) -> weights.AttentionConfig:
+    return weights.AttentionConfig(**{"num_heads": 2, "query_dim": 8, "head_dim": 4, **kw})
+
+
+_CROSS = dict(self_attention=False, T=4, S=6)
+_DECODE = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+
+# Combinations the named grid does not hold (names start with "tf_" so that no case of the grid
+# shares their seeds): each rope scaling with each pairing, both norm kinds in both scopes, windows
+# with a cache and T != S, sinks with masks, empty rows, GQA/MQA and a cache, segments with windows.
+EXTRA_CASES = {case.name: case for case in (
+    Case("tf_qk_norm_rms_all", _cfg(qk_norm={"type": "rms", "scope": "all"}), **_CROSS),
+    Case("tf_qk_norm_layer_head_gqa", _cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
+         is_causal=True),
+    Case("tf_rope_interleaved_partial_linear",
+         _cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
+         positions="far", is_causal=True),
+    Case("tf_rope_half_partial_llama3_per_batch", _cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": LLAMA3}),
+         positions="per_batch", **_CROSS),
+    Case("tf_rope_half_yarn_far", _cfg(head_dim=8, rope={"scaling": YARN}), positions="far", is_causal=True),
+    Case("tf_window_both_cache", _cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **_DECODE),
+    Case("tf_window_left_cross_top_left", _cfg(window_left=1), **_CROSS),
+    Case("tf_window_right_causal_long_query", _cfg(window_right=1, window_left=1), self_attention=False, T=6, S=4,
+         is_causal=True, causal_alignment="bottom_right", mask="empty_rows"),
+    Case("tf_sinks_cache_mqa_empty_rows",
+         _cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
+         T=2, S=2, P=3, mask="empty_rows", **_DECODE),
+    Case("tf_softcap_window_segments", _cfg(logit_softcap=3.0, window_left=1, rope={}), T=7, S=7,
+         positions="packed", is_causal=True),
+    Case("tf_window_segments_norm", _cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
+         T=7, S=7, positions="packed"),
+    Case("tf_softcap_bias_sinks_gqa", _cfg(num_heads=4, num_kv_heads=2, logit_softcap=4.0, use_sinks=True),
+         bias="neg_inf", mask="random", **_CROSS),
+    Case("tf_sinks_dropout_nan_rows", _cfg(use_sinks=True, masked_row="nan", dropout=0.25), mask="empty_rows",
+         training=True, **_CROSS),
+)}
+
+
+def _case(name: str) -> Case:
+    return CASES.get(name) or EXTRA_CASES[name]
+
+
+class Chunked(WithOptions):
+    """The adapter with chunk_size; a traced forward (run_case's localisation of
+    a failure) goes through the stages, which the chunked path refuses, so that
+    a failure reports its stage rather than that refusal."""
+
+    def __init__(self, chunk_size):
+        super().__init__(tf_adapter, chunk_size=chunk_size)
+
+    def forward(self, config, tensors, inputs, options, **kwargs):
+        if kwargs.get("trace"):
+            return tf_adapter.forward(config, tensors, inputs, options, **kwargs)
+        return super().forward(config, tensors, inputs, options, **kwargs)
+
+
+PATHS = {"stages": lambda: tf_adapter, "fused": lambda: tf_adapter, "chunked": lambda: Chunked(2)}
+
+
+# -- the extra combinations, every dtype, every path ------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", list(EXTRA_CASES))
+@pytest.mark.parametrize("path", list(PATHS))
+def test_extra_modern_case_matches_reference(name, dtype, path):
+    """Output, weights (stages), present_key/value and every gradient (norm
+    tensors, sinks, past_key and past_value included), judged as `mha check`
+    judges them, on the stages (weights asked for), the fused path and
+    chunk_size=2."""
+    case = EXTRA_CASES[name]
+    if path != "stages":
+        case = dataclasses.replace(case, return_weights=False)
+    assert_case_conforms(case, dtype, "tf", PATHS[path]())
+
+
+FORCED_XLA = ["modern_everything", "segments_packed", "sinks_masked_rows", "cache_window_gqa",
+              "tf_softcap_bias_sinks_gqa", "tf_window_right_causal_long_query"]
+
+
+@pytest.mark.parametrize("name", FORCED_XLA)
+def test_fused_core_through_xla_honours_modern_features(name, monkeypatch):
+    """Large calls run fused_attention compiled by XLA (softcap, windows,
+    segments and sinks inside the compiled function): forced here, float32,
+    output and gradients."""
+    monkeypatch.setattr(tf_attention, "XLA_MIN_SCORES", 0)
+    assert_case_conforms(dataclasses.replace(_case(name), return_weights=False), "float32", "tf", tf_adapter)
+
+
+@pytest.mark.parametrize("name", ["modern_everything", "tf_softcap_window_segments", "tf_sinks_cache_mqa_empty_rows"])
+def test_chunked_key_blocks_through_xla_honour_modern_features(name, monkeypatch):
+    """The chunked path's key blocks compiled by XLA (softcap, window, segment
+    ids as block inputs; sinks in the running state), float32, with gradients."""
+    monkeypatch.setattr(tf_chunked, "XLA_MIN_BLOCK", 0)
+    assert_case_conforms(dataclasses.replace(_case(name), return_weights=False), "float32", "tf", Chunked(2))
+
+
+# Longer calls: several key blocks per query block, so windows skip whole blocks and runs of
+# unmasked blocks go through the while loop, with sinks, segments, a cache and every masked_row.
+LONG_CASES = {case.name: case for case in (
+    Case("tf_long_window_causal_sinks", _cfg(num_heads=4, num_kv_heads=2, window_left=9, use_sinks=True, rope={}),
+         T=37, S=37, mask="padding", is_causal=True, return_weights=False),
+    Case("tf_long_window_both_cache_softcap",
+         _cfg(window_left=11, window_right=3, logit_softcap=6.0, rope={"interleaved": True}, masked_row="nan"),
+         T=13, S=13, P=20, bias="random", mask="empty_rows", **dict(_DECODE, return_weights=False)),
+    Case("tf_long_window_right_cross_uniform", _cfg(window_left=4, window_right=2, masked_row="uniform"),
+         self_attention=False, T=29, S=41, mask="empty_rows", return_weights=False),
+    Case("tf_long_segments_norm", _cfg(qk_norm={"type": "layer", "scope": "all"}, rope={}, window_left=12),
+         T=35, S=35, positions="packed", is_causal=True, return_weights=False),
+)}
+
+
+@pytest.mark.parametrize("chunk", [4, 8])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(LONG_CASES))
+def test_chunked_long_modern_cases_match_reference(name, dtype, chunk):
+    assert_case_conforms(LONG_CASES[name], dtype, "tf", Chunked(chunk))
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("left,right,causal", [(3, -1, True), (5, 2, False), (-1, 1, False), (2, 0, False),
+                                               (0, 0, True), (6, -1, False)])
+@pytest.mark.parametrize("T,S,chunk", [(16, 16, 4), (10, 18, 4), (18, 10, 4), (13, 13, 5)])
+def test_chunked_skips_window_hidden_blocks(T, S, chunk, left, right, causal, alignment, monkeypatch):
+    """Exactly the key blocks in which some query of the block sees some key
+    (by causal AND the window, numpy's masks) run; the others are never
+    computed. (Eager calls of the TF-op step, counted.)"""
+    calls = []
+    real = tf_chunked.key_block
+
+    def counted(*args, **kwargs):
+        calls.append((int(args[6]), int(args[7])))  # t0, s0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tf_chunked, "key_block", counted)
+    config = _cfg(window_left=left, window_right=right)
+    rng = np.random.default_rng(T * S + left)
+    x, kv = rng.standard_normal((1, T, 8)), rng.standard_normal((1, S, 8))
+    tensors = weights.init(config, seed=3, dtype="float64")
+    options = dict(is_causal=causal, causal_alignment=alignment)
+    got = impl_tf.multi_head_attention(config, tensors, x, kv, kv, chunk_size=chunk, **options)
+    visible = impl_numpy.masks.window_mask(T, S, left, right, alignment)
+    if causal:
+        visible &= impl_numpy.causal_mask(T, S, alignment)
+    want = sorted((t0, s0) for t0 in range(0, T, chunk) for s0 in range(0, S, chunk)
+                  if visible[t0:t0 + chunk, s0:s0 + chunk].any())
+    assert sorted(calls) == want, f"key blocks run {sorted(calls)}, expected {want}"
+    expected = impl_numpy.multi_head_attention(config, tensors, x, kv, kv, trace=[], **options)  # the stages
+    err = np.abs(np.asarray(got) - expected).max()
+    assert err <= 1e-13, f"max abs difference to the reference {err:.3g}"
+
+
+# -- names: inputs, answers, gradients -------------------------------------------------------
+
+def test_optional_inputs_are_the_references():
+    assert tf_adapter.OPTIONAL_INPUTS == numpy_adapter.OPTIONAL_INPUTS, (
+        f"tf {tf_adapter.OPTIONAL_INPUTS} != numpy {numpy_adapter.OPTIONAL_INPUTS}")
+
+
+@pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "tf_window_both_cache",
+                                  "tf_qk_norm_layer_head_gqa"])
+def test_answer_and_gradient_names_are_the_references(name):
+    """forward's dict (output, weights, present_key, present_value) and vjp's grads
+    (query, key, value, past_key, past_value, then every tensor) name and order
+    their entries as impl_numpy.adapter does."""
+    case = _case(name)
+    tensors, inputs, options = make_tensors(case), make_inputs(case), case.options("float64")
+    d_out = output_cotangent(case)
+    want_fwd = numpy_adapter.forward(case.config, tensors, inputs, options)
+    got_fwd = tf_adapter.forward(case.config, tensors, inputs, options)
+    assert list(got_fwd) == list(want_fwd), f"forward names {list(got_fwd)} != reference {list(want_fwd)}"
+    want = list(numpy_adapter.vjp(case.config, tensors, inputs, options, d_out)["grads"])
+    got = list(tf_adapter.vjp(case.config, tensors, inputs, options, d_out)["grads"])
+    assert got == want, f"gradient names {got} != reference {want}"
+
+
+def test_module_layout_points_one_way():
+    """functional.py holds the stages (impl_numpy's names) and imports neither
+    attention.py nor chunked.py; the names moved from it stay readable there."""
+    import ast
+    import inspect
+
+    from impl_numpy import functional as np_functional
+
+    tree = ast.parse(inspect.getsource(tf_functional))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not imported & {"attention", "chunked"}, f"functional imports {sorted(imported)} at top level"
+    for name in ("project", "norm", "split_heads", "rope_angles", "rope", "logits", "softcap", "mask", "softmax",
+                 "dropout", "attend", "merge_heads", "output", "allowed_mask", "default_positions", "STAGES"):
+        assert hasattr(np_functional, name) and hasattr(tf_functional, name), f"stage {name} missing in one mirror"
+    assert tf_functional.STAGES == impl_numpy.STAGES, f"{tf_functional.STAGES} != {impl_numpy.STAGES}"
+    assert tf_functional.multi_head_attention is tf_attention.multi_head_attention
+    assert tf_functional.XLA_MIN_SCORES == tf_attention.XLA_MIN_SCORES
+
+
+# -- the trace, stage by stage ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
+                                  "rope_partial", "rope_yarn", "segments_packed", "tf_qk_norm_rms_all",
+                                  "tf_rope_half_partial_llama3_per_batch", "tf_softcap_bias_sinks_gqa"])
+def test_modern_trace_matches_reference_stage_by_stage(name):
+    """The new stages appear under their exact names, in STAGES order, each equal
+    to the reference's in float64 (norm on the flat projection in both scopes)."""
+    case = _case(name)
+    exp = expected_for(case, "float64")
+    got = tf_adapter.forward(case.config, make_tensors(case), make_inputs(case), case.options("float64"),
+                             trace=True)["trace"]
+    got_names, want_names = [s for s, _ in got], [s for s, _ in exp["trace"]]
+    assert got_names == want_names, f"stages {got_names} != reference {want_names}"
+    assert got_names == [s for s in impl_tf.STAGES if s in got_names], f"{got_names} out of STAGES order"
+    c = case.config
+    wanted = {"query.norm", "key.norm"} if c.qk_norm else set()
+    wanted |= {"query.rope", "key.rope"} if c.rope else set()
+    wanted |= {"softcap"} if c.logit_softcap else set()
+    assert wanted <= set(got_names), f"missing stages {sorted(wanted - set(got_names))}"
+    failures = []
+    for (stage, value), (_, expected) in zip(got, exp["trace"]):
+        try:
+            with np.errstate(invalid="ignore"):  # -inf on both sides of the mask stage
+                assert_close(stage, value, expected, config=c, dtype="float64", quantity="stage", B=case.B, T=case.T,
+                             S=case.S_total, logits=exp["logits"])
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, "\n".join(failures)
+
+
+def _ulps(actual, expected, dtype) -> np.ndarray:
+    """|actual - expected| in units in the last place of `dtype` at their magnitude."""
+    fi = ml_dtypes.finfo(weights.dtype_from_name(dtype))
+    a, r = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    mag = np.maximum(np.abs(a), np.abs(r))
+    binade = 2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
+    ulp = np.maximum(binade * float(fi.eps), float(fi.smallest_subnormal))
+    return np.abs(a - r) / ulp
+
+
+def _modern_stage(stage, dtype):
+    """A call of one new stage on positive data (no cancellation), NumPy arrays in `dtype`."""
+    rng = np.random.default_rng(len(stage))
+    dt = weights.dtype_from_name(dtype)
+    u = lambda *shape: (rng.random(shape) + 0.5).astype(dt)  # noqa: E731
+    x = u(2, 16, 64)
+    logits = (rng.standard_normal((2, 4, 8, 64)) * 3).astype(dt)
+    logits[0, 1, 2] = -np.inf  # a fully masked row: all its mass on the sink
+    positions = rng.integers(0, 5000, (2, 16))
+    inv_freq = inverse_frequencies(Rope(rotary_dim=8, scaling=RopeScaling.from_value(YARN)))
+    return {
+        "norm_rms_head": lambda f: f.norm(x, u(16), None, "rms", 1e-6, 4, "head"),
+        "norm_layer_all": lambda f: f.norm(x, u(4, 16), u(4, 16), "layer", 1e-5, 4, "all"),
+        "rope_angles": lambda f: f.rope_angles(positions, inv_freq, dt),
+        "rope_half": lambda f: f.rope(u(2, 4, 16, 12), f.rope_angles(positions, inv_freq, dt), 8, False, 1.2),
+        "rope_interleaved": lambda f: f.rope(u(2, 4, 16, 12), f.rope_angles(positions, inv_freq, dt), 8, True, 1.0),
+        "softcap": lambda f: f.softcap(logits, 5.0),
+        "softmax_sinks": lambda f: f.softmax(logits, "nan", rng.standard_normal(4).astype(dt)),
+    }[stage]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("stage", ["norm_rms_head", "norm_layer_all", "rope_angles", "rope_half", "rope_interleaved",
+                                   "softcap", "softmax_sinks"])
+def test_precision_rule_16bit_modern_stages(stage, dtype):
+    """The spec's precision rule for the new stages: a 16-bit stage is its
+    float32 arithmetic rounded once to 16 bits, so impl_tf's and impl_numpy's
+    results are equal or one ulp apart (arithmetic in 16 bits lands several
+    ulps away). rope_angles stays in the compute dtype (float32), as the spec's."""
+    from impl_numpy import functional as np_functional
+
+    got = np.asarray(keras.ops.convert_to_numpy(_modern_stage(stage, dtype)(tf_functional)))
+    want = _modern_stage(stage, dtype)(np_functional)
+    assert got.dtype == want.dtype, f"{stage}: dtype {got.dtype}, the spec's {want.dtype}"
+    ulps = _ulps(got, want, want.dtype.name if want.dtype.name == "float32" else dtype)
+    ulps = np.where(np.isnan(got) & np.isnan(want), 0.0, ulps)
+    worst = np.unravel_index(int(np.nanargmax(ulps)), ulps.shape)
+    assert np.nanmax(ulps) <= 1, (
+        f"{stage} {dtype}: {np.nanmax(ulps):g} ulps from the spec at {list(worst)} "
+        f"(got {got[worst]!r}, spec {want[worst]!r}); {int((ulps > 1).sum())} of {ulps.size} beyond 1 ulp")
+
+
+# -- decoding token by token with the cache ---------------------------------------------------
+
+DECODE_CONFIGS = {
+    "rope_norm_gqa": _cfg(num_heads=4, num_kv_heads=2, rope={}, qk_norm={"type": "rms"}),
+    "window_interleaved": _cfg(rope={"interleaved": True, "rotary_dim": 2}, window_left=2),
+    "everything": _cfg(num_heads=4, num_kv_heads=2, head_dim=8, window_left=3, logit_softcap=5.0, use_sinks=True,
+                       qk_norm={"type": "layer", "scope": "all"},
+                       rope={"rotary_dim": 6, "interleaved": True, "scaling": YARN}),
+}
+PROMPT, TOTAL = 3, 7  # the first call holds 3 tokens, then 4 steps of one
+
+
+@functools.cache
+def decode_reference(config_name: str, dtype: str):
+    """The full causal call (self attention over TOTAL tokens): float64 reference
+    output, present_key/value and logits, and the NumPy reference's own error in
+    `dtype` (the policy's floor for 16-bit)."""
+    config = DECODE_CONFIGS[config_name]
+    tensors = weights.init(config, seed=7, dtype="float64")
+    rng = np.random.default_rng(7)
+    for name in tensors:  # norm scales and sinks away from their initial 1 and 0
+        if ".norm." in name or name == "sinks":
+            tensors[name] = tensors[name] + 0.3 * rng.standard_normal(tensors[name].shape)
+    x = rng.standard_normal((2, TOTAL, config.query_dim))
+    x, tensors = cast_inputs({"x": x}, dtype)["x"], cast_tensors(tensors, dtype)
+    x64, t64 = x.astype(np.float64), cast_tensors(tensors, "float64")
+    trace = []
+    out, _, pk, pv = impl_numpy.multi_head_attention(config, t64, x64, is_causal=True, return_weights=True,
+                                                     return_cache=True, trace=trace)
+    errors = {}
+    if dtype in ("float16", "bfloat16"):
+        low = impl_numpy.multi_head_attention(config, tensors, x, is_causal=True, return_cache=True, trace=[])
+        errors = {name: float(np.nanmax(np.abs(got.astype(np.float64) - want)))
+                  for name, got, want in zip(("output", "present_key", "present_value"), low, (out, pk, pv))}
+    want = {"output": out, "present_key": pk, "present_value": pv}
+    return tensors, x, want, {e.stage: e.value for e in trace}["logits"], errors
+
+
+def _decode(config, tensors, x, *, path: str, layer: bool = False):
+    """PROMPT tokens in one causal call, then one token at a time with the
+    cache (bottom-right causal, default positions: P + arange(T)), each call on
+    `path` (stages: with a trace; fused; chunked: chunk_size=2). -> output
+    (B, TOTAL, O), present_key, present_value."""
+    extra = {"stages": {"trace": []}, "fused": {}, "chunked": {"chunk_size": 2}}[path]
+    if layer:
+        module = impl_tf.MultiHeadAttention.from_tensors(config, tensors)
+        call = lambda q, **kw: module(q, **kw, **extra)  # noqa: E731
+    else:
+        params = {n: tf.constant(t) for n, t in tensors.items()}
+        call = lambda q, **kw: impl_tf.multi_head_attention(config, params, q, **kw, **extra)  # noqa: E731
+    xt = tf.constant(x)
+    out, pk, pv = call(xt[:, :PROMPT], is_causal=True, return_cache=True)
+    rows = [out]
+    for t in range(PROMPT, TOTAL):
+        out, pk, pv = call(xt[:, t:t + 1], past_key=pk, past_value=pv, is_causal=True,
+                           causal_alignment="bottom_right", return_cache=True)
+        rows.append(out)
+    return np.asarray(tf.concat(rows, axis=1)), np.asarray(pk), np.asarray(pv)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("config_name", list(DECODE_CONFIGS))
+@pytest.mark.parametrize("path", ["stages", "fused", "chunked"])
+def test_decoding_with_the_cache_equals_the_full_causal_call(config_name, dtype, path):
+    """Row for row: the prompt's rows and each decoded token's row equal the full
+    causal call's, and the final cache its present_key / present_value."""
+    config = DECODE_CONFIGS[config_name]
+    tensors, x, want, logits, errors = decode_reference(config_name, dtype)
+    got = dict(zip(("output", "present_key", "present_value"), _decode(config, tensors, x, path=path)))
+    failures = []
+    for name, value in got.items():
+        assert value.dtype == weights.dtype_from_name(dtype), f"{name}: dtype {value.dtype}, expected {dtype}"
+        try:
+            assert_close(f"decoded {name}", value, want[name], config=config, dtype=dtype, quantity="output", B=2,
+                         T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, "\n".join(failures)
+
+
+def test_layer_decodes_with_the_cache():
+    config = DECODE_CONFIGS["everything"]
+    tensors, x, want, logits, _ = decode_reference("everything", "float32")
+    out, pk, pv = _decode(config, tensors, x, path="fused", layer=True)
+    for name, value in (("output", out), ("present_key", pk), ("present_value", pv)):
+        assert_close(f"layer decoded {name}", value, want[name], config=config, dtype="float32", quantity="output",
+                     B=2, T=TOTAL, S=TOTAL, logits=logits)
+
+
+def test_decoding_with_explicit_positions_equals_the_defaults():
+    """positions = P + arange(T) given explicitly is the default (the cache's
+    offset); positions 0 (the offset forgotten) is not."""
+    config = DECODE_CONFIGS["rope_norm_gqa"]
+    tensors, x, *_ = decode_reference("rope_norm_gqa", "float64")
+    xt = tf.constant(x)
+    _, pk, pv = impl_tf.multi_head_attention(config, tensors, xt[:, :PROMPT], is_causal=True, return_cache=True)
+    step = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right")
+    q = xt[:, PROMPT:PROMPT + 1]
+    default = np.asarray(impl_tf.multi_head_attention(config, tensors, q, **step))
+    given = np.asarray(impl_tf.multi_head_attention(config, tensors, q, **step, positions=np.array([PROMPT]),
+                                                    key_positions=np.array([PROMPT])))
+    forgot = np.asarray(impl_tf.multi_head_attention(config, tensors, q, **step, positions=np.array([0]),
+                                                     key_positions=np.array([0])))
+    assert np.array_equal(default, given), f"explicit positions differ by {np.abs(default - given).max():.3g}"
+    assert np.abs(default - forgot).max() > 1e-3, "positions 0 (the offset forgotten) gave the same output"
+
+
+# -- which path runs ------------------------------------------------------------------------
+
+@pytest.fixture
+def fused_spy(monkeypatch):
+    """The keyword arguments of each fused_attention call (eager, below XLA_MIN_SCORES)."""
+    calls = []
+    real = tf_attention.fused_attention
+
+    def spy(q, k, v, **kw):
+        calls.append(sorted(kw))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(tf_attention, "fused_attention", spy)
+    return calls
+
+
+PLAIN_OPTIONS = ["bias", "causal_alignment", "is_causal", "keep", "mask4", "masked_row", "rate", "scale"]
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("mask_and_bias_causal", []),  # plain: the options fused_attention always had, no more
+    ("qk_norm_rms_head", []), ("rope_llama3", []), ("decode_cache", []),  # before the core, or the cache: none
+    ("softcap", ["softcap"]),
+    ("window_left_causal", ["window_left", "window_right"]),
+    ("segments_packed", ["key_segment_ids", "segment_ids"]),
+    ("sinks", ["sinks"]),
+    ("modern_everything", ["sinks", "softcap", "window_left", "window_right"]),
+])
+def test_fused_path_takes_modern_calls(name, extra, fused_spy):
+    """Without weights or trace, every modern call runs fused_attention (which
+    expresses each feature), and a plain call passes exactly its old options."""
+    case = dataclasses.replace(CASES[name], return_weights=False)
+    tf_adapter.forward(case.config, make_tensors(case), make_inputs(case), case.options("float32"))
+    assert fused_spy == [sorted(PLAIN_OPTIONS + extra)], f"{name}: fused_attention calls {fused_spy}"
+
+
+# -- the layer --------------------------------------------------------------------------------
+
+MODERN_LAYER_CASES = ["qk_norm_layer_all", "qk_norm_rms_head", "sinks", "modern_everything", "tf_qk_norm_rms_all",
+                      "tf_qk_norm_layer_head_gqa"]
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
+def test_layer_round_trip_with_norm_and_sinks_is_bit_exact(name, dtype):
+    config = _case(name).config
+    tensors = weights.init(config, seed=3, dtype=dtype)
+    rng = np.random.default_rng(3)
+    for key in tensors:
+        if ".norm." in key or key == "sinks":  # not the initial 1 and 0, which a missed assignment would keep
+            tensors[key] = rng.standard_normal(tensors[key].shape).astype(tensors[key].dtype)
+    layer = impl_tf.MultiHeadAttention.from_tensors(config, tensors)
+    back = layer.to_tensors()
+    assert list(back) == list(tensors), f"names {list(back)} != {list(tensors)}"
+    for key, original in tensors.items():
+        assert back[key].shape == original.shape and back[key].dtype == original.dtype, (
+            f"{key}: {back[key].dtype}{back[key].shape} != {original.dtype}{original.shape}")
+        assert back[key].tobytes() == original.tobytes(), f"{key}: bytes differ after the round trip"
+    n_variables = sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
+    n_tensors = sum(t.size for t in tensors.values())
+    assert n_variables == n_tensors, f"the layer holds {n_variables} parameters, the canonical tensors {n_tensors}"
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
+def test_layer_forward_and_variable_gradients_match_reference(name, dtype):
+    """The layer passes positions, the cache and segment ids through, and its
+    norm and sink variables get the reference's gradients (GradientTape on the
+    layer's own variables, Keras layout reshaped to the canonical shapes)."""
+    case = _case(name)
+    exp = expected_for(case, dtype)
+    inputs = cast_inputs(make_inputs(case), dtype)
+    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), dtype))
+    leaves = {k: tf.constant(inputs[k]) for k in ("query", "key", "value", "past_key", "past_value") if k in inputs}
+    extra = {k: inputs[k] for k in ("mask", "bias", "positions", "key_positions", "segment_ids", "key_segment_ids")
+             if k in inputs}
+    variables = layer.canonical_variables()
+    with tf.GradientTape() as tape:
+        tape.watch(list(leaves.values()))
+        out = layer(leaves["query"], leaves["key"], leaves["value"], past_key=leaves.get("past_key"),
+                    past_value=leaves.get("past_value"), is_causal=case.is_causal,
+                    causal_alignment=case.causal_alignment, **extra)
+    assert_close(f"{name} layer output", np.asarray(out), exp["output"], config=case.config, dtype=dtype,
+                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=exp["logits"])
+    sources = [*leaves.values(), *variables.values()]
+    found = tape.gradient(out, sources, output_gradients=tf.constant(output_cotangent(case).astype(dtype)))
+    shapes = case.config.tensor_shapes()
+    grads = {name: np.asarray(g).reshape(shapes.get(name, tuple(g.shape))) for name, g in zip([*leaves, *variables],
+                                                                                           found, strict=True)}
+    assert_gradients_conform(case, dtype, grads)
+
+
+def test_keras_file_round_trip_with_modern_config(tmp_path):
+    """.keras save and load keep the modern config and the norm and sink variables."""
+    case = CASES["modern_everything"]
+    tensors = make_tensors(case)
+    rng = np.random.default_rng(4)
+    for key in tensors:
+        if ".norm." in key or key == "sinks":
+            tensors[key] = rng.standard_normal(tensors[key].shape)
+    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, cast_tensors(tensors, "float32"))
+    path = tmp_path / "modern.keras"
+    keras.saving.save_model(layer, path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.config == case.config, f"{loaded.config} != {case.config}"
+    for (key, a), b in zip(layer.to_tensors().items(), loaded.to_tensors().values(), strict=True):
+        assert a.tobytes() == b.tobytes(), f"{key} changed in the .keras round trip"
+    inputs = cast_inputs(make_inputs(case), "float32")
+    call = dict(past_key=inputs["past_key"], past_value=inputs["past_value"], positions=inputs["positions"],
+                key_positions=inputs["key_positions"], mask=inputs["mask"], bias=inputs["bias"], is_causal=True,
+                causal_alignment="bottom_right", return_cache=True)
+    for got, want in zip(loaded(inputs["query"], inputs["key"], inputs["value"], **call),
+                         layer(inputs["query"], inputs["key"], inputs["value"], **call), strict=True):
+        assert np.array_equal(np.asarray(got), np.asarray(want)), "outputs differ after load"
+
+
+def test_keras_model_with_cache_outputs():
+    """The layer in a functional Model: symbolic call with a cache and
+    return_cache gives the contract's shapes (P + S keys)."""
+    config = DECODE_CONFIGS["everything"]
+    q = keras.Input((1, config.query_dim))
+    pk = keras.Input((config.num_kv_heads, 5, config.head_dim))
+    pv = keras.Input((config.num_kv_heads, 5, config.value_head_dim))
+    layer = impl_tf.MultiHeadAttention(config)
+    out, present_key, present_value = layer(q, past_key=pk, past_value=pv, is_causal=True,
+                                            causal_alignment="bottom_right", return_cache=True)
+    shapes = [tuple(t.shape) for t in (out, present_key, present_value)]
+    want = [(None, 1, config.out_dim), (None, config.num_kv_heads, 6, config.head_dim),
+            (None, config.num_kv_heads, 6, config.value_head_dim)]
+    assert shapes == want, f"symbolic shapes {shapes}, expected {want}"
+    model = keras.Model([q, pk, pv], [out, present_key, present_value])
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal((2, *t.shape[1:])).astype("float32") for t in (q, pk, pv)]
+    got = model.predict(args, verbose=0)
+    tensors = {k: np.asarray(v) for k, v in layer.to_tensors().items()}
+    want_out = impl_numpy.multi_head_attention(config, tensors, args[0], past_key=args[1], past_value=args[2],
+                                               is_causal=True, causal_alignment="bottom_right", return_cache=True)
+    for label, a, b in zip(("output", "present_key", "present_value"), got, want_out, strict=True):
+        err = np.abs(np.asarray(a, np.float64) - b).max()
+        assert err <= 1e-5, f"model.predict {label}: max abs difference {err:.3g} to impl_numpy in float32"
+
+
+# -- graphs ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["tf.function", "xla"])
+@pytest.mark.parametrize("path", ["fused", "chunked", "stages"])
+def test_modern_decode_step_in_graphs_with_gradient(mode, path):
+    """A decode step with every feature (rope, norm, window, softcap, sinks, the
+    cache, a mask and a bias) under tf.function and XLA, a GradientTape inside
+    the graph, against the float64 reference's output, cache and gradients."""
+    case = CASES["modern_everything"]
+    exp = expected_for(case, "float64")
+    inputs = make_inputs(case)
+    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, make_tensors(case))
+    extra = dict(chunk_size=2) if path == "chunked" else dict(return_weights=path == "stages")
+    names = ("query", "key", "value", "past_key", "past_value")
+
+    @tf.function(jit_compile=mode == "xla")
+    def run(query, key, value, past_key, past_value):
+        with tf.GradientTape() as tape:
+            tape.watch([query, key, value, past_key, past_value])
+            result = layer(query, key, value, past_key=past_key, past_value=past_value, is_causal=True,
+                           causal_alignment="bottom_right", return_cache=True, mask=inputs["mask"],
+                           bias=inputs["bias"], positions=inputs["positions"],
+                           key_positions=inputs["key_positions"], **extra)
+            out, pk, pv = result[0], result[-2], result[-1]
+        grads = tape.gradient(out, [query, key, value, past_key, past_value],
+                              output_gradients=tf.constant(output_cotangent(case)))
+        return out, pk, pv, grads
+
+    out, pk, pv, grads = run(*(tf.constant(inputs[n]) for n in names))
+    checks = [("output", out, exp["output"], "output"), ("present_key", pk, exp["present_key"], "output"),
+              ("present_value", pv, exp["present_value"], "output")]
+    checks += [(f"d_{n}", g, exp["grads"][n], "grad") for n, g in zip(names, grads, strict=True)]
+    for label, got, want, quantity in checks:
+        floor = np.abs(exp["magnitudes"][label[2:]]).max() if quantity == "grad" else 0.0
+        assert_close(f"{mode} {path} {label}", np.asarray(got), want, config=case.config, dtype="float64",
+                     quantity=quantity, B=case.B, T=case.T, S=case.S_total, logits=exp["logits"], scale_floor=floor)
+
+
+# -- masks and error wording ------------------------------------------------------------------
+
+def test_window_and_segment_masks_equal_reference():
+    from impl_numpy import masks as numpy_masks
+
+    for T in range(1, 6):
+        for S in range(1, 7):
+            for left, right in ((-1, -1), (0, -1), (2, -1), (-1, 0), (-1, 1), (1, 1), (0, 0)):
+                for alignment in ("top_left", "bottom_right"):
+                    got = np.asarray(impl_tf.window_mask(T, S, left, right, alignment))
+                    want = numpy_masks.window_mask(T, S, left, right, alignment)
+                    assert got.dtype == np.bool_ and np.array_equal(got, want), (
+                        f"window_mask({T}, {S}, {left}, {right}, {alignment!r}): differs at "
+                        f"{np.argwhere(got != want).tolist()}")
+    rng = np.random.default_rng(0)
+    for q_shape, k_shape in (((5,), (5,)), ((2, 5), (2, 7)), ((5,), (2, 7)), ((2, 5), (7,))):
+        q_ids, k_ids = rng.integers(0, 3, q_shape), rng.integers(0, 3, k_shape)
+        got = np.asarray(impl_tf.segment_mask(q_ids, k_ids))
+        want = numpy_masks.segment_mask(q_ids, k_ids)
+        assert got.shape == want.shape and np.array_equal(got, want), f"segment_mask {q_shape} x {k_shape} differs"
+    with pytest.raises(ValueError) as want:
+        numpy_masks.window_mask(3, 4, 1, 1, "centre")
+    with pytest.raises(ValueError) as got:
+        impl_tf.window_mask(3, 4, 1, 1, "centre")
+    assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"
+
+
+def _modern_bad_calls():
+    """(id, changes to a valid call): config N 2, K 1, D 8, H 4, rope, window_left 2; query (2, 5, 8)."""
+    B, T, K, H = 2, 5, 1, 4
+    ints = lambda *shape: np.zeros(shape, dtype=np.int64)  # noqa: E731
+    cache = dict(past_key=np.zeros((B, K, 3, H)), past_value=np.zeros((B, K, 3, H)))
+    return {
+        "positions_float": dict(positions=np.arange(T, dtype=np.float64)),
+        "positions_shape": dict(positions=ints(T - 1)),
+        "positions_batch": dict(positions=ints(B + 1, T)),
+        "key_positions_shape": dict(key_positions=ints(B, T + 1)),
+        "past_key_alone": dict(past_key=cache["past_key"]),
+        "past_value_alone": dict(past_value=cache["past_value"]),
+        "past_key_heads": dict(cache, past_key=np.zeros((B, K + 1, 3, H))),
+        "past_key_width": dict(cache, past_key=np.zeros((B, K, 3, H + 1))),
+        "past_lengths": dict(cache, past_value=np.zeros((B, K, 2, H))),
+        "past_key_int": dict(cache, past_key=ints(B, K, 3, H)),
+        "window_with_cache_top_left": dict(cache),
+        "causal_with_cache_top_left": dict(cache, is_causal=True),
+        "segment_ids_shape": dict(segment_ids=ints(T - 1)),
+        "segment_ids_float": dict(segment_ids=np.zeros(T)),
+        "key_segment_ids_missing_with_cache": dict(cache, causal_alignment="bottom_right", segment_ids=ints(T)),
+        "key_segment_ids_alone": dict(key_segment_ids=ints(T)),
+        "key_segment_ids_shape": dict(segment_ids=ints(T), key_segment_ids=ints(T + 1)),
+        "return_cache_not_bool": dict(return_cache="yes"),
+        "mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", mask=np.ones((T, T), dtype=bool)),
+        "dropout_mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", training=True,
+                                                dropout_mask=np.ones((B, 2, T, T), dtype=bool)),
+    }
+
+
+MODERN_BAD_CALLS = _modern_bad_calls()
+
+
+@pytest.mark.parametrize("bad", list(MODERN_BAD_CALLS))
+def test_modern_error_wording_matches_reference(bad):
+    config = _cfg(num_kv_heads=1, rope={}, window_left=2)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    call = dict(MODERN_BAD_CALLS[bad])
+    query = np.random.default_rng(1).standard_normal((2, 5, 8))
+    want = error_of(impl_numpy.multi_head_attention, config, tensors, query, **call)
+    got = error_of(impl_tf.multi_head_attention, config, tensors, query, **call)
+    assert got == want, f"functional:\ntf:    {got!r}\nnumpy: {want!r}"
+    layer = impl_tf.MultiHeadAttention.from_tensors(config, tensors)
+    got_layer = error_of(layer, query, **call)
+    assert got_layer == want, f"layer:\ntf:    {got_layer!r}\nnumpy: {want!r}"
+
+
+def test_infinite_cache_is_refused_as_the_reference_refuses_it():
+    config = _cfg(num_kv_heads=1)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    past = np.zeros((1, 1, 2, 4))
+    past[0, 0, 1, 2] = np.inf
+    inputs = {"query": np.zeros((1, 1, 8)), "past_key": past, "past_value": np.zeros((1, 1, 2, 4))}
+    want = error_of(numpy_adapter.forward, config, tensors, inputs, {})
+    got = error_of(tf_adapter.forward, config, tensors, inputs, {})
+    assert got == want, f"forward: tf {got!r}, numpy {want!r}"
+    got = error_of(tf_adapter.vjp, config, tensors, inputs, {}, np.zeros((1, 1, 8)))
+    assert got == want, f"vjp: tf {got!r}, numpy {want!r}"
+
+
+@pytest.mark.parametrize("change", ["norm_missing", "norm_shape", "norm_bias_missing", "sinks_missing",
+                                    "sinks_shape"])
+def test_modern_tensor_errors_match_reference(change):
+    config = _cfg(qk_norm={"type": "layer", "scope": "all"}, use_sinks=True)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    broken = dict(tensors)
+    if change == "norm_missing":
+        del broken["key.norm.scale"]
+    elif change == "norm_shape":
+        broken["query.norm.scale"] = np.ones(4, np.float32)  # (H,): the head scope's shape, not (N, H)
+    elif change == "norm_bias_missing":
+        del broken["query.norm.bias"]
+    elif change == "sinks_missing":
+        del broken["sinks"]
+    else:
+        broken["sinks"] = np.zeros((2, 1), np.float32)
+    query = np.zeros((1, 3, 8), np.float32)
+    want = error_of(impl_numpy.multi_head_attention, config, broken, query)
+    got = error_of(impl_tf.multi_head_attention, config, broken, query)
+    assert got == want, f"numpy arrays: tf {got!r}\nnumpy {want!r}"
+    got = error_of(impl_tf.multi_head_attention, config, {k: tf.constant(v) for k, v in broken.items()}, query)
+    assert got == want, f"tf tensors: tf {got!r}\nnumpy {want!r}"
+    got = error_of(impl_tf.MultiHeadAttention.from_tensors, config, broken)
+    want = error_of(impl_numpy.MultiHeadAttention.from_tensors, config, broken)
+    assert got == want, f"layer: tf {got!r}\nnumpy {want!r}"
+
+
+# -- GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow (tf.config.list_physical_devices('GPU') is "
+                    "empty); install tensorflow[and-cuda] on a CUDA machine to run")
+@pytest.mark.parametrize("path", ["stages", "fused", "chunked"])
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "cache_window_gqa", "segments_packed",
+                                  "sinks_masked_rows", "softcap", "rope_yarn", "qk_norm_layer_all",
+                                  "tf_window_segments_norm"])
+def test_gpu_modern_matches_reference(name, dtype, path):
+    case = _case(name)
+    case = dataclasses.replace(case, return_weights=case.return_weights and path == "stages")
+    assert_case_conforms(case, dtype, "tf", PATHS[path](), device="gpu")

@@ -49,7 +49,8 @@ def test_case_grid_gradients(name):
     inputs = make_inputs(case)
     tensors = make_tensors(case)
     call = {k: inputs[k] for k in ("query", "key", "value")}
-    options = {k: inputs[k] for k in ("mask", "bias", "dropout_mask") if k in inputs}
+    call.update({k: inputs[k] for k in ("past_key", "past_value") if k in inputs})  # differentiated too
+    options = {k: v for k, v in inputs.items() if k not in call}  # masks, bias, positions, segment ids
     options.update(is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training)
     check_against_fd(case.config, tensors, call, options, output_cotangent(case), name)
 

@@ -267,14 +267,10 @@ STAGES = (
 
 
 def __getattr__(name):
-    # The call moved to attention.py (and the SDPA core to sdpa.py); bench/glue.py and
-    # bench/scripts/torch_gpt2_parts.py still import multi_head_attention from here.
-    if name in ("multi_head_attention", "prepare", "check_tensors"):
-        from . import attention
+    # The call moved to attention.py; bench/glue.py and bench/scripts/torch_gpt2_parts.py
+    # still import it from here. Lazy, so that this module imports neither attention nor sdpa.
+    if name == "multi_head_attention":
+        from .attention import multi_head_attention
 
-        return getattr(attention, name)
-    if name == "sdpa_attend":
-        from . import sdpa
-
-        return sdpa.sdpa_attend
+        return multi_head_attention
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -50,7 +50,7 @@ def assert_worked_example(results, must_pass, *, weights_checked=True):
 
 @pytest.mark.torch
 def test_torch_multihead_attention():
-    from torch import nn
+    nn = pytest.importorskip("torch.nn", reason="PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'")
 
     # user code
     def build(c):
@@ -78,8 +78,8 @@ def test_torch_multihead_attention():
 
 @pytest.mark.torch
 def test_seed_001_per_head_layer():
-    import torch
-    from torch import nn
+    torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'")
+    nn = torch.nn
 
     class SelfAttentionHead(nn.Module):  # seed 001's single head, as its lecture builds it
         def __init__(self, embed_dim, d_k, d_v):
@@ -132,7 +132,8 @@ def test_seed_001_per_head_layer():
 
 @pytest.mark.tf
 def test_keras_multi_head_attention():
-    import keras
+    pytest.importorskip("tensorflow", reason="TensorFlow not installed: pip install -c constraints/cpu.txt '.[tf]'")
+    keras = pytest.importorskip("keras")
 
     # user code
     def build(c):
@@ -164,7 +165,7 @@ def test_keras_multi_head_attention():
 
 @pytest.mark.jax
 def test_flax_nnx_multi_head_attention():
-    from flax import nnx
+    nnx = pytest.importorskip("flax.nnx", reason="JAX/Flax not installed: pip install -c constraints/cpu.txt '.[jax]'")
 
     # user code
     def build(c):

@@ -219,3 +219,22 @@ def test_the_dtype_choices_and_the_entry_point():
     assert pytest_plugin.DTYPES == DTYPE_NAMES and pytest_plugin.NODEID == NODEID
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["pytest11"] == {"mha": "conformance.pytest_plugin"}
+
+
+def test_every_flag_the_guide_and_the_ci_example_use_exists(user_repo, capsys):
+    """docs/verify-in-ci.md and docs/ci-example.yml name only options that exist."""
+    import re
+
+    from conformance.cli import main
+
+    docs = (ROOT / "docs" / "verify-in-ci.md").read_text() + (ROOT / "docs" / "ci-example.yml").read_text()
+    plugin_help = "\n".join(user_repo.runpytest(*PLUGIN, "--help").outlines)
+    used = set(re.findall(r"--mha-[a-z-]+", docs))
+    assert used and used <= set(re.findall(r"--mha-[a-z-]+", plugin_help)), used
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    verify_help = capsys.readouterr().out
+    verify_lines = [line for line in docs.splitlines() if "mha verify " in line]
+    flags = {f for line in verify_lines for f in re.findall(r"(?<![\w-])--[a-z][a-z-]+", line)}
+    assert {"--impl", "--junit", "--require-gradients"} <= flags
+    assert flags <= set(re.findall(r"--[a-z][a-z-]+", verify_help)), flags

@@ -89,7 +89,7 @@ class VectorItem(pytest.Item):
                                require_gradients=config.getoption("mha_require_gradients"))
         self.user_properties.append(("mha_gradients", result.gradients))
         if result.status == STATUS_PASS:
-            if result.gradients == GRADIENTS_FORWARD_ONLY:
+            if result.gradients == GRADIENTS_FORWARD_ONLY or result.unchecked:  # what was not checked, and why
                 self.add_report_section("call", "mha", result.message())
             return
         if result.status == STATUS_UNSUPPORTED and not config.getoption("mha_fail_unsupported"):

@@ -19,7 +19,8 @@ from types import ModuleType
 
 DEVICES = ("cpu", "gpu")
 CORE = ("numpy", "torch", "tf", "jax")
-NATIVE = ("torch-native-mha", "torch-sdpa", "keras-native-mha", "flax-linen-mha", "flax-nnx-mha", "jax-dpa", "onnxruntime")
+NATIVE = ("torch-native-mha", "torch-sdpa", "torch-flex", "keras-native-mha", "flax-linen-mha", "flax-nnx-mha",
+          "jax-dpa", "onnxruntime")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,8 @@ REGISTRY: dict[str, Backend] = {
         Backend("torch-native-mha", "conformance.native.torch_native_mha", "torch", "torch nn.MultiheadAttention"),
         Backend("torch-sdpa", "conformance.native.torch_sdpa", "torch",
                 "F.scaled_dot_product_attention around our projections"),
+        Backend("torch-flex", "conformance.native.torch_flex", "torch",
+                "flex_attention (eager) around our projections, RoPE, QK-norm and cache"),
         Backend("keras-native-mha", "conformance.native.keras_native_mha", "tensorflow + keras",
                 "keras.layers.MultiHeadAttention"),
         Backend("flax-linen-mha", "conformance.native.flax_linen_mha", "jax + flax",

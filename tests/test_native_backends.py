@@ -11,8 +11,9 @@ reason only: precision findings fail by less than float32's unit round-off
 would allow; the torch NaN finding fails in the gradients only.
 
 Time: the JAX backends compile one XLA program per case (about 1.5 s on a
-small CPU), so the default run gives them the refusals plus FAST cases; the
-whole grid is `pytest -m slow`.
+small CPU) and torch-flex runs flex_attention eagerly (about 1 s a case), so
+the default run gives them the refusals plus FAST cases; the whole grid is
+`pytest -m slow`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from conformance.tolerance import UNIT_ROUNDOFF
 from impl_numpy import multi_head_attention
 
 FRAMEWORK_MARKS = {
-    "torch-native-mha": pytest.mark.torch, "torch-sdpa": pytest.mark.torch, "keras-native-mha": pytest.mark.tf,
+    "torch-native-mha": pytest.mark.torch, "torch-sdpa": pytest.mark.torch, "torch-flex": pytest.mark.torch,
+    "keras-native-mha": pytest.mark.tf,
     "flax-linen-mha": pytest.mark.jax, "flax-nnx-mha": pytest.mark.jax, "jax-dpa": pytest.mark.jax,
     "onnxruntime": pytest.mark.onnx,
 }
@@ -41,8 +43,8 @@ JAX_BACKENDS = ("flax-linen-mha", "flax-nnx-mha", "jax-dpa")
 _BASIC = {"self_basic", "cross_basic", "no_biases", "query_len_1", "key_len_1", "causal_square", "causal_top_left",
           "causal_bottom_right", "padding_mask", "mask_bts", "mask_ts", "no_weights"}
 
-# The modern cases (rope, cache, windows, softcap, QK-norm, sinks, segments): no wrapper passes them to its
-# native API yet, so every one is refused with the reason (conformance.native.refuse_modern).
+# The modern cases (rope, cache, windows, softcap, QK-norm, sinks, segments): each backend runs those its API
+# expresses (SUPPORTED); the rest are refused with the reason (conformance.native.refuse_modern).
 MODERN = {name for name, case in CASES.items() if case.config.is_modern or case.P or case.positions or case.return_cache}
 PLAIN = set(CASES) - MODERN
 
@@ -52,6 +54,9 @@ SUPPORTED: dict[str, set[str]] = {
     "torch-native-mha": _BASIC | {"cross_dims", "mask_bnts", "bias", "bias_neg_inf", "masked_rows_nan"},
     # everything but an explicit dropout mask, and fully masked rows give 0
     "torch-sdpa": PLAIN - {"masked_rows_uniform", "masked_rows_nan", "dropout_train"},
+    # every modern feature (score_mod, block_mask, lse for sinks; our rope/norm/cache around it); no dropout,
+    # fully masked rows give 0 (forward only on CPU: torch 2.13 has no flex backward there)
+    "torch-flex": set(CASES) - {"masked_rows_uniform", "masked_rows_nan", "dropout_train", "softcap_masked_rows"},
     # one bias flag, default scale, no GQA, no bias, one mask for all heads; 0 for a fully masked row with scores
     "keras-native-mha": _BASIC | {"cross_dims", "value_head_dim", "out_dim", "causal_bottom_right_long_query",
                                   "masked_rows_zero"},
@@ -66,8 +71,11 @@ SUPPORTED: dict[str, set[str]] = {
 }
 assert all(names <= set(CASES) for names in SUPPORTED.values())
 
-# The JAX backends' supported cases in the default run (the rest: -m slow).
+# The slow backends' supported cases in the default run (the rest: -m slow): the JAX backends compile one
+# program per case; torch-flex runs flex_attention eagerly (about 1 s a case on the 2-core VM).
 FAST: dict[str, set[str]] = {
+    "torch-flex": {"self_basic", "bias_neg_inf", "gqa", "decode_cache", "window_both_bottom_right", "softcap",
+                   "qk_norm_layer_all", "sinks_masked_rows", "segments_packed", "modern_everything"},
     "flax-linen-mha": {"mask_bnts", "causal_bottom_right", "masked_rows_uniform"},
     "flax-nnx-mha": {"gqa", "causal_top_left", "masked_rows_uniform"},
     "jax-dpa": {"value_head_dim", "bias_neg_inf", "mask_and_bias_causal", "masked_rows_uniform"},
@@ -145,7 +153,7 @@ def grid_problems(backend_id: str, dtype: str, names) -> list[str]:
 
 
 def _default_names(backend_id: str) -> list[str]:
-    if backend_id not in JAX_BACKENDS:
+    if backend_id not in FAST:
         return list(CASES)
     return [n for n in CASES if n not in SUPPORTED[backend_id] or n in FAST[backend_id]]
 
@@ -160,9 +168,9 @@ def test_case_grid(backend_id, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend_id,dtype", [_param(b, d) for b in JAX_BACKENDS for d in ("float32", "float64")])
-def test_case_grid_jax_rest(backend_id, dtype):
-    """The JAX backends' supported cases left out of the default run."""
+@pytest.mark.parametrize("backend_id,dtype", [_param(b, d) for b in FAST for d in ("float32", "float64")])
+def test_case_grid_slow_rest(backend_id, dtype):
+    """The slow backends' supported cases left out of the default run."""
     problems = grid_problems(backend_id, dtype, [n for n in CASES if n not in _default_names(backend_id)])
     assert not problems, f"{len(problems)} case(s) break the contract:\n" + "\n".join(problems)
 
@@ -299,3 +307,18 @@ def test_gradients_cross_layouts_with_nan():
     for name, t in expected.items():
         finite = np.isfinite(got[name])
         assert np.array_equal(got[name][finite], t[finite]), f"{name}: finite entries differ from the converter's"
+
+
+def test_torch_flex_forward_only_on_cpu():
+    """torch 2.13 has no flex_attention backward on CPU: the gradients are refused with torch's own words,
+    the forward pass still runs and is judged."""
+    adapter = _adapter("torch-flex")
+    from conformance.cases import make_inputs, make_tensors
+
+    case = CASES["softcap"]
+    tensors, inputs = make_tensors(case), make_inputs(case)
+    d_out = np.ones((case.B, case.T, case.config.out_dim))
+    with pytest.raises(NotImplementedError, match="torch-flex: FlexAttention does not support backward on CPU"):
+        adapter.vjp(case.config, tensors, inputs, case.options("float64"), d_out, device="cpu")
+    result = run_case(case, "torch-flex", dtype="float64", adapter=adapter)
+    assert result.status == STATUS_PASS and "backward on CPU" in result.message, _describe(result)

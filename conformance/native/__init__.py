@@ -40,7 +40,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from impl_numpy.masks import causal_mask
+from impl_numpy.masks import causal_mask, segment_mask, window_mask
 from weights import AttentionConfig, dtype_from_name, layouts, validate_tensors
 from weights.contract import CallShapes, check_call, check_input_values
 
@@ -78,9 +78,12 @@ def call_shapes(config: AttentionConfig, inputs: Mapping, options: Mapping) -> C
         bias_dtype=None if bias is None else np.asarray(bias).dtype.name,
         dropout_mask_shape=None if keep is None else np.shape(keep),
         dropout_mask_dtype=None if keep is None else np.asarray(keep).dtype.name,
+        **{f"{name}_{what}": (np.shape(inputs[name]) if what == "shape" else np.asarray(inputs[name]).dtype.name)
+           for name in MODERN_INPUTS if inputs.get(name) is not None for what in ("shape", "dtype")},
         is_causal=bool(options.get("is_causal", False)), causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"),
         return_weights=bool(options.get("return_weights", False)),
+        return_cache=bool(options.get("return_cache", False)),
     )
 
 
@@ -106,8 +109,8 @@ def cast(tensors: Mapping, inputs: Mapping, dtype: str, config: AttentionConfig 
         validate_tensors(config, tensors)
     dt = dtype_from_name(dtype)
     tensors = {k: np.asarray(v).astype(dt) for k, v in tensors.items()}
-    inputs = {k: (v if v is None or np.asarray(v).dtype == bool else np.asarray(v).astype(dt))
-              for k, v in inputs.items()}
+    inputs = {k: (v if v is None or np.asarray(v).dtype.kind in "biu" else np.asarray(v).astype(dt))
+              for k, v in inputs.items()}  # bool masks, integer positions and segment ids unchanged
     return tensors, inputs
 
 
@@ -137,18 +140,32 @@ def bias4(shapes: CallShapes, inputs: Mapping) -> np.ndarray | None:
     return None if b is None else np.asarray(b).reshape(shapes.bias_shape)
 
 
-def allowed4(shapes: CallShapes, inputs: Mapping, options: Mapping, *, causal: bool | None = None) -> np.ndarray | None:
-    """mask AND (if `causal`, default the call's is_causal) the causal mask, rank 4."""
+def allowed4(shapes: CallShapes, inputs: Mapping, options: Mapping, *, causal: bool | None = None,
+             config: AttentionConfig | None = None) -> np.ndarray | None:
+    """mask AND (if `causal`, default the call's is_causal) the causal mask,
+    rank 4 over every key (S_total, the cache's included); with `config`,
+    its window and the call's segment ids too (what the reference ANDs)."""
+    T, S, alignment = shapes.T, shapes.S_total, options.get("causal_alignment", "top_left")
     allowed = mask4(shapes, inputs)
+
+    def both(extra):
+        return extra if allowed is None else allowed & extra
+
     if options.get("is_causal") if causal is None else causal:
-        c = causal_mask(shapes.T, shapes.S, options.get("causal_alignment", "top_left"))[None, None]  # (1, 1, T, S)
-        allowed = c if allowed is None else allowed & c
+        allowed = both(causal_mask(T, S, alignment)[None, None])  # (1, 1, T, S)
+    if config is not None and (config.window_left >= 0 or config.window_right >= 0):
+        allowed = both(window_mask(T, S, config.window_left, config.window_right, alignment)[None, None])
+    if config is not None and inputs.get("segment_ids") is not None:
+        key_ids = inputs.get("key_segment_ids")
+        allowed = both(segment_mask(inputs["segment_ids"], inputs["segment_ids"] if key_ids is None else key_ids))
     return allowed
 
 
-def empty_rows(shapes: CallShapes, inputs: Mapping, options: Mapping) -> tuple[bool, bool]:
-    """(a row has no allowed key by mask/causal, a row has none once bias -inf is counted too)."""
-    allowed = allowed4(shapes, inputs, options)
+def empty_rows(shapes: CallShapes, inputs: Mapping, options: Mapping,
+               config: AttentionConfig | None = None) -> tuple[bool, bool]:
+    """(a row has no allowed key by mask/causal [/window/segments with
+    `config`], a row has none once bias -inf is counted too)."""
+    allowed = allowed4(shapes, inputs, options, config=config)
     by_mask = bool(allowed is not None and (~allowed.any(-1)).any())
     bias = bias4(shapes, inputs)
     if bias is None:
@@ -163,16 +180,18 @@ def check_masked_rows(backend: str, config: AttentionConfig, shapes: CallShapes,
     own answer for such a row (`native`: "zero" | "uniform" | "nan" |
     anything else) is not the case's masked_row policy. `by_bias`: the
     answer for a row left without a key by bias -inf alone, if different."""
-    by_mask, by_any = empty_rows(shapes, inputs, options)
+    by_mask, by_any = empty_rows(shapes, inputs, options, config)
     if not by_any:
         return
     if not by_mask and by_bias is not None:
         native = by_bias
-    if native != config.masked_row:
+    # With sinks such a row puts all its mass on the sink: weights and context 0 whatever masked_row says.
+    wanted = "zero" if config.use_sinks else config.masked_row
+    if native != wanted:
         said = ROW_LABELS.get(native, native)
-        raise NotImplementedError(
-            f"{backend}: a query row with no allowed key gives {said} ({how}); the case asks "
-            f"masked_row={config.masked_row!r} ({ROW_LABELS[config.masked_row]})")
+        asked = "use_sinks (0)" if config.use_sinks else f"masked_row={config.masked_row!r} ({ROW_LABELS[wanted]})"
+        raise NotImplementedError(f"{backend}: a query row with no allowed key gives {said} ({how}); the case asks "
+                                  + asked)
 
 
 def check_dropout(backend: str, config: AttentionConfig, inputs: Mapping, options: Mapping) -> None:
@@ -227,8 +246,9 @@ def grads_to_canonical(layout: str, state: Mapping[str, np.ndarray], **hints) ->
 
 
 def order_grads(config: AttentionConfig, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """query, key, value, then the canonical tensors in the config's order."""
+    """query, key, value, then the canonical tensors in the config's order, then the cache's."""
     names = [n for n in ("query", "key", "value") if n in grads] + list(config.tensor_shapes())
+    names += [n for n in ("past_key", "past_value") if n in grads]  # a cache's, after the config's tensors
     missing = [n for n in names if n not in grads]
     assert not missing, f"gradients missing for {missing}"
     return {n: grads[n] for n in names}
@@ -365,33 +385,41 @@ def torch_vjp(out, leaves: Mapping, d_output) -> tuple[np.ndarray, dict[str, np.
     return to_numpy(out), grads
 
 
-# The modern call inputs (issue 18's contract): none of the wrapped native APIs is given them yet.
+# The modern call inputs (issue 18's contract), beside the config's modern fields (weights.config.MODERN_DEFAULTS).
 MODERN_INPUTS = ("positions", "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids")
 
 
-def refuse_modern(name: str, config: AttentionConfig, inputs, options) -> None:
-    """NotImplementedError for the modern features (rope, qk_norm, softcap,
-    windows, sinks, a cache, segments): these wrappers call the native APIs
-    as the plain layer does; the APIs that have some of them (flex_attention,
-    jax.nn.dot_product_attention's local_window_size, ONNX opset 25) get
-    their own backends with their own conventions."""
+def modern_features(config: AttentionConfig, inputs, options) -> list[str]:
+    """The modern fields, inputs and options a call uses: config fields that
+    differ from their defaults, modern inputs given, return_cache."""
     from weights.config import MODERN_DEFAULTS
 
     used = [field for field, default in MODERN_DEFAULTS.items() if getattr(config, field) != default]
     used += [field for field in MODERN_INPUTS if inputs.get(field) is not None]
     used += ["return_cache"] if options.get("return_cache") else []
+    return used
+
+
+def refuse_modern(name: str, config: AttentionConfig, inputs, options, expresses=(), why: str = "") -> None:
+    """NotImplementedError for the modern features a wrapper does not express.
+    `expresses`: the feature names (modern_features' names) the backend
+    passes to its native API or builds around it; every other one used is
+    refused, with `why` (the API's reason) when given."""
+    used = [f for f in modern_features(config, inputs, options) if f not in expresses]
     if used:
-        raise NotImplementedError(f"{name}: this wrapper of the native API does not express {', '.join(used)}")
+        raise NotImplementedError(f"{name}: this wrapper of the native API does not express {', '.join(used)}"
+                                  + (f" ({why})" if why else ""))
 
 
 def prepare_call(name: str, config: AttentionConfig, tensors, inputs, options, device: str, precision: str,
-                 devices: list[str]):
+                 devices: list[str], *, expresses=(), why: str = ""):
     """The start every native backend shares: precision and device checked,
     tensors and inputs cast to the call's dtype, the call validated.
+    `expresses`, `why`: the modern features the backend takes (refuse_modern).
     Returns (dtype name, tensors, inputs, CallShapes)."""
     check_precision(precision)
     check_device(name, device, devices)
-    refuse_modern(name, config, inputs, options)
+    refuse_modern(name, config, inputs, options, expresses, why)
     dtype = dtype_name(tensors, options)
     tensors, inputs = cast(tensors, inputs, dtype, config)
     return dtype, tensors, inputs, call_shapes(config, inputs, options)

@@ -80,8 +80,8 @@ def _numpy_blas() -> str:
 
 
 def glue_numpy(device: str, quick: bool) -> Glue:
+    from impl_numpy.attention import multi_head_attention
     from impl_numpy.backward import multi_head_attention_vjp
-    from impl_numpy.functional import multi_head_attention
 
     if device != "cpu":
         raise RuntimeError("numpy runs on the CPU only")

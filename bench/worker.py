@@ -104,7 +104,7 @@ def run_worker(spec: dict) -> dict:
 
 
 def _numpy_reference(config, tensors, x, shape):
-    from impl_numpy.functional import multi_head_attention
+    from impl_numpy.attention import multi_head_attention
 
     chunk = min(CHUNK_SIZE, shape.T) if shape.long else None
     return np.asarray(multi_head_attention(config, tensors, x, is_causal=shape.causal, chunk_size=chunk), np.float64)

@@ -1,6 +1,6 @@
 """The tolerance policy: how close a result must be to the float64 reference.
 
-Reasoning (README "Tolerance policy" says the same in prose):
+Reasoning (docs/conformance.md "Tolerance policy" says the same in prose):
 
 * A dot product of length n computed in a precision with unit round-off u
   has a relative error of order u * sqrt(n) for random-signed data (the

@@ -281,11 +281,3 @@ STAGES = (
 )
 """Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""
 
-
-def __getattr__(name):
-    # Transitional: the call moved to attention.py; importers of the old names are being updated.
-    if name in ("multi_head_attention", "FUSED_BLOCK", "prepare"):
-        from . import attention
-
-        return getattr(attention, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -248,7 +248,7 @@ def test_numpy_memory_counts_the_buffers_kept_between_calls():
 
     import weights
     from impl_numpy import chunked
-    from impl_numpy.functional import multi_head_attention
+    from impl_numpy.attention import multi_head_attention
 
     config = weights.AttentionConfig(num_heads=4, query_dim=32, head_dim=8)
     tensors = weights.init(config, seed=0, dtype="float32")

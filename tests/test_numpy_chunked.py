@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import weights
 from impl_numpy import multi_head_attention
+from impl_numpy.attention import FUSED_BLOCK
 from impl_numpy.chunked import QUERY_ROWS
-from impl_numpy.functional import FUSED_BLOCK
 
 
 @pytest.fixture(params=["bounded", "running max"])

@@ -237,7 +237,7 @@ def test_seeded_dropout_is_reproducible_and_rescales():
 @pytest.mark.parametrize("kind", ["mask", "bias", "causal"])
 def test_a_nan_key_reaches_exactly_the_rows_that_see_it(kind, fast):
     """A NaN in key 4 makes its logit NaN for every query. A position hidden by
-    a bool mask, by a -inf bias (a mask too: README) or by the causal mask is
+    a bool mask, by a -inf bias (a mask too: docs/spec.md) or by the causal mask is
     set to -inf whatever its logit, so exactly the rows that see key 4 are
     NaN, on the stages (trace) and on the fast path, and the -inf bias gives
     the bool mask's very output."""

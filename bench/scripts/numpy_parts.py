@@ -36,7 +36,7 @@ from bench.glue import glue_numpy
 from bench.measure import paired_ratios
 from bench.shapes import CHUNK_SIZE, SHAPES
 from impl_numpy import chunked
-from impl_numpy.functional import FUSED_BLOCK, multi_head_attention
+from impl_numpy.attention import FUSED_BLOCK, multi_head_attention
 
 ROUNDS = 9
 

@@ -23,7 +23,7 @@ import numpy as np
 
 import weights
 from impl_numpy import chunked
-from impl_numpy.functional import multi_head_attention
+from impl_numpy.attention import multi_head_attention
 
 SHAPES = [(8, 128, 768, 12), (1, 512, 768, 12), (2, 256, 768, 12), (4, 128, 768, 12), (1, 1024, 512, 8),
           (16, 128, 768, 12), (32, 64, 768, 12), (2, 128, 512, 8)]  # (B, T=S, D, N)

@@ -3,7 +3,13 @@
 - `apply(config, params, query, ...)`: pure; works under jax.jit (static
   arguments: STATIC_ARGNAMES), jax.grad and jax.vmap.
 - `MultiHeadAttention`: an nnx.Module holding the canonical tensors as nnx.Params.
-- `causal_mask`, `padding_mask`: the reference's masks as jax arrays.
+- `causal_mask`, `padding_mask`, `window_mask`, `segment_mask`: the
+  reference's masks as jax arrays.
+
+Modules: functional.py the stages alone (mirrors impl_numpy/functional.py);
+attention.py the call (validation, the stages, the fused XLA expression, the
+choice of path); chunked.py the chunked path; masks.py, layer.py,
+adapter.py (conformance), native.py (Flax's own layers).
 
 float64 needs JAX's x64 mode. Importing impl_jax does not switch it on (it is
 process-wide and changes every JAX program's default dtypes); a float64 call
@@ -12,11 +18,12 @@ conformance entry point, switches it on when imported, since float64 is a
 conformance dtype.
 """
 
-from .functional import STAGES, STATIC_ARGNAMES, TraceEntry, apply, multi_head_attention
+from .attention import STATIC_ARGNAMES, apply, multi_head_attention, trace_stages
+from .functional import STAGES, TraceEntry
 from .layer import MultiHeadAttention, gpu_available, resolve_device
-from .masks import causal_mask, padding_mask
+from .masks import causal_mask, padding_mask, segment_mask, window_mask
 
 __all__ = [
     "MultiHeadAttention", "STAGES", "STATIC_ARGNAMES", "TraceEntry", "apply", "causal_mask", "gpu_available",
-    "multi_head_attention", "padding_mask", "resolve_device",
+    "multi_head_attention", "padding_mask", "resolve_device", "segment_mask", "trace_stages", "window_mask",
 ]

@@ -19,14 +19,16 @@ import numpy as np
 import weights
 from weights.contract import check_input_values
 
-from .functional import STAGES, apply, check
+from .attention import OPTIONAL_INPUTS, apply, check, trace_stages
 from .layer import gpu_available, resolve_device
 
 jax.config.update("jax_enable_x64", True)
 
 NAME = "jax"
 
-_ARRAYS = ("query", "key", "value", "mask", "bias", "dropout_mask")
+_ARRAYS = ("query", "key", "value", *OPTIONAL_INPUTS)
+# The inputs jax.vjp differentiates (those given); the others (masks, ids) are not differentiable.
+_DIFFERENTIABLE = ("query", "key", "value", "past_key", "past_value")
 
 
 def devices() -> list[str]:
@@ -46,29 +48,35 @@ def _static(options, precision):
 
 
 def _call(config, params, arrays, static, **extra):
-    return apply(config, params, arrays["query"], arrays.get("key"), arrays.get("value"), mask=arrays.get("mask"),
-                 bias=arrays.get("bias"), dropout_mask=arrays.get("dropout_mask"), **dict(static), **extra)
+    return apply(config, params, arrays["query"], arrays.get("key"), arrays.get("value"),
+                 **{name: arrays.get(name) for name in OPTIONAL_INPUTS}, **dict(static), **extra)
 
 
-def _forward_and_vjp(config, params, arrays, d_output, *, static, return_weights, with_trace):
+def _forward_and_vjp(config, params, arrays, d_output, *, static, return_weights, return_cache, with_trace):
     """The forward pass and its VJP (jax.vjp) in one compiled program.
 
     forward() and vjp() both run it (forward with a zero cotangent), so a
     case compiles once, not twice: XLA compilation dominates the suite's time
     (0.3 to 0.8 s of CPU per program here, against milliseconds of running),
-    and the backward pass costs about twice the forward at these sizes."""
-    inputs = {name: arrays[name] for name in ("query", "key", "value") if name in arrays}
+    and the backward pass costs about twice the forward at these sizes.
+    The weights, the present cache and the trace ride along as auxiliary
+    outputs (not differentiated)."""
+    inputs = {name: arrays[name] for name in _DIFFERENTIABLE if name in arrays}
     others = {name: arrays[name] for name in arrays if name not in inputs}
 
     def f(params, inputs):
         entries = [] if with_trace else None
-        result = _call(config, params, {**inputs, **others}, static, return_weights=return_weights, trace=entries)
-        out, w = result if return_weights else (result, None)
-        return out, (w, None if entries is None else [e.value for e in entries])
+        result = _call(config, params, {**inputs, **others}, static, return_weights=return_weights,
+                       return_cache=return_cache, trace=entries)
+        parts = list(result) if (return_weights or return_cache) else [result]
+        out = parts.pop(0)
+        w = parts.pop(0) if return_weights else None
+        cache = tuple(parts) if return_cache else None
+        return out, (w, cache, None if entries is None else [e.value for e in entries])
 
-    out, pullback, (w, stages) = jax.vjp(f, params, inputs, has_aux=True)
+    out, pullback, (w, cache, stages) = jax.vjp(f, params, inputs, has_aux=True)
     d_params, d_inputs = pullback(d_output.astype(out.dtype))
-    return out, w, stages, d_params, d_inputs
+    return out, w, cache, stages, d_params, d_inputs
 
 
 # XLA compile options for the CPU programs of the conformance suite. A case's
@@ -81,7 +89,7 @@ def _forward_and_vjp(config, params, arrays, d_output, *, static, return_weights
 # turned into machine code. `mha check --xla-full-opt` compiles with XLA's
 # defaults instead; GPU programs always do.
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-_STATIC_ARGNAMES = ("config", "static", "return_weights", "with_trace")
+_STATIC_ARGNAMES = ("config", "static", "return_weights", "return_cache", "with_trace")
 _PROGRAMS = {
     "fast": jax.jit(_forward_and_vjp, static_argnames=_STATIC_ARGNAMES, compiler_options=FAST_CPU_COMPILE),
     "default": jax.jit(_forward_and_vjp, static_argnames=_STATIC_ARGNAMES),
@@ -107,11 +115,14 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
     weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
     static = _static(options, precision)
     return_weights = bool(options.get("return_weights", False))
+    return_cache = bool(options.get("return_cache", False))
     host = {name: np.asarray(inputs[name]) for name in _ARRAYS if inputs.get(name) is not None}
-    shapes, dtype = check(config, tensors, host["query"], host.get("key"), host.get("value"), mask=host.get("mask"),
-                          bias=host.get("bias"), dropout_mask=host.get("dropout_mask"), return_weights=return_weights,
-                          **dict(static))
+    shapes, dtype = check(config, tensors, host["query"], host.get("key"), host.get("value"),
+                          **{name: host.get(name) for name in OPTIONAL_INPUTS}, return_weights=return_weights,
+                          return_cache=return_cache, **dict(static))
     check_input_values(query=host["query"], key=host.get("key"), value=host.get("value"))
+    if "past_key" in host:
+        check_input_values(past_key=host["past_key"], past_value=host["past_value"])
     want = (shapes.B, shapes.T, config.out_dim)
     if d_output is None:
         d_output = np.zeros(want, dtype)
@@ -122,24 +133,31 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
     params, arrays, d_output = jax.device_put((dict(tensors), host, d_output.astype(dtype)), dev)
     program = _PROGRAMS[_cpu_compile if dev.platform == "cpu" else "default"]
     return program(config, params, arrays, d_output, static=static, return_weights=return_weights,
-                    with_trace=with_trace)
+                   return_cache=return_cache, with_trace=with_trace)
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    out, w, stages, _, _ = _run(config, tensors, inputs, options, None, device=device, precision=precision,
-                                with_trace=bool(trace))
+    out, w, cache, stages, _, _ = _run(config, tensors, inputs, options, None, device=device, precision=precision,
+                                       with_trace=bool(trace))
     answer = {"output": np.asarray(out)}
     if w is not None:
         answer["weights"] = np.asarray(w)
+    if cache is not None:
+        answer["present_key"], answer["present_value"] = (np.asarray(x) for x in cache)
     if trace:
-        assert len(stages) == len(STAGES), (len(stages), STAGES)
-        answer["trace"] = [(stage, np.asarray(value)) for stage, value in zip(STAGES, stages)]
+        names = trace_stages(config)
+        assert len(stages) == len(names), (len(stages), names)
+        answer["trace"] = [(stage, np.asarray(value)) for stage, value in zip(names, stages)]
     return answer
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
-    out, _, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
-                                         precision=precision, with_trace=False)
+    """Gradients of query, key, value (those given), past_key and past_value
+    (with a cache of P > 0 positions, as the reference) and every tensor."""
+    out, _, _, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
+                                            precision=precision, with_trace=False)
     grads = {name: np.asarray(d_inputs[name]) for name in ("query", "key", "value") if name in d_inputs}
+    if "past_key" in d_inputs and np.asarray(inputs["past_key"]).shape[2] > 0:
+        grads.update({name: np.asarray(d_inputs[name]) for name in ("past_key", "past_value")})
     grads.update({name: np.asarray(d_params[name]) for name in config.tensor_shapes()})
     return {"output": np.asarray(out), "grads": grads}

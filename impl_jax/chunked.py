@@ -34,6 +34,16 @@ the last key block, overlapping query rows are computed twice (identically)
 and kept once. Dropout: an explicit dropout_mask is (B, N, T, S) by contract,
 and a seed (or rng) draws that whole keep-mask as the plain path does (as
 impl_numpy does), so a seed means the same dropout on both paths.
+
+Modern calls (a config with norm, rope, softcap, windows or sinks, or a call
+with a cache or segment ids) hand in their heads instead of the inputs:
+attention.py runs the stages up to the present keys (project, norm,
+split_heads, rope, the cache appended), as impl_numpy's _fused_modern does,
+and the same recurrence runs on slices of those heads. Softcap follows the
+logits in each block; a window hides key blocks from a whole query block
+as causality does (skipped by the same switch; the blocks its edges cross
+take the structural mask); segment ids are compared block by block; sinks
+start each row's running max at its sink and its running sum at 1.
 """
 
 from __future__ import annotations
@@ -46,7 +56,18 @@ from jax import lax
 from weights import compute_dtype
 from weights.contract import check_chunk_size
 
-from .functional import ATTEND, LOGITS, _precision, logits, mask_stage, merge_heads, output, project, split_heads
+from .functional import (
+    ATTEND,
+    LOGITS,
+    _precision,
+    logits,
+    mask_stage,
+    merge_heads,
+    output,
+    project,
+    softcap,
+    split_heads,
+)
 
 
 def _starts(length: int, block: int) -> np.ndarray:
@@ -67,17 +88,29 @@ def _block(array, T: int, S: int, t0, Cq: int, s0, Ck: int):
 
 
 def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_causal: bool, causal_alignment: str,
-                      chunk_size: int, precision: str = "highest"):
+                      chunk_size: int, precision: str = "highest", heads=None, segment_ids=None,
+                      key_segment_ids=None):
     """query (B, T, query_dim), key (B, S, key_dim), value (B, S, value_dim), all
     cast to the storage dtype, canonical tensors p -> output (B, T, O).
 
     mask (bool), bias (compute dtype) and keep (bool, (B, N, T, S)) are rank
-    4 and broadcast to (B, N, T, S), or None: prepare()'s results."""
+    4 and broadcast to (B, N, T, S), or None: prepare()'s results.
+
+    heads: a modern call's (q (B, N, T, H), k (B, K, S, H), v (B, K, S, V)),
+    the stages up to the present keys already run (norm, rope, the cache
+    appended: S counts every key); query, key and value are then None.
+    segment_ids (T,) or (B, T) and key_segment_ids (S,) or (B, S): packed
+    sequences. The config's softcap, window and sinks (p["sinks"]) apply."""
     chunk_size = check_chunk_size(chunk_size)
-    dtype = query.dtype
+    if heads is None:
+        dtype = query.dtype
+        B, T, _ = query.shape
+        S = key.shape[1]
+    else:
+        q_heads, k_heads, v_heads = heads
+        dtype = q_heads.dtype
+        B, T, S = q_heads.shape[0], q_heads.shape[2], k_heads.shape[2]
     ct = compute_dtype(dtype)
-    B, T, _ = query.shape
-    S = key.shape[1]
     N, K = config.num_heads, config.num_kv_heads
     G = N // K
     V = config.value_head_dim
@@ -86,22 +119,38 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     nq, nk = len(q_starts), len(k_starts)
     k_overlap = S % Ck != 0  # the last key block overlaps its neighbour: its first keys are masked out
     offset = 0 if causal_alignment == "top_left" else S - T
+    # Key j is visible to query i only if j <= i + offset + upper (causal: upper 0; a right window: its size)
+    # and j >= i + offset - left (a left window); None: no such bound.
+    uppers = ([0] if is_causal else []) + ([config.window_right] if config.window_right >= 0 else [])
+    upper = min(uppers) if uppers else None
+    left = config.window_left if config.window_left >= 0 else None
     scale = config.effective_scale
+    cap = config.logit_softcap
+    sinks = p.get("sinks")
     rate = jnp.asarray(1.0 - config.dropout, ct)
     # A fully masked row's weights, as functional.softmax fills them: 0, 1/S or NaN on all S keys, then
     # dropout. Its context is those weights times V over every key (hidden blocks too), so that its
     # gradient reaches V as on the plain path: 1/S each, or NaN where such a row exists; "zero" gives
     # 0 x V (NaN in a column where a value is NaN), with or without dropout (which keeps 0 weights 0).
+    # With sinks no row is empty: its mass goes to the sink (weights 0).
     fill = {"zero": 0.0, "uniform": 1.0 / S, "nan": np.nan}[config.masked_row]
     fill_everywhere = keep is None or fill == 0.0  # the same fill weight on every key of an empty row
     pr = _precision(precision)
     exact = ct == dtype  # float32/float64: rounding each stage to the storage dtype is the identity
 
-    k_all = project(key, p["key.kernel"], p.get("key.bias"), precision)  # (B, S, K*H)
-    v_all = project(value, p["value.kernel"], p.get("value.bias"), precision)  # (B, S, K*V)
-    if fill_everywhere:
-        v_sum = v_all.astype(ct).sum(axis=1).reshape(B, K, 1, 1, V)  # (B, K, 1, 1, V)
+    if heads is None:
+        k_all = project(key, p["key.kernel"], p.get("key.bias"), precision)  # (B, S, K*H)
+        v_all = project(value, p["value.kernel"], p.get("value.bias"), precision)  # (B, S, K*V)
+        v_total = v_all.astype(ct).sum(axis=1)  # (B, K*V)
+    else:
+        v_total = v_heads.astype(ct).sum(axis=2)  # (B, K, V)
+    if fill_everywhere and sinks is None:
+        v_sum = v_total.reshape(B, K, 1, 1, V)  # (B, K, 1, 1, V)
         v_sum = jnp.broadcast_to(v_sum, (B, K, G, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
+    q_ids = k_ids = None
+    if segment_ids is not None:
+        q_ids = jnp.asarray(segment_ids).reshape(-1, T)  # (B|1, T)
+        k_ids = jnp.asarray(key_segment_ids).reshape(-1, S)  # (B|1, S)
 
     def attend_acc(w, vb):
         """w (B, N, Cq, Ck) in compute dtype times vb (B, K, Ck, V) -> (B, N, Cq, V), in compute dtype."""
@@ -109,8 +158,12 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
 
     def key_blocks(j, s0):
         """Key block j: its keys and values (B, K, Ck, H|V), and which of its keys no earlier block had."""
-        kb = split_heads(lax.dynamic_slice_in_dim(k_all, s0, Ck, axis=1), K)  # (B, K, Ck, H)
-        vb = split_heads(lax.dynamic_slice_in_dim(v_all, s0, Ck, axis=1), K)  # (B, K, Ck, V)
+        if heads is None:
+            kb = split_heads(lax.dynamic_slice_in_dim(k_all, s0, Ck, axis=1), K)  # (B, K, Ck, H)
+            vb = split_heads(lax.dynamic_slice_in_dim(v_all, s0, Ck, axis=1), K)  # (B, K, Ck, V)
+        else:
+            kb = lax.dynamic_slice_in_dim(k_heads, s0, Ck, axis=2)  # (B, K, Ck, H)
+            vb = lax.dynamic_slice_in_dim(v_heads, s0, Ck, axis=2)  # (B, K, Ck, V)
         cols = s0 + jnp.arange(Ck, dtype=jnp.int32)  # (Ck,) key indices
         fresh = (cols >= j * Ck)[None, None, None, :] if k_overlap else None  # (1, 1, 1, Ck)
         return kb, vb, cols, fresh
@@ -118,13 +171,17 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     xs = (jnp.arange(nk, dtype=jnp.int32), jnp.asarray(k_starts))
 
     def query_block(t0):
-        qb = project(lax.dynamic_slice_in_dim(query, t0, Cq, axis=1), p["query.kernel"], p.get("query.bias"),
-                     precision)  # (B, Cq, N*H)
-        qb = split_heads(qb, N)  # (B, N, Cq, H)
+        if heads is None:
+            qb = project(lax.dynamic_slice_in_dim(query, t0, Cq, axis=1), p["query.kernel"], p.get("query.bias"),
+                         precision)  # (B, Cq, N*H)
+            qb = split_heads(qb, N)  # (B, N, Cq, H)
+        else:
+            qb = lax.dynamic_slice_in_dim(q_heads, t0, Cq, axis=2)  # (B, N, Cq, H)
         rows = t0 + jnp.arange(Cq, dtype=jnp.int32)  # (Cq,) query indices
         if exact:  # float32/float64: the scale on the (Cq, H) queries, not on every (Cq, Ck) block of logits
             qs = qb.astype(ct) * jnp.asarray(scale, ct)
             qs = qs.reshape(B, K, G * Cq, config.head_dim)  # (B, K, G*Cq, H)
+        qb_ids = None if q_ids is None else lax.dynamic_slice_in_dim(q_ids, t0, Cq, axis=1)  # (B|1, Cq)
 
         def key_block(carry, js):
             j, s0 = js
@@ -134,15 +191,25 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
             def compute(structural: bool):
                 def run(m, l, acc):
                     allowed = _block(mask, T, S, t0, Cq, s0, Ck)
-                    if structural:  # the causal diagonal and/or the overlapping keys of the last block
+                    if structural:  # the causal diagonal, a window's edge and/or the overlapping keys
                         ok = fresh
-                        if is_causal:
-                            causal = (cols[None, :] <= rows[:, None] + offset)[None, None]  # (1, 1, Cq, Ck)
-                            ok = causal if ok is None else ok & causal
+                        if upper is not None:
+                            below = (cols[None, :] <= rows[:, None] + (offset + upper))[None, None]  # (1, 1, Cq, Ck)
+                            ok = below if ok is None else ok & below
+                        if left is not None:
+                            above = (cols[None, :] >= rows[:, None] + (offset - left))[None, None]  # (1, 1, Cq, Ck)
+                            ok = above if ok is None else ok & above
                         allowed = ok if allowed is None else allowed & ok
+                    if qb_ids is not None:  # packed sequences: only keys of the query's own segment
+                        kb_ids = lax.dynamic_slice_in_dim(k_ids, s0, Ck, axis=1)  # (B|1, Ck)
+                        same = (qb_ids[:, :, None] == kb_ids[:, None, :])[:, None]  # (B|1, 1, Cq, Ck)
+                        allowed = same if allowed is None else allowed & same
                     bias_b = _block(bias, T, S, t0, Cq, s0, Ck)
                     if exact:  # the stages' arithmetic, rounding to the storage dtype being the identity
                         x = jnp.einsum(LOGITS.replace("G", ""), qs, kb.astype(ct), precision=pr).reshape(B, N, Cq, Ck)
+                        if cap is not None:  # functional.softcap, before mask and bias
+                            c = jnp.asarray(cap, ct)
+                            x = jnp.tanh(x / c) * c
                         if bias_b is not None:
                             x = x + bias_b
                             finite = bias_b > -jnp.inf  # a -inf bias is a mask, as in mask(): NaN logits there too
@@ -151,6 +218,8 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                             x = jnp.where(allowed, x, jnp.asarray(-jnp.inf, ct))
                     else:  # 16-bit: the stage functions, each result rounded to the storage dtype
                         x = logits(qb, kb, scale, precision)  # (B, N, Cq, Ck), storage dtype
+                        if cap is not None:
+                            x = softcap(x, cap)
                         x = mask_stage(x, allowed, bias_b).astype(ct)
                     # softmax is shift-invariant: the running max carries no gradient
                     m_new = lax.stop_gradient(jnp.maximum(m, x.max(axis=-1, keepdims=True)))  # (B, N, Cq, 1)
@@ -163,37 +232,53 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                     return m_new, l_new, acc * correction + attend_acc(e, vb)
                 return run
 
-            if not (is_causal or k_overlap):
+            if upper is None and left is None and not k_overlap:
                 return compute(False)(*carry), None
-            # hidden: every key after every query's last visible one; crosses: the causal diagonal or
-            # the overlap runs through the block, which then needs the structural mask
-            hidden = (s0 > t0 + (Cq - 1) + offset) if is_causal else False
-            crosses = (s0 + (Ck - 1) > t0 + offset) if is_causal else False
+            # hidden: every key after every query's last visible one, or before every query's first
+            # visible one; crosses: the causal diagonal, a window's edge or the overlap runs through the
+            # block, which then needs the structural mask
+            hidden = crosses = False
+            if upper is not None:
+                hidden = s0 > t0 + (Cq - 1 + offset + upper)
+                crosses = s0 + (Ck - 1) > t0 + (offset + upper)
+            if left is not None:
+                hidden = hidden | (s0 + (Ck - 1) < t0 + (offset - left))
+                crosses = crosses | (s0 < t0 + (Cq - 1 + offset - left))
             if k_overlap:
                 crosses = crosses | (j == nk - 1)
             branch = jnp.where(hidden, 0, jnp.where(crosses, 2, 1))
             return lax.switch(branch, [lambda *c: c, compute(False), compute(True)], *carry), None
 
-        init = (jnp.full((B, N, Cq, 1), -jnp.inf, ct), jnp.zeros((B, N, Cq, 1), ct), jnp.zeros((B, N, Cq, V), ct))
+        if sinks is None:
+            init = (jnp.full((B, N, Cq, 1), -jnp.inf, ct), jnp.zeros((B, N, Cq, 1), ct),
+                    jnp.zeros((B, N, Cq, V), ct))
+        else:  # the sink joins every row first: max = sink, sum = exp(sink - sink) = 1 (its gradient), numerator 0
+            sink = sinks.astype(ct).reshape(1, N, 1, 1)
+            sink_max = lax.stop_gradient(sink)
+            init = (jnp.broadcast_to(sink_max, (B, N, Cq, 1)), jnp.broadcast_to(jnp.exp(sink - sink_max), (B, N, Cq, 1)),
+                    jnp.zeros((B, N, Cq, V), ct))
         (m, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init, xs)
-        empty = l == 0  # no allowed key in the row (l >= 1 otherwise: the max contributes exp(0))
-        ctx = acc / jnp.where(empty, jnp.asarray(1, ct), l)
-        if fill_everywhere:
-            # the fill weight on every key: its factor is 0 on the other rows, so no NaN reaches their gradients
-            ctx = jnp.where(empty, jnp.where(empty, jnp.asarray(fill, ct), jnp.asarray(0, ct)) * v_sum, ctx)
+        if sinks is not None:
+            ctx = acc / l  # l >= exp(0) from the row's largest logit or its sink: never 0
         else:
-            # with dropout: the fill weights, kept or dropped key by key, on the empty rows only: one more
-            # pass over the key blocks (training with masked_row "uniform" or "nan" only)
-            def fill_block(filled, js):
-                j, s0 = js
-                _, vb, _, fresh = key_blocks(j, s0)
-                kept = _block(keep, T, S, t0, Cq, s0, Ck) & empty
-                kept = kept if fresh is None else kept & fresh
-                w = jnp.where(kept, jnp.asarray(fill, ct) / rate, jnp.asarray(0, ct))  # (B, N, Cq, Ck)
-                return filled + attend_acc(w, vb), None
+            empty = l == 0  # no allowed key in the row (l >= 1 otherwise: the max contributes exp(0))
+            ctx = acc / jnp.where(empty, jnp.asarray(1, ct), l)
+            if fill_everywhere:
+                # the fill weight on every key: its factor is 0 on the other rows, so no NaN reaches their gradients
+                ctx = jnp.where(empty, jnp.where(empty, jnp.asarray(fill, ct), jnp.asarray(0, ct)) * v_sum, ctx)
+            else:
+                # with dropout: the fill weights, kept or dropped key by key, on the empty rows only: one more
+                # pass over the key blocks (training with masked_row "uniform" or "nan" only)
+                def fill_block(filled, js):
+                    j, s0 = js
+                    _, vb, _, fresh = key_blocks(j, s0)
+                    kept = _block(keep, T, S, t0, Cq, s0, Ck) & empty
+                    kept = kept if fresh is None else kept & fresh
+                    w = jnp.where(kept, jnp.asarray(fill, ct) / rate, jnp.asarray(0, ct))  # (B, N, Cq, Ck)
+                    return filled + attend_acc(w, vb), None
 
-            filled, _ = lax.scan(jax.checkpoint(fill_block, prevent_cse=False), jnp.zeros_like(acc), xs)
-            ctx = jnp.where(empty, filled, ctx)
+                filled, _ = lax.scan(jax.checkpoint(fill_block, prevent_cse=False), jnp.zeros_like(acc), xs)
+                ctx = jnp.where(empty, filled, ctx)
         ctx = merge_heads(ctx.astype(dtype))  # (B, Cq, N*V)
         return output(ctx, p["output.kernel"], p.get("output.bias"), precision)  # (B, Cq, O)
 

@@ -18,7 +18,7 @@ from flax import nnx
 import weights
 from weights import AttentionConfig
 
-from .functional import X64_MESSAGE, apply, x64_enabled
+from .attention import X64_MESSAGE, apply, x64_enabled
 
 DEVICES = ("cpu", "gpu")
 NO_GPU_MESSAGE = "device gpu requested but JAX sees no GPU (jax.devices('gpu') fails)"
@@ -43,13 +43,25 @@ def resolve_device(device: str) -> jax.Device:
         raise
 
 
-class Projection(nnx.Module):
-    """One canonical projection: kernel (in, heads, width) or (N, V, O), and
-    an optional bias."""
+class Norm(nnx.Module):
+    """QK-norm tensors of one projection: scale, and bias for a layer norm
+    ((H,) for scope "head", (heads, H) for "all")."""
 
-    def __init__(self, kernel: jax.Array, bias: jax.Array | None):
+    def __init__(self, scale: jax.Array, bias: jax.Array | None):
+        self.scale = nnx.Param(scale)
+        self.bias = None if bias is None else nnx.Param(bias)
+
+
+class Projection(nnx.Module):
+    """One canonical projection: kernel (in, heads, width) or (N, V, O), an
+    optional bias, and for query and key under qk_norm a `norm` (state path
+    ("query", "norm", "scale") = canonical "query.norm.scale")."""
+
+    def __init__(self, kernel: jax.Array, bias: jax.Array | None, norm: Norm | None = None):
         self.kernel = nnx.Param(kernel)
         self.bias = None if bias is None else nnx.Param(bias)
+        if norm is not None:
+            self.norm = norm
 
 
 class MultiHeadAttention(nnx.Module):
@@ -58,8 +70,13 @@ class MultiHeadAttention(nnx.Module):
     `MultiHeadAttention(config, seed=0, dtype="float32")` draws weights with
     weights.init (the same numbers every framework draws for that seed);
     `from_tensors` / `from_file` load canonical tensors. The call takes
-    apply's options: mask, bias, is_causal, causal_alignment, training,
-    dropout_mask, seed, rng, return_weights, precision, dtype, chunk_size, trace.
+    apply's options and passes them through: mask, bias, is_causal,
+    causal_alignment, training, dropout_mask, seed, rng, positions,
+    key_positions, past_key, past_value, segment_ids, key_segment_ids,
+    return_weights, return_cache, precision, dtype, chunk_size, trace.
+    Modern configs hold their tensors as Params too: query.norm.scale /
+    .bias, key.norm.scale / .bias (submodule `norm` of the projection) and
+    sinks.
     """
 
     def __init__(self, config: AttentionConfig, tensors: dict[str, np.ndarray] | None = None, *,
@@ -74,7 +91,12 @@ class MultiHeadAttention(nnx.Module):
         self.device = device
         placed = jax.device_put({name: np.asarray(t) for name, t in tensors.items()}, target)
         for name in ("query", "key", "value", "output"):
-            setattr(self, name, Projection(placed[f"{name}.kernel"], placed.get(f"{name}.bias")))
+            norm = None
+            if f"{name}.norm.scale" in placed:
+                norm = Norm(placed[f"{name}.norm.scale"], placed.get(f"{name}.norm.bias"))
+            setattr(self, name, Projection(placed[f"{name}.kernel"], placed.get(f"{name}.bias"), norm))
+        if "sinks" in placed:
+            self.sinks = nnx.Param(placed["sinks"])  # (N,)
 
     @classmethod
     def from_tensors(cls, config: AttentionConfig, tensors: dict[str, np.ndarray], *,

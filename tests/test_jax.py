@@ -35,6 +35,7 @@ from reference_checks import (  # noqa: E402
 
 import impl_jax  # noqa: E402
 import impl_jax.adapter as adapter  # noqa: E402  (switches x64 on)
+import impl_jax.attention as jax_attention  # noqa: E402
 import impl_jax.functional as jax_functional  # noqa: E402
 import impl_numpy  # noqa: E402
 import impl_numpy.adapter as numpy_adapter  # noqa: E402
@@ -48,7 +49,7 @@ from conformance.cases import (  # noqa: E402
     make_tensors,
     output_cotangent,
 )
-from conformance.compare import expected_for  # noqa: E402
+from conformance.compare import case_policy, expected_for  # noqa: E402
 from conformance.tolerance import compare, max_finite_abs, policy_for  # noqa: E402
 
 pytestmark = pytest.mark.jax
@@ -76,8 +77,8 @@ def logits_of(name: str) -> np.ndarray:
 def compared(label, actual, expected, name, dtype, quantity, **kwargs):
     """The policy's Comparison of actual against expected (not raising: callers assert .ok)."""
     case = CASES[name]
-    tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S, reference=expected,
-                     logits=logits_of(name), **kwargs)
+    tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
+                     reference=expected, logits=logits_of(name), **kwargs)
     return compare(f"{name}/{dtype}/{label}", actual, expected, tol)
 
 
@@ -139,8 +140,11 @@ def test_case_matches_reference(name, dtype):
     assert_case_conforms(case, dtype, "jax", recorder)
     want = weights.dtype_from_name(dtype)
     fwd, back = recorder.forward_answer, recorder.vjp_answer
-    assert sorted(fwd) == (["output", "weights"] if case.return_weights else ["output"]), (
-        f"forward answered keys {sorted(fwd)} with return_weights={case.return_weights}")
+    keys = ["output"] + (["weights"] if case.return_weights else []) + (
+        ["present_key", "present_value"] if case.return_cache else [])
+    assert list(fwd) == keys, (
+        f"forward answered keys {list(fwd)} with return_weights={case.return_weights}, "
+        f"return_cache={case.return_cache}")
     expected_grads = expected_for(case, dtype)["grads"]
     assert list(back["grads"]) == list(expected_grads), f"gradient names {list(back['grads'])} != {list(expected_grads)}"
     for label, array in [("output", fwd["output"]), *((f"grad {g}", a) for g, a in back["grads"].items())]:
@@ -148,9 +152,7 @@ def test_case_matches_reference(name, dtype):
             f"{label}: {type(array).__name__} of dtype {array.dtype}, expected a NumPy {want}")
     # vjp's own forward value is judged too (run_case judges forward()'s)
     exp = expected_for(case, dtype)
-    tol = policy_for(case.config, dtype=dtype, quantity="output", B=case.B, T=case.T, S=case.S,
-                     reference=exp["output"], logits=exp["logits"],
-                     same_precision_error=exp["same_precision"].get("output"))
+    tol = case_policy(case, dtype, "output", "output", exp["output"])
     result = compare(f"{name}/{dtype}/vjp output", back["output"], exp["output"], tol)
     assert result.ok, result.describe()
 
@@ -174,11 +176,13 @@ def test_self_attention_grads_fold_into_query(dtype):
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")  # -inf - -inf in compare()
 @pytest.mark.parametrize("name", ["mask_and_bias_causal", "dropout_train"])
 def test_trace_stages_match_reference(name):
-    """Every stage, named as impl_numpy.STAGES, against the float64 reference's stage."""
+    """Every stage a plain layer runs, named as the reference's trace names it (impl_numpy.STAGES
+    less the norm, rope and softcap stages), against the float64 reference's stage."""
     case, tensors, inputs = case_arrays(name, "float32")
     got = adapter.forward(case.config, tensors, inputs, case.options("float32"), trace=True)["trace"]
     want = reference(name)[0]["trace"]
-    assert [s for s, _ in got] == list(impl_numpy.STAGES), f"stages {[s for s, _ in got]}"
+    plain = [s for s in impl_numpy.STAGES if s not in ("query.norm", "key.norm", "query.rope", "key.rope", "softcap")]
+    assert [s for s, _ in got] == [s for s, _ in want] == plain, f"stages {[s for s, _ in got]}"
     assert impl_jax.STAGES == impl_numpy.STAGES, f"{impl_jax.STAGES} != {impl_numpy.STAGES}"
     failures = []
     for (stage, value), (_, expected) in zip(got, want):
@@ -382,7 +386,7 @@ def test_float64_refused_without_x64():
         ):
             with pytest.raises(ValueError) as info:
                 call()
-            assert str(info.value) == jax_functional.X64_MESSAGE, f"{label}: {info.value}"
+            assert str(info.value) == jax_attention.X64_MESSAGE, f"{label}: {info.value}"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -741,17 +745,21 @@ CHUNK_REFUSAL = ("chunk_size cannot be combined with return_weights or trace: th
 
 @functools.partial(jax.jit, static_argnames=("config", "static"))
 def _chunked_program(config, params, arrays, d_output, *, static):
-    """apply(..., chunk_size=) and its jax.vjp, one compiled program (as impl_jax.adapter does for the plain path)."""
-    inputs = {n: arrays[n] for n in ("query", "key", "value") if n in arrays}
+    """apply(..., chunk_size=) and its jax.vjp, one compiled program (as impl_jax.adapter does for the plain
+    path): query, key, value and the cache differentiated, the present cache returned beside the output."""
+    inputs = {n: arrays[n] for n in ("query", "key", "value", "past_key", "past_value") if n in arrays}
+    others = {n: arrays.get(n) for n in numpy_adapter.OPTIONAL_INPUTS if n not in ("past_key", "past_value")}
 
     def f(params, inputs):
-        return impl_jax.apply(config, params, inputs["query"], inputs.get("key"), inputs.get("value"),
-                              mask=arrays.get("mask"), bias=arrays.get("bias"), dropout_mask=arrays.get("dropout_mask"),
-                              **dict(static))
+        result = impl_jax.apply(config, params, inputs["query"], inputs.get("key"), inputs.get("value"),
+                                past_key=inputs.get("past_key"), past_value=inputs.get("past_value"), **others,
+                                **dict(static))
+        out, *cache = result if dict(static)["return_cache"] else (result,)
+        return out, cache
 
-    out, pull = jax.vjp(f, params, inputs)
+    out, pull, cache = jax.vjp(f, params, inputs, has_aux=True)
     d_params, d_inputs = pull(d_output.astype(out.dtype))
-    return out, d_params, d_inputs
+    return out, cache, d_params, d_inputs
 
 
 class ChunkedAdapter:
@@ -769,7 +777,7 @@ class ChunkedAdapter:
         static = (("is_causal", bool(options.get("is_causal", False))),
                   ("causal_alignment", options.get("causal_alignment", "top_left")),
                   ("training", bool(options.get("training", False))), ("dtype", options.get("dtype")),
-                  ("chunk_size", self.chunk_size))
+                  ("return_cache", bool(options.get("return_cache", False))), ("chunk_size", self.chunk_size))
         arrays = {n: np.asarray(a) for n, a in inputs.items() if a is not None}
         dtype = weights.dtype_from_name(options["dtype"])
         if d_output is None:
@@ -779,11 +787,16 @@ class ChunkedAdapter:
     def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
         if trace:
             raise NotImplementedError("the chunked path has no stage trace")
-        return {"output": np.asarray(self._run(config, tensors, inputs, options, None)[0])}
+        out, cache, _, _ = self._run(config, tensors, inputs, options, None)
+        answer = {"output": np.asarray(out)}
+        if cache:
+            answer["present_key"], answer["present_value"] = (np.asarray(x) for x in cache)
+        return answer
 
     def vjp(self, config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
-        out, d_params, d_inputs = self._run(config, tensors, inputs, options, d_output)
-        grads = {n: np.asarray(d_inputs[n]) for n in ("query", "key", "value") if n in d_inputs}
+        out, _, d_params, d_inputs = self._run(config, tensors, inputs, options, d_output)
+        grads = {n: np.asarray(d_inputs[n]) for n in ("query", "key", "value", "past_key", "past_value")
+                 if n in d_inputs}
         grads.update({n: np.asarray(d_params[n]) for n in config.tensor_shapes()})
         return {"output": np.asarray(out), "grads": grads}
 
@@ -800,10 +813,12 @@ def without_weights(case):
 # and 16-bit for the trickiest; the whole grid in every dtype is `slow`.
 CHUNKED_FAST = {
     "float32": ["gqa", "query_len_1", "key_len_1", "causal_bottom_right_long_query", "bias_neg_inf",
-                "mask_and_bias_causal", "masked_rows_uniform", "masked_rows_nan", "dropout_train"],
-    "float64": ["masked_rows_nan", "dropout_train"],
-    "float16": ["causal_bottom_right"],
-    "bfloat16": ["mask_and_bias_causal"],
+                "mask_and_bias_causal", "masked_rows_uniform", "masked_rows_nan", "dropout_train",
+                "window_left_causal", "window_both_bottom_right", "cache_window_gqa", "softcap_masked_rows",
+                "sinks_masked_rows", "segments_packed", "rope_yarn"],
+    "float64": ["masked_rows_nan", "dropout_train", "modern_everything", "qk_norm_layer_all"],
+    "float16": ["causal_bottom_right", "decode_cache"],
+    "bfloat16": ["mask_and_bias_causal", "modern_everything"],
 }
 
 
@@ -1068,8 +1083,8 @@ def test_fast_path_is_taken_only_when_nothing_needs_the_stages(monkeypatch):
         monkeypatch.setattr(jax_functional, stage,
                             lambda *a, _f=original, _s=stage, **k: stages.append(_s) or _f(*a, **k))
     fused = []
-    original_fused = jax_functional.fused_attention
-    monkeypatch.setattr(jax_functional, "fused_attention", lambda *a, **k: fused.append(1) or original_fused(*a, **k))
+    original_fused = jax_attention.fused_attention
+    monkeypatch.setattr(jax_attention, "fused_attention", lambda *a, **k: fused.append(1) or original_fused(*a, **k))
 
     def paths(**options):
         stages.clear(), fused.clear()

@@ -1,0 +1,686 @@
+"""impl_jax's modern attention (RoPE, QK-norm, softcap, windows, sinks, the KV
+cache, segment ids) against the float64 NumPy reference.
+
+The named modern cases of conformance/cases.py already run through
+tests/test_jax.py's grid (every dtype, on the stages, the fused XLA
+expression and the chunked path); this file adds the combinations the grid
+leaves out, on each path, the stage-by-stage trace of the new stages,
+token-by-token decoding with the cache, the routing between the paths, the
+window's block skipping in the chunked path, jit (positions and ids traced,
+not static), the layer's new parameters and error wording. Expected values
+come from impl_numpy in float64; tolerances from conformance.tolerance only.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+
+import numpy as np
+import pytest
+
+INSTALL = "JAX/Flax not installed: pip install -c constraints/cpu.txt '.[jax]'"
+jax = pytest.importorskip("jax", reason=INSTALL)
+pytest.importorskip("flax", reason=INSTALL)
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from reference_checks import WithOptions, assert_case_conforms, assert_gradients_conform, error_of  # noqa: E402
+from test_jax import ChunkedAdapter, _ulps, assert_bit_equal  # noqa: E402
+
+import impl_jax  # noqa: E402
+import impl_jax.adapter as jax_adapter  # noqa: E402  (switches x64 on)
+import impl_jax.attention as jax_attention  # noqa: E402
+import impl_jax.chunked as jax_chunked  # noqa: E402
+import impl_jax.functional as jax_functional  # noqa: E402
+import impl_numpy  # noqa: E402
+import impl_numpy.adapter as numpy_adapter  # noqa: E402
+import weights  # noqa: E402
+from conformance.cases import (  # noqa: E402
+    CASES,
+    DTYPE_NAMES,
+    Case,
+    cast_inputs,
+    cast_tensors,
+    make_inputs,
+    make_tensors,
+    output_cotangent,
+)
+from conformance.compare import expected_for  # noqa: E402
+from conformance.tolerance import assert_close  # noqa: E402
+from weights.config import Rope  # noqa: E402
+from weights.rope import inverse_frequencies  # noqa: E402
+
+pytestmark = pytest.mark.jax
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+JIT_APPLY = jax.jit(impl_jax.apply, static_argnames=impl_jax.STATIC_ARGNAMES)
+
+
+def _cfg(**kw) -> weights.AttentionConfig:
+    return weights.AttentionConfig(**{"num_heads": 2, "query_dim": 8, "head_dim": 4, **kw})
+
+
+_CROSS = dict(self_attention=False, T=4, S=6)
+_DECODE = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+
+# Combinations the named grid does not hold (names start with "jax_" so that no case of
+# the grid shares their seeds).
+EXTRA_CASES = {case.name: case for case in (
+    Case("jax_qk_norm_rms_all", _cfg(qk_norm={"type": "rms", "scope": "all"}), **_CROSS),
+    Case("jax_qk_norm_layer_head_gqa", _cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
+         is_causal=True),
+    Case("jax_rope_interleaved_partial_linear",
+         _cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
+         positions="far", is_causal=True),
+    Case("jax_rope_half_partial_llama3_per_batch", _cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": LLAMA3}),
+         positions="per_batch", **_CROSS),
+    Case("jax_window_both_cache", _cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **_DECODE),
+    Case("jax_window_left_cross_top_left", _cfg(window_left=1), **_CROSS),
+    Case("jax_window_long_query_bottom_right", _cfg(window_left=1, window_right=1), self_attention=False, T=7, S=3,
+         causal_alignment="bottom_right"),
+    Case("jax_sinks_cache_mqa_empty_rows",
+         _cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
+         T=2, S=2, P=3, mask="empty_rows", **_DECODE),
+    Case("jax_softcap_window_segments", _cfg(logit_softcap=3.0, window_left=1, rope={}), T=7, S=7,
+         positions="packed", is_causal=True),
+    Case("jax_window_segments_norm", _cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
+         T=7, S=7, positions="packed"),
+    Case("jax_softcap_bias_sinks_gqa", _cfg(num_heads=4, num_kv_heads=2, logit_softcap=4.0, use_sinks=True),
+         bias="random", mask="random", **_CROSS),
+    Case("jax_dropout_cache_rope_sinks", _cfg(dropout=0.25, use_sinks=True, rope={}), training=True, T=3, S=3, P=2,
+         mask="padding", **_DECODE),
+)}
+
+
+def _case(name: str) -> Case:
+    return CASES.get(name) or EXTRA_CASES[name]
+
+
+def _no_weights(case: Case) -> Case:
+    return dataclasses.replace(case, return_weights=False)
+
+
+# -- the extra combinations on every path ----------------------------------------------------
+
+# The chunked path compiles nested scans and their VJP (2-4 s each here): every extra case in
+# float32 by default, the other dtypes for three of them; the rest is `slow`.
+CHUNKED_OTHER_DTYPES = {"jax_sinks_cache_mqa_empty_rows", "jax_softcap_window_segments", "jax_dropout_cache_rope_sinks"}
+
+
+def _path_params():
+    for name in EXTRA_CASES:
+        for dtype in DTYPE_NAMES:
+            yield pytest.param(name, dtype, "stages", id=f"{name}-{dtype}-stages")
+            if dtype in ("float64", "float32"):  # 16-bit storage always takes the stages
+                yield pytest.param(name, dtype, "fused", id=f"{name}-{dtype}-fused")
+            slow = dtype != "float32" and name not in CHUNKED_OTHER_DTYPES
+            yield pytest.param(name, dtype, "chunked", id=f"{name}-{dtype}-chunked",
+                               marks=(pytest.mark.slow,) if slow else ())
+
+
+@pytest.mark.parametrize(("name", "dtype", "path"), list(_path_params()))
+def test_extra_modern_case_matches_reference(name, dtype, path):
+    """Output, weights (stages), present_key/value and every gradient (past_key and
+    past_value included) judged as `mha check` judges them. "stages": the case
+    with its weights (every stage runs); "fused": without weights (the fused XLA
+    expression, or the stages where dropout needs them); "chunked": chunk_size=2."""
+    case = EXTRA_CASES[name]
+    if path == "stages":
+        assert_case_conforms(dataclasses.replace(case, return_weights=True), dtype, "jax", jax_adapter)
+    elif path == "fused":
+        assert_case_conforms(_no_weights(case), dtype, "jax", jax_adapter)
+    else:
+        assert_case_conforms(_no_weights(case), dtype, "jax", ChunkedAdapter(2))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4])
+@pytest.mark.parametrize("name", ["modern_everything", "jax_window_long_query_bottom_right", "window_left_causal"])
+def test_chunked_modern_block_sizes(name, chunk_size):
+    """Blocks of one key, blocks that overlap the end, blocks that hold the whole cache."""
+    assert_case_conforms(_no_weights(_case(name)), "float32", "jax", ChunkedAdapter(chunk_size))
+
+
+def test_optional_inputs_are_the_references():
+    assert jax_attention.OPTIONAL_INPUTS == numpy_adapter.OPTIONAL_INPUTS, (
+        f"jax {jax_attention.OPTIONAL_INPUTS} != numpy {numpy_adapter.OPTIONAL_INPUTS}")
+
+
+@pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "jax_window_both_cache"])
+def test_answer_and_gradient_names_are_the_references(name):
+    """forward's dict (output, weights, present_key, present_value) and vjp's grads
+    (query, key, value, past_key, past_value, then every tensor) name and order
+    their entries as impl_numpy.adapter does."""
+    case = _case(name)
+    tensors, inputs, options = make_tensors(case), make_inputs(case), case.options("float64")
+    d_out = output_cotangent(case)
+    want_fwd = numpy_adapter.forward(case.config, tensors, inputs, options)
+    got_fwd = jax_adapter.forward(case.config, tensors, inputs, options)
+    assert list(got_fwd) == list(want_fwd), f"forward names {list(got_fwd)} != reference {list(want_fwd)}"
+    want = list(numpy_adapter.vjp(case.config, tensors, inputs, options, d_out)["grads"])
+    got = list(jax_adapter.vjp(case.config, tensors, inputs, options, d_out)["grads"])
+    assert got == want, f"gradient names {got} != reference {want}"
+    assert "past_key" in got and "present_key" in got_fwd, f"{name} has a cache: grads {got}, answer {list(got_fwd)}"
+
+
+# -- the trace, stage by stage ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
+                                  "rope_partial", "rope_yarn", "jax_qk_norm_rms_all", "sinks_masked_rows"])
+def test_modern_trace_matches_reference_stage_by_stage(name, dtype):
+    """The new stages appear under their exact names, in STAGES order, each equal
+    to the reference's (norm on the flat projection in both scopes)."""
+    case = _case(name)
+    exp = expected_for(case, dtype)
+    got = jax_adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype), trace=True)["trace"]
+    got_names, want_names = [s for s, _ in got], [s for s, _ in exp["trace"]]
+    assert got_names == want_names, f"stages {got_names} != reference {want_names}"
+    assert got_names == [s for s in impl_jax.STAGES if s in got_names], f"{got_names} out of STAGES order"
+    assert tuple(got_names) == impl_jax.trace_stages(case.config), f"{got_names} != {impl_jax.trace_stages(case.config)}"
+    c = case.config
+    wanted = {"query.norm", "key.norm"} if c.qk_norm else set()
+    wanted |= {"query.rope", "key.rope"} if c.rope else set()
+    wanted |= {"softcap"} if c.logit_softcap else set()
+    assert wanted <= set(got_names), f"missing stages {sorted(wanted - set(got_names))}"
+    failures = []
+    for (stage, value), (_, expected) in zip(got, exp["trace"]):
+        try:
+            with np.errstate(invalid="ignore"):  # -inf on both sides of the mask stage
+                assert_close(stage, value, expected, config=c, dtype=dtype, quantity="stage", B=case.B, T=case.T,
+                             S=case.S_total, logits=exp["logits"])
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, "\n".join(failures)
+
+
+# -- decoding token by token with the cache ------------------------------------------------
+
+DECODE_CONFIGS = {
+    "rope_norm_gqa": _cfg(num_heads=4, num_kv_heads=2, rope={}, qk_norm={"type": "rms"}),
+    "window_interleaved": _cfg(rope={"interleaved": True, "rotary_dim": 2}, window_left=2),
+    "everything": _cfg(num_heads=4, num_kv_heads=2, head_dim=8, window_left=3, logit_softcap=5.0, use_sinks=True,
+                       qk_norm={"type": "layer", "scope": "all"},
+                       rope={"rotary_dim": 6, "interleaved": True, "scaling": YARN}),
+}
+PROMPT, TOTAL = 3, 7  # the first call holds 3 tokens, then 4 steps of one
+
+
+@functools.cache
+def decode_reference(config_name: str, dtype: str):
+    """The full causal call (self attention over TOTAL tokens): float64 reference
+    output, present_key/value and logits, and the NumPy reference's own error in
+    `dtype` (the policy's floor for 16-bit)."""
+    config = DECODE_CONFIGS[config_name]
+    tensors = weights.init(config, seed=7, dtype="float64")
+    x = np.random.default_rng(7).standard_normal((2, TOTAL, config.query_dim))
+    x, tensors = cast_inputs({"x": x}, dtype)["x"], cast_tensors(tensors, dtype)
+    x64, t64 = x.astype(np.float64), cast_tensors(tensors, "float64")
+    trace = []
+    out, _, pk, pv = impl_numpy.multi_head_attention(config, t64, x64, is_causal=True, return_weights=True,
+                                                     return_cache=True, trace=trace)
+    errors = {}
+    if dtype in ("float16", "bfloat16"):
+        low = impl_numpy.multi_head_attention(config, tensors, x, is_causal=True, return_cache=True, trace=[])
+        errors = {name: float(np.nanmax(np.abs(got.astype(np.float64) - want)))
+                  for name, got, want in zip(("output", "present_key", "present_value"), low, (out, pk, pv))}
+    return tensors, x, {"output": out, "present_key": pk, "present_value": pv}, {e.stage: e.value for e in trace}["logits"], errors
+
+
+def _decode(config, tensors, x, *, path: str):
+    """PROMPT tokens in one causal call, then one token at a time with the
+    cache (bottom-right causal, default positions: P + arange(T)), through
+    the jitted apply ("plain": the dtype's own path, the fused expression in
+    float32/float64; "stages": with the weights, every stage; "chunked":
+    chunk_size=2) or the layer. -> output (B, TOTAL, O), present_key, present_value."""
+    if path == "layer":
+        module = impl_jax.MultiHeadAttention.from_tensors(config, tensors)
+        call = module
+    else:
+        extra = {"stages": dict(return_weights=True), "chunked": dict(chunk_size=2), "plain": {}}[path]
+
+        def call(q, **kw):
+            result = JIT_APPLY(config, tensors, q, **kw, **extra)
+            return (result[0], *result[2:]) if path == "stages" else result
+    out, pk, pv = call(x[:, :PROMPT], is_causal=True, return_cache=True)
+    rows = [out]
+    for t in range(PROMPT, TOTAL):
+        out, pk, pv = call(x[:, t:t + 1], past_key=pk, past_value=pv, is_causal=True,
+                           causal_alignment="bottom_right", return_cache=True)
+        rows.append(out)
+    return np.asarray(jnp.concatenate(rows, axis=1)), np.asarray(pk), np.asarray(pv)
+
+
+def _decode_params():
+    for config_name in DECODE_CONFIGS:
+        for dtype in DTYPE_NAMES:
+            for path in ("plain", "stages", "chunked"):
+                if path == "stages" and dtype in ("float16", "bfloat16"):
+                    continue  # 16-bit "plain" is the stages already
+                slow = path == "chunked" and dtype != "float32" and config_name != "everything"
+                yield pytest.param(config_name, dtype, path, marks=(pytest.mark.slow,) if slow else ())
+
+
+@pytest.mark.parametrize(("config_name", "dtype", "path"), list(_decode_params()))
+def test_decoding_with_the_cache_equals_the_full_causal_call(config_name, dtype, path):
+    """Row for row: the prompt's rows and each decoded token's row equal the full
+    causal call's, and the final cache its present_key / present_value."""
+    config = DECODE_CONFIGS[config_name]
+    tensors, x, want, logits, errors = decode_reference(config_name, dtype)
+    got = dict(zip(("output", "present_key", "present_value"), _decode(config, tensors, x, path=path)))
+    failures = []
+    for name, value in got.items():
+        try:
+            assert_close(f"decoded {name}", value, want[name], config=config, dtype=dtype, quantity="output", B=2,
+                         T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, "\n".join(failures)
+
+
+def test_layer_decodes_with_the_cache():
+    config = DECODE_CONFIGS["everything"]
+    tensors, x, want, logits, _ = decode_reference("everything", "float32")
+    out, pk, pv = _decode(config, tensors, x, path="layer")
+    for name, value in (("output", out), ("present_key", pk), ("present_value", pv)):
+        assert_close(f"layer decoded {name}", value, want[name], config=config, dtype="float32", quantity="output",
+                     B=2, T=TOTAL, S=TOTAL, logits=logits)
+
+
+def test_decoding_with_explicit_positions_equals_the_defaults():
+    """positions = P + arange(T) given explicitly is the default (the cache's offset)."""
+    config = DECODE_CONFIGS["rope_norm_gqa"]
+    tensors, x, *_ = decode_reference("rope_norm_gqa", "float64")
+    _, pk, pv = JIT_APPLY(config, tensors, x[:, :PROMPT], is_causal=True, return_cache=True)
+    step = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right")
+    token = x[:, PROMPT:PROMPT + 1]
+    default = np.asarray(JIT_APPLY(config, tensors, token, **step))
+    given = np.asarray(JIT_APPLY(config, tensors, token, **step, positions=np.array([PROMPT]),
+                                 key_positions=np.array([PROMPT])))
+    forgot = np.asarray(JIT_APPLY(config, tensors, token, **step, positions=np.array([0]),
+                                  key_positions=np.array([0])))
+    assert_bit_equal("explicit positions P + arange(T) vs the defaults", given, default)
+    differ = float(np.abs(default - forgot).max())
+    assert differ > 1e-3, f"positions 0 (the offset forgotten) gave nearly the same output (max difference {differ})"
+
+
+# -- jit: positions, ids and the cache are traced; the config is static ----------------------------
+
+def test_positions_and_segment_ids_are_traced_not_static():
+    """New values of positions, segment ids and the cache reuse the compiled
+    program (one entry in jit's cache) and give the reference's new results."""
+    case = CASES["modern_everything"]
+    tensors, inputs = make_tensors(case), make_inputs(case)
+    call = {k: inputs[k] for k in ("past_key", "past_value", "mask", "bias")}
+    @functools.wraps(impl_jax.apply)  # apply's signature (static_argnames), in a function of its own:
+    def fresh(*args, **kwargs):  # jit's cache then counts this test's programs only
+        return impl_jax.apply(*args, **kwargs)
+
+    jitted = jax.jit(fresh, static_argnames=impl_jax.STATIC_ARGNAMES)
+    rng = np.random.default_rng(3)
+    for step in range(3):
+        positions = inputs["positions"] + 11 * step
+        key_positions = inputs["key_positions"] + 11 * step
+        ids = rng.integers(0, 2, (case.B, case.T))
+        key_ids = rng.integers(0, 2, (case.B, case.S_total))
+        kw = dict(call, positions=positions, key_positions=key_positions, segment_ids=ids, key_segment_ids=key_ids,
+                  is_causal=True, causal_alignment="bottom_right")
+        got = np.asarray(jitted(case.config, tensors, inputs["query"], inputs["key"], inputs["value"], **kw))
+        want = impl_numpy.multi_head_attention(case.config, tensors, inputs["query"], inputs["key"], inputs["value"],
+                                               **kw)
+        assert_close(f"step {step}", got, want, config=case.config, dtype="float64", quantity="output", B=case.B,
+                     T=case.T, S=case.S_total)
+    assert jitted._cache_size() == 1, f"{jitted._cache_size()} compiled programs for 3 calls of the same shapes"
+
+
+def test_static_argnames_name_every_static_option():
+    """Every argument of apply that shapes the program is static (hashable), the
+    arrays are not: the modern options in particular."""
+    parameters = inspect.signature(impl_jax.apply).parameters
+    assert set(impl_jax.STATIC_ARGNAMES) <= set(parameters), set(impl_jax.STATIC_ARGNAMES) - set(parameters)
+    assert "return_cache" in impl_jax.STATIC_ARGNAMES
+    for name in numpy_adapter.OPTIONAL_INPUTS:
+        assert name in parameters and name not in impl_jax.STATIC_ARGNAMES, name
+    config = CASES["modern_everything"].config
+    assert hash(config) == hash(dataclasses.replace(config)), "a modern config must hash by value (static under jit)"
+
+
+# -- which path runs ---------------------------------------------------------------------
+
+@pytest.fixture
+def path_spy(monkeypatch):
+    """Which cores a call ran: the stages' softmax, the fused expression, the chunked path (plain or on heads)."""
+    seen = []
+    real_softmax, real_fused, real_chunked = (jax_functional.softmax, jax_attention.fused_attention,
+                                             jax_attention.chunked_attention)
+    monkeypatch.setattr(jax_functional, "softmax", lambda *a, **k: seen.append("stages") or real_softmax(*a, **k))
+    monkeypatch.setattr(jax_attention, "fused_attention",
+                        lambda *a, **k: seen.append(("fused", k["softcap"], k["sinks"] is not None))
+                        or real_fused(*a, **k))
+    monkeypatch.setattr(jax_attention, "chunked_attention",
+                        lambda *a, **k: seen.append("chunked on heads" if k.get("heads") else "chunked")
+                        or real_chunked(*a, **k))
+    return seen
+
+
+@pytest.mark.parametrize(("name", "options", "expected"), [
+    ("self_basic", {}, [("fused", None, False)]),  # a plain config: the fused expression as before
+    ("softcap", {}, [("fused", 2.0, False)]),
+    ("sinks", {}, [("fused", None, True)]),
+    ("modern_everything", {}, [("fused", 8.0, True)]),
+    ("modern_everything", {"return_weights": True}, ["stages"]),
+    ("modern_everything", {"dtype": "bfloat16"}, ["stages"]),
+    ("jax_dropout_cache_rope_sinks", {}, ["stages"]),
+    ("self_basic", {"chunk_size": 2}, ["chunked"]),  # a plain config: the chunked path on the inputs, as before
+    ("window_left_causal", {"chunk_size": 2}, ["chunked on heads"]),
+    ("decode_cache", {"chunk_size": 2}, ["chunked on heads"]),
+    ("segments_packed", {"chunk_size": 2}, ["chunked on heads"]),
+])
+def test_each_call_takes_its_path(name, options, expected, path_spy):
+    """The fused expression takes every modern feature (softcap and sinks as its
+    arguments; windows and segments in its mask) where the stages' rounding or
+    weights are not needed; the chunked path runs on the heads after norm, rope
+    and the cache; a plain config takes exactly the path it took before."""
+    case = _case(name)
+    inputs = make_inputs(case)
+    kw = {k: inputs.get(k) for k in numpy_adapter.OPTIONAL_INPUTS}
+    kw.update(is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training,
+              return_weights=False, return_cache=case.return_cache)
+    kw.update(options)
+    impl_jax.apply(case.config, make_tensors(case), inputs["query"], inputs["key"], inputs["value"], **kw)
+    assert path_spy == expected, f"{name} {options}: ran {path_spy}, expected {expected}"
+
+
+# -- the chunked path skips the key blocks a window hides -------------------------------------
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # 0 * NaN in the reference
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_chunked_skips_the_key_blocks_a_window_hides(side):
+    """A NaN in the values of one key block reaches every row of the stages
+    (0 weight times NaN is NaN, as in the reference); the chunked path never
+    computes the blocks a window hides from a whole query block, so the rows
+    of those query blocks stay finite and equal the reference without the NaN."""
+    T, chunk = 32, 8
+    if side == "left":  # causal, 4 keys back: query blocks 2 and 3 never see keys 0..7
+        config, call, nan_keys, clear_rows = _cfg(window_left=4), dict(is_causal=True), slice(0, chunk), slice(16, T)
+    else:  # 2 keys ahead: query blocks 0 and 1 never see keys 24..31
+        config, call, nan_keys, clear_rows = _cfg(window_right=2), {}, slice(T - chunk, T), slice(0, 16)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    x = np.random.default_rng(3).standard_normal((1, T, 8))
+    v = x.copy()
+    v[0, nan_keys] = np.nan
+    plain = np.asarray(impl_jax.apply(config, tensors, x, x, v, **call))
+    assert np.isnan(plain).all(), "the stages should spread the NaN to every row (0 x NaN)"
+    chunked = np.asarray(JIT_APPLY(config, tensors, x, x, v, chunk_size=chunk, **call))
+    want = impl_numpy.multi_head_attention(config, tensors, x, x, x, **call)
+    assert np.isfinite(chunked[:, clear_rows]).all(), (
+        f"rows no window lets see the NaN block are not finite: {np.argwhere(~np.isfinite(chunked[0, clear_rows]))[:5]}")
+    assert_close(f"window {side}: rows that skip the NaN block", chunked[:, clear_rows], want[:, clear_rows],
+                 config=config, dtype="float64", quantity="output", B=1, T=T, S=T)
+
+
+# -- the layer ---------------------------------------------------------------------------
+
+MODERN_LAYER_CASES = ["qk_norm_layer_all", "qk_norm_rms_head", "sinks", "modern_everything", "jax_qk_norm_rms_all",
+                      "jax_qk_norm_layer_head_gqa"]
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
+def test_layer_round_trip_with_norm_and_sinks_is_bit_exact(name, dtype):
+    config = _case(name).config
+    tensors = weights.init(config, seed=3, dtype=dtype)
+    layer = impl_jax.MultiHeadAttention.from_tensors(config, tensors)
+    back = layer.to_tensors()
+    assert list(back) == list(tensors), f"names {list(back)} != {list(tensors)}"
+    for key, original in tensors.items():
+        assert_bit_equal(f"{key} after the round trip", back[key], original)
+
+
+@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
+def test_layer_params_are_the_canonical_tensors(name):
+    """The NNX state path of every Param is its canonical name (query.norm.scale, sinks, ...)."""
+    config = _case(name).config
+    layer = impl_jax.MultiHeadAttention(config, seed=0, dtype="float32")
+    flat = nnx.to_flat_state(nnx.state(layer, nnx.Param))
+    found = {".".join(map(str, path)): (type(v).__name__, tuple(v[...].shape)) for path, v in flat}
+    want = {name: ("Param", shape) for name, shape in config.tensor_shapes().items()}
+    assert found == want, f"nnx.Param state {found} != canonical {want}"
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
+def test_layer_forward_and_parameter_gradients_match_reference(name, dtype):
+    """The layer passes positions, the cache and segment ids through (nnx.jit), and
+    nnx.grad gives its norm and sink parameters the reference's gradients."""
+    case = _case(name)
+    exp = expected_for(case, dtype)
+    inputs = cast_inputs(make_inputs(case), dtype)
+    layer = impl_jax.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), dtype))
+    leaves = {k: jnp.asarray(inputs[k]) for k in ("query", "key", "value", "past_key", "past_value") if k in inputs}
+    extra = {k: jnp.asarray(inputs[k]) for k in ("mask", "bias", "positions", "key_positions", "segment_ids",
+                                                 "key_segment_ids") if k in inputs}
+    d_out = jnp.asarray(output_cotangent(case).astype(weights.dtype_from_name(dtype)))
+
+    def loss(module, leaves):
+        out = module(leaves["query"], leaves["key"], leaves["value"], past_key=leaves.get("past_key"),
+                     past_value=leaves.get("past_value"), is_causal=case.is_causal,
+                     causal_alignment=case.causal_alignment, **extra)
+        return jnp.sum(out * d_out), out
+
+    @nnx.jit
+    def grads_of(module, leaves):
+        return nnx.grad(loss, argnums=(0, 1), has_aux=True)(module, leaves)
+
+    (g_module, g_leaves), out = grads_of(layer, leaves)
+    assert_close(f"{name} layer output", np.asarray(out), exp["output"], config=case.config, dtype=dtype,
+                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=exp["logits"])
+    grads = {".".join(map(str, path)): np.asarray(g[...]) for path, g in nnx.to_flat_state(g_module)}
+    grads.update({k: np.asarray(g) for k, g in g_leaves.items()})
+    assert_gradients_conform(case, dtype, grads)
+
+
+# -- masks, stages and error wording ------------------------------------------------------------
+
+def test_window_and_segment_masks_equal_reference():
+    from impl_numpy import masks as numpy_masks
+
+    jitted = jax.jit(impl_jax.window_mask, static_argnums=(0, 1, 2, 3, 4))
+    for T in range(1, 6):
+        for S in range(1, 7):
+            for left, right in ((-1, -1), (0, -1), (2, -1), (-1, 0), (-1, 1), (1, 1), (0, 0)):
+                for alignment in ("top_left", "bottom_right"):
+                    want = numpy_masks.window_mask(T, S, left, right, alignment)
+                    calls = [("eager", lambda: impl_jax.window_mask(T, S, left, right, alignment))]
+                    if (T, S, left, right) == (4, 6, 1, 1):  # one compile per alignment suffices
+                        calls.append(("jit", lambda: jitted(T, S, left, right, alignment)))
+                    for label, fn in calls:
+                        got = np.asarray(fn())
+                        assert got.dtype == want.dtype and np.array_equal(got, want), (
+                            f"{label} window_mask({T}, {S}, {left}, {right}, {alignment!r}): differs at "
+                            f"{np.argwhere(got != want).tolist()}")
+    rng = np.random.default_rng(0)
+    for q_shape, k_shape in (((5,), (5,)), ((2, 5), (2, 7)), ((5,), (2, 7)), ((2, 5), (7,))):
+        q_ids, k_ids = rng.integers(0, 3, q_shape), rng.integers(0, 3, k_shape)
+        got = np.asarray(jax.jit(impl_jax.segment_mask)(q_ids, k_ids))
+        want = numpy_masks.segment_mask(q_ids, k_ids)
+        assert got.shape == want.shape and np.array_equal(got, want), f"segment_mask {q_shape} x {k_shape} differs"
+
+
+def test_functional_holds_the_stages_and_imports_neither_the_call_nor_the_chunked_path():
+    """functional.py mirrors impl_numpy/functional.py (the same public stage
+    functions) and imports nothing of its own package but masks at load time;
+    the call's old names there resolve to attention.py's (bench/ imports them)."""
+    from impl_numpy import functional as numpy_functional
+
+    def public_functions(module):
+        return {name for name, value in vars(module).items()
+                if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")}
+
+    assert public_functions(jax_functional) == public_functions(numpy_functional), (
+        f"only jax: {public_functions(jax_functional) - public_functions(numpy_functional)}, "
+        f"only numpy: {public_functions(numpy_functional) - public_functions(jax_functional)}")
+    tree = ast.parse(inspect.getsource(jax_functional))
+    own = [node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.level]
+    assert own == ["masks"], f"functional.py imports {own} of impl_jax at load time"
+    for name in ("apply", "multi_head_attention", "STATIC_ARGNAMES"):
+        assert getattr(jax_functional, name) is getattr(jax_attention, name), name
+    chunked_tree = ast.parse(inspect.getsource(jax_chunked))
+    chunked_own = {node.module for node in ast.walk(chunked_tree) if isinstance(node, ast.ImportFrom) and node.level}
+    assert chunked_own == {"functional"}, f"chunked.py imports {chunked_own}"
+
+
+def _new_stage_call(stage, dtype, module, as_array):
+    """One new stage on data with long reductions; arrays made by `as_array`."""
+    rng = np.random.default_rng(len(stage))
+    dt = weights.dtype_from_name(dtype)
+    def u(*shape, offset=0.0):  # rounded to dt before the framework sees it (NumPy's bfloat16 + float is float32)
+        return as_array((rng.random(shape) + offset).astype(dt))
+
+    x = as_array((rng.standard_normal((2, 8, 4 * 64)) + 0.5).astype(dt))
+    logits = as_array((rng.standard_normal((2, 2, 8, 512)) * 3).astype(dt))
+    positions = as_array(np.arange(8, dtype=np.int64)[None] + 5)
+
+    def angles(R):  # (1, 1, 8, R/2) in the stage's compute dtype
+        return module.rope_angles(positions, inverse_frequencies(Rope(rotary_dim=R)), dt)
+
+    calls = {
+        "norm_rms_head": lambda: module.norm(x, u(64, offset=0.5), None, "rms", 1e-6, 4, "head"),
+        "norm_layer_all": lambda: module.norm(x, u(4, 64, offset=0.5), u(4, 64), "layer", 1e-5, 4, "all"),
+        "rope_angles": lambda: angles(64),
+        "rope_half": lambda: module.rope(u(2, 4, 8, 64), angles(64), 64, False, 1.2),
+        "rope_interleaved": lambda: module.rope(u(2, 4, 8, 64), angles(48), 48, True, 1.0),
+        "softcap": lambda: module.softcap(logits, 5.0),
+        "softmax_sinks": lambda: module.softmax(logits, "zero", as_array(rng.standard_normal(2).astype(dt))),
+    }
+    return calls[stage]()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("stage", ["norm_rms_head", "norm_layer_all", "rope_angles", "rope_half", "rope_interleaved",
+                                   "softcap", "softmax_sinks"])
+def test_precision_rule_16bit_new_stages(stage, dtype):
+    """The spec's precision rule on the new stages: a 16-bit stage is its float32
+    arithmetic rounded once to 16 bits (angles stay in float32), so it lands
+    within one 16-bit ulp of impl_numpy's stage on the same inputs."""
+    from impl_numpy import functional as numpy_functional
+
+    got = _new_stage_call(stage, dtype, jax_functional, jnp.asarray)
+    assert isinstance(got, jax.Array), f"{stage}: returned {type(got).__name__}, not a jax.Array"
+    got = np.asarray(got)
+    want = _new_stage_call(stage, dtype, numpy_functional, np.asarray)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{stage}: {got.dtype}{got.shape}, the spec's {want.dtype}{want.shape}")
+    ulps = _ulps(got, want, "float32" if stage == "rope_angles" else dtype)
+    worst = np.unravel_index(int(np.argmax(ulps)), ulps.shape)
+    assert ulps.max() <= 1, (
+        f"{stage} {dtype}: {ulps.max():g} ulps from the spec at {list(worst)} "
+        f"(got {got[worst]!r}, spec {want[worst]!r}); {int((ulps > 1).sum())} of {ulps.size} beyond 1 ulp")
+
+
+def _modern_bad_calls():
+    """(id, changes to a valid call): config N 2, K 1, D 8, H 4, rope, window_left 2; query (2, 5, 8)."""
+    B, T, K, H = 2, 5, 1, 4
+    ints = lambda *shape: np.zeros(shape, dtype=np.int64)  # noqa: E731
+    cache = dict(past_key=np.zeros((B, K, 3, H)), past_value=np.zeros((B, K, 3, H)))
+    return {
+        "positions_float": dict(positions=np.arange(T, dtype=np.float64)),
+        "positions_shape": dict(positions=ints(T - 1)),
+        "positions_batch": dict(positions=ints(B + 1, T)),
+        "key_positions_shape": dict(key_positions=ints(B, T + 1)),
+        "past_key_alone": dict(past_key=cache["past_key"]),
+        "past_value_alone": dict(past_value=cache["past_value"]),
+        "past_key_heads": dict(cache, past_key=np.zeros((B, K + 1, 3, H))),
+        "past_key_width": dict(cache, past_key=np.zeros((B, K, 3, H + 1))),
+        "past_lengths": dict(cache, past_value=np.zeros((B, K, 2, H))),
+        "past_key_int": dict(cache, past_key=ints(B, K, 3, H)),
+        "window_with_cache_top_left": dict(cache),
+        "causal_with_cache_top_left": dict(cache, is_causal=True),
+        "segment_ids_shape": dict(segment_ids=ints(T - 1)),
+        "segment_ids_float": dict(segment_ids=np.zeros(T)),
+        "key_segment_ids_missing_with_cache": dict(cache, causal_alignment="bottom_right", segment_ids=ints(T)),
+        "key_segment_ids_alone": dict(key_segment_ids=ints(T)),
+        "key_segment_ids_shape": dict(segment_ids=ints(T), key_segment_ids=ints(T + 1)),
+        "return_cache_not_bool": dict(return_cache="yes"),
+        "mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", mask=np.ones((T, T), dtype=bool)),
+        "dropout_mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", training=True,
+                                                dropout_mask=np.ones((B, 2, T, T), dtype=bool)),
+    }
+
+
+MODERN_BAD_CALLS = _modern_bad_calls()
+BAD_CONFIG = _cfg(num_kv_heads=1, rope={}, window_left=2)
+BAD_TENSORS = weights.init(BAD_CONFIG, seed=0, dtype="float64")
+
+
+@pytest.mark.parametrize("bad", list(MODERN_BAD_CALLS))
+def test_modern_error_wording_matches_reference(bad):
+    """apply on NumPy and on jax arrays, the jitted apply, the layer and the
+    adapter say the reference's words."""
+    call = dict(MODERN_BAD_CALLS[bad])
+    query = np.random.default_rng(1).standard_normal((2, 5, 8))
+    want = error_of(impl_numpy.multi_head_attention, BAD_CONFIG, BAD_TENSORS, query, **call)
+    got = error_of(impl_jax.apply, BAD_CONFIG, BAD_TENSORS, query, **call)
+    assert got == want, f"apply:\njax: {got!r}\nnumpy: {want!r}"
+    as_jax = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in call.items()}
+    jax_tensors = {n: jnp.asarray(t) for n, t in BAD_TENSORS.items()}
+    got = error_of(impl_jax.apply, BAD_CONFIG, jax_tensors, jnp.asarray(query), **as_jax)
+    assert got == want, f"apply on jax arrays:\njax: {got!r}\nnumpy: {want!r}"
+    got = error_of(JIT_APPLY, BAD_CONFIG, jax_tensors, jnp.asarray(query), **as_jax)
+    assert got == want, f"jitted apply:\njax: {got!r}\nnumpy: {want!r}"
+    got = error_of(impl_jax.MultiHeadAttention.from_tensors(BAD_CONFIG, BAD_TENSORS), query, **call)
+    assert got == want, f"layer:\njax: {got!r}\nnumpy: {want!r}"
+    inputs = {"query": query, **{k: v for k, v in call.items() if isinstance(v, np.ndarray)}}
+    options = {k: v for k, v in call.items() if not isinstance(v, np.ndarray)}
+    if "return_cache" not in options:  # the adapters read return_cache as a truth value
+        want = error_of(numpy_adapter.forward, BAD_CONFIG, BAD_TENSORS, inputs, options)
+        got = error_of(jax_adapter.forward, BAD_CONFIG, BAD_TENSORS, inputs, options)
+        assert got == want, f"adapter:\njax: {got!r}\nnumpy: {want!r}"
+
+
+@pytest.mark.parametrize("change", ["norm_missing", "norm_shape", "norm_bias_missing", "sinks_missing",
+                                    "sinks_shape"])
+def test_modern_tensor_errors_match_reference(change):
+    config = _cfg(qk_norm={"type": "layer", "scope": "all"}, use_sinks=True)
+    tensors = weights.init(config, seed=0, dtype="float32")
+    broken = dict(tensors)
+    if change == "norm_missing":
+        del broken["key.norm.scale"]
+    elif change == "norm_shape":
+        broken["query.norm.scale"] = np.ones(4, np.float32)  # (H,): the head scope's shape, not (N, H)
+    elif change == "norm_bias_missing":
+        del broken["query.norm.bias"]
+    elif change == "sinks_missing":
+        del broken["sinks"]
+    else:
+        broken["sinks"] = np.zeros((2, 1), np.float32)
+    query = np.zeros((1, 3, 8), np.float32)
+    want = error_of(impl_numpy.multi_head_attention, config, broken, query)
+    for label, fn, args in (
+        ("apply", impl_jax.apply, (config, broken, query)),
+        ("apply on jax arrays", impl_jax.apply, (config, {k: jnp.asarray(v) for k, v in broken.items()}, query)),
+        ("layer", impl_jax.MultiHeadAttention.from_tensors, (config, broken)),
+        ("adapter", jax_adapter.forward, (config, broken, {"query": query}, {})),
+    ):
+        got = error_of(fn, *args)
+        assert got == want, f"{label}:\njax: {got!r}\nnumpy: {want!r}"
+
+
+# -- GPU ------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not impl_jax.gpu_available(), reason="no GPU: jax.devices('gpu') fails (a GPU machine needs a "
+                                                         "CUDA jaxlib: pip install 'jax[cuda12]')")
+@pytest.mark.parametrize("path", ["stages", "fused"])
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "cache_window_gqa", "segments_packed",
+                                  "sinks_masked_rows", "softcap", "rope_yarn", "qk_norm_layer_all",
+                                  "jax_window_segments_norm"])
+def test_gpu_modern_matches_reference(name, dtype, path):
+    case = _case(name)
+    case = dataclasses.replace(case, return_weights=path == "stages")
+    assert_case_conforms(case, dtype, "jax", WithOptions(jax_adapter), device="gpu")

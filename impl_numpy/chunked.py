@@ -462,8 +462,9 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
             s_stop = min(S, max(0, t1 + offset)) if is_causal else S
             if right >= 0:
                 s_stop = min(s_stop, max(0, t1 - 1 + offset + right + 1))
-            s_start = min(s_stop, max(0, t0 + offset - left)) if left >= 0 else 0
-            s_start -= s_start % chunk_size  # blocks stay aligned to chunk_size (the same blocks as without it)
+            first = max(0, t0 + offset - left) if left >= 0 else 0  # the block's first visible key
+            # blocks stay aligned to chunk_size (the same blocks as without a window); none if no key is visible
+            s_start = s_stop if first >= s_stop else first - first % chunk_size
             qb = q[:, :, t0:t1].reshape(B, K, G * t, H)  # (B, K, G*t, H); a copy only when G > 1
             acc = numerator[: B * N * t * V].reshape(B, K, G * t, V)  # running numerator
             m = l = None  # running max and sum, (B, N, t, 1); None before the first key block

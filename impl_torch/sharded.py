@@ -1,0 +1,661 @@
+"""Sharded attention on torch.distributed (gloo): heads split across processes
+(tensor parallelism) or the sequence split across processes (ring attention).
+
+The same NumPy-in, NumPy-out interface as impl_torch/adapter.py, plus `kind`
+("heads" | "sequence") and `devices` (the number of processes):
+
+    forward(config, tensors, inputs, options, *, kind, devices, trace=False)
+    vjp(config, tensors, inputs, options, d_output, *, kind, devices)
+
+Each call starts `devices` processes (torch.multiprocessing, start method
+"spawn"), joins them into one gloo process group and returns rank 0's
+assembled answer. run_jobs runs several calls in one start (a start costs a
+few seconds: every process imports torch). What a call cannot do raises
+NotImplementedError with the reason, before any process starts.
+
+Heads (`kind="heads"`)
+    Rank r holds query heads r*N/n .. (r+1)*N/n (num_heads must divide by
+    the n processes) and the kv heads they read: split with them when
+    K >= n and K % n == 0, else replicated (each rank computes the one or two
+    kv heads its query heads share; MQA: every rank the one). q, k, v are
+    column-parallel (each rank projects with its heads' kernel columns), the
+    output projection row-parallel: each rank's partial output (its heads'
+    rows of the output kernel) is summed by one all_reduce in the compute
+    dtype, and the output bias is added once, after it. DTensor's
+    parallelize_module is not used: its ColwiseParallel / RowwiseParallel
+    styles shard nn.Linear and nn.Embedding, and this layer's kernels are
+    (D, heads, width) tensors used through the stages of functional.py (with
+    QK-norm and RoPE between projection and logits), so the split is written
+    out, with an all_reduce that is an autograd Function (_AllReduceSum).
+    QK-norm with scope "all" normalises over every head at once and is
+    refused (it would need a cross-shard reduction of its statistics).
+
+Sequence (`kind="sequence"`)
+    Queries, new keys/values and the cache are each split by position into
+    n blocks; rank r holds query block r and key block r (its cache part,
+    then its new keys, after projection, QK-norm and RoPE at their own
+    positions). Block order: contiguous blocks without causal; with causal
+    (either alignment) the load-balanced "zigzag" order: each length is cut
+    into 2n chunks and rank r holds chunks r and 2n-1-r, so every rank gets
+    as many early (mostly hidden) as late (mostly visible) keys and queries.
+    Key/value blocks go round the ring with point-to-point ops
+    (dist.batch_isend_irecv: send to rank+1, receive from rank-1), n-1
+    steps; the key segment ids travel with them. Every block carries its
+    global key indices (known to every rank from the split rule), so causal
+    (both alignments), windows, mask and bias columns and segment ids are
+    taken per block from the indices, and a block that causal or a window
+    hides from every local query is not computed (it still travels on). Each
+    rank merges its blocks with the online-softmax rule of
+    impl_numpy/chunked.py (running max m, sum l, numerator acc; sinks start
+    m at the sink and l at 1); a row that ends with l == 0 follows the
+    masked-row policy ("uniform": the mean of every value row, kept as a
+    running sum of the blocks' values). Gradients: autograd through the
+    ring, whose shift is a custom autograd Function (its backward sends the
+    gradient the other way round); every received block is anchored to the
+    output so that each rank's backward runs the same shifts in the same
+    order. Communication is not overlapped with compute (each shift is waited
+    for before the block is used). The weights (B, N, T, S_total) are never
+    whole on one rank: return_weights is refused, as is dropout (a keep-mask
+    per block is not built).
+
+Neither kind returns a trace (trace=True is refused): no rank runs every
+stage on the whole call.
+
+Gradients: every rank's leaves are the whole canonical tensors and inputs;
+its shard reads them by index, so its gradients are whole-shaped with zeros
+outside its shard, and rank 0 sums them. Heads: d_output is given to rank
+0's output only (every rank holds the whole all-reduced output; the
+all_reduce's backward hands it to all). Sequence: each rank's output rows
+take their rows of d_output.
+
+Several hosts (torchrun)
+    Nothing here assumes one host: the process group starts from the
+    environment (init_method "env://": MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE), as torchrun sets it. Under torchrun, call run_in_group in
+    every process instead of forward / vjp:
+
+        # job.py
+        import impl_torch.sharded as sharded
+        results = sharded.run_in_group([{"op": "forward", "config": config,
+                                         "tensors": tensors, "inputs": inputs,
+                                         "options": {"is_causal": True}}], kind="sequence")
+        # rank 0 gets the assembled answers, the other ranks None
+
+        torchrun --nnodes=2 --nproc-per-node=4 --node-rank=$NODE \\
+                 --master-addr=$HOST0 --master-port=29500 job.py
+
+    Every process reads the whole inputs and takes its own shard of them;
+    the attention's traffic is the all_reduce (heads) or the ring (sequence).
+    Gloo picks the network interface from the host name; set
+    GLOO_SOCKET_IFNAME where that is the wrong one.
+
+Measurement: measure() runs one sequence-sharded forward and returns the
+bytes each rank sent on the ring (keys and values, ids) against the ring's
+minimum, (n-1)/n of the call's key/value bytes, and each process's peak
+resident memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import resource
+import socket
+import tempfile
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import weights
+from weights.contract import broadcast_shape, check_call, check_input_values
+
+from . import functional as F
+from .convert import compute_dtype, to_numpy, to_torch, torch_dtype
+
+KINDS = ("heads", "sequence")
+OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
+                   "segment_ids", "key_segment_ids")
+DIFFERENTIABLE_INPUTS = ("query", "key", "value", "past_key", "past_value")
+TIMEOUT = datetime.timedelta(seconds=300)  # a rank that died leaves the others waiting: fail instead of hanging
+
+# Bytes this process has sent on the ring (sequence sharding): keys and values, key ids, gradients.
+_SENT = {"kv": 0, "ids": 0, "grad": 0}
+
+
+# -- validation, before any process starts ----------------------------------------------------------
+
+def check(config, tensors, inputs, options, *, kind, devices, trace=False, op="forward") -> weights.contract.CallShapes:
+    """ValueError for bad input (in the contract's words), NotImplementedError for what the sharded call
+    does not do; returns the call's shapes."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}: got {kind!r}")
+    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
+        raise ValueError(f"devices must be a positive integer: got {devices!r}")
+    weights.validate_tensors(config, tensors)
+    check_input_values(**{name: inputs.get(name) for name in DIFFERENTIABLE_INPUTS})
+    meta = {}
+    for name in OPTIONAL_INPUTS:
+        if inputs.get(name) is not None:
+            array = np.asarray(inputs[name])
+            meta[f"{name}_shape"], meta[f"{name}_dtype"] = array.shape, array.dtype.name
+    query = np.asarray(inputs["query"])
+    key = query if inputs.get("key") is None else np.asarray(inputs["key"])
+    value = key if inputs.get("value") is None else np.asarray(inputs["value"])
+    training = bool(options.get("training", False))
+    return_weights = bool(options.get("return_weights", False))
+    shapes = check_call(config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape, **meta,
+                        is_causal=bool(options.get("is_causal", False)),
+                        causal_alignment=options.get("causal_alignment", "top_left"), training=training,
+                        seed=options.get("seed"), return_weights=return_weights,
+                        return_cache=bool(options.get("return_cache", False)), materializes_scores=False)
+    if inputs.get("bias") is not None:
+        weights.contract.check_bias_values(inputs["bias"])
+    reason = refusal(config, inputs, options, kind=kind, devices=int(devices), trace=trace)
+    if reason:
+        raise NotImplementedError(reason)
+    return shapes
+
+
+def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | None:
+    """Why this sharded call is not built, or None."""
+    if trace:
+        return "a sharded call returns no trace: no process runs every stage on the whole call"
+    if kind == "heads":
+        if config.num_heads % devices:
+            return (f"heads sharding splits the query heads evenly: num_heads={config.num_heads} "
+                    f"does not divide by devices={devices}")
+        if config.qk_norm is not None and config.qk_norm.scope == "all":
+            return ("QK-norm with scope 'all' normalises over every head at once: heads sharding would need "
+                    "a cross-shard reduction of its statistics (not built)")
+        return None
+    if options.get("return_weights"):
+        return ("sequence sharding never holds a query's whole row of weights (its key blocks are on other "
+                "processes): return_weights is not available")
+    if options.get("training") and (config.dropout > 0 or inputs.get("dropout_mask") is not None):
+        return "dropout under sequence sharding (a keep-mask per key block) is not built"
+    return None
+
+
+# -- processes ----------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_jobs(jobs: list[dict], *, kind: str, devices: int) -> list[dict]:
+    """Run several calls in one start of `devices` processes. A job: {"op": "forward" | "vjp", "config",
+    "tensors", "inputs", "options"[, "d_output"]}. Returns, per job, {"result": forward's or vjp's dict,
+    "stats": one dict per rank (bytes sent, peak memory)}."""
+    for job in jobs:
+        check(job["config"], job["tensors"], job["inputs"], job["options"], kind=kind, devices=devices,
+              op=job["op"])
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="mha-sharded-") as folder:
+        path = os.path.join(folder, "results.pickle")
+        mp.start_processes(_spawned, args=(int(devices), _free_port(), kind, jobs, path), nprocs=int(devices),
+                           join=True, start_method="spawn")
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+
+def forward(config, tensors, inputs, options, *, kind, devices, trace=False):
+    check(config, tensors, inputs, options, kind=kind, devices=devices, trace=trace)
+    job = {"op": "forward", "config": config, "tensors": tensors, "inputs": inputs, "options": options}
+    return run_jobs([job], kind=kind, devices=devices)[0]["result"]
+
+
+def vjp(config, tensors, inputs, options, d_output, *, kind, devices):
+    job = {"op": "vjp", "config": config, "tensors": tensors, "inputs": inputs, "options": options,
+           "d_output": np.asarray(d_output)}
+    return run_jobs([job], kind=kind, devices=devices)[0]["result"]
+
+
+def measure(config, tensors, inputs, options, *, devices, kind="sequence") -> dict:
+    """One sharded forward, measured: per rank the bytes sent on the ring (keys and values; key ids),
+    the ring's minimum per rank ((n-1)/n of the call's key/value bytes in the storage dtype), and each
+    process's peak resident memory (ru_maxrss) and its resident memory before the call (torch's own
+    footprint), in bytes. Result collection (gather to rank 0) is not counted."""
+    job = {"op": "forward", "config": config, "tensors": tensors, "inputs": inputs, "options": options}
+    stats = run_jobs([job], kind=kind, devices=devices)[0]["stats"]
+    dtype = torch_dtype(options.get("dtype") or np.asarray(tensors["query.kernel"]).dtype)
+    shapes = check(config, tensors, inputs, options, kind=kind, devices=devices)
+    itemsize = torch.finfo(dtype).bits // 8
+    kv_bytes = shapes.B * config.num_kv_heads * shapes.S_total * (config.head_dim + config.value_head_dim) * itemsize
+    minimum = (devices - 1) / devices * kv_bytes
+    return {"kind": kind, "devices": devices, "kv_bytes": kv_bytes, "ring_minimum_bytes": minimum,
+            "kv_bytes_sent": [s["kv"] for s in stats], "ids_bytes_sent": [s["ids"] for s in stats],
+            "ratio_to_minimum": (max(s["kv"] + s["ids"] for s in stats) / minimum) if minimum else None,
+            "peak_rss_bytes": [s["peak_rss"] for s in stats], "rss_before_bytes": [s["rss_before"] for s in stats]}
+
+
+def _spawned(rank, world, port, kind, jobs, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the processes share the host's cores
+    results = run_in_group(jobs, kind=kind)
+    if rank == 0:
+        partial = path + ".partial"
+        with open(partial, "wb") as f:
+            pickle.dump(results, f)
+        os.replace(partial, path)
+
+
+def run_in_group(jobs: list[dict], *, kind: str) -> list[dict] | None:
+    """Run the jobs in this process as one rank of the group that the environment describes (env://:
+    MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; torchrun sets them). Returns the answers on rank 0 and
+    None on the others. Starts the gloo group when none is running (and ends it again)."""
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method="env://", timeout=TIMEOUT)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        answers = []
+        for job in jobs:
+            for name in _SENT:
+                _SENT[name] = 0
+            before = _rss_bytes()
+            piece = _run_job(job, kind, rank, world)
+            stats = dict(_SENT, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                         rss_before=before)
+            gathered = [None] * world if rank == 0 else None
+            dist.gather_object((piece, stats), gathered, dst=0)
+            if rank == 0:
+                answers.append({"result": _assemble(job, kind, [g[0] for g in gathered]),
+                                "stats": [g[1] for g in gathered]})
+        return answers if rank == 0 else None
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+# -- one job on one rank ----------------------------------------------------------------------------
+
+def _run_job(job, kind, rank, world) -> dict:
+    config, options, inputs = job["config"], job["options"], job["inputs"]
+    grad = job["op"] == "vjp"
+    dtype = torch_dtype(options.get("dtype") or np.asarray(job["tensors"]["query.kernel"]).dtype)
+    leaves = {name: to_torch(t).requires_grad_(grad) for name, t in job["tensors"].items()}
+    xs = {name: to_torch(inputs[name]).requires_grad_(grad)
+          for name in DIFFERENTIABLE_INPUTS if inputs.get(name) is not None}
+    others = {name: to_torch(inputs[name]) for name in OPTIONAL_INPUTS
+              if name not in xs and inputs.get(name) is not None}
+    run = _heads if kind == "heads" else _sequence
+    with torch.set_grad_enabled(grad):
+        piece, out = run(config, leaves, xs, others, options, dtype, rank, world)
+    if grad:
+        d_out = to_torch(np.asarray(job["d_output"])).to(out.dtype)
+        if kind == "heads":
+            d_local = d_out if rank == 0 else torch.zeros_like(d_out)  # the all_reduce's backward sums it to all
+        else:
+            d_local = d_out.index_select(1, piece["rows"])
+        named = {**xs, **leaves}
+        grads = torch.autograd.grad(out, list(named.values()), grad_outputs=d_local, allow_unused=True)
+        piece["grads"] = {name: to_numpy(torch.zeros_like(leaf) if g is None else g)
+                          for (name, leaf), g in zip(named.items(), grads)}
+    return {name: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for name, v in piece.items()}
+
+
+def _assemble(job, kind, pieces) -> dict:
+    """Rank 0: the whole answer from every rank's piece."""
+    config, options, inputs = job["config"], job["options"], job["inputs"]
+    dtype = pieces[0]["output"].dtype
+    answer = {}
+    if kind == "heads":
+        answer["output"] = pieces[0]["output"]
+        if options.get("return_weights"):
+            answer["weights"] = np.concatenate([p["weights"] for p in pieces], axis=1)  # (B, N, T, S_total)
+        if options.get("return_cache"):
+            for name in ("present_key", "present_value"):
+                first = pieces[0][name]
+                whole = np.zeros((first.shape[0], config.num_kv_heads, *first.shape[2:]), dtype=dtype)
+                for p in pieces:
+                    whole[:, p["kv_heads"]] = p[name]  # replicated heads: the same values from each holder
+                answer[name] = whole
+    else:
+        B, O = pieces[0]["output"].shape[0], pieces[0]["output"].shape[2]
+        T = np.asarray(inputs["query"]).shape[1]
+        out = np.zeros((B, T, O), dtype=dtype)
+        for p in pieces:
+            out[:, p["rows"]] = p["output"]
+        answer["output"] = out
+        if options.get("return_cache"):
+            S_total = sum(len(p["key_index"]) for p in pieces)
+            for name in ("present_key", "present_value"):
+                first = pieces[0][name]
+                whole = np.zeros((first.shape[0], first.shape[1], S_total, first.shape[3]), dtype=dtype)
+                for p in pieces:
+                    whole[:, :, p["key_index"]] = p[name]
+                answer[name] = whole
+    if job["op"] == "forward":
+        return answer
+    order = [n for n in DIFFERENTIABLE_INPUTS if inputs.get(n) is not None] + list(config.tensor_shapes())
+    grads = {}
+    for name in order:
+        total = sum(np.asarray(p["grads"][name], np.float64) for p in pieces)  # each rank: its shard's part
+        grads[name] = total.astype(pieces[0]["grads"][name].dtype)
+    return {"output": answer["output"], "grads": grads}
+
+
+# -- heads ------------------------------------------------------------------------------------------
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; its backward sums the gradients over ranks too (each rank's output is a copy of
+    the sum). torch.distributed.nn.functional.all_reduce does the same and is deprecated as of torch 2.13;
+    the functional collectives' replacement is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.detach().clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(g)
+        return g
+
+
+def _heads(config, leaves, xs, others, options, dtype, rank, world):
+    from .attention import prepare
+
+    N, K = config.num_heads, config.num_kv_heads
+    G = N // K
+    n_local = N // world
+    n0, n1 = rank * n_local, (rank + 1) * n_local
+    kv_heads = sorted({n // G for n in range(n0, n1)})  # the kv heads this rank's query heads read
+    call = prepare(config, leaves, xs["query"], xs.get("key"), xs.get("value"), mask=others.get("mask"),
+                   bias=others.get("bias"), dropout_mask=others.get("dropout_mask"),
+                   is_causal=bool(options.get("is_causal", False)),
+                   causal_alignment=options.get("causal_alignment", "top_left"),
+                   training=bool(options.get("training", False)), seed=options.get("seed"),
+                   return_weights=bool(options.get("return_weights", False)), dtype=dtype,
+                   positions=others.get("positions"), key_positions=others.get("key_positions"),
+                   past_key=xs.get("past_key"), past_value=xs.get("past_value"),
+                   segment_ids=others.get("segment_ids"), key_segment_ids=others.get("key_segment_ids"),
+                   return_cache=bool(options.get("return_cache", False)), materializes_scores=False)
+    p = call.params
+    heads = torch.arange(n0, n1)
+    kvh = torch.tensor(kv_heads)
+
+    def cols(name, index):  # a kernel (D, heads, width) or bias (heads, width): these heads
+        if name not in p:
+            return None
+        t = p[name]
+        return t.index_select(1 if name.endswith("kernel") else 0, index)
+
+    q = F.project(call.query, cols("query.kernel", heads), cols("query.bias", heads))  # (B, T, n_local*H)
+    k = F.project(call.key, cols("key.kernel", kvh), cols("key.bias", kvh))  # (B, S, k_local*H)
+    v = F.project(call.value, cols("value.kernel", kvh), cols("value.bias", kvh))  # (B, S, k_local*V)
+    if config.qk_norm is not None:  # scope "head" (refusal() sends "all" away): per head, scale (H,) shared
+        nq = config.qk_norm
+        q = F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), nq.type, nq.eps, n_local, nq.scope)
+        k = F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), nq.type, nq.eps, len(kv_heads), nq.scope)
+    q, k, v = F.split_heads(q, n_local), F.split_heads(k, len(kv_heads)), F.split_heads(v, len(kv_heads))
+    if config.rope is not None:
+        from .attention import rope_tables
+
+        inv_freq, factor = rope_tables(config)
+        R, inter = config.rope.rotary_dim, config.rope.interleaved
+        q = F.rope(q, F.rope_angles(call.positions, inv_freq, dtype), R, inter, factor)  # (B, n_local, T, H)
+        k = F.rope(k, F.rope_angles(call.key_positions, inv_freq, dtype), R, inter, factor)
+    if call.past_key is not None:
+        k = torch.cat([call.past_key.index_select(1, kvh), k], dim=2)  # (B, k_local, P+S, H)
+        v = torch.cat([call.past_value.index_select(1, kvh), v], dim=2)
+    present = (k, v)
+    # Query head n reads kv head n // G; where this rank's heads do not form whole groups of its kv heads
+    # (K < n without K dividing n), each query head gets its own copy of its kv head.
+    reads = [n // G - kv_heads[0] for n in range(n0, n1)]
+    groups = n_local // len(kv_heads) if n_local % len(kv_heads) == 0 else 0
+    if not groups or reads != [i // groups for i in range(n_local)]:
+        index = torch.tensor(reads)
+        k, v = k.index_select(1, index), v.index_select(1, index)  # (B, n_local, S_total, H)
+
+    def local(t):  # a rank-4 (B|1, N|1, T|1, S|1) mask / bias / keep: these heads
+        return t if t is None or t.shape[1] == 1 else t.index_select(1, heads)
+
+    x = F.logits(q, k, config.effective_scale)  # (B, n_local, T, S_total)
+    if config.logit_softcap is not None:
+        x = F.softcap(x, config.logit_softcap)
+    x = F.mask_stage(x, local(call.allowed), local(call.bias4))
+    w = F.softmax(x, config.masked_row, None if "sinks" not in p else p["sinks"].index_select(0, heads))
+    ctx = F.merge_heads(F.attend(F.dropout(w, local(call.keep), config.dropout), v))  # (B, T, n_local*V)
+    ct = compute_dtype(dtype)
+    kernel = p["output.kernel"].index_select(0, heads)  # (n_local, V, O): row-parallel
+    partial = torch.einsum(F.OUTPUT, ctx.to(ct), kernel.reshape(-1, kernel.shape[-1]).to(ct))  # (B, T, O)
+    total = _AllReduceSum.apply(partial)  # the heads' partial outputs summed once, in the compute dtype
+    if "output.bias" in p:
+        total = total + p["output.bias"].to(ct)  # once, after the sum
+    out = total.to(dtype)
+    piece = {"output": out.detach(), "kv_heads": kv_heads}
+    if options.get("return_weights"):
+        piece["weights"] = w.detach()
+    if options.get("return_cache"):
+        piece["present_key"], piece["present_value"] = (t.detach() for t in present)
+    return piece, out
+
+
+# -- sequence (the ring) ----------------------------------------------------------------------------
+
+def split(length: int, parts: int, zigzag: bool) -> list[np.ndarray]:
+    """Positions 0..length-1 in `parts` blocks: contiguous, or zigzag (2*parts chunks, block r = chunks r
+    and 2*parts-1-r: early and late positions together, so causal work is even across ranks)."""
+    positions = np.arange(length)
+    if not zigzag:
+        return np.array_split(positions, parts)
+    chunks = np.array_split(positions, 2 * parts)
+    return [np.concatenate([chunks[r], chunks[2 * parts - 1 - r]]) for r in range(parts)]
+
+
+def _exchange(x: torch.Tensor, send_to: int, recv_from: int, recv_shape, counter: str) -> torch.Tensor:
+    """Send x to one rank while receiving a tensor of recv_shape (x's dtype) from another; raw bytes on the
+    wire, so that every dtype (bfloat16 too) travels unchanged."""
+    out = torch.empty(recv_shape, dtype=x.dtype)
+    send = x.detach().contiguous().reshape(-1).view(torch.uint8)
+    recv = out.reshape(-1).view(torch.uint8)
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, send_to))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, recv_from))
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+    _SENT[counter] += send.numel()
+    return out
+
+
+class _RingShift(torch.autograd.Function):
+    """Forward: send this block to rank+1, receive rank-1's. Backward: the gradient goes the other way."""
+
+    @staticmethod
+    def forward(ctx, x, recv_shape):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ctx.shape = tuple(x.shape)
+        return _exchange(x, (rank + 1) % world, (rank - 1) % world, recv_shape, "kv")
+
+    @staticmethod
+    def backward(ctx, g):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return _exchange(g, (rank - 1) % world, (rank + 1) % world, ctx.shape, "grad"), None
+
+
+class _Anchor(torch.autograd.Function):
+    """out unchanged; `blocks` get zero gradients. Ties every received block to the output so that
+    backward reaches every ring shift on every rank (a rank that skipped a hidden block would otherwise
+    skip that shift's backward and leave its neighbours waiting)."""
+
+    @staticmethod
+    def forward(ctx, out, *blocks):
+        ctx.shapes = [(b.shape, b.dtype) for b in blocks]
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *(torch.zeros(s, dtype=d) for s, d in ctx.shapes))
+
+
+def _sequence(config, leaves, xs, others, options, dtype, rank, world):
+    from .attention import rope_tables
+
+    N, K, H, V = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim
+    G = N // K
+    ct = compute_dtype(dtype)
+    p = {name: t.to(dtype) for name, t in leaves.items()}
+    query = xs["query"].to(dtype)
+    key = query if xs.get("key") is None else xs["key"].to(dtype)
+    value = key if xs.get("value") is None else xs["value"].to(dtype)
+    past_key, past_value = xs.get("past_key"), xs.get("past_value")
+    B, T, S = query.shape[0], query.shape[1], key.shape[1]
+    P = 0 if past_key is None else past_key.shape[2]
+    S_total = P + S
+    is_causal = bool(options.get("is_causal", False))
+    offset = 0 if options.get("causal_alignment", "top_left") == "top_left" else S_total - T
+    left, right = config.window_left, config.window_right
+    zigzag = is_causal
+    rows_of = [torch.from_numpy(i) for i in split(T, world, zigzag)]
+    keys_of = [torch.from_numpy(np.concatenate([c, P + s]))
+               for c, s in zip(split(P, world, zigzag), split(S, world, zigzag))]  # cache part, then new keys
+    rows, my_keys = rows_of[rank], keys_of[rank]
+    new_keys = my_keys[my_keys >= P] - P
+    cached = my_keys[my_keys < P]
+
+    q = F.project(query.index_select(1, rows), p["query.kernel"], p.get("query.bias"))  # (B, t, N*H)
+    k = F.project(key.index_select(1, new_keys), p["key.kernel"], p.get("key.bias"))  # (B, s, K*H)
+    v = F.project(value.index_select(1, new_keys), p["value.kernel"], p.get("value.bias"))  # (B, s, K*V)
+    if config.qk_norm is not None:  # per position: the shard's rows are enough
+        nq = config.qk_norm
+        q = F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), nq.type, nq.eps, N, nq.scope)
+        k = F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), nq.type, nq.eps, K, nq.scope)
+    q, k, v = F.split_heads(q, N), F.split_heads(k, K), F.split_heads(v, K)  # (B, N, t, H), (B, K, s, H|V)
+    if config.rope is not None:
+        inv_freq, factor = rope_tables(config)
+        R, inter = config.rope.rotary_dim, config.rope.interleaved
+
+        def positions(given, index):  # (B|1, len): the given positions of these tokens, or P + index
+            if given is None:
+                return (P + index)[None]
+            given = given.to(torch.int64)
+            return (given[None] if given.ndim == 1 else given).index_select(1, index)
+
+        q = F.rope(q, F.rope_angles(positions(others.get("positions"), rows), inv_freq, dtype), R, inter, factor)
+        k = F.rope(k, F.rope_angles(positions(others.get("key_positions"), new_keys), inv_freq, dtype), R, inter,
+                   factor)
+    if past_key is not None:
+        k = torch.cat([past_key.to(dtype).index_select(2, cached), k], dim=2)  # (B, K, s_total, H)
+        v = torch.cat([past_value.to(dtype).index_select(2, cached), v], dim=2)
+    present = (k, v)
+
+    # What each query row sees, taken per block: mask and bias rows here, their columns per block.
+    def rows_here(t):
+        return None if t is None else (t.index_select(2, rows) if t.shape[2] == T else t)
+
+    def rank4(name, cast=None):  # a mask / bias as (B|1, N|1, T|1, S_total|1), its rows here
+        if others.get(name) is None:
+            return None
+        t = others[name] if cast is None else others[name].to(cast)
+        return rows_here(t.reshape(broadcast_shape(name, tuple(t.shape), B, N, T, S_total)))
+
+    mask, bias = rank4("mask"), rank4("bias", ct)
+    q_ids = k_ids = None
+    if others.get("segment_ids") is not None:
+        ids = others["segment_ids"].to(torch.int64)
+        kids = others.get("key_segment_ids", others["segment_ids"]).to(torch.int64)
+        q_ids = (ids[None] if ids.ndim == 1 else ids).index_select(1, rows)  # (B|1, t)
+        k_ids = (kids[None] if kids.ndim == 1 else kids).index_select(1, my_keys)  # (B|1, s_total): travels
+    aligned = rows + offset  # (t,): each local query's aligned position
+
+    def visible(index):  # (t, s) bool: causal and window for these key indices, or None where neither applies
+        vis = None
+        j = index[None, :]
+        if is_causal:
+            vis = j <= aligned[:, None]
+        if left >= 0:
+            vis = (j >= aligned[:, None] - left) if vis is None else vis & (j >= aligned[:, None] - left)
+        if right >= 0:
+            vis = (j <= aligned[:, None] + right) if vis is None else vis & (j <= aligned[:, None] + right)
+        return vis
+
+    t = len(rows)
+    sinks = p.get("sinks")
+    if sinks is not None:  # the sink joins each row once, before any block: max = sink, sum = 1
+        sink = sinks.to(ct).reshape(1, N, 1, 1)
+        m = sink.detach().expand(B, N, t, 1)
+        l = torch.exp(sink - sink.detach()).expand(B, N, t, 1)  # 1, with the sink's gradient
+    else:
+        m = torch.full((B, N, t, 1), float("-inf"), dtype=ct)
+        l = torch.zeros((B, N, t, 1), dtype=ct)
+    acc = torch.zeros((B, N, t, V), dtype=ct)
+    v_sum = torch.zeros((B, K, V), dtype=ct)  # every value row, for the "uniform" masked-row policy
+    packed = torch.cat([k.reshape(-1), v.reshape(-1)])  # this rank's block, one message per step
+    received = [packed]
+    block_ids = k_ids
+    for step in range(world):
+        source = (rank - step) % world
+        index = keys_of[source]
+        s = len(index)
+        kb = packed[: B * K * s * H].reshape(B, K, s, H)
+        vb = packed[B * K * s * H:].reshape(B, K, s, V)
+        v_sum = v_sum + vb.to(ct).sum(dim=2)
+        if step < world - 1:  # start nothing early: the next block is fetched after this one is used
+            nxt = len(keys_of[(source - 1) % world])
+            next_packed = _RingShift.apply(packed, (B * K * nxt * (H + V),))
+            if block_ids is not None:
+                next_ids = _exchange(block_ids, (rank + 1) % world, (rank - 1) % world,
+                                     (block_ids.shape[0], nxt), "ids")
+        vis = visible(index)
+        if s and t and (vis is None or bool(vis.any())):
+            allowed = None if vis is None else vis[None, None]  # (1, 1, t, s)
+            if mask is not None:
+                cols = mask.index_select(3, index) if mask.shape[3] == S_total else mask
+                allowed = cols if allowed is None else allowed & cols
+            if block_ids is not None:
+                same = (q_ids[:, :, None] == block_ids[:, None, :])[:, None]  # (B|1, 1, t, s)
+                allowed = same if allowed is None else allowed & same
+            bias_block = None if bias is None else (bias.index_select(3, index) if bias.shape[3] == S_total
+                                                    else bias)
+            x = F.logits(q, kb, config.effective_scale)  # (B, N, t, s), the stages' rounding
+            if config.logit_softcap is not None:
+                x = F.softcap(x, config.logit_softcap)
+            x = F.mask_stage(x, allowed, bias_block).to(ct)
+            # The online-softmax merge (impl_numpy/chunked.py's _core): shifts are constants, not functions of x.
+            m_new = torch.maximum(m, x.amax(dim=-1, keepdim=True).detach())
+            m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            e = torch.exp(x - m_safe)  # hidden -> exactly 0
+            correction = torch.exp(m - m_safe)  # 0 where m was -inf
+            pv = torch.einsum(F.ATTEND, e.reshape(B, K, G, t, s), vb.to(ct)).reshape(B, N, t, V)
+            l = l * correction + e.sum(dim=-1, keepdim=True)
+            acc = acc * correction + pv
+            m = m_new
+        if step < world - 1:
+            packed = next_packed
+            received.append(packed)
+            if block_ids is not None:
+                block_ids = next_ids
+    empty = l == 0  # rows with no visible key (never with sinks: the sink's 1 stays)
+    ctx = acc / torch.where(empty, 1.0, l)
+    if config.masked_row == "uniform":
+        mean = (v_sum / S_total)[:, :, None, None, :].expand(B, K, G, 1, V).reshape(B, N, 1, V)
+        ctx = torch.where(empty, mean, ctx)
+    elif config.masked_row == "nan":
+        ctx = ctx * torch.where(empty, float("nan"), 1.0)  # NaN in the gradient too, as the reference VJP
+    ctx = F.merge_heads(ctx.to(dtype))  # (B, t, N*V)
+    out = F.output(ctx, p["output.kernel"], p.get("output.bias"))  # (B, t, O)
+    if torch.is_grad_enabled():
+        out = _Anchor.apply(out, *received)
+    piece = {"output": out.detach(), "rows": rows, "key_index": my_keys}
+    if options.get("return_cache"):
+        piece["present_key"], piece["present_value"] = (t_.detach() for t_ in present)
+    return piece, out

@@ -3,11 +3,11 @@
     mha convert --from LAYOUT --to LAYOUT SRC DST [--num-heads N] [--layer I|all]
                 [--names NAMES] [--to-names NAMES] [--prefix P] [--to-prefix P]
                 [--ignore PATTERN]... [--scale S] [--dropout P] [--masked-row R]
-                [--overwrite]
+                [--to-config FILE] [--overwrite]
 
 Layouts: weights.layouts.LAYOUTS (`canonical`, `torch-mha`, `torch-linears`,
 `torch-fused-qkv`, `torch-per-head`, `keras-split-heads`, `keras-mha`,
-`flax-linen-mha`, `flax-nnx-mha`, `hf-bert`, `hf-gpt2`). File kinds follow the
+`flax-linen-mha`, `flax-nnx-mha`, `hf-bert`, `hf-gpt2`, `hf-llama`, `meta-llama`). File kinds follow the
 extension (conformance/files.py): .safetensors, .pt/.pth/.bin (torch, read with
 weights_only=True), .weights.h5 (Keras, via h5py), .msgpack (Flax); SRC may
 also be a Hugging Face checkpoint folder. `canonical` is the common format
@@ -17,7 +17,9 @@ checksums in its header) and read by weights.load.
 Options:
   --num-heads N     heads, for layouts that flatten them (torch-*, keras-split-heads;
                     hf-* read it from config.json beside SRC when present).
-  --layer I         hf-*: the block read (--from) or written (--to); default: the
+  hf-llama reads RoPE, windows, QK-norm, softcap, sinks and the scale from the
+  config.json beside SRC (required); meta-llama from Meta's params.json beside SRC.
+  --layer I         hf-*, meta-llama: the block read (--from) or written (--to); default: the
                     only block of SRC, block 0 when writing.
   --layer all       --from hf-bert/hf-gpt2: every block, one DST file each. DST is
                     then a pattern containing "{layer}" (out/bert-{layer}.safetensors;
@@ -36,6 +38,12 @@ Options:
   --ignore PATTERN  SRC keys to skip (fnmatch, repeatable): buffers, optimizer state.
   --scale, --dropout, --masked-row
                     behaviour fields no state dict holds, for the canonical config.
+  --to-config FILE  --to hf-llama / meta-llama: the destination model's config.json
+                    (params.json): Gemma's norms are written as w of its (1 + w), phi3's
+                    q, k, v fused into qkv_proj, and the written block is read back
+                    under FILE and must mean what the weights do (RoPE, windows, scale...).
+                    Between meta-llama and hf-llama the q and k rows are permuted
+                    (interleaved <-> half-split RoPE pairs), so the numbers stay the same.
   --overwrite       replace existing DST files (otherwise refused).
 
 Errors are ValueError / WeightsFormatError with one line naming the argument
@@ -53,7 +61,18 @@ from weights.format import WeightsFormatError
 
 from . import files
 
-HF_LAYOUTS = tuple(layout for layout in layouts.LAYOUTS if layout.startswith("hf-"))
+HF_LAYOUTS = tuple(layout for layout in layouts.LAYOUTS if layouts.spec(layout).scope)  # hf-*, meta-llama
+
+
+def _config_file(src: str, layout: str):
+    """The config file a layout reads beside SRC: params.json for Meta's checkpoints, else config.json."""
+    if layout != "meta-llama":
+        return files.read_hf_config(src)
+    path = Path(src)
+    candidate = (path if path.is_dir() else path.parent) / "params.json"
+    if not candidate.is_file():
+        return None
+    return layouts.load_config_file(str(candidate))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -79,6 +98,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--dropout", type=float, default=None, help="attention dropout probability")
     parser.add_argument("--masked-row", default=None, choices=weights.MASKED_ROW_POLICIES,
                         help="what a query row with no allowed key yields")
+    parser.add_argument("--to-config", default=None, metavar="FILE",
+                        help="--to hf-llama/meta-llama: the destination's config.json (params.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing DST files")
     parser.set_defaults(func=run)
     return parser
@@ -154,6 +175,11 @@ def run(args) -> int:
     if layer is not None and src_layout not in HF_LAYOUTS and dst_layout not in HF_LAYOUTS:
         raise ValueError(f"--layer applies to {', '.join(HF_LAYOUTS)}: got --from {src_layout} --to {dst_layout}")
     names, to_names = _names(args, src_layout, dst_layout)
+    to_config = getattr(args, "to_config", None)
+    if to_config is not None:
+        if dst_layout not in HF_LAYOUTS:
+            raise ValueError(f"--to-config applies to --to {' or '.join(HF_LAYOUTS)}: got --to {dst_layout}")
+        to_config = layouts.load_config_file(str(to_config))
     if layer != "all" or "{layer}" in dst:  # DST names a file kind: check it before reading anything
         _check_dst_kind(Path(dst.replace("{layer}", "0")), dst_layout)
 
@@ -175,7 +201,7 @@ def run(args) -> int:
             "dropout": getattr(args, "dropout", None), "masked_row": getattr(args, "masked_row", None),
         }
         if src_layout in HF_LAYOUTS:
-            hints["hf_config"] = files.read_hf_config(src)
+            hints["hf_config"] = _config_file(src, src_layout)
             if layer == "all":
                 indices = layouts.layers(src_layout, state, prefix=hints["prefix"])
                 if not indices:
@@ -212,6 +238,8 @@ def run(args) -> int:
             to_hints = {"names": to_names, "prefix": getattr(args, "to_prefix", None)}
             if dst_layout in HF_LAYOUTS:
                 to_hints["layer"] = index if index is not None else 0
+                if to_config is not None:
+                    to_hints["hf_config"] = to_config
             outputs.append((path, config, None, layouts.from_canonical(dst_layout, config, tensors, **to_hints)))
     if layer == "all" and "{layer}" not in dst:
         Path(dst).mkdir(exist_ok=True)

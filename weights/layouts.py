@@ -145,7 +145,7 @@ BIAS_FLAG = {
 
 TO_HINTS = frozenset({"num_heads", "names", "prefix", "ignore", "layer", "hf_config", "config",
                       "scale", "dropout", "masked_row"})
-FROM_HINTS = frozenset({"names", "prefix", "layer"})
+FROM_HINTS = frozenset({"names", "prefix", "layer", "hf_config"})
 
 
 # -- the table vocabulary --------------------------------------------------------
@@ -200,8 +200,17 @@ class Layout:
     scope: str = ""  # hf-*: the block's path, with {layer}
     select: bool = False  # hf-*: read the table's keys out of a whole checkpoint, ignore the rest
     ignored: tuple[str, ...] = ()  # keys (relative to the prefix) that are buffers, not weights
-    hf: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None  # config.json -> defaults
+    hf: Callable[[Mapping[str, Any], int | None], dict[str, Any]] | None = None  # config file, layer -> facts
     heads_visible: bool = False  # the number of heads can be read off the tensors
+    extras: tuple[Extra, ...] = ()  # 1-D tensors beside the projections (norm scales, sinks)
+    pairing: str = ""  # "half" | "interleaved": the RoPE pairing the layout's weights are written for
+    needs_hf_config: bool = False  # RoPE, windows and norms live only in the config file
+
+
+@dataclasses.dataclass(frozen=True)
+class Extra:
+    key: str  # foreign name relative to the block's scope: a 1-D vector
+    canonical: str  # the canonical tensor it holds, reshaped (e.g. OLMo 2's (N*H,) -> (N, H))
 
 
 def R(key: str, parts: str, form: str) -> Row:
@@ -211,7 +220,7 @@ def R(key: str, parts: str, form: str) -> Row:
 NO_GQA = "num_heads"  # Tie target for "no grouped-query attention"
 
 
-def _bert_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def _bert_config(cfg: Mapping[str, Any], layer: int | None = None) -> dict[str, Any]:
     position = cfg.get("position_embedding_type", "absolute")
     if position != "absolute":
         raise ValueError(
@@ -222,10 +231,143 @@ def _bert_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             "dropout": cfg.get("attention_probs_dropout_prob"), "scale": None, "scale_by_layer": False}
 
 
-def _gpt2_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def _gpt2_config(cfg: Mapping[str, Any], layer: int | None = None) -> dict[str, Any]:
     return {"num_heads": cfg.get("n_head"), "hidden": cfg.get("n_embd"), "dropout": cfg.get("attn_pdrop"),
             "scale": None if cfg.get("scale_attn_weights", True) else 1.0,
             "scale_by_layer": bool(cfg.get("scale_attn_by_inverse_layer_idx", False))}
+
+
+# -- Hugging Face decoder configs (config.json of transformers 4.x and 5.x) ------------------
+
+# Which layers use the sliding window when config.json has no `layer_types` (transformers 4.x
+# wrote none for most models): each model's own rule, as its 4.x modeling file applied it.
+_SLIDING_RULES: dict[str, Callable[[Mapping[str, Any], int], bool]] = {
+    "mistral": lambda cfg, layer: True,  # every layer (MistralModel: one sliding mask for all)
+    "phi3": lambda cfg, layer: True,
+    "qwen2": lambda cfg, layer: bool(cfg.get("use_sliding_window")) and layer >= cfg.get("max_window_layers", 28),
+    "qwen3": lambda cfg, layer: bool(cfg.get("use_sliding_window")) and layer >= cfg.get("max_window_layers", 28),
+    "gemma2": lambda cfg, layer: layer % 2 == 0,
+    "gemma3_text": lambda cfg, layer: (layer + 1) % cfg.get("sliding_window_pattern",
+                                                            cfg.get("_sliding_window_pattern", 6)) != 0,
+    "gpt_oss": lambda cfg, layer: layer % 2 == 0,
+}
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "olmo2", "gpt_oss",
+                  "phi3")
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+              "mscale", "mscale_all_dim", "truncate")
+
+
+def _hf_rope(cfg: Mapping[str, Any], layer_type: str | None, head_dim: int, *, interleaved: bool = False,
+             theta_key: str = "rope_theta", default_theta: float = 10000.0) -> dict[str, Any]:
+    """The canonical rope of one layer from config.json: transformers 5.x's `rope_parameters` (one
+    dict, or one per layer type as Gemma 3 writes it) or 4.x's `rope_theta` + `rope_scaling`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping) and layer_type in params and isinstance(params[layer_type], Mapping):
+        params = params[layer_type]
+    if not isinstance(params, Mapping):  # 4.x
+        params = dict(cfg.get("rope_scaling") or {})
+        theta = cfg.get(theta_key, default_theta)
+        if layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
+            # Gemma 3 (4.x): sliding layers rotate with the local base and without the scaling
+            params, theta = {}, cfg["rope_local_base_freq"]
+        params["rope_theta"] = theta
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", cfg.get(theta_key, default_theta)))
+    fraction = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * fraction)  # transformers' int(head_dim * partial_rotary_factor)
+    if kind == "default":
+        scaling = None
+    elif kind == "linear":
+        scaling = {"type": "linear", "factor": params.get("factor")}
+    elif kind == "llama3":
+        scaling = {"type": "llama3", **{k: params.get(k) for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+    elif kind == "yarn":
+        scaling = {"type": "yarn", **{k: params[k] for k in _YARN_KEYS if params.get(k) is not None}}
+        if scaling.get("factor") is None and "original_max_position_embeddings" in scaling:
+            # transformers: the context extension ratio when the factor is left out (DeepSeek-V3)
+            scaling["factor"] = cfg.get("max_position_embeddings") / scaling["original_max_position_embeddings"]
+        for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):  # transformers: `get(...) or default`
+            scaling[key] = scaling.get(key) or default
+    else:
+        raise ValueError(f"hf_config: rope_type={kind!r} is not expressible in the canonical config "
+                         "(default, linear, llama3 and yarn are)")
+    return {"theta": theta, "rotary_dim": rotary_dim, "interleaved": interleaved, "scaling": scaling}
+
+
+def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """config.json of a Llama-family decoder -> sizes, behaviour and the modern fields of block `layer`."""
+    model_type = cfg.get("model_type")
+    if model_type == "gemma3" and isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}  # the multimodal wrapper's language model
+        model_type = "gemma3_text"
+    if model_type not in HF_LLAMA_TYPES:
+        raise ValueError(f"hf_config: model_type must be one of {', '.join(HF_LLAMA_TYPES)} for hf-llama: "
+                         f"got {model_type!r}")
+    layer = 0 if layer is None else layer
+    heads = cfg.get("num_attention_heads")
+    hidden = cfg.get("hidden_size")
+    head_dim = cfg.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if head_dim is None:
+        raise ValueError("hf_config: needs num_attention_heads and hidden_size (or head_dim)")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, Sequence) and not isinstance(layer_types, str):
+        if layer >= len(layer_types):
+            raise ValueError(f"layer={layer} is past config.json's {len(layer_types)} layer_types")
+        layer_type = layer_types[layer]
+    else:
+        rule = _SLIDING_RULES.get(model_type)
+        layer_type = "sliding_attention" if rule is not None and rule(cfg, layer) else "full_attention"
+    window = cfg.get("sliding_window") if layer_type == "sliding_attention" else None
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None  # Qwen keeps sliding_window in config.json even when the window is off
+    gemma = model_type.startswith("gemma")
+    modern: dict[str, Any] = {
+        "rope": _hf_rope(cfg, layer_type, head_dim),
+        "logit_softcap": cfg.get("attn_logit_softcapping") if gemma else None,
+        # transformers' sliding_window_overlay: key j visible iff j > i - W, so W keys with the query
+        # itself, window_left = W - 1 (measured against each model's own mask: tests/test_layouts_modern.py)
+        "window_left": int(window) - 1 if window else -1,
+        "use_sinks": model_type == "gpt_oss",
+    }
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    norm_offset = 0.0
+    if model_type in ("qwen3", "gemma3_text"):
+        modern["qk_norm"] = {"type": "rms", "eps": eps, "scope": "head"}
+        norm_offset = 1.0 if gemma else 0.0  # Gemma3RMSNorm multiplies by (1 + weight)
+    elif model_type == "olmo2":
+        modern["qk_norm"] = {"type": "rms", "eps": eps, "scope": "all"}
+    return {
+        "num_heads": heads, "num_kv_heads": cfg.get("num_key_value_heads") or heads, "head_dim": head_dim,
+        "hidden": hidden, "dropout": cfg.get("attention_dropout"),
+        "scale": cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
+        "scale_by_layer": False, "modern": modern, "norm_offset": norm_offset,
+        "table": 1 if model_type == "phi3" else 0, "model_type": model_type,
+    }
+
+
+def _meta_config(params: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """Meta's params.json (Llama 1-3) -> sizes and rope; Meta rotates interleaved pairs."""
+    heads, dim = params.get("n_heads"), params.get("dim")
+    if not heads or not dim:
+        raise ValueError("hf_config: Meta's params.json needs n_heads and dim")
+    scaling = None
+    if params.get("use_scaled_rope"):  # Llama 3.1's apply_scaling: factor 8 (3.2: rope_scaling_factor), 1, 4, 8192
+        scaling = {"type": "llama3", "factor": float(params.get("rope_scaling_factor", 8.0)), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rope = {"theta": float(params.get("rope_theta", 10000.0)), "rotary_dim": None, "interleaved": True,
+            "scaling": scaling}
+    return {"num_heads": heads, "num_kv_heads": params.get("n_kv_heads") or heads, "head_dim": dim // heads,
+            "hidden": dim, "dropout": None, "scale": None, "scale_by_layer": False, "modern": {"rope": rope},
+            "norm_offset": 0.0, "table": 0, "model_type": "meta-llama"}
+
+
+_DECODER_TIES = (
+    Tie("value_head_dim", "head_dim", "v_proj splits into heads of head_dim"),
+    Tie("key_dim", "query_dim", "keys are projected from the hidden states"),
+    Tie("value_dim", "query_dim", "values are projected from the hidden states"),
+    Tie("out_dim", "query_dim", "o_proj maps back to hidden_size"),
+)
 
 
 _HIDDEN_TIES = (
@@ -397,6 +539,44 @@ LAYOUT_LIST = (
             R("c_proj.bias", "output.bias", DENSE),
         ), ties=_HIDDEN_TIES),),
     ),
+    Layout(
+        "hf-llama", "a Llama-family decoder's attention (llama, mistral, qwen2, qwen3, gemma2, gemma3, olmo2, "
+        "gpt_oss, phi3): [prefix]layers.{L}.self_attn.{q,k,v,o}_proj (phi3: fused qkv_proj), q_norm/k_norm, "
+        "sinks; config.json gives rope, windows, norms; causal",
+        sep=".", scope="layers.{layer}.self_attn.", select=True, hf=_llama_config, pairing="half",
+        needs_hf_config=True,
+        extras=(Extra("q_norm.weight", "query.norm.scale"), Extra("k_norm.weight", "key.norm.scale"),
+                Extra("sinks", "sinks")),
+        tables=(
+            Table((
+                R("q_proj.weight", "query.kernel", LINEAR), R("q_proj.bias", "query.bias", LINEAR),  # (N*H, D)
+                R("k_proj.weight", "key.kernel", LINEAR), R("k_proj.bias", "key.bias", LINEAR),  # (K*H, D)
+                R("v_proj.weight", "value.kernel", LINEAR), R("v_proj.bias", "value.bias", LINEAR),
+                R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),  # (D, N*H)
+            ), ties=_DECODER_TIES, note="separate q/k/v projections"),
+            Table((
+                R("qkv_proj.weight", "query.kernel key.kernel value.kernel", LINEAR),  # ((N+2K)*H, D)
+                R("qkv_proj.bias", "query.bias key.bias value.bias", LINEAR),
+                R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),
+            ), ties=_DECODER_TIES, note="phi3: fused qkv_proj = [q; k; v]"),
+        ),
+    ),
+    Layout(
+        "meta-llama", "Meta's Llama checkpoint (consolidated.*.pth): layers.{L}.attention.{wq,wk,wv,wo}.weight; "
+        "params.json beside it gives the sizes and rope; interleaved RoPE pairs; causal",
+        sep=".", scope="layers.{layer}.attention.", select=True, hf=_meta_config, pairing="interleaved",
+        needs_hf_config=True,
+        tables=(Table((
+            R("wq.weight", "query.kernel", LINEAR), R("wk.weight", "key.kernel", LINEAR),
+            R("wv.weight", "value.kernel", LINEAR), R("wo.weight", "output.kernel", LINEAR),
+        ), ties=(
+            Tie("value_head_dim", "head_dim", "wv splits into heads of head_dim"),
+            Tie("query_dim", "num_heads*head_dim", "Meta's head_dim is dim // n_heads"),
+            Tie("key_dim", "num_heads*head_dim", "keys are projected from the hidden states"),
+            Tie("value_dim", "num_heads*head_dim", "values are projected from the hidden states"),
+            Tie("out_dim", "num_heads*head_dim", "wo maps back to dim"),
+        )),),
+    ),
 )
 
 _BY_ID = {layout.id: layout for layout in LAYOUT_LIST}
@@ -538,6 +718,10 @@ def _load_hf_config(value) -> Mapping[str, Any] | None:
     raise ValueError(f"hf_config must be a dict or the path of config.json: got {type(value).__name__}")
 
 
+def load_config_file(path) -> Mapping[str, Any]:
+    """A config.json / params.json as a dict (ValueError naming the file when unreadable)."""
+    return _load_hf_config(path)
+
 # -- locating the table in a state dict ----------------------------------------------
 
 @dataclasses.dataclass
@@ -638,7 +822,7 @@ def detect_layout(state: Mapping[str, Any]) -> str | None:
     flax-linen-mha and flax-nnx-mha have the same keys; this answers
     flax-linen-mha, and either converts the same tensors.
     """
-    order = ("hf-bert", "hf-gpt2", "torch-mha", "torch-per-head", "torch-fused-qkv", "torch-linears",
+    order = ("hf-bert", "hf-gpt2", "hf-llama", "meta-llama", "torch-mha", "torch-per-head", "torch-fused-qkv", "torch-linears",
              "keras-split-heads", "keras-mha", "flax-linen-mha", "canonical")
     for layout_id in order:
         layout = _BY_ID[layout_id]
@@ -715,8 +899,14 @@ def to_canonical(layout: str, state: Mapping[str, Any], **hints: Any) -> tuple[A
     hf = {}
     if lay.hf is not None:
         hf_config = _load_hf_config(hints.get("hf_config"))
+        if hf_config is None and lay.needs_hf_config:
+            raise ValueError(f"hf_config: {lay.id} reads RoPE, windows and norms from the checkpoint's config file "
+                             "(a dict or the path of config.json / params.json; CLI: beside SRC): got None")
         if hf_config is not None:
-            hf = lay.hf(hf_config)
+            hf = lay.hf(hf_config, place.layer)
+            for letter, entry in (("K", "num_kv_heads"), ("H", "head_dim")):
+                if hf.get(entry) is not None:
+                    known[letter] = int(hf[entry])
             n_cfg = hf.get("num_heads")
             if n_cfg is not None:
                 if "N" in known and known["N"] != n_cfg:
@@ -818,9 +1008,14 @@ def to_canonical(layout: str, state: Mapping[str, Any], **hints: Any) -> tuple[A
         behaviour = {k: v for k, v in behaviour.items() if v is not None}
         behaviour.update({k: hints[k] for k in ("scale", "dropout", "masked_row") if hints.get(k) is not None})
         try:
-            config = AttentionConfig(**{FIELDS[letter]: dims[letter] for letter in FIELDS}, **flags, **behaviour)
+            config = AttentionConfig(**{FIELDS[letter]: dims[letter] for letter in FIELDS}, **flags, **behaviour,
+                                     **hf.get("modern", {}))
         except ValueError as err:
-            problems.append(str(err))
+            problems.append(f"hf_config: {err}" if hf.get("modern") else str(err))
+    extra_tensors: dict[str, np.ndarray] = {}
+    if config is not None and lay.extras:
+        dtype = next((visible[k].dtype for k in sorted(present) if isinstance(visible[k], np.ndarray)), None)
+        extra_tensors = _read_extras(lay, config, visible, base, hf, dtype, problems)
     if config is not None and hints.get("config") is not None:
         given = hints["config"]
         if not isinstance(given, AttentionConfig):
@@ -835,8 +1030,72 @@ def to_canonical(layout: str, state: Mapping[str, Any], **hints: Any) -> tuple[A
         raise WeightsFormatError(f"{lay.id}: " + "; ".join(problems))
 
     tensors = _gather(config, [(key, *by_key[key], visible[key]) for key in by_key if key in present])
+    tensors.update(extra_tensors)
+    tensors = {name: tensors[name] for name in config.tensor_shapes() if name in tensors}
     validate_tensors(config, tensors, source=lay.id)  # internal invariant: the table is complete
     return config, tensors
+
+
+def _read_extras(lay: Layout, config: AttentionConfig, visible: Mapping[str, Any], base: str,
+                 hf: Mapping[str, Any], dtype, problems: list[str]) -> dict[str, np.ndarray]:
+    """The 1-D tensors beside the projections (QK-norm scales, sinks) that config.json's model uses;
+    one it does not use but the state holds is an error, not a silent drop."""
+    shapes = config.tensor_shapes()
+    out: dict[str, np.ndarray] = {}
+    for extra in lay.extras:
+        key = base + extra.key
+        if extra.canonical not in shapes:
+            if key in visible:
+                problems.append(f"unexpected {key}: config.json (model_type {hf.get('model_type')!r}) uses no "
+                                f"{extra.canonical}")
+            continue
+        array = visible.get(key)
+        if array is None:
+            problems.append(f"missing {key} (config.json's model_type {hf.get('model_type')!r} uses "
+                            f"{extra.canonical})")
+            continue
+        issue = _array_problem(key, array)
+        shape = shapes[extra.canonical]
+        if issue is None and (array.ndim != 1 or array.size != math.prod(shape)):
+            issue = f"{key} has shape {_fmt_shape(array.shape)}, expected ({math.prod(shape)},)"
+        if issue is None and dtype is not None and array.dtype != dtype:
+            issue = f"mixed dtypes (one dtype for all tensors): {key} is {array.dtype}, the projections {dtype}"
+        if issue:
+            problems.append(issue)
+            continue
+        value = array.reshape(shape)
+        if hf.get("norm_offset") and ".norm." in extra.canonical:
+            value = value + value.dtype.type(hf["norm_offset"])  # Gemma stores w of (1 + w): the multiplier is 1 + w
+        out[extra.canonical] = np.array(value, order="C", copy=True)
+    return out
+
+
+def _pairing_permutation(head_dim: int, rotary_dim: int, to_interleaved: bool) -> np.ndarray:
+    """Feature order that moves RoPE's pairs between the two conventions inside each head.
+
+    new[..., j] = old[..., perm[j]]. Interleaved -> half-split takes the even features of the rotary
+    part, then the odd ones (pair (2i, 2i+1) becomes (i, i + R/2), the same frequency i): the
+    permutation Hugging Face's convert_llama_weights_to_hf applies to Meta's wq and wk rows. The
+    features past rotary_dim stay where they are."""
+    half = np.concatenate([np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2),
+                           np.arange(rotary_dim, head_dim)])
+    return np.argsort(half) if to_interleaved else half
+
+
+def repair_pairing(config: AttentionConfig, tensors: Mapping[str, np.ndarray], interleaved: bool):
+    """(config, tensors) with RoPE in the pairing `interleaved`, computing the same numbers: q and k
+    features (kernels, biases, norm tensors) permuted alike inside each head, which leaves every
+    q . k unchanged, and the pairs RoPE turns become the other convention's pairs."""
+    if config.rope is None or config.rope.interleaved == interleaved:
+        return config, dict(tensors)
+    perm = _pairing_permutation(config.head_dim, config.rope.rotary_dim, interleaved)
+    out = dict(tensors)
+    for name in ("query.kernel", "query.bias", "key.kernel", "key.bias", "query.norm.scale", "query.norm.bias",
+                 "key.norm.scale", "key.norm.bias"):
+        if name in out:
+            out[name] = np.array(np.asarray(out[name])[..., perm], order="C", copy=True)  # last axis: H
+    rope = dataclasses.replace(config.rope, interleaved=interleaved)
+    return config.replace(rope=rope), out
 
 
 def _solve(facts: list[tuple[Size, int]], known: dict[str, int]) -> dict[str, int | None]:
@@ -893,11 +1152,24 @@ def _gather(config: AttentionConfig, items) -> dict[str, np.ndarray]:
 
 # -- canonical -> state ----------------------------------------------------------------
 
-def cannot_express(layout: str, config: AttentionConfig) -> list[str]:
-    """Why `layout` cannot hold `config`: one line per offending field, or []."""
+def cannot_express(layout: str, config: AttentionConfig, *, table: Table | None = None) -> list[str]:
+    """Why `layout` cannot hold `config`'s tensors: one line per offending field, or [].
+
+    Behaviour fields (scale, RoPE, windows, softcap: config.json's business for hf-*) are not
+    tensors and never make a layout refuse; a RoPE pairing other than the layout's is permuted
+    (repair_pairing), not refused."""
     lay = _get(layout)
-    table = _pick_table(lay, config)
+    table = table or _pick_table(lay, config)
     problems = []
+    extras = {extra.canonical for extra in lay.extras}
+    if not (lay.extras or lay.pairing):
+        pass  # the plain layouts predate the modern tensors; they write the projections they hold
+    elif config.qk_norm is not None and "query.norm.scale" not in extras:
+        problems.append(f"qk_norm={config.qk_norm.to_dict()} ({lay.id} holds no QK-norm tensors)")
+    elif config.qk_norm is not None and config.qk_norm.type != "rms":
+        problems.append(f"qk_norm.type={config.qk_norm.type!r} ({lay.id} stores RMS-norm scales only, no norm bias)")
+    if (lay.extras or lay.pairing) and config.use_sinks and "sinks" not in extras:
+        problems.append(f"use_sinks=True ({lay.id} holds no sinks tensor)")
     for tie in table.ties:
         value = getattr(config, tie.field)
         target = math.prod(getattr(config, f) for f in tie.equals.split("*"))
@@ -938,21 +1210,49 @@ def from_canonical(layout: str, config: AttentionConfig, tensors: Mapping[str, n
     if not isinstance(config, AttentionConfig):
         raise ValueError(f"config must be an AttentionConfig: got {type(config).__name__}")
     validate_tensors(config, tensors, source="canonical tensors")
-    problems = cannot_express(lay.id, config)
-    if problems:
-        raise ValueError(f"{lay.id} cannot express " + "; ".join(problems))
+    if lay.pairing:
+        config, tensors = repair_pairing(config, tensors, lay.pairing == "interleaved")
     prefix = hints.get("prefix") or ""
     if not isinstance(prefix, str):
         raise ValueError(f"prefix must be a string: got {prefix!r}")
     layer = _check_int("layer", hints["layer"]) if hints.get("layer") is not None else (0 if lay.scope else None)
+    hf_config = _load_hf_config(hints.get("hf_config"))
+    hf = lay.hf(hf_config, layer) if hf_config is not None else {}
+    table = lay.tables[hf["table"]] if "table" in hf else _pick_table(lay, config)
+    problems = cannot_express(lay.id, config, table=table)
+    if problems:
+        raise ValueError(f"{lay.id} cannot express " + "; ".join(problems))
     roles = _names_hint(lay, hints.get("names")) or lay.roles[0]
-    place = _Place(_pick_table(lay, config), roles, prefix, layer)
+    place = _Place(table, roles, prefix, layer)
     state: dict[str, np.ndarray] = {}
     for key, row, head in _expand(lay, place, config.num_heads):
         if not all(part in tensors for part in row.parts):
             continue  # a bias the config does not have
         state[key] = _scatter(row, head, [tensors[p] for p in row.parts])
+    for extra in lay.extras:
+        if extra.canonical in tensors:
+            value = np.asarray(tensors[extra.canonical]).reshape(-1)
+            if hf.get("norm_offset") and ".norm." in extra.canonical:
+                value = value - value.dtype.type(hf["norm_offset"])  # Gemma stores w of its (1 + w)
+            state[place.base(lay) + extra.key] = np.array(value, order="C", copy=True)
+    if hf_config is not None:  # the file must mean, under its config file, what config says
+        read, _ = to_canonical(lay.id, state, hf_config=hf_config, layer=layer, prefix=prefix)
+        differ = _behaviour_differences(config, read)
+        if differ:
+            raise ValueError(f"hf_config disagrees with config for {lay.id} block {layer}: " + "; ".join(differ))
     return state
+
+
+def _behaviour_differences(want: AttentionConfig, got: AttentionConfig) -> list[str]:
+    out = []
+    for field, value in want.to_dict().items():
+        if field in ("dropout", "masked_row", "scale"):
+            continue
+        if got.to_dict()[field] != value:
+            out.append(f"{field}={value!r} (config file gives {got.to_dict()[field]!r})")
+    if not math.isclose(want.effective_scale, got.effective_scale, rel_tol=1e-12):
+        out.append(f"scale={want.effective_scale!r} (config file gives {got.effective_scale!r})")
+    return out
 
 
 def _scatter(row: Row, head: int | None, arrays: list[np.ndarray]) -> np.ndarray:

@@ -53,8 +53,13 @@ Sequence (`kind="sequence"`)
     ring, whose shift is a custom autograd Function (its backward sends the
     gradient the other way round); every received block is anchored to the
     output so that each rank's backward runs the same shifts in the same
-    order. Communication is not overlapped with compute (each shift is waited
-    for before the block is used). The weights (B, N, T, S_total) are never
+    order. Each block is computed in sub-blocks of options["chunk_size"]
+    (default CHUNK = 1024) query rows by key columns, so that a rank's
+    temporaries stay (B, N, chunk, chunk) however long its blocks are.
+    Without gradients the next block's transfer runs while the current one
+    is computed; under autograd each shift is waited for before its block is
+    used (a custom Function's forward returns the received tensor). The
+    weights (B, N, T, S_total) are never
     whole on one rank: return_weights is refused, as is dropout (a keep-mask
     per block is not built).
 
@@ -109,7 +114,7 @@ import torch
 import torch.distributed as dist
 
 import weights
-from weights.contract import broadcast_shape, check_call, check_input_values
+from weights.contract import broadcast_shape, check_call, check_chunk_size, check_input_values
 
 from . import functional as F
 from .convert import compute_dtype, to_numpy, to_torch, torch_dtype
@@ -118,10 +123,12 @@ KINDS = ("heads", "sequence")
 OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
                    "segment_ids", "key_segment_ids")
 DIFFERENTIABLE_INPUTS = ("query", "key", "value", "past_key", "past_value")
+CHUNK = 1024  # query rows and key columns per sub-block of a ring block (options["chunk_size"] overrides)
 TIMEOUT = datetime.timedelta(seconds=300)  # a rank that died leaves the others waiting: fail instead of hanging
 
 # Bytes this process has sent on the ring (sequence sharding): keys and values, key ids, gradients.
 _SENT = {"kv": 0, "ids": 0, "grad": 0}
+_TAGS = {"kv": 1, "ids": 2, "grad": 3}  # a message of each kind can be in flight at once: each has its tag
 
 
 # -- validation, before any process starts ----------------------------------------------------------
@@ -152,6 +159,7 @@ def check(config, tensors, inputs, options, *, kind, devices, trace=False, op="f
                         return_cache=bool(options.get("return_cache", False)), materializes_scores=False)
     if inputs.get("bias") is not None:
         weights.contract.check_bias_values(inputs["bias"])
+    check_chunk_size(options.get("chunk_size"), return_weights=return_weights, traced=trace)
     reason = refusal(config, inputs, options, kind=kind, devices=int(devices), trace=trace)
     if reason:
         raise NotImplementedError(reason)
@@ -460,21 +468,30 @@ def split(length: int, parts: int, zigzag: bool) -> list[np.ndarray]:
     return [np.concatenate([chunks[r], chunks[2 * parts - 1 - r]]) for r in range(parts)]
 
 
-def _exchange(x: torch.Tensor, send_to: int, recv_from: int, recv_shape, counter: str) -> torch.Tensor:
-    """Send x to one rank while receiving a tensor of recv_shape (x's dtype) from another; raw bytes on the
-    wire, so that every dtype (bfloat16 too) travels unchanged."""
+def _start_exchange(x: torch.Tensor, send_to: int, recv_from: int, recv_shape, counter: str):
+    """Start sending x to one rank and receiving a tensor of recv_shape (x's dtype) from another; raw bytes
+    on the wire, so that every dtype (bfloat16 too) travels unchanged. -> what _finish_exchange takes."""
     out = torch.empty(recv_shape, dtype=x.dtype)
     send = x.detach().contiguous().reshape(-1).view(torch.uint8)
     recv = out.reshape(-1).view(torch.uint8)
     ops = []
     if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, send_to))
+        ops.append(dist.P2POp(dist.isend, send, send_to, tag=_TAGS[counter]))
     if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, recv_from))
-    for request in dist.batch_isend_irecv(ops) if ops else []:
-        request.wait()
+        ops.append(dist.P2POp(dist.irecv, recv, recv_from, tag=_TAGS[counter]))
     _SENT[counter] += send.numel()
+    return out, send, (dist.batch_isend_irecv(ops) if ops else [])
+
+
+def _finish_exchange(pending) -> torch.Tensor:
+    out, _send, requests = pending  # the send buffer stays referenced until its request is done
+    for request in requests:
+        request.wait()
     return out
+
+
+def _exchange(x: torch.Tensor, send_to: int, recv_from: int, recv_shape, counter: str) -> torch.Tensor:
+    return _finish_exchange(_start_exchange(x, send_to, recv_from, recv_shape, counter))
 
 
 class _RingShift(torch.autograd.Function):
@@ -577,73 +594,97 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
         k_ids = (kids[None] if kids.ndim == 1 else kids).index_select(1, my_keys)  # (B|1, s_total): travels
     aligned = rows + offset  # (t,): each local query's aligned position
 
-    def visible(index):  # (t, s) bool: causal and window for these key indices, or None where neither applies
+    def visible(at, index):  # (r, c) bool: causal and window for these aligned rows and key indices, or None
         vis = None
-        j = index[None, :]
-        if is_causal:
-            vis = j <= aligned[:, None]
-        if left >= 0:
-            vis = (j >= aligned[:, None] - left) if vis is None else vis & (j >= aligned[:, None] - left)
-        if right >= 0:
-            vis = (j <= aligned[:, None] + right) if vis is None else vis & (j <= aligned[:, None] + right)
+        i, j = at[:, None], index[None, :]
+        for bound in ((j <= i) if is_causal else None, (j >= i - left) if left >= 0 else None,
+                      (j <= i + right) if right >= 0 else None):
+            if bound is not None:
+                vis = bound if vis is None else vis & bound
         return vis
 
     t = len(rows)
+    chunk = int(options.get("chunk_size") or CHUNK)
+    parts = [(r0, min(t, r0 + chunk)) for r0 in range(0, t, chunk)]  # query rows, each with its own running state
     sinks = p.get("sinks")
-    if sinks is not None:  # the sink joins each row once, before any block: max = sink, sum = 1
-        sink = sinks.to(ct).reshape(1, N, 1, 1)
-        m = sink.detach().expand(B, N, t, 1)
-        l = torch.exp(sink - sink.detach()).expand(B, N, t, 1)  # 1, with the sink's gradient
-    else:
-        m = torch.full((B, N, t, 1), float("-inf"), dtype=ct)
-        l = torch.zeros((B, N, t, 1), dtype=ct)
-    acc = torch.zeros((B, N, t, V), dtype=ct)
+    states = []
+    for r0, r1 in parts:
+        if sinks is not None:  # the sink joins each row once, before any block: max = sink, sum = 1
+            sink = sinks.to(ct).reshape(1, N, 1, 1)
+            m = sink.detach().expand(B, N, r1 - r0, 1)
+            l = torch.exp(sink - sink.detach()).expand(B, N, r1 - r0, 1)  # 1, with the sink's gradient
+        else:
+            m = torch.full((B, N, r1 - r0, 1), float("-inf"), dtype=ct)
+            l = torch.zeros((B, N, r1 - r0, 1), dtype=ct)
+        states.append([m, l, torch.zeros((B, N, r1 - r0, V), dtype=ct)])
+    uniform = config.masked_row == "uniform"
     v_sum = torch.zeros((B, K, V), dtype=ct)  # every value row, for the "uniform" masked-row policy
     packed = torch.cat([k.reshape(-1), v.reshape(-1)])  # this rank's block, one message per step
-    received = [packed]
+    grad = torch.is_grad_enabled()
+    received = [packed]  # kept for _Anchor under autograd only
     block_ids = k_ids
+    nxt = pending = None
+
+    def rows_part(t_, r0, r1):  # a (B|1, N|1, t|1, ...) array's rows r0..r1
+        return None if t_ is None else (t_[:, :, r0:r1] if t_.shape[2] == t else t_)
+
     for step in range(world):
         source = (rank - step) % world
         index = keys_of[source]
         s = len(index)
         kb = packed[: B * K * s * H].reshape(B, K, s, H)
         vb = packed[B * K * s * H:].reshape(B, K, s, V)
-        v_sum = v_sum + vb.to(ct).sum(dim=2)
-        if step < world - 1:  # start nothing early: the next block is fetched after this one is used
+        if uniform:
+            v_sum = v_sum + vb.to(ct).sum(dim=2)
+        if step < world - 1:
             nxt = len(keys_of[(source - 1) % world])
-            next_packed = _RingShift.apply(packed, (B * K * nxt * (H + V),))
+            if grad:  # a shift autograd can run backwards; waited for before this block is used
+                next_packed = _RingShift.apply(packed, (B * K * nxt * (H + V),))
+            else:  # no gradients: the transfer runs while this block is computed
+                pending = _start_exchange(packed, (rank + 1) % world, (rank - 1) % world,
+                                          (B * K * nxt * (H + V),), "kv")
             if block_ids is not None:
                 next_ids = _exchange(block_ids, (rank + 1) % world, (rank - 1) % world,
                                      (block_ids.shape[0], nxt), "ids")
-        vis = visible(index)
-        if s and t and (vis is None or bool(vis.any())):
-            allowed = None if vis is None else vis[None, None]  # (1, 1, t, s)
-            if mask is not None:
-                cols = mask.index_select(3, index) if mask.shape[3] == S_total else mask
-                allowed = cols if allowed is None else allowed & cols
-            if block_ids is not None:
-                same = (q_ids[:, :, None] == block_ids[:, None, :])[:, None]  # (B|1, 1, t, s)
-                allowed = same if allowed is None else allowed & same
-            bias_block = None if bias is None else (bias.index_select(3, index) if bias.shape[3] == S_total
-                                                    else bias)
-            x = F.logits(q, kb, config.effective_scale)  # (B, N, t, s), the stages' rounding
-            if config.logit_softcap is not None:
-                x = F.softcap(x, config.logit_softcap)
-            x = F.mask_stage(x, allowed, bias_block).to(ct)
-            # The online-softmax merge (impl_numpy/chunked.py's _core): shifts are constants, not functions of x.
-            m_new = torch.maximum(m, x.amax(dim=-1, keepdim=True).detach())
-            m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-            e = torch.exp(x - m_safe)  # hidden -> exactly 0
-            correction = torch.exp(m - m_safe)  # 0 where m was -inf
-            pv = torch.einsum(F.ATTEND, e.reshape(B, K, G, t, s), vb.to(ct)).reshape(B, N, t, V)
-            l = l * correction + e.sum(dim=-1, keepdim=True)
-            acc = acc * correction + pv
-            m = m_new
+        for c0 in range(0, s, chunk):  # the block in key chunks: temporaries stay (B, N, chunk, chunk)
+            c1 = min(s, c0 + chunk)
+            cols = index[c0:c1]
+            kc, vc = kb[:, :, c0:c1], vb[:, :, c0:c1]
+            mask_cols = None if mask is None else (mask.index_select(3, cols) if mask.shape[3] == S_total else mask)
+            bias_cols = None if bias is None else (bias.index_select(3, cols) if bias.shape[3] == S_total else bias)
+            for (r0, r1), state in zip(parts, states):
+                vis = visible(aligned[r0:r1], cols)
+                if vis is not None and not bool(vis.any()):
+                    continue  # causal or the window hides these keys from every row here
+                allowed = None if vis is None else vis[None, None]  # (1, 1, r, c)
+                if mask_cols is not None:
+                    allowed = rows_part(mask_cols, r0, r1) if allowed is None else allowed & rows_part(mask_cols,
+                                                                                                     r0, r1)
+                if block_ids is not None:
+                    same = (q_ids[:, r0:r1, None] == block_ids[:, None, c0:c1])[:, None]  # (B|1, 1, r, c)
+                    allowed = same if allowed is None else allowed & same
+                x = F.logits(q[:, :, r0:r1], kc, config.effective_scale)  # (B, N, r, c), the stages' rounding
+                if config.logit_softcap is not None:
+                    x = F.softcap(x, config.logit_softcap)
+                x = F.mask_stage(x, allowed, rows_part(bias_cols, r0, r1)).to(ct)
+                # The online-softmax merge (impl_numpy/chunked.py's _core); the shifts are constants, not
+                # functions of x (detached), so the gradient is the softmax's own.
+                m, l, acc = state
+                m_new = torch.maximum(m, x.amax(dim=-1, keepdim=True).detach())
+                m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+                e = torch.exp(x - m_safe)  # hidden -> exactly 0
+                correction = torch.exp(m - m_safe)  # 0 where m was -inf
+                pv = torch.einsum(F.ATTEND, e.reshape(B, K, G, r1 - r0, c1 - c0), vc.to(ct))
+                state[:] = [m_new, l * correction + e.sum(dim=-1, keepdim=True),
+                            acc * correction + pv.reshape(B, N, r1 - r0, V)]
         if step < world - 1:
-            packed = next_packed
-            received.append(packed)
+            packed = next_packed if grad else _finish_exchange(pending)
+            if grad:
+                received.append(packed)
             if block_ids is not None:
                 block_ids = next_ids
+    l = torch.cat([state[1] for state in states], dim=2) if states else torch.zeros((B, N, 0, 1), dtype=ct)
+    acc = torch.cat([state[2] for state in states], dim=2) if states else torch.zeros((B, N, 0, V), dtype=ct)
     empty = l == 0  # rows with no visible key (never with sinks: the sink's 1 stays)
     ctx = acc / torch.where(empty, 1.0, l)
     if config.masked_row == "uniform":

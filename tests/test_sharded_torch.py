@@ -55,6 +55,9 @@ HEADS_CASES = {
     4: ("mqa", "mask_and_bias_causal", "decode_cache", "sinks", "sharded_gqa_split"),
 }
 BFLOAT16 = {"sequence": ("causal_bottom_right", "segments_packed"), "heads": ("gqa", "sinks")}
+# Sequence cases again with each ring block cut into 2 x 2 sub-blocks (options["chunk_size"]).
+CHUNKED = ("window_left_causal", "segments_packed", "masked_rows_uniform", "sinks_masked_rows", "decode_cache",
+           "bias_neg_inf")
 
 
 def _case(name: str, kind: str) -> Case:
@@ -65,12 +68,14 @@ def _case(name: str, kind: str) -> Case:
 
 def _plan(kind: str, devices: int):
     names = SEQUENCE_CASES if kind == "sequence" else HEADS_CASES[devices]
-    plan = [(name, "float32") for name in names] + [(name, "bfloat16") for name in BFLOAT16[kind]]
+    plan = ([(name, "float32", None) for name in names] + [(name, "bfloat16", None) for name in BFLOAT16[kind]]
+            + [(name, "float32", 2) for name in (CHUNKED if kind == "sequence" else ())])
     jobs = []
-    for name, dtype in plan:
+    for name, dtype, chunk in plan:
         case = _case(name, kind)
         exp = expected_for(case, dtype)
-        base = dict(config=case.config, tensors=exp["tensors"], inputs=exp["inputs"], options=case.options(dtype))
+        options = case.options(dtype) | ({} if chunk is None else {"chunk_size": chunk})
+        base = dict(config=case.config, tensors=exp["tensors"], inputs=exp["inputs"], options=options)
         d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
         jobs += [dict(op="forward", **base), dict(op="vjp", d_output=d_out, **base)]
     return plan, jobs
@@ -80,7 +85,8 @@ _RUNS: dict = {}
 
 
 def _answers(kind: str, devices: int) -> dict:
-    """Every case of (kind, devices), run in one start of the processes: (name, dtype) -> (forward, vjp, stats)."""
+    """Every case of (kind, devices), run in one start of the processes: (name, dtype, chunk_size) -> (forward,
+    vjp, stats)."""
     if (kind, devices) not in _RUNS:
         plan, jobs = _plan(kind, devices)
         results = sharded.run_jobs(jobs, kind=kind, devices=devices)
@@ -93,14 +99,15 @@ def _answers(kind: str, devices: int) -> dict:
 def _params():
     for kind, devices in (("sequence", 2), ("sequence", 4), ("heads", 2), ("heads", 4)):
         plan, _ = _plan(kind, devices)
-        for name, dtype in plan:
-            yield pytest.param(kind, devices, name, dtype, id=f"{kind}{devices}-{name}-{dtype}")
+        for name, dtype, chunk in plan:
+            yield pytest.param(kind, devices, name, dtype, chunk,
+                               id=f"{kind}{devices}-{name}-{dtype}" + ("" if chunk is None else f"-chunk{chunk}"))
 
 
-@pytest.mark.parametrize("kind,devices,name,dtype", list(_params()))
-def test_sharded_equals_reference(kind, devices, name, dtype):
+@pytest.mark.parametrize("kind,devices,name,dtype,chunk", list(_params()))
+def test_sharded_equals_reference(kind, devices, name, dtype, chunk):
     case = _case(name, kind)
-    fwd, vjp, _ = _answers(kind, devices)[(name, dtype)]
+    fwd, vjp, _ = _answers(kind, devices)[(name, dtype, chunk)]
     comparisons = judge(case, dtype, fwd, vjp["grads"], precision="highest")
     failures = [c.describe() for c in comparisons if not c.ok]
     assert not failures, f"{kind}:{devices} {name} {dtype}:\n" + "\n".join(failures)
@@ -117,7 +124,7 @@ def test_ring_traffic_is_every_block_n_minus_1_hops():
         case = _case(name, "sequence")
         c = case.config
         kv_bytes = case.B * c.num_kv_heads * case.S_total * (c.head_dim + c.value_head_dim) * 4  # float32
-        stats = _answers("sequence", 4)[(name, "float32")][2]
+        stats = _answers("sequence", 4)[(name, "float32", None)][2]
         sent = sum(s["kv"] for s in stats)
         assert sent == 3 * kv_bytes, f"{name}: ring sent {sent} bytes, expected 3 x {kv_bytes}"
         assert all(s["grad"] == 0 for s in stats), f"{name}: gradient bytes in a forward: {stats}"
@@ -191,3 +198,10 @@ def test_bad_input_is_the_contracts_error_before_any_process_starts():
     config, tensors, inputs, options = _call()
     with pytest.raises(ValueError, match="causal_alignment"):
         sharded.forward(config, tensors, inputs, options | {"causal_alignment": "middle"}, kind="heads", devices=2)
+
+
+def test_bad_chunk_size():
+    config, tensors, inputs, options = _call()
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer: got 0"):
+        sharded.forward(config, tensors, inputs, options | {"return_weights": False, "chunk_size": 0},
+                        kind="sequence", devices=2)

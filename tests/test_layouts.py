@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from conformance.tolerance import assert_close
 from impl_numpy import multi_head_attention
 from weights import DTYPES, AttentionConfig, WeightsFormatError, init, layouts
+from weights.dtypes import resolve_dtype
 
 STRUCTURAL = ("num_heads", "num_kv_heads", "head_dim", "value_head_dim", "query_dim", "key_dim", "value_dim",
               "out_dim", "use_query_bias", "use_key_bias", "use_value_bias", "use_output_bias")
@@ -455,3 +456,190 @@ def test_hf_gpt2_unscaled():
     x = rng.standard_normal((1, 4, 8))
     _check("hf-gpt2 unscaled", gpt2_attention(state, "", 0, x, 2, scale_attn_weights=False), config, tensors, x,
            is_causal=True)
+
+
+# -- hf-llama and meta-llama: config.json forms, round trips (real models: test_layouts_modern.py) ----
+
+MANTISSA = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}  # explicit fraction bits
+LLAMA_SIZES = {"hidden_size": 12, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+               "num_hidden_layers": 6, "rms_norm_eps": 1e-5}
+
+
+def llama_state(rng, *, N=4, K=2, H=4, D=12, layers=6, prefix="model.", bias=(), norms=None, sinks=False,
+                fused=False, dtype=np.float32):
+    """A decoder checkpoint's attention keys (real names and shapes) plus another module's weight."""
+    r = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+    state = {}
+    for layer in range(layers):
+        p = f"{prefix}layers.{layer}.self_attn."
+        widths = {"q": N * H, "k": K * H, "v": K * H}
+        if fused:
+            state[p + "qkv_proj.weight"] = r(sum(widths.values()), D)
+        else:
+            for name, width in widths.items():
+                state[p + f"{name}_proj.weight"] = r(width, D)
+                if name in bias:
+                    state[p + f"{name}_proj.bias"] = r(width)
+        state[p + "o_proj.weight"] = r(D, N * H)
+        if "o" in bias:
+            state[p + "o_proj.bias"] = r(D)
+        if norms == "head":
+            state[p + "q_norm.weight"], state[p + "k_norm.weight"] = r(H), r(H)
+        elif norms == "all":
+            state[p + "q_norm.weight"], state[p + "k_norm.weight"] = r(N * H), r(K * H)
+        if sinks:
+            state[p + "sinks"] = r(N)
+        state[f"{prefix}layers.{layer}.mlp.up_proj.weight"] = r(8, D)
+    return state
+
+
+# model_type, extra config.json entries, state options, what each block reads: {layer: expected fields}
+LLAMA_CASES = {
+    "llama 4.x llama3 scaling": ("llama", {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}, "attention_bias": True}, {"bias": "qkvo"},
+        {0: {"rope": {"theta": 500000.0, "rotary_dim": 4, "interleaved": False, "scaling": {
+            "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}}}}),
+    "mistral 4.x: every layer slides": ("mistral", {"rope_theta": 1e6, "sliding_window": 4096}, {},
+                                        {0: {"window_left": 4095}, 5: {"window_left": 4095}}),
+    "qwen2 4.x: window off although sliding_window is set": (
+        "qwen2", {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2},
+        {"bias": "qkv"}, {3: {"window_left": -1, "use_output_bias": False, "use_query_bias": True}}),
+    "qwen2 4.x: layers from max_window_layers slide": (
+        "qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}, {"bias": "qkv"},
+        {1: {"window_left": -1}, 2: {"window_left": 63}}),
+    "qwen3 5.x: per-head norms": ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+                                  {"norms": "head"},
+                                  {0: {"qk_norm": {"type": "rms", "eps": 1e-5, "scope": "head"}}}),
+    "olmo2: norms over the whole projection": ("olmo2", {}, {"norms": "all"},
+                                               {0: {"qk_norm": {"type": "rms", "eps": 1e-5, "scope": "all"}}}),
+    "gemma2 4.x: even layers slide, softcap, query_pre_attn_scalar": (
+        "gemma2", {"sliding_window": 8, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 9},
+        {}, {0: {"window_left": 7, "logit_softcap": 50.0, "scale": 1 / 3}, 1: {"window_left": -1}}),
+    "gemma3 4.x: local base on sliding layers, scaling on global ones": (
+        "gemma3_text", {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window": 512,
+                        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 6},
+        {"norms": "head"},
+        {0: {"window_left": 511, "rope": {"theta": 1e4, "rotary_dim": 4, "interleaved": False, "scaling": None}},
+         5: {"window_left": -1, "rope": {"theta": 1e6, "rotary_dim": 4, "interleaved": False,
+                                         "scaling": {"type": "linear", "factor": 8.0}}}}),
+    "gemma3 5.x: rope_parameters per layer type": (
+        "gemma3_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                        "sliding_window": 512, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+        {"norms": "head"}, {4: {"window_left": 511, "rope": {"theta": 1e4, "rotary_dim": 4, "interleaved": False,
+                                                             "scaling": None}},
+                            5: {"window_left": -1, "rope": {"theta": 1e6, "rotary_dim": 4, "interleaved": False,
+                                                            "scaling": None}}}),
+    "gpt_oss: yarn, sinks, biases": (
+        "gpt_oss", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                        "original_max_position_embeddings": 4096},
+                    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 3},
+        {"bias": "qkvo", "sinks": True}, {0: {"window_left": 127, "use_sinks": True}, 1: {"window_left": -1}}),
+    "phi3 4.x: fused qkv_proj, partial rotary": (
+        "phi3", {"partial_rotary_factor": 0.5, "rope_theta": 10000.0}, {"fused": True},
+        {0: {"rope": {"theta": 10000.0, "rotary_dim": 2, "interleaved": False, "scaling": None}}}),
+}
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CASES))
+def test_hf_llama_reads_every_config_form(case):
+    """What each block reads from config.json (transformers 4.x and 5.x forms), written out from
+    the models' definitions; then canonical -> hf-llama -> canonical and the state back, bit-exact in
+    every dtype (Gemma's 1 + w is an addition: checked to one rounding instead)."""
+    model_type, extra, options, expect = LLAMA_CASES[case]
+    hf_config = {"model_type": model_type, **LLAMA_SIZES, **extra}
+    for dtype in DTYPES:
+        state = llama_state(np.random.default_rng(0), dtype=resolve_dtype(dtype), **options)
+        for layer, fields in expect.items():
+            config, tensors = layouts.to_canonical("hf-llama", state, hf_config=hf_config, layer=layer)
+            got = config.to_dict()
+            for field, value in fields.items():
+                if field == "scale":
+                    assert math.isclose(config.effective_scale, value, rel_tol=1e-12), (case, layer, got)
+                else:
+                    assert got[field] == value, f"{case} block {layer}: {field}={got[field]!r}, expected {value!r}"
+            back = layouts.from_canonical("hf-llama", config, tensors, hf_config=hf_config, layer=layer,
+                                          prefix="model.")
+            for key, value in back.items():
+                if model_type.startswith("gemma") and "_norm." in key:  # w -> 1 + w -> (1 + w) - 1
+                    w = state[key].astype(np.float64)
+                    ulp = np.abs(1 + w).max() * 2.0 ** -MANTISSA[dtype]  # one rounding of 1 + w
+                    err = np.abs(value.astype(np.float64) - w).max()
+                    assert err <= ulp, f"{case} {dtype} {key}: |(1 + w) - 1 - w| = {err} > {ulp}"
+                    continue
+                assert value.dtype == state[key].dtype and value.tobytes() == state[key].tobytes(), (case, key)
+            again_config, again = layouts.to_canonical("hf-llama", back, hf_config=hf_config, layer=layer)
+            assert again_config == config, (case, again_config, config)
+            if not model_type.startswith("gemma"):
+                assert_bit_exact(tensors, again, f"{case} {dtype} block {layer}")
+
+
+def test_hf_llama_gemma_norm_is_one_plus_w():
+    hf_config = {"model_type": "gemma3_text", **LLAMA_SIZES, "query_pre_attn_scalar": 4}
+    state = llama_state(np.random.default_rng(1), norms="head")
+    _, tensors = layouts.to_canonical("hf-llama", state, hf_config=hf_config, layer=2)
+    np.testing.assert_array_equal(tensors["query.norm.scale"], 1 + state["model.layers.2.self_attn.q_norm.weight"])
+    hf_config["model_type"] = "qwen3"
+    _, tensors = layouts.to_canonical("hf-llama", state, hf_config=hf_config, layer=2)
+    np.testing.assert_array_equal(tensors["key.norm.scale"], state["model.layers.2.self_attn.k_norm.weight"])
+    hf_config["model_type"] = "olmo2"  # one scale per feature of the whole projection: (K*H,) -> (K, H)
+    state = llama_state(np.random.default_rng(1), norms="all")
+    _, tensors = layouts.to_canonical("hf-llama", state, hf_config=hf_config, layer=2)
+    np.testing.assert_array_equal(tensors["key.norm.scale"],
+                                  state["model.layers.2.self_attn.k_norm.weight"].reshape(2, 4))
+
+
+def test_hf_llama_refusals():
+    state = llama_state(np.random.default_rng(2))
+    with pytest.raises(ValueError, match=r"^hf_config: hf-llama reads RoPE"):
+        layouts.to_canonical("hf-llama", state, layer=0)
+    with pytest.raises(ValueError, match=r"model_type must be one of .*: got 'bert'"):
+        layouts.to_canonical("hf-llama", state, layer=0, hf_config={**LLAMA_SIZES, "model_type": "bert"})
+    with pytest.raises(ValueError, match=r"^hf_config: rope_type=.dynamic. is not expressible"):
+        layouts.to_canonical("hf-llama", state, layer=0, hf_config={
+            **LLAMA_SIZES, "model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    normed = llama_state(np.random.default_rng(2), norms="head")
+    with pytest.raises(WeightsFormatError, match=r"unexpected model.layers.0.self_attn.q_norm.weight"):
+        layouts.to_canonical("hf-llama", normed, layer=0, hf_config={**LLAMA_SIZES, "model_type": "llama"})
+    with pytest.raises(WeightsFormatError, match=r"missing model.layers.0.self_attn.sinks"):
+        layouts.to_canonical("hf-llama", state, layer=0, hf_config={**LLAMA_SIZES, "model_type": "gpt_oss"})
+    with pytest.raises(WeightsFormatError, match=r"k_proj.weight has shape \(8, 12\), expected \(12, 12\)"):
+        layouts.to_canonical("hf-llama", state, layer=0,
+                             hf_config={**LLAMA_SIZES, "model_type": "llama", "num_key_value_heads": 3})
+    config, tensors = layouts.to_canonical("hf-llama", state, layer=0, hf_config={**LLAMA_SIZES, "model_type": "llama"})
+    with pytest.raises(ValueError, match=r"hf_config disagrees with config .*window_left=-1 \(config file gives 15\)"):
+        layouts.from_canonical("hf-llama", config, tensors, hf_config={**LLAMA_SIZES, "model_type": "mistral",
+                                                                       "sliding_window": 16})
+    layer_norm = config.replace(qk_norm={"type": "layer", "scope": "head"})
+    with pytest.raises(ValueError, match=r"qk_norm.type='layer'"):
+        layouts.from_canonical("hf-llama", layer_norm, init(layer_norm, seed=0))
+    sinks = config.replace(use_sinks=True)
+    with pytest.raises(ValueError, match=r"use_sinks=True \(meta-llama holds no sinks tensor\)"):
+        layouts.from_canonical("meta-llama", sinks, init(sinks, seed=0))
+
+
+def test_rope_pairing_permutation_keeps_the_numbers():
+    """canonical with interleaved RoPE -> meta-llama is direct; -> hf-llama permutes q and k
+    features inside each head (biases and norm scales alike, the pass-through features of a
+    partial rotary untouched) and the float64 reference gives the same output to round-off."""
+    config = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=6, query_dim=12,
+                             rope={"theta": 100.0, "rotary_dim": 4, "interleaved": True},
+                             qk_norm={"type": "rms", "scope": "head"}, use_query_bias=True, use_key_bias=True)
+    tensors = init(config, seed=4, dtype="float64")
+    rng = np.random.default_rng(4)
+    tensors["query.norm.scale"], tensors["key.norm.scale"] = rng.standard_normal(6), rng.standard_normal(6)
+    state = layouts.from_canonical("hf-llama", config, tensors)
+    half_config, half = layouts.to_canonical("hf-llama", state, hf_config={
+        "model_type": "qwen3", "hidden_size": 12, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
+        "rope_theta": 100.0, "partial_rotary_factor": 4 / 6, "attention_bias": True, "rms_norm_eps": 1e-6}, layer=0)
+    assert half_config.rope.interleaved is False and half_config.rope.rotary_dim == 4
+    order = [0, 2, 1, 3, 4, 5]  # rotary pairs (0,1), (2,3) -> (0,2), (1,3); features 4, 5 pass through
+    np.testing.assert_array_equal(half["query.kernel"], tensors["query.kernel"][..., order])
+    np.testing.assert_array_equal(half["key.norm.scale"], tensors["key.norm.scale"][order])
+    x = rng.standard_normal((2, 7, 12))
+    a = multi_head_attention(config, tensors, x, x, x, is_causal=True)
+    b = multi_head_attention(half_config.replace(qk_norm=config.qk_norm), half, x, x, x, is_causal=True)
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-12)

@@ -18,14 +18,18 @@ import json
 import numpy as np
 import pytest
 
-from conformance import backends
+from conformance import backends, files
 from conformance.cli import main as mha
 from conformance.tolerance import compare, policy_for
 from weights import layouts, load
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.torch
+try:
+    import torch
+    import transformers
+except ImportError:  # the hf-llama tests skip; the meta-llama <-> hf-llama ones need NumPy only
+    torch = transformers = None
+needs_transformers = [pytest.mark.torch,
+                      pytest.mark.skipif(transformers is None, reason="needs torch and transformers (extra hf)")]
 
 T = 9  # tokens: longer than every window below, so the window hides keys
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
@@ -77,7 +81,7 @@ def _capture(model) -> dict[int, dict]:
     return seen
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=needs_transformers) for m in MODELS])
 def converted(request, tmp_path_factory):
     """(model_type, {layer: (config, tensors, captured)}, state dict, config.json), converted
     through the CLI from the save_pretrained folder."""
@@ -200,3 +204,150 @@ def test_round_trip_is_bit_exact(converted):
         assert again_config == config, (again_config, config)
         for name in tensors:
             assert np.array_equal(again[name], tensors[name]), (model_type, layer, name)
+
+
+# -- meta-llama <-> hf-llama: the q/k row permutation ----------------------------------------
+
+META = {"dim": 24, "n_heads": 4, "n_kv_heads": 2, "rope_theta": 500000.0, "multiple_of": 16, "norm_eps": 1e-5}
+HF_OF_META = {"model_type": "llama", "hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 6, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+              "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "attention_bias": False}
+
+
+def _meta_state(seed: int = 5) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    D, N, K, H = 24, 4, 2, 6
+    state = {}
+    for layer in range(2):
+        p = f"layers.{layer}."
+        state[p + "attention.wq.weight"] = (rng.standard_normal((N * H, D)) / 4).astype(np.float32)
+        state[p + "attention.wk.weight"] = (rng.standard_normal((K * H, D)) / 4).astype(np.float32)
+        state[p + "attention.wv.weight"] = (rng.standard_normal((K * H, D)) / 4).astype(np.float32)
+        state[p + "attention.wo.weight"] = (rng.standard_normal((D, N * H)) / 4).astype(np.float32)
+        state[p + "attention_norm.weight"] = np.ones(D, np.float32)  # another module's: ignored
+    return state
+
+
+def meta_attention(state, layer: int, x: np.ndarray, params=META) -> np.ndarray:
+    """Meta's llama/model.py Attention in NumPy float64, written from its definition: the rotation
+    multiplies consecutive feature pairs, viewed as complex numbers, by exp(i t theta^(-2j/H))
+    (precompute_freqs_cis, apply_rotary_emb), kv heads repeated n_heads // n_kv_heads times each
+    (repeat_kv), causal softmax of q k^T / sqrt(H)."""
+    D, N, K = params["dim"], params["n_heads"], params["n_kv_heads"]
+    H = D // N
+    w = lambda name: state[f"layers.{layer}.attention.{name}.weight"].astype(np.float64)  # noqa: E731
+    x = x.astype(np.float64)
+    T = x.shape[1]
+    q = (x @ w("wq").T).reshape(1, T, N, H)
+    k = (x @ w("wk").T).reshape(1, T, K, H)
+    v = (x @ w("wv").T).reshape(1, T, K, H)
+    freqs = 1.0 / params["rope_theta"] ** (np.arange(0, H, 2)[: H // 2] / H)
+    cis = np.exp(1j * np.outer(np.arange(T), freqs))[None, :, None, :]  # (1, T, 1, H/2)
+
+    def rotate(a):
+        c = (a[..., 0::2] + 1j * a[..., 1::2]) * cis
+        return np.stack([c.real, c.imag], axis=-1).reshape(a.shape)
+
+    q, k = rotate(q), rotate(k)
+    k, v = np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2)
+    scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bnts,bsnh->btnh", p, v).reshape(1, T, N * H)
+    return out @ w("wo").T
+
+
+def hf_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_llama_weights_to_hf.py's permute, written from its definition: each head's rows
+    viewed (H/2, 2), transposed to (2, H/2): even rows first, then odd."""
+    rows, cols = w.shape
+    return w.reshape(heads, rows // heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+def _agree(name, backend, config, tensors, x, expected) -> float:
+    positions = np.arange(x.shape[1], dtype=np.int64)
+    out = backend.forward(config, tensors, {"query": x, "positions": positions}, {"is_causal": True})["output"]
+    T = x.shape[1]
+    tol = policy_for(config, dtype=str(x.dtype), quantity="output", B=1, T=T, S=T, reference=expected,
+                     max_position=T)
+    result = compare(name, out, expected, tol)
+    assert result.ok, result.describe()
+    return result.margin
+
+
+def test_meta_llama_reads_meta_attention():
+    """meta-llama -> canonical (interleaved RoPE): every installed core backend computes Meta's attention."""
+    state = _meta_state()
+    x = np.random.default_rng(1).standard_normal((1, T, 24)).astype(np.float32)
+    for layer in (0, 1):
+        config, tensors = layouts.to_canonical("meta-llama", state, hf_config=META, layer=layer)
+        assert config.rope.interleaved is True and config.rope.theta == 500000.0, config.rope
+        assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 6), config
+        expected = meta_attention(state, layer, x)
+        for name, backend in _installed():
+            _agree(f"meta-llama[{layer}] {name}", backend, config, tensors, x, expected)
+
+
+def test_meta_to_hf_and_back_through_the_cli(tmp_path):
+    """mha convert meta-llama -> hf-llama permutes wq and wk rows exactly as Hugging Face's converter
+    does; the converted block computes Meta's numbers on every installed backend (half-split RoPE
+    now); and hf-llama -> meta-llama gives back Meta's tensors bit for bit."""
+    state = _meta_state()
+    meta_dir, hf_dir = tmp_path / "meta", tmp_path / "hf"
+    meta_dir.mkdir()
+    hf_dir.mkdir()
+    files.write_state(meta_dir / "consolidated.safetensors", state, layout="meta-llama")
+    (meta_dir / "params.json").write_text(json.dumps(META))
+    (hf_dir / "config.json").write_text(json.dumps(HF_OF_META))
+    x = np.random.default_rng(2).standard_normal((1, T, 24)).astype(np.float32)
+    layer = 1
+    assert mha(["convert", "--from", "meta-llama", "--to", "hf-llama", str(meta_dir / "consolidated.safetensors"),
+                str(hf_dir / "model.safetensors"), "--layer", str(layer), "--to-prefix", "model.",
+                "--to-config", str(hf_dir / "config.json")]) == 0
+    hf_state = files.read_state(hf_dir / "model.safetensors")
+    p = f"model.layers.{layer}.self_attn."
+    np.testing.assert_array_equal(hf_state[p + "q_proj.weight"], hf_permute(state[f"layers.{layer}.attention.wq.weight"], 4))
+    np.testing.assert_array_equal(hf_state[p + "k_proj.weight"], hf_permute(state[f"layers.{layer}.attention.wk.weight"], 2))
+    np.testing.assert_array_equal(hf_state[p + "v_proj.weight"], state[f"layers.{layer}.attention.wv.weight"])
+
+    assert mha(["convert", "--from", "hf-llama", "--to", "canonical", str(hf_dir), str(tmp_path / "c.safetensors"),
+                "--layer", str(layer)]) == 0
+    config, tensors = load(tmp_path / "c.safetensors")
+    assert config.rope.interleaved is False, config.rope
+    expected = meta_attention(state, layer, x)
+    for name, backend in _installed():
+        _agree(f"meta -> hf-llama {name}", backend, config, tensors, x, expected)
+
+    assert mha(["convert", "--from", "hf-llama", "--to", "meta-llama", str(hf_dir), str(tmp_path / "back.safetensors"),
+                "--layer", str(layer), "--to-config", str(meta_dir / "params.json")]) == 0
+    back = files.read_state(tmp_path / "back.safetensors")
+    for key, value in back.items():
+        assert value.dtype == state[key].dtype and np.array_equal(value, state[key]), key
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(transformers is None, reason="needs torch and transformers (extra hf)")
+def test_meta_converted_runs_in_transformers():
+    """The hf-llama state converted from Meta's, loaded into transformers' LlamaAttention, computes
+    Meta's attention: the permutation is the one Hugging Face's model expects."""
+    state = _meta_state()
+    config, tensors = layouts.to_canonical("meta-llama", state, hf_config=META, layer=0)
+    hf_state = layouts.from_canonical("hf-llama", config, tensors, hf_config=HF_OF_META, layer=0, prefix="model.")
+    cfg = transformers.LlamaConfig(**{k: v for k, v in HF_OF_META.items() if k != "model_type"},
+                                   intermediate_size=16, vocab_size=8)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    missing = model.load_state_dict({k: torch.from_numpy(v) for k, v in hf_state.items()}, strict=False)
+    assert not missing.unexpected_keys, missing.unexpected_keys
+    x = np.random.default_rng(3).standard_normal((1, T, 24)).astype(np.float32)
+    xt = torch.from_numpy(x)
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(xt, torch.arange(T).reshape(1, T))
+        causal = torch.full((T, T), float("-inf")).triu(1).reshape(1, 1, T, T)
+        out, _ = model.model.layers[0].self_attn(hidden_states=xt, position_embeddings=(cos, sin),
+                                                 attention_mask=causal)
+    expected = meta_attention(state, 0, x)
+    config_hf, _ = layouts.to_canonical("hf-llama", hf_state, hf_config=HF_OF_META, layer=0)
+    tol = policy_for(config_hf, dtype="float32", quantity="output", B=1, T=T, S=T, reference=expected, max_position=T)
+    result = compare("transformers LlamaAttention on the converted Meta block", out.numpy(), expected, tol)
+    assert result.ok, result.describe()

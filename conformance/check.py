@@ -172,7 +172,32 @@ def add_parser(subparsers) -> None:
     p.add_argument("--xla-full-opt", action="store_true",
                    help="compile impl_jax's CPU programs with XLA's default optimisation (about 4x slower to compile) "
                         "instead of LLVM -O0 and XLA's classic fusion emitters; the HLO optimisation is the same")
+    p.add_argument("--sharded", action="store_true",
+                   help="instead of the default grid: the sharded grid (conformance/sharded.py) on each sharded engine, "
+                        "heads and sequence, 2 and 4 devices, float32 and bfloat16 unless --dtypes says otherwise")
+    p.add_argument("--sharded-engines", nargs="+", default=None, metavar="ENGINE",
+                   help="with --sharded: these engines only (default: every one of conformance.sharded.ENGINES)")
+    p.add_argument("--sharded-cases", nargs="+", default=None, metavar="CASE",
+                   help="with --sharded: these cases of the sharded grid only (names in conformance/sharded.py)")
     p.set_defaults(func=run)
+
+
+def _run_sharded(args, console):
+    """--sharded: the sharded grid; JAX's host devices forced before JAX starts."""
+    from conformance import sharded
+
+    engines = args.sharded_engines or list(sharded.ENGINES)
+    for name in engines:
+        if name not in sharded.ENGINES:
+            raise ValueError(f"--sharded-engines: must be among {', '.join(sharded.ENGINES)}: got {name!r}")
+    for name in args.sharded_cases or ():
+        if name not in sharded.SHARDED_CASES:
+            raise ValueError(f"--sharded-cases: unknown case {name!r} (cases: {', '.join(sharded.SHARDED_CASES)})")
+    sharded.force_host_devices(max(sharded.DEVICE_COUNTS))
+    # --dtypes defaults to the default grid's four; the sharded grid's default is its own two
+    dtypes = sharded.DTYPES if list(args.dtypes) == list(DTYPE_NAMES) else tuple(args.dtypes)
+    return sharded.run_sharded(engines, dtypes=dtypes, case_names=args.sharded_cases, gradients=not args.no_gradients,
+                               jobs=args.jobs)
 
 
 def run(args) -> int:
@@ -189,10 +214,14 @@ def run(args) -> int:
         from conformance.verify import check_destination
 
         check_destination("--junit", args.junit)
-    results, skipped = run_check(expand_backends(args.backends), args.devices, args.dtypes, args.cases, precision=args.precision,
-                                 gradients=not args.no_gradients, progress=console.is_terminal, jobs=args.jobs,
-                                 compile_cache=None if args.no_compile_cache else default_compile_cache(),
-                                 xla_full_opt=args.xla_full_opt)
+    if args.sharded:
+        results, skipped = _run_sharded(args, console)
+    else:
+        results, skipped = run_check(expand_backends(args.backends), args.devices, args.dtypes, args.cases,
+                                     precision=args.precision, gradients=not args.no_gradients,
+                                     progress=console.is_terminal, jobs=args.jobs,
+                                     compile_cache=None if args.no_compile_cache else default_compile_cache(),
+                                     xla_full_opt=args.xla_full_opt)
     if not results:
         reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"
         raise ValueError(f"nothing to run: {reasons}")
@@ -210,6 +239,11 @@ def run(args) -> int:
         conv.render_terminal(conventions, console=console)
     bad = [r for r in results if r.status in (STATUS_FAIL, STATUS_ERROR)]
     worst = max((r.margin for r in results if r.status in (STATUS_PASS, STATUS_FAIL)), default=0.0)
+    if args.sharded:
+        from conformance.sharded import summary_lines
+
+        for line in summary_lines(results):
+            console.print(line)
     console.print(f"worst margin {worst:.3g}; {elapsed:.1f} s")
     env = report.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision)
     if "jax" in {r.backend for r in results}:

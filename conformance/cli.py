@@ -104,11 +104,37 @@ def _load_run_inputs(args):
     return config, tensors, inputs, adapter
 
 
+def _run_sharded(args):
+    """`mha run --shard KIND:N`: the backend's sharded engine (conformance.sharded.ENGINES) on N devices."""
+    import weights
+    from conformance import sharded
+    from conformance.io import read_inputs
+
+    kind, count = sharded.parse_shard(args.shard)
+    if args.backend not in sharded.ENGINES:
+        raise ValueError(f"--shard {args.shard}: backend {args.backend} has no sharded engine (sharded engines: "
+                         f"{', '.join(sharded.ENGINES)}); run it unsharded")
+    if args.backend == "jax":
+        sharded.force_host_devices(count)  # before JAX starts its backend (read once, when it does)
+    config, tensors = weights.load(args.weights)
+    inputs = read_inputs(args.inputs)
+    try:
+        engine = sharded.load_engine(args.backend)
+        return engine.forward(config, tensors, inputs, _call_options(args), kind=kind, devices=count)
+    except (NotImplementedError, sharded.EngineUnavailable) as err:
+        raise ValueError(f"--shard {args.shard} --backend {args.backend}: unsupported: {err}") from None
+
+
 def cmd_run(args) -> int:
     from conformance.io import write_arrays
 
-    config, tensors, inputs, adapter = _load_run_inputs(args)
-    result = adapter.forward(config, tensors, inputs, _call_options(args), device=args.device, precision=args.precision)
+    if getattr(args, "shard", None):
+        result = _run_sharded(args)
+        args.device = args.shard  # the metadata and the message name the sharding instead of one device
+    else:
+        config, tensors, inputs, adapter = _load_run_inputs(args)
+        result = adapter.forward(config, tensors, inputs, _call_options(args), device=args.device,
+                                 precision=args.precision)
     arrays = {"output": result["output"]}
     if args.return_weights:
         arrays["weights"] = result["weights"]
@@ -193,6 +219,9 @@ def _add_call_arguments(p, *, write: bool) -> None:
         p.add_argument("--return-cache", action="store_true",
                        help="also write present_key and present_value (the KV cache for the next call's past_key/past_value)")
         p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+        p.add_argument("--shard", metavar="KIND:N", default=None,
+                       help="run sharded on N devices: heads:N or sequence:N (backends jax, torch; same output file; "
+                            "docs/sharding.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,201 @@
+"""impl_jax.sharded against the float64 reference, its mutants, `mha run --shard` and `mha check --sharded`.
+
+JAX fixes its device count when it starts, so everything that needs several
+devices runs in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4;
+what needs none (block order, refusals, argument errors) runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.jax
+
+ROOT = Path(__file__).resolve().parents[1]
+MHA = [sys.executable, "-m", "conformance"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+# -- in this process: no devices needed ----------------------------------------------
+
+@pytest.mark.parametrize("length", [1, 5, 8, 11])
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_block_order_holds_every_position_once(length, devices, zigzag):
+    from impl_jax.sharded import block_order
+
+    order = block_order(length, devices, zigzag)
+    assert order.size % devices == 0, (order, devices)
+    real = order[order >= 0]
+    assert sorted(real.tolist()) == list(range(length)), order
+    if zigzag and length % (2 * devices) == 0:
+        blocks = order.reshape(devices, -1)
+        chunk = length // (2 * devices)
+        # device i: chunk i, then chunk 2N-1-i (an early and a late one)
+        for i, block in enumerate(blocks):
+            assert block[0] == i * chunk and block[chunk] == (2 * devices - 1 - i) * chunk, (i, block)
+
+
+def test_heads_refusals_name_the_counts():
+    from impl_jax.sharded import kv_split
+    from weights import AttentionConfig
+
+    assert kv_split(AttentionConfig(num_heads=8, num_kv_heads=4, query_dim=8, head_dim=2), 4) == "split"
+    assert kv_split(AttentionConfig(num_heads=8, num_kv_heads=2, query_dim=8, head_dim=2), 4) == "replicated"
+    assert kv_split(AttentionConfig(num_heads=8, num_kv_heads=1, query_dim=8, head_dim=2), 4) == "replicated"
+    with pytest.raises(NotImplementedError, match="num_heads=2, devices=4"):
+        kv_split(AttentionConfig(num_heads=2, query_dim=8, head_dim=2), 4)
+    with pytest.raises(NotImplementedError, match="num_kv_heads=3, devices=2"):
+        kv_split(AttentionConfig(num_heads=6, num_kv_heads=3, query_dim=6, head_dim=2), 2)
+
+
+def test_parse_shard_and_missing_engine():
+    from conformance import sharded
+
+    assert sharded.parse_shard("sequence:4") == ("sequence", 4)
+    for bad in ("heads", "heads:0", "rows:2", "heads:x"):
+        with pytest.raises(ValueError, match=f"--shard must be heads:N or sequence:N.*got '{bad}'"):
+            sharded.parse_shard(bad)
+
+
+def test_an_engine_whose_module_is_missing_is_not_run(monkeypatch):
+    from conformance import sharded
+
+    monkeypatch.setitem(sharded.ENGINES, "ghost", "impl_ghost.sharded")
+    results, skipped = sharded.run_sharded(("ghost",), case_names=["sh_self"], jobs=1)
+    assert results == [] and len(skipped) == 1, (results, skipped)
+    assert skipped[0][0] == "ghost (sharded)" and "impl_ghost.sharded cannot be imported" in skipped[0][2], skipped
+
+
+# -- subprocesses with 4 host devices ---------------------------------------------------
+
+# (case, kind, devices, dtype): GQA with K < N devices, MQA, causal bottom-right, decode with a
+# cache split by position, segment ids with causal, fully masked rows, sinks, bfloat16.
+PICKS = [
+    ("sh_gqa_k2", "heads", 4, "float32"), ("sh_mqa", "heads", 2, "bfloat16"),
+    ("sh_causal_bottom_right", "sequence", 4, "float32"), ("sh_decode_cache", "sequence", 4, "float32"),
+    ("sh_segments_causal", "sequence", 2, "bfloat16"), ("sh_masked_rows_uniform", "sequence", 4, "float32"),
+    ("sh_sinks_masked_rows", "heads", 4, "float32"), ("sh_window_causal", "sequence", 2, "float32"),
+]
+
+
+def test_sharded_cases_pass_forward_and_gradients():
+    code = (
+        "import json\n"
+        "from conformance import sharded\n"
+        "from impl_jax import sharded as engine\n"
+        f"picks = {PICKS!r}\n"
+        "out = []\n"
+        "for case, kind, devices, dtype in picks:\n"
+        "    r = sharded.run_case(sharded.SHARDED_CASES[case], 'jax', engine, kind, devices, dtype)\n"
+        "    out.append([case, kind, devices, dtype, r.status, r.margin, sorted(c.name for c in r.comparisons),"
+        " r.message])\n"
+        "print(json.dumps(out))\n"
+    )
+    rows = json.loads(_python(code).strip().splitlines()[-1])
+    for case, kind, devices, dtype, status, margin, compared, message in rows:
+        assert status == "pass", (case, kind, devices, dtype, status, margin, message)
+        assert "output" in compared and "grad query" in compared and "grad output.kernel" in compared, compared
+    decode = next(r for r in rows if r[0] == "sh_decode_cache")
+    assert "present_key" in decode[6] and "grad past_key" in decode[6], decode
+
+
+def test_mutants_fail_and_the_engine_without_them_passes():
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "sharded_mutants.py")], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = json.loads(done.stdout.strip().splitlines()[-1])
+    assert table["clean"]["failed"] == [], table["clean"]
+    assert len(table) - 1 >= 5, table
+    for name, row in table.items():
+        if name != "clean":
+            assert row["failed"], f"mutant {name} passed its cases: {row}"
+
+
+def _write_run_files(tmp_path):
+    import weights
+    from conformance.io import write_arrays
+    from weights import AttentionConfig
+
+    config = AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4, rope={}, window_left=3,
+                             use_sinks=True)
+    tensors = weights.init(config, seed=3, dtype="float32")
+    weights.save(tmp_path / "w.safetensors", config, tensors)
+    rng = np.random.default_rng(5)
+    ids = np.array([[0] * 4 + [1] * 7, [0] * 8 + [1] * 3])
+    positions = np.array([list(range(4)) + list(range(7)), list(range(8)) + list(range(3))])
+    inputs = {"query": rng.standard_normal((2, 11, 8)).astype(np.float32), "segment_ids": ids,
+              "positions": positions, "key_positions": positions}
+    write_arrays(tmp_path / "in.safetensors", inputs)
+    return config, tensors, inputs
+
+
+def test_mha_run_shard_gives_the_unsharded_output(tmp_path):
+    from safetensors.numpy import load_file
+
+    from conformance.tolerance import assert_close
+    from impl_numpy.adapter import forward
+
+    config, tensors, inputs = _write_run_files(tmp_path)
+    t64 = {n: t.astype(np.float64) for n, t in tensors.items()}
+    i64 = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a) for n, a in inputs.items()}
+    expected = forward(config, t64, i64, {"is_causal": True})["output"]
+    for shard in ("heads:2", "sequence:4"):
+        out = tmp_path / f"{shard.replace(':', '_')}.safetensors"
+        done = subprocess.run([*MHA, "run", "--backend", "jax", "--shard", shard, "--weights",
+                               str(tmp_path / "w.safetensors"), "--inputs", str(tmp_path / "in.safetensors"),
+                               "--causal", "--out", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert f"(jax, {shard})" in done.stdout, done.stdout
+        got = load_file(out)["output"]
+        assert got.dtype == np.float32, got.dtype
+        assert_close(f"output {shard}", got, expected, config=config, dtype="float32", quantity="output", B=2,
+                     T=11, S=11)
+
+
+def test_mha_run_shard_refusals_are_one_line(tmp_path):
+    _write_run_files(tmp_path)
+    common = ["--weights", str(tmp_path / "w.safetensors"), "--inputs", str(tmp_path / "in.safetensors"),
+              "--out", str(tmp_path / "o.safetensors")]
+    for args, words in ((["--backend", "tf", "--shard", "heads:2"], "backend tf has no sharded engine"),
+                        (["--backend", "jax", "--shard", "heads:two"], "--shard must be heads:N or sequence:N"),
+                        (["--backend", "jax", "--shard", "heads:3"], "unsupported: heads sharding needs num_heads")):
+        done = subprocess.run([*MHA, "run", *args, *common], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 2, (args, done.returncode, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], (args, done.stderr)
+
+
+def test_mha_check_sharded_json_records_the_sharding(tmp_path):
+    out = tmp_path / "check.json"
+    done = subprocess.run([*MHA, "check", "--sharded", "--sharded-engines", "jax", "--sharded-cases",
+                           "sh_mask_bias_causal", "--dtypes", "float32", "--no-gradients", "--jobs", "1", "--json",
+                           str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    records = json.loads(out.read_text())["results"]
+    assert sorted((r["sharding"]["kind"], r["sharding"]["devices"]) for r in records) == [
+        ("heads", 2), ("heads", 4), ("sequence", 2), ("sequence", 4)], records
+    assert all(r["sharding"]["engine"] == "jax" and r["status"] == "pass" for r in records), records
+    assert "jax sequence:4 float32: 1/1 pass" in done.stdout, done.stdout

@@ -65,11 +65,27 @@ SUPPORTED: dict[str, set[str]] = {
     # as linen but GQA, and key_dim == value_dim
     "flax-nnx-mha": _BASIC | {"out_dim", "gqa", "mqa", "mask_bnts", "masked_rows_uniform"},
     # everything but an explicit dropout mask; uniform for a fully masked row
-    "jax-dpa": PLAIN - {"causal_bottom_right_long_query", "masked_rows_zero", "masked_rows_nan", "dropout_train"},
-    # everything plain (the Attention node, or plain ops where it cannot express a case)
-    "onnxruntime": PLAIN,
+    # and windows (local_window_size, top-left: a bottom_right window over S > T keys is refused)
+    "jax-dpa": PLAIN - {"causal_bottom_right_long_query", "masked_rows_zero", "masked_rows_nan", "dropout_train"}
+    | {"window_left_causal", "window_right"},
+    # everything plain (the Attention node, or plain ops where it cannot express a case); softcap, cache,
+    # RotaryEmbedding, RMS/LayerNormalization, segments in attn_mask; onnxruntime 1.30 refuses the window
+    # attributes (opset 25); no sinks input
+    "onnxruntime": PLAIN | {"rope_half", "rope_interleaved", "rope_partial", "rope_llama3", "rope_yarn",
+                            "rope_linear_per_batch", "decode_cache", "return_cache_no_past", "softcap",
+                            "softcap_masked_rows", "qk_norm_rms_head", "qk_norm_layer_all", "segments_packed"},
 }
 assert all(names <= set(CASES) for names in SUPPORTED.values())
+
+# Supported cases a backend refuses in float64 only: ONNX defines RotaryEmbedding for float, float16 and
+# bfloat16, so onnxruntime refuses a float64 graph with it (in its own words).
+NOT_IN_FLOAT64: dict[str, set[str]] = {
+    "onnxruntime": {name for name in SUPPORTED["onnxruntime"] if CASES[name].config.rope is not None},
+}
+
+
+def _supported(backend_id: str, dtype: str) -> set[str]:
+    return SUPPORTED[backend_id] - (NOT_IN_FLOAT64.get(backend_id, set()) if dtype == "float64" else set())
 
 # The slow backends' supported cases in the default run (the rest: -m slow): the JAX backends compile one
 # program per case; torch-flex runs flex_attention eagerly (about 1 s a case on the 2-core VM).
@@ -78,7 +94,7 @@ FAST: dict[str, set[str]] = {
                    "qk_norm_layer_all", "sinks_masked_rows", "segments_packed", "modern_everything"},
     "flax-linen-mha": {"mask_bnts", "causal_bottom_right", "masked_rows_uniform"},
     "flax-nnx-mha": {"gqa", "causal_top_left", "masked_rows_uniform"},
-    "jax-dpa": {"value_head_dim", "bias_neg_inf", "mask_and_bias_causal", "masked_rows_uniform"},
+    "jax-dpa": {"value_head_dim", "bias_neg_inf", "mask_and_bias_causal", "masked_rows_uniform", "window_right"},
 }
 
 LOW_PRECISION_CASES = ("self_basic", "mask_bts", "causal_bottom_right")
@@ -114,7 +130,7 @@ def _problem(adapter, backend_id: str, case_name: str, dtype: str, result) -> st
     case = CASES[case_name]
     if result.status not in (STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED):
         return f"crashed instead of passing, failing or refusing:\n{_describe(result)}"
-    if case_name not in SUPPORTED[backend_id]:
+    if case_name not in _supported(backend_id, dtype):
         if result.status != STATUS_UNSUPPORTED:
             return f"expected unsupported (the API cannot express it):\n{_describe(result)}"
         if not result.message.startswith(f"{backend_id}: ") or len(result.message) < len(backend_id) + 12:
@@ -322,3 +338,15 @@ def test_torch_flex_forward_only_on_cpu():
         adapter.vjp(case.config, tensors, inputs, case.options("float64"), d_out, device="cpu")
     result = run_case(case, "torch-flex", dtype="float64", adapter=adapter)
     assert result.status == STATUS_PASS and "backward on CPU" in result.message, _describe(result)
+
+
+def test_onnxruntime_modern_refusals_in_its_words():
+    """onnxruntime 1.30 refuses the opset-25 window attributes and RotaryEmbedding in float64; ONNX has no sinks:
+    each refusal carries the reason, onnxruntime's own words where it gave them."""
+    _adapter("onnxruntime")
+    expected = {("window_right", "float32"): "left_window_size", ("rope_half", "float64"): "RotaryEmbedding",
+                ("sinks", "float32"): "no sinks input"}
+    got = {key: run_case(CASES[key[0]], "onnxruntime", dtype=key[1]) for key in expected}
+    bad = [f"{key}: {_describe(r)}" for key, r in got.items()
+           if r.status != STATUS_UNSUPPORTED or expected[key] not in r.message]
+    assert not bad, "refusals without their reason:\n" + "\n".join(bad)

@@ -7,6 +7,12 @@ softmax and attend are one jax.nn.dot_product_attention(implementation="xla")
 call on (B, T, N, H) / (B, S, K, H) arrays:
 
 - GQA natively (K key/value heads), any scale (scale=);
+- windows: local_window_size=(window_left, window_right) (jax's window is
+  top-left: query i sees keys i - left .. i + right), so top_left alignment,
+  or bottom_right with T == S; a bottom_right window over a longer key
+  sequence has no argument and is refused. The other modern features (RoPE,
+  QK-norm, cache, softcap, sinks, segment ids) have no argument either:
+  refused (torch-flex builds them around its kernel);
 - mask (B|1, N|1, T, S) bool, True = attend (our polarity); bias added;
   causal top-left is is_causal=True (top-left), bottom-right is folded into
   the mask;
@@ -71,8 +77,31 @@ def devices() -> list[str]:
     return jax_devices()
 
 
+WINDOW_WHY = ("jax.nn.dot_product_attention takes local_window_size and nothing else of the modern contract; this "
+              "wrapper builds only the projections around it")
+
+
+def window_size(config, shapes, options) -> tuple[int, int] | None:
+    """local_window_size=(left, right) for the config's window, None without one.
+    jax's window lets query i see key j iff i - left <= j <= i + right (query i
+    at i: top-left, measured by `mha check --conventions`), the contract's
+    window_left/window_right for top_left alignment, or bottom_right when T == S;
+    an unbounded side (-1) becomes T + S, past every key."""
+    if config.window_left < 0 and config.window_right < 0:
+        return None
+    alignment = options.get("causal_alignment", "top_left")
+    if alignment == "bottom_right" and shapes.T != shapes.S_total:
+        raise NotImplementedError(
+            f"{NAME}: local_window_size counts from the top-left corner (query i against key i); a bottom_right "
+            f"window over T={shapes.T} queries and S={shapes.S_total} keys has no argument (it would need an offset)")
+    unbounded = shapes.T + shapes.S_total
+    return tuple(w if w >= 0 else unbounded for w in (config.window_left, config.window_right))
+
+
 def _prepare(config, tensors, inputs, options, device, precision):
-    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
+                                                  expresses=("window_left", "window_right"), why=WINDOW_WHY)
+    window = window_size(config, shapes, options)
     check_dropout(NAME, config, inputs, options)
     check_masked_rows(NAME, config, shapes, inputs, options, "uniform",
                       "masked logits are set to -0.7 * float32 max, a finite number", by_bias="nan")
@@ -81,7 +110,7 @@ def _prepare(config, tensors, inputs, options, device, precision):
     bias = bias4(shapes, inputs)
     if bias is not None and dtype in ("float16", "bfloat16"):
         bias = bias.astype(np.float32)  # the logits' dtype; the values are the case's
-    return dtype, tensors, inputs, {"mask": mask, "bias": bias}, top_left
+    return dtype, tensors, inputs, {"mask": mask, "bias": bias}, top_left, window
 
 
 def _compute_dtype(dtype):
@@ -108,7 +137,7 @@ def _pad(x, width):
     return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def _attention(p, query, key, value, mask, bias, *, config, is_causal, want_weights):
+def _attention(p, query, key, value, mask, bias, *, config, is_causal, want_weights, window=None):
     """Our projections around the kernel: output (B, T, O) and weights (B, N, T, S) or None."""
     import jax
     import jax.numpy as jnp
@@ -117,7 +146,8 @@ def _attention(p, query, key, value, mask, bias, *, config, is_causal, want_weig
     k = _project(key, p["key.kernel"], p.get("key.bias"))  # (B, S, K, H)
     v = _project(value, p["value.kernel"], p.get("value.bias"))  # (B, S, K, V)
     H, V = q.shape[-1], v.shape[-1]
-    common = dict(scale=config.effective_scale, implementation="xla", is_causal=is_causal, mask=mask, bias=bias)
+    common = dict(scale=config.effective_scale, implementation="xla", is_causal=is_causal, mask=mask, bias=bias,
+                  local_window_size=window)
     width = max(H, V)
     ctx = jax.nn.dot_product_attention(_pad(q, width), _pad(k, width), _pad(v, width), **common)  # (B, T, N, width)
     B, T, N = ctx.shape[:3]
@@ -142,25 +172,26 @@ def _masks(masks):
     return {n: None if a is None else jax_array(a) for n, a in masks.items()}
 
 
-@jax_jit(static_argnames=("config", "is_causal", "want_weights"))
-def _everything(p, query, key, value, mask, bias, d_out, *, config, is_causal, want_weights):
+@jax_jit(static_argnames=("config", "is_causal", "want_weights", "window"))
+def _everything(p, query, key, value, mask, bias, d_out, *, config, is_causal, want_weights, window):
     """(output, weights or None, gradients for d_out): one compiled program for
     the case, shared by forward (d_out zero) and vjp (see jax_jit)."""
     import jax
 
     def f(p, q, k, v):
-        return _attention(p, q, k, v, mask, bias, config=config, is_causal=is_causal, want_weights=False)[0]
+        return _attention(p, q, k, v, mask, bias, config=config, is_causal=is_causal, want_weights=False,
+                          window=window)[0]
 
     out, pullback = jax.vjp(f, p, query, key, value)
     weights = None
     if want_weights:
         weights = _attention(p, query, key, value, mask, bias, config=config, is_causal=is_causal,
-                             want_weights=True)[1]
+                             want_weights=True, window=window)[1]
     return out, weights, pullback(d_out.astype(out.dtype))
 
 
 def _run(config, tensors, inputs, options, d_out, device, precision):
-    dtype, tensors, inputs, masks, top_left = _prepare(config, tensors, inputs, options, device, precision)
+    dtype, tensors, inputs, masks, top_left, window = _prepare(config, tensors, inputs, options, device, precision)
     expected = (*np.shape(inputs["query"])[:2], config.out_dim)
     d_out = np.zeros(expected) if d_out is None else np.asarray(d_out)
     if d_out.shape != expected:
@@ -169,7 +200,7 @@ def _run(config, tensors, inputs, options, d_out, device, precision):
         p = {n: jax_array(t) for n, t in tensors.items()}
         out, w, (d_p, dq, dk, dv) = _everything(
             p, *(jax_array(x) for x in qkv(inputs)), **_masks(masks), d_out=jax_array(d_out, dtype), config=config,
-            is_causal=top_left, want_weights=bool(options.get("return_weights", False)))
+            is_causal=top_left, want_weights=bool(options.get("return_weights", False)), window=window)
         grads = {n: np.asarray(g) for n, g in d_p.items()}
         grads.update(query=np.asarray(dq), key=np.asarray(dk), value=np.asarray(dv))
         return np.asarray(out), None if w is None else np.asarray(w), grads

@@ -31,6 +31,29 @@ are; 1/sqrt(4) = 0.5 is not), see `known_difference`, and (b) gives NaN for
 a query row with no allowed key (softmax over -inf), where the float kernel
 gives 0.
 
+The modern contract, at the highest opset onnxruntime 1.30 runs:
+
+- softcap: the Attention node's `softcap` attribute (opset 23; measured by
+  `mha check --conventions`: onnxruntime caps before the mask and the bias,
+  as the contract does); the plain form writes Div, Tanh, Mul;
+- KV cache: the node's past_key / past_value inputs and present_key /
+  present_value outputs (the plain form: Concat);
+- RoPE: the RotaryEmbedding op (opset 23) on q and k, with cos/sin tables
+  (B, L, R/2) computed from weights.rope in float64 (the YaRN attention
+  factor folded in) and rounded to the storage dtype, `interleaved` and
+  `rotary_embedding_dim` from the config. ONNX defines RotaryEmbedding for
+  float, float16 and bfloat16 only: in float64 onnxruntime refuses the graph
+  ("Type 'tensor(double)' of input parameter (X) of operator
+  (RotaryEmbedding) ... is invalid"), reported unsupported in its words;
+- QK-norm: RMSNormalization / LayerNormalization (opset 23) over the last
+  axis (scope "head") or the last two (scope "all") of (B, L, heads, H);
+- segment ids: folded into attn_mask (the node has no segment argument);
+- windows: the node's left_window_size / right_window_size (opset 25), never
+  emulated by the mask: onnxruntime 1.30 refuses them ("Unrecognized
+  attribute: left_window_size for operator Attention"), reported unsupported
+  in its words, and would run them once it knows them;
+- sinks: no input for them up to opset 25: refused.
+
 `graph_form(...)` says which form a call uses. Forward only: vjp raises
 NotImplementedError (onnxruntime's inference sessions compute no gradients).
 bfloat16: onnxruntime's CPU provider has no bfloat16 kernels for these ops,
@@ -39,7 +62,11 @@ reported as unsupported with its own message.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+from impl_numpy.functional import default_positions
 
 from . import (
     allowed4,
@@ -56,6 +83,10 @@ require("onnx", "onnxruntime")
 
 NAME = "onnxruntime"
 OPSET = 23
+WINDOW_OPSET = 25  # the first opset whose Attention has left_window_size / right_window_size
+EXPRESSES = ("rope", "logit_softcap", "window_left", "window_right", "qk_norm", "positions", "key_positions",
+             "past_key", "past_value", "segment_ids", "key_segment_ids", "return_cache")
+SINKS_WHY = "ONNX Attention has no sinks input up to opset 25"
 IR_VERSION = 11
 
 
@@ -98,7 +129,13 @@ def _elem(dtype: str) -> int:
             "bfloat16": TensorProto.BFLOAT16}[dtype]
 
 
-def _session(model, device: str, precision: str):
+def _session(model, device: str, precision: str, *, exact_scalars: bool = False):
+    """exact_scalars: turn off onnxruntime's MatMulScaleFusion, which folds a
+    scalar Mul/Div after a MatMul into FusedMatMul's alpha, a 32-bit float
+    attribute: in float64 that rounds the scale (measured: the plain form's
+    scale 0.5 then softcap division by 5 became alpha 0.1 in float32, errors
+    of 5e-9). The plain form stands in for the reference's ops, so in float64
+    it runs without that fusion."""
     import onnxruntime as ort
 
     if device == "gpu":
@@ -108,7 +145,8 @@ def _session(model, device: str, precision: str):
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors reach us as exceptions; no copy on stderr
     try:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        extra = {"disabled_optimizers": ["MatMulScaleFusion"]} if exact_scalars else {}
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers, **extra)
     except Exception as err:  # noqa: BLE001 - onnxruntime's own error types
         if type(err).__name__ in ("NotImplemented", "InvalidGraph", "Fail"):
             text = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -183,48 +221,98 @@ class _Graph:
         self.nodes.append(helper.make_node(op_type, list(inputs), names, **attrs))
         return names[0] if len(names) == 1 else names
 
-    def model(self, outputs: dict[str, tuple]):
+    def model(self, outputs: dict[str, tuple], opset: int = 23):
         from onnx import helper
 
         outs = [helper.make_tensor_value_info(name, _elem(self.dtype), list(shape)) for name, shape in outputs.items()]
         graph = helper.make_graph(self.nodes, "multi_head_attention", self.inputs, outs, initializer=self.inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR_VERSION)
 
 
-def _project(g: _Graph, x: str, kernel, bias, heads: int) -> str:
-    """(B, L, D) @ kernel (D, heads, width) (+ bias) -> (B, heads, L, width)."""
+def _project(g: _Graph, x: str, kernel, bias, heads: int, norm=None, rope=None) -> str:
+    """(B, L, D) @ kernel (D, heads, width) (+ bias) [-> QK-norm] -> (B, heads,
+    L, width) [-> RotaryEmbedding]. norm: (qk_norm, scale, bias or None);
+    rope: (cos, sin (B, L, R/2) with the attention factor in, R, interleaved)."""
     D, _, width = kernel.shape
     y = g.op("MatMul", [x, g.const("kernel", kernel.reshape(D, heads * width))])  # (B, L, heads*width)
     if bias is not None:
         y = g.op("Add", [y, g.const("bias", bias.reshape(-1))])
     y = g.op("Reshape", [y, g.const("shape", np.array([0, 0, heads, width], np.int64))])  # (B, L, heads, width)
-    return g.op("Transpose", [y], perm=[0, 2, 1, 3])  # (B, heads, L, width)
+    if norm is not None:
+        y = _norm(g, y, heads, width, *norm)
+    y = g.op("Transpose", [y], perm=[0, 2, 1, 3])  # (B, heads, L, width)
+    if rope is not None:
+        cos, sin, R, interleaved = rope
+        attrs = {"interleaved": int(interleaved)} | ({"rotary_embedding_dim": R} if R < width else {})
+        y = g.op("RotaryEmbedding", [y, g.const("cos", cos), g.const("sin", sin)], **attrs)  # (B, heads, L, width)
+    return y
+
+
+def _norm(g: _Graph, y: str, heads: int, width: int, qk_norm, scale, bias) -> str:
+    """QK-norm on (B, L, heads, width) with ONNX's RMSNormalization /
+    LayerNormalization (opset 23; eps inside the root, as the contract): scope
+    "head" normalises the last axis (scale (H,)), "all" the last two (scale
+    (heads, H))."""
+    axis = -1 if qk_norm.scope == "head" else -2
+    if qk_norm.type == "rms":
+        return g.op("RMSNormalization", [y, g.const("scale", scale)], axis=axis, epsilon=float(qk_norm.eps))
+    return g.op("LayerNormalization", [y, g.const("scale", scale), g.const("bias", bias)], axis=axis,
+                epsilon=float(qk_norm.eps))
+
+
+def _rope_tables(config, positions, B: int, L: int, P: int, dtype: str):
+    """cos and sin (B, L, R/2) for RotaryEmbedding: angle = position x
+    frequency in float64 (weights.rope), times the attention factor, then
+    rounded to the storage dtype."""
+    from weights.rope import attention_factor, inverse_frequencies
+
+    pos = np.broadcast_to(default_positions(positions, P, L), (B, L)).astype(np.float64)  # (B, L)
+    angles = pos[..., None] * inverse_frequencies(config.rope)  # (B, L, R/2)
+    factor = attention_factor(config.rope)
+    return ((np.cos(angles) * factor).astype(dtype), (np.sin(angles) * factor).astype(dtype),
+            config.rope.rotary_dim, config.rope.interleaved)
 
 
 def graph_form(config, shapes, inputs, options, device: str, dtype: str) -> str:
     """"attention" (one Attention node) or "plain" (MatMul/Softmax ops): see the module docstring."""
     if options.get("training") and (config.dropout > 0 or inputs.get("dropout_mask") is not None):
         return "plain"
-    if empty_rows(shapes, inputs, options)[1]:
+    if config.window_left >= 0 or config.window_right >= 0:  # the node's own window attributes, never emulated
+        return "attention"
+    if empty_rows(shapes, inputs, options, config)[1]:
         if native_masked_row(device, dtype, inputs.get("bias") is not None) != config.masked_row:
             return "plain"
     return "attention"
 
 
 def _build(config, tensors, inputs, options, shapes, form: str, want_weights: bool):
-    B, T, S, N, K = shapes.B, shapes.T, shapes.S, config.num_heads, config.num_kv_heads
+    B, T, S, N, K = shapes.B, shapes.T, shapes.S_total, config.num_heads, config.num_kv_heads
     V, O = config.value_head_dim, config.out_dim
     dtype = np.dtype(next(iter(tensors.values())).dtype).name
+    want_cache = bool(options.get("return_cache", False))
     g = _Graph(dtype)
     query, key, value = (g.input(n, x) for n, x in zip(("query", "key", "value"), qkv(inputs)))
-    q = _project(g, query, tensors["query.kernel"], tensors.get("query.bias"), N)  # (B, N, T, H)
-    k = _project(g, key, tensors["key.kernel"], tensors.get("key.bias"), K)  # (B, K, S, H)
-    v = _project(g, value, tensors["value.kernel"], tensors.get("value.bias"), K)  # (B, K, S, V)
+    norms = [None, None]
+    if config.qk_norm is not None:
+        norms = [(config.qk_norm, tensors[f"{n}.norm.scale"], tensors.get(f"{n}.norm.bias")) for n in ("query", "key")]
+    ropes = [None, None]
+    if config.rope is not None:
+        ropes = [_rope_tables(config, inputs.get("positions"), B, T, shapes.P, dtype),
+                 _rope_tables(config, inputs.get("key_positions"), B, shapes.S, shapes.P, dtype)]
+    q = _project(g, query, tensors["query.kernel"], tensors.get("query.bias"), N, norms[0], ropes[0])  # (B, N, T, H)
+    k = _project(g, key, tensors["key.kernel"], tensors.get("key.bias"), K, norms[1], ropes[1])  # (B, K, S_new, H)
+    v = _project(g, value, tensors["value.kernel"], tensors.get("value.bias"), K)  # (B, K, S_new, V)
+    past = [g.input(n, inputs[n]) for n in ("past_key", "past_value")] if inputs.get("past_key") is not None else []
     bias = bias4(shapes, inputs)
     top_left = bool(options.get("is_causal")) and options.get("causal_alignment", "top_left") == "top_left"
+    window = {}
+    if config.window_left >= 0 or config.window_right >= 0:  # the node's own attributes (opset 25), not the mask
+        window = {"left_window_size": config.window_left, "right_window_size": config.window_right}
+    plain_config = dataclasses.replace(config, window_left=-1, window_right=-1)
     if form == "attention":
-        causal_flag = top_left and inputs.get("mask") is None and bias is None
-        allowed = allowed4(shapes, inputs, options, causal=bool(options.get("is_causal")) and not causal_flag)
+        causal_flag = top_left and inputs.get("mask") is None and bias is None and inputs.get("segment_ids") is None
+        allowed = allowed4(shapes, inputs, options, causal=bool(options.get("is_causal")) and not causal_flag,
+                           config=plain_config)
         names = [q, k, v]
         if bias is not None:
             full = bias.astype(np.float64) if allowed is None else np.where(allowed, bias.astype(np.float64), -np.inf)
@@ -232,11 +320,24 @@ def _build(config, tensors, inputs, options, shapes, form: str, want_weights: bo
         elif allowed is not None:
             allowed = np.broadcast_to(allowed, (*allowed.shape[:2], T, S))  # onnxruntime needs the T axis
             names.append(g.input("attn_mask", np.ascontiguousarray(allowed)))  # bool, True = attend
-        outs = ["ctx", "", "", "weights"] if want_weights else ["ctx"]
+        elif past:
+            names.append("")
+        names += past
+        outs = ["ctx"] + (["present_key", "present_value"] if want_cache else ["", ""] if want_weights else [])
+        outs += ["weights"] if want_weights else []
+        attrs = {"qk_matmul_output_mode": 3} if want_weights else {}
+        if config.logit_softcap is not None:
+            attrs["softcap"] = float(config.logit_softcap)
         g.op("Attention", names, outputs=outs, scale=float(config.effective_scale), is_causal=int(causal_flag),
-             **({"qk_matmul_output_mode": 3} if want_weights else {}))
+             **attrs, **window)
         ctx = "ctx"  # (B, N, T, V)
     else:
+        if past:
+            k = g.op("Concat", [past[0], k], axis=2, outputs=["present_key"] if want_cache else 1)  # (B, K, S, H)
+            v = g.op("Concat", [past[1], v], axis=2, outputs=["present_value"] if want_cache else 1)  # (B, K, S, V)
+        elif want_cache:
+            k = g.op("Identity", [k], outputs=["present_key"])
+            v = g.op("Identity", [v], outputs=["present_value"])
         ctx = _plain_core(g, config, shapes, inputs, options, q, k, v, bias)
     ctx = g.op("Transpose", [ctx], perm=[0, 2, 1, 3])  # (B, T, N, V)
     ctx = g.op("Reshape", [ctx, g.const("shape", np.array([0, 0, N * V], np.int64))])  # (B, T, N*V)
@@ -249,12 +350,14 @@ def _build(config, tensors, inputs, options, shapes, form: str, want_weights: bo
     outputs = {"output": (B, T, O)}
     if want_weights:
         outputs["weights"] = (B, N, T, S)
-    return g.model(outputs), g.feeds
+    if want_cache:
+        outputs.update(present_key=(B, K, S, config.head_dim), present_value=(B, K, S, V))
+    return g.model(outputs, opset=WINDOW_OPSET if window else OPSET), g.feeds
 
 
 def _plain_core(g: _Graph, config, shapes, inputs, options, q, k, v, bias) -> str:
     """logits -> mask/bias -> softmax (masked_row policy) -> dropout -> attend, in plain ops."""
-    B, S, N, K = shapes.B, shapes.S, config.num_heads, config.num_kv_heads
+    B, S, N, K = shapes.B, shapes.S_total, config.num_heads, config.num_kv_heads
     H, V, G = config.head_dim, config.value_head_dim, config.group_size
 
     def per_query_head(x, width):  # (B, K, S, width) -> (B, N, S, width): head n reads n // G
@@ -267,9 +370,12 @@ def _plain_core(g: _Graph, config, shapes, inputs, options, q, k, v, bias) -> st
     k, v = per_query_head(k, H), per_query_head(v, V)
     kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])  # (B, N, H, S)
     x = g.op("Mul", [g.op("MatMul", [q, kt]), g.const("scale", np.array(config.effective_scale, g.np_dtype))])
+    if config.logit_softcap is not None:  # c tanh(x / c), before bias and mask
+        cap = g.const("cap", np.array(config.logit_softcap, g.np_dtype))
+        x = g.op("Mul", [g.op("Tanh", [g.op("Div", [x, cap])]), cap])
     if bias is not None:
         x = g.op("Add", [x, g.const("bias", bias.astype(g.np_dtype))])  # (B|1, N|1, T, S)
-    allowed = allowed4(shapes, inputs, options)
+    allowed = allowed4(shapes, inputs, options, config=config)  # windows too: the plain form has no window attribute
     if allowed is not None:
         x = g.op("Where", [g.const("allowed", allowed), x, g.const("neg_inf", np.array(-np.inf, g.np_dtype))])
     w = g.op("Softmax", [x], axis=-1)  # (B, N, T, S)
@@ -285,19 +391,22 @@ def _plain_core(g: _Graph, config, shapes, inputs, options, q, k, v, bias) -> st
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
+                                                  expresses=EXPRESSES, why=SINKS_WHY)
     if options.get("training") and config.dropout > 0 and inputs.get("dropout_mask") is None:
         raise NotImplementedError(f"{NAME}: dropout in training needs the case's explicit dropout_mask (the graph "
                                   "draws no random numbers)")
     want = bool(options.get("return_weights", False))
     form = graph_form(config, shapes, inputs, options, device, dtype)
     model, feeds = _build(config, tensors, inputs, options, shapes, form, want or form == "plain")
-    session = _session(model, device, precision)
+    session = _session(model, device, precision, exact_scalars=form == "plain" and dtype == "float64")
     names = [o.name for o in session.get_outputs()]
     got = dict(zip(names, session.run(None, feeds)))
     answer = {"output": got["output"]}
     if want:
         answer["weights"] = got["weights"]
+    if options.get("return_cache"):
+        answer["present_key"], answer["present_value"] = got["present_key"], got["present_value"]
     return answer
 
 

@@ -643,3 +643,44 @@ def test_rope_pairing_permutation_keeps_the_numbers():
     a = multi_head_attention(config, tensors, x, x, x, is_causal=True)
     b = multi_head_attention(half_config.replace(qk_norm=config.qk_norm), half, x, x, x, is_causal=True)
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-12)
+
+
+def test_gpt_neox_rows_are_per_head():
+    """GPT-NeoX's query_key_value rows are (N, 3, H): head n's q, k and v rows sit together (its
+    forward views the projection as (..., N, 3H) and chunks the last axis in three). 4.x's
+    rotary_pct and rotary_emb_base give the rope."""
+    rng = np.random.default_rng(6)
+    N, H, D = 2, 8, 16
+    p = "gpt_neox.layers.1.attention."
+    state = {p + "query_key_value.weight": rng.standard_normal((3 * N * H, D)).astype(np.float32),
+             p + "query_key_value.bias": rng.standard_normal(3 * N * H).astype(np.float32),
+             p + "dense.weight": rng.standard_normal((D, D)).astype(np.float32),
+             p + "dense.bias": rng.standard_normal(D).astype(np.float32)}
+    hf_config = {"model_type": "gpt_neox", "hidden_size": D, "num_attention_heads": N, "rotary_pct": 0.25,
+                 "rotary_emb_base": 5000.0}
+    config, tensors = layouts.to_canonical("hf-gpt-neox", state, hf_config=hf_config, layer=1)
+    assert config.rope.to_dict() == {"theta": 5000.0, "rotary_dim": 2, "interleaved": False, "scaling": None}
+    rows = state[p + "query_key_value.weight"].reshape(N, 3, H, D)
+    bias = state[p + "query_key_value.bias"].reshape(N, 3, H)
+    for n in range(N):
+        for j, role in enumerate(("query", "key", "value")):
+            np.testing.assert_array_equal(tensors[f"{role}.kernel"][:, n, :], rows[n, j].T)
+            np.testing.assert_array_equal(tensors[f"{role}.bias"][n], bias[n, j])
+    back = layouts.from_canonical("hf-gpt-neox", config, tensors, hf_config=hf_config, layer=1, prefix="gpt_neox.")
+    assert_bit_exact(back, state, "hf-gpt-neox back")
+
+
+def test_gptj_and_its_refusal():
+    rng = np.random.default_rng(7)
+    N, H, D = 2, 4, 8
+    state = {f"transformer.h.0.attn.{n}_proj.weight": rng.standard_normal((D, D)).astype(np.float32)
+             for n in ("q", "k", "v", "out")}
+    config, tensors = layouts.to_canonical("hf-gptj", state, hf_config={"n_head": N, "n_embd": D, "rotary_dim": 2})
+    assert config.rope.to_dict() == {"theta": 10000.0, "rotary_dim": 2, "interleaved": True, "scaling": None}
+    assert (config.num_heads, config.head_dim) == (N, H)
+    # to hf-llama: q and k rows permuted inside each head (interleaved -> half-split); with rotary_dim 2
+    # the one pair (0, 1) is already both conventions' pair, so nothing moves
+    hf = layouts.from_canonical("hf-llama", config, tensors)
+    np.testing.assert_array_equal(hf["layers.0.self_attn.q_proj.weight"], state["transformer.h.0.attn.q_proj.weight"])
+    with pytest.raises(ValueError, match=r"^hf_config: rotary_dim=None"):
+        layouts.to_canonical("hf-gptj", state, hf_config={"n_head": N, "n_embd": D, "rotary_dim": None})

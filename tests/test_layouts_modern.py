@@ -50,10 +50,25 @@ MODELS = {
     "gpt_oss": dict(sliding_window=3, num_local_experts=2, num_experts_per_tok=1),
     "phi3": dict(partial_rotary_factor=0.5),
 }
+# The other decoder layouts: model_type -> (layout, config kwargs, path to the blocks, attention attribute)
+OTHERS = {
+    "gpt_neox": ("hf-gpt-neox", dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                     intermediate_size=32, vocab_size=64, rope_parameters={
+                                         "rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+                                     max_position_embeddings=64), "gpt_neox.layers", "attention"),
+    "gptj": ("hf-gptj", dict(n_embd=32, n_head=4, n_layer=2, rotary_dim=4, vocab_size=64, n_positions=64),
+             "transformer.h", "attn"),
+}
+LLAMA_FAMILY = ("hf-llama", None, "model.layers", "self_attn")
+
+
+def _where(model_type: str):
+    return OTHERS.get(model_type, LLAMA_FAMILY)
 
 
 def _model(model_type: str):
-    config = transformers.AutoConfig.for_model(model_type, **SMALL, **MODELS[model_type])
+    kwargs = OTHERS[model_type][1] if model_type in OTHERS else {**SMALL, **MODELS[model_type]}
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                           dtype=torch.float32)
@@ -63,16 +78,20 @@ def _model(model_type: str):
     return model.eval()
 
 
-def _capture(model) -> dict[int, dict]:
+def _capture(model, model_type: str) -> dict[int, dict]:
     """Each block's attention input, output (after o_proj) and weights, from the model's own forward."""
     seen: dict[int, dict] = {}
     hooks = []
-    for index, block in enumerate(model.model.layers):
+    _, _, path, attribute = _where(model_type)
+    blocks = model
+    for part in path.split("."):
+        blocks = getattr(blocks, part)
+    for index, block in enumerate(blocks):
         def hook(module, args, kwargs, output, index=index):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             seen[index] = {"x": hidden.detach().numpy().copy(), "out": output[0].detach().numpy().copy(),
                            "weights": output[1].detach().numpy().copy()}
-        hooks.append(block.self_attn.register_forward_hook(hook, with_kwargs=True))
+        hooks.append(getattr(block, attribute).register_forward_hook(hook, with_kwargs=True))
     ids = torch.arange(3, 3 + T).reshape(1, T)
     with torch.no_grad():
         model(input_ids=ids, position_ids=torch.arange(T).reshape(1, T), output_attentions=True, use_cache=False)
@@ -81,7 +100,7 @@ def _capture(model) -> dict[int, dict]:
     return seen
 
 
-@pytest.fixture(scope="module", params=[pytest.param(m, marks=needs_transformers) for m in MODELS])
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=needs_transformers) for m in (*MODELS, *OTHERS)])
 def converted(request, tmp_path_factory):
     """(model_type, {layer: (config, tensors, captured)}, state dict, config.json), converted
     through the CLI from the save_pretrained folder."""
@@ -89,11 +108,12 @@ def converted(request, tmp_path_factory):
     model = _model(model_type)
     folder = tmp_path_factory.mktemp(model_type)
     model.save_pretrained(folder)
-    seen = _capture(model)
+    seen = _capture(model, model_type)
+    layout = _where(model_type)[0]
     blocks = {}
     for layer in seen:
         target = folder / f"block{layer}.safetensors"
-        rc = mha(["convert", "--from", "hf-llama", "--to", "canonical", str(folder), str(target),
+        rc = mha(["convert", "--from", layout, "--to", "canonical", str(folder), str(target),
                   "--layer", str(layer)])
         assert rc == 0, f"mha convert of {model_type} block {layer} returned {rc}"
         config, tensors = load(target)
@@ -124,9 +144,10 @@ def test_config_read_from_the_checkpoint(converted):
     """What the layout read from config.json, checked against the model's own attributes."""
     model_type, blocks, *_ = converted
     for layer, (config, _tensors, _seen) in blocks.items():
-        spec = MODELS[model_type]
-        assert config.rope is not None and config.rope.interleaved is False, (model_type, layer, config.rope)
-        if model_type == "phi3":
+        spec = MODELS.get(model_type, {})
+        assert config.rope is not None, (model_type, layer)
+        assert config.rope.interleaved is (model_type == "gptj"), (model_type, layer, config.rope)  # rotate_every_two
+        if model_type in ("phi3", "gpt_neox", "gptj"):  # half of each 8-wide head rotates
             assert config.rope.rotary_dim == 4, (model_type, config.rope)
         if model_type.startswith("gemma"):
             assert config.effective_scale == pytest.approx(12 ** -0.5), (model_type, config.scale)
@@ -154,7 +175,7 @@ def test_window_is_the_models_own_mask(converted):
             f"{model_type} block {layer}: keys seen per row {visible[0].tolist()}, "
             f"window_left={config.window_left} gives {expected.tolist()}")
     windowed = [layer for layer, block in blocks.items() if block[0].window_left >= 0]
-    assert bool(windowed) == ("sliding_window" in MODELS[model_type]), (model_type, windowed)
+    assert bool(windowed) == ("sliding_window" in MODELS.get(model_type, {})), (model_type, windowed)
 
 
 def test_backends_reproduce_the_block(converted):
@@ -188,19 +209,20 @@ def test_backends_reproduce_the_block(converted):
 
 
 def test_round_trip_is_bit_exact(converted):
-    """canonical -> hf-llama (with the model's config.json) -> canonical gives the same bits; the
-    hf-llama tensors equal the checkpoint's own (Gemma's 1 + w: to one rounding of the addition)."""
+    """canonical -> the model's layout (with its config.json) -> canonical gives the same bits; the
+    written tensors equal the checkpoint's own (Gemma's 1 + w: to one rounding of the addition)."""
     model_type, blocks, state, hf_config = converted
+    layout, _, path, _ = _where(model_type)
+    prefix = path.rsplit(".", 1)[0] + "."  # what precedes the layout's scope in the checkpoint
     for layer, (config, tensors, _seen) in blocks.items():
-        written = layouts.from_canonical("hf-llama", config, tensors, hf_config=hf_config, layer=layer,
-                                         prefix="model.")
+        written = layouts.from_canonical(layout, config, tensors, hf_config=hf_config, layer=layer, prefix=prefix)
         for key, value in written.items():
             if model_type == "gemma3_text" and "_norm." in key:
                 np.testing.assert_allclose(value, state[key], rtol=0, atol=np.spacing(np.float32(2)),
                                            err_msg=key)
             else:
                 assert value.dtype == state[key].dtype and np.array_equal(value, state[key]), key
-        again_config, again = layouts.to_canonical("hf-llama", written, hf_config=hf_config, layer=layer)
+        again_config, again = layouts.to_canonical(layout, written, hf_config=hf_config, layer=layer)
         assert again_config == config, (again_config, config)
         for name in tensors:
             assert np.array_equal(again[name], tensors[name]), (model_type, layer, name)

@@ -205,6 +205,7 @@ class Layout:
     extras: tuple[Extra, ...] = ()  # 1-D tensors beside the projections (norm scales, sinks)
     pairing: str = ""  # "half" | "interleaved": the RoPE pairing the layout's weights are written for
     needs_hf_config: bool = False  # RoPE, windows and norms live only in the config file
+    qkv_per_head: tuple[str, ...] = ()  # keys whose rows are (N, 3, H): each head's q, k, v together (GPT-NeoX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +345,32 @@ def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
         "scale_by_layer": False, "modern": modern, "norm_offset": norm_offset,
         "table": 1 if model_type == "phi3" else 0, "model_type": model_type,
     }
+
+
+def _neox_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """config.json of GPT-NeoX / Pythia: half-split RoPE on the first rotary_pct of each head."""
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    if not heads or not hidden:
+        raise ValueError("hf_config: GPT-NeoX's config.json needs num_attention_heads and hidden_size")
+    head_dim = hidden // heads
+    if not isinstance(cfg.get("rope_parameters"), Mapping):  # 4.x: rotary_pct, rotary_emb_base
+        cfg = {**cfg, "partial_rotary_factor": cfg.get("rotary_pct", cfg.get("partial_rotary_factor", 1.0))}
+    rope = _hf_rope(cfg, None, head_dim, theta_key="rotary_emb_base")
+    return {"num_heads": heads, "hidden": hidden, "dropout": cfg.get("attention_dropout"), "scale": None,
+            "scale_by_layer": False, "modern": {"rope": rope}, "model_type": "gpt_neox"}
+
+
+def _gptj_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """config.json of GPT-J: interleaved RoPE (rotate_every_two) on the first rotary_dim features, base 10000."""
+    heads, hidden = cfg.get("n_head"), cfg.get("n_embd")
+    if not heads or not hidden:
+        raise ValueError("hf_config: GPT-J's config.json needs n_head and n_embd")
+    if cfg.get("rotary_dim") is None:
+        raise ValueError("hf_config: rotary_dim=None (GPT-J then builds its frequencies over n_embd, not over a "
+                         "head; only a whole rotary_dim converts)")
+    rope = {"theta": 10000.0, "rotary_dim": int(cfg["rotary_dim"]), "interleaved": True, "scaling": None}
+    return {"num_heads": heads, "hidden": hidden, "dropout": cfg.get("attn_pdrop"), "scale": None,
+            "scale_by_layer": False, "modern": {"rope": rope}, "model_type": "gptj"}
 
 
 def _meta_config(params: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
@@ -560,6 +587,29 @@ LAYOUT_LIST = (
                 R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),
             ), ties=_DECODER_TIES, note="phi3: fused qkv_proj = [q; k; v]"),
         ),
+    ),
+    Layout(
+        "hf-gpt-neox", "a GPT-NeoX / Pythia checkpoint's attention: [prefix]layers.{L}.attention.query_key_value "
+        "(3*N*H, D) with rows (N, 3, H) (each head's q, k, v together), attention.dense; config.json gives "
+        "rotary_pct / partial_rotary_factor and the base; half-split RoPE; causal",
+        sep=".", scope="layers.{layer}.attention.", select=True, hf=_neox_config, pairing="half",
+        needs_hf_config=True, qkv_per_head=("query_key_value.weight", "query_key_value.bias"), bias="all",
+        bias_why="attention_bias covers query_key_value and dense",
+        tables=(Table((
+            R("query_key_value.weight", "query.kernel key.kernel value.kernel", LINEAR),  # read as (3, N, H) rows
+            R("query_key_value.bias", "query.bias key.bias value.bias", LINEAR),
+            R("dense.weight", "output.kernel", LINEAR), R("dense.bias", "output.bias", LINEAR),
+        ), ties=_HIDDEN_TIES),),
+    ),
+    Layout(
+        "hf-gptj", "a GPT-J checkpoint's attention: [prefix]h.{L}.attn.{q,k,v,out}_proj (no biases); "
+        "config.json gives rotary_dim; interleaved RoPE (rotate_every_two), base 10000; causal",
+        sep=".", scope="h.{layer}.attn.", select=True, hf=_gptj_config, pairing="interleaved",
+        needs_hf_config=True,
+        tables=(Table((
+            R("q_proj.weight", "query.kernel", LINEAR), R("k_proj.weight", "key.kernel", LINEAR),
+            R("v_proj.weight", "value.kernel", LINEAR), R("out_proj.weight", "output.kernel", LINEAR),
+        ), ties=_HIDDEN_TIES),),
     ),
     Layout(
         "meta-llama", "Meta's Llama checkpoint (consolidated.*.pth): layers.{L}.attention.{wq,wk,wv,wo}.weight; "
@@ -822,7 +872,7 @@ def detect_layout(state: Mapping[str, Any]) -> str | None:
     flax-linen-mha and flax-nnx-mha have the same keys; this answers
     flax-linen-mha, and either converts the same tensors.
     """
-    order = ("hf-bert", "hf-gpt2", "hf-llama", "meta-llama", "torch-mha", "torch-per-head", "torch-fused-qkv", "torch-linears",
+    order = ("hf-bert", "hf-gpt2", "hf-llama", "hf-gpt-neox", "hf-gptj", "meta-llama", "torch-mha", "torch-per-head", "torch-fused-qkv", "torch-linears",
              "keras-split-heads", "keras-mha", "flax-linen-mha", "canonical")
     for layout_id in order:
         layout = _BY_ID[layout_id]
@@ -913,6 +963,8 @@ def to_canonical(layout: str, state: Mapping[str, Any], **hints: Any) -> tuple[A
                     raise ValueError(f"num_heads={known['N']} disagrees with the checkpoint's config.json ({n_cfg})")
                 known["N"] = int(n_cfg)
                 heads_source = heads_source if hint_heads is not None else "config.json"
+    if lay.qkv_per_head:
+        visible = _qkv_rows(visible, [base + key for key in lay.qkv_per_head], known.get("N"), to_blocks=True)
     per_head = any(row.per_head for row in place.table.rows)
     if per_head:
         heads_re = re.compile(re.escape(base + place.roles["heads"] + lay.sep) + r"(\d+)" + re.escape(lay.sep))
@@ -1067,6 +1119,21 @@ def _read_extras(lay: Layout, config: AttentionConfig, visible: Mapping[str, Any
         if hf.get("norm_offset") and ".norm." in extra.canonical:
             value = value + value.dtype.type(hf["norm_offset"])  # Gemma stores w of (1 + w): the multiplier is 1 + w
         out[extra.canonical] = np.array(value, order="C", copy=True)
+    return out
+
+
+def _qkv_rows(state: Mapping[str, Any], keys: Sequence[str], heads: int | None, *, to_blocks: bool):
+    """GPT-NeoX's fused rows (N, 3, H) <-> the table's [q; k; v] blocks (3, N, H): a permutation of the
+    first axis, exact. Left alone when the row count does not divide (the shape check then reports it)."""
+    out = dict(state)
+    for key in keys:
+        array = out.get(key)
+        if not isinstance(array, np.ndarray) or heads is None or array.ndim < 1 or array.shape[0] % (3 * heads):
+            continue
+        width = array.shape[0] // (3 * heads)
+        grid = (heads, 3, width) if to_blocks else (3, heads, width)
+        moved = array.reshape(*grid, *array.shape[1:]).swapaxes(0, 1)  # (3, N, H, ...) or (N, 3, H, ...)
+        out[key] = np.array(moved.reshape(array.shape), order="C", copy=True)
     return out
 
 
@@ -1229,6 +1296,9 @@ def from_canonical(layout: str, config: AttentionConfig, tensors: Mapping[str, n
         if not all(part in tensors for part in row.parts):
             continue  # a bias the config does not have
         state[key] = _scatter(row, head, [tensors[p] for p in row.parts])
+    if lay.qkv_per_head:
+        state = _qkv_rows(state, [place.base(lay) + key for key in lay.qkv_per_head], config.num_heads,
+                          to_blocks=False)
     for extra in lay.extras:
         if extra.canonical in tensors:
             value = np.asarray(tensors[extra.canonical]).reshape(-1)

@@ -120,6 +120,8 @@ def _run_sharded(args):
     inputs = read_inputs(args.inputs)
     try:
         engine = sharded.load_engine(args.backend)
+        if hasattr(engine, "initialize_from_environment"):  # several hosts: docs/sharding.md
+            engine.initialize_from_environment()
         return engine.forward(config, tensors, inputs, _call_options(args), kind=kind, devices=count)
     except (NotImplementedError, sharded.EngineUnavailable) as err:
         raise ValueError(f"--shard {args.shard} --backend {args.backend}: unsupported: {err}") from None

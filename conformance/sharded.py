@@ -168,9 +168,55 @@ def run_case(case: Case, engine_name: str, module, kind: str, devices: int, dtyp
     return result
 
 
+def _judged(case, engine_name, kind, devices, dtype, forward, grads, started) -> ShardedCaseResult:
+    result = _result(case, engine_name, kind, devices, dtype, STATUS_PASS)
+    try:
+        result.comparisons = judge(case, dtype, forward, grads, precision="highest")
+        if not all(c.ok for c in result.comparisons):
+            result.status = STATUS_FAIL
+    except Exception as err:
+        result.status, result.message = STATUS_ERROR, f"{type(err).__name__}: {err}".replace("\n", " ")[:500]
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _run_batched(engine_name, module, kind, devices, dtype, names, gradients) -> list[ShardedCaseResult]:
+    """An engine that starts processes per call (impl_torch.sharded) offers run_jobs(jobs, kind, devices):
+    every case of a chunk in one start, refusals (module.refusal) reported unsupported first."""
+    started = time.perf_counter()
+    results, jobs, runnable = {}, [], []
+    for name in names:
+        case = SHARDED_CASES[name]
+        exp = expected_for(case, dtype)
+        options = case.options(dtype)
+        reason = module.refusal(case.config, exp["inputs"], options, kind=kind, devices=devices)
+        if reason:
+            results[name] = _result(case, engine_name, kind, devices, dtype, STATUS_UNSUPPORTED, reason)
+            continue
+        runnable.append(name)
+        jobs.append({"op": "forward", "config": case.config, "tensors": exp["tensors"], "inputs": exp["inputs"],
+                     "options": options})
+        if gradients:
+            jobs.append({**jobs[-1], "op": "vjp",
+                         "d_output": exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)})
+    answers = module.run_jobs(jobs, kind=kind, devices=devices) if jobs else []
+    per_case = 2 if gradients else 1
+    for i, name in enumerate(runnable):
+        parts = answers[i * per_case:(i + 1) * per_case]
+        grads = parts[1]["result"]["grads"] if gradients else None
+        results[name] = _judged(SHARDED_CASES[name], engine_name, kind, devices, dtype, parts[0]["result"], grads,
+                                started)
+    return [results[name] for name in names]
+
+
 def _run_chunk(engine_name, kind, devices, dtype, names, gradients):
     """One (engine, kind, devices, dtype) over its cases; runs in a worker process with jobs > 1."""
     module = load_engine(engine_name)
+    if hasattr(module, "run_jobs") and hasattr(module, "refusal"):
+        try:
+            return _run_batched(engine_name, module, kind, devices, dtype, names, gradients)
+        except Exception:  # noqa: S110 - one job's crash takes the batch down: find it case by case
+            pass
     return [run_case(SHARDED_CASES[name], engine_name, module, kind, devices, dtype, gradients=gradients)
             for name in names]
 

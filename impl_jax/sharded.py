@@ -53,6 +53,7 @@ dropout under sequence sharding; head counts that do not split N ways.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,23 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 # -- the mesh ------------------------------------------------------------------------
+
+def initialize_from_environment() -> bool:
+    """Join a multi-process JAX run when MHA_JAX_NUM_PROCESSES is set:
+    jax.distributed.initialize(JAX_COORDINATOR_ADDRESS, MHA_JAX_NUM_PROCESSES,
+    MHA_JAX_PROCESS_ID), once, before the first computation (`mha run --shard`
+    calls it). Returns whether it did. Every process then sees every
+    process's devices in jax.devices(), and mesh() spans them."""
+    count = os.environ.get("MHA_JAX_NUM_PROCESSES")
+    if not count:
+        return False
+    for name in ("JAX_COORDINATOR_ADDRESS", "MHA_JAX_PROCESS_ID"):
+        if not os.environ.get(name):
+            raise ValueError(f"{name} must be set with MHA_JAX_NUM_PROCESSES={count}: got nothing")
+    jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=int(count),
+                               process_id=int(os.environ["MHA_JAX_PROCESS_ID"]))
+    return True
+
 
 def mesh(devices: int) -> Mesh:
     """A one-axis Mesh over the first `devices` of jax.devices() (all processes')."""

@@ -21,7 +21,7 @@ Options:
   config.json beside SRC (required); meta-llama from Meta's params.json beside SRC.
   --layer I         hf-*, meta-llama: the block read (--from) or written (--to); default: the
                     only block of SRC, block 0 when writing.
-  --layer all       --from hf-bert/hf-gpt2: every block, one DST file each. DST is
+  --layer all       --from hf-*/meta-llama: every block, one DST file each. DST is
                     then a pattern containing "{layer}" (out/bert-{layer}.safetensors;
                     its extension picks the file kind), or else a folder (created if
                     missing, its parent must exist) that receives

@@ -196,6 +196,8 @@ def test_overwrite(tmp_path):
     (["--from", "canonical", "--to", "torch-mha", "missing.safetensors", "DST.pt"], ["SRC: no such file"]),
     (["--from", "torch-mha", "--to", "canonical", "SRC.pt", "DST.safetensors", "--num-heads", "0"],
      ["--num-heads must be a positive integer"]),
+    (["--from", "canonical", "--to", "torch-mha", "SRC.safetensors", "DST.pt", "--to-config", "c.json"],
+     ["--to-config applies to --to hf-bert or hf-gpt2 or hf-llama", "torch-mha"]),
 ])
 def test_argument_errors(tmp_path, argv, pieces):
     argv = [str(tmp_path / a) if a.startswith(("SRC", "DST", "missing")) else a for a in argv]
@@ -221,6 +223,32 @@ def test_content_errors(tmp_path):
                     tmp_path / "o.safetensors")
     one_line_error(info, "bad.safetensors", "not a safetensors file")
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_decoder_layouts_need_their_config_file(tmp_path):
+    """hf-llama without config.json beside SRC is refused by name (RoPE, windows and norms live only
+    there); a --to-config under which the written block would mean something else is refused by field."""
+    config = AttentionConfig(num_heads=2, num_kv_heads=1, query_dim=8, head_dim=4, rope={"theta": 10000.0},
+                             window_left=3)
+    tensors = init(config, seed=1)
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    files.write_state(folder / "model.safetensors", layouts.from_canonical("hf-llama", config, tensors,
+                                                                           prefix="model."))
+    with pytest.raises(ValueError) as info:
+        mha_convert("--from", "hf-llama", "--to", "canonical", folder, tmp_path / "o.safetensors")
+    one_line_error(info, "hf_config: hf-llama reads RoPE", "beside SRC")
+    (folder / "config.json").write_text('{"model_type": "mistral", "hidden_size": 8, "num_attention_heads": 2, '
+                                        '"num_key_value_heads": 1, "sliding_window": 4}')
+    mha_convert("--from", "hf-llama", "--to", "canonical", folder, tmp_path / "o.safetensors")
+    assert load(tmp_path / "o.safetensors")[0] == config  # sliding_window 4: window_left 3
+    (tmp_path / "llama.json").write_text('{"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, '
+                                         '"num_key_value_heads": 1}')
+    with pytest.raises(ValueError) as info:
+        mha_convert("--from", "canonical", "--to", "hf-llama", tmp_path / "o.safetensors",
+                    tmp_path / "back.safetensors", "--to-config", tmp_path / "llama.json")
+    one_line_error(info, "hf_config disagrees with config", "window_left=3 (config file gives -1)")
+    assert not (tmp_path / "back.safetensors").exists()
 
 
 # -- torch files: weights_only, never code ---------------------------------------------------

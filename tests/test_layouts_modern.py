@@ -48,7 +48,7 @@ MODELS = {
                         layer_types=["sliding_attention", "full_attention"]),
     "olmo2": dict(),
     "gpt_oss": dict(sliding_window=3, num_local_experts=2, num_experts_per_tok=1),
-    "phi3": dict(partial_rotary_factor=0.5),
+    "phi3": dict(partial_rotary_factor=0.5, sliding_window=5),
 }
 # The other decoder layouts: model_type -> (layout, config kwargs, path to the blocks, attention attribute)
 OTHERS = {

@@ -48,6 +48,13 @@ concatenation and slicing only, so every round trip is bit-exact in every dtype.
 |                   | [P]encoder.layer.{L}.attention.output.dense.weight| output                     | linear |
 | hf-gpt2           | [P]h.{L}.attn.c_attn.weight (E, 3E), .bias        | query+key+value            | dense  |
 |                   | [P]h.{L}.attn.c_proj.weight (E, E), .bias         | output                     | dense  |
+| hf-llama          | [P]layers.{L}.self_attn.q_proj.weight (N*H, D)... | query, key, value, output  | linear |
+|   (phi3)          | [P]layers.{L}.self_attn.qkv_proj.weight           | query+key+value            | linear |
+|                   | q_norm.weight, k_norm.weight (H,) or (N*H,), sinks| query/key.norm.scale, sinks| 1-D    |
+| hf-gpt-neox       | [P]layers.{L}.attention.query_key_value (N, 3, H) | query+key+value, per head  | linear |
+|                   | [P]layers.{L}.attention.dense.weight, .bias       | output                     | linear |
+| hf-gptj           | [P]h.{L}.attn.{q,k,v,out}_proj.weight             | query ... output           | linear |
+| meta-llama        | [P]layers.{L}.attention.{wq,wk,wv,wo}.weight      | query ... output           | linear |
 
 What a layout cannot express (from_canonical raises ValueError naming the
 field and value; the same rules shape-check to_canonical):
@@ -64,6 +71,18 @@ field and value; the same rules shape-check to_canonical):
 - hf-bert, hf-gpt2: every dimension is hidden_size = num_heads*head_dim, no
   GQA, all four biases present.
 - torch-linears, keras-split-heads and canonical express every config.
+- hf-llama, hf-gpt-neox, hf-gptj, meta-llama (the decoders): their config file
+  is required (hf_config: config.json, Meta's params.json): RoPE, windows,
+  softcap, QK-norm and sinks live only there (docs/porting-modern.md says what
+  each model's fields mean). Each stores RoPE for one pairing (half-split:
+  hf-llama, hf-gpt-neox; interleaved: hf-gptj, meta-llama); from_canonical
+  permutes the q and k features of each head of a config in the other
+  pairing (repair_pairing), so the written block computes the same numbers.
+  Gemma's norm weights are w of (1 + w): the canonical multiplier is 1 + w,
+  the one conversion that is an addition (exact to one rounding, not bit-exact).
+  from_canonical with hf_config writes what that config file's model stores
+  (Gemma's w, phi3's fused qkv_proj) and checks the block reads back under
+  it with the same config.
 Behaviour fields (scale, dropout, masked_row) live in no state dict: they come
 from hints (`scale=`, `dropout=`, `masked_row=`), and for hf-* from the
 checkpoint's config.json (`hf_config=`: attention dropout, GPT-2's
@@ -84,8 +103,8 @@ prefix      what precedes the table's keys ("attn.", "params/",
             inside it that the table does not name are errors (hf-* read
             their rows out of a whole checkpoint and ignore the rest).
 ignore      fnmatch patterns of keys to skip (buffers, optimizer state).
-layer       hf-*: which block; needed when the checkpoint has several.
-hf_config   hf-*: the checkpoint's config.json, as a dict or a path.
+layer       hf-*, meta-llama: which block; needed when the checkpoint has several.
+hf_config   hf-*, meta-llama: the checkpoint's config.json (params.json), as a dict or a path.
 config      canonical only: the AttentionConfig to check the tensors against.
 
 Every problem with a state is collected and raised as ONE WeightsFormatError:
@@ -853,7 +872,8 @@ def layers(layout: str, state: Mapping[str, Any], *, prefix: str | None = None) 
     """hf-*: the block indices a checkpoint holds (sorted)."""
     lay = _get(layout)
     if not lay.scope:
-        raise ValueError(f"layers() applies to hf-bert and hf-gpt2: got layout {lay.id}")
+        raise ValueError(f"layers() applies to layouts with blocks ({', '.join(i for i, x in _BY_ID.items() if x.scope)}): "
+                         f"got layout {lay.id}")
     found, _ = _candidates(lay, state, None)
     if prefix is not None:
         found = {k: v for k, v in found.items() if k[2] == prefix}

@@ -94,6 +94,9 @@ def initialize_from_environment() -> bool:
     for name in ("JAX_COORDINATOR_ADDRESS", "MHA_JAX_PROCESS_ID"):
         if not os.environ.get(name):
             raise ValueError(f"{name} must be set with MHA_JAX_NUM_PROCESSES={count}: got nothing")
+    # CPU devices of several processes talk through gloo (XLA's CPU client has no collectives across
+    # processes otherwise); GPUs and TPUs use their own and ignore this setting
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=int(count),
                                process_id=int(os.environ["MHA_JAX_PROCESS_ID"]))
     return True

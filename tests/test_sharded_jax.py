@@ -7,6 +7,7 @@ what needs none (block order, refusals, argument errors) runs here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,9 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.jax
-
 ROOT = Path(__file__).resolve().parents[1]
+# The tests that run the engine are marked jax (tox -e jax) and skip without it (tox -e numpy);
+# the runner's own tests need no framework.
+needs_jax = pytest.mark.skipif(importlib.util.find_spec("jax") is None or importlib.util.find_spec("flax") is None,
+                               reason="JAX/Flax not installed: pip install -c constraints/cpu.txt '.[jax]'")
 MHA = [sys.executable, "-m", "conformance"]
 
 
@@ -38,6 +41,8 @@ def _python(code: str) -> str:
 
 # -- in this process: no devices needed ----------------------------------------------
 
+@pytest.mark.jax
+@needs_jax
 @pytest.mark.parametrize("length", [1, 5, 8, 11])
 @pytest.mark.parametrize("devices", [2, 4])
 @pytest.mark.parametrize("zigzag", [False, True])
@@ -56,6 +61,8 @@ def test_block_order_holds_every_position_once(length, devices, zigzag):
             assert block[0] == i * chunk and block[chunk] == (2 * devices - 1 - i) * chunk, (i, block)
 
 
+@pytest.mark.jax
+@needs_jax
 def test_heads_refusals_name_the_counts():
     from impl_jax.sharded import kv_split
     from weights import AttentionConfig
@@ -99,6 +106,8 @@ PICKS = [
 ]
 
 
+@pytest.mark.jax
+@needs_jax
 def test_sharded_cases_pass_forward_and_gradients():
     code = (
         "import json\n"
@@ -120,6 +129,8 @@ def test_sharded_cases_pass_forward_and_gradients():
     assert "present_key" in decode[6] and "grad past_key" in decode[6], decode
 
 
+@pytest.mark.jax
+@needs_jax
 def test_mutants_fail_and_the_engine_without_them_passes():
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "sharded_mutants.py")], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=600)
@@ -150,6 +161,8 @@ def _write_run_files(tmp_path):
     return config, tensors, inputs
 
 
+@pytest.mark.jax
+@needs_jax
 def test_mha_run_shard_gives_the_unsharded_output(tmp_path):
     from safetensors.numpy import load_file
 
@@ -174,6 +187,8 @@ def test_mha_run_shard_gives_the_unsharded_output(tmp_path):
                      T=11, S=11)
 
 
+@pytest.mark.jax
+@needs_jax
 def test_mha_run_shard_refusals_are_one_line(tmp_path):
     _write_run_files(tmp_path)
     common = ["--weights", str(tmp_path / "w.safetensors"), "--inputs", str(tmp_path / "in.safetensors"),
@@ -188,6 +203,8 @@ def test_mha_run_shard_refusals_are_one_line(tmp_path):
         assert len(lines) == 1 and words in lines[0], (args, done.stderr)
 
 
+@pytest.mark.jax
+@needs_jax
 def test_mha_check_sharded_json_records_the_sharding(tmp_path):
     out = tmp_path / "check.json"
     done = subprocess.run([*MHA, "check", "--sharded", "--sharded-engines", "jax", "--sharded-cases",
@@ -199,3 +216,83 @@ def test_mha_check_sharded_json_records_the_sharding(tmp_path):
         ("heads", 2), ("heads", 4), ("sequence", 2), ("sequence", 4)], records
     assert all(r["sharding"]["engine"] == "jax" and r["status"] == "pass" for r in records), records
     assert "jax sequence:4 float32: 1/1 pass" in done.stdout, done.stdout
+
+
+class _NumpyEngine:
+    """A stand-in engine with run_jobs/refusal (as impl_torch.sharded has) that runs the float64 reference's
+    code in the case dtype, unsharded: what the batching path must report as passing."""
+
+    calls = 0
+
+    @staticmethod
+    def refusal(config, inputs, options, *, kind, devices, trace=False):
+        return "no heads here" if kind == "heads" else None
+
+    @classmethod
+    def run_jobs(cls, jobs, *, kind, devices):
+        from impl_numpy import adapter
+
+        cls.calls += 1
+        return [{"result": adapter.forward(j["config"], j["tensors"], j["inputs"], j["options"]) if j["op"] == "forward"
+                 else adapter.vjp(j["config"], j["tensors"], j["inputs"], j["options"], j["d_output"])}
+                for j in jobs]
+
+
+def test_an_engine_with_run_jobs_runs_a_chunk_in_one_start(monkeypatch):
+    import importlib
+
+    from conformance import sharded
+
+    monkeypatch.setitem(sharded.ENGINES, "fake", "fake_sharded_engine")
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name: _NumpyEngine if name == "fake_sharded_engine"
+                        else real(name))
+    names = ["sh_causal_bottom_right", "sh_masked_rows_nan"]
+    _NumpyEngine.calls = 0
+    results, skipped = sharded.run_sharded(("fake",), device_counts=(2,), dtypes=("float32",), case_names=names,
+                                           jobs=1)
+    assert skipped == [] and _NumpyEngine.calls == 1, (skipped, _NumpyEngine.calls)
+    by = {(r.case, r.sharding["kind"]): r for r in results}
+    for name in names:
+        assert by[(name, "sequence")].status == "pass", by[(name, "sequence")]
+        assert "grad query" in {c.name for c in by[(name, "sequence")].comparisons}
+        assert by[(name, "heads")].status == "unsupported" and by[(name, "heads")].message == "no heads here"
+    assert by[("sh_masked_rows_nan", "sequence")].to_json()["sharding"] == {"engine": "fake", "kind": "sequence",
+                                                                            "devices": 2}
+
+
+@pytest.mark.jax
+@needs_jax
+def test_two_processes_of_two_devices_make_one_mesh(tmp_path):
+    """The multi-host start, on one host: two processes joined by jax.distributed (gloo between their CPU
+    devices), each with 2 host devices, run `mha run --shard sequence:4` over the 4; both write the reference's
+    output."""
+    import socket
+
+    from safetensors.numpy import load_file
+
+    from conformance.tolerance import assert_close
+    from impl_numpy.adapter import forward
+
+    config, tensors, inputs = _write_run_files(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i in range(2):
+        env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "MHA_JAX_NUM_PROCESSES": "2",
+                        "MHA_JAX_PROCESS_ID": str(i)}
+        procs.append(subprocess.Popen([*MHA, "run", "--backend", "jax", "--shard", "sequence:4", "--weights",
+                                       str(tmp_path / "w.safetensors"), "--inputs", str(tmp_path / "in.safetensors"),
+                                       "--causal", "--out", str(tmp_path / f"out{i}.safetensors")], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    t64 = {n: t.astype(np.float64) for n, t in tensors.items()}
+    i64 = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a) for n, a in inputs.items()}
+    expected = forward(config, t64, i64, {"is_causal": True})["output"]
+    for i in range(2):
+        assert_close(f"output of process {i}", load_file(tmp_path / f"out{i}.safetensors")["output"], expected,
+                     config=config, dtype="float32", quantity="output", B=2, T=11, S=11)

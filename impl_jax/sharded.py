@@ -5,19 +5,22 @@ and options), run across `devices` devices in one of two ways:
 
 heads (Megatron-style tensor parallelism). The query heads are split N
 ways; the key/value heads split with them when K >= N and K % N == 0, and
-are replicated per group when K < N (N % K == 0; MQA is K = 1): every
-device then computes the one key/value head its query heads read. The q, k,
-v projections are column-parallel (their kernels sharded by head with
-NamedSharding, XLA partitions the products); each device runs the stages
+are replicated per group when K < N (N % K == 0; MQA is K = 1): the key and
+value kernels then stay whole on every device and each device attends with
+the one key/value head its query heads read. The q projection (and k, v when
+they split) is column-parallel: its kernel constrained to shards by head
+(NamedSharding), XLA partitions the product; each device runs the stages
 (functional.py) on its heads over the whole sequence; the output projection
 is row-parallel: each device multiplies its heads' context by its rows of
 the output kernel and the partial outputs are summed once (lax.psum), the
 output bias added once, after the sum.
 
 sequence (context parallelism, ring attention). Queries, keys and values
-(after projection, QK-norm, RoPE and the cache appended) are split by
-position into N blocks; each device keeps its query block while the key
-and value blocks travel round the ring (lax.ppermute, N - 1 hops), merging
+(after projection, QK-norm, RoPE and the cache appended, which run per
+position under XLA's partitioner before the ring) are split by position
+into N blocks, the cache's positions with the new ones; each device keeps
+its query block while the key and value blocks travel round the ring
+(lax.ppermute, N - 1 hops), merging
 each block into a running max, sum and numerator: the online-softmax rule
 of chunked.py. Every mask is computed per block from the global positions
 the block carries (the key block's positions travel with it), so causality
@@ -26,7 +29,10 @@ and the masked-row policy hold across blocks whatever the block order.
 Block order: contiguous without causality; with causality the load-balanced
 "zigzag" order: the sequence is cut into 2N chunks and device i holds chunks
 i and 2N-1-i (an early and a late chunk, so every device has about the same
-number of visible keys). A length that does not divide into the blocks is
+number of visible keys). This engine computes every block, a hidden one
+masked (no per-device branch), so here the order balances nothing; it is the
+order a kernel that skips hidden blocks balances (impl_torch.sharded skips
+them), and the results do not depend on it. A length that does not divide into the blocks is
 padded: padded keys are invisible to every query, padded query rows see
 every real key and are dropped from the result. The mask and bias inputs
 are arbitrary (T, S) arrays by contract, so each device holds their rows for

@@ -28,7 +28,9 @@ try:
     import transformers
 except ImportError:  # the hf-llama tests skip; the meta-llama <-> hf-llama ones need NumPy only
     torch = transformers = None
-needs_transformers = [pytest.mark.torch,
+# The real-model tests run every core backend: marked as cross-framework, so `tox -e all` (where the
+# hf extra installs transformers) runs them; a framework env without transformers skips them.
+needs_transformers = [pytest.mark.torch, pytest.mark.tf, pytest.mark.jax,
                       pytest.mark.skipif(transformers is None, reason="needs torch and transformers (extra hf)")]
 
 T = 9  # tokens: longer than every window below, so the window hides keys
@@ -348,9 +350,8 @@ def test_meta_to_hf_and_back_through_the_cli(tmp_path):
         assert value.dtype == state[key].dtype and np.array_equal(value, state[key]), key
 
 
-@pytest.mark.torch
 @pytest.mark.skipif(transformers is None, reason="needs torch and transformers (extra hf)")
-def test_meta_converted_runs_in_transformers():
+def test_meta_converted_runs_in_transformers():  # unmarked, as tests/test_rope.py: tox -e all runs it
     """The hf-llama state converted from Meta's, loaded into transformers' LlamaAttention, computes
     Meta's attention: the permutation is the one Hugging Face's model expects."""
     state = _meta_state()

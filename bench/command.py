@@ -19,13 +19,19 @@ from bench.report import print_report, write_plots
 from bench.shapes import (
     BACKENDS,
     CHUNK_SIZE,
+    DECODE_LENGTHS,
     LONG_T,
     MATMUL_N,
+    QUICK_DECODE_LENGTHS,
     QUICK_SHAPES,
     QUICK_SWEEP_LENGTHS,
+    QUICK_WINDOW_LENGTHS,
     SHAPES,
     SWEEP_LENGTHS,
+    WINDOW_LENGTHS,
+    decode_shapes,
     sweep_shapes,
+    window_shapes,
 )
 from bench.targets import add_native_ratios, targets
 
@@ -35,7 +41,9 @@ SCHEMA = "mha-bench/1"
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time every backend against its framework's native paths and matmul rate")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-    p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, "sweep"])
+    p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, "sweep", "window", "decode"],
+                   help="shapes and families to time (default: the four shapes and the sweep; window and decode "
+                        "only when named)")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--dtype", default="float32", choices=["float32"], help="only float32 is benchmarked")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 7; --quick 2)")
@@ -44,6 +52,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget", type=float, default=5.0,
                    help="sweep: stop a path after a point whose median exceeds this many seconds (default 5)")
     p.add_argument("--sweep-max", type=int, default=SWEEP_LENGTHS[-1], help="largest sweep length (default 16384)")
+    p.add_argument("--window-max", type=int, default=WINDOW_LENGTHS[-1],
+                   help="window family: largest T (default 65536)")
+    p.add_argument("--decode-max", type=int, default=DECODE_LENGTHS[-1],
+                   help="decode family: largest cache length P (default 65536)")
     p.add_argument("--mem-limit", type=float, default=None,
                    help="GiB a path's (B, N, T, S) arrays may take (default: 40%% of MemAvailable)")
     p.add_argument("--json", metavar="FILE", help="write every raw number as JSON")
@@ -87,6 +99,13 @@ def run_backend(backend: str, spec: dict) -> dict:
         return json.loads(out_file.read_text())
 
 
+def _upto(lengths: tuple, largest: int, flag: str) -> tuple:
+    kept = tuple(n for n in lengths if n <= largest)
+    if not kept:
+        raise ValueError(f"{flag} must be at least {lengths[0]}: got {largest}")
+    return kept
+
+
 def run(args) -> int:
     from rich.console import Console
 
@@ -96,10 +115,16 @@ def run(args) -> int:
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1: got {repeats}")
     shape_table = QUICK_SHAPES if quick else SHAPES
-    shapes = [shape_table[s] for s in args.shapes if s != "sweep"]
+    shapes = [shape_table[s] for s in args.shapes if s not in ("sweep", "window", "decode")]
     if "sweep" in args.shapes:
         lengths = QUICK_SWEEP_LENGTHS if quick else tuple(T for T in SWEEP_LENGTHS if T <= args.sweep_max)
         shapes += sweep_shapes(lengths)
+    if "window" in args.shapes:
+        shapes += window_shapes(QUICK_WINDOW_LENGTHS if quick else _upto(WINDOW_LENGTHS, args.window_max, "--window-max"),
+                                quick)
+    if "decode" in args.shapes:
+        shapes += decode_shapes(QUICK_DECODE_LENGTHS if quick else _upto(DECODE_LENGTHS, args.decode_max, "--decode-max"),
+                                quick)
     mem_limit = int(args.mem_limit * 2**30) if args.mem_limit is not None else int(0.4 * _mem_available())
     spec = {"shapes": [dataclasses.asdict(s) for s in shapes], "device": args.device, "dtype": args.dtype,
             "repeats": repeats, "max_seconds": args.max_seconds, "budget": args.budget, "mem_limit": mem_limit,

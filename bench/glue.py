@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -18,6 +19,7 @@ from bench.shapes import (
     CHUNK_SIZE,
     JAX_CHUNK_SIZE,
     JAX_CHUNK_SIZE_SMALL_BATCH,
+    QUICK_CHUNK,
     TF_CHUNK_SIZE,
     TF_CHUNK_SIZE_SMALL_BATCH,
     Shape,
@@ -37,6 +39,36 @@ class Path_:
     ts_arrays: float = 0.0  # (B, N, T, S) float32 arrays alive at the peak (memory guard); 0 if chunked/flash
     note: str = ""  # kernel, compiler or chunk size, shown in the table
     compare: bool = False  # compare the output with the NumPy reference
+    flops: int | None = None  # work to count instead of the shape's attention FLOPs (the cache read: its elements)
+
+
+class Unsupported(Exception):
+    """A backend cannot run a shape the way the bench needs: its rows say why, as skipped."""
+
+
+@functools.lru_cache(maxsize=1)
+def decode_cache(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+    """The decode family's cache, past_key (B, K, P, H) and past_value (B, K, P, H), float32,
+    the same for every backend (and the NumPy reference); the last shape's is kept."""
+    rng = np.random.default_rng(2)
+    size = (shape.B, shape.kv_heads, shape.P, shape.H)
+    return rng.standard_normal(size, dtype=np.float32), rng.standard_normal(size, dtype=np.float32)
+
+
+def window_chunk(shape: Shape, quick: bool, large_batch: int, small_batch: int) -> int:
+    """chunk_size of a chunked path on the window family: the shape's own in a real run, QUICK_CHUNK
+    under --quick (smaller than the quick window, so hidden key blocks are skipped there too)."""
+    return min(shape.T, QUICK_CHUNK) if quick else framework_chunk(shape, large_batch, small_batch)
+
+
+def cache_read_path(shape: Shape, mode: str, call: Callable[[], object], how: str) -> Path_:
+    """The decode family's yardstick: one pass over the cache (past_key and past_value), a sum in
+    the backend's own framework, timed like every path and beside them."""
+    return Path_("cache.read", "reference", mode, "forward", call, flops=shape.cache_bytes // 4,
+                 note=f"{how} over past_key and past_value ({shape.cache_bytes / 2**20:.0f} MiB)")
+
+
+DECODE_OPTIONS = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True)  # the new token sees the cache
 
 
 @contextlib.contextmanager
@@ -103,6 +135,17 @@ def glue_numpy(device: str, quick: bool) -> Glue:
 
     def paths(shape, config, tensors, x):
         c = shape.causal
+        if shape.family == "window":
+            chunk = window_chunk(shape, quick, CHUNK_SIZE, CHUNK_SIZE)
+            return [Path_("ours.chunked", "ours", "eager", "forward",
+                          lambda: multi_head_attention(config, tensors, x, is_causal=c, chunk_size=chunk),
+                          note=f"chunk_size={chunk}, window_left={shape.window_left}", compare=True)]
+        if shape.family == "decode":
+            pk, pv = decode_cache(shape)
+            return [Path_("ours", "ours", "eager", "forward",
+                          lambda: multi_head_attention(config, tensors, x, past_key=pk, past_value=pv, **DECODE_OPTIONS),
+                          note="fused path, return_cache", compare=True),
+                    cache_read_path(shape, "eager", lambda: (np.sum(pk), np.sum(pv)), "np.sum")]
         g = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
         out = []
         if not shape.long:
@@ -176,10 +219,32 @@ def glue_torch(device: str, quick: bool) -> Glue:
         return ", ".join(h.replace("aten::", "") for h in hits) or "math (no fused kernel)"
 
     def paths(shape, config, tensors_np, x_np):
+        if shape.family == "window":
+            raise Unsupported("impl_torch has no chunked path: its SDPA path takes a window as a (T, S) boolean "
+                              "mask and skips no key block")
         torch._dynamo.reset()  # a fresh compile per shape (the cache limit counts recompiles)
         c, N = shape.causal, shape.N
         t = {k: torch.from_numpy(v).to(dev) for k, v in tensors_np.items()}
         x = torch.from_numpy(x_np).to(dev)
+        if shape.family == "decode":
+            pk, pv = (torch.from_numpy(a).to(dev) for a in decode_cache(shape))
+
+            def step(sdpa):
+                def call():
+                    with torch.no_grad():
+                        return multi_head_attention(config, t, x, past_key=pk, past_value=pv, use_sdpa=sdpa,
+                                                    **DECODE_OPTIONS)
+                return done(call)
+
+            def read():
+                with torch.no_grad():
+                    return torch.sum(pk), torch.sum(pv)
+
+            return [Path_("ours.sdpa.eager", "ours", "eager", "forward", step(True), note="SDPA, return_cache",
+                          compare=True),
+                    Path_("ours.eager", "ours", "eager", "forward", step(False), note="the stages, return_cache",
+                          compare=True),
+                    cache_read_path(shape, "eager", done(read), "torch.sum")]
         D = shape.D
         W = {n: t[f"{n}.kernel"].reshape(D, -1).T.contiguous() for n in ("query", "key", "value")}  # nn.Linear layout
         Wo = t["output.kernel"].reshape(-1, D).T.contiguous()
@@ -295,12 +360,14 @@ def glue_tf(device: str, quick: bool) -> Glue:
             with tf.device(dev):
                 y = f()
             if device == "gpu":
-                y = y.numpy()  # waits for the device
+                y = tf.nest.map_structure(lambda a: a.numpy(), y)  # waits for the device
             return y
         return call
 
     def paths(shape, config, tensors_np, x_np):
         c = shape.causal
+        if shape.family:
+            return family_paths(shape, config, tensors_np, x_np)
         with tf.device(dev):
             t = {k: tf.constant(v) for k, v in tensors_np.items()}
             x = tf.constant(x_np)
@@ -370,6 +437,30 @@ def glue_tf(device: str, quick: bool) -> Glue:
                              done(lambda: native_grad(x)), ts_arrays=5, note="GradientTape in tf.function(jit_compile=True)"))
         return out
 
+    def family_paths(shape, config, tensors_np, x_np):
+        """window: the chunked path under tf.function (its key-block step XLA-compiled); decode: the
+        default path, eager and under tf.function, and the cache read."""
+        with tf.device(dev):
+            t = {k: tf.constant(v) for k, v in tensors_np.items()}
+            x = tf.constant(x_np)
+        if shape.family == "window":
+            chunk = window_chunk(shape, quick, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH)
+            graph = tf.function(lambda inp, tt: multi_head_attention(config, tt, inp, is_causal=True, chunk_size=chunk))
+            return [Path_("ours.chunked.graph", "ours", "compiled", "forward", done(lambda: graph(x, t)),
+                          note=f"chunk_size={chunk}, window_left={shape.window_left}, tf.function", compare=True)]
+        with tf.device(dev):
+            pk, pv = (tf.constant(a) for a in decode_cache(shape))
+
+        def step(inp, tt, k, v):
+            return multi_head_attention(config, tt, inp, past_key=k, past_value=v, **DECODE_OPTIONS)
+
+        graph = tf.function(step)
+        return [Path_("ours.eager", "ours", "eager", "forward", done(lambda: step(x, t, pk, pv)), note="return_cache",
+                      compare=True),
+                Path_("ours.graph", "ours", "compiled", "forward", done(lambda: graph(x, t, pk, pv)),
+                      note="return_cache, tf.function", compare=True),
+                cache_read_path(shape, "eager", done(lambda: (tf.reduce_sum(pk), tf.reduce_sum(pv))), "tf.reduce_sum")]
+
     def matmul(n):
         with tf.device(dev):
             a = tf.random.normal((n, n))
@@ -422,6 +513,18 @@ def glue_jax(device: str, quick: bool) -> Glue:
         p = jax.device_put(tensors_np, dev)
         x = jax.device_put(x_np, dev)
         D, N = shape.D, shape.N
+        if shape.family == "window":
+            chunk = window_chunk(shape, quick, JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH)
+            windowed = jax.jit(lambda pp, inp: apply(config, pp, inp, is_causal=True, chunk_size=chunk))
+            return [Path_("ours.chunked", "ours", "compiled", "forward", done(lambda: windowed(p, x)),
+                          note=f"jax.jit, chunk_size={chunk}, window_left={shape.window_left}", compare=True)]
+        if shape.family == "decode":
+            pk, pv = jax.device_put(decode_cache(shape), dev)
+            step = jax.jit(lambda pp, inp, k, v: apply(config, pp, inp, past_key=k, past_value=v, **DECODE_OPTIONS))
+            read = jax.jit(lambda k, v: (jnp.sum(k), jnp.sum(v)))
+            return [Path_("ours.jit", "ours", "compiled", "forward", done(lambda: step(p, x, pk, pv)),
+                          note="jax.jit, return_cache", compare=True),
+                    cache_read_path(shape, "compiled", done(lambda: read(pk, pv)), "jnp.sum under jax.jit")]
 
         def ours(pp, inp):
             return apply(config, pp, inp, is_causal=c)

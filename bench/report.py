@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.shapes import BACKENDS
+from bench.shapes import BACKENDS, SHAPES
 
 
 def _fmt_ms(s):
@@ -69,15 +69,103 @@ def print_report(console, data: dict) -> None:
         console.print(st)
         for key, why in data.get("sweep_stops", {}).items():
             console.print(f"sweep {key}: {why}")
-    tt = Table(title="targets (issue 7)")
+    _print_window(console, rows)
+    _print_decode(console, rows)
+    families = ("window", "decode")
+    ran = data["settings"].get("shapes")
+    issue7 = [e for e in data["targets"] if e["shape"] not in families]
+    if ran is None or any(name in SHAPES for name in ran):
+        _print_targets(console, "targets (issue 7)", issue7)
+    elif issue7:
+        console.print(f"targets (issue 7): none of their shapes ran ({len(issue7)} targets, all in --json)")
+    issue19 = [e for e in data["targets"] if e["shape"] in families]
+    if issue19:
+        _print_targets(console, "targets (issue 19): window and decode", issue19)
+
+
+def _print_targets(console, title: str, entries: list[dict]) -> None:
+    from rich.table import Table
+
+    tt = Table(title=title)
     for col in ("target", "measured", "threshold", "path", "result"):
         tt.add_column(col)
-    for e in data["targets"]:
+    for e in entries:
         m = "-" if e["measured"] is None else (f"{e['measured']:.1f}%" if e["unit"] == "%" else f"{e['measured']:.2f}x")
         res = {"pass": "[green]pass[/]", "miss": "[red]miss[/]"}.get(e["status"], f"[yellow]{e['status']}[/]")
         thr = f"{e['threshold']:g}{'%' if e['unit'] == '%' else 'x'}"
         tt.add_row(e["target"], m, thr, e["path"] or "-", res)
     console.print(tt)
+
+
+def _family_rows(rows, family):
+    return [r for r in rows if r.get("family") == family and r["status"] == "ok" and r.get("matmul_ratio")]
+
+
+def _print_window(console, rows) -> None:
+    """Per T, each backend's fastest chunked path: microseconds per query token, its paired time
+    per token against the family's shortest T, and peak memory over inputs+outputs."""
+    from rich.table import Table
+
+    window = _family_rows(rows, "window")
+    if not window:
+        return
+    r0 = window[0]
+    wt = Table(title=f"window: causal, window_left {r0['window_left']}, B {r0['B']}, D {r0['D']}, N {r0['N']} "
+                     "(per backend: us per query token / paired time per token over the shortest T's / peak memory "
+                     "over inputs+outputs)")
+    wt.add_column("T", justify="right")
+    backends = [b for b in BACKENDS if any(r["backend"] == b for r in window)]
+    best = {}
+    for r in window:
+        if r["kind"] == "ours":
+            key = (r["backend"], r["T"])
+            if key not in best or r["matmul_ratio"] < best[key]["matmul_ratio"]:
+                best[key] = r
+    for b in backends:
+        wt.add_column(b, justify="right")
+    Ts = sorted({r["T"] for r in window})
+    for T in Ts:
+        cells = []
+        for b in backends:
+            r = best.get((b, T))
+            first = next((best[(b, t)] for t in Ts if (b, t) in best), None)
+            if r is None:
+                cells.append("-")
+                continue
+            spread = (r["matmul_ratio"] / T) / (first["matmul_ratio"] / first["T"])
+            peak = "-" if r["peak_over_io"] is None else f"{r['peak_over_io']:.2f}x"
+            cells.append(f"{r['median_s'] / T * 1e6:.1f} us / {spread:.2f}x / {peak}")
+        wt.add_row(str(T), *cells)
+    console.print(wt)
+
+
+def _print_decode(console, rows) -> None:
+    """Per cache length P, each backend's fastest step, its cache read, and the ratio of their paired times."""
+    from rich.table import Table
+
+    decode = _family_rows(rows, "decode")
+    if not decode:
+        return
+    r0 = decode[0]
+    dt = Table(title=f"decode: one token after a cache of P keys, N {r0['N']}, K {r0['K']}, H {r0['H']}, D {r0['D']} "
+                     "(per backend: step ms / cache read ms / step over read, paired)")
+    dt.add_column("P", justify="right")
+    backends = [b for b in BACKENDS if any(r["backend"] == b for r in decode)]
+    for b in backends:
+        dt.add_column(b, justify="right")
+    for P in sorted({r["P"] for r in decode}):
+        cells = []
+        for b in backends:
+            here = [r for r in decode if r["backend"] == b and r["P"] == P]
+            step = min((r for r in here if r["kind"] == "ours"), key=lambda r: r["matmul_ratio"], default=None)
+            read = next((r for r in here if r["kind"] == "reference"), None)
+            if step is None or read is None:
+                cells.append("-")
+                continue
+            cells.append(f"{_fmt_ms(step['median_s'])} / {_fmt_ms(read['median_s'])} / "
+                         f"{step['matmul_ratio'] / read['matmul_ratio']:.2f}x")
+        dt.add_row(str(P), *cells)
+    console.print(dt)
 
 
 def write_plots(data: dict, directory: Path) -> list[Path]:

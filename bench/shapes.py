@@ -27,28 +27,56 @@ class Shape:
     N: int
     causal: bool
     sweep: bool = False  # a point of the sweep (forward only, reduced path set)
+    K: int | None = None  # key/value heads (GQA); None: N
+    P: int = 0  # cached keys before the call (decode): past_key/past_value (B, K, P, H)
+    window_left: int = -1  # the config's window_left (-1: none)
+    family: str = ""  # "window" | "decode" for the points of those families, "" otherwise
 
     @property
     def H(self) -> int:
         return self.D // self.N
 
     @property
+    def kv_heads(self) -> int:
+        return self.N if self.K is None else self.K
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs the attention computes: the full T x (P + S),
+        even when causal, except under a window, where only the pairs it
+        leaves count (query i sees min(i + 1, window_left + 1) keys, causal,
+        top-left aligned as the window family runs)."""
+        if self.window_left < 0:
+            return self.T * (self.P + self.S)
+        w = self.window_left + 1
+        return sum(min(i + 1, w) for i in range(min(self.T, w))) + max(0, self.T - w) * w
+
+    @property
     def flops(self) -> int:
-        """Forward FLOPs: q and output projections over T, k and v over S, and
-        QK^T plus WV over the full T x S (even when causal)."""
-        B, T, S, D, N, H = self.B, self.T, self.S, self.D, self.N, self.H
-        return 4 * B * T * D * D + 4 * B * S * D * D + 4 * B * N * T * S * H
+        """Forward FLOPs: q and output projections over T, k and v over S (K
+        heads each), and QK^T plus WV over `pairs` (the full T x S even when
+        causal). K = N, N*H = D: 4*B*T*D^2 + 4*B*S*D^2 + 4*B*N*T*S*H."""
+        B, T, S, D, N, H, K = self.B, self.T, self.S, self.D, self.N, self.H, self.kv_heads
+        return 4 * B * T * D * N * H + 4 * B * S * D * K * H + 4 * B * N * self.pairs * H
+
+    @property
+    def cache_bytes(self) -> int:
+        """float32 bytes of the cache the call reads (past_key and past_value)."""
+        return 2 * self.B * self.kv_heads * self.P * self.H * 4
 
     @property
     def io_bytes(self) -> int:
         """float32 bytes of the inputs and the output: self-attention passes one
-        (B, T, D) query as key and value, and gets one (B, T, D) back."""
-        return 2 * self.B * self.T * self.D * 4
+        (B, T, D) query as key and value, and gets one (B, T, D) back; a decode
+        step also reads the cache and returns it with its new keys (present_key,
+        present_value)."""
+        grown = 2 * self.B * self.kv_heads * (self.P + self.S) * self.H * 4 if self.family == "decode" else 0
+        return 2 * self.B * self.T * self.D * 4 + self.cache_bytes + grown
 
     @property
     def ts_bytes(self) -> int:
-        """One float32 (B, N, T, S) array."""
-        return self.B * self.N * self.T * self.S * 4
+        """One float32 (B, N, T, P + S) array."""
+        return self.B * self.N * self.T * (self.P + self.S) * 4
 
     @property
     def long(self) -> bool:
@@ -84,3 +112,29 @@ def framework_chunk(shape: Shape, large_batch: int, small_batch: int) -> int:
 def sweep_shapes(lengths) -> list[Shape]:
     return [Shape(f"sweep-{T}", B=1, T=T, S=T, D=512 if T >= 128 else 64, N=8 if T >= 128 else 4, causal=False,
                   sweep=True) for T in lengths]
+
+
+# Families of shapes picked by name in --shapes, each a list of points (issue 19 for window and decode).
+FAMILIES = ("sweep", "window", "decode")
+
+# window: causal, window_left 4095 (each query sees at most 4096 keys), T = S growing; B 1, D 512, N 8.
+WINDOW_LEFT = 4095
+WINDOW_LENGTHS = (8192, 16384, 32768, 65536)
+QUICK_WINDOW_LEFT = 15
+QUICK_WINDOW_LENGTHS = (32, 128)  # the second longer than 2 windows: the reference checks its last rows alone
+QUICK_CHUNK = 16  # --quick: every chunked path's chunk_size on the window family, so hidden key blocks are skipped
+
+# decode: one new token (T = S = 1) after a cache of P keys; GQA N 32, K 8, H 128 (D 4096), B 1.
+DECODE_LENGTHS = (8192, 16384, 32768, 65536)
+QUICK_DECODE_LENGTHS = (16, 32, 64)
+
+
+def window_shapes(lengths, quick: bool = False) -> list[Shape]:
+    left, D, N = (QUICK_WINDOW_LEFT, 32, 2) if quick else (WINDOW_LEFT, 512, 8)
+    return [Shape(f"window-{T}", B=1, T=T, S=T, D=D, N=N, causal=True, window_left=left, family="window")
+            for T in lengths]
+
+
+def decode_shapes(lengths, quick: bool = False) -> list[Shape]:
+    D, N, K = (32, 4, 2) if quick else (4096, 32, 8)
+    return [Shape(f"decode-{P}", B=1, T=1, S=1, D=D, N=N, K=K, P=P, causal=True, family="decode") for P in lengths]

@@ -1,7 +1,10 @@
-"""The issue's targets (issue 7), judged on a result set: each measured, with
-its threshold, pass or miss; and each path's ratio to the native fastest."""
+"""The issues' targets (issue 7; issue 19 for the window and decode families),
+judged on a result set: each measured, with its threshold, pass or miss; and
+each path's ratio to the native fastest."""
 
 from __future__ import annotations
+
+import statistics
 
 from bench.shapes import BACKENDS, FRAMEWORKS
 
@@ -88,4 +91,113 @@ def targets(results) -> list[dict]:
         out.append(_entry(f"{backend} long forward peak memory < 4x inputs+outputs", backend, "long",
                           None if best is None else best["peak_over_io"], 4.0, "<", unit="x",
                           path=None if best is None else best["path"]))
+    families = {r.get("family") for r in rows}
+    if "window" in families:
+        out += window_targets(rows)
+    if "decode" in families:
+        out += decode_targets(rows)
+    return out
+
+
+WINDOW_FLAT = 1.3  # issue 19: time per query token at most 1.3x from the shortest to the longest T
+WINDOW_MEMORY = 4.0  # ... and peak memory under 4x inputs+outputs
+DECODE_LINEAR = 10.0  # decode: every point within 10% of the least-squares line a + b*P (our reading of "linearly")
+DECODE_READ = 2.0  # ... and each step within 2x of one read of its cache
+
+
+def _family(rows, family, backend, kind="ours"):
+    return [r for r in rows if r.get("family") == family and r["backend"] == backend and r["kind"] == kind
+            and r["pass"] == "forward"]
+
+
+def _why_not(rows, family, backend) -> str:
+    """The status of a backend's rows in a family that did not run (skipped, failed), for 'not measured'."""
+    failed = [r["status"] for r in rows if r.get("family") == family and r["backend"] == backend and r["status"] != "ok"]
+    return failed[0] if failed else "no rows"
+
+
+def _fastest_by(rows, length: str) -> dict:
+    """length (T or P) -> the row of least paired time (matmul_ratio) there."""
+    best: dict = {}
+    for r in rows:
+        if r["status"] == "ok" and r.get("matmul_ratio"):
+            if r[length] not in best or r["matmul_ratio"] < best[r[length]]["matmul_ratio"]:
+                best[r[length]] = r
+    return dict(sorted(best.items()))
+
+
+def window_targets(rows) -> list[dict]:
+    """Per backend, on its chunked path (the fastest at each T): the spread of the time per query
+    token over the family's lengths, as the largest over the smallest of matmul_ratio / T (paired
+    times, so a change of machine speed between lengths cancels), <= 1.3x; the same in NumPy and at
+    least two frameworks; and the largest peak memory over inputs+outputs, < 4x."""
+    out, flat = [], {}
+    for backend in BACKENDS:
+        best = _fastest_by(_family(rows, "window", backend), "T")
+        per_token = {T: r["matmul_ratio"] / T for T, r in best.items()}
+        spread = max(per_token.values()) / min(per_token.values()) if len(per_token) >= 2 else None
+        paths = ", ".join(sorted({r["path"] for r in best.values()}))
+        lengths = f"T {min(best)}-{max(best)}" if best else ""
+        entry = _entry(f"{backend} window: time per query token flat across T (max/min <= {WINDOW_FLAT:g}x)", backend,
+                       "window", spread, WINDOW_FLAT, "<=", unit="x", path=f"{paths} ({lengths})" if best else None,
+                       why=_why_not(rows, "window", backend) if len(per_token) < 2 else None)
+        flat[backend] = entry
+        out.append(entry)
+    for backend in BACKENDS:
+        peaks = [r for r in _fastest_by(_family(rows, "window", backend), "T").values() if r.get("peak_over_io") is not None]
+        worst = max(peaks, key=lambda r: r["peak_over_io"], default=None)
+        out.append(_entry(f"{backend} window forward peak memory < {WINDOW_MEMORY:g}x inputs+outputs (largest over T)",
+                          backend, "window", None if worst is None else worst["peak_over_io"], WINDOW_MEMORY, "<",
+                          unit="x", path=None if worst is None else f"{worst['path']} at T {worst['T']}",
+                          why=None if worst else _why_not(rows, "window", backend)))
+    frameworks = sorted((e for b, e in flat.items() if b != "numpy" and e["measured"] is not None),
+                        key=lambda e: e["measured"])[:2]
+    numpy_ = flat["numpy"]
+    if numpy_["measured"] is None or len(frameworks) < 2:
+        out.append({"target": "window: flat in numpy and at least two frameworks", "backend": "numpy+2",
+                    "shape": "window", "measured": None, "threshold": WINDOW_FLAT, "unit": "x", "path": None,
+                    "pass": None, "status": "not measured: needs numpy and two frameworks"})
+    else:
+        worst = max(numpy_["measured"], frameworks[-1]["measured"])
+        out.append(_entry("window: flat in numpy and at least two frameworks", "numpy+2", "window", worst, WINDOW_FLAT,
+                          "<=", unit="x", path="numpy, " + ", ".join(e["backend"] for e in frameworks)))
+    return out
+
+
+def linear_fit(xs, ys) -> tuple[float, float]:
+    """Least squares y = a + b x: (a, b)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def decode_targets(rows) -> list[dict]:
+    """Per backend, its fastest step at each cache length P (paired times): linear in P (every
+    point within DECODE_LINEAR of the least-squares line a + b*P, and b > 0), and within 2x of
+    one read of the cache at every P (the step's paired time over the read's, both in the same
+    worker and shape, the read a sum over past_key and past_value in the backend's framework)."""
+    out = []
+    for backend in BACKENDS:
+        steps = _fastest_by(_family(rows, "decode", backend), "P")
+        reads = _fastest_by(_family(rows, "decode", backend, kind="reference"), "P")
+        paths = ", ".join(sorted({r["path"] for r in steps.values()}))
+        deviation = why = None
+        if len(steps) >= 3:
+            a, b = linear_fit(list(steps), [r["matmul_ratio"] for r in steps.values()])
+            deviation = 100.0 * max(abs(r["matmul_ratio"] - (a + b * P)) / r["matmul_ratio"] for P, r in steps.items())
+        else:
+            why = _why_not(rows, "decode", backend) if not steps else "needs three cache lengths"
+        entry = _entry(f"{backend} decode: step time linear in P (every point within {DECODE_LINEAR:g}% of the "
+                       "fitted line)", backend, "decode", deviation, DECODE_LINEAR, "<=", unit="%",
+                       path=f"{paths} (P {min(steps)}-{max(steps)})" if steps else None, why=why)
+        if deviation is not None and b <= 0:
+            entry.update({"pass": False, "status": "miss"})  # flat or falling: no growth with P to call linear
+        out.append(entry)
+        both = [P for P in steps if P in reads and reads[P].get("matmul_ratio")]
+        ratio = {P: steps[P]["matmul_ratio"] / reads[P]["matmul_ratio"] for P in both}
+        worst = max(ratio, key=ratio.get, default=None)
+        out.append(_entry(f"{backend} decode: step <= {DECODE_READ:g}x one read of its cache (at every P)", backend,
+                          "decode", None if worst is None else ratio[worst], DECODE_READ, "<=", unit="x",
+                          path=None if worst is None else f"{steps[worst]['path']} vs cache.read, worst at P {worst}",
+                          why=None if worst is not None else _why_not(rows, "decode", backend)))
     return out

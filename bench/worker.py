@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.glue import GLUE
+from bench.glue import DECODE_OPTIONS, GLUE, Unsupported, decode_cache
 from bench.measure import MATMUL, measure_paired
 from bench.shapes import CHUNK_SIZE, Shape
 
@@ -38,12 +38,17 @@ def run_worker(spec: dict) -> dict:
     stopped: dict[str, str] = {}
     for sd in spec["shapes"]:
         shape = Shape(**sd)
-        config = weights.AttentionConfig(num_heads=shape.N, query_dim=shape.D, head_dim=shape.H)
+        config = weights.AttentionConfig(num_heads=shape.N, query_dim=shape.D, head_dim=shape.H,
+                                         num_kv_heads=shape.kv_heads, window_left=shape.window_left)
         tensors = weights.init(config, seed=0, dtype="float32")
         x = np.random.default_rng(0).standard_normal((shape.B, shape.T, shape.D)).astype(np.float32)
-        reference = None
+        reference, rows_compared = None, slice(None)
         try:
             paths = glue.paths(shape, config, tensors, x)
+        except Unsupported as why:
+            results.append(_row(backend, shape, None, f"skipped: {why}", None))
+            _log(f"  {backend} {shape.name}: skipped: {why}")
+            continue
         except Exception as err:  # noqa: BLE001
             results.append(_row(backend, shape, None, f"failed: setting up paths: {type(err).__name__}: {err}", None))
             _log(f"  {backend} {shape.name}: could not set up paths: {err}")
@@ -81,8 +86,9 @@ def run_worker(spec: dict) -> dict:
                             row["peak_over_io"] = peak / shape.io_bytes
                         if path.compare:
                             if reference is None:
-                                reference = _numpy_reference(config, tensors, x, shape)
-                            diff = np.abs(glue.to_numpy(y).astype(np.float64) - reference)
+                                reference, rows_compared = _numpy_reference(config, tensors, x, shape)
+                            y = y[0] if isinstance(y, (tuple, list)) else y  # a decode step returns its cache too
+                            diff = np.abs(glue.to_numpy(y).astype(np.float64)[:, rows_compared] - reference)
                             row["max_abs_diff_vs_numpy"] = float(diff.max())
                             row["reference_max_abs"] = float(np.abs(reference).max())
                 except Exception as err:  # noqa: BLE001
@@ -104,20 +110,35 @@ def run_worker(spec: dict) -> dict:
 
 
 def _numpy_reference(config, tensors, x, shape):
+    """-> (impl_numpy's output, float64; the query rows of the call's output it stands for)."""
     from impl_numpy.attention import multi_head_attention
 
+    if shape.family == "decode":
+        pk, pv = decode_cache(shape)
+        out = multi_head_attention(config, tensors, x, past_key=pk, past_value=pv, **DECODE_OPTIONS)[0]
+        return np.asarray(out, np.float64), slice(None)
+    if shape.family == "window" and shape.T > 2 * (shape.window_left + 1):
+        # Causal, windowed and without RoPE, output row i depends on inputs i - window_left ... i alone,
+        # not on its position: so the last rows of a call on the last 2w inputs are the full call's last
+        # w rows, at a fraction of its time (the first rows are checked at the family's shortest T).
+        w = shape.window_left + 1
+        out = multi_head_attention(config, tensors, x[:, -2 * w:], is_causal=True, chunk_size=min(CHUNK_SIZE, w))
+        return np.asarray(out[:, w:], np.float64), slice(shape.T - w, None)
     chunk = min(CHUNK_SIZE, shape.T) if shape.long else None
-    return np.asarray(multi_head_attention(config, tensors, x, is_causal=shape.causal, chunk_size=chunk), np.float64)
+    out = multi_head_attention(config, tensors, x, is_causal=shape.causal, chunk_size=chunk)
+    return np.asarray(out, np.float64), slice(None)
 
 
 def _row(backend, shape, path, status, rate) -> dict:
     return {
         "backend": backend, "shape": shape.name, "B": shape.B, "T": shape.T, "S": shape.S, "D": shape.D, "N": shape.N,
-        "H": shape.H, "causal": shape.causal, "sweep": shape.sweep,
+        "H": shape.H, "causal": shape.causal, "sweep": shape.sweep, "family": shape.family, "K": shape.kv_heads,
+        "P": shape.P, "window_left": shape.window_left,
         "path": None if path is None else path.name, "kind": None if path is None else path.kind,
         "mode": None if path is None else path.mode, "pass": None if path is None else path.pass_,
         "note": "" if path is None else path.note, "status": status,
-        "flops": shape.flops * (3 if path is not None and path.pass_ == "forward+backward" else 1),
+        "flops": path.flops if path is not None and path.flops is not None else
+        shape.flops * (3 if path is not None and path.pass_ == "forward+backward" else 1),
         "io_bytes": shape.io_bytes, "matmul_flops_per_s": rate, "matmul_flops": None, "matmul_ratio": None,
         "median_s": None, "min_s": None, "max_s": None, "q1_s": None, "q3_s": None, "times_s": [], "repeats": 0,
         "first_call_s": None, "compile_s": None, "peak_bytes": None, "memory_method": None, "peak_over_io": None,

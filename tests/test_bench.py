@@ -285,3 +285,165 @@ def test_report_and_plots_survive_failed_and_skipped_rows(tmp_path):
     assert "sweep" in out.getvalue() and "targets" in out.getvalue(), out.getvalue()[:500]
     written = report.write_plots(data, tmp_path)
     assert (tmp_path / "sweep.png").stat().st_size > 1000, written
+
+
+# --- issue 19: the window and decode families -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", shapes.BACKENDS)
+def test_quick_window_and_decode_run_every_length(backend, tmp_path, capsys):
+    """`mha bench --quick --shapes window decode`: every length of both families measured (torch's
+    window rows skipped with the reason: it has no chunked path), the output checked against impl_numpy,
+    and every issue-19 target of the backend judged (pass or miss, never timed here)."""
+    why = _unavailable(backend)
+    if why:
+        pytest.skip(f"backend {backend}: {why}")
+    data, _, printed = _run(tmp_path, capsys, "--backends", backend, "--shapes", "window", "decode")
+    assert data["backends"][backend]["status"] == "ok", data["backends"][backend]
+    rows = data["results"]
+    windows = [r for r in rows if r["family"] == "window"]
+    decodes = [r for r in rows if r["family"] == "decode"]
+    assert sorted({r["T"] for r in windows}) == list(shapes.QUICK_WINDOW_LENGTHS), windows
+    assert sorted({r["P"] for r in decodes}) == list(shapes.QUICK_DECODE_LENGTHS), decodes
+    assert all(r["window_left"] == shapes.QUICK_WINDOW_LEFT and r["causal"] for r in windows), windows
+    assert all(r["T"] == 1 and (r["N"], r["K"]) == (4, 2) for r in decodes), decodes
+    if backend == "torch":
+        assert all(r["status"].startswith("skipped: impl_torch has no chunked path") for r in windows), windows
+    else:
+        assert all(r["status"] == "ok" and r["kind"] == "ours" and "chunk_size=16" in r["note"] for r in windows), windows
+    for r in [r for r in windows + decodes if r["status"] == "ok"]:
+        for field in ("median_s", "matmul_ratio", "first_call_s", "flops"):
+            _finite_positive(r, field)
+        assert r["memory_method"], r
+        if r["kind"] == "ours":  # what was timed computed the windowed / cached attention
+            bound = 1e-3 * max(1.0, r["reference_max_abs"])
+            assert r["max_abs_diff_vs_numpy"] <= bound, (
+                f"{r['path']} at {r['shape']} differs from impl_numpy by {r['max_abs_diff_vs_numpy']:.3g}")
+    for P in shapes.QUICK_DECODE_LENGTHS:
+        here = {r["kind"] for r in decodes if r["P"] == P and r["status"] == "ok"}
+        assert here == {"ours", "reference"}, f"decode P {P}: kinds {here}"
+    mine = [e for e in data["targets"] if e["backend"] == backend and e["shape"] in ("window", "decode")]
+    expected = 4 if backend != "torch" else 2  # window flat + memory, decode linear + read; torch has no window rows
+    judged = [e for e in mine if e["status"] in ("pass", "miss")]
+    assert len(judged) == expected and len(mine) == 4, mine
+    assert "targets (issue 19): window and decode" in printed, printed[-2000:]
+    assert "targets (issue 7): none of their shapes ran" in printed, "issue 7's table printed, none of its shapes ran"
+
+
+def test_default_shapes_are_unchanged():
+    """The families run only when named: the default `mha bench` times what it timed before."""
+    import argparse
+
+    from bench import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench"])
+    assert args.shapes == ["bert-base", "vit-b16", "gpt2", "long", "sweep"], args.shapes
+
+
+def test_family_length_limits_refuse_one_line(capsys):
+    code = main(["bench", "--shapes", "window", "--window-max", "100"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == "mha: error: --window-max must be at least 8192: got 100", err
+
+
+def test_pairs_count_the_keys_the_window_leaves():
+    """Shape.pairs (the FLOP count's attention pairs) against the visible entries of a dense
+    causal-and-window mask, built independently."""
+    import numpy as np
+
+    for T, left in ((1, 0), (7, 0), (7, 3), (16, 15), (40, 15), (33, 100)):
+        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+        visible = int(((j <= i) & (j >= i - left)).sum())
+        s = shapes.Shape("w", B=1, T=T, S=T, D=8, N=2, causal=True, window_left=left, family="window")
+        assert s.pairs == visible, (T, left, s.pairs, visible)
+    real = shapes.window_shapes([8192])[0]
+    assert real.pairs == 4096 * 4097 // 2 + 4096 * 4096, real.pairs
+    d = shapes.decode_shapes([8192])[0]  # GQA: k and v projections over K heads, attention over P + 1 keys
+    assert d.flops == 4 * 4096 * 4096 + 4 * 4096 * 8 * 128 + 4 * 32 * 8193 * 128, d.flops
+
+
+def test_window_reference_from_the_last_inputs_equals_the_full_call():
+    """The bench checks a long windowed call against impl_numpy on its last inputs alone (the rows a
+    window of w keys leaves depend on the last w inputs, and nothing on their position): those rows
+    must equal the full call's, computed by the stages (the spec, float64)."""
+    import numpy as np
+
+    import weights
+    from bench import worker
+    from impl_numpy.attention import multi_head_attention
+
+    shape = shapes.window_shapes([128], quick=True)[0]
+    config = weights.AttentionConfig(num_heads=shape.N, query_dim=shape.D, head_dim=shape.H,
+                                     window_left=shape.window_left)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    x = np.random.default_rng(0).standard_normal((1, shape.T, shape.D))
+    reference, rows = worker._numpy_reference(config, tensors, x, shape)
+    full = multi_head_attention(config, tensors, x, is_causal=True, trace=[])
+    assert reference.shape == (1, shape.window_left + 1, shape.D) and rows == slice(shape.T - shape.window_left - 1, None)
+    np.testing.assert_allclose(reference, full[:, rows], rtol=0, atol=1e-12)
+
+
+def _fam(backend, family, length, path, kind, matmul_ratio, *, peak_over_io=None, status="ok"):
+    key = "T" if family == "window" else "P"
+    return {"backend": backend, "shape": f"{family}-{length}", "family": family, key: length, "path": path,
+            "kind": kind, "mode": "eager", "pass": "forward", "status": status, "median_s": matmul_ratio,
+            "matmul_ratio": matmul_ratio, "pct_matmul": 1.0, "peak_over_io": peak_over_io}
+
+
+def test_window_targets_judge_paired_time_per_token():
+    """Flat means the paired time per query token (matmul_ratio / T) varies at most 1.3x over the
+    lengths; the summary asks numpy and two frameworks; memory takes the worst length."""
+    Ts = (8192, 16384, 32768, 65536)
+    rows = []
+    for T, grow in zip(Ts, (1.0, 1.1, 1.2, 1.25)):  # numpy: 1.25x, flat
+        rows.append(_fam("numpy", "window", T, "ours.chunked", "ours", grow * T / 8192, peak_over_io=3.0))
+    for T, grow in zip(Ts, (1.0, 1.0, 1.2, 1.4)):  # tf: 1.4x, not flat
+        rows.append(_fam("tf", "window", T, "ours.chunked.graph", "ours", grow * T / 8192, peak_over_io=2.0 + T / 2**15))
+    for T in Ts:  # jax: flat; a slower second path at the same T does not count
+        rows.append(_fam("jax", "window", T, "ours.chunked", "ours", T / 8192, peak_over_io=1.0))
+        rows.append(_fam("jax", "window", T, "ours.slow", "ours", 5 * T / 8192))
+    rows.append(_fam("torch", "window", 8192, None, None, None, status="skipped: no chunked path"))
+    by = {(e["backend"], e["target"].split(":")[0]): e for e in targets(rows) if e["shape"] == "window"}
+    flat = {b: by[(b, f"{b} window")] for b in ("numpy", "tf", "jax", "torch")}
+    assert flat["numpy"]["pass"] is True and flat["numpy"]["measured"] == pytest.approx(1.25), flat["numpy"]
+    assert flat["tf"]["pass"] is False and flat["tf"]["measured"] == pytest.approx(1.4), flat["tf"]
+    assert flat["jax"]["pass"] is True and flat["jax"]["measured"] == pytest.approx(1.0), flat["jax"]
+    assert flat["torch"]["pass"] is None and "no chunked path" in flat["torch"]["status"], flat["torch"]
+    summary = by[("numpy+2", "window")]
+    assert summary["pass"] is False and summary["measured"] == pytest.approx(1.4), summary  # tf is the second framework
+    memory = [e for e in targets(rows) if "peak memory" in e["target"] and e["shape"] == "window"]
+    tf_memory = next(e for e in memory if e["backend"] == "tf")
+    assert tf_memory["measured"] == pytest.approx(4.0) and tf_memory["pass"] is False, tf_memory  # 2 + 65536/32768
+    assert next(e for e in memory if e["backend"] == "numpy")["pass"] is True
+    # torch joins with a flat path: numpy and two frameworks (jax, torch) are flat
+    rows = [r for r in rows if r["backend"] != "torch"] + [
+        _fam("torch", "window", T, "ours.x", "ours", T / 8192 * 1.1) for T in Ts]
+    summary = next(e for e in targets(rows) if e["backend"] == "numpy+2")
+    assert summary["pass"] is True and summary["measured"] == pytest.approx(1.25), summary
+
+
+def test_decode_targets_judge_linearity_and_the_cache_read():
+    Ps = (8192, 16384, 32768, 65536)
+    rows = []
+    for P in Ps:
+        rows.append(_fam("numpy", "decode", P, "ours", "ours", 0.5 + P / 65536))  # linear, 1.5x the read at the top
+        rows.append(_fam("numpy", "decode", P, "cache.read", "reference", P / 65536))
+        rows.append(_fam("jax", "decode", P, "ours.jit", "ours", 0.1 + (P / 32768) ** 2))  # quadratic
+        rows.append(_fam("jax", "decode", P, "cache.read", "reference", P / 65536))
+        rows.append(_fam("tf", "decode", P, "ours.graph", "ours", 1.0 - P / 2**20))  # falling
+        rows.append(_fam("tf", "decode", P, "cache.read", "reference", 1.0))
+    entries = {e["target"]: e for e in targets(rows) if e["shape"] == "decode"}
+
+    def get(backend, what):
+        return next(e for t, e in entries.items() if t.startswith(f"{backend} decode: {what}"))
+
+    assert get("numpy", "step time linear")["pass"] is True and get("numpy", "step time linear")["measured"] < 1e-6
+    read = get("numpy", "step <=")
+    # (0.5 + P/65536) / (P/65536): 5x at P 8192 (the fixed cost dominates), the worst; 1.5x at P 65536
+    assert read["measured"] == pytest.approx(5.0) and read["pass"] is False and "P 8192" in read["path"], read
+    assert get("jax", "step time linear")["pass"] is False and get("jax", "step time linear")["measured"] > 10, entries
+    assert get("tf", "step time linear")["pass"] is False, "a step time that falls with P is not linear growth"
+    assert get("tf", "step <=")["pass"] is True
+    assert get("torch", "step time linear")["pass"] is None  # no rows: not measured

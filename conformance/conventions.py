@@ -21,6 +21,11 @@ What is measured, per API:
                      against float64: relative error near 1e-7 is float32,
                      near 1e-3 is TF32/bf16 (reduced).
 
+The modern arguments (RoPE pairing, what a window argument's value means in
+keys visible, softcap before or after the mask, sinks, the QK-norm option)
+are a second table, measured by conformance/conventions_modern.py in the same
+run.
+
 Layers get identity projections without biases (D = N*H), so their output is
 the attention itself, merged over heads, and compares directly with the
 reference's. JAX APIs run under jax.jit: one XLA compile per call signature
@@ -521,7 +526,7 @@ EXPECTED_SOURCE = f"the recorded expectations (conformance/{EXPECTED_FILE})"
 # Row keys an expectation may name: the table's columns and the extra
 # measurements some runners add (ONNX's past-cache causal alignment).
 EXPECTED_KEYS = ("mask_true_means", "fully_masked_row", "fully_masked_weights", "causal_T2_S4", "causal_T4_S2",
-                 "causal_T2_S4_past_cache")
+                 "causal_T2_S4_past_cache", "rope_pairing", "window", "softcap_order", "sinks", "qk_norm")
 
 
 def parse_expected(text: str) -> dict[str, dict[str, str]]:
@@ -857,8 +862,13 @@ def _versions(frameworks) -> dict[str, str]:
     return versions
 
 
-def measure(console=None, apis: tuple[Api, ...] | None = None) -> dict:
-    """Measure every API (default APIS). JSON-serialisable."""
+def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None) -> dict:
+    """Measure every API (default APIS) and every modern API (default
+    conventions_modern.APIS, or none when `apis` is given). JSON-serialisable."""
+    from conformance import conventions_modern
+
+    if modern_apis is None:
+        modern_apis = conventions_modern.APIS if apis is None else ()
     apis = APIS if apis is None else apis
     started = time.perf_counter()
     a, b, exact = _precision_inputs()
@@ -885,8 +895,17 @@ def measure(console=None, apis: tuple[Api, ...] | None = None) -> dict:
     finally:
         if status is not None:
             status.stop()
+    if status is not None:
+        status.start()
+        status.update("measuring conventions: the modern arguments")
+    try:
+        modern_rows = conventions_modern.measure(modern_apis)
+    finally:
+        if status is not None:
+            status.stop()
     present = {r["framework"].split(" ")[0] for r in rows if r["status"] == "measured"}
-    return {"versions": _versions(present), "devices": devices, "rows": rows,
+    versions = {**_versions(present), **conventions_modern.versions()}
+    return {"versions": versions, "devices": devices, "rows": rows, "modern_rows": modern_rows,
             "shapes": {"B": B, "T": T, "S": S, "N": N, "H": H, "causal_T_S": [list(p) for p in CAUSAL_SHAPES]},
             "tolerance": TOL, "matmul_shape": list(MATMUL_SHAPE),
             "seconds": round(time.perf_counter() - started, 2)}
@@ -941,7 +960,9 @@ def table_cells(data: dict) -> tuple[list[list[str]], list[str]]:
 
 
 def _notes(data: dict) -> list[str]:
-    notes = []
+    from conformance import conventions_modern
+
+    notes = conventions_modern.notes(data.get("modern_rows", []))
     for row in data["rows"]:
         if row.get("status") not in ("measured", NOT_INSTALLED):
             notes.append(f"{row['api']}: {row['status']}: {row.get('reason', '')}")
@@ -953,13 +974,22 @@ def _notes(data: dict) -> list[str]:
 
 def disagreements(data: dict) -> list[str]:
     """One line per measured fact that differs from the recorded expectations."""
+    import re
+
     lines = []
     table = expected()
-    for row in data["rows"]:
+    from conformance.conventions_modern import KEYS as MODERN_KEYS
+
+    tables = [(row, False) for row in data["rows"]] + [(row, True) for row in data.get("modern_rows", [])]
+    for row, modern in tables:
         if row.get("status") != "measured":
             continue
         for key, want in table.get(row["api"], {}).items():
+            if (key in MODERN_KEYS) != modern:  # an API may have a row in each table: each checks its own keys
+                continue
             got = row.get(key)
+            if isinstance(got, str):  # a modern cell's "(err 1.2e-07)" is evidence, not the convention
+                got = re.sub(r" \(err [^)]*\)", "", got)
             if got != want:
                 lines.append(f"{row['api']}: {key} expected {want!r}, measured {got!r}")
     return lines
@@ -980,6 +1010,13 @@ def to_markdown(data: dict) -> str:
     out = ["| " + " | ".join(title for title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in rows]
     out += ["", *[f"{line}  " for line in footnotes]] if footnotes else []
+    modern = data.get("modern_rows")
+    if modern is not None:
+        from conformance import conventions_modern as cm
+
+        out += ["", "Modern arguments (" + cm.SETUP + "):", "",
+                "| " + " | ".join(title for title, _ in cm.COLUMNS) + " |", "|" + "---|" * len(cm.COLUMNS)]
+        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in cm.cells(modern)]
     notes = _notes(data)
     if notes:
         out += ["", "Notes:", *[f"- {note}" for note in notes]]
@@ -1004,6 +1041,15 @@ def render_terminal(data: dict, console=None) -> None:
     for row, cells in zip(data["rows"], rows):
         table.add_row(*[Text(cell) for cell in cells], style=None if row.get("status") == "measured" else "dim")
     console.print(table)
+    if data.get("modern_rows") is not None:
+        from conformance import conventions_modern as cm
+
+        modern = Table(title=f"Modern arguments: measured in this run ({cm.SETUP})", show_lines=True)
+        for title, key in cm.COLUMNS:
+            modern.add_column(title, overflow="fold", min_width=12 if key == "api" else None)
+        for row, cells in zip(data["modern_rows"], cm.cells(data["modern_rows"])):
+            modern.add_row(*[Text(cell) for cell in cells], style=None if row.get("status") == "measured" else "dim")
+        console.print(modern)
     for line in [*footnotes, *_notes(data), _setup_line(data),
                  "versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items())]:
         console.print(escape(line))
@@ -1027,7 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
             prog="python -m conformance.conventions",
             description="Measure the conventions of each framework's own attention API (bool mask polarity, the "
                         "output and weights of a fully masked row, causal alignment when T != S, the default float32 "
-                        "matmul precision on each device) against the NumPy reference, and print the table with "
+                        "matmul precision on each device; RoPE pairing, window meaning, softcap order, sinks and the QK-norm "
+                        "option of the APIs that have them) against the NumPy reference, and print the tables with "
                         f"every disagreement with {EXPECTED_SOURCE}. Frameworks that are not installed are rows "
                         "saying so. `mha check --conventions` prints the same table after the main job.")
         form = parser.add_mutually_exclusive_group()

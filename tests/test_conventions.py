@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conformance import conventions as conv
+from conformance import conventions_modern as cm
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything imports keras
 
@@ -139,11 +140,12 @@ def test_expectations_are_project_data_for_known_apis_and_keys():
     text = (importlib.resources.files("conformance") / conv.EXPECTED_FILE).read_text(encoding="utf-8")
     raw = json.loads(text)["apis"]
     table = conv.expected()
-    assert set(table) == set(raw) and set(table) <= {api.name for api in conv.APIS}, sorted(set(table) - {a.name for a in conv.APIS})
+    names = {api.name for api in conv.APIS} | {api.name for api in cm.APIS}
+    assert set(table) == set(raw) and set(table) <= names, sorted(set(table) - names)
     for api, entry in raw.items():
         assert entry["expect"] and set(entry["expect"]) <= set(conv.EXPECTED_KEYS), (api, entry)
         assert len(entry["source"]) > 20, f"{api}: no source for its expectations"
-    keys = {key for _, key in conv.COLUMNS} | {"causal_T2_S4_past_cache"}
+    keys = {key for _, key in conv.COLUMNS} | {"causal_T2_S4_past_cache"} | set(cm.KEYS)
     assert set(conv.EXPECTED_KEYS) <= keys, set(conv.EXPECTED_KEYS) - keys
     assert "shared/" not in text and "shared/" not in conv.EXPECTED_SOURCE
 
@@ -279,12 +281,130 @@ def test_markdown_and_terminal_show_every_api(data):
 
     text = conv.to_markdown(data)
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 1 + len(conv.APIS), table  # header + one line per API
-    for api in conv.APIS:
+    assert len(table) == 2 + len(conv.APIS) + len(cm.APIS), table  # two headers + one line per API
+    for api in (*conv.APIS, *cm.APIS):
         assert any(line.startswith(f"| {api.name} |") for line in table), f"{api.name} missing from\n{text}"
     assert f"with {conv.EXPECTED_SOURCE}" in text, text
     console = Console(record=True, width=400)
     conv.render_terminal(data, console=console)
     shown = console.export_text()
-    for api in conv.APIS:
-        assert api.name in shown, f"{api.name} missing from the terminal table"
+    for api in (*conv.APIS, *cm.APIS):
+        assert api.name in shown, f"{api.name} missing from the terminal tables"
+
+
+# -- the modern arguments (conformance/conventions_modern.py) ------------------------------
+
+def _rotate(x, interleaved: bool, sign: float = 1.0):
+    """RoPE written out pair by pair (independent of impl_numpy): pair p turns by position * 10000^(-2p/H)."""
+    H = x.shape[-1]
+    out = np.array(x, dtype=np.float64)
+    for pos in range(x.shape[-2]):
+        for p in range(H // 2):
+            a, b = (2 * p, 2 * p + 1) if interleaved else (p, p + H // 2)
+            theta = pos * cm.ROPE_THETA ** (-2 * p / H)
+            c, s = np.cos(theta), sign * np.sin(theta)
+            x1, x2 = x[..., pos, a], x[..., pos, b]
+            out[..., pos, a], out[..., pos, b] = x1 * c - x2 * s, x2 * c + x1 * s
+    return out
+
+
+def test_rope_pairing_label_tells_the_pairings_apart():
+    x = cm.rope_inputs()
+    half, _ = cm.pairing_label(_rotate(x, False), x)
+    inter, _ = cm.pairing_label(_rotate(x, True), x)
+    wrong, _ = cm.pairing_label(_rotate(x, True, sign=-1.0), x)  # turned the other way: neither
+    assert half.startswith("half-split (i, i+H/2)") and inter.startswith("interleaved (2i, 2i+1)"), (half, inter)
+    assert wrong.startswith("neither"), wrong
+
+
+def test_window_label_counts_the_visible_keys_and_checks_every_row():
+    i, j = np.ogrid[:cm.WINDOW_T, :cm.WINDOW_T]
+    band = (np.abs(i - j) < 3).astype(float)  # keras's sliding_window=3 rule, written here
+    label, ev = cm.window_label(band, lambda a, b: abs(a - b) < 3)
+    assert label == "keys i-2..i+2 (5)" and ev["every_row_follows_rule"], (label, ev)
+    band[0, 5] = 1.0  # one row off the rule
+    label, _ = cm.window_label(band, lambda a, b: abs(a - b) < 3)
+    assert label.endswith("(rows differ: see evidence)"), label
+
+
+def test_softcap_label_tells_the_orders_apart():
+    def soft(x):
+        e = np.exp(np.asarray(x, dtype=np.float64) - 3.0)
+        return e / e.sum()
+
+    c, b = cm.SOFTCAP, cm.SOFTCAP_BIAS
+    cap_then_bias = soft([c * np.tanh(2 / c), c * np.tanh(2 / c) + b, -np.inf])
+    bias_then_cap = soft([c * np.tanh(2 / c), c * np.tanh(3 / c), -np.inf])
+    after_mask = soft([c * np.tanh(2 / c), c * np.tanh(2 / c) + b, -c])  # tanh(-inf) = -1: the key comes back
+    assert cm.softcap_label(cap_then_bias)[0] == "before bias and mask"
+    assert cm.softcap_label(bias_then_cap)[0] == "after bias, before mask"
+    assert cm.softcap_label(after_mask)[0].startswith("neither"), "a masked key with weight > 0 matches no order"
+
+
+def _modern(data, api: str) -> dict:
+    rows = {r["api"]: r for r in data["modern_rows"]}
+    assert api in rows, f"no modern row {api!r}; rows: {sorted(rows)}"
+    row = rows[api]
+    if row["status"] == "not installed":
+        pytest.skip(row["reason"])
+    assert row["status"] == "measured", f"{api}: {row['status']}: {row.get('reason')}"
+    return row
+
+
+def test_modern_rows_are_json_and_have_every_column(data):
+    json.dumps(data["modern_rows"], allow_nan=False)
+    assert [r["api"] for r in data["modern_rows"]] == [api.name for api in cm.APIS]
+    for row in data["modern_rows"]:
+        if row["status"] == "measured":
+            assert all(isinstance(row.get(key), str) and row[key] for key in cm.KEYS), row
+
+
+def test_modern_torch_flex(data):
+    pytest.importorskip("torch", reason=TORCH)
+    row = _modern(data, "torch flex_attention")
+    assert row["softcap_order"] == "score_mod, then block_mask: before bias and mask", row
+    assert row["sinks"].startswith("return_aux lse: out * sigmoid(lse - sink)") and row["evidence"]["sinks_max_err"] < 1e-5
+
+
+def test_modern_windows_in_keys_visible(data):
+    pytest.importorskip("jax", reason=JAX)
+    assert _modern(data, "jax.nn.dot_product_attention")["window"] == "local_window_size=(2, 1): keys i-2..i+1 (4)"
+    pytest.importorskip("keras", reason=TF)
+    assert _modern(data, "keras MultiHeadAttention")["window"] == (
+        "sliding_window=3: keys i-2..i+2 (5); with use_causal_mask: keys i-2..i+0 (3)")
+
+
+def test_modern_flax_qk_norm_scope(data):
+    pytest.importorskip("flax", reason=JAX)
+    row = _modern(data, "flax.nnx.MultiHeadAttention")
+    assert row["qk_norm"].startswith("normalize_qk: LayerNorm per head (H), eps 1e-06, no bias"), row["evidence"]
+
+
+def test_modern_onnx(data):
+    pytest.importorskip("onnx", reason=ONNX)
+    ref = _modern(data, "onnx.reference (Attention, RotaryEmbedding)")
+    assert ref["window"] == "left/right_window_size=(2, 1): keys i-2..i+1 (4)" and ref["softcap_order"] == (
+        "before bias and mask"), ref
+    assert ref["rope_pairing"].startswith("RotaryEmbedding interleaved=0: half-split") and (
+        "interleaved=1: interleaved (2i, 2i+1)" in ref["rope_pairing"]), ref
+    pytest.importorskip("onnxruntime", reason=ONNX)
+    ort = _modern(data, "onnxruntime (Attention, RotaryEmbedding; CPU)")
+    assert ort["softcap_order"] == "before bias and mask", ort
+    # onnxruntime 1.30 does not know the opset-25 window attributes; a later release that runs them must match ONNX
+    assert ort["window"] in ("n/a: opset 25 left_window_size: InvalidGraph: Unrecognized attribute: left_window_size "
+                             "for operator Attention", ref["window"]), ort
+
+
+def test_modern_rope_pairing_of_the_rope_libraries(data):
+    expected = {"transformers (Llama rotary)": "apply_rotary_pos_emb (Llama): half-split (i, i+H/2)",
+                "keras-hub": "RotaryEmbedding: half-split (i, i+H/2)",
+                "torchtune": "RotaryPositionalEmbeddings: interleaved (2i, 2i+1)"}
+    measured = {}
+    for api, want in expected.items():
+        row = {r["api"]: r for r in data["modern_rows"]}[api]
+        if row["status"] == "not installed":
+            continue
+        assert row["status"] == "measured" and row["rope_pairing"].startswith(want + " (err "), row
+        measured[api] = row["rope_pairing"]
+    if not measured:
+        pytest.skip("none of transformers, keras-hub, torchtune installed")

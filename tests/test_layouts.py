@@ -684,3 +684,21 @@ def test_gptj_and_its_refusal():
     np.testing.assert_array_equal(hf["layers.0.self_attn.q_proj.weight"], state["transformer.h.0.attn.q_proj.weight"])
     with pytest.raises(ValueError, match=r"^hf_config: rotary_dim=None"):
         layouts.to_canonical("hf-gptj", state, hf_config={"n_head": N, "n_embd": D, "rotary_dim": None})
+
+
+def test_hf_llama_multimodal_gemma3_reads_its_text_config():
+    """model_type gemma3 (the multimodal wrapper): the language model's fields are in text_config, and
+    the vision tower's layers.{L}.self_attn share the key names, so the prefix must be named."""
+    rng = np.random.default_rng(8)
+    text = llama_state(rng, layers=1, prefix="model.language_model.", norms="head")
+    vision = llama_state(rng, layers=1, prefix="model.vision_tower.vision_model.encoder.")
+    hf_config = {"model_type": "gemma3", "text_config": {**LLAMA_SIZES, "query_pre_attn_scalar": 16,
+                                                         "sliding_window": 4, "layer_types": ["sliding_attention"]}}
+    with pytest.raises(WeightsFormatError, match=r"several candidates, under prefixes 'model.language_model.', "
+                                                 r"'model.vision_tower.vision_model.encoder.'"):
+        layouts.to_canonical("hf-llama", {**text, **vision}, hf_config=hf_config, layer=0)
+    config, tensors = layouts.to_canonical("hf-llama", {**text, **vision}, hf_config=hf_config, layer=0,
+                                           prefix="model.language_model.")
+    assert (config.window_left, config.scale, config.qk_norm.scope) == (3, 0.25, "head"), config
+    np.testing.assert_array_equal(tensors["query.norm.scale"],
+                                  1 + text["model.language_model.layers.0.self_attn.q_norm.weight"])

@@ -29,12 +29,11 @@ and the masked-row policy hold across blocks whatever the block order.
 Block order: contiguous without causality; with causality the load-balanced
 "zigzag" order: the sequence is cut into 2N chunks and device i holds chunks
 i and 2N-1-i (an early and a late chunk, so every device has about the same
-number of visible keys). This engine computes every block, a hidden one
-masked (no per-device branch), so here the order balances nothing; it is the
-order a kernel that skips hidden blocks balances (impl_torch.sharded skips
-them), and the results do not depend on it. A length that does not divide into the blocks is
+number of visible keys: a block that causality or a window hides from every
+query a device holds is skipped, lax.cond per device). The results do not
+depend on the order. A length that does not divide into the blocks is
 padded: padded keys are invisible to every query, padded query rows see
-every real key and are dropped from the result. The mask and bias inputs
+no key and are dropped from the result. The mask and bias inputs
 are arbitrary (T, S) arrays by contract, so each device holds their rows for
 its queries (all S columns) and reads the columns of the key block it holds.
 
@@ -281,7 +280,7 @@ def _ring_core(config, devices, T, S, is_causal, alignment, dtype, a):
     B, N, Tb, H = q.shape
     K, V = k.shape[1], v.shape[3]
     sinks = a.get("sinks")
-    qvalid = (qi >= 0)[None, None, :, None]  # (1, 1, Tb, 1)
+    qvalid = (qi >= 0)[None, None, :, None]  # (1, 1, Tb, 1): padded rows see nothing, and get no fill
     if sinks is None:
         m = jnp.full((B, N, Tb, 1), -jnp.inf, ct)
         l = jnp.zeros((B, N, Tb, 1), ct)
@@ -294,26 +293,37 @@ def _ring_core(config, devices, T, S, is_causal, alignment, dtype, a):
     v_sum = jnp.zeros((B, K, 1, V), ct)
     qg = q.reshape(B, K, N // K, Tb, H).astype(ct)
     ring = [(i, (i + 1) % devices) for i in range(devices)]
+    # the running state differs per device from the first block on: say so up front, so that a skipped
+    # block's branch (which returns the state as it came) has the type of a computed one
+    m, l, acc, seen = (lax.pcast(t, AXIS, to="varying") for t in (m, l, acc, seen))
     for step in range(devices):
-        kj_safe = jnp.maximum(kj, 0)
-        x = jnp.einsum(F.LOGITS, qg, k.astype(ct), precision=HIGHEST).reshape(B, N, Tb, -1)
-        x = x * jnp.asarray(config.effective_scale, ct)  # (B, N, Tb, Sb)
-        if config.logit_softcap is not None:
-            c = jnp.asarray(config.logit_softcap, ct)
-            x = jnp.tanh(x / c) * c
-        ok = _block_visible(config, T, S, is_causal, alignment, qi, kj)[None, None]  # (1, 1, Tb, Sb)
-        if "mask" in a:
-            ok = ok & _columns(a["mask"], kj_safe, S)
-        if "qseg" in a:
-            ok = ok & _segments_visible(a["qseg"], kseg)
-        if "bias" in a:
-            bias = _columns(a["bias"], kj_safe, S).astype(ct)
-            ok = ok & (bias > -jnp.inf)
-            x = x + jnp.where(ok & qvalid, bias, jnp.asarray(0, ct))
-        ok = jnp.where(qvalid, ok, True) & (kj >= 0)[None, None, None, :]  # padding: see every real key, none padded
-        x = jnp.where(ok, x, jnp.asarray(-jnp.inf, ct))
-        m, l, acc = _merge(m, l, acc, x, v, ct)
-        seen = seen | ok.any(axis=-1, keepdims=True)
+        # causality and windows between the held positions (padding: a padded query or key sees nothing)
+        structural = _block_visible(config, T, S, is_causal, alignment, qi, kj) & (qi >= 0)[:, None] & (kj >= 0)
+
+        def fold(state, k=k, v=v, kj=kj, kseg=kseg, structural=structural):
+            m, l, acc, seen = state
+            kj_safe = jnp.maximum(kj, 0)
+            x = jnp.einsum(F.LOGITS, qg, k.astype(ct), precision=HIGHEST).reshape(B, N, Tb, -1)
+            x = x * jnp.asarray(config.effective_scale, ct)  # (B, N, Tb, Sb)
+            if config.logit_softcap is not None:
+                c = jnp.asarray(config.logit_softcap, ct)
+                x = jnp.tanh(x / c) * c
+            ok = structural[None, None]  # (1, 1, Tb, Sb)
+            if "mask" in a:
+                ok = ok & _columns(a["mask"], kj_safe, S)
+            if "qseg" in a:
+                ok = ok & _segments_visible(a["qseg"], kseg)
+            if "bias" in a:
+                bias = _columns(a["bias"], kj_safe, S).astype(ct)
+                ok = ok & (bias > -jnp.inf)
+                x = x + jnp.where(ok, bias, jnp.asarray(0, ct))
+            x = jnp.where(ok, x, jnp.asarray(-jnp.inf, ct))
+            m, l, acc = _merge(m, l, acc, x, v, ct)
+            return m, l, acc, seen | ok.any(axis=-1, keepdims=True)
+
+        # a block that causality or a window hides from every query held is skipped (a branch per device:
+        # the zigzag order gives each device as many skipped blocks as the others)
+        m, l, acc, seen = lax.cond(structural.any(), fold, lambda state: state, (m, l, acc, seen))
         v_sum = v_sum + jnp.where((kj >= 0)[None, None, :, None], v.astype(ct), 0).sum(axis=2, keepdims=True)
         if step < devices - 1:
             k, v, kj = (lax.ppermute(t, AXIS, ring) for t in (k, v, kj))

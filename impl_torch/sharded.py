@@ -11,7 +11,11 @@ Each call starts `devices` processes (torch.multiprocessing, start method
 "spawn"), joins them into one gloo process group and returns rank 0's
 assembled answer. run_jobs runs several calls in one start (a start costs a
 few seconds: every process imports torch). What a call cannot do raises
-NotImplementedError with the reason, before any process starts.
+NotImplementedError with the reason, before any process starts. The spawn
+start method re-imports the caller's main module in every process, so a
+script that calls these must guard its entry point with
+`if __name__ == "__main__":` (multiprocessing's own rule; console scripts
+already do).
 
 Heads (`kind="heads"`)
     Rank r holds query heads r*N/n .. (r+1)*N/n (num_heads must divide by
@@ -54,8 +58,9 @@ Sequence (`kind="sequence"`)
     gradient the other way round); every received block is anchored to the
     output so that each rank's backward runs the same shifts in the same
     order. Each block is computed in sub-blocks of options["chunk_size"]
-    (default CHUNK = 1024) query rows by key columns, so that a rank's
-    temporaries stay (B, N, chunk, chunk) however long its blocks are.
+    key columns (default CHUNK = 512) by min(chunk_size, 128) query rows,
+    impl_numpy/chunked.py's sizes, so that a rank's temporaries stay
+    (B, N, 128, 512) however long its blocks are.
     Without gradients the next block's transfer runs while the current one
     is computed; under autograd each shift is waited for before its block is
     used (a custom Function's forward returns the received tensor). The
@@ -123,7 +128,11 @@ KINDS = ("heads", "sequence")
 OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
                    "segment_ids", "key_segment_ids")
 DIFFERENTIABLE_INPUTS = ("query", "key", "value", "past_key", "past_value")
-CHUNK = 1024  # query rows and key columns per sub-block of a ring block (options["chunk_size"] overrides)
+# A ring block is computed in sub-blocks of CHUNK key columns (options["chunk_size"] overrides) by
+# min(CHUNK, QUERY_ROWS) query rows: impl_numpy/chunked.py's sizes, so that a rank's temporaries are the
+# chunked call's, (B, N, 128, 512).
+CHUNK = 512
+QUERY_ROWS = 128
 TIMEOUT = datetime.timedelta(seconds=300)  # a rank that died leaves the others waiting: fail instead of hanging
 
 # Bytes this process has sent on the ring (sequence sharding): keys and values, key ids, gradients.
@@ -226,10 +235,20 @@ def vjp(config, tensors, inputs, options, d_output, *, kind, devices):
 def measure(config, tensors, inputs, options, *, devices, kind="sequence") -> dict:
     """One sharded forward, measured: per rank the bytes sent on the ring (keys and values; key ids),
     the ring's minimum per rank ((n-1)/n of the call's key/value bytes in the storage dtype), and each
-    process's peak resident memory (ru_maxrss) and its resident memory before the call (torch's own
-    footprint), in bytes. Result collection (gather to rank 0) is not counted."""
+    process's peak resident memory (ru_maxrss) and its resident memory just before the call, in bytes.
+    A small call runs first in the same processes, so that the libraries' lazily loaded code and pools
+    (torch's kernels, gloo's buffers) are in `before`, not in the call's own peak - before. Result
+    collection (the gather to rank 0) is not counted; every rank holds the whole inputs before the call
+    (in `before`: run_in_group's ranks read them and take their shard)."""
+    rows = 4 * devices
+    small = {"query": np.zeros((1, rows, config.query_dim), np.asarray(inputs["query"]).dtype)}
+    if inputs.get("key") is not None:
+        small["key"] = np.zeros((1, rows, config.key_dim), np.asarray(inputs["key"]).dtype)
+        small["value"] = np.zeros((1, rows, config.value_dim), np.asarray(inputs["key"]).dtype)
+    warm = {"op": "forward", "config": config, "tensors": tensors, "inputs": small,
+            "options": {k: v for k, v in options.items() if k in ("dtype", "is_causal", "chunk_size")}}
     job = {"op": "forward", "config": config, "tensors": tensors, "inputs": inputs, "options": options}
-    stats = run_jobs([job], kind=kind, devices=devices)[0]["stats"]
+    stats = run_jobs([warm, job], kind=kind, devices=devices)[1]["stats"]
     dtype = torch_dtype(options.get("dtype") or np.asarray(tensors["query.kernel"]).dtype)
     shapes = check(config, tensors, inputs, options, kind=kind, devices=devices)
     itemsize = torch.finfo(dtype).bits // 8
@@ -573,7 +592,7 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     if past_key is not None:
         k = torch.cat([past_key.to(dtype).index_select(2, cached), k], dim=2)  # (B, K, s_total, H)
         v = torch.cat([past_value.to(dtype).index_select(2, cached), v], dim=2)
-    present = (k, v)
+    present = (k, v) if options.get("return_cache") else None  # else k and v live on in `packed` only
 
     # What each query row sees, taken per block: mask and bias rows here, their columns per block.
     def rows_here(t):
@@ -605,7 +624,8 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
 
     t = len(rows)
     chunk = int(options.get("chunk_size") or CHUNK)
-    parts = [(r0, min(t, r0 + chunk)) for r0 in range(0, t, chunk)]  # query rows, each with its own running state
+    row_chunk = min(chunk, QUERY_ROWS)
+    parts = [(r0, min(t, r0 + row_chunk)) for r0 in range(0, t, row_chunk)]  # query rows, each with its own running state
     sinks = p.get("sinks")
     states = []
     for r0, r1 in parts:
@@ -620,6 +640,7 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     uniform = config.masked_row == "uniform"
     v_sum = torch.zeros((B, K, V), dtype=ct)  # every value row, for the "uniform" masked-row policy
     packed = torch.cat([k.reshape(-1), v.reshape(-1)])  # this rank's block, one message per step
+    del k, v
     grad = torch.is_grad_enabled()
     received = [packed]  # kept for _Anchor under autograd only
     block_ids = k_ids
@@ -646,7 +667,7 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
             if block_ids is not None:
                 next_ids = _exchange(block_ids, (rank + 1) % world, (rank - 1) % world,
                                      (block_ids.shape[0], nxt), "ids")
-        for c0 in range(0, s, chunk):  # the block in key chunks: temporaries stay (B, N, chunk, chunk)
+        for c0 in range(0, s, chunk):  # the block in key chunks: temporaries stay (B, N, rows, chunk)
             c1 = min(s, c0 + chunk)
             cols = index[c0:c1]
             kc, vc = kb[:, :, c0:c1], vb[:, :, c0:c1]

@@ -58,8 +58,9 @@ SUPPORTED: dict[str, set[str]] = {
     # fully masked rows give 0 (forward only on CPU: torch 2.13 has no flex backward there)
     "torch-flex": set(CASES) - {"masked_rows_uniform", "masked_rows_nan", "dropout_train", "softcap_masked_rows"},
     # one bias flag, default scale, no GQA, no bias, one mask for all heads; 0 for a fully masked row with scores
+    # and sliding_window (symmetric, top-left: |i - j| < W) for a causal left window
     "keras-native-mha": _BASIC | {"cross_dims", "value_head_dim", "out_dim", "causal_bottom_right_long_query",
-                                  "masked_rows_zero"},
+                                  "masked_rows_zero", "window_left_causal"},
     # one bias flag, default scale, no GQA, V == H, no bias; uniform for a fully masked row
     "flax-linen-mha": _BASIC | {"cross_dims", "out_dim", "mask_bnts", "masked_rows_uniform"},
     # as linen but GQA, and key_dim == value_dim

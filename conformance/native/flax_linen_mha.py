@@ -45,6 +45,8 @@ from . import (
 require("jax", "flax")
 
 NAME = "flax-linen-mha"
+WHY = ("linen.MultiHeadDotProductAttention takes none of them but its own decode cache, which is not the "
+       "contract's past_key/past_value")
 LAYOUT = "flax-linen-mha"
 
 
@@ -58,7 +60,8 @@ def devices() -> list[str]:
 
 
 def _prepare(config, tensors, inputs, options, device, precision):
-    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
+                                              why=WHY)
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)

@@ -55,6 +55,9 @@ from . import (
 require("jax", "flax")
 
 NAME = "flax-nnx-mha"
+WHY = ("nnx.MultiHeadAttention has its own decode cache (not the contract's past_key/past_value) and normalize_qk, "
+       "a LayerNorm per head without bias at eps 1e-6 (mha check --conventions); this wrapper builds the module "
+       "without either")
 LAYOUT = "flax-nnx-mha"
 
 FLOAT64_SOFTMAX = ("float64: the output is float32-accurate: the module's default path calls "
@@ -73,7 +76,8 @@ def devices() -> list[str]:
 
 
 def _prepare(config, tensors, inputs, options, device, precision):
-    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
+                                              why=WHY)
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)

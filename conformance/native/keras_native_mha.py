@@ -15,6 +15,13 @@ float32 (keras.ops.cast of a Python float goes through a float32 tensor), so
 float64 results are only float32-accurate in the logits unless sqrt(head_dim)
 is a power of two (see `known_difference`).
 
+Windows: sliding_window=W, which lets query i see key j iff |i - j| < W,
+counted from the top-left corner: window_left = window_right = W - 1, or
+window_left = W - 1 under a causal mask. A one-sided window without causal,
+or a bottom_right window over S > T keys, has no argument. The rest of the
+modern contract (RoPE, cache, softcap, QK-norm, sinks, segment ids) has none
+either: refused.
+
 Cannot express: GQA, mixed bias flags (one use_bias), a scale other than
 1/sqrt(head_dim), a per-head mask (B, N, T, S) with differing heads, an
 additive bias (no argument for one), an explicit dropout mask.
@@ -109,8 +116,34 @@ def native_masked_row(device: str, dtype: str, scores: bool) -> str:
     return _ROWS[key]
 
 
+WHY = ("keras MultiHeadAttention takes sliding_window and nothing else of the modern contract (no RoPE, KV cache, "
+       "softcap, QK-norm, sinks or segment-id argument)")
+
+
+def sliding_window(config, shapes, options) -> int | None:
+    """sliding_window=W for the config's window, None without one. Keras lets
+    query i see key j iff |i - j| < W (measured by `mha check --conventions`),
+    counted from the top-left corner: window_left = window_right = W - 1, or
+    window_left = W - 1 under a causal mask (which hides the right side)."""
+    left, right = config.window_left, config.window_right
+    if left < 0 and right < 0:
+        return None
+    causal = bool(options.get("is_causal"))
+    if options.get("causal_alignment", "top_left") == "bottom_right" and shapes.T != shapes.S_total:
+        raise NotImplementedError(f"{NAME}: sliding_window counts from the top-left corner (|i - j| < W); a "
+                                  f"bottom_right window over T={shapes.T} queries and S={shapes.S_total} keys has no "
+                                  "argument")
+    if left >= 0 and (right == left or causal):
+        return left + 1
+    raise NotImplementedError(f"{NAME}: sliding_window=W is symmetric (|i - j| < W: W - 1 keys on each side); "
+                              f"window_left={left}, window_right={right}" + ("" if causal else " without a causal mask")
+                              + " has no argument")
+
+
 def _prepare(config, tensors, inputs, options, device, precision):
-    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
+                                                  expresses=("window_left", "window_right"), why=WHY)
+    sliding_window(config, shapes, options)  # refuses a window it cannot express before anything runs
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)
@@ -137,12 +170,23 @@ def _call_args(config, shapes, inputs, options) -> dict:
     return args
 
 
-def _build(config, tensors, device):
+def _build(config, tensors, device, window: int | None = None):
+    """The layer with the canonical weights; with `window`, keras's own
+    sliding_window argument set (the layer built here, filled by to_native)."""
     from impl_tf.layer import placement
     from impl_tf.native import to_native
 
     with placement(device):
-        return to_native(config, tensors)
+        if window is None:
+            return to_native(config, tensors)
+        keras, _ = _keras()
+        layer = keras.layers.MultiHeadAttention(
+            num_heads=config.num_heads, key_dim=config.head_dim, value_dim=config.value_head_dim,
+            output_shape=config.out_dim, use_bias=config.use_query_bias, dropout=config.dropout,
+            dtype=np.dtype(next(iter(tensors.values())).dtype).name, sliding_window=window)
+        layer.build(query_shape=(None, None, config.query_dim), value_shape=(None, None, config.value_dim),
+                    key_shape=(None, None, config.key_dim))
+        return to_native(config, tensors, into=layer, layout=LAYOUT)
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
@@ -150,7 +194,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     from impl_tf.layer import matmul_precision, placement
 
     dtype, tensors, inputs, shapes = _prepare(config, tensors, inputs, options, device, precision)
-    layer = _build(config, tensors, device)
+    layer = _build(config, tensors, device, sliding_window(config, shapes, options))
     want = bool(options.get("return_weights", False))
     q, k, v = (tf.convert_to_tensor(x) for x in qkv(inputs))
     with placement(device), matmul_precision(precision):
@@ -174,7 +218,7 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     from impl_tf.layer import matmul_precision, placement
 
     dtype, tensors, inputs, shapes = _prepare(config, tensors, inputs, options, device, precision)
-    layer = _build(config, tensors, device)
+    layer = _build(config, tensors, device, sliding_window(config, shapes, options))
     want = bool(options.get("return_weights", False))  # the forward's path (see the docstring)
     xs = {n: tf.convert_to_tensor(x) for n, x in zip(("query", "key", "value"), qkv(inputs))}
     variables = _variables(layer)

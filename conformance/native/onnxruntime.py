@@ -150,6 +150,9 @@ def _session(model, device: str, precision: str, *, exact_scalars: bool = False)
     except Exception as err:  # noqa: BLE001 - onnxruntime's own error types
         if type(err).__name__ in ("NotImplemented", "InvalidGraph", "Fail"):
             text = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if ", Error " in text:  # onnxruntime puts the node's signature between the error code and the reason
+                code = " : ".join(text.split(" : ")[:3])  # "[ONNXRuntimeError] : 10 : INVALID_GRAPH"
+                text = f"{code} : {text[text.rindex(', Error ') + len(', Error '):]}"
             raise NotImplementedError(f"{NAME}: onnxruntime cannot run this graph on {device}: {text}") from None
         raise
 

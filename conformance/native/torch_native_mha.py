@@ -47,6 +47,7 @@ from . import (
 require("torch")
 
 NAME = "torch-native-mha"
+WHY = "nn.MultiheadAttention has no argument for any of them"
 LAYOUT = "torch-mha"
 
 
@@ -66,7 +67,8 @@ def devices() -> list[str]:
 
 
 def _prepare(config, tensors, inputs, options, device, precision):
-    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
+                                              why=WHY)
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)

@@ -43,6 +43,8 @@ from . import (
 require("torch")
 
 NAME = "torch-sdpa"
+WHY = ("SDPA takes q, k, v, a mask and a scale: no RoPE, cache, window, softcap, QK-norm, sinks or segment-id "
+       "argument (torch-flex builds them around flex_attention)")
 
 
 def known_difference(case, dtype: str) -> str | None:
@@ -82,7 +84,8 @@ def native_masked_row(device: str, dtype: str, float_mask: bool) -> str:
 
 
 def _prepare(config, tensors, inputs, options, device, precision):
-    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices())
+    dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
+                                              why=WHY)
     check_dropout(NAME, config, inputs, options)
     float_mask = inputs.get("bias") is not None
     check_masked_rows(NAME, config, shapes, inputs, options, native_masked_row(device, dtype, float_mask),

@@ -31,8 +31,9 @@ Heads (`kind="heads"`)
     (D, heads, width) tensors used through the stages of functional.py (with
     QK-norm and RoPE between projection and logits), so the split is written
     out, with an all_reduce that is an autograd Function (_AllReduceSum).
-    QK-norm with scope "all" normalises over every head at once and is
-    refused (it would need a cross-shard reduction of its statistics).
+    QK-norm with scope "all" normalises over every head at once: its
+    statistics are summed over the ranks by an all_reduce (each replicated kv
+    head counted once, by the first rank holding it).
 
 Sequence (`kind="sequence"`)
     Queries, new keys/values and the cache are each split by position into
@@ -183,9 +184,6 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
         if config.num_heads % devices:
             return (f"heads sharding splits the query heads evenly: num_heads={config.num_heads} "
                     f"does not divide by devices={devices}")
-        if config.qk_norm is not None and config.qk_norm.scope == "all":
-            return ("QK-norm with scope 'all' normalises over every head at once: heads sharding would need "
-                    "a cross-shard reduction of its statistics (not built)")
         return None
     if options.get("return_weights"):
         return ("sequence sharding never holds a query's whole row of weights (its key blocks are on other "
@@ -396,6 +394,35 @@ class _AllReduceSum(torch.autograd.Function):
         return g
 
 
+def _norm_all(config, p, q, k, heads, kvh, owned, dtype):
+    """QK-norm of scope "all" (functional.norm over every head's features) on heads-sharded projections
+    q (B, T, n_local*H) and k (B, S, k_local*H): each statistic is this rank's sum over its own heads
+    (for k: the kv heads it owns), summed over ranks by one all_reduce for q and k together, so that
+    autograd runs the same collectives in the same order on every rank."""
+    n = config.qk_norm
+    H = config.head_dim
+    ct = compute_dtype(dtype)
+    yq, yk = q.to(ct), k.to(ct)
+    k_cols = torch.tensor([i * H + j for i in owned for j in range(H)], dtype=torch.int64)
+
+    def summed(a, b):  # (B, T, 1) and (B, S, 1): sums over every head's features, all ranks
+        sq, sk = a.sum(dim=-1, keepdim=True), b.index_select(-1, k_cols).sum(dim=-1, keepdim=True)
+        total = _AllReduceSum.apply(torch.cat([sq.reshape(-1), sk.reshape(-1)]))
+        return total[: sq.numel()].reshape(sq.shape), total[sq.numel():].reshape(sk.shape)
+
+    widths = (config.num_heads * H, config.num_kv_heads * H)
+    if n.type == "layer":
+        mq, mk = summed(yq, yk)
+        yq, yk = yq - mq / widths[0], yk - mk / widths[1]
+    vq, vk = summed(yq * yq, yk * yk)
+    yq = yq / torch.sqrt(vq / widths[0] + n.eps) * p["query.norm.scale"].index_select(0, heads).to(ct).reshape(-1)
+    yk = yk / torch.sqrt(vk / widths[1] + n.eps) * p["key.norm.scale"].index_select(0, kvh).to(ct).reshape(-1)
+    if "query.norm.bias" in p:
+        yq = yq + p["query.norm.bias"].index_select(0, heads).to(ct).reshape(-1)
+        yk = yk + p["key.norm.bias"].index_select(0, kvh).to(ct).reshape(-1)
+    return yq.to(dtype), yk.to(dtype)
+
+
 def _heads(config, leaves, xs, others, options, dtype, rank, world):
     from .attention import prepare
 
@@ -427,7 +454,11 @@ def _heads(config, leaves, xs, others, options, dtype, rank, world):
     q = F.project(call.query, cols("query.kernel", heads), cols("query.bias", heads))  # (B, T, n_local*H)
     k = F.project(call.key, cols("key.kernel", kvh), cols("key.bias", kvh))  # (B, S, k_local*H)
     v = F.project(call.value, cols("value.kernel", kvh), cols("value.bias", kvh))  # (B, S, k_local*V)
-    if config.qk_norm is not None:  # scope "head" (refusal() sends "all" away): per head, scale (H,) shared
+    if config.qk_norm is not None and config.qk_norm.scope == "all":
+        # kv head h is counted by the first rank that holds it (a replicated head is summed once)
+        owned = [i for i, h in enumerate(kv_heads) if (h * G) // n_local == rank]
+        q, k = _norm_all(config, p, q, k, heads, kvh, owned, dtype)
+    elif config.qk_norm is not None:  # scope "head": per head, scale (H,) shared by the heads
         nq = config.qk_norm
         q = F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), nq.type, nq.eps, n_local, nq.scope)
         k = F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), nq.type, nq.eps, len(kv_heads), nq.scope)

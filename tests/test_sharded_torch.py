@@ -32,9 +32,14 @@ def _cfg(**kw) -> weights.AttentionConfig:
 EXTRA = {case.name: case for case in (
     # kv heads split with the query heads on 2 and 4 processes (K >= n, K % n == 0)
     Case("sharded_gqa_split", _cfg(num_heads=8, num_kv_heads=4, rope={}), T=9, S=9, is_causal=True),
-    # K = 3 on 2 processes: a rank's query heads straddle kv groups (each gets its own copy)
-    Case("sharded_kv_straddle", _cfg(num_heads=6, num_kv_heads=3, window_left=2), self_attention=False, T=5, S=7,
-         mask="padding"),
+    # K = 3 on 2 processes: a rank's query heads straddle kv groups (each gets its own copy); QK-norm over
+    # every head (its statistics summed over the ranks, the shared kv head counted once)
+    Case("sharded_kv_straddle", _cfg(num_heads=6, num_kv_heads=3, window_left=2,
+                                     qk_norm={"type": "layer", "scope": "all", "eps": 1e-5}),
+         self_attention=False, T=5, S=7, mask="padding"),
+    # MQA (K = 1 < n: the kv head on every rank) with QK-norm over every head
+    Case("sharded_norm_all_mqa", _cfg(num_heads=4, num_kv_heads=1, qk_norm={"type": "rms", "scope": "all"}, rope={}),
+         self_attention=False, T=4, S=6, is_causal=True),
     # a cache split by position, causal under bottom_right, MQA and sinks
     Case("sharded_decode_sinks_mqa", _cfg(num_heads=4, num_kv_heads=1, use_sinks=True, rope={}),
          self_attention=False, T=3, S=3, P=6, is_causal=True, causal_alignment="bottom_right", return_cache=True,
@@ -49,10 +54,10 @@ SEQUENCE_CASES = (
 )
 HEADS_CASES = {
     2: ("gqa", "mqa", "causal_bottom_right", "padding_mask", "bias", "masked_rows_nan", "sinks", "segments_packed",
-        "rope_yarn", "cache_window_gqa", "dropout_train", "sharded_gqa_split", "sharded_kv_straddle",
-        "sharded_decode_sinks_mqa"),
+        "rope_yarn", "cache_window_gqa", "dropout_train", "qk_norm_layer_all", "sharded_gqa_split",
+        "sharded_kv_straddle", "sharded_norm_all_mqa", "sharded_decode_sinks_mqa"),
     # K = 2 < 4 (replicated per group), MQA, K = 4 (split); every case here has num_heads divisible by 4
-    4: ("mqa", "mask_and_bias_causal", "decode_cache", "sinks", "sharded_gqa_split"),
+    4: ("mqa", "mask_and_bias_causal", "decode_cache", "sinks", "sharded_gqa_split", "sharded_norm_all_mqa"),
 }
 BFLOAT16 = {"sequence": ("causal_bottom_right", "segments_packed"), "heads": ("gqa", "sinks")}
 # Sequence cases again with each ring block cut into 2 x 2 sub-blocks (options["chunk_size"]).
@@ -169,7 +174,7 @@ def test_refusals_name_the_reason(kind, devices, options, expected):
         sharded.forward(config, tensors, inputs, {**base, **options}, kind=kind, devices=devices)
 
 
-def test_refusals_trace_dropout_and_norm_scope():
+def test_refusals_trace_and_dropout():
     config, tensors, inputs, options = _call()
     with pytest.raises(NotImplementedError, match="no trace"):
         sharded.forward(config, tensors, inputs, options | {"return_weights": False}, kind="sequence", devices=2,
@@ -177,9 +182,6 @@ def test_refusals_trace_dropout_and_norm_scope():
     config, tensors, inputs, options = _call("dropout_train")
     with pytest.raises(NotImplementedError, match="dropout under sequence sharding"):
         sharded.forward(config, tensors, inputs, options | {"return_weights": False}, kind="sequence", devices=2)
-    config, tensors, inputs, options = _call("qk_norm_layer_all")
-    with pytest.raises(NotImplementedError, match="scope 'all'"):
-        sharded.vjp(config, tensors, inputs, options, np.zeros((2, 4, 8)), kind="heads", devices=2)
 
 
 @pytest.mark.parametrize("kind,devices,expected", [

@@ -64,10 +64,11 @@ Sequence (`kind="sequence"`)
     (B, N, 128, 512) however long its blocks are.
     Without gradients the next block's transfer runs while the current one
     is computed; under autograd each shift is waited for before its block is
-    used (a custom Function's forward returns the received tensor). The
-    weights (B, N, T, S_total) are never
-    whole on one rank: return_weights is refused, as is dropout (a keep-mask
-    per block is not built).
+    used (a custom Function's forward returns the received tensor). Dropout:
+    the keep-mask's rows of this rank, its columns per block (a seeded one,
+    without dropout_mask, is torch's stream drawn whole on every rank, as the
+    unsharded call draws it). The weights (B, N, T, S_total) are never
+    whole on one rank: return_weights is refused.
 
 Neither kind returns a trace (trace=True is refused): no rank runs every
 stage on the whole call.
@@ -188,8 +189,6 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
     if options.get("return_weights"):
         return ("sequence sharding never holds a query's whole row of weights (its key blocks are on other "
                 "processes): return_weights is not available")
-    if options.get("training") and (config.dropout > 0 or inputs.get("dropout_mask") is not None):
-        return "dropout under sequence sharding (a keep-mask per key block) is not built"
     return None
 
 
@@ -636,6 +635,13 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
         return rows_here(t.reshape(broadcast_shape(name, tuple(t.shape), B, N, T, S_total)))
 
     mask, bias = rank4("mask"), rank4("bias", ct)
+    keep = None  # dropout's keep-mask, this rank's rows (B, N, t, S_total): functional.dropout per block
+    if options.get("training"):
+        keep = others.get("dropout_mask")
+        if keep is None and config.dropout > 0:  # the unsharded call's own seeded stream, drawn whole on every rank
+            keep = F.dropout_keep_mask((B, N, T, S_total), config.dropout, options.get("seed"), query.device)
+        keep = rows_here(keep)
+    rate = 1.0 - config.dropout
     q_ids = k_ids = None
     if others.get("segment_ids") is not None:
         ids = others["segment_ids"].to(torch.int64)
@@ -669,6 +675,8 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
             l = torch.zeros((B, N, r1 - r0, 1), dtype=ct)
         states.append([m, l, torch.zeros((B, N, r1 - r0, V), dtype=ct)])
     uniform = config.masked_row == "uniform"
+    for (r0, r1), state in zip(parts, states):  # with dropout, a masked row's uniform context is its own
+        state.append(torch.zeros((B, N, r1 - r0, V), dtype=ct) if uniform and keep is not None else None)
     v_sum = torch.zeros((B, K, V), dtype=ct)  # every value row, for the "uniform" masked-row policy
     packed = torch.cat([k.reshape(-1), v.reshape(-1)])  # this rank's block, one message per step
     del k, v
@@ -704,7 +712,11 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
             kc, vc = kb[:, :, c0:c1], vb[:, :, c0:c1]
             mask_cols = None if mask is None else (mask.index_select(3, cols) if mask.shape[3] == S_total else mask)
             bias_cols = None if bias is None else (bias.index_select(3, cols) if bias.shape[3] == S_total else bias)
+            keep_cols = None if keep is None else keep.index_select(3, cols)
             for (r0, r1), state in zip(parts, states):
+                if state[3] is not None:  # weight 1/S_total on every key, hidden ones too, then dropout
+                    dropped = (rows_part(keep_cols, r0, r1).to(ct) / (rate * S_total)).reshape(B, K, G, r1 - r0, -1)
+                    state[3] = state[3] + torch.einsum(F.ATTEND, dropped, vc.to(ct)).reshape(B, N, r1 - r0, V)
                 vis = visible(aligned[r0:r1], cols)
                 if vis is not None and not bool(vis.any()):
                     continue  # causal or the window hides these keys from every row here
@@ -721,14 +733,16 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
                 x = F.mask_stage(x, allowed, rows_part(bias_cols, r0, r1)).to(ct)
                 # The online-softmax merge (impl_numpy/chunked.py's _core); the shifts are constants, not
                 # functions of x (detached), so the gradient is the softmax's own.
-                m, l, acc = state
+                m, l, acc = state[:3]
                 m_new = torch.maximum(m, x.amax(dim=-1, keepdim=True).detach())
                 m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
                 e = torch.exp(x - m_safe)  # hidden -> exactly 0
                 correction = torch.exp(m - m_safe)  # 0 where m was -inf
+                row_sum = e.sum(dim=-1, keepdim=True)  # before dropout: the softmax's denominator
+                if keep_cols is not None:
+                    e = torch.where(rows_part(keep_cols, r0, r1), e / rate, 0.0)
                 pv = torch.einsum(F.ATTEND, e.reshape(B, K, G, r1 - r0, c1 - c0), vc.to(ct))
-                state[:] = [m_new, l * correction + e.sum(dim=-1, keepdim=True),
-                            acc * correction + pv.reshape(B, N, r1 - r0, V)]
+                state[:3] = [m_new, l * correction + row_sum, acc * correction + pv.reshape(B, N, r1 - r0, V)]
         if step < world - 1:
             packed = next_packed if grad else _finish_exchange(pending)
             if grad:
@@ -740,7 +754,10 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     empty = l == 0  # rows with no visible key (never with sinks: the sink's 1 stays)
     ctx = acc / torch.where(empty, 1.0, l)
     if config.masked_row == "uniform":
-        mean = (v_sum / S_total)[:, :, None, None, :].expand(B, K, G, 1, V).reshape(B, N, 1, V)
+        if keep is not None:
+            mean = torch.cat([state[3] for state in states], dim=2) if states else acc
+        else:
+            mean = (v_sum / S_total)[:, :, None, None, :].expand(B, K, G, 1, V).reshape(B, N, 1, V)
         ctx = torch.where(empty, mean, ctx)
     elif config.masked_row == "nan":
         ctx = ctx * torch.where(empty, float("nan"), 1.0)  # NaN in the gradient too, as the reference VJP

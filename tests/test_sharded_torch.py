@@ -37,6 +37,9 @@ EXTRA = {case.name: case for case in (
     Case("sharded_kv_straddle", _cfg(num_heads=6, num_kv_heads=3, window_left=2,
                                      qk_norm={"type": "layer", "scope": "all", "eps": 1e-5}),
          self_attention=False, T=5, S=7, mask="padding"),
+    # dropout with rows that see no key: their uniform weights on every key (hidden ones too) are dropped too
+    Case("sharded_dropout_uniform_rows", _cfg(dropout=0.3, masked_row="uniform"), training=True, mask="empty_rows",
+         self_attention=False, T=5, S=7, is_causal=True),
     # MQA (K = 1 < n: the kv head on every rank) with QK-norm over every head
     Case("sharded_norm_all_mqa", _cfg(num_heads=4, num_kv_heads=1, qk_norm={"type": "rms", "scope": "all"}, rope={}),
          self_attention=False, T=4, S=6, is_causal=True),
@@ -50,7 +53,8 @@ SEQUENCE_CASES = (
     "causal_top_left", "causal_bottom_right", "causal_bottom_right_long_query", "window_left_causal",
     "window_both_bottom_right", "padding_mask", "mask_bnts", "bias_neg_inf", "masked_rows_uniform",
     "masked_rows_nan", "sinks", "sinks_masked_rows", "segments_packed", "rope_yarn", "cache_window_gqa",
-    "decode_cache", "qk_norm_layer_all", "softcap", "mqa", "sharded_gqa_split", "sharded_decode_sinks_mqa",
+    "decode_cache", "qk_norm_layer_all", "softcap", "mqa", "dropout_train", "sharded_gqa_split",
+    "sharded_decode_sinks_mqa", "sharded_dropout_uniform_rows",
 )
 HEADS_CASES = {
     2: ("gqa", "mqa", "causal_bottom_right", "padding_mask", "bias", "masked_rows_nan", "sinks", "segments_packed",
@@ -62,7 +66,7 @@ HEADS_CASES = {
 BFLOAT16 = {"sequence": ("causal_bottom_right", "segments_packed"), "heads": ("gqa", "sinks")}
 # Sequence cases again with each ring block cut into 2 x 2 sub-blocks (options["chunk_size"]).
 CHUNKED = ("window_left_causal", "segments_packed", "masked_rows_uniform", "sinks_masked_rows", "decode_cache",
-           "bias_neg_inf")
+           "bias_neg_inf", "sharded_dropout_uniform_rows")
 
 
 def _case(name: str, kind: str) -> Case:
@@ -174,14 +178,11 @@ def test_refusals_name_the_reason(kind, devices, options, expected):
         sharded.forward(config, tensors, inputs, {**base, **options}, kind=kind, devices=devices)
 
 
-def test_refusals_trace_and_dropout():
+def test_refusal_trace():
     config, tensors, inputs, options = _call()
     with pytest.raises(NotImplementedError, match="no trace"):
         sharded.forward(config, tensors, inputs, options | {"return_weights": False}, kind="sequence", devices=2,
                         trace=True)
-    config, tensors, inputs, options = _call("dropout_train")
-    with pytest.raises(NotImplementedError, match="dropout under sequence sharding"):
-        sharded.forward(config, tensors, inputs, options | {"return_weights": False}, kind="sequence", devices=2)
 
 
 @pytest.mark.parametrize("kind,devices,expected", [

@@ -351,3 +351,31 @@ def test_onnxruntime_modern_refusals_in_its_words():
     bad = [f"{key}: {_describe(r)}" for key, r in got.items()
            if r.status != STATUS_UNSUPPORTED or expected[key] not in r.message]
     assert not bad, "refusals without their reason:\n" + "\n".join(bad)
+
+
+def test_flax_nnx_normalize_qk_expresses_layer_norm_per_head_only():
+    """normalize_qk=True is a LayerNorm per head without bias at eps 1e-6 (mha check --conventions measures it):
+    a qk_norm config of that form with zero biases runs and matches the reference (and the norm matters);
+    any other norm, a nonzero bias, and the gradients (no bias parameter) are refused with the reason."""
+    adapter = _adapter("flax-nnx-mha")
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, qk_norm={"type": "layer", "eps": 1e-6})
+    tensors = weights.init(config, seed=3, dtype="float32")
+    tensors.update({n: np.zeros_like(tensors[n]) for n in ("query.norm.bias", "key.norm.bias")})
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    inputs = {"query": x, "key": x, "value": x}
+    got = adapter.forward(config, tensors, inputs, {"dtype": "float32", "return_weights": True})
+    t64 = {n: t.astype(np.float64) for n, t in tensors.items()}
+    expected, weights_expected = multi_head_attention(config, t64, x.astype(np.float64), return_weights=True)
+    plain = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+    without = multi_head_attention(plain, {n: t for n, t in t64.items() if ".norm." not in n}, x.astype(np.float64))
+    err, w_err = float(np.abs(got["output"] - expected).max()), float(np.abs(got["weights"] - weights_expected).max())
+    assert err < 1e-5 and w_err < 1e-5 < 1e-2 < float(np.abs(got["output"] - without).max()), (err, w_err)
+    biased = dict(tensors, **{"key.norm.bias": np.full_like(tensors["key.norm.bias"], 0.1)})
+    with pytest.raises(NotImplementedError, match="flax-nnx-mha: normalize_qk's LayerNorm has no bias; the case's "
+                                                  "key.norm.bias is not zero"):
+        adapter.forward(config, biased, inputs, {"dtype": "float32"})
+    rms = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, qk_norm={"type": "rms"})
+    with pytest.raises(NotImplementedError, match="normalize_qk is LayerNorm per head"):
+        adapter.forward(rms, weights.init(rms, seed=3, dtype="float32"), inputs, {"dtype": "float32"})
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        adapter.vjp(config, tensors, inputs, {"dtype": "float32"}, np.ones((2, 5, 8)))

@@ -17,6 +17,15 @@ Masks: mask (B|1, N|1, T, S), True = attend (our polarity). Causal top-left
 is is_causal=True (top-left in both paths); bottom-right is folded into the
 mask. GQA natively (num_kv_heads).
 
+QK-norm: normalize_qk=True is LayerNorm over each head's H features with a
+scale and no bias, epsilon 1e-6 (measured by `mha check --conventions`): a
+qk_norm config of exactly that form (type layer, scope head, eps 1e-6) whose
+bias tensors are zero runs with the module's LayerNorms (set on the module
+as its constructor builds them, the canonical scales loaded); any other norm
+or a nonzero bias is refused, and so are its gradients (the canonical bias
+has no parameter in the module). The other modern features have no
+argument (nnx's decode cache is not the contract's past_key/past_value).
+
 Cannot express: value_head_dim != head_dim, key_dim != value_dim (one
 in_kv_features), mixed bias flags (one use_bias), a scale other than
 1/sqrt(head_dim), an additive bias (no argument for one), an explicit dropout
@@ -55,9 +64,8 @@ from . import (
 require("jax", "flax")
 
 NAME = "flax-nnx-mha"
-WHY = ("nnx.MultiHeadAttention has its own decode cache (not the contract's past_key/past_value) and normalize_qk, "
-       "a LayerNorm per head without bias at eps 1e-6 (mha check --conventions); this wrapper builds the module "
-       "without either")
+WHY = ("nnx.MultiHeadAttention has no argument for them but its own decode cache, which is not the contract's "
+       "past_key/past_value; QK-norm goes to normalize_qk where the config is that norm")
 LAYOUT = "flax-nnx-mha"
 
 FLOAT64_SOFTMAX = ("float64: the output is float32-accurate: the module's default path calls "
@@ -75,9 +83,36 @@ def devices() -> list[str]:
     return jax_devices()
 
 
+# What normalize_qk=True builds (measured by `mha check --conventions`): LayerNorm over each head's H features,
+# a scale (H,) and no bias, epsilon 1e-6.
+NORMALIZE_QK = {"type": "layer", "scope": "head", "eps": 1e-6}
+
+
+def normalize_qk(config) -> bool:
+    """Whether the config's qk_norm is what normalize_qk=True computes (its
+    bias tensors must then be zero: checked on the values)."""
+    n = config.qk_norm
+    return n is not None and (n.type, n.scope, n.eps) == tuple(NORMALIZE_QK.values())
+
+
+def _check_norm(config, tensors) -> None:
+    if config.qk_norm is None:
+        return
+    n = config.qk_norm
+    if not normalize_qk(config):
+        raise NotImplementedError(
+            f"{NAME}: normalize_qk is LayerNorm per head (H), eps 1e-6, no bias (measured by mha check "
+            f"--conventions); the case asks qk_norm type={n.type}, scope={n.scope}, eps={n.eps:g}")
+    nonzero = [name for name in ("query.norm.bias", "key.norm.bias") if np.any(np.asarray(tensors[name]) != 0)]
+    if nonzero:
+        raise NotImplementedError(f"{NAME}: normalize_qk's LayerNorm has no bias; the case's {', '.join(nonzero)} "
+                                  "is not zero")
+
+
 def _prepare(config, tensors, inputs, options, device, precision):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                              why=WHY)
+                                                  expresses=("qk_norm",), why=WHY)
+    _check_norm(config, tensors)
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)
@@ -122,10 +157,33 @@ def _everything(params, rest, query, key, value, mask, d_out, *, graphdef, top_l
     return out, weights, pullback(d_out.astype(out.dtype))
 
 
-def _run(config, tensors, inputs, options, d_out, device, precision):
+def _module(config, tensors):
+    """impl_jax.native.to_native's module; for a QK-norm config, the same
+    module with normalize_qk's two LayerNorms set on it (what the constructor
+    builds for normalize_qk=True: LayerNorm(head_dim, use_bias=False)) and
+    the canonical norm scales loaded."""
+    import dataclasses
+
     from flax import nnx
 
     from impl_jax.native import to_native
+
+    if config.qk_norm is None:
+        return to_native(config, tensors, kind="nnx")
+    plain = {n: t for n, t in tensors.items() if ".norm." not in n}
+    module = to_native(dataclasses.replace(config, qk_norm=None), plain, kind="nnx")
+    dtype = np.dtype(next(iter(tensors.values())).dtype)
+    for name, attr in (("query", "query_ln"), ("key", "key_ln")):
+        ln = nnx.LayerNorm(config.head_dim, use_bias=False, epsilon=NORMALIZE_QK["eps"], param_dtype=dtype,
+                           rngs=nnx.Rngs(0))
+        ln.scale.set_value(jax_array(tensors[f"{name}.norm.scale"]))
+        setattr(module, attr, ln)
+    module.normalize_qk = True
+    return module
+
+
+def _run(config, tensors, inputs, options, d_out, device, precision):
+    from flax import nnx
 
     dtype, tensors, inputs, mask, top_left = _prepare(config, tensors, inputs, options, device, precision)
     expected = (*np.shape(inputs["query"])[:2], config.out_dim)
@@ -133,14 +191,16 @@ def _run(config, tensors, inputs, options, d_out, device, precision):
     if d_out.shape != expected:
         raise ValueError(f"d_output must have shape (B, T, O) = {expected}: got {d_out.shape}")
     with jax_context(device, dtype, precision):
-        graphdef, params, rest = nnx.split(to_native(config, tensors, kind="nnx"), nnx.Param, ...)
+        graphdef, params, rest = nnx.split(_module(config, tensors), nnx.Param, ...)
         out, w, (d_params, dq, dk, dv) = _everything(
             params, rest, *(jax_array(x) for x in qkv(inputs)), None if mask is None else jax_array(mask),
             jax_array(d_out, dtype), graphdef=graphdef, top_left=top_left,
             want_weights=bool(options.get("return_weights", False)))
         flat = {"/".join(map(str, path)): np.asarray(leaf.get_value() if hasattr(leaf, "get_value") else leaf)
                 for path, leaf in nnx.to_flat_state(d_params)}
+        norms = {n: flat.pop(f"{n}_ln/scale") for n in ("query", "key") if f"{n}_ln/scale" in flat}
         grads = grads_to_canonical(LAYOUT, flat)
+        grads.update({f"{n}.norm.scale": g for n, g in norms.items()})
         grads.update(query=np.asarray(dq), key=np.asarray(dk), value=np.asarray(dv))
         return np.asarray(out), None if w is None else np.asarray(w), grads
 
@@ -151,5 +211,8 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    if config.qk_norm is not None:
+        raise NotImplementedError(f"{NAME}: normalize_qk's LayerNorm has no bias parameter, so the canonical "
+                                  "query.norm.bias / key.norm.bias have no gradient in the module")
     out, _, grads = _run(config, tensors, inputs, options, d_output, device, precision)
     return {"output": out, "grads": order_grads(config, grads)}

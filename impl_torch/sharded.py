@@ -31,6 +31,8 @@ Heads (`kind="heads"`)
     (D, heads, width) tensors used through the stages of functional.py (with
     QK-norm and RoPE between projection and logits), so the split is written
     out, with an all_reduce that is an autograd Function (_AllReduceSum).
+    The weights (return_weights: each rank's heads, gathered) and the cache
+    (return_cache: each kv head from a rank that holds it) come back whole.
     QK-norm with scope "all" normalises over every head at once: its
     statistics are summed over the ranks by an all_reduce (each replicated kv
     head counted once, by the first rank holding it).
@@ -101,10 +103,15 @@ Several hosts (torchrun)
     Gloo picks the network interface from the host name; set
     GLOO_SOCKET_IFNAME where that is the wrong one.
 
-Measurement: measure() runs one sequence-sharded forward and returns the
-bytes each rank sent on the ring (keys and values, ids) against the ring's
-minimum, (n-1)/n of the call's key/value bytes, and each process's peak
-resident memory.
+Measurement: measure() runs one sharded forward (after a small warm-up
+call in the same processes) and returns the bytes each rank sent on the
+ring (keys and values; key ids) against the ring's minimum, (n-1)/n of the
+call's key/value bytes, and each process's peak resident memory with its
+resident memory just before the call. The forward sends exactly the minimum
+when the split is even: every block makes n-1 hops and nothing else
+travels but the key ids of packed rows. Peak memory depends on the
+allocator: glibc's dynamic mmap threshold keeps freed sub-block buffers
+resident (MALLOC_MMAP_THRESHOLD_ fixes it, at a cost in page faults).
 """
 
 from __future__ import annotations
@@ -144,7 +151,7 @@ _TAGS = {"kv": 1, "ids": 2, "grad": 3}  # a message of each kind can be in fligh
 
 # -- validation, before any process starts ----------------------------------------------------------
 
-def check(config, tensors, inputs, options, *, kind, devices, trace=False, op="forward") -> weights.contract.CallShapes:
+def check(config, tensors, inputs, options, *, kind, devices, trace=False) -> weights.contract.CallShapes:
     """ValueError for bad input (in the contract's words), NotImplementedError for what the sharded call
     does not do; returns the call's shapes."""
     if kind not in KINDS:
@@ -205,8 +212,7 @@ def run_jobs(jobs: list[dict], *, kind: str, devices: int) -> list[dict]:
     "tensors", "inputs", "options"[, "d_output"]}. Returns, per job, {"result": forward's or vjp's dict,
     "stats": one dict per rank (bytes sent, peak memory)}."""
     for job in jobs:
-        check(job["config"], job["tensors"], job["inputs"], job["options"], kind=kind, devices=devices,
-              op=job["op"])
+        check(job["config"], job["tensors"], job["inputs"], job["options"], kind=kind, devices=devices)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="mha-sharded-") as folder:

@@ -48,6 +48,12 @@ Method
 - Sweep (T = S = 128 ... 16384, B 1, D 512, N 8): forward only, one path of
   ours and one native per backend; a path stops after the first point whose
   median exceeds --budget seconds.
+- Window and decode (issue 19; only when named in --shapes): window times
+  each chunked path under a fixed window (causal, window_left 4095, T = S
+  8192 ... 65536) for flat time per query token and peak memory; decode
+  times one GQA token after a cache of P = 8192 ... 65536 keys beside one
+  read of that cache in the same framework (targets.window_targets,
+  targets.decode_targets say how each is judged).
 
 Modules: shapes (the shapes and chunk sizes), measure (paired timing, peak
 memory), glue (each framework's paths, matmul and memory counter), worker

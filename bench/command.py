@@ -135,7 +135,8 @@ def run(args) -> int:
             "settings": {k: v for k, v in spec.items() if k != "shapes"} | {
                 "shapes": {s.name: s.to_dict() for s in shapes}, "min_repeats": MIN_REPEATS, "long_T": LONG_T,
                 "chunk_size": CHUNK_SIZE,
-                "flops": "forward 4*B*T*D^2 + 4*B*S*D^2 + 4*B*N*T*S*H (full T*S when causal); forward+backward 3x",
+                "flops": "forward 4*B*T*D*N*H + 4*B*S*D*K*H + 4*B*N*pairs*H, pairs = T*(P+S) (full T*S when causal; "
+                         "under a window only the pairs it leaves); forward+backward 3x; the cache read: its elements",
                 "matmul": "median time of one float32 matmul_n^3 matmul in the framework, one run before each timed path call",
                 "memory": "numpy: tracemalloc peak; tf: get_memory_info peak growth; torch, jax: peak RSS growth via "
                           "/proc/self/clear_refs + VmHWM (GPU: the framework's peak-allocation counter); "

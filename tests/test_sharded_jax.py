@@ -319,3 +319,35 @@ def test_mha_check_sharded_whole_grid(tmp_path):
     odd = [(r["case"], r["backend"], r["dtype"], r["status"], r["message"]) for r in records
            if r["status"] != "pass" and not (r["status"] == "unsupported" and r["message"])]
     assert not odd, odd
+
+
+@pytest.mark.jax
+@needs_jax
+def test_mha_run_shard_decodes_with_a_cache(tmp_path):
+    """An inputs file with a cache (bottom-right causal, as decoding runs): the sequence-sharded run writes the
+    reference's output and present cache."""
+    from safetensors.numpy import load_file
+
+    from conformance.io import write_arrays
+    from conformance.tolerance import assert_close
+    from impl_numpy.adapter import forward
+
+    config, tensors, _ = _write_run_files(tmp_path)
+    rng = np.random.default_rng(7)
+    inputs = {"query": rng.standard_normal((2, 3, 8)).astype(np.float32),
+              "past_key": rng.standard_normal((2, 2, 6, 4)).astype(np.float32),
+              "past_value": rng.standard_normal((2, 2, 6, 4)).astype(np.float32)}
+    write_arrays(tmp_path / "cache.safetensors", inputs)
+    out = tmp_path / "out.safetensors"
+    done = subprocess.run([*MHA, "run", "--backend", "jax", "--shard", "sequence:2", "--weights",
+                           str(tmp_path / "w.safetensors"), "--inputs", str(tmp_path / "cache.safetensors"), "--causal",
+                           "--causal-alignment", "bottom_right", "--return-cache", "--out", str(out)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = load_file(out)
+    t64 = {n: t.astype(np.float64) for n, t in tensors.items()}
+    i64 = {n: a.astype(np.float64) for n, a in inputs.items()}
+    expected = forward(config, t64, i64, {"is_causal": True, "causal_alignment": "bottom_right", "return_cache": True})
+    for name in ("output", "present_key", "present_value"):
+        assert_close(name, got[name], expected[name], config=config, dtype="float32", quantity="output", B=2, T=3,
+                     S=9)

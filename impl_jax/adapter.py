@@ -3,7 +3,8 @@
 The same three functions and argument names as impl_numpy/adapter.py.
 Validation runs on the host, on the NumPy arrays (bias values included);
 then one jitted program (compiled once per config, shapes, dtype and
-options) runs on the chosen device. Gradients come from jax.vjp.
+options) runs on the chosen device. Gradients come from jax.vjp: query,
+key, value, past_key and past_value (those given) and every tensor.
 
 Importing this module switches on JAX's x64 mode, process-wide: float64 is
 one of the conformance dtypes and JAX computes it only in x64 mode. Every

@@ -5,9 +5,9 @@ The same recurrence as the NumPy spec of this mode (Milakov & Gimelshein
 `chunk_size` rows and keys in blocks of `chunk_size` columns; for each query
 block a running max m, running sum l and running numerator acc are rescaled
 as each key block arrives, so the largest temporary is (B, N, chunk, chunk).
-Key blocks that the causal mask hides entirely are skipped (lax.switch: a
-hidden block costs a branch and no arithmetic; only blocks the diagonal
-crosses pay for the causal select). The stage functions of functional.py run
+Key blocks that the causal mask or a window hides entirely are skipped
+(lax.switch: a hidden block costs a branch and no arithmetic; only blocks
+the diagonal or a window's edge crosses pay for the structural select). The stage functions of functional.py run
 on each block (project of a query block, split_heads, logits, mask,
 merge_heads, output), so in 16 bits those stages round as the plain path's
 do. Softmax, dropout and attend, merged into the running recurrence, stay in
@@ -39,7 +39,9 @@ Modern calls (a config with norm, rope, softcap, windows or sinks, or a call
 with a cache or segment ids) hand in their heads instead of the inputs:
 attention.py runs the stages up to the present keys (project, norm,
 split_heads, rope, the cache appended), as impl_numpy's _fused_modern does,
-and the same recurrence runs on slices of those heads. Softcap follows the
+and the same recurrence runs on slices of those heads (so such a call
+holds its (B, N, T, H) queries whole, as impl_numpy's does; still no (T, S)
+array). Softcap follows the
 logits in each block; a window hides key blocks from a whole query block
 as causality does (skipped by the same switch; the blocks its edges cross
 take the structural mask); segment ids are compared block by block; sinks

@@ -184,7 +184,7 @@ def glue_torch(device: str, quick: bool) -> Glue:
     import torch
     import torch.nn.functional as F
 
-    from impl_torch.functional import multi_head_attention
+    from impl_torch.attention import multi_head_attention
 
     if device == "gpu" and not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA GPU (torch.cuda.is_available() is False)")
@@ -347,7 +347,7 @@ def glue_tf(device: str, quick: bool) -> Glue:
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from impl_tf._keras import keras, tf
-    from impl_tf.functional import multi_head_attention
+    from impl_tf.attention import multi_head_attention
 
     gpus = tf.config.list_physical_devices("GPU")
     if device == "gpu" and not gpus:
@@ -479,11 +479,11 @@ def glue_tf(device: str, quick: bool) -> Glue:
         peak = tf.config.experimental.get_memory_info(name)["peak"] - base
         return peak, f"tf.config.experimental.get_memory_info({name!r}) peak growth", out
 
-    from impl_tf import chunked, functional
+    from impl_tf import attention, chunked
 
     info = {"version": tf.__version__, "keras": keras.__version__, "device": dev, "tf32": False,
             "keras_mha_kernel": "keras einsum path (Keras flash attention is not used on the TensorFlow backend)",
-            "ours_kernels": f"fused attention core compiled by XLA from {functional.XLA_MIN_SCORES} score elements, "
+            "ours_kernels": f"fused attention core compiled by XLA from {attention.XLA_MIN_SCORES} score elements, "
                             f"chunked key-block step from {chunked.XLA_MIN_BLOCK} (eager paths too)"}
     return Glue(info, matmul, paths, lambda y: np.asarray(y), memory)
 
@@ -493,7 +493,7 @@ def glue_jax(device: str, quick: bool) -> Glue:
     import jax.numpy as jnp
     from flax import nnx
 
-    from impl_jax.functional import apply  # not impl_jax.adapter: it turns x64 on process-wide
+    from impl_jax.attention import apply  # not impl_jax.adapter: it turns x64 on process-wide
 
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPUs (CPUs compute float32 anyway)
     platform_ = "gpu" if device == "gpu" else "cpu"

@@ -286,16 +286,3 @@ STAGES = (
     "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
 )
 """Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""
-
-
-# Names the call had when it lived here (bench/ imports `impl_jax.functional.apply`): served
-# from attention.py on first use, so that this module never imports it at load time.
-_MOVED_TO_ATTENTION = ("apply", "multi_head_attention", "STATIC_ARGNAMES")
-
-
-def __getattr__(name):
-    if name in _MOVED_TO_ATTENTION:
-        from . import attention
-
-        return getattr(attention, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

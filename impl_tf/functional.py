@@ -313,17 +313,3 @@ STAGES = (
     "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
 )
 """Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""
-
-
-# Moved to attention.py (the call and its fast paths); read lazily here for code written against
-# impl_tf.functional (bench/glue.py, bench/scripts/tf_parts.py), without a functional -> attention import.
-_MOVED = ("multi_head_attention", "prepare", "fused_attention", "XLA_MIN_SCORES", "check_tensors", "check_inputs",
-          "may_have_empty_rows")
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        from . import attention
-
-        return getattr(attention, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

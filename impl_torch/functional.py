@@ -265,12 +265,3 @@ STAGES = (
 )
 """Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""
 
-
-def __getattr__(name):
-    # The call moved to attention.py; bench/glue.py and bench/scripts/torch_gpt2_parts.py
-    # still import it from here. Lazy, so that this module imports neither attention nor sdpa.
-    if name == "multi_head_attention":
-        from .attention import multi_head_attention
-
-        return multi_head_attention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

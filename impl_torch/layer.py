@@ -24,7 +24,7 @@ normalised width (H for scope "head", the whole projection for "all"), as a
 torch port holds them; only their parameters are used (the computation is
 functional.norm, the spec's stage).
 
-The forward pass is `functional.multi_head_attention` on those views, so the
+The forward pass is `attention.multi_head_attention` on those views, so the
 layer computes exactly what the functional mirror computes, with gradients
 reaching the nn.Linear parameters through autograd.
 """

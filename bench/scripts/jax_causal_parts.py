@@ -39,7 +39,7 @@ import weights
 from bench.glue import glue_jax
 from bench.measure import paired_ratios
 from bench.shapes import JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH, SHAPES, framework_chunk
-from impl_jax.functional import apply
+from impl_jax.attention import apply
 
 ROUNDS = 9
 

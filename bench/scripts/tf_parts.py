@@ -41,7 +41,7 @@ from bench.glue import glue_tf  # noqa: E402
 from bench.measure import paired_ratios  # noqa: E402
 from bench.shapes import SHAPES, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH, framework_chunk  # noqa: E402
 from impl_tf._keras import tf  # noqa: E402
-from impl_tf.functional import multi_head_attention  # noqa: E402
+from impl_tf.attention import multi_head_attention  # noqa: E402
 
 ROUNDS = 9
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import weights
 from bench.glue import glue_torch
 from bench.measure import paired_ratios
-from impl_torch.functional import multi_head_attention
+from impl_torch.attention import multi_head_attention
 
 B, T, D, N = 4, 1024, 768, 12
 H = D // N

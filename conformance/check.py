@@ -5,6 +5,7 @@ terminal, optionally a report and JSON; exit 0 only if everything conforms.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -75,6 +76,34 @@ def enable_jax_compile_cache(directory) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _warm(backend_ids) -> dict[str, tuple[bool, list[str] | str]]:
+    """In a worker: import these backends' adapters before the first chunk arrives, and say which
+    devices each has (or why it is unavailable), so that the main process imports no framework."""
+    found = {}
+    for backend_id in backend_ids:
+        try:
+            found[backend_id] = (True, list(backends.load(backend_id).devices()))
+        except backends.BackendUnavailable as err:
+            found[backend_id] = (False, str(err))
+    return found
+
+
+def _plan_from(backend_ids, devices, found) -> tuple[list, list]:
+    """plan()'s pairs and skips from the workers' _warm answers (the adapter slot is None)."""
+    pairs, skipped = [], []
+    for backend_id in backend_ids:
+        ok, answer = found[backend_id]
+        if not ok:
+            skipped.append((backend_id, "-", answer))
+            continue
+        for device in devices or answer:
+            if device in answer:
+                pairs.append((backend_id, device, None))
+            else:
+                skipped.append((backend_id, device, f"backend {backend_id}: no {device} device here"))
+    return pairs, skipped
+
+
 def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, compile_cache=None, xla_full_opt=False):
     """One (backend, device, dtype) over its cases; runs in a worker process."""
     adapter = backends.load(backend_id)
@@ -105,28 +134,40 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console(stderr=True)
-    pairs, skipped = plan(backend_ids, devices, console)
     names = list(case_names or CASES)
-    chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes), key=lambda c: _COST_ORDER.get(c[0], 3))
-    jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), len(chunks)))
+    # The workers start and import the frameworks themselves, and tell this process which backends
+    # and devices are here (_warm): the main process imports no framework (TensorFlow alone takes 4 s).
+    jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), len(backend_ids) * len(dtypes)))
     results: list[CaseResult] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not progress, transient=True) as bar:
-        task = bar.add_task("mha check", total=len(chunks) * len(names))
-        if jobs == 1:
-            for backend_id, device, dtype in chunks:
-                bar.update(task, description=f"{backend_id}/{device}/{dtype}")
-                results += _run_chunk(backend_id, device, dtype, names, precision, gradients, compile_cache,
-                                      xla_full_opt)
-                bar.advance(task, len(names))
-        else:
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if jobs > 1:
             import concurrent.futures
             import multiprocessing
 
             # spawn: TensorFlow and JAX hold threads that a fork would copy half-alive.
-            with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = [pool.submit(_run_chunk, b, d, t, names, precision, gradients, compile_cache, xla_full_opt)
-                           for b, d, t in chunks]
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                jobs, mp_context=multiprocessing.get_context("spawn")))
+            warming = [pool.submit(_warm, list(backend_ids)) for _ in range(jobs)]  # one per idle worker, as a rule
+            found = {}
+            for future in warming:
+                found.update(future.result())
+            pairs, skipped = _plan_from(backend_ids, devices, found)
+        else:
+            pairs, skipped = plan(backend_ids, devices, console)
+        chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes), key=lambda c: _COST_ORDER.get(c[0], 3))
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, disable=not progress, transient=True) as bar:
+            task = bar.add_task("mha check", total=len(chunks) * len(names))
+            if pool is None:
+                for backend_id, device, dtype in chunks:
+                    bar.update(task, description=f"{backend_id}/{device}/{dtype}")
+                    results += _run_chunk(backend_id, device, dtype, names, precision, gradients, compile_cache,
+                                          xla_full_opt)
+                    bar.advance(task, len(names))
+            else:  # slowest chunks first: the two workers share JAX's, then the rest
+                futures = [pool.submit(_run_chunk, b, d, t, names, precision, gradients, compile_cache,
+                                       xla_full_opt) for b, d, t in chunks]
                 for future in concurrent.futures.as_completed(futures):
                     results += future.result()
                     bar.advance(task, len(names))

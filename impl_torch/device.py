@@ -12,7 +12,7 @@ PRECISIONS = ("highest", "tf32")
 
 
 def devices() -> list[str]:
-    """The device choices that work on this machine."""
+    """The device choices that work where this runs."""
     return ["cpu", "gpu"] if torch.cuda.is_available() else ["cpu"]
 
 

@@ -17,7 +17,7 @@ What nn.MultiheadAttention cannot be: see weights.layouts (torch-mha); it also
 always scales by 1/sqrt(head_dim), so a config with another `scale` is refused.
 add_bias_kv and add_zero_attn have no canonical counterpart and are refused in
 from_native. masked_row is not a weight: the module yields NaN for a query
-row with no allowed key whatever the config says (shared/CONVENTIONS.md).
+row with no allowed key whatever the config says (docs/conventions.md measures it).
 """
 
 from __future__ import annotations

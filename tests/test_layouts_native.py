@@ -3,7 +3,7 @@ canonical weights and run through the NumPy reference: the outputs match
 under the tolerance policy (conformance.tolerance), never a hand-picked number.
 
 Each framework is skipped with a reason when it is not installed. The seeds
-(shared/seeds) are rebuilt from their documents: 000 fused qkv_proj/out_proj,
+(the project's seed documents 000-004) are rebuilt from their descriptions: 000 fused qkv_proj/out_proj,
 001 a ModuleList of single heads + fc_out, 002 fused qkv/proj with a
 `mask == 0 -> -inf` mask, 003 the Keras split_heads layer (`mask * -1e9`,
 1 = masked), 004 LLMs-from-scratch W_query/W_key/W_value/out_proj with its

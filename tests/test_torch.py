@@ -266,9 +266,9 @@ def test_sdpa_plain_causal_builds_no_causal_mask(monkeypatch):
 
 
 def test_measured_sdpa_on_cpu_returns_zero_for_fully_masked_rows():
-    """The fact shared/CONVENTIONS.md states for torch 2.13 on CPU. impl_torch
+    """What docs/conventions.md records for torch 2.13 on CPU. impl_torch
     does not rely on it (those rows never reach SDPA); if this starts failing,
-    CONVENTIONS.md is stale."""
+    docs/conventions.md is stale."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
     allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool)

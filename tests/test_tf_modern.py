@@ -15,7 +15,6 @@ dtype); tolerances from conformance.tolerance only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import ml_dtypes
@@ -27,6 +26,18 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 tf = pytest.importorskip("tensorflow", reason=INSTALL)
 keras = pytest.importorskip("keras", reason=INSTALL)
 
+from modern_checks import (  # noqa: E402
+    CROSS,
+    DECODE,
+    DECODE_CONFIGS,
+    LLAMA3,
+    PROMPT,
+    TOTAL,
+    YARN,
+    cfg,
+    decode_reference,
+    modern_bad_calls,
+)
 from reference_checks import WithOptions, assert_case_conforms, assert_gradients_conform, error_of  # noqa: E402
 
 import impl_numpy  # noqa: E402
@@ -55,46 +66,39 @@ from weights.rope import inverse_frequencies  # noqa: E402
 pytestmark = pytest.mark.tf
 
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
-LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
 
 
-def _cfg(**kw) -> weights.AttentionConfig:
-    return weights.AttentionConfig(**{"num_heads": 2, "query_dim": 8, "head_dim": 4, **kw})
 
 
-_CROSS = dict(self_attention=False, T=4, S=6)
-_DECODE = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
 
 # Combinations the named grid does not hold (names start with "tf_" so that no case of the grid
 # shares their seeds): each rope scaling with each pairing, both norm kinds in both scopes, windows
 # with a cache and T != S, sinks with masks, empty rows, GQA/MQA and a cache, segments with windows.
 EXTRA_CASES = {case.name: case for case in (
-    Case("tf_qk_norm_rms_all", _cfg(qk_norm={"type": "rms", "scope": "all"}), **_CROSS),
-    Case("tf_qk_norm_layer_head_gqa", _cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
+    Case("tf_qk_norm_rms_all", cfg(qk_norm={"type": "rms", "scope": "all"}), **CROSS),
+    Case("tf_qk_norm_layer_head_gqa", cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
          is_causal=True),
     Case("tf_rope_interleaved_partial_linear",
-         _cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
+         cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
          positions="far", is_causal=True),
-    Case("tf_rope_half_partial_llama3_per_batch", _cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": LLAMA3}),
-         positions="per_batch", **_CROSS),
-    Case("tf_rope_half_yarn_far", _cfg(head_dim=8, rope={"scaling": YARN}), positions="far", is_causal=True),
-    Case("tf_window_both_cache", _cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **_DECODE),
-    Case("tf_window_left_cross_top_left", _cfg(window_left=1), **_CROSS),
-    Case("tf_window_right_causal_long_query", _cfg(window_right=1, window_left=1), self_attention=False, T=6, S=4,
+    Case("tf_rope_half_partial_llama3_per_batch", cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": LLAMA3}),
+         positions="per_batch", **CROSS),
+    Case("tf_rope_half_yarn_far", cfg(head_dim=8, rope={"scaling": YARN}), positions="far", is_causal=True),
+    Case("tf_window_both_cache", cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **DECODE),
+    Case("tf_window_left_cross_top_left", cfg(window_left=1), **CROSS),
+    Case("tf_window_right_causal_long_query", cfg(window_right=1, window_left=1), self_attention=False, T=6, S=4,
          is_causal=True, causal_alignment="bottom_right", mask="empty_rows"),
     Case("tf_sinks_cache_mqa_empty_rows",
-         _cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
-         T=2, S=2, P=3, mask="empty_rows", **_DECODE),
-    Case("tf_softcap_window_segments", _cfg(logit_softcap=3.0, window_left=1, rope={}), T=7, S=7,
+         cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
+         T=2, S=2, P=3, mask="empty_rows", **DECODE),
+    Case("tf_softcap_window_segments", cfg(logit_softcap=3.0, window_left=1, rope={}), T=7, S=7,
          positions="packed", is_causal=True),
-    Case("tf_window_segments_norm", _cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
+    Case("tf_window_segments_norm", cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
          T=7, S=7, positions="packed"),
-    Case("tf_softcap_bias_sinks_gqa", _cfg(num_heads=4, num_kv_heads=2, logit_softcap=4.0, use_sinks=True),
-         bias="neg_inf", mask="random", **_CROSS),
-    Case("tf_sinks_dropout_nan_rows", _cfg(use_sinks=True, masked_row="nan", dropout=0.25), mask="empty_rows",
-         training=True, **_CROSS),
+    Case("tf_softcap_bias_sinks_gqa", cfg(num_heads=4, num_kv_heads=2, logit_softcap=4.0, use_sinks=True),
+         bias="neg_inf", mask="random", **CROSS),
+    Case("tf_sinks_dropout_nan_rows", cfg(use_sinks=True, masked_row="nan", dropout=0.25), mask="empty_rows",
+         training=True, **CROSS),
 )}
 
 
@@ -159,14 +163,14 @@ def test_chunked_key_blocks_through_xla_honour_modern_features(name, monkeypatch
 # Longer calls: several key blocks per query block, so windows skip whole blocks and runs of
 # unmasked blocks go through the while loop, with sinks, segments, a cache and every masked_row.
 LONG_CASES = {case.name: case for case in (
-    Case("tf_long_window_causal_sinks", _cfg(num_heads=4, num_kv_heads=2, window_left=9, use_sinks=True, rope={}),
+    Case("tf_long_window_causal_sinks", cfg(num_heads=4, num_kv_heads=2, window_left=9, use_sinks=True, rope={}),
          T=37, S=37, mask="padding", is_causal=True, return_weights=False),
     Case("tf_long_window_both_cache_softcap",
-         _cfg(window_left=11, window_right=3, logit_softcap=6.0, rope={"interleaved": True}, masked_row="nan"),
-         T=13, S=13, P=20, bias="random", mask="empty_rows", **dict(_DECODE, return_weights=False)),
-    Case("tf_long_window_right_cross_uniform", _cfg(window_left=4, window_right=2, masked_row="uniform"),
+         cfg(window_left=11, window_right=3, logit_softcap=6.0, rope={"interleaved": True}, masked_row="nan"),
+         T=13, S=13, P=20, bias="random", mask="empty_rows", **dict(DECODE, return_weights=False)),
+    Case("tf_long_window_right_cross_uniform", cfg(window_left=4, window_right=2, masked_row="uniform"),
          self_attention=False, T=29, S=41, mask="empty_rows", return_weights=False),
-    Case("tf_long_segments_norm", _cfg(qk_norm={"type": "layer", "scope": "all"}, rope={}, window_left=12),
+    Case("tf_long_segments_norm", cfg(qk_norm={"type": "layer", "scope": "all"}, rope={}, window_left=12),
          T=35, S=35, positions="packed", is_causal=True, return_weights=False),
 )}
 
@@ -194,7 +198,7 @@ def test_chunked_skips_window_hidden_blocks(T, S, chunk, left, right, causal, al
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tf_chunked, "key_block", counted)
-    config = _cfg(window_left=left, window_right=right)
+    config = cfg(window_left=left, window_right=right)
     rng = np.random.default_rng(T * S + left)
     x, kv = rng.standard_normal((1, T, 8)), rng.standard_normal((1, S, 8))
     tensors = weights.init(config, seed=3, dtype="float64")
@@ -339,40 +343,8 @@ def test_precision_rule_16bit_modern_stages(stage, dtype):
 
 # -- decoding token by token with the cache ---------------------------------------------------
 
-DECODE_CONFIGS = {
-    "rope_norm_gqa": _cfg(num_heads=4, num_kv_heads=2, rope={}, qk_norm={"type": "rms"}),
-    "window_interleaved": _cfg(rope={"interleaved": True, "rotary_dim": 2}, window_left=2),
-    "everything": _cfg(num_heads=4, num_kv_heads=2, head_dim=8, window_left=3, logit_softcap=5.0, use_sinks=True,
-                       qk_norm={"type": "layer", "scope": "all"},
-                       rope={"rotary_dim": 6, "interleaved": True, "scaling": YARN}),
-}
-PROMPT, TOTAL = 3, 7  # the first call holds 3 tokens, then 4 steps of one
 
 
-@functools.cache
-def decode_reference(config_name: str, dtype: str):
-    """The full causal call (self attention over TOTAL tokens): float64 reference
-    output, present_key/value and logits, and the NumPy reference's own error in
-    `dtype` (the policy's floor for 16-bit)."""
-    config = DECODE_CONFIGS[config_name]
-    tensors = weights.init(config, seed=7, dtype="float64")
-    rng = np.random.default_rng(7)
-    for name in tensors:  # norm scales and sinks away from their initial 1 and 0
-        if ".norm." in name or name == "sinks":
-            tensors[name] = tensors[name] + 0.3 * rng.standard_normal(tensors[name].shape)
-    x = rng.standard_normal((2, TOTAL, config.query_dim))
-    x, tensors = cast_inputs({"x": x}, dtype)["x"], cast_tensors(tensors, dtype)
-    x64, t64 = x.astype(np.float64), cast_tensors(tensors, "float64")
-    trace = []
-    out, _, pk, pv = impl_numpy.multi_head_attention(config, t64, x64, is_causal=True, return_weights=True,
-                                                     return_cache=True, trace=trace)
-    errors = {}
-    if dtype in ("float16", "bfloat16"):
-        low = impl_numpy.multi_head_attention(config, tensors, x, is_causal=True, return_cache=True, trace=[])
-        errors = {name: float(np.nanmax(np.abs(got.astype(np.float64) - want)))
-                  for name, got, want in zip(("output", "present_key", "present_value"), low, (out, pk, pv))}
-    want = {"output": out, "present_key": pk, "present_value": pv}
-    return tensors, x, want, {e.stage: e.value for e in trace}["logits"], errors
 
 
 def _decode(config, tensors, x, *, path: str, layer: bool = False):
@@ -404,7 +376,7 @@ def test_decoding_with_the_cache_equals_the_full_causal_call(config_name, dtype,
     """Row for row: the prompt's rows and each decoded token's row equal the full
     causal call's, and the final cache its present_key / present_value."""
     config = DECODE_CONFIGS[config_name]
-    tensors, x, want, logits, errors = decode_reference(config_name, dtype)
+    tensors, x, want, logits, errors = decode_reference(config_name, dtype, perturb_norms=True)
     got = dict(zip(("output", "present_key", "present_value"), _decode(config, tensors, x, path=path)))
     failures = []
     for name, value in got.items():
@@ -419,7 +391,7 @@ def test_decoding_with_the_cache_equals_the_full_causal_call(config_name, dtype,
 
 def test_layer_decodes_with_the_cache():
     config = DECODE_CONFIGS["everything"]
-    tensors, x, want, logits, _ = decode_reference("everything", "float32")
+    tensors, x, want, logits, _ = decode_reference("everything", "float32", perturb_norms=True)
     out, pk, pv = _decode(config, tensors, x, path="fused", layer=True)
     for name, value in (("output", out), ("present_key", pk), ("present_value", pv)):
         assert_close(f"layer decoded {name}", value, want[name], config=config, dtype="float32", quantity="output",
@@ -430,7 +402,7 @@ def test_decoding_with_explicit_positions_equals_the_defaults():
     """positions = P + arange(T) given explicitly is the default (the cache's
     offset); positions 0 (the offset forgotten) is not."""
     config = DECODE_CONFIGS["rope_norm_gqa"]
-    tensors, x, *_ = decode_reference("rope_norm_gqa", "float64")
+    tensors, x, *_ = decode_reference("rope_norm_gqa", "float64", perturb_norms=True)
     xt = tf.constant(x)
     _, pk, pv = impl_tf.multi_head_attention(config, tensors, xt[:, :PROMPT], is_causal=True, return_cache=True)
     step = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right")
@@ -651,42 +623,14 @@ def test_window_and_segment_masks_equal_reference():
     assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"
 
 
-def _modern_bad_calls():
-    """(id, changes to a valid call): config N 2, K 1, D 8, H 4, rope, window_left 2; query (2, 5, 8)."""
-    B, T, K, H = 2, 5, 1, 4
-    ints = lambda *shape: np.zeros(shape, dtype=np.int64)  # noqa: E731
-    cache = dict(past_key=np.zeros((B, K, 3, H)), past_value=np.zeros((B, K, 3, H)))
-    return {
-        "positions_float": dict(positions=np.arange(T, dtype=np.float64)),
-        "positions_shape": dict(positions=ints(T - 1)),
-        "positions_batch": dict(positions=ints(B + 1, T)),
-        "key_positions_shape": dict(key_positions=ints(B, T + 1)),
-        "past_key_alone": dict(past_key=cache["past_key"]),
-        "past_value_alone": dict(past_value=cache["past_value"]),
-        "past_key_heads": dict(cache, past_key=np.zeros((B, K + 1, 3, H))),
-        "past_key_width": dict(cache, past_key=np.zeros((B, K, 3, H + 1))),
-        "past_lengths": dict(cache, past_value=np.zeros((B, K, 2, H))),
-        "past_key_int": dict(cache, past_key=ints(B, K, 3, H)),
-        "window_with_cache_top_left": dict(cache),
-        "causal_with_cache_top_left": dict(cache, is_causal=True),
-        "segment_ids_shape": dict(segment_ids=ints(T - 1)),
-        "segment_ids_float": dict(segment_ids=np.zeros(T)),
-        "key_segment_ids_missing_with_cache": dict(cache, causal_alignment="bottom_right", segment_ids=ints(T)),
-        "key_segment_ids_alone": dict(key_segment_ids=ints(T)),
-        "key_segment_ids_shape": dict(segment_ids=ints(T), key_segment_ids=ints(T + 1)),
-        "return_cache_not_bool": dict(return_cache="yes"),
-        "mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", mask=np.ones((T, T), dtype=bool)),
-        "dropout_mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", training=True,
-                                                dropout_mask=np.ones((B, 2, T, T), dtype=bool)),
-    }
 
 
-MODERN_BAD_CALLS = _modern_bad_calls()
+MODERN_BAD_CALLS = modern_bad_calls()
 
 
 @pytest.mark.parametrize("bad", list(MODERN_BAD_CALLS))
 def test_modern_error_wording_matches_reference(bad):
-    config = _cfg(num_kv_heads=1, rope={}, window_left=2)
+    config = cfg(num_kv_heads=1, rope={}, window_left=2)
     tensors = weights.init(config, seed=0, dtype="float64")
     call = dict(MODERN_BAD_CALLS[bad])
     query = np.random.default_rng(1).standard_normal((2, 5, 8))
@@ -699,7 +643,7 @@ def test_modern_error_wording_matches_reference(bad):
 
 
 def test_infinite_cache_is_refused_as_the_reference_refuses_it():
-    config = _cfg(num_kv_heads=1)
+    config = cfg(num_kv_heads=1)
     tensors = weights.init(config, seed=0, dtype="float64")
     past = np.zeros((1, 1, 2, 4))
     past[0, 0, 1, 2] = np.inf
@@ -714,7 +658,7 @@ def test_infinite_cache_is_refused_as_the_reference_refuses_it():
 @pytest.mark.parametrize("change", ["norm_missing", "norm_shape", "norm_bias_missing", "sinks_missing",
                                     "sinks_shape"])
 def test_modern_tensor_errors_match_reference(change):
-    config = _cfg(qk_norm={"type": "layer", "scope": "all"}, use_sinks=True)
+    config = cfg(qk_norm={"type": "layer", "scope": "all"}, use_sinks=True)
     tensors = weights.init(config, seed=0, dtype="float32")
     broken = dict(tensors)
     if change == "norm_missing":

@@ -12,13 +12,22 @@ come from impl_numpy in float64; tolerances from conformance.tolerance only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'")
 
+from modern_checks import (  # noqa: E402
+    CROSS,
+    DECODE,
+    DECODE_CONFIGS,
+    PROMPT,
+    TOTAL,
+    cfg,
+    decode_reference,
+    modern_bad_calls,
+)
 from reference_checks import WithOptions, assert_case_conforms, assert_gradients_conform, error_of  # noqa: E402
 
 import impl_numpy  # noqa: E402
@@ -44,36 +53,31 @@ from impl_torch.convert import to_numpy, to_torch  # noqa: E402
 pytestmark = pytest.mark.torch
 
 NO_CUDA = "no CUDA GPU: torch.cuda.is_available() is False"
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def _cfg(**kw) -> weights.AttentionConfig:
-    return weights.AttentionConfig(**{"num_heads": 2, "query_dim": 8, "head_dim": 4, **kw})
 
 
-_CROSS = dict(self_attention=False, T=4, S=6)
-_DECODE = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
 
 # Combinations the named grid does not hold (names start with "torch_" so that no
 # case of the grid shares their seeds).
 EXTRA_CASES = {case.name: case for case in (
-    Case("torch_qk_norm_rms_all", _cfg(qk_norm={"type": "rms", "scope": "all"}), **_CROSS),
-    Case("torch_qk_norm_layer_head_gqa", _cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
+    Case("torch_qk_norm_rms_all", cfg(qk_norm={"type": "rms", "scope": "all"}), **CROSS),
+    Case("torch_qk_norm_layer_head_gqa", cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
          is_causal=True),
     Case("torch_rope_interleaved_partial_linear",
-         _cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
+         cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
          positions="far", is_causal=True),
-    Case("torch_window_both_cache", _cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **_DECODE),
-    Case("torch_window_left_cross_top_left", _cfg(window_left=1), **_CROSS),
+    Case("torch_window_both_cache", cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **DECODE),
+    Case("torch_window_left_cross_top_left", cfg(window_left=1), **CROSS),
     Case("torch_sinks_cache_mqa_empty_rows",
-         _cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
-         T=2, S=2, P=3, mask="empty_rows", **_DECODE),
-    Case("torch_softcap_window_segments", _cfg(logit_softcap=3.0, window_left=1, rope={}), T=7, S=7,
+         cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
+         T=2, S=2, P=3, mask="empty_rows", **DECODE),
+    Case("torch_softcap_window_segments", cfg(logit_softcap=3.0, window_left=1, rope={}), T=7, S=7,
          positions="packed", is_causal=True),
-    Case("torch_window_segments_norm", _cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
+    Case("torch_window_segments_norm", cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
          T=7, S=7, positions="packed"),
-    Case("torch_softcap_bias_sinks_gqa", _cfg(num_heads=4, num_kv_heads=2, logit_softcap=4.0, use_sinks=True),
-         bias="random", mask="random", **_CROSS),
+    Case("torch_softcap_bias_sinks_gqa", cfg(num_heads=4, num_kv_heads=2, logit_softcap=4.0, use_sinks=True),
+         bias="random", mask="random", **CROSS),
 )}
 
 
@@ -149,35 +153,8 @@ def test_modern_trace_matches_reference_stage_by_stage(name):
 
 # -- decoding token by token with the cache ------------------------------------------------
 
-DECODE_CONFIGS = {
-    "rope_norm_gqa": _cfg(num_heads=4, num_kv_heads=2, rope={}, qk_norm={"type": "rms"}),
-    "window_interleaved": _cfg(rope={"interleaved": True, "rotary_dim": 2}, window_left=2),
-    "everything": _cfg(num_heads=4, num_kv_heads=2, head_dim=8, window_left=3, logit_softcap=5.0, use_sinks=True,
-                       qk_norm={"type": "layer", "scope": "all"},
-                       rope={"rotary_dim": 6, "interleaved": True, "scaling": YARN}),
-}
-PROMPT, TOTAL = 3, 7  # the first call holds 3 tokens, then 4 steps of one
 
 
-@functools.cache
-def decode_reference(config_name: str, dtype: str):
-    """The full causal call (self attention over TOTAL tokens): float64 reference
-    output, present_key/value and logits, and the NumPy reference's own error in
-    `dtype` (the policy's floor for 16-bit)."""
-    config = DECODE_CONFIGS[config_name]
-    tensors = weights.init(config, seed=7, dtype="float64")
-    x = np.random.default_rng(7).standard_normal((2, TOTAL, config.query_dim))
-    x, tensors = cast_inputs({"x": x}, dtype)["x"], cast_tensors(tensors, dtype)
-    x64, t64 = x.astype(np.float64), cast_tensors(tensors, "float64")
-    trace = []
-    out, w, pk, pv = impl_numpy.multi_head_attention(config, t64, x64, is_causal=True, return_weights=True,
-                                                     return_cache=True, trace=trace)
-    errors = {}
-    if dtype in ("float16", "bfloat16"):
-        low = impl_numpy.multi_head_attention(config, tensors, x, is_causal=True, return_cache=True, trace=[])
-        errors = {name: float(np.nanmax(np.abs(got.astype(np.float64) - want)))
-                  for name, got, want in zip(("output", "present_key", "present_value"), low, (out, pk, pv))}
-    return tensors, x, {"output": out, "present_key": pk, "present_value": pv}, {e.stage: e.value for e in trace}["logits"], errors
 
 
 def _decode(config, tensors, x, *, use_sdpa: bool, layer: bool = False):
@@ -390,40 +367,15 @@ def test_window_and_segment_masks_equal_reference():
         assert got.shape == want.shape and np.array_equal(got, want), f"segment_mask {q_shape} x {k_shape} differs"
 
 
-def _modern_bad_calls():
-    """(id, changes to a valid call): config N 2, K 1, D 8, H 4, rope, window_left 2; query (2, 5, 8)."""
-    B, T, K, H = 2, 5, 1, 4
-    ints = lambda *shape: np.zeros(shape, dtype=np.int64)  # noqa: E731
-    cache = dict(past_key=np.zeros((B, K, 3, H)), past_value=np.zeros((B, K, 3, H)))
-    return {
-        "positions_float": dict(positions=np.arange(T, dtype=np.float64)),
-        "positions_shape": dict(positions=ints(T - 1)),
-        "positions_batch": dict(positions=ints(B + 1, T)),
-        "key_positions_shape": dict(key_positions=ints(B, T + 1)),
-        "past_key_alone": dict(past_key=cache["past_key"]),
-        "past_value_alone": dict(past_value=cache["past_value"]),
-        "past_key_heads": dict(cache, past_key=np.zeros((B, K + 1, 3, H))),
-        "past_key_width": dict(cache, past_key=np.zeros((B, K, 3, H + 1))),
-        "past_lengths": dict(cache, past_value=np.zeros((B, K, 2, H))),
-        "past_key_int": dict(cache, past_key=ints(B, K, 3, H)),
-        "window_with_cache_top_left": dict(cache),
-        "causal_with_cache_top_left": dict(cache, is_causal=True),
-        "segment_ids_shape": dict(segment_ids=ints(T - 1)),
-        "segment_ids_float": dict(segment_ids=np.zeros(T)),
-        "key_segment_ids_missing_with_cache": dict(cache, causal_alignment="bottom_right", segment_ids=ints(T)),
-        "key_segment_ids_alone": dict(key_segment_ids=ints(T)),
-        "key_segment_ids_shape": dict(segment_ids=ints(T), key_segment_ids=ints(T + 1)),
-        "return_cache_not_bool": dict(return_cache="yes"),
-        "mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", mask=np.ones((T, T), dtype=bool)),
-    }
 
 
-MODERN_BAD_CALLS = _modern_bad_calls()
+# torch's own table had no dropout_mask_over_new_keys_only row
+MODERN_BAD_CALLS = {k: v for k, v in modern_bad_calls().items() if k != "dropout_mask_over_new_keys_only"}
 
 
 @pytest.mark.parametrize("bad", list(MODERN_BAD_CALLS))
 def test_modern_error_wording_matches_reference(bad):
-    config = _cfg(num_kv_heads=1, rope={}, window_left=2)
+    config = cfg(num_kv_heads=1, rope={}, window_left=2)
     tensors = weights.init(config, seed=0, dtype="float64")
     call = dict(MODERN_BAD_CALLS[bad])
     query = np.random.default_rng(1).standard_normal((2, 5, 8))
@@ -440,7 +392,7 @@ def test_modern_error_wording_matches_reference(bad):
 @pytest.mark.parametrize("change", ["norm_missing", "norm_shape", "norm_bias_missing", "sinks_missing",
                                     "sinks_shape"])
 def test_modern_tensor_errors_match_reference(change):
-    config = _cfg(qk_norm={"type": "layer", "scope": "all"}, use_sinks=True)
+    config = cfg(qk_norm={"type": "layer", "scope": "all"}, use_sinks=True)
     tensors = weights.init(config, seed=0, dtype="float32")
     broken = dict(tensors)
     if change == "norm_missing":

@@ -1,0 +1,92 @@
+"""What the torch, Keras and JAX modern-feature tests share: the rope scalings,
+the small config they build on, the decoding configs and their float64
+reference, and the table of bad modern calls (each mirror's error must be
+the reference's)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+import impl_numpy
+import weights
+from conformance.cases import cast_inputs, cast_tensors
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+CROSS = dict(self_attention=False, T=4, S=6)
+DECODE = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+
+
+def cfg(**kw) -> weights.AttentionConfig:
+    return weights.AttentionConfig(**{"num_heads": 2, "query_dim": 8, "head_dim": 4, **kw})
+
+
+DECODE_CONFIGS = {
+    "rope_norm_gqa": cfg(num_heads=4, num_kv_heads=2, rope={}, qk_norm={"type": "rms"}),
+    "window_interleaved": cfg(rope={"interleaved": True, "rotary_dim": 2}, window_left=2),
+    "everything": cfg(num_heads=4, num_kv_heads=2, head_dim=8, window_left=3, logit_softcap=5.0, use_sinks=True,
+                      qk_norm={"type": "layer", "scope": "all"},
+                      rope={"rotary_dim": 6, "interleaved": True, "scaling": YARN}),
+}
+PROMPT, TOTAL = 3, 7  # the first call holds 3 tokens, then 4 steps of one
+
+
+@functools.cache
+def decode_reference(config_name: str, dtype: str, *, perturb_norms: bool = False):
+    """The full causal call (self attention over TOTAL tokens): float64 reference
+    output, present_key/value and logits, and the NumPy reference's own error in
+    `dtype` (the policy's floor for 16-bit). perturb_norms: move the norm scales
+    and sinks away from their initial 1 and 0 first."""
+    config = DECODE_CONFIGS[config_name]
+    tensors = weights.init(config, seed=7, dtype="float64")
+    rng = np.random.default_rng(7)
+    if perturb_norms:
+        for name in tensors:
+            if ".norm." in name or name == "sinks":
+                tensors[name] = tensors[name] + 0.3 * rng.standard_normal(tensors[name].shape)
+    x = rng.standard_normal((2, TOTAL, config.query_dim))
+    x, tensors = cast_inputs({"x": x}, dtype)["x"], cast_tensors(tensors, dtype)
+    x64, t64 = x.astype(np.float64), cast_tensors(tensors, "float64")
+    trace = []
+    out, _, pk, pv = impl_numpy.multi_head_attention(config, t64, x64, is_causal=True, return_weights=True,
+                                                     return_cache=True, trace=trace)
+    errors = {}
+    if dtype in ("float16", "bfloat16"):
+        low = impl_numpy.multi_head_attention(config, tensors, x, is_causal=True, return_cache=True, trace=[])
+        errors = {name: float(np.nanmax(np.abs(got.astype(np.float64) - want)))
+                  for name, got, want in zip(("output", "present_key", "present_value"), low, (out, pk, pv))}
+    want = {"output": out, "present_key": pk, "present_value": pv}
+    return tensors, x, want, {e.stage: e.value for e in trace}["logits"], errors
+
+
+def modern_bad_calls() -> dict[str, dict]:
+    """(id, changes to a valid call): config N 2, K 1, D 8, H 4, rope, window_left 2; query (2, 5, 8)."""
+    B, T, K, H = 2, 5, 1, 4
+    ints = lambda *shape: np.zeros(shape, dtype=np.int64)  # noqa: E731
+    cache = dict(past_key=np.zeros((B, K, 3, H)), past_value=np.zeros((B, K, 3, H)))
+    return {
+        "positions_float": dict(positions=np.arange(T, dtype=np.float64)),
+        "positions_shape": dict(positions=ints(T - 1)),
+        "positions_batch": dict(positions=ints(B + 1, T)),
+        "key_positions_shape": dict(key_positions=ints(B, T + 1)),
+        "past_key_alone": dict(past_key=cache["past_key"]),
+        "past_value_alone": dict(past_value=cache["past_value"]),
+        "past_key_heads": dict(cache, past_key=np.zeros((B, K + 1, 3, H))),
+        "past_key_width": dict(cache, past_key=np.zeros((B, K, 3, H + 1))),
+        "past_lengths": dict(cache, past_value=np.zeros((B, K, 2, H))),
+        "past_key_int": dict(cache, past_key=ints(B, K, 3, H)),
+        "window_with_cache_top_left": dict(cache),
+        "causal_with_cache_top_left": dict(cache, is_causal=True),
+        "segment_ids_shape": dict(segment_ids=ints(T - 1)),
+        "segment_ids_float": dict(segment_ids=np.zeros(T)),
+        "key_segment_ids_missing_with_cache": dict(cache, causal_alignment="bottom_right", segment_ids=ints(T)),
+        "key_segment_ids_alone": dict(key_segment_ids=ints(T)),
+        "key_segment_ids_shape": dict(segment_ids=ints(T), key_segment_ids=ints(T + 1)),
+        "return_cache_not_bool": dict(return_cache="yes"),
+        "mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", mask=np.ones((T, T), dtype=bool)),
+        "dropout_mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", training=True,
+                                                dropout_mask=np.ones((B, 2, T, T), dtype=bool)),
+    }

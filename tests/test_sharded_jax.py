@@ -298,29 +298,6 @@ def test_two_processes_of_two_devices_make_one_mesh(tmp_path):
                      config=config, dtype="float32", quantity="output", B=2, T=11, S=11)
 
 
-@pytest.mark.slow
-@pytest.mark.jax
-@needs_jax
-def test_mha_check_sharded_whole_grid(tmp_path):
-    """`mha check --sharded` as documented: every engine installed here, heads and sequence, 2 and 4 devices,
-    float32 and bfloat16, forward and gradients (slow: about 5 minutes for jax and 5 for torch on a 2-core VM)."""
-    from conformance.sharded import SHARDED_CASES
-
-    out = tmp_path / "check.json"
-    done = subprocess.run([*MHA, "check", "--sharded", "--json", str(out)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=3000)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    payload = json.loads(out.read_text())
-    records = payload["results"]
-    engines = {r["sharding"]["engine"] for r in records}
-    assert "jax" in engines, (engines, payload["skipped"])
-    for engine in engines:
-        assert len([r for r in records if r["sharding"]["engine"] == engine]) == len(SHARDED_CASES) * 2 * 2 * 2, engine
-    odd = [(r["case"], r["backend"], r["dtype"], r["status"], r["message"]) for r in records
-           if r["status"] != "pass" and not (r["status"] == "unsupported" and r["message"])]
-    assert not odd, odd
-
-
 @pytest.mark.jax
 @needs_jax
 def test_mha_run_shard_decodes_with_a_cache(tmp_path):

@@ -139,6 +139,10 @@ def _modern_grid() -> list[Case]:
         Case("sinks", _cfg(num_heads=4, num_kv_heads=2, use_sinks=True), mask="padding", **causal),
         Case("sinks_masked_rows", _cfg(use_sinks=True, masked_row="nan"), mask="empty_rows", **cross),
         Case("segments_packed", _cfg(rope={}), T=7, S=7, positions="packed", **causal),
+        # RoPE is relative: a port that rotates a packed row at 0..T-1 instead of the restarted positions
+        # gets the same attention output; only the keys it stores (the cache a packed prefill writes) show it
+        Case("segments_packed_cache", _cfg(num_heads=4, num_kv_heads=2, rope={}), T=7, S=7, positions="packed",
+             return_cache=True, **causal),
         Case("modern_everything",
              _cfg(num_heads=4, num_kv_heads=2, head_dim=8, window_left=3, logit_softcap=8.0, use_sinks=True,
                   qk_norm={"type": "rms", "scope": "all"},

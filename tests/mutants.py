@@ -58,6 +58,9 @@ def port(config, tensors, inputs, options, bug=None):
         start = 0 if bug == "rope_positions_no_cache_offset" else P
         positions = inputs.get("positions", start + np.arange(T))
         key_positions = inputs.get("key_positions", start + np.arange(k.shape[2]))
+        if bug == "packed_positions_not_restarted" and "segment_ids" in inputs:
+            # the caller's restarted positions dropped: the row counted 0..T-1 across its documents
+            positions, key_positions = start + np.arange(T), start + np.arange(k.shape[2])
         q, k = _rope(q, positions, config, H, bug), _rope(k, key_positions, config, H, bug)
         if bug == "rope_on_value" and V == H:
             v = _rope(v, key_positions, config, H, bug)
@@ -234,6 +237,9 @@ MUTANTS = {
     "sinks_ignored": "attention sinks left out of the softmax",
     "qk_norm_scope_swapped": "QK-norm over the whole projection where per head, and the reverse",
     "norm_eps_outside_sqrt": "QK-norm's eps added outside the square root",
+    # packed rows (issue 21)
+    "packed_positions_not_restarted": "a packed row's RoPE positions counted 0..T-1 across its documents, not "
+                                      "restarted per document as the caller's positions are",
 }
 
 

@@ -74,7 +74,8 @@ SUPPORTED: dict[str, set[str]] = {
     # attributes (opset 25); no sinks input
     "onnxruntime": PLAIN | {"rope_half", "rope_interleaved", "rope_partial", "rope_llama3", "rope_yarn",
                             "rope_linear_per_batch", "decode_cache", "return_cache_no_past", "softcap",
-                            "softcap_masked_rows", "qk_norm_rms_head", "qk_norm_layer_all", "segments_packed"},
+                            "softcap_masked_rows", "qk_norm_rms_head", "qk_norm_layer_all", "segments_packed",
+                            "segments_packed_cache"},
 }
 assert all(names <= set(CASES) for names in SUPPORTED.values())
 

@@ -7,7 +7,12 @@ block a running max m, running sum l and running numerator acc are rescaled
 as each key block arrives, so the largest temporary is (B, N, chunk, chunk).
 Key blocks that the causal mask or a window hides entirely are skipped
 (lax.switch: a hidden block costs a branch and no arithmetic; only blocks
-the diagonal or a window's edge crosses pay for the structural select). The stage functions of functional.py run
+the diagonal or a window's edge crosses pay for the structural select).
+Under a band (a left window with causality or a right window) a query
+block's key loop runs only the fixed number of blocks the band can reach,
+from the band's first (a dynamic start), so a fixed window costs the same
+per query at every length: the loop over all key blocks made the skipped
+steps alone grow as T * S. The stage functions of functional.py run
 on each block (project of a query block, split_heads, logits, mask,
 merge_heads, output), so in 16 bits those stages round as the plain path's
 do. Softmax, dropout and attend, merged into the running recurrence, stay in
@@ -171,6 +176,11 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
         return kb, vb, cols, fresh
 
     xs = (jnp.arange(nk, dtype=jnp.int32), jnp.asarray(k_starts))
+    # A band (a left window and a causal or right bound) reaches at most `span` keys from a query block:
+    # its key loop then runs a fixed nb blocks from the band's first one instead of all nk (steps O(T*window),
+    # not O(T*S)); hidden blocks among those nb are still skipped by the switch.
+    banded = left is not None and upper is not None
+    nb = min(nk, (Cq - 1 + left + upper) // Ck + 2) if banded else nk
 
     def query_block(t0):
         if heads is None:
@@ -259,7 +269,14 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
             sink_max = lax.stop_gradient(sink)
             init = (jnp.broadcast_to(sink_max, (B, N, Cq, 1)), jnp.broadcast_to(jnp.exp(sink - sink_max), (B, N, Cq, 1)),
                     jnp.zeros((B, N, Cq, V), ct))
-        (m, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init, xs)
+        if nb < nk:  # blocks j0 .. j0+nb-1 hold every key the band shows this query block
+            first = jnp.maximum(t0 + (offset - left), 0) // Ck  # the block of the band's first key
+            j0 = jnp.clip(first, 0, nk - nb).astype(jnp.int32)
+            js = j0 + jnp.arange(nb, dtype=jnp.int32)
+            band = (js, jnp.asarray(k_starts)[js])
+        else:
+            band = xs
+        (m, l, acc), _ = lax.scan(jax.checkpoint(key_block, prevent_cse=False), init, band)
         if sinks is not None:
             ctx = acc / l  # l >= exp(0) from the row's largest logit or its sink: never 0
         else:

@@ -400,6 +400,44 @@ def test_chunked_skips_the_key_blocks_a_window_hides(side):
                  config=config, dtype="float64", quantity="output", B=1, T=T, S=T)
 
 
+def _scan_lengths(jaxpr) -> list[int]:
+    """The length of every lax.scan in a jaxpr, nested ones included."""
+    lengths = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            lengths.append(eqn.params["length"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    lengths += _scan_lengths(inner)
+    return lengths
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_chunked_key_loop_runs_over_the_window_band_only(alignment):
+    """Causal with a left window: each query block's key loop runs a fixed
+    (chunk - 1 + window_left) // chunk + 2 key blocks from the band's first,
+    not every key block (steps O(T * window), not O(T * S)); the output is
+    the reference's all the same (the last key block overlaps its neighbour:
+    S = 61 is not a multiple of the chunk)."""
+    T, S, chunk, left = 45, 61, 8, 9
+    config = cfg(window_left=left, num_heads=4, num_kv_heads=2)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((1, T, 8)), rng.standard_normal((1, S, 8))
+    call = dict(is_causal=True, causal_alignment=alignment, chunk_size=chunk)
+    jaxpr = jax.make_jaxpr(lambda a, b: impl_jax.apply(config, tensors, a, b, b, **call))(x, y).jaxpr
+    band, all_blocks = (chunk - 1 + left) // chunk + 2, -(-S // chunk)
+    lengths = _scan_lengths(jaxpr)
+    assert band in lengths and all_blocks not in lengths, (
+        f"scan lengths {lengths}: expected a key loop of {band} blocks, none of all {all_blocks}")
+    got = np.asarray(impl_jax.apply(config, tensors, x, y, y, **call))
+    want = impl_numpy.multi_head_attention(config, tensors, x, y, y, is_causal=True, causal_alignment=alignment)
+    assert_close(f"banded key loop, {alignment}", got, want, config=config, dtype="float64", quantity="output",
+                 B=1, T=T, S=S)
+
+
 # -- the layer ---------------------------------------------------------------------------
 
 MODERN_LAYER_CASES = ["qk_norm_layer_all", "qk_norm_rms_head", "sinks", "modern_everything", "jax_qk_norm_rms_all",

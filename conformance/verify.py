@@ -30,12 +30,27 @@ and returns a dict with
            are not checked, and the reason is reported; "output" always is.
 Raising NotImplementedError marks a vector "unsupported" (a failure unless
 --allow-unsupported). Exit 0 only if every vector passes.
+
+A user's own sharded attention (`--shard sequence:N` or `--shard heads:N`,
+docs/sharding.md): the function wraps its own sharding. It is called as
+`fn(config, tensors, inputs, options, mesh=mesh)` with the same whole arrays
+and returns the same whole results; `mesh` is a jax.sharding.Mesh over the
+first N of jax.devices() with one axis named after the kind ("sequence" or
+"heads"). On a CPU the N devices are XLA host devices, asked for through
+XLA_FLAGS before JAX starts (conformance.sharded.force_host_devices). Each
+result, the --json records and the JUnit classname carry the sharding
+{"engine": "jax", "kind", "devices"}. A torch process-group mode is not
+built: --shard-engine torch is refused with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
+import json
+import os
 import sys
 import time
 import traceback
@@ -65,6 +80,7 @@ class VerifyResult:
     seconds: float = 0.0
     traceback: str = ""  # the function's own traceback, for status error
     unchecked: dict[str, str] = dataclasses.field(default_factory=dict)  # quantity -> why the function has none
+    sharding: dict | None = None  # {"engine", "kind", "devices"} when the function ran on a mesh (--shard)
 
     @property
     def forward_only(self) -> bool:
@@ -73,6 +89,16 @@ class VerifyResult:
     @property
     def label(self) -> str:
         return "pass (forward only)" if self.forward_only else self.status
+
+    def to_json(self) -> dict:
+        """The `--json` record of this vector."""
+        margin = self.margin if np.isfinite(self.margin) else str(self.margin)
+        return {"name": self.name, "status": self.status, "label": self.label, "detail": self.detail,
+                "margin": margin, "gradients": self.gradients, "seconds": round(self.seconds, 4),
+                "unchecked": dict(self.unchecked), "divergence": self.divergence, "sharding": self.sharding,
+                "comparisons": [{"name": c.name, "ok": c.ok, "margin": c.margin if np.isfinite(c.margin)
+                                 else str(c.margin), "rtol": c.tolerance.rtol, "atol": c.tolerance.atol,
+                                 "reason": c.tolerance.reason} for c in self.comparisons]}
 
     def message(self) -> str:
         """What `mha verify --verbose` prints for this vector (and a failing pytest item says)."""
@@ -298,9 +324,71 @@ def select(vectors: list[Vector], *, only=None, dtypes=None) -> list[Vector]:
     return vectors
 
 
-def verify(fn, directory=DEFAULT_DIR, *, only=None, dtypes=None, require_gradients: bool = False) -> list[VerifyResult]:
+SHARD_ENGINES = ("jax",)  # what --shard-engine builds; torch is refused with the reason (TORCH_SHARD_REFUSAL)
+TORCH_SHARD_REFUSAL = (
+    "unsupported: not built yet (a torch process-group mode would start N processes of torch.distributed and "
+    "call the function in each); a torch function that starts its own processes and returns whole arrays is "
+    "verified by plain `mha verify` without --shard")
+
+
+def make_mesh(shard, engine: str = "jax"):
+    """The device set a sharded function receives: a jax.sharding.Mesh over
+    the first N of jax.devices(), one axis named after the kind. `shard` is
+    "sequence:4" or ("sequence", 4). On a CPU, asks XLA for N host devices
+    first: effective only if JAX has not started its backend yet."""
+    from conformance.sharded import force_host_devices, parse_shard
+
+    kind, devices = parse_shard(shard) if isinstance(shard, str) else parse_shard(f"{shard[0]}:{shard[1]}")
+    text = f"{kind}:{devices}"
+    if engine == "torch":
+        raise ValueError(f"--shard-engine torch: {TORCH_SHARD_REFUSAL}")
+    if engine not in SHARD_ENGINES:
+        raise ValueError(f"--shard-engine must be one of {', '.join(SHARD_ENGINES)} or torch: got {engine!r}")
+    force_host_devices(devices)  # before JAX starts its backend (it reads XLA_FLAGS once, then)
+    try:
+        import jax
+        from jax.sharding import Mesh
+    except ImportError as err:
+        raise ValueError(f"--shard {text}: needs JAX (pip install 'mha-conformance[jax]'): {err}") from None
+    present = jax.devices()
+    if devices > len(present):
+        raise ValueError(
+            f"--shard {text}: {devices} devices asked for, {len(present)} {present[0].platform} device(s) present; "
+            f"on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={devices} must be set before JAX starts "
+            f"(mha verify sets it; a Python program sets it before its first JAX computation; got "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+    return Mesh(np.array(present[:devices]), (kind,))
+
+
+def mesh_sharding(mesh, engine: str = "jax") -> dict:
+    """{"engine", "kind", "devices"}: what each result of a sharded run records."""
+    return {"engine": engine, "kind": str(mesh.axis_names[0]), "devices": int(mesh.size)}
+
+
+def check_takes_mesh(fn, spec: str = "the function") -> None:
+    """A sharded run passes mesh=...: refuse a function that cannot take it before any vector runs."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: let the call say
+        return
+    if not any(p.name == "mesh" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
+               for p in parameters):
+        raise ValueError(f"--impl {spec}: --shard calls fn(config, tensors, inputs, options, mesh=mesh), but "
+                         f"{spec} takes no mesh argument: its signature is {inspect.signature(fn)}")
+
+
+def verify(fn, directory=DEFAULT_DIR, *, only=None, dtypes=None, require_gradients: bool = False,
+           mesh=None) -> list[VerifyResult]:
+    """Every selected vector. With `mesh` (make_mesh), fn is called with mesh=mesh and each result records the
+    sharding."""
     vectors = select(load_all(directory), only=only, dtypes=dtypes)
-    return [verify_vector(fn, v, require_gradients=require_gradients) for v in vectors]
+    sharding = None
+    if mesh is not None:
+        fn, sharding = functools.partial(fn, mesh=mesh), mesh_sharding(mesh)
+    results = [verify_vector(fn, v, require_gradients=require_gradients) for v in vectors]
+    for r in results:
+        r.sharding = sharding
+    return results
 
 
 def summary(results: list[VerifyResult]) -> str:
@@ -344,6 +432,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--require-gradients", action="store_true",
                    help="a function that returns no 'grads' fails (default: it passes as 'forward only')")
     p.add_argument("--junit", metavar="FILE", help="write JUnit XML, one testcase per vector")
+    p.add_argument("--json", metavar="FILE", help="write every vector's result as JSON")
+    p.add_argument("--shard", metavar="KIND:N", default=None,
+                   help="a sharded function: call it with mesh=, a jax Mesh over N devices (one axis named KIND: "
+                        "sequence or heads; forced host devices on a CPU); docs/sharding.md")
+    p.add_argument("--shard-engine", default="jax", choices=["jax", "torch"],
+                   help="with --shard: the engine whose device set the function receives (jax; torch: not built)")
     p.add_argument("--verbose", action="store_true", help="every vector's message, passing ones too")
     p.set_defaults(func=run)
 
@@ -354,9 +448,20 @@ def run(args) -> int:
 
     if args.junit:
         check_destination("--junit", args.junit)
+    if args.json:
+        check_destination("--json", args.json)
+    mesh = None
+    if args.shard:
+        # the mesh first: it sets XLA_FLAGS before the user's module can start JAX
+        mesh = make_mesh(args.shard, args.shard_engine)
+    elif args.shard_engine != "jax":
+        raise ValueError(f"--shard-engine {args.shard_engine}: only with --shard KIND:N")
     fn = load_function(args.impl)
+    if mesh is not None:
+        check_takes_mesh(fn, args.impl)
     started = time.perf_counter()
-    results = verify(fn, args.vectors, only=args.cases, dtypes=args.dtypes, require_gradients=args.require_gradients)
+    results = verify(fn, args.vectors, only=args.cases, dtypes=args.dtypes, require_gradients=args.require_gradients,
+                     mesh=mesh)
     if not results:
         raise ValueError(f"--cases {' '.join(args.cases or [])} --dtypes {' '.join(args.dtypes or [])}: no vector "
                          f"in {args.vectors} matches")
@@ -369,12 +474,36 @@ def run(args) -> int:
             text = Text(r.message())
             text.stylize("yellow" if r.forward_only else colours[r.status], 0, len(r.label))
             console.print(text)
-    console.print(Text(f"{args.impl}: {summary(results)}; {elapsed:.1f} s"))
-    if args.junit:
-        from conformance.junit import write_verify
+    sharding = mesh_sharding(mesh) if mesh is not None else None
+    where = ""
+    if sharding:
+        platform = mesh.devices.flat[0].platform
+        where = f" ({sharding['engine']} {sharding['kind']}:{sharding['devices']}, {sharding['devices']} {platform} devices)"
+    console.print(Text(f"{args.impl}{where}: {summary(results)}; {elapsed:.1f} s"))
+    if args.json:
+        from weights.atomic import write_bytes_atomic
 
-        write_verify(args.junit, results, impl=args.impl, seconds=elapsed)
+        payload = {"impl": args.impl, "sharding": sharding, "summary": summary(results), "seconds": round(elapsed, 3),
+                   "results": [r.to_json() for r in results]}
+        write_bytes_atomic(args.json, json.dumps(payload, indent=1).encode(), overwrite=True)
+        console.print(Text(f"json: {args.json}"))
+    if args.junit:
+        write_junit(args.junit, results, impl=args.impl, seconds=elapsed, sharding=sharding)
         console.print(Text(f"junit: {args.junit}"))
     bad = sum(r.status in (STATUS_FAIL, STATUS_ERROR) or (r.status == STATUS_UNSUPPORTED and not args.allow_unsupported)
               for r in results)
     return 0 if bad == 0 else 1
+
+
+def write_junit(path, results, *, impl: str, seconds: float, sharding: dict | None = None) -> None:
+    """conformance.junit's verify testcases; a sharded run's classname and properties name the sharding
+    (mha.verify.jax.sequence:4), so a CI report keeps the sharded and unsharded runs of one function apart."""
+    from conformance import junit
+
+    if sharding is None:
+        junit.write_verify(path, results, impl=impl, seconds=seconds)
+        return
+    label = f"{sharding['engine']}.{sharding['kind']}:{sharding['devices']}"
+    cases = [dataclasses.replace(c, classname=f"{c.classname}.{label}") for c in junit.verify_cases(results)]
+    junit.write(path, f"mha verify {impl} --shard {sharding['kind']}:{sharding['devices']}", cases, seconds=seconds,
+                properties={"impl": impl, "sharding": json.dumps(sharding)})

@@ -148,7 +148,41 @@ def cmd_run(args) -> int:
     also = [name for name, asked in (("weights", args.return_weights), ("present_key/present_value", args.return_cache))
             if asked]
     print(f"wrote {args.out}: output {shape}{''.join(' and ' + a for a in also)} ({args.backend}, {args.device})")
+    if getattr(args, "expect", None):
+        return _held_to(args, arrays)
     return EXIT_OK
+
+
+def _held_to(args, arrays: dict) -> int:
+    """`mha run --expect FILE`: every array FILE holds, against the one this run wrote, under the tolerance
+    policy of the run's dtype (FILE's numbers playing the reference: a model's own output, a float64 run).
+    One line per array; exit 1 when any is over its allowance."""
+    import weights
+    from conformance.io import read_inputs
+    from conformance.tolerance import compare, policy_for
+    from weights.format import read_safetensors
+
+    _, expected = read_safetensors(args.expect, error=ValueError)
+    extra = sorted(set(expected) - set(arrays))
+    if not expected or extra:
+        raise ValueError(f"--expect {args.expect}: holds {', '.join(sorted(expected)) or 'no tensors'}; this run "
+                         f"writes {', '.join(arrays)} (add --return-weights / --return-cache for the others)")
+    config, _ = weights.load(args.weights)
+    inputs = read_inputs(args.inputs)
+    B, T = arrays["output"].shape[:2]
+    past = inputs.get("past_key")
+    key = inputs.get("key")
+    S = (T if key is None else key.shape[-2]) + (0 if past is None else past.shape[-2])
+    dtype = str(arrays["output"].dtype)
+    failed = 0
+    for name in sorted(expected):
+        want = expected[name]
+        tol = policy_for(config, dtype=dtype, quantity="weights" if name == "weights" else "output", B=B, T=T, S=S,
+                         reference=want)
+        verdict = compare(f"{name} vs {args.expect}", arrays[name], want, tol)
+        failed += not verdict.ok
+        print(verdict.describe())
+    return EXIT_FAIL if failed else EXIT_OK
 
 
 def _summary(value: np.ndarray, count: int) -> dict:
@@ -221,6 +255,9 @@ def _add_call_arguments(p, *, write: bool) -> None:
         p.add_argument("--return-cache", action="store_true",
                        help="also write present_key and present_value (the KV cache for the next call's past_key/past_value)")
         p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+        p.add_argument("--expect", metavar="FILE", default=None,
+                       help="safetensors with the numbers to reproduce (output, and weights/present_key/present_value "
+                            "if written): each compared under the tolerance policy; exit 1 if any is over")
         p.add_argument("--shard", metavar="KIND:N", default=None,
                        help="run sharded on N devices: heads:N or sequence:N (backends jax, torch; same output file; "
                             "docs/sharding.md)")

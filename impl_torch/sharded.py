@@ -103,20 +103,33 @@ Several hosts (torchrun)
     Gloo picks the network interface from the host name; set
     GLOO_SOCKET_IFNAME where that is the wrong one.
 
-Measurement: measure() runs one sharded forward (after a small warm-up
-call in the same processes) and returns the bytes each rank sent on the
-ring (keys and values; key ids) against the ring's minimum, (n-1)/n of the
-call's key/value bytes, and each process's peak resident memory with its
-resident memory just before the call. The forward sends exactly the minimum
-when the split is even: every block makes n-1 hops and nothing else
-travels but the key ids of packed rows. Peak memory depends on the
-allocator: glibc's dynamic mmap threshold keeps freed sub-block buffers
-resident (MALLOC_MMAP_THRESHOLD_ fixes it, at a cost in page faults).
+Measurement: measure() runs one sharded forward (after a warm-up call in
+the same processes) and returns the bytes each rank sent on the ring (keys
+and values; key ids) against the ring's minimum, (n-1)/n of the call's
+key/value bytes, and each process's peak resident memory over the call with
+its resident memory just before it (the kernel's VmHWM, reset before the
+call). The forward sends exactly the minimum when the split is even: every
+block makes n-1 hops and nothing else travels but the key ids of packed
+rows.
+
+Memory, without gradients (what a rank holds at most): its query block and
+its rows of the inputs until they are projected, then its queries, two
+key/value buffers of the largest block's size (the block computed on and
+the block being received, swapped each step, so a rank never holds a third
+block or a copy), the running sum and numerator of its rows (one array
+each, updated in place), and one sub-block's temporaries
+((B, N, 128, chunk) scores). The key/value buffers and the queries are
+freed before the output projection. The ranks this module starts fix
+glibc's mmap threshold (_bound_heap_retention says why; a torchrun start
+sets MALLOC_MMAP_THRESHOLD_=1048576 for the same). Under autograd every
+received block is kept for the backward (as any ring attention must).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import gc
 import os
 import pickle
 import resource
@@ -238,12 +251,17 @@ def vjp(config, tensors, inputs, options, d_output, *, kind, devices):
 def measure(config, tensors, inputs, options, *, devices, kind="sequence") -> dict:
     """One sharded forward, measured: per rank the bytes sent on the ring (keys and values; key ids),
     the ring's minimum per rank ((n-1)/n of the call's key/value bytes in the storage dtype), and each
-    process's peak resident memory (ru_maxrss) and its resident memory just before the call, in bytes.
-    A small call runs first in the same processes, so that the libraries' lazily loaded code and pools
-    (torch's kernels, gloo's buffers) are in `before`, not in the call's own peak - before. Result
-    collection (the gather to rank 0) is not counted; every rank holds the whole inputs before the call
-    (in `before`: run_in_group's ranks read them and take their shard)."""
-    rows = 4 * devices
+    process's peak resident memory over the call (VmHWM, reset just before it; ru_maxrss, the lifetime
+    peak, where the kernel refuses the reset) and its resident memory just before the call, in bytes:
+    peak - before is what the call added. A warm-up call runs first in the same processes, so that the
+    libraries' lazily loaded code and pools (torch's kernels and their packing buffers, gloo's) are in
+    `before`, not in the call's own growth. Result collection (the gather to rank 0) is not counted;
+    every rank holds the whole inputs before the call (in `before`: run_in_group's ranks are handed
+    them whole and take their shard)."""
+    # The warm-up's blocks are a few sub-blocks long, so that it runs the same kernels at the same sizes
+    # (their packing buffers) and sends messages of more than one sub-block.
+    rows = min(np.asarray(inputs["query"]).shape[1], 2 * devices * int(options.get("chunk_size") or CHUNK))
+    rows = max(rows, 4 * devices)
     small = {"query": np.zeros((1, rows, config.query_dim), np.asarray(inputs["query"]).dtype)}
     if inputs.get("key") is not None:
         small["key"] = np.zeros((1, rows, config.key_dim), np.asarray(inputs["key"]).dtype)
@@ -260,19 +278,38 @@ def measure(config, tensors, inputs, options, *, devices, kind="sequence") -> di
     return {"kind": kind, "devices": devices, "kv_bytes": kv_bytes, "ring_minimum_bytes": minimum,
             "kv_bytes_sent": [s["kv"] for s in stats], "ids_bytes_sent": [s["ids"] for s in stats],
             "ratio_to_minimum": (max(s["kv"] + s["ids"] for s in stats) / minimum) if minimum else None,
-            "peak_rss_bytes": [s["peak_rss"] for s in stats], "rss_before_bytes": [s["rss_before"] for s in stats]}
+            "peak_rss_bytes": [s["peak_rss"] for s in stats], "rss_before_bytes": [s["rss_before"] for s in stats],
+            "peak_method": stats[0]["peak_method"]}
 
 
 def _spawned(rank, world, port, kind, jobs, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the processes share the host's cores
+    _bound_heap_retention()
     results = run_in_group(jobs, kind=kind)
     if rank == 0:
         partial = path + ".partial"
         with open(partial, "wb") as f:
             pickle.dump(results, f)
         os.replace(partial, path)
+
+
+MMAP_THRESHOLD = 1 << 20  # glibc: allocations from 1 MiB on get their own mapping, returned when freed
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
+
+
+def _bound_heap_retention() -> None:
+    """In a rank this module started: a fixed glibc mmap threshold. glibc's default threshold is dynamic:
+    freeing a mapped block raises it to that block's size, after which blocks up to that size come from
+    the heap, which keeps freed memory resident wherever a live block sits above it. The ring frees and
+    allocates arrays of many sizes (the rank's inputs, projections, sub-block temporaries): under the
+    dynamic threshold a rank's peak grew by 1.5-2x its live arrays (measured: docs/sharding.md). Same as
+    MALLOC_MMAP_THRESHOLD_=1048576 in the environment, which a torchrun start can set. No-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        pass
 
 
 def run_in_group(jobs: list[dict], *, kind: str) -> list[dict] | None:
@@ -288,10 +325,9 @@ def run_in_group(jobs: list[dict], *, kind: str) -> list[dict] | None:
         for job in jobs:
             for name in _SENT:
                 _SENT[name] = 0
-            before = _rss_bytes()
+            before, method = _peak_begin()
             piece = _run_job(job, kind, rank, world)
-            stats = dict(_SENT, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                         rss_before=before)
+            stats = dict(_SENT, peak_rss=_peak_end(method), rss_before=before, peak_method=method)
             gathered = [None] * world if rank == 0 else None
             dist.gather_object((piece, stats), gathered, dst=0)
             if rank == 0:
@@ -303,12 +339,36 @@ def run_in_group(jobs: list[dict], *, kind: str) -> list[dict] | None:
             dist.destroy_process_group()
 
 
-def _rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _peak_begin() -> tuple[int, str]:
+    """Before a job: free what can be freed, reset the kernel's peak-RSS counter (VmHWM, by writing 5 to
+    /proc/self/clear_refs) and return (resident bytes now, the method _peak_end reads). Where the kernel
+    refuses the reset, the process's lifetime peak (ru_maxrss) stands in: it can only overstate the job's."""
+    gc.collect()
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: hand freed heap pages back, so `before` is what is in use
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS"), "VmHWM"
     except OSError:
-        return 0
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), "ru_maxrss"
+
+
+def _peak_end(method: str) -> int:
+    if method == "VmHWM":
+        return _status_bytes("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # -- one job on one rank ----------------------------------------------------------------------------
@@ -523,10 +583,12 @@ def split(length: int, parts: int, zigzag: bool) -> list[np.ndarray]:
     return [np.concatenate([chunks[r], chunks[2 * parts - 1 - r]]) for r in range(parts)]
 
 
-def _start_exchange(x: torch.Tensor, send_to: int, recv_from: int, recv_shape, counter: str):
-    """Start sending x to one rank and receiving a tensor of recv_shape (x's dtype) from another; raw bytes
-    on the wire, so that every dtype (bfloat16 too) travels unchanged. -> what _finish_exchange takes."""
-    out = torch.empty(recv_shape, dtype=x.dtype)
+def _start_exchange(x: torch.Tensor, send_to: int, recv_from: int, recv_shape, counter: str, into=None):
+    """Start sending x to one rank and receiving a tensor of recv_shape (x's dtype) from another, into
+    `into` when given (a buffer of at least that many elements, not x); raw bytes on the wire, so that
+    every dtype (bfloat16 too) travels unchanged. -> what _finish_exchange takes."""
+    count = int(np.prod(recv_shape))
+    out = torch.empty(recv_shape, dtype=x.dtype) if into is None else into.reshape(-1)[:count].view(recv_shape)
     send = x.detach().contiguous().reshape(-1).view(torch.uint8)
     recv = out.reshape(-1).view(torch.uint8)
     ops = []
@@ -604,14 +666,8 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     new_keys = my_keys[my_keys >= P] - P
     cached = my_keys[my_keys < P]
 
-    q = F.project(query.index_select(1, rows), p["query.kernel"], p.get("query.bias"))  # (B, t, N*H)
-    k = F.project(key.index_select(1, new_keys), p["key.kernel"], p.get("key.bias"))  # (B, s, K*H)
-    v = F.project(value.index_select(1, new_keys), p["value.kernel"], p.get("value.bias"))  # (B, s, K*V)
-    if config.qk_norm is not None:  # per position: the shard's rows are enough
-        nq = config.qk_norm
-        q = F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), nq.type, nq.eps, N, nq.scope)
-        k = F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), nq.type, nq.eps, K, nq.scope)
-    q, k, v = F.split_heads(q, N), F.split_heads(k, K), F.split_heads(v, K)  # (B, N, t, H), (B, K, s, H|V)
+    grad = torch.is_grad_enabled()
+    rope = None
     if config.rope is not None:
         inv_freq, factor = rope_tables(config)
         R, inter = config.rope.rotary_dim, config.rope.interleaved
@@ -622,13 +678,62 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
             given = given.to(torch.int64)
             return (given[None] if given.ndim == 1 else given).index_select(1, index)
 
-        q = F.rope(q, F.rope_angles(positions(others.get("positions"), rows), inv_freq, dtype), R, inter, factor)
-        k = F.rope(k, F.rope_angles(positions(others.get("key_positions"), new_keys), inv_freq, dtype), R, inter,
-                   factor)
-    if past_key is not None:
-        k = torch.cat([past_key.to(dtype).index_select(2, cached), k], dim=2)  # (B, K, s_total, H)
-        v = torch.cat([past_value.to(dtype).index_select(2, cached), v], dim=2)
-    present = (k, v) if options.get("return_cache") else None  # else k and v live on in `packed` only
+        def rope(t, given, index):
+            return F.rope(t, F.rope_angles(positions(given, index), inv_freq, dtype), R, inter, factor)
+
+    # The rank's own rows of the inputs (copies, dropped once projected); self-attention without a cache
+    # takes its keys from the same rows, so one copy serves q, k and v.
+    x_rows = query.index_select(1, rows)
+    x_keys = x_rows if key is query and torch.equal(new_keys, rows) else key.index_select(1, new_keys)
+    x_values = x_keys if value is key else value.index_select(1, new_keys)
+    q = F.project(x_rows, p["query.kernel"], p.get("query.bias"))  # (B, t, N*H)
+    del x_rows
+    if config.qk_norm is not None:  # per position: the shard's rows are enough
+        nq = config.qk_norm
+        q = F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), nq.type, nq.eps, N, nq.scope)
+    q = F.split_heads(q, N)  # (B, N, t, H)
+    if rope is not None:
+        q = rope(q, others.get("positions"), rows)
+
+    def keys(x_keys):  # (B, K, s_total, H): projected, normed, rotated, the cache part first
+        k = F.project(x_keys, p["key.kernel"], p.get("key.bias"))  # (B, s, K*H)
+        if config.qk_norm is not None:
+            k = F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), nq.type, nq.eps, K, nq.scope)
+        k = F.split_heads(k, K)  # (B, K, s, H)
+        if rope is not None:
+            k = rope(k, others.get("key_positions"), new_keys)
+        return k if past_key is None else torch.cat([past_key.to(dtype).index_select(2, cached), k], dim=2)
+
+    def values(x_values):  # (B, K, s_total, V)
+        v = F.split_heads(F.project(x_values, p["value.kernel"], p.get("value.bias")), K)  # (B, K, s, V)
+        return v if past_value is None else torch.cat([past_value.to(dtype).index_select(2, cached), v], dim=2)
+
+    # This rank's keys and values travel as one message. Without gradients they are written into a buffer
+    # sized for the largest block, one after the other, each dropped once written (the rank holds its
+    # projections once, not twice), and the buffer and one more of its size take turns as the block
+    # computed on and the block received (two travelling blocks, whatever the number of steps); autograd
+    # needs the concatenation as a function of k and v instead.
+    n_here = B * K * len(my_keys) * (H + V)
+    largest = B * K * max(len(index) for index in keys_of) * (H + V)
+    present = None
+    if grad:
+        k, v = keys(x_keys), values(x_values)
+        packed = torch.cat([k.reshape(-1), v.reshape(-1)])
+        present = (k, v) if options.get("return_cache") else None
+        del k, v
+        spare = None
+    else:
+        packed = torch.empty(largest, dtype=dtype)
+        k = keys(x_keys)
+        packed[: k.numel()].view(k.shape).copy_(k)
+        present_key, n_k = (k if options.get("return_cache") else None), k.numel()
+        del k
+        v = values(x_values)
+        packed[n_k:n_here].view(v.shape).copy_(v)
+        present = None if present_key is None else (present_key, v)
+        del v
+        spare = torch.empty(largest, dtype=dtype) if world > 1 else None
+    del x_keys, x_values
 
     # What each query row sees, taken per block: mask and bias rows here, their columns per block.
     def rows_here(t):
@@ -670,6 +775,11 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     row_chunk = min(chunk, QUERY_ROWS)
     parts = [(r0, min(t, r0 + row_chunk)) for r0 in range(0, t, row_chunk)]  # query rows, each with its own running state
     sinks = p.get("sinks")
+    # Without gradients every part's sum and numerator are views of one (B, N, t, 1) and one (B, N, t, V)
+    # array, updated in place: the merge allocates no new state per sub-block, and the result needs no
+    # concatenation at the end. Autograd gets new tensors per update instead.
+    l_all = None if grad else torch.zeros((B, N, t, 1), dtype=ct)
+    acc_all = None if grad else torch.zeros((B, N, t, V), dtype=ct)
     states = []
     for r0, r1 in parts:
         if sinks is not None:  # the sink joins each row once, before any block: max = sink, sum = 1
@@ -679,14 +789,15 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
         else:
             m = torch.full((B, N, r1 - r0, 1), float("-inf"), dtype=ct)
             l = torch.zeros((B, N, r1 - r0, 1), dtype=ct)
-        states.append([m, l, torch.zeros((B, N, r1 - r0, V), dtype=ct)])
+        if grad:
+            states.append([m, l, torch.zeros((B, N, r1 - r0, V), dtype=ct)])
+        else:
+            l_all[:, :, r0:r1] = l
+            states.append([m, l_all[:, :, r0:r1], acc_all[:, :, r0:r1]])
     uniform = config.masked_row == "uniform"
     for (r0, r1), state in zip(parts, states):  # with dropout, a masked row's uniform context is its own
         state.append(torch.zeros((B, N, r1 - r0, V), dtype=ct) if uniform and keep is not None else None)
     v_sum = torch.zeros((B, K, V), dtype=ct)  # every value row, for the "uniform" masked-row policy
-    packed = torch.cat([k.reshape(-1), v.reshape(-1)])  # this rank's block, one message per step
-    del k, v
-    grad = torch.is_grad_enabled()
     received = [packed]  # kept for _Anchor under autograd only
     block_ids = k_ids
     nxt = pending = None
@@ -698,8 +809,8 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
         source = (rank - step) % world
         index = keys_of[source]
         s = len(index)
-        kb = packed[: B * K * s * H].reshape(B, K, s, H)
-        vb = packed[B * K * s * H:].reshape(B, K, s, V)
+        kb = packed[: B * K * s * H].view(B, K, s, H)
+        vb = packed[B * K * s * H: B * K * s * (H + V)].view(B, K, s, V)
         if uniform:
             v_sum = v_sum + vb.to(ct).sum(dim=2)
         if step < world - 1:
@@ -707,8 +818,8 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
             if grad:  # a shift autograd can run backwards; waited for before this block is used
                 next_packed = _RingShift.apply(packed, (B * K * nxt * (H + V),))
             else:  # no gradients: the transfer runs while this block is computed
-                pending = _start_exchange(packed, (rank + 1) % world, (rank - 1) % world,
-                                          (B * K * nxt * (H + V),), "kv")
+                pending = _start_exchange(packed[: B * K * s * (H + V)], (rank + 1) % world, (rank - 1) % world,
+                                          (B * K * nxt * (H + V),), "kv", into=spare)
             if block_ids is not None:
                 next_ids = _exchange(block_ids, (rank + 1) % world, (rank - 1) % world,
                                      (block_ids.shape[0], nxt), "ids")
@@ -742,23 +853,36 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
                 m, l, acc = state[:3]
                 m_new = torch.maximum(m, x.amax(dim=-1, keepdim=True).detach())
                 m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-                e = torch.exp(x - m_safe)  # hidden -> exactly 0
+                # hidden -> exactly 0; without gradients in place (x is this sub-block's own temporary)
+                e = torch.exp(x - m_safe) if grad else x.sub_(m_safe).exp_()
                 correction = torch.exp(m - m_safe)  # 0 where m was -inf
                 row_sum = e.sum(dim=-1, keepdim=True)  # before dropout: the softmax's denominator
                 if keep_cols is not None:
                     e = torch.where(rows_part(keep_cols, r0, r1), e / rate, 0.0)
                 pv = torch.einsum(F.ATTEND, e.reshape(B, K, G, r1 - r0, c1 - c0), vc.to(ct))
-                state[:3] = [m_new, l * correction + row_sum, acc * correction + pv.reshape(B, N, r1 - r0, V)]
+                if grad:
+                    state[:3] = [m_new, l * correction + row_sum, acc * correction + pv.reshape(B, N, r1 - r0, V)]
+                else:
+                    l.mul_(correction).add_(row_sum)
+                    acc.mul_(correction).add_(pv.reshape(B, N, r1 - r0, V))
+                    state[0] = m_new
         if step < world - 1:
-            packed = next_packed if grad else _finish_exchange(pending)
             if grad:
+                packed = next_packed
                 received.append(packed)
+            else:  # received into spare's first elements; the block just computed becomes the next receive buffer
+                _finish_exchange(pending)
+                packed, spare = spare, packed
             if block_ids is not None:
                 block_ids = next_ids
-    l = torch.cat([state[1] for state in states], dim=2) if states else torch.zeros((B, N, 0, 1), dtype=ct)
-    acc = torch.cat([state[2] for state in states], dim=2) if states else torch.zeros((B, N, 0, V), dtype=ct)
+    if grad:
+        l = torch.cat([state[1] for state in states], dim=2) if states else torch.zeros((B, N, 0, 1), dtype=ct)
+        acc = torch.cat([state[2] for state in states], dim=2) if states else torch.zeros((B, N, 0, V), dtype=ct)
+    else:  # the blocks, their buffers and the queries are done with: freed before the output's arrays
+        l, acc = l_all, acc_all
+        packed = spare = pending = kb = vb = kc = vc = q = None
     empty = l == 0  # rows with no visible key (never with sinks: the sink's 1 stays)
-    ctx = acc / torch.where(empty, 1.0, l)
+    ctx = acc / torch.where(empty, 1.0, l) if grad else acc.div_(torch.where(empty, 1.0, l))
     if config.masked_row == "uniform":
         if keep is not None:
             mean = torch.cat([state[3] for state in states], dim=2) if states else acc

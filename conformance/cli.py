@@ -130,6 +130,7 @@ def _run_sharded(args):
 def cmd_run(args) -> int:
     from conformance.io import write_arrays
 
+    expected = _read_expected(args) if getattr(args, "expect", None) else None  # before any work
     if getattr(args, "shard", None):
         result = _run_sharded(args)
         args.device = args.shard  # the metadata and the message name the sharding instead of one device
@@ -148,25 +149,33 @@ def cmd_run(args) -> int:
     also = [name for name, asked in (("weights", args.return_weights), ("present_key/present_value", args.return_cache))
             if asked]
     print(f"wrote {args.out}: output {shape}{''.join(' and ' + a for a in also)} ({args.backend}, {args.device})")
-    if getattr(args, "expect", None):
-        return _held_to(args, arrays)
+    if expected is not None:
+        return _held_to(args, arrays, expected)
     return EXIT_OK
 
 
-def _held_to(args, arrays: dict) -> int:
+def _read_expected(args) -> dict:
+    from weights.format import read_safetensors
+
+    try:
+        expected = read_safetensors(args.expect, error=ValueError)[1]
+    except ValueError as err:
+        raise ValueError(f"--expect {err}") from None
+    written = ["output"] + ["weights"] * args.return_weights + ["present_key", "present_value"] * args.return_cache
+    if not expected or set(expected) - set(written):
+        raise ValueError(f"--expect {args.expect}: holds {', '.join(sorted(expected)) or 'no tensors'}; this run "
+                         f"writes {', '.join(written)} (add --return-weights / --return-cache for the others)")
+    return expected
+
+
+def _held_to(args, arrays: dict, expected: dict) -> int:
     """`mha run --expect FILE`: every array FILE holds, against the one this run wrote, under the tolerance
     policy of the run's dtype (FILE's numbers playing the reference: a model's own output, a float64 run).
     One line per array; exit 1 when any is over its allowance."""
     import weights
     from conformance.io import read_inputs
     from conformance.tolerance import compare, policy_for
-    from weights.format import read_safetensors
 
-    _, expected = read_safetensors(args.expect, error=ValueError)
-    extra = sorted(set(expected) - set(arrays))
-    if not expected or extra:
-        raise ValueError(f"--expect {args.expect}: holds {', '.join(sorted(expected)) or 'no tensors'}; this run "
-                         f"writes {', '.join(arrays)} (add --return-weights / --return-cache for the others)")
     config, _ = weights.load(args.weights)
     inputs = read_inputs(args.inputs)
     B, T = arrays["output"].shape[:2]

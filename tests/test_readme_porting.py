@@ -78,6 +78,12 @@ def test_expect_names_what_it_cannot_compare(tmp_path):
     assert done.returncode == 2, (done.returncode, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--expect" in lines[0] and "present_key" in lines[0] and "--return-cache" in lines[0], lines
+    assert not (tmp_path / "o.safetensors").exists(), "checked before the run: nothing written"
+    done = _mha(["run", "--backend", "numpy", "--weights", str(block), "--inputs", str(EXAMPLE / "inputs.safetensors"),
+                 "--causal", "--expect", str(ROOT / "README.md"), "--out", str(tmp_path / "o.safetensors")])
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "--expect" in lines[0] and "README.md" in lines[0], lines
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 # Marked with every framework, so that it runs in tox's `all` env, where transformers is installed.

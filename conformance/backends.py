@@ -20,7 +20,7 @@ from types import ModuleType
 DEVICES = ("cpu", "gpu")
 CORE = ("numpy", "torch", "tf", "jax")
 NATIVE = ("torch-native-mha", "torch-sdpa", "torch-flex", "keras-native-mha", "flax-linen-mha", "flax-nnx-mha",
-          "jax-dpa", "onnxruntime")
+          "jax-dpa", "onnxruntime", "keras-hub", "torchtune")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,12 @@ REGISTRY: dict[str, Backend] = {
         Backend("jax-dpa", "conformance.native.jax_dpa", "jax", "jax.nn.dot_product_attention around our projections"),
         Backend("onnxruntime", "conformance.native.onnxruntime", "onnx + onnxruntime",
                 "our layer exported to ONNX (opset 23), run by onnxruntime"),
+        Backend("keras-hub", "conformance.native.keras_hub",
+                "the keras-hub extra: pip install -c constraints/cpu.txt '.[keras-hub]'",
+                "keras_hub CachedMultiHeadAttention with its RotaryEmbedding"),
+        Backend("torchtune", "conformance.native.torchtune",
+                "the torchtune extra: pip install -c constraints/cpu.txt '.[torchtune]'",
+                "torchtune.modules.MultiHeadAttention with RotaryPositionalEmbeddings and KVCache"),
     )
 }
 

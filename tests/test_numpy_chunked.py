@@ -292,6 +292,30 @@ def test_logits_bounded_is_cauchy_schwarz_against_the_bound():
     assert not logits_bounded(qg[:, ::-1].copy(), kg, np.ones((1, 2, 8, 4), np.float32), None)
 
 
+def test_a_decode_step_skips_the_bound_check(monkeypatch):
+    """One query row against a long GQA cache: the bound check (a pass over k,
+    two over v) would cost more than the max passes it spares, so the step
+    takes the running max without it, and still equals the float64 stages;
+    a call with many query rows still asks."""
+    from impl_numpy import chunked
+
+    asked = spy(monkeypatch, chunked, "logits_bounded", lambda args, kwargs: args[0].shape)
+    seen = _spy_core(monkeypatch)
+    config = weights.AttentionConfig(num_heads=8, num_kv_heads=2, query_dim=32, head_dim=16)
+    tensors = weights.init(config, seed=3, dtype="float64")
+    rng = np.random.default_rng(4)
+    P = 300
+    past = rng.standard_normal((1, 2, P, 16)), rng.standard_normal((1, 2, P, 16))
+    x = rng.standard_normal((1, 1, 32))
+    options = dict(past_key=past[0], past_value=past[1], is_causal=True, causal_alignment="bottom_right")
+    staged = multi_head_attention(config, tensors, x, trace=[], **options)
+    out = multi_head_attention(config, tensors, x, **options)
+    assert asked == [] and seen == [False], f"decode step: logits_bounded asked for {asked}, _core bounded={seen}"
+    assert_equals_stages("decode step, running max", out, staged)
+    multi_head_attention(config, tensors, rng.standard_normal((1, 64, 32)), is_causal=True)
+    assert asked == [(1, 8, 64, 16)], f"64 query rows: logits_bounded asked for {asked}"
+
+
 def test_logits_past_the_bound_take_the_running_max(monkeypatch):
     """float32 logits near 100: exp(100) overflows float32, so without the
     bound check the bounded way would return inf/NaN. The call must match

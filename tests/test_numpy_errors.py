@@ -151,6 +151,9 @@ def test_finite_checks_catch_one_bad_element_in_every_dtype(dtype, big):
         x.flat[-1] = bad
         if np.isnan(bad):
             check_input_values(query=x)  # NaN propagates
+            x.flat[0] = np.inf  # ... but does not hide an inf elsewhere (NaN is both extremes of x)
+            with pytest.raises(ValueError, match=r"query contains \+-inf"):
+                check_input_values(query=x)
         else:
             with pytest.raises(ValueError, match=r"query contains \+-inf"):
                 check_input_values(query=x)

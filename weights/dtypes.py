@@ -51,6 +51,16 @@ def for_value_checks(array: np.ndarray) -> np.ndarray:
     return array if array.dtype.kind == "f" else array.astype(np.float64)
 
 
+def extremes_finite(array: np.ndarray) -> bool:
+    """Every element of a non-empty float16/32/64 array is finite, proven from
+    its two extremes: np.min and np.max propagate NaN, and an infinity is its
+    own extreme. Exact, and two reductions that write nothing, where
+    np.isfinite(array).all() first writes a bool array the input's size
+    (1.4x the time on a 256 MiB float32 cache, 2-core Xeon VM, 2026-11-25:
+    every decode step checks its whole cache)."""
+    return bool(np.isfinite(array.min()) and np.isfinite(array.max()))
+
+
 def dtype_name(dtype: np.dtype) -> str:
     return resolve_dtype(dtype).name
 

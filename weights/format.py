@@ -26,7 +26,7 @@ from safetensors.numpy import save as _safetensors_bytes
 
 from .atomic import write_bytes_atomic
 from .config import AttentionConfig
-from .dtypes import DTYPES, dtype_from_name, for_value_checks, resolve_dtype
+from .dtypes import DTYPES, dtype_from_name, extremes_finite, for_value_checks, resolve_dtype
 from .strict_json import _HeaderProblem, _parse_header, _parse_json_text, _short, _show_name, show_names  # noqa: F401
 
 FORMAT = "mha-weights"
@@ -101,7 +101,7 @@ def validate_tensors(
         except (ValueError, TypeError):
             problems.append(f"{name} has dtype {array.dtype}, expected one of {', '.join(DTYPES)}")
             continue
-        if array.size and not np.isfinite(for_value_checks(array)).all():
+        if array.size and not extremes_finite(for_value_checks(array)):
             problems.append(f"{name} contains NaN or Inf")
     if len(dtypes) > 1:
         listing = "; ".join(f"{d}: {', '.join(names)}" for d, names in dtypes.items())

@@ -58,7 +58,9 @@ Method
 Modules: shapes (the shapes and chunk sizes), measure (paired timing, peak
 memory), glue (each framework's paths, matmul and memory counter), worker
 (one backend in its own process), targets (the issue's targets), report
-(table and plots), command (`mha bench` itself); scripts holds the timing
+(table and plots), sharded (issue 21's sequence-sharded family: torch's ring
+against one unsharded process, memory and bytes), command (`mha bench`
+itself); scripts holds the timing
 scripts behind docs/performance.md's profiles
 (`python -m bench.scripts.NAME`).
 """

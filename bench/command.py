@@ -20,6 +20,7 @@ from bench.shapes import (
     BACKENDS,
     CHUNK_SIZE,
     DECODE_LENGTHS,
+    FAMILIES,
     LONG_T,
     MATMUL_N,
     QUICK_DECODE_LENGTHS,
@@ -41,9 +42,9 @@ SCHEMA = "mha-bench/1"
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time every backend against its framework's native paths and matmul rate")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-    p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, "sweep", "window", "decode"],
-                   help="shapes and families to time (default: the four shapes and the sweep; window and decode "
-                        "only when named)")
+    p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, *FAMILIES],
+                   help="shapes and families to time (default: the four shapes and the sweep; window, decode and "
+                        "sequence-sharded only when named)")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--dtype", default="float32", choices=["float32"], help="only float32 is benchmarked")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 7; --quick 2)")
@@ -115,7 +116,7 @@ def run(args) -> int:
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1: got {repeats}")
     shape_table = QUICK_SHAPES if quick else SHAPES
-    shapes = [shape_table[s] for s in args.shapes if s not in ("sweep", "window", "decode")]
+    shapes = [shape_table[s] for s in args.shapes if s not in FAMILIES]
     if "sweep" in args.shapes:
         lengths = QUICK_SWEEP_LENGTHS if quick else tuple(T for T in SWEEP_LENGTHS if T <= args.sweep_max)
         shapes += sweep_shapes(lengths)
@@ -143,7 +144,7 @@ def run(args) -> int:
                           "one extra call after timing",
                 "ratio_to_native": "time / fastest native path, same backend, shape, pass and mode"},
             "backends": {}, "results": [], "matmul": [], "sweep_stops": {}}
-    for backend in args.backends:
+    for backend in args.backends if shapes else ():  # sequence-sharded alone starts no backend worker
         console.print(f"[bold]{backend}[/]: running ({len(shapes)} shapes) ...")
         out = run_backend(backend, spec)
         data["backends"][backend] = {"status": out["status"], "info": out.get("info", {}),
@@ -155,6 +156,12 @@ def run(args) -> int:
             console.print(f"[yellow]{backend}: {out['status']}[/]")
     add_native_ratios(data["results"])
     data["targets"] = targets(data)
+    if "sequence-sharded" in args.shapes:
+        from bench import sharded
+
+        console.print(f"[bold]{sharded.FAMILY}[/]: torch, {sharded.DEVICES} processes and one unsharded ...")
+        data["sequence_sharded"] = sharded.run(quick)
+        data["targets"] += sharded.targets(data["sequence_sharded"])
     data["machine"]["loadavg_end"] = os.getloadavg()
     data["total_s"] = time.perf_counter() - started
     if args.json:  # first: a problem in printing must not lose the numbers

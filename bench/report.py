@@ -42,7 +42,8 @@ def print_report(console, data: dict) -> None:
         table.add_row(r["shape"], r["backend"], f"[{style}]{r['path']}[/]", r["pass"], _fmt_ms(r["median_s"]),
                       f"{_fmt_ms(r['min_s'])}-{_fmt_ms(r['max_s'])}", pct, ratio, f"{r['first_call_s']:.2f}",
                       _fmt_bytes(r["peak_bytes"]), r["note"])
-    console.print(table)
+    if rows:  # none where only sequence-sharded ran (it has its own table)
+        console.print(table)
     for name, b in data["backends"].items():
         if b["status"] != "ok":
             console.print(f"[yellow]{name}: {b['status']}[/]")
@@ -71,9 +72,13 @@ def print_report(console, data: dict) -> None:
             console.print(f"sweep {key}: {why}")
     _print_window(console, rows)
     _print_decode(console, rows)
+    if "sequence_sharded" in data:
+        from bench.sharded import print_family
+
+        print_family(console, data["sequence_sharded"])
     families = ("window", "decode")
     ran = data["settings"].get("shapes")
-    issue7 = [e for e in data["targets"] if e["shape"] not in families]
+    issue7 = [e for e in data["targets"] if e["shape"] not in (*families, "sequence-sharded")]
     if ran is None or any(name in SHAPES for name in ran):
         _print_targets(console, "targets (issue 7)", issue7)
     elif issue7:
@@ -81,6 +86,9 @@ def print_report(console, data: dict) -> None:
     issue19 = [e for e in data["targets"] if e["shape"] in families]
     if issue19:
         _print_targets(console, "targets (issue 19): window and decode", issue19)
+    issue21 = [e for e in data["targets"] if e["shape"] == "sequence-sharded"]
+    if issue21:
+        _print_targets(console, "targets (issue 21): sequence sharding", issue21)
 
 
 def _print_targets(console, title: str, entries: list[dict]) -> None:

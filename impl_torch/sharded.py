@@ -120,7 +120,7 @@ block or a copy), the running sum and numerator of its rows (one array
 each, updated in place), and one sub-block's temporaries
 ((B, N, 128, chunk) scores). The key/value buffers and the queries are
 freed before the output projection. The ranks this module starts fix
-glibc's mmap threshold (_bound_heap_retention says why; a torchrun start
+glibc's mmap threshold (bound_heap_retention says why; a torchrun start
 sets MALLOC_MMAP_THRESHOLD_=1048576 for the same). Under autograd every
 received block is kept for the backward (as any ring attention must).
 """
@@ -286,7 +286,7 @@ def _spawned(rank, world, port, kind, jobs, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the processes share the host's cores
-    _bound_heap_retention()
+    bound_heap_retention()
     results = run_in_group(jobs, kind=kind)
     if rank == 0:
         partial = path + ".partial"
@@ -299,7 +299,7 @@ MMAP_THRESHOLD = 1 << 20  # glibc: allocations from 1 MiB on get their own mappi
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 
 
-def _bound_heap_retention() -> None:
+def bound_heap_retention() -> None:
     """In a rank this module started: a fixed glibc mmap threshold. glibc's default threshold is dynamic:
     freeing a mapped block raises it to that block's size, after which blocks up to that size come from
     the heap, which keeps freed memory resident wherever a live block sits above it. The ring frees and

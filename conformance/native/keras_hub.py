@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import numpy as np
 
@@ -262,8 +263,10 @@ def _call(layer, config, shapes, inputs, options, xs, cache):
                                                                              (shapes.B, shapes.T, shapes.S_total)))
     want = bool(options.get("return_weights", False))
     extra = {} if cache is None else {"cache": cache, "cache_update_index": shapes.P}
-    result = layer(xs["query"], xs["value"], key=xs["key"], attention_mask=mask, return_attention_scores=want,
-                   training=False, **extra)
+    with warnings.catch_warnings():  # keras warns that a softmax over one key is always 1: the grid's key_len_1
+        warnings.filterwarnings("ignore", message="You are using a softmax over axis", category=UserWarning)
+        result = layer(xs["query"], xs["value"], key=xs["key"], attention_mask=mask, return_attention_scores=want,
+                       training=False, **extra)
     result = list(result) if isinstance(result, tuple | list) else [result]
     out = result.pop(0)
     scores = result.pop(0) if want else None

@@ -13,6 +13,7 @@ Every expected value comes from the float64 reference (impl_numpy) through the s
 - decoding with the cache: a prefill, then two one-token steps, each step fed the backend's own
   present cache, must reproduce the rows and the cache of one causal call over the whole sequence;
   and the gradients of a decode step, the past included;
+- a query row with no allowed key (0 on both, the case's masked_row honoured or refused);
 - the refusals' wording, and two by-design facts measured: CachedMultiHeadAttention.call ignores
   sliding_window; torchtune normalises q and k after RoPE.
 """
@@ -264,6 +265,30 @@ def test_torchtune_refuses_query_and_key_positions_that_differ():
     inputs = {"query": x, "key": x, "value": x, "positions": np.array([0, 1, 2]), "key_positions": np.array([0, 1, 3])}
     with pytest.raises(NotImplementedError, match="torchtune: input_pos is one tensor for the queries and the new keys"):
         adapter.forward(config, weights.init(config, seed=1, dtype="float32"), inputs, {"dtype": "float32"})
+
+
+@pytest.mark.parametrize("backend_id", HUB)
+def test_a_query_row_with_no_key(backend_id):
+    """Both give 0 for a query row with no allowed key (measured by their probes; torchtune's grid cases with
+    one are cross cases it refuses): masked_row="zero" runs and matches the reference, "nan" is refused
+    with what the API gives."""
+    adapter = _adapter(backend_id)
+    x = _f32(np.random.default_rng(13).standard_normal((2, 4, 8)))
+    mask = np.ones((2, 1, 4, 4), dtype=bool)
+    mask[1, 0, 2] = False  # batch 1, query 2: no key
+    inputs = {"query": x, "key": x, "value": x, "mask": mask}
+    options = {"dtype": "float32", "return_weights": True}
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, masked_row="zero")
+    tensors = {n: _f32(t) for n, t in weights.init(config, seed=14, dtype="float64").items()}
+    got = adapter.forward(config, tensors, inputs, options)
+    x64 = x.astype(np.float64)
+    out, w = multi_head_attention(config, {n: t.astype(np.float64) for n, t in tensors.items()}, x64, x64, x64,
+                                  mask=mask, return_weights=True)
+    checks = [_close("output", got["output"], out, config, T=4, S=4),
+              _close("weights", got["weights"], w, config, quantity="weights", T=4, S=4)]
+    assert all(c.ok for c in checks) and not got["weights"][1, :, 2].any(), "\n".join(c.describe() for c in checks)
+    with pytest.raises(NotImplementedError, match=f"{backend_id}: a query row with no allowed key gives 0"):
+        adapter.forward(config.replace(masked_row="nan"), tensors, inputs, options)
 
 
 def test_keras_hub_cached_attention_ignores_sliding_window():

@@ -141,6 +141,9 @@ def _positions(config, shapes, inputs):
         return None  # no cache: queries 0..T-1, keys 0..S-1 (RotaryPositionalEmbeddings' own count)
     q_pos = default_positions(inputs.get("positions"), shapes.P, shapes.T)
     k_pos = default_positions(inputs.get("key_positions"), shapes.P, shapes.S)
+    if (q_pos < 0).any():
+        raise NotImplementedError(f"{NAME}: RotaryPositionalEmbeddings looks input_pos up in its table; the case has "
+                                  f"a negative position ({int(q_pos.min())})")
     if q_pos.shape[1] != k_pos.shape[1] or not np.array_equal(np.broadcast_to(q_pos, np.broadcast_shapes(
             q_pos.shape, k_pos.shape)), np.broadcast_to(k_pos, np.broadcast_shapes(q_pos.shape, k_pos.shape))):
         raise NotImplementedError(f"{NAME}: input_pos is one tensor for the queries and the new keys; the case's "
@@ -184,7 +187,7 @@ def _prepare(config, tensors, inputs, options, device, precision):
     return dtype, tensors, inputs, shapes
 
 
-def _build(config, tensors, shapes, dtype: str, dev, cache: bool):
+def _build(config, tensors, shapes, dtype: str, dev, cache: bool, positions):
     """The module on `dev` in `dtype` (RoPE's table stays float32, as torchtune builds it), weights loaded
     strictly, a KVCache of exactly P + S positions when `cache`. Returns (module, the pairing permutation or None)."""
     import torch
@@ -201,8 +204,9 @@ def _build(config, tensors, shapes, dtype: str, dev, cache: bool):
     N, K, H, dt = config.num_heads, config.num_kv_heads, config.head_dim, getattr(torch, dtype)
     rope = norms = None
     if config.rope is not None:
-        # positions index its table: sized past the largest position the call uses
-        rope = RotaryPositionalEmbeddings(dim=H, max_seq_len=shapes.P + max(shapes.T, shapes.S) + 4096,
+        # input_pos indexes its table: one row per position up to the largest the call uses
+        largest = shapes.P + max(shapes.T, shapes.S) if positions is None else int(positions.max()) + 1
+        rope = RotaryPositionalEmbeddings(dim=H, max_seq_len=max(largest, shapes.P + max(shapes.T, shapes.S)),
                                           base=config.rope.theta)
     if config.qk_norm is not None:
         norms = {"q_norm": RMSNorm(H, eps=config.qk_norm.eps), "k_norm": RMSNorm(H, eps=config.qk_norm.eps)}
@@ -235,7 +239,8 @@ def _mask(config, shapes, inputs, options, cache: bool):
 
 
 def _run(config, tensors, inputs, options, device, precision, *, requires_grad: bool):
-    """Build and call the module. Returns (output, weights or None, present (k, v) or None, leaves)."""
+    """Build and call the module. Returns (output, weights or None, present (k, v) or None, the input leaves,
+    the parameters by name, the pairing permutation or None)."""
     import torch
 
     from impl_torch.convert import to_torch
@@ -244,7 +249,8 @@ def _run(config, tensors, inputs, options, device, precision, *, requires_grad: 
     dtype, tensors, inputs, shapes = _prepare(config, tensors, inputs, options, device, precision)
     dev, dt = resolve_device(device), getattr(torch, dtype)
     cache = inputs.get("past_key") is not None or bool(options.get("return_cache"))
-    module, perm = _build(config, tensors, shapes, dtype, dev, cache)
+    positions = _positions(config, shapes, inputs)
+    module, perm = _build(config, tensors, shapes, dtype, dev, cache, positions)
     q, k, v = (to_torch(np.ascontiguousarray(a)).to(dev).requires_grad_(requires_grad) for a in qkv(inputs))
     leaves = {"query": q, "key": k, "value": v}
     if requires_grad:
@@ -257,7 +263,6 @@ def _run(config, tensors, inputs, options, device, precision, *, requires_grad: 
                                 for n in ("past_key", "past_value"))
         module.kv_cache.update(past_key if perm is None else past_key[..., perm], past_value)  # torchtune's pairing
     mask, module.is_causal = _mask(config, shapes, inputs, options, cache)
-    positions = _positions(config, shapes, inputs)
     want = bool(options.get("return_weights", False))
     seen = {}
     if want:

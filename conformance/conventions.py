@@ -24,7 +24,9 @@ What is measured, per API:
 The modern arguments (RoPE pairing, what a window argument's value means in
 keys visible, softcap before or after the mask, sinks, the QK-norm option)
 are a second table, measured by conformance/conventions_modern.py in the same
-run.
+run; the native packed and sharded paths (jax's seq lengths, flex_attention
+document masks, torch's context_parallel and DTensor heads on 2 gloo
+processes) a third, by conformance/conventions_packed.py.
 
 Layers get identity projections without biases (D = N*H), so their output is
 the attention itself, merged over heads, and compares directly with the
@@ -526,7 +528,8 @@ EXPECTED_SOURCE = f"the recorded expectations (conformance/{EXPECTED_FILE})"
 # Row keys an expectation may name: the table's columns and the extra
 # measurements some runners add (ONNX's past-cache causal alignment).
 EXPECTED_KEYS = ("mask_true_means", "fully_masked_row", "fully_masked_weights", "causal_T2_S4", "causal_T4_S2",
-                 "causal_T2_S4_past_cache", "rope_pairing", "window", "softcap_order", "sinks", "qk_norm")
+                 "causal_T2_S4_past_cache", "rope_pairing", "window", "softcap_order", "sinks", "qk_norm",
+                 "keys_visible", "empty_row", "packing")
 
 
 def parse_expected(text: str) -> dict[str, dict[str, str]]:
@@ -862,13 +865,16 @@ def _versions(frameworks) -> dict[str, str]:
     return versions
 
 
-def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None) -> dict:
-    """Measure every API (default APIS) and every modern API (default
-    conventions_modern.APIS, or none when `apis` is given). JSON-serialisable."""
-    from conformance import conventions_modern
+def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None, packed_apis=None) -> dict:
+    """Measure every API (default APIS), every modern API (default
+    conventions_modern.APIS) and every packed/sharded path (default
+    conventions_packed.APIS; either none when `apis` is given). JSON-serialisable."""
+    from conformance import conventions_modern, conventions_packed
 
     if modern_apis is None:
         modern_apis = conventions_modern.APIS if apis is None else ()
+    if packed_apis is None:
+        packed_apis = conventions_packed.APIS if apis is None else ()
     apis = APIS if apis is None else apis
     started = time.perf_counter()
     a, b, exact = _precision_inputs()
@@ -900,12 +906,16 @@ def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None)
         status.update("measuring conventions: the modern arguments")
     try:
         modern_rows = conventions_modern.measure(modern_apis)
+        if status is not None:
+            status.update("measuring conventions: the packed and sharded paths")
+        packed_rows = conventions_packed.measure(packed_apis)
     finally:
         if status is not None:
             status.stop()
     present = {r["framework"].split(" ")[0] for r in rows if r["status"] == "measured"}
     versions = {**_versions(present), **conventions_modern.versions()}
     return {"versions": versions, "devices": devices, "rows": rows, "modern_rows": modern_rows,
+            "packed_rows": packed_rows,
             "shapes": {"B": B, "T": T, "S": S, "N": N, "H": H, "causal_T_S": [list(p) for p in CAUSAL_SHAPES]},
             "tolerance": TOL, "matmul_shape": list(MATMUL_SHAPE),
             "seconds": round(time.perf_counter() - started, 2)}
@@ -960,9 +970,9 @@ def table_cells(data: dict) -> tuple[list[list[str]], list[str]]:
 
 
 def _notes(data: dict) -> list[str]:
-    from conformance import conventions_modern
+    from conformance import conventions_modern, conventions_packed
 
-    notes = conventions_modern.notes(data.get("modern_rows", []))
+    notes = conventions_modern.notes(data.get("modern_rows", [])) + conventions_packed.notes(data.get("packed_rows", []))
     for row in data["rows"]:
         if row.get("status") not in ("measured", NOT_INSTALLED):
             notes.append(f"{row['api']}: {row['status']}: {row.get('reason', '')}")
@@ -979,13 +989,16 @@ def disagreements(data: dict) -> list[str]:
     lines = []
     table = expected()
     from conformance.conventions_modern import KEYS as MODERN_KEYS
+    from conformance.conventions_packed import KEYS as PACKED_KEYS
 
-    tables = [(row, False) for row in data["rows"]] + [(row, True) for row in data.get("modern_rows", [])]
-    for row, modern in tables:
+    tables = ([(row, ()) for row in data["rows"]] + [(row, MODERN_KEYS) for row in data.get("modern_rows", [])]
+              + [(row, PACKED_KEYS) for row in data.get("packed_rows", [])])
+    for row, own in tables:
         if row.get("status") != "measured":
             continue
         for key, want in table.get(row["api"], {}).items():
-            if (key in MODERN_KEYS) != modern:  # an API may have a row in each table: each checks its own keys
+            # an API may have a row in each table: each checks its own keys (the first table: the rest)
+            if not ((key in own) if own else (key not in MODERN_KEYS and key not in PACKED_KEYS)):
                 continue
             got = row.get(key)
             if isinstance(got, str):  # a modern cell's "(err 1.2e-07)" is evidence, not the convention
@@ -1017,6 +1030,13 @@ def to_markdown(data: dict) -> str:
         out += ["", "Modern arguments (" + cm.SETUP + "):", "",
                 "| " + " | ".join(title for title, _ in cm.COLUMNS) + " |", "|" + "---|" * len(cm.COLUMNS)]
         out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in cm.cells(modern)]
+    packed = data.get("packed_rows")
+    if packed is not None:
+        from conformance import conventions_packed as cp
+
+        out += ["", "Packed and sharded paths (" + cp.SETUP + "):", "",
+                "| " + " | ".join(title for title, _ in cp.COLUMNS) + " |", "|" + "---|" * len(cp.COLUMNS)]
+        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in cp.cells(packed)]
     notes = _notes(data)
     if notes:
         out += ["", "Notes:", *[f"- {note}" for note in notes]]
@@ -1050,6 +1070,15 @@ def render_terminal(data: dict, console=None) -> None:
         for row, cells in zip(data["modern_rows"], cm.cells(data["modern_rows"])):
             modern.add_row(*[Text(cell) for cell in cells], style=None if row.get("status") == "measured" else "dim")
         console.print(modern)
+    if data.get("packed_rows") is not None:
+        from conformance import conventions_packed as cp
+
+        packed = Table(title=f"Packed and sharded paths: measured in this run ({cp.SETUP})", show_lines=True)
+        for title, key in cp.COLUMNS:
+            packed.add_column(title, overflow="fold", min_width=12 if key == "api" else None)
+        for row, cells in zip(data["packed_rows"], cp.cells(data["packed_rows"])):
+            packed.add_row(*[Text(cell) for cell in cells], style=None if row.get("status") == "measured" else "dim")
+        console.print(packed)
     for line in [*footnotes, *_notes(data), _setup_line(data),
                  "versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items())]:
         console.print(escape(line))

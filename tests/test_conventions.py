@@ -18,6 +18,7 @@ import pytest
 
 from conformance import conventions as conv
 from conformance import conventions_modern as cm
+from conformance import conventions_packed as cp
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything imports keras
 
@@ -140,12 +141,12 @@ def test_expectations_are_project_data_for_known_apis_and_keys():
     text = (importlib.resources.files("conformance") / conv.EXPECTED_FILE).read_text(encoding="utf-8")
     raw = json.loads(text)["apis"]
     table = conv.expected()
-    names = {api.name for api in conv.APIS} | {api.name for api in cm.APIS}
+    names = {api.name for api in conv.APIS} | {api.name for api in cm.APIS} | {api.name for api in cp.APIS}
     assert set(table) == set(raw) and set(table) <= names, sorted(set(table) - names)
     for api, entry in raw.items():
         assert entry["expect"] and set(entry["expect"]) <= set(conv.EXPECTED_KEYS), (api, entry)
         assert len(entry["source"]) > 20, f"{api}: no source for its expectations"
-    keys = {key for _, key in conv.COLUMNS} | {"causal_T2_S4_past_cache"} | set(cm.KEYS)
+    keys = {key for _, key in conv.COLUMNS} | {"causal_T2_S4_past_cache"} | set(cm.KEYS) | set(cp.KEYS)
     assert set(conv.EXPECTED_KEYS) <= keys, set(conv.EXPECTED_KEYS) - keys
     assert "shared/" not in text and "shared/" not in conv.EXPECTED_SOURCE
 
@@ -281,14 +282,14 @@ def test_markdown_and_terminal_show_every_api(data):
 
     text = conv.to_markdown(data)
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 2 + len(conv.APIS) + len(cm.APIS), table  # two headers + one line per API
-    for api in (*conv.APIS, *cm.APIS):
+    assert len(table) == 3 + len(conv.APIS) + len(cm.APIS) + len(cp.APIS), table  # three headers + one line per API
+    for api in (*conv.APIS, *cm.APIS, *cp.APIS):
         assert any(line.startswith(f"| {api.name} |") for line in table), f"{api.name} missing from\n{text}"
     assert f"with {conv.EXPECTED_SOURCE}" in text, text
     console = Console(record=True, width=400)
     conv.render_terminal(data, console=console)
     shown = console.export_text()
-    for api in (*conv.APIS, *cm.APIS):
+    for api in (*conv.APIS, *cm.APIS, *cp.APIS):
         assert api.name in shown, f"{api.name} missing from the terminal tables"
 
 

@@ -147,7 +147,10 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     plain_causal = (sdpa and is_causal and mask_t is None and bias_t is None and not windowed
                     and segment_ids is None and (causal_alignment == "top_left" or T == S_total))
     mask4 = None if mask_t is None else mask_t.reshape(shapes.mask_shape)
-    allowed = F.allowed_mask(mask4, T, S_total, is_causal and not plain_causal, causal_alignment,
+    # One query aligned bottom-right (a decode step) sees every key: its causal mask hides nothing, so
+    # none is built (nor applied to the (B, N, 1, S) logits, nor handed to SDPA, which then runs unmasked).
+    hides_nothing = causal_alignment == "bottom_right" and T == 1
+    allowed = F.allowed_mask(mask4, T, S_total, is_causal and not plain_causal and not hides_nothing, causal_alignment,
                              window_left=config.window_left, window_right=config.window_right,
                              segment_ids=segment_ids, key_segment_ids=key_segment_ids, device=device)
     query, key, value = (x.to(dtype) for x in (query, key, value))
@@ -187,9 +190,42 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
     if call.past_key is not None:  # the cache holds keys after norm and rope (as Hugging Face and ONNX store it)
-        k = torch.cat([call.past_key, k], dim=2)  # (B, K, P+S, H)
-        v = torch.cat([call.past_value, v], dim=2)  # (B, K, P+S, V)
+        k = _append(call.past_key, k)  # (B, K, P+S, H)
+        v = _append(call.past_value, v)  # (B, K, P+S, V)
     return q, k, v
+
+
+# Present caches of at least this many bytes, on the CPU and outside autograd, are written into memory
+# NumPy allocates (_append says why).
+HUGE_PAGE_MIN_BYTES = 4 * 2**20
+
+
+def _append(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """torch.cat([past, new], dim=2), the present cache (a new tensor, as the contract returns it).
+
+    A large one on the CPU, where no gradient is asked, goes into an array NumPy allocates: NumPy asks
+    the kernel for transparent huge pages (madvise) from 4 MiB on, torch's CPU allocator does not, and
+    the fresh pages' faults are most of a large copy's time (2-core Xeon VM, 2026-11-25, a 128 MiB
+    cache: torch.cat 219 ms, the same copy into NumPy's memory 117 ms, a read of it 45 ms)."""
+    # torch.compile traces torch.cat: the sizes (symbolic there) are looked at only outside it
+    if (torch.compiler.is_compiling() or past.device.type != "cpu" or past.dtype not in _NUMPY_DTYPES
+            or new.dtype != past.dtype or (torch.is_grad_enabled() and (past.requires_grad or new.requires_grad))):
+        return torch.cat([past, new], dim=2)
+    shape = (*past.shape[:2], past.shape[2] + new.shape[2], *past.shape[3:])
+    if past.element_size() * int(np.prod(shape)) < HUGE_PAGE_MIN_BYTES:
+        return torch.cat([past, new], dim=2)
+    present = _numpy_backed(shape, past.dtype)
+    present[:, :, : past.shape[2]] = past
+    present[:, :, past.shape[2]:] = new
+    return present
+
+
+def _numpy_backed(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in memory NumPy allocates (huge pages where large)."""
+    return torch.from_numpy(np.empty(shape, dtype=_NUMPY_DTYPES[dtype]))
+
+
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
 def multi_head_attention(

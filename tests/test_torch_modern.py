@@ -242,7 +242,8 @@ def sdpa_spy(monkeypatch):
 @pytest.mark.parametrize("name, expected", [
     ("window_left_causal", {"is_causal": False, "mask": torch.bool}),  # causal AND window: one bool mask
     ("segments_packed", {"is_causal": False, "mask": torch.bool}),
-    ("decode_cache", {"is_causal": False, "mask": torch.bool}),  # bottom-right, T != P + S
+    ("decode_cache", {"is_causal": False, "mask": None}),  # one bottom-right query: it sees every key, no mask
+    ("cache_window_gqa", {"is_causal": False, "mask": torch.bool}),  # three bottom-right queries, a window
     ("return_cache_no_past", {"is_causal": True, "mask": None}),  # rope alone: SDPA's own causal
     ("qk_norm_rms_head", {"is_causal": True, "mask": None}),
     ("softcap", None), ("softcap_masked_rows", None), ("sinks", None), ("modern_everything", None),
@@ -425,3 +426,54 @@ def test_gpu_modern_matches_reference(name, dtype, use_sdpa):
     case = _case(name)
     case = dataclasses.replace(case, return_weights=case.return_weights and not use_sdpa)
     assert_case_conforms(case, dtype, "torch", WithOptions(torch_adapter, use_sdpa=use_sdpa), device="gpu")
+
+
+# -- a decode step's present cache and mask ------------------------------------------------
+
+@pytest.mark.parametrize("use_sdpa", [False, True])
+def test_decode_step_present_cache_in_numpy_memory(use_sdpa, monkeypatch):
+    """A present cache past HUGE_PAGE_MIN_BYTES on the CPU, without autograd,
+    is written into NumPy-allocated memory (huge pages): the step's output and
+    present cache equal the float64 reference; with a gradient asked the cache
+    still goes through torch.cat and the gradient reaches past_key. The one
+    bottom-right query builds no causal mask (it hides nothing)."""
+    import impl_torch.attention as torch_attention
+    import impl_torch.functional as torch_functional
+
+    monkeypatch.setattr(torch_attention, "HUGE_PAGE_MIN_BYTES", 0)
+    backed, pointers, real_backed = [], [], torch_attention._numpy_backed
+
+    def spy_backed(shape, dtype):
+        tensor = real_backed(shape, dtype)
+        backed.append((shape, dtype))
+        pointers.append(tensor.data_ptr())
+        return tensor
+
+    monkeypatch.setattr(torch_attention, "_numpy_backed", spy_backed)
+    causal_built = []
+    real_causal = torch_functional.causal_mask
+    monkeypatch.setattr(torch_functional, "causal_mask", lambda *a, **k: causal_built.append(a) or real_causal(*a, **k))
+    config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8)
+    tensors = weights.init(config, seed=1, dtype="float64")
+    rng = np.random.default_rng(2)
+    pk, pv, x = rng.standard_normal((2, 2, 9, 8)), rng.standard_normal((2, 2, 9, 8)), rng.standard_normal((2, 1, 16))
+    options = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True)
+    want = impl_numpy.multi_head_attention(config, tensors, x, past_key=pk, past_value=pv, trace=[], **options)
+    t = {name: torch.from_numpy(a) for name, a in tensors.items()}
+    with torch.no_grad():
+        got = impl_torch.multi_head_attention(config, t, torch.from_numpy(x), past_key=torch.from_numpy(pk),
+                                              past_value=torch.from_numpy(pv), use_sdpa=use_sdpa, **options)
+    assert causal_built == [], f"a decode step built causal masks {causal_built}"
+    for name, g, w in zip(("output", "present_key", "present_value"), got, want):
+        err = float(np.abs(g.numpy() - w).max())
+        assert err <= 1e-12, f"sdpa={use_sdpa} {name}: max abs difference {err:.3g}"
+    assert [tuple(shape) for shape, _ in backed] == [(2, 2, 10, 8)] * 2, f"NumPy-backed presents: {backed}"
+    assert got[1].data_ptr() in pointers, "the present key is not the NumPy-backed tensor"
+    past_key = torch.from_numpy(pk).requires_grad_(True)
+    out, present_key, _ = impl_torch.multi_head_attention(config, t, torch.from_numpy(x), past_key=past_key,
+                                                          past_value=torch.from_numpy(pv), use_sdpa=use_sdpa, **options)
+    # past_key asks for a gradient: its present goes through torch.cat; past_value's (none asked) need not
+    assert len(backed) == 3, f"NumPy-backed presents with past_key's gradient asked: {backed}"
+    (out.sum() + present_key.sum()).backward()
+    assert past_key.grad is not None and bool(torch.isfinite(past_key.grad).all()), "no gradient reached past_key"
+    assert float((past_key.grad - 1).abs().sum()) > 0, "the gradient through the output is missing"

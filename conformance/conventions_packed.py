@@ -580,11 +580,18 @@ class _GroupCache:
     """One group start serves both sharded rows (a start costs seconds)."""
     rows: dict | None = None
     slow: bool = False
+    failed: Exception | None = None  # a group that failed once is not started again in the same run
 
     def get(self) -> dict:
+        if self.failed is not None:
+            raise self.failed
         if self.rows is None:
             inputs = shard_inputs()
-            self.rows = sharded_cells(run_group(inputs, self.slow), inputs)
+            try:
+                self.rows = sharded_cells(run_group(inputs, self.slow), inputs)
+            except Exception as err:
+                self.failed = err
+                raise
         return self.rows
 
 
@@ -652,7 +659,7 @@ def measure(apis: tuple[PackedApi, ...] | None = None, slow: bool = False) -> li
     """Every API's row (default APIS); slow: run SLOW_PROBES too."""
     from conformance.backends import quiet_python_loggers
 
-    _GROUP.rows, _GROUP.slow = None, slow  # each run measures afresh
+    _GROUP.rows, _GROUP.slow, _GROUP.failed = None, slow, None  # each run measures afresh
     rows = []
     for api in APIS if apis is None else apis:
         rows.append(measure_row(api))

@@ -295,3 +295,16 @@ def test_default_cpu_kernel_without_mask_runs_sharded():
     for row in rows:
         cell = next(c for c in _measured(row)["keys_visible"].split("; ") if c.startswith("default CPU kernel, no mask"))
         assert "matches the whole-sequence reference (err" in cell, cell
+
+
+def test_a_failed_group_is_started_once_per_run(monkeypatch):
+    starts = []
+
+    def refuse(inputs, slow=False):
+        starts.append(1)
+        raise OSError("no loopback")
+
+    monkeypatch.setattr(cp, "run_group", refuse)
+    monkeypatch.setattr(cp.importlib.util, "find_spec", lambda name: object())  # as if torch were installed
+    rows = cp.measure((cp.APIS[3],) * 2)
+    assert [r["reason"] for r in rows] == ["OSError: no loopback"] * 2 and len(starts) == 1, (rows, starts)

@@ -182,7 +182,12 @@ class Call:
     key_segment_ids: Any  # (S_total,) or (B, S_total)
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
-        """mask AND causal AND window AND segments over every key (rank 4), or None."""
+        """mask AND causal AND window AND segments over every key (rank 4), or None.
+        One bottom-right query (a decode step) sees every key: its causal mask hides nothing and is
+        left out, so that fused_attention runs without a select and without the empty-row pass
+        (which read V once more)."""
+        if causal_alignment == "bottom_right" and self.shapes.T == 1:
+            is_causal = False
         return F.allowed_mask(self.mask4, self.shapes.T, self.shapes.S_total, is_causal, causal_alignment,
                               window_left=config.window_left, window_right=config.window_right,
                               segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids)

@@ -429,8 +429,10 @@ def multi_head_attention(
         return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, k, v)  # (B, T, O)
     if trace is None and not return_weights:
         q, k, v = qkv_heads(config, call)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+        # one bottom-right query (a decode step) sees every key: no causal mask to build and select by
+        decode_step = causal_alignment == "bottom_right" and isinstance(call.T, int) and call.T == 1
         ctx = _attention(
-            q, k, v, mask4=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal,
+            q, k, v, mask4=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal and not decode_step,
             causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
             masked_row=config.masked_row, **_modern_core_options(config, call),
         )  # (B, N, T, V)

@@ -696,3 +696,27 @@ def test_gpu_modern_matches_reference(name, dtype, path):
     case = _case(name)
     case = dataclasses.replace(case, return_weights=case.return_weights and path == "stages")
     assert_case_conforms(case, dtype, "tf", PATHS[path](), device="gpu")
+
+
+def test_decode_step_builds_no_causal_mask(monkeypatch):
+    """One bottom-right query sees every key: the fused path builds no causal
+    mask for it, and still equals the float64 reference; three queries still
+    build one."""
+    import impl_tf.functional as tf_functional
+
+    built = []
+    real = tf_functional.causal_mask
+    monkeypatch.setattr(tf_functional, "causal_mask", lambda *a: built.append(a) or real(*a))
+    config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=2, dtype="float64")
+    rng = np.random.default_rng(6)
+    pk, pv = rng.standard_normal((2, 2, 11, 4)), rng.standard_normal((2, 2, 11, 4))
+    options = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right", return_cache=True)
+    for T in (1, 3):
+        x = rng.standard_normal((2, T, 8))
+        got = impl_tf.multi_head_attention(config, tensors, x, **options)
+        want = impl_numpy.multi_head_attention(config, tensors, x, trace=[], **options)
+        for name, g, w in zip(("output", "present_key", "present_value"), got, want):
+            err = float(np.abs(np.asarray(g) - w).max())
+            assert err <= 1e-12, f"decode T={T} {name}: max abs difference {err:.3g}"
+        assert len(built) == (0 if T == 1 else 1), f"T={T}: causal masks built {built}"

@@ -64,9 +64,13 @@ Sequence (`kind="sequence"`)
     key columns (default CHUNK = 512) by min(chunk_size, 128) query rows,
     impl_numpy/chunked.py's sizes, so that a rank's temporaries stay
     (B, N, 128, 512) however long its blocks are.
-    Without gradients the next block's transfer runs while the current one
-    is computed; under autograd each shift is waited for before its block is
-    used (a custom Function's forward returns the received tensor). Dropout:
+    Without gradients a block travels in pieces of chunk_size keys: the
+    rank sends its piece i, receives the next block's piece i into a free
+    buffer and folds its own piece i meanwhile, so the transfer runs while
+    it computes and a rank holds one block and a piece or two, never two
+    blocks; under autograd whole blocks shift and each shift is waited for
+    before its block is used (a custom Function's forward returns the
+    received tensor). Dropout:
     the keep-mask's rows of this rank, its columns per block (a seeded one,
     without dropout_mask, is torch's stream drawn whole on every rank, as the
     unsharded call draws it). The weights (B, N, T, S_total) are never
@@ -112,17 +116,17 @@ call). The forward sends exactly the minimum when the split is even: every
 block makes n-1 hops and nothing else travels but the key ids of packed
 rows.
 
-Memory, without gradients (what a rank holds at most): its query block and
-its rows of the inputs until they are projected, then its queries, two
-key/value buffers of the largest block's size (the block computed on and
-the block being received, swapped each step, so a rank never holds a third
-block or a copy), the running sum and numerator of its rows (one array
-each, updated in place), and one sub-block's temporaries
-((B, N, 128, chunk) scores). The key/value buffers and the queries are
-freed before the output projection. The ranks this module starts fix
-glibc's mmap threshold (bound_heap_retention says why; a torchrun start
-sets MALLOC_MMAP_THRESHOLD_=1048576 for the same). Under autograd every
-received block is kept for the backward (as any ring attention must).
+Memory, without gradients (what a rank holds at most): its rows of the
+inputs until they are projected (self-attention: one copy for q, k and v),
+its queries, its block of keys and values in pieces (written k first, then
+v, each projection dropped once written), one or two free pieces, the
+running sum and numerator of its rows (one array each, updated in place)
+and one sub-block's temporaries ((B, N, 128, chunk) scores, exp taken in
+place). Pieces and queries are freed before the output projection. The
+ranks this module starts fix glibc's mmap threshold (bound_heap_retention
+says why; a torchrun start sets MALLOC_MMAP_THRESHOLD_=1048576 for the
+same). Under autograd every received block is kept for the backward (as
+any ring attention's backward needs them).
 """
 
 from __future__ import annotations
@@ -304,7 +308,8 @@ def bound_heap_retention() -> None:
     freeing a mapped block raises it to that block's size, after which blocks up to that size come from
     the heap, which keeps freed memory resident wherever a live block sits above it. The ring frees and
     allocates arrays of many sizes (the rank's inputs, projections, sub-block temporaries): under the
-    dynamic threshold a rank's peak grew by 1.5-2x its live arrays (measured: docs/sharding.md). Same as
+    dynamic threshold a rank's peak over the call was 1.8-2.3x what it is with a fixed one (T 16384,
+    4 ranks, docs/sharding.md); the unsharded call's did not move. Same as
     MALLOC_MMAP_THRESHOLD_=1048576 in the environment, which a torchrun start can set. No-op elsewhere."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
@@ -583,12 +588,10 @@ def split(length: int, parts: int, zigzag: bool) -> list[np.ndarray]:
     return [np.concatenate([chunks[r], chunks[2 * parts - 1 - r]]) for r in range(parts)]
 
 
-def _start_exchange(x: torch.Tensor, send_to: int, recv_from: int, recv_shape, counter: str, into=None):
-    """Start sending x to one rank and receiving a tensor of recv_shape (x's dtype) from another, into
-    `into` when given (a buffer of at least that many elements, not x); raw bytes on the wire, so that
-    every dtype (bfloat16 too) travels unchanged. -> what _finish_exchange takes."""
-    count = int(np.prod(recv_shape))
-    out = torch.empty(recv_shape, dtype=x.dtype) if into is None else into.reshape(-1)[:count].view(recv_shape)
+def _start_exchange(x: torch.Tensor, send_to: int, recv_from: int, recv_shape, counter: str):
+    """Start sending x to one rank and receiving a tensor of recv_shape (x's dtype) from another; raw bytes
+    on the wire, so that every dtype (bfloat16 too) travels unchanged. -> what _finish_exchange takes."""
+    out = torch.empty(recv_shape, dtype=x.dtype)
     send = x.detach().contiguous().reshape(-1).view(torch.uint8)
     recv = out.reshape(-1).view(torch.uint8)
     ops = []
@@ -708,33 +711,6 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
         v = F.split_heads(F.project(x_values, p["value.kernel"], p.get("value.bias")), K)  # (B, K, s, V)
         return v if past_value is None else torch.cat([past_value.to(dtype).index_select(2, cached), v], dim=2)
 
-    # This rank's keys and values travel as one message. Without gradients they are written into a buffer
-    # sized for the largest block, one after the other, each dropped once written (the rank holds its
-    # projections once, not twice), and the buffer and one more of its size take turns as the block
-    # computed on and the block received (two travelling blocks, whatever the number of steps); autograd
-    # needs the concatenation as a function of k and v instead.
-    n_here = B * K * len(my_keys) * (H + V)
-    largest = B * K * max(len(index) for index in keys_of) * (H + V)
-    present = None
-    if grad:
-        k, v = keys(x_keys), values(x_values)
-        packed = torch.cat([k.reshape(-1), v.reshape(-1)])
-        present = (k, v) if options.get("return_cache") else None
-        del k, v
-        spare = None
-    else:
-        packed = torch.empty(largest, dtype=dtype)
-        k = keys(x_keys)
-        packed[: k.numel()].view(k.shape).copy_(k)
-        present_key, n_k = (k if options.get("return_cache") else None), k.numel()
-        del k
-        v = values(x_values)
-        packed[n_k:n_here].view(v.shape).copy_(v)
-        present = None if present_key is None else (present_key, v)
-        del v
-        spare = torch.empty(largest, dtype=dtype) if world > 1 else None
-    del x_keys, x_values
-
     # What each query row sees, taken per block: mask and bias rows here, their columns per block.
     def rows_here(t):
         return None if t is None else (t.index_select(2, rows) if t.shape[2] == T else t)
@@ -797,90 +773,149 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     uniform = config.masked_row == "uniform"
     for (r0, r1), state in zip(parts, states):  # with dropout, a masked row's uniform context is its own
         state.append(torch.zeros((B, N, r1 - r0, V), dtype=ct) if uniform and keep is not None else None)
-    v_sum = torch.zeros((B, K, V), dtype=ct)  # every value row, for the "uniform" masked-row policy
-    received = [packed]  # kept for _Anchor under autograd only
-    block_ids = k_ids
-    nxt = pending = None
 
     def rows_part(t_, r0, r1):  # a (B|1, N|1, t|1, ...) array's rows r0..r1
         return None if t_ is None else (t_[:, :, r0:r1] if t_.shape[2] == t else t_)
 
-    for step in range(world):
-        source = (rank - step) % world
-        index = keys_of[source]
-        s = len(index)
-        kb = packed[: B * K * s * H].view(B, K, s, H)
-        vb = packed[B * K * s * H: B * K * s * (H + V)].view(B, K, s, V)
-        if uniform:
-            v_sum = v_sum + vb.to(ct).sum(dim=2)
-        if step < world - 1:
-            nxt = len(keys_of[(source - 1) % world])
-            if grad:  # a shift autograd can run backwards; waited for before this block is used
-                next_packed = _RingShift.apply(packed, (B * K * nxt * (H + V),))
-            else:  # no gradients: the transfer runs while this block is computed
-                pending = _start_exchange(packed[: B * K * s * (H + V)], (rank + 1) % world, (rank - 1) % world,
-                                          (B * K * nxt * (H + V),), "kv", into=spare)
+    def fold(index, block_ids, c0, kc, vc):
+        """Key columns c0.. of a block (kc (B, K, c, H), vc (B, K, c, V); index: the block's global key
+        indices, block_ids its key segment ids) into every query part's running state; temporaries stay
+        (B, N, rows, c)."""
+        c1 = c0 + kc.shape[2]
+        cols = index[c0:c1]
+        mask_cols = None if mask is None else (mask.index_select(3, cols) if mask.shape[3] == S_total else mask)
+        bias_cols = None if bias is None else (bias.index_select(3, cols) if bias.shape[3] == S_total else bias)
+        keep_cols = None if keep is None else keep.index_select(3, cols)
+        for (r0, r1), state in zip(parts, states):
+            if state[3] is not None:  # weight 1/S_total on every key, hidden ones too, then dropout
+                dropped = (rows_part(keep_cols, r0, r1).to(ct) / (rate * S_total)).reshape(B, K, G, r1 - r0, -1)
+                state[3] = state[3] + torch.einsum(F.ATTEND, dropped, vc.to(ct)).reshape(B, N, r1 - r0, V)
+            vis = visible(aligned[r0:r1], cols)
+            if vis is not None and not bool(vis.any()):
+                continue  # causal or the window hides these keys from every row here
+            allowed = None if vis is None else vis[None, None]  # (1, 1, r, c)
+            if mask_cols is not None:
+                allowed = rows_part(mask_cols, r0, r1) if allowed is None else allowed & rows_part(mask_cols, r0, r1)
             if block_ids is not None:
-                next_ids = _exchange(block_ids, (rank + 1) % world, (rank - 1) % world,
-                                     (block_ids.shape[0], nxt), "ids")
-        for c0 in range(0, s, chunk):  # the block in key chunks: temporaries stay (B, N, rows, chunk)
-            c1 = min(s, c0 + chunk)
-            cols = index[c0:c1]
-            kc, vc = kb[:, :, c0:c1], vb[:, :, c0:c1]
-            mask_cols = None if mask is None else (mask.index_select(3, cols) if mask.shape[3] == S_total else mask)
-            bias_cols = None if bias is None else (bias.index_select(3, cols) if bias.shape[3] == S_total else bias)
-            keep_cols = None if keep is None else keep.index_select(3, cols)
-            for (r0, r1), state in zip(parts, states):
-                if state[3] is not None:  # weight 1/S_total on every key, hidden ones too, then dropout
-                    dropped = (rows_part(keep_cols, r0, r1).to(ct) / (rate * S_total)).reshape(B, K, G, r1 - r0, -1)
-                    state[3] = state[3] + torch.einsum(F.ATTEND, dropped, vc.to(ct)).reshape(B, N, r1 - r0, V)
-                vis = visible(aligned[r0:r1], cols)
-                if vis is not None and not bool(vis.any()):
-                    continue  # causal or the window hides these keys from every row here
-                allowed = None if vis is None else vis[None, None]  # (1, 1, r, c)
-                if mask_cols is not None:
-                    allowed = rows_part(mask_cols, r0, r1) if allowed is None else allowed & rows_part(mask_cols,
-                                                                                                     r0, r1)
-                if block_ids is not None:
-                    same = (q_ids[:, r0:r1, None] == block_ids[:, None, c0:c1])[:, None]  # (B|1, 1, r, c)
-                    allowed = same if allowed is None else allowed & same
-                x = F.logits(q[:, :, r0:r1], kc, config.effective_scale)  # (B, N, r, c), the stages' rounding
-                if config.logit_softcap is not None:
-                    x = F.softcap(x, config.logit_softcap)
-                x = F.mask_stage(x, allowed, rows_part(bias_cols, r0, r1)).to(ct)
-                # The online-softmax merge (impl_numpy/chunked.py's _core); the shifts are constants, not
-                # functions of x (detached), so the gradient is the softmax's own.
-                m, l, acc = state[:3]
-                m_new = torch.maximum(m, x.amax(dim=-1, keepdim=True).detach())
-                m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-                # hidden -> exactly 0; without gradients in place (x is this sub-block's own temporary)
-                e = torch.exp(x - m_safe) if grad else x.sub_(m_safe).exp_()
-                correction = torch.exp(m - m_safe)  # 0 where m was -inf
-                row_sum = e.sum(dim=-1, keepdim=True)  # before dropout: the softmax's denominator
-                if keep_cols is not None:
-                    e = torch.where(rows_part(keep_cols, r0, r1), e / rate, 0.0)
-                pv = torch.einsum(F.ATTEND, e.reshape(B, K, G, r1 - r0, c1 - c0), vc.to(ct))
-                if grad:
-                    state[:3] = [m_new, l * correction + row_sum, acc * correction + pv.reshape(B, N, r1 - r0, V)]
-                else:
-                    l.mul_(correction).add_(row_sum)
-                    acc.mul_(correction).add_(pv.reshape(B, N, r1 - r0, V))
-                    state[0] = m_new
-        if step < world - 1:
+                same = (q_ids[:, r0:r1, None] == block_ids[:, None, c0:c1])[:, None]  # (B|1, 1, r, c)
+                allowed = same if allowed is None else allowed & same
+            x = F.logits(q[:, :, r0:r1], kc, config.effective_scale)  # (B, N, r, c), the stages' rounding
+            if config.logit_softcap is not None:
+                x = F.softcap(x, config.logit_softcap)
+            x = F.mask_stage(x, allowed, rows_part(bias_cols, r0, r1)).to(ct)
+            # The online-softmax merge (impl_numpy/chunked.py's _core); the shifts are constants, not
+            # functions of x (detached), so the gradient is the softmax's own.
+            m, l, acc = state[:3]
+            m_new = torch.maximum(m, x.amax(dim=-1, keepdim=True).detach())
+            m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            # hidden -> exactly 0; without gradients in place (x is this sub-block's own temporary)
+            e = torch.exp(x - m_safe) if grad else x.sub_(m_safe).exp_()
+            correction = torch.exp(m - m_safe)  # 0 where m was -inf
+            row_sum = e.sum(dim=-1, keepdim=True)  # before dropout: the softmax's denominator
+            if keep_cols is not None:
+                e = torch.where(rows_part(keep_cols, r0, r1), e / rate, 0.0)
+            pv = torch.einsum(F.ATTEND, e.reshape(B, K, G, r1 - r0, c1 - c0), vc.to(ct))
             if grad:
-                packed = next_packed
-                received.append(packed)
-            else:  # received into spare's first elements; the block just computed becomes the next receive buffer
-                _finish_exchange(pending)
-                packed, spare = spare, packed
-            if block_ids is not None:
-                block_ids = next_ids
+                state[:3] = [m_new, l * correction + row_sum, acc * correction + pv.reshape(B, N, r1 - r0, V)]
+            else:
+                l.mul_(correction).add_(row_sum)
+                acc.mul_(correction).add_(pv.reshape(B, N, r1 - r0, V))
+                state[0] = m_new
+
+    v_sum = torch.zeros((B, K, V), dtype=ct)  # every value row, for the "uniform" masked-row policy
+    block_ids = k_ids
+    send_to, recv_from = (rank + 1) % world, (rank - 1) % world
+    present = None
     if grad:
+        # Autograd: the rank's keys and values travel as one tensor, a function of k and v, whole blocks
+        # shifted by _RingShift; every received block is kept for the backward.
+        k, v = keys(x_keys), values(x_values)
+        del x_keys, x_values
+        packed = torch.cat([k.reshape(-1), v.reshape(-1)])
+        present = (k, v) if options.get("return_cache") else None
+        del k, v
+        received = [packed]
+        for step in range(world):
+            index = keys_of[(rank - step) % world]
+            s = len(index)
+            kb = packed[: B * K * s * H].view(B, K, s, H)
+            vb = packed[B * K * s * H: B * K * s * (H + V)].view(B, K, s, V)
+            if step < world - 1:  # waited for before the next block is used
+                nxt = len(keys_of[(rank - step - 1) % world])
+                packed = _RingShift.apply(packed, (B * K * nxt * (H + V),))
+                received.append(packed)
+                next_ids = None if block_ids is None else _exchange(block_ids, send_to, recv_from,
+                                                                    (block_ids.shape[0], nxt), "ids")
+            for c0 in range(0, s, chunk):
+                if uniform:  # summed per piece, as without gradients: the same roundings either way
+                    v_sum = v_sum + vb[:, :, c0:c0 + chunk].to(ct).sum(dim=2)
+                fold(index, block_ids, c0, kb[:, :, c0:c0 + chunk], vb[:, :, c0:c0 + chunk])
+            if step < world - 1:
+                block_ids = next_ids
         l = torch.cat([state[1] for state in states], dim=2) if states else torch.zeros((B, N, 0, 1), dtype=ct)
         acc = torch.cat([state[2] for state in states], dim=2) if states else torch.zeros((B, N, 0, V), dtype=ct)
-    else:  # the blocks, their buffers and the queries are done with: freed before the output's arrays
+    else:
+        # Without gradients a block travels in pieces of `chunk` keys, each [its keys (B, K, c, H) | its
+        # values (B, K, c, V)] in a buffer of its own. At every piece of a step the rank sends its piece c to
+        # rank+1, receives rank-1's piece c into a free buffer, folds its own piece c in meanwhile, and waits
+        # for both: the piece just sent and folded is then free for the next receive. So a rank holds one
+        # block and a piece or two, not two blocks, and the transfer still runs while the rank computes.
+        # The rank's own block is written into its pieces, k and then v, each dropped once written.
+        width = B * K * min(chunk, max(len(index) for index in keys_of) or 1) * (H + V)  # a whole piece
+
+        def sizes(s):  # the key counts of a block's pieces
+            return [min(chunk, s - c0) for c0 in range(0, s, chunk)]
+
+        own = sizes(len(my_keys))
+        pieces = [torch.empty(width, dtype=dtype) for _ in own]
+        k = keys(x_keys)
+        for i, c in enumerate(own):
+            pieces[i][: B * K * c * H].view(B, K, c, H).copy_(k[:, :, i * chunk: i * chunk + c])
+        present_key = k if options.get("return_cache") else None
+        del k
+        v = values(x_values)
+        for i, c in enumerate(own):
+            pieces[i][B * K * c * H: B * K * c * (H + V)].view(B, K, c, V).copy_(v[:, :, i * chunk: i * chunk + c])
+        present = None if present_key is None else (present_key, v)
+        del v, x_keys, x_values
+        free = []  # piece buffers sent and folded, ready for a receive
+        for step in range(world):
+            index = keys_of[(rank - step) % world]
+            here = sizes(len(index))
+            last = step == world - 1
+            coming = [] if last else sizes(len(keys_of[(rank - step - 1) % world]))
+            next_ids = None
+            if not last and block_ids is not None:
+                next_ids = _exchange(block_ids, send_to, recv_from, (block_ids.shape[0], sum(coming)), "ids")
+            arrived = []
+            for i in range(max(len(here), len(coming))):
+                ops = []
+                if i < len(here) and not last:
+                    sent = pieces[i][: B * K * here[i] * (H + V)].view(torch.uint8)
+                    ops.append(dist.P2POp(dist.isend, sent, send_to, tag=_TAGS["kv"]))
+                    _SENT["kv"] += sent.numel()
+                if i < len(coming):
+                    arrived.append(free.pop() if free else torch.empty(width, dtype=dtype))
+                    ops.append(dist.P2POp(dist.irecv, arrived[-1][: B * K * coming[i] * (H + V)].view(torch.uint8),
+                                          recv_from, tag=_TAGS["kv"]))
+                requests = dist.batch_isend_irecv(ops) if ops else []
+                if i < len(here):
+                    c = here[i]
+                    kc = pieces[i][: B * K * c * H].view(B, K, c, H)
+                    vc = pieces[i][B * K * c * H: B * K * c * (H + V)].view(B, K, c, V)
+                    if uniform:
+                        v_sum = v_sum + vc.to(ct).sum(dim=2)
+                    fold(index, block_ids, i * chunk, kc, vc)
+                for request in requests:
+                    request.wait()
+                if i < len(here):
+                    free.append(pieces[i])
+            pieces = arrived
+            if next_ids is not None:
+                block_ids = next_ids
+        # the pieces, the free buffers and the queries are done with: freed before the output's arrays
+        pieces = arrived = free = kc = vc = q = None
         l, acc = l_all, acc_all
-        packed = spare = pending = kb = vb = kc = vc = q = None
     empty = l == 0  # rows with no visible key (never with sinks: the sink's 1 stays)
     ctx = acc / torch.where(empty, 1.0, l) if grad else acc.div_(torch.where(empty, 1.0, l))
     if config.masked_row == "uniform":

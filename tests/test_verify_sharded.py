@@ -90,6 +90,24 @@ def test_ring_without_the_received_blocks_causal_offset_fails_the_causal_vectors
 
 @pytest.mark.jax
 @needs_jax
+def test_hand_written_heads_split_passes_and_refuses_what_it_cannot_split(tmp_path):
+    """The example's heads_attention under --shard heads:2: kernels split by head, one psum of the outputs."""
+    out = tmp_path / "verify.json"
+    done = _mha("--impl", f"{RING}:heads_attention", "--shard", "heads:2", "--cases", "gqa", "no_biases", "mqa",
+                "causal_bottom_right_long_query", "--dtypes", "float32", "--require-gradients", "--allow-unsupported",
+                "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["sharding"] == {"engine": "jax", "kind": "heads", "devices": 2}, payload["sharding"]
+    status = {r["name"]: (r["status"], r["gradients"], r["detail"]) for r in payload["results"]}
+    assert {n for n, s in status.items() if s[:2] == ("pass", "checked")} == {
+        "gqa.float32", "no_biases.float32", "causal_bottom_right_long_query.float32"}, status
+    assert status["mqa.float32"][0] == "unsupported" and "num_kv_heads divisible by 2" in status["mqa.float32"][2], \
+        status["mqa.float32"]
+
+
+@pytest.mark.jax
+@needs_jax
 def test_a_mesh_of_another_kind_is_refused_by_the_function_not_the_runner():
     """--shard heads:2 hands the ring a mesh whose axis is "heads": its own NotImplementedError, per vector."""
     done = _mha("--impl", f"{RING}:attention", "--shard", "heads:2", "--cases", "self_basic", "--dtypes", "float32")

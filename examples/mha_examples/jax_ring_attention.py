@@ -15,7 +15,14 @@ device folds every block it receives into a running max, sum and numerator
 device (me - step) mod N and covers keys src*Sb ... src*Sb + Sb - 1: the
 causal mask must compare the queries with those positions.
 
-`attention_with_causal_offset_bug` is the same ring with the classic bug:
+`heads_attention` is the other kind, for `--shard heads:N` (mesh axis
+"heads"): Megatron-style, each device projects with its heads' kernel
+columns, attends over the whole sequence, multiplies by its rows of the
+output kernel, and one jax.lax.psum sums the partial outputs before the
+output bias is added, once. It splits the key/value heads with the query
+heads, so it refuses num_kv_heads not divisible by N (MQA on 2 devices).
+
+`attention_with_causal_offset_bug` is the ring with the classic bug:
 every received block is masked as if it were the device's own (its keys
 counted from the device's own block start). It fails the causal vectors.
 
@@ -43,21 +50,23 @@ from jax.sharding import PartitionSpec as P
 jax.config.update("jax_enable_x64", True)  # the float64 vectors need float64 arithmetic
 
 AXIS = "sequence"  # the mesh axis `mha verify --shard sequence:N` names
+HEADS = "heads"  # and `--shard heads:N`
 HIGHEST = lax.Precision.HIGHEST
 INPUTS = {"query", "key", "value"}
 # Config fields this example does not implement, and the value that switches each off.
 OFF = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1, "qk_norm": None, "use_sinks": False}
 
 
-def _refuse(config, inputs, options, mesh) -> None:
-    if tuple(mesh.axis_names) != (AXIS,):
-        raise NotImplementedError(f"this ring shards the sequence only: got a mesh over {tuple(mesh.axis_names)}")
+def _refuse(config, inputs, options, mesh, axis=AXIS) -> None:
+    if tuple(mesh.axis_names) != (axis,):
+        what = "this ring shards the sequence" if axis == AXIS else "heads_attention shards the heads"
+        raise NotImplementedError(f"{what} only: got a mesh over {tuple(mesh.axis_names)}")
     missing = [f"{name}={config[name]!r}" for name, off in OFF.items() if config.get(name, off) != off]
     missing += [f"input {name}" for name in inputs if name not in INPUTS]
     missing += [name for name in ("return_cache",) if options.get(name)]
     if options.get("training") and config["dropout"] > 0:
         missing.append(f"dropout {config['dropout']}")
-    if config["masked_row"] == "uniform":
+    if config["masked_row"] == "uniform" and axis == AXIS:
         missing.append("masked_row='uniform'")
     if missing:
         raise NotImplementedError(f"this ring does not implement {', '.join(missing)}")
@@ -130,9 +139,58 @@ def attention(config, tensors, inputs, options, *, mesh, causal_offset_bug=False
         out = jnp.einsum("BNTV,NVO->BTO", ctx, params["output.kernel"], precision=HIGHEST)
         return out + params["output.bias"] if "output.bias" in params else out
 
+    result = _run(forward, tensors, inputs, options, ct, dtype)
+    result["not_returned"] = {"weights": "a ring holds no whole row of the attention weights"}
+    return result
+
+
+def heads_attention(config, tensors, inputs, options, *, mesh):
+    """Heads split across the mesh's "heads" axis; the output projection row-parallel, summed once."""
+    _refuse(config, inputs, options, mesh, axis=HEADS)
+    d = mesh.shape[HEADS]
+    N, K, H = config["num_heads"], config["num_kv_heads"], config["head_dim"]
+    if N % d or K % d:
+        raise NotImplementedError(f"heads_attention splits query and key/value heads alike: needs num_heads and "
+                                  f"num_kv_heads divisible by {d} devices, got {N} and {K}")
+    dtype = inputs["query"].dtype
+    ct = jnp.float64 if dtype == np.float64 else jnp.float32
+    scale = config["scale"] if config["scale"] is not None else 1.0 / math.sqrt(H)
+    T, S = inputs["query"].shape[1], inputs["key"].shape[1]
+    fill = {"zero": 0.0, "uniform": 1.0 / S, "nan": jnp.nan}[config["masked_row"]]
+    visible = jnp.ones((T, S), bool)
+    if options.get("is_causal"):
+        offset = S - T if options.get("causal_alignment") == "bottom_right" else 0
+        visible = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + offset
+    # each kernel and bias by its heads axis; the output bias whole on every device
+    specs = {name: P() if name == "output.bias" else P(HEADS) if name.endswith(".bias") or name == "output.kernel"
+             else P(None, HEADS) for name in tensors}
+
+    def body(params, xq, xk, xv):  # this device's N/d query heads and K/d key/value heads
+        def project(x, name):
+            y = jnp.einsum("BLD,DNH->BNLH", x, params[f"{name}.kernel"], precision=HIGHEST)
+            return y + params[f"{name}.bias"][None, :, None, :] if f"{name}.bias" in params else y
+
+        q = project(xq, "query")
+        k, v = (jnp.repeat(project(x, name), N // K, axis=1) for x, name in ((xk, "key"), (xv, "value")))
+        logits = jnp.where(visible, scale * jnp.einsum("BNTH,BNSH->BNTS", q, k, precision=HIGHEST), -jnp.inf)
+        top = lax.stop_gradient(logits.max(-1, keepdims=True))
+        empty = ~jnp.isfinite(top)  # a row with no key to attend to
+        e = jnp.exp(logits - jnp.where(empty, 0.0, top))
+        w = jnp.where(empty, fill, e / jnp.where(empty, 1.0, e.sum(-1, keepdims=True)))
+        ctx = jnp.einsum("BNTS,BNSV->BNTV", w, v, precision=HIGHEST)
+        partial = jnp.einsum("BNTV,NVO->BTO", ctx, params["output.kernel"], precision=HIGHEST)
+        out = lax.psum(partial, HEADS)  # the d partial outputs summed once, then the bias once
+        return out + params["output.bias"] if "output.bias" in params else out
+
+    forward = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=P())
+    return _run(forward, tensors, inputs, options, ct, dtype)
+
+
+def _run(forward, tensors, inputs, options, ct, dtype) -> dict:
+    """forward(params, xq, xk, xv) on the vector's arrays in the compute dtype; its gradients by jax.vjp."""
     params = {name: jnp.asarray(t, ct) for name, t in tensors.items()}
     xq, xk, xv = (jnp.asarray(inputs[name], ct) for name in ("query", "key", "value"))
-    result = {"not_returned": {"weights": "a ring holds no whole row of the attention weights"}}
+    result = {"not_returned": {"weights": "this sharded call returns no attention weights"}}
     if "cotangent" not in options:
         result["output"] = np.asarray(jax.jit(forward)(params, xq, xk, xv)).astype(dtype)
         return result

@@ -751,28 +751,33 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     row_chunk = min(chunk, QUERY_ROWS)
     parts = [(r0, min(t, r0 + row_chunk)) for r0 in range(0, t, row_chunk)]  # query rows, each with its own running state
     sinks = p.get("sinks")
-    # Without gradients every part's sum and numerator are views of one (B, N, t, 1) and one (B, N, t, V)
-    # array, updated in place: the merge allocates no new state per sub-block, and the result needs no
-    # concatenation at the end. Autograd gets new tensors per update instead.
-    l_all = None if grad else torch.zeros((B, N, t, 1), dtype=ct)
-    acc_all = None if grad else torch.zeros((B, N, t, V), dtype=ct)
-    states = []
-    for r0, r1 in parts:
-        if sinks is not None:  # the sink joins each row once, before any block: max = sink, sum = 1
-            sink = sinks.to(ct).reshape(1, N, 1, 1)
-            m = sink.detach().expand(B, N, r1 - r0, 1)
-            l = torch.exp(sink - sink.detach()).expand(B, N, r1 - r0, 1)  # 1, with the sink's gradient
-        else:
-            m = torch.full((B, N, r1 - r0, 1), float("-inf"), dtype=ct)
-            l = torch.zeros((B, N, r1 - r0, 1), dtype=ct)
-        if grad:
-            states.append([m, l, torch.zeros((B, N, r1 - r0, V), dtype=ct)])
-        else:
-            l_all[:, :, r0:r1] = l
-            states.append([m, l_all[:, :, r0:r1], acc_all[:, :, r0:r1]])
     uniform = config.masked_row == "uniform"
-    for (r0, r1), state in zip(parts, states):  # with dropout, a masked row's uniform context is its own
-        state.append(torch.zeros((B, N, r1 - r0, V), dtype=ct) if uniform and keep is not None else None)
+
+    def new_states():
+        """Each query part's running state [max, sum, numerator, the uniform policy's own sum under dropout];
+        -> (states, the sums, the numerators). Without gradients every part's sum and numerator are views
+        of one (B, N, t, 1) and one (B, N, t, V) array, updated in place: the merge allocates no new state
+        per sub-block, and the result needs no concatenation at the end. Autograd gets new tensors per
+        update instead (the two arrays are then None)."""
+        l_all = None if grad else torch.zeros((B, N, t, 1), dtype=ct)
+        acc_all = None if grad else torch.zeros((B, N, t, V), dtype=ct)
+        states = []
+        for r0, r1 in parts:
+            if sinks is not None:  # the sink joins each row once, before any block: max = sink, sum = 1
+                sink = sinks.to(ct).reshape(1, N, 1, 1)
+                m = sink.detach().expand(B, N, r1 - r0, 1)
+                l = torch.exp(sink - sink.detach()).expand(B, N, r1 - r0, 1)  # 1, with the sink's gradient
+            else:
+                m = torch.full((B, N, r1 - r0, 1), float("-inf"), dtype=ct)
+                l = torch.zeros((B, N, r1 - r0, 1), dtype=ct)
+            if grad:
+                states.append([m, l, torch.zeros((B, N, r1 - r0, V), dtype=ct)])
+            else:
+                l_all[:, :, r0:r1] = l
+                states.append([m, l_all[:, :, r0:r1], acc_all[:, :, r0:r1]])
+        for (r0, r1), state in zip(parts, states):  # with dropout, a masked row's uniform context is its own
+            state.append(torch.zeros((B, N, r1 - r0, V), dtype=ct) if uniform and keep is not None else None)
+        return states, l_all, acc_all
 
     def rows_part(t_, r0, r1):  # a (B|1, N|1, t|1, ...) array's rows r0..r1
         return None if t_ is None else (t_[:, :, r0:r1] if t_.shape[2] == t else t_)
@@ -834,6 +839,7 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
         packed = torch.cat([k.reshape(-1), v.reshape(-1)])
         present = (k, v) if options.get("return_cache") else None
         del k, v
+        states, _, _ = new_states()
         received = [packed]
         for step in range(world):
             index = keys_of[(rank - step) % world]
@@ -878,6 +884,7 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
             pieces[i][B * K * c * H: B * K * c * (H + V)].view(B, K, c, V).copy_(v[:, :, i * chunk: i * chunk + c])
         present = None if present_key is None else (present_key, v)
         del v, x_keys, x_values
+        states, l_all, acc_all = new_states()  # after the inputs' rows are freed: not at the same time
         free = []  # piece buffers sent and folded, ready for a receive
         for step in range(world):
             index = keys_of[(rank - step) % world]

@@ -58,9 +58,9 @@ OFF = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -
 
 
 def _refuse(config, inputs, options, mesh, axis=AXIS) -> None:
+    who = "this ring" if axis == AXIS else "heads_attention"
     if tuple(mesh.axis_names) != (axis,):
-        what = "this ring shards the sequence" if axis == AXIS else "heads_attention shards the heads"
-        raise NotImplementedError(f"{what} only: got a mesh over {tuple(mesh.axis_names)}")
+        raise NotImplementedError(f"{who} shards the {axis} only: got a mesh over {tuple(mesh.axis_names)}")
     missing = [f"{name}={config[name]!r}" for name, off in OFF.items() if config.get(name, off) != off]
     missing += [f"input {name}" for name in inputs if name not in INPUTS]
     missing += [name for name in ("return_cache",) if options.get(name)]
@@ -69,7 +69,7 @@ def _refuse(config, inputs, options, mesh, axis=AXIS) -> None:
     if config["masked_row"] == "uniform" and axis == AXIS:
         missing.append("masked_row='uniform'")
     if missing:
-        raise NotImplementedError(f"this ring does not implement {', '.join(missing)}")
+        raise NotImplementedError(f"{who} does not implement {', '.join(missing)}")
 
 
 def _ring(q, k, v, *, mesh, S, scale, causal_offset, masked_row, causal_offset_bug):

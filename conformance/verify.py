@@ -377,6 +377,15 @@ def check_takes_mesh(fn, spec: str = "the function") -> None:
                          f"{spec} takes no mesh argument: its signature is {inspect.signature(fn)}")
 
 
+def needs_mesh(fn) -> bool:
+    """Whether fn has a parameter `mesh` without a default (a sharded function run without --shard)."""
+    try:
+        parameter = inspect.signature(fn).parameters.get("mesh")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is parameter.empty
+
+
 def verify(fn, directory=DEFAULT_DIR, *, only=None, dtypes=None, require_gradients: bool = False,
            mesh=None) -> list[VerifyResult]:
     """Every selected vector. With `mesh` (make_mesh), fn is called with mesh=mesh and each result records the
@@ -459,6 +468,9 @@ def run(args) -> int:
     fn = load_function(args.impl)
     if mesh is not None:
         check_takes_mesh(fn, args.impl)
+    elif needs_mesh(fn):
+        raise ValueError(f"--impl {args.impl}: takes a required mesh argument (a sharded function): run it with "
+                         "--shard sequence:N or --shard heads:N")
     started = time.perf_counter()
     results = verify(fn, args.vectors, only=args.cases, dtypes=args.dtypes, require_gradients=args.require_gradients,
                      mesh=mesh)

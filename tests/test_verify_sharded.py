@@ -122,6 +122,8 @@ def test_sharded_refusals_are_one_line():
     # a function without a mesh argument: refused before any vector runs
     _one_line_error(_mha("--impl", "mha_examples.numpy_attention:attention", "--shard", "sequence:2"),
                     "takes no mesh argument")
+    # a sharded function without --shard: told to use it, instead of a TypeError per vector
+    _one_line_error(_mha("--impl", f"{RING}:attention", "--cases", "self_basic"), "run it with --shard sequence:N")
     # fewer host devices than asked for (XLA_FLAGS set by the caller wins): the count and the flag named
     _one_line_error(_mha("--impl", f"{RING}:attention", "--shard", "sequence:4",
                          env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),

@@ -139,6 +139,7 @@ import pickle
 import resource
 import socket
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -283,7 +284,7 @@ def measure(config, tensors, inputs, options, *, devices, kind="sequence") -> di
             "kv_bytes_sent": [s["kv"] for s in stats], "ids_bytes_sent": [s["ids"] for s in stats],
             "ratio_to_minimum": (max(s["kv"] + s["ids"] for s in stats) / minimum) if minimum else None,
             "peak_rss_bytes": [s["peak_rss"] for s in stats], "rss_before_bytes": [s["rss_before"] for s in stats],
-            "peak_method": stats[0]["peak_method"]}
+            "peak_method": stats[0]["peak_method"], "seconds": [s["seconds"] for s in stats]}
 
 
 def _spawned(rank, world, port, kind, jobs, path):
@@ -331,8 +332,10 @@ def run_in_group(jobs: list[dict], *, kind: str) -> list[dict] | None:
             for name in _SENT:
                 _SENT[name] = 0
             before, method = _peak_begin()
+            started = time.perf_counter()
             piece = _run_job(job, kind, rank, world)
-            stats = dict(_SENT, peak_rss=_peak_end(method), rss_before=before, peak_method=method)
+            stats = dict(_SENT, peak_rss=_peak_end(method), rss_before=before, peak_method=method,
+                         seconds=time.perf_counter() - started)
             gathered = [None] * world if rank == 0 else None
             dist.gather_object((piece, stats), gathered, dst=0)
             if rank == 0:
@@ -782,6 +785,25 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     def rows_part(t_, r0, r1):  # a (B|1, N|1, t|1, ...) array's rows r0..r1
         return None if t_ is None else (t_[:, :, r0:r1] if t_.shape[2] == t else t_)
 
+    scratch = []  # without gradients: one (B, N, rows, chunk) buffer for every sub-block's scores
+
+    def logits(r0, r1, kc):
+        """functional.logits of rows r0..r1 against kc (compute dtype, scaled, stored in the storage dtype),
+        as one matmul per key/value head. Without gradients into the scratch buffer, scaled in place: under
+        the fixed mmap threshold a fresh (B, N, 128, chunk) array per sub-block would be a fresh mapping,
+        its pages faulted in and zeroed each time (the forward took 1.4x as long so)."""
+        r, c = r1 - r0, kc.shape[2]
+        qg = q[:, :, r0:r1].reshape(B, K, G * r, H).to(ct)  # (B, K, G*r, H): query head n reads kv head n // G
+        kt = kc.to(ct).transpose(-1, -2)  # (B, K, H, c)
+        if grad:
+            x = torch.matmul(qg, kt) * config.effective_scale
+        else:
+            if not scratch:
+                scratch.append(torch.empty(B * N * row_chunk * chunk, dtype=ct))
+            x = torch.matmul(qg, kt, out=scratch[0][: B * N * r * c].view(B, K, G * r, c))
+            x.mul_(config.effective_scale)
+        return x.reshape(B, N, r, c).to(dtype)
+
     def fold(index, block_ids, c0, kc, vc):
         """Key columns c0.. of a block (kc (B, K, c, H), vc (B, K, c, V); index: the block's global key
         indices, block_ids its key segment ids) into every query part's running state; temporaries stay
@@ -804,10 +826,15 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
             if block_ids is not None:
                 same = (q_ids[:, r0:r1, None] == block_ids[:, None, c0:c1])[:, None]  # (B|1, 1, r, c)
                 allowed = same if allowed is None else allowed & same
-            x = F.logits(q[:, :, r0:r1], kc, config.effective_scale)  # (B, N, r, c), the stages' rounding
+            x = logits(r0, r1, kc)  # (B, N, r, c)
             if config.logit_softcap is not None:
                 x = F.softcap(x, config.logit_softcap)
-            x = F.mask_stage(x, allowed, rows_part(bias_cols, r0, r1)).to(ct)
+            if grad or bias_cols is not None:
+                x = F.mask_stage(x, allowed, rows_part(bias_cols, r0, r1)).to(ct)
+            else:  # functional.mask's select without a bias, in place on the scratch
+                if allowed is not None:
+                    x.masked_fill_(~allowed, float("-inf"))
+                x = x.to(ct)
             # The online-softmax merge (impl_numpy/chunked.py's _core); the shifts are constants, not
             # functions of x (detached), so the gradient is the softmax's own.
             m, l, acc = state[:3]
@@ -922,6 +949,7 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
                 block_ids = next_ids
         # the pieces, the free buffers and the queries are done with: freed before the output's arrays
         pieces = arrived = free = kc = vc = q = None
+        scratch.clear()
         l, acc = l_all, acc_all
     empty = l == 0  # rows with no visible key (never with sinks: the sink's 1 stays)
     ctx = acc / torch.where(empty, 1.0, l) if grad else acc.div_(torch.where(empty, 1.0, l))

@@ -135,10 +135,10 @@ def run(quick: bool) -> dict:
     growth = [p - b for p, b in zip(measured["peak_rss_bytes"], measured["rss_before_bytes"])]
     record.update(
         ranks=[{"rank": r, "rss_before_bytes": b, "peak_rss_bytes": p, "growth_bytes": g, "kv_bytes_sent": kv,
-                "ids_bytes_sent": ids}
-               for r, (b, p, g, kv, ids) in enumerate(zip(measured["rss_before_bytes"], measured["peak_rss_bytes"],
-                                                          growth, measured["kv_bytes_sent"],
-                                                          measured["ids_bytes_sent"]))],
+                "ids_bytes_sent": ids, "seconds": sec}
+               for r, (b, p, g, kv, ids, sec) in enumerate(zip(measured["rss_before_bytes"], measured["peak_rss_bytes"],
+                                                               growth, measured["kv_bytes_sent"],
+                                                               measured["ids_bytes_sent"], measured["seconds"]))],
         kv_bytes=measured["kv_bytes"], peak_method=measured["peak_method"], unsharded=base)
     record.update(ratios(record))
     return record

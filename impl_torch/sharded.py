@@ -121,8 +121,8 @@ inputs until they are projected (self-attention: one copy for q, k and v),
 its queries, its block of keys and values in pieces (written k first, then
 v, each projection dropped once written), one or two free pieces, the
 running sum and numerator of its rows (one array each, updated in place)
-and one sub-block's temporaries ((B, N, 128, chunk) scores, exp taken in
-place). Pieces and queries are freed before the output projection. The
+and one scratch buffer that holds every sub-block's (B, N, 128, chunk)
+scores in turn (scaled, masked and exponentiated in place). Pieces and queries are freed before the output projection. The
 ranks this module starts fix glibc's mmap threshold (bound_heap_retention
 says why; a torchrun start sets MALLOC_MMAP_THRESHOLD_=1048576 for the
 same). Under autograd every received block is kept for the backward (as

@@ -693,3 +693,29 @@ def test_decode_step_builds_no_causal_mask(monkeypatch):
             assert_close(f"decode T={T} {name}", np.asarray(g), w, config=config, dtype="float64",
                          quantity="output", B=2, T=T, S=11 + T)
         assert len(built) == (0 if T == 1 else 1), f"T={T}: causal masks built {built}"
+
+
+@pytest.mark.parametrize("config_name", ["gqa", "everything"])
+def test_cache_not_returned_is_not_concatenated(config_name):
+    """Without return_cache the fused path takes the cache and the new keys
+    as two parts (their logits joined, (T, S), never the (S, H) keys): the
+    jaxpr holds no concatenation of the cache, and the output equals the
+    float64 reference's, with a mask, a bias, a window, softcap and sinks."""
+    config = {"gqa": cfg(num_heads=4, num_kv_heads=2),
+              "everything": cfg(num_heads=4, num_kv_heads=2, window_left=3, logit_softcap=5.0, use_sinks=True,
+                                masked_row="uniform")}[config_name]
+    tensors = weights.init(config, seed=4, dtype="float64")
+    rng = np.random.default_rng(9)
+    P = 13
+    pk, pv = rng.standard_normal((2, 2, P, 4)), rng.standard_normal((2, 2, P, 4))
+    for T, extra in ((1, {}), (3, {"mask": rng.random((2, 1, 3, P + 3)) < 0.8}),
+                     (3, {"bias": rng.standard_normal((1, 4, 3, P + 3))})):
+        x = rng.standard_normal((2, T, 8))
+        options = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right", **extra)
+        jaxpr = jax.make_jaxpr(lambda a: impl_jax.apply(config, tensors, a, **options))(x).jaxpr
+        joined = [tuple(eqn.outvars[0].aval.shape) for eqn in jaxpr.eqns if eqn.primitive.name == "concatenate"]
+        assert (2, 2, P + T, 4) not in joined, f"T={T} {sorted(extra)}: the cache was concatenated: {joined}"
+        got = np.asarray(impl_jax.apply(config, tensors, x, **options))
+        want = impl_numpy.multi_head_attention(config, tensors, x, trace=[], **options)
+        assert_close(f"{config_name} T={T} {sorted(extra)}", got, want, config=config, dtype="float64",
+                     quantity="output", B=2, T=T, S=P + T)

@@ -221,10 +221,11 @@ def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
     return inverse_frequencies(config.rope), attention_factor(config.rope)
 
 
-def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = True):
+def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = True, append: bool = True):
     """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
     T, H) (None unless `query`), k (B, K, S_total, H), v (B, K, S_total, V)
-    (k and v: the present cache). rec(stage, value) records a stage."""
+    (k and v: the present cache). rec(stage, value) records a stage.
+    append=False: k and v are the new keys' alone (B, K, S, .)."""
     rec = rec or (lambda stage, value: value)
     p, N, K = call.params, config.num_heads, config.num_kv_heads
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"))) if query else None
@@ -247,7 +248,7 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = Tr
             q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved,
                                          factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
-    if call.past_key is not None:  # the cache holds keys after norm and rope (as Hugging Face and ONNX store it)
+    if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
         k = ops.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
         v = ops.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
     return q, k, v
@@ -290,12 +291,19 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     """
     dtype = F.dtype_name(q)
     ct = F.compute_dtype(dtype)
+    # k and v may be tuples of parts along S (a cache and the new keys, not concatenated): their
+    # logits are joined instead ((T, S) values where the keys are (S, H)), the context summed per part
+    ks, vs = (k, v) if isinstance(k, (tuple, list)) else ((k,), (v,))
     B, N, T, H = ops.shape(q)
-    K, S, V = k.shape[1], ops.shape(k)[2], v.shape[-1]
+    K, V = ks[0].shape[1], vs[0].shape[-1]
+    S = ops.shape(ks[0])[2]
+    for part in ks[1:]:
+        S = S + ops.shape(part)[2]
     # LOGITS and ATTEND as matmuls on the grouped (B, K, G*T, .) queries, as impl_numpy computes
     # them: XLA runs these 1.3-1.7x faster than the 5-D einsum's dot.
     qg = ops.reshape(F._cast(q, ct) * tf.constant(scale, ct), (B, K, (N // K) * T, H))  # (B, K, G*T, H)
-    x = ops.reshape(tf.matmul(qg, F._cast(k, ct), transpose_b=True), (B, N, T, S))  # (B, N, T, S), scaled
+    x = [tf.matmul(qg, F._cast(part, ct), transpose_b=True) for part in ks]  # (B, K, G*T, S_part) each
+    x = ops.reshape(x[0] if len(x) == 1 else ops.concatenate(x, axis=-1), (B, N, T, S))  # (B, N, T, S), scaled
     if softcap is not None:  # before mask and bias, as the spec's stage
         cap = tf.constant(softcap, ct)
         x = tf.tanh(x / cap) * cap
@@ -323,7 +331,14 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     if keep is not None:
         w = tf.where(keep, w / tf.constant(1.0 - rate, ct), tf.constant(0.0, ct))
     wg = ops.reshape(w, (B, K, (N // K) * T, S))  # (B, K, G*T, S)
-    ctx = tf.matmul(wg, F._cast(v, ct))  # (B, K, G*T, V)
+    if len(vs) == 1:
+        ctx = tf.matmul(wg, F._cast(vs[0], ct))  # (B, K, G*T, V)
+    else:  # each part's weights times its values
+        ctx, s0 = None, 0
+        for part in vs:
+            s1 = s0 + ops.shape(part)[2]
+            term = tf.matmul(wg[..., s0:s1], F._cast(part, ct))  # (B, K, G*T, V)
+            ctx, s0 = term if ctx is None else ctx + term, s1
     return F._cast(ops.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)
 
 
@@ -342,7 +357,8 @@ _fused_attention_xla = tf.function(fused_attention, jit_compile=True, autograph=
 def _attention(q, k, v, **options):
     """fused_attention, through XLA when the scores are large (XLA_MIN_SCORES)."""
     B, N, T = q.shape[:3]
-    S = k.shape[2]
+    sizes = [part.shape[2] for part in (k if isinstance(k, tuple) else (k,))]
+    S = None if None in sizes else sum(sizes)
     if None not in (N, T, S) and (B or 1) * N * T * S >= XLA_MIN_SCORES:
         return _fused_attention_xla(q, k, v, **options)
     return fused_attention(q, k, v, **options)
@@ -428,7 +444,11 @@ def multi_head_attention(
             k = v = None  # released (eagerly) before the output projection
         return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, k, v)  # (B, T, O)
     if trace is None and not return_weights:
-        q, k, v = qkv_heads(config, call)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+        # a cache nobody asks back is never concatenated: fused_attention takes it and the new keys as parts
+        cache_parts = call.past_key is not None and not return_cache
+        q, k, v = qkv_heads(config, call, append=not cache_parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
+        if cache_parts:
+            k, v = (call.past_key, k), (call.past_value, v)
         # one bottom-right query (a decode step) sees every key: no causal mask to build and select by
         decode_step = causal_alignment == "bottom_right" and isinstance(call.T, int) and call.T == 1
         ctx = _attention(

@@ -720,3 +720,39 @@ def test_decode_step_builds_no_causal_mask(monkeypatch):
             err = float(np.abs(np.asarray(g) - w).max())
             assert err <= 1e-12, f"decode T={T} {name}: max abs difference {err:.3g}"
         assert len(built) == (0 if T == 1 else 1), f"T={T}: causal masks built {built}"
+
+
+@pytest.mark.parametrize("config_name", ["gqa", "everything"])
+def test_cache_not_returned_is_not_concatenated(config_name, monkeypatch):
+    """Without return_cache the fused path takes the cache and the new keys
+    as two parts (their logits joined, (T, S), never the (S, H) keys): no
+    concatenation of the cache runs, and the output equals the float64
+    reference's, with a mask, a bias, a window, softcap and sinks, eager and
+    through XLA (XLA_MIN_SCORES 0)."""
+    import impl_tf.attention as tf_attention
+
+    joined = []
+    real = tf_attention.ops.concatenate
+    monkeypatch.setattr(tf_attention.ops, "concatenate",
+                        lambda xs, axis=0: joined.append(tuple(tuple(x.shape) for x in xs)) or real(xs, axis=axis))
+    config = {"gqa": weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4),
+              "everything": weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4,
+                                                    window_left=3, logit_softcap=5.0, use_sinks=True,
+                                                    masked_row="uniform")}[config_name]
+    tensors = weights.init(config, seed=4, dtype="float64")
+    rng = np.random.default_rng(9)
+    P = 13
+    pk, pv = rng.standard_normal((2, 2, P, 4)), rng.standard_normal((2, 2, P, 4))
+    for xla_min in (2**62, 0):
+        monkeypatch.setattr(tf_attention, "XLA_MIN_SCORES", xla_min)
+        for T, extra in ((1, {}), (3, {"mask": rng.random((2, 1, 3, P + 3)) < 0.8}),
+                         (3, {"bias": rng.standard_normal((1, 4, 3, P + 3))})):
+            x = rng.standard_normal((2, T, 8))
+            options = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right", **extra)
+            joined.clear()
+            got = np.asarray(impl_tf.multi_head_attention(config, tensors, x, **options))
+            cache_joins = [shapes for shapes in joined if (2, 2, P, 4) in shapes]
+            assert cache_joins == [], f"T={T} {sorted(extra)}: the cache was concatenated: {cache_joins}"
+            want = impl_numpy.multi_head_attention(config, tensors, x, trace=[], **options)
+            err = float(np.abs(got - want).max())
+            assert err <= 1e-12, f"{config_name} xla_min={xla_min} T={T} {sorted(extra)}: max abs difference {err:.3g}"

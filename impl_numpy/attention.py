@@ -124,10 +124,10 @@ def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
     return inverse_frequencies(config.rope), attention_factor(config.rope)
 
 
-def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value):
+def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value, *, append: bool = True):
     """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
     T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
-    present cache)."""
+    present cache). append=False: k and v are the new keys' alone (B, K, S, .)."""
     p, N, K = call.params, config.num_heads, config.num_kv_heads
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
@@ -144,7 +144,7 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
-    if call.past_key is not None:  # the cache holds keys after norm and rope (as Hugging Face and ONNX store it)
+    if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
         k = np.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
         v = np.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
     return q, k, v

@@ -182,6 +182,36 @@ def workspace(dtype, *shapes):
                     _kept.pop(0)  # the one unused longest
 
 
+class KeyParts:
+    """Keys (or values) held as parts along S, (B, K, S_i, .) each, read as
+    one (B, K, S, .) array by the core: a decode step's cache and new keys,
+    not concatenated when no present cache is asked back. Slicing the S axis
+    gives a view within one part, a copy of the few keys of a block that
+    straddles two; slicing B or K slices every part."""
+
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+        first = self.parts[0]
+        self.shape = (*first.shape[:2], sum(part.shape[2] for part in self.parts), *first.shape[3:])
+        self.dtype = first.dtype
+
+    def astype(self, dtype, copy=True):
+        return KeyParts(part.astype(dtype, copy=copy) for part in self.parts)
+
+    def __getitem__(self, index):
+        b, h, keys = (tuple(index) + (slice(None),) * 3)[:3]
+        if keys == slice(None):
+            return KeyParts(part[b, h] for part in self.parts)
+        start, stop, _ = keys.indices(self.shape[2])
+        pieces, offset = [], 0
+        for part in self.parts:
+            end = offset + part.shape[2]
+            if start < end and stop > offset:
+                pieces.append(part[b, h, max(start - offset, 0): min(stop, end) - offset])
+            offset = end
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=2)
+
+
 def logits_bounded(q, k, v, bias) -> bool:
     """True when every logit of this call lies within +-LOGIT_BOUND, known
     without computing one: |q_i . k_j| <= |q_i| |k_j| (Cauchy-Schwarz), taken
@@ -191,7 +221,7 @@ def logits_bounded(q, k, v, bias) -> bool:
     comparison, so NaN takes the running max too, whose NaN rules are the
     stages' (functional.py). Costs two passes over q and k that square and
     sum in one go (einsum), and two reductions of v: about 1 ms at bert-base."""
-    if bias is not None:
+    if bias is not None or isinstance(k, KeyParts):  # (parts: the running max, without the check's passes)
         return False
     B, N, T, H = q.shape
     K, S = k.shape[1], k.shape[2]
@@ -252,7 +282,7 @@ def fused_forward(config, call, *, is_causal, causal_alignment, chunk_size, retu
     one's to round-off."""
     if config.is_modern or call.modern or return_cache:
         return _fused_modern(config, call, is_causal=is_causal, causal_alignment=causal_alignment,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, return_cache=return_cache)
     p, query, key, value = call.params, call.query, call.key, call.value
     B, T, S = query.shape[0], query.shape[1], key.shape[1]
     options = dict(mask=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal,
@@ -264,7 +294,7 @@ def fused_forward(config, call, *, is_causal, causal_alignment, chunk_size, retu
         return _fused(config, p, query, key, value, parts=THREADS, **options), None, None
 
 
-def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size):
+def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, return_cache=True):
     """fused_forward for a call with modern features: the stages from the
     projections to the present keys (attention.qkv_heads), the scale folded
     into q after RoPE, the core (its heads on threads where the call is
@@ -272,7 +302,12 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size):
     from . import functional as F
     from .attention import qkv_heads
 
-    q, k, v = qkv_heads(config, call)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+    # A cache nobody asks back is never concatenated (a copy of the whole cache per step): the core
+    # reads it and the new keys as parts.
+    parts = call.past_key is not None and not return_cache
+    q, k, v = qkv_heads(config, call, append=not parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
+    if parts:
+        k, v = KeyParts((call.past_key, k)), KeyParts((call.past_value, v))  # (B, K, S_total, .) as parts
     ct = compute_dtype(call.dtype)
     q = q.astype(ct) * ct.type(config.effective_scale)
     ctx = chunked_attention_core(config, q, k, v, mask=call.mask4, bias=call.bias4, keep=call.keep,
@@ -280,6 +315,8 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size):
                                  sinks=call.params.get("sinks"), segment_ids=call.segment_ids,
                                  key_segment_ids=call.key_segment_ids)  # (B, N, T, V)
     p = call.params
+    if parts:
+        k = v = None  # no present cache asked for
     return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), k, v
 
 

@@ -493,3 +493,36 @@ def test_concurrent_calls_each_get_their_own_result():
     for i, outs in enumerate(results):
         for out in outs:
             assert np.array_equal(out, alone[i]), f"thread {i}: a result differs from the call made alone"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cache_not_returned_is_not_concatenated(threads, monkeypatch):
+    """Without return_cache the fused core reads the cache and the new keys
+    as parts (KeyParts): no concatenation of the cache, key blocks that
+    straddle the two (chunk 5 against a cache of 13), a mask, a bias,
+    softcap, a window and sinks, heads on threads or not; equal to the
+    float64 stages."""
+    from impl_numpy import chunked
+
+    monkeypatch.setattr(chunked, "THREADED_MIN_SCORES", 0 if threads > 1 else 2**62)
+    monkeypatch.setattr(chunked, "THREADS", threads)
+    joined = []
+    real = np.concatenate
+    monkeypatch.setattr(np, "concatenate", lambda xs, *a, **k: joined.append([x.shape for x in xs]) or real(xs, *a, **k))
+    P = 13
+    for config in (weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4),
+                   weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4, window_left=6,
+                                           logit_softcap=5.0, use_sinks=True, masked_row="uniform")):
+        tensors = weights.init(config, seed=4, dtype="float64")
+        rng = np.random.default_rng(9)
+        pk, pv = rng.standard_normal((2, 2, P, 4)), rng.standard_normal((2, 2, P, 4))
+        for T, extra in ((1, {}), (3, {"mask": rng.random((2, 1, 3, P + 3)) < 0.8}),
+                         (3, {"bias": rng.standard_normal((1, 4, 3, P + 3))})):
+            x = rng.standard_normal((2, T, 8))
+            options = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right", **extra)
+            staged = multi_head_attention(config, tensors, x, trace=[], **options)
+            joined.clear()
+            out = multi_head_attention(config, tensors, x, chunk_size=5, **options)
+            cache_joins = [shapes for shapes in joined if (2, 2, P, 4) in shapes]
+            assert cache_joins == [], f"T={T} {sorted(extra)}: the cache was concatenated: {cache_joins}"
+            assert_equals_stages(f"T={T} {sorted(extra)} window={config.window_left}", out, staged)

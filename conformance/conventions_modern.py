@@ -452,8 +452,9 @@ APIS: tuple[ModernApi, ...] = (
 )
 
 
-def measure_row(api: ModernApi) -> dict:
-    """One row; never raises (a missing package is "not installed", a failure is recorded)."""
+def measure_row(api: ModernApi, keys: tuple[str, ...] = KEYS, evidence: Callable[[Any], Any] = lambda e: e) -> dict:
+    """One row; never raises (a missing package is "not installed", a failure is recorded). keys: the
+    table's columns; evidence: applied to the probe's evidence (conventions_packed makes it JSON-safe)."""
     row: dict[str, Any] = {"api": api.name, "framework": api.framework, "evidence": {}}
     missing = [m for m in api.modules if importlib.util.find_spec(m) is None]
     if missing:
@@ -466,8 +467,8 @@ def measure_row(api: ModernApi) -> dict:
         row.update(status="error", reason=_short(err))
         return row
     row["status"] = "measured"
-    row["evidence"] = got.pop("evidence", {})
-    row.update({key: got.get(key, NONE) for key in KEYS})
+    row["evidence"] = evidence(got.pop("evidence", {}))
+    row.update({key: got.get(key, NONE) for key in keys})
     row["seconds"] = round(time.perf_counter() - started, 3)
     return row
 
@@ -483,14 +484,14 @@ def measure(apis: tuple[ModernApi, ...] | None = None) -> list[dict]:
     return rows
 
 
-def cells(rows: list[dict]) -> list[list[str]]:
+def cells(rows: list[dict], columns: tuple[tuple[str, str], ...] = COLUMNS) -> list[list[str]]:
     out = []
     for row in rows:
         if row.get("status") != "measured":
             first = row["status"] if row["status"] == "not installed" else f"{row['status']}: {row.get('reason', '')}"
-            out.append([row["api"], first] + [""] * (len(COLUMNS) - 2))
+            out.append([row["api"], first] + [""] * (len(columns) - 2))
         else:
-            out.append([str(row.get(key, NONE)) for _, key in COLUMNS])
+            out.append([str(row.get(key, NONE)) for _, key in columns])
     return out
 
 

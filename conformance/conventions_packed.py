@@ -39,17 +39,17 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.util
 import os
 import pickle
 import socket
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from conformance import conventions_modern
 
 NONE = "-"
 TOL = 1e-4  # float32 API against the float64 reference; a wrong visibility misses by > 1e-2
@@ -75,13 +75,8 @@ SETUP = (f"lengths: T=S={LEN_T}, query_seq_lengths {Q_LENS}, key_value_seq_lengt
 POLICY_LABELS = {"zero": "0", "uniform": "mean of V (uniform)", "nan": "NaN"}
 
 
-@dataclasses.dataclass
-class PackedApi:
-    name: str
-    framework: str
-    modules: tuple[str, ...]
-    install: str
-    measure: Callable[[], dict]  # -> {key: label, ..., "evidence": {...}}; absent keys are "-"
+# An API's probe: the modern table's record (name, framework, modules, install, measure).
+PackedApi = conventions_modern.ModernApi
 
 
 def _short(err: BaseException) -> str:
@@ -622,23 +617,8 @@ APIS: tuple[PackedApi, ...] = (
 
 
 def measure_row(api: PackedApi) -> dict:
-    """One row; never raises (a missing package is "not installed", a failure is recorded)."""
-    row: dict[str, Any] = {"api": api.name, "framework": api.framework, "evidence": {}}
-    missing = [m for m in api.modules if importlib.util.find_spec(m) is None]
-    if missing:
-        row.update(status="not installed", reason=f"{', '.join(missing)} not installed ({api.install})")
-        return row
-    started = time.perf_counter()
-    try:
-        got = api.measure()
-    except Exception as err:  # noqa: BLE001
-        row.update(status="error", reason=_short(err))
-        return row
-    row["status"] = "measured"
-    row["evidence"] = _json_safe(got.pop("evidence", {}))
-    row.update({key: got.get(key, NONE) for key in KEYS})
-    row["seconds"] = round(time.perf_counter() - started, 3)
-    return row
+    """One row; never raises: conventions_modern's rule with this table's keys and JSON-safe evidence."""
+    return conventions_modern.measure_row(api, KEYS, _json_safe)
 
 
 def _json_safe(x):
@@ -668,19 +648,10 @@ def measure(apis: tuple[PackedApi, ...] | None = None, slow: bool = False) -> li
 
 
 def cells(rows: list[dict]) -> list[list[str]]:
-    out = []
-    for row in rows:
-        if row.get("status") != "measured":
-            first = row["status"] if row["status"] == "not installed" else f"{row['status']}: {row.get('reason', '')}"
-            out.append([row["api"], first] + [""] * (len(COLUMNS) - 2))
-        else:
-            out.append([str(row.get(key, NONE)) for _, key in COLUMNS])
-    return out
+    return conventions_modern.cells(rows, COLUMNS)
 
 
-def notes(rows: list[dict]) -> list[str]:
-    return [f"{row['api']}: {row.get('reason', '')}" for row in rows if row.get("status") == "not installed"]
-
+notes = conventions_modern.notes  # the "not installed" notes, in the same words
 
 def versions() -> dict[str, str]:
     return {}  # torch and jax are in the first table's versions

@@ -66,7 +66,6 @@ from . import (
     check_dropout,
     check_layout,
     check_masked_rows,
-    classify_row,
     grads_to_canonical,
     order_grads,
     prepare_call,
@@ -123,29 +122,14 @@ _ROWS: dict[tuple, str] = {}
 
 
 def native_masked_row(device: str, dtype: str, scores: bool) -> str:
-    """What CachedMultiHeadAttention gives for a query row with no allowed key, measured: identity
-    projections, one head, query 0 with every key masked."""
+    """What CachedMultiHeadAttention gives for a query row with no allowed key, measured by keras_native_mha's
+    probe on this layer class; cached."""
     key = (device, dtype, scores)
     if key not in _ROWS:
-        keras, _ = _keras()
-        from impl_tf.layer import placement
+        from .keras_native_mha import masked_row_of
 
         CachedMultiHeadAttention, _ = _hub()
-        with placement(device):
-            layer = CachedMultiHeadAttention(num_heads=1, key_dim=2, use_bias=False, dtype=dtype)
-            layer.build((1, 2, 2), (1, 3, 2))
-            eye = np.eye(2)
-            for dense, kernel in ((layer.query_dense, eye.reshape(2, 1, 2)), (layer.key_dense, eye.reshape(2, 1, 2)),
-                                  (layer.value_dense, eye.reshape(2, 1, 2)), (layer.output_dense, eye.reshape(1, 2, 2))):
-                dense.kernel.assign(kernel.astype(dense.kernel.dtype))
-            q = np.ones((1, 2, 2), dtype=np.float32)  # (B, T, D)
-            v = np.array([[[0.0, 2.0], [2.0, 4.0], [4.0, 0.0]]], dtype=np.float32)  # (B, S, D)
-            allowed = np.ones((1, 2, 3), dtype=bool)
-            allowed[0, 0] = False  # query 0: no key
-            result = layer(keras.ops.cast(q, dtype), keras.ops.cast(v, dtype), attention_mask=allowed,
-                           return_attention_scores=scores)
-        out = result[0] if scores else result
-        _ROWS[key] = classify_row(np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")))[0, 0], v[0])
+        _ROWS[key] = masked_row_of(CachedMultiHeadAttention, device, dtype, scores)
     return _ROWS[key]
 
 

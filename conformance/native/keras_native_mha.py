@@ -91,29 +91,35 @@ _ROWS: dict[tuple, str] = {}
 
 
 def native_masked_row(device: str, dtype: str, scores: bool) -> str:
-    """What the layer gives for a query row with no allowed key, measured:
-    identity projections, one head, query 0 with every key masked."""
+    """What the layer gives for a query row with no allowed key, measured (masked_row_of); cached."""
     key = (device, dtype, scores)
     if key not in _ROWS:
         keras, _ = _keras()
-        from impl_tf.layer import placement
-
-        with placement(device):
-            layer = keras.layers.MultiHeadAttention(num_heads=1, key_dim=2, use_bias=False, dtype=dtype)
-            layer.build((1, 2, 2), (1, 3, 2))
-            eye = np.eye(2)
-            for dense, kernel in ((layer.query_dense, eye.reshape(2, 1, 2)), (layer.key_dense, eye.reshape(2, 1, 2)),
-                                  (layer.value_dense, eye.reshape(2, 1, 2)), (layer.output_dense, eye.reshape(1, 2, 2))):
-                dense.kernel.assign(kernel.astype(dense.kernel.dtype))
-            q = np.ones((1, 2, 2), dtype=np.float32)  # (B, T, D)
-            v = np.array([[[0.0, 2.0], [2.0, 4.0], [4.0, 0.0]]], dtype=np.float32)  # (B, S, D)
-            allowed = np.ones((1, 2, 3), dtype=bool)
-            allowed[0, 0] = False  # query 0: no key
-            result = layer(keras.ops.cast(q, dtype), keras.ops.cast(v, dtype), attention_mask=allowed,
-                           return_attention_scores=scores)
-        out = result[0] if scores else result
-        _ROWS[key] = classify_row(np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")))[0, 0], v[0])
+        _ROWS[key] = masked_row_of(keras.layers.MultiHeadAttention, device, dtype, scores)
     return _ROWS[key]
+
+
+def masked_row_of(layer_class, device: str, dtype: str, scores: bool) -> str:
+    """What a Keras MultiHeadAttention (or a subclass: keras-hub's CachedMultiHeadAttention) gives for a
+    query row with no allowed key, measured: identity projections, one head, query 0 with every key masked."""
+    keras, _ = _keras()
+    from impl_tf.layer import placement
+
+    with placement(device):
+        layer = layer_class(num_heads=1, key_dim=2, use_bias=False, dtype=dtype)
+        layer.build((1, 2, 2), (1, 3, 2))
+        eye = np.eye(2)
+        for dense, kernel in ((layer.query_dense, eye.reshape(2, 1, 2)), (layer.key_dense, eye.reshape(2, 1, 2)),
+                              (layer.value_dense, eye.reshape(2, 1, 2)), (layer.output_dense, eye.reshape(1, 2, 2))):
+            dense.kernel.assign(kernel.astype(dense.kernel.dtype))
+        q = np.ones((1, 2, 2), dtype=np.float32)  # (B, T, D)
+        v = np.array([[[0.0, 2.0], [2.0, 4.0], [4.0, 0.0]]], dtype=np.float32)  # (B, S, D)
+        allowed = np.ones((1, 2, 3), dtype=bool)
+        allowed[0, 0] = False  # query 0: no key
+        result = layer(keras.ops.cast(q, dtype), keras.ops.cast(v, dtype), attention_mask=allowed,
+                       return_attention_scores=scores)
+    out = result[0] if scores else result
+    return classify_row(np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")))[0, 0], v[0])
 
 
 WHY = ("keras MultiHeadAttention takes sliding_window and nothing else of the modern contract (no RoPE, KV cache, "

@@ -1016,6 +1016,16 @@ def _setup_line(data: dict) -> str:
             "(M x K x N) against float64, normwise relative error.")
 
 
+def _second_tables(data: dict):
+    """The tables after the first that this run measured: (name, module with SETUP/COLUMNS/cells, rows)."""
+    from conformance import conventions_modern, conventions_packed
+
+    for name, table, key in (("Modern arguments", conventions_modern, "modern_rows"),
+                             ("Packed and sharded paths", conventions_packed, "packed_rows")):
+        if data.get(key) is not None:
+            yield name, table, data[key]
+
+
 def to_markdown(data: dict) -> str:
     """The table (Markdown), its footnotes and notes, versions, and one line per
     disagreement with the recorded expectations."""
@@ -1023,20 +1033,10 @@ def to_markdown(data: dict) -> str:
     out = ["| " + " | ".join(title for title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in rows]
     out += ["", *[f"{line}  " for line in footnotes]] if footnotes else []
-    modern = data.get("modern_rows")
-    if modern is not None:
-        from conformance import conventions_modern as cm
-
-        out += ["", "Modern arguments (" + cm.SETUP + "):", "",
-                "| " + " | ".join(title for title, _ in cm.COLUMNS) + " |", "|" + "---|" * len(cm.COLUMNS)]
-        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in cm.cells(modern)]
-    packed = data.get("packed_rows")
-    if packed is not None:
-        from conformance import conventions_packed as cp
-
-        out += ["", "Packed and sharded paths (" + cp.SETUP + "):", "",
-                "| " + " | ".join(title for title, _ in cp.COLUMNS) + " |", "|" + "---|" * len(cp.COLUMNS)]
-        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in cp.cells(packed)]
+    for name, table, rows_ in _second_tables(data):
+        out += ["", f"{name} ({table.SETUP}):", "",
+                "| " + " | ".join(title for title, _ in table.COLUMNS) + " |", "|" + "---|" * len(table.COLUMNS)]
+        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in table.cells(rows_)]
     notes = _notes(data)
     if notes:
         out += ["", "Notes:", *[f"- {note}" for note in notes]]
@@ -1061,24 +1061,13 @@ def render_terminal(data: dict, console=None) -> None:
     for row, cells in zip(data["rows"], rows):
         table.add_row(*[Text(cell) for cell in cells], style=None if row.get("status") == "measured" else "dim")
     console.print(table)
-    if data.get("modern_rows") is not None:
-        from conformance import conventions_modern as cm
-
-        modern = Table(title=f"Modern arguments: measured in this run ({cm.SETUP})", show_lines=True)
-        for title, key in cm.COLUMNS:
-            modern.add_column(title, overflow="fold", min_width=12 if key == "api" else None)
-        for row, cells in zip(data["modern_rows"], cm.cells(data["modern_rows"])):
-            modern.add_row(*[Text(cell) for cell in cells], style=None if row.get("status") == "measured" else "dim")
-        console.print(modern)
-    if data.get("packed_rows") is not None:
-        from conformance import conventions_packed as cp
-
-        packed = Table(title=f"Packed and sharded paths: measured in this run ({cp.SETUP})", show_lines=True)
-        for title, key in cp.COLUMNS:
-            packed.add_column(title, overflow="fold", min_width=12 if key == "api" else None)
-        for row, cells in zip(data["packed_rows"], cp.cells(data["packed_rows"])):
-            packed.add_row(*[Text(cell) for cell in cells], style=None if row.get("status") == "measured" else "dim")
-        console.print(packed)
+    for name, table, rows_ in _second_tables(data):
+        extra = Table(title=f"{name}: measured in this run ({table.SETUP})", show_lines=True)
+        for title, key in table.COLUMNS:
+            extra.add_column(title, overflow="fold", min_width=12 if key == "api" else None)
+        for row, cells in zip(rows_, table.cells(rows_)):
+            extra.add_row(*[Text(cell) for cell in cells], style=None if row.get("status") == "measured" else "dim")
+        console.print(extra)
     for line in [*footnotes, *_notes(data), _setup_line(data),
                  "versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items())]:
         console.print(escape(line))

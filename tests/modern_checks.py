@@ -90,3 +90,28 @@ def modern_bad_calls() -> dict[str, dict]:
         "dropout_mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", training=True,
                                                 dropout_mask=np.ones((B, 2, T, T), dtype=bool)),
     }
+
+
+def decode_causal_masks_built(monkeypatch, functional, attention, compare) -> dict[int, int]:
+    """A decode step after an 11-key cache, with T = 1 and T = 3 new queries (bottom-right causal, GQA 4 on
+    2): each result compared by compare(name, got, want, T) with the float64 reference's, and the number of
+    causal masks `functional.causal_mask` built for each T returned. One bottom-right query sees every key,
+    so a fused path needs none for it (no select, no empty-row pass)."""
+    built = []
+    real = functional.causal_mask
+    monkeypatch.setattr(functional, "causal_mask", lambda *a: built.append(a) or real(*a))
+    config = cfg(num_heads=4, num_kv_heads=2)
+    tensors = weights.init(config, seed=2, dtype="float64")
+    rng = np.random.default_rng(6)
+    pk, pv = rng.standard_normal((2, 2, 11, 4)), rng.standard_normal((2, 2, 11, 4))
+    options = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right", return_cache=True)
+    counts = {}
+    for T in (1, 3):
+        before = len(built)
+        x = rng.standard_normal((2, T, 8))
+        got = attention(config, tensors, x, **options)
+        want = impl_numpy.multi_head_attention(config, tensors, x, trace=[], **options)
+        for name, g, w in zip(("output", "present_key", "present_value"), got, want):
+            compare(f"decode T={T} {name}", np.asarray(g), w, T)
+        counts[T] = len(built) - before
+    return counts

@@ -35,6 +35,7 @@ from modern_checks import (  # noqa: E402
     PROMPT,
     TOTAL,
     cfg,
+    decode_causal_masks_built,
     decode_reference,
     modern_bad_calls,
 )
@@ -677,22 +678,12 @@ def test_decode_step_builds_no_causal_mask(monkeypatch):
     """One bottom-right query sees every key: the fused path builds no causal
     mask for it (so no select and no empty-row pass over V), and still equals
     the float64 reference; three queries still build one."""
-    built = []
-    real = jax_functional.causal_mask
-    monkeypatch.setattr(jax_functional, "causal_mask", lambda *a: built.append(a) or real(*a))
-    config = cfg(num_heads=4, num_kv_heads=2)
-    tensors = weights.init(config, seed=2, dtype="float64")
-    rng = np.random.default_rng(6)
-    pk, pv = rng.standard_normal((2, 2, 11, 4)), rng.standard_normal((2, 2, 11, 4))
-    options = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right", return_cache=True)
-    for T in (1, 3):
-        x = rng.standard_normal((2, T, 8))
-        got = impl_jax.apply(config, tensors, x, **options)
-        want = impl_numpy.multi_head_attention(config, tensors, x, trace=[], **options)
-        for name, g, w in zip(("output", "present_key", "present_value"), got, want):
-            assert_close(f"decode T={T} {name}", np.asarray(g), w, config=config, dtype="float64",
-                         quantity="output", B=2, T=T, S=11 + T)
-        assert len(built) == (0 if T == 1 else 1), f"T={T}: causal masks built {built}"
+    def close(name, got, want, T):
+        assert_close(name, got, want, config=cfg(num_heads=4, num_kv_heads=2), dtype="float64", quantity="output",
+                     B=2, T=T, S=11 + T)
+
+    built = decode_causal_masks_built(monkeypatch, jax_functional, impl_jax.apply, close)
+    assert built == {1: 0, 3: 1}, f"causal masks built per T: {built}"
 
 
 @pytest.mark.parametrize("config_name", ["gqa", "everything"])

@@ -35,6 +35,7 @@ from modern_checks import (  # noqa: E402
     TOTAL,
     YARN,
     cfg,
+    decode_causal_masks_built,
     decode_reference,
     modern_bad_calls,
 )
@@ -704,22 +705,12 @@ def test_decode_step_builds_no_causal_mask(monkeypatch):
     build one."""
     import impl_tf.functional as tf_functional
 
-    built = []
-    real = tf_functional.causal_mask
-    monkeypatch.setattr(tf_functional, "causal_mask", lambda *a: built.append(a) or real(*a))
-    config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4)
-    tensors = weights.init(config, seed=2, dtype="float64")
-    rng = np.random.default_rng(6)
-    pk, pv = rng.standard_normal((2, 2, 11, 4)), rng.standard_normal((2, 2, 11, 4))
-    options = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right", return_cache=True)
-    for T in (1, 3):
-        x = rng.standard_normal((2, T, 8))
-        got = impl_tf.multi_head_attention(config, tensors, x, **options)
-        want = impl_numpy.multi_head_attention(config, tensors, x, trace=[], **options)
-        for name, g, w in zip(("output", "present_key", "present_value"), got, want):
-            err = float(np.abs(np.asarray(g) - w).max())
-            assert err <= 1e-12, f"decode T={T} {name}: max abs difference {err:.3g}"
-        assert len(built) == (0 if T == 1 else 1), f"T={T}: causal masks built {built}"
+    def close(name, got, want, T):
+        err = float(np.abs(got - want).max())
+        assert err <= 1e-12, f"{name}: max abs difference {err:.3g}"
+
+    built = decode_causal_masks_built(monkeypatch, tf_functional, impl_tf.multi_head_attention, close)
+    assert built == {1: 0, 3: 1}, f"causal masks built per T: {built}"
 
 
 @pytest.mark.parametrize("config_name", ["gqa", "everything"])

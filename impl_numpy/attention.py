@@ -37,10 +37,11 @@ class Call:
     dtype: np.dtype
     positions: np.ndarray | None  # (B|1, T) where the config has rope
     key_positions: np.ndarray | None  # (B|1, S)
-    past_key: np.ndarray | None  # (B, K, P, H)
-    past_value: np.ndarray | None  # (B, K, P, V)
+    past_key: np.ndarray | None  # (B, K, P, H); with cache_length the caller's buffer (B, K, C, H)
+    past_value: np.ndarray | None  # (B, K, P, V); with cache_length (B, K, C, V)
     segment_ids: np.ndarray | None  # (T,) or (B, T)
     key_segment_ids: np.ndarray | None  # (S_total,) or (B, S_total)
+    cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND segments over every key (rank 4), or None."""
@@ -64,7 +65,7 @@ def _meta(x, name):  # check_call's shape and dtype arguments of one optional in
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
-            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
+            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
             materializes_scores=True) -> Call:
     """Validate a call and cast everything to the storage dtype."""
     stored = validate_tensors(config, tensors)
@@ -85,13 +86,19 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     shapes = check_call(
         config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape, **meta,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, return_cache=return_cache, materializes_scores=materializes_scores,
-        scores_itemsize=compute_dtype(dtype).itemsize,
+        return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
+        materializes_scores=materializes_scores, scores_itemsize=compute_dtype(dtype).itemsize,
     )
-    past_key, past_value = optional["past_key"], optional["past_value"]
     check_input_values(query=query, key=None if key is query else key, value=None if value is key else value)
-    if past_key is not None:
-        check_input_values(past_key=past_key, past_value=past_value)
+    in_place = shapes.capacity is not None
+    if in_place:
+        past_key, past_value = past_key_buffers(past_key, past_value, dtype)
+    else:
+        past_key, past_value = optional["past_key"], optional["past_value"]
+        # (an in-place cache is not checked: a check reads the whole cache once more every token, and
+        # its positions were written by earlier calls from checked inputs, or by the caller)
+        if past_key is not None:
+            check_input_values(past_key=past_key, past_value=past_value)
     bias_np = optional["bias"]
     if bias_np is not None:
         check_bias_values(bias_np)
@@ -115,8 +122,21 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         key_positions=F.default_positions(optional["key_positions"], shapes.P, shapes.S) if rope else None,
         past_key=None if past_key is None else past_key.astype(dtype, copy=False),
         past_value=None if past_value is None else past_value.astype(dtype, copy=False),
-        segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+        segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,
     )
+
+
+def past_key_buffers(past_key, past_value, dtype: np.dtype):
+    """The buffers of an in-place cache (cache_length=), as given: NumPy
+    arrays of the storage dtype that can be written (a cast or a read-only
+    array would write a copy the caller never sees)."""
+    for name, buffer in (("past_key", past_key), ("past_value", past_value)):
+        if not isinstance(buffer, np.ndarray) or buffer.dtype != dtype or not buffer.flags.writeable:
+            what = (f"a {type(buffer).__name__}" if not isinstance(buffer, np.ndarray) else
+                    f"a read-only {buffer.dtype} array" if not buffer.flags.writeable else f"dtype {buffer.dtype}")
+            raise ValueError(f"{name} with cache_length is written in place: it must be a writeable numpy array of "
+                             f"the storage dtype {dtype.name}: got {what}")
+    return past_key, past_value
 
 
 def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
@@ -144,6 +164,11 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if call.cache_length is not None:  # in place: the new keys written after the P cached ones, no copy
+        P, S = call.cache_length, k.shape[2]
+        call.past_key[:, :, P:P + S] = k
+        call.past_value[:, :, P:P + S] = v
+        return q, call.past_key[:, :, :P + S], call.past_value[:, :, :P + S]  # (B, K, P+S, .) views
     if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
         k = np.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
         v = np.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
@@ -172,6 +197,7 @@ def multi_head_attention(
     key_segment_ids: np.ndarray | None = None,
     return_weights: bool = False,
     return_cache: bool = False,
+    cache_length: int | None = None,
     dtype: str | None = None,
     chunk_size: int | None = None,
     trace: list | None = None,
@@ -180,6 +206,15 @@ def multi_head_attention(
     weights (B, N, T, P+S) after softmax and before dropout; with
     return_cache also present_key (B, K, P+S, H) and present_value (B, K,
     P+S, V): (output[, weights][, present_key, present_value]).
+
+    cache_length: an in-place cache. past_key (B, K, C, H) and past_value
+    (B, K, C, V) are the caller's buffers (writeable, of the storage dtype)
+    whose first cache_length = P positions are the cache; the call writes
+    its new keys and values at P .. P+S-1 of them and computes what it would
+    with past_key[:, :, :P]; with return_cache, present_key and
+    present_value are the buffers themselves (whole, C positions). The
+    buffers are not checked for infinities (that would read the whole cache
+    every token). Inference only (impl_numpy.backward refuses it).
 
     dtype: compute in this storage dtype (default: the tensors' dtype).
     chunk_size: exact online-softmax over key blocks of this size; never
@@ -198,7 +233,8 @@ def multi_head_attention(
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
-        return_cache=return_cache, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
+        return_cache=return_cache, cache_length=cache_length, dtype=dtype,
+        materializes_scores=chunk_size is None or return_weights,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     ct = compute_dtype(call.dtype)
@@ -208,6 +244,8 @@ def multi_head_attention(
         out, present_key, present_value = fused_forward(
             config, call, is_causal=is_causal, causal_alignment=causal_alignment,
             chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size, return_cache=return_cache)  # (B, T, O)
+        if call.cache_length is not None:
+            present_key, present_value = call.past_key, call.past_value  # the buffers, whole
         return (out, present_key, present_value) if return_cache else out
 
     rec = lambda stage, value: F._record(trace, stage, value)  # noqa: E731
@@ -223,5 +261,7 @@ def multi_head_attention(
     ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
+    if call.cache_length is not None:
+        k, v = call.past_key, call.past_value  # the buffers, whole
     result = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
     return result[0] if len(result) == 1 else result

@@ -304,7 +304,7 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
 
     # A cache nobody asks back is never concatenated (a copy of the whole cache per step): the core
     # reads it and the new keys as parts.
-    parts = call.past_key is not None and not return_cache
+    parts = call.past_key is not None and not return_cache and call.cache_length is None
     q, k, v = qkv_heads(config, call, append=not parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
     if parts:
         k, v = KeyParts((call.past_key, k)), KeyParts((call.past_value, v))  # (B, K, S_total, .) as parts

@@ -89,7 +89,48 @@ def modern_bad_calls() -> dict[str, dict]:
         "mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", mask=np.ones((T, T), dtype=bool)),
         "dropout_mask_over_new_keys_only": dict(cache, causal_alignment="bottom_right", training=True,
                                                 dropout_mask=np.ones((B, 2, T, T), dtype=bool)),
+        "cache_length_without_cache": dict(cache_length=0),
+        "cache_length_past_capacity": dict(cache, causal_alignment="bottom_right", cache_length=0),
+        "cache_length_negative": dict(cache, causal_alignment="bottom_right", cache_length=-1),
+        "cache_length_not_int": dict(cache, causal_alignment="bottom_right", cache_length=1.0),
     }
+
+
+SPARE = 2  # positions an in-place decode's buffers hold past the TOTAL tokens (never read into a result)
+
+
+def decode_in_place(step, tensors, x, zeros):
+    """Decode x (B, TOTAL, D) into one buffer pair: the PROMPT tokens with cache_length 0, then each token
+    with the tokens before it cached. zeros(shape) -> a zeroed buffer in the backend's own type, of
+    capacity TOTAL + SPARE; step(tensors, x_part, past_key, past_value, P) -> (output, present_key,
+    present_value) of a call with cache_length=P, is_causal, bottom_right and return_cache. Returns the
+    outputs (B, TOTAL, O) and the last present buffers, as NumPy; and whether every step returned the
+    buffers it was given (the same objects: written in place)."""
+    B = x.shape[0]
+    config_k = tensors["key.kernel"].shape[1:]  # (K, H)
+    config_v = tensors["value.kernel"].shape[1:]
+    pk = zeros((B, config_k[0], TOTAL + SPARE, config_k[1]))
+    pv = zeros((B, config_v[0], TOTAL + SPARE, config_v[1]))
+    outputs, same = [], True
+    bounds = [(0, PROMPT)] + [(i, i + 1) for i in range(PROMPT, TOTAL)]
+    for start, stop in bounds:
+        out, k, v = step(tensors, x[:, start:stop], pk, pv, start)
+        same = same and k is pk and v is pv
+        outputs.append(np.asarray(out))
+        pk, pv = k, v
+    return np.concatenate(outputs, axis=1), np.asarray(pk), np.asarray(pv), same
+
+
+def check_in_place_decode(outputs, present_key, present_value, want, compare) -> None:
+    """decode_in_place's results against decode_reference's float64 full causal call: the outputs, the
+    buffers' first TOTAL positions; the SPARE positions past them still zero (never written).
+    compare(name, got, want) asserts within the backend's tolerance."""
+    compare("output", outputs, want["output"])
+    compare("present_key", present_key[:, :, :TOTAL], want["present_key"])
+    compare("present_value", present_value[:, :, :TOTAL], want["present_value"])
+    assert present_key.shape[2] == present_value.shape[2] == TOTAL + SPARE
+    assert not np.asarray(present_key[:, :, TOTAL:], np.float64).any(), "a position past the last token was written"
+    assert not np.asarray(present_value[:, :, TOTAL:], np.float64).any(), "a position past the last token was written"
 
 
 def decode_causal_masks_built(monkeypatch, functional, attention, compare) -> dict[int, int]:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from modern_checks import DECODE_CONFIGS, check_in_place_decode, decode_in_place, decode_reference
 from mutants import port
 from test_numpy_backward import check_against_fd
 
@@ -168,3 +169,81 @@ def test_bad_modern_calls_name_the_argument():
     tensors = weights.init(normed, seed=0)
     del tensors["key.norm.scale"]
     assert "key.norm.scale" in _error(config=normed, tensors=tensors)
+
+
+# -- an in-place cache (cache_length=): the caller's buffers, written where the new keys go --------------------
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("config_name", list(DECODE_CONFIGS))
+@pytest.mark.parametrize("traced", [False, True], ids=["fused", "stages"])
+def test_decoding_in_place_equals_the_full_causal_call(config_name, dtype, traced):
+    """A prompt and then one token at a time into one zeroed buffer pair: the rows equal the full causal
+    call's (float64 reference), the buffers' first TOTAL positions its present cache, nothing written past
+    them, and every step hands back the very buffers it was given."""
+    tensors, x, want, _, _ = decode_reference(config_name, dtype)
+    config = DECODE_CONFIGS[config_name]
+
+    def step(t, part, pk, pv, P):
+        return multi_head_attention(config, t, part, past_key=pk, past_value=pv, cache_length=P, is_causal=True,
+                                    causal_alignment="bottom_right", return_cache=True,
+                                    trace=[] if traced else None)
+
+    outputs, pk, pv, same = decode_in_place(step, tensors, x, lambda shape: np.zeros(shape, dtype))
+    assert same, "a step returned a new array instead of the buffers it was given"
+    tol = 1e-12 if dtype == "float64" else 2e-5
+
+    def compare(name, got, expected):
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=name)
+
+    check_in_place_decode(outputs, pk, pv, want, compare)
+
+
+@settings(max_examples=40, deadline=None)
+@given(modern_calls(), st.integers(0, 3))
+def test_an_in_place_cache_computes_what_the_cache_passed_whole_does(call, spare):
+    """Bit for bit on both paths: cache_length P over buffers of P + S + spare positions equals the call with
+    past_key[:, :, :P]; the buffers then hold past_key and the new keys; the spare positions, NaN here to
+    show they are never read, stay as they were."""
+    config, tensors, inputs, options = call
+    inputs = dict(inputs)
+    B, S = inputs["key"].shape[:2]
+    K, H = config.num_kv_heads, config.head_dim
+    P = inputs["past_key"].shape[2] if "past_key" in inputs else 0
+    whole = {name: inputs.pop(name) for name in ("past_key", "past_value") if name in inputs}
+    for traced in (None, []):
+        expected = multi_head_attention(config, tensors, **inputs, **whole, **options, return_cache=True, trace=traced)
+        buffers = [np.full((B, K, P + S + spare, H), np.nan) for _ in range(2)]
+        for buffer, name in zip(buffers, ("past_key", "past_value")):
+            if name in whole:
+                buffer[:, :, :P] = whole[name]
+        got = multi_head_attention(config, tensors, **inputs, **options, past_key=buffers[0], past_value=buffers[1],
+                                   cache_length=P, return_cache=True, trace=traced)
+        assert got[1] is buffers[0] and got[2] is buffers[1]
+        assert got[0].tobytes() == expected[0].tobytes(), "output"
+        for buffer, present in zip(buffers, expected[1:]):
+            assert buffer[:, :, :P + S].tobytes() == present.tobytes()
+            assert np.isnan(buffer[:, :, P + S:]).all()
+
+
+def test_an_in_place_cache_refuses_a_buffer_it_cannot_write():
+    config = AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
+    tensors = weights.init(config, seed=0)  # float32
+    x = np.zeros((1, 1, 4), np.float32)
+
+    def error(past_key):
+        with pytest.raises(ValueError) as info:
+            multi_head_attention(config, tensors, x, past_key=past_key, past_value=np.zeros((1, 2, 4, 2), np.float32),
+                                 cache_length=1)
+        return str(info.value)
+
+    frozen = np.zeros((1, 2, 4, 2), np.float32)
+    frozen.flags.writeable = False
+    assert error(frozen) == ("past_key with cache_length is written in place: it must be a writeable numpy array "
+                             "of the storage dtype float32: got a read-only float32 array")
+    assert error(np.zeros((1, 2, 4, 2))).endswith("got dtype float64")
+    assert error(np.zeros((1, 2, 4, 2)).tolist()).endswith("got a list")
+    with pytest.raises(ValueError) as info:
+        multi_head_attention(config, tensors, x, past_key=np.zeros((1, 2, 4, 2), np.float32),
+                             past_value=np.zeros((1, 2, 4, 2), np.float32), cache_length=4)
+    assert str(info.value) == ("cache_length must be between 0 and C - S = 4 - 1 = 3 (the buffers hold C = 4 "
+                               "positions and the call writes S = 1 more): got 4")

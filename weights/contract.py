@@ -26,7 +26,9 @@ class CallShapes:
 
     S is the length of the new keys and values (the key/value inputs), P the
     cache's (past_key / past_value; 0 without a cache): masks, bias, causal,
-    windows, segment ids and the weights see S_total = P + S keys."""
+    windows, segment ids and the weights see S_total = P + S keys.
+    capacity: with cache_length, the buffers' length C (P = cache_length,
+    the new keys written at P .. P+S-1); None for a cache passed whole."""
 
     B: int
     T: int
@@ -34,6 +36,7 @@ class CallShapes:
     mask_shape: tuple[int, int, int, int] | None
     bias_shape: tuple[int, int, int, int] | None
     P: int = 0
+    capacity: int | None = None
 
     @property
     def S_total(self) -> int:
@@ -101,6 +104,28 @@ def _check_cache(config: AttentionConfig, past_key_shape, past_key_dtype, past_v
     return pk[2]
 
 
+CACHE_LENGTH_HELP = ("cache_length: the number of cached positions at the front of the past_key/past_value "
+                     "buffers, into which the call writes its new keys")
+
+
+def check_cache_length(cache_length, capacity: int | None, S: int) -> int | None:
+    """cache_length= of a call (an in-place cache): None, or an integer P with
+    0 <= P and P + S <= the buffers' capacity C. capacity: past_key's length
+    (None without past_key). Returns P (or None)."""
+    if cache_length is None:
+        return None
+    if isinstance(cache_length, (bool, np.bool_)) or not isinstance(cache_length, (int, np.integer)):
+        raise ValueError(f"cache_length must be an integer: got {cache_length!r}")
+    if capacity is None:
+        raise ValueError(f"cache_length={cache_length} was given without past_key/past_value (the buffers "
+                         "it counts positions in)")
+    if cache_length < 0 or cache_length + S > capacity:
+        raise ValueError(f"cache_length must be between 0 and C - S = {capacity} - {S} = {capacity - S} (the "
+                         f"buffers hold C = {capacity} positions and the call writes S = {S} more): got "
+                         f"{cache_length}")
+    return int(cache_length)
+
+
 def check_call(
     config: AttentionConfig,
     *,
@@ -131,6 +156,7 @@ def check_call(
     seed: int | None = None,
     return_weights: bool = False,
     return_cache: bool = False,
+    cache_length=None,
     materializes_scores: bool = True,
     scores_itemsize: int = 4,
 ) -> CallShapes:
@@ -142,6 +168,14 @@ def check_call(
     (B, T) and key_segment_ids (S_total,) or (B, S_total): packed sequences;
     key_segment_ids may be left out only where S_total == T (the keys are the
     queries' positions). Masks, bias and the dropout mask cover S_total keys.
+
+    cache_length P (an in-place cache, as Hugging Face's StaticCache and
+    torchtune's KVCache): past_key (B, K, C, H) and past_value (B, K, C, V)
+    are caller-owned buffers whose first P positions are the cache; the call
+    writes its S new keys and values (after norm and RoPE) at P .. P+S-1 and
+    computes exactly what it would with past_key[:, :, :P] (S_total = P + S).
+    Positions from P+S on are never part of a result; they must hold finite
+    values (a zeroed buffer), since a backend may read them with weight 0.
 
     materializes_scores: the call will hold (B, N, T, S_total) arrays (every
     path but the chunked ones); it is refused up front when they cannot fit
@@ -169,6 +203,10 @@ def check_call(
     B, T, S = q[0], q[1], k[1]
     N = config.num_heads
     P = _check_cache(config, past_key_shape, past_key_dtype, past_value_shape, past_value_dtype, B)
+    capacity = None
+    if cache_length is not None:
+        capacity = P if past_key_shape is not None else None
+        P = check_cache_length(cache_length, capacity, S)
     S_total = P + S  # the keys masks, bias, causal, windows and the weights see
     mask4 = bias4 = None
     if mask_shape is not None:
@@ -221,7 +259,7 @@ def check_call(
         raise ValueError(f"seed must be an integer: got {seed!r}")
     if materializes_scores:
         check_scores_fit(B, N, T, S_total, scores_itemsize)
-    return CallShapes(B=B, T=T, S=S, mask_shape=mask4, bias_shape=bias4, P=P)
+    return CallShapes(B=B, T=T, S=S, mask_shape=mask4, bias_shape=bias4, P=P, capacity=capacity)
 
 
 # Arrays of (B, N, T, S) alive at once on the plain path: logits, masked

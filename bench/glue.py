@@ -71,6 +71,19 @@ def cache_read_path(shape: Shape, mode: str, call: Callable[[], object], how: st
 DECODE_OPTIONS = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True)  # the new token sees the cache
 
 
+def decode_buffers(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+    """The decode family's cache as in-place buffers (cache_length=P): capacity P + 1, the first P
+    positions decode_cache's, the last one the step's own (each timed call writes it again, with the
+    same values: every call computes the same step)."""
+    buffers = []
+    for past in decode_cache(shape):
+        B, K, P, H = past.shape
+        buffer = np.zeros((B, K, P + 1, H), np.float32)
+        buffer[:, :, :P] = past
+        buffers.append(buffer)
+    return buffers[0], buffers[1]
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """Silence C++ libraries that write to file descriptor 2 (the torch profiler's USDT lines)."""
@@ -142,9 +155,14 @@ def glue_numpy(device: str, quick: bool) -> Glue:
                           note=f"chunk_size={chunk}, window_left={shape.window_left}", compare=True)]
         if shape.family == "decode":
             pk, pv = decode_cache(shape)
+            bk, bv = decode_buffers(shape)
             return [Path_("ours", "ours", "eager", "forward",
                           lambda: multi_head_attention(config, tensors, x, past_key=pk, past_value=pv, **DECODE_OPTIONS),
                           note="fused path, return_cache", compare=True),
+                    Path_("ours.in_place", "ours", "eager", "forward",
+                          lambda: multi_head_attention(config, tensors, x, past_key=bk, past_value=bv,
+                                                       cache_length=shape.P, **DECODE_OPTIONS),
+                          note="fused path, cache_length (buffers written in place)", compare=True),
                     cache_read_path(shape, "eager", lambda: (np.sum(pk), np.sum(pv)), "np.sum")]
         g = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
         out = []

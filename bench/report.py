@@ -156,8 +156,10 @@ def _print_decode(console, rows) -> None:
         return
     r0 = decode[0]
     dt = Table(title=f"decode: one token after a cache of P keys, N {r0['N']}, K {r0['K']}, H {r0['H']}, D {r0['D']} "
-                     "(per backend: step ms / cache read ms / step over read, paired)")
+                     "(per backend: step ms / cache read ms / step over read, paired; floor: weights + cache "
+                     "over cache, the bytes a step must read)")
     dt.add_column("P", justify="right")
+    dt.add_column("floor", justify="right")
     backends = [b for b in BACKENDS if any(r["backend"] == b for r in decode)]
     for b in backends:
         dt.add_column(b, justify="right")
@@ -172,7 +174,8 @@ def _print_decode(console, rows) -> None:
                 continue
             cells.append(f"{_fmt_ms(step['median_s'])} / {_fmt_ms(read['median_s'])} / "
                          f"{step['matmul_ratio'] / read['matmul_ratio']:.2f}x")
-        dt.add_row(str(P), *cells)
+        floor = next(r["decode_floor"] for r in decode if r["P"] == P) if "decode_floor" in r0 else None
+        dt.add_row(str(P), "-" if floor is None else f"{floor:.2f}x", *cells)
     console.print(dt)
 
 

@@ -65,6 +65,18 @@ class Shape:
         return 2 * self.B * self.kv_heads * self.P * self.H * 4
 
     @property
+    def weight_bytes(self) -> int:
+        """float32 bytes of the canonical weights the call reads (four kernels and their biases)."""
+        D, N, K, H = self.D, self.N, self.kv_heads, self.H
+        return 4 * (2 * D * N * H + 2 * D * K * H + N * H + 2 * K * H + D)
+
+    @property
+    def decode_floor(self) -> float:
+        """The least a decode step can take over one read of its cache: every weight and cached byte read
+        once (the step's own memory traffic), in units of the cache read."""
+        return (self.weight_bytes + self.cache_bytes) / self.cache_bytes
+
+    @property
     def io_bytes(self) -> int:
         """float32 bytes of the inputs and the output: self-attention passes one
         (B, T, D) query as key and value, and gets one (B, T, D) back; a decode

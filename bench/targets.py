@@ -171,6 +171,11 @@ def linear_fit(xs, ys) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def _floor(row) -> str:
+    """The step's own byte floor at that P (bench.shapes.Shape.decode_floor), where the row carries it."""
+    return f" (floor {row['decode_floor']:.2f}x: weights + cache over cache)" if "decode_floor" in row else ""
+
+
 def decode_targets(rows) -> list[dict]:
     """Per backend, its fastest step at each cache length P (paired times): linear in P (every
     point within DECODE_LINEAR of the least-squares line a + b*P, and b > 0), and within 2x of
@@ -198,6 +203,7 @@ def decode_targets(rows) -> list[dict]:
         worst = max(ratio, key=ratio.get, default=None)
         out.append(_entry(f"{backend} decode: step <= {DECODE_READ:g}x one read of its cache (at every P)", backend,
                           "decode", None if worst is None else ratio[worst], DECODE_READ, "<=", unit="x",
-                          path=None if worst is None else f"{steps[worst]['path']} vs cache.read, worst at P {worst}",
+                          path=None if worst is None else (f"{steps[worst]['path']} vs cache.read, worst at P {worst}"
+                                                           + _floor(steps[worst])),
                           why=None if worst is not None else _why_not(rows, "decode", backend)))
     return out

@@ -134,6 +134,7 @@ def _row(backend, shape, path, status, rate) -> dict:
         "backend": backend, "shape": shape.name, "B": shape.B, "T": shape.T, "S": shape.S, "D": shape.D, "N": shape.N,
         "H": shape.H, "causal": shape.causal, "sweep": shape.sweep, "family": shape.family, "K": shape.kv_heads,
         "P": shape.P, "window_left": shape.window_left,
+        **({"decode_floor": shape.decode_floor} if shape.family == "decode" else {}),
         "path": None if path is None else path.name, "kind": None if path is None else path.kind,
         "mode": None if path is None else path.mode, "pass": None if path is None else path.pass_,
         "note": "" if path is None else path.note, "status": status,

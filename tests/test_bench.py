@@ -362,6 +362,12 @@ def test_pairs_count_the_keys_the_window_leaves():
     assert real.pairs == 4096 * 4097 // 2 + 4096 * 4096, real.pairs
     d = shapes.decode_shapes([8192])[0]  # GQA: k and v projections over K heads, attention over P + 1 keys
     assert d.flops == 4 * 4096 * 4096 + 4 * 4096 * 8 * 128 + 4 * 32 * 8193 * 128, d.flops
+    # the decode floor's weight bytes: what weights.init builds for the worker's config of that shape
+    import weights
+
+    config = weights.AttentionConfig(num_heads=d.N, query_dim=d.D, head_dim=d.H, num_kv_heads=d.kv_heads)
+    assert d.weight_bytes == sum(a.nbytes for a in weights.init(config, seed=0, dtype="float32").values())
+    assert d.decode_floor == pytest.approx((d.weight_bytes + 2 * 8 * 8192 * 128 * 4) / (2 * 8 * 8192 * 128 * 4))
 
 
 def test_window_reference_from_the_last_inputs_equals_the_full_call():

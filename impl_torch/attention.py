@@ -50,8 +50,9 @@ class Call:
     plain_causal: bool  # SDPA's own is_causal stands for the whole mask (allowed then omits the causal part)
     positions: torch.Tensor | None = None  # (B|1, T) int64 where the config has rope
     key_positions: torch.Tensor | None = None  # (B|1, S)
-    past_key: torch.Tensor | None = None  # (B, K, P, H)
-    past_value: torch.Tensor | None = None  # (B, K, P, V)
+    past_key: torch.Tensor | None = None  # (B, K, P, H); with cache_length the caller's buffer (B, K, C, H)
+    past_value: torch.Tensor | None = None  # (B, K, P, V); with cache_length (B, K, C, V)
+    cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
 
 
 def check_tensors(config: AttentionConfig, tensors) -> torch.dtype:
@@ -98,7 +99,7 @@ def _check_bias_values(bias: torch.Tensor) -> None:
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
-            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
+            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
             materializes_scores=True, sdpa=False) -> Call:
     """Validate a call and cast everything to the storage dtype. sdpa: the
     core will run through SDPA; when SDPA's own is_causal can apply (the
@@ -113,7 +114,14 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     given = {name: to_torch(x, device) for name, x in (
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
-        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids)) if x is not None}
+        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids))
+        if x is not None and not (cache_length is not None and name in ("past_key", "past_value"))}
+    if cache_length is not None:
+        # Buffers written in place are never moved or converted (that would copy the whole cache, and the
+        # copy would be written): check_call sees their shapes as given; past_key_buffers refuses the rest.
+        for name, x in (("past_key", past_key), ("past_value", past_value)):
+            if x is not None:
+                given[name] = x if isinstance(x, torch.Tensor) else to_torch(x)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not x.is_floating_point() and x.dtype != dtype:
             raise ValueError(f"{name} must be a float array: got dtype {dtype_name(x.dtype)}")
@@ -123,7 +131,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     shapes = check_call(
         config, query_shape=tuple(query.shape), key_shape=tuple(key.shape), value_shape=tuple(value.shape), **meta,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, return_cache=return_cache,
+        return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
         # The memory guard reads /proc/meminfo: done eagerly, skipped while
         # torch.compile traces (it would break the graph), and on a GPU whose
         # memory the host's MemAvailable does not describe.
@@ -131,6 +139,10 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8,
     )
     T, S_total = shapes.T, shapes.S_total
+    in_place = shapes.capacity is not None
+    if in_place:
+        past_key, past_value = past_key_buffers(past_key, past_value, dtype, device)
+        refuse_autograd(query, key, value, tensors, given.get("bias"), past_key, past_value)
     mask_t, bias_t, keep_t = given.get("mask"), given.get("bias"), given.get("dropout_mask")
     if bias_t is not None:
         _check_bias_values(bias_t)
@@ -159,9 +171,40 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     if config.rope is not None:
         call.positions = F.default_positions(given.get("positions"), shapes.P, T, device)
         call.key_positions = F.default_positions(given.get("key_positions"), shapes.P, shapes.S, device)
-    if "past_key" in given:
+    if in_place:
+        # the buffers themselves (their infinities are not checked: that would read the whole cache every token)
+        call.past_key, call.past_value, call.cache_length = past_key, past_value, shapes.P
+    elif "past_key" in given:
         call.past_key, call.past_value = given["past_key"].to(dtype), given["past_value"].to(dtype)
     return call
+
+
+def past_key_buffers(past_key, past_value, dtype: torch.dtype, device: torch.device):
+    """The buffers of an in-place cache (cache_length=), as given: torch tensors
+    of the storage dtype on the weights' device (a cast, a NumPy array or a
+    transfer would write a copy the caller never sees)."""
+    for name, buffer in (("past_key", past_key), ("past_value", past_value)):
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != dtype or buffer.device != device:
+            what = (f"a {type(buffer).__name__}" if not isinstance(buffer, torch.Tensor) else
+                    f"dtype {dtype_name(buffer.dtype)}" if buffer.dtype != dtype else f"a tensor on {buffer.device}")
+            raise ValueError(f"{name} with cache_length is written in place: it must be a torch tensor of the "
+                             f"storage dtype {dtype_name(dtype)} on {device}: got {what}")
+    return past_key, past_value
+
+
+def refuse_autograd(query, key, value, tensors, bias, past_key, past_value) -> None:
+    """An in-place cache is for inference: autograd would record writes into
+    buffers that earlier steps' graphs hold (and the caller reuses), so a call
+    it would record is refused."""
+    if not torch.is_grad_enabled():
+        return
+    inputs = {"query": query, "key": None if key is query else key, "value": None if value is key else value,
+              "bias": bias, "past_key": past_key, "past_value": past_value, **tensors}
+    asking = [name for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if asking:
+        raise ValueError("cache_length writes past_key/past_value in place, for inference only: call it under "
+                         "torch.no_grad(), or pass the cache whole (past_key without cache_length) to differentiate "
+                         f"through it: got {', '.join(asking)} requiring grad with gradients enabled")
 
 
 def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
@@ -189,6 +232,11 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if call.cache_length is not None:  # in place: the new keys written after the P cached ones, no copy
+        P, S = call.cache_length, k.shape[2]
+        call.past_key[:, :, P:P + S].copy_(k)
+        call.past_value[:, :, P:P + S].copy_(v)
+        return q, call.past_key[:, :, :P + S], call.past_value[:, :, :P + S]  # (B, K, P+S, .) views
     if call.past_key is not None:  # the cache holds keys after norm and rope (as Hugging Face and ONNX store it)
         k = _append(call.past_key, k)  # (B, K, P+S, H)
         v = _append(call.past_value, v)  # (B, K, P+S, V)
@@ -250,6 +298,7 @@ def multi_head_attention(
     key_segment_ids: torch.Tensor | None = None,
     return_weights: bool = False,
     return_cache: bool = False,
+    cache_length: int | None = None,
     dtype: str | torch.dtype | None = None,
     trace: list | None = None,
     use_sdpa: bool = False,
@@ -266,6 +315,16 @@ def multi_head_attention(
     F.scaled_dot_product_attention (sdpa.py) when nothing needs the (T, S)
     weights (no return_weights, no trace), no dropout mask applies and the
     config has neither softcap nor sinks; else, and by default, the stages.
+
+    cache_length: an in-place cache (impl_numpy's). past_key (B, K, C, H)
+    and past_value (B, K, C, V) are the caller's buffers, torch tensors of
+    the storage dtype on the weights' device, whose first cache_length = P
+    positions are the cache; the call writes its new keys and values at P ..
+    P+S-1 (slice copies) and attends over views of the first P+S positions,
+    on the stages and SDPA alike, so a step copies no cache; with
+    return_cache, present_key and present_value are the buffers themselves
+    (whole). The buffers are not checked for infinities. Inference only: a
+    call autograd would record is refused (use torch.no_grad()).
     """
     # SDPA computes the core blockwise on its own: no (B, N, T, S) scores to guard.
     will_use_sdpa = (use_sdpa and not return_weights and trace is None
@@ -276,7 +335,8 @@ def multi_head_attention(
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
-        return_cache=return_cache, dtype=dtype, materializes_scores=not will_use_sdpa, sdpa=will_use_sdpa,
+        return_cache=return_cache, cache_length=cache_length, dtype=dtype, materializes_scores=not will_use_sdpa,
+        sdpa=will_use_sdpa,
     )
     rec = lambda stage, value: F._record(trace, stage, value)  # noqa: E731
     p = call.params
@@ -297,4 +357,6 @@ def multi_head_attention(
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
     if not (return_weights or return_cache):
         return out
+    if call.cache_length is not None:
+        k, v = call.past_key, call.past_value  # the buffers, whole
     return (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())

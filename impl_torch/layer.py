@@ -149,13 +149,13 @@ class MultiHeadAttention(nn.Module):
                 causal_alignment: str = "top_left", training: bool | None = None, dropout_mask=None,
                 seed: int | None = None, positions=None, key_positions=None, past_key=None, past_value=None,
                 segment_ids=None, key_segment_ids=None, return_weights: bool = False, return_cache: bool = False,
-                use_sdpa: bool | None = None, precision: str | None = "highest", trace: list | None = None):
+                cache_length: int | None = None, use_sdpa: bool | None = None, precision: str | None = "highest", trace: list | None = None):
         """query (B, T, query_dim), key (B, S, key_dim) default query, value
         (B, S, value_dim) default key -> output (B, T, O); with
         return_weights also weights (B, N, T, P+S), with return_cache also
         present_key and present_value (functional's return convention).
-        positions / key_positions (RoPE), past_key / past_value (the cache)
-        and segment_ids / key_segment_ids as in
+        positions / key_positions (RoPE), past_key / past_value (the cache;
+        with cache_length, buffers written in place) and segment_ids / key_segment_ids as in
         attention.multi_head_attention. Inputs are cast to the
         module's dtype. precision: "highest" or "tf32" for the call's float32
         matmuls, None to leave torch's global settings as they are. Under
@@ -169,7 +169,7 @@ class MultiHeadAttention(nn.Module):
                        training=training, dropout_mask=dropout_mask, seed=seed, positions=positions,
                        key_positions=key_positions, past_key=past_key, past_value=past_value,
                        segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
-                       return_cache=return_cache, trace=trace, use_sdpa=self.use_sdpa if use_sdpa is None else use_sdpa)
+                       return_cache=return_cache, cache_length=cache_length, trace=trace, use_sdpa=self.use_sdpa if use_sdpa is None else use_sdpa)
         if precision is None or torch.compiler.is_compiling():
             return multi_head_attention(self.config, self.canonical_tensors(), query, key, value, **options)
         with matmul_precision(precision):

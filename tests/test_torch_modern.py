@@ -25,6 +25,8 @@ from modern_checks import (  # noqa: E402
     PROMPT,
     TOTAL,
     cfg,
+    check_in_place_decode,
+    decode_in_place,
     decode_reference,
     modern_bad_calls,
 )
@@ -48,7 +50,7 @@ from conformance.cases import (  # noqa: E402
 )
 from conformance.compare import expected_for  # noqa: E402
 from conformance.tolerance import assert_close  # noqa: E402
-from impl_torch.convert import to_numpy, to_torch  # noqa: E402
+from impl_torch.convert import TORCH_DTYPES, to_numpy, to_torch  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -221,6 +223,180 @@ def test_decoding_with_explicit_positions_equals_the_defaults():
                                              positions=torch.tensor([0]), key_positions=torch.tensor([0]))
     assert torch.equal(default, given), f"explicit positions differ by {float((default - given).abs().max()):.3g}"
     assert not torch.allclose(default, forgot), "positions 0 (the offset forgotten) gave the same output"
+
+
+# -- an in-place cache (cache_length=): the caller's buffers, written where the new keys go ---------------------
+
+class _Buffer:
+    """A torch buffer as modern_checks.decode_in_place holds it: that helper reads its results with
+    np.asarray, and a torch tensor's own __array__ has no bfloat16 (to_numpy does)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __array__(self, dtype=None, copy=None):
+        array = to_numpy(self.tensor)
+        return array if dtype is None else array.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("config_name", list(DECODE_CONFIGS))
+@pytest.mark.parametrize("use_sdpa", [False, True], ids=["stages", "sdpa"])
+def test_decoding_in_place_equals_the_full_causal_call(config_name, dtype, use_sdpa):
+    """A prompt and then one token at a time into one zeroed buffer pair, under torch.no_grad(): the rows
+    equal the full causal call's (float64 reference), the buffers' first TOTAL positions its present cache,
+    nothing written past them, and every step hands back the very tensors it was given."""
+    config = DECODE_CONFIGS[config_name]
+    tensors, x, want, logits, errors = decode_reference(config_name, dtype)
+    params = {n: to_torch(t) for n, t in tensors.items()}
+
+    def step(_, part, pk, pv, P):
+        with torch.no_grad():
+            out, k, v = impl_torch.multi_head_attention(
+                config, params, to_torch(part), past_key=pk.tensor, past_value=pv.tensor, cache_length=P,
+                is_causal=True, causal_alignment="bottom_right", return_cache=True, use_sdpa=use_sdpa)
+        # the wrappers stand for the tensors: handed back only where the call returned those very tensors
+        return to_numpy(out), pk if k is pk.tensor else _Buffer(k), pv if v is pv.tensor else _Buffer(v)
+
+    outputs, pk, pv, same = decode_in_place(
+        step, tensors, x, lambda shape: _Buffer(torch.zeros(shape, dtype=TORCH_DTYPES[dtype])))
+    assert same, "a step returned a new tensor instead of the buffers it was given"
+
+    def compare(name, got, expected):
+        assert_close(f"in-place decoded {name}", got, expected, config=config, dtype=dtype, quantity="output", B=2,
+                     T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
+
+    check_in_place_decode(outputs, pk, pv, want, compare)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("use_sdpa", [False, True], ids=["stages", "sdpa"])
+def test_an_in_place_cache_computes_what_the_cache_passed_whole_does(use_sdpa, dtype, T, sdpa_spy):
+    """GQA, RoPE and a window, P = 6 cached positions and T new ones in buffers with 3 spare positions
+    past them, filled with NaN to show that neither path reads them: the output equals the call with the
+    cache passed whole (and the float64 reference within the policy), the buffers then hold its present
+    cache, the spare positions are still NaN, and SDPA is handed views of the buffers (no copy)."""
+    config = cfg(num_heads=4, num_kv_heads=2, rope={}, window_left=3, qk_norm={"type": "rms"})
+    tensors = weights.init(config, seed=5, dtype="float64")
+    rng = np.random.default_rng(5)
+    B, P, spare, K, H = 2, 6, 3, 2, 4
+    x = rng.standard_normal((B, T, 8))
+    past = [rng.standard_normal((B, K, P, H)) for _ in range(2)]
+    options = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True)
+    want = impl_numpy.multi_head_attention(config, tensors, x, past_key=past[0], past_value=past[1], **options)
+    cast = lambda a: torch.from_numpy(a.astype(dtype))  # noqa: E731
+    params = {n: cast(t) for n, t in tensors.items()}
+    buffers = [torch.full((B, K, P + T + spare, H), float("nan"), dtype=TORCH_DTYPES[dtype]) for _ in range(2)]
+    for buffer, cached in zip(buffers, past):
+        buffer[:, :, :P] = cast(cached)
+    with torch.no_grad():
+        whole = impl_torch.multi_head_attention(config, params, cast(x), past_key=cast(past[0]),
+                                                past_value=cast(past[1]), use_sdpa=use_sdpa, **options)
+        del sdpa_spy[:]
+        got = impl_torch.multi_head_attention(config, params, cast(x), past_key=buffers[0], past_value=buffers[1],
+                                              cache_length=P, use_sdpa=use_sdpa, **options)
+    assert got[1] is buffers[0] and got[2] is buffers[1], "the present cache is not the buffers given"
+    assert torch.equal(got[0], whole[0]), (
+        f"in place and whole differ by {float((got[0] - whole[0]).abs().max()):.3g}")
+    for name, buffer, present in zip(("present_key", "present_value"), buffers, whole[1:]):
+        assert torch.equal(buffer[:, :, :P + T], present), f"{name}: the buffer's first P+T positions"
+        assert bool(torch.isnan(buffer[:, :, P + T:]).all()), f"{name}: a spare position was written"
+    assert_close("in-place output", to_numpy(got[0]), want[0], config=config, dtype=dtype, quantity="output", B=B,
+                 T=T, S=P + T)
+    assert len(sdpa_spy) == (1 if use_sdpa else 0), f"SDPA calls: {sdpa_spy}"
+
+
+def test_an_in_place_cache_hands_sdpa_views_of_the_buffers(monkeypatch):
+    """A GQA decode step on the SDPA path attends over the buffers' first P+1 positions as they lie (same
+    memory), and its query heads come as rows of their key head (no enable_gqa, so no kernel repeats the
+    cache per query head)."""
+    seen = []
+    real = torch_sdpa.nnF.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((tuple(q.shape), k.data_ptr(), v.data_ptr(), tuple(k.shape), kw.get("enable_gqa", False)))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(torch_sdpa.nnF, "scaled_dot_product_attention", spy)
+    config = cfg(num_heads=4, num_kv_heads=2, rope={})
+    params = {n: torch.from_numpy(t) for n, t in weights.init(config, seed=1, dtype="float32").items()}
+    pk, pv = torch.zeros((1, 2, 10, 4)), torch.zeros((1, 2, 10, 4))
+    with torch.no_grad():
+        impl_torch.multi_head_attention(config, params, torch.ones((1, 1, 8)), past_key=pk, past_value=pv,
+                                        cache_length=5, is_causal=True, causal_alignment="bottom_right",
+                                        use_sdpa=True)
+    assert seen == [((1, 2, 2, 4), pk.data_ptr(), pv.data_ptr(), (1, 2, 6, 4), False)], seen
+
+
+@pytest.mark.parametrize("use_sdpa", [False, True], ids=["stages", "sdpa"])
+def test_a_grouped_decode_step_with_a_per_head_bias_and_mask_equals_the_reference(use_sdpa):
+    """One query per head over an in-place cache, GQA 4 on 2, with a bias and a mask that differ per query
+    head: SDPA gets the query heads as rows of their key head, so the per-head bias and mask must follow
+    them there (query head n on key head n // 2)."""
+    config = cfg(num_heads=4, num_kv_heads=2, rope={})
+    tensors = weights.init(config, seed=9, dtype="float64")
+    rng = np.random.default_rng(9)
+    B, P, K, H = 2, 7, 2, 4
+    x = rng.standard_normal((B, 1, 8))
+    past = [rng.standard_normal((B, K, P, H)) for _ in range(2)]
+    bias = 2.0 * rng.standard_normal((B, 4, 1, P + 1))
+    mask = rng.random((B, 4, 1, P + 1)) < 0.7
+    mask[..., -1] = True  # no empty row: those take another path
+    options = dict(is_causal=True, causal_alignment="bottom_right", bias=bias, mask=mask)
+    want = impl_numpy.multi_head_attention(config, tensors, x, past_key=past[0], past_value=past[1], **options)
+    buffers = [torch.zeros((B, K, P + 2, H), dtype=torch.float64) for _ in range(2)]
+    for buffer, cached in zip(buffers, past):
+        buffer[:, :, :P] = torch.from_numpy(cached)
+    with torch.no_grad():
+        got = impl_torch.multi_head_attention(
+            config, {n: torch.from_numpy(t) for n, t in tensors.items()}, torch.from_numpy(x),
+            past_key=buffers[0], past_value=buffers[1], cache_length=P, use_sdpa=use_sdpa,
+            **{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in options.items()})
+    err = float(np.abs(got.numpy() - want).max())
+    assert err <= 1e-12, f"max abs difference {err:.3g} from the float64 reference"
+
+
+def test_an_in_place_cache_refuses_what_it_cannot_write():
+    """Buffers of another dtype or not torch tensors, and a call autograd would record, are refused in one
+    line that names the argument and what was received."""
+    config = cfg(num_heads=2, num_kv_heads=1)
+    params = {n: torch.from_numpy(t) for n, t in weights.init(config, seed=0, dtype="float32").items()}
+    x = torch.zeros((1, 1, 8))
+    buffer = lambda dtype=torch.float32: torch.zeros((1, 1, 4, 4), dtype=dtype)  # noqa: E731
+
+    def error(past_key, query=x, tensors=params):
+        with pytest.raises(ValueError) as info:
+            impl_torch.multi_head_attention(config, tensors, query, past_key=past_key, past_value=buffer(),
+                                            cache_length=1)
+        return str(info.value)
+
+    with torch.no_grad():
+        assert error(buffer(torch.float64)) == (
+            "past_key with cache_length is written in place: it must be a torch tensor of the storage dtype "
+            "float32 on cpu: got dtype float64")
+        assert error(np.zeros((1, 1, 4, 4), np.float32)).endswith("got a ndarray")
+    with torch.enable_grad():
+        got = error(buffer(), query=x.clone().requires_grad_(True))
+        assert got == ("cache_length writes past_key/past_value in place, for inference only: call it under "
+                       "torch.no_grad(), or pass the cache whole (past_key without cache_length) to differentiate "
+                       "through it: got query requiring grad with gradients enabled")
+        trainable = dict(params, **{"query.kernel": params["query.kernel"].clone().requires_grad_(True)})
+        assert error(buffer(), tensors=trainable).endswith("got query.kernel requiring grad with gradients enabled")
+        # nothing asks for a gradient: autograd records nothing, so the call goes through
+        out = impl_torch.multi_head_attention(config, params, x, past_key=buffer(), past_value=buffer(),
+                                              cache_length=1)
+    assert out.shape == (1, 1, 8) and not out.requires_grad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_an_in_place_cache_refuses_a_buffer_on_another_device():
+    config = cfg()
+    params = {n: torch.from_numpy(t).cuda() for n, t in weights.init(config, seed=0, dtype="float32").items()}
+    with torch.no_grad(), pytest.raises(ValueError) as info:
+        impl_torch.multi_head_attention(config, params, torch.zeros((1, 1, 8)), past_key=torch.zeros((1, 2, 4, 4)),
+                                        past_value=torch.zeros((1, 2, 4, 4)).cuda(), cache_length=1)
+    assert str(info.value).endswith("got a tensor on cpu")
 
 
 # -- SDPA or the stages -----------------------------------------------------------------

@@ -246,12 +246,15 @@ def glue_torch(device: str, quick: bool) -> Glue:
         x = torch.from_numpy(x_np).to(dev)
         if shape.family == "decode":
             pk, pv = (torch.from_numpy(a).to(dev) for a in decode_cache(shape))
+            bk, bv = (torch.from_numpy(a).to(dev) for a in decode_buffers(shape))  # (on the CPU: the same memory)
 
-            def step(sdpa):
+            def step(sdpa, in_place=False):
+                cache = dict(past_key=bk, past_value=bv, cache_length=shape.P) if in_place else dict(
+                    past_key=pk, past_value=pv)
+
                 def call():
                     with torch.no_grad():
-                        return multi_head_attention(config, t, x, past_key=pk, past_value=pv, use_sdpa=sdpa,
-                                                    **DECODE_OPTIONS)
+                        return multi_head_attention(config, t, x, use_sdpa=sdpa, **cache, **DECODE_OPTIONS)
                 return done(call)
 
             def read():
@@ -262,6 +265,10 @@ def glue_torch(device: str, quick: bool) -> Glue:
                           compare=True),
                     Path_("ours.eager", "ours", "eager", "forward", step(False), note="the stages, return_cache",
                           compare=True),
+                    Path_("ours.sdpa.in_place", "ours", "eager", "forward", step(True, in_place=True),
+                          note="SDPA, cache_length (buffers written in place)", compare=True),
+                    Path_("ours.in_place", "ours", "eager", "forward", step(False, in_place=True),
+                          note="the stages, cache_length (buffers written in place)", compare=True),
                     cache_read_path(shape, "eager", done(read), "torch.sum")]
         D = shape.D
         W = {n: t[f"{n}.kernel"].reshape(D, -1).T.contiguous() for n in ("query", "key", "value")}  # nn.Linear layout

@@ -19,6 +19,12 @@ QK-norm, softcap, windows, sinks, a cache, segment ids):
   skips key blocks the causal mask or a window hides.
 A plain call (no modern feature, no cache, no segments) runs exactly the ops
 it ran before the modern features existed.
+
+cache_length= (an in-place cache in the caller's tf.Variables): the new keys
+are written by `write_cache` (XLA, in the buffers where they lie); the fused
+path then attends over the buffers' whole capacity with the positions past
+P+S masked (`in_place_fused`, which says why not a slice); the stages and the
+chunked path read the first P+S positions back.
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions",
 
 def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=None, *, is_causal=False,
                  causal_alignment="top_left", training=False, seed=None, return_weights=False, return_cache=False,
-                 materializes_scores=True, **optional):
+                 cache_length=None, materializes_scores=True, **optional):
     """The spec's checks on one call, shapes and dtypes only (plus bias values
     when they are concrete): ValueError with the spec's words. Returns CallShapes.
     optional: the OPTIONAL_INPUTS given (None or absent: not given).
@@ -120,8 +126,8 @@ def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=Non
     shapes = check_call(
         config, query_shape=_static_shape(query), key_shape=_static_shape(key), value_shape=_static_shape(value),
         **meta, is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, return_cache=return_cache, materializes_scores=materializes_scores,
-        scores_itemsize=np.dtype(F.compute_dtype(dtype)).itemsize,
+        return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
+        materializes_scores=materializes_scores, scores_itemsize=np.dtype(F.compute_dtype(dtype)).itemsize,
     )
     bias = optional.get("bias")
     if bias is not None and not _is_symbolic(bias):
@@ -150,10 +156,11 @@ class Call:
     S_total: Any  # P + S: int, or a traced scalar
     positions: Any = None  # (B|1, T) int where the config has rope
     key_positions: Any = None  # (B|1, S)
-    past_key: Any = None  # (B, K, P, H)
-    past_value: Any = None  # (B, K, P, V)
+    past_key: Any = None  # (B, K, P, H); with cache_length the caller's tf.Variable (B, K, C, H)
+    past_value: Any = None  # (B, K, P, V); with cache_length (B, K, C, V)
     segment_ids: Any = None  # (T,) or (B, T)
     key_segment_ids: Any = None  # (S_total,) or (B, S_total)
+    cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND segments over every key (rank 4), or None."""
@@ -169,31 +176,38 @@ class Call:
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
-            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
+            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
             materializes_scores=True) -> Call:
-    """Validate a call and cast everything to the storage dtype."""
+    """Validate a call and cast everything to the storage dtype (an in-place
+    cache's buffers excepted: they are the caller's variables, kept as given)."""
     stored = check_tensors(config, tensors)
     dtype = stored if dtype is None else dtype_from_name(dtype).name
     training = bool(training)
     query = ops.convert_to_tensor(query)
     key = query if key is None else ops.convert_to_tensor(key)
     value = key if value is None else ops.convert_to_tensor(value)
-    given = {name: _tensor(x) for name, x in (
+    # An in-place cache's variables are checked by their shape and dtype, never read here: a read tensor
+    # alive while the call writes a buffer would make that write copy the buffer whole
+    buffers = ("past_key", "past_value") if cache_length is not None else ()
+    given = {name: x if name in buffers and isinstance(x, tf.Variable) else _tensor(x) for name, x in (
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
         ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids)) if x is not None}
     shapes = check_inputs(
         config, dtype, query, key, value, is_causal=is_causal, causal_alignment=causal_alignment, training=training,
-        seed=seed, return_weights=return_weights, return_cache=return_cache, materializes_scores=materializes_scores,
-        **given,
+        seed=seed, return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
+        materializes_scores=materializes_scores, **given,
     )
+    in_place = shapes.capacity is not None
+    if in_place:
+        given["past_key"], given["past_value"] = past_key_buffers(past_key, past_value, dtype)
     bias_t = given.get("bias")
     if bias_t is not None:
         bias_t = _rank4(F._cast(bias_t, F.compute_dtype(dtype)))  # (B|1, N|1, T|1, S_total|1)
     params = {name: F._cast(t, dtype) for name, t in tensors.items()}
     B, T, S = _size(shapes.B, query, 0), _size(shapes.T, query, 1), _size(shapes.S, key, 1)
     past_key, past_value = given.get("past_key"), given.get("past_value")
-    P = 0 if past_key is None else _size(shapes.P, past_key, 2)
+    P = shapes.P if in_place else 0 if past_key is None else _size(shapes.P, past_key, 2)
     S_total = S + P
     keep = given.get("dropout_mask")
     if training and keep is None and config.dropout > 0:
@@ -210,10 +224,57 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         value=F._cast(value, dtype), mask4=mask4, bias4=bias_t, keep=keep, dtype=dtype, T=T, S_total=S_total,
         positions=F.default_positions(given.get("positions"), P, T) if rope else None,
         key_positions=F.default_positions(given.get("key_positions"), P, S) if rope else None,
-        past_key=None if past_key is None else F._cast(past_key, dtype),
-        past_value=None if past_value is None else F._cast(past_value, dtype),
-        segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+        past_key=past_key if in_place or past_key is None else F._cast(past_key, dtype),
+        past_value=past_value if in_place or past_value is None else F._cast(past_value, dtype),
+        segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,
     )
+
+
+def _could_record() -> bool:
+    """Whether a GradientTape may record this call (TensorFlow's own test, private: False where it is gone)."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:
+        return False
+    return record.could_possibly_record()
+
+
+def past_key_buffers(past_key, past_value, dtype: str):
+    """The buffers of an in-place cache (cache_length=), as given: tf.Variables
+    of the storage dtype (a tensor cannot be written; a cast would write a
+    copy the caller never sees). Refused under a recording GradientTape: no
+    gradient passes through a write into a variable."""
+    for name, buffer in (("past_key", past_key), ("past_value", past_value)):
+        if not isinstance(buffer, tf.Variable) or F.dtype_name(buffer) != dtype:
+            what = (f"dtype {F.dtype_name(buffer)}" if isinstance(buffer, tf.Variable) else
+                    f"a {type(buffer).__name__}")
+            raise ValueError(f"{name} with cache_length is written in place: it must be a tf.Variable of the "
+                             f"storage dtype {dtype}: got {what}")
+    if _could_record():
+        raise ValueError("cache_length writes past_key/past_value in place, which no gradient passes through: "
+                         "got a call under a recording GradientTape (an in-place cache is for inference)")
+    return past_key, past_value
+
+
+@tf.function(jit_compile=True, autograph=False)
+def write_cache(past_key, past_value, k, v, start):
+    """past_key[:, :, start:start+S] = k, past_value's = v, in place. Compiled
+    by XLA, eagerly too: XLA updates a variable's buffer where it lies (about
+    0.5 ms for a (1, 8, 65537, 128) float32 buffer), while TensorFlow's own
+    sliced assign copies the buffer whole and leaves the variable copying it
+    on every later read (about 150 ms each, measured). start is a tensor, so
+    that one compilation serves every step."""
+    S = k.shape[2]
+    past_key[:, :, start:start + S].assign(k)
+    past_value[:, :, start:start + S].assign(v)
+
+
+def _over_capacity(x, S_total: int, C: int, fill):
+    """x (..., S_total) -> (..., C), the keys past S_total filled with `fill`;
+    x (..., 1) (broadcast over the keys) or None unchanged."""
+    if x is None or x.shape[-1] == 1 or C == S_total:
+        return x
+    return tf.pad(x, [[0, 0]] * (len(x.shape) - 1) + [[0, C - S_total]], constant_values=fill)
 
 
 def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
@@ -248,6 +309,13 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = Tr
             q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved,
                                          factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if call.cache_length is not None:  # in place: the new keys written after the P cached ones
+        P = call.cache_length
+        write_cache(call.past_key, call.past_value, k, v, tf.constant(P, tf.int32))
+        if not append:
+            return q, k, v
+        n = P + k.shape[2]  # read back after the write (one copy of P+S positions: the stages and chunked paths)
+        return q, tf.convert_to_tensor(call.past_key)[:, :, :n], tf.convert_to_tensor(call.past_value)[:, :, :n]
     if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
         k = ops.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
         v = ops.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
@@ -270,7 +338,7 @@ def may_have_empty_rows(mask4, bias, is_causal: bool, causal_alignment: str, T, 
 
 def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_alignment: str, scale: float,
                     rate: float, masked_row: str, softcap: float | None = None, window_left: int = -1,
-                    window_right: int = -1, segment_ids=None, key_segment_ids=None, sinks=None):
+                    window_right: int = -1, segment_ids=None, key_segment_ids=None, sinks=None, key_length=None):
     """logits -> [softcap] -> mask -> softmax [+ sinks] -> dropout -> attend
     as one computation, for calls that ask for neither the trace nor the
     weights: q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> (B, N, T, V) in
@@ -288,6 +356,14 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     select, and that NaN reaches no gradient: every position of such a row is
     masked, and the mask's select passes none. With sinks no row is empty:
     a fully masked one is 0, as the spec says, with no select.
+
+    key_length (an in-place cache read whole): a scalar tensor, the number of
+    keys that count (P + S); the keys past it are the buffers' spare
+    positions, which mask4 hides (the caller builds its causal, window and
+    segment masks over key_length keys and pads them: is_causal, windows and
+    segments are not passed with it). A uniform masked row spreads over
+    key_length keys. A hidden key gets weight 0 exactly, so its value must be
+    finite (the contract's rule for the spare positions).
     """
     dtype = F.dtype_name(q)
     ct = F.compute_dtype(dtype)
@@ -302,7 +378,13 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     # LOGITS and ATTEND as matmuls on the grouped (B, K, G*T, .) queries, as impl_numpy computes
     # them: XLA runs these 1.3-1.7x faster than the 5-D einsum's dot.
     qg = ops.reshape(F._cast(q, ct) * tf.constant(scale, ct), (B, K, (N // K) * T, H))  # (B, K, G*T, H)
-    x = [tf.matmul(qg, F._cast(part, ct), transpose_b=True) for part in ks]  # (B, K, G*T, S_part) each
+    if key_length is not None:
+        # an in-place cache (one part, T small beside S): the keys as the matmul's left operand, (S, H) x
+        # (H, G*T), then the small (S, G*T) result transposed; XLA's CPU dot ran the (G*T, H) x (H, S)
+        # form 2.5-3.5x slower on a (1, 8, 65537, 128) cache (measured: 228 ms against 62-96 ms)
+        x = [tf.transpose(tf.matmul(F._cast(ks[0], ct), qg, transpose_b=True), (0, 1, 3, 2))]  # (B, K, G*T, S)
+    else:
+        x = [tf.matmul(qg, F._cast(part, ct), transpose_b=True) for part in ks]  # (B, K, G*T, S_part) each
     x = ops.reshape(x[0] if len(x) == 1 else ops.concatenate(x, axis=-1), (B, N, T, S))  # (B, N, T, S), scaled
     if softcap is not None:  # before mask and bias, as the spec's stage
         cap = tf.constant(softcap, ct)
@@ -321,7 +403,13 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
                                windowed=window_left >= 0 or window_right >= 0, segments=segment_ids is not None):
             empty = ops.logical_not(ops.any(allowed, axis=-1, keepdims=True))  # (B|1, N|1, T|1, 1), on the mask
             fill = {"zero": 0.0, "uniform": 1.0, "nan": math.nan}[masked_row]
-            fill = tf.constant(fill, ct) / tf.cast(S, ct) if masked_row == "uniform" else tf.constant(fill, ct)
+            if masked_row != "uniform":
+                fill = tf.constant(fill, ct)
+            elif key_length is None:
+                fill = tf.constant(fill, ct) / tf.cast(S, ct)
+            else:  # over the keys that count; 0 on the hidden ones
+                fill = tf.where(tf.range(S) < key_length, tf.constant(fill, ct) / tf.cast(key_length, ct),
+                                tf.constant(0.0, ct))
             w = tf.where(empty, fill, w)
     else:
         sink = ops.reshape(F._cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
@@ -379,6 +467,37 @@ def _modern_core_options(config: AttentionConfig, call: Call) -> dict:
     return options
 
 
+def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str):
+    """The fused path over an in-place cache: the new keys written into the
+    buffers, then attention over their whole capacity C, the positions from
+    P+S on hidden by the mask. -> output (B, T, O).
+
+    Whole, not sliced to P+S: the variables are read where they lie, with no
+    copy. A slice [:, :, :P+S] of a (B, K, C, H) buffer is no view in
+    TensorFlow (it copies P+S positions every step), and a slice inside XLA
+    ran slower still (measured on a (1, 8, 65537, 128) float32 variable: the
+    sum of it whole 19 ms, of its slice to 65536 positions under XLA 517 ms).
+    Reading C rather than P+S positions costs the spare capacity the caller
+    chose; the masks over (T, C) are small beside the cache."""
+    p = call.params
+    q, _, _ = qkv_heads(config, call, append=False)  # writes the new keys and values at P .. P+S-1
+    S_total, C = call.S_total, call.past_key.shape[2]
+    # one bottom-right query (a decode step) sees every key: no causal mask to build
+    decode_step = causal_alignment == "bottom_right" and isinstance(call.T, int) and call.T == 1
+    allowed = call.allowed(config, is_causal and not decode_step, causal_alignment)  # over S_total keys, or None
+    valid = (tf.range(C) < S_total)[None, None, None]  # (1, 1, 1, C)
+    allowed = valid if allowed is None else ops.logical_and(_over_capacity(allowed, S_total, C, False), valid)
+    options = {name: value for name, value in _modern_core_options(config, call).items()
+               if name in ("softcap", "sinks")}  # windows and segments are in `allowed`
+    ctx = _attention(
+        q, tf.convert_to_tensor(call.past_key), tf.convert_to_tensor(call.past_value), mask4=allowed,
+        bias=_over_capacity(call.bias4, S_total, C, 0.0), keep=_over_capacity(call.keep, S_total, C, False),
+        is_causal=False, causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
+        masked_row=config.masked_row, key_length=tf.constant(S_total, tf.int32), **options,
+    )  # (B, N, T, V)
+    return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
+
+
 # -- the call ------------------------------------------------------------------------
 
 def multi_head_attention(
@@ -403,6 +522,7 @@ def multi_head_attention(
     key_segment_ids=None,
     return_weights: bool = False,
     return_cache: bool = False,
+    cache_length: int | None = None,
     dtype: str | None = None,
     chunk_size: int | None = None,
     trace: list | None = None,
@@ -418,18 +538,33 @@ def multi_head_attention(
     size, queries in blocks of the same size; never holds a (T, S) array (see
     chunked.py). Not with return_weights or trace. trace: a list that
     receives a TraceEntry per stage.
+
+    cache_length: an in-place cache (a Python int P). past_key (B, K, C, H)
+    and past_value (B, K, C, V) are the caller's tf.Variables of the storage
+    dtype whose first P positions are the cache; the call writes its new keys
+    and values at P .. P+S-1 of them and computes what it would with
+    past_key[:, :, :P]; with return_cache, present_key and present_value are
+    the variables themselves (whole, C positions). Eagerly and in
+    tf.function (the variables passed or captured). The buffers are not
+    checked for infinities (that would read the whole cache every token);
+    positions from P+S on must hold finite values (a zeroed buffer): the
+    fused path reads them with weight 0. Inference only: refused under a
+    recording GradientTape.
     """
     call = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
-        return_cache=return_cache, dtype=dtype, materializes_scores=chunk_size is None or return_weights,
+        return_cache=return_cache, cache_length=cache_length, dtype=dtype,
+        materializes_scores=chunk_size is None or return_weights,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     p = call.params
 
     def result(out, w, k, v):
+        if call.cache_length is not None:
+            k, v = call.past_key, call.past_value  # the buffers, whole
         parts = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
         return parts[0] if len(parts) == 1 else parts
 
@@ -443,6 +578,8 @@ def multi_head_attention(
         if not return_cache:
             k = v = None  # released (eagerly) before the output projection
         return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, k, v)  # (B, T, O)
+    if trace is None and not return_weights and call.cache_length is not None:
+        return result(in_place_fused(config, call, is_causal, causal_alignment), None, None, None)
     if trace is None and not return_weights:
         # a cache nobody asks back is never concatenated: fused_attention takes it and the new keys as parts
         cache_parts = call.past_key is not None and not return_cache

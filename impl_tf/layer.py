@@ -240,30 +240,33 @@ class MultiHeadAttention(keras.layers.Layer):
             kwargs["mask"] = self.mask_from_keras_masks(query, key, value)
         return super().__call__(query, key, value, **kwargs)
 
-    def _generated_keep_mask(self, query, key, training, dropout_mask, seed, past_key=None):
+    def _generated_keep_mask(self, query, key, training, dropout_mask, seed, past_key=None, cache_length=None):
         if not (training and dropout_mask is None and seed is None and self.config.dropout > 0):
             return dropout_mask
         if self.seed_generator is None:
             return None  # the contract's error follows
         source = query if key is None else key
-        S_total = ops.shape(source)[1] + (0 if past_key is None else ops.shape(past_key)[2])
+        P = (0 if past_key is None else ops.shape(past_key)[2]) if cache_length is None else cache_length
+        S_total = ops.shape(source)[1] + P
         shape = (ops.shape(query)[0], self.config.num_heads, ops.shape(query)[1], S_total)
         return keras.random.uniform(shape, seed=self.seed_generator) >= self.config.dropout
 
     def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
              training=None, dropout_mask=None, seed=None, positions=None, key_positions=None, past_key=None,
              past_value=None, segment_ids=None, key_segment_ids=None, return_weights=False, return_cache=False,
-             chunk_size=None):
+             chunk_size=None, cache_length=None):
         training = bool(training)
         try:
             with placement(self.device), matmul_precision(self.precision):
-                dropout_mask = self._generated_keep_mask(query, key, training, dropout_mask, seed, past_key)
+                dropout_mask = self._generated_keep_mask(query, key, training, dropout_mask, seed, past_key,
+                                                         cache_length)
                 return attention.multi_head_attention(
                     self.config, self.parameters(), query, key, value, mask=mask, bias=bias, is_causal=is_causal,
                     causal_alignment=causal_alignment, training=training, dropout_mask=dropout_mask, seed=seed,
                     positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
                     segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
                     return_cache=return_cache, chunk_size=self.chunk_size if chunk_size is None else chunk_size,
+                    cache_length=cache_length,
                 )
         except ValueError as err:
             # Keras rewrites the message of an error raised in call() (adding
@@ -284,20 +287,22 @@ class MultiHeadAttention(keras.layers.Layer):
         return result, entries
 
     def compute_output_spec(self, query, key=None, value=None, return_weights=False, return_cache=False,
-                            past_key=None, **_options):
+                            past_key=None, cache_length=None, **_options):
         c = self.config
         B, T = query.shape[0], query.shape[1]
         S = (query if key is None else key).shape[1]
+        C = S  # the present cache's length: P + S, or an in-place cache's buffers, whole
         if past_key is not None:
-            P = past_key.shape[2]
+            P = past_key.shape[2] if cache_length is None else cache_length
             S = None if S is None or P is None else S + P
+            C = past_key.shape[2] if cache_length is not None else S
         dtype = self.dtype_policy.compute_dtype
         parts = [keras.KerasTensor((B, T, c.out_dim), dtype=dtype)]
         if return_weights:
             parts.append(keras.KerasTensor((B, c.num_heads, T, S), dtype=dtype))
         if return_cache:
-            parts += [keras.KerasTensor((B, c.num_kv_heads, S, c.head_dim), dtype=dtype),
-                      keras.KerasTensor((B, c.num_kv_heads, S, c.value_head_dim), dtype=dtype)]
+            parts += [keras.KerasTensor((B, c.num_kv_heads, C, c.head_dim), dtype=dtype),
+                      keras.KerasTensor((B, c.num_kv_heads, C, c.value_head_dim), dtype=dtype)]
         return parts[0] if len(parts) == 1 else tuple(parts)
 
     # -- serialisation ---------------------------------------------------------------

@@ -15,6 +15,7 @@ dtype); tolerances from conformance.tolerance only.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
 import ml_dtypes
@@ -35,7 +36,9 @@ from modern_checks import (  # noqa: E402
     TOTAL,
     YARN,
     cfg,
+    check_in_place_decode,
     decode_causal_masks_built,
+    decode_in_place,
     decode_reference,
     modern_bad_calls,
 )
@@ -244,7 +247,6 @@ def test_module_layout_points_one_way():
     """functional.py holds the stages (impl_numpy's names) and imports neither
     attention.py nor chunked.py; the names moved from it stay readable there."""
     import ast
-    import inspect
 
     from impl_numpy import functional as np_functional
 
@@ -397,6 +399,28 @@ def test_layer_decodes_with_the_cache():
     for name, value in (("output", out), ("present_key", pk), ("present_value", pv)):
         assert_close(f"layer decoded {name}", value, want[name], config=config, dtype="float32", quantity="output",
                      B=2, T=TOTAL, S=TOTAL, logits=logits)
+
+
+def test_layer_decodes_in_place():
+    """The Keras layer's __call__ passes cache_length on: the variables it is given are written and handed
+    back, and the decoded rows and cache are the float64 reference's."""
+    config = DECODE_CONFIGS["everything"]
+    tensors, x, want, logits, _ = decode_reference("everything", "float32", perturb_norms=True)
+    layer = impl_tf.MultiHeadAttention.from_tensors(config, tensors)
+
+    def step(_tensors, part, pk, pv, P):
+        return layer(tf.constant(part), past_key=pk, past_value=pv, cache_length=P, is_causal=True,
+                     causal_alignment="bottom_right", return_cache=True)
+
+    zeros = lambda shape: tf.Variable(tf.zeros(shape, tf.float32))  # noqa: E731
+    outputs, pk, pv, same = decode_in_place(step, tensors, x, zeros)
+    assert same, "the layer handed back other objects than the variables it was given"
+
+    def compare(name, got, expected):
+        assert_close(f"layer decoded in place {name}", got, expected, config=config, dtype="float32",
+                     quantity="output", B=2, T=TOTAL, S=TOTAL, logits=logits)
+
+    check_in_place_decode(outputs, pk, pv, want, compare)
 
 
 def test_decoding_with_explicit_positions_equals_the_defaults():
@@ -747,3 +771,137 @@ def test_cache_not_returned_is_not_concatenated(config_name, monkeypatch):
             want = impl_numpy.multi_head_attention(config, tensors, x, trace=[], **options)
             err = float(np.abs(got - want).max())
             assert err <= 1e-12, f"{config_name} xla_min={xla_min} T={T} {sorted(extra)}: max abs difference {err:.3g}"
+
+
+# -- an in-place cache (cache_length=): the caller's tf.Variables, written where the new keys go ------------
+
+def _in_place_step(config, mode: str, extra: dict):
+    """decode_in_place's step: a call with cache_length=P on the buffers it is given, eagerly or in a
+    tf.function that takes them as arguments or captures them (P a Python int: one trace per step). In a
+    graph the function cannot hand a tf.Variable back, so the step returns the buffers it was given only
+    when the call inside returned those very objects (None otherwise, which fails `same`)."""
+    options = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, **extra)
+
+    def call(params, part, pk, pv, P):
+        return impl_tf.multi_head_attention(config, params, part, past_key=pk, past_value=pv, cache_length=P,
+                                            **options)
+
+    def step(tensors, part, pk, pv, P):
+        params = {n: tf.constant(t) for n, t in tensors.items()}
+        if mode == "eager":
+            return call(params, tf.constant(part), pk, pv, P)
+        returned = []
+
+        def body(part, *buffers):
+            out, k, v = call(params, part, *(buffers or (pk, pv)), P)
+            returned.append(k is pk and v is pv)
+            return out
+
+        if mode == "tf.function":
+            out = tf.function(body, autograph=False)(tf.constant(part), pk, pv)
+        else:  # captured: the function closes over the variables
+            out = tf.function(lambda part: body(part), autograph=False)(tf.constant(part))
+        assert returned, "the tf.function was not traced"
+        return (out, pk, pv) if all(returned) else (out, None, None)
+
+    return step
+
+
+IN_PLACE_PATHS = [("fused", "eager"), ("stages", "eager"), ("chunked", "eager"), ("fused", "tf.function"),
+                  ("fused", "captured"), ("stages", "tf.function"), ("chunked", "captured")]
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("config_name", list(DECODE_CONFIGS))
+@pytest.mark.parametrize("path, mode", IN_PLACE_PATHS)
+def test_decoding_in_place_equals_the_full_causal_call(config_name, dtype, path, mode):
+    """A prompt and then one token at a time into one zeroed pair of tf.Variables (cache_length=P): the
+    rows equal the full causal call's (float64 reference), the buffers' first TOTAL positions its present
+    cache, nothing written past them, and every step hands back the very variables it was given."""
+    config = DECODE_CONFIGS[config_name]
+    tensors, x, want, logits, errors = decode_reference(config_name, dtype, perturb_norms=True)
+    extra = {"stages": {"trace": []}, "fused": {}, "chunked": {"chunk_size": 2}}[path]
+    outputs, pk, pv, same = decode_in_place(_in_place_step(config, mode, extra), tensors, x,
+                                            lambda shape: tf.Variable(tf.zeros(shape, dtype)))
+    assert same, "a step returned something other than the tf.Variables it was given"
+    for name, value in (("output", outputs), ("present_key", pk), ("present_value", pv)):
+        assert value.dtype == weights.dtype_from_name(dtype), f"{name}: dtype {value.dtype}, expected {dtype}"
+
+    def compare(name, got, expected):
+        assert_close(f"in-place decoded {name}", got, expected, config=config, dtype=dtype, quantity="output", B=2,
+                     T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
+
+    check_in_place_decode(outputs, pk, pv, want, compare)
+
+
+@pytest.mark.parametrize("path", ["fused", "fused_xla", "stages", "chunked"])
+@pytest.mark.parametrize("rows", ["causal", "empty_rows_uniform"])
+def test_an_in_place_cache_computes_what_the_cache_passed_whole_does(path, rows, monkeypatch):
+    """GQA, rope and a window, P = 5 cached keys and S = T = 2 new ones in buffers of P + S + 3 positions:
+    the output equals the call with the cache passed whole (and both the float64 reference's); the
+    buffers then hold the cache and the new keys (the whole call's present_key / present_value), and the
+    spare positions, finite values far from zero here, stay as they were and change nothing. With a mask
+    that empties a row and masked_row="uniform", that row spreads over the P + S keys, not the buffers'."""
+    uniform = rows == "empty_rows_uniform"
+    config = cfg(num_heads=4, num_kv_heads=2, rope={}, window_left=2, **({"masked_row": "uniform"} if uniform else {}))
+    tensors = weights.init(config, seed=3, dtype="float64")
+    rng = np.random.default_rng(11)
+    B, P, S, SPARE, K, H = 2, 5, 2, 3, 2, 4
+    x = rng.standard_normal((B, S, 8))
+    past_key, past_value = rng.standard_normal((B, K, P, H)), rng.standard_normal((B, K, P, H))
+    options = dict(is_causal=True, causal_alignment="bottom_right")
+    if uniform:
+        mask = rng.random((B, 1, S, P + S)) < 0.7
+        mask[1, 0, 0] = False  # batch 1's first query sees no key
+        options["mask"] = mask
+    extra = {"stages": {"trace": []}, "chunked": {"chunk_size": 2}}.get(path, {})
+    if path == "fused_xla":
+        monkeypatch.setattr(tf_attention, "XLA_MIN_SCORES", 0)
+    spare = 50.0 + rng.standard_normal((2, B, K, SPARE, H))
+    buffers = [tf.Variable(np.concatenate([past, np.zeros((B, K, S, H)), far], axis=2))
+               for past, far in zip((past_key, past_value), spare)]
+    whole = impl_tf.multi_head_attention(config, tensors, x, past_key=past_key, past_value=past_value,
+                                         return_cache=True, **options, **extra)
+    got = impl_tf.multi_head_attention(config, tensors, x, past_key=buffers[0], past_value=buffers[1],
+                                       cache_length=P, return_cache=True, **options, **extra)
+    assert got[1] is buffers[0] and got[2] is buffers[1], "the buffers were not handed back"
+    want = impl_numpy.multi_head_attention(config, tensors, x, past_key=past_key, past_value=past_value,
+                                           return_cache=True, trace=[], **options)
+    for label, reference in (("the whole-cache call", np.asarray(whole[0])), ("the float64 reference", want[0])):
+        err = float(np.abs(np.asarray(got[0]) - reference).max())
+        assert err <= 1e-12, f"{path} {rows}: output differs from {label} by {err:.3g}"
+    if uniform:
+        row = impl_numpy.multi_head_attention(config, tensors, x, past_key=past_key, past_value=past_value,
+                                              return_weights=True, **options)[1][1, :, 0]
+        assert np.allclose(row, 1 / (P + S)), "the reference's empty row is not uniform over P + S keys"
+    for name, buffer, present, far in zip(("present_key", "present_value"), buffers, want[1:], spare):
+        held = buffer.numpy()
+        err = float(np.abs(held[:, :, :P + S] - present).max())
+        assert err <= 1e-12, f"{path} {rows}: {name}'s first P + S positions differ by {err:.3g}"
+        assert np.array_equal(held[:, :, P + S:], far), f"{path} {rows}: {name}'s spare positions were written"
+
+
+def test_an_in_place_cache_refuses_a_buffer_it_cannot_write():
+    """A tensor, a NumPy array or a variable of another dtype cannot take the writes (a cast would write
+    a copy the caller never sees); nor can a call under a recording GradientTape (no gradient passes
+    through the writes). One line, naming the argument and what it got."""
+    config = cfg(num_kv_heads=1)
+    tensors = weights.init(config, seed=0)  # float32
+    x = tf.zeros((1, 1, 8), tf.float32)
+    good = tf.Variable(tf.zeros((1, 1, 4, 4), tf.float32))
+
+    def error(past_key, past_value=good):
+        return error_of(impl_tf.multi_head_attention, config, tensors, x, past_key=past_key, past_value=past_value,
+                        cache_length=1, is_causal=True, causal_alignment="bottom_right")
+
+    start = "past_key with cache_length is written in place: it must be a tf.Variable of the storage dtype float32: "
+    assert error(tf.zeros((1, 1, 4, 4), tf.float32)) == start + "got a EagerTensor"
+    assert error(np.zeros((1, 1, 4, 4), np.float32)) == start + "got a ndarray"
+    assert error(tf.Variable(tf.zeros((1, 1, 4, 4), tf.float64))) == start + "got dtype float64"
+    assert error(good, tf.zeros((1, 1, 4, 4), tf.float32)) == start.replace("past_key", "past_value") + (
+        "got a EagerTensor")
+    with tf.GradientTape():
+        assert error(good, tf.Variable(tf.zeros((1, 1, 4, 4), tf.float32))) == (
+            "cache_length writes past_key/past_value in place, which no gradient passes through: got a call under "
+            "a recording GradientTape (an in-place cache is for inference)")
+    assert not good.numpy().any(), "a refused call wrote into the buffer"

@@ -480,8 +480,17 @@ def glue_tf(device: str, quick: bool) -> Glue:
             return multi_head_attention(config, tt, inp, past_key=k, past_value=v, **DECODE_OPTIONS)
 
         graph = tf.function(step)
+        with tf.device(dev):
+            bk, bv = (tf.Variable(a) for a in decode_buffers(shape))
+        # The in-place step returns its output alone: the variables are written where they lie, and a read
+        # of them handed out of the graph would make the next write copy the buffer whole.
+        in_place = tf.function(lambda inp, tt: multi_head_attention(
+            config, tt, inp, past_key=bk, past_value=bv, cache_length=shape.P,
+            **{**DECODE_OPTIONS, "return_cache": False}))
         return [Path_("ours.eager", "ours", "eager", "forward", done(lambda: step(x, t, pk, pv)), note="return_cache",
                       compare=True),
+                Path_("ours.in_place.graph", "ours", "compiled", "forward", done(lambda: in_place(x, t)),
+                      note="cache_length (variables written in place), tf.function", compare=True),
                 Path_("ours.graph", "ours", "compiled", "forward", done(lambda: graph(x, t, pk, pv)),
                       note="return_cache, tf.function", compare=True),
                 cache_read_path(shape, "eager", done(lambda: (tf.reduce_sum(pk), tf.reduce_sum(pv))), "tf.reduce_sum")]

@@ -27,7 +27,10 @@ at trace time; the one value check (NaN / +inf in bias) runs only when bias
 is concrete (eager calls), so jit callers check bias themselves
 (weights.contract.check_bias_values; the adapter does). Under jit pass
 STATIC_ARGNAMES as static_argnames; positions, the cache and segment ids are
-traced arrays (a new value does not recompile, a new shape does).
+traced arrays (a new value does not recompile, a new shape does). An
+in-place cache's cache_length is static there too (each value compiles a
+program); a jitted function of the caller's may pass it traced instead (see
+apply).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from jax import lax
 
 from weights import DTYPES, AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
 from weights.config import Rope
-from weights.contract import CallShapes, check_bias_values, check_call, check_chunk_size
+from weights.contract import CallShapes, check_bias_values, check_call, check_chunk_size, check_scores_fit
 from weights.dtypes import is_float, resolve_dtype
 from weights.rope import attention_factor, inverse_frequencies
 
@@ -54,7 +57,7 @@ from .functional import ATTEND, LOGITS, STAGES, _precision, _record
 # Arguments of `apply` that must be static under jax.jit (hashable Python values).
 STATIC_ARGNAMES = (
     "config", "is_causal", "causal_alignment", "training", "seed", "return_weights", "return_cache", "precision",
-    "dtype", "chunk_size",
+    "dtype", "chunk_size", "cache_length",
 )
 
 X64_MESSAGE = (
@@ -112,11 +115,13 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
           is_causal=False, causal_alignment="top_left", training=False, seed=None, rng=None,
           positions=None, key_positions=None, past_key=None, past_value=None, segment_ids=None,
           key_segment_ids=None, return_weights=False, return_cache=False, dtype=None, precision="highest",
-          materializes_scores=True):
+          materializes_scores=True, cache_length=None):
     """Validate a call in the reference's order and words; returns (CallShapes,
     storage dtype). Reads shapes and dtypes only, and bias values when bias
     is concrete. materializes_scores=False (the chunked path) skips the
-    up-front refusal of (B, N, T, S) arrays that cannot fit in memory."""
+    up-front refusal of (B, N, T, S) arrays that cannot fit in memory.
+    cache_length: see apply; a traced one is range-checked as 0 (its value
+    cannot be read) and shapes.P is then 0 (the caller keeps the tracer)."""
     stored = check_params(config, params)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     if dtype == np.float64 and not x64_enabled():
@@ -136,16 +141,70 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
     meta = {}
     for name, x in optional.items():
         meta.update(_meta(name, None if x is None else _as_array(x)))
+    traced = is_traced_length(cache_length)
+    if traced:  # before check_call, which would judge these inputs' shapes against P = 0
+        check_traced_length(config, dict(mask=mask, bias=bias, dropout_mask=dropout_mask, segment_ids=segment_ids,
+                                         key_segment_ids=key_segment_ids, return_weights=return_weights,
+                                         training=training and config.dropout > 0))
     shapes = check_call(
         config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape, **meta,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training,
         seed=0 if rng is not None else seed,  # an rng key stands in for a seed
-        return_weights=return_weights, return_cache=return_cache, materializes_scores=materializes_scores,
-        scores_itemsize=compute_dtype(dtype).itemsize,
+        return_weights=return_weights, return_cache=return_cache,
+        cache_length=0 if traced else concrete_length(cache_length),  # 0: the range C >= S is still checked
+        materializes_scores=materializes_scores and not traced, scores_itemsize=compute_dtype(dtype).itemsize,
     )
+    if cache_length is not None:
+        check_in_place(dtype, past_key, past_value, return_cache=return_cache)
+        if traced and materializes_scores:  # a traced length attends over the whole buffer: C keys
+            check_scores_fit(shapes.B, config.num_heads, shapes.T, shapes.capacity, compute_dtype(dtype).itemsize)
     if bias is not None and is_concrete(bias):
         check_bias_values(np.asarray(bias))
     return shapes, dtype
+
+
+IN_PLACE_MESSAGE = ("cache_length needs return_cache=True in JAX: arrays are immutable, the written buffers come "
+                    "back as present_key/present_value")
+
+
+def is_traced_length(cache_length) -> bool:
+    """A cache_length only known at run time (a tracer under jit)."""
+    return cache_length is not None and not is_concrete(cache_length)
+
+
+def concrete_length(cache_length):
+    """A concrete jax integer scalar as a Python int (eager calls may pass
+    jnp.int32(P)); anything else as given, for check_call to judge."""
+    if isinstance(cache_length, jax.Array) and cache_length.ndim == 0 and np.dtype(cache_length.dtype).kind in "iu":
+        return int(cache_length)
+    return cache_length
+
+
+def check_in_place(dtype, past_key, past_value, *, return_cache: bool) -> None:
+    """What JAX adds to the contract's checks of cache_length (check_call has
+    checked its value and the buffers' shapes): return_cache (the written
+    buffers come back only as results) and buffers of the storage dtype (a
+    cast would write a copy, as impl_numpy refuses it)."""
+    if not return_cache:
+        raise ValueError(IN_PLACE_MESSAGE)
+    for name, buffer in (("past_key", past_key), ("past_value", past_value)):
+        got = np.dtype(_as_array(buffer).dtype)
+        if got != dtype:
+            raise ValueError(f"{name} with cache_length is written in place: it must have the storage dtype "
+                             f"{np.dtype(dtype).name}: got dtype {got.name}")
+
+
+def check_traced_length(config, options: dict) -> None:
+    """A traced cache_length: none of the inputs sized by S_total = P + S
+    (unknown at trace time), nor masked_row='uniform' (an empty row's
+    weights are 1/(P+S)). options: name -> value (None or False: not given)."""
+    given = [name for name, value in options.items() if value is not None and value is not False]
+    if config.masked_row == "uniform":
+        given.append("masked_row='uniform'")
+    if given:
+        raise ValueError(f"a traced cache_length attends over the whole buffer and cannot take "
+                         f"{', '.join(given)} (sized or weighted by P + S, unknown at trace time): pass "
+                         "cache_length as a Python int (static)")
 
 
 def _cast(x, dtype):
@@ -176,18 +235,29 @@ class Call:
     dtype: np.dtype
     positions: Any  # (B|1, T) integer where the config has rope, else None
     key_positions: Any  # (B|1, S)
-    past_key: Any  # (B, K, P, H) or None
-    past_value: Any  # (B, K, P, V) or None
+    past_key: Any  # (B, K, P, H) or None; with cache_length the buffer (B, K, C, H)
+    past_value: Any  # (B, K, P, V) or None; with cache_length (B, K, C, V)
     segment_ids: Any  # (T,) or (B, T), or None
     key_segment_ids: Any  # (S_total,) or (B, S_total)
+    cache_length: Any = None  # P of an in-place cache: a Python int, or a traced int scalar (under jit); else None
 
-    def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
+    hides_tail: bool = False  # the keys are an in-place cache's whole buffers: positions past P+S to be hidden
+
+    @property
+    def traced_length(self) -> bool:
+        """An in-place cache whose P is a tracer: the keys are the whole buffer, those from P + S on hidden."""
+        return self.cache_length is not None and not isinstance(self.cache_length, int)
+
+    def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str, *, tail: bool = True):
         """mask AND causal AND window AND segments over every key (rank 4), or None.
         One bottom-right query (a decode step) sees every key: its causal mask hides nothing and is
         left out, so that fused_attention runs without a select and without the empty-row pass
-        (which read V once more)."""
+        (which read V once more). An in-place cache read whole (hides_tail): over its C keys, and
+        with tail=True also AND j < P+S (tail=False: fused_attention hides those by key_count)."""
         if causal_alignment == "bottom_right" and self.shapes.T == 1:
             is_causal = False
+        if self.hides_tail:
+            return in_place_allowed(config, self, is_causal, causal_alignment, tail=tail)
         return F.allowed_mask(self.mask4, self.shapes.T, self.shapes.S_total, is_causal, causal_alignment,
                               window_left=config.window_left, window_right=config.window_right,
                               segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids)
@@ -201,15 +271,17 @@ class Call:
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, rng, return_weights, dtype, precision, positions=None, key_positions=None,
             past_key=None, past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
-            materializes_scores=True) -> Call:
+            cache_length=None, materializes_scores=True) -> Call:
     """Validate a call (`check`) and cast everything to the storage dtype."""
     shapes, dtype = check(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training, seed=seed, rng=rng, positions=positions,
         key_positions=key_positions, past_key=past_key, past_value=past_value, segment_ids=segment_ids,
         key_segment_ids=key_segment_ids, return_weights=return_weights, return_cache=return_cache, dtype=dtype,
-        precision=precision, materializes_scores=materializes_scores,
+        precision=precision, materializes_scores=materializes_scores, cache_length=cache_length,
     )
+    if cache_length is not None:  # a Python int (static), or the tracer itself
+        cache_length = jnp.asarray(cache_length, jnp.int32) if is_traced_length(cache_length) else shapes.P
     if bias is not None:
         bias = _cast(_as_array(bias), compute_dtype(dtype)).reshape(shapes.bias_shape)  # (B|1, N|1, T|1, S|1)
     cast_params = {name: _cast(_as_array(t), dtype) for name, t in params.items()}
@@ -227,15 +299,55 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     rope = config.rope is not None
+    P = shapes.P if cache_length is None else cache_length  # the new tokens' default positions start at P
     return Call(
         shapes=shapes, params=cast_params, query=_cast(query, dtype), key=_cast(key, dtype),
         value=_cast(value, dtype), mask4=mask4, bias4=bias, keep=keep, dtype=dtype,
-        positions=F.default_positions(_ids(positions), shapes.P, shapes.T) if rope else None,
-        key_positions=F.default_positions(_ids(key_positions), shapes.P, shapes.S) if rope else None,
+        positions=F.default_positions(_ids(positions), P, shapes.T) if rope else None,
+        key_positions=F.default_positions(_ids(key_positions), P, shapes.S) if rope else None,
         past_key=None if past_key is None else _cast(_as_array(past_key), dtype),
         past_value=None if past_value is None else _cast(_as_array(past_value), dtype),
-        segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+        segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=cache_length,
     )
+
+
+def pad_to_capacity(call: Call) -> None:
+    """The inputs sized by S_total = P + S (mask, bias, key segment ids)
+    padded to the buffers' C keys, for an in-place cache read whole with a
+    static P (in_place_allowed hides the padding: any value will do)."""
+    extra = call.shapes.capacity - call.shapes.S_total
+
+    def pad(x):
+        return x if x is None or x.shape[-1] == 1 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+    call.mask4, call.bias4, call.key_segment_ids = pad(call.mask4), pad(call.bias4), pad(call.key_segment_ids)
+
+
+def in_place_allowed(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, *,
+                     tail: bool = True):
+    """F.allowed_mask over the whole buffer of an in-place cache, C keys (P
+    a Python int or traced): the mask and key segment ids padded to C
+    (pad_to_capacity), causality and windows aligned with S_total = P + S
+    (masks.causal_mask and window_mask with an offset that may be traced),
+    and with tail=True key j < P + S. Rank 4 (B|1, N|1, T, C), or None."""
+    T, C = call.shapes.T, call.shapes.capacity
+    total = call.cache_length + call.shapes.S  # S_total
+    j = jnp.arange(C, dtype=jnp.int32)[None, :]  # (1, C)
+    aligned = jnp.arange(T, dtype=jnp.int32)[:, None] + (0 if causal_alignment == "top_left" else total - T)  # p_i
+    conditions = [j < total] if tail else []
+    if is_causal:
+        conditions.append(j <= aligned)
+    if config.window_left >= 0:
+        conditions.append(j >= aligned - config.window_left)
+    if config.window_right >= 0:
+        conditions.append(j <= aligned + config.window_right)
+    allowed = call.mask4
+    for condition in conditions:  # each (T|1, C)
+        allowed = condition[None, None] if allowed is None else allowed & condition[None, None]
+    if call.segment_ids is not None:
+        segments = F.segment_mask(call.segment_ids, call.key_segment_ids)  # (B|1, 1, T, C)
+        allowed = segments if allowed is None else allowed & segments
+    return allowed
 
 
 # -- the stages up to the keys, and the trace's stage names -----------------------------
@@ -248,10 +360,15 @@ def rope_tables(rope: Rope) -> tuple[np.ndarray, float]:
 
 
 def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", rec=lambda stage, value: value, *,
-              append: bool = True):
+              append: bool = True, whole: bool = False):
     """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
     T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
-    present cache). append=False: k and v are the new keys' alone (B, K, S, .)."""
+    present cache). append=False: k and v are the new keys' alone (B, K, S, .).
+    An in-place cache (call.cache_length): the new keys are written into the
+    buffers at P .. P+S-1, call.past_key / past_value become the written
+    buffers, and k and v are the buffers whole (whole=True, or a traced P:
+    call.allowed then hides the positions past P+S) or their first P+S
+    positions."""
     p, N, K, pr = call.params, config.num_heads, config.num_kv_heads, precision
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"), pr))  # (B, T, N*H)
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias"), pr))  # (B, S, K*H)
@@ -269,6 +386,18 @@ def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", r
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved,
                                    factor))
+    if call.cache_length is not None:
+        # dynamic_update_slice: written in place under jax.jit when the caller donates the buffers (a new
+        # buffer otherwise, eager calls included); a traced P past C - S is clamped by XLA, not refused
+        P, S = call.cache_length, k.shape[2]
+        start = (0, 0, P, 0) if isinstance(P, int) else (jnp.int32(0), jnp.int32(0), P, jnp.int32(0))  # one type
+        call.past_key = lax.dynamic_update_slice(call.past_key, k.astype(call.past_key.dtype), start)
+        call.past_value = lax.dynamic_update_slice(call.past_value, v.astype(call.past_value.dtype), start)
+        if whole or call.traced_length:
+            return q, call.past_key, call.past_value  # (B, K, C, .): call.allowed hides the positions past P+S
+        # the paths that need exactly P+S keys (the trace's and the weights' shapes, chunked.py's causal
+        # offsets): a slice, which XLA CPU writes out (a copy of the cache)
+        return q, call.past_key[:, :, :P + S], call.past_value[:, :, :P + S]  # (B, K, P+S, .)
     if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
         k = jnp.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
         v = jnp.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
@@ -291,7 +420,8 @@ def trace_stages(config: AttentionConfig) -> tuple[str, ...]:
 # -- the fast path: logits .. attend in one expression -----------------------------
 
 def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, precision: str = "highest", *,
-                    softcap: float | None = None, sinks=None):
+                    softcap: float | None = None, sinks=None, key_count: int | None = None,
+                    attend_by_reduce: bool = False):
     """logits -> [softcap] -> mask -> softmax [+ sinks] -> attend in one
     expression, for calls that ask for neither the weights nor the trace, in
     float32 or float64 (where every stage's rounding to the storage dtype is
@@ -321,18 +451,35 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     k and v may also be tuples of parts along S (a cache and the new keys,
     not concatenated): the logits of the parts are joined instead, (T, S)
     values where the keys are (S, H), and the context is the sum of each
-    part's weights times its values."""
+    part's weights times its values.
+
+    key_count: only the first key_count keys count (an in-place cache read
+    whole: P+S, a Python int or traced); the others get -inf added to their
+    (finite) logits, empty rows are judged and the masked_row "uniform" fill
+    averaged over the counted keys alone. attend_by_reduce: the context as a
+    multiply and a sum over s instead of the ATTEND dot (same products,
+    summed in another order), for an in-place cache's decode step: XLA CPU
+    otherwise fuses the in-place write of the value buffer into the layout
+    change its dot operand needs and then copies the buffers up to four times
+    (compiled HLO, jax 0.10.2, B 1 and 2); the reduction reads the written
+    buffer as it is. At P 65536 (B 1, K 8, H 128, float32, 2-core VM) the
+    step took 291 ms with the dot and 115 ms with the reduction, which alone
+    costs about twice the dot (67 vs 30 ms)."""
     ks, vs = (k, v) if isinstance(k, tuple) else ((k,), (v,))
     B, N, T, H = q.shape
     K, S, V = ks[0].shape[1], sum(part.shape[2] for part in ks), vs[0].shape[3]
     ct = compute_dtype(q.dtype)
     pr = _precision(precision)
-    add = empty = visible = None
+    add = empty = visible = tail = None
+    if key_count is not None:  # (1, 1, 1, S): the keys that count
+        tail = (jnp.arange(S, dtype=jnp.int32) < key_count)[None, None, None]
     if allowed is not None or bias is not None:
         ok = allowed
         if bias is not None:
             finite = bias > -jnp.inf
             ok = finite if ok is None else ok & finite
+        if tail is not None:  # an empty row is one with no allowed key among those that count
+            ok = ok & tail
         if sinks is None:
             empty = ~jnp.any(ok, axis=-1, keepdims=True)  # (B|1, N|1, T|1, 1): rows with no allowed key
             visible = ok | empty  # the positions mask() keeps, and an empty row's (computed finite, then replaced)
@@ -361,6 +508,11 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
         x = jnp.tanh(x / c) * c
     if add is not None:
         x = x + grouped(add)  # (B, K, G*T, S)
+    if tail is not None:
+        # -inf added past key_count, not selected: a select would split the YNNPACK fusion of the dot from
+        # its operand, and XLA CPU would copy the written buffer (see attend_by_reduce); safe because
+        # those positions hold finite values (the contract's), so their logits are finite
+        x = x + jnp.where(tail, jnp.asarray(0, ct), jnp.asarray(-jnp.inf, ct))
     if visible is not None:  # a hidden NaN or inf logit must not reach its row (as in mask())
         x = jnp.where(grouped(visible), x, jnp.asarray(-jnp.inf, ct))  # (B, K, G*T, S)
     row_max = x.max(axis=-1, keepdims=True)  # (B, K, G*T, 1)
@@ -375,16 +527,24 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
         total = total + jnp.exp(sink - row_max)
     ctx, s0 = 0, 0
     for part in vs:  # each part's weights times its values
-        ctx = ctx + jnp.einsum(ATTEND.replace("G", ""), e[..., s0:s0 + part.shape[2]], part.astype(ct), precision=pr)
+        w_part = e[..., s0:s0 + part.shape[2]]  # (B, K, G*T, s)
+        if attend_by_reduce:  # (B, K, G*T, s, 1) x (B, K, 1, s, V) summed over s
+            ctx = ctx + (w_part[..., None] * part.astype(ct)[:, :, None]).sum(axis=3)
+        else:
+            ctx = ctx + jnp.einsum(ATTEND.replace("G", ""), w_part, part.astype(ct), precision=pr)
         s0 += part.shape[2]
     ctx = ctx / total
     ctx = ctx.reshape(B, N, T, V)  # (B, N, T, V)
     if empty is not None:
         # the fill weights (0, 1/S or NaN) times V, as the stages' attend: V's gradient is the plain path's,
         # and "zero" gives 0 x V (NaN in a column where a value is NaN), not a plain 0
-        v_sum = sum(part.astype(ct).sum(axis=2, keepdims=True) for part in vs)  # (B, K, 1, V)
+        if tail is None:
+            v_sum = sum(part.astype(ct).sum(axis=2, keepdims=True) for part in vs)  # (B, K, 1, V)
+        else:  # the keys that count only (an in-place buffer read whole is one part)
+            counted = jnp.where(tail[0, 0, 0, :, None], vs[0].astype(ct), jnp.asarray(0, ct))  # (B, K, S, V)
+            v_sum = counted.sum(axis=2, keepdims=True)
         v_sum = jnp.broadcast_to(v_sum[:, :, None], (B, K, N // K, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
-        w = {"zero": 0.0, "uniform": 1.0 / S, "nan": np.nan}[masked_row]
+        w = {"zero": 0.0, "uniform": 1.0 / (S if key_count is None else key_count), "nan": np.nan}[masked_row]
         fill = jnp.where(empty, jnp.asarray(w, ct), jnp.asarray(0, ct)) * v_sum  # NaN only on empty rows
         ctx = jnp.where(empty, fill, ctx)
     return ctx.astype(q.dtype)
@@ -415,6 +575,7 @@ def apply(
     key_segment_ids=None,
     return_weights: bool = False,
     return_cache: bool = False,
+    cache_length=None,
     precision: str = "highest",
     dtype: str | None = None,
     chunk_size: int | None = None,
@@ -433,6 +594,23 @@ def apply(
     (B, K, P, V): the cache, after norm and RoPE; segment_ids (T,) or (B, T)
     and key_segment_ids (S_total,) or (B, S_total): packed sequences. All
     traced arrays under jit.
+    cache_length: an in-place cache (the contract's; impl_numpy's). past_key
+    (B, K, C, H) and past_value (B, K, C, V) are buffers of the storage dtype
+    whose first cache_length = P positions are the cache; the call writes its
+    new keys and values at P .. P+S-1 (lax.dynamic_update_slice) and computes
+    what it would with past_key[:, :, :P]. JAX arrays are immutable, so it
+    needs return_cache=True: present_key and present_value are the written
+    buffers, whole (C positions). Written in place, without a copy of the
+    cache, under jax.jit with the buffers donated (donate_argnums; the given
+    arrays are then deleted: keep the returned ones for the next call);
+    eagerly, or without donation, XLA writes a new buffer. A Python int is
+    static (STATIC_ARGNAMES: each P compiles its own program). Under jit it
+    may instead be a traced int32 scalar (one program for every P, as a
+    decode loop wants): the call then attends over all C positions with
+    those from P+S on hidden, so it takes no mask, bias, dropout, segment
+    ids, return_weights, trace, chunk_size or masked_row='uniform' (each
+    sized or weighted by P+S); its range 0 <= P <= C - S cannot be checked
+    (XLA clamps a start past C - S to C - S: the caller's to keep in range).
     dtype: compute in this storage dtype (default: the params' dtype).
     chunk_size: exact online softmax over key (and query) blocks of this size;
     never holds a (T, S) array and skips key blocks the causal mask or a
@@ -447,10 +625,14 @@ def apply(
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed, rng=rng,
         positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
-        return_cache=return_cache, dtype=dtype, precision=precision,
+        return_cache=return_cache, cache_length=cache_length, dtype=dtype, precision=precision,
         materializes_scores=chunk_size is None or return_weights,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
+    if call.traced_length and (trace is not None or chunk_size is not None):
+        given = "trace" if trace is not None else f"chunk_size={chunk_size}"
+        raise ValueError(f"a traced cache_length attends over the whole buffer and cannot take {given} (sized "
+                         "by P + S, unknown at trace time): pass cache_length as a Python int (static)")
     p, pr, dtype = call.params, precision, call.dtype
     if chunk_size is not None:
         common = dict(mask=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal,
@@ -461,6 +643,8 @@ def apply(
         q, k, v = qkv_heads(config, call, pr)
         out = chunked_attention(config, p, None, None, None, heads=(q, k, v), segment_ids=call.segment_ids,
                                 key_segment_ids=call.key_segment_ids, **common)
+        if call.cache_length is not None:
+            k, v = call.past_key, call.past_value  # the written buffers, whole
         return (out, k, v) if return_cache else out
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
     fused = trace is None and not return_weights and call.keep is None and compute_dtype(dtype) == dtype
@@ -468,15 +652,29 @@ def apply(
     # two parts (at P 32768 under jax.jit, 2 x 128 MiB: attention on the cache alone 67-71 ms,
     # concatenate then attention 133-163 ms, on the 2-core Xeon VM, 2026-11-25).
     parts = fused and call.past_key is not None and not return_cache
-    q, k, v = qkv_heads(config, call, pr, rec, append=not parts)
-    allowed = call.allowed(config, is_causal, causal_alignment)
+    in_place = call.cache_length is not None
+    # An in-place cache on the fused path is read whole, the positions past P+S hidden (fused_attention's
+    # key_count): XLA CPU writes a slice [:P+S] of the written buffer out before the dot, and then copies
+    # the donated buffers as well (compiled HLO, jax 0.10.2, buffers (1, 8, 65536, 128) at P 61440: both
+    # slices written out and 4 copies of the buffers; none when read whole). Reading the C - P - S spare
+    # positions costs their share of one read instead. The paths that need exactly P+S keys (the stages:
+    # trace and weights; chunked) take the slice.
+    whole = in_place and (fused or call.traced_length)
+    if whole:
+        call.hides_tail = call.traced_length or call.shapes.P + call.shapes.S < call.shapes.capacity
+        if call.hides_tail and not call.traced_length:
+            pad_to_capacity(call)
+    q, k, v = qkv_heads(config, call, pr, rec, append=not parts, whole=whole)
+    allowed = call.allowed(config, is_causal, causal_alignment, tail=not fused)
     if fused:
         # nothing asks for the stages between: logits .. attend as one expression (the same
         # contractions; results equal to the stages' within the tolerance policy)
         if parts:
             k, v = (call.past_key, k), (call.past_value, v)
         ctx = fused_attention(q, k, v, allowed, call.bias4, config.effective_scale, config.masked_row, pr,
-                              softcap=config.logit_softcap, sinks=p.get("sinks"))
+                              softcap=config.logit_softcap, sinks=p.get("sinks"),
+                              key_count=call.cache_length + call.shapes.S if call.hides_tail else None,
+                              attend_by_reduce=in_place and call.shapes.T == 1)
     else:
         x = rec("logits", F.logits(q, k, config.effective_scale, pr))  # (B, N, T, S_total)
         if config.logit_softcap is not None:
@@ -487,6 +685,8 @@ def apply(
         ctx = rec("attend", F.attend(wd, v, pr))  # (B, N, T, V)
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias"), pr))  # (B, T, O)
+    if call.cache_length is not None:
+        k, v = call.past_key, call.past_value  # the written buffers, whole
     result = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
     return result[0] if len(result) == 1 else result
 

@@ -35,7 +35,9 @@ from modern_checks import (  # noqa: E402
     PROMPT,
     TOTAL,
     cfg,
+    check_in_place_decode,
     decode_causal_masks_built,
+    decode_in_place,
     decode_reference,
     modern_bad_calls,
 )
@@ -284,6 +286,166 @@ def test_decoding_with_explicit_positions_equals_the_defaults():
     assert_bit_equal("explicit positions P + arange(T) vs the defaults", given, default)
     differ = float(np.abs(default - forgot).max())
     assert differ > 1e-3, f"positions 0 (the offset forgotten) gave nearly the same output (max difference {differ})"
+
+
+# -- an in-place cache (cache_length=): buffers written at P .. P+S-1, given back as present_key/value ----------
+
+def _in_place_step(config, mode: str, given: list):
+    """decode_in_place's step: apply with cache_length=P and return_cache, eagerly ("eager"), or under jax.jit
+    with the buffers donated and P static ("jit") or a traced int32 ("traced": one program for every P).
+    The buffers each step was given are appended to `given`."""
+    options = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True)
+
+    def call(t, part, pk, pv, P):
+        return impl_jax.apply(config, t, part, past_key=pk, past_value=pv, cache_length=P, **options)
+
+    jitted = jax.jit(call, static_argnums=4 if mode == "jit" else (), donate_argnums=(2, 3))
+
+    def step(t, part, pk, pv, P):
+        given.append((pk, pv))
+        if mode == "eager":
+            return call(t, part, pk, pv, P)
+        return jitted(t, part, pk, pv, P if mode == "jit" else jnp.int32(P))
+
+    return step, jitted
+
+
+def _in_place_params():
+    for config_name in DECODE_CONFIGS:
+        for dtype in DTYPE_NAMES:
+            for mode in ("eager", "jit", "traced"):
+                slow = mode == "eager" and dtype != "float32"  # op by op: 4-9 s each, the jitted code's ops
+                yield pytest.param(config_name, dtype, mode, marks=(pytest.mark.slow,) if slow else ())
+
+
+@pytest.mark.parametrize(("config_name", "dtype", "mode"), list(_in_place_params()))
+def test_decoding_in_place_equals_the_full_causal_call(config_name, dtype, mode):
+    """The prompt and then one token at a time into one zeroed buffer pair (modern_checks.decode_in_place):
+    the rows equal the full causal call's (float64 reference), the buffers' first TOTAL positions its
+    present cache, the SPARE positions past them still zero. JAX hands back new arrays (never the given
+    ones); under jit with the buffers donated, XLA writes them in place and the given arrays are deleted
+    (CPU donation works in the installed jax); a traced cache_length compiles one program for all P."""
+    config = DECODE_CONFIGS[config_name]
+    tensors, x, want, logits, errors = decode_reference(config_name, dtype)
+    given = []
+    step, jitted = _in_place_step(config, mode, given)
+    outputs, pk, pv, same = decode_in_place(step, tensors, x, lambda shape: jnp.zeros(shape, dtype))
+    assert not same  # jax arrays are immutable: each step returns new arrays
+    deleted = [pair[0].is_deleted() and pair[1].is_deleted() for pair in given]
+    assert deleted == [mode != "eager"] * (1 + TOTAL - PROMPT), f"donated buffers deleted per step: {deleted}"
+    if mode == "traced":
+        assert jitted._cache_size() == 2, f"{jitted._cache_size()} programs: the prompt's and one for every token"
+
+    def compare(name, got, expected):
+        assert_close(f"in place ({mode}) {name}", got, expected, config=config, dtype=dtype, quantity="output",
+                     B=2, T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
+
+    check_in_place_decode(outputs, pk, pv, want, compare)
+
+
+WINDOW_GQA = cfg(num_heads=4, num_kv_heads=2, rope={}, window_left=3)
+
+
+# (a traced cache_length refuses a mask and a bias: test_in_place_refusals; so no traced mask_bias pair)
+@pytest.mark.parametrize("path, extra", [(path, extra) for extra in ("none", "mask_bias") for path in (
+    "fused", "jit", "traced", "stages", "weights", "chunked", "float32") if not (path == "traced" and extra != "none")])
+def test_an_in_place_call_equals_the_whole_cache_call(path, extra):
+    """GQA, RoPE and a window, 3 new tokens after P = 9 cached ones, buffers of 16 positions (4 spare):
+    the in-place call and the call with the cache passed whole (past_key[:, :, :P]) both give the float64
+    reference's output; the in-place buffers hold its present cache in their first P + S positions, the
+    spare ones are still zero (never written; read with weight 0 where the fused path reads them whole),
+    and a mask and a bias over the P + S keys are honoured (padded to the buffers' length)."""
+    rng = np.random.default_rng(11)
+    B, P, S, C = 2, 9, 3, 16
+    dtype = "float32" if path == "float32" else "float64"
+    tensors = cast_tensors(weights.init(WINDOW_GQA, seed=5, dtype="float64"), dtype)
+    x = rng.standard_normal((B, S, 8)).astype(dtype)
+    cache = [rng.standard_normal((B, 2, P, 4)).astype(dtype) for _ in range(2)]
+    options = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True)
+    if extra == "mask_bias":
+        options.update(mask=rng.random((B, 1, S, P + S)) < 0.8, bias=rng.standard_normal((1, 4, S, P + S)))
+    want = impl_numpy.multi_head_attention(WINDOW_GQA, cast_tensors(tensors, "float64"), x.astype(np.float64),
+                                           past_key=cache[0].astype(np.float64),
+                                           past_value=cache[1].astype(np.float64), **options,
+                                           return_weights=path == "weights")
+    buffers = [np.zeros((B, 2, C, 4), dtype) for _ in range(2)]
+    for buffer, part in zip(buffers, cache):
+        buffer[:, :, :P] = part
+    extra_options = {"stages": dict(trace=[]), "weights": dict(return_weights=True), "chunked": dict(chunk_size=2)}
+    extra_options = extra_options.get(path, {})
+
+    def run(fn, **kw):
+        return fn(WINDOW_GQA, tensors, x, **options, **extra_options, **kw)
+
+    if path == "jit":
+        got = JIT_APPLY(WINDOW_GQA, tensors, x, **options, past_key=buffers[0], past_value=buffers[1],
+                        cache_length=P)
+    elif path == "traced":
+        got = jax.jit(lambda a, b, n: run(impl_jax.apply, past_key=a, past_value=b, cache_length=n))(
+            *buffers, jnp.int32(P))
+    else:
+        got = run(impl_jax.apply, past_key=buffers[0], past_value=buffers[1], cache_length=P)
+    whole = run(impl_jax.apply, past_key=cache[0], past_value=cache[1])
+    names = ["output"] + (["weights"] if path == "weights" else []) + ["present_key", "present_value"]
+    got, whole = dict(zip(names, got)), dict(zip(names, whole))
+    for name, value in (("in place", got["output"]), ("whole cache", whole["output"])):
+        assert_close(f"{path} {extra}: {name} output", np.asarray(value), want[0], config=WINDOW_GQA, dtype=dtype,
+                     quantity="output", B=B, T=S, S=P + S)
+    if path == "weights":
+        assert_close(f"{extra}: in-place weights", np.asarray(got["weights"]), want[1], config=WINDOW_GQA,
+                     dtype=dtype, quantity="weights", B=B, T=S, S=P + S)
+    for name, expected in zip(("present_key", "present_value"), want[-2:]):
+        buffer = np.asarray(got[name])
+        assert buffer.shape == (B, 2, C, 4), f"{name}: the buffer whole, got {buffer.shape}"
+        assert_close(f"{path} {extra}: {name}", buffer[:, :, :P + S], expected, config=WINDOW_GQA, dtype=dtype,
+                     quantity="output", B=B, T=S, S=P + S)
+        assert not buffer[:, :, P + S:].any(), f"{name}: a spare position past P + S was written"
+    assert np.array_equal(buffers[0][:, :, P:], np.zeros((B, 2, C - P, 4))), "the caller's NumPy buffer changed"
+
+
+def test_in_place_refusals():
+    """One line each, naming what is refused and what was given."""
+    config = cfg(num_heads=4, num_kv_heads=2, rope={})
+    tensors = weights.init(config, seed=0, dtype="float32")
+    x = np.zeros((1, 1, 8), np.float32)
+    buffer = np.zeros((1, 2, 5, 4), np.float32)
+    cache = dict(past_key=buffer, past_value=buffer)
+
+    def message(fn=impl_jax.apply, *args, **kwargs):
+        text = error_of(fn, *args, **kwargs)
+        assert "\n" not in text, text
+        return text
+
+    assert message(config=config, params=tensors, query=x, **cache, cache_length=2) == (
+        "cache_length needs return_cache=True in JAX: arrays are immutable, the written buffers come back as "
+        "present_key/present_value")
+    assert message(config=config, params=tensors, query=x, past_key=buffer.astype(np.float64), past_value=buffer,
+                   cache_length=2, return_cache=True) == (
+        "past_key with cache_length is written in place: it must have the storage dtype float32: got dtype float64")
+
+    def traced(n, **kwargs):
+        options = dict(cache, return_cache=True, **kwargs)
+        return impl_jax.apply(kwargs.pop("config", config), tensors, x, cache_length=n,
+                              **{k: v for k, v in options.items() if k != "config"})
+
+    for kwargs, named in ((dict(mask=np.ones((1, 1, 1, 3), bool)), "mask"),
+                          (dict(bias=np.zeros((1, 1, 1, 3), np.float32)), "bias"),
+                          (dict(key_segment_ids=np.zeros(3, int), segment_ids=np.zeros(1, int)),
+                           "segment_ids, key_segment_ids"),
+                          (dict(return_weights=True), "return_weights"),
+                          (dict(chunk_size=2), "chunk_size=2"),
+                          (dict(trace=[]), "trace")):
+        text = message(jax.jit(lambda n: traced(n, **kwargs)), jnp.int32(1))
+        assert text.startswith(f"a traced cache_length attends over the whole buffer and cannot take {named} ("), text
+        assert text.endswith("pass cache_length as a Python int (static)"), text
+    uniform = cfg(num_heads=4, num_kv_heads=2, rope={}, masked_row="uniform")
+    text = message(jax.jit(lambda n: impl_jax.apply(uniform, weights.init(uniform, seed=0, dtype="float32"), x,
+                                                    **cache, cache_length=n, return_cache=True)), jnp.int32(1))
+    assert "cannot take masked_row='uniform'" in text, text
+    # a concrete jax integer is a Python int (checked): the contract's words
+    assert message(config=config, params=tensors, query=x, **cache, cache_length=jnp.int32(5), return_cache=True) == (
+        "cache_length must be between 0 and C - S = 5 - 1 = 4 (the buffers hold C = 5 positions and the call writes "
+        "S = 1 more): got 5")
 
 
 # -- jit: positions, ids and the cache are traced; the config is static ----------------------------
@@ -624,7 +786,9 @@ def test_modern_error_wording_matches_reference(bad):
     assert got == want, f"layer:\njax: {got!r}\nnumpy: {want!r}"
     inputs = {"query": query, **{k: v for k, v in call.items() if isinstance(v, np.ndarray)}}
     options = {k: v for k, v in call.items() if not isinstance(v, np.ndarray)}
-    if "return_cache" not in options:  # the adapters read return_cache as a truth value
+    # the adapters read return_cache as a truth value, and take no cache_length (mha verify's options hold no
+    # in-place cache: impl_numpy's adapter ignores it)
+    if "return_cache" not in options and "cache_length" not in options:
         want = error_of(numpy_adapter.forward, BAD_CONFIG, BAD_TENSORS, inputs, options)
         got = error_of(jax_adapter.forward, BAD_CONFIG, BAD_TENSORS, inputs, options)
         assert got == want, f"adapter:\njax: {got!r}\nnumpy: {want!r}"

@@ -556,8 +556,22 @@ def glue_jax(device: str, quick: bool) -> Glue:
             pk, pv = jax.device_put(decode_cache(shape), dev)
             step = jax.jit(lambda pp, inp, k, v: apply(config, pp, inp, past_key=k, past_value=v, **DECODE_OPTIONS))
             read = jax.jit(lambda k, v: (jnp.sum(k), jnp.sum(v)))
+            # In place: the buffers donated to each call and the written ones kept for the next (XLA writes
+            # the new key where the buffer lies); P traced, as a decode loop passes it (one program).
+            in_place = jax.jit(lambda pp, inp, k, v, P: apply(config, pp, inp, past_key=k, past_value=v,
+                                                               cache_length=P, **DECODE_OPTIONS),
+                               donate_argnums=(2, 3))
+            held = list(jax.device_put(decode_buffers(shape), dev))
+            length = jnp.int32(shape.P)
+
+            def in_place_step():
+                out, held[0], held[1] = in_place(p, x, held[0], held[1], length)
+                return out
+
             return [Path_("ours.jit", "ours", "compiled", "forward", done(lambda: step(p, x, pk, pv)),
                           note="jax.jit, return_cache", compare=True),
+                    Path_("ours.in_place.jit", "ours", "compiled", "forward", done(in_place_step),
+                          note="jax.jit, cache_length traced, buffers donated (written in place)", compare=True),
                     cache_read_path(shape, "compiled", done(lambda: read(pk, pv)), "jnp.sum under jax.jit")]
 
         def ours(pp, inp):

@@ -34,7 +34,7 @@ def _mha(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_readme_porting_commands_reproduce_the_model_on_every_installed_backend(tmp_path):
-    convert, loop = _readme_block()
+    convert, loop, decode = _readme_block()
     convert = convert.replace("/tmp/", f"{tmp_path}/")
     words = shlex.split(convert)
     assert words[:2] == ["mha", "convert"], convert
@@ -49,6 +49,28 @@ def test_readme_porting_commands_reproduce_the_model_on_every_installed_backend(
         assert done.returncode == 0, (backend, done.stdout, done.stderr)
         verdict = done.stdout.strip().splitlines()[-1]
         assert verdict.startswith("output vs examples/qwen3/expected.safetensors: ok margin"), verdict
+    # Then token by token, the cache written in place into buffers, on every installed backend.
+    words = shlex.split(decode.replace("/tmp/", f"{tmp_path}/"))
+    assert words[:2] == ["python", "examples/qwen3/decode_in_place.py"], decode
+    done = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    verdicts = done.stdout.strip().splitlines()
+    for backend in INSTALLED:
+        assert any(re.match(rf"{backend} +decoded 9 tokens in place: ok margin", v) for v in verdicts), verdicts
+
+
+def test_decode_in_place_fails_on_a_wrong_block(tmp_path):
+    """examples/qwen3/decode_in_place.py exits 1 when a step's row is off: here the block's output kernel is
+    scaled by 1.001 (every output 0.1% off: about a hundred times the float32 allowance)."""
+    from weights import load, save
+
+    config, tensors = load(_block(tmp_path))
+    tensors["output.kernel"] = tensors["output.kernel"] * np.float32(1.001)
+    save(tmp_path / "wrong.safetensors", config, tensors)
+    done = subprocess.run([sys.executable, str(EXAMPLE / "decode_in_place.py"), str(tmp_path / "wrong.safetensors")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert "numpy decoded 9 tokens in place: FAIL" in done.stdout, done.stdout
 
 
 def _block(tmp_path) -> Path:

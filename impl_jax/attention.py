@@ -46,7 +46,14 @@ from jax import lax
 
 from weights import DTYPES, AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
 from weights.config import Rope
-from weights.contract import CallShapes, check_bias_values, check_call, check_chunk_size, check_scores_fit
+from weights.contract import (
+    CallShapes,
+    check_bias_values,
+    check_call,
+    check_chunk_size,
+    check_scores_fit,
+    in_place_buffer_error,
+)
 from weights.dtypes import is_float, resolve_dtype
 from weights.rope import attention_factor, inverse_frequencies
 
@@ -190,8 +197,7 @@ def check_in_place(dtype, past_key, past_value, *, return_cache: bool) -> None:
     for name, buffer in (("past_key", past_key), ("past_value", past_value)):
         got = np.dtype(_as_array(buffer).dtype)
         if got != dtype:
-            raise ValueError(f"{name} with cache_length is written in place: it must have the storage dtype "
-                             f"{np.dtype(dtype).name}: got dtype {got.name}")
+            raise in_place_buffer_error(name, f"have the storage dtype {np.dtype(dtype).name}", f"dtype {got.name}")
 
 
 def check_traced_length(config, options: dict) -> None:
@@ -246,7 +252,7 @@ class Call:
     @property
     def traced_length(self) -> bool:
         """An in-place cache whose P is a tracer: the keys are the whole buffer, those from P + S on hidden."""
-        return self.cache_length is not None and not isinstance(self.cache_length, int)
+        return is_traced_length(self.cache_length)
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str, *, tail: bool = True):
         """mask AND causal AND window AND segments over every key (rank 4), or None.

@@ -12,7 +12,14 @@ import dataclasses
 import numpy as np
 
 from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
-from weights.contract import CallShapes, check_bias_values, check_call, check_chunk_size, check_input_values
+from weights.contract import (
+    CallShapes,
+    check_bias_values,
+    check_call,
+    check_chunk_size,
+    check_input_values,
+    in_place_buffer_error,
+)
 from weights.dtypes import is_float
 from weights.rope import attention_factor, inverse_frequencies
 
@@ -134,8 +141,7 @@ def past_key_buffers(past_key, past_value, dtype: np.dtype):
         if not isinstance(buffer, np.ndarray) or buffer.dtype != dtype or not buffer.flags.writeable:
             what = (f"a {type(buffer).__name__}" if not isinstance(buffer, np.ndarray) else
                     f"a read-only {buffer.dtype} array" if not buffer.flags.writeable else f"dtype {buffer.dtype}")
-            raise ValueError(f"{name} with cache_length is written in place: it must be a writeable numpy array of "
-                             f"the storage dtype {dtype.name}: got {what}")
+            raise in_place_buffer_error(name, f"be a writeable numpy array of the storage dtype {dtype.name}", what)
     return past_key, past_value
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
-from weights.contract import CallShapes, check_bias_values, check_call, check_chunk_size
+from weights.contract import CallShapes, check_bias_values, check_call, check_chunk_size, in_place_buffer_error
 from weights.rope import attention_factor, inverse_frequencies
 
 from . import functional as F
@@ -248,8 +248,7 @@ def past_key_buffers(past_key, past_value, dtype: str):
         if not isinstance(buffer, tf.Variable) or F.dtype_name(buffer) != dtype:
             what = (f"dtype {F.dtype_name(buffer)}" if isinstance(buffer, tf.Variable) else
                     f"a {type(buffer).__name__}")
-            raise ValueError(f"{name} with cache_length is written in place: it must be a tf.Variable of the "
-                             f"storage dtype {dtype}: got {what}")
+            raise in_place_buffer_error(name, f"be a tf.Variable of the storage dtype {dtype}", what)
     if _could_record():
         raise ValueError("cache_length writes past_key/past_value in place, which no gradient passes through: "
                          "got a call under a recording GradientTape (an in-place cache is for inference)")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from weights import DTYPES, AttentionConfig, WeightsFormatError, validate_tensors
-from weights.contract import CallShapes, check_bias_values, check_call
+from weights.contract import CallShapes, check_bias_values, check_call, in_place_buffer_error
 from weights.rope import attention_factor, inverse_frequencies
 
 from . import functional as F
@@ -187,8 +187,8 @@ def past_key_buffers(past_key, past_value, dtype: torch.dtype, device: torch.dev
         if not isinstance(buffer, torch.Tensor) or buffer.dtype != dtype or buffer.device != device:
             what = (f"a {type(buffer).__name__}" if not isinstance(buffer, torch.Tensor) else
                     f"dtype {dtype_name(buffer.dtype)}" if buffer.dtype != dtype else f"a tensor on {buffer.device}")
-            raise ValueError(f"{name} with cache_length is written in place: it must be a torch tensor of the "
-                             f"storage dtype {dtype_name(dtype)} on {device}: got {what}")
+            raise in_place_buffer_error(name, f"be a torch tensor of the storage dtype {dtype_name(dtype)} on {device}",
+                                        what)
     return past_key, past_value
 
 

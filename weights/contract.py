@@ -104,16 +104,10 @@ def _check_cache(config: AttentionConfig, past_key_shape, past_key_dtype, past_v
     return pk[2]
 
 
-CACHE_LENGTH_HELP = ("cache_length: the number of cached positions at the front of the past_key/past_value "
-                     "buffers, into which the call writes its new keys")
-
-
-def check_cache_length(cache_length, capacity: int | None, S: int) -> int | None:
-    """cache_length= of a call (an in-place cache): None, or an integer P with
-    0 <= P and P + S <= the buffers' capacity C. capacity: past_key's length
-    (None without past_key). Returns P (or None)."""
-    if cache_length is None:
-        return None
+def check_cache_length(cache_length, capacity: int | None, S: int) -> int:
+    """cache_length= of a call (an in-place cache): an integer P with 0 <= P
+    and P + S <= the buffers' capacity C. capacity: past_key's length (None
+    without past_key). Returns P."""
     if isinstance(cache_length, (bool, np.bool_)) or not isinstance(cache_length, (int, np.integer)):
         raise ValueError(f"cache_length must be an integer: got {cache_length!r}")
     if capacity is None:
@@ -124,6 +118,13 @@ def check_cache_length(cache_length, capacity: int | None, S: int) -> int | None
                          f"buffers hold C = {capacity} positions and the call writes S = {S} more): got "
                          f"{cache_length}")
     return int(cache_length)
+
+
+def in_place_buffer_error(name: str, must: str, got: str) -> ValueError:
+    """The one wording every implementation gives for a past_key/past_value
+    it cannot write in place (cache_length=): `must` says what the
+    framework needs ("be a ...", "have ..."), `got` what was received."""
+    return ValueError(f"{name} with cache_length is written in place: it must {must}: got {got}")
 
 
 def check_call(

@@ -10,7 +10,7 @@ causal mask hides entirely are never computed, nor read: a NaN in a hidden
 key or value reaches no row here, while the stages' attend matmul spreads it
 through 0 * NaN. Otherwise the result equals the stages' to round-off.
 
-This is also the plain call's fast engine (functional.py hands fused_forward
+This is also the plain call's fast engine (attention.py hands fused_forward
 the call when no trace and no weights are asked for), so it is written for
 speed as well as clarity: fused_forward folds the scale into its query
 projection (T*H products instead of T*S), one block buffer is reused for
@@ -199,7 +199,8 @@ class KeyParts:
         return KeyParts(part.astype(dtype, copy=copy) for part in self.parts)
 
     def __getitem__(self, index):
-        b, h, keys = (tuple(index) + (slice(None),) * 3)[:3]
+        index = index if isinstance(index, tuple) else (index,)  # k[b0:b1], the batch split's bare slice
+        b, h, keys = (index + (slice(None),) * 3)[:3]
         if keys == slice(None):
             return KeyParts(part[b, h] for part in self.parts)
         start, stop, _ = keys.indices(self.shape[2])

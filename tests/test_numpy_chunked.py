@@ -526,3 +526,26 @@ def test_cache_not_returned_is_not_concatenated(threads, monkeypatch):
             cache_joins = [shapes for shapes in joined if (2, 2, P, 4) in shapes]
             assert cache_joins == [], f"T={T} {sorted(extra)}: the cache was concatenated: {cache_joins}"
             assert_equals_stages(f"T={T} {sorted(extra)} window={config.window_left}", out, staged)
+
+
+def test_batched_mqa_decode_with_a_whole_cache_splits_its_key_parts_by_batch(monkeypatch):
+    """A batched MQA decode step with a whole cache (past_key given, no
+    return_cache, no cache_length: the core reads the cache and the new keys
+    as KeyParts) on two threads with K 1 < THREADS 2 <= B 2: the core's parts
+    are batch slices, so KeyParts is sliced by a bare slice k[b0:b1] (it took
+    only tuples and raised TypeError). Equal to the traced stages."""
+    from impl_numpy import chunked
+
+    monkeypatch.setattr(chunked, "THREADED_MIN_SCORES", 0)
+    monkeypatch.setattr(chunked, "THREADS", 2)
+    seen = spy(monkeypatch, chunked, "_core", lambda args, kwargs: args[1].shape)  # q's
+    config = weights.AttentionConfig(num_heads=4, num_kv_heads=1, query_dim=8, head_dim=4)
+    tensors = weights.init(config, seed=3, dtype="float64")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 1, 8))  # (B, T, D): one new token per row
+    cache = dict(past_key=rng.standard_normal((2, 1, 9, 4)), past_value=rng.standard_normal((2, 1, 9, 4)))
+    options = dict(is_causal=True, causal_alignment="bottom_right", **cache)
+    out = multi_head_attention(config, tensors, x, **options)
+    assert sorted(seen) == [(1, 4, 1, 4), (1, 4, 1, 4)], f"the core's parts (q shapes): {seen}"
+    staged = multi_head_attention(config, tensors, x, trace=[], **options)
+    assert_equals_stages("batched MQA decode, whole cache, 2 threads", out, staged)

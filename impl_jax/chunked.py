@@ -135,23 +135,25 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     cap = config.logit_softcap
     sinks = p.get("sinks")
     rate = jnp.asarray(1.0 - config.dropout, ct)
-    # A fully masked row's weights, as functional.softmax fills them: 0, 1/S or NaN on all S keys, then
+    # A fully masked row's weights, as functional.softmax fills them: 1/S or NaN on all S keys, then
     # dropout. Its context is those weights times V over every key (hidden blocks too), so that its
-    # gradient reaches V as on the plain path: 1/S each, or NaN where such a row exists; "zero" gives
-    # 0 x V (NaN in a column where a value is NaN), with or without dropout (which keeps 0 weights 0).
-    # With sinks no row is empty: its mass goes to the sink (weights 0).
+    # gradient reaches V as on the plain path: 1/S each, or NaN where such a row exists. "zero" (weights
+    # 0): its running numerator is its context, 0 x V over the key blocks it read (NaN in a column where
+    # one of their values is NaN), as impl_numpy's and impl_tf's chunked paths give it: a block hidden from
+    # the whole query block is never read, so a NaN value there reaches no row of it (0 x V over every key
+    # made a row whose blocks were all skipped NaN where the other mirrors give 0). With sinks no row is
+    # empty: its mass goes to the sink (weights 0).
+    zero_rows = config.masked_row == "zero"
     fill = {"zero": 0.0, "uniform": 1.0 / S, "nan": np.nan}[config.masked_row]
-    fill_everywhere = keep is None or fill == 0.0  # the same fill weight on every key of an empty row
+    fill_everywhere = keep is None  # the same fill weight on every key of an empty row
     pr = _precision(precision)
     exact = ct == dtype  # float32/float64: rounding each stage to the storage dtype is the identity
 
     if heads is None:
         k_all = project(key, p["key.kernel"], p.get("key.bias"), precision)  # (B, S, K*H)
         v_all = project(value, p["value.kernel"], p.get("value.bias"), precision)  # (B, S, K*V)
-        v_total = v_all.astype(ct).sum(axis=1)  # (B, K*V)
-    else:
-        v_total = v_heads.astype(ct).sum(axis=2)  # (B, K, V)
-    if fill_everywhere and sinks is None:
+    if fill_everywhere and sinks is None and not zero_rows:
+        v_total = v_all.astype(ct).sum(axis=1) if heads is None else v_heads.astype(ct).sum(axis=2)  # (B, K*V|K, V)
         v_sum = v_total.reshape(B, K, 1, 1, V)  # (B, K, 1, 1, V)
         v_sum = jnp.broadcast_to(v_sum, (B, K, G, 1, V)).reshape(B, N, 1, V)  # (B, N, 1, V)
     q_ids = k_ids = None
@@ -281,11 +283,11 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
             ctx = acc / l  # l >= exp(0) from the row's largest logit or its sink: never 0
         else:
             empty = l == 0  # no allowed key in the row (l >= 1 otherwise: the max contributes exp(0))
-            ctx = acc / jnp.where(empty, jnp.asarray(1, ct), l)
-            if fill_everywhere:
+            ctx = acc / jnp.where(empty, jnp.asarray(1, ct), l)  # "zero": an empty row's acc, 0 x V, as it is
+            if fill_everywhere and not zero_rows:
                 # the fill weight on every key: its factor is 0 on the other rows, so no NaN reaches their gradients
                 ctx = jnp.where(empty, jnp.where(empty, jnp.asarray(fill, ct), jnp.asarray(0, ct)) * v_sum, ctx)
-            else:
+            elif not zero_rows:
                 # with dropout: the fill weights, kept or dropped key by key, on the empty rows only: one more
                 # pass over the key blocks (training with masked_row "uniform" or "nan" only)
                 def fill_block(filled, js):

@@ -162,7 +162,8 @@ def make_tensors(case: Case) -> dict[str, np.ndarray]:
 
 def make_inputs(case: Case) -> dict[str, np.ndarray]:
     """query, key, value (always explicit) and the case's mask, bias,
-    dropout_mask, positions, key_positions, past_key, past_value, segment_ids.
+    dropout_mask, positions, key_positions, past_key, past_value, segment_ids,
+    key_segment_ids.
 
     Masks other than "empty_rows" leave every query row at least one key, so a
     case only meets fully masked rows where it says so. Masks and biases cover
@@ -243,7 +244,9 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
             ids[b] = np.searchsorted(cuts, np.arange(T), side="right")  # 0, 0, 1, 1, 1, 2, ...
             starts = np.concatenate([[0], cuts])[ids[b]]
             positions[b] = np.arange(T) - starts  # restart per document
-        inputs.update(segment_ids=ids, positions=positions, key_positions=positions.copy())
+        # key and value are passed explicitly (as every case does), so their ids are too (check_call)
+        inputs.update(segment_ids=ids, key_segment_ids=ids.copy(), positions=positions,
+                      key_positions=positions.copy())
     elif case.positions is not None:
         raise ValueError(f"case {case.name}: unknown positions kind {case.positions!r}")
     return inputs

@@ -48,7 +48,9 @@ from weights import DTYPES, AttentionConfig, compute_dtype, dtype_from_name, val
 from weights.config import Rope
 from weights.contract import (
     CallShapes,
+    Plan,
     check_bias_values,
+    check_cache_alignment,
     check_call,
     check_chunk_size,
     check_scores_fit,
@@ -128,13 +130,16 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
     is concrete. materializes_scores=False (the chunked path) skips the
     up-front refusal of (B, N, T, S) arrays that cannot fit in memory.
     cache_length: see apply; a traced one is range-checked as 0 (its value
-    cannot be read) and shapes.P is then 0 (the caller keeps the tracer)."""
+    cannot be read) and shapes.P is then 0 (the caller keeps the tracer);
+    is_causal or a window then needs bottom_right, as for any P > 0 (the
+    contract's words without "(P=...)")."""
     stored = check_params(config, params)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     if dtype == np.float64 and not x64_enabled():
         raise ValueError(X64_MESSAGE)
     _precision(precision)
     query = _as_array(query)
+    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
     key = query if key is None else _as_array(key)
     value = key if value is None else _as_array(value)
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -160,7 +165,10 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
         return_weights=return_weights, return_cache=return_cache,
         cache_length=0 if traced else concrete_length(cache_length),  # 0: the range C >= S is still checked
         materializes_scores=materializes_scores and not traced, scores_itemsize=compute_dtype(dtype).itemsize,
+        keys_given=keys_given,
     )
+    if traced:  # check_call judged P = 0: is_causal or a window needs bottom_right whatever P the program gets
+        check_cache_alignment(config, None, is_causal, causal_alignment)
     if cache_length is not None:
         check_in_place(dtype, past_key, past_value, return_cache=return_cache)
         if traced and materializes_scores:  # a traced length attends over the whole buffer: C keys
@@ -558,6 +566,23 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
 
 # -- the call ------------------------------------------------------------------------
 
+def plan(*, return_weights: bool, traced: bool, chunk_size: int | None, dropout: bool, dtype) -> Plan:
+    """The path of a call: the chunked core when chunk_size is given; the
+    stages when the weights or the trace are asked for, when a dropout
+    keep-mask applies (dropout: training with a mask or a rate), or in
+    16-bit storage (every stage's result is rounded to it); else
+    fused_attention."""
+    if chunk_size is not None:
+        return Plan("chunked", f"chunk_size={chunk_size}")
+    if return_weights or traced:
+        return Plan("stages", "the weights or the trace are asked for")
+    if dropout:
+        return Plan("stages", "a dropout keep-mask applies (the stages apply it)")
+    if compute_dtype(dtype) != dtype:
+        return Plan("stages", f"{np.dtype(dtype).name} storage: every stage's result is rounded to it")
+    return Plan("fused", "no weights, no trace, no dropout, float32/float64 storage")
+
+
 def apply(
     config: AttentionConfig,
     params: dict[str, Any],
@@ -615,7 +640,9 @@ def apply(
     decode loop wants): the call then attends over all C positions with
     those from P+S on hidden, so it takes no mask, bias, dropout, segment
     ids, return_weights, trace, chunk_size or masked_row='uniform' (each
-    sized or weighted by P+S); its range 0 <= P <= C - S cannot be checked
+    sized or weighted by P+S), and is_causal or a window needs
+    causal_alignment='bottom_right' whatever P it is given, as a static P > 0
+    does; its range 0 <= P <= C - S cannot be checked
     (XLA clamps a start past C - S to C - S: the caller's to keep in range).
     dtype: compute in this storage dtype (default: the params' dtype).
     chunk_size: exact online softmax over key (and query) blocks of this size;
@@ -653,7 +680,8 @@ def apply(
             k, v = call.past_key, call.past_value  # the written buffers, whole
         return (out, k, v) if return_cache else out
     rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
-    fused = trace is None and not return_weights and call.keep is None and compute_dtype(dtype) == dtype
+    fused = plan(return_weights=return_weights, traced=trace is not None, chunk_size=None,
+                 dropout=call.keep is not None, dtype=dtype).path == "fused"
     # A cache nobody asks back is never concatenated: the fused expression takes it and the new keys as
     # two parts (at P 32768 under jax.jit, 2 x 128 MiB: attention on the cache alone 67-71 ms,
     # concatenate then attention 133-163 ms, on the 2-core Xeon VM, 2026-11-25).

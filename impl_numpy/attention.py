@@ -14,6 +14,7 @@ import numpy as np
 from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
 from weights.contract import (
     CallShapes,
+    Plan,
     check_bias_values,
     check_call,
     check_chunk_size,
@@ -62,6 +63,21 @@ class Call:
         return self.past_key is not None or self.segment_ids is not None
 
 
+def plan(*, return_weights: bool, traced: bool, chunk_size: int | None, dtype) -> Plan:
+    """The path of a call: the chunked core when chunk_size is given; the
+    stages when the weights or the trace are asked for (they are the stages'
+    results) or the storage is 16-bit (every stage's result is rounded to
+    it, which the fused core, computing in float32, does not do); else the
+    fused core (chunked.py with key blocks of FUSED_BLOCK)."""
+    if chunk_size is not None:
+        return Plan("chunked", f"chunk_size={chunk_size}")
+    if return_weights or traced:
+        return Plan("stages", "the weights or the trace are asked for")
+    if compute_dtype(dtype) != dtype:
+        return Plan("stages", f"{np.dtype(dtype).name} storage: every stage's result is rounded to it")
+    return Plan("fused", "no weights, no trace, float32/float64 storage")
+
+
 def _optional(x):
     return None if x is None else np.asarray(x)
 
@@ -78,6 +94,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     stored = validate_tensors(config, tensors)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     query = np.asarray(query)
+    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
     key = query if key is None else np.asarray(key)
     value = key if value is None else np.asarray(value)
     optional = {name: _optional(x) for name, x in (
@@ -95,6 +112,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
         materializes_scores=materializes_scores, scores_itemsize=compute_dtype(dtype).itemsize,
+        keys_given=keys_given,
     )
     check_input_values(query=query, key=None if key is query else key, value=None if value is key else value)
     in_place = shapes.capacity is not None
@@ -243,8 +261,8 @@ def multi_head_attention(
         materializes_scores=chunk_size is None or return_weights,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
-    ct = compute_dtype(call.dtype)
-    if chunk_size is not None or (trace is None and not return_weights and ct == call.dtype):
+    path = plan(return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size, dtype=call.dtype).path
+    if path in ("chunked", "fused"):
         from .chunked import fused_forward
 
         out, present_key, present_value = fused_forward(

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
-from weights.contract import CallShapes, check_bias_values, check_call, check_chunk_size, in_place_buffer_error
+from weights.contract import CallShapes, Plan, check_bias_values, check_call, check_chunk_size, in_place_buffer_error
 from weights.rope import attention_factor, inverse_frequencies
 
 from . import functional as F
@@ -44,6 +44,21 @@ from ._keras import keras, tf
 from .chunked import chunked_attention
 
 ops = keras.ops
+
+
+# -- the path ---------------------------------------------------------------------
+
+def plan(*, return_weights: bool, traced: bool, chunk_size: int | None) -> Plan:
+    """The path of a call (the module docstring says what each computes): the
+    chunked path when chunk_size is given, the stages when the weights or the
+    trace are asked for, fused_attention otherwise, in every storage dtype
+    (it computes in the compute dtype throughout, where the stages round each
+    result to the storage dtype)."""
+    if chunk_size is not None:
+        return Plan("chunked", f"chunk_size={chunk_size}")
+    if return_weights or traced:
+        return Plan("stages", "the weights or the trace are asked for")
+    return Plan("fused", "no weights, no trace")
 
 
 # -- validation ------------------------------------------------------------------
@@ -112,6 +127,7 @@ def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=Non
     optional: the OPTIONAL_INPUTS given (None or absent: not given).
     materializes_scores: the call holds (B, N, T, S) arrays (all but the chunked
     path), refused up front when they cannot fit in memory."""
+    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
     key = query if key is None else key
     value = key if value is None else value
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -128,6 +144,7 @@ def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=Non
         **meta, is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
         return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
         materializes_scores=materializes_scores, scores_itemsize=np.dtype(F.compute_dtype(dtype)).itemsize,
+        keys_given=keys_given,
     )
     bias = optional.get("bias")
     if bias is not None and not _is_symbolic(bias):
@@ -559,6 +576,7 @@ def multi_head_attention(
         materializes_scores=chunk_size is None or return_weights,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
+    path = plan(return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size).path
     p = call.params
 
     def result(out, w, k, v):
@@ -567,7 +585,7 @@ def multi_head_attention(
         parts = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
         return parts[0] if len(parts) == 1 else parts
 
-    if chunk_size is not None:
+    if path == "chunked":
         _, k, v = qkv_heads(config, call, query=False)  # (B, K, S_total, H), (B, K, S_total, V)
         ctx = chunked_attention(
             config, call.query, p, k, v, positions=call.positions, mask4=call.mask4, bias=call.bias4,
@@ -577,9 +595,9 @@ def multi_head_attention(
         if not return_cache:
             k = v = None  # released (eagerly) before the output projection
         return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, k, v)  # (B, T, O)
-    if trace is None and not return_weights and call.cache_length is not None:
+    if path == "fused" and call.cache_length is not None:
         return result(in_place_fused(config, call, is_causal, causal_alignment), None, None, None)
-    if trace is None and not return_weights:
+    if path == "fused":
         # a cache nobody asks back is never concatenated: fused_attention takes it and the new keys as parts
         cache_parts = call.past_key is not None and not return_cache
         q, k, v = qkv_heads(config, call, append=not cache_parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)

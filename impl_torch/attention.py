@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from weights import DTYPES, AttentionConfig, WeightsFormatError, validate_tensors
-from weights.contract import CallShapes, check_bias_values, check_call, in_place_buffer_error
+from weights.contract import CallShapes, Plan, check_bias_values, check_call, in_place_buffer_error
 from weights.rope import attention_factor, inverse_frequencies
 
 from . import functional as F
@@ -53,6 +53,23 @@ class Call:
     past_key: torch.Tensor | None = None  # (B, K, P, H); with cache_length the caller's buffer (B, K, C, H)
     past_value: torch.Tensor | None = None  # (B, K, P, V); with cache_length (B, K, C, V)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
+
+
+def plan(config: AttentionConfig, *, use_sdpa: bool, return_weights: bool, traced: bool, dropout: bool) -> Plan:
+    """The path of a call: SDPA (sdpa.py) where the caller asks for it and it
+    computes the same thing; the stages otherwise, each predicate named.
+    dropout: a dropout keep-mask applies (training with a mask or a rate)."""
+    if not use_sdpa:
+        return Plan("stages", "use_sdpa is off (the default)")
+    if return_weights or traced:
+        return Plan("stages", "the weights or the trace are asked for (SDPA returns neither)")
+    if dropout:
+        return Plan("stages", "a dropout keep-mask is applied by the stages (SDPA draws its own)")
+    if config.logit_softcap is not None:
+        return Plan("stages", "a logit softcap has no SDPA counterpart")
+    if config.use_sinks:
+        return Plan("stages", "attention sinks have no SDPA counterpart")
+    return Plan("sdpa", "use_sdpa, and nothing SDPA cannot compute")
 
 
 def check_tensors(config: AttentionConfig, tensors) -> torch.dtype:
@@ -108,6 +125,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     dtype = stored if dtype is None else torch_dtype(dtype)
     device = next(iter(tensors.values())).device  # where the weights live; every input follows them
     query = to_torch(query, device)
+    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
     key = query if key is None else to_torch(key, device)
     value = key if value is None else to_torch(value, device)
     # Only the inputs given (a plain call has few): check_call's shape and dtype arguments of each.
@@ -136,7 +154,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         # torch.compile traces (it would break the graph), and on a GPU whose
         # memory the host's MemAvailable does not describe.
         materializes_scores=materializes_scores and not torch.compiler.is_compiling() and query.device.type == "cpu",
-        scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8,
+        scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8, keys_given=keys_given,
     )
     T, S_total = shapes.T, shapes.S_total
     in_place = shapes.capacity is not None
@@ -327,9 +345,8 @@ def multi_head_attention(
     call autograd would record is refused (use torch.no_grad()).
     """
     # SDPA computes the core blockwise on its own: no (B, N, T, S) scores to guard.
-    will_use_sdpa = (use_sdpa and not return_weights and trace is None
-                     and not (training and (dropout_mask is not None or config.dropout > 0))
-                     and config.logit_softcap is None and not config.use_sinks)
+    will_use_sdpa = plan(config, use_sdpa=use_sdpa, return_weights=return_weights, traced=trace is not None,
+                         dropout=training and (dropout_mask is not None or config.dropout > 0)).path == "sdpa"
     call = prepare(
         config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,

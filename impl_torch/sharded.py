@@ -192,7 +192,8 @@ def check(config, tensors, inputs, options, *, kind, devices, trace=False) -> we
                         is_causal=bool(options.get("is_causal", False)),
                         causal_alignment=options.get("causal_alignment", "top_left"), training=training,
                         seed=options.get("seed"), return_weights=return_weights,
-                        return_cache=bool(options.get("return_cache", False)), materializes_scores=False)
+                        return_cache=bool(options.get("return_cache", False)), materializes_scores=False,
+                        keys_given=inputs.get("key") is not None or inputs.get("value") is not None)
     if inputs.get("bias") is not None:
         weights.contract.check_bias_values(inputs["bias"])
     check_chunk_size(options.get("chunk_size"), return_weights=return_weights, traced=trace)

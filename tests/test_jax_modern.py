@@ -448,6 +448,53 @@ def test_in_place_refusals():
         "S = 1 more): got 5")
 
 
+TOP_LEFT_WITH_CACHE = {  # name -> (config, is_causal, what the refusal names)
+    "is_causal": (cfg(num_heads=4, num_kv_heads=2, rope={}), True, "is_causal"),
+    "window": (cfg(num_heads=4, num_kv_heads=2, rope={}, window_left=2), False, "a window"),
+}
+
+
+@pytest.mark.parametrize("name", list(TOP_LEFT_WITH_CACHE))
+def test_a_traced_cache_length_refuses_top_left_as_a_static_one_does(name):
+    """A cache puts the queries after its P keys, so is_causal or a window needs
+    causal_alignment='bottom_right' (weights.contract.check_cache_alignment). A
+    static P > 0 is refused; a traced P (unknown at trace time, one program for
+    every P) must be refused too, in the same sentence less the number
+    "(P=...)", whatever P it is then given, instead of being judged as P = 0 and
+    silently attending top-left from buffer position 0. bottom_right still runs
+    under a traced P and gives the float64 reference's decode step."""
+    config, is_causal, what = TOP_LEFT_WITH_CACHE[name]
+    tensors = weights.init(config, seed=3, dtype="float64")
+    rng = np.random.default_rng(12)
+    B, P, S, C = 2, 4, 1, 7
+    x = rng.standard_normal((B, S, 8))
+    cache = [rng.standard_normal((B, 2, P, 4)) for _ in range(2)]
+    buffers = [np.zeros((B, 2, C, 4)) for _ in range(2)]
+    for buffer, part in zip(buffers, cache):
+        buffer[:, :, :P] = part
+
+    def step(n, alignment=None):
+        alignment = {} if alignment is None else dict(causal_alignment=alignment)  # None: the default, top_left
+        return impl_jax.apply(config, tensors, x, past_key=buffers[0], past_value=buffers[1], cache_length=n,
+                              is_causal=is_causal, return_cache=True, **alignment)
+
+    static = error_of(step, P)
+    assert static == (f"a call with a cache (P={P}) aligns its queries after the cached keys: {what} needs "
+                      "causal_alignment='bottom_right': got 'top_left'"), static
+    jitted = jax.jit(step)
+    for n in (P, 0):  # 0 too: a traced P's value is unknown when the program is checked
+        traced = error_of(jitted, jnp.int32(n))
+        assert traced == static.replace(f" (P={P})", ""), f"traced P={n}: {traced!r} vs static {static!r}"
+    got = jax.jit(lambda n: step(n, "bottom_right"))(jnp.int32(P))
+    want = impl_numpy.multi_head_attention(config, tensors, x, past_key=cache[0], past_value=cache[1],
+                                           is_causal=is_causal, causal_alignment="bottom_right", return_cache=True)
+    assert_close(f"{name} traced bottom_right: output", np.asarray(got[0]), want[0], config=config,
+                 dtype="float64", quantity="output", B=B, T=S, S=P + S)
+    for label, buffer, expected in zip(("present_key", "present_value"), got[1:], want[1:]):
+        assert_close(f"{name} traced bottom_right: {label}", np.asarray(buffer)[:, :, :P + S], expected,
+                     config=config, dtype="float64", quantity="output", B=B, T=S, S=P + S)
+
+
 # -- jit: positions, ids and the cache are traced; the config is static ----------------------------
 
 def test_positions_and_segment_ids_are_traced_not_static():

@@ -32,6 +32,10 @@ BAD_CALLS = [
     (dict(training=True), "training with dropout=0.1 needs dropout_mask (a bool keep-mask) or seed; got neither"),
     (dict(training=True, dropout_mask=np.ones((2, 3, 3), bool)), "dropout_mask must have shape (B, N, T, S) = (2, 2, 3, 3): got (2, 3, 3)"),
     (dict(dtype="int8"), "dtype must be one of float16, bfloat16, float32, float64: got 'int8'"),
+    # cross-attention of equal lengths: the keys' ids are not the queries' (they defaulted to them)
+    (dict(key=np.zeros((2, 3, 4), np.float32), segment_ids=np.zeros(3, np.int64)),
+     "key_segment_ids is required when key or value is passed (only self-attention, where the keys are the "
+     "queries, takes segment_ids for both): got segment_ids and no key_segment_ids"),
 ]
 
 

@@ -120,6 +120,36 @@ def check_cache_length(cache_length, capacity: int | None, S: int) -> int:
     return int(cache_length)
 
 
+def check_cache_alignment(config: AttentionConfig, P: int | None, is_causal, causal_alignment: str) -> None:
+    """A cache of P > 0 keys puts the queries after them, so is_causal and a
+    window need causal_alignment='bottom_right'. P None: a length known only
+    at run time (impl_jax's traced cache_length), judged as if P > 0, in the
+    same sentence without "(P=...)"."""
+    windowed = config.window_left >= 0 or config.window_right >= 0
+    if (P is None or P > 0) and (is_causal or windowed) and causal_alignment != "bottom_right":
+        cache = "a cache" if P is None else f"a cache (P={P})"
+        raise ValueError(f"a call with {cache} aligns its queries after the cached keys: "
+                         f"{'is_causal' if is_causal else 'a window'} needs causal_alignment='bottom_right': "
+                         f"got {causal_alignment!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The path a mirror's call takes, decided in one place per mirror (its
+    attention.plan, built from named predicates as PyTorch's
+    select_sdp_backend is): "stages" (functional.py, the spec, stage by
+    stage), "fused" (logits .. attend as one computation), "sdpa" (torch's
+    scaled_dot_product_attention) or "chunked" (online softmax over key
+    blocks, chunk_size=). why: the predicate that chose it, in words a
+    report can show."""
+
+    path: str
+    why: str
+
+
+PATHS = ("stages", "fused", "sdpa", "chunked")
+
+
 def in_place_buffer_error(name: str, must: str, got: str) -> ValueError:
     """The one wording every implementation gives for a past_key/past_value
     it cannot write in place (cache_length=): `must` says what the
@@ -160,6 +190,7 @@ def check_call(
     cache_length=None,
     materializes_scores: bool = True,
     scores_itemsize: int = 4,
+    keys_given: bool = True,
 ) -> CallShapes:
     """Validate one call; ValueError names the argument and the value received.
 
@@ -167,8 +198,10 @@ def check_call(
     positions of the queries and the new keys. past_key (B, K, P, H) and
     past_value (B, K, P, V): the cache (both or neither). segment_ids (T,) or
     (B, T) and key_segment_ids (S_total,) or (B, S_total): packed sequences;
-    key_segment_ids may be left out only where S_total == T (the keys are the
-    queries' positions). Masks, bias and the dropout mask cover S_total keys.
+    key_segment_ids may be left out only in self-attention without a cache
+    (keys_given false: the caller passed no key or value, so the keys are the
+    queries, and S_total == T). Masks, bias and the dropout mask cover S_total
+    keys.
 
     cache_length P (an in-place cache, as Hugging Face's StaticCache and
     torchtune's KVCache): past_key (B, K, C, H) and past_value (B, K, C, V)
@@ -195,8 +228,6 @@ def check_call(
             raise ValueError(f"{name} must have {dim_name}={dim} features: got shape {shape}")
         if 0 in shape[:2]:
             raise ValueError(f"{name} is empty: got shape {shape}; empty batches and sequences are refused")
-    if key_shape is not None and value_shape is None and config.value_dim != config.key_dim:
-        pass  # unreachable: the feature check above already named value
     if not (q[0] == k[0] == v[0]):
         raise ValueError(f"query, key and value must share the batch size B: got {q[0]}, {k[0]}, {v[0]}")
     if k[1] != v[1]:
@@ -225,6 +256,10 @@ def check_call(
         check_ids("key_positions", key_positions_shape, key_positions_dtype, B, S, "S")
     if segment_ids_shape is not None:
         check_ids("segment_ids", segment_ids_shape, segment_ids_dtype, B, T, "T")
+        if key_segment_ids_shape is None and keys_given:
+            raise ValueError("key_segment_ids is required when key or value is passed (only self-attention, "
+                             "where the keys are the queries, takes segment_ids for both): got segment_ids "
+                             "and no key_segment_ids")
         if key_segment_ids_shape is None and S_total != T:
             raise ValueError(f"key_segment_ids is required when the keys are not the queries' positions: "
                              f"got segment_ids for T={T} queries and none for S_total={S_total} keys")
@@ -236,11 +271,7 @@ def check_call(
         raise ValueError(f"is_causal must be true or false: got {is_causal!r}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {', '.join(CAUSAL_ALIGNMENTS)}: got {causal_alignment!r}")
-    windowed = config.window_left >= 0 or config.window_right >= 0
-    if P > 0 and (is_causal or windowed) and causal_alignment != "bottom_right":
-        raise ValueError(f"a call with a cache (P={P}) aligns its queries after the cached keys: "
-                         f"{'is_causal' if is_causal else 'a window'} needs causal_alignment='bottom_right': "
-                         f"got {causal_alignment!r}")
+    check_cache_alignment(config, P, is_causal, causal_alignment)
     if not isinstance(return_cache, (bool, np.bool_)):
         raise ValueError(f"return_cache must be true or false: got {return_cache!r}")
     if dropout_mask_shape is not None:

@@ -83,6 +83,7 @@ def call_shapes(config: AttentionConfig, inputs: Mapping, options: Mapping) -> C
         is_causal=bool(options.get("is_causal", False)), causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"),
         return_weights=bool(options.get("return_weights", False)),
+        keys_given=inputs.get("key") is not None or inputs.get("value") is not None,
         return_cache=bool(options.get("return_cache", False)),
     )
 

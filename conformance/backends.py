@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 from types import ModuleType
@@ -127,6 +128,14 @@ QUIET_ENV = "MHA_QUIET_FRAMEWORK_LOGS"  # set by the CLI; inherited by its worke
 _FILTER = r"""
 import os, re, select, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for mha, which still writes after it
+
+class Finish(Exception):
+    pass
+
+def finish(signum, frame):  # mha is done writing: drain what the pipe holds, then exit (see restore)
+    raise Finish
+
+signal.signal(signal.SIGUSR1, finish)
 LINE = re.compile(rb"[IWE]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^\]\n]*:\d+\] ")  # seconds: epoch before InitializeLog
 BANNER = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 out, pending, passthrough, alive = sys.stdout.buffer, b"", False, True
@@ -143,12 +152,19 @@ def write(data):
 def dropped(line):
     return LINE.match(line) is not None or line.startswith(BANNER)
 
+finishing = False
 while True:
-    if pending and not select.select([0], [], [], 0.05)[0]:
-        write(pending)
-        pending, passthrough = b"", True
+    try:
+        if pending and not finishing and not select.select([0], [], [], 0.05)[0]:
+            write(pending)
+            pending, passthrough = b"", True
+            continue
+        if finishing and not select.select([0], [], [], 0)[0]:
+            break  # everything written before the signal has been read
+        chunk = os.read(0, 65536)
+    except Finish:
+        finishing = True
         continue
-    chunk = os.read(0, 65536)
     if not chunk:
         break
     data, pending = pending + chunk, b""
@@ -214,12 +230,21 @@ def quiet_framework_logging():
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
-        os.dup2(original, 2)  # closes the pipe's write end: the filter sees EOF once workers have exited
+        os.dup2(original, 2)  # closes this process's write end of the pipe
         os.close(original)
+        # The filter sees EOF once every process holding the pipe has exited. One may outlive this call:
+        # multiprocessing's resource tracker (started with `mha check`'s worker pool, it ends with this
+        # process), which held the exit 5 s here. Everything written so far is in the pipe, so a filter
+        # still waiting after a moment (by then long started, its signal handler set) is told to drain it
+        # and exit.
         try:
-            filter_process.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # a child still holds the pipe; the filter ends with it
-            pass
+            filter_process.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            try:
+                filter_process.send_signal(signal.SIGUSR1)
+                filter_process.wait(timeout=5)
+            except (subprocess.TimeoutExpired, OSError):  # the filter ends with the last holder of the pipe
+                pass
 
     return restore
 

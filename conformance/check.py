@@ -13,10 +13,36 @@ from pathlib import Path
 
 from conformance import backends
 from conformance.cases import CASES, DTYPE_NAMES
-from conformance.compare import STATUS_ERROR, STATUS_FAIL, STATUS_PASS, CaseResult, release_compiled_programs, run_case
+from conformance.compare import (
+    DEFAULT_PATH,
+    STATUS_ERROR,
+    STATUS_FAIL,
+    STATUS_PASS,
+    CaseResult,
+    release_compiled_programs,
+    run_case,
+)
 from conformance.tolerance import compare, policy_for
 
 CORE_BACKENDS = backends.CORE
+
+# The kinds of path `mha check --paths` selects; a core backend's adapter names its own (PATHS, and FAST_PATH
+# for "fast": numpy, tf and jax "fused", torch "sdpa"). The default judges what a user's call runs: the stages
+# (the spec, and every call with weights or a trace), the fast path a plain call takes, and an in-place cache
+# where a case has a cache. The chunked cores (chunk_size=) are one flag away: JAX compiles a chunked program
+# per case and dtype (its nested scans take several times the plain program's compile time), which would
+# double the run; the tests run the grid through every chunked core.
+PATH_KINDS = ("stages", "fast", "chunked", "in_place")
+DEFAULT_PATH_KINDS = ("stages", "fast", "in_place")
+
+
+def paths_of(adapter, kinds) -> list[str]:
+    """The adapter's paths of these kinds, in its own order; [DEFAULT_PATH] for a backend with one path."""
+    own = getattr(adapter, "PATHS", None)
+    if not own:
+        return [DEFAULT_PATH]
+    wanted = {adapter.FAST_PATH if kind == "fast" else kind for kind in kinds}
+    return [path for path in own if path in wanted]
 
 
 def plan(backend_ids, devices, console):
@@ -39,10 +65,11 @@ def plan(backend_ids, devices, console):
 
 def cross_device(results: list[CaseResult]) -> list[CaseResult]:
     """CPU versus GPU of the same framework: a comparison of its own."""
-    by_key = {(r.backend, r.device, r.case, r.dtype): r for r in results if r.arrays.get("backend_output") is not None}
+    by_key = {(r.backend, r.path, r.device, r.case, r.dtype): r for r in results
+              if r.arrays.get("backend_output") is not None}
     extra = []
-    for (backend_id, device, case_name, dtype), gpu in by_key.items():
-        cpu = by_key.get((backend_id, "cpu", case_name, dtype))
+    for (backend_id, path, device, case_name, dtype), gpu in by_key.items():
+        cpu = by_key.get((backend_id, path, "cpu", case_name, dtype))
         if device != "gpu" or cpu is None:
             continue
         case = CASES[case_name]
@@ -50,7 +77,7 @@ def cross_device(results: list[CaseResult]) -> list[CaseResult]:
                          reference=cpu.arrays["backend_output"], precision=gpu.precision)
         c = compare("output (gpu vs cpu)", gpu.arrays["backend_output"], cpu.arrays["backend_output"], tol)
         extra.append(CaseResult(case_name, backend_id, "gpu-vs-cpu", dtype, gpu.precision,
-                                STATUS_PASS if c.ok else STATUS_FAIL, [c]))
+                                STATUS_PASS if c.ok else STATUS_FAIL, [c], path=path))
     return extra
 
 
@@ -76,16 +103,19 @@ def enable_jax_compile_cache(directory) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _warm(backend_ids) -> dict[str, tuple[bool, list[str] | str]]:
+def _warm(backend_ids) -> tuple[dict[str, tuple[bool, list[str] | str]], dict]:
     """In a worker: import these backends' adapters before the first chunk arrives, and say which
-    devices each has (or why it is unavailable), so that the main process imports no framework."""
+    devices each has (or why it is unavailable) and what the report's environment asks of their
+    frameworks (report.framework_probes), so that the main process imports no framework."""
+    from conformance import report
+
     found = {}
     for backend_id in backend_ids:
         try:
             found[backend_id] = (True, list(backends.load(backend_id).devices()))
         except backends.BackendUnavailable as err:
             found[backend_id] = (False, str(err))
-    return found
+    return found, report.framework_probes([b for b in backend_ids if found[b][0]])
 
 
 def _plan_from(backend_ids, devices, found) -> tuple[list, list]:
@@ -104,15 +134,19 @@ def _plan_from(backend_ids, devices, found) -> tuple[list, list]:
     return pairs, skipped
 
 
-def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, compile_cache=None, xla_full_opt=False):
-    """One (backend, device, dtype) over its cases; runs in a worker process."""
+def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, compile_cache=None, xla_full_opt=False,
+               path_kinds=DEFAULT_PATH_KINDS):
+    """One (backend, device, dtype) over its cases, on each of its paths of path_kinds; runs in a worker
+    process."""
     adapter = backends.load(backend_id)
     if compile_cache is not None and "jax" in backends.get(backend_id).framework:
         enable_jax_compile_cache(compile_cache)
     if hasattr(adapter, "set_cpu_compile"):  # impl_jax: see FAST_CPU_COMPILE there
         adapter.set_cpu_compile("default" if xla_full_opt else "fast")
-    results = [run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
-                        adapter=adapter, keep_arrays=True) for name in case_names]
+    runs = (run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
+                     adapter=adapter, keep_arrays=True, path=path)
+            for path in paths_of(adapter, path_kinds) for name in case_names)
+    results = [result for result in runs if result is not None]  # None: the path does not exist for the case
     release_compiled_programs()  # a worker runs many chunks: keep its memory mappings bounded
     return results
 
@@ -123,13 +157,16 @@ _COST_ORDER = {"jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "
 
 
 def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
-              gradients=True, console=None, progress=True, jobs=None, compile_cache=None, xla_full_opt=False):
+              gradients=True, console=None, progress=True, jobs=None, compile_cache=None, xla_full_opt=False,
+              path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None):
     """Every (backend, device, dtype) chunk of cases. jobs > 1 runs chunks in
     that many worker processes (each imports its own frameworks); the
     results are the same objects either way. compile_cache: a directory for
     JAX's persistent compilation cache (None: compile everything afresh).
     xla_full_opt: compile impl_jax's CPU programs with XLA's default options
-    instead of impl_jax.adapter.FAST_CPU_COMPILE."""
+    instead of impl_jax.adapter.FAST_CPU_COMPILE. path_kinds: which of each
+    core backend's paths (PATH_KINDS). probes: a dict to fill with the
+    workers' report.framework_probes (left empty when jobs is 1)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -151,7 +188,10 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
             warming = [pool.submit(_warm, list(backend_ids)) for _ in range(jobs)]  # one per idle worker, as a rule
             found = {}
             for future in warming:
-                found.update(future.result())
+                answer, probed = future.result()
+                found.update(answer)
+                if probes is not None:
+                    probes.update(probed)
             pairs, skipped = _plan_from(backend_ids, devices, found)
         else:
             pairs, skipped = plan(backend_ids, devices, console)
@@ -163,16 +203,16 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
                 for backend_id, device, dtype in chunks:
                     bar.update(task, description=f"{backend_id}/{device}/{dtype}")
                     results += _run_chunk(backend_id, device, dtype, names, precision, gradients, compile_cache,
-                                          xla_full_opt)
+                                          xla_full_opt, path_kinds)
                     bar.advance(task, len(names))
             else:  # slowest chunks first: the two workers share JAX's, then the rest
                 futures = [pool.submit(_run_chunk, b, d, t, names, precision, gradients, compile_cache,
-                                       xla_full_opt) for b, d, t in chunks]
+                                       xla_full_opt, path_kinds) for b, d, t in chunks]
                 for future in concurrent.futures.as_completed(futures):
                     results += future.result()
                     bar.advance(task, len(names))
     order = {chunk: i for i, chunk in enumerate((b, d, t) for b, d, _ in pairs for t in dtypes)}
-    results.sort(key=lambda r: order[(r.backend, r.device, r.dtype)])
+    results.sort(key=lambda r: order[(r.backend, r.device, r.dtype)])  # stable: each chunk keeps its path order
     results.extend(cross_device(results))
     return results, skipped
 
@@ -201,6 +241,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--precision", default="highest", choices=["highest", "tf32"],
                    help="tf32: let float32 matmuls use TF32 on GPUs, judged with TF32's unit round-off")
     p.add_argument("--no-gradients", action="store_true", help="forward only")
+    p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATH_KINDS), choices=[*PATH_KINDS, "all"],
+                   metavar="PATH",
+                   help="which paths of each core backend to judge, each a column of the matrix: stages (the spec), "
+                        "fast (numpy/tf/jax fused, torch sdpa), chunked (chunk_size=2), in_place (cache_length=, cases "
+                        "with a cache), all; default: " + " ".join(DEFAULT_PATH_KINDS))
     p.add_argument("--report", metavar="DIR", help="write report.md, report.html and heatmaps here")
     p.add_argument("--json", metavar="FILE", help="write every result as JSON")
     p.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per case x backend x device x dtype")
@@ -255,6 +300,7 @@ def run(args) -> int:
         from conformance.verify import check_destination
 
         check_destination("--junit", args.junit)
+    probes: dict = {}
     if args.sharded:
         results, skipped = _run_sharded(args, console)
     else:
@@ -262,7 +308,9 @@ def run(args) -> int:
                                      precision=args.precision, gradients=not args.no_gradients,
                                      progress=console.is_terminal, jobs=args.jobs,
                                      compile_cache=None if args.no_compile_cache else default_compile_cache(),
-                                     xla_full_opt=args.xla_full_opt)
+                                     xla_full_opt=args.xla_full_opt,
+                                     path_kinds=PATH_KINDS if "all" in args.paths else tuple(args.paths),
+                                     probes=probes)
     if not results:
         reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"
         raise ValueError(f"nothing to run: {reasons}")
@@ -285,8 +333,8 @@ def run(args) -> int:
 
         for line in summary_lines(results):
             console.print(line)
-    console.print(f"worst margin {worst:.3g}; {elapsed:.1f} s")
-    env = report.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision)
+    env = report.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision,
+                             probes=probes or None)
     if "jax" in {r.backend for r in results}:
         env["precision"]["jax cpu compile"] = ("XLA defaults (--xla-full-opt)" if args.xla_full_opt else
                                                "LLVM -O0, classic fusion emitters (impl_jax.adapter.FAST_CPU_COMPILE)")
@@ -303,4 +351,21 @@ def run(args) -> int:
         from conformance.junit import write_check
 
         write_check(args.junit, results, seconds=elapsed, skipped=skipped)
+    # the last line: the check's own time, and the wall time since the process started (its start-up, the
+    # workers' framework imports and the report included; only the interpreter's exit follows)
+    console.print(f"worst margin {worst:.3g}; {elapsed:.1f} s checking, {process_seconds():.1f} s wall since mha "
+                  "started")
     return 0 if not bad else 1
+
+
+def process_seconds() -> float:
+    """Wall seconds since this process started (Linux: /proc; elsewhere since conformance.check was imported)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat, open("/proc/uptime", encoding="ascii") as uptime:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
+            return float(uptime.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()

@@ -3,6 +3,11 @@
 A CaseResult holds every compared quantity (output, weights, each gradient)
 with its margin, and, when something failed, the first stage of the forward
 pass whose values left the tolerance (divergence localisation).
+
+A core backend computes a call on one of several paths (its adapter's
+PATHS: the stages, its fast path, the chunked core, an in-place cache); a
+case run on a named path is judged as such, so a bug in one path alone is a
+failure of that path's column (run_case(path=...), conformance/check.py).
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ from conformance.cases import Case, cast_inputs, cast_tensors, make_inputs, make
 from conformance.tolerance import Comparison, compare, max_finite_abs, policy_for
 from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
+from impl_numpy.magnitudes import forward_magnitudes
 
 STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
+# The path of a result whose backend has one (the native layers, a user's function) or that was run with the
+# case's own options, the backend choosing its path as a user's call would.
+DEFAULT_PATH = "default"
 
 
 @dataclasses.dataclass
@@ -51,6 +60,7 @@ class CaseResult:
     message: str = ""
     seconds: float = 0.0
     arrays: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # for heatmaps
+    path: str = DEFAULT_PATH  # the backend's path that computed it (its adapter's PATHS), or DEFAULT_PATH
 
     @property
     def margin(self) -> float:
@@ -63,7 +73,7 @@ class CaseResult:
     def to_json(self) -> dict:
         worst = self.worst
         return {
-            "case": self.case, "backend": self.backend, "device": self.device, "dtype": self.dtype,
+            "case": self.case, "backend": self.backend, "path": self.path, "device": self.device, "dtype": self.dtype,
             "precision": self.precision, "status": self.status, "margin": _finite_or_str(self.margin),
             "seconds": round(self.seconds, 4), "message": self.message,
             "worst": None if worst is None else worst.describe(),
@@ -111,17 +121,24 @@ def expected_for(case: Case, dtype: str) -> dict:
     inputs = cast_inputs(make_inputs(case), dtype)
     t64, i64 = cast_tensors(tensors, "float64"), cast_inputs(inputs, "float64")
     d_out = output_cotangent(case)
-    options64 = case.options("float64") | {"return_weights": True}
+    # the weights always, and the present cache wherever there is a cache (the in-place path returns it)
+    options64 = case.options("float64") | {"return_weights": True, "return_cache": case.return_cache or case.P > 0}
     fwd = reference.forward(case.config, t64, i64, options64, trace=True)
     grads, magnitudes = _reference_grads(case, t64, i64, d_out)
+    # what each forward value is summed from: the tolerance's elementwise floor, and its logit scale z
+    terms = forward_magnitudes(case.config, t64, i64["query"], i64["key"], i64["value"],
+                               **{name: i64.get(name) for name in reference.OPTIONAL_INPUTS},
+                               is_causal=case.is_causal, causal_alignment=case.causal_alignment,
+                               training=case.training)
     expected = {"output": fwd["output"], "weights": fwd["weights"], "grads": grads, "magnitudes": magnitudes,
-                "trace": fwd["trace"],
+                "forward_magnitudes": terms, "trace": fwd["trace"],
                 "logits": dict(fwd["trace"])["logits"], "tensors": tensors, "inputs": inputs, "d_output": d_out,
                 "same_precision": {}, "max_position": max_position(case, inputs)}
     cache = [name for name in ("present_key", "present_value") if name in fwd]
     expected.update({name: fwd[name] for name in cache})
     if dtype in ("float16", "bfloat16"):
-        low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_weights": True})
+        low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {
+            "return_weights": True, "return_cache": options64["return_cache"]})
         low_grads = reference.vjp(case.config, tensors, inputs, case.options(dtype), d_out.astype(tensors["query.kernel"].dtype))["grads"]
         same = {name: _max_err(low[name], fwd[name]) for name in ("output", "weights", *cache)}
         same.update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
@@ -157,9 +174,12 @@ def _max_err(a, b) -> float:
     return float(d.max()) if d.size else 0.0
 
 
-def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision: str) -> list[Comparison]:
-    """Compare a backend's forward result (and gradients) under the policy."""
+def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision: str,
+          options: dict | None = None) -> list[Comparison]:
+    """Compare a backend's forward result (and gradients) under the policy. options: the call's (default:
+    the case's), which say whether weights and the present cache were asked for."""
     exp = expected_for(case, dtype)
+    options = case.options(dtype) if options is None else options
     comparisons = []
 
     def check(name, quantity, actual, expected):
@@ -167,11 +187,11 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
                                                                         precision=precision)))
 
     check("output", "output", result["output"], exp["output"])
-    if case.return_weights:
+    if options.get("return_weights"):
         if "weights" not in result:
             raise ValueError("backend returned no weights although return_weights was requested")
         check("weights", "weights", result["weights"], exp["weights"])
-    for name in ("present_key", "present_value") if case.return_cache else ():
+    for name in ("present_key", "present_value") if options.get("return_cache") else ():
         if name not in result:
             raise ValueError(f"backend returned no {name} although return_cache was requested")
         check(name, "output", result[name], exp[name])
@@ -182,12 +202,16 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
 
 def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, precision: str = "highest",
                 scale_floor: float = 0.0, logits: bool = True):
-    """The policy's Tolerance for one quantity of a case (its S is every key, the cache's included)."""
+    """The policy's Tolerance for one quantity of a case (its S is every key, the cache's included): z from the
+    logits' magnitudes, and a forward quantity's elementwise floor from its own (output, present_key,
+    present_value and every traced stage; the weights are nonnegative, their own magnitude)."""
     exp = expected_for(case, dtype)
+    terms = exp["forward_magnitudes"]
     return policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
-                      reference=reference, logits=exp["logits"] if logits else None, precision=precision,
+                      reference=reference, logits=terms["logits"] if logits else None, precision=precision,
                       same_precision_error=exp["same_precision"].get(name) if quantity != "stage" else None,
-                      scale_floor=scale_floor, max_position=exp["max_position"])
+                      scale_floor=scale_floor, max_position=exp["max_position"],
+                      magnitude=terms.get(name) if quantity in ("output", "stage") else None)
 
 
 def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "highest") -> list[Comparison]:
@@ -228,25 +252,45 @@ def localise(case: Case, dtype: str, adapter, *, device: str, precision: str) ->
     return None
 
 
+def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
+    """The call options that run `path` of the adapter on the case (its path_options), the case's own for
+    DEFAULT_PATH; None where the path does not exist for this case and dtype (an in-place cache without a
+    cache, a fused core that 16-bit storage never takes). Raises NotImplementedError with the reason where
+    the path exists but cannot take this call (SDPA and a softcap)."""
+    options = case.options(dtype)
+    if path == DEFAULT_PATH:
+        return options
+    if path not in getattr(adapter, "PATHS", ()):
+        raise ValueError(f"path must be one of {', '.join(getattr(adapter, 'PATHS', ())) or DEFAULT_PATH}: "
+                         f"got {path!r}")
+    return adapter.path_options(path, case.config, expected_for(case, dtype)["inputs"], options)
+
+
 def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "float32", precision: str = "highest",
-             gradients: bool = True, adapter=None, keep_arrays: bool = False) -> CaseResult:
-    """One (case, backend, device, dtype): forward (+ gradients), judged."""
+             gradients: bool = True, adapter=None, keep_arrays: bool = False,
+             path: str = DEFAULT_PATH) -> CaseResult | None:
+    """One (case, backend, device, dtype) on one of the backend's paths: forward (+ gradients), judged.
+    None where the path does not exist for this case (path_options)."""
     started = time.perf_counter()
-    result = CaseResult(case.name, backend_id, device, dtype, precision, STATUS_PASS)
+    result = CaseResult(case.name, backend_id, device, dtype, precision, STATUS_PASS, path=path)
     try:
         adapter = adapter or backends.load(backend_id)
         exp = expected_for(case, dtype)
-        options = case.options(dtype)
+        options = path_options(adapter, path, case, dtype)
+        if options is None:
+            return None
         forward = adapter.forward(case.config, exp["tensors"], exp["inputs"], options, device=device, precision=precision)
         grads = None
-        if gradients:
+        if gradients and options.get("forward_only"):
+            result.message = f"forward only: {options['forward_only']}"
+        elif gradients:
             try:
                 d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
                 grads = adapter.vjp(case.config, exp["tensors"], exp["inputs"], options, d_out, device=device,
                                     precision=precision)["grads"]
             except NotImplementedError as err:
                 result.message = f"gradients unsupported: {err}"
-        result.comparisons = judge(case, dtype, forward, grads, precision=precision)
+        result.comparisons = judge(case, dtype, forward, grads, precision=precision, options=options)
         got_dtype = np.asarray(forward["output"]).dtype
         if got_dtype.name != dtype:
             result.comparisons.append(Comparison(False, f"output dtype {got_dtype.name}, expected {dtype}", math.inf,
@@ -257,6 +301,9 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
         if not all(c.ok for c in result.comparisons):
             result.status = STATUS_FAIL
             result.divergence = localise(case, dtype, adapter, device=device, precision=precision)
+            if result.divergence is None and path not in (DEFAULT_PATH, "stages"):
+                result.message = ((result.message + "; " if result.message else "")
+                                  + f"the stages agree with the reference: the difference is the {path} path's own")
             known = getattr(adapter, "known_difference", None)
             reason = known(case, dtype) if known is not None else None
             if reason:  # a native layer that differs by design: still a failure, with its reason

@@ -100,7 +100,8 @@ def check_message(r) -> str:
     """A check result (conformance.compare.CaseResult) as the report says it:
     each failing quantity (worst element, both values, margin, tolerance and
     reason), the first divergent stage, the backend's message."""
-    lines = [f"{r.status} {r.case}.{r.dtype} on {r.backend}/{r.device} ({r.precision})"]
+    path = "" if r.path == "default" else f"/{r.path}"
+    lines = [f"{r.status} {r.case}.{r.dtype} on {r.backend}{path}/{r.device} ({r.precision})"]
     failing = [c for c in r.comparisons if not c.ok]
     shown = failing or ([r.worst] if r.worst is not None else [])
     lines += [f"  {c.describe()}" for c in shown]
@@ -112,7 +113,7 @@ def check_message(r) -> str:
 
 
 def check_cases(results) -> list[JUnitCase]:
-    """One testcase per case x backend x device x dtype."""
+    """One testcase per case x backend x path x device x dtype (classname mha.check.BACKEND[.PATH].DEVICE)."""
     outcome = {"pass": PASSED, "fail": FAILED, "error": ERROR, "unsupported": SKIPPED}
     cases = []
     for r in results:
@@ -120,7 +121,8 @@ def check_cases(results) -> list[JUnitCase]:
         if r.status == "error" and r.arrays.get("traceback"):
             text += "\n\n" + r.arrays["traceback"]
         passed = r.status == "pass"
-        cases.append(JUnitCase(f"mha.check.{r.backend}.{r.device}", f"{r.case}.{r.dtype}", outcome[r.status],
+        path = "" if r.path == "default" else f".{r.path}"
+        cases.append(JUnitCase(f"mha.check.{r.backend}{path}.{r.device}", f"{r.case}.{r.dtype}", outcome[r.status],
                               "" if passed else text, r.seconds, output=text if passed else ""))
     return cases
 

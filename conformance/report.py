@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from conformance.cases import DTYPE_NAMES
-from conformance.compare import STATUS_ERROR, STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, CaseResult
+from conformance.compare import DEFAULT_PATH, STATUS_ERROR, STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, CaseResult
 from conformance.tolerance import REFERENCE_FACTOR, SAFETY, UNIT_ROUNDOFF
 from weights.atomic import write_bytes_atomic
 
@@ -169,7 +169,26 @@ def _precision_meaning(precision: str, gpu_in_run: bool) -> str:
             f"the call and restores the framework's setting after); {tolerance}")
 
 
-def environment(backends_used: list[str], devices: list[str], precision: str) -> dict:
+def framework_probes(backends_used: list[str]) -> dict:
+    """The device names and precision flags of the frameworks the backends use (and of any already imported),
+    importing them: {"devices": {...}, "flags": {...}}. `mha check` asks its workers, which have imported the
+    frameworks already, so that its own process never imports one (TensorFlow alone takes seconds)."""
+    versions = {name: _version_of(name, _ask(importlib.metadata.packages_distributions, default={}))
+                for name in PACKAGES}
+    device_names: dict[str, Any] = {}
+    framework_flags: dict[str, Any] = {}
+    for framework in _frameworks_in_use(backends_used):
+        if versions.get(framework, NOT_INSTALLED).startswith(NOT_INSTALLED) and sys.modules.get(framework) is None:
+            device_names[framework] = NOT_INSTALLED
+            continue
+        try:
+            PROBES[framework](device_names, framework_flags)
+        except Exception as err:  # import failure of an installed framework
+            device_names[framework] = f"unavailable ({type(err).__name__}: {err})".replace("\n", " ")[:300]
+    return {"devices": device_names, "flags": framework_flags}
+
+
+def environment(backends_used: list[str], devices: list[str], precision: str, probes: dict | None = None) -> dict:
     """What the run's numbers depend on: versions, devices, precision settings.
 
     Versions are read without importing (a framework already imported reports
@@ -177,7 +196,8 @@ def environment(backends_used: list[str], devices: list[str], precision: str) ->
     frameworks the run's backends use (and of any already imported), and
     listed only when the run used a GPU, the one device they govern. Nothing
     here raises: a missing framework is "not installed", a broken one records
-    its error.
+    its error. probes: framework_probes' answer, asked elsewhere (by mha
+    check's workers); None asks here.
     """
     distributions = _ask(importlib.metadata.packages_distributions, default={})
     versions = {"python": f"{platform.python_version()} ({platform.python_implementation()})"}
@@ -192,15 +212,9 @@ def environment(backends_used: list[str], devices: list[str], precision: str) ->
     }
     gpu_in_run = "gpu" in devices
     flags: dict[str, Any] = {"mode": precision, "meaning": _precision_meaning(precision, gpu_in_run)}
-    framework_flags: dict[str, Any] = {}
-    for framework in _frameworks_in_use(backends_used):
-        if versions.get(framework, NOT_INSTALLED).startswith(NOT_INSTALLED) and sys.modules.get(framework) is None:
-            device_names[framework] = NOT_INSTALLED
-            continue
-        try:
-            PROBES[framework](device_names, framework_flags)
-        except Exception as err:  # import failure of an installed framework
-            device_names[framework] = f"unavailable ({type(err).__name__}: {err})".replace("\n", " ")[:300]
+    probes = framework_probes(backends_used) if probes is None else probes
+    device_names.update(probes["devices"])
+    framework_flags: dict[str, Any] = dict(probes["flags"])
     if not gpu_in_run:
         # The frameworks' TF32 switches (torch's cudnn.allow_tf32 defaults to True,
         # TensorFlow's tensor_float_32_execution_enabled() too) govern GPU kernels
@@ -232,25 +246,34 @@ def _margin_key(m: float) -> float:
     return math.inf if math.isnan(m) else m
 
 
-def matrix(results: list[CaseResult]) -> list[dict]:
-    """One row per (backend, device, dtype): status counts, the worst margin
-    over passing and failing comparisons and the case it came from.
+def where(result: CaseResult) -> str:
+    """backend/path/device/dtype of a result; backend/device/dtype where the backend has one path."""
+    path = "" if result.path == DEFAULT_PATH else f"{result.path}/"
+    return f"{result.backend}/{path}{result.device}/{result.dtype}"
 
-    Backends keep the order they first appear in; devices and dtypes go in the
-    project's order (cpu, gpu; float64, float32, float16, bfloat16).
+
+def matrix(results: list[CaseResult]) -> list[dict]:
+    """One row per (backend, path, device, dtype): status counts, the worst
+    margin over passing and failing comparisons and the case it came from.
+
+    Backends and their paths keep the order they first appear in; devices and
+    dtypes go in the project's order (cpu, gpu; float64, float32, float16,
+    bfloat16).
     """
     backend_rank = _order((r.backend for r in results), ())
+    path_rank = _order((r.path for r in results), ())
     device_rank = _order((r.device for r in results), DEVICE_ORDER)
     dtype_rank = _order((r.dtype for r in results), DTYPE_NAMES)
-    groups: dict[tuple[str, str, str], list[CaseResult]] = {}
+    groups: dict[tuple[str, str, str, str], list[CaseResult]] = {}
     for r in results:
-        groups.setdefault((r.backend, r.device, r.dtype), []).append(r)
+        groups.setdefault((r.backend, r.path, r.device, r.dtype), []).append(r)
     rows = []
-    for (backend, device, dtype), members in sorted(
-            groups.items(), key=lambda kv: (backend_rank[kv[0][0]], device_rank[kv[0][1]], dtype_rank[kv[0][2]])):
+    for (backend, path, device, dtype), members in sorted(
+            groups.items(), key=lambda kv: (backend_rank[kv[0][0]], path_rank[kv[0][1]], device_rank[kv[0][2]],
+                                            dtype_rank[kv[0][3]])):
         judged = [r for r in members if r.status in (STATUS_PASS, STATUS_FAIL) and r.comparisons]
         worst = max(judged, key=lambda r: _margin_key(r.margin), default=None)
-        row = {"backend": backend, "device": device, "dtype": dtype}
+        row = {"backend": backend, "path": path, "device": device, "dtype": dtype}
         row.update({status: sum(r.status == status for r in members) for status in STATUSES})
         row["total"] = len(members)
         row["worst_margin"] = None if worst is None else worst.margin
@@ -271,13 +294,14 @@ def format_margin(margin: float | None) -> str:
     return f"{margin:.3g}"
 
 
-MATRIX_COLUMNS = ("backend", "device", "dtype", "pass", "fail", "error", "unsupported", "worst margin", "worst case")
+MATRIX_COLUMNS = ("backend", "path", "device", "dtype", "pass", "fail", "error", "unsupported", "worst margin",
+                  "worst case")
 
 
 def matrix_cells(row: dict) -> list[str]:
     """The matrix row as the report's table cells (MATRIX_COLUMNS)."""
     worst_case = "-" if row["worst_case"] is None else f"{row['worst_case']} ({row['worst_comparison']})"
-    return [row["backend"], row["device"], row["dtype"], str(row[STATUS_PASS]), str(row[STATUS_FAIL]),
+    return [row["backend"], row["path"], row["device"], row["dtype"], str(row[STATUS_PASS]), str(row[STATUS_FAIL]),
             str(row[STATUS_ERROR]), str(row[STATUS_UNSUPPORTED]), format_margin(row["worst_margin"]), worst_case]
 
 
@@ -308,13 +332,13 @@ def divergence_description(result: CaseResult) -> str:
     return "-"
 
 
-FAILURE_COLUMNS = ("status", "case", "backend", "device", "dtype", "margin", "worst comparison",
+FAILURE_COLUMNS = ("status", "case", "backend", "path", "device", "dtype", "margin", "worst comparison",
                    "first divergent stage", "message")
 
 
 def failure_cells(result: CaseResult) -> list[str]:
     margin = format_margin(result.margin) if result.comparisons else "-"
-    return [result.status, result.case, result.backend, result.device, result.dtype, margin,
+    return [result.status, result.case, result.backend, result.path, result.device, result.dtype, margin,
             worst_description(result), divergence_description(result), result.message or "-"]
 
 
@@ -424,7 +448,7 @@ def _write_heatmaps(directory: Path, result: CaseResult, why: str) -> tuple[list
             ax.set_xlabel("key position s")
             ax.set_ylabel("query position t")
             fig.colorbar(image, ax=ax)
-        fig.suptitle(f"{result.case} · {result.backend}/{result.device}/{result.dtype} · head {n} · batch {b} "
+        fig.suptitle(f"{result.case} · {where(result)} · head {n} · batch {b} "
                      f"· margin {format_margin(result.margin)} ({why.split(':')[0]})", fontsize=10)
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=90)
@@ -449,7 +473,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _summary(results: list[CaseResult]) -> str:
     counts = {s: sum(r.status == s for r in results) for s in STATUSES}
     verdict = "everything passed" if results and counts[STATUS_PASS] == len(results) else (
-        "nothing was run" if not results else "NOT everything passed")
+        "nothing was run" if not results else
+        "everything that ran passed (each unsupported one with its reason below)"
+        if counts[STATUS_FAIL] == counts[STATUS_ERROR] == 0 and counts[STATUS_PASS] else "NOT everything passed")
     return (f"{len(results)} results: {counts[STATUS_PASS]} pass, {counts[STATUS_FAIL]} fail, "
             f"{counts[STATUS_ERROR]} error, {counts[STATUS_UNSUPPORTED]} unsupported; {verdict}.")
 
@@ -501,13 +527,13 @@ def _markdown(title, results, env, rows, bad, subject, why, heatmaps, heatmap_no
     out += _md_table(FAILURE_COLUMNS, (failure_cells(r) for r in bad)) if bad else ["None: every case passed."]
     errors = [r for r in bad if r.status == STATUS_ERROR and r.arrays.get("traceback")]
     for r in errors:
-        out += ["", f"### Traceback: {r.case} on {r.backend}/{r.device}/{r.dtype}", "", "```",
+        out += ["", f"### Traceback: {r.case} on {where(r)}", "", "```",
                 str(r.arrays["traceback"]).rstrip().replace("```", "'''"), "```"]
     out += ["", "## Heatmaps", ""]
     if subject is None:
         out += [f"None drawn: {why}."]
     else:
-        out += [f"{why[0].upper()}{why[1:]}: {subject.case} on {subject.backend}/{subject.device}/{subject.dtype} "
+        out += [f"{why[0].upper()}{why[1:]}: {subject.case} on {where(subject)} "
                 f"(margin {format_margin(subject.margin)}). Per head: reference weights, backend weights, absolute "
                 "error (grey: NaN in the weights; cyan: non-finite on one side only).", ""]
         out += [f"![{_md_cell(subject.case)} head {n}]({path.name})" for n, path in heatmaps]
@@ -552,14 +578,14 @@ def _matrix_html_row(row: dict) -> list[tuple[str, str]]:
     cells = matrix_cells(row)
     margin = row["worst_margin"]
     margin_class = "num" if margin is None else ("num ok" if margin <= 1.0 else "num bad")
-    classes = ["", "", "", "num pass" if row[STATUS_PASS] else "num", "num fail" if row[STATUS_FAIL] else "num",
+    classes = ["", "", "", "", "num pass" if row[STATUS_PASS] else "num", "num fail" if row[STATUS_FAIL] else "num",
                "num error" if row[STATUS_ERROR] else "num", "num unsupported" if row[STATUS_UNSUPPORTED] else "num",
                margin_class, ""]
     return list(zip(cells, classes))
 
 
 def _failure_html_row(result: CaseResult) -> list[tuple[str, str]]:
-    classes = [result.status, "", "", "", "", "num", "long", "long", "long"]
+    classes = [result.status, "", "", "", "", "", "num", "long", "long", "long"]
     return list(zip(failure_cells(result), classes))
 
 
@@ -577,18 +603,18 @@ def _html(title, results, env, rows, bad, subject, why, heatmaps, heatmap_note) 
         "<p>None: every case passed.</p>"]
     for r in bad:
         if r.status == STATUS_ERROR and r.arrays.get("traceback"):
-            out += [f"<details><summary>Traceback: {esc(r.case)} on {esc(r.backend)}/{esc(r.device)}/{esc(r.dtype)}"
+            out += [f"<details><summary>Traceback: {esc(r.case)} on {esc(where(r))}"
                     f"</summary><pre>{esc(str(r.arrays['traceback']).rstrip())}</pre></details>"]
     out.append('<h2 id="heatmaps">Heatmaps</h2>')
     if subject is None:
         out.append(f"<p>None drawn: {esc(why)}.</p>")
     else:
         out.append(f"<p>{esc(why[0].upper() + why[1:])}: <strong>{esc(subject.case)}</strong> on "
-                   f"{esc(subject.backend)}/{esc(subject.device)}/{esc(subject.dtype)} (margin "
+                   f"{esc(where(subject))} (margin "
                    f"{esc(format_margin(subject.margin))}). Per head: reference weights, backend weights, absolute "
                    "error (grey: NaN in the weights; cyan: non-finite on one side only).</p>")
         for n, path in heatmaps:
-            alt = f"{subject.case} on {subject.backend}/{subject.device}/{subject.dtype}, head {n}"
+            alt = f"{subject.case} on {where(subject)}, head {n}"
             out.append(f'<figure><img src="{esc(path.name)}" alt="{esc(alt)}"><figcaption>head {n}</figcaption></figure>')
         if heatmap_note:
             out.append(f"<p>{esc(heatmap_note[0].upper() + heatmap_note[1:])}.</p>")
@@ -652,6 +678,25 @@ def write_report(directory, results: list[CaseResult], env: dict, *, title: str 
 # --------------------------------------------------------------------------- terminal
 
 
+def _unsupported_groups(results: list[CaseResult]) -> dict[tuple[str, str, str], list[CaseResult]]:
+    """Unsupported results by (backend, path, reason): one terminal line each, not one per case and dtype."""
+    groups: dict[tuple[str, str, str], list[CaseResult]] = {}
+    for r in results:
+        if r.status == STATUS_UNSUPPORTED:
+            groups.setdefault((r.backend, r.path, r.message), []).append(r)
+    return groups
+
+
+def _case_list(members: list[CaseResult]) -> str:
+    """'softcap, sinks (cpu: float64, float32)': the cases, then the devices and dtypes they ran on."""
+    cases = ", ".join(dict.fromkeys(r.case for r in members))
+    places = {}
+    for r in members:
+        places.setdefault(r.device, []).append(r.dtype)
+    where_ = "; ".join(f"{device}: {', '.join(dict.fromkeys(dtypes))}" for device, dtypes in places.items())
+    return f"{cases} ({where_})"
+
+
 def render_terminal(results: list[CaseResult], console=None):
     """Print the matrix (rich Table) and one line per case that did not pass.
     Returns the console used."""
@@ -662,7 +707,7 @@ def render_terminal(results: list[CaseResult], console=None):
 
     console = console or Console()
     results = list(results)
-    table = Table(title="mha check: backend x device x dtype", title_justify="left", box=box.SIMPLE_HEAD,
+    table = Table(title="mha check: backend x path x device x dtype", title_justify="left", box=box.SIMPLE_HEAD,
                   show_edge=False, collapse_padding=True)
     for column in MATRIX_COLUMNS:
         numeric = column in ("pass", "fail", "error", "unsupported", "worst margin")
@@ -671,19 +716,29 @@ def render_terminal(results: list[CaseResult], console=None):
                          overflow="fold", min_width=12 if column == "worst case" else None)
     for row in matrix(results):
         cells = [Text(c) for c in matrix_cells(row)]
-        for i, status in ((3, STATUS_PASS), (4, STATUS_FAIL), (5, STATUS_ERROR), (6, STATUS_UNSUPPORTED)):
+        for i, status in ((4, STATUS_PASS), (5, STATUS_FAIL), (6, STATUS_ERROR), (7, STATUS_UNSUPPORTED)):
             if row[status]:
                 cells[i].stylize({STATUS_PASS: "green", STATUS_FAIL: "bold red", STATUS_ERROR: "bold red",
                                   STATUS_UNSUPPORTED: "yellow"}[status])
         if row["worst_margin"] is not None:
-            cells[7].stylize("green" if row["worst_margin"] <= 1.0 else "bold red")
+            cells[8].stylize("green" if row["worst_margin"] <= 1.0 else "bold red")
         table.add_row(*cells)
     console.print(table)
     console.print(Text(_summary(results)))
-    for r in not_passing(results):
+    bad = not_passing(results)
+    for (backend, path, message), members in _unsupported_groups(bad).items():
+        line = Text()
+        line.append("UNSUPPORTED ", style="yellow")
+        where_ = backend if path == DEFAULT_PATH else f"{backend}/{path}"
+        line.append(f"{where_}: {_case_list(members)}: ", style="bold")
+        line.append(message or "-")
+        console.print(line)
+    for r in bad:
+        if r.status == STATUS_UNSUPPORTED:
+            continue
         line = Text()
         line.append(f"{r.status.upper()} ", style={STATUS_FAIL: "bold red", STATUS_ERROR: "bold red"}.get(r.status, "yellow"))
-        line.append(f"{r.case} on {r.backend}/{r.device}/{r.dtype}: ", style="bold")
+        line.append(f"{r.case} on {where(r)}: ", style="bold")
         if r.status == STATUS_FAIL:
             worst = r.worst
             line.append(worst.describe() if worst is not None else "-")

@@ -18,6 +18,20 @@ Reasoning (docs/conformance.md "Tolerance policy" says the same in prose):
 * Errors are measured against the scale of the reference tensor (its largest
   magnitude), so a tensor of tiny values is not judged by a looser absolute
   bar than its neighbours.
+* Rounding error follows the size of what was summed, not of the sum
+  (Higham sec. 3.5: a dot product's error is bounded by |x|.|y|, not
+  |x.y|), and a norm divides the error upstream of it by the RMS it divides
+  by. A forward value that cancels (an output of -9e-4 summed from terms of
+  0.1) or that a norm divides by its own small RMS (head_dim 1 under RMS
+  QK-norm) carries an error of the size of those terms. The reference
+  therefore carries forward magnitudes beside its values
+  (impl_numpy.magnitudes: the stages run on |inputs| and |weights|, every
+  difference a sum, a norm's true 1/RMS kept): elementwise bounds of what
+  each value is summed from. Each forward element is allowed at least
+  rtol * (1 + z) * its magnitude (the tensor-wide bar still applies where
+  it is larger), and z, the logit scale, is the largest logit magnitude
+  (|scale| |q|.|k| per entry, after any norm's amplification), since a
+  logit's absolute error follows its terms too.
 * Gradients cancel (softmax's backward subtracts a row sum; the key bias
   gradient is exactly zero by shift invariance), and rounding error follows
   the size of the terms summed, not of the result. Their scale is therefore
@@ -27,7 +41,8 @@ Reasoning (docs/conformance.md "Tolerance policy" says the same in prose):
 
     rtol = SAFETY * u * sqrt(L)
     atol = rtol * (1 + z) * max|reference|
-    pass iff |actual - reference| <= atol + rtol * |reference| everywhere
+    floor_i = rtol * (1 + z) * magnitude_i        (forward quantities)
+    pass iff |actual - reference| <= max(atol, floor_i) + rtol * |reference| everywhere
 
 margin = max over elements of |actual - reference| / (atol + rtol*|reference|);
 a pass has margin <= 1. SAFETY was set from the random-case sweep
@@ -95,6 +110,9 @@ class Tolerance:
     rtol: float
     atol: float
     reason: str
+    # An elementwise absolute allowance where it is larger than atol: rtol * (1 + z) * the magnitude of what
+    # each element is summed from (None: atol alone). Broadcasts against the compared tensor.
+    floor: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +205,8 @@ def compare(name: str, actual, expected, tol: Tolerance) -> Comparison:
         return Comparison(False, f"{name} (shape {a.shape} != {r.shape})", math.inf, None, None, None, math.inf, tol)
     if a.size == 0:
         return Comparison(True, name, 0.0, None, None, None, 0.0, tol)
-    allowance = tol.atol + tol.rtol * np.abs(np.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0))
+    atol = tol.atol if tol.floor is None else np.maximum(tol.atol, np.asarray(tol.floor, dtype=np.float64))
+    allowance = atol + tol.rtol * np.abs(np.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0))
     both_nan = np.isnan(a) & np.isnan(r)
     same_inf = np.isinf(a) & np.isinf(r) & (np.sign(a) == np.sign(r))
     with np.errstate(invalid="ignore"):
@@ -230,7 +249,7 @@ def modern_length(config, max_position: int) -> int:
 
 def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, reference, logits=None,
                precision: str = "highest", same_precision_error: float | None = None,
-               scale_floor: float = 0.0, max_position: int | None = None) -> Tolerance:
+               scale_floor: float = 0.0, max_position: int | None = None, magnitude=None) -> Tolerance:
     """The Tolerance for one quantity of one case: the policy applied.
 
     scale_floor: a magnitude the reference scale may not fall below. For a
@@ -241,15 +260,30 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
 
     S: every key the softmax sees (P + S with a cache). max_position: the
     largest |position| of the call (RoPE); None: T + S, the largest a
-    call without explicit positions reaches."""
+    call without explicit positions reaches.
+
+    magnitude: the elementwise magnitude of what each element of a forward
+    quantity is summed from (impl_numpy.magnitudes); each element is then
+    allowed at least rtol * (1 + z) * its magnitude. logits: the logits'
+    magnitudes (or, without them, the logits) give z."""
     D = max(config.query_dim, config.key_dim, config.value_dim)
     length = reduction_length(quantity, D=D, H=config.head_dim, S=S, NV=config.num_heads * config.value_head_dim, B=B, T=T)
     length += modern_length(config, T + S if max_position is None else max_position)
-    return tolerance(
+    logit_scale = 0.0 if logits is None else max_finite_abs(logits)
+    tol = tolerance(
         dtype, length=length, reference_scale=max(max_finite_abs(reference), scale_floor),
-        logit_scale=0.0 if logits is None else max_finite_abs(logits), precision=precision,
+        logit_scale=logit_scale, precision=precision,
         same_precision_error=same_precision_error, quantity_is_gradient=quantity == "grad",
     )
+    if magnitude is None:
+        return tol
+    terms = np.nan_to_num(np.abs(np.asarray(magnitude, dtype=np.float64)), nan=0.0, posinf=0.0, neginf=0.0)
+    float32_rtol = SAFETY * UNIT_ROUNDOFF["float32"] * math.sqrt(max(length, 1))  # the 16-bit bars' float32 floor
+    rtol = float32_rtol if dtype_from_name(dtype).name in ("float16", "bfloat16") and same_precision_error is not None \
+        else tol.rtol
+    floor = rtol * (1.0 + logit_scale) * terms
+    return dataclasses.replace(tol, floor=floor, reason=tol.reason + "; elementwise at least rtol*(1+z)*magnitude, "
+                               f"the size of the terms each element is summed from (up to {float(floor.max()):.3g})")
 
 
 def assert_close(name: str, actual, expected, *, config, dtype: str, quantity: str, B: int, T: int, S: int,

@@ -8,7 +8,7 @@ File `<case>.<dtype>.safetensors`:
   inputs.query|key|value     in <dtype>; inputs.bias in <dtype> when present
   inputs.mask                bool, True = may attend (when present)
   inputs.dropout_mask        bool, True = keep (training cases)
-  inputs.positions, inputs.key_positions, inputs.segment_ids
+  inputs.positions, inputs.key_positions, inputs.segment_ids, inputs.key_segment_ids
                              int64 (cases with explicit positions / packed rows)
   inputs.past_key|past_value in <dtype> (cases with a cache)
   cotangent.output           (B, T, O) float64: the output cotangent
@@ -17,10 +17,16 @@ File `<case>.<dtype>.safetensors`:
   expected.present_key|present_value
                              float64 (when options.return_cache)
   expected.grad.<name>       float64 gradients of sum(output * cotangent)
+  allowance.<quantity>       float64, the shape of expected.<quantity> (output, present_key,
+                             present_value): each element's absolute allowance where it is
+                             larger than the tolerance's atol, rtol * (1 + z) * the magnitude of
+                             what that element is summed from (conformance/tolerance.py)
 __metadata__: format "mha-vectors", format_version "1", case, dtype, config
 (AttentionConfig JSON), options (JSON: is_causal, causal_alignment,
 return_weights, dtype, training, and return_cache where true), tolerance (JSON: quantity -> {rtol, atol,
-reason}, from conformance/tolerance.py), generator.
+reason}, from conformance/tolerance.py), generator. An element passes iff
+|actual - expected| <= max(atol, allowance) + rtol * |expected| (allowance 0
+where the file has none).
 
 Expected values are the float64 reference evaluated on the stored (already
 rounded) weights and inputs, so they are the exact answer for what an
@@ -69,6 +75,8 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
     def tol(name, quantity, reference, floor=0.0):
         t = case_policy(case, dtype, name, quantity, reference, scale_floor=floor)
         tolerance[name] = {"rtol": t.rtol, "atol": t.atol, "reason": t.reason}
+        if t.floor is not None:
+            arrays[f"allowance.{name}"] = np.broadcast_to(t.floor, np.shape(reference)).astype(np.float64)
 
     tol("output", "output", exp["output"])
     if case.return_weights:
@@ -117,7 +125,8 @@ class Vector:
             self.tolerance = json.loads(metadata["tolerance"])
         except (KeyError, ValueError) as err:
             raise VectorFormatError(f"{self.path}: bad metadata: {err}") from None
-        groups: dict[str, dict[str, np.ndarray]] = {"weights": {}, "inputs": {}, "expected": {}, "cotangent": {}}
+        groups: dict[str, dict[str, np.ndarray]] = {"weights": {}, "inputs": {}, "expected": {}, "cotangent": {},
+                                                    "allowance": {}}
         for key, value in arrays.items():
             group, _, rest = key.partition(".")
             if group not in groups:
@@ -126,6 +135,7 @@ class Vector:
         self.tensors = {k: groups["weights"][k] for k in self.config.tensor_shapes() if k in groups["weights"]}
         self.inputs = groups["inputs"]
         self.expected = groups["expected"]
+        self.allowance = groups["allowance"]  # elementwise floors of atol, by quantity (files since 2026-11-27)
         self.cotangent = groups["cotangent"].get("output")
 
 

@@ -139,7 +139,7 @@ def forward_quantities(vector: Vector) -> list[str]:
 
 def _tolerance(vector: Vector, key: str) -> Tolerance:
     t = vector.tolerance[key]
-    return Tolerance(t["rtol"], t["atol"], t["reason"])
+    return Tolerance(t["rtol"], t["atol"], t["reason"], floor=vector.allowance.get(key))
 
 
 def _call(fn, vector: Vector):

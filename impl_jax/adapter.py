@@ -20,12 +20,43 @@ import numpy as np
 import weights
 from weights.contract import check_input_values
 
-from .attention import OPTIONAL_INPUTS, apply, check, trace_stages
+from .attention import OPTIONAL_INPUTS, apply, check, plan, trace_stages
 from .layer import gpu_available, resolve_device
 
 jax.config.update("jax_enable_x64", True)
 
 NAME = "jax"
+
+# The paths `mha check` judges (impl_numpy/adapter.py says how): the stages, fused_attention (float32 and
+# float64 storage without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
+PATHS = ("stages", "fused", "chunked", "in_place")
+FAST_PATH = "fused"
+CHUNK = 2  # the chunked path's block size in conformance runs (impl_numpy.adapter.CHUNK)
+SPARE = 1  # positions past P + S in an in-place cache's buffers
+
+
+def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
+    """The call options that run `path` on this call (None: the path does not exist for it; NotImplementedError:
+    the call cannot take it, with the plan's reason)."""
+    dtype = weights.dtype_from_name(options["dtype"])
+    if path == "stages":
+        return options | {"return_weights": True}
+    if path == "fused":
+        if weights.compute_dtype(dtype) != dtype:
+            return None  # 16-bit storage: the stages, whose every result is rounded to it
+        dropout = bool(options.get("training")) and (inputs.get("dropout_mask") is not None or config.dropout > 0)
+        chosen = plan(return_weights=False, traced=False, chunk_size=None, dropout=dropout, dtype=dtype)
+        if chosen.path != "fused":
+            raise NotImplementedError(f"the fused path cannot take this call: {chosen.why} (the stages run)")
+        return options | {"return_weights": False}
+    if path == "chunked":
+        return options | {"return_weights": False, "chunk_size": CHUNK}
+    if path == "in_place":
+        if inputs.get("past_key") is None:
+            return None
+        return options | {"return_weights": False, "return_cache": True, "in_place": True,
+                          "forward_only": "an in-place cache is inference only"}
+    raise ValueError(f"path must be one of {', '.join(PATHS)}: got {path!r}")
 
 _ARRAYS = ("query", "key", "value", *OPTIONAL_INPUTS)
 # The inputs jax.vjp differentiates (those given); the others (masks, ids) are not differentiable.
@@ -45,6 +76,8 @@ def _static(options, precision):
         ("seed", options.get("seed")),
         ("dtype", options.get("dtype")),
         ("precision", precision),
+        ("chunk_size", options.get("chunk_size")),
+        ("cache_length", options.get("cache_length")),
     )
 
 
@@ -114,13 +147,24 @@ def cpu_compile() -> str:
 def _run(config, tensors, inputs, options, d_output, *, device, precision, with_trace):
     """Validate on the host, place everything on the device, run the program."""
     weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
+    if options.get("in_place"):  # the cache copied into zeroed buffers of capacity P + S + SPARE (cache_length=P)
+        inputs = dict(inputs)
+        P = np.shape(inputs["past_key"])[2]
+        S = np.shape(inputs["query"] if inputs.get("key") is None else inputs["key"])[1]
+        for name in ("past_key", "past_value"):
+            past = np.asarray(inputs[name])
+            buffer = np.zeros((*past.shape[:2], P + S + SPARE, past.shape[3]), past.dtype)
+            buffer[:, :, :P] = past
+            inputs[name] = buffer
+        options = options | {"cache_length": P}
     static = _static(options, precision)
     return_weights = bool(options.get("return_weights", False))
     return_cache = bool(options.get("return_cache", False))
     host = {name: np.asarray(inputs[name]) for name in _ARRAYS if inputs.get(name) is not None}
+    checked = {name: value for name, value in static if name != "chunk_size"}
     shapes, dtype = check(config, tensors, host["query"], host.get("key"), host.get("value"),
                           **{name: host.get(name) for name in OPTIONAL_INPUTS}, return_weights=return_weights,
-                          return_cache=return_cache, **dict(static))
+                          return_cache=return_cache, materializes_scores=options.get("chunk_size") is None, **checked)
     check_input_values(query=host["query"], key=host.get("key"), value=host.get("value"))
     if "past_key" in host:
         check_input_values(past_key=host["past_key"], past_value=host["past_value"])
@@ -145,6 +189,11 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
         answer["weights"] = np.asarray(w)
     if cache is not None:
         answer["present_key"], answer["present_value"] = (np.asarray(x) for x in cache)
+        if options.get("in_place"):  # the buffers, whole: the cache is their first P + S positions
+            S_total = np.shape(inputs["past_key"])[2] + np.shape(inputs["query"] if inputs.get("key") is None
+                                                                 else inputs["key"])[1]
+            answer["present_key"], answer["present_value"] = (answer[name][:, :, :S_total] for name in
+                                                              ("present_key", "present_value"))
     if trace:
         names = trace_stages(config)
         assert len(stages) == len(names), (len(stages), names)

@@ -164,15 +164,16 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     # softmax: dx = w * (dw - sum(dw * w)), in compute dtype like the forward.
     # A fully masked row's weights do not depend on its logits under "zero" and
     # "uniform" (gradient 0); under "nan" they are NaN (see the mask stage).
-    # Sinks: the sink is one more logit whose weight w_sink = 1 - sum(w) feeds
-    # nothing, so d_sink = -w_sink * sum(dw * w), summed over rows.
+    # Sinks: the sink is one more logit whose weight w_sink (functional.sink_weight,
+    # the forward's own exp(sink - max) / total) feeds nothing, so d_sink =
+    # -w_sink * sum(dw * w), summed over rows.
     wc, dwc = w.astype(ct), d_w.astype(ct)
     row = (dwc * wc).sum(axis=-1, keepdims=True)  # (B, N, T, 1)
     d_x = wc * (dwc + row if magnitude else dwc - row)
     if config.masked_row == "uniform" and not config.use_sinks:
         d_x = np.where(np.isfinite(x).any(axis=-1, keepdims=True), d_x, 0)
     if config.use_sinks:
-        w_sink = np.clip(1 - wc.sum(axis=-1, keepdims=True), 0, 1)  # (B, N, T, 1)
+        w_sink = F.sink_weight(x, p["sinks"])  # (B, N, T, 1)
         d_sink = w_sink * row
         grads["sinks"] = ew((d_sink if magnitude else -d_sink).sum(axis=(0, 2, 3)))  # (N,)
     # mask: identity on allowed positions; a masked (-inf) position gets no

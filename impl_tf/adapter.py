@@ -19,6 +19,29 @@ ops = keras.ops
 
 NAME = "tf"
 
+# The paths `mha check` judges (impl_numpy/adapter.py says how): the stages, fused_attention (a call without
+# weights or trace), the chunked path (chunk_size=) and the in-place cache (cache_length=, tf.Variables).
+PATHS = ("stages", "fused", "chunked", "in_place")
+FAST_PATH = "fused"
+CHUNK = 2  # the chunked path's block size in conformance runs (impl_numpy.adapter.CHUNK)
+SPARE = 1  # positions past P + S in an in-place cache's buffers
+
+
+def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
+    """The call options that run `path` on this call (None: the path does not exist for it)."""
+    if path == "stages":
+        return options | {"return_weights": True}
+    if path == "fused":
+        return options | {"return_weights": False}
+    if path == "chunked":
+        return options | {"return_weights": False, "chunk_size": CHUNK}
+    if path == "in_place":
+        if inputs.get("past_key") is None:
+            return None
+        return options | {"return_weights": False, "return_cache": True, "in_place": True,
+                          "forward_only": "an in-place cache is inference only (refused under a recording tape)"}
+    raise ValueError(f"path must be one of {', '.join(PATHS)}: got {path!r}")
+
 
 def devices() -> list[str]:
     return ["cpu"] + (["gpu"] if tf.config.list_physical_devices("GPU") else [])
@@ -66,9 +89,22 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     layer = _layer(config, tensors, options, device, precision)
     return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     kwargs = _kwargs(inputs, options)
+    in_place = {}
+    if options.get("in_place"):  # the cache copied into zeroed tf.Variables of capacity P + S + SPARE
+        dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
+        P, S = np.shape(inputs["past_key"])[2], np.shape(inputs["query"] if inputs.get("key") is None else inputs["key"])[1]
+        for name in ("past_key", "past_value"):
+            past = np.asarray(inputs[name])
+            buffer = np.zeros((*past.shape[:2], P + S + SPARE, past.shape[3]), past.dtype)
+            buffer[:, :, :P] = past
+            in_place[name] = tf.Variable(ops.cast(buffer, dtype))
+        in_place["cache_length"] = P
     result = layer(inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights,
-                   return_cache=return_cache, **kwargs)
+                   return_cache=return_cache, **(kwargs | in_place))
     answer = split_result(result, return_weights, return_cache)
+    if in_place and return_cache:  # the buffers, whole: the cache is their first P + S positions
+        answer["present_key"], answer["present_value"] = (answer[name][:, :, :P + S] for name in
+                                                          ("present_key", "present_value"))
     if trace:
         _, entries = layer.trace(inputs["query"], inputs.get("key"), inputs.get("value"), **kwargs)
         answer["trace"] = [(e.stage, _numpy(e.value)) for e in entries]
@@ -82,9 +118,12 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     given = {n: ops.convert_to_tensor(inputs[n]) for n in differentiable if inputs.get(n) is not None}
     variables = layer.canonical_variables()
     kwargs = {**_kwargs(inputs, options), **{n: given[n] for n in ("past_key", "past_value") if n in given}}
+    return_weights = bool(options.get("return_weights", False))  # the weights run the stages (the stages path)
     with tf.GradientTape() as tape:
         tape.watch(list(given.values()))
-        out = layer(given["query"], given.get("key"), given.get("value"), **kwargs)
+        out = layer(given["query"], given.get("key"), given.get("value"), return_weights=return_weights, **kwargs)
+        if return_weights:
+            out = out[0]  # (output, weights): the gradient is the output's
     d_out = np.asarray(d_output)
     if d_out.shape != tuple(out.shape):
         raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")

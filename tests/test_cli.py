@@ -250,12 +250,14 @@ def test_the_check_matrix_reaches_a_file_one_row_per_line(tmp_path):
     path = tmp_path / "check.txt"
     with path.open("w") as f:
         proc = _cli("check", "--backends", "numpy", "--cases", "self_basic", "cross_dims", "--dtypes", "float32",
-                    "float16", "--jobs", 1, "--no-gradients", stdout=f, stderr=subprocess.PIPE, text=True, timeout=300)
+                    "float16", "--jobs", 1, "--no-gradients", "--paths", "stages", stdout=f, stderr=subprocess.PIPE,
+                    text=True, timeout=300)
     assert proc.returncode == 0 and proc.stderr.strip() == "", proc  # rich's disabled progress bar ends in a newline
     lines = path.read_text().splitlines()
     rule = next(i for i, line in enumerate(lines) if set(line.strip()) == {"─"})
     rows = lines[rule + 1:rule + 3]
-    assert all(row.split()[:3] in (["numpy", "cpu", "float32"], ["numpy", "cpu", "float16"]) for row in rows), lines
+    assert all(row.split()[:4] in (["numpy", "stages", "cpu", "float32"], ["numpy", "stages", "cpu", "float16"])
+               for row in rows), lines
     assert all(re.search(r" \S+ \([a-z ._]+\)\s*$", row) for row in rows), f"worst case cell not whole:\n{lines}"
     assert lines[rule + 3].startswith("4 results"), "\n".join(lines)
 

@@ -247,3 +247,25 @@ def test_an_in_place_cache_refuses_a_buffer_it_cannot_write():
                              past_value=np.zeros((1, 2, 4, 2), np.float32), cache_length=4)
     assert str(info.value) == ("cache_length must be between 0 and C - S = 4 - 1 = 3 (the buffers hold C = 4 "
                                "positions and the call writes S = 1 more): got 4")
+
+
+def test_a_sink_below_float32_round_off_keeps_its_gradient_in_float32():
+    """The sink's weight beside a logit of about 24 is e^-24 ~ 4e-11, under float32's unit round-off:
+    taken as 1 - sum(w) it cancels to exactly 0 in float32 and so did the sink's gradient (random_case
+    924238 of the unseen-seed sweep, margin 1060). Taken as exp(sink - max) / total, the float32
+    gradient is the float64 one to float32's relative round-off."""
+    config = AttentionConfig(num_heads=1, query_dim=4, head_dim=4, use_sinks=True)
+    tensors = weights.init(config, seed=0, dtype="float64")
+    tensors["sinks"] = np.array([-1.0])
+    tensors["query.kernel"] = np.eye(4).reshape(4, 1, 4) * 5.0  # (D, N, H): logits q . k of about 25
+    tensors["key.kernel"] = np.eye(4).reshape(4, 1, 4)
+    for name in ("query.bias", "key.bias"):
+        tensors[name] = np.zeros_like(tensors[name])
+    x = np.array([[[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]]) * np.sqrt(10.0)  # (B, T, D): |x|^2 = 10
+    d_out = np.random.default_rng(1).standard_normal((1, 2, 4))
+    _, want = multi_head_attention_vjp(config, tensors, x, d_output=d_out)
+    f32 = {name: t.astype(np.float32) for name, t in tensors.items()}
+    _, got = multi_head_attention_vjp(config, f32, x.astype(np.float32), d_output=d_out.astype(np.float32))
+    sink64, sink32 = float(want["sinks"][0]), float(got["sinks"][0])
+    assert 0 < abs(sink64) < 1e-8, f"the case must put the sink below float32's round-off: d_sink {sink64}"
+    assert abs(sink32 - sink64) <= 1e-5 * abs(sink64), f"float32 d_sink {sink32} against float64 {sink64}"

@@ -225,18 +225,18 @@ def test_html_parses_and_holds_matrix_failures_and_environment(written, mixed):
 
     failures = table(parsed, "failures")
     assert failures[0] == list(report.FAILURE_COLUMNS)
-    body = {(cells[1], cells[2], cells[3]): cells for cells in failures[1:]}
+    body = {(cells[1], cells[2], cells[4]): cells for cells in failures[1:]}
     not_passing = [r for r in mixed if r.status != "pass"]
     assert len(failures) - 1 == len(not_passing)
     for r in not_passing:
         cells = body[(r.case, r.backend, r.device)]
-        assert cells[0] == r.status and cells[4] == r.dtype
+        assert cells[0] == r.status and cells[3] == r.path and cells[5] == r.dtype
         if r.status == "fail":
-            assert cells[5] == f"{r.margin:.3g}"
-            assert r.worst.describe() in cells[6]
-            assert cells[7] == r.divergence.describe() and cells[7].startswith("first divergent stage: logits")
+            assert cells[6] == f"{r.margin:.3g}"
+            assert r.worst.describe() in cells[7]
+            assert cells[8] == r.divergence.describe() and cells[8].startswith("first divergent stage: logits")
         else:
-            assert r.message and cells[8] == r.message
+            assert r.message and cells[9] == r.message
     assert CRASH_MESSAGE in text
     assert "<crashed>" not in paths["html"].read_text(encoding="utf-8"), "the error message must be escaped"
     assert "mha check <test>" in text
@@ -248,14 +248,15 @@ def test_html_parses_and_holds_matrix_failures_and_environment(written, mixed):
 def test_markdown_holds_the_same(written, mixed):
     _, paths, env = written
     md = paths["md"].read_text(encoding="utf-8")
-    assert md_rows(md, "| backend | device | dtype |") == [report.matrix_cells(row) for row in report.matrix(mixed)]
+    assert md_rows(md, "| backend | path | device | dtype |") == [report.matrix_cells(row)
+                                                                  for row in report.matrix(mixed)]
     failures = md_rows(md, "| status | case |")
     assert len(failures) == sum(r.status != "pass" for r in mixed)
     assert all(len(cells) == len(report.FAILURE_COLUMNS) for cells in failures), "a pipe in a cell broke the table"
     for r in mixed:
         if r.status == "fail":
             assert r.case in md and r.divergence.describe() in md
-    assert sorted(c[8] for c in failures if c[0] != "fail") == sorted(r.message for r in mixed if r.status in ("error", "unsupported"))
+    assert sorted(c[9] for c in failures if c[0] != "fail") == sorted(r.message for r in mixed if r.status in ("error", "unsupported"))
     table_lines = [line for line in md.splitlines() if line.startswith("| error |")]
     assert len(table_lines) == 1 and "\\<crashed>" in table_lines[0], f"raw HTML in a message must be escaped: {table_lines}"
     assert env["versions"]["numpy"] in md and env["precision"]["meaning"] in md

@@ -334,14 +334,16 @@ def test_junit_marks_unsupported_as_skipped_and_errors_with_their_traceback(tmp_
     assert suite.get("skipped") == str(counts["unsupported"]) and suite.get("errors") == str(counts["error"])
 
 
-def test_check_junit_one_testcase_per_case_backend_device_dtype(tmp_path, capsys):
+def test_check_junit_one_testcase_per_case_backend_path_device_dtype(tmp_path, capsys):
     code, out, err = run_cli(capsys, "check", "--backends", "numpy", "--cases", "self_basic", "gqa",
                              "--dtypes", "float32", "float16", "--jobs", "1", "--junit", tmp_path / "c.xml")
     assert code == 0, out + err
     suite = ET.parse(tmp_path / "c.xml").getroot().find("testsuite")
     names = sorted((c.get("classname"), c.get("name")) for c in suite.findall("testcase"))
-    assert names == sorted(("mha.check.numpy.cpu", f"{case}.{dtype}") for case in ("self_basic", "gqa")
-                           for dtype in ("float32", "float16"))
+    # the fused core exists in float32 only (float16 storage computes on the stages); neither case has a cache
+    assert names == sorted([("mha.check.numpy.stages.cpu", f"{case}.{dtype}") for case in ("self_basic", "gqa")
+                            for dtype in ("float32", "float16")]
+                           + [("mha.check.numpy.fused.cpu", f"{case}.float32") for case in ("self_basic", "gqa")])
     assert suite.get("failures") == "0" and ": ok margin" in suite.find("testcase/system-out").text
 
 

@@ -1,0 +1,89 @@
+"""Random cases (cases.random_case) through one backend's paths: the sweep the tolerance policy is proven on.
+
+    python -m conformance.sweep --backend jax --seeds 920000 930000 --dtypes float32 float64 --json jax.json
+
+Every seed's case runs on each of the backend's paths of --paths (conformance.check's kinds) in each
+dtype; a result that is not a pass is a finding, listed in full. The policy's constants were set on seeds
+the tests use; a sweep of seeds no test uses is the check that they hold (docs/conformance.md lists the
+runs). tests/test_conformance_sweep.py runs small sweeps of its own seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+
+from conformance import backends
+from conformance.cases import DTYPE_NAMES, random_case
+from conformance.check import DEFAULT_PATH_KINDS, PATH_KINDS, paths_of
+from conformance.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case
+
+
+def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KINDS, *, progress=None) -> dict:
+    """{"runs", "failures": [descriptions], "worst": {"path dtype": (margin, case, quantity)}, "unsupported"}."""
+    adapter = backends.load(backend_id)
+    paths = paths_of(adapter, path_kinds)
+    worst: dict[str, tuple[float, str, str]] = {}
+    failures, runs, unsupported = [], 0, collections.Counter()
+    for i, seed in enumerate(seeds):
+        case = random_case(seed)
+        for dtype in dtypes:
+            for path in paths:
+                r = run_case(case, backend_id, dtype=dtype, adapter=adapter, path=path)
+                if r is None:
+                    continue
+                runs += 1
+                key = f"{path} {dtype}"
+                if r.status == STATUS_PASS:
+                    if r.worst is not None and r.margin > worst.get(key, (-1.0,))[0]:
+                        worst[key] = (r.margin, case.name, r.worst.name)
+                elif r.status == STATUS_UNSUPPORTED:
+                    unsupported[f"{key}: {r.message}"] += 1
+                else:
+                    failures.append(f"{case.name} {key}: {r.status} {r.message} "
+                                    f"{r.worst.describe() if r.worst else ''} "
+                                    f"{r.divergence.describe() if r.divergence else ''}".strip())
+        if i % 10 == 9:
+            clear_cache()  # every case has new shapes: bound the references and JAX programs kept
+        if progress is not None:
+            progress(i + 1, runs, len(failures))
+    clear_cache()
+    return {"backend": backend_id, "seeds": [seeds[0], seeds[-1] + 1] if len(seeds) else [], "dtypes": list(dtypes),
+            "paths": paths, "runs": runs, "failures": failures,
+            "worst": {k: {"margin": m, "case": c, "quantity": q} for k, (m, c, q) in sorted(worst.items())},
+            "unsupported": dict(unsupported)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m conformance.sweep", description=__doc__.splitlines()[0])
+    p.add_argument("--backend", required=True, choices=list(backends.CORE))
+    p.add_argument("--seeds", nargs=2, type=int, required=True, metavar=("FIRST", "STOP"),
+                   help="random_case seeds FIRST .. STOP-1")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
+    p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATH_KINDS), choices=[*PATH_KINDS, "all"])
+    p.add_argument("--json", metavar="FILE", help="write the summary here")
+    args = p.parse_args(argv)
+    kinds = PATH_KINDS if "all" in args.paths else tuple(args.paths)
+    started = time.perf_counter()
+
+    def progress(done, runs, failed):
+        if done % 100 == 0:
+            print(f"{args.backend}: {done} seeds, {runs} runs, {failed} failures, "
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+    summary = sweep(args.backend, range(*args.seeds), args.dtypes, kinds, progress=progress)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    text = json.dumps(summary, indent=1)
+    if args.json:
+        from weights.atomic import write_bytes_atomic
+
+        write_bytes_atomic(args.json, text.encode(), overwrite=True)
+    print(text)
+    return 0 if not summary["failures"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Forward magnitudes: the size of the terms each forward value is summed from.
+
+The forward counterpart of backward.py's `gradient_magnitudes`. Rounding
+error follows the size of the terms a value is summed from, not of the value
+(Higham, "Accuracy and Stability of Numerical Algorithms", sec. 3.5: the
+error of a sum is bounded by a multiple of the sum of |terms|; of a dot
+product by |x|.|y|, not |x.y|). A forward value that cancels (an output of
+-9e-4 summed from terms of 1e-1) or that a norm divides by its own small RMS
+carries an absolute error of the size of those terms, which a scale taken
+from max|reference| does not cover. `forward_magnitudes` returns, for every
+stage the reference traces (the same names, the same shapes), an array that
+bounds each element elementwise (|stage value| <= magnitude) and is the
+scale its rounding error follows, plus the returned cache's magnitudes.
+
+Everything runs in float64 on the call as `prepare` validates it. The rules,
+stage by stage (each is a comment in the code below):
+
+* inputs and tensors: replaced by their absolute values.
+* project: |x| @ |W| + |b| (functional.project on absolute values).
+* norm (qk_norm, "rms" or "layer", scope "head" or "all"): a norm divides
+  upstream error by the RMS it divides by. The normed magnitude is the
+  upstream magnitude times the TRUE forward's r = 1 / sqrt(mean(y^2) + eps)
+  (y the true projection, minus its mean for "layer"), times |scale|, plus
+  |bias|. For "layer" the centred value y = x - mean(x) has magnitude
+  mag(x) + mean over the group of mag(x).
+* split_heads: the same reshape.
+* rope: with the true cos/sin tables (times the attention factor), the
+  rotation y1 = x1 c - x2 s, y2 = x2 c + x1 s becomes m1|c| + m2|s|,
+  m2|c| + m1|s| on the rotary features (interleaved or half-split as the
+  config says); the rest pass through.
+* the cache: past_key / past_value's magnitudes are their absolute values;
+  present_key / present_value are those concatenated with the new keys' and
+  values' magnitudes, (B, K, P+S, H) and (B, K, P+S, V).
+* logits: |scale| * mag_q @ mag_k^T per head (functional.logits: query head n
+  reads key head n // G).
+* softcap: c tanh(x / c) has slope <= 1 (|c tanh(x/c)| <= |x|): the magnitude
+  passes through unchanged.
+* mask: masked (not allowed) entries are the reference's own mask-stage
+  value there (-inf); allowed entries mag + |bias| (bias finite there).
+* softmax: the TRUE forward's weights. They are nonnegative, so they are
+  their own magnitude; their relative error (an absolute logit error turned
+  into a relative weight error) is what the policy's (1 + z) term covers.
+  Masked rows come out as the reference has them (zero, uniform, NaN), and
+  with sinks the weights already hold the sink's share.
+* dropout: the TRUE dropout stage (weights * keep / (1 - p), nonnegative).
+* attend: true dropped weights @ mag_v (a NaN row stays NaN, a zero row 0,
+  a uniform row the magnitude of the mean).
+* merge_heads: the same reshape.
+* output: mag_ctx @ |W_o| + |b_o|.
+
+The true values these rules need (the norm's r, cos/sin, the mask stage,
+the weights, the dropped weights) come from the reference itself: the stage
+values of multi_head_attention's trace, the norm's r from backward.py's
+_norm_parts (functional.norm's own steps), the rope tables from
+attention.rope_tables and functional.rope_angles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import functional as F
+from .attention import multi_head_attention, prepare, rope_tables
+from .backward import _norm_parts, _rope_join, _rope_pair
+
+CACHE_NAMES = ("present_key", "present_value")
+
+
+def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
+                       causal_alignment="top_left", training=False, dropout_mask=None, seed=None, positions=None,
+                       key_positions=None, past_key=None, past_value=None, segment_ids=None,
+                       key_segment_ids=None) -> dict[str, np.ndarray]:
+    """Magnitude bounds of every traced forward stage, in float64 (module docstring).
+
+    Arguments as impl_numpy.multi_head_attention's (without return_weights,
+    return_cache, trace, chunk_size, cache_length, dtype). Returns a dict
+    keyed by the reference's trace stage names (query.project, key.project,
+    value.project, [query.norm, key.norm], query.split_heads, ...,
+    [query.rope, key.rope], logits, [softcap], mask, softmax, dropout,
+    attend, merge_heads, output), each of its stage's shape, plus
+    present_key (B, K, P+S, H) and present_value (B, K, P+S, V)."""
+    options = dict(mask=mask, bias=bias, is_causal=is_causal, causal_alignment=causal_alignment, training=training,
+                   seed=seed, positions=positions, key_positions=key_positions, past_key=past_key,
+                   past_value=past_value, segment_ids=segment_ids, key_segment_ids=key_segment_ids)
+    call = prepare(config, tensors, query, key, value, dropout_mask=dropout_mask, return_weights=False,
+                   dtype="float64", **options)
+    # The true forward, stage by stage, from the reference's own trace. The
+    # keep-mask prepare drew (or was given) is passed on, so both see the same one.
+    entries: list = []
+    multi_head_attention(config, tensors, query, key, value, dropout_mask=call.keep if training else dropout_mask,
+                         dtype="float64", trace=entries, **options)
+    true = {e.stage: np.asarray(e.value) for e in entries}
+
+    N, K = config.num_heads, config.num_kv_heads
+    mags: dict[str, np.ndarray] = {}
+
+    def rec(stage, value):
+        mags[stage] = value
+        return value
+
+    # inputs and tensors: replaced by their absolute values
+    p = {name: np.abs(t) for name, t in call.params.items()}
+    xq, xk, xv = np.abs(call.query), np.abs(call.key), np.abs(call.value)
+    # project: |x| @ |W| + |b|
+    q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+    k = rec("key.project", F.project(xk, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
+    v = rec("value.project", F.project(xv, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+    if config.qk_norm is not None:
+        n = config.qk_norm
+        ct = np.dtype(np.float64)
+
+        # norm: a norm divides upstream error by the RMS it divides by. mag(y) r |scale| + |bias|, r the
+        # TRUE forward's 1 / sqrt(mean(y^2) + eps); for "layer" y = x - mean(x), of magnitude
+        # mag(x) + mean over the group of mag(x).
+        def norm(name, m, heads):
+            _, r = _norm_parts(true[name + ".project"], n.type, n.eps, heads, n.scope, ct)  # r (B, L, groups, 1)
+            B, L, Fw = m.shape
+            y = m.reshape(r.shape[:-1] + (Fw // r.shape[-2],))  # (B, L, groups, W)
+            if n.type == "layer":
+                y = y + y.mean(axis=-1, keepdims=True)
+            y = y * r * p[name + ".norm.scale"].reshape(-1)
+            if name + ".norm.bias" in p:
+                y = y + p[name + ".norm.bias"].reshape(-1)
+            return rec(name + ".norm", y.reshape(B, L, Fw))
+
+        q, k = norm("query", q, N), norm("key", k, K)
+    # split_heads: the same reshape
+    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+    k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
+    v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
+    if config.rope is not None:
+        inv_freq, factor = rope_tables(config)
+        R, interleaved = config.rope.rotary_dim, config.rope.interleaved
+
+        # rope: with the true cos/sin (times the attention factor), (x1 c - x2 s, x2 c + x1 s) becomes
+        # (m1|c| + m2|s|, m2|c| + m1|s|) on the rotary features; the rest pass through
+        def rope(name, m, positions):
+            angles = F.rope_angles(positions, inv_freq, call.dtype)  # (B|1, 1, L, R/2)
+            c, s = np.abs(np.cos(angles) * factor), np.abs(np.sin(angles) * factor)
+            m1, m2 = _rope_pair(m, R, interleaved)
+            return rec(name + ".rope", _rope_join(m1 * c + m2 * s, m2 * c + m1 * s, m[..., R:], interleaved))
+
+        q, k = rope("query", q, call.positions), rope("key", k, call.key_positions)
+    # the cache: past_key / past_value's magnitudes are their absolute values, the new keys' appended
+    if call.past_key is not None:
+        k = np.concatenate([np.abs(call.past_key), k], axis=2)  # (B, K, P+S, H)
+        v = np.concatenate([np.abs(call.past_value), v], axis=2)  # (B, K, P+S, V)
+    mags["present_key"], mags["present_value"] = k, v
+    # logits: |scale| * mag_q @ mag_k^T, query head n reading key head n // G
+    x = rec("logits", F.logits(q, k, abs(config.effective_scale)))  # (B, N, T, P+S)
+    # softcap: c tanh(x / c) has slope <= 1, so |softcap(x)| <= |x|: the magnitude passes through
+    if config.logit_softcap is not None:
+        x = rec("softcap", x)
+    # mask: masked entries as the reference has them (-inf); allowed ones mag + |bias| (finite there)
+    if call.bias4 is not None:
+        with np.errstate(invalid="ignore"):
+            x = x + np.abs(call.bias4)
+    x = rec("mask", np.where(true["mask"] == -np.inf, true["mask"], x))
+    # softmax: the true weights (nonnegative: their own magnitude; masked rows and sinks as the reference has them)
+    rec("softmax", true["softmax"])
+    # dropout: the true dropped weights (weights * keep / (1 - p), nonnegative)
+    wd = rec("dropout", true["dropout"])
+    # attend: true dropped weights @ mag_v (a NaN row stays NaN, a zero row 0, a uniform row the mean's magnitude)
+    ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    # merge_heads: the same reshape
+    ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
+    # output: mag_ctx @ |W_o| + |b_o|
+    rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
+    missing = set(true) ^ (set(mags) - set(CACHE_NAMES))
+    if missing:  # the reference traced a stage this module does not know, or the other way round
+        raise AssertionError(f"forward_magnitudes and the reference's trace disagree on stages {sorted(missing)}")
+    return {name: mags[name] for name in (*true, *CACHE_NAMES)}

@@ -18,6 +18,7 @@ import collections
 import json
 import math
 import os
+import re
 import signal
 import stat
 import struct
@@ -377,13 +378,27 @@ def same_load(got, config: AttentionConfig, tensors: dict) -> str | None:
     return None
 
 
-def load_or_refuse(path: Path, config: AttentionConfig, tensors: dict, what: str) -> str:
-    """'refused' or 'identical'; anything else (another exception, a changed result) fails."""
+def reason_of(message: str, path: Path) -> str:
+    """A refusal's reason: its message without the file name, quoted names and numbers, so that the
+    refusals of one check count once however the file differed."""
+    text = message.removeprefix(f"{path}: ")
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
+    text = re.sub(r"\[[^\]]*\]", "[…]", text)  # shapes
+    text = re.sub(r"\b(?:BOOL|[A-Z]+\d+(?:_[A-Z0-9]+)?)\b", "DTYPE", text)  # safetensors dtype codes
+    return re.sub(r"-?\d+", "#", text)
+
+
+def load_or_refuse(path: Path, config: AttentionConfig, tensors: dict, what: str,
+                   reasons: collections.Counter | None = None) -> str:
+    """'refused' or 'identical'; anything else (another exception, a changed result) fails.
+    reasons: counts each refusal's reason_of."""
     try:
         got = weights.load(path)
     except WeightsFormatError as err:
         message = str(err)
         assert message.startswith(f"{path}: ") and "\n" not in message, f"{what}: {message!r}"
+        if reasons is not None:
+            reasons[reason_of(message, path)] += 1
         return "refused"
     except BaseException as err:  # the failure tested for
         raise AssertionError(f"{what}: load raised {type(err).__name__}: {err}") from err
@@ -393,21 +408,62 @@ def load_or_refuse(path: Path, config: AttentionConfig, tensors: dict, what: str
 
 
 def header_bit_flips(directory: Path, config: AttentionConfig, dtype: str, counter: str,
-                     metadata: dict | None = None) -> collections.Counter:
-    """Flip every bit of the length prefix and the header, one at a time; load each."""
+                     metadata: dict | None = None) -> tuple[bytes, collections.Counter, set[tuple[int, int]]]:
+    """Flip every bit of the length prefix and the header, one at a time; load each.
+    Returns the good file, the outcomes and the flips (byte, bit) that loaded identically."""
     tensors = weights.init(config, seed=5, dtype=dtype)
     good = weights.to_bytes(config, tensors, metadata=metadata)
     (n,) = struct.unpack("<Q", good[:8])
     path = directory / "flip.safetensors"
     outcomes: collections.Counter = collections.Counter()
+    harmless: set[tuple[int, int]] = set()
     for byte in range(8 + n):
         for bit in range(8):
             data = bytearray(good)
             data[byte] ^= 1 << bit
             path.write_bytes(data)
-            outcomes[load_or_refuse(path, config, tensors, f"byte {byte} bit {bit}")] += 1
+            outcome = load_or_refuse(path, config, tensors, f"byte {byte} bit {bit}")
+            outcomes[outcome] += 1
+            if outcome == "identical":
+                harmless.add((byte, bit))
             COUNTS[counter] += 1
-    return outcomes
+    return good, outcomes, harmless
+
+
+def legal_in_json_string(b: int) -> bool:
+    """A byte that may stand unescaped inside a JSON string of a UTF-8 header: ASCII from the space
+    up (DEL included), but not the quote or the backslash; control bytes and non-ASCII bytes (alone,
+    not UTF-8) are not."""
+    return 0x20 <= b < 0x80 and b not in (0x22, 0x5C)
+
+
+def flips_inside_strings(good: bytes, strings) -> set[tuple[int, int]]:
+    """The one-bit flips (byte, bit) of the header that land in the characters of one of `strings`
+    (written as JSON strings, each once in the header) and leave a legal JSON string."""
+    (n,) = struct.unpack("<Q", good[:8])
+    flips = set()
+    for text in strings:
+        token = json.dumps(text).encode()
+        assert good.count(token, 8, 8 + n) == 1, f"{token!r} is not once in the header"
+        at = good.index(token, 8, 8 + n)
+        flips |= {(byte, bit) for byte in range(at + 1, at + len(token) - 1) for bit in range(8)
+                  if legal_in_json_string(good[byte] ^ (1 << bit))}
+    return flips
+
+
+def assert_harmless_flips_are(harmless: set, predicted: set, total: int, why: str) -> None:
+    assert harmless == predicted, (
+        f"{len(harmless)} of {total} header bit flips loaded identically, predicted {len(predicted)} ({why}); "
+        f"loaded though not predicted (byte, bit): {sorted(harmless - predicted)[:12]}; "
+        f"refused though predicted harmless: {sorted(predicted - harmless)[:12]}")
+
+
+# Which flips a correct reader cannot notice, worked out from the format: the weights header is
+# covered by header_sha256, except the metadata key that names it. Renamed by a flip to another legal
+# key, the file reads as one written before header_sha256 (accepted: the tensors' sha256 map still
+# checks every byte of data) with one unknown metadata key (ignored): the same config and tensors.
+# Every other flip must be refused.
+WEIGHTS_HEADER_UNCHECKED = ("header_sha256",)
 
 
 # An explicit scale, dropout and user metadata: before header_sha256 one flipped bit
@@ -428,17 +484,18 @@ HEADER_FLIP_SLOW_CASES = [
 
 @pytest.mark.parametrize("config, dtype, metadata", HEADER_FLIP_CASES)
 def test_every_single_bit_flip_in_the_header_is_refused_or_harmless(scratch, config, dtype, metadata):
-    outcomes = header_bit_flips(scratch, config, dtype, "header bit flips (exhaustive)", metadata)
-    assert sum(outcomes.values()) >= 8 * 1000, outcomes
-    assert outcomes["refused"] >= 0.99 * sum(outcomes.values()), outcomes
+    good, outcomes, harmless = header_bit_flips(scratch, config, dtype, "header bit flips (exhaustive)", metadata)
+    assert_harmless_flips_are(harmless, flips_inside_strings(good, WEIGHTS_HEADER_UNCHECKED), sum(outcomes.values()),
+                              "the letters of the header_sha256 key")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, dtype, metadata", HEADER_FLIP_SLOW_CASES)
 def test_every_single_bit_flip_in_the_header_is_refused_or_harmless_slow(scratch, config, dtype, metadata):
-    outcomes = header_bit_flips(scratch, config, dtype, "header bit flips (exhaustive, slow configs)", metadata)
-    assert sum(outcomes.values()) >= 8 * 1000, outcomes
-    assert outcomes["refused"] >= 0.99 * sum(outcomes.values()), outcomes
+    good, outcomes, harmless = header_bit_flips(scratch, config, dtype, "header bit flips (exhaustive, slow configs)",
+                                                metadata)
+    assert_harmless_flips_are(harmless, flips_inside_strings(good, WEIGHTS_HEADER_UNCHECKED), sum(outcomes.values()),
+                              "the letters of the header_sha256 key")
 
 
 def test_header_sha256_is_written_and_verified(tmp_path):
@@ -746,28 +803,64 @@ def sample_inputs_bytes(dtype: str = "float32") -> bytes:
     }, {"note": "inputs"})
 
 
-def truncate_everywhere(directory: Path, data: bytes, read, error, counter: str) -> int:
-    """Every proper prefix of a valid file (lengths 0 .. len-1) is refused by `read` with `error`."""
+TRUNCATION_REASONS = {
+    "length prefix": re.compile(r"not a safetensors file: (\d+) bytes, shorter than the 8-byte header length"),
+    "header": re.compile(r"not a safetensors file: header length (\d+) exceeds the file's remaining (\d+) bytes"),
+    "data": re.compile(r"tensor '([^']+)' claims bytes (\d+)\.\.(\d+) for shape \[([\d, ]*)\] (\w+), "
+                       r"but the data section has (\d+) bytes"),
+}
+
+
+def truncate_everywhere(directory: Path, data: bytes, read, error, counter: str) -> collections.Counter:
+    """Every proper prefix data[:n] (n = 0 .. len-1) of a valid file is refused by `read` with `error`,
+    for the reason the layout gives: n < 8, the length prefix is cut; n < 8 + H (H the header length),
+    the header; else the data section, and the tensor named is one whose bytes the prefix cuts, with its
+    offsets, shape and dtype as the header has them. Returns the refusals by the reason read gave."""
+    (H,) = struct.unpack("<Q", data[:8])
+    entries = {name: entry for name, entry in header_of(data).items() if name != "__metadata__"}
     path = directory / "cut.safetensors"
     read(write(directory, data, "whole.safetensors"))  # the whole file is valid
+    reasons: collections.Counter = collections.Counter()
     for n in range(len(data)):
         path.write_bytes(data[:n])
-        message = refusal(read, path, error)
-        assert len(message) > len(f"{path}: ") + 10, f"prefix {n}: no reason given: {message!r}"
+        message = refusal(read, path, error)[len(f"{path}: "):]
+        kind, found = next(((kind, m) for kind, pattern in TRUNCATION_REASONS.items()
+                            if (m := pattern.fullmatch(message))), ("unrecognised", None))
+        if kind == "length prefix":
+            assert found.groups() == (str(n),), f"prefix {n}: {message!r}"
+        elif kind == "header":
+            assert found.groups() == (str(H), str(n - 8)), f"prefix {n}: {message!r} (header length {H})"
+        elif kind == "data":
+            name, start, end, shape, code, have = found.groups()
+            entry = entries.get(name)
+            assert entry is not None and [int(start), int(end)] == entry["data_offsets"] and shape == ", ".join(
+                map(str, entry["shape"])) and code == entry["dtype"], f"prefix {n}: {message!r}, header has {entry}"
+            assert int(have) == n - 8 - H < int(end), f"prefix {n} (data section {n - 8 - H} bytes): {message!r}"
+        else:
+            kind = f"unrecognised: {message}"
+        reasons[kind] += 1
         COUNTS[counter] += 1
-    return len(data)
+    return reasons
+
+
+def assert_truncations_refused_by_layout(reasons: collections.Counter, data: bytes) -> None:
+    """Refusals by the reason given against the file's layout: 8 prefixes cut the length, H the header, the
+    rest the data section (a reader that blamed the wrong part, or gave another reason, is counted apart)."""
+    (H,) = struct.unpack("<Q", data[:8])
+    expected = {"length prefix": 8, "header": H, "data": len(data) - 8 - H}
+    assert reasons == expected, f"refusals by reason {dict(reasons)}, by the layout {expected}"
 
 
 def test_truncated_weights_files_are_refused_at_every_byte(scratch):
-    size = truncate_everywhere(scratch, weights.to_bytes(SMALL, small_tensors(), metadata={"note": "x"}),
-                               weights.load, WeightsFormatError, "truncations: weights (exhaustive)")
-    assert COUNTS["truncations: weights (exhaustive)"] >= size >= 1500
+    data = weights.to_bytes(SMALL, small_tensors(), metadata={"note": "x"})
+    reasons = truncate_everywhere(scratch, data, weights.load, WeightsFormatError, "truncations: weights (exhaustive)")
+    assert_truncations_refused_by_layout(reasons, data)
 
 
 def test_truncated_inputs_files_are_refused_at_every_byte(scratch):
-    size = truncate_everywhere(scratch, sample_inputs_bytes(), read_inputs, InputsError,
-                               "truncations: inputs (exhaustive)")
-    assert COUNTS["truncations: inputs (exhaustive)"] >= size >= 500
+    data = sample_inputs_bytes()
+    reasons = truncate_everywhere(scratch, data, read_inputs, InputsError, "truncations: inputs (exhaustive)")
+    assert_truncations_refused_by_layout(reasons, data)
 
 
 @pytest.mark.slow
@@ -775,20 +868,19 @@ def test_truncated_inputs_files_are_refused_at_every_byte(scratch):
 def test_truncated_files_are_refused_at_every_byte_slow(scratch, dtype):
     config = AttentionConfig(num_heads=4, query_dim=6, head_dim=3, num_kv_heads=2, use_value_bias=False)
     data = weights.to_bytes(config, weights.init(config, seed=1, dtype=dtype))
-    before = COUNTS["truncations: weights (exhaustive, slow configs)"]
-    size = truncate_everywhere(scratch, data, weights.load, WeightsFormatError,
-                               "truncations: weights (exhaustive, slow configs)")
-    assert COUNTS["truncations: weights (exhaustive, slow configs)"] - before == size == len(data)
-    before = COUNTS["truncations: inputs (exhaustive, slow dtypes)"]
-    size = truncate_everywhere(scratch, sample_inputs_bytes(dtype), read_inputs, InputsError,
-                               "truncations: inputs (exhaustive, slow dtypes)")
-    assert COUNTS["truncations: inputs (exhaustive, slow dtypes)"] - before == size >= 500
+    reasons = truncate_everywhere(scratch, data, weights.load, WeightsFormatError,
+                                  "truncations: weights (exhaustive, slow configs)")
+    assert_truncations_refused_by_layout(reasons, data)
+    data = sample_inputs_bytes(dtype)
+    reasons = truncate_everywhere(scratch, data, read_inputs, InputsError, "truncations: inputs (exhaustive, slow dtypes)")
+    assert_truncations_refused_by_layout(reasons, data)
 
 
 # -- checksums: every bit of the data section ---------------------------------------------------
 
-def data_bit_flips(directory: Path, config: AttentionConfig, dtype: str, counter: str) -> int:
-    """Flip each bit of each tensor byte, one at a time: load names exactly that tensor's sha256 mismatch."""
+def data_bit_flips(directory: Path, config: AttentionConfig, dtype: str, counter: str) -> tuple[dict, collections.Counter]:
+    """Flip each bit of each tensor byte, one at a time: load names exactly that tensor's sha256 mismatch,
+    and no other. Returns the tensors and how many flips each refusal blamed on each tensor."""
     tensors = weights.init(config, seed=9, dtype=dtype)
     good = weights.to_bytes(config, tensors)
     header = header_of(good)
@@ -800,29 +892,41 @@ def data_bit_flips(directory: Path, config: AttentionConfig, dtype: str, counter
                 owner[start + offset] = name
     assert sorted(owner) == list(range(start, len(good))), "the data section is not fully owned"
     path = directory / "bits.safetensors"
-    flips = 0
+    blamed: collections.Counter = collections.Counter()
     for byte in range(start, len(good)):
         for bit in range(8):
             data = bytearray(good)
             data[byte] ^= 1 << bit
             path.write_bytes(data)
-            refusal(weights.load, path, WeightsFormatError, f"sha256 mismatch for {owner[byte]} ")
-            flips += 1
+            message = refusal(weights.load, path, WeightsFormatError, f"sha256 mismatch for {owner[byte]} ")
+            names = re.findall(r"sha256 mismatch for (\S+) ", message)
+            assert names == [owner[byte]], f"byte {byte} bit {bit} of {owner[byte]}: blamed {names}: {message!r}"
+            blamed.update(names)
             COUNTS[counter] += 1
-    return flips
+    return tensors, blamed
+
+
+def assert_every_bit_blamed_on_its_tensor(tensors: dict, blamed: collections.Counter, parameters: int, dtype: str):
+    """Each tensor was blamed once for each of its bits (8 per byte of its array), and no tensor was missed."""
+    expected = {name: 8 * array.nbytes for name, array in tensors.items()}
+    assert blamed == expected, f"flips blamed per tensor {dict(blamed)}, bits per tensor {expected}"
+    assert sum(expected.values()) == 8 * parameters * weights.DTYPES[dtype].itemsize, expected
 
 
 @pytest.mark.parametrize("dtype", list(weights.DTYPES))
 def test_a_single_flipped_bit_in_any_tensor_byte_is_caught(scratch, dtype):
-    flips = data_bit_flips(scratch, SMALL, dtype, "data-section bit flips (exhaustive)")
-    assert flips == 8 * 80 * weights.DTYPES[dtype].itemsize
+    tensors, blamed = data_bit_flips(scratch, SMALL, dtype, "data-section bit flips (exhaustive)")
+    # SMALL: q, k, v kernels 4x2x2 and biases 2x2, output 2x2x4 and bias 4: 80 parameters
+    assert_every_bit_blamed_on_its_tensor(tensors, blamed, 80, dtype)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(weights.DTYPES))
 def test_a_single_flipped_bit_in_any_tensor_byte_is_caught_slow(scratch, dtype):
     config = AttentionConfig(num_heads=4, query_dim=8, head_dim=3, key_dim=5, value_head_dim=2, num_kv_heads=2)
-    assert data_bit_flips(scratch, config, dtype, "data-section bit flips (exhaustive, slow configs)") > 8 * 200
+    tensors, blamed = data_bit_flips(scratch, config, dtype, "data-section bit flips (exhaustive, slow configs)")
+    # query 8x4x3 + 4x3, key 5x2x3 + 2x3, value 5x2x2 + 2x2, output 4x2x8 + 8
+    assert_every_bit_blamed_on_its_tensor(tensors, blamed, 96 + 12 + 30 + 6 + 20 + 4 + 64 + 8, dtype)
 
 
 # -- hypothesis fuzzers -------------------------------------------------------------------------
@@ -834,6 +938,23 @@ def fuzz_settings(at_least: int) -> settings:
     """The active profile ("ci" by default), with at least `at_least` examples: a case takes ~1 ms."""
     return settings(max_examples=max(at_least, settings().max_examples), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def assert_reasons_reached(reasons: collections.Counter, at_least: int, what: str) -> None:
+    """A fuzzer must reach many of the readers' checks: at least `at_least` distinct reasons (reason_of).
+    Fewer means the generator stopped reaching them, or the readers stopped telling them apart."""
+    assert len(reasons) >= at_least, (
+        f"{what}: {len(reasons)} distinct refusal reasons, expected at least {at_least}: {dict(reasons.most_common())}")
+
+
+# The distinct reasons each fuzzer reaches: the minimums are about two thirds of what was measured, the
+# `ci` profile's examples (derandomized: the same every run) 23 for the mutations, 9 for the structured
+# headers and 23 for random JSON (each reader's reasons counted apart), the slow fuzzers' 8000 random
+# examples 73, 57 and 16.
+MUTATION_REASONS_MIN = 15
+STRUCTURED_REASONS_MIN = 6
+RANDOM_JSON_REASONS_MIN = 15
+LONG_REASONS_MIN = {"mutations": 48, "structured": 38, "random JSON": 10}
 
 
 def slow_fuzz_settings(examples: int) -> settings:
@@ -875,19 +996,19 @@ def test_fuzz_weights_file_mutations(scratch):
     tensors = weights.init(config, seed=2)
     good = weights.to_bytes(config, tensors, metadata={"note": "n"})
     path = scratch / "m.safetensors"
-    outcomes = collections.Counter()
+    outcomes, reasons = collections.Counter(), collections.Counter()
 
     @fuzz_settings(400)
     @given(file_mutations(good))
     def check(mutation):
         data, what = mutation
         path.write_bytes(data)
-        outcomes[load_or_refuse(path, config, tensors, what)] += 1
+        outcomes[load_or_refuse(path, config, tensors, what, reasons)] += 1
         COUNTS["weights file mutations (hypothesis)"] += 1
 
     check()
-    assert sum(outcomes.values()) >= 300, outcomes
-    print(f"\nweights mutations: {dict(outcomes)}")
+    print(f"\nweights mutations: {dict(outcomes)}, {len(reasons)} reasons: {dict(reasons.most_common())}")
+    assert_reasons_reached(reasons, MUTATION_REASONS_MIN, "weights file mutations")
 
 
 def test_fuzz_inputs_file_header_bit_flips_exhaustive(scratch):
@@ -897,7 +1018,7 @@ def test_fuzz_inputs_file_header_bit_flips_exhaustive(scratch):
     original = read_inputs(write(scratch, good, "good.safetensors"))
     (n,) = struct.unpack("<Q", good[:8])
     path = scratch / "flip.safetensors"
-    outcomes = collections.Counter()
+    harmless = set()
     for byte in range(8 + n):
         for bit in range(8):
             data = bytearray(good)
@@ -907,14 +1028,17 @@ def test_fuzz_inputs_file_header_bit_flips_exhaustive(scratch):
                 got = read_inputs(path)
             except InputsError as err:
                 assert str(err).startswith(f"{path}: ") and "\n" not in str(err), str(err)
-                outcomes["refused"] += 1
             else:
                 assert list(got) == list(original) and all(
                     got[k].dtype == original[k].dtype and got[k].shape == original[k].shape
                     and got[k].tobytes() == original[k].tobytes() for k in got), f"byte {byte} bit {bit}: changed"
-                outcomes["identical"] += 1
+                harmless.add((byte, bit))
             COUNTS["inputs header bit flips (exhaustive)"] += 1
-    assert sum(outcomes.values()) == 8 * (8 + n) and outcomes["refused"] > 0.95 * 8 * (8 + n), outcomes
+    # read_inputs returns the arrays, not the metadata: a flip inside a metadata key or value that leaves a
+    # legal string cannot be noticed (and changes nothing read); every other flip of the header must be refused.
+    metadata = header_of(good)["__metadata__"]
+    assert_harmless_flips_are(harmless, flips_inside_strings(good, [*metadata, *metadata.values()]), 8 * (8 + n),
+                              f"the letters of the metadata {metadata}")
 
 
 # A structured generator: entries built consistently, then perhaps broken in one way. The oracle
@@ -1029,6 +1153,7 @@ def test_fuzz_structured_safetensors_headers(scratch):
             assert expected is None, f"a valid file was refused: {err}"
             assert str(err).startswith(f"{path}: ") and "\n" not in str(err), str(err)
             outcomes["refused"] += 1
+            reasons[reason_of(str(err), path)] += 1
         else:
             assert expected is not None, f"an invalid file was accepted: {data[:200]!r}"
             assert got_metadata == (metadata or {})
@@ -1045,9 +1170,11 @@ def test_fuzz_structured_safetensors_headers(scratch):
                 assert str(err).startswith(f"{path}: ") and "\n" not in str(err), str(err)
         COUNTS["structured safetensors headers (hypothesis)"] += 1
 
+    reasons = collections.Counter()
     check()
-    assert sum(outcomes.values()) >= 300 and outcomes["accepted"] >= 30 and outcomes["refused"] >= 30, outcomes
-    print(f"\nstructured headers: {dict(outcomes)}")
+    print(f"\nstructured headers: {dict(outcomes)}, {len(reasons)} reasons: {dict(reasons.most_common())}")
+    assert outcomes["accepted"] >= 30 and outcomes["refused"] >= 30, outcomes
+    assert_reasons_reached(reasons, STRUCTURED_REASONS_MIN, "structured safetensors headers")
 
 
 JSON_VALUES = st.recursive(
@@ -1072,10 +1199,13 @@ def test_fuzz_random_json_headers_and_raw_bytes(scratch):
                 read(path)
             except error as err:
                 assert str(err).startswith(f"{path}: ") and "\n" not in str(err), str(err)
+                reasons[f"{read.__name__}: {reason_of(str(err), path)}"] += 1
         COUNTS["random JSON headers and raw bytes (hypothesis)"] += 1
 
+    reasons = collections.Counter()
     check()
-    assert COUNTS["random JSON headers and raw bytes (hypothesis)"] >= 300
+    print(f"\nrandom JSON: {len(reasons)} reasons: {dict(reasons.most_common())}")
+    assert_reasons_reached(reasons, RANDOM_JSON_REASONS_MIN, "random JSON headers and raw bytes")
 
 
 @pytest.mark.slow
@@ -1086,11 +1216,19 @@ def test_fuzz_long(scratch):
     good = weights.to_bytes(config, tensors, metadata={"note": "n"})
     path = scratch / "long.safetensors"
 
+    reasons = {name: collections.Counter() for name in LONG_REASONS_MIN}
+
+    def refused(kind, read, error):
+        try:
+            read(path)
+        except error as err:
+            reasons[kind][f"{read.__name__}: {reason_of(str(err), path)}"] += 1
+
     @slow_fuzz_settings(8_000)
     @given(file_mutations(good))
     def mutations(mutation):
         path.write_bytes(mutation[0])
-        load_or_refuse(path, config, tensors, mutation[1])
+        load_or_refuse(path, config, tensors, mutation[1], reasons["mutations"])
         COUNTS["weights file mutations (hypothesis, slow)"] += 1
 
     @slow_fuzz_settings(8_000)
@@ -1103,14 +1241,12 @@ def test_fuzz_long(scratch):
             _, got = weights.read_safetensors(path)
         except WeightsFormatError as err:
             assert expected is None, f"a valid file was refused: {err}"
+            reasons["structured"][f"read_safetensors: {reason_of(str(err), path)}"] += 1
         else:
             assert expected is not None and list(got) == list(expected), data[:200]
             assert all(got[k].tobytes() == expected[k].tobytes() for k in got)
         for read, error in ((read_inputs, InputsError), (weights.load, WeightsFormatError)):
-            try:
-                read(path)
-            except error:
-                pass
+            refused("structured", read, error)
         COUNTS["structured safetensors headers (hypothesis, slow)"] += 1
 
     @slow_fuzz_settings(8_000)
@@ -1118,16 +1254,15 @@ def test_fuzz_long(scratch):
     def random_json(header, body, raw):
         path.write_bytes(raw if raw is not None else raw_file(json.dumps(header), body))
         for read, error in ((read_inputs, InputsError), (weights.load, WeightsFormatError)):
-            try:
-                read(path)
-            except error:
-                pass
+            refused("random JSON", read, error)
         COUNTS["random JSON headers and raw bytes (hypothesis, slow)"] += 1
 
     mutations()
     structured()
     random_json()
-    assert COUNTS["weights file mutations (hypothesis, slow)"] >= 5_000
+    print("\n" + "; ".join(f"{kind}: {len(found)} reasons" for kind, found in reasons.items()))
+    for kind, at_least in LONG_REASONS_MIN.items():
+        assert_reasons_reached(reasons[kind], at_least, f"{kind} (slow)")
 
 
 # -- crafted weight files: each bad-input class, checksums otherwise valid ------------------------
@@ -1497,7 +1632,14 @@ FUZZ_CONFIG = AttentionConfig(num_heads=2, query_dim=4, head_dim=3, out_dim=7, d
 FUZZ_TENSORS = weights.init(FUZZ_CONFIG, seed=4)
 
 
-def check_one_call(kwargs: dict, outcomes: collections.Counter) -> None:
+def argument_named(message: str) -> str:
+    """The call argument a ValueError names first."""
+    return min((m.start(), name) for name in CALL_ARGUMENTS if (m := re.search(rf"\b{name}\b", message)))[1]
+
+
+def check_one_call(kwargs: dict, outcomes: collections.Counter, named: collections.Counter | None = None) -> None:
+    """Runs one call: it raises a one-line ValueError naming an argument (counted in `named` by the argument
+    it names first), or returns an output of the right shape, finite for finite inputs."""
     args = dict(kwargs)
     try:
         with np.errstate(all="ignore"):
@@ -1508,6 +1650,8 @@ def check_one_call(kwargs: dict, outcomes: collections.Counter) -> None:
         assert "\n" not in message, message
         assert any(name in message for name in CALL_ARGUMENTS), f"no argument named in {message!r}"
         outcomes["ValueError"] += 1
+        if named is not None:
+            named[argument_named(message)] += 1
         return
     except Exception as err:  # the failure tested for
         shapes = {k: (getattr(v, "shape", v), getattr(v, "dtype", None)) for k, v in kwargs.items()}
@@ -1522,29 +1666,39 @@ def check_one_call(kwargs: dict, outcomes: collections.Counter) -> None:
     outcomes["ran"] += 1
 
 
+# The arguments the call fuzzer's refusals name: the minimums are about two thirds of what was measured
+# (the `ci` profile's examples: 12 of the 14 arguments; the slow fuzzer's 5000 random examples: 12).
+CALL_ARGUMENTS_NAMED_MIN = 8
+CALL_ARGUMENTS_NAMED_MIN_SLOW = 8
+
+
 def test_fuzz_multi_head_attention_calls():
-    outcomes = collections.Counter()
+    outcomes, named = collections.Counter(), collections.Counter()
 
     @fuzz_settings(400)
     @given(calls())
     def check(kwargs):
-        check_one_call(kwargs, outcomes)
+        check_one_call(kwargs, outcomes, named)
         COUNTS["multi_head_attention calls (hypothesis)"] += 1
 
     check()
-    print(f"\ncall fuzz: {dict(outcomes)}")
-    assert sum(outcomes.values()) >= 300 and outcomes["ran"] >= 30 and outcomes["ValueError"] >= 30, outcomes
+    print(f"\ncall fuzz: {dict(outcomes)}, refusals by the argument named: {dict(named.most_common())}")
+    assert outcomes["ran"] >= 30 and outcomes["ValueError"] >= 30, outcomes
+    assert len(named) >= CALL_ARGUMENTS_NAMED_MIN, (
+        f"the refusals named {len(named)} arguments, expected at least {CALL_ARGUMENTS_NAMED_MIN}: {dict(named)}")
 
 
 @pytest.mark.slow
 def test_fuzz_multi_head_attention_calls_slow():
-    outcomes = collections.Counter()
+    outcomes, named = collections.Counter(), collections.Counter()
 
     @slow_fuzz_settings(5_000)
     @given(calls())
     def check(kwargs):
-        check_one_call(kwargs, outcomes)
+        check_one_call(kwargs, outcomes, named)
         COUNTS["multi_head_attention calls (hypothesis, slow)"] += 1
 
     check()
-    print(f"\ncall fuzz (slow): {dict(outcomes)}")
+    print(f"\ncall fuzz (slow): {dict(outcomes)}, refusals by the argument named: {dict(named.most_common())}")
+    assert len(named) >= CALL_ARGUMENTS_NAMED_MIN_SLOW, (
+        f"the refusals named {len(named)} arguments, expected at least {CALL_ARGUMENTS_NAMED_MIN_SLOW}: {dict(named)}")

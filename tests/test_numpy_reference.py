@@ -102,13 +102,16 @@ def test_causal_outputs_ignore_future_tokens(config, seed, T, alignment):
 
 @given(data=st.data())
 def test_all_true_mask_equals_no_mask(data):
-    config = data.draw(configs())
+    config = data.draw(configs(modern=True))
     tensors = weights.init(config, seed=2, dtype="float64")
-    query, key, value, _ = data.draw(calls(config))
-    B, T, S = query.shape[0], query.shape[1], key.shape[1]
+    query, key, value, options = data.draw(calls(config, modern=True))
+    modern = {k: options[k] for k in ("positions", "key_positions", "past_key", "past_value", "segment_ids",
+                                      "key_segment_ids", "is_causal", "causal_alignment") if k in options}
+    B, T = query.shape[0], query.shape[1]
+    S = key.shape[1] + (0 if options.get("past_key") is None else options["past_key"].shape[2])  # every key
     shape = data.draw(st.sampled_from([(T, S), (B, T, S), (B, 1, T, S), (B, config.num_heads, T, S)]))
-    a = multi_head_attention(config, tensors, query, key, value, mask=np.ones(shape, bool))
-    b = multi_head_attention(config, tensors, query, key, value)
+    a = multi_head_attention(config, tensors, query, key, value, mask=np.ones(shape, bool), **modern)
+    b = multi_head_attention(config, tensors, query, key, value, **modern)
     np.testing.assert_array_equal(a, b, err_msg="an all-True mask must be bit-identical to no mask")
 
 
@@ -117,11 +120,11 @@ def staged(config, tensors, query, key, value, **options):
     return multi_head_attention(config, tensors, query, key, value, trace=[], **options)
 
 
-@given(data=st.data(), chunk=st.integers(1, 4))
+@given(data=st.data(), chunk=st.sampled_from([1, 2, 3, 4, 8]))
 def test_chunked_equals_staged(data, chunk):
-    config = data.draw(configs(dropout=True))
+    config = data.draw(configs(dropout=True, modern=True))
     tensors = weights.init(config, seed=3, dtype="float64")
-    query, key, value, options = data.draw(calls(config))
+    query, key, value, options = data.draw(calls(config, modern=True))
     expected = staged(config, tensors, query, key, value, **options)
     chunked = multi_head_attention(config, tensors, query, key, value, chunk_size=chunk, **options)
     assert_allclose64(chunked, expected, f"chunk_size={chunk}", rtol=1e-11, atol=1e-12)
@@ -131,9 +134,9 @@ def test_chunked_equals_staged(data, chunk):
 def test_fused_fast_path_equals_staged(data):
     """Without trace or weights, float64 runs logits..attend fused (chunked.py's
     core); it must agree with the stages, every option included."""
-    config = data.draw(configs(dropout=True))
+    config = data.draw(configs(dropout=True, modern=True))
     tensors = weights.init(config, seed=4, dtype="float64")
-    query, key, value, options = data.draw(calls(config))
+    query, key, value, options = data.draw(calls(config, modern=True))
     expected = staged(config, tensors, query, key, value, **options)
     fused = multi_head_attention(config, tensors, query, key, value, **options)
     assert_allclose64(fused, expected, "fused fast path", rtol=1e-11, atol=1e-12)

@@ -604,6 +604,9 @@ def test_import_selects_tensorflow_backend():
     )
 
 
+# It needs jax as well as TensorFlow (keras started on the jax backend): marked jax too, so that tox's `all`
+# env (every framework; it deselects a test marked with one framework only) runs it; the tf env has no jax.
+@pytest.mark.jax
 def test_import_refuses_another_backend():
     pytest.importorskip("jax", reason="needs jax to start keras on another backend")
     done = _import_in_subprocess("jax", "import keras; import impl_tf")

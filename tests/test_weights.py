@@ -14,7 +14,7 @@ import weights
 from weights import AttentionConfig, WeightsFormatError
 
 
-@given(config=configs(dropout=True))
+@given(config=configs(dropout=True, modern=True))
 def test_config_json_round_trip(config):
     again = AttentionConfig.from_json(config.to_json())
     assert again == config
@@ -60,7 +60,7 @@ def test_config_from_dict_rejects_unknown_and_missing():
 
 
 @pytest.mark.parametrize("dtype", list(weights.DTYPES))
-@given(config=configs())
+@given(config=configs(modern=True))
 def test_save_load_bit_exact(tmp_path_factory, dtype, config):
     path = tmp_path_factory.mktemp("w") / "w.safetensors"
     tensors = weights.init(config, seed=4, dtype=dtype)

@@ -19,6 +19,7 @@ import numpy as np
 
 import weights
 from weights.contract import check_input_values
+from weights.paths import common_path_options, in_place_buffers, new_keys
 
 from .attention import OPTIONAL_INPUTS, apply, check, plan, trace_stages
 from .layer import gpu_available, resolve_device
@@ -27,36 +28,27 @@ jax.config.update("jax_enable_x64", True)
 
 NAME = "jax"
 
-# The paths `mha check` judges (impl_numpy/adapter.py says how): the stages, fused_attention (float32 and
-# float64 storage without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
+# The paths `mha check` judges (weights/paths.py): the stages, fused_attention (float32 and float64 storage
+# without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
-CHUNK = 2  # the chunked path's block size in conformance runs (impl_numpy.adapter.CHUNK)
-SPARE = 1  # positions past P + S in an in-place cache's buffers
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
-    """The call options that run `path` on this call (None: the path does not exist for it; NotImplementedError:
-    the call cannot take it, with the plan's reason)."""
+    """The call options that run `path` on this call (weights.paths); None where the path does not exist for
+    it (fused_attention in 16-bit storage: plan's stages round every result to it); NotImplementedError
+    where it cannot take the call, with the plan's reason."""
+    if path != "fused":
+        return common_path_options(path, inputs, options, paths=PATHS)
     dtype = weights.dtype_from_name(options["dtype"])
-    if path == "stages":
-        return options | {"return_weights": True}
-    if path == "fused":
-        if weights.compute_dtype(dtype) != dtype:
-            return None  # 16-bit storage: the stages, whose every result is rounded to it
-        dropout = bool(options.get("training")) and (inputs.get("dropout_mask") is not None or config.dropout > 0)
-        chosen = plan(return_weights=False, traced=False, chunk_size=None, dropout=dropout, dtype=dtype)
-        if chosen.path != "fused":
-            raise NotImplementedError(f"the fused path cannot take this call: {chosen.why} (the stages run)")
-        return options | {"return_weights": False}
-    if path == "chunked":
-        return options | {"return_weights": False, "chunk_size": CHUNK}
-    if path == "in_place":
-        if inputs.get("past_key") is None:
-            return None
-        return options | {"return_weights": False, "return_cache": True, "in_place": True,
-                          "forward_only": "an in-place cache is inference only"}
-    raise ValueError(f"path must be one of {', '.join(PATHS)}: got {path!r}")
+    if weights.compute_dtype(dtype) != dtype:
+        return None
+    dropout = bool(options.get("training")) and (inputs.get("dropout_mask") is not None or config.dropout > 0)
+    chosen = plan(return_weights=False, traced=False, chunk_size=None, dropout=dropout, dtype=dtype)
+    if chosen.path != "fused":
+        raise NotImplementedError(f"the fused path cannot take this call: {chosen.why} (the stages run)")
+    return options | {"return_weights": False}
+
 
 _ARRAYS = ("query", "key", "value", *OPTIONAL_INPUTS)
 # The inputs jax.vjp differentiates (those given); the others (masks, ids) are not differentiable.
@@ -147,15 +139,9 @@ def cpu_compile() -> str:
 def _run(config, tensors, inputs, options, d_output, *, device, precision, with_trace):
     """Validate on the host, place everything on the device, run the program."""
     weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
-    if options.get("in_place"):  # the cache copied into zeroed buffers of capacity P + S + SPARE (cache_length=P)
-        inputs = dict(inputs)
-        P = np.shape(inputs["past_key"])[2]
-        S = np.shape(inputs["query"] if inputs.get("key") is None else inputs["key"])[1]
-        for name in ("past_key", "past_value"):
-            past = np.asarray(inputs[name])
-            buffer = np.zeros((*past.shape[:2], P + S + SPARE, past.shape[3]), past.dtype)
-            buffer[:, :, :P] = past
-            inputs[name] = buffer
+    if options.get("in_place"):  # the cache in zeroed buffers of capacity P + S + SPARE (cache_length=P)
+        past_key, past_value, P = in_place_buffers(inputs, np.asarray(inputs["past_key"]).dtype)
+        inputs = dict(inputs, past_key=past_key, past_value=past_value)
         options = options | {"cache_length": P}
     static = _static(options, precision)
     return_weights = bool(options.get("return_weights", False))
@@ -190,8 +176,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     if cache is not None:
         answer["present_key"], answer["present_value"] = (np.asarray(x) for x in cache)
         if options.get("in_place"):  # the buffers, whole: the cache is their first P + S positions
-            S_total = np.shape(inputs["past_key"])[2] + np.shape(inputs["query"] if inputs.get("key") is None
-                                                                 else inputs["key"])[1]
+            S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs)
             answer["present_key"], answer["present_value"] = (answer[name][:, :, :S_total] for name in
                                                               ("present_key", "present_value"))
     if trace:

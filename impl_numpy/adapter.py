@@ -8,53 +8,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from weights import compute_dtype, dtype_from_name
+from weights import dtype_from_name
+from weights.paths import common_path_options, in_place_buffers, new_keys
 
 from .attention import multi_head_attention, plan
 from .backward import multi_head_attention_vjp
 
 NAME = "numpy"
 
-# The paths `mha check` judges as columns of its matrix (conformance/paths.py): the stages (the spec),
-# the fused core a plain call takes, the chunked core (chunk_size=) and the in-place cache (cache_length=).
+# The paths `mha check` judges as columns of its matrix (weights/paths.py): the stages (the spec), the fused
+# core a plain call takes, the chunked core (chunk_size=) and the in-place cache (cache_length=).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
-# chunk_size of the chunked path in conformance runs: blocks of 2 keys and 2 queries, so that every case with
-# S_total > 2 crosses blocks (the online softmax's rescaling) and causal cases skip hidden ones.
-CHUNK = 2
-# An in-place cache's buffers hold this many positions past P + S, never part of a result.
-SPARE = 1
 ONE_BACKWARD = "impl_numpy has one backward pass (backward.py, the stages' VJP): its gradients are judged on the stages"
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
-    """The call options that run `path` on this call; None where the path does not exist for it (the fused
-    core in 16-bit storage; the in-place cache without a cache). "forward_only" carries why no gradient is
-    judged on the path."""
+    """The call options that run `path` on this call (weights.paths); None where the path does not exist for
+    it: the fused core in 16-bit storage (plan: the stages round every result to it)."""
+    if path != "fused":
+        return common_path_options(path, inputs, options, paths=PATHS, forward_only=ONE_BACKWARD)
     dtype = dtype_from_name(options["dtype"])
-    if path == "stages":
-        return options | {"return_weights": True}  # asking for the weights runs the stages (plan)
-    if path == "fused":
-        if compute_dtype(dtype) != dtype:
-            return None
-        return options | {"return_weights": False, "forward_only": ONE_BACKWARD}
-    if path == "chunked":
-        return options | {"return_weights": False, "chunk_size": CHUNK, "forward_only": ONE_BACKWARD}
-    if path == "in_place":
-        if inputs.get("past_key") is None:
-            return None
-        return options | {"return_weights": False, "return_cache": True, "in_place": True,
-                          "forward_only": "an in-place cache is inference only"}
-    raise ValueError(f"path must be one of {', '.join(PATHS)}: got {path!r}")
-
-
-def path_of(config, options: dict) -> str:
-    """The path a forward call with these options takes (impl_numpy.attention.plan), "in_place" for a cache
-    written in place."""
-    if options.get("in_place"):
-        return "in_place"
-    return plan(return_weights=bool(options.get("return_weights", False)), traced=False,
-                chunk_size=options.get("chunk_size"), dtype=dtype_from_name(options["dtype"])).path
+    if plan(return_weights=False, traced=False, chunk_size=None, dtype=dtype).path != "fused":
+        return None
+    return options | {"return_weights": False, "forward_only": ONE_BACKWARD}
 
 
 def devices() -> list[str]:
@@ -88,20 +65,6 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device must be cpu for the numpy backend: got {device!r}")
 
 
-def in_place_buffers(inputs, dtype, zeros=np.zeros):
-    """The cache of a call copied into the first P positions of zeroed buffers of capacity P + S + SPARE (the
-    storage dtype, as the contract asks of buffers written in place): (past_key, past_value, P)."""
-    past_key, past_value = np.asarray(inputs["past_key"]), np.asarray(inputs["past_value"])
-    B, K, P, _ = past_key.shape
-    capacity = P + _new_keys(inputs) + SPARE
-    buffers = []
-    for past in (past_key, past_value):
-        buffer = zeros((B, K, capacity, past.shape[3]), dtype)  # (B, K, C, H|V)
-        buffer[:, :, :P] = past
-        buffers.append(buffer)
-    return buffers[0], buffers[1], P
-
-
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     _check_device(device)
     entries = [] if trace else None
@@ -116,16 +79,12 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     )
     answer = split_result(result, return_weights, return_cache)
     if "cache_length" in kwargs and return_cache:  # the buffers, whole: the cache is their first P + S positions
-        S_total = kwargs["cache_length"] + _new_keys(inputs)
+        S_total = kwargs["cache_length"] + new_keys(inputs)
         answer["present_key"], answer["present_value"] = (answer[n][:, :, :S_total] for n in
                                                           ("present_key", "present_value"))
     if trace:
         answer["trace"] = [(e.stage, np.asarray(e.value)) for e in entries]
     return answer
-
-
-def _new_keys(inputs) -> int:
-    return np.asarray(inputs["query"] if inputs.get("key") is None else inputs["key"]).shape[1]
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):

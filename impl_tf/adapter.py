@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from weights.contract import check_input_values
+from weights.paths import common_path_options, in_place_buffers, new_keys
 
 from ._keras import keras, tf
 from .layer import MultiHeadAttention, check_device, check_precision
@@ -19,28 +20,18 @@ ops = keras.ops
 
 NAME = "tf"
 
-# The paths `mha check` judges (impl_numpy/adapter.py says how): the stages, fused_attention (a call without
-# weights or trace), the chunked path (chunk_size=) and the in-place cache (cache_length=, tf.Variables).
+# The paths `mha check` judges (weights/paths.py): the stages, fused_attention (a call without weights or
+# trace), the chunked path (chunk_size=) and the in-place cache (cache_length=, tf.Variables).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
-CHUNK = 2  # the chunked path's block size in conformance runs (impl_numpy.adapter.CHUNK)
-SPARE = 1  # positions past P + S in an in-place cache's buffers
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
-    """The call options that run `path` on this call (None: the path does not exist for it)."""
-    if path == "stages":
-        return options | {"return_weights": True}
+    """The call options that run `path` on this call (weights.paths): every path takes every call."""
     if path == "fused":
         return options | {"return_weights": False}
-    if path == "chunked":
-        return options | {"return_weights": False, "chunk_size": CHUNK}
-    if path == "in_place":
-        if inputs.get("past_key") is None:
-            return None
-        return options | {"return_weights": False, "return_cache": True, "in_place": True,
-                          "forward_only": "an in-place cache is inference only (refused under a recording tape)"}
-    raise ValueError(f"path must be one of {', '.join(PATHS)}: got {path!r}")
+    return common_path_options(path, inputs, options, paths=PATHS, in_place_forward_only=(
+        "an in-place cache is inference only (refused under a recording tape)"))
 
 
 def devices() -> list[str]:
@@ -90,13 +81,11 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     kwargs = _kwargs(inputs, options)
     in_place = {}
-    if options.get("in_place"):  # the cache copied into zeroed tf.Variables of capacity P + S + SPARE
+    if options.get("in_place"):  # the cache in zeroed tf.Variables of capacity P + S + SPARE, written in place
         dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
-        P, S = np.shape(inputs["past_key"])[2], np.shape(inputs["query"] if inputs.get("key") is None else inputs["key"])[1]
-        for name in ("past_key", "past_value"):
-            past = np.asarray(inputs[name])
-            buffer = np.zeros((*past.shape[:2], P + S + SPARE, past.shape[3]), past.dtype)
-            buffer[:, :, :P] = past
+        *buffers, P = in_place_buffers(inputs, np.float64)
+        S = new_keys(inputs)
+        for name, buffer in zip(("past_key", "past_value"), buffers):
             in_place[name] = tf.Variable(ops.cast(buffer, dtype))
         in_place["cache_length"] = P
     result = layer(inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights,

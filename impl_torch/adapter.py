@@ -13,6 +13,7 @@ import torch
 
 import weights
 from weights.contract import check_input_values
+from weights.paths import common_path_options, in_place_buffers, new_keys
 
 from .attention import multi_head_attention, plan
 from .convert import to_numpy, to_torch, torch_dtype
@@ -21,30 +22,25 @@ from .device import matmul_precision, resolve_device
 
 NAME = "torch"
 
-# The paths `mha check` judges (impl_numpy/adapter.py says how): the stages (the default of a call), SDPA
-# (use_sdpa=True) and the in-place cache (cache_length=). torch has no chunked path.
+# The paths `mha check` judges (weights/paths.py): the stages (the default of a call), SDPA (use_sdpa=True)
+# and the in-place cache (cache_length=). torch has no chunked path.
 PATHS = ("stages", "sdpa", "in_place")
 FAST_PATH = "sdpa"
-SPARE = 1  # positions past P + S in an in-place cache's buffers
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
-    """The call options that run `path` on this call (None: the path does not exist for it; NotImplementedError:
-    SDPA cannot take it, with the plan's reason)."""
-    if path == "stages":
-        return options | {"return_weights": True}
+    """The call options that run `path` on this call (weights.paths); NotImplementedError where SDPA cannot
+    take it, with the plan's reason."""
     if path == "sdpa":
         dropout = bool(options.get("training")) and (inputs.get("dropout_mask") is not None or config.dropout > 0)
         chosen = plan(config, use_sdpa=True, return_weights=False, traced=False, dropout=dropout)
         if chosen.path != "sdpa":
             raise NotImplementedError(f"the SDPA path cannot take this call: {chosen.why} (the stages run)")
         return options | {"return_weights": False, "use_sdpa": True}
-    if path == "in_place":
-        if inputs.get("past_key") is None:
-            return None
-        return options | {"return_weights": False, "return_cache": True, "in_place": True, "use_sdpa": True,
-                          "forward_only": "an in-place cache is inference only (refused under autograd)"}
-    raise ValueError(f"path must be one of {', '.join(PATHS)}: got {path!r}")
+    found = common_path_options(path, inputs, options, paths=PATHS,
+                                in_place_forward_only="an in-place cache is inference only (refused under autograd)")
+    return found if path != "in_place" or found is None else found | {"use_sdpa": True}
+
 
 # The optional call inputs passed through under their contract names (impl_numpy.adapter.OPTIONAL_INPUTS;
 # tests/test_torch_modern.py checks the two agree). Positions and segment ids stay integer.
@@ -95,13 +91,12 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     entries = [] if trace else None
     return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     kwargs = _kwargs(inputs, options, dev)
-    if options.get("in_place"):  # the cache copied into zeroed buffers of capacity P + S + SPARE, written in place
+    if options.get("in_place"):  # the cache in zeroed buffers of capacity P + S + SPARE on the device, written in place
         dtype = torch_dtype(options.get("dtype")) if options.get("dtype") else next(iter(params.values())).dtype
-        P, S = np.shape(inputs["past_key"])[2], np.shape(inputs["query"] if inputs.get("key") is None else inputs["key"])[1]
-        for name in CACHE:
-            past = to_torch(inputs[name], dev).to(dtype)
-            kwargs[name] = torch.zeros((*past.shape[:2], P + S + SPARE, past.shape[3]), dtype=dtype, device=dev)
-            kwargs[name][:, :, :P] = past
+        *buffers, P = in_place_buffers(inputs, np.float64)
+        S = new_keys(inputs)
+        for name, buffer in zip(CACHE, buffers):
+            kwargs[name] = to_torch(buffer, dev).to(dtype)
         kwargs["cache_length"] = P
     with matmul_precision(precision), torch.no_grad():
         result = multi_head_attention(

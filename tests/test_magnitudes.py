@@ -19,7 +19,7 @@ import pytest
 
 from conformance.cases import CASES, Case, make_inputs, make_tensors, random_case
 from conformance.compare import case_policy, expected_for
-from conformance.tolerance import compare, max_finite_abs
+from conformance.tolerance import compare, policy_for
 from impl_numpy import multi_head_attention
 from impl_numpy.adapter import OPTIONAL_INPUTS
 from impl_numpy.magnitudes import forward_magnitudes
@@ -235,14 +235,17 @@ def test_normed_cancellation_has_a_large_magnitude():
 
 
 def _bars(case, exp, mag, dtype, name, actual):
-    """(old, new) comparisons of actual[name]: scale max|reference|, and max|magnitude| (the policy's scale_floor,
-    i.e. conformance.tolerance.tolerance with reference_scale = max(max|ref|, max|mag|) = max|mag|)."""
-    expected, m = exp[name], mag[name]
+    """(old, new) comparisons of actual[name]: the policy as it was (scale max|reference|, z the largest
+    |logit|), and conformance.compare's policy now (each element's floor rtol*(1+z)*magnitude, z the largest
+    logit magnitude)."""
+    expected = exp[name]
     quantity = "output"  # conformance.compare.judge judges present_key / present_value as outputs too
-    old = case_policy(case, dtype, name, quantity, expected)
-    new = case_policy(case, dtype, name, quantity, expected, scale_floor=max_finite_abs(m))
-    assert new.rtol == old.rtol
-    np.testing.assert_allclose(new.atol / old.atol, max_finite_abs(m) / max_finite_abs(expected), rtol=1e-12)
+    old = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
+                     reference=expected, logits=exp["logits"], max_position=exp["max_position"],
+                     same_precision_error=exp["same_precision"].get(name))
+    new = case_policy(case, dtype, name, quantity, expected)
+    assert new.rtol == old.rtol and new.floor is not None and old.floor is None
+    assert (new.floor >= 0).all(), "a floor is an allowance: never negative"
     return compare(name, actual, expected, old), compare(name, actual, expected, new)
 
 

@@ -143,9 +143,10 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
         enable_jax_compile_cache(compile_cache)
     if hasattr(adapter, "set_cpu_compile"):  # impl_jax: see FAST_CPU_COMPILE there
         adapter.set_cpu_compile("default" if xla_full_opt else "fast")
+    # a case on each path in turn: the case's reference and the adapter's prepared layer serve every path
     runs = (run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
                      adapter=adapter, keep_arrays=True, path=path)
-            for path in paths_of(adapter, path_kinds) for name in case_names)
+            for name in case_names for path in paths_of(adapter, path_kinds))
     results = [result for result in runs if result is not None]  # None: the path does not exist for the case
     release_compiled_programs()  # a worker runs many chunks: keep its memory mappings bounded
     return results

@@ -1004,3 +1004,27 @@ def test_gpu_tf32_only_when_asked():
                      quantity="output", B=case.B, T=case.T, S=case.S, logits=r["logits"], precision=precision)
     after = tf.config.experimental.tensor_float_32_execution_enabled()
     assert after == before, f"TF32 setting changed by the call: {before} -> {after}"
+
+
+def test_the_adapter_reuses_its_layer_only_for_the_same_unchanged_tensors():
+    """adapter._layer keeps the last Keras layer for the next call with the same tensors (mha check's
+    forward and vjp on each path); a tensor changed in place, another dtype or a large model builds anew,
+    and every answer is the reference's for the tensors as they are now."""
+    case = CASES["self_basic"]
+    tensors = {name: t.astype(np.float32) for name, t in make_tensors(case).items()}
+    inputs = {name: v.astype(np.float32) for name, v in make_inputs(case).items()}
+    options = case.options("float32") | {"return_weights": False}
+    first = adapter.forward(case.config, tensors, inputs, options)["output"]
+    layer = adapter._last["layer"]
+    again = adapter.forward(case.config, tensors, inputs, options)["output"]
+    assert adapter._last["layer"] is layer, "the same unchanged tensors must reuse the layer"
+    np.testing.assert_array_equal(again, first)
+    tensors["output.bias"] += 1.0  # in place: the same dict, the same array object
+    changed = adapter.forward(case.config, tensors, inputs, options)["output"]
+    assert adapter._last["layer"] is not layer, "a tensor changed in place must build a new layer"
+    want = ref.forward(case.config, tensors, inputs, options)["output"]
+    np.testing.assert_allclose(changed, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(changed - first, 1.0, rtol=1e-5)  # the bias moved every output by 1
+    as64 = adapter.forward(case.config, {n: t.astype(np.float64) for n, t in tensors.items()}, inputs,
+                           options | {"dtype": "float64"})["output"]
+    assert as64.dtype == np.float64 and adapter._last["layer"] is not layer

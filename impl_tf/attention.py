@@ -201,6 +201,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     dtype = stored if dtype is None else dtype_from_name(dtype).name
     training = bool(training)
     query = ops.convert_to_tensor(query)
+    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
     key = query if key is None else ops.convert_to_tensor(key)
     value = key if value is None else ops.convert_to_tensor(value)
     # An in-place cache's variables are checked by their shape and dtype, never read here: a read tensor
@@ -211,7 +212,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
         ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids)) if x is not None}
     shapes = check_inputs(
-        config, dtype, query, key, value, is_causal=is_causal, causal_alignment=causal_alignment, training=training,
+        config, dtype, query, key if keys_given else None, value if keys_given else None, is_causal=is_causal,
+        causal_alignment=causal_alignment, training=training,
         seed=seed, return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
         materializes_scores=materializes_scores, **given,
     )

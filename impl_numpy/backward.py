@@ -51,6 +51,18 @@ def _norm_parts(x, kind, eps, heads, scope, ct):
     return y * r, r
 
 
+def _sink_weight(x: np.ndarray, sinks: np.ndarray) -> np.ndarray:
+    """The weight functional.softmax gives each row's sink, (B, N, T, 1) in
+    compute dtype: exp(sink - max) over the same denominator as softmax's. (As
+    1 - sum(w) it would cancel to 0 in float32 once the sink's share falls
+    below float32's unit round-off, as it does beside a logit of 23.)"""
+    ct = compute_dtype(x.dtype)
+    sink = sinks.astype(ct).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+    row_max = np.maximum(x.max(axis=-1, keepdims=True).astype(ct), sink)  # finite: the sink is
+    e_sink = np.exp(sink - row_max)  # (B, N, T, 1)
+    return e_sink / (np.exp(np.subtract(x, row_max, dtype=ct)).sum(axis=-1, keepdims=True) + e_sink)
+
+
 def _rope_pair(x, R, interleaved):
     return (x[..., 0:R:2], x[..., 1:R:2]) if interleaved else (x[..., : R // 2], x[..., R // 2: R])
 
@@ -164,7 +176,7 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     # softmax: dx = w * (dw - sum(dw * w)), in compute dtype like the forward.
     # A fully masked row's weights do not depend on its logits under "zero" and
     # "uniform" (gradient 0); under "nan" they are NaN (see the mask stage).
-    # Sinks: the sink is one more logit whose weight w_sink (functional.sink_weight,
+    # Sinks: the sink is one more logit whose weight w_sink (_sink_weight,
     # the forward's own exp(sink - max) / total) feeds nothing, so d_sink =
     # -w_sink * sum(dw * w), summed over rows.
     wc, dwc = w.astype(ct), d_w.astype(ct)
@@ -173,7 +185,7 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     if config.masked_row == "uniform" and not config.use_sinks:
         d_x = np.where(np.isfinite(x).any(axis=-1, keepdims=True), d_x, 0)
     if config.use_sinks:
-        w_sink = F.sink_weight(x, p["sinks"])  # (B, N, T, 1)
+        w_sink = _sink_weight(x, p["sinks"])  # (B, N, T, 1)
         d_sink = w_sink * row
         grads["sinks"] = ew((d_sink if magnitude else -d_sink).sum(axis=(0, 2, 3)))  # (N,)
     # mask: identity on allowed positions; a masked (-inf) position gets no

@@ -205,18 +205,6 @@ def softmax(x: np.ndarray, masked_row: str, sinks: np.ndarray | None = None) -> 
     return w.astype(x.dtype, copy=False)
 
 
-def sink_weight(x: np.ndarray, sinks: np.ndarray) -> np.ndarray:
-    """The weight softmax gives each row's sink, (B, N, T, 1) in compute
-    dtype: exp(sink - max) over the same denominator as softmax's. (As
-    1 - sum(w) it would cancel to 0 in float32 once the sink's share falls
-    below float32's unit round-off, as it does beside a logit of 23.)"""
-    ct = compute_dtype(x.dtype)
-    sink = sinks.astype(ct).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
-    row_max = np.maximum(x.max(axis=-1, keepdims=True).astype(ct), sink)  # finite: the sink is
-    e_sink = np.exp(sink - row_max)  # (B, N, T, 1)
-    return e_sink / (np.exp(np.subtract(x, row_max, dtype=ct)).sum(axis=-1, keepdims=True) + e_sink)
-
-
 def dropout(w: np.ndarray, keep: np.ndarray | None, rate: float) -> np.ndarray:
     """Inverted dropout with an explicit keep-mask (B, N, T, S)."""
     if keep is None:

@@ -185,6 +185,17 @@ if pending and not dropped(pending):
 """
 
 
+def import_keras():
+    """keras, on the TensorFlow backend unless keras was already imported (the conventions tables' Keras
+    probes); TensorFlow's C++ log kept to warnings."""
+    if "keras" not in sys.modules:
+        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    return keras
+
+
 def quiet_python_loggers() -> None:
     """Under the CLI (QUIET_ENV set), framework loggers already imported
     report errors only. Called after each framework import."""

@@ -48,7 +48,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import os
 import platform
 import sys
 import time
@@ -57,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.backends import quiet_python_loggers
+from conformance.backends import import_keras, quiet_python_loggers
 
 B, T, S, N, H = 2, 4, 5, 2, 4
 D = N * H
@@ -172,15 +171,6 @@ class Api:
     build: Callable[[], Runner]
 
 
-def _import_keras():
-    if "keras" not in sys.modules:
-        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import keras
-
-    return keras
-
-
 # torch ------------------------------------------------------------------------
 
 def _torch_mha(fast_path: bool) -> Runner:
@@ -270,7 +260,7 @@ def _torch_sdpa() -> Runner:
 # keras --------------------------------------------------------------------------
 
 def _keras_mha(return_scores: bool) -> Runner:
-    keras = _import_keras()
+    keras = import_keras()
 
     layer = keras.layers.MultiHeadAttention(num_heads=N, key_dim=H, use_bias=False)
     layer.build((B, T, D), (B, S, D), (B, S, D))
@@ -775,7 +765,7 @@ def _matmul_torch(a, b, exact, devices):
 
 
 def _matmul_keras(a, b, exact, devices):
-    keras = _import_keras()
+    keras = import_keras()
     backend = keras.backend.backend()
     if backend != "tensorflow":
         c = keras.ops.convert_to_numpy(keras.ops.matmul(a, b))

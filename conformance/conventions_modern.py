@@ -228,9 +228,9 @@ def _jax_dpa() -> dict:
 
 
 def _keras_mha() -> dict:
-    from conformance.conventions import _import_keras
+    from conformance.backends import import_keras
 
-    keras = _import_keras()
+    keras = import_keras()
     row: dict[str, Any] = {"rope_pairing": "- (no argument)", "qk_norm": "- (no argument)",
                            "softcap_order": "- (no argument)", "sinks": "- (no argument)", "evidence": {}}
     W = 3
@@ -404,9 +404,9 @@ def _transformers_rope() -> dict:
 
 
 def _keras_hub_rope() -> dict:
-    from conformance.conventions import _import_keras
+    from conformance.backends import import_keras
 
-    keras = _import_keras()
+    keras = import_keras()
     from keras_hub.layers import RotaryEmbedding
 
     x = rope_inputs()

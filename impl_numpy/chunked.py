@@ -34,6 +34,9 @@ import numpy as np
 from weights import compute_dtype
 from weights.contract import check_chunk_size
 
+from . import functional as F
+from .heads import qkv_heads
+
 # Queries are taken in blocks of at most this many rows (keys in blocks of
 # chunk_size): a causal query block computes a (rows x rows) triangle of hidden
 # logits on its diagonal, so fewer rows waste less, while BLAS runs the
@@ -297,12 +300,9 @@ def fused_forward(config, call, *, is_causal, causal_alignment, chunk_size, retu
 
 def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, return_cache=True):
     """fused_forward for a call with modern features: the stages from the
-    projections to the present keys (attention.qkv_heads), the scale folded
+    projections to the present keys (heads.qkv_heads), the scale folded
     into q after RoPE, the core (its heads on threads where the call is
     large), the output. -> (output, present_key, present_value)."""
-    from . import functional as F
-    from .attention import qkv_heads
-
     # A cache nobody asks back is never concatenated (a copy of the whole cache per step): the core
     # reads it and the new keys as parts.
     parts = call.past_key is not None and not return_cache and call.cache_length is None

@@ -1,0 +1,49 @@
+"""The stages a call runs before attention, shared by the dispatch (attention.py) and the fused core
+(chunked.py): project -> [norm] -> split_heads -> [rope] -> [cache]. The call's validated arrays come
+in as attention.prepare's Call; this module imports neither attention.py nor chunked.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from weights import AttentionConfig
+from weights.rope import attention_factor, inverse_frequencies
+
+from . import functional as F
+
+
+def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
+    """The config's rotary frequencies (float64) and attention factor."""
+    return inverse_frequencies(config.rope), attention_factor(config.rope)
+
+
+def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, append: bool = True):
+    """call: attention.prepare's Call. project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
+    T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
+    present cache). append=False: k and v are the new keys' alone (B, K, S, .)."""
+    p, N, K = call.params, config.num_heads, config.num_kv_heads
+    q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+    k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
+    v = rec("value.project", F.project(call.value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+    if config.qk_norm is not None:
+        n = config.qk_norm
+        q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N, n.scope))
+        k = rec("key.norm", F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+    k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
+    v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
+    if config.rope is not None:
+        inv_freq, factor = rope_tables(config)
+        R, interleaved = config.rope.rotary_dim, config.rope.interleaved
+        q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
+        k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if call.cache_length is not None:  # in place: the new keys written after the P cached ones, no copy
+        P, S = call.cache_length, k.shape[2]
+        call.past_key[:, :, P:P + S] = k
+        call.past_value[:, :, P:P + S] = v
+        return q, call.past_key[:, :, :P + S], call.past_value[:, :, :P + S]  # (B, K, P+S, .) views
+    if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
+        k = np.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
+        v = np.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
+    return q, k, v

@@ -89,13 +89,11 @@ def default_compile_cache() -> Path:
 
 
 def enable_jax_compile_cache(directory) -> None:
-    """JAX's own persistent compilation cache. XLA compilation is most of a
-    check's time (one program per case and dtype, 0.3 to 0.9 s each on a
-    2-core CPU, against milliseconds of running); with the cache a second run
-    loads the programs. JAX keys each entry by the program, the jax/jaxlib
-    versions, the XLA flags and the device, so a cached program is the one
-    that would have been compiled. The default threshold (cache only
-    compiles over 1 s) would skip every one of ours, hence 0."""
+    """JAX's own persistent compilation cache, for the JAX backends other than impl_jax (the Flax layers,
+    jax-dpa; impl_jax keeps its programs itself, found before tracing: impl_jax/programs.py). JAX keys each
+    entry by the lowered program, the jax/jaxlib versions, the XLA flags and the device, so a cached program
+    is the one that would have been compiled. The default threshold (cache only compiles over 1 s) would skip
+    every one of ours, hence 0."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(directory))
@@ -139,10 +137,13 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
     """One (backend, device, dtype) over its cases, on each of its paths of path_kinds; runs in a worker
     process."""
     adapter = backends.load(backend_id)
-    if compile_cache is not None and "jax" in backends.get(backend_id).framework:
+    own_cache = hasattr(adapter, "set_program_cache")  # impl_jax keeps its own programs: see impl_jax/programs.py
+    if compile_cache is not None and "jax" in backends.get(backend_id).framework and not own_cache:
         enable_jax_compile_cache(compile_cache)
     if hasattr(adapter, "set_cpu_compile"):  # impl_jax: see FAST_CPU_COMPILE there
         adapter.set_cpu_compile("default" if xla_full_opt else "fast")
+    if own_cache:
+        adapter.set_program_cache(None if compile_cache is None else Path(compile_cache) / "programs")
     # a case on each path in turn: the case's reference and the adapter's prepared layer serve every path
     runs = (run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
                      adapter=adapter, keep_arrays=True, path=path)
@@ -254,8 +255,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="worker processes (default: one per CPU core; 1 runs everything in this process)")
     p.add_argument("--no-compile-cache", action="store_true",
-                   help="compile every JAX program afresh instead of using JAX's persistent compilation cache "
-                        "(default location: $MHA_CACHE_DIR or ~/.cache/mha, under jax/)")
+                   help="compile every JAX program afresh instead of loading it from the compile caches "
+                        "(impl_jax's programs and JAX's persistent cache; default location: $MHA_CACHE_DIR or "
+                        "~/.cache/mha, under jax/)")
     p.add_argument("--xla-full-opt", action="store_true",
                    help="compile impl_jax's CPU programs with XLA's default optimisation (about 4x slower to compile) "
                         "instead of LLVM -O0 and XLA's classic fusion emitters; the HLO optimisation is the same")

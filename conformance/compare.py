@@ -108,6 +108,9 @@ def release_compiled_programs() -> None:
     jax = sys.modules.get("jax")
     if jax is not None:
         jax.clear_caches()
+    programs = sys.modules.get("impl_jax.programs")
+    if programs is not None:
+        programs.clear()
 
 
 def expected_for(case: Case, dtype: str) -> dict:

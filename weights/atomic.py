@@ -20,7 +20,8 @@ import stat
 from pathlib import Path
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, overwrite: bool = False) -> None:
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, overwrite: bool = False, durable: bool = True) -> None:
+    """durable=False skips the fsyncs, for a cache: a file a crash loses (or leaves empty) is recomputed."""
     path = Path(path)
     if not overwrite and path.exists():
         raise FileExistsError(f"{path} exists; pass overwrite=True (CLI: --overwrite) to replace it")
@@ -43,8 +44,9 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, overwrite: bool 
             if overwrite:
                 _keep_mode(path, handle.fileno())
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         if overwrite:
             os.replace(tmp_name, path)
         else:
@@ -63,7 +65,8 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, overwrite: bool 
             except FileNotFoundError:
                 pass
         raise
-    _fsync_directory(directory)
+    if durable:
+        _fsync_directory(directory)
 
 
 def _keep_mode(path: Path, fd: int) -> None:

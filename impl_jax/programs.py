@@ -1,0 +1,118 @@
+"""The conformance adapter's compiled CPU programs kept on disk, found before tracing.
+
+JAX's persistent compilation cache (conformance.check.enable_jax_compile_cache)
+keys a program by its lowered HLO, so a hit still pays for tracing and
+lowering: about 0.1 s of CPU per program on a 2-core EPYC, which was most of
+a warm `mha check`'s JAX time (26 s of worker CPU for its 322 programs, the
+compiler skipped). This cache keys a program by what determines it before
+any tracing and keeps the compiled executable itself
+(jax.experimental.serialize_executable):
+
+- the source of every module the trace runs (impl_jax and weights);
+- the jax, jaxlib and NumPy versions, XLA_FLAGS, and JAX's configuration
+  (x64, default precision, PRNG implementation...; the cache locations aside);
+- the device's platform and kind, and which compile options (the program's name);
+- the call's static arguments and the tree, shapes and dtypes of its arrays.
+
+Values never change a program (they are its arguments), so equal keys are the
+same program; any change is a new key, so a stale program cannot be found. An
+unreadable or truncated file is a miss, compiled and written again. The
+source is read from the files: a function replaced at run time (a test's
+monkeypatch) is not seen, so only `mha check` turns the cache on (its
+--no-compile-cache turns it off) and the tests run without it. CPU only:
+a GPU executable's placement belongs to the device runtime, and GPU programs
+are few; they go through jax.jit and JAX's own cache as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from weights.atomic import write_bytes_atomic
+
+_directory: Path | None = None
+_loaded: dict[str, object] = {}  # key -> compiled program, this process
+_source_digest: bytes | None = None
+
+
+def set_directory(directory) -> None:
+    """Keep programs under this directory (created if missing); None: compile through jax.jit only."""
+    global _directory
+    _directory = None if directory is None else Path(directory)
+    if _directory is not None:
+        _directory.mkdir(parents=True, exist_ok=True)
+
+
+def directory() -> Path | None:
+    return _directory
+
+
+def clear() -> None:
+    """Drop this process's loaded programs (each holds memory mappings: see conformance.compare)."""
+    _loaded.clear()
+
+
+def _sources() -> bytes:
+    """A digest of impl_jax's and weights' source files: what tracing runs."""
+    global _source_digest
+    if _source_digest is None:
+        h = hashlib.sha256()
+        for package in (Path(__file__).parent, Path(__file__).parent.parent / "weights"):
+            for path in sorted(package.rglob("*.py")):
+                h.update(path.relative_to(package.parent).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        _source_digest = h.digest()
+    return _source_digest
+
+
+def _key(name: str, device, static: tuple, dynamic: tuple) -> str:
+    import jaxlib
+
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items()
+                    if "compilation_cache" not in k and "persistent_cache" not in k)
+    leaves, tree = jax.tree.flatten(dynamic)
+    h = hashlib.sha256(_sources())
+    for part in (jax.__version__, jaxlib.__version__, np.__version__, os.environ.get("XLA_FLAGS", ""), config,
+                 device.platform, device.device_kind, name, static, tree,
+                 [(tuple(x.shape), str(x.dtype)) for x in leaves]):
+        h.update(repr(part).encode() + b"\0")
+    return h.hexdigest()
+
+
+def run(name: str, program, device, static_args: tuple, static_kwargs: dict, dynamic: tuple):
+    """program(*static_args, *dynamic, **static_kwargs), its compiled form found by key where the directory
+    is set and the device is a CPU; `name` says which compile options `program` carries (their repr)."""
+    if _directory is None or device.platform != "cpu":
+        return program(*static_args, *dynamic, **static_kwargs)
+    key = _key(name, device, (static_args, tuple(sorted(static_kwargs.items()))), dynamic)
+    compiled = _loaded.get(key) or _load(key, device)
+    if compiled is None:
+        compiled = program.lower(*static_args, *dynamic, **static_kwargs).compile()
+        if not compiled._params.const_args:  # a serialized program carries no hoisted constants (JAX's TODO)
+            _store(key, compiled)
+    _loaded[key] = compiled
+    return compiled(*dynamic)
+
+
+def _load(key: str, device):
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        serialized, in_tree, out_tree = pickle.loads((_directory / key).read_bytes())
+        return deserialize_and_load(serialized, in_tree, out_tree, backend=device.client, execution_devices=[device])
+    except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError, RuntimeError):
+        return None  # absent, truncated or from elsewhere: compile it
+
+
+def _store(key: str, compiled) -> None:
+    from jax.experimental.serialize_executable import serialize
+
+    try:
+        write_bytes_atomic(_directory / key, pickle.dumps(serialize(compiled)), overwrite=True, durable=False)
+    except OSError:
+        pass  # a read-only or full cache costs a compile next time, nothing else

@@ -1,0 +1,123 @@
+"""The hf-llama layout: a Llama-family decoder's attention, and its config.json reader.
+
+| layout            | foreign key (defaults; {role} names overridable)  | canonical                  | form   |
+|-------------------|---------------------------------------------------|----------------------------|--------|
+| hf-llama          | [P]layers.{L}.self_attn.q_proj.weight (N*H, D)... | query, key, value, output  | linear |
+|   (phi3)          | [P]layers.{L}.self_attn.qkv_proj.weight           | query+key+value            | linear |
+|                   | q_norm.weight, k_norm.weight (H,) or (N*H,), sinks| query/key.norm.scale, sinks| 1-D    |
+
+A decoder: its config file is required (write.py says what that brings);
+half-split RoPE pairs. Gemma's norm weights are w of (1 + w): the canonical
+multiplier is 1 + w, the one conversion that is an addition (exact to one
+rounding, not bit-exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .hf_rope import _hf_rope
+from .table import LINEAR, Extra, Layout, R, Table, Tie
+
+# -- Hugging Face decoder configs (config.json of transformers 4.x and 5.x) ------------------
+
+# Which layers use the sliding window when config.json has no `layer_types` (transformers 4.x
+# wrote none for most models): each model's own rule, as its 4.x modeling file applied it.
+_SLIDING_RULES: dict[str, Callable[[Mapping[str, Any], int], bool]] = {
+    "mistral": lambda cfg, layer: True,  # every layer (MistralModel: one sliding mask for all)
+    "phi3": lambda cfg, layer: True,
+    "qwen2": lambda cfg, layer: bool(cfg.get("use_sliding_window")) and layer >= cfg.get("max_window_layers", 28),
+    "qwen3": lambda cfg, layer: bool(cfg.get("use_sliding_window")) and layer >= cfg.get("max_window_layers", 28),
+    "gemma2": lambda cfg, layer: layer % 2 == 0,
+    "gemma3_text": lambda cfg, layer: (layer + 1) % cfg.get("sliding_window_pattern",
+                                                            cfg.get("_sliding_window_pattern", 6)) != 0,
+    "gpt_oss": lambda cfg, layer: layer % 2 == 0,
+}
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "olmo2", "gpt_oss",
+                  "phi3")
+
+
+def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """config.json of a Llama-family decoder -> sizes, behaviour and the modern fields of block `layer`."""
+    model_type = cfg.get("model_type")
+    if model_type == "gemma3" and isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}  # the multimodal wrapper's language model
+        model_type = "gemma3_text"
+    if model_type not in HF_LLAMA_TYPES:
+        raise ValueError(f"hf_config: model_type must be one of {', '.join(HF_LLAMA_TYPES)} for hf-llama: "
+                         f"got {model_type!r}")
+    layer = 0 if layer is None else layer
+    heads = cfg.get("num_attention_heads")
+    hidden = cfg.get("hidden_size")
+    head_dim = cfg.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if head_dim is None:
+        raise ValueError("hf_config: needs num_attention_heads and hidden_size (or head_dim)")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, Sequence) and not isinstance(layer_types, str):
+        if layer >= len(layer_types):
+            raise ValueError(f"layer={layer} is past config.json's {len(layer_types)} layer_types")
+        layer_type = layer_types[layer]
+    else:
+        rule = _SLIDING_RULES.get(model_type)
+        layer_type = "sliding_attention" if rule is not None and rule(cfg, layer) else "full_attention"
+    window = cfg.get("sliding_window") if layer_type == "sliding_attention" else None
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None  # Qwen keeps sliding_window in config.json even when the window is off
+    gemma = model_type.startswith("gemma")
+    modern: dict[str, Any] = {
+        "rope": _hf_rope(cfg, layer_type, head_dim),
+        "logit_softcap": cfg.get("attn_logit_softcapping") if gemma else None,
+        # transformers' sliding_window_overlay: key j visible iff j > i - W, so W keys with the query
+        # itself, window_left = W - 1 (measured against each model's own mask: tests/test_layouts_modern.py)
+        "window_left": int(window) - 1 if window else -1,
+        "use_sinks": model_type == "gpt_oss",
+    }
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    norm_offset = 0.0
+    if model_type in ("qwen3", "gemma3_text"):
+        modern["qk_norm"] = {"type": "rms", "eps": eps, "scope": "head"}
+        norm_offset = 1.0 if gemma else 0.0  # Gemma3RMSNorm multiplies by (1 + weight)
+    elif model_type == "olmo2":
+        modern["qk_norm"] = {"type": "rms", "eps": eps, "scope": "all"}
+    return {
+        "num_heads": heads, "num_kv_heads": cfg.get("num_key_value_heads") or heads, "head_dim": head_dim,
+        "hidden": hidden, "dropout": cfg.get("attention_dropout"),
+        "scale": cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
+        "scale_by_layer": False, "modern": modern, "norm_offset": norm_offset,
+        "table": 1 if model_type == "phi3" else 0, "model_type": model_type,
+    }
+
+
+_DECODER_TIES = (
+    Tie("value_head_dim", "head_dim", "v_proj splits into heads of head_dim"),
+    Tie("key_dim", "query_dim", "keys are projected from the hidden states"),
+    Tie("value_dim", "query_dim", "values are projected from the hidden states"),
+    Tie("out_dim", "query_dim", "o_proj maps back to hidden_size"),
+)
+
+
+FAMILY = (
+    Layout(
+        "hf-llama", "a Llama-family decoder's attention (llama, mistral, qwen2, qwen3, gemma2, gemma3, olmo2, "
+        "gpt_oss, phi3): [prefix]layers.{L}.self_attn.{q,k,v,o}_proj (phi3: fused qkv_proj), q_norm/k_norm, "
+        "sinks; config.json gives rope, windows, norms; causal",
+        sep=".", scope="layers.{layer}.self_attn.", select=True, hf=_llama_config, pairing="half",
+        needs_hf_config=True,
+        extras=(Extra("q_norm.weight", "query.norm.scale"), Extra("k_norm.weight", "key.norm.scale"),
+                Extra("sinks", "sinks")),
+        tables=(
+            Table((
+                R("q_proj.weight", "query.kernel", LINEAR), R("q_proj.bias", "query.bias", LINEAR),  # (N*H, D)
+                R("k_proj.weight", "key.kernel", LINEAR), R("k_proj.bias", "key.bias", LINEAR),  # (K*H, D)
+                R("v_proj.weight", "value.kernel", LINEAR), R("v_proj.bias", "value.bias", LINEAR),
+                R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),  # (D, N*H)
+            ), ties=_DECODER_TIES, note="separate q/k/v projections"),
+            Table((
+                R("qkv_proj.weight", "query.kernel key.kernel value.kernel", LINEAR),  # ((N+2K)*H, D)
+                R("qkv_proj.bias", "query.bias key.bias value.bias", LINEAR),
+                R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),
+            ), ties=_DECODER_TIES, note="phi3: fused qkv_proj = [q; k; v]"),
+        ),
+    ),
+)

@@ -39,7 +39,7 @@ REGISTRY: dict[str, Backend] = {
         Backend("torch", "impl_torch.adapter", "torch", "impl_torch, PyTorch"),
         Backend("tf", "impl_tf.adapter", "tensorflow + keras", "impl_tf, Keras split_heads layer on TensorFlow"),
         Backend("jax", "impl_jax.adapter", "jax + flax", "impl_jax, JAX / Flax NNX"),
-        # The frameworks' own layers, run on the canonical weights (issue: interop).
+        # The frameworks' own layers, run on the canonical weights (interop).
         Backend("torch-native-mha", "conformance.native.torch_native_mha", "torch", "torch nn.MultiheadAttention"),
         Backend("torch-sdpa", "conformance.native.torch_sdpa", "torch",
                 "F.scaled_dot_product_attention around our projections"),

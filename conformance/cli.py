@@ -33,7 +33,8 @@ DISTRIBUTION = "mha-conformance"
 REDIRECTED_COLUMNS = 4096
 
 # Subcommands defined in other modules, registered if the module exists.
-EXTERNAL_COMMANDS = ("conformance.convert", "conformance.check", "conformance.verify", "conformance.vectors", "bench")
+EXTERNAL_COMMANDS = ("conformance.convert", "conformance.check", "conformance.verify", "conformance.vectors",
+                     "conformance.bench")
 
 
 class OneLineParser(argparse.ArgumentParser):

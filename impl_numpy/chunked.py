@@ -59,7 +59,7 @@ THREADED_MIN_SCORES = 12 * 2**20
 # B 16 T=S 256 (22.5 GFLOP) 15% faster on threads, gpt2 13%, vit-b16 13%;
 # on eight shapes of 0.6-10.5 GFLOP, bert-base among them, slower in all
 # but one of 24 measurements (bert-base 39-63%), as the spin outlasts the
-# call (bench/scripts/threads_ab.py, three runs, figures in docs/performance.md).
+# call (conformance/bench/scripts/threads_ab.py, three runs, figures in docs/performance.md).
 THREADED_MIN_FLOPS = 16 * 10**9
 # A call whose logits are all known, before any is computed, to lie within
 # +-LOGIT_BOUND needs no running max: exp(logit) itself neither overflows

@@ -224,7 +224,7 @@ MUTANTS = {
     "dropout_no_rescale": "dropout without the 1/(1-p) rescale",
     "weights_after_dropout": "returned weights taken after dropout",
     "mask_bts_broadcast_as_leading": "a (B, T, S) mask broadcast as (1, B, T, S) by NumPy rules",
-    # the modern features (issue 18)
+    # the modern features (RoPE, KV cache, window, softcap, sinks, QK-norm)
     "rope_convention_swapped": "RoPE pairs interleaved where the config says half-split, and the reverse",
     "rope_on_value": "RoPE applied to the values too",
     "rope_positions_no_cache_offset": "RoPE's default positions start at 0 while decoding (cache offset forgotten)",
@@ -237,7 +237,7 @@ MUTANTS = {
     "sinks_ignored": "attention sinks left out of the softmax",
     "qk_norm_scope_swapped": "QK-norm over the whole projection where per head, and the reverse",
     "norm_eps_outside_sqrt": "QK-norm's eps added outside the square root",
-    # packed rows (issue 21)
+    # packed rows (several documents in one row, segment ids)
     "packed_positions_not_restarted": "a packed row's RoPE positions counted 0..T-1 across its documents, not "
                                       "restarted per document as the caller's positions are",
 }

@@ -1,7 +1,7 @@
 """`mha bench --quick`: it runs on every installed backend, writes every field,
 draws the plots and evaluates every target. No assertion here is about speed:
 the machine is shared and timings are noise; only that numbers exist, are
-finite and positive, and that targets() judges them by the issue's thresholds."""
+finite and positive, and that targets() judges them by their thresholds."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from bench import glue, measure, report, shapes
-from bench.targets import add_native_ratios, targets
+from conformance.bench import measure, report, runners, shapes
+from conformance.bench.targets import add_native_ratios, targets
 from conformance.cli import main
 
 # Every result row carries these keys (None where a number does not apply).
@@ -113,7 +113,7 @@ def test_quick_run_writes_every_field(backend, tmp_path, capsys):
     assert len(data["targets"]) == N_TARGETS, f"{len(data['targets'])} target entries, expected {N_TARGETS}"
     for entry in data["targets"]:
         assert set(TARGET_FIELDS) <= set(entry), f"target entry lacks fields: {entry}"
-    assert "targets (issue 7)" in printed and "mha bench" in printed, f"table or targets not printed: {printed[:500]}"
+    assert report.SHAPE_TARGETS in printed and "mha bench" in printed, f"table or targets not printed: {printed[:500]}"
 
 
 def test_unavailable_backend_is_reported_not_fatal(tmp_path, capsys):
@@ -132,7 +132,7 @@ def _row(backend, shape, path, kind, mode, median, pct, *, pass_="forward", peak
             "matmul_ratio": median if matmul_ratio is None else matmul_ratio}
 
 
-def test_targets_judge_by_the_issue_thresholds():
+def test_targets_judge_by_their_thresholds():
     rows = [
         _row("torch", "bert-base", "ours.sdpa.eager", "ours", "eager", 1.05, 90.0),
         _row("torch", "bert-base", "native.sdpa.eager", "native", "eager", 1.0, 95.0),
@@ -181,7 +181,7 @@ def test_ratio_to_native_compares_paired_times_not_medians():
 
 
 class _DriftingClock:
-    """A stand-in for bench.measure.time_call: each call's duration is its work times the machine's
+    """A stand-in for conformance.bench.measure.time_call: each call's duration is its work times the machine's
     slowness, which triples after `switch` calls (CPU steal arriving mid-shape)."""
 
     def __init__(self, switch: int):
@@ -233,7 +233,7 @@ def test_paired_keeps_repeats_budgets_and_failures_per_path(monkeypatch):
     assert empty[measure.MATMUL]["repeats"] == measure.MIN_REPEATS
 
 
-def test_flop_count_is_the_issues_formula():
+def test_flop_count_is_the_documented_formula():
     s = shapes.SHAPES["bert-base"]
     assert s.flops == 8 * 8 * 128 * 768**2 + 4 * 8 * 12 * 128 * 128 * 64, s.flops
     g = shapes.SHAPES["gpt2"]  # causal: still the full T*S
@@ -261,7 +261,7 @@ def test_numpy_memory_counts_the_buffers_kept_between_calls():
     call()  # warm: its buffers are kept now
     kept = chunked.kept_workspace_bytes()
     assert kept > 0
-    peak, method, _ = glue.glue_numpy("cpu", quick=True).memory(call)
+    peak, method, _ = runners.numpy_runner("cpu", quick=True).memory(call)
     assert peak >= kept + x.nbytes, f"{method} {peak} B: the kept buffers ({kept} B) and the output are not counted"
 
 
@@ -287,14 +287,14 @@ def test_report_and_plots_survive_failed_and_skipped_rows(tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 1000, written
 
 
-# --- issue 19: the window and decode families -------------------------------------------------------------------
+# --- the window and decode families ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", shapes.BACKENDS)
 def test_quick_window_and_decode_run_every_length(backend, tmp_path, capsys):
     """`mha bench --quick --shapes window decode`: every length of both families measured (torch's
     window rows skipped with the reason: it has no chunked path), the output checked against impl_numpy,
-    and every issue-19 target of the backend judged (pass or miss, never timed here)."""
+    and every window and decode target of the backend judged (pass or miss, never timed here)."""
     why = _unavailable(backend)
     if why:
         pytest.skip(f"backend {backend}: {why}")
@@ -326,15 +326,16 @@ def test_quick_window_and_decode_run_every_length(backend, tmp_path, capsys):
     expected = 4 if backend != "torch" else 2  # window flat + memory, decode linear + read; torch has no window rows
     judged = [e for e in mine if e["status"] in ("pass", "miss")]
     assert len(judged) == expected and len(mine) == 4, mine
-    assert "targets (issue 19): window and decode" in printed, printed[-2000:]
-    assert "targets (issue 7): none of their shapes ran" in printed, "issue 7's table printed, none of its shapes ran"
+    assert "targets: window and decode" in printed, printed[-2000:]
+    assert f"{report.SHAPE_TARGETS}: none of these shapes ran" in printed, (
+        "the named shapes' targets table printed, none of its shapes ran")
 
 
 def test_default_shapes_are_unchanged():
     """The families run only when named: the default `mha bench` times what it timed before."""
     import argparse
 
-    from bench import add_parser
+    from conformance.bench import add_parser
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -377,7 +378,7 @@ def test_window_reference_from_the_last_inputs_equals_the_full_call():
     import numpy as np
 
     import weights
-    from bench import worker
+    from conformance.bench import worker
     from impl_numpy.attention import multi_head_attention
 
     shape = shapes.window_shapes([128], quick=True)[0]

@@ -1,4 +1,4 @@
-"""The timing scripts docs/performance.md cites (bench/scripts/*.py) still
+"""The timing scripts docs/performance.md cites (conformance/bench/scripts/*.py) still
 run, on tiny shapes. No assertion is about speed: only that each prints its
 figures and leaves the library as it found it."""
 
@@ -11,7 +11,7 @@ import pytest
 
 
 def load(name: str):
-    return importlib.import_module(f"bench.scripts.{name}")
+    return importlib.import_module(f"conformance.bench.scripts.{name}")
 
 
 def test_threads_ab_prints_both_settings_and_restores_the_threshold(monkeypatch, capsys):
@@ -45,7 +45,7 @@ def test_torch_gpt2_parts_prints_every_part_and_the_bound(monkeypatch, capsys):
 
 def tiny_shapes():
     """bert-base, vit-b16, gpt2 and long under their own names, small enough for a test."""
-    from bench.shapes import Shape
+    from conformance.bench.shapes import Shape
 
     return {
         "bert-base": Shape("bert-base", B=2, T=16, S=16, D=16, N=2, causal=False),
@@ -56,7 +56,8 @@ def tiny_shapes():
 
 
 def run_tiny(name: str, args, monkeypatch, capsys, **settings) -> str:
-    """Run bench/scripts/<name>.py's main(args) on tiny_shapes(), one round, with these module settings; its output."""
+    """Run conformance/bench/scripts/<name>.py's main(args) on tiny_shapes(), one round, with these module
+    settings; its output."""
     script = load(name)
     for setting, value in dict(SHAPES=tiny_shapes(), ROUNDS=1, **settings).items():
         monkeypatch.setattr(script, setting, value)

@@ -1,4 +1,4 @@
-"""Hardening (issue 6): bad files, bad inputs and interrupted writes never crash, mislead or lose data.
+"""Hardening: bad files, bad inputs and interrupted writes never crash, mislead or lose data.
 
 Every malformed weights file ends in `WeightsFormatError`, every malformed
 inputs file in `InputsError`, each one line naming the file and the problem:

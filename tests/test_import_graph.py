@@ -12,8 +12,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("weights", "impl_numpy", "impl_torch", "impl_tf", "impl_jax", "conformance", "bench",
-            "examples/mha_examples")
+PACKAGES = ("weights", "impl_numpy", "impl_torch", "impl_tf", "impl_jax", "conformance", "examples/mha_examples")
 
 
 def modules(root: Path, packages) -> dict[str, Path]:

@@ -84,7 +84,7 @@ def _run_files(tmp_path):
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_mha_run_shard_gives_the_unsharded_output(tmp_path, backend):
-    """The issue's acceptance run: `mha run --backend jax|torch --shard heads:2|heads:4|sequence:2|sequence:4`
+    """The acceptance run of sharding: `mha run --backend jax|torch --shard heads:2|heads:4|sequence:2|sequence:4`
     writes the float64 reference's output (and, with a cache, its present key/value) within the policy."""
     import numpy as np
     from safetensors.numpy import load_file

@@ -193,7 +193,7 @@ def test_every_input_and_option_reaches_the_function_unchanged():
 
 def test_quantities_a_vector_format_adds_are_checked_generically(tmp_path):
     """A vector whose tolerance names a quantity verify has never heard of
-    (issue 18's present_key, say) requires it and checks it, and an integer
+    (the KV cache's present_key, say) requires it and checks it, and an integer
     input is passed through as it is."""
     src = VECTORS["self_basic.float32"]
     arrays = {f"weights.{k}": v for k, v in src.tensors.items()}

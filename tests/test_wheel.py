@@ -26,6 +26,8 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.wheel]
 
 ROOT = Path(__file__).resolve().parents[1]
+# The project's own names and no other (a generic one such as `bench` would collide with any other on the path).
+TOP_LEVEL = ("weights", "impl_numpy", "impl_torch", "impl_tf", "impl_jax", "conformance", "mha_examples")
 VECTOR_FILES = sorted(p.name for p in (ROOT / "conformance" / "vectors").glob("*.safetensors"))
 
 BUGGY = '''
@@ -72,6 +74,9 @@ def test_the_wheel_works_alone_in_a_fresh_venv(tmp_path):
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
     names = zipfile.ZipFile(wheel).namelist()
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == set(TOP_LEVEL), f"the wheel's top-level names: {sorted(top_level)}, expected {TOP_LEVEL}"
+    assert "conformance/bench/runners.py" in names and "conformance/bench/scripts/numpy_parts.py" in names
     assert sorted(Path(n).name for n in names if n.startswith("conformance/vectors/")) == VECTOR_FILES
     assert {"mha_examples/__init__.py", "mha_examples/numpy_attention.py", "conformance/pytest_plugin.py",
             "conformance/adapters.py"} <= set(names)

@@ -386,7 +386,8 @@ def torch_vjp(out, leaves: Mapping, d_output) -> tuple[np.ndarray, dict[str, np.
     return to_numpy(out), grads
 
 
-# The modern call inputs (issue 18's contract), beside the config's modern fields (weights.config.MODERN_DEFAULTS).
+# The modern call inputs (positions, KV cache, packed segments), beside the config's modern fields
+# (weights.config.MODERN_DEFAULTS).
 MODERN_INPUTS = ("positions", "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids")
 
 

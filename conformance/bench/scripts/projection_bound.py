@@ -1,7 +1,7 @@
 """The ceiling the four projections put on each framework's "% of matmul rate".
 
 docs/performance.md's projection bounds come from this script (run:
-python -m bench.scripts.projection_bound [numpy torch tf jax]). For each
+python -m conformance.bench.scripts.projection_bound [numpy torch tf jax]). For each
 backend and shape it times the four projections alone (x @ W + b for query,
 key, value and output, on (B*T, D) rows: no attention core at all) in the
 framework's fast mode (NumPy; torch eager under no_grad, F.linear; TF under
@@ -29,9 +29,9 @@ import sys
 
 import numpy as np
 
-from bench.glue import GLUE
-from bench.measure import paired_ratios
-from bench.shapes import SHAPES
+from conformance.bench.measure import paired_ratios
+from conformance.bench.runners import RUNNERS
+from conformance.bench.shapes import SHAPES
 
 ROUNDS = 9
 SHAPE_NAMES = ("bert-base", "vit-b16", "gpt2")
@@ -79,7 +79,7 @@ def projections(backend: str, B: int, T: int, D: int):
 def main(backends) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     for backend in backends:
-        matmul = GLUE[backend]("cpu", quick=True).matmul(2048)
+        matmul = RUNNERS[backend]("cpu", quick=True).matmul(2048)
         calls = {name: projections(backend, SHAPES[name].B, SHAPES[name].T, SHAPES[name].D) for name in SHAPE_NAMES}
         ratios, matmul_s = paired_ratios(calls, matmul, repeats=ROUNDS)
         print(f"{backend} (2048 matmul {2 * 2048**3 / matmul_s / 1e9:.0f} GFLOP/s, median of its runs):")

@@ -1,5 +1,5 @@
 """`mha bench`: the command, which runs one worker process per backend
-(bench.worker) and gathers, judges and reports what they measured."""
+(conformance.bench.worker) and gathers, judges and reports what they measured."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.measure import MIN_REPEATS, proc_kb
-from bench.report import print_report, write_plots
-from bench.shapes import (
+from conformance.bench.measure import MIN_REPEATS, proc_kb
+from conformance.bench.report import print_report, write_plots
+from conformance.bench.shapes import (
     BACKENDS,
     CHUNK_SIZE,
     DECODE_LENGTHS,
@@ -34,7 +34,7 @@ from bench.shapes import (
     sweep_shapes,
     window_shapes,
 )
-from bench.targets import add_native_ratios, targets
+from conformance.bench.targets import add_native_ratios, targets
 
 SCHEMA = "mha-bench/1"
 
@@ -91,8 +91,8 @@ def run_backend(backend: str, spec: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="mha-bench-") as tmp:
         spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_file.write_text(json.dumps({**spec, "backend": backend}))
-        proc = subprocess.run([sys.executable, "-m", "bench.worker", "--worker", str(spec_file), str(out_file)],
-                              env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+        proc = subprocess.run([sys.executable, "-m", "conformance.bench.worker", "--worker", str(spec_file),
+                               str(out_file)], env=env, stdout=subprocess.PIPE, stderr=None, text=True)
         if proc.returncode != 0 or not out_file.exists():
             why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
             tail = (proc.stdout or "").strip().splitlines()[-1:] or [""]
@@ -157,7 +157,7 @@ def run(args) -> int:
     add_native_ratios(data["results"])
     data["targets"] = targets(data)
     if "sequence-sharded" in args.shapes:
-        from bench import sharded
+        from conformance.bench import sharded
 
         console.print(f"[bold]{sharded.FAMILY}[/]: torch, {sharded.DEVICES} processes and one unsharded ...")
         data["sequence_sharded"] = sharded.run(quick)

@@ -1,7 +1,7 @@
 """JAX's chunked path at the causal shapes (float32 forward, under jit) against its parts.
 
 docs/performance.md's JAX causal profile comes from this script (run:
-python -m bench.scripts.jax_causal_parts [gpt2 long]). Each part runs under
+python -m conformance.bench.scripts.jax_causal_parts [gpt2 long]). Each part runs under
 jax.jit and is timed by `mha bench`'s own measure_paired against JAX's 2048
 x 2048 float32 matmul, reported as a multiple of that matmul's time (median
 over ROUNDS pairs) and as % of the matmul rate, with the shape's full FLOP
@@ -36,9 +36,9 @@ import numpy as np
 from jax import lax
 
 import weights
-from bench.glue import glue_jax
-from bench.measure import paired_ratios
-from bench.shapes import JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH, SHAPES, framework_chunk
+from conformance.bench.measure import paired_ratios
+from conformance.bench.runners import jax_runner
+from conformance.bench.shapes import JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH, SHAPES, framework_chunk
 from impl_jax.attention import apply
 
 ROUNDS = 9
@@ -101,7 +101,7 @@ def parts_of(name: str):
 
 def main(names) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
-    matmul = glue_jax("cpu", quick=True).matmul(2048)
+    matmul = jax_runner("cpu", quick=True).matmul(2048)
     for name in names:
         parts, flops, full, C, computed, all_blocks = parts_of(name)
         ratios, rate = paired_ratios(parts, matmul, repeats=ROUNDS)

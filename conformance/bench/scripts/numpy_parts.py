@@ -1,7 +1,7 @@
 """NumPy's fast path (float32 forward) against its parts, at bert-base, gpt2 and long.
 
 docs/performance.md's NumPy profile comes from this script (run:
-python -m bench.scripts.numpy_parts [bert-base gpt2 long]). Each part is
+python -m conformance.bench.scripts.numpy_parts [bert-base gpt2 long]). Each part is
 timed by `mha bench`'s own measure_paired against NumPy's 2048 x 2048
 float32 matmul and reported as a multiple of that matmul's time (median over
 ROUNDS pairs) and as % of the matmul rate with its FLOPs: the shape's full
@@ -32,9 +32,9 @@ import sys
 import numpy as np
 
 import weights
-from bench.glue import glue_numpy
-from bench.measure import paired_ratios
-from bench.shapes import CHUNK_SIZE, SHAPES
+from conformance.bench.measure import paired_ratios
+from conformance.bench.runners import numpy_runner
+from conformance.bench.shapes import CHUNK_SIZE, SHAPES
 from impl_numpy import chunked
 from impl_numpy.attention import FUSED_BLOCK, multi_head_attention
 
@@ -105,7 +105,7 @@ def parts_of(name: str) -> tuple[dict, dict, int, int]:
 
 
 def main(names) -> None:
-    matmul = glue_numpy("cpu", quick=True).matmul(2048)
+    matmul = numpy_runner("cpu", quick=True).matmul(2048)
     for name in names:
         parts, flops, full, logits = parts_of(name)
         ratios, matmul_s = paired_ratios(parts, matmul, repeats=ROUNDS)

@@ -1,7 +1,7 @@
 """NumPy's fast path on our threads against BLAS's threads, in two settings.
 
 docs/performance.md's figures for impl_numpy.chunked.THREADED_MIN_FLOPS come
-from this script (run: python -m bench.scripts.threads_ab). For each shape
+from this script (run: python -m conformance.bench.scripts.threads_ab). For each shape
 (float32 self-attention, no mask) it times the plain call with the threshold
 forced off (BLAS's threads for the projections; the serial core) and forced
 on (every stage on our threads, BLAS held to one), interleaved, each timed

@@ -1,12 +1,12 @@
-"""The issues' targets (issue 7; issue 19 for the window and decode families),
-judged on a result set: each measured, with its threshold, pass or miss; and
-each path's ratio to the native fastest."""
+"""`mha bench`'s targets (speed and memory on the named shapes; the window and
+decode families' own), judged on a result set: each measured, with its
+threshold, pass or miss; and each path's ratio to the native fastest."""
 
 from __future__ import annotations
 
 import statistics
 
-from bench.shapes import BACKENDS, FRAMEWORKS
+from conformance.bench.shapes import BACKENDS, FRAMEWORKS
 
 
 def add_native_ratios(results: list[dict]) -> None:
@@ -47,7 +47,7 @@ def _entry(target, backend, shape, measured, threshold, op, *, unit, path=None, 
 
 
 def targets(results) -> list[dict]:
-    """The issue's targets evaluated on a result set (a bench JSON dict, or its
+    """The targets evaluated on a result set (a bench JSON dict, or its
     "results" list). One entry per target and backend/shape; `pass` is None
     where the measurement is missing."""
     rows = results["results"] if isinstance(results, dict) else results
@@ -99,7 +99,7 @@ def targets(results) -> list[dict]:
     return out
 
 
-WINDOW_FLAT = 1.3  # issue 19: time per query token at most 1.3x from the shortest to the longest T
+WINDOW_FLAT = 1.3  # window: time per query token at most 1.3x from the shortest to the longest T
 WINDOW_MEMORY = 4.0  # ... and peak memory under 4x inputs+outputs
 DECODE_LINEAR = 10.0  # decode: every point within 10% of the least-squares line a + b*P (our reading of "linearly")
 DECODE_READ = 2.0  # ... and each step within 2x of one read of its cache
@@ -172,7 +172,7 @@ def linear_fit(xs, ys) -> tuple[float, float]:
 
 
 def _floor(row) -> str:
-    """The step's own byte floor at that P (bench.shapes.Shape.decode_floor), where the row carries it."""
+    """The step's own byte floor at that P (conformance.bench.shapes.Shape.decode_floor), where the row carries it."""
     return f" (floor {row['decode_floor']:.2f}x: weights + cache over cache)" if "decode_floor" in row else ""
 
 

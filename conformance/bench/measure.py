@@ -1,5 +1,5 @@
 """Timing and peak memory: the paired timing every figure of `mha bench` and
-of the timing scripts (bench.scripts) comes from."""
+of the timing scripts (conformance.bench.scripts) comes from."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def measure_paired(calls: dict, reference, *, repeats: int, max_seconds: float) 
 
 
 def paired_ratios(calls: dict, reference, *, repeats: int) -> tuple[dict, float]:
-    """measure_paired for the timing scripts (bench.scripts): each call's
+    """measure_paired for the timing scripts (conformance.bench.scripts): each call's
     matmul_ratio (its time in matmul-times) and the reference's median time
     in seconds; a call that failed raises its exception here."""
     measured = measure_paired(calls, reference, repeats=repeats, max_seconds=float("inf"))

@@ -1,6 +1,6 @@
-"""What a `mha bench` worker needs from each framework: the paths to time
-(ours and native), its large matmul, its memory counter. One function per
-framework; each imports its framework when called."""
+"""What a `mha bench` worker needs from each framework, a Runner: the paths to
+time (ours and native), its large matmul, its memory counter. One function per
+framework (RUNNERS); each imports its framework when called."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bench.measure import rss_memory, tracemalloc_memory
-from bench.shapes import (
+from conformance.bench.measure import rss_memory, tracemalloc_memory
+from conformance.bench.shapes import (
     CHUNK_SIZE,
     JAX_CHUNK_SIZE,
     JAX_CHUNK_SIZE_SMALL_BATCH,
@@ -99,7 +99,7 @@ def _quiet_stderr():
 
 
 @dataclasses.dataclass
-class Glue:
+class Runner:
     """What a worker needs from a framework: kept to one function per framework."""
 
     info: dict
@@ -124,7 +124,7 @@ def _numpy_blas() -> str:
     return "unknown"
 
 
-def glue_numpy(device: str, quick: bool) -> Glue:
+def numpy_runner(device: str, quick: bool) -> Runner:
     from impl_numpy.attention import multi_head_attention
     from impl_numpy.backward import multi_head_attention_vjp
 
@@ -195,10 +195,10 @@ def glue_numpy(device: str, quick: bool) -> Glue:
         release_workspace()  # the buffers the fast path keeps between calls are allocated, and counted, in this one
         return tracemalloc_memory(call)
 
-    return Glue(info, matmul, paths, np.asarray, memory)
+    return Runner(info, matmul, paths, np.asarray, memory)
 
 
-def glue_torch(device: str, quick: bool) -> Glue:
+def torch_runner(device: str, quick: bool) -> Runner:
     import torch
     import torch.nn.functional as F
 
@@ -365,10 +365,10 @@ def glue_torch(device: str, quick: bool) -> Glue:
         info["sdp_enabled"] = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
                                for k in ("flash", "mem_efficient", "math", "cudnn")
                                if hasattr(torch.backends.cuda, f"{k}_sdp_enabled")}
-    return Glue(info, matmul, paths, lambda y: y.detach().cpu().numpy(), memory)
+    return Runner(info, matmul, paths, lambda y: y.detach().cpu().numpy(), memory)
 
 
-def glue_tf(device: str, quick: bool) -> Glue:
+def tf_runner(device: str, quick: bool) -> Runner:
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from impl_tf._keras import keras, tf
@@ -519,10 +519,10 @@ def glue_tf(device: str, quick: bool) -> Glue:
             "keras_mha_kernel": "keras einsum path (Keras flash attention is not used on the TensorFlow backend)",
             "ours_kernels": f"fused attention core compiled by XLA from {attention.XLA_MIN_SCORES} score elements, "
                             f"chunked key-block step from {chunked.XLA_MIN_BLOCK} (eager paths too)"}
-    return Glue(info, matmul, paths, lambda y: np.asarray(y), memory)
+    return Runner(info, matmul, paths, lambda y: np.asarray(y), memory)
 
 
-def glue_jax(device: str, quick: bool) -> Glue:
+def jax_runner(device: str, quick: bool) -> Runner:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -659,7 +659,7 @@ def glue_jax(device: str, quick: bool) -> Glue:
 
     info = {"version": jax.__version__, "flax": flax.__version__, "device": str(dev), "matmul_precision": "highest",
             "dpa_implementation": dpa_impl}
-    return Glue(info, matmul, paths, lambda y: np.asarray(y[0] if isinstance(y, tuple) else y), memory)
+    return Runner(info, matmul, paths, lambda y: np.asarray(y[0] if isinstance(y, tuple) else y), memory)
 
 
-GLUE = {"numpy": glue_numpy, "torch": glue_torch, "tf": glue_tf, "jax": glue_jax}
+RUNNERS = {"numpy": numpy_runner, "torch": torch_runner, "tf": tf_runner, "jax": jax_runner}

@@ -1,8 +1,8 @@
-"""`mha bench --shapes sequence-sharded` (issue 21): torch's sequence sharding
+"""`mha bench --shapes sequence-sharded`: torch's sequence sharding
 (impl_torch.sharded, the ring on gloo processes) against one process's
 unsharded call, measured in one run.
 
-Two figures, each judged against the issue's target:
+Two figures, each judged against its target:
 
   memory  per-process peak over the call, the largest of the n ranks, over
           the same of one process running the unsharded call; target
@@ -25,7 +25,7 @@ pickles them to every process) and takes its shard: that copy is in its
 The unsharded call is impl_torch's multi_head_attention with use_sdpa=True
 and is_causal: torch has no chunk_size path, and SDPA's kernels work
 blockwise (what `mha bench` times at `long`). It runs in a process of its
-own (`python -m bench.sharded --unsharded SPEC OUT`) with torch's default
+own (`python -m conformance.bench.sharded --unsharded SPEC OUT`) with torch's default
 threads and the same glibc mmap threshold as the ranks
 (impl_torch.sharded.bound_heap_retention), so that the two sides differ in
 the sharding alone. No gradients: the forward is what the targets name.
@@ -44,11 +44,11 @@ from pathlib import Path
 import numpy as np
 
 FAMILY = "sequence-sharded"
-MEMORY_TARGET = 0.35  # issue 21: a rank's peak at most 0.35x one process's unsharded call
+MEMORY_TARGET = 0.35  # a rank's peak at most 0.35x one process's unsharded call
 BYTES_TARGET = 1.1  # ... and its ring bytes within 1.1x of the minimum
 DEVICES = 4
 FULL = {"B": 1, "T": 32768, "D": 512, "N": 8}
-QUICK = {"B": 1, "T": 256, "D": 32, "N": 2}  # --quick: the same pipeline in seconds; not the issue's figures
+QUICK = {"B": 1, "T": 256, "D": 32, "N": 2}  # --quick: the same pipeline in seconds; not the targets' figures
 
 
 def shape(quick: bool) -> dict:
@@ -84,7 +84,7 @@ def unsharded(s: dict) -> dict:
     """In this process: one warm-up call, then the unsharded call, measured (the module docstring)."""
     import torch
 
-    from bench.measure import rss_memory
+    from conformance.bench.measure import rss_memory
     from impl_torch.attention import multi_head_attention
     from impl_torch.sharded import bound_heap_retention
 
@@ -106,8 +106,8 @@ def _run_unsharded(s: dict) -> dict:
         spec, out = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec.write_text(json.dumps(s))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        proc = subprocess.run([sys.executable, "-m", "bench.sharded", "--unsharded", str(spec), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run([sys.executable, "-m", "conformance.bench.sharded", "--unsharded", str(spec), str(out)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stdout or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
             raise RuntimeError(f"the unsharded process failed: {tail[0]}")
@@ -156,8 +156,8 @@ def ratios(record: dict) -> dict:
 
 
 def targets(record: dict) -> list[dict]:
-    """The issue's two targets on the family's record, in bench.targets' entry form."""
-    from bench.targets import _entry
+    """The family's two targets (memory, bytes) on its record, in conformance.bench.targets' entry form."""
+    from conformance.bench.targets import _entry
 
     s = record["shape"]
     where = f"T=S={s['T']}, causal, D {s['D']}, N {s['N']}, {s['devices']} processes"
@@ -184,8 +184,9 @@ def print_family(console, record: dict) -> None:
     if record["status"] != "ok":
         console.print(f"[yellow]{FAMILY}: {record['status']}[/]")
         return
+    quick = " (--quick: not the figures the targets ask for)" if record["quick"] else ""
     table = Table(title=f"{FAMILY}: T=S={s['T']}, causal, B {s['B']}, D {s['D']}, N {s['N']}, float32, "
-                        f"{s['devices']} processes" + (" (--quick: not the issue's figures)" if record["quick"] else ""))
+                        f"{s['devices']} processes{quick}")
     for col in ("process", "before MiB", "peak MiB", "peak - before MiB", "x unsharded", "bytes sent", "x ring minimum"):
         table.add_column(col, justify="left" if col == "process" else "right")
     base = record["unsharded"]["growth_bytes"]
@@ -202,7 +203,7 @@ def print_family(console, record: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sharded")
+    parser = argparse.ArgumentParser(prog="python -m conformance.bench.sharded")
     parser.add_argument("--unsharded", nargs=2, metavar=("SPEC", "OUT"), required=True)
     args = parser.parse_args(argv)
     result = unsharded(json.loads(Path(args.unsharded[0]).read_text()))

@@ -1,7 +1,7 @@
 """Keras/TF (impl_tf), float32 forward, against its parts at bert-base, vit-b16, gpt2 and long.
 
 docs/performance.md's TF profile comes from this script (run:
-python -m bench.scripts.tf_parts [bert-base vit-b16 gpt2 long]). Each part
+python -m conformance.bench.scripts.tf_parts [bert-base vit-b16 gpt2 long]). Each part
 is timed by `mha bench`'s own measure_paired against TF's 2048 x 2048
 float32 matmul and reported as a multiple of that matmul's time (median over
 ROUNDS pairs):
@@ -37,9 +37,9 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import weights  # noqa: E402 - after the TF log level
-from bench.glue import glue_tf  # noqa: E402
-from bench.measure import paired_ratios  # noqa: E402
-from bench.shapes import SHAPES, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH, framework_chunk  # noqa: E402
+from conformance.bench.measure import paired_ratios  # noqa: E402
+from conformance.bench.runners import tf_runner  # noqa: E402
+from conformance.bench.shapes import SHAPES, TF_CHUNK_SIZE, TF_CHUNK_SIZE_SMALL_BATCH, framework_chunk  # noqa: E402
 from impl_tf._keras import tf  # noqa: E402
 from impl_tf.attention import multi_head_attention  # noqa: E402
 
@@ -91,7 +91,7 @@ def parts_of(name: str) -> tuple[dict, str]:
 
 
 def main(names) -> None:
-    matmul = glue_tf("cpu", quick=True).matmul(2048)
+    matmul = tf_runner("cpu", quick=True).matmul(2048)
     for name in names:
         parts, what = parts_of(name)
         core = "blocks" if "blocks" in parts else "core"

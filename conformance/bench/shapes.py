@@ -126,8 +126,8 @@ def sweep_shapes(lengths) -> list[Shape]:
                   sweep=True) for T in lengths]
 
 
-# Families of shapes picked by name in --shapes, each a list of points (issue 19 for window and decode;
-# issue 21's sequence-sharded, one point measured by bench/sharded.py in processes of its own).
+# Families of shapes picked by name in --shapes, each a list of points (window and decode; sequence-sharded,
+# one point measured by conformance/bench/sharded.py in processes of its own), each with targets of its own.
 FAMILIES = ("sweep", "window", "decode", "sequence-sharded")
 
 # window: causal, window_left 4095 (each query sees at most 4096 keys), T = S growing; B 1, D 512, N 8.

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.shapes import BACKENDS, SHAPES
+from conformance.bench.shapes import BACKENDS, SHAPES
+
+# The title of the targets on the named shapes (targets.targets): speed against the matmul rate and the
+# native paths, and memory at long.
+SHAPE_TARGETS = f"targets: speed and memory at {', '.join(SHAPES)}"
 
 
 def _fmt_ms(s):
@@ -21,7 +25,8 @@ def print_report(console, data: dict) -> None:
     from rich.table import Table
 
     rows = data["results"]
-    title = "mha bench" + (" --quick (shapes shrunk: not the issue's figures)" if data["settings"]["quick"] else "")
+    title = "mha bench" + (" --quick (shapes shrunk: not the figures the targets ask for)"
+                           if data["settings"]["quick"] else "")
     table = Table(title=title, show_lines=False)
     for col in ("shape", "backend", "path", "pass", "median ms", "spread ms (min-max)", "% matmul", "x native",
                 "first call s", "peak mem", "note"):
@@ -73,22 +78,22 @@ def print_report(console, data: dict) -> None:
     _print_window(console, rows)
     _print_decode(console, rows)
     if "sequence_sharded" in data:
-        from bench.sharded import print_family
+        from conformance.bench.sharded import print_family
 
         print_family(console, data["sequence_sharded"])
     families = ("window", "decode")
     ran = data["settings"].get("shapes")
-    issue7 = [e for e in data["targets"] if e["shape"] not in (*families, "sequence-sharded")]
+    shape_targets = [e for e in data["targets"] if e["shape"] not in (*families, "sequence-sharded")]
     if ran is None or any(name in SHAPES for name in ran):
-        _print_targets(console, "targets (issue 7)", issue7)
-    elif issue7:
-        console.print(f"targets (issue 7): none of their shapes ran ({len(issue7)} targets, all in --json)")
-    issue19 = [e for e in data["targets"] if e["shape"] in families]
-    if issue19:
-        _print_targets(console, "targets (issue 19): window and decode", issue19)
-    issue21 = [e for e in data["targets"] if e["shape"] == "sequence-sharded"]
-    if issue21:
-        _print_targets(console, "targets (issue 21): sequence sharding", issue21)
+        _print_targets(console, SHAPE_TARGETS, shape_targets)
+    elif shape_targets:
+        console.print(f"{SHAPE_TARGETS}: none of these shapes ran ({len(shape_targets)} targets, all in --json)")
+    family_targets = [e for e in data["targets"] if e["shape"] in families]
+    if family_targets:
+        _print_targets(console, "targets: window and decode", family_targets)
+    sharding_targets = [e for e in data["targets"] if e["shape"] == "sequence-sharded"]
+    if sharding_targets:
+        _print_targets(console, "targets: sequence sharding", sharding_targets)
 
 
 def _print_targets(console, title: str, entries: list[dict]) -> None:

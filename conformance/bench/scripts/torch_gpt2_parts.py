@@ -1,7 +1,7 @@
 """Torch at gpt2 (causal, float32, eager, no_grad): our SDPA path against its parts.
 
 docs/performance.md's torch gpt2 profile comes from this script (run:
-python -m bench.scripts.torch_gpt2_parts). Each part is timed by
+python -m conformance.bench.scripts.torch_gpt2_parts). Each part is timed by
 `mha bench`'s own measure_paired against torch's 2048 x 2048 float32 matmul
 and reported as a multiple of that matmul's time (median over ROUNDS pairs):
 
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import weights
-from bench.glue import glue_torch
-from bench.measure import paired_ratios
+from conformance.bench.measure import paired_ratios
+from conformance.bench.runners import torch_runner
 from impl_torch.attention import multi_head_attention
 
 B, T, D, N = 4, 1024, 768, 12
@@ -44,7 +44,7 @@ def main() -> None:
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
     with torch.no_grad():
-        ratios, _ = paired_ratios(parts, glue_torch("cpu", quick=True).matmul(2048), repeats=ROUNDS)
+        ratios, _ = paired_ratios(parts, torch_runner("cpu", quick=True).matmul(2048), repeats=ROUNDS)
     full_flops = 8 * B * T * D * D + 4 * B * N * T * T * H
     for name, r in ratios.items():
         print(f"{name:12} {r:.3f} matmul-times = {100 * full_flops / (2 * 2048**3) / r:.1f}% of the matmul rate "

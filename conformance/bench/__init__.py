@@ -16,10 +16,10 @@ one large float32 matmul in that framework; every time is then a ratio:
                      compiled; NumPy has only eager).
 
 Method
-- Each backend runs in its own worker process (bench.worker, started by
-  bench.command): frameworks do not share thread pools or allocators, a
-  crash or an out-of-memory kill is reported as that backend's failure, and
-  peak memory is the worker's own.
+- Each backend runs in its own worker process (conformance.bench.worker,
+  started by conformance.bench.command): frameworks do not share thread pools
+  or allocators, a crash or an out-of-memory kill is reported as that
+  backend's failure, and peak memory is the worker's own.
 - A measurement: one first call (timed: for compiled paths it includes the
   compile; `compile_s` = first call - median), one more warm-up call when the
   first took under 2 s, then up to --repeats timed calls (at least 3, fewer
@@ -48,7 +48,7 @@ Method
 - Sweep (T = S = 128 ... 16384, B 1, D 512, N 8): forward only, one path of
   ours and one native per backend; a path stops after the first point whose
   median exceeds --budget seconds.
-- Window and decode (issue 19; only when named in --shapes): window times
+- Window and decode (only when named in --shapes): window times
   each chunked path under a fixed window (causal, window_left 4095, T = S
   8192 ... 65536) for flat time per query token and peak memory; decode
   times one GQA token after a cache of P = 8192 ... 65536 keys beside one
@@ -56,15 +56,16 @@ Method
   targets.decode_targets say how each is judged).
 
 Modules: shapes (the shapes and chunk sizes), measure (paired timing, peak
-memory), glue (each framework's paths, matmul and memory counter), worker
-(one backend in its own process), targets (the issue's targets), report
-(table and plots), sharded (issue 21's sequence-sharded family: torch's ring
-against one unsharded process, memory and bytes), command (`mha bench`
-itself); scripts holds the timing
-scripts behind docs/performance.md's profiles
-(`python -m bench.scripts.NAME`).
+memory), runners (each framework's paths, matmul and memory counter), worker
+(one backend in its own process), targets (what each figure is judged
+against: speed and memory on the named shapes, the window and decode
+families' own), report (table and plots), sharded (the sequence-sharded
+family: torch's ring against one unsharded process, memory and bytes, and its
+two targets), command (`mha bench` itself); scripts holds the timing scripts
+behind docs/performance.md's profiles
+(`python -m conformance.bench.scripts.NAME`).
 """
 
-from bench.command import add_parser, run
+from conformance.bench.command import add_parser, run
 
 __all__ = ["add_parser", "run"]

@@ -1,5 +1,6 @@
-"""One backend's measurements, in a process of its own (`python -m bench.worker
---worker SPEC OUT`, started by bench.command.run_backend): every shape, every
+"""One backend's measurements, in a process of its own (`python -m
+conformance.bench.worker --worker SPEC OUT`, started by
+conformance.bench.command.run_backend): every shape, every
 path, timed, measured for memory and compared with the NumPy reference."""
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.glue import DECODE_OPTIONS, GLUE, Unsupported, decode_cache
-from bench.measure import MATMUL, measure_paired
-from bench.shapes import CHUNK_SIZE, Shape
+from conformance.bench.measure import MATMUL, measure_paired
+from conformance.bench.runners import DECODE_OPTIONS, RUNNERS, Unsupported, decode_cache
+from conformance.bench.shapes import CHUNK_SIZE, Shape
 
 
 def _log(msg: str) -> None:
@@ -31,7 +32,7 @@ def run_worker(spec: dict) -> dict:
     backend = spec["backend"]
     started = time.perf_counter()
     try:
-        glue = GLUE[backend](spec["device"], spec["quick"])
+        runner = RUNNERS[backend](spec["device"], spec["quick"])
     except Exception as err:  # noqa: BLE001 - any failure to import or set up means 'unavailable'
         return {"backend": backend, "status": f"unavailable: {type(err).__name__}: {err}".splitlines()[0]}
     results, matmuls, sweep_stops = [], [], {}
@@ -44,7 +45,7 @@ def run_worker(spec: dict) -> dict:
         x = np.random.default_rng(0).standard_normal((shape.B, shape.T, shape.D)).astype(np.float32)
         reference, rows_compared = None, slice(None)
         try:
-            paths = glue.paths(shape, config, tensors, x)
+            paths = runner.paths(shape, config, tensors, x)
         except Unsupported as why:
             results.append(_row(backend, shape, None, f"skipped: {why}", None))
             _log(f"  {backend} {shape.name}: skipped: {why}")
@@ -66,7 +67,7 @@ def run_worker(spec: dict) -> dict:
             else:
                 timed[key] = path.call
             rows.append((key, path, row))
-        measured = measure_paired(timed, glue.matmul(spec["matmul_n"]), repeats=spec["repeats"],
+        measured = measure_paired(timed, runner.matmul(spec["matmul_n"]), repeats=spec["repeats"],
                                   max_seconds=spec["max_seconds"])
         mm = measured.pop(MATMUL)
         rate = 2 * spec["matmul_n"] ** 3 / mm["median_s"]
@@ -80,7 +81,7 @@ def run_worker(spec: dict) -> dict:
                     row.update(measured[key])
                     row["compile_s"] = max(0.0, row["first_call_s"] - row["median_s"])
                     if not shape.sweep:
-                        peak, method, y = glue.memory(path.call)
+                        peak, method, y = runner.memory(path.call)
                         row.update(peak_bytes=peak, memory_method=method)
                         if peak is not None:
                             row["peak_over_io"] = peak / shape.io_bytes
@@ -88,7 +89,7 @@ def run_worker(spec: dict) -> dict:
                             if reference is None:
                                 reference, rows_compared = _numpy_reference(config, tensors, x, shape)
                             y = y[0] if isinstance(y, (tuple, list)) else y  # a decode step returns its cache too
-                            diff = np.abs(glue.to_numpy(y).astype(np.float64)[:, rows_compared] - reference)
+                            diff = np.abs(runner.to_numpy(y).astype(np.float64)[:, rows_compared] - reference)
                             row["max_abs_diff_vs_numpy"] = float(diff.max())
                             row["reference_max_abs"] = float(np.abs(reference).max())
                 except Exception as err:  # noqa: BLE001
@@ -105,7 +106,7 @@ def run_worker(spec: dict) -> dict:
                 if row["status"] == "ok" else row["status"]))
         del paths, timed, rows
         gc.collect()
-    return {"backend": backend, "status": "ok", "info": glue.info, "results": results, "matmul": matmuls,
+    return {"backend": backend, "status": "ok", "info": runner.info, "results": results, "matmul": matmuls,
             "sweep_stops": sweep_stops, "worker_s": time.perf_counter() - started}
 
 
@@ -155,7 +156,7 @@ def _finish(row: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.worker")
+    parser = argparse.ArgumentParser(prog="python -m conformance.bench.worker")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
     args = parser.parse_args(argv)
     spec = json.loads(Path(args.worker[0]).read_text())

@@ -23,11 +23,19 @@ from conformance.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, ru
 
 
 def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KINDS, *, progress=None) -> dict:
-    """{"runs", "failures": [descriptions], "worst": {"path dtype": (margin, case, quantity)}, "unsupported"}."""
+    """{"runs", "failures": [descriptions], "worst": {"path dtype": (margin, case, quantity)}, "unsupported"}.
+    progress(done, runs, failures, summary) after each seed; summary() is the summary of the seeds done."""
     adapter = backends.load(backend_id)
     paths = paths_of(adapter, path_kinds)
     worst: dict[str, tuple[float, str, str]] = {}
     failures, runs, unsupported = [], 0, collections.Counter()
+
+    def summary(done: int) -> dict:
+        return {"backend": backend_id, "seeds": [seeds[0], seeds[done - 1] + 1] if done else [],
+                "dtypes": list(dtypes), "paths": paths, "runs": runs, "failures": list(failures),
+                "worst": {k: {"margin": m, "case": c, "quantity": q} for k, (m, c, q) in sorted(worst.items())},
+                "unsupported": dict(unsupported)}
+
     for i, seed in enumerate(seeds):
         case = random_case(seed)
         for dtype in dtypes:
@@ -49,12 +57,9 @@ def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KI
         if i % 10 == 9:
             clear_cache()  # every case has new shapes: bound the references and JAX programs kept
         if progress is not None:
-            progress(i + 1, runs, len(failures))
+            progress(i + 1, runs, len(failures), lambda done=i + 1: summary(done))
     clear_cache()
-    return {"backend": backend_id, "seeds": [seeds[0], seeds[-1] + 1] if len(seeds) else [], "dtypes": list(dtypes),
-            "paths": paths, "runs": runs, "failures": failures,
-            "worst": {k: {"margin": m, "case": c, "quantity": q} for k, (m, c, q) in sorted(worst.items())},
-            "unsupported": dict(unsupported)}
+    return summary(len(seeds))
 
 
 def main(argv=None) -> int:
@@ -69,19 +74,23 @@ def main(argv=None) -> int:
     kinds = PATH_KINDS if "all" in args.paths else tuple(args.paths)
     started = time.perf_counter()
 
-    def progress(done, runs, failed):
-        if done % 100 == 0:
+    def write(summary: dict) -> str:
+        summary["seconds"] = round(time.perf_counter() - started, 1)
+        text = json.dumps(summary, indent=1)
+        if args.json:
+            from weights.atomic import write_bytes_atomic
+
+            write_bytes_atomic(args.json, text.encode(), overwrite=True)
+        return text
+
+    def progress(done, runs, failed, summary):
+        if done % 100 == 0:  # the summary so far, too: an interrupted sweep keeps what it measured
+            write(summary())
             print(f"{args.backend}: {done} seeds, {runs} runs, {failed} failures, "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     summary = sweep(args.backend, range(*args.seeds), args.dtypes, kinds, progress=progress)
-    summary["seconds"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(summary, indent=1)
-    if args.json:
-        from weights.atomic import write_bytes_atomic
-
-        write_bytes_atomic(args.json, text.encode(), overwrite=True)
-    print(text)
+    print(write(summary))
     return 0 if not summary["failures"] else 1
 
 

@@ -18,8 +18,9 @@ conformance entry point, switches it on when imported, since float64 is a
 conformance dtype.
 """
 
+from weights.call import STAGES, TraceEntry
+
 from .attention import STATIC_ARGNAMES, apply, multi_head_attention, trace_stages
-from .functional import STAGES, TraceEntry
 from .layer import MultiHeadAttention, gpu_available, resolve_device
 from .masks import causal_mask, padding_mask, segment_mask, window_mask
 

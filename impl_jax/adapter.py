@@ -18,11 +18,12 @@ import jax
 import numpy as np
 
 import weights
+from weights.call import OPTIONAL_INPUTS
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, new_keys
 
 from . import programs
-from .attention import OPTIONAL_INPUTS, apply, check, plan, trace_stages
+from .attention import apply, check, plan, trace_stages
 from .layer import gpu_available, resolve_device
 
 jax.config.update("jax_enable_x64", True)

@@ -36,7 +36,6 @@ apply).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -45,7 +44,7 @@ import numpy as np
 from jax import lax
 
 from weights import DTYPES, AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
-from weights.config import Rope
+from weights.call import ATTEND, LOGITS, STAGES, record
 from weights.contract import (
     CallShapes,
     Plan,
@@ -57,11 +56,11 @@ from weights.contract import (
     in_place_buffer_error,
 )
 from weights.dtypes import is_float, resolve_dtype
-from weights.rope import attention_factor, inverse_frequencies
+from weights.rope import rope_tables
 
 from . import functional as F
 from .chunked import chunked_attention
-from .functional import ATTEND, LOGITS, STAGES, _precision, _record
+from .functional import _precision
 
 # Arguments of `apply` that must be static under jax.jit (hashable Python values).
 STATIC_ARGNAMES = (
@@ -74,9 +73,6 @@ X64_MESSAGE = (
     "(or set JAX_ENABLE_X64=1) before creating arrays; impl_jax never computes a float64 request in float32"
 )
 
-# The optional array inputs of a call (their contract names, as impl_numpy.adapter.OPTIONAL_INPUTS).
-OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
-                   "segment_ids", "key_segment_ids")
 
 
 # -- validation: static shapes and dtypes, so it runs at jit trace time -------------
@@ -365,13 +361,6 @@ def in_place_allowed(config: AttentionConfig, call: Call, is_causal: bool, causa
 
 
 # -- the stages up to the keys, and the trace's stage names -----------------------------
-
-@functools.lru_cache(maxsize=64)
-def rope_tables(rope: Rope) -> tuple[np.ndarray, float]:
-    """A Rope config's rotary frequencies (float64 NumPy, constants of the
-    compiled program) and attention factor; cached per (hashable) Rope."""
-    return inverse_frequencies(rope), attention_factor(rope)
-
 
 def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", rec=lambda stage, value: value, *,
               append: bool = True, whole: bool = False):
@@ -679,7 +668,7 @@ def apply(
         if call.cache_length is not None:
             k, v = call.past_key, call.past_value  # the written buffers, whole
         return (out, k, v) if return_cache else out
-    rec = lambda stage, value: _record(trace, stage, value)  # noqa: E731
+    rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     fused = plan(return_weights=return_weights, traced=trace is not None, chunk_size=None,
                  dropout=call.keep is not None, dtype=dtype).path == "fused"
     # A cache nobody asks back is never concatenated: the fused expression takes it and the new keys as

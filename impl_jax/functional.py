@@ -31,41 +31,21 @@ a static argument), so each of them shapes the compiled program.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from weights import compute_dtype
+from weights.call import ATTEND, LOGITS, OUTPUT, PROJECT
 
 from .masks import causal_mask, segment_mask, window_mask
-
-# The contractions, written once; the same strings as impl_numpy.
-PROJECT = "BLD,DF->BLF"
-LOGITS = "BKGTH,BKSH->BKGTS"
-ATTEND = "BKGTS,BKSV->BKGTV"
-OUTPUT = "BTF,FO->BTO"
 
 PRECISIONS = {
     "highest": lax.Precision.HIGHEST,  # float32 matmuls everywhere (the correctness setting)
     "tf32": lax.Precision.DEFAULT,  # TF32 on Ampere+ GPUs: asked for explicitly
     "default": lax.Precision.DEFAULT,  # whatever the platform does by default
 }
-
-
-@dataclasses.dataclass
-class TraceEntry:
-    stage: str
-    value: Any  # the stage's output, a jax.Array (a tracer inside jit)
-
-
-def _record(trace: list | None, stage: str, value):
-    if trace is not None:
-        trace.append(TraceEntry(stage, value))
-    return value
 
 
 def _precision(precision: str) -> lax.Precision:
@@ -279,10 +259,3 @@ def default_positions(positions, P: int, L: int):
     positions = jnp.asarray(positions)
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
-
-STAGES = (
-    "query.project", "key.project", "value.project", "query.norm", "key.norm",
-    "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
-    "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
-)
-"""Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""

@@ -69,11 +69,12 @@ from jax.sharding import PartitionSpec as P
 
 import weights
 from weights import compute_dtype
+from weights.call import OPTIONAL_INPUTS
 from weights.contract import check_input_values
 
 from . import functional as F
 from .adapter import FAST_CPU_COMPILE
-from .attention import OPTIONAL_INPUTS, check, prepare, qkv_heads
+from .attention import check, prepare, qkv_heads
 
 jax.config.update("jax_enable_x64", True)  # float64 is a conformance dtype, as in impl_jax.adapter
 

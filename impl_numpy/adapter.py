@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from weights import dtype_from_name
+from weights.call import OPTIONAL_INPUTS, split_result
 from weights.paths import common_path_options, in_place_buffers, new_keys
 
 from .attention import multi_head_attention, plan
@@ -38,9 +39,6 @@ def devices() -> list[str]:
     return ["cpu"]
 
 
-# The optional call inputs every adapter passes through under their contract names.
-OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
-                   "segment_ids", "key_segment_ids")
 
 
 def _kwargs(inputs, options):
@@ -50,14 +48,6 @@ def _kwargs(inputs, options):
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"), dtype=options.get("dtype"),
     )
-
-
-def split_result(result, return_weights: bool, return_cache: bool) -> dict:
-    """multi_head_attention's (output[, weights][, present_key, present_value]) as a dict of NumPy arrays."""
-    parts = list(result) if (return_weights or return_cache) else [result]
-    names = ["output"] + (["weights"] if return_weights else []) + (["present_key", "present_value"]
-                                                                     if return_cache else [])
-    return {name: np.asarray(value) for name, value in zip(names, parts, strict=True)}
 
 
 def _check_device(device: str) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from weights import AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
+from weights.call import record
 from weights.contract import (
     CallShapes,
     Plan,
@@ -24,7 +25,7 @@ from weights.contract import (
 from weights.dtypes import is_float
 
 from . import functional as F
-from .heads import qkv_heads, rope_tables  # noqa: F401 (rope_tables: backward.py and magnitudes.py take it here)
+from .heads import qkv_heads
 
 # The fused fast path's chunk_size: key blocks of 512 (query blocks of chunked.QUERY_ROWS).
 FUSED_BLOCK = 512
@@ -236,7 +237,7 @@ def multi_head_attention(
             present_key, present_value = call.past_key, call.past_value  # the buffers, whole
         return (out, present_key, present_value) if return_cache else out
 
-    rec = lambda stage, value: F._record(trace, stage, value)  # noqa: E731
+    rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params
     q, k, v = qkv_heads(config, call, rec)
     allowed = call.allowed(config, is_causal, causal_alignment)

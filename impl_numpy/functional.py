@@ -25,32 +25,11 @@ float32 for float16/bfloat16 inputs, the dtype itself otherwise.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import numpy as np
 
 from weights import compute_dtype
 
 from .masks import causal_mask, segment_mask, window_mask
-
-# The contractions, written once; the mirrors use the same strings.
-PROJECT = "BLD,DF->BLF"
-LOGITS = "BKGTH,BKSH->BKGTS"
-ATTEND = "BKGTS,BKSV->BKGTV"
-OUTPUT = "BTF,FO->BTO"
-
-
-@dataclasses.dataclass
-class TraceEntry:
-    stage: str
-    value: Any  # the stage's output, in the backend's own array type
-
-
-def _record(trace: list | None, stage: str, value):
-    if trace is not None:
-        trace.append(TraceEntry(stage, value))
-    return value
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -273,11 +252,4 @@ def default_positions(positions, P: int, L: int) -> np.ndarray:
     positions = np.asarray(positions).astype(np.int64)
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
-
-STAGES = (
-    "query.project", "key.project", "value.project", "query.norm", "key.norm",
-    "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
-    "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
-)
-"""Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""
 

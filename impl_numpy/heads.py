@@ -8,14 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from weights import AttentionConfig
-from weights.rope import attention_factor, inverse_frequencies
+from weights.rope import rope_tables
 
 from . import functional as F
-
-
-def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
-    """The config's rotary frequencies (float64) and attention factor."""
-    return inverse_frequencies(config.rope), attention_factor(config.rope)
 
 
 def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, append: bool = True):
@@ -34,7 +29,7 @@ def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, 
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config)
+        inv_freq, factor = rope_tables(config.rope)
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))

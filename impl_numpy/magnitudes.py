@@ -59,8 +59,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from weights.rope import rope_tables
+
 from . import functional as F
-from .attention import multi_head_attention, prepare, rope_tables
+from .attention import multi_head_attention, prepare
 from .backward import _norm_parts, _rope_join, _rope_pair
 
 CACHE_NAMES = ("present_key", "present_value")
@@ -129,7 +131,7 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config)
+        inv_freq, factor = rope_tables(config.rope)
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
 
         # rope: with the true cos/sin (times the attention factor), (x1 c - x2 s, x2 c + x1 s) becomes

@@ -5,9 +5,10 @@ Importing impl_tf selects Keras's TensorFlow backend (KERAS_BACKEND) unless
 keras was already imported, and refuses to run on another backend.
 """
 
+from weights.call import STAGES, TraceEntry
+
 from ._keras import keras  # noqa: F401  (first: picks the backend)
 from .attention import multi_head_attention
-from .functional import STAGES, TraceEntry
 from .layer import MultiHeadAttention
 from .masks import causal_mask, padding_mask, segment_mask, window_mask
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from weights.call import OPTIONAL_INPUTS, split_result
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, new_keys
 
@@ -38,9 +39,6 @@ def devices() -> list[str]:
     return ["cpu"] + (["gpu"] if tf.config.list_physical_devices("GPU") else [])
 
 
-# The optional call inputs passed through under their contract names (impl_numpy.adapter.OPTIONAL_INPUTS).
-OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
-                   "segment_ids", "key_segment_ids")
 
 
 def _kwargs(inputs, options):
@@ -88,14 +86,6 @@ def _check_values(inputs):
     check_input_values(**{name: inputs.get(name) for name in ("query", "key", "value", "past_key", "past_value")})
 
 
-def split_result(result, return_weights: bool, return_cache: bool) -> dict:
-    """multi_head_attention's (output[, weights][, present_key, present_value]) as a dict of NumPy arrays."""
-    parts = list(result) if (return_weights or return_cache) else [result]
-    names = ["output"] + (["weights"] if return_weights else []) + (["present_key", "present_value"]
-                                                                     if return_cache else [])
-    return {name: _numpy(value) for name, value in zip(names, parts, strict=True)}
-
-
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
@@ -111,7 +101,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
         in_place["cache_length"] = P
     result = layer(inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights,
                    return_cache=return_cache, **(kwargs | in_place))
-    answer = split_result(result, return_weights, return_cache)
+    answer = split_result(result, return_weights, return_cache, _numpy)
     if in_place and return_cache:  # the buffers, whole: the cache is their first P + S positions
         answer["present_key"], answer["present_value"] = (answer[name][:, :, :P + S] for name in
                                                           ("present_key", "present_value"))

@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 
 from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
+from weights.call import OPTIONAL_INPUTS, record
 from weights.contract import CallShapes, Plan, check_bias_values, check_call, check_chunk_size, in_place_buffer_error
-from weights.rope import attention_factor, inverse_frequencies
+from weights.rope import rope_tables
 
 from . import functional as F
 from ._keras import keras, tf
@@ -114,9 +115,6 @@ def check_tensors(config: AttentionConfig, tensors) -> str:
     return validate_tensors(config, proxies).name
 
 
-# The optional inputs check_call reads by shape and dtype, in its order.
-OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
-                   "segment_ids", "key_segment_ids")
 
 
 def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=None, *, is_causal=False,
@@ -295,11 +293,6 @@ def _over_capacity(x, S_total: int, C: int, fill):
     return tf.pad(x, [[0, 0]] * (len(x.shape) - 1) + [[0, C - S_total]], constant_values=fill)
 
 
-def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
-    """The config's rotary frequencies (float64, weights.rope) and attention factor."""
-    return inverse_frequencies(config.rope), attention_factor(config.rope)
-
-
 def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = True, append: bool = True):
     """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
     T, H) (None unless `query`), k (B, K, S_total, H), v (B, K, S_total, V)
@@ -321,7 +314,7 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = Tr
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config)
+        inv_freq, factor = rope_tables(config.rope)
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         if query:
             q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved,
@@ -613,7 +606,7 @@ def multi_head_attention(
             masked_row=config.masked_row, **_modern_core_options(config, call),
         )  # (B, N, T, V)
         return result(F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), None, k, v)
-    rec = lambda stage, value: F._record(trace, stage, value)  # noqa: E731
+    rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     q, k, v = qkv_heads(config, call, rec)
     allowed = call.allowed(config, is_causal, causal_alignment)
     x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 
 from weights.contract import check_chunk_size
-from weights.rope import attention_factor, inverse_frequencies
+from weights.rope import rope_tables
 
 from ._keras import keras, tf
 from .functional import _cast, compute_dtype, dtype_name, merge_heads, norm, project, rope, rope_angles, split_heads
@@ -262,7 +262,7 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
     sink = None if sinks is None else ops.reshape(_cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
     q_norm = config.qk_norm
     if config.rope is not None:
-        inv_freq, factor = inverse_frequencies(config.rope), attention_factor(config.rope)
+        inv_freq, factor = rope_tables(config.rope)
 
     def i32(x):
         return tf.constant(x, tf.int32) if isinstance(x, int) else x

@@ -42,35 +42,17 @@ TensorFlow runs about 1.3x slower than the einsum it came from.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import numpy as np
 
+from weights.call import ATTEND, LOGITS, OUTPUT, PROJECT
+
 from ._keras import keras, tf
 from .masks import causal_mask, segment_mask, window_mask
 
 ops = keras.ops
-
-# The contractions, written once; the same strings as impl_numpy.
-PROJECT = "BLD,DF->BLF"
-LOGITS = "BKGTH,BKSH->BKGTS"
-ATTEND = "BKGTS,BKSV->BKGTV"
-OUTPUT = "BTF,FO->BTO"
-
-
-@dataclasses.dataclass
-class TraceEntry:
-    stage: str
-    value: Any  # the stage's output, a TensorFlow tensor
-
-
-def _record(trace: list | None, stage: str, value):
-    if trace is not None:
-        trace.append(TraceEntry(stage, value))
-    return value
-
 
 def dtype_name(x) -> str:
     """The dtype of a tensor, array or dtype, by its NumPy-style name."""
@@ -306,10 +288,3 @@ def default_positions(positions, P, L):
     positions = ops.convert_to_tensor(positions)
     return positions[None] if len(positions.shape) == 1 else positions  # (B|1, L)
 
-
-STAGES = (
-    "query.project", "key.project", "value.project", "query.norm", "key.norm",
-    "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
-    "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
-)
-"""Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""

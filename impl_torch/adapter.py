@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import weights
+from weights.call import OPTIONAL_INPUTS, split_result
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, new_keys
 
@@ -43,9 +44,6 @@ def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
 
 
 # The optional call inputs passed through under their contract names (impl_numpy.adapter.OPTIONAL_INPUTS;
-# tests/test_torch_modern.py checks the two agree). Positions and segment ids stay integer.
-OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
-                   "segment_ids", "key_segment_ids")
 CACHE = ("past_key", "past_value")
 
 
@@ -76,14 +74,6 @@ def _tensors(config, tensors, device, *, requires_grad=False):
     return {name: to_torch(t, device).requires_grad_(requires_grad) for name, t in tensors.items()}
 
 
-def split_result(result, return_weights: bool, return_cache: bool) -> dict:
-    """multi_head_attention's (output[, weights][, present_key, present_value]) as a dict of NumPy arrays."""
-    parts = list(result) if (return_weights or return_cache) else [result]
-    names = ["output"] + (["weights"] if return_weights else []) + (["present_key", "present_value"]
-                                                                     if return_cache else [])
-    return {name: to_numpy(value) for name, value in zip(names, parts, strict=True)}
-
-
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     _check_values(inputs)
     dev = resolve_device(device)
@@ -103,7 +93,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
             config, params, to_torch(inputs["query"], dev), inputs.get("key"), inputs.get("value"),
             return_weights=return_weights, return_cache=return_cache, trace=entries, **kwargs,
         )
-    answer = split_result(result, return_weights, return_cache)
+    answer = split_result(result, return_weights, return_cache, to_numpy)
     if "cache_length" in kwargs and return_cache:  # the buffers, whole: the cache is their first P + S positions
         answer["present_key"], answer["present_value"] = (answer[name][:, :, :P + S] for name in
                                                           ("present_key", "present_value"))

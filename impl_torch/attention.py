@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from weights import DTYPES, AttentionConfig, WeightsFormatError, validate_tensors
+from weights.call import record
 from weights.contract import CallShapes, Plan, check_bias_values, check_call, in_place_buffer_error
-from weights.rope import attention_factor, inverse_frequencies
+from weights.rope import rope_tables
 
 from . import functional as F
 from .convert import TORCH_DTYPES, compute_dtype, dtype_name, to_torch, torch_dtype
@@ -225,11 +226,6 @@ def refuse_autograd(query, key, value, tensors, bias, past_key, past_value) -> N
                          f"through it: got {', '.join(asking)} requiring grad with gradients enabled")
 
 
-def rope_tables(config: AttentionConfig) -> tuple[np.ndarray, float]:
-    """The config's rotary frequencies (float64, weights.rope) and attention factor."""
-    return inverse_frequencies(config.rope), attention_factor(config.rope)
-
-
 def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value):
     """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
     T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
@@ -246,7 +242,7 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config)
+        inv_freq, factor = rope_tables(config.rope)
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
@@ -355,7 +351,7 @@ def multi_head_attention(
         return_cache=return_cache, cache_length=cache_length, dtype=dtype, materializes_scores=not will_use_sdpa,
         sdpa=will_use_sdpa,
     )
-    rec = lambda stage, value: F._record(trace, stage, value)  # noqa: E731
+    rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params
     q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
     w = None

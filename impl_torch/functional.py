@@ -23,31 +23,12 @@ Under autocast, torch's own rules pick the matmul dtype instead.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
+
+from weights.call import ATTEND, LOGITS, OUTPUT, PROJECT
 
 from .convert import compute_dtype
 from .masks import causal_mask, segment_mask, window_mask
-
-# The contractions, written once; the same strings as impl_numpy.
-PROJECT = "BLD,DF->BLF"
-LOGITS = "BKGTH,BKSH->BKGTS"
-ATTEND = "BKGTS,BKSV->BKGTV"
-OUTPUT = "BTF,FO->BTO"
-
-
-@dataclasses.dataclass
-class TraceEntry:
-    stage: str
-    value: Any  # the stage's output, a torch tensor
-
-
-def _record(trace: list | None, stage: str, value):
-    if trace is not None:
-        trace.append(TraceEntry(stage, value))
-    return value
 
 
 def _einsum(spec: str, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -257,11 +238,4 @@ def default_positions(positions: torch.Tensor | None, P: int, L: int, device=Non
     positions = positions.to(device=device, dtype=torch.int64)
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
-
-STAGES = (
-    "query.project", "key.project", "value.project", "query.norm", "key.norm",
-    "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
-    "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
-)
-"""Every stage name a trace may hold, in order (norm, rope, softcap only where the config turns them on)."""
 

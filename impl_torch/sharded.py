@@ -146,14 +146,14 @@ import torch
 import torch.distributed as dist
 
 import weights
+from weights.call import OPTIONAL_INPUTS
 from weights.contract import broadcast_shape, check_call, check_chunk_size, check_input_values
+from weights.rope import rope_tables
 
 from . import functional as F
 from .convert import compute_dtype, to_numpy, to_torch, torch_dtype
 
 KINDS = ("heads", "sequence")
-OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
-                   "segment_ids", "key_segment_ids")
 DIFFERENTIABLE_INPUTS = ("query", "key", "value", "past_key", "past_value")
 # A ring block is computed in sub-blocks of CHUNK key columns (options["chunk_size"] overrides) by
 # min(CHUNK, QUERY_ROWS) query rows: impl_numpy/chunked.py's sizes, so that a rank's temporaries are the
@@ -538,9 +538,8 @@ def _heads(config, leaves, xs, others, options, dtype, rank, world):
         k = F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), nq.type, nq.eps, len(kv_heads), nq.scope)
     q, k, v = F.split_heads(q, n_local), F.split_heads(k, len(kv_heads)), F.split_heads(v, len(kv_heads))
     if config.rope is not None:
-        from .attention import rope_tables
 
-        inv_freq, factor = rope_tables(config)
+        inv_freq, factor = rope_tables(config.rope)
         R, inter = config.rope.rotary_dim, config.rope.interleaved
         q = F.rope(q, F.rope_angles(call.positions, inv_freq, dtype), R, inter, factor)  # (B, n_local, T, H)
         k = F.rope(k, F.rope_angles(call.key_positions, inv_freq, dtype), R, inter, factor)
@@ -649,7 +648,6 @@ class _Anchor(torch.autograd.Function):
 
 
 def _sequence(config, leaves, xs, others, options, dtype, rank, world):
-    from .attention import rope_tables
 
     N, K, H, V = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim
     G = N // K
@@ -676,7 +674,7 @@ def _sequence(config, leaves, xs, others, options, dtype, rank, world):
     grad = torch.is_grad_enabled()
     rope = None
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config)
+        inv_freq, factor = rope_tables(config.rope)
         R, inter = config.rope.rotary_dim, config.rope.interleaved
 
         def positions(given, index):  # (B|1, len): the given positions of these tokens, or P + index

@@ -193,14 +193,6 @@ def test_trace_stages_match_reference(name):
     assert not failures, "\n".join(failures)
 
 
-def test_einsum_strings_mirror_the_spec():
-    from impl_numpy import functional as numpy_functional
-
-    for constant in ("PROJECT", "LOGITS", "ATTEND", "OUTPUT"):
-        got, want = getattr(jax_functional, constant), getattr(numpy_functional, constant)
-        assert got == want, f"{constant}: impl_jax {got!r}, impl_numpy {want!r}"
-
-
 def _ulps(actual, expected, dtype) -> np.ndarray:
     """|actual - expected| in units in the last place of `dtype` at their magnitude."""
     fi = ml_dtypes.finfo(weights.dtype_from_name(dtype))
@@ -1040,7 +1032,6 @@ def test_chunked_refusals_match_reference(extra, monkeypatch):
     assert got == want, f"layer:\njax: {got!r}\nnumpy: {want!r}"
     if "return_weights" in extra:
         assert got == CHUNK_REFUSAL, got
-
 
 
 # -- the fused fast path (no weights, no trace: logits .. attend in one expression) ------------

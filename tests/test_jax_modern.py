@@ -152,9 +152,16 @@ def test_chunked_modern_block_sizes(name, chunk_size):
     assert_case_conforms(_no_weights(_case(name)), "float32", "jax", ChunkedAdapter(chunk_size))
 
 
-def test_optional_inputs_are_the_references():
-    assert jax_attention.OPTIONAL_INPUTS == numpy_adapter.OPTIONAL_INPUTS, (
-        f"jax {jax_attention.OPTIONAL_INPUTS} != numpy {numpy_adapter.OPTIONAL_INPUTS}")
+def test_optional_inputs_are_the_signatures():
+    """Every optional input of the contract (weights.call.OPTIONAL_INPUTS, which the adapters pass through
+    by name) is a keyword of the mirror's call."""
+    import inspect
+
+    import impl_jax
+    from weights.call import OPTIONAL_INPUTS
+
+    missing = [name for name in OPTIONAL_INPUTS if name not in inspect.signature(impl_jax.multi_head_attention).parameters]
+    assert not missing, f"impl_jax.multi_head_attention lacks {missing}"
 
 
 @pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "jax_window_both_cache"])

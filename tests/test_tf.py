@@ -174,17 +174,8 @@ def test_trace_stages(case_name):
                           case.options("float32"), trace=True)["trace"]
     want = reference(case_name)["forward"]["trace"]
     assert [s for s, _ in got] == [s for s, _ in want], f"stages {[s for s, _ in got]}, the spec's {[s for s, _ in want]}"
-    assert tf_functional.STAGES == impl_numpy.STAGES, f"{tf_functional.STAGES} != {impl_numpy.STAGES}"
     for (stage, value), (_, expected) in zip(got, want):
         _close(f"{case_name} stage {stage}", value, expected, case, "float32", "stage", None)
-
-
-def test_einsum_strings_mirror_the_spec():
-    from impl_numpy import functional as np_functional
-
-    for name in ("PROJECT", "LOGITS", "ATTEND", "OUTPUT"):
-        got, want = getattr(tf_functional, name), getattr(np_functional, name)
-        assert got == want, f"{name}: impl_tf {got!r}, impl_numpy {want!r}"
 
 
 def test_functional_entry_point_matches_reference():
@@ -948,7 +939,7 @@ def test_chunked_memory_is_blocks_not_t_by_s():
     """T = S = 4096, N = 4, causal: the chunked call's peak resident-set growth
     stays far below one (B, N, T, S) float32 array (256 MiB; the plain path
     holds several). Measured as `mha bench` does for TensorFlow on the CPU."""
-    from bench.measure import rss_memory as _rss_memory
+    from conformance.bench.measure import rss_memory as _rss_memory
 
     config = weights.AttentionConfig(num_heads=4, query_dim=64, head_dim=16)
     tensors = {k: tf.constant(v) for k, v in weights.init(config, seed=0, dtype="float32").items()}

@@ -221,9 +221,16 @@ def test_chunked_skips_window_hidden_blocks(T, S, chunk, left, right, causal, al
 
 # -- names: inputs, answers, gradients -------------------------------------------------------
 
-def test_optional_inputs_are_the_references():
-    assert tf_adapter.OPTIONAL_INPUTS == numpy_adapter.OPTIONAL_INPUTS, (
-        f"tf {tf_adapter.OPTIONAL_INPUTS} != numpy {numpy_adapter.OPTIONAL_INPUTS}")
+def test_optional_inputs_are_the_signatures():
+    """Every optional input of the contract (weights.call.OPTIONAL_INPUTS, which the adapters pass through
+    by name) is a keyword of the mirror's call."""
+    import inspect
+
+    import impl_tf
+    from weights.call import OPTIONAL_INPUTS
+
+    missing = [name for name in OPTIONAL_INPUTS if name not in inspect.signature(impl_tf.multi_head_attention).parameters]
+    assert not missing, f"impl_tf.multi_head_attention lacks {missing}"
 
 
 @pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "tf_window_both_cache",
@@ -254,9 +261,8 @@ def test_module_layout_points_one_way():
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert not imported & {"attention", "chunked"}, f"functional imports {sorted(imported)} at top level"
     for name in ("project", "norm", "split_heads", "rope_angles", "rope", "logits", "softcap", "mask", "softmax",
-                 "dropout", "attend", "merge_heads", "output", "allowed_mask", "default_positions", "STAGES"):
+                 "dropout", "attend", "merge_heads", "output", "allowed_mask", "default_positions"):
         assert hasattr(np_functional, name) and hasattr(tf_functional, name), f"stage {name} missing in one mirror"
-    assert tf_functional.STAGES == impl_numpy.STAGES, f"{tf_functional.STAGES} != {impl_numpy.STAGES}"
     assert not hasattr(tf_functional, "multi_head_attention"), "the call lives in attention.py alone"
     assert callable(tf_attention.multi_head_attention) and tf_attention.XLA_MIN_SCORES > 0
 

@@ -101,9 +101,16 @@ def test_extra_modern_case_matches_reference(name, dtype, use_sdpa):
     assert_case_conforms(case, dtype, "torch", WithOptions(torch_adapter, use_sdpa=use_sdpa))
 
 
-def test_optional_inputs_are_the_references():
-    assert torch_adapter.OPTIONAL_INPUTS == numpy_adapter.OPTIONAL_INPUTS, (
-        f"torch {torch_adapter.OPTIONAL_INPUTS} != numpy {numpy_adapter.OPTIONAL_INPUTS}")
+def test_optional_inputs_are_the_signatures():
+    """Every optional input of the contract (weights.call.OPTIONAL_INPUTS, which the adapters pass through
+    by name) is a keyword of the mirror's call."""
+    import inspect
+
+    import impl_torch
+    from weights.call import OPTIONAL_INPUTS
+
+    missing = [name for name in OPTIONAL_INPUTS if name not in inspect.signature(impl_torch.multi_head_attention).parameters]
+    assert not missing, f"impl_torch.multi_head_attention lacks {missing}"
 
 
 @pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "torch_window_both_cache"])

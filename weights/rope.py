@@ -26,6 +26,7 @@ radians per position, then:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -74,3 +75,15 @@ def attention_factor(rope: Rope) -> float:
     """What cos and sin are multiplied by: yarn's attention_factor, else 1."""
     scaling = rope.scaling
     return scaling.attention_factor if scaling is not None and scaling.type == "yarn" else 1.0
+
+
+def rope_tables(rope: Rope) -> tuple[np.ndarray, float]:
+    """A Rope config's rotary frequencies (float64, a fresh array) and attention factor, computed once per
+    (hashable) Rope. The mirrors form angles, cos and sin from them in their own ops."""
+    inv_freq, factor = _tables(rope)
+    return inv_freq.copy(), factor
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(rope: Rope) -> tuple[np.ndarray, float]:
+    return inverse_frequencies(rope), attention_factor(rope)

@@ -1,0 +1,56 @@
+"""The call's plumbing every mirror shares, written once.
+
+The mirrors (impl_numpy, impl_torch, impl_tf, impl_jax) keep the stage math;
+what names a call's inputs, its traced stages and its result lives here, as
+Keras 3 keeps argument handling in ops/ and the math in backend/*/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# The optional call inputs, under their contract names (weights.contract.check_call), in the order the mirrors'
+# signatures take them; every adapter passes them through by these names.
+OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
+                   "segment_ids", "key_segment_ids")
+
+# The traced stages, in order (docs/spec.md); a call records the ones it runs (norm, rope and softcap only when
+# configured).
+STAGES = (
+    "query.project", "key.project", "value.project", "query.norm", "key.norm",
+    "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
+    "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
+)
+
+# The contractions, as einsum strings the mirrors share (B batch, L/T/S lengths, D input features, F = heads x
+# width, K key heads, G query heads per key head, H/V head widths, O output features).
+PROJECT = "BLD,DF->BLF"
+LOGITS = "BKGTH,BKSH->BKGTS"
+ATTEND = "BKGTS,BKSV->BKGTV"
+OUTPUT = "BTF,FO->BTO"
+
+
+@dataclasses.dataclass
+class TraceEntry:
+    stage: str
+    value: Any  # the stage's output, in the mirror's own array type (a tracer inside jax.jit)
+
+
+def record(trace: list | None, stage: str, value):
+    """Append (stage, value) to the trace when one is kept; returns value, so a stage reads `x = record(...)`."""
+    if trace is not None:
+        trace.append(TraceEntry(stage, value))
+    return value
+
+
+def split_result(result, return_weights: bool, return_cache: bool,
+                 to_array: Callable[[Any], np.ndarray] = np.asarray) -> dict:
+    """multi_head_attention's (output[, weights][, present_key, present_value]) as a dict of NumPy arrays."""
+    parts = list(result) if (return_weights or return_cache) else [result]
+    names = ["output"] + (["weights"] if return_weights else []) + (["present_key", "present_value"]
+                                                                     if return_cache else [])
+    return {name: to_array(value) for name, value in zip(names, parts, strict=True)}

@@ -17,6 +17,7 @@ import re
 import socket
 import xml.etree.ElementTree as ET
 
+from conformance.compare import DEFAULT_PATH
 from weights.atomic import write_bytes_atomic
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
@@ -100,7 +101,7 @@ def check_message(r) -> str:
     """A check result (conformance.compare.CaseResult) as the report says it:
     each failing quantity (worst element, both values, margin, tolerance and
     reason), the first divergent stage, the backend's message."""
-    path = "" if r.path == "default" else f"/{r.path}"
+    path = "" if r.path == DEFAULT_PATH else f"/{r.path}"
     lines = [f"{r.status} {r.case}.{r.dtype} on {r.backend}{path}/{r.device} ({r.precision})"]
     failing = [c for c in r.comparisons if not c.ok]
     shown = failing or ([r.worst] if r.worst is not None else [])
@@ -121,7 +122,7 @@ def check_cases(results) -> list[JUnitCase]:
         if r.status == "error" and r.arrays.get("traceback"):
             text += "\n\n" + r.arrays["traceback"]
         passed = r.status == "pass"
-        path = "" if r.path == "default" else f".{r.path}"
+        path = "" if r.path == DEFAULT_PATH else f".{r.path}"
         cases.append(JUnitCase(f"mha.check.{r.backend}{path}.{r.device}", f"{r.case}.{r.dtype}", outcome[r.status],
                               "" if passed else text, r.seconds, output=text if passed else ""))
     return cases

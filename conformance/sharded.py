@@ -1,6 +1,6 @@
 """`mha check --sharded`: sharded attention judged against the unsharded float64 reference.
 
-An engine is a module `impl_<fw>/sharded.py` with
+An engine is a module `impl_<fw>.sharded` (a file or a package) with
     forward(config, tensors, inputs, options, *, kind, devices, trace=False) -> dict
     vjp(config, tensors, inputs, options, d_output, *, kind, devices) -> {"output", "grads"}
 (impl_numpy.adapter's results, NumPy in and out); kind "heads" | "sequence",

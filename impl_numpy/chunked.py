@@ -83,7 +83,6 @@ WORKSPACE_KEEP_BYTES = 32 * 2**20
 THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 _executor = None
-_controller = None
 _setup_lock = threading.Lock()
 _threaded_lock = threading.Lock()  # one threaded core at a time: the BLAS limit is process-wide
 _kept: list[np.ndarray] = []  # workspace buffers not in use, the one unused longest first
@@ -104,14 +103,13 @@ def _threaded_section():
     the block, so that each of our threads runs its matmuls on its own core;
     serialised, so that concurrent callers cannot restore each other's limits
     in the wrong order. The controller (a scan of the loaded libraries, about
-    a millisecond) is made once."""
-    global _controller
+    a millisecond, against the tens of milliseconds of a call big enough to
+    thread) is made each time: one made once missed a BLAS loaded after it
+    (torch's or TensorFlow's own, imported later), whose threads then ran
+    unheld inside ours."""
     from threadpoolctl import ThreadpoolController
 
-    with _setup_lock:
-        if _controller is None:
-            _controller = ThreadpoolController()
-    with _threaded_lock, _controller.limit(limits=1, user_api="blas"):
+    with _threaded_lock, ThreadpoolController().limit(limits=1, user_api="blas"):
         yield
 
 

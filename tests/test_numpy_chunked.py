@@ -549,3 +549,36 @@ def test_batched_mqa_decode_with_a_whole_cache_splits_its_key_parts_by_batch(mon
     assert sorted(seen) == [(1, 4, 1, 4), (1, 4, 1, 4)], f"the core's parts (q shapes): {seen}"
     staged = multi_head_attention(config, tensors, x, trace=[], **options)
     assert_equals_stages("batched MQA decode, whole cache, 2 threads", out, staged)
+
+
+def test_a_blas_loaded_after_the_first_threaded_call_is_held_too():
+    """A BLAS library loaded after the first threaded call (scipy's own OpenBLAS here; torch's or TensorFlow's
+    elsewhere) is held to one thread inside the threads as well: a controller made once missed it (found when
+    pytest-xdist ran this file's thread test in a worker that imported scipy after it). A fresh process, so
+    that the import order is this test's."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("scipy", reason="needs a second BLAS library to load: scipy")
+    script = """
+import numpy as np
+from threadpoolctl import threadpool_info
+import weights
+from impl_numpy import chunked, multi_head_attention
+chunked.THREADS, chunked.THREADED_MIN_SCORES = 2, 0
+config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
+tensors = weights.init(config, seed=0, dtype="float32")
+x = np.random.default_rng(0).standard_normal((1, 40, 8)).astype(np.float32)
+multi_head_attention(config, tensors, x)  # the first threaded call, before scipy's BLAS is loaded
+import scipy.linalg  # noqa: F401  (loads a second OpenBLAS)
+seen, real = [], chunked._core
+def spy(*args, **kwargs):
+    seen.append(sorted(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
+    return real(*args, **kwargs)
+chunked._core = spy
+multi_head_attention(config, tensors, x)
+print(seen)
+assert seen and all(set(threads) == {1} for threads in seen), seen
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -185,6 +185,9 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
             import multiprocessing
 
             # spawn: TensorFlow and JAX hold threads that a fork would copy half-alive.
+            # JAX takes 75% of a GPU's memory when it starts (its default preallocation); the workers share
+            # one GPU, so each allocates as it goes instead (read by the workers' JAX when it starts).
+            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
                 jobs, mp_context=multiprocessing.get_context("spawn")))
             warming = [pool.submit(_warm, list(backend_ids)) for _ in range(jobs)]  # one per idle worker, as a rule

@@ -160,6 +160,7 @@ class Runner:
     returns_weights: bool
     self_attention_only: bool = False  # q, k, v must be one tensor (so T == S)
     extra: Callable[[], dict] | None = None  # API-specific extra measurements (notes, evidence)
+    tolerance: float = TOL  # a half-precision kernel's rows are judged with its own (conventions_kernels.py)
 
 
 @dataclasses.dataclass
@@ -569,18 +570,18 @@ def _polarity(runner: Runner, arg: str, kind: str, q, k, v) -> tuple[str, dict]:
         "masked": _max_err(out, reference(q, k, v, allowed=as_allowed(~pattern))[0]),
         "ignored": _max_err(out, reference(q, k, v)[0]),
     }
-    return _pick(errs), {f"max_err_if_true_{name}": _num(e) for name, e in errs.items()}
+    return _pick(errs, runner.tolerance), {f"max_err_if_true_{name}": _num(e) for name, e in errs.items()}
 
 
-def _pick(errs: dict[str, float]) -> str:
-    """The one candidate within TOL; "other" if none, "ambiguous: a / b" if several."""
-    hits = [name for name, err in errs.items() if err <= TOL]
+def _pick(errs: dict[str, float], tol: float = TOL) -> str:
+    """The one candidate within tol; "other" if none, "ambiguous: a / b" if several."""
+    hits = [name for name, err in errs.items() if err <= tol]
     if not hits:
         return "other"
     return hits[0] if len(hits) == 1 else "ambiguous: " + " / ".join(hits)
 
 
-def _classify_row(row: np.ndarray, candidates: dict[str, np.ndarray]) -> tuple[str, float | str]:
+def _classify_row(row: np.ndarray, candidates: dict[str, np.ndarray], tol: float = TOL) -> tuple[str, float | str]:
     """row vs the reference's masked_row policies: (label, max error of the match)."""
     row = np.asarray(row, dtype=np.float64)
     if np.isnan(row).all():
@@ -589,13 +590,13 @@ def _classify_row(row: np.ndarray, candidates: dict[str, np.ndarray]) -> tuple[s
         return f"partly NaN ({int(np.isnan(row).sum())} of {row.size})", "nan"
     errs = {policy: _max_err(row, ref) for policy, ref in candidates.items() if policy != "nan"}
     best = min(errs, key=errs.get)
-    if errs[best] <= TOL:
+    if errs[best] <= tol:
         return POLICY_LABELS[best], _num(errs[best])
     values = " ".join(f"{x:.3g}" for x in row.reshape(-1)[:4])
     return f"other ({values} ...)", _num(errs[best])
 
 
-def _classify_weights(row: np.ndarray, S_: int) -> tuple[str, float | str]:
+def _classify_weights(row: np.ndarray, S_: int, tol: float = TOL) -> tuple[str, float | str]:
     row = np.asarray(row, dtype=np.float64)  # (N, S)
     if np.isnan(row).all():
         return "NaN", 0.0
@@ -603,7 +604,7 @@ def _classify_weights(row: np.ndarray, S_: int) -> tuple[str, float | str]:
         return f"partly NaN ({int(np.isnan(row).sum())} of {row.size})", "nan"
     for label, target in (("0", 0.0), ("uniform (1/S)", 1.0 / S_)):
         err = _max_err(row, np.full_like(row, target))
-        if err <= TOL:
+        if err <= tol:
             return label, _num(err)
     return "other (" + " ".join(f"{x:.3g}" for x in row.reshape(-1)[:4]) + " ...)", "n/a"
 
@@ -629,13 +630,13 @@ def _fully_masked(runner: Runner, arg: str, kind: str, polarity: str, q, k, v) -
         native = ~native
     out, w = runner.run(q, k, v, masks={arg: native})
     refs = {p: reference(q, k, v, allowed=allowed_full, masked_row=p) for p in POLICY_LABELS}
-    label, err = _classify_row(out[b0, t0], {p: r[0][b0, t0] for p, r in refs.items()})
+    label, err = _classify_row(out[b0, t0], {p: r[0][b0, t0] for p, r in refs.items()}, runner.tolerance)
     result = {"output": label, "evidence": {"row_max_err": err,
                                             "other_rows_max_err": _num(_max_err(out[~empty], refs["zero"][0][~empty]))}}
     if w is None or not runner.returns_weights:
         result["weights"] = "n/a: returns no weights"
     else:
-        wlabel, werr = _classify_weights(w[b0, :, t0], S_)
+        wlabel, werr = _classify_weights(w[b0, :, t0], S_, runner.tolerance)
         result["weights"] = wlabel
         result["evidence"]["weights_row_max_err"] = werr
         keep = ~empty[:, None, :].repeat(N, axis=1)  # (B, N, T)
@@ -643,7 +644,7 @@ def _fully_masked(runner: Runner, arg: str, kind: str, polarity: str, q, k, v) -
     return result
 
 
-def _causal_label(out, q, k, v) -> tuple[str, dict]:
+def _causal_label(out, q, k, v, tol: float = TOL) -> tuple[str, dict]:
     from impl_numpy.masks import causal_mask
 
     T_, S_ = q.shape[1], k.shape[1]
@@ -655,7 +656,7 @@ def _causal_label(out, q, k, v) -> tuple[str, dict]:
         ref = reference(q, k, v, is_causal=True, alignment=alignment)[0]
         errs[alignment] = _max_err(out[:, rows], ref[:, rows])
     errs["not causal"] = _max_err(out, reference(q, k, v)[0])
-    return _pick(errs), {f"max_err_if_{a.replace(' ', '_')}": _num(e) for a, e in errs.items()}
+    return _pick(errs, tol), {f"max_err_if_{a.replace(' ', '_')}": _num(e) for a, e in errs.items()}
 
 
 def _causal(runner: Runner, T_: int, S_: int) -> tuple[str, dict]:
@@ -668,7 +669,7 @@ def _causal(runner: Runner, T_: int, S_: int) -> tuple[str, dict]:
         return f"n/a: {why}", {}
     except Exception as err:  # noqa: BLE001 - the API refusing is the measured fact
         return f"n/a: {_short(err)}", {}
-    return _causal_label(out, q, k, v)
+    return _causal_label(out, q, k, v, runner.tolerance)
 
 
 def measure_api(api: Api) -> dict:

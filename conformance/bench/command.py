@@ -46,7 +46,9 @@ def add_parser(subparsers) -> None:
                    help="shapes and families to time (default: the four shapes and the sweep; window, decode and "
                         "sequence-sharded only when named)")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
-    p.add_argument("--dtype", default="float32", choices=["float32"], help="only float32 is benchmarked")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the inputs, weights and caches (and the matmul the rates are measured against): float32, "
+                        "or bfloat16 for torch and jax (numpy and tf are benchmarked in float32 only)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 7; --quick 2)")
     p.add_argument("--max-seconds", type=float, default=10.0,
                    help="stop repeating a measurement after this much timing, once 3 calls are done (default 10)")
@@ -138,7 +140,7 @@ def run(args) -> int:
                 "chunk_size": CHUNK_SIZE,
                 "flops": "forward 4*B*T*D*N*H + 4*B*S*D*K*H + 4*B*N*pairs*H, pairs = T*(P+S) (full T*S when causal; "
                          "under a window only the pairs it leaves); forward+backward 3x; the cache read: its elements",
-                "matmul": "median time of one float32 matmul_n^3 matmul in the framework, one run before each timed path call",
+                "matmul": "median time of one matmul_n^3 matmul of the bench's dtype in the framework, one run before each timed path call",
                 "memory": "numpy: tracemalloc peak; tf: get_memory_info peak growth; torch, jax: peak RSS growth via "
                           "/proc/self/clear_refs + VmHWM (GPU: the framework's peak-allocation counter); "
                           "one extra call after timing",

@@ -56,7 +56,8 @@ def print_report(console, data: dict) -> None:
     for m in data["matmul"]:
         rates.setdefault(m["backend"], []).append(m["flops_per_s"] / 1e9)
     if rates:
-        console.print("large-matmul rate (float32 2048^3, GFLOP/s, per shape): " + "; ".join(
+        console.print(f"large-matmul rate ({data['settings'].get('dtype', 'float32')} 2048^3, GFLOP/s, per shape): "
+                      + "; ".join(
             f"{b} {min(v):.0f}-{max(v):.0f}" for b, v in rates.items()))
     sweep = [r for r in rows if r["sweep"] and r["path"] is not None]
     if sweep:
@@ -215,7 +216,7 @@ def write_plots(data: dict, directory: Path) -> list[Path]:
     ax.set_xlabel("sequence length T = S")
     ax.set_ylabel("forward time, median (s)")
     dims = f"B {sweep[0]['B']}, D {sweep[0]['D']}, N {sweep[0]['N']}" if sweep else ""
-    ax.set_title(f"mha bench sweep: {dims}, float32, not causal" + (" (--quick)" if data["settings"]["quick"] else ""))
+    ax.set_title(f"mha bench sweep: {dims}, {data['settings'].get('dtype', 'float32')}, not causal" + (" (--quick)" if data["settings"]["quick"] else ""))
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)

@@ -124,12 +124,18 @@ def _numpy_blas() -> str:
     return "unknown"
 
 
-def numpy_runner(device: str, quick: bool) -> Runner:
+def _float32_only(backend: str, dtype: str) -> None:
+    if dtype != "float32":
+        raise RuntimeError(f"{backend} is benchmarked in float32 only (bfloat16: torch and jax)")
+
+
+def numpy_runner(device: str, quick: bool, dtype: str = "float32") -> Runner:
     from impl_numpy.attention import multi_head_attention
     from impl_numpy.backward import multi_head_attention_vjp
 
     if device != "cpu":
         raise RuntimeError("numpy runs on the CPU only")
+    _float32_only("numpy", dtype)
 
     def naive(x, p, N, causal):
         """Plain float32 attention, written the obvious way (the NumPy 'native')."""
@@ -198,7 +204,7 @@ def numpy_runner(device: str, quick: bool) -> Runner:
     return Runner(info, matmul, paths, np.asarray, memory)
 
 
-def torch_runner(device: str, quick: bool) -> Runner:
+def torch_runner(device: str, quick: bool, dtype: str = "float32") -> Runner:
     import torch
     import torch.nn.functional as F
 
@@ -207,6 +213,7 @@ def torch_runner(device: str, quick: bool) -> Runner:
     if device == "gpu" and not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA GPU (torch.cuda.is_available() is False)")
     dev = torch.device("cuda" if device == "gpu" else "cpu")
+    dt = getattr(torch, dtype)  # the bench's inputs, weights and caches: float32, or bfloat16 on request
     torch.backends.cuda.matmul.allow_tf32 = False  # TF32 off: float32 means float32
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -242,11 +249,11 @@ def torch_runner(device: str, quick: bool) -> Runner:
                               "mask and skips no key block")
         torch._dynamo.reset()  # a fresh compile per shape (the cache limit counts recompiles)
         c, N = shape.causal, shape.N
-        t = {k: torch.from_numpy(v).to(dev) for k, v in tensors_np.items()}
-        x = torch.from_numpy(x_np).to(dev)
+        t = {k: torch.from_numpy(v).to(dev, dt) for k, v in tensors_np.items()}
+        x = torch.from_numpy(x_np).to(dev, dt)
         if shape.family == "decode":
-            pk, pv = (torch.from_numpy(a).to(dev) for a in decode_cache(shape))
-            bk, bv = (torch.from_numpy(a).to(dev) for a in decode_buffers(shape))  # (on the CPU: the same memory)
+            pk, pv = (torch.from_numpy(a).to(dev, dt) for a in decode_cache(shape))
+            bk, bv = (torch.from_numpy(a).to(dev, dt) for a in decode_buffers(shape))  # (CPU float32: the same memory)
 
             def step(sdpa, in_place=False):
                 cache = dict(past_key=bk, past_value=bv, cache_length=shape.P) if in_place else dict(
@@ -284,7 +291,7 @@ def torch_runner(device: str, quick: bool) -> Runner:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=c)  # (B, N, T, H)
             return F.linear(o.transpose(1, 2).reshape(B, T, D), Wo, t["output.bias"])
 
-        mha = torch.nn.MultiheadAttention(D, N, batch_first=True, device=dev).eval()
+        mha = torch.nn.MultiheadAttention(D, N, batch_first=True, device=dev, dtype=dt).eval()
         causal_mask = torch.ones(shape.T, shape.S, dtype=torch.bool, device=dev).triu(1) if c else None
 
         def native_mha(inp):
@@ -345,7 +352,7 @@ def torch_runner(device: str, quick: bool) -> Runner:
         return out
 
     def matmul(n):
-        a = torch.randn(n, n, device=dev)
+        a = torch.randn(n, n, device=dev, dtype=dt)
         c = torch.empty_like(a)
         return done(lambda: torch.mm(a, a, out=c))
 
@@ -358,17 +365,18 @@ def torch_runner(device: str, quick: bool) -> Runner:
         return rss_memory(call)
 
     info = {"version": torch.__version__, "threads": torch.get_num_threads(), "device": str(dev),
-            "compiler": compiler, "tf32": False,
+            "compiler": compiler, "tf32": False, "dtype": dtype,
             "blas": torch.__config__.show().split("BLAS_INFO=")[-1].split(",")[0] if "BLAS_INFO=" in torch.__config__.show() else "?"}
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
         info["sdp_enabled"] = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
                                for k in ("flash", "mem_efficient", "math", "cudnn")
                                if hasattr(torch.backends.cuda, f"{k}_sdp_enabled")}
-    return Runner(info, matmul, paths, lambda y: y.detach().cpu().numpy(), memory)
+    return Runner(info, matmul, paths, lambda y: y.detach().to("cpu", torch.float32).numpy(), memory)
 
 
-def tf_runner(device: str, quick: bool) -> Runner:
+def tf_runner(device: str, quick: bool, dtype: str = "float32") -> Runner:
+    _float32_only("tf", dtype)
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from impl_tf._keras import keras, tf
@@ -522,7 +530,7 @@ def tf_runner(device: str, quick: bool) -> Runner:
     return Runner(info, matmul, paths, lambda y: np.asarray(y), memory)
 
 
-def jax_runner(device: str, quick: bool) -> Runner:
+def jax_runner(device: str, quick: bool, dtype: str = "float32") -> Runner:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -536,6 +544,10 @@ def jax_runner(device: str, quick: bool) -> Runner:
     except RuntimeError as err:
         raise RuntimeError(f"JAX has no {device} device ({err})") from None
     dpa_impl = "cudnn" if platform_ == "gpu" else "xla"
+    dt = jnp.dtype(dtype)  # the bench's inputs, weights and caches: float32, or bfloat16 on request
+
+    def put(a):
+        return jax.device_put(jax.tree.map(lambda y: jnp.asarray(y, dt), a), dev)
 
     def done(f):
         def call():
@@ -544,8 +556,7 @@ def jax_runner(device: str, quick: bool) -> Runner:
 
     def paths(shape, config, tensors_np, x_np):
         c = shape.causal
-        p = jax.device_put(tensors_np, dev)
-        x = jax.device_put(x_np, dev)
+        p, x = put(tensors_np), put(x_np)
         D, N = shape.D, shape.N
         if shape.family == "window":
             chunk = window_chunk(shape, quick, JAX_CHUNK_SIZE, JAX_CHUNK_SIZE_SMALL_BATCH)
@@ -553,7 +564,7 @@ def jax_runner(device: str, quick: bool) -> Runner:
             return [Path_("ours.chunked", "ours", "compiled", "forward", done(lambda: windowed(p, x)),
                           note=f"jax.jit, chunk_size={chunk}, window_left={shape.window_left}", compare=True)]
         if shape.family == "decode":
-            pk, pv = jax.device_put(decode_cache(shape), dev)
+            pk, pv = put(decode_cache(shape))
             step = jax.jit(lambda pp, inp, k, v: apply(config, pp, inp, past_key=k, past_value=v, **DECODE_OPTIONS))
             read = jax.jit(lambda k, v: (jnp.sum(k), jnp.sum(v)))
             # In place: the buffers donated to each call and the written ones kept for the next (XLA writes
@@ -561,7 +572,7 @@ def jax_runner(device: str, quick: bool) -> Runner:
             in_place = jax.jit(lambda pp, inp, k, v, P: apply(config, pp, inp, past_key=k, past_value=v,
                                                                cache_length=P, **DECODE_OPTIONS),
                                donate_argnums=(2, 3))
-            held = list(jax.device_put(decode_buffers(shape), dev))
+            held = list(put(decode_buffers(shape)))
             length = jnp.int32(shape.P)
 
             def in_place_step():
@@ -583,7 +594,7 @@ def jax_runner(device: str, quick: bool) -> Runner:
             return jnp.einsum("BTNH,NHO->BTO", o, pp["output.kernel"]) + pp["output.bias"]
 
         m = nnx.MultiHeadAttention(num_heads=N, in_features=D, qkv_features=D, out_features=D, decode=False,
-                                   deterministic=True, rngs=nnx.Rngs(0))
+                                   deterministic=True, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(m)
         state = jax.device_put(state, dev)
 
@@ -626,7 +637,7 @@ def jax_runner(device: str, quick: bool) -> Runner:
                          done(lambda: dpa_jit(p, x, implementation=chosen)), ts_arrays=2,
                          note=f"jax.nn.dot_product_attention implementation={chosen or 'xla'}", compare=True))
         if not shape.sweep and not shape.long:
-            g = jax.device_put(np.random.default_rng(1).standard_normal(x_np.shape).astype(np.float32), dev)
+            g = put(np.random.default_rng(1).standard_normal(x_np.shape).astype(np.float32))
 
             def grad_of(f):
                 @jax.jit
@@ -642,7 +653,7 @@ def jax_runner(device: str, quick: bool) -> Runner:
         return out
 
     def matmul(n):
-        a = jax.device_put(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32), dev)
+        a = put(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32))
         mm = jax.jit(jnp.matmul)
         return done(lambda: mm(a, a))
 
@@ -658,8 +669,8 @@ def jax_runner(device: str, quick: bool) -> Runner:
     import flax
 
     info = {"version": jax.__version__, "flax": flax.__version__, "device": str(dev), "matmul_precision": "highest",
-            "dpa_implementation": dpa_impl}
-    return Runner(info, matmul, paths, lambda y: np.asarray(y[0] if isinstance(y, tuple) else y), memory)
+            "dpa_implementation": dpa_impl, "dtype": dtype}
+    return Runner(info, matmul, paths, lambda y: np.asarray(y[0] if isinstance(y, tuple) else y, np.float32), memory)
 
 
 RUNNERS = {"numpy": numpy_runner, "torch": torch_runner, "tf": tf_runner, "jax": jax_runner}

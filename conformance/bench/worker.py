@@ -32,7 +32,7 @@ def run_worker(spec: dict) -> dict:
     backend = spec["backend"]
     started = time.perf_counter()
     try:
-        runner = RUNNERS[backend](spec["device"], spec["quick"])
+        runner = RUNNERS[backend](spec["device"], spec["quick"], spec.get("dtype", "float32"))
     except Exception as err:  # noqa: BLE001 - any failure to import or set up means 'unavailable'
         return {"backend": backend, "status": f"unavailable: {type(err).__name__}: {err}".splitlines()[0]}
     results, matmuls, sweep_stops = [], [], {}

@@ -1,0 +1,102 @@
+"""The forced-kernel conventions table (conformance/conventions_kernels.py) and the
+GPU run script that carries it (scripts/gpu_run.py), on the CPU.
+
+On a CPU torch offers the math and flash kernels and refuses the memory-efficient
+and cuDNN ones; jax offers xla and refuses cudnn. Those facts are what a CPU
+measurement must show, and the half-precision tolerance must still separate the
+right convention from the wrong ones.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance import conventions as conv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data():
+    pytest.importorskip("torch", reason="torch not installed: pip install -c constraints/cpu.txt '.[torch]'")
+    pytest.importorskip("jax", reason="jax not installed: pip install -c constraints/cpu.txt '.[jax]'")
+    from conformance import conventions_kernels as ck
+
+    return ck.measure("cpu")
+
+
+def _row(data, start: str) -> dict:
+    return next(row for row in data["rows"] if row["api"].startswith(start))
+
+
+@pytest.mark.torch
+@pytest.mark.jax
+def test_the_cpu_kernels_are_measured_and_the_refused_ones_say_why(data):
+    math_row = _row(data, "torch SDPA cpu, sdpa_kernel(MATH)")
+    assert (math_row["mask_true_means"], math_row["fully_masked_row"]) == ("attend", "0"), math_row
+    assert math_row["causal_T2_S4"] == math_row["causal_T4_S2"] == "top_left", math_row
+    flash = _row(data, "torch SDPA cpu, sdpa_kernel(FLASH_ATTENTION)")
+    assert flash["dtype"] == "float16" and flash["mask_true_means"] == "attend", flash
+    assert flash["accepts"]["dropout_p=0.1"].startswith("no: "), flash["accepts"]
+    assert "Triggered internally" not in flash["accepts"]["dropout_p=0.1"]
+    for start in ("torch SDPA cpu, sdpa_kernel(EFFICIENT_ATTENTION)", "torch SDPA cpu, sdpa_kernel(CUDNN_ATTENTION)",
+                  "jax.nn.dot_product_attention cpu, implementation=cudnn"):
+        row = _row(data, start)
+        assert all(v.startswith("no: ") for v in row["accepts"].values()), row["accepts"]
+    xla = _row(data, "jax.nn.dot_product_attention cpu, implementation=xla")
+    assert xla["fully_masked_row"] == conv.POLICY_LABELS["uniform"] and xla["accepts"]["GQA (4 query heads on 2)"] == "yes"
+    assert xla["accepts"]["dtype float64"] == "yes", xla["accepts"]  # x64 on for the probe in this process
+    text = __import__("conformance.conventions_kernels", fromlist=["markdown"]).markdown(data)
+    assert "| accepts |" in text and "sdpa_kernel(MATH) float32" in text
+
+
+@pytest.mark.torch
+@pytest.mark.jax
+def test_the_half_precision_tolerance_separates_right_from_wrong(data):
+    """The float16 rows' correct convention lands within HALF_TOL and every wrong one is
+    at least 20x farther: measured on the flash kernel's evidence."""
+    from conformance.conventions_kernels import HALF_TOL
+
+    flash = _row(data, "torch SDPA cpu, sdpa_kernel(FLASH_ATTENTION)")
+    polarity = flash["evidence"]["polarity[attn_mask]"]
+    assert polarity["max_err_if_true_attend"] <= HALF_TOL
+    assert min(polarity["max_err_if_true_masked"], polarity["max_err_if_true_ignored"]) > 20 * HALF_TOL
+    for key in ("causal_T2_S4", "causal_T4_S2"):
+        ev = flash["evidence"][key]
+        assert ev["max_err_if_top_left"] <= HALF_TOL < ev["max_err_if_bottom_right"] / 20, ev
+
+
+@pytest.mark.torch
+def test_a_kernel_that_drops_the_scale_is_caught(monkeypatch):
+    """Mutant: the kernel row without the explicit scale (1/sqrt(64) of the padded width instead of
+    1/sqrt(4)) must not read as the reference's conventions."""
+    import torch.nn.functional as F
+
+    from conformance import conventions_kernels as ck
+
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: real(*a, **{**kw, "scale": None}))
+    row = conv.measure_api(ck.apis("cpu")[3])  # MATH, float32
+    assert row["mask_true_means"] == "other" and row["causal_T2_S4"] == "other", row
+
+
+def test_the_gpu_run_steps_are_commands_the_cli_takes(tmp_path):
+    """Every `mha` step of scripts/gpu_run.py parses with today's command line, GPU and dry run alike."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts import gpu_run
+    finally:
+        sys.path.remove(str(ROOT))
+    from conformance.cli import build_parser
+
+    for dry_run in (False, True):
+        plan = gpu_run.steps(tmp_path, dry_run)
+        assert [name for name, *_ in plan][:3] == ["env", "check-torch", "check-jax"]
+        for name, command, seconds, _ in plan:
+            assert seconds > 0
+            if command[1:3] == ["-m", "conformance"]:
+                args = build_parser().parse_args(command[3:])
+                assert ("gpu" in (getattr(args, "devices", None) or [getattr(args, "device", None)])) != dry_run, name

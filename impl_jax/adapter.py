@@ -14,6 +14,9 @@ results are the same with x64 on or off (tests/test_jax.py checks that).
 
 from __future__ import annotations
 
+import functools
+import re
+
 import jax
 import numpy as np
 
@@ -119,24 +122,50 @@ def _forward_and_vjp(config, params, arrays, d_output, *, static, return_weights
 # whole instead of split into parallel parts (xla_cpu_parallel_codegen_split_count
 # 1): the parts' set-up costs more than the parallelism saves on programs this
 # small (a case's program: 64 -> 38 ms, modern_everything 133 -> 102 ms here),
-# and the same code comes out.
+# and the same code comes out. An XLA that no longer knows one of these options
+# (jax 0.11.2's has no xla_cpu_use_fusion_emitters: seen on a GPU machine) compiles
+# with the others: cpu_compile_options().
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
                     "xla_cpu_parallel_codegen_split_count": 1}
-_COMPILE_OPTIONS = {"fast": FAST_CPU_COMPILE, "default": {}}  # by _PROGRAMS name
 _STATIC_ARGNAMES = ("config", "static", "return_weights", "return_cache", "with_trace")
-_PROGRAMS = {
-    "fast": jax.jit(_forward_and_vjp, static_argnames=_STATIC_ARGNAMES, compiler_options=FAST_CPU_COMPILE),
-    "default": jax.jit(_forward_and_vjp, static_argnames=_STATIC_ARGNAMES),
-}
+_PROGRAM_NAMES = ("fast", "default")
 _cpu_compile = "fast"
+
+
+@functools.cache
+def cpu_compile_options() -> dict:
+    """FAST_CPU_COMPILE less the options this process's XLA does not know, found once by compiling a
+    one-line CPU program (each refusal names its option)."""
+    options = dict(FAST_CPU_COMPILE)
+    x = jax.device_put(np.float32(0), jax.devices("cpu")[0])
+    while True:
+        try:
+            jax.jit(lambda a: a + 1, compiler_options=options).lower(x).compile()
+            return options
+        except Exception as err:
+            unknown = re.search(r"No such compile option: '([^']+)'", str(err))
+            if unknown is None or unknown.group(1) not in options:
+                raise
+            del options[unknown.group(1)]
+
+
+def compile_options(name: str) -> dict:
+    """The options of program `name`: "fast" (CPU programs, see FAST_CPU_COMPILE) or "default"."""
+    return cpu_compile_options() if name == "fast" else {}
+
+
+@functools.cache
+def program(name: str):
+    """The jitted forward-and-vjp program compiled with compile_options(name)."""
+    return jax.jit(_forward_and_vjp, static_argnames=_STATIC_ARGNAMES, compiler_options=compile_options(name) or None)
 
 
 def set_cpu_compile(mode: str) -> None:
     """"fast" (the default: FAST_CPU_COMPILE) or "default" (XLA's own options)
     for the CPU programs this adapter compiles from now on."""
     global _cpu_compile
-    if mode not in _PROGRAMS:
-        raise ValueError(f"cpu compile mode must be one of {', '.join(_PROGRAMS)}: got {mode!r}")
+    if mode not in _PROGRAM_NAMES:
+        raise ValueError(f"cpu compile mode must be one of {', '.join(_PROGRAM_NAMES)}: got {mode!r}")
     _cpu_compile = mode
 
 
@@ -177,7 +206,7 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
     dev = resolve_device(device)
     params, arrays, d_output = jax.device_put((dict(tensors), host, d_output.astype(dtype)), dev)
     name = _cpu_compile if dev.platform == "cpu" else "default"
-    return programs.run(repr(_COMPILE_OPTIONS[name]), _PROGRAMS[name], dev, (config,), dict(static=static, return_weights=return_weights,
+    return programs.run(repr(compile_options(name)), program(name), dev, (config,), dict(static=static, return_weights=return_weights,
                         return_cache=return_cache, with_trace=with_trace), (params, arrays, d_output))
 
 

@@ -73,7 +73,7 @@ from weights.call import OPTIONAL_INPUTS
 from weights.contract import check_input_values
 
 from . import functional as F
-from .adapter import FAST_CPU_COMPILE
+from .adapter import cpu_compile_options
 from .attention import check, prepare, qkv_heads
 
 jax.config.update("jax_enable_x64", True)  # float64 is a conformance dtype, as in impl_jax.adapter
@@ -408,7 +408,7 @@ _STATIC = ("config", "kind", "devices", "static", "return_weights", "return_cach
 def _jitted(devices):
     replicated = NamedSharding(mesh(devices), P())
     # impl_jax.adapter's CPU compile options: compilation, not running, is a small call's time
-    options = FAST_CPU_COMPILE if jax.devices()[0].platform == "cpu" else None
+    options = cpu_compile_options() if jax.devices()[0].platform == "cpu" else None
     return jax.jit(_program, static_argnums=(0, 1, 2, 3, 4, 5), out_shardings=replicated, compiler_options=options)
 
 

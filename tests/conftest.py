@@ -54,3 +54,12 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter):
     if _RUN_SEED:
         terminalreporter.write_line(_seed_line())
+
+
+@pytest.fixture
+def mirror(request):
+    """A mirror's handle (tests/mirrors.py) for the framework named by the parameter (indirect); the test
+    skips where that framework is not installed."""
+    from mirrors import load
+
+    return load(request.param)

@@ -15,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 import pytest
+from assertions import assert_bit_exact
 
 from conformance import convert, files
 from weights import DTYPES, AttentionConfig, WeightsFormatError, init, layouts, load, save
@@ -38,14 +39,6 @@ def need(ext):
     module = NEEDS[ext]
     if module:
         pytest.importorskip(module, reason=f"{module} not installed: the {ext} file kind needs it")
-
-
-def assert_bit_exact(a: dict, b: dict, what: str) -> None:
-    assert set(a) == set(b), f"{what}: names differ: {sorted(set(a) ^ set(b))}"
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, (
-            f"{what}: {name} {a[name].dtype}{a[name].shape} vs {b[name].dtype}{b[name].shape}")
-        assert a[name].tobytes() == b[name].tobytes(), f"{what}: {name} differs"
 
 
 def one_line_error(excinfo, *pieces):

@@ -13,6 +13,8 @@ import pytest
 INSTALL = "JAX/Flax not installed: pip install -c constraints/cpu.txt '.[jax]'"
 jax = pytest.importorskip("jax", reason=INSTALL)
 
+from assertions import assert_bit_equal, assert_bit_exact  # noqa: E402
+
 import impl_jax.adapter as adapter  # noqa: E402  (switches x64 on)
 from conformance.cases import CASES  # noqa: E402
 from conformance.compare import expected_for  # noqa: E402
@@ -41,17 +43,17 @@ def _call(case_name="modern_everything", dtype="float32"):
 
 
 def _assert_same_bits(a, b):
+    """Two (forward, grads) answers bit for bit: every output, every traced stage, every gradient."""
     fa, ga = a
     fb, gb = b
     for name in ("output", "weights", "present_key", "present_value"):
         if name in fa:
-            np.testing.assert_array_equal(fa[name], fb[name], err_msg=name)
+            assert_bit_equal(name, fa[name], fb[name])
     assert [s for s, _ in fa["trace"]] == [s for s, _ in fb["trace"]]
     for (stage, x), (_, y) in zip(fa["trace"], fb["trace"]):
-        np.testing.assert_array_equal(x, y, err_msg=stage)
+        assert_bit_equal(stage, x, y)
     assert ga.keys() == gb.keys()
-    for name in ga:
-        np.testing.assert_array_equal(ga[name], gb[name], err_msg=name)
+    assert_bit_exact(ga, gb, "grads")
 
 
 @pytest.mark.parametrize("case_name", ["modern_everything", "decode_cache", "self_basic"])

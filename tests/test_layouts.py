@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from assertions import assert_bit_exact
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -64,15 +65,6 @@ def hints_for(layout: str, config: AttentionConfig) -> dict:
     """The hints a reader passes: heads (flattened in most layouts) and the behaviour fields no state holds."""
     return {"num_heads": config.num_heads, "scale": config.scale, "dropout": config.dropout,
             "masked_row": config.masked_row}
-
-
-def assert_bit_exact(a: dict, b: dict, what: str) -> None:
-    assert list(a) == list(b) or set(a) == set(b), f"{what}: names differ: {sorted(set(a) ^ set(b))}"
-    for name in a:
-        assert a[name].dtype == b[name].dtype, f"{what}: {name} dtype {a[name].dtype} vs {b[name].dtype}"
-        assert a[name].shape == b[name].shape, f"{what}: {name} shape {a[name].shape} vs {b[name].shape}"
-        assert a[name].tobytes() == b[name].tobytes(), (
-            f"{what}: {name} differs in {int((a[name] != b[name]).sum())} of {a[name].size} elements")
 
 
 # -- round trips ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 import pytest
+from assertions import assert_bit_exact
 
 from conformance.tolerance import assert_close
 from impl_numpy import multi_head_attention
@@ -54,14 +55,6 @@ def allowed_mask(rng, B, T, S):
     mask = rng.random((B, 1, T, S)) < 0.7
     mask[..., 0] = True
     return mask
-
-
-def assert_bit_exact(a: dict, b: dict, what: str) -> None:
-    assert set(a) == set(b), f"{what}: names differ: {sorted(set(a) ^ set(b))}"
-    for name in a:
-        x, y = np.asarray(a[name]), np.asarray(b[name])
-        assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: {name} {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
-        assert x.tobytes() == y.tobytes(), f"{what}: {name} differs in {int((x != y).sum())} elements"
 
 
 # -- torch ------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import functools
 import json
 import os
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -25,6 +24,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 tf = pytest.importorskip("tensorflow", reason=INSTALL)
 keras = pytest.importorskip("keras", reason=INSTALL)
 
+from assertions import ulps_between  # noqa: E402
 from reference_checks import (  # noqa: E402
     assert_case_conforms,
     assert_nan_rows,
@@ -191,16 +191,6 @@ def test_functional_entry_point_matches_reference():
     _close("functional weights", np.asarray(w), r["weights"], case, "float64", "weights", None)
 
 
-def _ulps(actual, expected, dtype) -> np.ndarray:
-    """|actual - expected| in units in the last place of `dtype` at their magnitude."""
-    fi = ml_dtypes.finfo(weights.dtype_from_name(dtype))
-    a, r = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    mag = np.maximum(np.abs(a), np.abs(r))
-    binade = 2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
-    ulp = np.maximum(binade * float(fi.eps), float(fi.smallest_subnormal))
-    return np.abs(a - r) / ulp
-
-
 def _stage_inputs(stage, dtype):
     """Non-negative data (no cancellation) with long reductions, NumPy arrays in `dtype`."""
     rng = np.random.default_rng(len(stage))
@@ -232,7 +222,7 @@ def test_precision_rule_16bit_stages(stage, dtype):
     got = np.asarray(keras.ops.convert_to_numpy(_stage_inputs(stage, dtype)(tf_functional)))
     want = _stage_inputs(stage, dtype)(np_functional)
     assert got.dtype == want.dtype, f"{stage}: dtype {got.dtype}, the spec's {want.dtype}"
-    ulps = _ulps(got, want, dtype)
+    ulps = ulps_between(got, want, dtype)
     worst = np.unravel_index(int(np.argmax(ulps)), ulps.shape)
     assert ulps.max() <= 1, (
         f"{stage} {dtype}: {ulps.max():g} ulps from the spec at {list(worst)} "

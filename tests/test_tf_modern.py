@@ -1,15 +1,12 @@
-"""impl_tf's modern attention (RoPE, QK-norm, softcap, windows, sinks, the KV
-cache, segment ids) against the float64 NumPy reference.
+"""What only impl_tf has of the modern attention (RoPE, QK-norm, softcap, windows, sinks, the KV
+cache, segment ids): the XLA-compiled fused core and key blocks, longer chunked calls whose windows skip
+key blocks, the module layout, the 16-bit rounding rule of the new stages (against impl_numpy's stage in
+the same dtype), which path a call takes, the Keras layer in place, in .keras files and in a functional
+Model, tf.function and XLA graphs, and the in-place cache's tf.Variable specifics.
 
-The named modern cases of conformance/cases.py already run through
-tests/test_tf.py's grid (every dtype; the stages, the fused path and
-chunk_size=2); this file adds the combinations the grid leaves out on every
-path (the XLA-compiled fused core and key blocks too), longer chunked calls
-whose windows skip key blocks, the new stages one by one (trace, 16-bit
-rounding rule), token-by-token decoding with the cache, the layer's new
-variables, graphs, and error wording. Expected values come from impl_numpy
-in float64 (or, for the precision rule, from impl_numpy's stage in the same
-dtype); tolerances from conformance.tolerance only.
+What every mirror shares (the extra case combinations, the trace, decoding with the cache whole and in
+place, the layer, masks, error wording, GPU) runs in tests/test_mirrors_modern.py on each mirror. Expected
+values come from impl_numpy in float64; tolerances from conformance.tolerance only.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ import dataclasses
 import inspect
 import os
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -27,12 +23,11 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 tf = pytest.importorskip("tensorflow", reason=INSTALL)
 keras = pytest.importorskip("keras", reason=INSTALL)
 
+from assertions import ulps_between  # noqa: E402
+from mirrors import TracedOnTheStages, case_named  # noqa: E402
 from modern_checks import (  # noqa: E402
-    CROSS,
     DECODE,
     DECODE_CONFIGS,
-    LLAMA3,
-    PROMPT,
     TOTAL,
     YARN,
     cfg,
@@ -40,9 +35,8 @@ from modern_checks import (  # noqa: E402
     decode_causal_masks_built,
     decode_in_place,
     decode_reference,
-    modern_bad_calls,
 )
-from reference_checks import WithOptions, assert_case_conforms, assert_gradients_conform, error_of  # noqa: E402
+from reference_checks import assert_case_conforms, error_of  # noqa: E402
 
 import impl_numpy  # noqa: E402
 import impl_numpy.adapter as numpy_adapter  # noqa: E402
@@ -50,7 +44,6 @@ import impl_tf  # noqa: E402
 import weights  # noqa: E402
 from conformance.cases import (  # noqa: E402
     CASES,
-    DTYPE_NAMES,
     Case,
     cast_inputs,
     cast_tensors,
@@ -69,78 +62,17 @@ from weights.rope import inverse_frequencies  # noqa: E402
 
 pytestmark = pytest.mark.tf
 
-HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
-
-
-
-
-
-# Combinations the named grid does not hold (names start with "tf_" so that no case of the grid
-# shares their seeds): each rope scaling with each pairing, both norm kinds in both scopes, windows
-# with a cache and T != S, sinks with masks, empty rows, GQA/MQA and a cache, segments with windows.
-EXTRA_CASES = {case.name: case for case in (
-    Case("tf_qk_norm_rms_all", cfg(qk_norm={"type": "rms", "scope": "all"}), **CROSS),
-    Case("tf_qk_norm_layer_head_gqa", cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
-         is_causal=True),
-    Case("tf_rope_interleaved_partial_linear",
-         cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
-         positions="far", is_causal=True),
-    Case("tf_rope_half_partial_llama3_per_batch", cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": LLAMA3}),
-         positions="per_batch", **CROSS),
-    Case("tf_rope_half_yarn_far", cfg(head_dim=8, rope={"scaling": YARN}), positions="far", is_causal=True),
-    Case("tf_window_both_cache", cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **DECODE),
-    Case("tf_window_left_cross_top_left", cfg(window_left=1), **CROSS),
-    Case("tf_window_right_causal_long_query", cfg(window_right=1, window_left=1), self_attention=False, T=6, S=4,
-         is_causal=True, causal_alignment="bottom_right", mask="empty_rows"),
-    Case("tf_sinks_cache_mqa_empty_rows",
-         cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
-         T=2, S=2, P=3, mask="empty_rows", **DECODE),
-    Case("tf_softcap_window_segments", cfg(logit_softcap=3.0, window_left=1, rope={}), T=7, S=7,
-         positions="packed", is_causal=True),
-    Case("tf_window_segments_norm", cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
-         T=7, S=7, positions="packed"),
-    Case("tf_softcap_bias_sinks_gqa", cfg(num_heads=4, num_kv_heads=2, logit_softcap=4.0, use_sinks=True),
-         bias="neg_inf", mask="random", **CROSS),
-    Case("tf_sinks_dropout_nan_rows", cfg(use_sinks=True, masked_row="nan", dropout=0.25), mask="empty_rows",
-         training=True, **CROSS),
-)}
-
 
 def _case(name: str) -> Case:
-    return CASES.get(name) or EXTRA_CASES[name]
+    return case_named("tf", name)
 
 
-class Chunked(WithOptions):
-    """The adapter with chunk_size; a traced forward (run_case's localisation of
-    a failure) goes through the stages, which the chunked path refuses, so that
-    a failure reports its stage rather than that refusal."""
-
-    def __init__(self, chunk_size):
-        super().__init__(tf_adapter, chunk_size=chunk_size)
-
-    def forward(self, config, tensors, inputs, options, **kwargs):
-        if kwargs.get("trace"):
-            return tf_adapter.forward(config, tensors, inputs, options, **kwargs)
-        return super().forward(config, tensors, inputs, options, **kwargs)
-
-
-PATHS = {"stages": lambda: tf_adapter, "fused": lambda: tf_adapter, "chunked": lambda: Chunked(2)}
+def Chunked(chunk_size: int) -> TracedOnTheStages:
+    """The adapter with chunk_size; a traced forward goes through the stages (mirrors.TracedOnTheStages)."""
+    return TracedOnTheStages(tf_adapter, chunk_size=chunk_size)
 
 
 # -- the extra combinations, every dtype, every path ------------------------------------------
-
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", list(EXTRA_CASES))
-@pytest.mark.parametrize("path", list(PATHS))
-def test_extra_modern_case_matches_reference(name, dtype, path):
-    """Output, weights (stages), present_key/value and every gradient (norm
-    tensors, sinks, past_key and past_value included), judged as `mha check`
-    judges them, on the stages (weights asked for), the fused path and
-    chunk_size=2."""
-    case = EXTRA_CASES[name]
-    if path != "stages":
-        case = dataclasses.replace(case, return_weights=False)
-    assert_case_conforms(case, dtype, "tf", PATHS[path]())
 
 
 FORCED_XLA = ["modern_everything", "segments_packed", "sinks_masked_rows", "cache_window_gqa",
@@ -221,34 +153,6 @@ def test_chunked_skips_window_hidden_blocks(T, S, chunk, left, right, causal, al
 
 # -- names: inputs, answers, gradients -------------------------------------------------------
 
-def test_optional_inputs_are_the_signatures():
-    """Every optional input of the contract (weights.call.OPTIONAL_INPUTS, which the adapters pass through
-    by name) is a keyword of the mirror's call."""
-    import inspect
-
-    import impl_tf
-    from weights.call import OPTIONAL_INPUTS
-
-    missing = [name for name in OPTIONAL_INPUTS if name not in inspect.signature(impl_tf.multi_head_attention).parameters]
-    assert not missing, f"impl_tf.multi_head_attention lacks {missing}"
-
-
-@pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "tf_window_both_cache",
-                                  "tf_qk_norm_layer_head_gqa"])
-def test_answer_and_gradient_names_are_the_references(name):
-    """forward's dict (output, weights, present_key, present_value) and vjp's grads
-    (query, key, value, past_key, past_value, then every tensor) name and order
-    their entries as impl_numpy.adapter does."""
-    case = _case(name)
-    tensors, inputs, options = make_tensors(case), make_inputs(case), case.options("float64")
-    d_out = output_cotangent(case)
-    want_fwd = numpy_adapter.forward(case.config, tensors, inputs, options)
-    got_fwd = tf_adapter.forward(case.config, tensors, inputs, options)
-    assert list(got_fwd) == list(want_fwd), f"forward names {list(got_fwd)} != reference {list(want_fwd)}"
-    want = list(numpy_adapter.vjp(case.config, tensors, inputs, options, d_out)["grads"])
-    got = list(tf_adapter.vjp(case.config, tensors, inputs, options, d_out)["grads"])
-    assert got == want, f"gradient names {got} != reference {want}"
-
 
 def test_module_layout_points_one_way():
     """functional.py holds the stages (impl_numpy's names) and imports neither
@@ -268,44 +172,6 @@ def test_module_layout_points_one_way():
 
 
 # -- the trace, stage by stage ----------------------------------------------------------------
-
-@pytest.mark.parametrize("name", ["modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
-                                  "rope_partial", "rope_yarn", "segments_packed", "tf_qk_norm_rms_all",
-                                  "tf_rope_half_partial_llama3_per_batch", "tf_softcap_bias_sinks_gqa"])
-def test_modern_trace_matches_reference_stage_by_stage(name):
-    """The new stages appear under their exact names, in STAGES order, each equal
-    to the reference's in float64 (norm on the flat projection in both scopes)."""
-    case = _case(name)
-    exp = expected_for(case, "float64")
-    got = tf_adapter.forward(case.config, make_tensors(case), make_inputs(case), case.options("float64"),
-                             trace=True)["trace"]
-    got_names, want_names = [s for s, _ in got], [s for s, _ in exp["trace"]]
-    assert got_names == want_names, f"stages {got_names} != reference {want_names}"
-    assert got_names == [s for s in impl_tf.STAGES if s in got_names], f"{got_names} out of STAGES order"
-    c = case.config
-    wanted = {"query.norm", "key.norm"} if c.qk_norm else set()
-    wanted |= {"query.rope", "key.rope"} if c.rope else set()
-    wanted |= {"softcap"} if c.logit_softcap else set()
-    assert wanted <= set(got_names), f"missing stages {sorted(wanted - set(got_names))}"
-    failures = []
-    for (stage, value), (_, expected) in zip(got, exp["trace"]):
-        try:
-            with np.errstate(invalid="ignore"):  # -inf on both sides of the mask stage
-                assert_close(stage, value, expected, config=c, dtype="float64", quantity="stage", B=case.B, T=case.T,
-                             S=case.S_total, logits=exp["logits"])
-        except AssertionError as err:
-            failures.append(str(err))
-    assert not failures, "\n".join(failures)
-
-
-def _ulps(actual, expected, dtype) -> np.ndarray:
-    """|actual - expected| in units in the last place of `dtype` at their magnitude."""
-    fi = ml_dtypes.finfo(weights.dtype_from_name(dtype))
-    a, r = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    mag = np.maximum(np.abs(a), np.abs(r))
-    binade = 2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
-    ulp = np.maximum(binade * float(fi.eps), float(fi.smallest_subnormal))
-    return np.abs(a - r) / ulp
 
 
 def _modern_stage(stage, dtype):
@@ -342,7 +208,7 @@ def test_precision_rule_16bit_modern_stages(stage, dtype):
     got = np.asarray(keras.ops.convert_to_numpy(_modern_stage(stage, dtype)(tf_functional)))
     want = _modern_stage(stage, dtype)(np_functional)
     assert got.dtype == want.dtype, f"{stage}: dtype {got.dtype}, the spec's {want.dtype}"
-    ulps = _ulps(got, want, want.dtype.name if want.dtype.name == "float32" else dtype)
+    ulps = ulps_between(got, want, want.dtype.name if want.dtype.name == "float32" else dtype)
     ulps = np.where(np.isnan(got) & np.isnan(want), 0.0, ulps)
     worst = np.unravel_index(int(np.nanargmax(ulps)), ulps.shape)
     assert np.nanmax(ulps) <= 1, (
@@ -351,60 +217,6 @@ def test_precision_rule_16bit_modern_stages(stage, dtype):
 
 
 # -- decoding token by token with the cache ---------------------------------------------------
-
-
-
-
-
-def _decode(config, tensors, x, *, path: str, layer: bool = False):
-    """PROMPT tokens in one causal call, then one token at a time with the
-    cache (bottom-right causal, default positions: P + arange(T)), each call on
-    `path` (stages: with a trace; fused; chunked: chunk_size=2). -> output
-    (B, TOTAL, O), present_key, present_value."""
-    extra = {"stages": {"trace": []}, "fused": {}, "chunked": {"chunk_size": 2}}[path]
-    if layer:
-        module = impl_tf.MultiHeadAttention.from_tensors(config, tensors)
-        call = lambda q, **kw: module(q, **kw, **extra)  # noqa: E731
-    else:
-        params = {n: tf.constant(t) for n, t in tensors.items()}
-        call = lambda q, **kw: impl_tf.multi_head_attention(config, params, q, **kw, **extra)  # noqa: E731
-    xt = tf.constant(x)
-    out, pk, pv = call(xt[:, :PROMPT], is_causal=True, return_cache=True)
-    rows = [out]
-    for t in range(PROMPT, TOTAL):
-        out, pk, pv = call(xt[:, t:t + 1], past_key=pk, past_value=pv, is_causal=True,
-                           causal_alignment="bottom_right", return_cache=True)
-        rows.append(out)
-    return np.asarray(tf.concat(rows, axis=1)), np.asarray(pk), np.asarray(pv)
-
-
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("config_name", list(DECODE_CONFIGS))
-@pytest.mark.parametrize("path", ["stages", "fused", "chunked"])
-def test_decoding_with_the_cache_equals_the_full_causal_call(config_name, dtype, path):
-    """Row for row: the prompt's rows and each decoded token's row equal the full
-    causal call's, and the final cache its present_key / present_value."""
-    config = DECODE_CONFIGS[config_name]
-    tensors, x, want, logits, errors = decode_reference(config_name, dtype, perturb_norms=True)
-    got = dict(zip(("output", "present_key", "present_value"), _decode(config, tensors, x, path=path)))
-    failures = []
-    for name, value in got.items():
-        assert value.dtype == weights.dtype_from_name(dtype), f"{name}: dtype {value.dtype}, expected {dtype}"
-        try:
-            assert_close(f"decoded {name}", value, want[name], config=config, dtype=dtype, quantity="output", B=2,
-                         T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
-        except AssertionError as err:
-            failures.append(str(err))
-    assert not failures, "\n".join(failures)
-
-
-def test_layer_decodes_with_the_cache():
-    config = DECODE_CONFIGS["everything"]
-    tensors, x, want, logits, _ = decode_reference("everything", "float32", perturb_norms=True)
-    out, pk, pv = _decode(config, tensors, x, path="fused", layer=True)
-    for name, value in (("output", out), ("present_key", pk), ("present_value", pv)):
-        assert_close(f"layer decoded {name}", value, want[name], config=config, dtype="float32", quantity="output",
-                     B=2, T=TOTAL, S=TOTAL, logits=logits)
 
 
 def test_layer_decodes_in_place():
@@ -427,24 +239,6 @@ def test_layer_decodes_in_place():
                      quantity="output", B=2, T=TOTAL, S=TOTAL, logits=logits)
 
     check_in_place_decode(outputs, pk, pv, want, compare)
-
-
-def test_decoding_with_explicit_positions_equals_the_defaults():
-    """positions = P + arange(T) given explicitly is the default (the cache's
-    offset); positions 0 (the offset forgotten) is not."""
-    config = DECODE_CONFIGS["rope_norm_gqa"]
-    tensors, x, *_ = decode_reference("rope_norm_gqa", "float64", perturb_norms=True)
-    xt = tf.constant(x)
-    _, pk, pv = impl_tf.multi_head_attention(config, tensors, xt[:, :PROMPT], is_causal=True, return_cache=True)
-    step = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right")
-    q = xt[:, PROMPT:PROMPT + 1]
-    default = np.asarray(impl_tf.multi_head_attention(config, tensors, q, **step))
-    given = np.asarray(impl_tf.multi_head_attention(config, tensors, q, **step, positions=np.array([PROMPT]),
-                                                    key_positions=np.array([PROMPT])))
-    forgot = np.asarray(impl_tf.multi_head_attention(config, tensors, q, **step, positions=np.array([0]),
-                                                     key_positions=np.array([0])))
-    assert np.array_equal(default, given), f"explicit positions differ by {np.abs(default - given).max():.3g}"
-    assert np.abs(default - forgot).max() > 1e-3, "positions 0 (the offset forgotten) gave the same output"
 
 
 # -- which path runs ------------------------------------------------------------------------
@@ -484,59 +278,6 @@ def test_fused_path_takes_modern_calls(name, extra, fused_spy):
 
 
 # -- the layer --------------------------------------------------------------------------------
-
-MODERN_LAYER_CASES = ["qk_norm_layer_all", "qk_norm_rms_head", "sinks", "modern_everything", "tf_qk_norm_rms_all",
-                      "tf_qk_norm_layer_head_gqa"]
-
-
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
-def test_layer_round_trip_with_norm_and_sinks_is_bit_exact(name, dtype):
-    config = _case(name).config
-    tensors = weights.init(config, seed=3, dtype=dtype)
-    rng = np.random.default_rng(3)
-    for key in tensors:
-        if ".norm." in key or key == "sinks":  # not the initial 1 and 0, which a missed assignment would keep
-            tensors[key] = rng.standard_normal(tensors[key].shape).astype(tensors[key].dtype)
-    layer = impl_tf.MultiHeadAttention.from_tensors(config, tensors)
-    back = layer.to_tensors()
-    assert list(back) == list(tensors), f"names {list(back)} != {list(tensors)}"
-    for key, original in tensors.items():
-        assert back[key].shape == original.shape and back[key].dtype == original.dtype, (
-            f"{key}: {back[key].dtype}{back[key].shape} != {original.dtype}{original.shape}")
-        assert back[key].tobytes() == original.tobytes(), f"{key}: bytes differ after the round trip"
-    n_variables = sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
-    n_tensors = sum(t.size for t in tensors.values())
-    assert n_variables == n_tensors, f"the layer holds {n_variables} parameters, the canonical tensors {n_tensors}"
-
-
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
-def test_layer_forward_and_variable_gradients_match_reference(name, dtype):
-    """The layer passes positions, the cache and segment ids through, and its
-    norm and sink variables get the reference's gradients (GradientTape on the
-    layer's own variables, Keras layout reshaped to the canonical shapes)."""
-    case = _case(name)
-    exp = expected_for(case, dtype)
-    inputs = cast_inputs(make_inputs(case), dtype)
-    layer = impl_tf.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), dtype))
-    leaves = {k: tf.constant(inputs[k]) for k in ("query", "key", "value", "past_key", "past_value") if k in inputs}
-    extra = {k: inputs[k] for k in ("mask", "bias", "positions", "key_positions", "segment_ids", "key_segment_ids")
-             if k in inputs}
-    variables = layer.canonical_variables()
-    with tf.GradientTape() as tape:
-        tape.watch(list(leaves.values()))
-        out = layer(leaves["query"], leaves["key"], leaves["value"], past_key=leaves.get("past_key"),
-                    past_value=leaves.get("past_value"), is_causal=case.is_causal,
-                    causal_alignment=case.causal_alignment, **extra)
-    assert_close(f"{name} layer output", np.asarray(out), exp["output"], config=case.config, dtype=dtype,
-                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=exp["logits"])
-    sources = [*leaves.values(), *variables.values()]
-    found = tape.gradient(out, sources, output_gradients=tf.constant(output_cotangent(case).astype(dtype)))
-    shapes = case.config.tensor_shapes()
-    grads = {name: np.asarray(g).reshape(shapes.get(name, tuple(g.shape))) for name, g in zip([*leaves, *variables],
-                                                                                           found, strict=True)}
-    assert_gradients_conform(case, dtype, grads)
 
 
 def test_keras_file_round_trip_with_modern_config(tmp_path):
@@ -629,49 +370,6 @@ def test_modern_decode_step_in_graphs_with_gradient(mode, path):
 
 # -- masks and error wording ------------------------------------------------------------------
 
-def test_window_and_segment_masks_equal_reference():
-    from impl_numpy import masks as numpy_masks
-
-    for T in range(1, 6):
-        for S in range(1, 7):
-            for left, right in ((-1, -1), (0, -1), (2, -1), (-1, 0), (-1, 1), (1, 1), (0, 0)):
-                for alignment in ("top_left", "bottom_right"):
-                    got = np.asarray(impl_tf.window_mask(T, S, left, right, alignment))
-                    want = numpy_masks.window_mask(T, S, left, right, alignment)
-                    assert got.dtype == np.bool_ and np.array_equal(got, want), (
-                        f"window_mask({T}, {S}, {left}, {right}, {alignment!r}): differs at "
-                        f"{np.argwhere(got != want).tolist()}")
-    rng = np.random.default_rng(0)
-    for q_shape, k_shape in (((5,), (5,)), ((2, 5), (2, 7)), ((5,), (2, 7)), ((2, 5), (7,))):
-        q_ids, k_ids = rng.integers(0, 3, q_shape), rng.integers(0, 3, k_shape)
-        got = np.asarray(impl_tf.segment_mask(q_ids, k_ids))
-        want = numpy_masks.segment_mask(q_ids, k_ids)
-        assert got.shape == want.shape and np.array_equal(got, want), f"segment_mask {q_shape} x {k_shape} differs"
-    with pytest.raises(ValueError) as want:
-        numpy_masks.window_mask(3, 4, 1, 1, "centre")
-    with pytest.raises(ValueError) as got:
-        impl_tf.window_mask(3, 4, 1, 1, "centre")
-    assert str(got.value) == str(want.value), f"{str(got.value)!r} != {str(want.value)!r}"
-
-
-
-
-MODERN_BAD_CALLS = modern_bad_calls()
-
-
-@pytest.mark.parametrize("bad", list(MODERN_BAD_CALLS))
-def test_modern_error_wording_matches_reference(bad):
-    config = cfg(num_kv_heads=1, rope={}, window_left=2)
-    tensors = weights.init(config, seed=0, dtype="float64")
-    call = dict(MODERN_BAD_CALLS[bad])
-    query = np.random.default_rng(1).standard_normal((2, 5, 8))
-    want = error_of(impl_numpy.multi_head_attention, config, tensors, query, **call)
-    got = error_of(impl_tf.multi_head_attention, config, tensors, query, **call)
-    assert got == want, f"functional:\ntf:    {got!r}\nnumpy: {want!r}"
-    layer = impl_tf.MultiHeadAttention.from_tensors(config, tensors)
-    got_layer = error_of(layer, query, **call)
-    assert got_layer == want, f"layer:\ntf:    {got_layer!r}\nnumpy: {want!r}"
-
 
 def test_infinite_cache_is_refused_as_the_reference_refuses_it():
     config = cfg(num_kv_heads=1)
@@ -686,47 +384,7 @@ def test_infinite_cache_is_refused_as_the_reference_refuses_it():
     assert got == want, f"vjp: tf {got!r}, numpy {want!r}"
 
 
-@pytest.mark.parametrize("change", ["norm_missing", "norm_shape", "norm_bias_missing", "sinks_missing",
-                                    "sinks_shape"])
-def test_modern_tensor_errors_match_reference(change):
-    config = cfg(qk_norm={"type": "layer", "scope": "all"}, use_sinks=True)
-    tensors = weights.init(config, seed=0, dtype="float32")
-    broken = dict(tensors)
-    if change == "norm_missing":
-        del broken["key.norm.scale"]
-    elif change == "norm_shape":
-        broken["query.norm.scale"] = np.ones(4, np.float32)  # (H,): the head scope's shape, not (N, H)
-    elif change == "norm_bias_missing":
-        del broken["query.norm.bias"]
-    elif change == "sinks_missing":
-        del broken["sinks"]
-    else:
-        broken["sinks"] = np.zeros((2, 1), np.float32)
-    query = np.zeros((1, 3, 8), np.float32)
-    want = error_of(impl_numpy.multi_head_attention, config, broken, query)
-    got = error_of(impl_tf.multi_head_attention, config, broken, query)
-    assert got == want, f"numpy arrays: tf {got!r}\nnumpy {want!r}"
-    got = error_of(impl_tf.multi_head_attention, config, {k: tf.constant(v) for k, v in broken.items()}, query)
-    assert got == want, f"tf tensors: tf {got!r}\nnumpy {want!r}"
-    got = error_of(impl_tf.MultiHeadAttention.from_tensors, config, broken)
-    want = error_of(impl_numpy.MultiHeadAttention.from_tensors, config, broken)
-    assert got == want, f"layer: tf {got!r}\nnumpy {want!r}"
-
-
 # -- GPU --------------------------------------------------------------------------------------
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to TensorFlow (tf.config.list_physical_devices('GPU') is "
-                    "empty); install tensorflow[and-cuda] on a CUDA machine to run")
-@pytest.mark.parametrize("path", ["stages", "fused", "chunked"])
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "cache_window_gqa", "segments_packed",
-                                  "sinks_masked_rows", "softcap", "rope_yarn", "qk_norm_layer_all",
-                                  "tf_window_segments_norm"])
-def test_gpu_modern_matches_reference(name, dtype, path):
-    case = _case(name)
-    case = dataclasses.replace(case, return_weights=case.return_weights and path == "stages")
-    assert_case_conforms(case, dtype, "tf", PATHS[path](), device="gpu")
 
 
 def test_decode_step_builds_no_causal_mask(monkeypatch):
@@ -780,64 +438,6 @@ def test_cache_not_returned_is_not_concatenated(config_name, monkeypatch):
 
 
 # -- an in-place cache (cache_length=): the caller's tf.Variables, written where the new keys go ------------
-
-def _in_place_step(config, mode: str, extra: dict):
-    """decode_in_place's step: a call with cache_length=P on the buffers it is given, eagerly or in a
-    tf.function that takes them as arguments or captures them (P a Python int: one trace per step). In a
-    graph the function cannot hand a tf.Variable back, so the step returns the buffers it was given only
-    when the call inside returned those very objects (None otherwise, which fails `same`)."""
-    options = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, **extra)
-
-    def call(params, part, pk, pv, P):
-        return impl_tf.multi_head_attention(config, params, part, past_key=pk, past_value=pv, cache_length=P,
-                                            **options)
-
-    def step(tensors, part, pk, pv, P):
-        params = {n: tf.constant(t) for n, t in tensors.items()}
-        if mode == "eager":
-            return call(params, tf.constant(part), pk, pv, P)
-        returned = []
-
-        def body(part, *buffers):
-            out, k, v = call(params, part, *(buffers or (pk, pv)), P)
-            returned.append(k is pk and v is pv)
-            return out
-
-        if mode == "tf.function":
-            out = tf.function(body, autograph=False)(tf.constant(part), pk, pv)
-        else:  # captured: the function closes over the variables
-            out = tf.function(lambda part: body(part), autograph=False)(tf.constant(part))
-        assert returned, "the tf.function was not traced"
-        return (out, pk, pv) if all(returned) else (out, None, None)
-
-    return step
-
-
-IN_PLACE_PATHS = [("fused", "eager"), ("stages", "eager"), ("chunked", "eager"), ("fused", "tf.function"),
-                  ("fused", "captured"), ("stages", "tf.function"), ("chunked", "captured")]
-
-
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("config_name", list(DECODE_CONFIGS))
-@pytest.mark.parametrize("path, mode", IN_PLACE_PATHS)
-def test_decoding_in_place_equals_the_full_causal_call(config_name, dtype, path, mode):
-    """A prompt and then one token at a time into one zeroed pair of tf.Variables (cache_length=P): the
-    rows equal the full causal call's (float64 reference), the buffers' first TOTAL positions its present
-    cache, nothing written past them, and every step hands back the very variables it was given."""
-    config = DECODE_CONFIGS[config_name]
-    tensors, x, want, logits, errors = decode_reference(config_name, dtype, perturb_norms=True)
-    extra = {"stages": {"trace": []}, "fused": {}, "chunked": {"chunk_size": 2}}[path]
-    outputs, pk, pv, same = decode_in_place(_in_place_step(config, mode, extra), tensors, x,
-                                            lambda shape: tf.Variable(tf.zeros(shape, dtype)))
-    assert same, "a step returned something other than the tf.Variables it was given"
-    for name, value in (("output", outputs), ("present_key", pk), ("present_value", pv)):
-        assert value.dtype == weights.dtype_from_name(dtype), f"{name}: dtype {value.dtype}, expected {dtype}"
-
-    def compare(name, got, expected):
-        assert_close(f"in-place decoded {name}", got, expected, config=config, dtype=dtype, quantity="output", B=2,
-                     T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
-
-    check_in_place_decode(outputs, pk, pv, want, compare)
 
 
 @pytest.mark.parametrize("path", ["fused", "fused_xla", "stages", "chunked"])

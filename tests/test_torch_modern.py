@@ -1,17 +1,14 @@
-"""impl_torch's modern attention (RoPE, QK-norm, softcap, windows, sinks, the
-KV cache, segment ids) against the float64 NumPy reference.
+"""What only impl_torch has of the modern attention (RoPE, QK-norm, softcap, windows, sinks, the KV
+cache, segment ids): the in-place cache's torch specifics (buffers handed back, views given to SDPA,
+refusals under autograd and across devices), the routing between SDPA and the stages, torch.compile, and
+the NumPy-backed present cache of a decode step.
 
-The named modern cases of conformance/cases.py already run through
-tests/test_torch.py's grid (every dtype, the stages and SDPA); this file adds
-the combinations the grid leaves out, the stage-by-stage trace of the new
-stages, token-by-token decoding with the cache, the layer's new parameters,
-the routing between SDPA and the stages, and error wording. Expected values
-come from impl_numpy in float64; tolerances from conformance.tolerance only.
+What every mirror shares (the extra case combinations, the trace, decoding with the cache whole and in
+place, the layer, masks, error wording, GPU) runs in tests/test_mirrors_modern.py on each mirror. Expected
+values come from impl_numpy in float64; tolerances from conformance.tolerance only.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -19,18 +16,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'")
 
 from modern_checks import (  # noqa: E402
-    CROSS,
-    DECODE,
-    DECODE_CONFIGS,
-    PROMPT,
-    TOTAL,
     cfg,
-    check_in_place_decode,
-    decode_in_place,
-    decode_reference,
-    modern_bad_calls,
 )
-from reference_checks import WithOptions, assert_case_conforms, assert_gradients_conform, error_of  # noqa: E402
 
 import impl_numpy  # noqa: E402
 import impl_numpy.adapter as numpy_adapter  # noqa: E402
@@ -40,10 +27,6 @@ import impl_torch.sdpa as torch_sdpa  # noqa: E402
 import weights  # noqa: E402
 from conformance.cases import (  # noqa: E402
     CASES,
-    DTYPE_NAMES,
-    Case,
-    cast_inputs,
-    cast_tensors,
     make_inputs,
     make_tensors,
     output_cotangent,
@@ -57,223 +40,16 @@ pytestmark = pytest.mark.torch
 NO_CUDA = "no CUDA GPU: torch.cuda.is_available() is False"
 
 
-
-
-
-# Combinations the named grid does not hold (names start with "torch_" so that no
-# case of the grid shares their seeds).
-EXTRA_CASES = {case.name: case for case in (
-    Case("torch_qk_norm_rms_all", cfg(qk_norm={"type": "rms", "scope": "all"}), **CROSS),
-    Case("torch_qk_norm_layer_head_gqa", cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
-         is_causal=True),
-    Case("torch_rope_interleaved_partial_linear",
-         cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
-         positions="far", is_causal=True),
-    Case("torch_window_both_cache", cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **DECODE),
-    Case("torch_window_left_cross_top_left", cfg(window_left=1), **CROSS),
-    Case("torch_sinks_cache_mqa_empty_rows",
-         cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
-         T=2, S=2, P=3, mask="empty_rows", **DECODE),
-    Case("torch_softcap_window_segments", cfg(logit_softcap=3.0, window_left=1, rope={}), T=7, S=7,
-         positions="packed", is_causal=True),
-    Case("torch_window_segments_norm", cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
-         T=7, S=7, positions="packed"),
-    Case("torch_softcap_bias_sinks_gqa", cfg(num_heads=4, num_kv_heads=2, logit_softcap=4.0, use_sinks=True),
-         bias="random", mask="random", **CROSS),
-)}
-
-
-def _uses_sdpa(config) -> bool:
-    return config.logit_softcap is None and not config.use_sinks
-
-
 # -- the extra combinations, every dtype, both paths ------------------------------------
-
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", list(EXTRA_CASES))
-@pytest.mark.parametrize("use_sdpa", [False, True], ids=["stages", "sdpa"])
-def test_extra_modern_case_matches_reference(name, dtype, use_sdpa):
-    """Output, weights (stages), present_key/value and every gradient (past_key and
-    past_value included) judged as `mha check` judges them."""
-    case = EXTRA_CASES[name]
-    if use_sdpa:
-        case = dataclasses.replace(case, return_weights=False)
-    assert_case_conforms(case, dtype, "torch", WithOptions(torch_adapter, use_sdpa=use_sdpa))
-
-
-def test_optional_inputs_are_the_signatures():
-    """Every optional input of the contract (weights.call.OPTIONAL_INPUTS, which the adapters pass through
-    by name) is a keyword of the mirror's call."""
-    import inspect
-
-    import impl_torch
-    from weights.call import OPTIONAL_INPUTS
-
-    missing = [name for name in OPTIONAL_INPUTS if name not in inspect.signature(impl_torch.multi_head_attention).parameters]
-    assert not missing, f"impl_torch.multi_head_attention lacks {missing}"
-
-
-@pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "torch_window_both_cache"])
-def test_answer_and_gradient_names_are_the_references(name):
-    """forward's dict (output, weights, present_key, present_value) and vjp's grads
-    (query, key, value, past_key, past_value, then every tensor) name and order
-    their entries as impl_numpy.adapter does."""
-    case = CASES.get(name) or EXTRA_CASES[name]
-    tensors, inputs, options = make_tensors(case), make_inputs(case), case.options("float64")
-    d_out = output_cotangent(case)
-    want_fwd = numpy_adapter.forward(case.config, tensors, inputs, options)
-    got_fwd = torch_adapter.forward(case.config, tensors, inputs, options)
-    assert list(got_fwd) == list(want_fwd), f"forward names {list(got_fwd)} != reference {list(want_fwd)}"
-    want = list(numpy_adapter.vjp(case.config, tensors, inputs, options, d_out)["grads"])
-    got = list(torch_adapter.vjp(case.config, tensors, inputs, options, d_out)["grads"])
-    assert got == want, f"gradient names {got} != reference {want}"
-    assert "past_key" in got and "present_key" in got_fwd, f"{name} has a cache: grads {got}, answer {list(got_fwd)}"
 
 
 # -- the trace, stage by stage ---------------------------------------------------------
-
-@pytest.mark.parametrize("name", ["modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
-                                  "rope_partial", "rope_yarn", "torch_qk_norm_rms_all"])
-def test_modern_trace_matches_reference_stage_by_stage(name):
-    """The new stages appear under their exact names, in STAGES order, each equal
-    to the reference's in float64 (norm on the flat projection in both scopes)."""
-    case = CASES.get(name) or EXTRA_CASES[name]
-    exp = expected_for(case, "float64")
-    got = torch_adapter.forward(case.config, make_tensors(case), make_inputs(case), case.options("float64"),
-                                trace=True)["trace"]
-    got_names, want_names = [s for s, _ in got], [s for s, _ in exp["trace"]]
-    assert got_names == want_names, f"stages {got_names} != reference {want_names}"
-    assert got_names == [s for s in impl_torch.STAGES if s in got_names], f"{got_names} out of STAGES order"
-    c = case.config
-    wanted = {"query.norm", "key.norm"} if c.qk_norm else set()
-    wanted |= {"query.rope", "key.rope"} if c.rope else set()
-    wanted |= {"softcap"} if c.logit_softcap else set()
-    assert wanted <= set(got_names), f"missing stages {sorted(wanted - set(got_names))}"
-    failures = []
-    for (stage, value), (_, expected) in zip(got, exp["trace"]):
-        try:
-            with np.errstate(invalid="ignore"):  # -inf on both sides of the mask stage
-                assert_close(stage, value, expected, config=c, dtype="float64", quantity="stage", B=case.B, T=case.T,
-                             S=case.S_total, logits=exp["logits"])
-        except AssertionError as err:
-            failures.append(str(err))
-    assert not failures, "\n".join(failures)
 
 
 # -- decoding token by token with the cache ------------------------------------------------
 
 
-
-
-
-def _decode(config, tensors, x, *, use_sdpa: bool, layer: bool = False):
-    """PROMPT tokens in one causal call, then one token at a time with the
-    cache (bottom-right causal, default positions: P + arange(T)). -> output
-    (B, TOTAL, O), present_key, present_value."""
-    if layer:
-        module = impl_torch.MultiHeadAttention.from_tensors(config, tensors)
-        call = lambda q, **kw: module(q, use_sdpa=use_sdpa, **kw)  # noqa: E731
-    else:
-        params = {n: to_torch(t) for n, t in tensors.items()}
-        call = lambda q, **kw: impl_torch.multi_head_attention(config, params, q, use_sdpa=use_sdpa, **kw)  # noqa: E731
-    xt = to_torch(x)
-    with torch.no_grad():
-        out, pk, pv = call(xt[:, :PROMPT], is_causal=True, return_cache=True)
-        rows = [out]
-        for t in range(PROMPT, TOTAL):
-            out, pk, pv = call(xt[:, t:t + 1], past_key=pk, past_value=pv, is_causal=True,
-                               causal_alignment="bottom_right", return_cache=True)
-            rows.append(out)
-    return to_numpy(torch.cat(rows, dim=1)), to_numpy(pk), to_numpy(pv)
-
-
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("config_name", list(DECODE_CONFIGS))
-@pytest.mark.parametrize("use_sdpa", [False, True], ids=["stages", "sdpa"])
-def test_decoding_with_the_cache_equals_the_full_causal_call(config_name, dtype, use_sdpa):
-    """Row for row: the prompt's rows and each decoded token's row equal the full
-    causal call's, and the final cache its present_key / present_value."""
-    config = DECODE_CONFIGS[config_name]
-    tensors, x, want, logits, errors = decode_reference(config_name, dtype)
-    got = dict(zip(("output", "present_key", "present_value"), _decode(config, tensors, x, use_sdpa=use_sdpa)))
-    failures = []
-    for name, value in got.items():
-        try:
-            assert_close(f"decoded {name}", value, want[name], config=config, dtype=dtype, quantity="output", B=2,
-                         T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
-        except AssertionError as err:
-            failures.append(str(err))
-    assert not failures, "\n".join(failures)
-
-
-def test_layer_decodes_with_the_cache():
-    config = DECODE_CONFIGS["everything"]
-    tensors, x, want, logits, _ = decode_reference("everything", "float32")
-    out, pk, _ = _decode(config, tensors, x, use_sdpa=False, layer=True)
-    for name, value in (("output", out), ("present_key", pk)):
-        assert_close(f"layer decoded {name}", value, want[name], config=config, dtype="float32", quantity="output",
-                     B=2, T=TOTAL, S=TOTAL, logits=logits)
-
-
-def test_decoding_with_explicit_positions_equals_the_defaults():
-    """positions = P + arange(T) given explicitly is the default (the cache's offset)."""
-    config = DECODE_CONFIGS["rope_norm_gqa"]
-    tensors, x, *_ = decode_reference("rope_norm_gqa", "float64")
-    params = {n: to_torch(t) for n, t in tensors.items()}
-    xt = to_torch(x)
-    _, pk, pv = impl_torch.multi_head_attention(config, params, xt[:, :PROMPT], is_causal=True, return_cache=True)
-    step = dict(past_key=pk, past_value=pv, is_causal=True, causal_alignment="bottom_right")
-    default = impl_torch.multi_head_attention(config, params, xt[:, PROMPT:PROMPT + 1], **step)
-    given = impl_torch.multi_head_attention(config, params, xt[:, PROMPT:PROMPT + 1], **step,
-                                            positions=torch.tensor([PROMPT]), key_positions=torch.tensor([PROMPT]))
-    forgot = impl_torch.multi_head_attention(config, params, xt[:, PROMPT:PROMPT + 1], **step,
-                                             positions=torch.tensor([0]), key_positions=torch.tensor([0]))
-    assert torch.equal(default, given), f"explicit positions differ by {float((default - given).abs().max()):.3g}"
-    assert not torch.allclose(default, forgot), "positions 0 (the offset forgotten) gave the same output"
-
-
 # -- an in-place cache (cache_length=): the caller's buffers, written where the new keys go ---------------------
-
-class _Buffer:
-    """A torch buffer as modern_checks.decode_in_place holds it: that helper reads its results with
-    np.asarray, and a torch tensor's own __array__ has no bfloat16 (to_numpy does)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def __array__(self, dtype=None, copy=None):
-        array = to_numpy(self.tensor)
-        return array if dtype is None else array.astype(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("config_name", list(DECODE_CONFIGS))
-@pytest.mark.parametrize("use_sdpa", [False, True], ids=["stages", "sdpa"])
-def test_decoding_in_place_equals_the_full_causal_call(config_name, dtype, use_sdpa):
-    """A prompt and then one token at a time into one zeroed buffer pair, under torch.no_grad(): the rows
-    equal the full causal call's (float64 reference), the buffers' first TOTAL positions its present cache,
-    nothing written past them, and every step hands back the very tensors it was given."""
-    config = DECODE_CONFIGS[config_name]
-    tensors, x, want, logits, errors = decode_reference(config_name, dtype)
-    params = {n: to_torch(t) for n, t in tensors.items()}
-
-    def step(_, part, pk, pv, P):
-        with torch.no_grad():
-            out, k, v = impl_torch.multi_head_attention(
-                config, params, to_torch(part), past_key=pk.tensor, past_value=pv.tensor, cache_length=P,
-                is_causal=True, causal_alignment="bottom_right", return_cache=True, use_sdpa=use_sdpa)
-        # the wrappers stand for the tensors: handed back only where the call returned those very tensors
-        return to_numpy(out), pk if k is pk.tensor else _Buffer(k), pv if v is pv.tensor else _Buffer(v)
-
-    outputs, pk, pv, same = decode_in_place(
-        step, tensors, x, lambda shape: _Buffer(torch.zeros(shape, dtype=TORCH_DTYPES[dtype])))
-    assert same, "a step returned a new tensor instead of the buffers it was given"
-
-    def compare(name, got, expected):
-        assert_close(f"in-place decoded {name}", got, expected, config=config, dtype=dtype, quantity="output", B=2,
-                     T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
-
-    check_in_place_decode(outputs, pk, pv, want, compare)
 
 
 @pytest.mark.parametrize("T", [1, 2])
@@ -443,64 +219,6 @@ def test_sdpa_takes_what_it_can_express(name, expected, sdpa_spy):
 
 # -- the layer ---------------------------------------------------------------------------
 
-MODERN_LAYER_CASES = ["qk_norm_layer_all", "qk_norm_rms_head", "sinks", "modern_everything", "torch_qk_norm_rms_all",
-                      "torch_qk_norm_layer_head_gqa"]
-
-
-def _case(name):
-    return CASES.get(name) or EXTRA_CASES[name]
-
-
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
-def test_layer_round_trip_with_norm_and_sinks_is_bit_exact(name, dtype):
-    config = _case(name).config
-    tensors = weights.init(config, seed=3, dtype=dtype)
-    layer = impl_torch.MultiHeadAttention.from_tensors(config, tensors)
-    back = layer.to_tensors()
-    assert list(back) == list(tensors), f"names {list(back)} != {list(tensors)}"
-    for key, original in tensors.items():
-        assert back[key].shape == original.shape and back[key].dtype == original.dtype, (
-            f"{key}: {back[key].dtype}{back[key].shape} != {original.dtype}{original.shape}")
-        same = back[key].view(np.uint8) == original.view(np.uint8)
-        assert same.all(), f"{key}: {int((~same).sum())} bytes differ after the round trip"
-    n_params = sum(p.numel() for p in layer.parameters())
-    n_tensors = sum(t.size for t in tensors.values())
-    assert n_params == n_tensors, f"the layer holds {n_params} parameters, the canonical tensors {n_tensors}"
-
-
-def _layer_grads(layer) -> dict[str, np.ndarray]:
-    from impl_torch.layer import _layout
-
-    out = {}
-    for name, (module, param, shape) in _layout(layer.config).items():
-        grad = getattr(getattr(layer, module) if module else layer, param).grad
-        out[name] = to_numpy((grad.T if name.endswith(".kernel") else grad).reshape(shape))
-    return out
-
-
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("name", MODERN_LAYER_CASES)
-def test_layer_forward_and_parameter_gradients_match_reference(name, dtype):
-    """The layer passes positions, the cache and segment ids through, and its
-    norm and sink parameters get the reference's gradients."""
-    case = _case(name)
-    exp = expected_for(case, dtype)
-    inputs = cast_inputs(make_inputs(case), dtype)
-    layer = impl_torch.MultiHeadAttention.from_tensors(case.config, cast_tensors(make_tensors(case), dtype))
-    leaves = {k: to_torch(inputs[k]).requires_grad_(True) for k in ("query", "key", "value", "past_key", "past_value")
-              if k in inputs}
-    extra = {k: to_torch(inputs[k]) for k in ("mask", "bias", "positions", "key_positions", "segment_ids",
-                                              "key_segment_ids") if k in inputs}
-    out = layer(leaves["query"], leaves["key"], leaves["value"], past_key=leaves.get("past_key"),
-                past_value=leaves.get("past_value"), is_causal=case.is_causal,
-                causal_alignment=case.causal_alignment, **extra)
-    assert_close(f"{name} layer output", to_numpy(out), exp["output"], config=case.config, dtype=dtype,
-                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=exp["logits"])
-    out.backward(to_torch(output_cotangent(case)).to(out.dtype))
-    grads = {k: to_numpy(x.grad) for k, x in leaves.items()} | _layer_grads(layer)
-    assert_gradients_conform(case, dtype, grads)
-
 
 # -- torch.compile ------------------------------------------------------------------------
 
@@ -531,84 +249,8 @@ def test_torch_compile_full_graph_modern_decode_step():
 
 # -- masks and error wording ------------------------------------------------------------------
 
-def test_window_and_segment_masks_equal_reference():
-    from impl_numpy import masks as numpy_masks
-
-    for T in range(1, 6):
-        for S in range(1, 7):
-            for left, right in ((-1, -1), (0, -1), (2, -1), (-1, 0), (-1, 1), (1, 1), (0, 0)):
-                for alignment in ("top_left", "bottom_right"):
-                    got = impl_torch.window_mask(T, S, left, right, alignment).numpy()
-                    want = numpy_masks.window_mask(T, S, left, right, alignment)
-                    assert np.array_equal(got, want), (
-                        f"window_mask({T}, {S}, {left}, {right}, {alignment!r}): differs at "
-                        f"{np.argwhere(got != want).tolist()}")
-    rng = np.random.default_rng(0)
-    for q_shape, k_shape in (((5,), (5,)), ((2, 5), (2, 7)), ((5,), (2, 7)), ((2, 5), (7,))):
-        q_ids, k_ids = rng.integers(0, 3, q_shape), rng.integers(0, 3, k_shape)
-        got = impl_torch.segment_mask(torch.from_numpy(q_ids), torch.from_numpy(k_ids)).numpy()
-        want = numpy_masks.segment_mask(q_ids, k_ids)
-        assert got.shape == want.shape and np.array_equal(got, want), f"segment_mask {q_shape} x {k_shape} differs"
-
-
-
-
-# torch's own table had no dropout_mask_over_new_keys_only row
-MODERN_BAD_CALLS = {k: v for k, v in modern_bad_calls().items() if k != "dropout_mask_over_new_keys_only"}
-
-
-@pytest.mark.parametrize("bad", list(MODERN_BAD_CALLS))
-def test_modern_error_wording_matches_reference(bad):
-    config = cfg(num_kv_heads=1, rope={}, window_left=2)
-    tensors = weights.init(config, seed=0, dtype="float64")
-    call = dict(MODERN_BAD_CALLS[bad])
-    query = np.random.default_rng(1).standard_normal((2, 5, 8))
-    want = error_of(impl_numpy.multi_head_attention, config, tensors, query, **call)
-    torch_call = {k: (to_torch(v) if isinstance(v, np.ndarray) else v) for k, v in call.items()}
-    got = error_of(impl_torch.multi_head_attention, config, {n: to_torch(t) for n, t in tensors.items()},
-                   to_torch(query), **torch_call)
-    assert got == want, f"functional:\ntorch: {got!r}\nnumpy: {want!r}"
-    layer = impl_torch.MultiHeadAttention.from_tensors(config, tensors)
-    got_layer = error_of(layer, to_torch(query), **torch_call)
-    assert got_layer == want, f"layer:\ntorch: {got_layer!r}\nnumpy: {want!r}"
-
-
-@pytest.mark.parametrize("change", ["norm_missing", "norm_shape", "norm_bias_missing", "sinks_missing",
-                                    "sinks_shape"])
-def test_modern_tensor_errors_match_reference(change):
-    config = cfg(qk_norm={"type": "layer", "scope": "all"}, use_sinks=True)
-    tensors = weights.init(config, seed=0, dtype="float32")
-    broken = dict(tensors)
-    if change == "norm_missing":
-        del broken["key.norm.scale"]
-    elif change == "norm_shape":
-        broken["query.norm.scale"] = np.ones(4, np.float32)  # (H,): the head scope's shape, not (N, H)
-    elif change == "norm_bias_missing":
-        del broken["query.norm.bias"]
-    elif change == "sinks_missing":
-        del broken["sinks"]
-    else:
-        broken["sinks"] = np.zeros((2, 1), np.float32)
-    query = np.zeros((1, 3, 8), np.float32)
-    want = error_of(impl_numpy.multi_head_attention, config, broken, query)
-    got = error_of(impl_torch.multi_head_attention, config, {k: to_torch(v) for k, v in broken.items()},
-                   to_torch(query))
-    assert got == want, f"torch: {got!r}\nnumpy: {want!r}"
-
 
 # -- GPU ------------------------------------------------------------------------------------
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
-@pytest.mark.parametrize("use_sdpa", [False, True], ids=["stages", "sdpa"])
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", ["modern_everything", "decode_cache", "cache_window_gqa", "segments_packed",
-                                  "sinks_masked_rows", "softcap", "rope_yarn", "qk_norm_layer_all",
-                                  "torch_window_segments_norm"])
-def test_gpu_modern_matches_reference(name, dtype, use_sdpa):
-    case = _case(name)
-    case = dataclasses.replace(case, return_weights=case.return_weights and not use_sdpa)
-    assert_case_conforms(case, dtype, "torch", WithOptions(torch_adapter, use_sdpa=use_sdpa), device="gpu")
 
 
 # -- a decode step's present cache and mask ------------------------------------------------

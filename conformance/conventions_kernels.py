@@ -56,6 +56,11 @@ TORCH_KERNELS = (("FLASH_ATTENTION", "flash", "float16"), ("EFFICIENT_ATTENTION"
 JAX_KERNELS = (("xla", "float32"), ("cudnn", "float16"))
 
 
+# "<other kernel> has been runtime disabled.": torch's note that sdpa_kernel(X) turned the other kernels
+# off, printed with every refusal of X; it says nothing about X.
+RUNTIME_DISABLED = re.compile(r"[\w ]+ has been runtime disabled\.(; )?")
+
+
 def _refusal(err: BaseException, caught: list) -> str:
     """The kernel's reason: torch's warnings say why a forced kernel cannot run (the lines after
     "... kernel not used because:"); else the error's first line."""
@@ -65,7 +70,7 @@ def _refusal(err: BaseException, caught: list) -> str:
         for line in text.strip().splitlines():
             line = line.strip()
             if line and not line.endswith("not used because:") and "is deprecated" not in line \
-                    and line not in reasons:
+                    and not RUNTIME_DISABLED.search(line) and line not in reasons:
                 reasons.append(line)
     why = "; ".join(reasons[:2]) if reasons else conv._short(err)
     return "no: " + (why if len(why) <= 200 else why[:197] + "...")
@@ -279,6 +284,13 @@ def _device_names(device: str) -> dict[str, str]:
     return names
 
 
+def _accept_cell(text: str) -> str:
+    text = RUNTIME_DISABLED.sub("", text).replace("|", "/").strip()
+    if text == "no:":  # measured before RUNTIME_DISABLED was filtered out: those notes were the only text kept
+        return "no (no reason kept)"
+    return text.replace("no:", "no: ", 1) if text.startswith("no:") and not text.startswith("no: ") else text
+
+
 CONVENTION_COLUMNS = (("kernel", "api"), ("dtype", "dtype"), ("bool True means", "mask_true_means"),
                       ("fully masked row", "fully_masked_row"), ("causal T=2, S=4", "causal_T2_S4"),
                       ("causal T=4, S=2", "causal_T4_S2"))
@@ -299,8 +311,7 @@ def markdown(data: dict) -> str:
         lines += ["", "| accepts | " + " | ".join(row["api"] for row in measured) + " |",
                   "|" + " --- |" * (len(measured) + 1)]
         for key in keys:
-            lines.append(f"| {key} | " + " | ".join(row["accepts"].get(key, "-").replace("|", "/")
-                                                    for row in measured) + " |")
+            lines.append(f"| {key} | " + " | ".join(_accept_cell(row["accepts"].get(key, "-")) for row in measured) + " |")
     return "\n".join(lines)
 
 

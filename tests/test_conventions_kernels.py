@@ -100,3 +100,19 @@ def test_the_gpu_run_steps_are_commands_the_cli_takes(tmp_path):
             if command[1:3] == ["-m", "conformance"]:
                 args = build_parser().parse_args(command[3:])
                 assert ("gpu" in (getattr(args, "devices", None) or [getattr(args, "device", None)])) != dry_run, name
+
+
+def test_the_gpu_page_holds_the_tables_its_files_give(capsys):
+    """docs/gpu.md's tables are scripts/gpu_report.py's output on the run's own files, unedited."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts import gpu_report
+    finally:
+        sys.path.remove(str(ROOT))
+    runs = sorted((ROOT / "docs" / "gpu").iterdir())
+    assert runs, "docs/gpu holds no run"
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    for run in runs:
+        gpu_report.main([str(run)])
+        tables = capsys.readouterr().out
+        assert "### mha check, core backends" in tables and tables.strip() in page, run

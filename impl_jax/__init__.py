@@ -7,9 +7,11 @@
   reference's masks as jax arrays.
 
 Modules: functional.py the stages alone (mirrors impl_numpy/functional.py);
-attention.py the call (validation, the stages, the fused XLA expression, the
-choice of path); chunked.py the chunked path; masks.py, layer.py,
-adapter.py (conformance), native.py (Flax's own layers).
+attention.py the call (the choice of path, and the stages run in order);
+call.py its validation and the validated Call; heads.py the stages up to the
+keys (mirrors impl_numpy/heads.py); fused.py the fused XLA expression;
+chunked.py the chunked path; masks.py, layer.py, adapter.py (conformance),
+native.py (Flax's own layers).
 
 float64 needs JAX's x64 mode. Importing impl_jax does not switch it on (it is
 process-wide and changes every JAX program's default dtypes); a float64 call
@@ -20,7 +22,8 @@ conformance dtype.
 
 from weights.call import STAGES, TraceEntry
 
-from .attention import STATIC_ARGNAMES, apply, multi_head_attention, trace_stages
+from .attention import STATIC_ARGNAMES, apply, multi_head_attention
+from .heads import trace_stages
 from .layer import MultiHeadAttention, gpu_available, resolve_device
 from .masks import causal_mask, padding_mask, segment_mask, window_mask
 

@@ -26,7 +26,9 @@ from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, new_keys
 
 from . import programs
-from .attention import apply, check, plan, trace_stages
+from .attention import apply, plan
+from .call import check
+from .heads import trace_stages
 from .layer import gpu_available, resolve_device
 
 jax.config.update("jax_enable_x64", True)

@@ -12,9 +12,10 @@ project -> [norm] -> split_heads -> [rope] -> [cache appended] -> logits
 (scale) -> [softcap] -> mask (bias, causal, window, segments) -> softmax
 [+ sinks] -> dropout -> attend -> merge_heads -> output.
 
-The call that runs them, validates its inputs and chooses between the
-stages, the fused XLA expression and the chunked path is attention.py
-(`apply`); chunked.py holds the chunked path. Both import this file; this
+The call that runs them and chooses between the stages, the fused XLA
+expression and the chunked path is attention.py (`apply`; its validation
+in call.py, the stages up to the keys in heads.py, the fused expression in
+fused.py); chunked.py holds the chunked path. Both import this file; this
 file imports neither.
 
 Precision rule (as the spec): each stage's result is stored in the storage

@@ -18,7 +18,8 @@ from flax import nnx
 import weights
 from weights import AttentionConfig
 
-from .attention import X64_MESSAGE, apply, x64_enabled
+from .attention import apply
+from .call import X64_MESSAGE, x64_enabled
 
 DEVICES = ("cpu", "gpu")
 NO_GPU_MESSAGE = "device gpu requested but JAX sees no GPU (jax.devices('gpu') fails)"

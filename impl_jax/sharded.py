@@ -74,7 +74,8 @@ from weights.contract import check_input_values
 
 from . import functional as F
 from .adapter import cpu_compile_options
-from .attention import check, prepare, qkv_heads
+from .call import check, prepare
+from .heads import qkv_heads
 
 jax.config.update("jax_enable_x64", True)  # float64 is a conformance dtype, as in impl_jax.adapter
 

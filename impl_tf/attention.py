@@ -1,5 +1,5 @@
-"""The call: validate, then run functional.py's stages, the fused fast path
-below, or chunked.py's chunked path: mirrors impl_numpy/attention.py.
+"""The call: validate, then run functional.py's stages, fused.py's fused
+core, or chunked.py's chunked path: mirrors impl_numpy/attention.py.
 
 Kept apart from functional.py so that imports point one way: this module and
 chunked.py import the stages; the stages import neither.
@@ -25,24 +25,33 @@ are written by `write_cache` (XLA, in the buffers where they lie); the fused
 path then attends over the buffers' whole capacity with the positions past
 P+S masked (`in_place_fused`, which says why not a slice); the stages and the
 chunked path read the first P+S positions back.
+
+Modules: call.py validates and casts the call (prepare, Call); heads.py
+runs the stages up to the keys (qkv_heads) and writes an in-place cache
+(write_cache); fused.py holds fused_attention; chunked.py the chunked path.
+This module chooses the path (plan), runs fused_attention eagerly or through
+XLA, and runs the call (multi_head_attention); the names it imports from
+them remain importable from here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any
-
-import numpy as np
-
-from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
-from weights.call import OPTIONAL_INPUTS, record
-from weights.contract import CallShapes, Plan, check_bias_values, check_call, check_chunk_size, in_place_buffer_error
-from weights.rope import rope_tables
+from weights import AttentionConfig
+from weights.call import record
+from weights.contract import Plan, check_chunk_size
 
 from . import functional as F
 from ._keras import keras, tf
+from .call import (  # noqa: F401 - re-exported: attention.py was their home, and tests and callers read them here
+    Call,
+    check_inputs,
+    check_tensors,
+    past_key_buffers,
+    prepare,
+)
 from .chunked import chunked_attention
+from .fused import fused_attention, may_have_empty_rows  # noqa: F401 - may_have_empty_rows re-exported
+from .heads import qkv_heads, write_cache  # noqa: F401 - write_cache re-exported
 
 ops = keras.ops
 
@@ -62,229 +71,6 @@ def plan(*, return_weights: bool, traced: bool, chunk_size: int | None) -> Plan:
     return Plan("fused", "no weights, no trace")
 
 
-# -- validation ------------------------------------------------------------------
-
-def _is_symbolic(x) -> bool:
-    return keras.backend.is_keras_tensor(x) or (tf.is_tensor(x) and not tf.executing_eagerly())
-
-
-def _static_shape(x) -> tuple[int, ...]:
-    """Static shape; an unknown dimension (a traced batch) reads -1."""
-    return tuple(-1 if d is None else int(d) for d in x.shape)
-
-
-def _rank4(x):
-    """(T, S) -> (1, 1, T, S); (B, T, S) -> (B, 1, T, S); rank 4 unchanged,
-    the reading check_call has already accepted."""
-    if len(x.shape) == 2:
-        return x[None, None]  # (1, 1, T, S)
-    if len(x.shape) == 3:
-        return x[:, None]  # (B, 1, T, S)
-    return x
-
-
-def _size(static: int, x, axis: int):
-    return static if static >= 0 else ops.shape(x)[axis]
-
-
-def check_tensors(config: AttentionConfig, tensors) -> str:
-    """validate_tensors on NumPy arrays; on framework tensors and variables,
-    the same checks of names, shapes and dtype (values are not read).
-    Returns the storage dtype's name."""
-    expected = config.tensor_shapes()
-    if len(tensors) == len(expected) and not any(isinstance(t, np.ndarray) for t in tensors.values()):
-        # Framework tensors, the usual call: names, shapes and one dtype checked
-        # here; anything amiss goes the long way for validate_tensors' words.
-        try:
-            same_shapes = all(tuple(tensors[name].shape) == shape for name, shape in expected.items())
-            names = {F.dtype_name(tensors[name]) for name in expected} if same_shapes else set()
-        except (KeyError, AttributeError, ValueError, TypeError):
-            names = set()
-        if len(names) == 1 and next(iter(names)) in DTYPES:
-            return next(iter(names))
-    proxies = {}
-    for name, t in tensors.items():
-        if isinstance(t, np.ndarray) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
-            proxies[name] = t
-            continue
-        try:
-            dt = dtype_from_name(F.dtype_name(t))
-        except ValueError:
-            dt = np.dtype(object)
-        proxies[name] = np.broadcast_to(np.zeros((), dt), tuple(t.shape))
-    return validate_tensors(config, proxies).name
-
-
-
-
-def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=None, *, is_causal=False,
-                 causal_alignment="top_left", training=False, seed=None, return_weights=False, return_cache=False,
-                 cache_length=None, materializes_scores=True, **optional):
-    """The spec's checks on one call, shapes and dtypes only (plus bias values
-    when they are concrete): ValueError with the spec's words. Returns CallShapes.
-    optional: the OPTIONAL_INPUTS given (None or absent: not given).
-    materializes_scores: the call holds (B, N, T, S) arrays (all but the chunked
-    path), refused up front when they cannot fit in memory."""
-    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
-    key = query if key is None else key
-    value = key if value is None else value
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        got = F.dtype_name(x)
-        if not keras.backend.is_float_dtype(got) and got != dtype:
-            raise ValueError(f"{name} must be a float array: got dtype {got}")
-    meta = {}
-    for name in OPTIONAL_INPUTS:
-        x = optional.get(name)
-        meta[f"{name}_shape"] = None if x is None else _static_shape(x)
-        meta[f"{name}_dtype"] = None if x is None else F.dtype_name(x)
-    shapes = check_call(
-        config, query_shape=_static_shape(query), key_shape=_static_shape(key), value_shape=_static_shape(value),
-        **meta, is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
-        return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
-        materializes_scores=materializes_scores, scores_itemsize=np.dtype(F.compute_dtype(dtype)).itemsize,
-        keys_given=keys_given,
-    )
-    bias = optional.get("bias")
-    if bias is not None and not _is_symbolic(bias):
-        check_bias_values(ops.convert_to_numpy(bias))  # traced bias values are not inspected
-    return shapes
-
-
-def _tensor(x):
-    return None if x is None else ops.convert_to_tensor(x)
-
-
-@dataclasses.dataclass
-class Call:
-    """One validated call, every float tensor in its storage dtype (bias in the compute dtype)."""
-
-    shapes: CallShapes
-    params: dict[str, Any]
-    query: Any  # (B, T, Dq)
-    key: Any  # (B, S, Dk)
-    value: Any  # (B, S, Dv)
-    mask4: Any  # (B|1, N|1, T|1, S_total|1) bool, or None
-    bias4: Any  # same, compute dtype, or None
-    keep: Any  # dropout keep-mask (B, N, T, S_total), or None
-    dtype: str
-    T: Any  # int, or a traced scalar
-    S_total: Any  # P + S: int, or a traced scalar
-    positions: Any = None  # (B|1, T) int where the config has rope
-    key_positions: Any = None  # (B|1, S)
-    past_key: Any = None  # (B, K, P, H); with cache_length the caller's tf.Variable (B, K, C, H)
-    past_value: Any = None  # (B, K, P, V); with cache_length (B, K, C, V)
-    segment_ids: Any = None  # (T,) or (B, T)
-    key_segment_ids: Any = None  # (S_total,) or (B, S_total)
-    cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
-
-    def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
-        """mask AND causal AND window AND segments over every key (rank 4), or None."""
-        return F.allowed_mask(self.mask4, self.T, self.S_total, is_causal, causal_alignment,
-                              window_left=config.window_left, window_right=config.window_right,
-                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids)
-
-    @property
-    def modern(self) -> bool:
-        """Uses a cache or packed segments (the config's own features: config.is_modern)."""
-        return self.past_key is not None or self.segment_ids is not None
-
-
-def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
-            training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
-            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True) -> Call:
-    """Validate a call and cast everything to the storage dtype (an in-place
-    cache's buffers excepted: they are the caller's variables, kept as given)."""
-    stored = check_tensors(config, tensors)
-    dtype = stored if dtype is None else dtype_from_name(dtype).name
-    training = bool(training)
-    query = ops.convert_to_tensor(query)
-    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
-    key = query if key is None else ops.convert_to_tensor(key)
-    value = key if value is None else ops.convert_to_tensor(value)
-    # An in-place cache's variables are checked by their shape and dtype, never read here: a read tensor
-    # alive while the call writes a buffer would make that write copy the buffer whole
-    buffers = ("past_key", "past_value") if cache_length is not None else ()
-    given = {name: x if name in buffers and isinstance(x, tf.Variable) else _tensor(x) for name, x in (
-        ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
-        ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
-        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids)) if x is not None}
-    shapes = check_inputs(
-        config, dtype, query, key if keys_given else None, value if keys_given else None, is_causal=is_causal,
-        causal_alignment=causal_alignment, training=training,
-        seed=seed, return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
-        materializes_scores=materializes_scores, **given,
-    )
-    in_place = shapes.capacity is not None
-    if in_place:
-        given["past_key"], given["past_value"] = past_key_buffers(past_key, past_value, dtype)
-    bias_t = given.get("bias")
-    if bias_t is not None:
-        bias_t = _rank4(F._cast(bias_t, F.compute_dtype(dtype)))  # (B|1, N|1, T|1, S_total|1)
-    params = {name: F._cast(t, dtype) for name, t in tensors.items()}
-    B, T, S = _size(shapes.B, query, 0), _size(shapes.T, query, 1), _size(shapes.S, key, 1)
-    past_key, past_value = given.get("past_key"), given.get("past_value")
-    P = shapes.P if in_place else 0 if past_key is None else _size(shapes.P, past_key, 2)
-    S_total = S + P
-    keep = given.get("dropout_mask")
-    if training and keep is None and config.dropout > 0:
-        keep = F.dropout_keep_mask((B, config.num_heads, T, S_total), config.dropout, seed)
-    if not training:
-        keep = None
-    mask4 = None if "mask" not in given else _rank4(F._cast(given["mask"], "bool"))  # (B|1, N|1, T|1, S_total|1)
-    segment_ids, key_segment_ids = given.get("segment_ids"), given.get("key_segment_ids")
-    if segment_ids is not None and key_segment_ids is None:
-        key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
-    rope = config.rope is not None
-    return Call(
-        shapes=shapes, params=params, query=F._cast(query, dtype), key=F._cast(key, dtype),
-        value=F._cast(value, dtype), mask4=mask4, bias4=bias_t, keep=keep, dtype=dtype, T=T, S_total=S_total,
-        positions=F.default_positions(given.get("positions"), P, T) if rope else None,
-        key_positions=F.default_positions(given.get("key_positions"), P, S) if rope else None,
-        past_key=past_key if in_place or past_key is None else F._cast(past_key, dtype),
-        past_value=past_value if in_place or past_value is None else F._cast(past_value, dtype),
-        segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,
-    )
-
-
-def _could_record() -> bool:
-    """Whether a GradientTape may record this call (TensorFlow's own test, private: False where it is gone)."""
-    try:
-        from tensorflow.python.eager import record
-    except ImportError:
-        return False
-    return record.could_possibly_record()
-
-
-def past_key_buffers(past_key, past_value, dtype: str):
-    """The buffers of an in-place cache (cache_length=), as given: tf.Variables
-    of the storage dtype (a tensor cannot be written; a cast would write a
-    copy the caller never sees). Refused under a recording GradientTape: no
-    gradient passes through a write into a variable."""
-    for name, buffer in (("past_key", past_key), ("past_value", past_value)):
-        if not isinstance(buffer, tf.Variable) or F.dtype_name(buffer) != dtype:
-            what = (f"dtype {F.dtype_name(buffer)}" if isinstance(buffer, tf.Variable) else
-                    f"a {type(buffer).__name__}")
-            raise in_place_buffer_error(name, f"be a tf.Variable of the storage dtype {dtype}", what)
-    if _could_record():
-        raise ValueError("cache_length writes past_key/past_value in place, which no gradient passes through: "
-                         "got a call under a recording GradientTape (an in-place cache is for inference)")
-    return past_key, past_value
-
-
-@tf.function(jit_compile=True, autograph=False)
-def write_cache(past_key, past_value, k, v, start):
-    """past_key[:, :, start:start+S] = k, past_value's = v, in place. Compiled
-    by XLA, eagerly too: XLA updates a variable's buffer where it lies (about
-    0.5 ms for a (1, 8, 65537, 128) float32 buffer), while TensorFlow's own
-    sliced assign copies the buffer whole and leaves the variable copying it
-    on every later read (about 150 ms each, measured). start is a tensor, so
-    that one compilation serves every step."""
-    S = k.shape[2]
-    past_key[:, :, start:start + S].assign(k)
-    past_value[:, :, start:start + S].assign(v)
-
-
 def _over_capacity(x, S_total: int, C: int, fill):
     """x (..., S_total) -> (..., C), the keys past S_total filled with `fill`;
     x (..., 1) (broadcast over the keys) or None unchanged."""
@@ -293,153 +79,7 @@ def _over_capacity(x, S_total: int, C: int, fill):
     return tf.pad(x, [[0, 0]] * (len(x.shape) - 1) + [[0, C - S_total]], constant_values=fill)
 
 
-def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = True, append: bool = True):
-    """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
-    T, H) (None unless `query`), k (B, K, S_total, H), v (B, K, S_total, V)
-    (k and v: the present cache). rec(stage, value) records a stage.
-    append=False: k and v are the new keys' alone (B, K, S, .)."""
-    rec = rec or (lambda stage, value: value)
-    p, N, K = call.params, config.num_heads, config.num_kv_heads
-    q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"))) if query else None
-    k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
-    v = rec("value.project", F.project(call.value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
-    if config.qk_norm is not None:
-        n = config.qk_norm
-        if query:
-            q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N,
-                                         n.scope))
-        k = rec("key.norm", F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
-    if query:
-        q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
-    k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
-    v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
-    if config.rope is not None:
-        inv_freq, factor = rope_tables(config.rope)
-        R, interleaved = config.rope.rotary_dim, config.rope.interleaved
-        if query:
-            q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved,
-                                         factor))
-        k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
-    if call.cache_length is not None:  # in place: the new keys written after the P cached ones
-        P = call.cache_length
-        write_cache(call.past_key, call.past_value, k, v, tf.constant(P, tf.int32))
-        if not append:
-            return q, k, v
-        n = P + k.shape[2]  # read back after the write (one copy of P+S positions: the stages and chunked paths)
-        return q, tf.convert_to_tensor(call.past_key)[:, :, :n], tf.convert_to_tensor(call.past_value)[:, :, :n]
-    if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
-        k = ops.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
-        v = ops.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
-    return q, k, v
-
-
-# -- the fused fast path (no trace, no weights) -----------------------------------
-
-def may_have_empty_rows(mask4, bias, is_causal: bool, causal_alignment: str, T, S, *, windowed: bool = False,
-                        segments: bool = False) -> bool:
-    """False only where no query row can lose every key: no mask, no bias, no
-    window, no segments, and causal (if at all) aligned so that every query
-    sees key 0 or more."""
-    if mask4 is not None or bias is not None or windowed or segments:
-        return True
-    if not is_causal or causal_alignment == "top_left":
-        return False
-    return not (isinstance(T, int) and isinstance(S, int) and S >= T)  # bottom_right: query 0 sees S - T + 1 keys
-
-
-def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_alignment: str, scale: float,
-                    rate: float, masked_row: str, softcap: float | None = None, window_left: int = -1,
-                    window_right: int = -1, segment_ids=None, key_segment_ids=None, sinks=None, key_length=None):
-    """logits -> [softcap] -> mask -> softmax [+ sinks] -> dropout -> attend
-    as one computation, for calls that ask for neither the trace nor the
-    weights: q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> (B, N, T, V) in
-    the storage dtype (S: every key, a cache's included).
-
-    Equal to the stages within the tolerance policy (the arithmetic runs in the
-    compute dtype throughout; the stages round each result to the storage
-    dtype). The differences of form: the scale multiplies q (T*H values, not
-    T*S); TensorFlow's softmax kernel (with sinks, the softmax written out:
-    max, exp and sum with the sink's term); a position whose bias is -inf is
-    folded into the allowed mask, so that, as in the spec, no masked position
-    passes a gradient; and a fully masked row (every allowed flag False) is
-    found on the (broadcast) mask instead of the scores, then given its
-    `masked_row` value with one select. Its softmax is NaN before that
-    select, and that NaN reaches no gradient: every position of such a row is
-    masked, and the mask's select passes none. With sinks no row is empty:
-    a fully masked one is 0, as the spec says, with no select.
-
-    key_length (an in-place cache read whole): a scalar tensor, the number of
-    keys that count (P + S); the keys past it are the buffers' spare
-    positions, which mask4 hides (the caller builds its causal, window and
-    segment masks over key_length keys and pads them: is_causal, windows and
-    segments are not passed with it). A uniform masked row spreads over
-    key_length keys. A hidden key gets weight 0 exactly, so its value must be
-    finite (the contract's rule for the spare positions).
-    """
-    dtype = F.dtype_name(q)
-    ct = F.compute_dtype(dtype)
-    # k and v may be tuples of parts along S (a cache and the new keys, not concatenated): their
-    # logits are joined instead ((T, S) values where the keys are (S, H)), the context summed per part
-    ks, vs = (k, v) if isinstance(k, (tuple, list)) else ((k,), (v,))
-    B, N, T, H = ops.shape(q)
-    K, V = ks[0].shape[1], vs[0].shape[-1]
-    S = ops.shape(ks[0])[2]
-    for part in ks[1:]:
-        S = S + ops.shape(part)[2]
-    # LOGITS and ATTEND as matmuls on the grouped (B, K, G*T, .) queries, as impl_numpy computes
-    # them: XLA runs these 1.3-1.7x faster than the 5-D einsum's dot.
-    qg = ops.reshape(F._cast(q, ct) * tf.constant(scale, ct), (B, K, (N // K) * T, H))  # (B, K, G*T, H)
-    if key_length is not None:
-        # an in-place cache (one part, T small beside S): the keys as the matmul's left operand, (S, H) x
-        # (H, G*T), then the small (S, G*T) result transposed; XLA's CPU dot ran the (G*T, H) x (H, S)
-        # form 2.5-3.5x slower on a (1, 8, 65537, 128) cache (measured: 228 ms against 62-96 ms)
-        x = [tf.transpose(tf.matmul(F._cast(ks[0], ct), qg, transpose_b=True), (0, 1, 3, 2))]  # (B, K, G*T, S)
-    else:
-        x = [tf.matmul(qg, F._cast(part, ct), transpose_b=True) for part in ks]  # (B, K, G*T, S_part) each
-    x = ops.reshape(x[0] if len(x) == 1 else ops.concatenate(x, axis=-1), (B, N, T, S))  # (B, N, T, S), scaled
-    if softcap is not None:  # before mask and bias, as the spec's stage
-        cap = tf.constant(softcap, ct)
-        x = tf.tanh(x / cap) * cap
-    allowed = F.allowed_mask(mask4, T, S, is_causal, causal_alignment, window_left=window_left,
-                             window_right=window_right, segment_ids=segment_ids, key_segment_ids=key_segment_ids)
-    if bias is not None:
-        x = x + bias
-        finite = bias > tf.constant(-math.inf, ct)  # (B|1, N|1, T|1, S|1)
-        allowed = finite if allowed is None else ops.logical_and(allowed, finite)
-    if allowed is not None:
-        x = tf.where(allowed, x, tf.constant(-math.inf, ct))
-    if sinks is None:
-        w = tf.nn.softmax(x, axis=-1)  # (B, N, T, S); a row with no allowed key is NaN here
-        if may_have_empty_rows(mask4, bias, is_causal, causal_alignment, T, S,
-                               windowed=window_left >= 0 or window_right >= 0, segments=segment_ids is not None):
-            empty = ops.logical_not(ops.any(allowed, axis=-1, keepdims=True))  # (B|1, N|1, T|1, 1), on the mask
-            fill = {"zero": 0.0, "uniform": 1.0, "nan": math.nan}[masked_row]
-            if masked_row != "uniform":
-                fill = tf.constant(fill, ct)
-            elif key_length is None:
-                fill = tf.constant(fill, ct) / tf.cast(S, ct)
-            else:  # over the keys that count; 0 on the hidden ones
-                fill = tf.where(tf.range(S) < key_length, tf.constant(fill, ct) / tf.cast(key_length, ct),
-                                tf.constant(0.0, ct))
-            w = tf.where(empty, fill, w)
-    else:
-        sink = ops.reshape(F._cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
-        shift = tf.stop_gradient(ops.maximum(ops.max(x, axis=-1, keepdims=True), sink))  # finite: the sink is
-        e = ops.exp(x - shift)  # (B, N, T, S); masked -> exactly 0
-        w = e / (ops.sum(e, axis=-1, keepdims=True) + ops.exp(sink - shift))
-    if keep is not None:
-        w = tf.where(keep, w / tf.constant(1.0 - rate, ct), tf.constant(0.0, ct))
-    wg = ops.reshape(w, (B, K, (N // K) * T, S))  # (B, K, G*T, S)
-    if len(vs) == 1:
-        ctx = tf.matmul(wg, F._cast(vs[0], ct))  # (B, K, G*T, V)
-    else:  # each part's weights times its values
-        ctx, s0 = None, 0
-        for part in vs:
-            s1 = s0 + ops.shape(part)[2]
-            term = tf.matmul(wg[..., s0:s1], F._cast(part, ct))  # (B, K, G*T, V)
-            ctx, s0 = term if ctx is None else ctx + term, s1
-    return F._cast(ops.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)
-
+# -- the fused path: fused.py's core, eagerly or through XLA ------------------
 
 # Score arrays of this many elements or more run fused_attention compiled by
 # XLA, eagerly too: TensorFlow's own CPU kernels run the (T, H) x (H, S) batched

@@ -12,7 +12,7 @@ blocks, the same rounding rule).
 
 Every feature of the config and the call: QK-norm and RoPE run on each
 query block after its projection (both act per token); the keys and values
-arrive as the present cache (attention.qkv_heads); the softcap follows the
+arrive as the present cache (heads.qkv_heads); the softcap follows the
 logits of each block; windows and segment ids mask within a block; sinks
 start each query block's running max and sum (max = the sink, sum = 1,
 numerator 0), so a row that sees no key ends with a context of 0.

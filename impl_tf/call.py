@@ -1,0 +1,231 @@
+"""One call of impl_tf's attention, validated and cast: the spec's checks
+on shapes and dtypes (check_tensors, check_inputs), `prepare` (the checks,
+then every tensor in its storage dtype) and the `Call` it returns, and the
+buffers of an in-place cache (past_key_buffers: the caller's tf.Variables).
+attention.py runs the call; this module imports neither it nor heads.py,
+fused.py or chunked.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
+from weights.call import OPTIONAL_INPUTS
+from weights.contract import CallShapes, check_bias_values, check_call, in_place_buffer_error
+
+from . import functional as F
+from ._keras import keras, tf
+
+ops = keras.ops
+
+
+def _is_symbolic(x) -> bool:
+    return keras.backend.is_keras_tensor(x) or (tf.is_tensor(x) and not tf.executing_eagerly())
+
+
+def _static_shape(x) -> tuple[int, ...]:
+    """Static shape; an unknown dimension (a traced batch) reads -1."""
+    return tuple(-1 if d is None else int(d) for d in x.shape)
+
+
+def _rank4(x):
+    """(T, S) -> (1, 1, T, S); (B, T, S) -> (B, 1, T, S); rank 4 unchanged,
+    the reading check_call has already accepted."""
+    if len(x.shape) == 2:
+        return x[None, None]  # (1, 1, T, S)
+    if len(x.shape) == 3:
+        return x[:, None]  # (B, 1, T, S)
+    return x
+
+
+def _size(static: int, x, axis: int):
+    return static if static >= 0 else ops.shape(x)[axis]
+
+
+def check_tensors(config: AttentionConfig, tensors) -> str:
+    """validate_tensors on NumPy arrays; on framework tensors and variables,
+    the same checks of names, shapes and dtype (values are not read).
+    Returns the storage dtype's name."""
+    expected = config.tensor_shapes()
+    if len(tensors) == len(expected) and not any(isinstance(t, np.ndarray) for t in tensors.values()):
+        # Framework tensors, the usual call: names, shapes and one dtype checked
+        # here; anything amiss goes the long way for validate_tensors' words.
+        try:
+            same_shapes = all(tuple(tensors[name].shape) == shape for name, shape in expected.items())
+            names = {F.dtype_name(tensors[name]) for name in expected} if same_shapes else set()
+        except (KeyError, AttributeError, ValueError, TypeError):
+            names = set()
+        if len(names) == 1 and next(iter(names)) in DTYPES:
+            return next(iter(names))
+    proxies = {}
+    for name, t in tensors.items():
+        if isinstance(t, np.ndarray) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
+            proxies[name] = t
+            continue
+        try:
+            dt = dtype_from_name(F.dtype_name(t))
+        except ValueError:
+            dt = np.dtype(object)
+        proxies[name] = np.broadcast_to(np.zeros((), dt), tuple(t.shape))
+    return validate_tensors(config, proxies).name
+
+
+
+
+def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=None, *, is_causal=False,
+                 causal_alignment="top_left", training=False, seed=None, return_weights=False, return_cache=False,
+                 cache_length=None, materializes_scores=True, **optional):
+    """The spec's checks on one call, shapes and dtypes only (plus bias values
+    when they are concrete): ValueError with the spec's words. Returns CallShapes.
+    optional: the OPTIONAL_INPUTS given (None or absent: not given).
+    materializes_scores: the call holds (B, N, T, S) arrays (all but the chunked
+    path), refused up front when they cannot fit in memory."""
+    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
+    key = query if key is None else key
+    value = key if value is None else value
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        got = F.dtype_name(x)
+        if not keras.backend.is_float_dtype(got) and got != dtype:
+            raise ValueError(f"{name} must be a float array: got dtype {got}")
+    meta = {}
+    for name in OPTIONAL_INPUTS:
+        x = optional.get(name)
+        meta[f"{name}_shape"] = None if x is None else _static_shape(x)
+        meta[f"{name}_dtype"] = None if x is None else F.dtype_name(x)
+    shapes = check_call(
+        config, query_shape=_static_shape(query), key_shape=_static_shape(key), value_shape=_static_shape(value),
+        **meta, is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
+        return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
+        materializes_scores=materializes_scores, scores_itemsize=np.dtype(F.compute_dtype(dtype)).itemsize,
+        keys_given=keys_given,
+    )
+    bias = optional.get("bias")
+    if bias is not None and not _is_symbolic(bias):
+        check_bias_values(ops.convert_to_numpy(bias))  # traced bias values are not inspected
+    return shapes
+
+
+def _tensor(x):
+    return None if x is None else ops.convert_to_tensor(x)
+
+
+@dataclasses.dataclass
+class Call:
+    """One validated call, every float tensor in its storage dtype (bias in the compute dtype)."""
+
+    shapes: CallShapes
+    params: dict[str, Any]
+    query: Any  # (B, T, Dq)
+    key: Any  # (B, S, Dk)
+    value: Any  # (B, S, Dv)
+    mask4: Any  # (B|1, N|1, T|1, S_total|1) bool, or None
+    bias4: Any  # same, compute dtype, or None
+    keep: Any  # dropout keep-mask (B, N, T, S_total), or None
+    dtype: str
+    T: Any  # int, or a traced scalar
+    S_total: Any  # P + S: int, or a traced scalar
+    positions: Any = None  # (B|1, T) int where the config has rope
+    key_positions: Any = None  # (B|1, S)
+    past_key: Any = None  # (B, K, P, H); with cache_length the caller's tf.Variable (B, K, C, H)
+    past_value: Any = None  # (B, K, P, V); with cache_length (B, K, C, V)
+    segment_ids: Any = None  # (T,) or (B, T)
+    key_segment_ids: Any = None  # (S_total,) or (B, S_total)
+    cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
+
+    def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
+        """mask AND causal AND window AND segments over every key (rank 4), or None."""
+        return F.allowed_mask(self.mask4, self.T, self.S_total, is_causal, causal_alignment,
+                              window_left=config.window_left, window_right=config.window_right,
+                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids)
+
+    @property
+    def modern(self) -> bool:
+        """Uses a cache or packed segments (the config's own features: config.is_modern)."""
+        return self.past_key is not None or self.segment_ids is not None
+
+
+def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
+            training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
+            past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
+            materializes_scores=True) -> Call:
+    """Validate a call and cast everything to the storage dtype (an in-place
+    cache's buffers excepted: they are the caller's variables, kept as given)."""
+    stored = check_tensors(config, tensors)
+    dtype = stored if dtype is None else dtype_from_name(dtype).name
+    training = bool(training)
+    query = ops.convert_to_tensor(query)
+    keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
+    key = query if key is None else ops.convert_to_tensor(key)
+    value = key if value is None else ops.convert_to_tensor(value)
+    # An in-place cache's variables are checked by their shape and dtype, never read here: a read tensor
+    # alive while the call writes a buffer would make that write copy the buffer whole
+    buffers = ("past_key", "past_value") if cache_length is not None else ()
+    given = {name: x if name in buffers and isinstance(x, tf.Variable) else _tensor(x) for name, x in (
+        ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
+        ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
+        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids)) if x is not None}
+    shapes = check_inputs(
+        config, dtype, query, key if keys_given else None, value if keys_given else None, is_causal=is_causal,
+        causal_alignment=causal_alignment, training=training,
+        seed=seed, return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
+        materializes_scores=materializes_scores, **given,
+    )
+    in_place = shapes.capacity is not None
+    if in_place:
+        given["past_key"], given["past_value"] = past_key_buffers(past_key, past_value, dtype)
+    bias_t = given.get("bias")
+    if bias_t is not None:
+        bias_t = _rank4(F._cast(bias_t, F.compute_dtype(dtype)))  # (B|1, N|1, T|1, S_total|1)
+    params = {name: F._cast(t, dtype) for name, t in tensors.items()}
+    B, T, S = _size(shapes.B, query, 0), _size(shapes.T, query, 1), _size(shapes.S, key, 1)
+    past_key, past_value = given.get("past_key"), given.get("past_value")
+    P = shapes.P if in_place else 0 if past_key is None else _size(shapes.P, past_key, 2)
+    S_total = S + P
+    keep = given.get("dropout_mask")
+    if training and keep is None and config.dropout > 0:
+        keep = F.dropout_keep_mask((B, config.num_heads, T, S_total), config.dropout, seed)
+    if not training:
+        keep = None
+    mask4 = None if "mask" not in given else _rank4(F._cast(given["mask"], "bool"))  # (B|1, N|1, T|1, S_total|1)
+    segment_ids, key_segment_ids = given.get("segment_ids"), given.get("key_segment_ids")
+    if segment_ids is not None and key_segment_ids is None:
+        key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
+    rope = config.rope is not None
+    return Call(
+        shapes=shapes, params=params, query=F._cast(query, dtype), key=F._cast(key, dtype),
+        value=F._cast(value, dtype), mask4=mask4, bias4=bias_t, keep=keep, dtype=dtype, T=T, S_total=S_total,
+        positions=F.default_positions(given.get("positions"), P, T) if rope else None,
+        key_positions=F.default_positions(given.get("key_positions"), P, S) if rope else None,
+        past_key=past_key if in_place or past_key is None else F._cast(past_key, dtype),
+        past_value=past_value if in_place or past_value is None else F._cast(past_value, dtype),
+        segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,
+    )
+
+
+def _could_record() -> bool:
+    """Whether a GradientTape may record this call (TensorFlow's own test, private: False where it is gone)."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:
+        return False
+    return record.could_possibly_record()
+
+
+def past_key_buffers(past_key, past_value, dtype: str):
+    """The buffers of an in-place cache (cache_length=), as given: tf.Variables
+    of the storage dtype (a tensor cannot be written; a cast would write a
+    copy the caller never sees). Refused under a recording GradientTape: no
+    gradient passes through a write into a variable."""
+    for name, buffer in (("past_key", past_key), ("past_value", past_value)):
+        if not isinstance(buffer, tf.Variable) or F.dtype_name(buffer) != dtype:
+            what = (f"dtype {F.dtype_name(buffer)}" if isinstance(buffer, tf.Variable) else
+                    f"a {type(buffer).__name__}")
+            raise in_place_buffer_error(name, f"be a tf.Variable of the storage dtype {dtype}", what)
+    if _could_record():
+        raise ValueError("cache_length writes past_key/past_value in place, which no gradient passes through: "
+                         "got a call under a recording GradientTape (an in-place cache is for inference)")
+    return past_key, past_value

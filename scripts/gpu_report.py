@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         out += ["### Native backends on the GPU", ""] + natives_table(natives["results"]) + [""]
     kernels = load(folder, "kernels")
     if kernels:
-        from conformance.conventions_kernels import markdown
+        from conformance.native.conventions.kernels import markdown
 
         out += ["### Forced kernels", ""] + markdown(kernels).splitlines() + [""]
     for name in ("bench-torch", "bench-jax", "bench-jax-decode", "bench-torch-bf16", "bench-jax-bf16"):

@@ -9,7 +9,7 @@ out of time or fails is recorded, and the next one still runs):
   check      `mha check --backends numpy torch --devices cpu gpu` and the same for jax,
              side by side: the whole default grid, every dtype, forward and gradients,
              against the float64 reference, plus each backend's GPU against its own CPU;
-  kernels    (beside them) python -m conformance.conventions_kernels --device gpu: each
+  kernels    (beside them) python -m conformance.native.conventions.kernels --device gpu: each
              SDPA kernel forced in turn (flash, efficient, cuDNN, math), jax's cudnn / xla;
   tf32       `mha check --precision tf32 --devices gpu --dtypes float32`, then the
              conventions table (its float32-matmul column reads each device);
@@ -65,7 +65,7 @@ def steps(out: Path, dry_run: bool) -> list[tuple[str, list[str], int, int]]:
          330, 1),
         ("check-jax", check("check-jax", ["jax"], 8, "--devices", *devices, *small,
                             "--junit", str(out / "check-jax.xml"), "--report", str(out / "report-jax")), 330, 1),
-        ("kernels", [sys.executable, "-m", "conformance.conventions_kernels", "--device", device,
+        ("kernels", [sys.executable, "-m", "conformance.native.conventions.kernels", "--device", device,
                      "--json", str(out / "kernels.json")], 200, 1),
         ("tf32", check("tf32", ["torch", "jax"], 4, "--devices", device, "--dtypes", "float32", "--precision", "tf32",
                        "--conventions", *(small[:5] if dry_run else [])), 200, 2),

@@ -21,7 +21,7 @@ from reference_checks import WithOptions, error_of
 import impl_numpy
 import impl_numpy.adapter as numpy_adapter
 import weights
-from conformance.cases import Case
+from conformance.suite.cases import Case
 
 MARKS = {"torch": pytest.mark.torch, "tf": pytest.mark.tf, "jax": pytest.mark.jax}
 INSTALL = {"torch": "PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'",
@@ -112,7 +112,7 @@ EXTRA_CASES = {
 
 
 def case_named(framework: str, name: str) -> Case:
-    from conformance.cases import CASES
+    from conformance.suite.cases import CASES
 
     return CASES.get(name) or EXTRA_CASES[framework][name]
 

@@ -11,7 +11,7 @@ import numpy as np
 
 import impl_numpy
 import weights
-from conformance.cases import cast_inputs, cast_tensors
+from conformance.suite.cases import cast_inputs, cast_tensors
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

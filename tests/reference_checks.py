@@ -1,6 +1,6 @@
 """Judging a framework backend on the case grid, the way `mha check` does.
 
-Framework tests go through conformance.compare.run_case, so they use exactly
+Framework tests go through conformance.suite.compare.run_case, so they use exactly
 the tolerance policy of the suite (scales, gradient magnitudes, same-precision
 errors) and their failures read like `mha check`'s.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.compare import STATUS_PASS, CaseResult, judge_gradients, run_case
+from conformance.suite.compare import STATUS_PASS, CaseResult, judge_gradients, run_case
 
 
 class WithOptions:

@@ -2,7 +2,7 @@
 
 Each mutant replaces one small function of impl_jax/sharded.py with the
 buggy version a port could plausibly hold; `mha check --sharded`'s grid
-(conformance.sharded) must fail it while the unmutated engine passes the
+(conformance.suite.sharded) must fail it while the unmutated engine passes the
 same cases. tests/test_sharded_jax.py runs this file in a subprocess
 (JAX's host devices are fixed when JAX starts):
 
@@ -112,7 +112,7 @@ def plant(name: str | None) -> None:
 
 
 def run(name: str | None, pairs, devices: int = 4) -> dict:
-    from conformance import sharded
+    from conformance.suite import sharded
 
     plant(name)
     failed = []
@@ -127,7 +127,7 @@ def run(name: str | None, pairs, devices: int = 4) -> dict:
 def main(argv: list[str]) -> None:
     full = "--full" in argv
     names = [a for a in argv if not a.startswith("--")] or list(MUTANTS)
-    from conformance.sharded import SHARDED_CASES
+    from conformance.suite.sharded import SHARDED_CASES
 
     out = {}
     for name in names:

@@ -1,4 +1,4 @@
-"""conformance.adapters: a user's own live module verified against the
+"""conformance.suite.adapters: a user's own live module verified against the
 vectors, gradients included, in about ten lines of user code each (the
 blocks marked "user code"). Each worked example passes every vector it can
 express with its gradients checked, refuses the others with a reason, and
@@ -11,9 +11,9 @@ import collections
 import numpy as np
 import pytest
 
-from conformance import adapters
-from conformance.vectors import load_all
-from conformance.verify import GRADIENTS_CHECKED, STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, summary, verify
+from conformance.suite import adapters
+from conformance.suite.vectors import load_all
+from conformance.suite.verify import GRADIENTS_CHECKED, STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, summary, verify
 
 VECTORS = {v.name: v for v in load_all()}
 

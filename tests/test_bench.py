@@ -13,7 +13,7 @@ import pytest
 
 from conformance.bench import measure, report, runners, shapes
 from conformance.bench.targets import add_native_ratios, targets
-from conformance.cli import main
+from conformance.cli.commands import main
 
 # Every result row carries these keys (None where a number does not apply).
 ROW_FIELDS = (

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from conformance.bench import sharded
-from conformance.cli import main
+from conformance.cli.commands import main
 
 MiB = 2**20
 

@@ -16,9 +16,9 @@ import json
 import numpy as np
 import pytest
 
-from conformance import backends, check
-from conformance.cases import CASES
-from conformance.compare import DEFAULT_PATH, STATUS_FAIL, STATUS_PASS, run_case
+from conformance.suite import backends, check
+from conformance.suite.cases import CASES
+from conformance.suite.compare import DEFAULT_PATH, STATUS_FAIL, STATUS_PASS, run_case
 
 # Cases that reach the fast paths' features: plain, masks and bias, causal, GQA, a cache, RoPE + QK-norm.
 PLANT_CASES = ("self_basic", "mask_and_bias_causal", "gqa", "decode_cache", "qk_norm_rms_head")
@@ -174,7 +174,7 @@ def test_a_bug_in_one_fast_path_fails_its_column_and_only_it(backend_id, monkeyp
 
 
 def test_the_path_is_in_the_json_the_junit_and_the_table(tmp_path):
-    from conformance import junit, report
+    from conformance.suite import junit, report
 
     results = [r for r in (run_case(CASES["decode_cache"], "numpy", dtype="float32", path=p)
                            for p in ("stages", "fused", "in_place"))]

@@ -27,7 +27,7 @@ import pytest
 
 import impl_numpy
 import weights
-from conformance.tolerance import assert_close
+from conformance.suite.tolerance import assert_close
 
 B, T, S, D = 2, 8, 4, 8
 POISONED = (1, 2)  # (batch, key): the value input that holds a NaN

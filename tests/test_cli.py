@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import weights
-from conformance import backends, cli
-from conformance.cli import main
+from conformance import console as cli
+from conformance import logs
+from conformance.cli.commands import main
 from conformance.io import read_inputs, write_arrays
 from impl_numpy import multi_head_attention
 
@@ -132,7 +133,7 @@ def test_console_script_runs_without_traceback(tmp_path):
 
 def _env() -> dict:
     """The environment of a user's shell: no COLUMNS (a pipe would be 80 wide), no debug switch."""
-    drop = ("COLUMNS", "MHA_DEBUG", backends.QUIET_ENV)
+    drop = ("COLUMNS", "MHA_DEBUG", logs.QUIET_ENV)
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
@@ -182,7 +183,7 @@ def test_the_stderr_filter_drops_absl_lines_and_keeps_everything_else():
                b"with AVX-512. Falling back to the default Eigen-based implementation if present.\n",
                b"W1124 12:34:56.789012   42 cpu_client.cc:7] a warning after absl::InitializeLog\n"]
     stream = [dropped[0], dropped[1], kept[0], kept[1], dropped[2], kept[2], dropped[3], kept[3], kept[4]]
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", backends._FILTER], input=b"".join(stream),
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", logs._FILTER], input=b"".join(stream),
                           capture_output=True, timeout=60)
     assert proc.returncode == 0 and proc.stderr == b"", proc
     assert proc.stdout == b"".join(kept), proc.stdout
@@ -190,7 +191,7 @@ def test_the_stderr_filter_drops_absl_lines_and_keeps_everything_else():
 
 def test_the_stderr_filter_passes_a_partial_line_at_once():
     """A prompt or progress line that starts like a log line waits 50 ms, not for a newline."""
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", backends._FILTER], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", logs._FILTER], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     try:
         proc.stdin.write(b"Waiting for the device")
@@ -205,7 +206,7 @@ def test_the_stderr_filter_passes_a_partial_line_at_once():
 
 def test_main_leaves_the_environment_as_it_found_it(capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
-    monkeypatch.delenv(backends.QUIET_ENV, raising=False)
+    monkeypatch.delenv(logs.QUIET_ENV, raising=False)
     before = dict(os.environ)
     code, _, err = run_cli("trace", *EXAMPLE_ARGS, capsys=capsys)
     assert code == 0, err
@@ -276,7 +277,7 @@ def test_tensorflow_logs_nothing_through_the_cli(tmp_path):
 
 
 def test_vectors_generate_never_replaces_the_shipped_vectors_unasked(capsys):
-    from conformance.vectors import DEFAULT_DIR
+    from conformance.suite.vectors import DEFAULT_DIR
 
     shipped = {p: p.stat().st_mtime_ns for p in DEFAULT_DIR.glob("*.safetensors")}
     assert shipped, "no shipped vectors"

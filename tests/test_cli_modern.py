@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from conformance import backends
 from conformance.io import read_inputs, write_arrays
+from conformance.suite import backends
 from weights import read_safetensors
 
 CONFIG = {"num_heads": 4, "num_kv_heads": 2, "query_dim": 8, "head_dim": 4, "window_left": 3, "logit_softcap": 20.0,

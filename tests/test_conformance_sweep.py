@@ -2,17 +2,17 @@
 
 The default run takes SMALL cases per dtype per backend; `pytest -m slow`
 (`tox -e full`) takes 1000, every path included (the chunked cores too).
-conformance/sweep.py is the same sweep as a command, for seeds no test uses.
+conformance/suite/sweep.py is the same sweep as a command, for seeds no test uses.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conformance import backends
-from conformance.cases import DTYPE_NAMES
-from conformance.check import DEFAULT_PATH_KINDS, PATH_KINDS
-from conformance.sweep import sweep
+from conformance.suite import backends
+from conformance.suite.cases import DTYPE_NAMES
+from conformance.suite.check import DEFAULT_PATH_KINDS, PATH_KINDS
+from conformance.suite.sweep import sweep
 
 SMALL, FULL = 12, 1000
 

@@ -1,4 +1,4 @@
-"""The measured conventions table (conformance/conventions.py).
+"""The measured conventions table (conformance/native/conventions/).
 
 Two kinds of test. The harness tests run the measurement on fake NumPy "APIs"
 with known, deliberately foreign conventions, so a measurement that always
@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import conventions as conv
-from conformance import conventions_modern as cm
-from conformance import conventions_packed as cp
+from conformance.native import conventions as conv
+from conformance.native.conventions import modern as cm
+from conformance.native.conventions import packed as cp
+from conformance.native.conventions import precision
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything imports keras
 
@@ -77,6 +78,20 @@ def _odd_empty_rows(q, k, v, masks=None, causal=False, want_weights=True):
     return out, w
 
 
+def _empty_rows_see_every_key(q, k, v, masks=None, causal=False, want_weights=True):
+    """True = attend, but a row whose keys are all masked attends to every key (the cuDNN kernels' answer)."""
+    allowed = None if not masks else masks["m"].copy()
+    if allowed is not None:
+        allowed[~allowed.any(-1)] = True  # (B, T) rows with no key: unmasked
+    return conv.reference(q, k, v, allowed=allowed, is_causal=causal, dtype=np.float32)
+
+
+def test_harness_names_a_fully_masked_row_that_ignores_its_mask():
+    row = conv.measure_api(_fake("cudnn-like", _empty_rows_see_every_key))
+    _expect(row, "mask_true_means", "attend")
+    _expect(row, "fully_masked_row", "every key (the row's mask ignored)")
+
+
 def test_harness_detects_foreign_conventions():
     row = conv.measure_api(_fake("inverted", _inverted))
     for key, expected in (("mask_true_means", "masked"), ("fully_masked_row", "NaN"), ("fully_masked_weights", "NaN"),
@@ -117,10 +132,10 @@ def test_missing_framework_and_inexpressible_api_are_rows_not_crashes():
 
 
 def test_precision_label_separates_float32_from_tf32():
-    a, b, exact = conv._precision_inputs()
-    f32 = conv._precision_label(a @ b, exact)
+    a, b, exact = precision._precision_inputs()
+    f32 = precision._precision_label(a @ b, exact)
     tf32 = lambda x: (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)  # keep 10 mantissa bits  # noqa: E731
-    reduced = conv._precision_label(tf32(a).astype(np.float64) @ tf32(b).astype(np.float64), exact)
+    reduced = precision._precision_label(tf32(a).astype(np.float64) @ tf32(b).astype(np.float64), exact)
     assert f32["label"] == "float32" and f32["rel_err"] < 1e-6, f32
     assert reduced["label"] == "TF32/bf16-like (reduced)" and 1e-4 < reduced["rel_err"] < 1e-2, reduced
 
@@ -138,7 +153,7 @@ def test_expectations_are_project_data_for_known_apis_and_keys():
     measurement fills, and each entry says where it comes from."""
     import importlib.resources
 
-    text = (importlib.resources.files("conformance") / conv.EXPECTED_FILE).read_text(encoding="utf-8")
+    text = (importlib.resources.files("conformance.native.conventions") / conv.EXPECTED_FILE).read_text(encoding="utf-8")
     raw = json.loads(text)["apis"]
     table = conv.expected()
     names = {api.name for api in conv.APIS} | {api.name for api in cm.APIS} | {api.name for api in cp.APIS}
@@ -173,19 +188,19 @@ def test_what_the_user_sees_points_nowhere_outside_the_package():
     for text in (conv.to_markdown(data), console.export_text()):
         assert "shared/" not in text, text
         assert "fully_masked_row expected '0', measured 'NaN'" in text, text
-        assert "conformance/conventions_expected.json" in text, text
+        assert "conformance/native/conventions/expected.json" in text, text
 
 
 def test_module_help_prints_help_without_measuring():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "conformance.conventions", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "conformance.native.conventions", "--help"], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode == 0 and proc.stderr == "", proc
-    assert proc.stdout.startswith("usage: python -m conformance.conventions") and "--markdown" in proc.stdout, proc.stdout
+    assert proc.stdout.startswith("usage: python -m conformance.native.conventions") and "--markdown" in proc.stdout, proc.stdout
     assert "Native attention APIs" not in proc.stdout, "--help ran the measurement"
-    bad = subprocess.run([sys.executable, "-m", "conformance.conventions", "--tabular"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "conformance.native.conventions", "--tabular"], capture_output=True, text=True,
                          cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unrecognized arguments: --tabular" in bad.stderr, bad
 
@@ -293,7 +308,7 @@ def test_markdown_and_terminal_show_every_api(data):
         assert api.name in shown, f"{api.name} missing from the terminal tables"
 
 
-# -- the modern arguments (conformance/conventions_modern.py) ------------------------------
+# -- the modern arguments (conformance/native/conventions/modern.py) ------------------------------
 
 def _rotate(x, interleaved: bool, sign: float = 1.0):
     """RoPE written out pair by pair (independent of impl_numpy): pair p turns by position * 10000^(-2p/H)."""

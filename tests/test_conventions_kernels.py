@@ -1,4 +1,4 @@
-"""The forced-kernel conventions table (conformance/conventions_kernels.py) and the
+"""The forced-kernel conventions table (conformance/native/conventions/kernels.py) and the
 GPU run script that carries it (scripts/gpu_run.py), on the CPU.
 
 On a CPU torch offers the math and flash kernels and refuses the memory-efficient
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import conventions as conv
+from conformance.native import conventions as conv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def data():
     pytest.importorskip("torch", reason="torch not installed: pip install -c constraints/cpu.txt '.[torch]'")
     pytest.importorskip("jax", reason="jax not installed: pip install -c constraints/cpu.txt '.[jax]'")
-    from conformance import conventions_kernels as ck
+    from conformance.native.conventions import kernels as ck
 
     return ck.measure("cpu")
 
@@ -49,7 +49,7 @@ def test_the_cpu_kernels_are_measured_and_the_refused_ones_say_why(data):
     xla = _row(data, "jax.nn.dot_product_attention cpu, implementation=xla")
     assert xla["fully_masked_row"] == conv.POLICY_LABELS["uniform"] and xla["accepts"]["GQA (4 query heads on 2)"] == "yes"
     assert xla["accepts"]["dtype float64"] == "yes", xla["accepts"]  # x64 on for the probe in this process
-    text = __import__("conformance.conventions_kernels", fromlist=["markdown"]).markdown(data)
+    text = __import__("conformance.native.conventions.kernels", fromlist=["markdown"]).markdown(data)
     assert "| accepts |" in text and "sdpa_kernel(MATH) float32" in text
 
 
@@ -58,7 +58,7 @@ def test_the_cpu_kernels_are_measured_and_the_refused_ones_say_why(data):
 def test_the_half_precision_tolerance_separates_right_from_wrong(data):
     """The float16 rows' correct convention lands within HALF_TOL and every wrong one is
     at least 20x farther: measured on the flash kernel's evidence."""
-    from conformance.conventions_kernels import HALF_TOL
+    from conformance.native.conventions.kernels import HALF_TOL
 
     flash = _row(data, "torch SDPA cpu, sdpa_kernel(FLASH_ATTENTION)")
     polarity = flash["evidence"]["polarity[attn_mask]"]
@@ -75,7 +75,7 @@ def test_a_kernel_that_drops_the_scale_is_caught(monkeypatch):
     1/sqrt(4)) must not read as the reference's conventions."""
     import torch.nn.functional as F
 
-    from conformance import conventions_kernels as ck
+    from conformance.native.conventions import kernels as ck
 
     real = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: real(*a, **{**kw, "scale": None}))
@@ -90,7 +90,7 @@ def test_the_gpu_run_steps_are_commands_the_cli_takes(tmp_path):
         from scripts import gpu_run
     finally:
         sys.path.remove(str(ROOT))
-    from conformance.cli import build_parser
+    from conformance.cli.commands import build_parser
 
     for dry_run in (False, True):
         plan = gpu_run.steps(tmp_path, dry_run)

@@ -1,5 +1,5 @@
 """The measured table of the native packed and sharded paths
-(conformance/conventions_packed.py).
+(conformance/native/conventions/packed.py).
 
 The harness tests feed the labels fake API results written here with plain
 NumPy (a softmax over the keys a rule allows), some with deliberately wrong
@@ -16,8 +16,10 @@ import re
 import numpy as np
 import pytest
 
-from conformance import conventions as conv
-from conformance import conventions_packed as cp
+from conformance.native import conventions as conv
+from conformance.native.conventions import packed as cp
+from conformance.native.conventions import packed_labels as cpl
+from conformance.native.conventions import packed_sharded as cps
 
 TORCH = "torch not installed: pip install -c constraints/cpu.txt '.[torch]'"
 JAX = "jax not installed: pip install -c constraints/cpu.txt '.[jax]'"
@@ -45,21 +47,21 @@ def _strip(text: str) -> str:
 # -- jax's lengths -------------------------------------------------------------------------
 
 def _lengths_fake(rule, padded_rows=0.0):
-    """What an API with V = I returns under cp.Q_LENS / cp.KV_LENS when query i
+    """What an API with V = I returns under cpl.Q_LENS / cpl.KV_LENS when query i
     of batch b sees key j iff rule(b, i, j); padded query rows get padded_rows,
     a row without keys 1/S."""
-    B, T = len(cp.Q_LENS), cp.LEN_T
-    q, k = cp._inputs(B, T, T, T, seed=cp.LEN_SEED)
+    B, T = len(cpl.Q_LENS), cpl.LEN_T
+    q, k = cpl._inputs(B, T, T, T, seed=cpl.LEN_SEED)
     allowed = np.array([[[rule(b, i, j) for j in range(T)] for i in range(T)] for b in range(B)])
     w = _softmax_rows(q, k, allowed, empty="uniform")
     for b in range(B):
-        if cp.KV_LENS[b] > 0:
-            w[b, cp.Q_LENS[b]:] = padded_rows
+        if cpl.KV_LENS[b] > 0:
+            w[b, cpl.Q_LENS[b]:] = padded_rows
     return w
 
 
 def test_lengths_labels_as_jax_measures_them():
-    got = cp.lengths_labels(_lengths_fake(lambda b, i, j: j < cp.KV_LENS[b]))
+    got = cpl.lengths_labels(_lengths_fake(lambda b, i, j: j < cpl.KV_LENS[b]))
     assert _strip(got["keys_visible"]) == ("keys j < key_value_seq_lengths[b] (a prefix), "
                                            "for queries i < query_seq_lengths[b]"), got
     assert got["empty_row"] == ("padded query i >= query_seq_lengths[b]: 0; key_value_seq_lengths[b] = 0: "
@@ -67,13 +69,13 @@ def test_lengths_labels_as_jax_measures_them():
 
 
 def test_lengths_labels_change_with_the_convention():
-    ignored = cp.lengths_labels(_lengths_fake(lambda b, i, j: True))
+    ignored = cpl.lengths_labels(_lengths_fake(lambda b, i, j: True))
     assert ignored["keys_visible"] == "every key (lengths ignored)", ignored["keys_visible"]
-    suffix = cp.lengths_labels(_lengths_fake(lambda b, i, j: j >= cp.LEN_T - cp.KV_LENS[b]))
+    suffix = cpl.lengths_labels(_lengths_fake(lambda b, i, j: j >= cpl.LEN_T - cpl.KV_LENS[b]))
     assert suffix["keys_visible"] == "keys j >= S - key_value_seq_lengths[b] (a suffix)", suffix["keys_visible"]
-    nan_rows = cp.lengths_labels(_lengths_fake(lambda b, i, j: j < cp.KV_LENS[b], padded_rows=np.nan))
+    nan_rows = cpl.lengths_labels(_lengths_fake(lambda b, i, j: j < cpl.KV_LENS[b], padded_rows=np.nan))
     assert nan_rows["empty_row"].startswith("padded query i >= query_seq_lengths[b]: NaN;"), nan_rows["empty_row"]
-    odd = cp.lengths_labels(_lengths_fake(lambda b, i, j: j < cp.KV_LENS[b], padded_rows=0.5))
+    odd = cpl.lengths_labels(_lengths_fake(lambda b, i, j: j < cpl.KV_LENS[b], padded_rows=0.5))
     assert odd["empty_row"].startswith("padded query i >= query_seq_lengths[b]: other ("), odd["empty_row"]
 
 
@@ -81,7 +83,7 @@ def test_lengths_labels_change_with_the_convention():
 
 def _documents_fake(ids, causal, see_all=False):
     T = len(ids)
-    q, k = cp._inputs(1, T, T, T, seed=cp.DOC_SEED)
+    q, k = cpl._inputs(1, T, T, T, seed=cpl.DOC_SEED)
     ids = np.asarray(ids)
     allowed = np.ones((T, T), bool) if see_all else ids[:, None] == ids[None, :]
     if causal:
@@ -91,24 +93,24 @@ def _documents_fake(ids, causal, see_all=False):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_documents_label_isolated_and_leaking(causal):
-    good, ev = cp.documents_label(_documents_fake(cp.DOCS, causal), cp.DOCS, cp.DOCS, causal=causal)
+    good, ev = cpl.documents_label(_documents_fake(cpl.DOCS, causal), cpl.DOCS, cpl.DOCS, causal=causal)
     want = "same document, j <= i" if causal else "same document only"
     assert _strip(good) == want and ev["max_err_vs_reference_segment_ids"] < 1e-12, (good, ev)
-    leaking, _ = cp.documents_label(_documents_fake(cp.DOCS, causal, see_all=True), cp.DOCS, cp.DOCS, causal=causal)
+    leaking, _ = cpl.documents_label(_documents_fake(cpl.DOCS, causal, see_all=True), cpl.DOCS, cpl.DOCS, causal=causal)
     assert leaking == ("j <= i (documents see each other)" if causal else "every key (documents see each other)"), leaking
 
 
 @pytest.mark.parametrize("policy,label", [("zero", "0"), ("uniform", "mean of V (uniform)"), ("nan", "NaN")])
 def test_policy_label_reads_the_empty_document_row(policy, label):
     rng = np.random.default_rng(13)
-    T, S = len(cp.CROSS_Q_DOCS), len(cp.CROSS_K_DOCS)
+    T, S = len(cpl.CROSS_Q_DOCS), len(cpl.CROSS_K_DOCS)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, T, 4), (1, S, 4), (1, S, 3)))
-    allowed = np.asarray(cp.CROSS_Q_DOCS)[:, None] == np.asarray(cp.CROSS_K_DOCS)[None, :]
+    allowed = np.asarray(cpl.CROSS_Q_DOCS)[:, None] == np.asarray(cpl.CROSS_K_DOCS)[None, :]
     w = _softmax_rows(q, k, allowed[None], empty="zero")[0]
     out = w @ v[0].astype(np.float64)  # (T, V)
     rows = np.flatnonzero(~allowed.any(1))
     out[rows] = {"zero": 0.0, "uniform": v[0].mean(0), "nan": np.nan}[policy]
-    got, ev = cp.policy_label(out, q, k, v, cp.CROSS_Q_DOCS, cp.CROSS_K_DOCS, rows)
+    got, ev = cpl.policy_label(out, q, k, v, cpl.CROSS_Q_DOCS, cpl.CROSS_K_DOCS, rows)
     assert got == label and ev["max_err_other_rows"] < 1e-6, (got, ev)
 
 
@@ -138,7 +140,7 @@ def _rank_answers(kind: str, inputs) -> list[dict]:
             if "causal=True" in name or "mask=" in name:
                 answers[rank][name] = {"error": "NotImplementedError: no strategy"}
             elif name.startswith("heads"):
-                answers[rank][name] = {"out": _attention(q, k, v), "rows": list(range(cp.SHARD_T)),
+                answers[rank][name] = {"out": _attention(q, k, v), "rows": list(range(cpl.SHARD_T)),
                                        "placements": "(Shard(dim=1),)"}
             elif kind == "whole":
                 answers[rank][name] = {"out": _attention(q, k, v)[:, :, rows], "rows": rows}
@@ -149,9 +151,9 @@ def _rank_answers(kind: str, inputs) -> list[dict]:
 
 
 def test_sharded_cells_tell_whole_from_rank_local_and_refusals():
-    inputs = cp.shard_inputs()
-    whole = cp.sharded_cells(_rank_answers("whole", inputs), inputs)
-    local = cp.sharded_cells(_rank_answers("local", inputs), inputs)
+    inputs = cps.shard_inputs()
+    whole = cps.sharded_cells(_rank_answers("whole", inputs), inputs)
+    local = cps.sharded_cells(_rank_answers("local", inputs), inputs)
     assert "sdpa_kernel(MATH), no mask: matches the whole-sequence reference (err" in whole["cp"]["keys_visible"], whole
     assert "sdpa_kernel(MATH), no mask: each rank sees only its own keys (err" in local["cp"]["keys_visible"], local
     assert "is_causal: unsupported: NotImplementedError: no strategy" in whole["cp"]["keys_visible"], whole
@@ -161,24 +163,24 @@ def test_sharded_cells_tell_whole_from_rank_local_and_refusals():
 
 def test_sharded_label_on_a_wrong_and_a_skipped_answer():
     ref = np.zeros((1, 2, 4, 3))
-    wrong, _ = cp.sharded_label({"out": ref + 1.0}, ref, ref + 2.0)
+    wrong, _ = cpl.sharded_label({"out": ref + 1.0}, ref, ref + 2.0)
     assert wrong.startswith("runs, matches no candidate (closest err 1.0e+00): wrong output"), wrong
-    skipped, _ = cp.sharded_label({"skipped": cp.SKIPPED}, None)
-    assert skipped == cp.SKIPPED
-    refused, _ = cp.sharded_label({"error": "RuntimeError: no"}, None)
+    skipped, _ = cpl.sharded_label({"skipped": cps.SKIPPED}, None)
+    assert skipped == cps.SKIPPED
+    refused, _ = cpl.sharded_label({"error": "RuntimeError: no"}, None)
     assert refused == "unsupported: RuntimeError: no"
 
 
 def test_the_mask_column_candidate_explains_a_misaligned_mask():
     """A mask whose rows follow the shards while its columns do not (what the
     buffer probe tells apart): written here from the definition."""
-    inputs = cp.shard_inputs()
+    inputs = cps.shard_inputs()
     order = [p for rows in SPLIT for p in rows]
-    ids = np.asarray(cp.SHARD_DOCS)
+    ids = np.asarray(cpl.SHARD_DOCS)
     allowed = np.zeros((8, 8), bool)
     for c, j in enumerate(order):
         allowed[:, j] = ids == ids[c]
-    got = cp._columns_in_shard_order(inputs, order)
+    got = cps._columns_in_shard_order(inputs, order)
     expected = _attention(inputs["q"], inputs["k"], inputs["v"], allowed)
     assert np.abs(got - expected).max() < 1e-12, np.abs(got - expected).max()
     right = _attention(inputs["q"], inputs["k"], inputs["v"], ids[:, None] == ids[None, :])
@@ -187,9 +189,9 @@ def test_the_mask_column_candidate_explains_a_misaligned_mask():
 
 def test_assemble_orders_rows_and_reports_the_first_refusal():
     out0, out1 = np.zeros((1, 1, 2, 1)), np.ones((1, 1, 2, 1))
-    got = cp.assemble([{"p": {"out": out0, "rows": [0, 3]}}, {"p": {"out": out1, "rows": [1, 2]}}], "p")
+    got = cps.assemble([{"p": {"out": out0, "rows": [0, 3]}}, {"p": {"out": out1, "rows": [1, 2]}}], "p")
     assert got["rows"] == [0, 1, 2, 3] and got["out"][0, 0, :, 0].tolist() == [0, 1, 1, 0], got
-    refused = cp.assemble([{"p": {"out": out0, "rows": [0]}}, {"p": {"error": "E: x"}}], "p")
+    refused = cps.assemble([{"p": {"out": out0, "rows": [0]}}, {"p": {"error": "E: x"}}], "p")
     assert refused == {"error": "E: x"}, refused
 
 
@@ -245,7 +247,7 @@ def test_jax_seq_lengths_are_padding_not_documents():
     pytest.importorskip("jax", reason=JAX)
     row = _measured(cp.measure_row(cp.APIS[0]))
     assert row["keys_visible"].startswith("keys j < key_value_seq_lengths[b] (a prefix), for queries i < "), row
-    assert row["evidence"]["keys_visible"]["max_err_vs_reference_prefix_mask"] < cp.TOL, row["evidence"]
+    assert row["evidence"]["keys_visible"]["max_err_vs_reference_prefix_mask"] < cpl.TOL, row["evidence"]
     assert row["empty_row"] == ("padded query i >= query_seq_lengths[b]: 0; key_value_seq_lengths[b] = 0: mean of V "
                                 "over all S keys (padding included)"), row["empty_row"]
     # per-document lengths: refused today; a jax that takes them must isolate the documents
@@ -262,7 +264,7 @@ def test_flex_document_mask_isolates_documents():
     assert _strip(row["packing"]) == "same document only", row
     assert _strip(row["keys_visible"]) == "mask_mod & (q >= kv): same document, j <= i", row
     assert row["empty_row"] == "query of a document with no key: 0", row
-    assert row["evidence"]["empty_row"]["max_err_other_rows"] < cp.TOL, row["evidence"]
+    assert row["evidence"]["empty_row"]["max_err_other_rows"] < cpl.TOL, row["evidence"]
 
 
 @pytest.mark.torch
@@ -281,7 +283,7 @@ def test_context_parallel_and_dtensor_heads_on_gloo():
                 verdict = cell.split(": ", 1)[1]
                 assert verdict.startswith(("unsupported: ", "matches the whole-sequence reference", "skipped (slow")), cell
     positions = rows[0]["evidence"]["positions_per_rank"]
-    assert sorted(p for rank in positions for p in rank) == list(range(cp.SHARD_T)), positions
+    assert sorted(p for rank in positions for p in rank) == list(range(cpl.SHARD_T)), positions
     packing = rows[0]["packing"]
     assert "the mask sharded by rows with the buffers, sdpa_kernel(MATH): " in packing, packing
 
@@ -304,7 +306,7 @@ def test_a_failed_group_is_started_once_per_run(monkeypatch):
         starts.append(1)
         raise OSError("no loopback")
 
-    monkeypatch.setattr(cp, "run_group", refuse)
+    monkeypatch.setattr(cps, "run_group", refuse)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())  # as if torch were installed
     rows = cp.measure((cp.APIS[3],) * 2)
     assert [r["reason"] for r in rows] == ["OSError: no loopback"] * 2 and len(starts) == 1, (rows, starts)

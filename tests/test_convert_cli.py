@@ -1,4 +1,4 @@
-"""`mha convert` (conformance.convert.run) on files of every kind, both
+"""`mha convert` (conformance.cli.convert.run) on files of every kind, both
 directions: round trips are bit-exact, files the frameworks wrote themselves
 are read, files we write load back into the frameworks, and bad input gets one
 line naming the argument."""
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from assertions import assert_bit_exact
 
-from conformance import convert, files
+from conformance.cli import convert, files
 from weights import DTYPES, AttentionConfig, WeightsFormatError, init, layouts, load, save
 
 NEEDS = {".pt": "torch", ".pth": "torch", ".bin": "torch", ".weights.h5": "h5py", ".msgpack": "flax",

@@ -103,3 +103,30 @@ def test_a_circle_through_a_late_import_is_found(tmp_path):
     (package / "core.py").write_text("def fused():\n    from pkg.dispatch import qkv_heads\n    return qkv_heads\n")
     (package / "leaf.py").write_text("from . import core\n")
     assert circles(graph_of(tmp_path, ["pkg"])) == [["pkg.core", "pkg.dispatch"]]
+
+
+# The layers, top to bottom: a module may import its own layer and those below, never one above.
+# The command line sits over the suite and the native backends (with their conventions tables) and the
+# bench; all of them over the shared plumbing (console, io, logs) and the mirrors; the mirrors over weights.
+LAYERS = (
+    ("conformance.cli", "conformance.__main__", "conformance.bench"),
+    ("conformance.suite", "conformance.native"),
+    ("conformance.console", "conformance.io", "conformance.logs"),
+    ("impl_numpy", "impl_torch", "impl_tf", "impl_jax"),
+    ("weights",),
+)
+
+
+def layer_of(name: str) -> int | None:
+    for depth, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return depth
+    return None
+
+
+def test_each_layer_imports_only_its_own_and_those_below():
+    graph = graph_of(ROOT, PACKAGES)
+    upward = sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                    if layer_of(name) is not None and layer_of(target) is not None
+                    and layer_of(target) < layer_of(name))
+    assert not upward, "imports against the layers: " + "; ".join(upward)

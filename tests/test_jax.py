@@ -1,7 +1,7 @@
 """impl_jax against the float64 NumPy reference, on the named case grid.
 
-Tolerances come only from conformance.tolerance (the one policy), through
-conformance.compare.run_case as `mha check` uses it; nothing here picks a
+Tolerances come only from conformance.suite.tolerance (the one policy), through
+conformance.suite.compare.run_case as `mha check` uses it; nothing here picks a
 number. Bit-exact properties (round trips, mask builders, error wording,
 x64 on/off) are compared exactly, with the differing values in the message.
 
@@ -40,7 +40,7 @@ import impl_jax.functional as jax_functional  # noqa: E402
 import impl_numpy  # noqa: E402
 import impl_numpy.adapter as numpy_adapter  # noqa: E402
 import weights  # noqa: E402
-from conformance.cases import (  # noqa: E402
+from conformance.suite.cases import (  # noqa: E402
     CASES,
     DTYPE_NAMES,
     cast_inputs,
@@ -49,8 +49,8 @@ from conformance.cases import (  # noqa: E402
     make_tensors,
     output_cotangent,
 )
-from conformance.compare import case_policy, expected_for  # noqa: E402
-from conformance.tolerance import compare, max_finite_abs, policy_for  # noqa: E402
+from conformance.suite.compare import case_policy, expected_for  # noqa: E402
+from conformance.suite.tolerance import compare, max_finite_abs, policy_for  # noqa: E402
 
 pytestmark = pytest.mark.jax
 
@@ -649,8 +649,8 @@ def test_float16_result_one_step_from_the_reference_passes():
     """Found by the 1000-case sweep (seed 267): JAX's float16 output landed one
     float16 step from the float64 value where the NumPy float16 reference
     happened to be nearly exact; the policy allows one step (tolerance.py)."""
-    from conformance.cases import random_case
-    from conformance.compare import STATUS_PASS, run_case
+    from conformance.suite.cases import random_case
+    from conformance.suite.compare import STATUS_PASS, run_case
 
     result = run_case(random_case(267), "jax", dtype="float16")
     assert result.status == STATUS_PASS, result.worst.describe() if result.worst else result.message
@@ -660,7 +660,7 @@ def test_clear_cache_releases_jax_compiled_programs():
     """Each compiled program holds ~100 memory mappings; a 1000-case sweep that
     kept them all hit vm.max_map_count and LLVM aborted the process. The
     sweeps call clear_cache, and `mha check` releases them after each chunk."""
-    from conformance.compare import clear_cache, run_case
+    from conformance.suite.compare import clear_cache, run_case
 
     run_case(CASES["self_basic"], "jax", dtype="float32")
     assert adapter.program(adapter.cpu_compile())._cache_size() >= 1
@@ -672,7 +672,7 @@ def test_cpu_compile_modes_both_conform():
     """The adapter compiles CPU programs with FAST_CPU_COMPILE unless told
     otherwise (`mha check --xla-full-opt`); each mode compiles its own
     program, and both pass the same case, with a gradient check."""
-    from conformance.compare import STATUS_PASS, clear_cache, run_case
+    from conformance.suite.compare import STATUS_PASS, clear_cache, run_case
 
     clear_cache()
     assert adapter.cpu_compile() == "fast"
@@ -704,7 +704,7 @@ def test_a_compile_option_this_xla_does_not_know_is_dropped(monkeypatch):
 @pytest.mark.parametrize("full_opt", [False, True])
 def test_mha_check_sets_the_cpu_compile_mode(monkeypatch, full_opt):
     """run_check (and so `mha check [--xla-full-opt]`) tells the adapter which mode to compile in."""
-    from conformance.check import run_check
+    from conformance.suite.check import run_check
 
     asked = []
     monkeypatch.setattr(adapter, "set_cpu_compile", asked.append)
@@ -843,7 +843,7 @@ def _moderate_call(masked_row: str, T: int, S: int, *, dropout: float = 0.0, see
 def _judge_forward_and_grads(label, config, tensors, xs, call, dtype, chunk_size):
     """apply's output (chunked, or plain when chunk_size is None; no weights asked
     for) and its jax.vjp (jitted) against the float64 NumPy reference, under the policy."""
-    from conformance.tolerance import assert_close
+    from conformance.suite.tolerance import assert_close
 
     B, T, S = xs[0].shape[0], xs[0].shape[1], xs[1].shape[1]
     t, x = cast_tensors(tensors, dtype), [a.astype(weights.dtype_from_name(dtype)) for a in xs]
@@ -1087,7 +1087,7 @@ def test_fast_path_nan_key_hidden_by_the_mask_reaches_no_row(hidden_by):
     NaN logit and make every row NaN, nor may the chunked path (blocks of 4:
     the NaN key in the overlapping last block). A -inf bias is a mask too
     (the spec's mask() selects on it). Expected: the float64 NumPy stages."""
-    from conformance.tolerance import assert_close
+    from conformance.suite.tolerance import assert_close
 
     config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4)
     tensors = weights.init(config, seed=0, dtype="float32")
@@ -1121,7 +1121,7 @@ def test_masked_row_zero_is_zero_weights_times_v_on_every_path(training):
     row's column NaN (0 x NaN), as on the spec's stages and fast path; the
     fused and chunked paths must not select a plain 0 there. Dropout keeps
     0 weights 0. Expected: the float64 NumPy stages."""
-    from conformance.tolerance import assert_close
+    from conformance.suite.tolerance import assert_close
 
     config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, dropout=0.25)
     tensors = weights.init(config, seed=0, dtype="float32")

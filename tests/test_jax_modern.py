@@ -6,7 +6,7 @@ stages, and the NNX parameter paths.
 
 What every mirror shares (the extra case combinations, the trace, decoding with the cache whole and in
 place, the layer, masks, error wording, GPU) runs in tests/test_mirrors_modern.py on each mirror. Expected
-values come from impl_numpy in float64; tolerances from conformance.tolerance only.
+values come from impl_numpy in float64; tolerances from conformance.suite.tolerance only.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ import impl_jax.functional as jax_functional  # noqa: E402
 import impl_numpy  # noqa: E402
 import impl_numpy.adapter as numpy_adapter  # noqa: E402
 import weights  # noqa: E402
-from conformance.cases import (  # noqa: E402
+from conformance.suite.cases import (  # noqa: E402
     CASES,
     Case,
     cast_tensors,
     make_inputs,
     make_tensors,
 )
-from conformance.tolerance import assert_close  # noqa: E402
+from conformance.suite.tolerance import assert_close  # noqa: E402
 from weights.config import Rope  # noqa: E402
 from weights.rope import inverse_frequencies  # noqa: E402
 

@@ -16,8 +16,8 @@ jax = pytest.importorskip("jax", reason=INSTALL)
 from assertions import assert_bit_equal, assert_bit_exact  # noqa: E402
 
 import impl_jax.adapter as adapter  # noqa: E402  (switches x64 on)
-from conformance.cases import CASES  # noqa: E402
-from conformance.compare import expected_for  # noqa: E402
+from conformance.suite.cases import CASES  # noqa: E402
+from conformance.suite.compare import expected_for  # noqa: E402
 from impl_jax import programs  # noqa: E402
 
 pytestmark = pytest.mark.jax

@@ -14,7 +14,7 @@ from assertions import assert_bit_exact
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.tolerance import assert_close
+from conformance.suite.tolerance import assert_close
 from impl_numpy import multi_head_attention
 from weights import DTYPES, AttentionConfig, WeightsFormatError, init, layouts
 from weights.dtypes import resolve_dtype

@@ -18,9 +18,10 @@ import json
 import numpy as np
 import pytest
 
-from conformance import backends, files
-from conformance.cli import main as mha
-from conformance.tolerance import compare, policy_for
+from conformance.cli import files
+from conformance.cli.commands import main as mha
+from conformance.suite import backends
+from conformance.suite.tolerance import compare, policy_for
 from weights import layouts, load
 
 try:

@@ -1,6 +1,6 @@
 """Live framework layers, and the seeds' own layers rebuilt here, converted to
 canonical weights and run through the NumPy reference: the outputs match
-under the tolerance policy (conformance.tolerance), never a hand-picked number.
+under the tolerance policy (conformance.suite.tolerance), never a hand-picked number.
 
 Each framework is skipped with a reason when it is not installed. The seeds
 (the project's seed documents 000-004) are rebuilt from their descriptions: 000 fused qkv_proj/out_proj,
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from assertions import assert_bit_exact
 
-from conformance.tolerance import assert_close
+from conformance.suite.tolerance import assert_close
 from impl_numpy import multi_head_attention
 from weights import AttentionConfig, init
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.cases import CASES, Case, make_inputs, make_tensors, random_case
-from conformance.compare import case_policy, expected_for
-from conformance.tolerance import compare, policy_for
+from conformance.suite.cases import CASES, Case, make_inputs, make_tensors, random_case
+from conformance.suite.compare import case_policy, expected_for
+from conformance.suite.tolerance import compare, policy_for
 from impl_numpy import multi_head_attention
 from impl_numpy.adapter import OPTIONAL_INPUTS
 from impl_numpy.magnitudes import forward_magnitudes
@@ -236,10 +236,10 @@ def test_normed_cancellation_has_a_large_magnitude():
 
 def _bars(case, exp, mag, dtype, name, actual):
     """(old, new) comparisons of actual[name]: the policy as it was (scale max|reference|, z the largest
-    |logit|), and conformance.compare's policy now (each element's floor rtol*(1+z)*magnitude, z the largest
+    |logit|), and conformance.suite.compare's policy now (each element's floor rtol*(1+z)*magnitude, z the largest
     logit magnitude)."""
     expected = exp[name]
-    quantity = "output"  # conformance.compare.judge judges present_key / present_value as outputs too
+    quantity = "output"  # conformance.suite.compare.judge judges present_key / present_value as outputs too
     old = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
                      reference=expected, logits=exp["logits"], max_position=exp["max_position"],
                      same_precision_error=exp["same_precision"].get(name))
@@ -275,7 +275,7 @@ def test_torch_false_failure_passes_the_magnitude_bar(seed, name, dtype):
     """The sweep's false failures (torch agrees with tf and jax there): out of the max|reference| bar, within
     the max|magnitude| one."""
     pytest.importorskip("torch", reason="PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'")
-    from conformance import backends
+    from conformance.suite import backends
 
     case, exp, mag = _case_arrays(seed, dtype)
     result = backends.load("torch").forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype),

@@ -2,13 +2,13 @@
 against the float64 NumPy reference: one suite, run on each mirror (impl_torch, impl_tf, impl_jax)
 through its handle in tests/mirrors.py.
 
-The named modern cases of conformance/cases.py already run through each mirror's grid (tests/test_torch.py,
+The named modern cases of conformance/suite/cases.py already run through each mirror's grid (tests/test_torch.py,
 test_tf.py, test_jax.py); this suite adds the combinations the grids leave out, on each mirror's paths, the
 stage-by-stage trace of the new stages, token-by-token decoding with the cache (whole and in place), the
 layer's new parameters, masks and error wording. What only one framework has (SDPA routing and
 torch.compile, tf.function and XLA, jax.jit and its programs) stays in tests/test_<framework>_modern.py.
 Each parameter carries its framework's marker (`tox -e torch` runs the torch ones) and skips where that
-framework is missing. Expected values come from impl_numpy in float64; tolerances from conformance.tolerance.
+framework is missing. Expected values come from impl_numpy in float64; tolerances from conformance.suite.tolerance.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from reference_checks import assert_case_conforms, assert_gradients_conform, err
 import impl_numpy
 import impl_numpy.adapter as numpy_adapter
 import weights
-from conformance.cases import DTYPE_NAMES, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
-from conformance.compare import expected_for
-from conformance.tolerance import assert_close
+from conformance.suite.cases import DTYPE_NAMES, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
+from conformance.suite.compare import expected_for
+from conformance.suite.tolerance import assert_close
 
 FRAMEWORKS = ("torch", "tf", "jax")
 

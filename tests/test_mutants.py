@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from mutants import MUTANTS, MutantAdapter
 
-from conformance.cases import CASES
-from conformance.compare import STATUS_FAIL, STATUS_PASS, run_case
-from conformance.verify import verify
+from conformance.suite.cases import CASES
+from conformance.suite.compare import STATUS_FAIL, STATUS_PASS, run_case
+from conformance.suite.verify import verify
 
 DTYPES = ("float64", "float32", "bfloat16")
 

@@ -1,6 +1,6 @@
 """The frameworks' native attention layers as conformance backends (conformance/native).
 
-Every native backend runs the named case grid through conformance.compare.run_case
+Every native backend runs the named case grid through conformance.suite.compare.run_case
 (the suite's own judge) in float32 and float64, and a few cases in float16 and
 bfloat16. For each backend the test states what its API can express
 (SUPPORTED, the case names that run); every other case must be reported
@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 import weights
-from conformance import backends
-from conformance.cases import CASES
-from conformance.compare import STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, run_case
-from conformance.tolerance import UNIT_ROUNDOFF
+from conformance.suite import backends
+from conformance.suite.cases import CASES
+from conformance.suite.compare import STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, run_case
+from conformance.suite.tolerance import UNIT_ROUNDOFF
 from impl_numpy import multi_head_attention
 
 FRAMEWORK_MARKS = {
@@ -274,7 +274,7 @@ def test_devices(backend_id):
         f"{backend_id}.devices() must list cpu first, then gpu only where the framework sees one: got {found}")
     with pytest.raises(ValueError, match="device"):
         case = CASES["self_basic"]
-        from conformance.cases import make_inputs, make_tensors
+        from conformance.suite.cases import make_inputs, make_tensors
 
         adapter.forward(case.config, make_tensors(case), make_inputs(case), case.options("float64"), device="tpu")
 
@@ -282,8 +282,8 @@ def test_devices(backend_id):
 def test_onnxruntime_graph_form_and_no_gradients():
     """Which graph a case gets: the Attention node, or plain ops where the node cannot express it."""
     adapter = _adapter("onnxruntime")
-    from conformance.cases import cast_inputs, make_inputs
     from conformance.native import call_shapes
+    from conformance.suite.cases import cast_inputs, make_inputs
 
     def form(name, dtype):
         case = CASES[name]
@@ -334,7 +334,7 @@ def test_torch_flex_forward_only_on_cpu():
     """torch 2.13 has no flex_attention backward on CPU: the gradients are refused with torch's own words,
     the forward pass still runs and is judged."""
     adapter = _adapter("torch-flex")
-    from conformance.cases import make_inputs, make_tensors
+    from conformance.suite.cases import make_inputs, make_tensors
 
     case = CASES["softcap"]
     tensors, inputs = make_tensors(case), make_inputs(case)

@@ -5,7 +5,7 @@ package, which cannot sit beside the `tf` extra's tensorflow-cpu. Without them e
 with the reason the registry gives ("not installed ... install the keras-hub extra").
 
 Every expected value comes from the float64 reference (impl_numpy) through the suite's own judge
-(conformance.compare.run_case) or its tolerance policy (conformance.tolerance.policy_for):
+(conformance.suite.compare.run_case) or its tolerance policy (conformance.suite.tolerance.policy_for):
 - the named case grid: what each API expresses runs and passes (or fails exactly as its
   known_difference says, by no more than float32 arithmetic explains), the rest is refused with a
   reason naming the backend;
@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 import weights
-from conformance import backends
-from conformance.cases import CASES
-from conformance.compare import STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, run_case
-from conformance.tolerance import UNIT_ROUNDOFF, compare, policy_for
+from conformance.suite import backends
+from conformance.suite.cases import CASES
+from conformance.suite.compare import STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, run_case
+from conformance.suite.tolerance import UNIT_ROUNDOFF, compare, policy_for
 from impl_numpy import multi_head_attention
 from impl_numpy.backward import multi_head_attention_vjp
 
@@ -335,7 +335,7 @@ def test_torchtune_normalises_after_rope():
                                         is_causal=True)
         errors[kind] = _close(kind, got, expected, config, T=5, S=5)
     assert errors["uniform"].ok and not errors["per_feature"].ok, "\n".join(c.describe() for c in errors.values())
-    from conformance.cases import Case
+    from conformance.suite.cases import Case
 
     why = adapter.known_difference(Case("rope_and_norm", config), "float32")
     assert why is not None and "after pos_embeddings" in why, why

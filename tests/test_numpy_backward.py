@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from strategies import calls, configs
 
 import weights
-from conformance.cases import CASES, make_inputs, make_tensors, output_cotangent
+from conformance.suite.cases import CASES, make_inputs, make_tensors, output_cotangent
 from impl_numpy import multi_head_attention, multi_head_attention_vjp
 
 EPS = 1e-6

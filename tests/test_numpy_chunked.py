@@ -114,7 +114,7 @@ def test_blocks_meet_the_tolerance_policy(alignment, T, S, dtype, chunk, softmax
     """float32 and 16-bit through several query and key blocks (GQA, a mask,
     causal), against the float64 stages, judged by the project's tolerance
     policy (16-bit: against 3x the stages' own error in that dtype)."""
-    from conformance.tolerance import assert_close
+    from conformance.suite.tolerance import assert_close
 
     config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8)
     tensors = weights.init(config, seed=5, dtype=dtype)

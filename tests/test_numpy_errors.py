@@ -121,7 +121,7 @@ def test_a_real_t_by_s_beyond_memory_is_refused():
 @pytest.mark.parametrize("backend_id", ["numpy", pytest.param("torch", marks=pytest.mark.torch),
                                         pytest.param("tf", marks=pytest.mark.tf), pytest.param("jax", marks=pytest.mark.jax)])
 def test_inf_inputs_get_the_same_words_from_every_adapter(backend_id):
-    from conformance import backends
+    from conformance.suite import backends
 
     ok, reason = backends.availability(backend_id)
     if not ok:

@@ -1,4 +1,4 @@
-"""The pytest plugin (conformance/pytest_plugin.py): `pytest --mha-impl
+"""The pytest plugin (conformance/suite/pytest_plugin.py): `pytest --mha-impl
 MODULE:FUNCTION` gives one item per vector, and the helpers parametrize a
 user's own test. Run through pytester, in a directory standing for a user's
 repository that holds a copy of the worked example and a buggy variant."""
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance.cases import DTYPE_NAMES
-from conformance.vectors import load_all
-from conformance.verify import verify_vector
+from conformance.suite.cases import DTYPE_NAMES
+from conformance.suite.vectors import load_all
+from conformance.suite.verify import verify_vector
 
 pytest_plugins = ["pytester"]
-NODEID = "mha-vectors"  # the vectors' collector (conformance.pytest_plugin.NODEID)
+NODEID = "mha-vectors"  # the vectors' collector (conformance.suite.pytest_plugin.NODEID)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mha_examples" / "numpy_attention.py"
@@ -59,11 +59,11 @@ def forward_only(config, tensors, inputs, options):
 
 
 def _entry_point_installed() -> bool:
-    return any(ep.value == "conformance.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    return any(ep.value == "conformance.suite.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
 
 
 # An editable install made before the entry point existed does not load the plugin by itself.
-PLUGIN = [] if _entry_point_installed() else ["-p", "conformance.pytest_plugin"]
+PLUGIN = [] if _entry_point_installed() else ["-p", "conformance.suite.pytest_plugin"]
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_without_mha_impl_the_plugin_adds_nothing(user_repo):
 
 
 def test_loading_the_plugin_imports_no_numpy():
-    code = "import sys, conformance.pytest_plugin; sys.exit('numpy' in sys.modules)"
+    code = "import sys, conformance.suite.pytest_plugin; sys.exit('numpy' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -186,7 +186,7 @@ def test_unsupported_fails_with_mha_fail_unsupported(user_repo):
 def test_the_helpers_parametrize_a_users_own_test(user_repo):
     user_repo.makepyfile(test_mine='''
 import pytest
-from conformance.pytest_plugin import assert_conforms, vectors
+from conformance.suite.pytest_plugin import assert_conforms, vectors
 from user_buggy import alignment_swapped
 
 
@@ -214,18 +214,18 @@ def test_bad_options_are_usage_errors(user_repo, argv, message):
 
 
 def test_the_dtype_choices_and_the_entry_point():
-    from conformance import pytest_plugin  # imported here: the runs above import it as a plugin, with rewriting
+    from conformance.suite import pytest_plugin  # imported here: the runs above import it as a plugin, with rewriting
 
     assert pytest_plugin.DTYPES == DTYPE_NAMES and pytest_plugin.NODEID == NODEID
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["pytest11"] == {"mha": "conformance.pytest_plugin"}
+    assert project["entry-points"]["pytest11"] == {"mha": "conformance.suite.pytest_plugin"}
 
 
 def test_every_flag_the_guide_and_the_ci_example_use_exists(user_repo, capsys):
     """docs/verify-in-ci.md and docs/ci-example.yml name only options that exist."""
     import re
 
-    from conformance.cli import main
+    from conformance.cli.commands import main
 
     docs = (ROOT / "docs" / "verify-in-ci.md").read_text() + (ROOT / "docs" / "ci-example.yml").read_text()
     plugin_help = "\n".join(user_repo.runpytest(*PLUGIN, "--help").outlines)

@@ -1,6 +1,6 @@
 """The report of `mha check`: matrix, report.md / report.html, heatmaps, terminal.
 
-Results are real: conformance.compare.run_case on the NumPy backend (passes)
+Results are real: conformance.suite.compare.run_case on the NumPy backend (passes)
 and on small broken adapters (a wrong softmax scale that fails with a
 divergence at `logits`, one that refuses a case, one that crashes).
 """
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from conformance import report
-from conformance.cases import CASES
-from conformance.compare import run_case
+from conformance.suite import environment, report
+from conformance.suite.cases import CASES
+from conformance.suite.compare import run_case
 from impl_numpy import adapter as numpy_adapter
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -87,7 +87,7 @@ def mixed(passing):
 @pytest.fixture(scope="module")
 def written(mixed, tmp_path_factory):
     directory = tmp_path_factory.mktemp("report") / "nested" / "dir"  # write_report creates it
-    env = report.environment(sorted({r.backend for r in mixed}), ["cpu", "gpu"], "highest")
+    env = environment.environment(sorted({r.backend for r in mixed}), ["cpu", "gpu"], "highest")
     paths = report.write_report(directory, mixed, env, title="mha check <test>")
     return directory, paths, env
 
@@ -342,8 +342,8 @@ def test_render_terminal_colours_margins(mixed):
 
 def test_environment_records_versions_devices_and_precision():
     had_tf = sys.modules.get("tensorflow") is not None
-    env = report.environment(["numpy"], ["cpu"], "highest")
-    assert set(report.PACKAGES) <= set(env["versions"])
+    env = environment.environment(["numpy"], ["cpu"], "highest")
+    assert set(environment.PACKAGES) <= set(env["versions"])
     assert env["versions"]["numpy"] == np.__version__
     assert env["versions"]["python"].startswith(".".join(map(str, sys.version_info[:3])))
     assert all(isinstance(v, str) and v for v in env["versions"].values()), env["versions"]
@@ -351,7 +351,7 @@ def test_environment_records_versions_devices_and_precision():
     assert env["precision"]["mode"] == "highest" and "no GPU in this run" in env["precision"]["meaning"]
     if not had_tf:
         assert sys.modules.get("tensorflow") is None, "a numpy-only run must not import TensorFlow"
-    tf32 = report.environment(["numpy"], ["cpu"], "tf32")["precision"]
+    tf32 = environment.environment(["numpy"], ["cpu"], "tf32")["precision"]
     assert tf32["mode"] == "tf32" and "wider tolerance" in tf32["meaning"] and "does not apply" in tf32["meaning"]
 
 
@@ -371,15 +371,15 @@ def test_precision_lists_tf32_switches_only_where_a_gpu_ran(monkeypatch):
     """torch's cudnn.allow_tf32 defaults to True; on a CPU-only run it governs
     nothing, and the report must not read as if TF32 had been on or off."""
     monkeypatch.setitem(sys.modules, "torch", _fake_torch(cudnn_tf32=True))
-    cpu = report.environment(["torch"], ["cpu"], "highest")["precision"]
+    cpu = environment.environment(["torch"], ["cpu"], "highest")["precision"]
     assert cpu["TF32"] == "does not apply: no GPU in this run", cpu
     assert not any("tf32" in key.lower() or "float32_matmul" in key for key in cpu if key != "TF32"), cpu
     assert "off" not in cpu["meaning"].split(";")[0] and "no GPU in this run" in cpu["meaning"], cpu["meaning"]
-    gpu = report.environment(["torch"], ["cpu", "gpu"], "highest")["precision"]
+    gpu = environment.environment(["torch"], ["cpu", "gpu"], "highest")["precision"]
     assert "TF32" not in gpu and "off on the GPU during every backend call" in gpu["meaning"], gpu
     assert gpu["torch.backends.cudnn.allow_tf32"] is True and gpu["torch.backends.cuda.matmul.allow_tf32"] is False, gpu
     assert "read outside the calls" in gpu["framework settings"], gpu
-    allowed = report.environment(["torch"], ["gpu"], "tf32")["precision"]
+    allowed = environment.environment(["torch"], ["gpu"], "tf32")["precision"]
     assert "allowed on the GPU" in allowed["meaning"] and "wider tolerance" in allowed["meaning"], allowed
 
 
@@ -392,7 +392,7 @@ def test_environment_never_crashes_on_missing_or_broken_frameworks(monkeypatch):
             raise RuntimeError(f"broken install: no {name}")
 
     monkeypatch.setitem(sys.modules, "torch", Broken("torch"))
-    env = report.environment(["torch", "tf", "jax"], ["cpu", "gpu"], "highest")
+    env = environment.environment(["torch", "tf", "jax"], ["cpu", "gpu"], "highest")
     assert env["versions"]["tensorflow"] == "not installed" and env["versions"]["jax"] == "not installed"
     assert env["devices"]["tensorflow"] == "not installed" and env["devices"]["jax"] == "not installed"
     assert str(env["devices"]["torch"]).startswith("unavailable"), env["devices"]

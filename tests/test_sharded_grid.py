@@ -1,6 +1,6 @@
 """`mha check --sharded` as documented: the whole sharded grid on both engines.
 
-Every case of conformance.sharded.SHARDED_CASES for jax and torch, heads and
+Every case of conformance.suite.sharded.SHARDED_CASES for jax and torch, heads and
 sequence, 2 and 4 devices, float32 and bfloat16, forward and gradients, in one
 `mha check --sharded` run. It takes about ten minutes on a 2-core VM, so it has
 its own marker and tox env (`tox -e sharded`, in the default env list) instead
@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def test_mha_check_sharded_whole_grid(tmp_path):
-    from conformance.sharded import DEVICE_COUNTS, DTYPES, KINDS, SHARDED_CASES
+    from conformance.suite.sharded import DEVICE_COUNTS, DTYPES, KINDS, SHARDED_CASES
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -89,7 +89,7 @@ def test_mha_run_shard_gives_the_unsharded_output(tmp_path, backend):
     import numpy as np
     from safetensors.numpy import load_file
 
-    from conformance.tolerance import assert_close
+    from conformance.suite.tolerance import assert_close
     from impl_numpy.adapter import forward
 
     config, tensors, files = _run_files(tmp_path)

@@ -77,7 +77,7 @@ def test_heads_refusals_name_the_counts():
 
 
 def test_parse_shard_and_missing_engine():
-    from conformance import sharded
+    from conformance.suite import sharded
 
     assert sharded.parse_shard("sequence:4") == ("sequence", 4)
     for bad in ("heads", "heads:0", "rows:2", "heads:x"):
@@ -86,7 +86,7 @@ def test_parse_shard_and_missing_engine():
 
 
 def test_an_engine_whose_module_is_missing_is_not_run(monkeypatch):
-    from conformance import sharded
+    from conformance.suite import sharded
 
     monkeypatch.setitem(sharded.ENGINES, "ghost", "impl_ghost.sharded")
     results, skipped = sharded.run_sharded(("ghost",), case_names=["sh_self"], jobs=1)
@@ -111,7 +111,7 @@ PICKS = [
 def test_sharded_cases_pass_forward_and_gradients():
     code = (
         "import json\n"
-        "from conformance import sharded\n"
+        "from conformance.suite import sharded\n"
         "from impl_jax import sharded as engine\n"
         f"picks = {PICKS!r}\n"
         "out = []\n"
@@ -166,7 +166,7 @@ def _write_run_files(tmp_path):
 def test_mha_run_shard_gives_the_unsharded_output(tmp_path):
     from safetensors.numpy import load_file
 
-    from conformance.tolerance import assert_close
+    from conformance.suite.tolerance import assert_close
     from impl_numpy.adapter import forward
 
     config, tensors, inputs = _write_run_files(tmp_path)
@@ -241,7 +241,7 @@ class _NumpyEngine:
 def test_an_engine_with_run_jobs_runs_a_chunk_in_one_start(monkeypatch):
     import importlib
 
-    from conformance import sharded
+    from conformance.suite import sharded
 
     monkeypatch.setitem(sharded.ENGINES, "fake", "fake_sharded_engine")
     real = importlib.import_module
@@ -271,7 +271,7 @@ def test_two_processes_of_two_devices_make_one_mesh(tmp_path):
 
     from safetensors.numpy import load_file
 
-    from conformance.tolerance import assert_close
+    from conformance.suite.tolerance import assert_close
     from impl_numpy.adapter import forward
 
     config, tensors, inputs = _write_run_files(tmp_path)
@@ -306,7 +306,7 @@ def test_mha_run_shard_decodes_with_a_cache(tmp_path):
     from safetensors.numpy import load_file
 
     from conformance.io import write_arrays
-    from conformance.tolerance import assert_close
+    from conformance.suite.tolerance import assert_close
     from impl_numpy.adapter import forward
 
     config, tensors, _ = _write_run_files(tmp_path)

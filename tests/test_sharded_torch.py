@@ -1,6 +1,6 @@
 """impl_torch.sharded (heads and sequence sharding on gloo processes) against
 the float64 NumPy reference, forward and gradients, under the tolerance
-policy (conformance.compare.judge, as `mha check` judges).
+policy (conformance.suite.compare.judge, as `mha check` judges).
 
 Starting the processes costs seconds (each imports torch), so each (kind,
 devices) pair runs all its cases in one start (a module-scoped fixture) and
@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install 
 
 import impl_torch.sharded as sharded  # noqa: E402
 import weights  # noqa: E402
-from conformance.cases import CASES, Case  # noqa: E402
-from conformance.compare import expected_for, judge  # noqa: E402
+from conformance.suite.cases import CASES, Case  # noqa: E402
+from conformance.suite.compare import expected_for, judge  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

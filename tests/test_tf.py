@@ -1,8 +1,8 @@
 """impl_tf (Keras on TensorFlow) against the float64 NumPy reference.
 
-Every case of conformance.cases.CASES in every dtype: output, returned
+Every case of conformance.suite.cases.CASES in every dtype: output, returned
 weights and gradients (tf.GradientTape, through impl_tf.adapter) under the
-one tolerance policy (conformance.tolerance). For float16 and bfloat16 the
+one tolerance policy (conformance.suite.tolerance). For float16 and bfloat16 the
 policy's floor is the NumPy reference's own error in that dtype. Then the
 mask builders, the weight round trips (.keras and canonical tensors), error
 wording, tf.function / XLA, the fused fast path (no weights, no trace), the
@@ -37,7 +37,7 @@ import impl_numpy  # noqa: E402
 import impl_numpy.adapter as ref  # noqa: E402
 import impl_tf  # noqa: E402
 import weights  # noqa: E402
-from conformance.cases import (  # noqa: E402
+from conformance.suite.cases import (  # noqa: E402
     CASES,
     Case,
     cast_inputs,
@@ -46,7 +46,7 @@ from conformance.cases import (  # noqa: E402
     make_tensors,
     output_cotangent,
 )
-from conformance.tolerance import assert_close, max_finite_abs  # noqa: E402
+from conformance.suite.tolerance import assert_close, max_finite_abs  # noqa: E402
 from impl_tf import adapter  # noqa: E402
 from impl_tf import attention as tf_attention  # noqa: E402
 from impl_tf import chunked as tf_chunked  # noqa: E402

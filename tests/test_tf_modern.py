@@ -6,7 +6,7 @@ Model, tf.function and XLA graphs, and the in-place cache's tf.Variable specific
 
 What every mirror shares (the extra case combinations, the trace, decoding with the cache whole and in
 place, the layer, masks, error wording, GPU) runs in tests/test_mirrors_modern.py on each mirror. Expected
-values come from impl_numpy in float64; tolerances from conformance.tolerance only.
+values come from impl_numpy in float64; tolerances from conformance.suite.tolerance only.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import impl_numpy  # noqa: E402
 import impl_numpy.adapter as numpy_adapter  # noqa: E402
 import impl_tf  # noqa: E402
 import weights  # noqa: E402
-from conformance.cases import (  # noqa: E402
+from conformance.suite.cases import (  # noqa: E402
     CASES,
     Case,
     cast_inputs,
@@ -51,8 +51,8 @@ from conformance.cases import (  # noqa: E402
     make_tensors,
     output_cotangent,
 )
-from conformance.compare import expected_for  # noqa: E402
-from conformance.tolerance import assert_close  # noqa: E402
+from conformance.suite.compare import expected_for  # noqa: E402
+from conformance.suite.tolerance import assert_close  # noqa: E402
 from impl_tf import adapter as tf_adapter  # noqa: E402
 from impl_tf import attention as tf_attention  # noqa: E402
 from impl_tf import chunked as tf_chunked  # noqa: E402

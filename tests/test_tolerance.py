@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
+from conformance.suite.tolerance import UNIT_ROUNDOFF, compare, tolerance
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 

@@ -1,6 +1,6 @@
 """impl_torch against the float64 NumPy reference, on the named case grid.
 
-Tolerances come only from conformance.tolerance (the one policy); nothing
+Tolerances come only from conformance.suite.tolerance (the one policy); nothing
 here picks a number. Bit-exact properties (round trips, mask builders,
 error wording) are compared exactly, with the differing values in the message.
 """
@@ -35,7 +35,7 @@ import impl_torch.adapter as torch_adapter  # noqa: E402
 import impl_torch.functional as torch_functional  # noqa: E402
 import impl_torch.sdpa as torch_sdpa  # noqa: E402
 import weights  # noqa: E402
-from conformance.cases import (  # noqa: E402
+from conformance.suite.cases import (  # noqa: E402
     CASES,
     DTYPE_NAMES,
     cast_inputs,
@@ -44,7 +44,7 @@ from conformance.cases import (  # noqa: E402
     make_tensors,
     output_cotangent,
 )
-from conformance.tolerance import assert_close, max_finite_abs  # noqa: E402
+from conformance.suite.tolerance import assert_close, max_finite_abs  # noqa: E402
 from impl_torch.convert import to_numpy, to_torch  # noqa: E402
 
 pytestmark = pytest.mark.torch

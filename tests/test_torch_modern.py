@@ -5,7 +5,7 @@ the NumPy-backed present cache of a decode step.
 
 What every mirror shares (the extra case combinations, the trace, decoding with the cache whole and in
 place, the layer, masks, error wording, GPU) runs in tests/test_mirrors_modern.py on each mirror. Expected
-values come from impl_numpy in float64; tolerances from conformance.tolerance only.
+values come from impl_numpy in float64; tolerances from conformance.suite.tolerance only.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import impl_torch  # noqa: E402
 import impl_torch.adapter as torch_adapter  # noqa: E402
 import impl_torch.sdpa as torch_sdpa  # noqa: E402
 import weights  # noqa: E402
-from conformance.cases import (  # noqa: E402
+from conformance.suite.cases import (  # noqa: E402
     CASES,
     make_inputs,
     make_tensors,
     output_cotangent,
 )
-from conformance.compare import expected_for  # noqa: E402
-from conformance.tolerance import assert_close  # noqa: E402
+from conformance.suite.compare import expected_for  # noqa: E402
+from conformance.suite.tolerance import assert_close  # noqa: E402
 from impl_torch.convert import TORCH_DTYPES, to_numpy, to_torch  # noqa: E402
 
 pytestmark = pytest.mark.torch

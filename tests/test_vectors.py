@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from conformance.cases import CASES, DTYPE_NAMES
-from conformance.vectors import DEFAULT_DIR, Vector, generate, load_all
+from conformance.suite.cases import CASES, DTYPE_NAMES
+from conformance.suite.vectors import DEFAULT_DIR, Vector, generate, load_all
 from weights import read_safetensors
 
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from mutants import port
 
-from conformance import verify as V
-from conformance.cli import main
+from conformance.cli.commands import main
 from conformance.io import write_arrays
-from conformance.vectors import load_all
+from conformance.suite import verify as V
+from conformance.suite.vectors import load_all
 from impl_numpy import adapter as reference
 from weights import AttentionConfig
 
@@ -313,7 +313,7 @@ def test_cli_verify_refuses_bad_arguments_in_one_line(user_module, capsys, argv,
 
 
 def test_junit_marks_unsupported_as_skipped_and_errors_with_their_traceback(tmp_path):
-    from conformance import junit
+    from conformance.suite import junit
 
     def picky(config, tensors, inputs, options):
         if config["num_kv_heads"] != config["num_heads"]:
@@ -351,9 +351,9 @@ def test_check_junit_one_testcase_per_case_backend_path_device_dtype(tmp_path, c
 def test_check_junit_failure_message_and_backends_not_run(tmp_path):
     from mutants import MutantAdapter
 
-    from conformance import junit
-    from conformance.cases import CASES
-    from conformance.compare import run_case
+    from conformance.suite import junit
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
 
     results = [run_case(CASES["causal_square"], "mutant", dtype="float32", adapter=MutantAdapter("causal_off_by_one"),
                         gradients=False),

@@ -44,8 +44,8 @@ import sys
 
 from torch import nn
 
-from conformance.adapters import torch_module
-from conformance.verify import summary, verify
+from conformance.suite.adapters import torch_module
+from conformance.suite.verify import summary, verify
 
 
 def build(c):
@@ -77,11 +77,11 @@ def test_the_wheel_works_alone_in_a_fresh_venv(tmp_path):
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == set(TOP_LEVEL), f"the wheel's top-level names: {sorted(top_level)}, expected {TOP_LEVEL}"
     assert "conformance/bench/runners.py" in names and "conformance/bench/scripts/numpy_parts.py" in names
-    assert sorted(Path(n).name for n in names if n.startswith("conformance/vectors/")) == VECTOR_FILES
-    assert {"mha_examples/__init__.py", "mha_examples/numpy_attention.py", "conformance/pytest_plugin.py",
-            "conformance/adapters.py"} <= set(names)
+    assert sorted(Path(n).name for n in names if n.startswith("conformance/suite/vectors/")) == VECTOR_FILES
+    assert {"mha_examples/__init__.py", "mha_examples/numpy_attention.py", "conformance/suite/pytest_plugin.py",
+            "conformance/suite/adapters.py"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "[pytest11]\nmha = conformance.pytest_plugin" in entry_points
+    assert "[pytest11]\nmha = conformance.suite.pytest_plugin" in entry_points
     in_sdist = tarfile.open(sdist).getnames()
     assert any(n.endswith("examples/mha_examples/numpy_attention.py") for n in in_sdist)
 

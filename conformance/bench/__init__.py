@@ -56,7 +56,8 @@ Method
   targets.decode_targets say how each is judged).
 
 Modules: shapes (the shapes and chunk sizes), measure (paired timing, peak
-memory), runners (each framework's paths, matmul and memory counter), worker
+memory), runners (RUNNERS: each framework's paths, matmul and memory
+counter, one module each in frameworks/), worker
 (one backend in its own process), targets (what each figure is judged
 against: speed and memory on the named shapes, the window and decode
 families' own), report (table and plots), sharded (the sequence-sharded

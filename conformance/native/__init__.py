@@ -1,6 +1,6 @@
 """The frameworks' own attention layers as conformance backends.
 
-One module per backend id of conformance/backends.py, each with the adapter
+One module per backend id of conformance/suite/backends.py, each with the adapter
 interface of impl_numpy/adapter.py (NAME, devices(), forward(...), vjp(...)),
 NumPy in and out. Two kinds:
 
@@ -284,9 +284,9 @@ def classify_row(row, values) -> str:
 
 
 def case_has_empty_rows(case) -> bool:
-    """Whether a conformance case (conformance.cases.Case) has a query row
+    """Whether a conformance case (conformance.suite.cases.Case) has a query row
     with no allowed key (mask, causal or bias -inf)."""
-    from conformance.cases import make_inputs
+    from conformance.suite.cases import make_inputs
 
     inputs = make_inputs(case)
     shapes = call_shapes(case.config, inputs, case.options("float64"))

@@ -107,7 +107,7 @@ def known_difference(case, dtype: str) -> str | None:
         return None
     if _sqrt_scale_exact(case.config.effective_scale):
         return None
-    from conformance.cases import cast_inputs, make_inputs
+    from conformance.suite.cases import cast_inputs, make_inputs
 
     inputs = cast_inputs(make_inputs(case), dtype)
     shapes = call_shapes(case.config, inputs, case.options(dtype))

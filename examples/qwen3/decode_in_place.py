@@ -23,8 +23,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 import weights
-from conformance.backends import quiet_framework_logging
-from conformance.tolerance import compare, policy_for
+from conformance.logs import quiet_framework_logging
+from conformance.suite.tolerance import compare, policy_for
 
 HERE = Path(__file__).resolve().parent
 CAPACITY = 16  # positions the buffers hold; the example decodes 9

@@ -1,7 +1,7 @@
 """Foreign weight layouts <-> the canonical tensors: one named table per layout.
 
 NumPy only, never a framework: a layout's `state` maps its own tensor names to
-NumPy arrays (the impl_*/native.py modules and conformance/files.py turn live
+NumPy arrays (the impl_*/native.py modules and conformance/cli/files.py turn live
 objects and files into such dicts).
 
     to_canonical(layout, state, **hints) -> (AttentionConfig, tensors)

@@ -20,11 +20,11 @@ File `<case>.<dtype>.safetensors`:
   allowance.<quantity>       float64, the shape of expected.<quantity> (output, present_key,
                              present_value): each element's absolute allowance where it is
                              larger than the tolerance's atol, rtol * (1 + z) * the magnitude of
-                             what that element is summed from (conformance/tolerance.py)
+                             what that element is summed from (conformance/suite/tolerance.py)
 __metadata__: format "mha-vectors", format_version "1", case, dtype, config
 (AttentionConfig JSON), options (JSON: is_causal, causal_alignment,
 return_weights, dtype, training, and return_cache where true), tolerance (JSON: quantity -> {rtol, atol,
-reason}, from conformance/tolerance.py), generator. An element passes iff
+reason}, from conformance/suite/tolerance.py), generator. An element passes iff
 |actual - expected| <= max(atol, allowance) + rtol * |expected| (allowance 0
 where the file has none).
 
@@ -44,10 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.cases import CASES, DTYPE_NAMES, Case
-from conformance.compare import case_policy, expected_for
 from conformance.io import write_arrays
-from conformance.tolerance import max_finite_abs
+from conformance.suite.cases import CASES, DTYPE_NAMES, Case
+from conformance.suite.compare import case_policy, expected_for
+from conformance.suite.tolerance import max_finite_abs
 from weights import AttentionConfig, read_safetensors
 
 FORMAT = "mha-vectors"

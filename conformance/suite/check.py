@@ -11,9 +11,9 @@ import os
 import time
 from pathlib import Path
 
-from conformance import backends
-from conformance.cases import CASES, DTYPE_NAMES
-from conformance.compare import (
+from conformance.suite import backends
+from conformance.suite.cases import CASES, DTYPE_NAMES
+from conformance.suite.compare import (
     DEFAULT_PATH,
     STATUS_ERROR,
     STATUS_FAIL,
@@ -22,7 +22,7 @@ from conformance.compare import (
     release_compiled_programs,
     run_case,
 )
-from conformance.tolerance import compare, policy_for
+from conformance.suite.tolerance import compare, policy_for
 
 CORE_BACKENDS = backends.CORE
 
@@ -104,8 +104,8 @@ def enable_jax_compile_cache(directory) -> None:
 def _warm(backend_ids) -> tuple[dict[str, tuple[bool, list[str] | str]], dict]:
     """In a worker: import these backends' adapters before the first chunk arrives, and say which
     devices each has (or why it is unavailable) and what the report's environment asks of their
-    frameworks (report.framework_probes), so that the main process imports no framework."""
-    from conformance import report
+    frameworks (environment.framework_probes), so that the main process imports no framework."""
+    from conformance.suite import environment
 
     found = {}
     for backend_id in backend_ids:
@@ -113,7 +113,7 @@ def _warm(backend_ids) -> tuple[dict[str, tuple[bool, list[str] | str]], dict]:
             found[backend_id] = (True, list(backends.load(backend_id).devices()))
         except backends.BackendUnavailable as err:
             found[backend_id] = (False, str(err))
-    return found, report.framework_probes([b for b in backend_ids if found[b][0]])
+    return found, environment.framework_probes([b for b in backend_ids if found[b][0]])
 
 
 def _plan_from(backend_ids, devices, found) -> tuple[list, list]:
@@ -168,7 +168,7 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
     xla_full_opt: compile impl_jax's CPU programs with XLA's default options
     instead of impl_jax.adapter.FAST_CPU_COMPILE. path_kinds: which of each
     core backend's paths (PATH_KINDS). probes: a dict to fill with the
-    workers' report.framework_probes (left empty when jobs is 1)."""
+    workers' environment.framework_probes (left empty when jobs is 1)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -265,18 +265,18 @@ def add_parser(subparsers) -> None:
                    help="compile impl_jax's CPU programs with XLA's default optimisation (about 4x slower to compile) "
                         "instead of LLVM -O0 and XLA's classic fusion emitters; the HLO optimisation is the same")
     p.add_argument("--sharded", action="store_true",
-                   help="instead of the default grid: the sharded grid (conformance/sharded.py) on each sharded engine, "
+                   help="instead of the default grid: the sharded grid (conformance/suite/sharded.py) on each sharded engine, "
                         "heads and sequence, 2 and 4 devices, float32 and bfloat16 unless --dtypes says otherwise")
     p.add_argument("--sharded-engines", nargs="+", default=None, metavar="ENGINE",
-                   help="with --sharded: these engines only (default: every one of conformance.sharded.ENGINES)")
+                   help="with --sharded: these engines only (default: every one of conformance.suite.sharded.ENGINES)")
     p.add_argument("--sharded-cases", nargs="+", default=None, metavar="CASE",
-                   help="with --sharded: these cases of the sharded grid only (names in conformance/sharded.py)")
+                   help="with --sharded: these cases of the sharded grid only (names in conformance/suite/sharded.py)")
     p.set_defaults(func=run)
 
 
 def _run_sharded(args, console):
     """--sharded: the sharded grid; JAX's host devices forced before JAX starts."""
-    from conformance import sharded
+    from conformance.suite import sharded
 
     engines = args.sharded_engines or list(sharded.ENGINES)
     for name in engines:
@@ -295,15 +295,15 @@ def _run_sharded(args, console):
 def run(args) -> int:
     from rich.console import Console
 
-    from conformance import report
-    from conformance.io import write_bytes_atomic
+    from conformance.suite import environment, report
+    from weights.atomic import write_bytes_atomic
 
     console = Console(highlight=False)
     started = time.perf_counter()
     if args.json and Path(args.json).is_dir():
         raise ValueError(f"--json {args.json}: is a directory")
     if args.junit:
-        from conformance.verify import check_destination
+        from conformance.suite.verify import check_destination
 
         check_destination("--junit", args.junit)
     probes: dict = {}
@@ -328,18 +328,18 @@ def run(args) -> int:
         console.print(f"[yellow]not run[/] {backend_id} {device}: {reason}")
     conventions = None
     if args.conventions:
-        from conformance import conventions as conv
+        from conformance.native import conventions as conv
 
         conventions = conv.measure(console=console)
         conv.render_terminal(conventions, console=console)
     bad = [r for r in results if r.status in (STATUS_FAIL, STATUS_ERROR)]
     worst = max((r.margin for r in results if r.status in (STATUS_PASS, STATUS_FAIL)), default=0.0)
     if args.sharded:
-        from conformance.sharded import summary_lines
+        from conformance.suite.sharded import summary_lines
 
         for line in summary_lines(results):
             console.print(line)
-    env = report.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision,
+    env = environment.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision,
                              probes=probes or None)
     if "jax" in {r.backend for r in results}:
         env["precision"]["jax cpu compile"] = ("XLA defaults (--xla-full-opt)" if args.xla_full_opt else
@@ -354,7 +354,7 @@ def run(args) -> int:
             payload["conventions"] = conventions
         write_bytes_atomic(args.json, json.dumps(payload, indent=1).encode(), overwrite=True)
     if args.junit:
-        from conformance.junit import write_check
+        from conformance.suite.junit import write_check
 
         write_check(args.junit, results, seconds=elapsed, skipped=skipped)
     # the last line: the check's own time, and the wall time since the process started (its start-up, the
@@ -365,7 +365,7 @@ def run(args) -> int:
 
 
 def process_seconds() -> float:
-    """Wall seconds since this process started (Linux: /proc; elsewhere since conformance.check was imported)."""
+    """Wall seconds since this process started (Linux: /proc; elsewhere since conformance.suite.check was imported)."""
     try:
         with open("/proc/self/stat", encoding="ascii") as stat, open("/proc/uptime", encoding="ascii") as uptime:
             start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks

@@ -1,6 +1,6 @@
 """Which native attention API takes which modern feature, read from the
 installed frameworks themselves (their signatures and ONNX's operator
-schema), not recalled: `python -m conformance.native_features` prints the
+schema), not recalled: `python -m conformance.native.conventions.features` prints the
 table that docs/spec.md holds, with the versions it was read from.
 
 A cell names the argument that carries the feature; "-" means the API has
@@ -115,7 +115,7 @@ def markdown(rows: dict[str, dict[str, str]]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance.native_features", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m conformance.native.conventions.features", description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)
     rows, notes = measure()
     print(markdown(rows))

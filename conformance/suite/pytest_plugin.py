@@ -7,7 +7,7 @@ name `mha`; `-p no:mha` turns it off), no configuration needed:
 
 adds one item per vector, named by the vector (`self_basic.float32`), after
 the items of the test files, so `-k`, `-x`, `--lf` and pytest-xdist work on
-them. The function has `mha verify`'s signature (conformance/verify.py); a
+them. The function has `mha verify`'s signature (conformance/suite/verify.py); a
 failing item says what `mha verify --verbose` says. An "unsupported" vector
 (the function raised NotImplementedError) is a skip with its reason, or a
 failure with --mha-fail-unsupported. Without --mha-impl the plugin adds
@@ -15,7 +15,7 @@ nothing and imports nothing beyond pytest.
 
 Inside a test file, the same vectors parametrize a test of your own:
 
-    from conformance.pytest_plugin import assert_conforms, vectors
+    from conformance.suite.pytest_plugin import assert_conforms, vectors
 
     @pytest.mark.parametrize("vector", vectors(cases=["self_", "causal"]))
     def test_my_attention(vector):
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-# conformance.cases.DTYPE_NAMES, written out so that loading the plugin in
+# conformance.suite.cases.DTYPE_NAMES, written out so that loading the plugin in
 # every pytest run does not import NumPy (tests/test_pytest_plugin.py keeps them equal)
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 NODEID = "mha-vectors"
@@ -53,8 +53,8 @@ def pytest_configure(config) -> None:
     spec = config.getoption("mha_impl", None)
     if not spec:
         return
-    from conformance.vectors import DEFAULT_DIR, load_all
-    from conformance.verify import load_function, select
+    from conformance.suite.vectors import DEFAULT_DIR, load_all
+    from conformance.suite.verify import load_function, select
 
     try:
         function = load_function(spec)
@@ -82,7 +82,7 @@ class VectorItem(pytest.Item):
         self.vector = vector
 
     def runtest(self) -> None:
-        from conformance.verify import GRADIENTS_FORWARD_ONLY, STATUS_PASS, STATUS_UNSUPPORTED, verify_vector
+        from conformance.suite.verify import GRADIENTS_FORWARD_ONLY, STATUS_PASS, STATUS_UNSUPPORTED, verify_vector
 
         config = self.config
         result = verify_vector(config.stash[_STATE]["function"], self.vector,
@@ -144,8 +144,8 @@ def vectors(cases=None, dtypes=None, directory=None) -> list:
     """The vectors as pytest params (id = the vector's name), for
     `@pytest.mark.parametrize("vector", vectors(...))`; `cases` are name
     prefixes, `directory` defaults to the shipped vectors."""
-    from conformance.vectors import DEFAULT_DIR, load_all
-    from conformance.verify import select
+    from conformance.suite.vectors import DEFAULT_DIR, load_all
+    from conformance.suite.verify import select
 
     chosen = select(load_all(directory or DEFAULT_DIR), only=cases, dtypes=dtypes)
     if not chosen:
@@ -157,7 +157,7 @@ def assert_conforms(fn, vector, *, require_gradients: bool = False, fail_unsuppo
     """Verify `fn` on one vector: return the VerifyResult of a pass, skip an
     unsupported vector (fail it with fail_unsupported), and fail otherwise
     with `mha verify --verbose`'s message."""
-    from conformance.verify import STATUS_PASS, STATUS_UNSUPPORTED, verify_vector
+    from conformance.suite.verify import STATUS_PASS, STATUS_UNSUPPORTED, verify_vector
 
     result = verify_vector(fn, vector, require_gradients=require_gradients)
     if result.status == STATUS_PASS:

@@ -8,55 +8,26 @@ Subcommands live in their own modules and register themselves through
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.metadata
 import json
-import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-# The reader of stdout went away (`mha trace --json | head`): exit without a
-# word, with the status a shell shows for a process killed by SIGPIPE
-# (128 + 13), as cat or grep do there, so `set -o pipefail` still sees that
-# the output was not all read. Not 0: the run may have been cut short.
-EXIT_CLOSED_PIPE = 141
-DISTRIBUTION = "mha-conformance"
-# rich wraps at 80 columns when stdout is not a terminal (or at the width of
-# the terminal on stdin); a file or a pipe gets whole lines instead: this many
-# columns, through the COLUMNS variable rich reads (one setting for every
-# console any subcommand makes). A COLUMNS the user set wins.
-REDIRECTED_COLUMNS = 4096
+from conformance.console import (
+    DISTRIBUTION,
+    EXIT_FAIL,
+    EXIT_OK,
+    OneLineParser,
+    full_width_output,
+    guarded,
+    package_version,
+)
 
 # Subcommands defined in other modules, registered if the module exists.
-EXTERNAL_COMMANDS = ("conformance.convert", "conformance.check", "conformance.verify", "conformance.vectors",
+EXTERNAL_COMMANDS = ("conformance.cli.convert", "conformance.suite.check", "conformance.suite.verify", "conformance.suite.vectors",
                      "conformance.bench")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage plus an error; we print only the error, on one line."""
-
-    def error(self, message: str):  # noqa: D401
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(EXIT_USAGE)
-
-
-def package_version() -> str:
-    """The installed distribution's version; from a source checkout that is
-    not installed, pyproject.toml's, marked so."""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        return importlib.metadata.version(DISTRIBUTION)
-    import tomllib
-
-    with contextlib.suppress(OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
-        project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
-        if project["project"]["name"] == DISTRIBUTION:
-            return f"{project['project']['version']} (source checkout, not installed)"
-    return "unknown (not installed)"
 
 
 def _read_config(path: str):
@@ -93,8 +64,8 @@ def _call_options(args) -> dict:
 
 def _load_run_inputs(args):
     import weights
-    from conformance import backends
     from conformance.io import read_inputs
+    from conformance.suite import backends
 
     config, tensors = weights.load(args.weights)
     inputs = read_inputs(args.inputs)
@@ -106,10 +77,10 @@ def _load_run_inputs(args):
 
 
 def _run_sharded(args):
-    """`mha run --shard KIND:N`: the backend's sharded engine (conformance.sharded.ENGINES) on N devices."""
+    """`mha run --shard KIND:N`: the backend's sharded engine (conformance.suite.sharded.ENGINES) on N devices."""
     import weights
-    from conformance import sharded
     from conformance.io import read_inputs
+    from conformance.suite import sharded
 
     kind, count = sharded.parse_shard(args.shard)
     if args.backend not in sharded.ENGINES:
@@ -175,7 +146,7 @@ def _held_to(args, arrays: dict, expected: dict) -> int:
     One line per array; exit 1 when any is over its allowance."""
     import weights
     from conformance.io import read_inputs
-    from conformance.tolerance import compare, policy_for
+    from conformance.suite.tolerance import compare, policy_for
 
     config, _ = weights.load(args.weights)
     inputs = read_inputs(args.inputs)
@@ -245,7 +216,7 @@ def cmd_trace(args) -> int:
 
 
 def _add_call_arguments(p, *, write: bool) -> None:
-    from conformance.backends import DEVICES, REGISTRY
+    from conformance.suite.backends import DEVICES, REGISTRY
     from weights import DTYPES
 
     p.add_argument("--backend", default="numpy", choices=list(REGISTRY), help="implementation to run (default numpy)")
@@ -307,80 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.add_parser(sub)
     return parser
-
-
-@contextlib.contextmanager
-def _environment(**values: str):
-    """Set environment variables for the block, then put back what was there
-    (main() also runs inside test processes)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _stdout_is_terminal() -> bool:
-    try:
-        return sys.stdout.isatty()
-    except (AttributeError, ValueError):  # closed or replaced stdout
-        return False
-
-
-@contextlib.contextmanager
-def full_width_output():
-    """COLUMNS=REDIRECTED_COLUMNS for the block when stdout is a file or a
-    pipe and the user set none. Not around argument parsing: argparse reads
-    COLUMNS too, and its --help is best wrapped at 80 on a pipe."""
-    wide = "COLUMNS" not in os.environ and not _stdout_is_terminal()
-    with _environment(**({"COLUMNS": str(REDIRECTED_COLUMNS)} if wide else {})):
-        yield
-
-
-def _closed_pipe() -> int:
-    # Point stdout at /dev/null so the interpreter's final flush of what is
-    # still buffered cannot raise BrokenPipeError a second time.
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    return EXIT_CLOSED_PIPE
-
-
-def guarded(command: Callable[[], int]) -> int:
-    """Run a command line's work as `mha` does: framework log lines filtered
-    (conformance.backends.quiet_framework_logging), every error one line on
-    stderr, a quiet exit on a closed stdout."""
-    from conformance.backends import BackendUnavailable, quiet_framework_logging
-
-    restore_stderr = quiet_framework_logging()  # before anything imports a framework
-    try:
-        code = command()
-        sys.stdout.flush()  # a closed pipe shows up here, inside the handlers below
-        return code
-    except BrokenPipeError:
-        return _closed_pipe()
-    except (ValueError, OSError, BackendUnavailable) as err:
-        message = str(err).replace("\n", " ") or type(err).__name__
-        if isinstance(err, OSError) and err.filename and err.strerror:
-            message = f"{err.filename}: {err.strerror}"
-        sys.stderr.write(f"mha: error: {message}\n")
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        sys.stderr.write("mha: interrupted\n")
-        return 130
-    except Exception as err:  # a bug in mha itself: still one line, but say so
-        if os.environ.get("MHA_DEBUG"):
-            raise
-        sys.stderr.write(f"mha: internal error: {type(err).__name__}: {err} (MHA_DEBUG=1 shows the traceback)\n")
-        return EXIT_INTERNAL
-    finally:
-        restore_stderr()
 
 
 def main(argv: list[str] | None = None) -> int:

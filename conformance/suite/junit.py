@@ -17,7 +17,7 @@ import re
 import socket
 import xml.etree.ElementTree as ET
 
-from conformance.compare import DEFAULT_PATH
+from conformance.suite.compare import DEFAULT_PATH
 from weights.atomic import write_bytes_atomic
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
@@ -77,7 +77,7 @@ def write(path, suite: str, cases: list[JUnitCase], *, seconds: float, propertie
 # -- mha verify -------------------------------------------------------------------------
 
 def verify_cases(results) -> list[JUnitCase]:
-    """One testcase per vector (conformance.verify.VerifyResult)."""
+    """One testcase per vector (conformance.suite.verify.VerifyResult)."""
     outcome = {"pass": PASSED, "fail": FAILED, "error": ERROR, "unsupported": SKIPPED}
     cases = []
     for r in results:
@@ -98,7 +98,7 @@ def write_verify(path, results, *, impl: str, seconds: float) -> None:
 # -- mha check --------------------------------------------------------------------------
 
 def check_message(r) -> str:
-    """A check result (conformance.compare.CaseResult) as the report says it:
+    """A check result (conformance.suite.compare.CaseResult) as the report says it:
     each failing quantity (worst element, both values, margin, tolerance and
     reason), the first divergent stage, the backend's message."""
     path = "" if r.path == DEFAULT_PATH else f"/{r.path}"

@@ -37,7 +37,7 @@ docs/sharding.md): the function wraps its own sharding. It is called as
 and returns the same whole results; `mesh` is a jax.sharding.Mesh over the
 first N of jax.devices() with one axis named after the kind ("sequence" or
 "heads"). On a CPU the N devices are XLA host devices, asked for through
-XLA_FLAGS before JAX starts (conformance.sharded.force_host_devices). Each
+XLA_FLAGS before JAX starts (conformance.suite.sharded.force_host_devices). Each
 result, the --json records and the JUnit classname carry the sharding
 {"engine": "jax", "kind", "devices"}. A torch process-group mode is not
 built: --shard-engine torch is refused with the reason.
@@ -58,8 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.tolerance import Comparison, Tolerance, compare, policy_for
-from conformance.vectors import DEFAULT_DIR, Vector, load_all
+from conformance.suite.tolerance import Comparison, Tolerance, compare, policy_for
+from conformance.suite.vectors import DEFAULT_DIR, Vector, load_all
 from weights.dtypes import is_float
 
 STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
@@ -274,7 +274,7 @@ def _max_error(a, b) -> float:
 
 def first_divergent_stage(vector: Vector, trace) -> str:
     """Compare the function's trace with the reference's, stage by stage by
-    name, under the policy (as conformance.compare.localise does for mha
+    name, under the policy (as conformance.suite.compare.localise does for mha
     check); one line naming the first stage beyond tolerance."""
     try:
         pairs = [(str(stage), value) for stage, value in trace]
@@ -336,7 +336,7 @@ def make_mesh(shard, engine: str = "jax"):
     the first N of jax.devices(), one axis named after the kind. `shard` is
     "sequence:4" or ("sequence", 4). On a CPU, asks XLA for N host devices
     first: effective only if JAX has not started its backend yet."""
-    from conformance.sharded import force_host_devices, parse_shard
+    from conformance.suite.sharded import force_host_devices, parse_shard
 
     kind, devices = parse_shard(shard) if isinstance(shard, str) else parse_shard(f"{shard[0]}:{shard[1]}")
     text = f"{kind}:{devices}"
@@ -430,7 +430,7 @@ def check_destination(flag: str, path) -> None:
 
 
 def add_parser(subparsers) -> None:
-    from conformance.cases import DTYPE_NAMES
+    from conformance.suite.cases import DTYPE_NAMES
 
     p = subparsers.add_parser("verify", help="check your own implementation against the shipped vectors")
     p.add_argument("--impl", required=True, help="MODULE:FUNCTION taking (config, tensors, inputs, options)")
@@ -508,9 +508,9 @@ def run(args) -> int:
 
 
 def write_junit(path, results, *, impl: str, seconds: float, sharding: dict | None = None) -> None:
-    """conformance.junit's verify testcases; a sharded run's classname and properties name the sharding
+    """conformance.suite.junit's verify testcases; a sharded run's classname and properties name the sharding
     (mha.verify.jax.sequence:4), so a CI report keeps the sharded and unsharded runs of one function apart."""
-    from conformance import junit
+    from conformance.suite import junit
 
     if sharding is None:
         junit.write_verify(path, results, impl=impl, seconds=seconds)

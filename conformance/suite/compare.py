@@ -7,7 +7,7 @@ pass whose values left the tolerance (divergence localisation).
 A core backend computes a call on one of several paths (its adapter's
 PATHS: the stages, its fast path, the chunked core, an in-place cache); a
 case run on a named path is judged as such, so a bug in one path alone is a
-failure of that path's column (run_case(path=...), conformance/check.py).
+failure of that path's column (run_case(path=...), conformance/suite/check.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from conformance import backends
-from conformance.cases import Case, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
-from conformance.tolerance import Comparison, compare, max_finite_abs, policy_for
+from conformance.suite import backends
+from conformance.suite.cases import Case, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
+from conformance.suite.tolerance import Comparison, compare, max_finite_abs, policy_for
 from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
 from impl_numpy.magnitudes import forward_magnitudes

@@ -228,7 +228,7 @@ def _jax_dpa() -> dict:
 
 
 def _keras_mha() -> dict:
-    from conformance.backends import import_keras
+    from conformance.logs import import_keras
 
     keras = import_keras()
     row: dict[str, Any] = {"rope_pairing": "- (no argument)", "qk_norm": "- (no argument)",
@@ -404,7 +404,7 @@ def _transformers_rope() -> dict:
 
 
 def _keras_hub_rope() -> dict:
-    from conformance.backends import import_keras
+    from conformance.logs import import_keras
 
     keras = import_keras()
     from keras_hub.layers import RotaryEmbedding
@@ -474,7 +474,7 @@ def measure_row(api: ModernApi, keys: tuple[str, ...] = KEYS, evidence: Callable
 
 
 def measure(apis: tuple[ModernApi, ...] | None = None) -> list[dict]:
-    from conformance.backends import quiet_python_loggers
+    from conformance.logs import quiet_python_loggers
 
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     rows = []

@@ -1,8 +1,8 @@
 """Random cases (cases.random_case) through one backend's paths: the sweep the tolerance policy is proven on.
 
-    python -m conformance.sweep --backend jax --seeds 920000 930000 --dtypes float32 float64 --json jax.json
+    python -m conformance.suite.sweep --backend jax --seeds 920000 930000 --dtypes float32 float64 --json jax.json
 
-Every seed's case runs on each of the backend's paths of --paths (conformance.check's kinds) in each
+Every seed's case runs on each of the backend's paths of --paths (conformance.suite.check's kinds) in each
 dtype; a result that is not a pass is a finding, listed in full. The policy's constants were set on seeds
 the tests use; a sweep of seeds no test uses is the check that they hold (docs/conformance.md lists the
 runs). tests/test_conformance_sweep.py runs small sweeps of its own seeds.
@@ -16,10 +16,10 @@ import json
 import sys
 import time
 
-from conformance import backends
-from conformance.cases import DTYPE_NAMES, random_case
-from conformance.check import DEFAULT_PATH_KINDS, PATH_KINDS, paths_of
-from conformance.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case
+from conformance.suite import backends
+from conformance.suite.cases import DTYPE_NAMES, random_case
+from conformance.suite.check import DEFAULT_PATH_KINDS, PATH_KINDS, paths_of
+from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case
 
 
 def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KINDS, *, progress=None) -> dict:
@@ -63,7 +63,7 @@ def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KI
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m conformance.sweep", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m conformance.suite.sweep", description=__doc__.splitlines()[0])
     p.add_argument("--backend", required=True, choices=list(backends.CORE))
     p.add_argument("--seeds", nargs=2, type=int, required=True, metavar=("FIRST", "STOP"),
                    help="random_case seeds FIRST .. STOP-1")

@@ -8,7 +8,7 @@
 Layouts: weights.layouts.LAYOUTS (`canonical`, `torch-mha`, `torch-linears`,
 `torch-fused-qkv`, `torch-per-head`, `keras-split-heads`, `keras-mha`,
 `flax-linen-mha`, `flax-nnx-mha`, `hf-bert`, `hf-gpt2`, `hf-llama`, `meta-llama`). File kinds follow the
-extension (conformance/files.py): .safetensors, .pt/.pth/.bin (torch, read with
+extension (conformance/cli/files.py): .safetensors, .pt/.pth/.bin (torch, read with
 weights_only=True), .weights.h5 (Keras, via h5py), .msgpack (Flax); SRC may
 also be a Hugging Face checkpoint folder. `canonical` is the common format
 itself, always a .safetensors file written by weights.save (config and

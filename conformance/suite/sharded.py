@@ -6,12 +6,12 @@ An engine is a module `impl_<fw>.sharded` (a file or a package) with
 (impl_numpy.adapter's results, NumPy in and out); kind "heads" | "sequence",
 devices N; NotImplementedError with the reason for what the engine cannot do.
 
-The grid (SHARDED_CASES) is conformance.cases.Case data like the default
+The grid (SHARDED_CASES) is conformance.suite.cases.Case data like the default
 grid's, with sizes the shardings must cut unevenly (lengths that do not
 divide by 2 or 4 devices, T != S), head counts that divide by 4 and
 key/value head counts on both sides of the device count. Every case is run
 for each engine x kind x devices x dtype, forward and gradients, and judged
-by conformance.compare.judge: the same float64 reference on the same
+by conformance.suite.compare.judge: the same float64 reference on the same
 dtype-rounded inputs, the same tolerance policy. The split reductions need
 no term of their own in L: heads sharding sums the output projection's N*V
 terms in a different grouping (N/d per shard, then d partial sums): the same
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.cases import Case
-from conformance.compare import (
+from conformance.suite.cases import Case
+from conformance.suite.compare import (
     STATUS_ERROR,
     STATUS_FAIL,
     STATUS_PASS,
@@ -143,7 +143,7 @@ def _result(case: Case, engine: str, kind: str, devices: int, dtype: str, status
 
 def run_case(case: Case, engine_name: str, module, kind: str, devices: int, dtype: str, *,
              gradients: bool = True) -> ShardedCaseResult:
-    """One sharded (case, engine, kind, devices, dtype): forward (+ gradients) judged as conformance.compare does."""
+    """One sharded (case, engine, kind, devices, dtype): forward (+ gradients) judged as conformance.suite.compare does."""
     started = time.perf_counter()
     result = _result(case, engine_name, kind, devices, dtype, STATUS_PASS)
     try:

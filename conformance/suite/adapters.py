@@ -5,8 +5,8 @@
     flax_module(factory, layout="flax-nnx-mha", call=None, *, accepts=(), self_attention=False, **hints)
 
 each return fn(config, tensors, inputs, options), the signature of
-conformance/verify.py, for `mha verify --impl`, `pytest --mha-impl` or
-conformance.pytest_plugin.assert_conforms. Per vector the adapter
+conformance/suite/verify.py, for `mha verify --impl`, `pytest --mha-impl` or
+conformance.suite.pytest_plugin.assert_conforms. Per vector the adapter
 
 1. builds your module: factory(AttentionConfig), in the vector's dtype
    (torch: module.to(dtype); Keras: the global dtype policy while the

@@ -48,10 +48,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from conformance.io import write_arrays
 from weights import WeightsFormatError, read_safetensors
 from weights.atomic import write_bytes_atomic
-
-from .io import write_arrays
 
 KINDS = {
     "safetensors": (".safetensors",),

@@ -22,7 +22,7 @@ PADDED_HEAD_DIM features with the scale 1/sqrt(4) passed explicitly (zero
 features add exact zeros to q.k; the value's padding comes out 0 and is
 dropped), so all rows see the same problem.
 
-`python -m conformance.conventions_kernels --device gpu --json FILE` measures
+`python -m conformance.native.conventions.kernels --device gpu --json FILE` measures
 and prints the tables; on a machine without a GPU every row says so, and
 `--device cpu` measures what the CPU builds offer (torch's math and flash
 kernels, jax's xla), which is how the tests run this module.
@@ -31,6 +31,7 @@ kernels, jax's xla), which is how the tests run this module.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -40,7 +41,23 @@ from typing import Any
 
 import numpy as np
 
-from conformance import conventions as conv
+from conformance.native.conventions.harness import (
+    TOL,
+    Api,
+    B,
+    H,
+    N,
+    NotExpressible,
+    Runner,
+    S,
+    T,
+    _merge,
+    _short,
+    _split,
+    measure_api,
+)
+from conformance.native.conventions.precision import _versions
+from conformance.native.conventions.render import _cell
 
 PADDED_HEAD_DIM = 64
 # float16 keeps 11 significant bits (u = 2**-11 = 4.9e-4). The measured outputs are weighted means of
@@ -53,7 +70,9 @@ ACCEPT_HEAD_DIMS = (8, 32, 64, 80, 96, 128, 160, 192, 256, 512)
 ACCEPT_T, ACCEPT_S = 16, 24
 TORCH_KERNELS = (("FLASH_ATTENTION", "flash", "float16"), ("EFFICIENT_ATTENTION", "efficient", "float32"),
                  ("CUDNN_ATTENTION", "cudnn", "float16"), ("MATH", "math", "float32"))
-JAX_KERNELS = (("xla", "float32"), ("cudnn", "float16"))
+# (implementation, dtype, default matmul precision): jax's default precision on a GPU computes float32
+# matmuls at reduced precision (the H200 run's xla row erred by 1e-3), so the xla path also runs at "highest"
+JAX_KERNELS = (("xla", "float32", None), ("xla", "float32", "highest"), ("cudnn", "float16", None))
 
 
 # "<other kernel> has been runtime disabled.": torch's note that sdpa_kernel(X) turned the other kernels
@@ -72,7 +91,7 @@ def _refusal(err: BaseException, caught: list) -> str:
             if line and not line.endswith("not used because:") and "is deprecated" not in line \
                     and not RUNTIME_DISABLED.search(line) and line not in reasons:
                 reasons.append(line)
-    why = "; ".join(reasons[:2]) if reasons else conv._short(err)
+    why = "; ".join(reasons[:2]) if reasons else _short(err)
     return "no: " + (why if len(why) <= 200 else why[:197] + "...")
 
 
@@ -108,7 +127,7 @@ def _torch_device(device: str):
     return resolve_device(device)
 
 
-def _torch_runner(backend: str, dtype: str, device: str) -> conv.Runner:
+def _torch_runner(backend: str, dtype: str, device: str) -> Runner:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -116,22 +135,22 @@ def _torch_runner(backend: str, dtype: str, device: str) -> conv.Runner:
     dev, dt, kernel = _torch_device(device), getattr(torch, dtype), getattr(SDPBackend, backend)
 
     def run(q, k, v, masks=None, causal=False, want_weights=True):
-        qt, kt, vt = (_pad(torch.as_tensor(conv._split(x)).transpose(1, 2).to(dev, dt), PADDED_HEAD_DIM)
+        qt, kt, vt = (_pad(torch.as_tensor(_split(x)).transpose(1, 2).to(dev, dt), PADDED_HEAD_DIM)
                       for x in (q, k, v))  # (B, N, L, 64)
         mask = None
         if masks and "attn_mask" in masks:
             mask = torch.as_tensor(masks["attn_mask"])[:, None].to(dev)  # (B, 1, T, S), True = attend
         with torch.no_grad(), sdpa_kernel(kernel):
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal,
-                                                 scale=1 / math.sqrt(conv.H))
-        out = out[..., :conv.H].transpose(1, 2).to("cpu", torch.float64).numpy()  # (B, T, N, H)
-        return conv._merge(out), None
+                                                 scale=1 / math.sqrt(H))
+        out = out[..., :H].transpose(1, 2).to("cpu", torch.float64).numpy()  # (B, T, N, H)
+        return _merge(out), None
 
     def extra():
         return {"accepts": _torch_accepts(kernel, dt, dev), "dtype": dtype}
 
-    return conv.Runner(run, {"attn_mask": "full"}, returns_weights=False, extra=extra,
-                       tolerance=conv.TOL if dtype in ("float32", "float64") else HALF_TOL)
+    return Runner(run, {"attn_mask": "full"}, returns_weights=False, extra=extra,
+                       tolerance=TOL if dtype in ("float32", "float64") else HALF_TOL)
 
 
 def _torch_accepts(kernel, dt, dev) -> dict[str, str]:
@@ -177,10 +196,10 @@ def _jax_device(device: str):
     try:
         return jax.devices(platform)[0]
     except RuntimeError as err:
-        raise conv.NotExpressible(f"JAX has no {device} device ({conv._short(err)})") from None
+        raise NotExpressible(f"JAX has no {device} device ({_short(err)})") from None
 
 
-def _jax_runner(implementation: str, dtype: str, device: str) -> conv.Runner:
+def _jax_runner(implementation: str, dtype: str, device: str, precision: str | None = None) -> Runner:
     import jax
     import jax.numpy as jnp
 
@@ -189,19 +208,20 @@ def _jax_runner(implementation: str, dtype: str, device: str) -> conv.Runner:
     call = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal", "implementation", "scale"))
 
     def run(q, k, v, masks=None, causal=False, want_weights=True):
-        qj, kj, vj = (_pad(jax.device_put(jnp.asarray(conv._split(x), dt), dev), PADDED_HEAD_DIM) for x in (q, k, v))
+        qj, kj, vj = (_pad(jax.device_put(jnp.asarray(_split(x), dt), dev), PADDED_HEAD_DIM) for x in (q, k, v))
         mask = None
         if masks and "mask" in masks:
             mask = jax.device_put(jnp.asarray(masks["mask"])[:, None], dev)  # (B, 1, T, S), True = attend
-        out = call(qj, kj, vj, mask=mask, is_causal=causal, scale=1 / math.sqrt(conv.H),
-                   implementation=implementation)  # (B, T, N, 64)
-        return conv._merge(np.asarray(out[..., :conv.H], np.float64)), None
+        with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+            out = call(qj, kj, vj, mask=mask, is_causal=causal, scale=1 / math.sqrt(H),
+                       implementation=implementation)  # (B, T, N, 64)
+        return _merge(np.asarray(out[..., :H], np.float64)), None
 
     def extra():
         return {"accepts": _jax_accepts(implementation, dt, dev), "dtype": dtype}
 
-    return conv.Runner(run, {"mask": "full"}, returns_weights=False, extra=extra,
-                       tolerance=conv.TOL if dtype in ("float32", "float64") else HALF_TOL)
+    return Runner(run, {"mask": "full"}, returns_weights=False, extra=extra,
+                       tolerance=TOL if dtype in ("float32", "float64") else HALF_TOL)
 
 
 def _jax_accepts(implementation, dt, dev) -> dict[str, str]:
@@ -241,14 +261,15 @@ def _jax_accepts(implementation, dt, dev) -> dict[str, str]:
 
 # -- the table ------------------------------------------------------------------------------------
 
-def apis(device: str) -> list[conv.Api]:
+def apis(device: str) -> list[Api]:
     where = "cuda" if device == "gpu" else device
-    out = [conv.Api(f"torch SDPA {where}, sdpa_kernel({backend}) {dtype}", "torch", ("torch",), "torch extra",
+    out = [Api(f"torch SDPA {where}, sdpa_kernel({backend}) {dtype}", "torch", ("torch",), "torch extra",
                     lambda backend=backend, dtype=dtype: _torch_runner(backend, dtype, device))
            for backend, _, dtype in TORCH_KERNELS]
-    out += [conv.Api(f"jax.nn.dot_product_attention {device}, implementation={impl} {dtype}", "jax", ("jax",),
-                     "jax extra", lambda impl=impl, dtype=dtype: _jax_runner(impl, dtype, device))
-            for impl, dtype in JAX_KERNELS]
+    out += [Api(f"jax.nn.dot_product_attention {device}, implementation={impl} {dtype}"
+                + (f", default_matmul_precision={precision}" if precision else ""), "jax", ("jax",), "jax extra",
+                lambda impl=impl, dtype=dtype, precision=precision: _jax_runner(impl, dtype, device, precision))
+            for impl, dtype, precision in JAX_KERNELS]
     return out
 
 
@@ -261,12 +282,12 @@ def measure(device: str) -> dict:
         import jax
 
         jax.config.update("jax_enable_x64", True)
-    rows = [conv.measure_api(api) for api in apis(device)]
+    rows = [measure_api(api) for api in apis(device)]
     for row in rows:
         row.pop("float32_matmul", None)
-    return {"device": device, "devices": _device_names(device), "versions": conv._versions({"torch", "jax"}),
-            "rows": rows, "padded_head_dim": PADDED_HEAD_DIM, "half_tolerance": HALF_TOL, "tolerance": conv.TOL,
-            "shapes": {"B": conv.B, "T": conv.T, "S": conv.S, "N": conv.N, "H": conv.H}}
+    return {"device": device, "devices": _device_names(device), "versions": _versions({"torch", "jax"}),
+            "rows": rows, "padded_head_dim": PADDED_HEAD_DIM, "half_tolerance": HALF_TOL, "tolerance": TOL,
+            "shapes": {"B": B, "T": T, "S": S, "N": N, "H": H}}
 
 
 def _device_names(device: str) -> dict[str, str]:
@@ -276,11 +297,11 @@ def _device_names(device: str) -> dict[str, str]:
 
         names["torch"] = torch.cuda.get_device_name(0) if device == "gpu" and torch.cuda.is_available() else "cpu"
     except Exception as err:  # noqa: BLE001
-        names["torch"] = f"error: {conv._short(err)}"
+        names["torch"] = f"error: {_short(err)}"
     try:
         names["jax"] = str(_jax_device(device))
     except Exception as err:  # noqa: BLE001
-        names["jax"] = f"error: {conv._short(err)}"
+        names["jax"] = f"error: {_short(err)}"
     return names
 
 
@@ -304,7 +325,7 @@ def markdown(data: dict) -> str:
         if row.get("status") != "measured":
             lines.append(f"| {row['api']} | {row['status']}: {row.get('reason', '')} |" + " |" * 4)
             continue
-        lines.append("| " + " | ".join(str(conv._cell(row, key)) for _, key in CONVENTION_COLUMNS) + " |")
+        lines.append("| " + " | ".join(str(_cell(row, key)) for _, key in CONVENTION_COLUMNS) + " |")
     measured = [row for row in data["rows"] if row.get("status") == "measured" and row.get("accepts")]
     if measured:
         keys = list(dict.fromkeys(k for row in measured for k in row["accepts"]))
@@ -316,7 +337,7 @@ def markdown(data: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m conformance.conventions_kernels",
+    p = argparse.ArgumentParser(prog="python -m conformance.native.conventions.kernels",
                                 description="the native attention kernels, each forced in turn: conventions and "
                                             "what each accepts")
     p.add_argument("--device", default="gpu", choices=["cpu", "gpu"])
@@ -324,7 +345,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     data = measure(args.device)
     if args.json:
-        from conformance.io import write_bytes_atomic
+        from weights.atomic import write_bytes_atomic
 
         write_bytes_atomic(args.json, (json.dumps(data, indent=1, default=str) + "\n").encode())
     print(markdown(data))

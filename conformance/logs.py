@@ -1,105 +1,15 @@
-"""Backend registry: one small adapter per implementation, imported lazily.
-
-An adapter module (`impl_*/adapter.py`) offers `devices()`, `forward(config,
-tensors, inputs, options, *, device, precision, trace)` and `vjp(config,
-tensors, inputs, options, d_output, *, device, precision)`, NumPy in and out.
-A backend whose framework is missing is reported "not installed"; the others
-still run.
-"""
+"""Framework log lines the command line did not ask for, kept off its output:
+a filter process on file descriptor 2 for absl's C++ lines, Python loggers
+set to errors. Shared by every command line of the project (`mha`, the
+module commands) and the worker processes they start."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import logging
 import os
 import signal
 import subprocess
 import sys
-from types import ModuleType
-
-DEVICES = ("cpu", "gpu")
-CORE = ("numpy", "torch", "tf", "jax")
-NATIVE = ("torch-native-mha", "torch-sdpa", "torch-flex", "keras-native-mha", "flax-linen-mha", "flax-nnx-mha",
-          "jax-dpa", "onnxruntime", "keras-hub", "torchtune")
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    id: str
-    adapter: str  # module path of the adapter
-    framework: str  # what a user installs to get it
-    description: str
-
-
-REGISTRY: dict[str, Backend] = {
-    b.id: b
-    for b in (
-        Backend("numpy", "impl_numpy.adapter", "numpy", "the NumPy reference (impl_numpy)"),
-        Backend("torch", "impl_torch.adapter", "torch", "impl_torch, PyTorch"),
-        Backend("tf", "impl_tf.adapter", "tensorflow + keras", "impl_tf, Keras split_heads layer on TensorFlow"),
-        Backend("jax", "impl_jax.adapter", "jax + flax", "impl_jax, JAX / Flax NNX"),
-        # The frameworks' own layers, run on the canonical weights (interop).
-        Backend("torch-native-mha", "conformance.native.torch_native_mha", "torch", "torch nn.MultiheadAttention"),
-        Backend("torch-sdpa", "conformance.native.torch_sdpa", "torch",
-                "F.scaled_dot_product_attention around our projections"),
-        Backend("torch-flex", "conformance.native.torch_flex", "torch",
-                "flex_attention (eager) around our projections, RoPE, QK-norm and cache"),
-        Backend("keras-native-mha", "conformance.native.keras_native_mha", "tensorflow + keras",
-                "keras.layers.MultiHeadAttention"),
-        Backend("flax-linen-mha", "conformance.native.flax_linen_mha", "jax + flax",
-                "flax.linen.MultiHeadDotProductAttention"),
-        Backend("flax-nnx-mha", "conformance.native.flax_nnx_mha", "jax + flax", "flax.nnx.MultiHeadAttention"),
-        Backend("jax-dpa", "conformance.native.jax_dpa", "jax", "jax.nn.dot_product_attention around our projections"),
-        Backend("onnxruntime", "conformance.native.onnxruntime", "onnx + onnxruntime",
-                "our layer exported to ONNX (opset 23), run by onnxruntime"),
-        Backend("keras-hub", "conformance.native.keras_hub",
-                "the keras-hub extra: pip install -c constraints/cpu.txt '.[keras-hub]'",
-                "keras_hub CachedMultiHeadAttention with its RotaryEmbedding"),
-        Backend("torchtune", "conformance.native.torchtune",
-                "the torchtune extra: pip install -c constraints/cpu.txt '.[torchtune]'",
-                "torchtune.modules.MultiHeadAttention with RotaryPositionalEmbeddings and KVCache"),
-    )
-}
-
-
-class BackendUnavailable(RuntimeError):
-    """The backend's framework (or the backend itself) is not installed here."""
-
-
-def get(backend_id: str) -> Backend:
-    try:
-        return REGISTRY[backend_id]
-    except KeyError:
-        raise ValueError(f"backend must be one of {', '.join(REGISTRY)}: got {backend_id!r}") from None
-
-
-def load(backend_id: str) -> ModuleType:
-    """Import a backend's adapter; BackendUnavailable says why it can't be."""
-    backend = get(backend_id)
-    try:
-        module = importlib.import_module(backend.adapter)
-    except ModuleNotFoundError as err:
-        if err.name and (backend.adapter + ".").startswith(err.name + "."):
-            raise BackendUnavailable(f"backend {backend_id}: not implemented in this checkout ({backend.adapter})") from None
-        raise BackendUnavailable(f"backend {backend_id}: not installed ({err.name} missing; install {backend.framework})") from None
-    except ImportError as err:  # installed but unusable (e.g. Keras already on another backend)
-        raise BackendUnavailable(f"backend {backend_id}: cannot be imported: {err}".replace("\n", " ")) from None
-    quiet_python_loggers()
-    return module
-
-
-def availability(backend_id: str) -> tuple[bool, str]:
-    try:
-        load(backend_id)
-    except BackendUnavailable as err:
-        return False, str(err)
-    return True, "installed"
-
-
-def devices(backend_id: str) -> list[str]:
-    return list(load(backend_id).devices())
-
 
 # -- framework logging the CLI did not ask for ------------------------------------------
 #

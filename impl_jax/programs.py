@@ -1,6 +1,6 @@
 """The conformance adapter's compiled CPU programs kept on disk, found before tracing.
 
-JAX's persistent compilation cache (conformance.check.enable_jax_compile_cache)
+JAX's persistent compilation cache (conformance.suite.check.enable_jax_compile_cache)
 keys a program by its lowered HLO, so a hit still pays for tracing and
 lowering: about 0.1 s of CPU per program on a 2-core EPYC, which was most of
 a warm `mha check`'s JAX time (26 s of worker CPU for its 322 programs, the
@@ -54,7 +54,7 @@ def directory() -> Path | None:
 
 
 def clear() -> None:
-    """Drop this process's loaded programs (each holds memory mappings: see conformance.compare)."""
+    """Drop this process's loaded programs (each holds memory mappings: see conformance.suite.compare)."""
     _loaded.clear()
 
 

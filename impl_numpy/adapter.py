@@ -1,4 +1,4 @@
-"""The conformance adapter: NumPy arrays in and out (see conformance/backends.py).
+"""The conformance adapter: NumPy arrays in and out (see conformance/suite/backends.py).
 
 Every impl package has an adapter with these three functions and the same
 argument names; `inputs` and `options` follow `mha verify`'s interface.

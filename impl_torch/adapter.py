@@ -1,4 +1,4 @@
-"""The conformance adapter: NumPy arrays in and out (see conformance/backends.py).
+"""The conformance adapter: NumPy arrays in and out (see conformance/suite/backends.py).
 
 The same three functions and argument names as impl_numpy/adapter.py;
 `inputs` and `options` follow `mha verify`'s interface. options["use_sdpa"]

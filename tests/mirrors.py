@@ -197,6 +197,18 @@ def grid(order, values_order, marks=lambda **kw: (), **axes):
                            marks=marks(**row))
 
 
+def decode_token_by_token(call, x):
+    """The prompt x[:, :PROMPT] in one call, then each token up to TOTAL in its own call over the cache the
+    last one returned: (the calls' outputs in order, the last present_key, present_value)."""
+    out, pk, pv = call(x[:, :PROMPT], is_causal=True, return_cache=True)
+    rows = [out]
+    for t in range(PROMPT, TOTAL):
+        out, pk, pv = call(x[:, t:t + 1], past_key=pk, past_value=pv, is_causal=True,
+                           causal_alignment="bottom_right", return_cache=True)
+        rows.append(out)
+    return rows, pk, pv
+
+
 class _Mirror:
     name: str
     module: object  # impl_torch / impl_tf / impl_jax
@@ -280,12 +292,7 @@ class TorchMirror(_Mirror):
             call = lambda q, **kw: self.module.multi_head_attention(config, params, q, use_sdpa=use_sdpa, **kw)  # noqa: E731
         xt = self.to_torch(x)
         with torch.no_grad():
-            out, pk, pv = call(xt[:, :PROMPT], is_causal=True, return_cache=True)
-            rows = [out]
-            for t in range(PROMPT, TOTAL):
-                out, pk, pv = call(xt[:, t:t + 1], past_key=pk, past_value=pv, is_causal=True,
-                                   causal_alignment="bottom_right", return_cache=True)
-                rows.append(out)
+            rows, pk, pv = decode_token_by_token(call, xt)
         return self.to_numpy(torch.cat(rows, dim=1)), self.to_numpy(pk), self.to_numpy(pv)
 
     def layer_decode_path(self):
@@ -402,13 +409,7 @@ class TfMirror(_Mirror):
         else:
             params = {n: tf.constant(t) for n, t in tensors.items()}
             call = lambda q, **kw: self.module.multi_head_attention(config, params, q, **kw, **extra)  # noqa: E731
-        xt = tf.constant(x)
-        out, pk, pv = call(xt[:, :PROMPT], is_causal=True, return_cache=True)
-        rows = [out]
-        for t in range(PROMPT, TOTAL):
-            out, pk, pv = call(xt[:, t:t + 1], past_key=pk, past_value=pv, is_causal=True,
-                               causal_alignment="bottom_right", return_cache=True)
-            rows.append(out)
+        rows, pk, pv = decode_token_by_token(call, tf.constant(x))
         return np.asarray(tf.concat(rows, axis=1)), np.asarray(pk), np.asarray(pv)
 
     def layer_decode_path(self):
@@ -528,12 +529,7 @@ class JaxMirror(_Mirror):
             def call(q, **kw):
                 result = self.jit_apply(config, tensors, q, **kw, **extra)
                 return (result[0], *result[2:]) if path == "stages" else result
-        out, pk, pv = call(x[:, :PROMPT], is_causal=True, return_cache=True)
-        rows = [out]
-        for t in range(PROMPT, TOTAL):
-            out, pk, pv = call(x[:, t:t + 1], past_key=pk, past_value=pv, is_causal=True,
-                               causal_alignment="bottom_right", return_cache=True)
-            rows.append(out)
+        rows, pk, pv = decode_token_by_token(call, x)
         return np.asarray(self.jnp.concatenate(rows, axis=1)), np.asarray(pk), np.asarray(pv)
 
     def layer_decode_path(self):

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.wheel]
 ROOT = Path(__file__).resolve().parents[1]
 # The project's own names and no other (a generic one such as `bench` would collide with any other on the path).
 TOP_LEVEL = ("weights", "impl_numpy", "impl_torch", "impl_tf", "impl_jax", "conformance", "mha_examples")
-VECTOR_FILES = sorted(p.name for p in (ROOT / "conformance" / "vectors").glob("*.safetensors"))
+VECTOR_FILES = sorted(p.name for p in (ROOT / "conformance" / "suite" / "vectors").glob("*.safetensors"))
 
 BUGGY = '''
 from attention import attention
@@ -77,6 +77,7 @@ def test_the_wheel_works_alone_in_a_fresh_venv(tmp_path):
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == set(TOP_LEVEL), f"the wheel's top-level names: {sorted(top_level)}, expected {TOP_LEVEL}"
     assert "conformance/bench/runners.py" in names and "conformance/bench/scripts/numpy_parts.py" in names
+    assert VECTOR_FILES, "no vector in the source tree: is VECTOR_FILES's path right?"
     assert sorted(Path(n).name for n in names if n.startswith("conformance/suite/vectors/")) == VECTOR_FILES
     assert {"mha_examples/__init__.py", "mha_examples/numpy_attention.py", "conformance/suite/pytest_plugin.py",
             "conformance/suite/adapters.py"} <= set(names)

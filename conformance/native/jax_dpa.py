@@ -131,7 +131,8 @@ def _project(x, kernel, bias):
     return y.astype(x.dtype).reshape(*x.shape[:2], heads, width)  # (B, L, heads, width)
 
 
-def _pad(x, width):
+def pad_heads(x, width):
+    """Zero-pad the head features (last axis) to `width` (zero features add exact zeros to q.k)."""
     import jax.numpy as jnp
 
     return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
@@ -149,7 +150,7 @@ def _attention(p, query, key, value, mask, bias, *, config, is_causal, want_weig
     common = dict(scale=config.effective_scale, implementation="xla", is_causal=is_causal, mask=mask, bias=bias,
                   local_window_size=window)
     width = max(H, V)
-    ctx = jax.nn.dot_product_attention(_pad(q, width), _pad(k, width), _pad(v, width), **common)  # (B, T, N, width)
+    ctx = jax.nn.dot_product_attention(pad_heads(q, width), pad_heads(k, width), pad_heads(v, width), **common)  # (B, T, N, width)
     B, T, N = ctx.shape[:3]
     ctx = ctx[..., :V].reshape(B, T, N * V)  # (B, T, N*V)
     ct = _compute_dtype(ctx.dtype)
@@ -163,7 +164,7 @@ def _attention(p, query, key, value, mask, bias, *, config, is_causal, want_weig
         width = max(H, S)
         eye = jnp.asarray(identity_values(S, width), dtype=v.dtype)  # (S, width) = [I_S | 0]
         eye = jnp.broadcast_to(eye[None, :, None, :], (B, S, K, width))  # (B, S, K, width)
-        w = jax.nn.dot_product_attention(_pad(q, width), _pad(k, width), eye, **common)  # (B, T, N, width)
+        w = jax.nn.dot_product_attention(pad_heads(q, width), pad_heads(k, width), eye, **common)  # (B, T, N, width)
         weights = jnp.transpose(w[..., :S], (0, 2, 1, 3))  # (B, N, T, S)
     return out, weights
 

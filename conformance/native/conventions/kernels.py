@@ -68,8 +68,8 @@ HALF_TOL = 5e-3
 ACCEPT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 ACCEPT_HEAD_DIMS = (8, 32, 64, 80, 96, 128, 160, 192, 256, 512)
 ACCEPT_T, ACCEPT_S = 16, 24
-TORCH_KERNELS = (("FLASH_ATTENTION", "flash", "float16"), ("EFFICIENT_ATTENTION", "efficient", "float32"),
-                 ("CUDNN_ATTENTION", "cudnn", "float16"), ("MATH", "math", "float32"))
+TORCH_KERNELS = (("FLASH_ATTENTION", "float16"), ("EFFICIENT_ATTENTION", "float32"), ("CUDNN_ATTENTION", "float16"),
+                 ("MATH", "float32"))  # (SDPBackend member, the dtype its row runs in)
 # (implementation, dtype, default matmul precision): jax's default precision on a GPU computes float32
 # matmuls at reduced precision (the H200 run's xla row erred by 1e-3), so the xla path also runs at "highest"
 JAX_KERNELS = (("xla", "float32", None), ("xla", "float32", "highest"), ("cudnn", "float16", None))
@@ -105,37 +105,19 @@ def _attempt(call) -> str:
     return "yes"
 
 
-def _pad(x, width: int):
-    """Zero-pad the last axis (head features) of a framework array to `width`."""
-    extra = width - x.shape[-1]
-    if extra <= 0:
-        return x
-    if hasattr(x, "new_zeros"):  # torch
-        import torch
-
-        return torch.cat([x, x.new_zeros(*x.shape[:-1], extra)], dim=-1)
-    import jax.numpy as jnp
-
-    return jnp.concatenate([x, jnp.zeros((*x.shape[:-1], extra), x.dtype)], axis=-1)
-
-
 # -- torch -----------------------------------------------------------------------------------
-
-def _torch_device(device: str):
-    from impl_torch.device import resolve_device
-
-    return resolve_device(device)
-
 
 def _torch_runner(backend: str, dtype: str, device: str) -> Runner:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dev, dt, kernel = _torch_device(device), getattr(torch, dtype), getattr(SDPBackend, backend)
+    from impl_torch.device import resolve_device
+
+    dev, dt, kernel = resolve_device(device), getattr(torch, dtype), getattr(SDPBackend, backend)
 
     def run(q, k, v, masks=None, causal=False, want_weights=True):
-        qt, kt, vt = (_pad(torch.as_tensor(_split(x)).transpose(1, 2).to(dev, dt), PADDED_HEAD_DIM)
+        qt, kt, vt = (F.pad(torch.as_tensor(_split(x)).transpose(1, 2).to(dev, dt), (0, PADDED_HEAD_DIM - H))
                       for x in (q, k, v))  # (B, N, L, 64)
         mask = None
         if masks and "attn_mask" in masks:
@@ -203,12 +185,14 @@ def _jax_runner(implementation: str, dtype: str, device: str, precision: str | N
     import jax
     import jax.numpy as jnp
 
+    from conformance.native.jax_dpa import pad_heads
+
     dev = _jax_device(device)
     dt = getattr(jnp, dtype)
     call = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal", "implementation", "scale"))
 
     def run(q, k, v, masks=None, causal=False, want_weights=True):
-        qj, kj, vj = (_pad(jax.device_put(jnp.asarray(_split(x), dt), dev), PADDED_HEAD_DIM) for x in (q, k, v))
+        qj, kj, vj = (pad_heads(jax.device_put(jnp.asarray(_split(x), dt), dev), PADDED_HEAD_DIM) for x in (q, k, v))
         mask = None
         if masks and "mask" in masks:
             mask = jax.device_put(jnp.asarray(masks["mask"])[:, None], dev)  # (B, 1, T, S), True = attend
@@ -265,7 +249,7 @@ def apis(device: str) -> list[Api]:
     where = "cuda" if device == "gpu" else device
     out = [Api(f"torch SDPA {where}, sdpa_kernel({backend}) {dtype}", "torch", ("torch",), "torch extra",
                     lambda backend=backend, dtype=dtype: _torch_runner(backend, dtype, device))
-           for backend, _, dtype in TORCH_KERNELS]
+           for backend, dtype in TORCH_KERNELS]
     out += [Api(f"jax.nn.dot_product_attention {device}, implementation={impl} {dtype}"
                 + (f", default_matmul_precision={precision}" if precision else ""), "jax", ("jax",), "jax extra",
                 lambda impl=impl, dtype=dtype, precision=precision: _jax_runner(impl, dtype, device, precision))

@@ -208,3 +208,22 @@ def test_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size must be a positive integer: got 0"):
         sharded.forward(config, tensors, inputs, options | {"return_weights": False, "chunk_size": 0},
                         kind="sequence", devices=2)
+
+
+def test_run_in_group_leaves_a_group_it_did_not_start_running(tmp_path, monkeypatch):
+    """Under torchrun the caller owns the group: run_in_group must not end it. (Its job timer once shared
+    the name of the "I started the group" flag, so the group was destroyed after any job.)"""
+    import torch.distributed as dist
+
+    from impl_torch.sharded import launch
+
+    monkeypatch.setattr(launch, "_run_job", lambda job, kind, rank, world: {"rank": rank})
+    monkeypatch.setattr(launch, "_assemble", lambda job, kind, pieces: pieces)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        answers = launch.run_in_group([{"op": "forward"}], kind="heads")
+        assert [a["result"] for a in answers] == [[{"rank": 0}]]
+        assert dist.is_initialized(), "run_in_group ended the caller's process group"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -120,10 +120,10 @@ def run_in_group(jobs: list[dict], *, kind: str) -> list[dict] | None:
             for name in _SENT:
                 _SENT[name] = 0
             before, method = _peak_begin()
-            started = time.perf_counter()
+            job_started = time.perf_counter()
             piece = _run_job(job, kind, rank, world)
             stats = dict(_SENT, peak_rss=_peak_end(method), rss_before=before, peak_method=method,
-                         seconds=time.perf_counter() - started)
+                         seconds=time.perf_counter() - job_started)
             gathered = [None] * world if rank == 0 else None
             dist.gather_object((piece, stats), gathered, dst=0)
             if rank == 0:

@@ -44,7 +44,7 @@ class Call:
     bias4: np.ndarray | None  # same, compute dtype
     keep: np.ndarray | None  # dropout keep-mask (B, N, T, S_total), or None
     dtype: np.dtype
-    positions: np.ndarray | None  # (B|1, T) where the config has rope
+    positions: np.ndarray | None  # (B|1, T) where the config reads positions (config.reads_positions)
     key_positions: np.ndarray | None  # (B|1, S)
     past_key: np.ndarray | None  # (B, K, P, H); with cache_length the caller's buffer (B, K, C, H)
     past_value: np.ndarray | None  # (B, K, P, V); with cache_length (B, K, C, V)
@@ -56,7 +56,20 @@ class Call:
         """mask AND causal AND window AND segments over every key (rank 4), or None."""
         return F.allowed_mask(self.mask4, self.shapes.T, self.shapes.S_total, is_causal, causal_alignment,
                               window_left=config.window_left, window_right=config.window_right,
-                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids)
+                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids,
+                              local_chunk=config.local_chunk, positions=self.positions,
+                              key_positions=self.every_key_position)
+
+    @property
+    def every_key_position(self) -> np.ndarray | None:
+        """(B|1, P+S): the cache's keys at 0..P-1, then key_positions (where the config reads positions)."""
+        if self.key_positions is None:
+            return None
+        return F.all_key_positions(self.key_positions, self.shapes.P)
+
+    def alibi_bias(self, config: AttentionConfig) -> np.ndarray:
+        """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
+        return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype)
 
     @property
     def modern(self) -> bool:
@@ -139,7 +152,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     segment_ids, key_segment_ids = optional["segment_ids"], optional["key_segment_ids"]
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
-    rope = config.rope is not None
+    rope = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
     return Call(
         shapes=shapes, params=params, query=query.astype(dtype, copy=False), key=key.astype(dtype, copy=False),
         value=value.astype(dtype, copy=False), mask4=None if mask_np is None else mask_np.reshape(shapes.mask_shape),
@@ -244,10 +257,15 @@ def multi_head_attention(
     x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
     if config.logit_softcap is not None:
         x = rec("softcap", F.softcap(x, config.logit_softcap))
+    if config.alibi:
+        x = rec("alibi", F.alibi(x, call.alibi_bias(config)))
     x = rec("mask", F.mask_stage(x, allowed, call.bias4))
     w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
     wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
     ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    if config.output_gate is not None:
+        g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
+        ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
     if call.cache_length is not None:

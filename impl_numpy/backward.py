@@ -4,8 +4,9 @@ Given the output cotangent d_output (B, T, O), returns the gradient of
 sum(output * d_output) with respect to query, key, value (those passed) and
 every canonical tensor (and past_key / past_value when a cache is given).
 It walks functional.py's stages in reverse; each block names the stage it
-undoes: output, merge_heads, attend, dropout, softmax (and sinks), mask,
-softcap, logits, the cache's split, rope, split_heads, norm, project. Checked against finite differences in
+undoes: output, merge_heads, gate, attend, dropout, softmax (and sinks), mask,
+alibi, softcap, logits, the cache's split, temperature, rope, split_heads,
+norm, clip, project. Checked against finite differences in
 float64 (tests/test_numpy_backward.py).
 
 Precision follows the forward rule: each backward stage's result is stored in
@@ -83,6 +84,7 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     cos/sin, softcap's slope) taken from the true forward (true_forward: the
     first call's `kept`) as magnitudes."""
     N, K, H, V, O = config.num_heads, config.num_kv_heads, config.head_dim, config.value_head_dim, config.out_dim
+    B_, T_ = call.query.shape[:2]
     dtype = call.dtype
     ct = compute_dtype(dtype)
     P = call.shapes.P
@@ -112,6 +114,13 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     qp = F.project(xq, p["query.kernel"], p.get("query.bias"))  # (B, T, N*H)
     kp = F.project(xk, p["key.kernel"], p.get("key.bias"))  # (B, S, K*H)
     vp = F.project(xv, p["value.kernel"], p.get("value.bias"))  # (B, S, K*V)
+    clip = config.qkv_clip
+    if clip is not None:  # clip: the values inside [-c, c] pass (and their gradient); the rest are c
+        if not magnitude:
+            kept["clip"] = tuple(np.abs(y) <= clip for y in (qp, kp, vp))
+            qp, kp, vp = (F.clip(y, clip) for y in (qp, kp, vp))
+        else:  # a clipped value's magnitude is c's (exact: no terms)
+            qp, kp, vp = (ew(np.where(inside, y, ct.type(clip))) for y, inside in zip((qp, kp, vp), kept["clip"]))
     if norm_cfg is not None:
         for name, x, heads in (("query", qp, N), ("key", kp, K)):
             if not magnitude:
@@ -144,18 +153,35 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
                 return ew(_rope_join(x1 * c + x2 * s_, x2 * c + x1 * s_, x[..., R:].astype(ct), inter))
 
             q, k_new = rope_abs(q, kept["query.rope"]), rope_abs(k_new, kept["key.rope"])
+    temp = config.query_temperature
+    if temp is not None:  # q times the temperature factor per query (positive or not: its magnitude in magnitude mode)
+        if not magnitude:
+            kept["temperature"] = F.temperature_factor(call.positions, temp.beta, temp.floor, temp.offset, dtype)
+        factor = kept["temperature"]
+        q = F.temperature(q, np.abs(factor) if magnitude else factor)
     k = k_new if past_key is None else np.concatenate([past_key, k_new], axis=2)  # (B, K, S_total, H)
     v = v_new if past_value is None else np.concatenate([past_value, v_new], axis=2)  # (B, K, S_total, V)
     if not magnitude:
         allowed = call.allowed(config, is_causal, causal_alignment)
         x0 = F.logits(q, k, scale)  # (B, N, T, S_total)
         xc = F.softcap(x0, cap) if cap is not None else x0
+        if config.alibi:
+            xc = F.alibi(xc, call.alibi_bias(config))
         x = F.mask(xc, allowed, call.bias4)
         w = F.softmax(x, config.masked_row, p.get("sinks"))  # (B, N, T, S_total)
         wd = F.dropout(w, call.keep, config.dropout)
         kept.update(x0=x0, x=x, w=w, wd=wd)
     x0, x, w, wd = kept["x0"], kept["x"], kept["w"], kept["wd"]
-    ctx = F.merge_heads(F.attend(wd, v))  # (B, T, N*V)
+    ctx_heads = F.attend(wd, v)  # (B, N, T, V)
+    gate_cfg = config.output_gate
+    if gate_cfg is not None:  # the gate: sigmoid(x_q Wg + bg), the true forward's in magnitude mode
+        if not magnitude:
+            gl = F.gate_project(xq, p["gate.kernel"], p.get("gate.bias"))  # (B, T, N*V | N)
+            kept["gate"] = 1 / (1 + np.exp(-gl.astype(ct).reshape(B_, T_, N, -1).transpose(0, 2, 1, 3)))
+        g = kept["gate"]  # (B, N, T, V|1), compute dtype
+        ctx_pre = ctx_heads
+        ctx_heads = ew(ctx_pre.astype(ct) * g)
+    ctx = F.merge_heads(ctx_heads)  # (B, T, N*V)
     out = F.output(ctx, p["output.kernel"], p.get("output.bias"))
     B, T, S_total = xq.shape[0], xq.shape[1], k.shape[2]
 
@@ -168,6 +194,20 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     d_ctx = mm(d_out, Wo.T)  # (B, T, N*V)
     # merge_heads
     d_ctx = d_ctx.reshape(B, T, N, V).transpose(0, 2, 1, 3)  # (B, N, T, V)
+    d_gate_input = None
+    if gate_cfg is not None:
+        # gate: ctx = ctx_pre * g, g = sigmoid(l): d ctx_pre = d ctx * g; d l = sum_V(d ctx * ctx_pre) * g (1 - g)
+        dc = d_ctx.astype(ct)
+        d_g = dc * ctx_pre.astype(ct)  # (B, N, T, V)
+        if gate_cfg.scope == "head":
+            d_g = d_g.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
+        d_l = ew(d_g * g * (1 - g)).transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B, T, N*V | N)
+        Wg = p["gate.kernel"]
+        grads["gate.kernel"] = ein("BLD,BLF->DF", xq, d_l).reshape(Wg.shape)
+        if "gate.bias" in p:
+            grads["gate.bias"] = ew(d_l.astype(ct).sum(axis=(0, 1))).reshape(p["gate.bias"].shape)
+        d_gate_input = mm(d_l, Wg.reshape(Wg.shape[0], -1).T)  # (B, T, D): the query input's share
+        d_ctx = ew(dc * g)
     # attend: ctx = wd @ v (grouped)
     d_wd = mm(_grouped(d_ctx, K), v.swapaxes(-1, -2)).reshape(B, N, T, S_total)
     d_v = mm(_grouped(wd, K).swapaxes(-1, -2), _grouped(d_ctx, K))  # (B, K, S_total, V)
@@ -193,6 +233,11 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     # gradient, as autodiff of a `where` gives: so a "nan" row's NaN weights
     # reach the value gradient only, not the query and key gradients.
     d_x = ew(np.where(x == -np.inf, 0, d_x))
+    # alibi: x + bias, bias = -slope_n * distance: the logits pass d_x on; d slope_n = -sum(d_x * distance)
+    if config.alibi:
+        distance = np.abs(call.positions[:, :, None] - call.every_key_position[:, None, :]).astype(ct)[:, None]
+        d_slope = (d_x.astype(ct) * distance).sum(axis=(0, 2, 3))  # (N,)
+        grads["alibi.slopes"] = ew(d_slope if magnitude else -d_slope)
     # softcap: d/dx c tanh(x / c) = 1 - tanh(x / c)^2 (positive: the same in magnitude mode)
     if cap is not None:
         t = np.tanh(x0.astype(ct) / ct.type(cap))
@@ -205,6 +250,9 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     if P:
         grads["past_key"], d_k = d_k[:, :, :P], d_k[:, :, P:]
         grads["past_value"], d_v = d_v[:, :, :P], d_v[:, :, P:]
+    # temperature: q_t = q_r * factor (after rope), so d q_r = d q_t * factor
+    if temp is not None:
+        d_q = ew(d_q.astype(ct) * (np.abs(kept["temperature"]) if magnitude else kept["temperature"]))
     # rope: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), so dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s
     if rope_cfg is not None:
         def rope_back(dy, cs):
@@ -235,6 +283,10 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
 
         d_q, d_k = norm_back("query", d_q), norm_back("key", d_k)
 
+    # clip: the gradient passes where the value was inside [-c, c] (autodiff of a clamp: bounds included)
+    if clip is not None:
+        d_q, d_k, d_v = (ew(np.where(inside, d, 0)) for d, inside in zip((d_q, d_k, d_v), kept["clip"]))
+
     # project: y = x @ W + b
     def project_back(prefix, x_in, d_flat):
         W = p[f"{prefix}.kernel"]
@@ -244,6 +296,8 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         return mm(d_flat, W.reshape(W.shape[0], -1).T)  # (B, L, D)
 
     grads["query"] = project_back("query", xq, d_q)
+    if d_gate_input is not None:  # the gate reads the query input too
+        grads["query"] = ew(grads["query"].astype(ct) + d_gate_input.astype(ct))
     grads["key"] = project_back("key", xk, d_k)
     grads["value"] = project_back("value", xv, d_v)
     return out, kept, grads

@@ -309,11 +309,16 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
         k, v = KeyParts((call.past_key, k)), KeyParts((call.past_value, v))  # (B, K, S_total, .) as parts
     ct = compute_dtype(call.dtype)
     q = q.astype(ct) * ct.type(config.effective_scale)
+    positioned = config.alibi or config.local_chunk is not None
     ctx = chunked_attention_core(config, q, k, v, mask=call.mask4, bias=call.bias4, keep=call.keep,
                                  is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
                                  sinks=call.params.get("sinks"), segment_ids=call.segment_ids,
-                                 key_segment_ids=call.key_segment_ids)  # (B, N, T, V)
+                                 key_segment_ids=call.key_segment_ids, alibi_slopes=call.params.get("alibi.slopes"),
+                                 positions=call.positions if positioned else None,
+                                 key_positions=call.every_key_position if positioned else None)  # (B, N, T, V)
     p = call.params
+    if config.output_gate is not None:
+        ctx = F.gate(ctx, F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")), config.num_heads)
     if parts:
         k = v = None  # no present cache asked for
     return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), k, v
@@ -386,7 +391,8 @@ def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_
 
 
 def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, out=None,
-                           threaded=True, sinks=None, segment_ids=None, key_segment_ids=None):
+                           threaded=True, sinks=None, segment_ids=None, key_segment_ids=None, alibi_slopes=None,
+                           positions=None, key_positions=None):
     """q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> context (B, N, T, V).
 
     q comes already multiplied by the scale, in the compute dtype (the caller
@@ -401,15 +407,17 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
     for everything but the matmuls. Heads are independent, so the result is
     the single-threaded one's to round-off. threaded=False: this thread only.
 
-    The config's softcap, window and sinks apply here; sinks (N,) and the
-    segment ids ((T,) or (B, T), and (S,) or (B, S)) are arguments."""
+    The config's softcap, window, ALiBi, local chunks and sinks apply here; sinks (N,), the
+    segment ids ((T,) or (B, T), and (S,) or (B, S)), the ALiBi slopes (N,) and the positions
+    ALiBi and the chunks read ((B|1, T) and every key's (B|1, S)) are arguments."""
     B, N, T, H = q.shape
     S, V = k.shape[2], v.shape[3]
     context = np.empty((B, T, N, V), dtype=k.dtype) if out is None else out  # merge_heads' layout
     parts = THREADS if threaded and B * N * T * S >= THREADED_MIN_SCORES else 1
     tasks = _core_tasks(config, q, k, v, mask=mask, bias=bias, keep=keep, is_causal=is_causal,
                         causal_alignment=causal_alignment, chunk_size=chunk_size, context=context, parts=parts,
-                        sinks=sinks, segment_ids=segment_ids, key_segment_ids=key_segment_ids)
+                        sinks=sinks, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+                        alibi_slopes=alibi_slopes, positions=positions, key_positions=key_positions)
     if len(tasks) == 1:
         tasks[0]()
     else:
@@ -419,7 +427,8 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
 
 
 def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, context, parts,
-                sinks=None, segment_ids=None, key_segment_ids=None):
+                sinks=None, segment_ids=None, key_segment_ids=None, alibi_slopes=None, positions=None,
+                key_positions=None):
     """The core as up to `parts` independent callables over kv heads (each
     with its G query heads), or over the batch when there are fewer kv heads
     than parts; each writes its own part of context (B, T, N, V)."""
@@ -434,7 +443,7 @@ def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignmen
     H, V = q.shape[3], v.shape[3]
     worth_checking = 3 * N * q.shape[2] >= K * (H + 2 * V)
     options = dict(is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
-                   bounded=SKIP_MAX_WHEN_BOUNDED and sinks is None and worth_checking
+                   bounded=SKIP_MAX_WHEN_BOUNDED and sinks is None and alibi_slopes is None and worth_checking
                    and logits_bounded(q, k, v, bias))
     q_ids = None if segment_ids is None else np.asarray(segment_ids).reshape(-1, q.shape[2])  # (B|1, T)
     k_ids = None if segment_ids is None else np.asarray(key_segment_ids).reshape(-1, k.shape[2])  # (B|1, S)
@@ -443,13 +452,17 @@ def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignmen
         n0, n1 = k0 * G, k1 * G
         _core(config, q[:, n0:n1], k[:, k0:k1], v[:, k0:k1], mask=_heads(mask, N, n0, n1),
               bias=_heads(bias, N, n0, n1), keep=_heads(keep, N, n0, n1), context=context[:, :, n0:n1],
-              sinks=None if sinks is None else sinks[n0:n1], q_ids=q_ids, k_ids=k_ids, **options)
+              sinks=None if sinks is None else sinks[n0:n1], q_ids=q_ids, k_ids=k_ids,
+              slopes=None if alibi_slopes is None else alibi_slopes[n0:n1], q_pos=positions, k_pos=key_positions,
+              **options)
 
     def batches(b0, b1):
         _core(config, q[b0:b1], k[b0:b1], v[b0:b1], mask=_batch(mask, b0, b1), bias=_batch(bias, b0, b1),
               keep=_batch(keep, b0, b1), context=context[b0:b1], sinks=sinks,
               q_ids=None if q_ids is None else _ids(q_ids, b0, b1),
-              k_ids=None if k_ids is None else _ids(k_ids, b0, b1), **options)
+              k_ids=None if k_ids is None else _ids(k_ids, b0, b1), slopes=alibi_slopes,
+              q_pos=None if positions is None else _ids(positions, b0, b1),
+              k_pos=None if key_positions is None else _ids(key_positions, b0, b1), **options)
 
     if parts > 1 and K >= parts:
         return [lambda a=a, b=b: heads(a, b) for a, b in _row_parts(K, parts)]
@@ -474,11 +487,13 @@ def _ids(ids, b0, b1):
 
 
 def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, bounded, context,
-          sinks=None, q_ids=None, k_ids=None):
+          sinks=None, q_ids=None, k_ids=None, slopes=None, q_pos=None, k_pos=None):
     """The online softmax over key blocks for all of q's heads, into context (B, T, N, V).
     bounded (logits_bounded): every block's exp is taken against 0, not the running max.
     sinks (N,): the running max and sum start at the sink (exp(sink - sink) = 1), the numerator at 0.
-    q_ids (B|1, T), k_ids (B|1, S): segment ids, compared block by block (no (T, S) array)."""
+    q_ids (B|1, T), k_ids (B|1, S): segment ids, compared block by block (no (T, S) array).
+    slopes (N,) with q_pos (B|1, T), k_pos (B|1, S): ALiBi's bias, built block by block; q_pos and k_pos
+    also give the local chunks (config.local_chunk)."""
     B, N, T, H = q.shape
     K, S, V = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
@@ -489,6 +504,8 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
     left, right = config.window_left, config.window_right  # key j visible iff i+offset-left <= j <= i+offset+right
     cap = None if config.logit_softcap is None else ct.type(config.logit_softcap)
     sink = None if sinks is None else sinks.astype(ct).reshape(1, N, 1, 1)
+    slope = None if slopes is None else slopes.astype(ct).reshape(1, N, 1, 1)
+    chunk = config.local_chunk
     rate = ct.type(1.0 - config.dropout)
     kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
     rows = min(chunk_size, QUERY_ROWS, T)
@@ -529,6 +546,11 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                     x *= cap
                     if rounds:
                         x[...] = x.astype(dtype)
+                if slope is not None:  # functional.alibi, after the softcap and before the mask
+                    distance = np.abs(q_pos[:, t0:t1, None] - k_pos[:, None, s0:s1]).astype(ct)  # (B|1, t, s)
+                    x -= slope * distance[:, None]
+                    if rounds:
+                        x[...] = x.astype(dtype)
                 if bias is not None:
                     x += _block(bias, (T, S), t0, t1, s0, s1)
                     if rounds:
@@ -550,6 +572,9 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                     if right >= 0:
                         outside |= j > aligned + right
                     hidden = outside if hidden is None else hidden | outside
+                if chunk is not None:  # local chunks: only keys of the query's own chunk of positions
+                    apart = (q_pos[:, t0:t1, None] // chunk != k_pos[:, None, s0:s1] // chunk)[:, None]
+                    hidden = apart if hidden is None else hidden | apart
                 if q_ids is not None:  # packed sequences: only keys of the query's own segment
                     other = (q_ids[:, t0:t1, None] != k_ids[:, None, s0:s1])[:, None]  # (B|1, 1, t, s)
                     hidden = other if hidden is None else hidden | other

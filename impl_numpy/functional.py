@@ -11,9 +11,10 @@ Shape letters (used in every comment and einsum string of the project):
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
 Stages (the bracketed ones where the config turns them on):
-project -> [norm] -> split_heads -> [rope] -> [cache appended] -> logits
-(scale) -> [softcap] -> mask (bias, causal, window, segments) -> softmax
-[+ sinks] -> dropout -> attend -> merge_heads -> output.
+project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature]
+-> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
+causal, window, local chunks, segments) -> softmax [+ sinks] -> dropout ->
+attend -> [gate] -> merge_heads -> output.
 
 The call that runs them (and chooses the fast paths) is attention.py; this
 file holds the stages alone.
@@ -29,7 +30,7 @@ import numpy as np
 
 from weights import compute_dtype
 
-from .masks import causal_mask, segment_mask, window_mask
+from .masks import causal_mask, chunk_mask, segment_mask, window_mask
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -66,6 +67,11 @@ def project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None, out: np.
     D = kernel.shape[0]
     y = _matmul_2d(x, kernel.reshape(D, -1), out)  # (B, L, F)
     return _product_plus_bias(y, None if bias is None else bias.reshape(-1), x.dtype)
+
+
+def clip(x: np.ndarray, c: float) -> np.ndarray:
+    """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias)."""
+    return np.clip(x, -c, c).astype(x.dtype, copy=False)  # (NumPy promotes bfloat16 against a float bound)
 
 
 def norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, kind: str, eps: float, heads: int,
@@ -123,6 +129,21 @@ def rope(x: np.ndarray, angles: np.ndarray, rotary_dim: int, interleaved: bool, 
     return np.concatenate([turned.astype(x.dtype), x[..., R:]], axis=-1)  # (B, heads, L, H)
 
 
+def temperature_factor(positions: np.ndarray, beta: float, floor: float, offset: int, dtype) -> np.ndarray:
+    """The query temperature's factor per query, (B|1, 1, T, 1) in compute dtype:
+    1 + beta * ln(1 + floor((position + offset) / floor)). The floor of the
+    quotient is taken in float64 (positions are integers: exact), the log in
+    compute dtype."""
+    ct = compute_dtype(dtype)
+    steps = np.floor((positions.astype(np.float64) + offset) / floor)  # (B|1, T)
+    return (1 + ct.type(beta) * np.log1p(steps.astype(ct)))[:, None, :, None]
+
+
+def temperature(q: np.ndarray, factor: np.ndarray) -> np.ndarray:
+    """QUERY TEMPERATURE: q (B, N, T, H) times temperature_factor (after RoPE)."""
+    return (q.astype(factor.dtype) * factor).astype(q.dtype)
+
+
 def logits(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
     """LOGITS times scale: q (B, N, T, H), k (B, K, S, H) -> (B, N, T, S).
     Query head n reads key head n // G."""
@@ -141,6 +162,22 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
     ct = compute_dtype(x.dtype)
     c = ct.type(cap)
     return (np.tanh(x.astype(ct) / c) * c).astype(x.dtype)
+
+
+def alibi_bias(slopes: np.ndarray, positions: np.ndarray, key_positions: np.ndarray, dtype) -> np.ndarray:
+    """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
+    positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions). The distance is an
+    integer, exact in any compute dtype the contract uses up to 2^24."""
+    ct = compute_dtype(dtype)
+    distance = np.abs(positions[:, :, None] - key_positions[:, None, :]).astype(ct)  # (B|1, T, S)
+    return -slopes.astype(ct).reshape(1, -1, 1, 1) * distance[:, None]  # (B|1, N, T, S)
+
+
+def alibi(x: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """ALIBI: the scaled (and softcapped) logits plus alibi_bias, before the mask (so a masked position stays
+    -inf): BLOOM's baddbmm adds it to the scaled q.k (Falcon-RW scales it by the same 1/sqrt(H) through the
+    same product, which a converter folds into the slopes)."""
+    return (x.astype(bias.dtype) + bias).astype(x.dtype)
 
 
 def mask(x: np.ndarray, allowed: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
@@ -200,6 +237,21 @@ def attend(w: np.ndarray, v: np.ndarray) -> np.ndarray:
     return _matmul(wg, v, w.dtype).reshape(B, N, T, v.shape[-1])  # (B, N, T, V)
 
 
+def gate_project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """GATE.PROJECT: the query input (B, T, D) times gate.kernel (D, N, V) or (D, N) -> (B, T, N*V) or (B, T, N)."""
+    return project(x, kernel, bias)
+
+
+def gate(ctx: np.ndarray, gate_logits: np.ndarray, num_heads: int) -> np.ndarray:
+    """GATE: the context (B, N, T, V) times sigmoid of gate.project's logits, (B, T, N*V) per element or
+    (B, T, N) per head; in compute dtype, stored."""
+    ct = compute_dtype(ctx.dtype)
+    B, N, T, V = ctx.shape
+    g = gate_logits.astype(ct).reshape(B, T, num_heads, -1).transpose(0, 2, 1, 3)  # (B, N, T, V|1)
+    g = 1 / (1 + np.exp(-g))
+    return (ctx.astype(ct) * g).astype(ctx.dtype)
+
+
 def merge_heads(x: np.ndarray) -> np.ndarray:
     """(B, N, T, V) -> (B, T, N*V)."""
     B, N, T, V = x.shape
@@ -226,10 +278,11 @@ def dropout_keep_mask(shape: tuple[int, ...], rate: float, seed: int) -> np.ndar
 
 
 def allowed_mask(mask4: np.ndarray | None, T: int, S: int, is_causal: bool, causal_alignment: str, *,
-                 window_left: int = -1, window_right: int = -1, segment_ids=None, key_segment_ids=None
-                 ) -> np.ndarray | None:
-    """mask AND causal AND window AND segments, rank 4, broadcastable to (B, N,
-    T, S) (S: every key, the cache's included); None if none applies."""
+                 window_left: int = -1, window_right: int = -1, segment_ids=None, key_segment_ids=None,
+                 local_chunk: int | None = None, positions=None, key_positions=None) -> np.ndarray | None:
+    """mask AND causal AND window AND local chunks AND segments, rank 4, broadcastable to (B, N,
+    T, S) (S: every key, the cache's included); None if none applies. local_chunk reads positions
+    (B|1, T) and every key's key_positions (B|1, S)."""
     allowed = mask4
 
     def both(extra):
@@ -239,9 +292,19 @@ def allowed_mask(mask4: np.ndarray | None, T: int, S: int, is_causal: bool, caus
         allowed = both(causal_mask(T, S, causal_alignment)[None, None])  # (1, 1, T, S)
     if window_left >= 0 or window_right >= 0:
         allowed = both(window_mask(T, S, window_left, window_right, causal_alignment)[None, None])  # (1, 1, T, S)
+    if local_chunk is not None:
+        allowed = both(chunk_mask(positions, key_positions, local_chunk))  # (B|1, 1, T, S)
     if segment_ids is not None:
         allowed = both(segment_mask(segment_ids, key_segment_ids))  # (B|1, 1, T, S)
     return allowed
+
+
+def all_key_positions(key_positions: np.ndarray, P: int) -> np.ndarray:
+    """Every key's position, (B|1, P+S): the cache's keys at 0..P-1, then the new keys' key_positions."""
+    if not P:
+        return key_positions
+    cached = np.broadcast_to(np.arange(P, dtype=np.int64)[None], (key_positions.shape[0], P))
+    return np.concatenate([cached, key_positions], axis=1)
 
 
 def default_positions(positions, P: int, L: int) -> np.ndarray:

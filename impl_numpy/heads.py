@@ -1,5 +1,5 @@
 """The stages a call runs before attention, shared by the dispatch (attention.py) and the fused core
-(chunked.py): project -> [norm] -> split_heads -> [rope] -> [cache]. The call's validated arrays come
+(chunked.py): project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature] -> [cache]. The call's validated arrays come
 in as attention.prepare's Call; this module imports neither attention.py nor chunked.py.
 """
 
@@ -21,6 +21,10 @@ def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, 
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
     v = rec("value.project", F.project(call.value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+    if config.qkv_clip is not None:
+        q = rec("query.clip", F.clip(q, config.qkv_clip))
+        k = rec("key.clip", F.clip(k, config.qkv_clip))
+        v = rec("value.clip", F.clip(v, config.qkv_clip))
     if config.qk_norm is not None:
         n = config.qk_norm
         q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N, n.scope))
@@ -33,6 +37,10 @@ def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, 
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if config.query_temperature is not None:
+        t = config.query_temperature
+        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
+                                                                           call.dtype)))
     if call.cache_length is not None:  # in place: the new keys written after the P cached ones, no copy
         P, S = call.cache_length, k.shape[2]
         call.past_key[:, :, P:P + S] = k

@@ -107,6 +107,11 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
     q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
     k = rec("key.project", F.project(xk, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
     v = rec("value.project", F.project(xv, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+    # clip: a value the clip replaced is c exactly (no terms); the others pass through
+    if config.qkv_clip is not None:
+        c = config.qkv_clip
+        q, k, v = (rec(f"{name}.clip", np.where(np.abs(true[f"{name}.project"]) <= c, m, c))
+                   for name, m in (("query", q), ("key", k), ("value", v)))
     if config.qk_norm is not None:
         n = config.qk_norm
         ct = np.dtype(np.float64)
@@ -115,7 +120,8 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
         # TRUE forward's 1 / sqrt(mean(y^2) + eps); for "layer" y = x - mean(x), of magnitude
         # mag(x) + mean over the group of mag(x).
         def norm(name, m, heads):
-            _, r = _norm_parts(true[name + ".project"], n.type, n.eps, heads, n.scope, ct)  # r (B, L, groups, 1)
+            before = true[name + (".clip" if config.qkv_clip is not None else ".project")]
+            _, r = _norm_parts(before, n.type, n.eps, heads, n.scope, ct)  # r (B, L, groups, 1)
             B, L, Fw = m.shape
             y = m.reshape(r.shape[:-1] + (Fw // r.shape[-2],))  # (B, L, groups, W)
             if n.type == "layer":
@@ -143,6 +149,11 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
             return rec(name + ".rope", _rope_join(m1 * c + m2 * s, m2 * c + m1 * s, m[..., R:], interleaved))
 
         q, k = rope("query", q, call.positions), rope("key", k, call.key_positions)
+    # temperature: q times the factor (its magnitude: the factor may be below 0 for beta < 0)
+    if config.query_temperature is not None:
+        t = config.query_temperature
+        q = rec("query.temperature", q * np.abs(F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
+                                                                     call.dtype)))
     # the cache: past_key / past_value's magnitudes are their absolute values, the new keys' appended
     if call.past_key is not None:
         k = np.concatenate([np.abs(call.past_key), k], axis=2)  # (B, K, P+S, H)
@@ -153,6 +164,9 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
     # softcap: c tanh(x / c) has slope <= 1, so |softcap(x)| <= |x|: the magnitude passes through
     if config.logit_softcap is not None:
         x = rec("softcap", x)
+    # alibi: the bias is computed (a product, one rounding): magnitude + |bias|
+    if config.alibi:
+        x = rec("alibi", x + np.abs(call.alibi_bias(config)))
     # mask: masked entries as the reference has them (-inf); allowed ones mag + |bias| (finite there)
     if call.bias4 is not None:
         with np.errstate(invalid="ignore"):
@@ -164,6 +178,14 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
     wd = rec("dropout", true["dropout"])
     # attend: true dropped weights @ mag_v (a NaN row stays NaN, a zero row 0, a uniform row the mean's magnitude)
     ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    # gate: |x| @ |Wg| + |bg| for its logits; the gated context g * mag(ctx) plus the gate's own error carried
+    # by the context: |ctx| g (1 - g) mag(logits) (sigmoid's slope g (1 - g), g the TRUE gate)
+    if config.output_gate is not None:
+        gl = rec("gate.project", F.gate_project(xq, p["gate.kernel"], p.get("gate.bias")))
+        B, _, T, _ = ctx.shape
+        g = 1 / (1 + np.exp(-true["gate.project"].reshape(B, T, N, -1).transpose(0, 2, 1, 3)))
+        m_gl = gl.reshape(B, T, N, -1).transpose(0, 2, 1, 3)
+        ctx = rec("gate", ctx * g + np.abs(true["attend"]) * g * (1 - g) * m_gl)
     # merge_heads: the same reshape
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     # output: mag_ctx @ |W_o| + |b_o|

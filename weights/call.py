@@ -18,12 +18,13 @@ import numpy as np
 OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
                    "segment_ids", "key_segment_ids")
 
-# The traced stages, in order (docs/spec.md); a call records the ones it runs (norm, rope and softcap only when
-# configured).
+# The traced stages, in order (docs/spec.md); a call records the ones it runs (clip, norm, rope, temperature,
+# softcap, alibi and the gate only when configured).
 STAGES = (
-    "query.project", "key.project", "value.project", "query.norm", "key.norm",
-    "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
-    "logits", "softcap", "mask", "softmax", "dropout", "attend", "merge_heads", "output",
+    "query.project", "key.project", "value.project", "query.clip", "key.clip", "value.clip", "query.norm",
+    "key.norm", "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
+    "query.temperature", "logits", "softcap", "alibi", "mask", "softmax", "dropout", "attend", "gate.project",
+    "gate", "merge_heads", "output",
 )
 
 # The contractions, as einsum strings the mirrors share (B batch, L/T/S lengths, D input features, F = heads x

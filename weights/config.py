@@ -4,7 +4,8 @@ Shape letters (see impl_numpy for the full list): N query heads, K key/value
 heads, H head dim, V value head dim, O output features.
 
 The modern fields (rope, logit_softcap, window_left, window_right, qk_norm,
-use_sinks) default to the behaviour of a plain layer. A config file holds
+use_sinks) and the frontier ones (alibi, local_chunk, query_temperature,
+qkv_clip, output_gate) default to the behaviour of a plain layer. A config file holds
 them only where they differ from that default (`to_json`), so a file of a
 plain layer reads the same as before they existed, and a reader that
 predates them refuses a file that uses one (as an unknown field) instead of
@@ -22,6 +23,7 @@ MASKED_ROW_POLICIES = ("zero", "uniform", "nan")
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
 QK_NORM_TYPES = ("rms", "layer")
 QK_NORM_SCOPES = ("head", "all")
+OUTPUT_GATE_SCOPES = ("element", "head")
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -194,9 +196,63 @@ class QKNorm:
         return {"type": self.type, "eps": self.eps, "scope": self.scope}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QueryTemperature:
+    """q <- q * (1 + beta * ln(1 + floor((pos_q + offset) / floor))), after RoPE: a query scale that grows
+    with the position (Llama 4's NoPE layers: offset 1, transformers' Llama4TextAttention `attn_scales`;
+    Ministral 3 / Mistral 4: offset 0, `get_llama_4_attn_scale`)."""
+
+    beta: float  # Llama 4's attn_scale (0.1), Ministral 3's llama_4_scaling_beta
+    floor: float  # Llama 4's floor_scale (8192), Ministral 3's original_max_position_embeddings
+    offset: int = 0  # 0 | 1: added to the position before the division
+
+    @classmethod
+    def from_value(cls, value: Any) -> QueryTemperature | None:
+        if value is None or isinstance(value, QueryTemperature):
+            return value
+        data = _object("query_temperature", value, ("beta", "floor", "offset"))
+        missing = [key for key in ("beta", "floor") if key not in data]
+        if missing:
+            raise ValueError(f"query_temperature is missing {', '.join(missing)}")
+        offset = data.get("offset", 0)
+        if isinstance(offset, bool) or offset not in (0, 1):
+            raise ValueError(f"query_temperature.offset must be 0 or 1: got {_shown(offset)}")
+        return cls(beta=_finite_number("query_temperature.beta", data["beta"]),
+                   floor=_finite_number("query_temperature.floor", data["floor"], positive=True), offset=int(offset))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta, "floor": self.floor, "offset": self.offset}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutputGate:
+    """The context multiplied by sigmoid(query_input . gate.kernel + gate.bias) before merge_heads: one gate per
+    feature of each head ("element", Qwen3-Next / Qwen3.5) or one per head ("head")."""
+
+    scope: str  # "element": gate.kernel (query_dim, N, V); "head": (query_dim, N)
+    bias: bool = False  # a gate.bias tensor, (N, V) or (N,)
+
+    @classmethod
+    def from_value(cls, value: Any) -> OutputGate | None:
+        if value is None or isinstance(value, OutputGate):
+            return value
+        data = _object("output_gate", value, ("scope", "bias"))
+        if data.get("scope") not in OUTPUT_GATE_SCOPES:
+            raise ValueError(f"output_gate.scope must be one of {', '.join(OUTPUT_GATE_SCOPES)}: "
+                             f"got {_shown(data.get('scope'))}")
+        _check_bool("output_gate.bias", data.get("bias", False))
+        return cls(scope=data["scope"], bias=data.get("bias", False))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scope": self.scope, "bias": self.bias}
+
+
 # The modern fields and their defaults: `to_json` leaves a field out while it holds its default.
 MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1,
-                                   "qk_norm": None, "use_sinks": False}
+                                   "qk_norm": None, "use_sinks": False, "alibi": False, "local_chunk": None,
+                                   "query_temperature": None, "qkv_clip": None, "output_gate": None}
+# The fields that are objects (a dict converts; to_dict gives their dict form).
+_OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,6 +281,11 @@ class AttentionConfig:
     window_right: int = -1  # ... and only if j <= p_i + window_right; -1: unbounded (p_i: i aligned as causal is)
     qk_norm: QKNorm | None = None  # normalise q and k after projection (a dict converts)
     use_sinks: bool = False  # a learned logit per query head joins every softmax (tensor `sinks`, (N,))
+    alibi: bool = False  # ALiBi: -slope_n * |pos_q - pos_k| added after the softcap (tensor `alibi.slopes`, (N,))
+    local_chunk: int | None = None  # C: key j visible to query i only if pos_q // C == pos_k // C (Llama 4)
+    query_temperature: QueryTemperature | None = None  # a position-dependent query scale after RoPE (a dict converts)
+    qkv_clip: float | None = None  # c: q, k, v clamped to [-c, c] right after their projections (MPT, OLMo)
+    output_gate: OutputGate | None = None  # sigmoid gate on the context before merge_heads (a dict converts)
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -287,11 +348,24 @@ class AttentionConfig:
                 raise ValueError(f"{name} must be an integer >= -1 (-1: unbounded): got {_shown(value)}")
         object.__setattr__(self, "qk_norm", QKNorm.from_value(self.qk_norm))
         _check_bool("use_sinks", self.use_sinks)
+        _check_bool("alibi", self.alibi)
+        if self.local_chunk is not None:
+            _check_positive_int("local_chunk", self.local_chunk)
+        object.__setattr__(self, "query_temperature", QueryTemperature.from_value(self.query_temperature))
+        if self.qkv_clip is not None:
+            object.__setattr__(self, "qkv_clip", _finite_number("qkv_clip", self.qkv_clip, positive=True))
+        object.__setattr__(self, "output_gate", OutputGate.from_value(self.output_gate))
 
     # -- derived quantities -------------------------------------------------
     @property
     def effective_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+
+    @property
+    def reads_positions(self) -> bool:
+        """The call's positions feed a stage: RoPE, ALiBi, local chunks or the query temperature."""
+        return (self.rope is not None or self.alibi or self.local_chunk is not None
+                or self.query_temperature is not None)
 
     @property
     def group_size(self) -> int:
@@ -317,6 +391,13 @@ class AttentionConfig:
             shapes["output.bias"] = (self.out_dim,)
         if self.use_sinks:
             shapes["sinks"] = (N,)
+        if self.alibi:
+            shapes["alibi.slopes"] = (N,)
+        if self.output_gate is not None:
+            per_head = (N, V) if self.output_gate.scope == "element" else (N,)
+            shapes["gate.kernel"] = (self.query_dim, *per_head)
+            if self.output_gate.bias:
+                shapes["gate.bias"] = per_head
         return shapes
 
     def _norm_shapes(self, prefix: str, heads: int) -> dict[str, tuple[int, ...]]:
@@ -334,9 +415,9 @@ class AttentionConfig:
 
     # -- serialisation -------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Every field, plain JSON values (rope, qk_norm as objects or None)."""
+        """Every field, plain JSON values (rope, qk_norm, query_temperature, output_gate as objects or None)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("rope", "qk_norm"):
+        for name in _OBJECT_FIELDS:
             if data[name] is not None:
                 data[name] = data[name].to_dict()
         return data

@@ -361,7 +361,10 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
     QK-norm scales are drawn in [0.5, 1.5] (around a trained norm's 1, far
     enough from it that a scale applied to the wrong feature shows), their
     biases and the sinks in [-0.5, 0.5] and [-1, 1] (a sink of the size of
-    the logits, so that it takes a visible share of every row). Tensors are
+    the logits, so that it takes a visible share of every row); ALiBi slopes
+    in [1/16, 1/2] (the range of BLOOM's and MPT's rules for 2 to 16 heads,
+    drawn so that a slope read from the wrong head shows); the output gate's
+    kernel and bias as a projection from the query input. Tensors are
     drawn in `config.tensor_shapes()` order, so a plain config draws what it
     drew before the modern tensors existed.
     """
@@ -372,8 +375,9 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
         "key": config.key_dim,
         "value": config.value_dim,
         "output": config.num_heads * config.value_head_dim,
+        "gate": config.query_dim,
     }
-    ranges = {"norm.scale": (0.5, 1.5), "norm.bias": (-0.5, 0.5), "sinks": (-1.0, 1.0)}
+    ranges = {"norm.scale": (0.5, 1.5), "norm.bias": (-0.5, 0.5), "sinks": (-1.0, 1.0), "alibi.slopes": (1 / 16, 0.5)}
     tensors = {}
     for name, shape in config.tensor_shapes().items():
         kind = next((k for k in ranges if name.endswith(k)), None)

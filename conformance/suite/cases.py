@@ -148,6 +148,30 @@ def _modern_grid() -> list[Case]:
                   qk_norm={"type": "rms", "scope": "all"},
                   rope={"rotary_dim": 6, "interleaved": True, "scaling": yarn}),
              T=3, S=3, P=4, positions="far", mask="padding", bias="random", **decode),
+    ] + _frontier_grid()
+
+
+def _frontier_grid() -> list[Case]:
+    """ALiBi, local chunks, the query temperature, the QKV clip, output gates, and all of them together."""
+    cross = dict(self_attention=False, T=4, S=6)
+    causal = dict(is_causal=True)
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    return [
+        Case("alibi_causal", _cfg(num_heads=4, num_kv_heads=2, alibi=True), T=6, S=6, mask="padding", **causal),
+        # the cache's keys at positions 0..P-1: ALiBi's distances and the chunks count from there
+        Case("alibi_chunk_decode", _cfg(num_heads=4, num_kv_heads=2, rope={}, alibi=True, local_chunk=4), T=3, S=3,
+             P=5, **decode),
+        Case("local_chunk_per_batch", _cfg(local_chunk=3), T=7, S=7, positions="per_batch", **causal),
+        Case("query_temperature", _cfg(rope={}, query_temperature={"beta": 0.5, "floor": 3.0, "offset": 1}),
+             positions="far", **causal),
+        Case("qkv_clip", _cfg(qkv_clip=0.5, qk_norm={"type": "rms"}), input_scale=2.0, **cross),
+        Case("output_gate_element", _cfg(value_head_dim=3, output_gate={"scope": "element", "bias": True}), **cross),
+        Case("output_gate_head", _cfg(num_heads=4, num_kv_heads=2, output_gate={"scope": "head"}), **causal),
+        Case("frontier_everything",
+             _cfg(num_heads=4, num_kv_heads=2, head_dim=8, rope={"rotary_dim": 4}, alibi=True, local_chunk=5,
+                  query_temperature={"beta": 0.1, "floor": 4.0, "offset": 0}, qkv_clip=0.8, use_sinks=True,
+                  output_gate={"scope": "element"}, logit_softcap=10.0),
+             T=3, S=3, P=4, positions="far", mask="padding", **decode),
     ]
 
 

@@ -210,8 +210,9 @@ def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, 
     present_value and every traced stage; the weights are nonnegative, their own magnitude)."""
     exp = expected_for(case, dtype)
     terms = exp["forward_magnitudes"]
+    logit_terms = terms["alibi"] if "alibi" in terms else terms["logits"]  # ALiBi's bias is part of the logits' size
     return policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
-                      reference=reference, logits=terms["logits"] if logits else None, precision=precision,
+                      reference=reference, logits=logit_terms if logits else None, precision=precision,
                       same_precision_error=exp["same_precision"].get(name) if quantity != "stage" else None,
                       scale_floor=scale_floor, max_position=exp["max_position"],
                       magnitude=terms.get(name) if quantity in ("output", "stage") else None)

@@ -77,6 +77,13 @@ The modern stages lengthen L (modern_length):
 * Softcap: c tanh(x / c) has slope <= 1, so it adds no error beyond one
   rounding; the logit scale z is taken before it (the larger value), the
   conservative side.
+* ALiBi: its bias is one rounded product, so z is taken from the alibi
+  stage's magnitudes (|logits| + |bias|) where the case has one
+  (conformance.suite.compare.case_policy).
+* Output gate: its projection is one more reduction over the query input
+  (query_dim).
+* Local chunks, the QKV clip and the query temperature add none (a mask,
+  an exact clamp, one product whose factor is in q's magnitudes).
 
 `precision="tf32"` (reduced matmul precision on GPUs, asked for explicitly)
 uses u = 2**-11 for float32 and says so in the reason.
@@ -244,6 +251,8 @@ def modern_length(config, max_position: int) -> int:
         extra += heads * config.head_dim
     if config.use_sinks:
         extra += 1
+    if config.output_gate is not None:  # the gate's projection: one more reduction over the query input
+        extra += config.query_dim
     return extra
 
 

@@ -20,6 +20,7 @@ from weights.contract import (
     check_call,
     check_chunk_size,
     check_input_values,
+    check_position_values,
     in_place_buffer_error,
 )
 from weights.dtypes import is_float
@@ -129,6 +130,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         keys_given=keys_given,
     )
     check_input_values(query=query, key=None if key is query else key, value=None if value is key else value)
+    check_position_values(config, optional["positions"])
     in_place = shapes.capacity is not None
     if in_place:
         past_key, past_value = past_key_buffers(past_key, past_value, dtype)

@@ -40,6 +40,21 @@ def port(config, tensors, inputs, options, bug=None):
             a, b = _tf32(a), _tf32(b)
         return np.matmul(a, b)
 
+    # the positions RoPE, ALiBi, the chunks and the temperature read: the caller's, or counted from the cache's end
+    q_pos = np.asarray(inputs.get("positions", P + np.arange(T))).reshape(-1, T)  # (B|1, T)
+    new_keys = k_in.shape[1]
+    key_positions = np.asarray(inputs.get("key_positions", P + np.arange(new_keys))).reshape(-1, new_keys)
+    k_pos = np.concatenate([np.broadcast_to(np.arange(P), (key_positions.shape[0], P)), key_positions],
+                           axis=1)  # (B|1, P+S): the cache's keys at 0..P-1
+    temperature = config.get("query_temperature")
+
+    def temperature_factor():
+        offset = 0 if bug == "temperature_offset_ignored" else temperature["offset"]
+        steps = np.floor((q_pos + offset) / temperature["floor"])
+        return (1 + temperature["beta"] * np.log(1 + steps))[:, None, :, None]  # (B|1, 1, T, 1)
+
+    clip = config.get("qkv_clip")
+
     def proj(x, name, heads, width):
         kernel = t[f"{name}.kernel"].reshape(x.shape[-1], heads * width)
         if bug == "transposed_kernel" and kernel.shape[0] == kernel.shape[1]:
@@ -47,6 +62,10 @@ def port(config, tensors, inputs, options, bug=None):
         y = mm(x, kernel)
         if f"{name}.bias" in t:
             y = y + t[f"{name}.bias"].reshape(-1)
+        if clip and bug != "clip_after_rope":
+            y = np.clip(y, -clip, clip)
+        if name == "query" and bug == "temperature_before_norm" and temperature:
+            y = y * temperature_factor()[:, 0]  # (B|1, T, 1): the norm that follows divides it out again
         if config.get("qk_norm") and name in ("query", "key"):
             y = _qk_norm(y, t, name, heads, H, config["qk_norm"], bug)
         if bug == "heads_split_wrong_order":
@@ -64,6 +83,10 @@ def port(config, tensors, inputs, options, bug=None):
         q, k = _rope(q, positions, config, H, bug), _rope(k, key_positions, config, H, bug)
         if bug == "rope_on_value" and V == H:
             v = _rope(v, key_positions, config, H, bug)
+    if clip and bug == "clip_after_rope":
+        q, k, v = (np.clip(x, -clip, clip) for x in (q, k, v))
+    if temperature and bug != "temperature_before_norm":
+        q = q * temperature_factor()
     if P:
         k = np.concatenate([inputs["past_key"].astype(ct), k], axis=2)  # (B, K, P+S, H)
         v = np.concatenate([inputs["past_value"].astype(ct), v], axis=2)
@@ -75,12 +98,19 @@ def port(config, tensors, inputs, options, bug=None):
         scale = 1.0 / H
     logits = mm(q, k.transpose(0, 1, 3, 2))
     cap = config.get("logit_softcap")
+    alibi = _alibi(t, q_pos, k_pos, N, P, T, bug) if config.get("alibi") else None
     if bug == "bias_before_scale" and "bias" in inputs:
         logits = (logits + inputs["bias"].astype(ct).reshape(_rank4(inputs["bias"].shape))) * scale
+    elif alibi is not None and bug == "alibi_before_scale":  # Falcon's placement read where the slopes are BLOOM's
+        logits = (logits + alibi) * scale
+        if cap:
+            logits = cap * np.tanh(logits / cap)
     else:
         logits = logits * scale
         if cap and bug != "softcap_after_mask":
             logits = cap * np.tanh(logits / cap)
+        if alibi is not None:
+            logits = logits + alibi
         if "bias" in inputs:
             logits = logits + inputs["bias"].astype(ct).reshape(_rank4(inputs["bias"].shape))
     allowed = np.ones((B, N, T, S), bool)
@@ -107,6 +137,12 @@ def port(config, tensors, inputs, options, bug=None):
             allowed &= (j > p - left) if bug == "window_off_by_one" else (j >= p - left)
         if right >= 0:
             allowed &= j <= p + right
+    chunk = config.get("local_chunk")
+    if chunk:
+        if bug == "chunks_sliding":  # a sliding window of C positions instead of absolute chunks
+            allowed &= (np.abs(q_pos[:, :, None] - k_pos[:, None, :]) < chunk)[:, None]
+        else:
+            allowed &= (q_pos[:, :, None] // chunk == k_pos[:, None, :] // chunk)[:, None]
     if "segment_ids" in inputs:
         q_ids = np.asarray(inputs["segment_ids"]).reshape(-1, T)
         k_ids = np.asarray(inputs.get("key_segment_ids", inputs["segment_ids"])).reshape(-1, S)
@@ -141,10 +177,20 @@ def port(config, tensors, inputs, options, bug=None):
         w = np.where(inputs["dropout_mask"], w * rescale, 0.0)
         if bug == "weights_after_dropout":
             weights_out = w
-    ctx = mm(w, v).transpose(0, 2, 1, 3).reshape(B, T, N * V)  # (B, T, N*V)
+    ctx = mm(w, v)  # (B, N, T, V)
+    gate = config.get("output_gate")
+    if gate:  # sigmoid of the query input's own projection, per feature of each head or per head
+        g = mm(q_in, t["gate.kernel"].reshape(q_in.shape[-1], -1)) + (t["gate.bias"].reshape(-1) if "gate.bias" in t
+                                                                       else 0)
+        g = 1 / (1 + np.exp(-g.reshape(B, T, N, -1).transpose(0, 2, 1, 3)))  # (B, N, T, V|1)
+        if bug != "gate_after_output":
+            ctx = ctx * g
+    ctx = ctx.transpose(0, 2, 1, 3).reshape(B, T, N * V)  # (B, T, N*V)
     out = mm(ctx, t["output.kernel"].reshape(N * V, -1))
     if "output.bias" in t and bug != "missing_output_bias":
         out = out + t["output.bias"]
+    if gate and bug == "gate_after_output" and out.shape[-1] == N * V:  # the gate on the projected output
+        out = out * g.transpose(0, 2, 1, 3).reshape(B, T, -1)
     result = {"output": out.astype(dtype)}
     if options["return_weights"]:
         result["weights"] = weights_out.astype(dtype)
@@ -202,6 +248,18 @@ def _rope(x, positions, config, H, bug):
     return np.concatenate([turned, x[..., R:]], -1).astype(x.dtype)
 
 
+def _alibi(t, q_pos, k_pos, N, P, T, bug):
+    """ALiBi's bias (B|1, N, T, P+S): -slope * |pos_q - pos_k|, as a port writes it."""
+    slopes = t["alibi.slopes"]
+    if bug == "alibi_power_of_two_rule":  # the slopes recomputed by the rule for a power-of-two head count
+        slopes = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)
+    if bug == "alibi_query_positions_no_cache_offset":  # the queries counted from 0 while decoding
+        q_pos = q_pos - P
+    distance = np.abs(q_pos[:, :, None] - k_pos[:, None, :])[:, None]  # (B|1, 1, T, S)
+    sign = 1.0 if bug == "alibi_sign_flipped" else -1.0
+    return sign * slopes.reshape(1, -1, 1, 1) * distance
+
+
 def _rank4(shape):
     return {2: (1, 1) + tuple(shape), 3: (shape[0], 1) + tuple(shape[1:]), 4: tuple(shape)}[len(shape)]
 
@@ -240,6 +298,20 @@ MUTANTS = {
     # packed rows (several documents in one row, segment ids)
     "packed_positions_not_restarted": "a packed row's RoPE positions counted 0..T-1 across its documents, not "
                                       "restarted per document as the caller's positions are",
+    # the frontier fields (ALiBi, local chunks, the query temperature, the QKV clip, output gates)
+    "alibi_power_of_two_rule": "ALiBi slopes 2^(-8k/N), the power-of-two rule, on any head count (6 heads "
+                               "included) instead of the stored slopes",
+    "alibi_sign_flipped": "ALiBi's bias added with the wrong sign (+slope * distance)",
+    "alibi_before_scale": "ALiBi added before the scale (Falcon's placement) where the slopes are BLOOM's",
+    "alibi_query_positions_no_cache_offset": "ALiBi's query positions counted from 0 while decoding (the cache's "
+                                             "offset forgotten)",
+    "chunks_sliding": "local chunks read as a sliding window of C positions instead of absolute chunks",
+    "temperature_offset_ignored": "the query temperature's offset 1 (Llama 4) read as 0",
+    "temperature_before_norm": "the query temperature applied to the projection, before the QK-norm divides it "
+                               "out (before RoPE alone it would be the same: a per-position scalar commutes with "
+                               "the rotation)",
+    "clip_after_rope": "the QKV clip applied after RoPE instead of right after the projection",
+    "gate_after_output": "the output gate applied after the output projection instead of before merge_heads",
 }
 
 

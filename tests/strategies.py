@@ -2,8 +2,8 @@
 
 configs() draws every classic field; with modern=True also the modern ones (weights/config.py): rope (any
 even rotary_dim, half-split or interleaved, any theta, no scaling or linear, llama3 or yarn), qk_norm (rms or
-layer, per head or over all heads), window_left / window_right, logit_softcap and use_sinks, each one on or
-off by itself.
+layer, per head or over all heads), window_left / window_right, logit_softcap and use_sinks, and the frontier
+fields (alibi, local_chunk, query_temperature, qkv_clip, output_gate), each one on or off by itself.
 
 calls() draws lengths of 1 to 6 and, one draw in five, 7 to 40 (LONG), so a length crosses the key blocks of
 a small chunk_size many times; shrinking goes to the short ones. With modern=True also the modern inputs
@@ -80,6 +80,19 @@ def modern_fields(draw, head_dim: int, qk_norm_eps=(1e-6, 1e-5, 1e-2)) -> dict:
     if draw(st.booleans()):
         fields["logit_softcap"] = draw(st.floats(0.5, 50.0))
     fields["use_sinks"] = draw(st.booleans())
+    # the frontier fields (docs/spec-frontier.md), each on one draw in three
+    if draw(st.integers(0, 2)) == 0:
+        fields["alibi"] = True
+    if draw(st.integers(0, 2)) == 0:
+        fields["local_chunk"] = draw(st.integers(1, 8))
+    if draw(st.integers(0, 2)) == 0:
+        fields["query_temperature"] = {"beta": draw(st.sampled_from([0.1, 0.5, -0.2])),
+                                       "floor": draw(st.sampled_from([1.0, 3.0, 8192.0])),
+                                       "offset": draw(st.integers(0, 1))}
+    if draw(st.integers(0, 2)) == 0:
+        fields["qkv_clip"] = draw(st.sampled_from([0.1, 0.5, 8.0]))
+    if draw(st.integers(0, 2)) == 0:
+        fields["output_gate"] = {"scope": draw(st.sampled_from(["element", "head"])), "bias": draw(st.booleans())}
     return fields
 
 

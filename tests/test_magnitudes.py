@@ -152,7 +152,10 @@ def _nonnegative(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _plain(case: Case) -> bool:
-    return case.config.qk_norm is None and case.config.rope is None
+    """No stage whose magnitude differs from its value on nonnegative data: the norms and RoPE, ALiBi (its bias
+    is negative: the magnitude adds |bias|) and the gate (its magnitude adds the sigmoid's own error term)."""
+    c = case.config
+    return c.qk_norm is None and c.rope is None and not c.alibi and c.output_gate is None
 
 
 PLAIN_GRID = sorted(name for name, case in CASES.items() if _plain(case))

@@ -366,6 +366,18 @@ def check_input_values(**arrays) -> None:
                                  "(an infinite logit would look like a masked one)")
 
 
+def check_position_values(config, positions) -> None:
+    """With a query temperature, ln(1 + floor((position + offset) / floor)) needs position + offset >= 0
+    (a model's positions count from 0): a smaller one is refused, naming the position."""
+    temperature = getattr(config, "query_temperature", None)
+    if temperature is None or positions is None:
+        return
+    values = np.asarray(positions)
+    if values.size and int(values.min()) + temperature.offset < 0:
+        raise ValueError(f"positions must be >= {-temperature.offset} with a query_temperature (its log counts "
+                         f"positions from 0): got {int(values.min())}")
+
+
 def check_bias_values(bias) -> None:
     """-inf is allowed (it masks); NaN and +inf are not."""
     array = np.asarray(bias, dtype=np.float64)

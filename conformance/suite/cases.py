@@ -157,15 +157,18 @@ def _frontier_grid() -> list[Case]:
     causal = dict(is_causal=True)
     decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
     return [
-        Case("alibi_causal", _cfg(num_heads=4, num_kv_heads=2, alibi=True), T=6, S=6, mask="padding", **causal),
+        Case("alibi_causal", _cfg(num_heads=6, num_kv_heads=2, alibi=True), T=6, S=6, mask="padding", **causal),
         # the cache's keys at positions 0..P-1: ALiBi's distances and the chunks count from there
         Case("alibi_chunk_decode", _cfg(num_heads=4, num_kv_heads=2, rope={}, alibi=True, local_chunk=4), T=3, S=3,
              P=5, **decode),
         Case("local_chunk_per_batch", _cfg(local_chunk=3), T=7, S=7, positions="per_batch", **causal),
-        Case("query_temperature", _cfg(rope={}, query_temperature={"beta": 0.5, "floor": 3.0, "offset": 1}),
+        Case("query_temperature", _cfg(rope={}, qk_norm={"type": "rms"},
+                                       query_temperature={"beta": 0.5, "floor": 3.0, "offset": 1}),
              positions="far", **causal),
         Case("qkv_clip", _cfg(qkv_clip=0.5, qk_norm={"type": "rms"}), input_scale=2.0, **cross),
-        Case("output_gate_element", _cfg(value_head_dim=3, output_gate={"scope": "element", "bias": True}), **cross),
+        # N*V == O: a port that gates the projected output instead of the context runs, and is caught
+        Case("output_gate_element", _cfg(value_head_dim=3, out_dim=6, output_gate={"scope": "element", "bias": True}),
+             **cross),
         Case("output_gate_head", _cfg(num_heads=4, num_kv_heads=2, output_gate={"scope": "head"}), **causal),
         Case("frontier_everything",
              _cfg(num_heads=4, num_kv_heads=2, head_dim=8, rope={"rotary_dim": 4}, alibi=True, local_chunk=5,
@@ -321,8 +324,11 @@ def random_case(seed: int) -> Case:
         training=config.dropout > 0 and bool(rng.random() < 0.7), return_weights=bool(rng.random() < 0.8),
         input_scale=pick([1.0, 1.0, 0.1, 3.0]),
     )
-    # Half the cases draw the modern features too (drawn after the plain ones, from the same stream).
-    return _with_modern_features(case, rng, pick) if rng.random() < 0.5 else case
+    # Half the cases draw the modern features too (drawn after the plain ones, from the same stream); two in
+    # five the frontier ones, from a stream of their own (so the features drawn before they existed stay).
+    case = _with_modern_features(case, rng, pick) if rng.random() < 0.5 else case
+    frontier = np.random.default_rng([seed, 29])
+    return _with_frontier_features(case, frontier) if frontier.random() < 0.4 else case
 
 
 def _with_modern_features(case: Case, rng, pick) -> Case:
@@ -351,3 +357,21 @@ def _with_modern_features(case: Case, rng, pick) -> Case:
         return_cache=bool(rng.random() < 0.5),
         causal_alignment="bottom_right" if P else case.causal_alignment,  # decoding with a cache: bottom_right
     )
+
+
+def _with_frontier_features(case: Case, rng) -> Case:
+    """ALiBi, local chunks, the query temperature, the QKV clip and the output gate, each one in two."""
+    pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
+    features: dict[str, Any] = {}
+    if rng.random() < 0.5:
+        features["alibi"] = True
+    if rng.random() < 0.5:
+        features["local_chunk"] = int(rng.integers(1, 6))
+    if rng.random() < 0.5:
+        features["query_temperature"] = {"beta": pick([0.1, 0.5]), "floor": pick([1.0, 3.0, 8192.0]),
+                                         "offset": int(rng.integers(0, 2))}
+    if rng.random() < 0.5:
+        features["qkv_clip"] = pick([0.2, 0.6, 4.0])
+    if rng.random() < 0.5:
+        features["output_gate"] = {"scope": pick(["element", "head"]), "bias": bool(rng.random() < 0.5)}
+    return dataclasses.replace(case, config=dataclasses.replace(case.config, **features)) if features else case

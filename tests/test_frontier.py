@@ -1,0 +1,169 @@
+"""The frontier fields of the contract (docs/spec-frontier.md) in the NumPy reference, each against an
+independent formulation: ALiBi as the explicit bias it is, local chunks as the explicit mask they are, the
+temperature, the clip and the gate written out per head in float64; and the config's one-line errors.
+
+(The hand port of tests/mutants.py is a second, whole formulation: test_mutants.py runs it over every case,
+the frontier ones included, and its bugs are the frontier mutants.)"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import weights
+from impl_numpy import multi_head_attention
+from weights import AttentionConfig
+from weights.alibi import bloom_slopes
+
+BASE = dict(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4)
+
+
+def _inputs(seed, B=2, T=5, D=8):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((B, T, D)), rng
+
+
+def test_alibi_is_the_bias_it_adds():
+    """alibi=True equals the plain layer given the bias -slope_n |i - j| (default positions, no cache)."""
+    config = AttentionConfig(**BASE, alibi=True)
+    tensors = weights.init(config, seed=3, dtype="float64")
+    tensors["alibi.slopes"] = bloom_slopes(4)
+    x, _ = _inputs(1)
+    plain = config.replace(alibi=False)
+    T = x.shape[1]
+    distance = np.abs(np.arange(T)[:, None] - np.arange(T)[None, :])
+    bias = -bloom_slopes(4)[None, :, None, None] * distance[None, None]
+    without = {n: t for n, t in tensors.items() if n != "alibi.slopes"}
+    want = multi_head_attention(plain, without, x, bias=bias, is_causal=True)
+    for chunk_size in (None, 2):
+        got = multi_head_attention(config, tensors, x, is_causal=True, chunk_size=chunk_size)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+
+
+def test_alibi_reads_the_cache_offset_and_explicit_positions():
+    """Decoding over a cache: the new query at P sees key j at distance P - j; explicit positions move both."""
+    config = AttentionConfig(**BASE, alibi=True)
+    tensors = weights.init(config, seed=5, dtype="float64")
+    x, rng = _inputs(2, T=1)
+    past_key, past_value = rng.standard_normal((2, 2, 6, 4)), rng.standard_normal((2, 2, 6, 4))
+    slopes = tensors["alibi.slopes"]
+    without = {n: t for n, t in tensors.items() if n != "alibi.slopes"}
+    plain = config.replace(alibi=False)
+    distance = 6 - np.arange(7)  # the query at position 6, keys at 0..6
+    bias = -slopes[None, :, None, None] * distance[None, None, None, :]
+    want = multi_head_attention(plain, without, x, x, x, past_key=past_key, past_value=past_value, bias=bias)
+    got = multi_head_attention(config, tensors, x, x, x, past_key=past_key, past_value=past_value)
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+    # flash-attention's bottom-right rule for T != S without a cache: the caller passes positions
+    x, _ = _inputs(3, T=3)
+    keys = np.random.default_rng(4).standard_normal((2, 6, 8))
+    positions = 3 + np.arange(3)  # S - T + i
+    i, j = positions[:, None], np.arange(6)[None, :]
+    bias = -slopes[None, :, None, None] * np.abs(i - j)[None, None]
+    want = multi_head_attention(plain, without, x, keys, keys, bias=bias)
+    got = multi_head_attention(config, tensors, x, keys, keys, positions=positions)
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+
+
+def test_local_chunk_is_the_mask_it_makes():
+    """local_chunk=C equals the plain layer given the mask floor(p_i / C) == floor(p_j / C), per-row positions."""
+    config = AttentionConfig(**BASE, local_chunk=3)
+    tensors = weights.init(config, seed=6, dtype="float64")
+    x, _ = _inputs(7, T=8)
+    positions = np.array([np.arange(8) + 2, np.arange(8) + 5])  # (B, T): the chunk borders fall differently
+    mask = (positions[:, :, None] // 3 == positions[:, None, :] // 3)[:, None]
+    want = multi_head_attention(config.replace(local_chunk=None), tensors, x, mask=mask, is_causal=True)
+    for chunk_size in (None, 2):
+        got = multi_head_attention(config, tensors, x, positions=positions, key_positions=positions,
+                                   is_causal=True, chunk_size=chunk_size)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+
+
+def _per_head(config, tensors, x, positions):
+    """The temperature, the clip and the gate written out head by head in float64 (no RoPE, no norm)."""
+    t = tensors
+    N, G, H, V = config.num_heads, config.group_size, config.head_dim, config.value_head_dim
+    c = config.qkv_clip or np.inf
+    out = np.zeros((x.shape[0], x.shape[1], config.out_dim)) + t["output.bias"]
+    for n in range(N):
+        kv = n // G
+        q = np.clip(x @ t["query.kernel"][:, n] + t["query.bias"][n], -c, c)
+        k = np.clip(x @ t["key.kernel"][:, kv] + t["key.bias"][kv], -c, c)
+        v = np.clip(x @ t["value.kernel"][:, kv] + t["value.bias"][kv], -c, c)
+        temp = config.query_temperature
+        if temp is not None:
+            q = q * (1 + temp.beta * np.log(1 + np.floor((positions + temp.offset) / temp.floor)))[None, :, None]
+        logits = q @ k.transpose(0, 2, 1) * config.effective_scale
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        ctx = (w / w.sum(-1, keepdims=True)) @ v  # (B, T, V)
+        if config.output_gate is not None:
+            gate = x @ t["gate.kernel"][:, n] + (t["gate.bias"][n] if "gate.bias" in t else 0)
+            ctx = ctx * (1 / (1 + np.exp(-gate)))[..., None] if gate.ndim == 2 else ctx / (1 + np.exp(-gate))
+        out += ctx @ t["output.kernel"][n]
+    return out
+
+
+@pytest.mark.parametrize("fields", [
+    dict(query_temperature={"beta": 0.5, "floor": 2.0, "offset": 1}),
+    dict(query_temperature={"beta": -0.2, "floor": 3.0, "offset": 0}),
+    dict(qkv_clip=0.3),
+    dict(output_gate={"scope": "element", "bias": True}),
+    dict(output_gate={"scope": "head", "bias": True}),
+    dict(output_gate={"scope": "head"}, qkv_clip=0.5, query_temperature={"beta": 0.1, "floor": 1.0}),
+], ids=["temperature_offset1", "temperature_negative_beta", "clip", "gate_element", "gate_head", "together"])
+def test_temperature_clip_gate_per_head(fields):
+    config = AttentionConfig(**BASE, **fields)
+    tensors = weights.init(config, seed=8, dtype="float64")
+    x, _ = _inputs(9, T=6)
+    x = 3 * x  # projections beyond the clip
+    positions = np.arange(6)
+    want = _per_head(config, tensors, x, positions)
+    for chunk_size in (None, 4):
+        got = multi_head_attention(config, tensors, x, chunk_size=chunk_size)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(alibi=1), "alibi must be true or false: got 1"),
+    (dict(local_chunk=0), "local_chunk must be a positive integer: got 0"),
+    (dict(local_chunk=2.0), "local_chunk must be a positive integer: got 2.0"),
+    (dict(qkv_clip=0), "qkv_clip must be a finite number > 0: got 0"),
+    (dict(qkv_clip=-1.5), "qkv_clip must be a finite number > 0: got -1.5"),
+    (dict(query_temperature={"beta": 0.1}), "query_temperature is missing floor"),
+    (dict(query_temperature={"beta": 0.1, "floor": 0}), "query_temperature.floor must be a finite number > 0: got 0"),
+    (dict(query_temperature={"beta": 0.1, "floor": 2, "offset": 2}),
+     "query_temperature.offset must be 0 or 1: got 2"),
+    (dict(query_temperature={"beta": 0.1, "floor": 2, "scale": 1}),
+     "query_temperature has unknown fields: 'scale'; accepted: beta, floor, offset"),
+    (dict(output_gate={"scope": "feature"}), "output_gate.scope must be one of element, head: got 'feature'"),
+    (dict(output_gate={"scope": "head", "bias": "yes"}), "output_gate.bias must be true or false: got 'yes'"),
+    (dict(output_gate="element"), "output_gate must be an object or null: got 'element'"),
+])
+def test_frontier_config_errors_name_the_field(fields, message):
+    with pytest.raises(ValueError) as info:
+        AttentionConfig(**BASE, **fields)
+    assert str(info.value) == message
+
+
+def test_wrong_slope_and_gate_shapes_are_named(tmp_path):
+    config = AttentionConfig(**BASE, alibi=True, output_gate={"scope": "head", "bias": True})
+    tensors = weights.init(config, seed=0)
+    assert tensors["alibi.slopes"].shape == (4,) and tensors["gate.kernel"].shape == (8, 4)
+    bad = dict(tensors, **{"alibi.slopes": np.ones(3, np.float32), "gate.bias": np.ones((4, 4), np.float32)})
+    with pytest.raises(ValueError) as info:
+        multi_head_attention(config, bad, np.ones((1, 2, 8), np.float32))
+    assert "alibi.slopes has shape (3,), expected (4,)" in str(info.value)
+    assert "gate.bias has shape (4, 4), expected (4,)" in str(info.value)
+
+
+def test_a_file_without_frontier_fields_holds_none_of_them(tmp_path):
+    """Defaults stay out of the file: a plain layer's config JSON is what it was before the fields existed."""
+    config = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, rope={})
+    stored = json.loads(config.to_json())
+    assert not {"alibi", "local_chunk", "query_temperature", "qkv_clip", "output_gate"} & set(stored)
+    used = config.replace(alibi=True, output_gate={"scope": "element"})
+    stored = json.loads(used.to_json())
+    assert stored["alibi"] is True and stored["output_gate"] == {"scope": "element", "bias": False}
+    assert AttentionConfig.from_json(used.to_json()) == used

@@ -9,9 +9,11 @@ sdpa.py import the stages; the stages import neither.
 Which path honours which feature:
 - the stages (the default, and every call with weights, a trace or a dropout
   mask): every feature of the contract.
-- SDPA (use_sdpa=True): masks, bias, causal, windows and segment ids (one
-  bool mask, built by functional.allowed_mask), with RoPE, QK-norm and the
-  cache applied before it (qkv_heads). Softcap and sinks have no SDPA
+- SDPA (use_sdpa=True): masks, bias, causal, windows, local chunks and
+  segment ids (one bool mask, built by functional.allowed_mask), ALiBi
+  (its bias joins the call's in SDPA's float mask), with the clip, RoPE,
+  QK-norm, the query temperature and the cache applied before it
+  (qkv_heads) and the output gate after it. Softcap and sinks have no SDPA
   counterpart: a config with either takes the stages instead.
 torch has no chunked path (no chunk_size argument): SDPA's kernels already
 work blockwise.
@@ -49,11 +51,22 @@ class Call:
     keep: torch.Tensor | None  # dropout keep-mask (B, N, T, S_total), or None
     dtype: torch.dtype
     plain_causal: bool  # SDPA's own is_causal stands for the whole mask (allowed then omits the causal part)
-    positions: torch.Tensor | None = None  # (B|1, T) int64 where the config has rope
+    positions: torch.Tensor | None = None  # (B|1, T) int64 where the config reads positions (config.reads_positions)
     key_positions: torch.Tensor | None = None  # (B|1, S)
     past_key: torch.Tensor | None = None  # (B, K, P, H); with cache_length the caller's buffer (B, K, C, H)
     past_value: torch.Tensor | None = None  # (B, K, P, V); with cache_length (B, K, C, V)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
+
+    @property
+    def every_key_position(self) -> torch.Tensor | None:
+        """(B|1, P+S): the cache's keys at 0..P-1, then key_positions (where the config reads positions)."""
+        if self.key_positions is None:
+            return None
+        return F.all_key_positions(self.key_positions, self.shapes.P)
+
+    def alibi_bias(self) -> torch.Tensor:
+        """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
+        return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype)
 
 
 def plan(config: AttentionConfig, *, use_sdpa: bool, return_weights: bool, traced: bool, dropout: bool) -> Plan:
@@ -175,21 +188,28 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     windowed = config.window_left >= 0 or config.window_right >= 0
+    # ALiBi's bias and the local chunks go into SDPA's attn_mask, which its own is_causal cannot join
     plain_causal = (sdpa and is_causal and mask_t is None and bias_t is None and not windowed
+                    and not config.alibi and config.local_chunk is None
                     and segment_ids is None and (causal_alignment == "top_left" or T == S_total))
+    positions_t = key_positions_t = None
+    if config.reads_positions:  # RoPE, ALiBi, local chunks and the temperature read the positions
+        positions_t = F.default_positions(given.get("positions"), shapes.P, T, device)
+        key_positions_t = F.default_positions(given.get("key_positions"), shapes.P, shapes.S, device)
     mask4 = None if mask_t is None else mask_t.reshape(shapes.mask_shape)
     # One query aligned bottom-right (a decode step) sees every key: its causal mask hides nothing, so
     # none is built (nor applied to the (B, N, 1, S) logits, nor handed to SDPA, which then runs unmasked).
     hides_nothing = causal_alignment == "bottom_right" and T == 1
     allowed = F.allowed_mask(mask4, T, S_total, is_causal and not plain_causal and not hides_nothing, causal_alignment,
                              window_left=config.window_left, window_right=config.window_right,
-                             segment_ids=segment_ids, key_segment_ids=key_segment_ids, device=device)
+                             segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+                             local_chunk=config.local_chunk, positions=positions_t,
+                             key_positions=None if key_positions_t is None else
+                             F.all_key_positions(key_positions_t, shapes.P), device=device)
     query, key, value = (x.to(dtype) for x in (query, key, value))
     call = Call(shapes=shapes, params=params, query=query, key=key, value=value, allowed=allowed, bias4=bias_t,
-                keep=keep_t, dtype=dtype, plain_causal=plain_causal)
-    if config.rope is not None:
-        call.positions = F.default_positions(given.get("positions"), shapes.P, T, device)
-        call.key_positions = F.default_positions(given.get("key_positions"), shapes.P, shapes.S, device)
+                keep=keep_t, dtype=dtype, plain_causal=plain_causal, positions=positions_t,
+                key_positions=key_positions_t)
     if in_place:
         # the buffers themselves (their infinities are not checked: that would read the whole cache every token)
         call.past_key, call.past_value, call.cache_length = past_key, past_value, shapes.P
@@ -227,13 +247,17 @@ def refuse_autograd(query, key, value, tensors, bias, past_key, past_value) -> N
 
 
 def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value):
-    """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
+    """project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature] -> [cache appended]: q (B, N,
     T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
     present cache)."""
     p, N, K = call.params, config.num_heads, config.num_kv_heads
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
     v = rec("value.project", F.project(call.value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+    if config.qkv_clip is not None:
+        q = rec("query.clip", F.clip(q, config.qkv_clip))
+        k = rec("key.clip", F.clip(k, config.qkv_clip))
+        v = rec("value.clip", F.clip(v, config.qkv_clip))
     if config.qk_norm is not None:
         n = config.qk_norm
         q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N, n.scope))
@@ -246,6 +270,10 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if config.query_temperature is not None:
+        t = config.query_temperature
+        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
+                                                                           call.dtype)))
     if call.cache_length is not None:  # in place: the new keys written after the P cached ones, no copy
         P, S = call.cache_length, k.shape[2]
         call.past_key[:, :, P:P + S].copy_(k)
@@ -356,16 +384,24 @@ def multi_head_attention(
     q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
     w = None
     if will_use_sdpa:
-        ctx = sdpa_attend(config, q, k, v, allowed=call.allowed, bias=call.bias4,
+        bias4 = call.bias4
+        if config.alibi:  # ALiBi joins the call's bias in SDPA's float mask (a -inf there stays -inf)
+            bias4 = call.alibi_bias() if bias4 is None else call.alibi_bias() + bias4
+        ctx = sdpa_attend(config, q, k, v, allowed=call.allowed, bias=bias4,
                           plain_causal=call.plain_causal)  # (B, N, T, V)
     else:
         x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
         if config.logit_softcap is not None:
             x = rec("softcap", F.softcap(x, config.logit_softcap))
+        if config.alibi:
+            x = rec("alibi", F.alibi(x, call.alibi_bias()))
         x = rec("mask", F.mask_stage(x, call.allowed, call.bias4))
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
         ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    if config.output_gate is not None:
+        g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
+        ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
     if not (return_weights or return_cache):

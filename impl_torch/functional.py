@@ -8,9 +8,10 @@ NumPy spec; torch ops only. Shape letters as in impl_numpy:
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
 Stages (the bracketed ones where the config turns them on):
-project -> [norm] -> split_heads -> [rope] -> [cache appended] -> logits
-(scale) -> [softcap] -> mask (bias, causal, window, segments) -> softmax
-[+ sinks] -> dropout -> attend -> merge_heads -> output.
+project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature]
+-> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
+causal, window, local chunks, segments) -> softmax [+ sinks] -> dropout ->
+attend -> [gate] -> merge_heads -> output.
 
 The call that runs them (and chooses SDPA, the torch-only fast core in
 sdpa.py) is attention.py; this file holds the stages alone and imports
@@ -28,7 +29,7 @@ import torch
 from weights.call import ATTEND, LOGITS, OUTPUT, PROJECT
 
 from .convert import compute_dtype
-from .masks import causal_mask, segment_mask, window_mask
+from .masks import causal_mask, chunk_mask, segment_mask, window_mask
 
 
 def _einsum(spec: str, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,6 +49,12 @@ def project(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None) ->
         # one (B, L, F) array fewer at the peak.
         y = y.to(ct).add_(bias.reshape(-1).to(ct)).to(x.dtype)  # bias (F,)
     return y
+
+
+def clip(x: torch.Tensor, c: float) -> torch.Tensor:
+    """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias).
+    Exact (a select); autograd passes the gradient where |x| <= c, bounds included, as the spec's VJP."""
+    return torch.clamp(x, -c, c)
 
 
 def norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float, heads: int,
@@ -106,6 +113,22 @@ def rope(x: torch.Tensor, angles: torch.Tensor, rotary_dim: int, interleaved: bo
     return torch.cat([turned.to(x.dtype), x[..., R:]], dim=-1)  # (B, heads, L, H)
 
 
+def temperature_factor(positions: torch.Tensor, beta: float, floor: float, offset: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """The query temperature's factor per query, (B|1, 1, T, 1) in compute dtype:
+    1 + beta * ln(1 + floor((position + offset) / floor)). The floor of the
+    quotient is taken in float64 (positions are integers: exact), the log in
+    compute dtype."""
+    ct = compute_dtype(dtype)
+    steps = torch.floor((positions.to(torch.float64) + offset) / floor)  # (B|1, T)
+    return (1 + beta * torch.log1p(steps.to(ct)))[:, None, :, None]  # a Python beta: rounded to ct by torch
+
+
+def temperature(q: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """QUERY TEMPERATURE: q (B, N, T, H) times temperature_factor (after RoPE)."""
+    return (q.to(factor.dtype) * factor).to(q.dtype)
+
+
 def logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """LOGITS times scale: q (B, N, T, H), k (B, K, S, H) -> (B, N, T, S).
     Query head n reads key head n // G."""
@@ -122,6 +145,23 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     masked position stays -inf (Gemma 2's attn_logit_softcapping, ONNX's softcap)."""
     ct = compute_dtype(x.dtype)
     return (torch.tanh(x.to(ct) / cap) * cap).to(x.dtype)
+
+
+def alibi_bias(slopes: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
+    positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions). The distance is an
+    integer, exact in any compute dtype the contract uses up to 2^24; autograd gives the slopes'
+    gradient through the product."""
+    ct = compute_dtype(dtype)
+    distance = (positions[:, :, None] - key_positions[:, None, :]).abs().to(ct)  # (B|1, T, S)
+    return -slopes.to(ct).reshape(1, -1, 1, 1) * distance[:, None]  # (B|1, N, T, S)
+
+
+def alibi(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """ALIBI: the scaled (and softcapped) logits plus alibi_bias, before the mask (so a masked position stays
+    -inf), in compute dtype, stored."""
+    return (x.to(bias.dtype) + bias).to(x.dtype)
 
 
 def mask(x: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -183,6 +223,20 @@ def attend(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return _einsum(ATTEND, wg, v, w.dtype).reshape(B, N, T, v.shape[-1])  # (B, N, T, V)
 
 
+def gate_project(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """GATE.PROJECT: the query input (B, T, D) times gate.kernel (D, N, V) or (D, N) -> (B, T, N*V) or (B, T, N)."""
+    return project(x, kernel, bias)
+
+
+def gate(ctx: torch.Tensor, gate_logits: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """GATE: the context (B, N, T, V) times sigmoid of gate.project's logits, (B, T, N*V) per element or
+    (B, T, N) per head; in compute dtype, stored."""
+    ct = compute_dtype(ctx.dtype)
+    B, N, T, V = ctx.shape
+    g = gate_logits.to(ct).reshape(B, T, num_heads, -1).transpose(1, 2)  # (B, N, T, V|1)
+    return (ctx.to(ct) * torch.sigmoid(g)).to(ctx.dtype)
+
+
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """(B, N, T, V) -> (B, T, N*V)."""
     B, N, T, V = x.shape
@@ -213,9 +267,11 @@ def dropout_keep_mask(shape: tuple[int, ...], rate: float, seed: int, device: to
 
 def allowed_mask(mask4: torch.Tensor | None, T: int, S: int, is_causal: bool, causal_alignment: str, *,
                  window_left: int = -1, window_right: int = -1, segment_ids=None, key_segment_ids=None,
+                 local_chunk: int | None = None, positions=None, key_positions=None,
                  device=None) -> torch.Tensor | None:
-    """mask AND causal AND window AND segments, rank 4, broadcastable to (B, N,
-    T, S) (S: every key, the cache's included); None if none applies."""
+    """mask AND causal AND window AND local chunks AND segments, rank 4, broadcastable to (B, N,
+    T, S) (S: every key, the cache's included); None if none applies. local_chunk reads positions
+    (B|1, T) and every key's key_positions (B|1, S)."""
     allowed = mask4
 
     def both(extra):
@@ -225,9 +281,19 @@ def allowed_mask(mask4: torch.Tensor | None, T: int, S: int, is_causal: bool, ca
         allowed = both(causal_mask(T, S, causal_alignment, device=device)[None, None])  # (1, 1, T, S)
     if window_left >= 0 or window_right >= 0:
         allowed = both(window_mask(T, S, window_left, window_right, causal_alignment, device=device)[None, None])
+    if local_chunk is not None:
+        allowed = both(chunk_mask(positions, key_positions, local_chunk))  # (B|1, 1, T, S)
     if segment_ids is not None:
         allowed = both(segment_mask(segment_ids, key_segment_ids))  # (B|1, 1, T, S)
     return allowed
+
+
+def all_key_positions(key_positions: torch.Tensor, P: int) -> torch.Tensor:
+    """Every key's position, (B|1, P+S): the cache's keys at 0..P-1, then the new keys' key_positions."""
+    if not P:
+        return key_positions
+    cached = torch.arange(P, dtype=torch.int64, device=key_positions.device)[None].expand(key_positions.shape[0], P)
+    return torch.cat([cached, key_positions], dim=1)
 
 
 def default_positions(positions: torch.Tensor | None, P: int, L: int, device=None) -> torch.Tensor:

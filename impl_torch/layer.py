@@ -18,11 +18,16 @@ canonical tensors are views of them:
 | key.norm.scale (H,)/(K, H)  | key_norm.weight (H,)/(K*H,)   | weight.reshape(shape)     |
 | key.norm.bias (layer)       | key_norm.bias                 | bias.reshape(shape)       |
 | sinks (N,)                  | sinks (N,)                    | as is                     |
+| alibi.slopes (N,)           | alibi_slopes (N,)             | as is                     |
+| gate.kernel (D, N, V)/(D, N)| gate.weight (N*V|N, D)        | weight.T.reshape(shape)   |
+| gate.bias (N, V)/(N,)       | gate.bias (N*V|N,)            | bias.reshape(shape)       |
 
 The QK-norm parameters live in nn.RMSNorm / nn.LayerNorm modules over the
 normalised width (H for scope "head", the whole projection for "all"), as a
 torch port holds them; only their parameters are used (the computation is
-functional.norm, the spec's stage).
+functional.norm, the spec's stage). The output gate is one more nn.Linear
+from the query input (Qwen3-Next keeps its rows in q_proj; here they stand
+apart, as the canonical gate.kernel does).
 
 The forward pass is `attention.multi_head_attention` on those views, so the
 layer computes exactly what the functional mirror computes, with gradients
@@ -40,6 +45,7 @@ from torch import nn
 
 import weights
 from weights import AttentionConfig
+from weights.alibi import bloom_slopes
 
 from .attention import multi_head_attention
 from .convert import to_numpy, to_torch, torch_dtype
@@ -53,10 +59,10 @@ def _layout(config: AttentionConfig) -> dict[str, tuple[str, str, tuple[int, ...
         parts = name.split(".")
         if len(parts) == 3:  # query.norm.scale -> query_norm.weight
             out[name] = (f"{parts[0]}_norm", "weight" if parts[2] == "scale" else "bias", shape)
-        elif len(parts) == 2:  # query.kernel -> query.weight (transposed), query.bias -> query.bias
+        elif len(parts) == 2 and name != "alibi.slopes":  # query.kernel -> query.weight (transposed), ...
             out[name] = (parts[0], "weight" if parts[1] == "kernel" else "bias", shape)
-        else:  # sinks
-            out[name] = ("", name, shape)
+        else:  # sinks, alibi.slopes -> alibi_slopes: parameters of the layer itself
+            out[name] = ("", name.replace(".", "_"), shape)
     return out
 
 
@@ -71,8 +77,9 @@ def _norm_module(config: AttentionConfig, heads: int, kw) -> nn.Module:
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with the contract's options (mask, bias, causal with
     both alignments, masked_row, GQA, dropout with an explicit keep-mask,
-    return_weights; RoPE, QK-norm, softcap, windows, sinks, the KV cache and
-    segment ids where the config and the call ask) on any device and dtype.
+    return_weights; RoPE, QK-norm, softcap, windows, sinks, ALiBi, local
+    chunks, the query temperature, the QKV clip, output gates, the KV cache
+    and segment ids where the config and the call ask) on any device and dtype.
 
     `training` follows the module's mode (`.train()` / `.eval()`) unless a call
     passes it; in training with dropout > 0 and neither `dropout_mask` nor
@@ -97,6 +104,11 @@ class MultiHeadAttention(nn.Module):
             self.key_norm = _norm_module(c, c.num_kv_heads, kw)
         if c.use_sinks:
             self.sinks = nn.Parameter(torch.zeros(c.num_heads, **kw))  # (N,); 0: the sink starts as one more key
+        if c.alibi:  # (N,): BLOOM's (and MPT's default) slopes, as a model that trains them starts
+            self.alibi_slopes = nn.Parameter(torch.tensor(bloom_slopes(c.num_heads).tolist(), **kw))
+        if c.output_gate is not None:  # gate.kernel (D, N, V) or (D, N) as one nn.Linear from the query input
+            per_head = c.value_head_dim if c.output_gate.scope == "element" else 1
+            self.gate = nn.Linear(c.query_dim, c.num_heads * per_head, bias=c.output_gate.bias, **kw)
 
     # -- canonical tensors <-> nn.Linear ----------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
@@ -122,7 +134,7 @@ class MultiHeadAttention(nn.Module):
             if name.endswith(".kernel"):
                 target.copy_(source.reshape(-1, target.shape[0]).T)  # (out, in)
             else:
-                target.copy_(source.reshape(target.shape))  # (out,), the norm's width or (N,)
+                target.copy_(source.reshape(target.shape))  # (out,), the norm's width, (N,) or the gate's
 
     def to_tensors(self) -> dict[str, np.ndarray]:
         """The canonical tensors as NumPy arrays (bfloat16 as ml_dtypes.bfloat16), bit-exact."""

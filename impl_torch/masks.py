@@ -40,6 +40,14 @@ def window_mask(T: int, S: int, left: int, right: int, alignment: str = "top_lef
     return visible  # (T, S)
 
 
+def chunk_mask(positions: torch.Tensor, key_positions: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B|1, 1, T, S) bool: key j visible to query i iff floor(pos_q(i) / chunk) == floor(pos_k(j) / chunk):
+    absolute chunks of `chunk` positions (Llama 4's chunked local attention, attention_chunk_size)."""
+    q_chunk = torch.div(positions, chunk, rounding_mode="floor")  # (B|1, T)
+    k_chunk = torch.div(key_positions, chunk, rounding_mode="floor")  # (B|1, S)
+    return (q_chunk[:, :, None] == k_chunk[:, None, :])[:, None]  # (B|1, 1, T, S)
+
+
 def segment_mask(segment_ids: torch.Tensor, key_segment_ids: torch.Tensor) -> torch.Tensor:
     """(B|1, 1, T, S) bool: key j visible to query i iff their segment ids are
     equal (packed sequences). Ids are (T,) or (B, T) and (S,) or (B, S)."""

@@ -2,10 +2,13 @@
 
 Stands where impl_numpy's chunked.py stands: a fast path that attention.py
 chooses when it gives the stages' numbers, never a stage itself. It
-expresses masks (bool or additive), causal, windows and segment ids (folded
-into the bool mask by functional.allowed_mask); RoPE, QK-norm and the cache
-come before it (attention.qkv_heads). Softcap and sinks have no SDPA
-counterpart: attention.py sends such calls to the stages.
+expresses masks (bool or additive), causal, windows, local chunks and
+segment ids (folded into the bool mask by functional.allowed_mask) and
+ALiBi (its bias added to the call's by attention.py: SDPA's float mask, the
+slopes' gradient through it); the clip, RoPE, QK-norm, the query temperature
+and the cache come before it (attention.qkv_heads), the output gate after.
+Softcap and sinks have no SDPA counterpart: attention.py sends such calls
+to the stages.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ def sdpa_attend(config: AttentionConfig, q, k, v, *, allowed, bias, plain_causal
 
     `plain_causal`: the only masking is top-left causal, so SDPA's own
     is_causal (top-left) applies. Otherwise `allowed` (functional.allowed_mask:
-    mask, causal of either alignment, window, segments) and `bias` are folded
+    mask, causal of either alignment, window, local chunks, segments) and `bias`
+    (the call's, plus ALiBi's) are folded
     into SDPA's attn_mask here.
 
     Rows with no allowed key never reach SDPA: what kernels return for them

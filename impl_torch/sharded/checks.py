@@ -51,6 +51,13 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
     """Why this sharded call is not built, or None."""
     if trace:
         return "a sharded call returns no trace: no process runs every stage on the whole call"
+    frontier = [name for name, on in (("alibi", config.alibi), ("local_chunk", config.local_chunk is not None),
+                                      ("query_temperature", config.query_temperature is not None),
+                                      ("qkv_clip", config.qkv_clip is not None),
+                                      ("output_gate", config.output_gate is not None)) if on]
+    if frontier:
+        return (f"the sharded engines do not compute the frontier fields yet (docs/spec-frontier.md): "
+                f"{', '.join(frontier)}")
     if kind == "heads":
         if config.num_heads % devices:
             return (f"heads sharding splits the query heads evenly: num_heads={config.num_heads} "

@@ -121,21 +121,25 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
             qp, kp, vp = (F.clip(y, clip) for y in (qp, kp, vp))
         else:  # a clipped value's magnitude is c's (exact: no terms)
             qp, kp, vp = (ew(np.where(inside, y, ct.type(clip))) for y, inside in zip((qp, kp, vp), kept["clip"]))
-    if norm_cfg is not None:
-        for name, x, heads in (("query", qp, N), ("key", kp, K)):
-            if not magnitude:
-                kept[name + ".norm"] = _norm_parts(x, norm_cfg.type, norm_cfg.eps, heads, norm_cfg.scope, ct)
-            xhat, _ = kept[name + ".norm"]
-            y = (np.abs(xhat) if magnitude else xhat) * p[name + ".norm.scale"].astype(ct).reshape(-1)
-            if name + ".norm.bias" in p:
-                y = y + p[name + ".norm.bias"].astype(ct).reshape(-1)
-            y = ew(y.reshape(x.shape))
-            if name == "query":
-                qn = y
-            else:
-                kn = y
-    else:
-        qn, kn = qp, kp
+    def per_feature(t, cfg):  # a norm tensor on xhat (B, L, groups, W): (W,) / (heads, W) per head, (F,) over all
+        return t.astype(ct).reshape(-1) if cfg.scope == "all" else t.astype(ct)
+
+    def norm_forward(name, x, heads, cfg):  # functional.norm, its pieces kept for norm_back
+        if not magnitude:
+            kept[name + ".norm"] = _norm_parts(x, cfg.type, cfg.eps, heads, cfg.scope, ct)
+        xhat, _ = kept[name + ".norm"]
+        y = np.abs(xhat) if magnitude else xhat
+        if name + ".norm.scale" in p:
+            y = y * per_feature(p[name + ".norm.scale"], cfg)
+        if name + ".norm.bias" in p:
+            y = y + per_feature(p[name + ".norm.bias"], cfg)
+        return ew(y.reshape(x.shape))
+
+    qn, kn = qp, kp
+    if norm_cfg is not None and not norm_cfg.after_rope:
+        qn, kn = norm_forward("query", qp, N, norm_cfg), norm_forward("key", kp, K, norm_cfg)
+    if config.value_norm is not None:
+        vp = norm_forward("value", vp, K, config.value_norm)
     q, k_new, v_new = F.split_heads(qn, N), F.split_heads(kn, K), F.split_heads(vp, K)
     if rope_cfg is not None:
         R, inter = rope_cfg.rotary_dim, rope_cfg.interleaved
@@ -153,6 +157,9 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
                 return ew(_rope_join(x1 * c + x2 * s_, x2 * c + x1 * s_, x[..., R:].astype(ct), inter))
 
             q, k_new = rope_abs(q, kept["query.rope"]), rope_abs(k_new, kept["key.rope"])
+    if norm_cfg is not None and norm_cfg.after_rope:  # the norm of the turned q and k (functional.norm_heads)
+        q = F.split_heads(norm_forward("query", _merge(q), N, norm_cfg), N)
+        k_new = F.split_heads(norm_forward("key", _merge(k_new), K, norm_cfg), K)
     temp = config.query_temperature
     if temp is not None:  # q times the temperature factor per query (positive or not: its magnitude in magnitude mode)
         if not magnitude:
@@ -250,9 +257,31 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     if P:
         grads["past_key"], d_k = d_k[:, :, :P], d_k[:, :, P:]
         grads["past_value"], d_v = d_v[:, :, :P], d_v[:, :, P:]
+    # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
+    # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
+    def norm_back(name, dy, cfg):
+        xhat, r = kept[name + ".norm"]
+        if magnitude:
+            xhat = np.abs(xhat)
+        dyc = dy.astype(ct).reshape(xhat.shape)  # (B, L, groups, W)
+        dxhat = dyc
+        if name + ".norm.scale" in p:
+            scale_shape = p[name + ".norm.scale"].shape
+            grads[name + ".norm.scale"] = ew((dyc * xhat).reshape(-1, *scale_shape).sum(axis=0))
+            if name + ".norm.bias" in p:
+                grads[name + ".norm.bias"] = ew(dyc.reshape(-1, *scale_shape).sum(axis=0))
+            dxhat = dyc * per_feature(p[name + ".norm.scale"], cfg)
+        inner = xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+        if cfg.type == "layer":
+            inner = inner + dxhat.mean(axis=-1, keepdims=True)
+        return ew((r * (dxhat + inner if magnitude else dxhat - inner)).reshape(dy.shape))
+
     # temperature: q_t = q_r * factor (after rope), so d q_r = d q_t * factor
     if temp is not None:
         d_q = ew(d_q.astype(ct) * (np.abs(kept["temperature"]) if magnitude else kept["temperature"]))
+    if norm_cfg is not None and norm_cfg.after_rope:  # the norm after rope, undone before rope is
+        d_q = F.split_heads(norm_back("query", _merge(d_q), norm_cfg), N)
+        d_k = F.split_heads(norm_back("key", _merge(d_k), norm_cfg), K)
     # rope: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), so dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s
     if rope_cfg is not None:
         def rope_back(dy, cs):
@@ -265,23 +294,10 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     d_q, d_k, d_v = _merge(d_q), _merge(d_k), _merge(d_v)  # (B, L, F): split_heads undone
     # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
     # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
-    if norm_cfg is not None:
-        def norm_back(name, dy):
-            xhat, r = kept[name + ".norm"]
-            if magnitude:
-                xhat = np.abs(xhat)
-            dyc = dy.astype(ct).reshape(xhat.shape)  # (B, L, groups, W)
-            scale_shape = p[name + ".norm.scale"].shape
-            grads[name + ".norm.scale"] = ew((dyc * xhat).reshape(-1, *scale_shape).sum(axis=0))
-            if name + ".norm.bias" in p:
-                grads[name + ".norm.bias"] = ew(dyc.reshape(-1, *scale_shape).sum(axis=0))
-            dxhat = dyc * p[name + ".norm.scale"].astype(ct).reshape(-1)
-            inner = xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
-            if norm_cfg.type == "layer":
-                inner = inner + dxhat.mean(axis=-1, keepdims=True)
-            return ew((r * (dxhat + inner if magnitude else dxhat - inner)).reshape(dy.shape))
-
-        d_q, d_k = norm_back("query", d_q), norm_back("key", d_k)
+    if norm_cfg is not None and not norm_cfg.after_rope:
+        d_q, d_k = norm_back("query", d_q, norm_cfg), norm_back("key", d_k, norm_cfg)
+    if config.value_norm is not None:
+        d_v = norm_back("value", d_v, config.value_norm)
 
     # clip: the gradient passes where the value was inside [-c, c] (autodiff of a clamp: bounds included)
     if clip is not None:

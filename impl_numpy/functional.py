@@ -11,8 +11,8 @@ Shape letters (used in every comment and einsum string of the project):
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
 Stages (the bracketed ones where the config turns them on):
-project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature]
--> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
+project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after rope]
+-> [query temperature] -> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
 causal, window, local chunks, segments) -> softmax [+ sinks] -> dropout ->
 attend -> [gate] -> merge_heads -> output.
 
@@ -74,26 +74,40 @@ def clip(x: np.ndarray, c: float) -> np.ndarray:
     return np.clip(x, -c, c).astype(x.dtype, copy=False)  # (NumPy promotes bfloat16 against a float bound)
 
 
-def norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, kind: str, eps: float, heads: int,
+def norm(x: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None, kind: str, eps: float, heads: int,
          scope: str) -> np.ndarray:
-    """QK-norm of a projection x (B, L, F = heads*H), in compute dtype.
-    scope "head": each head's H features normalised on their own, scale/bias (H,)
-    shared by the heads (Qwen3, Gemma 3); "all": the whole F at once, scale/bias
-    (heads, H) (OLMo 2). The stage runs before split_heads in both scopes (on
-    the flat projection; "head" views it as (B, L, heads, H) inside), so its
-    trace has one layout. kind "rms": x / sqrt(mean(x^2) + eps) * scale;
-    "layer": (x - mean) / sqrt(var + eps) * scale + bias (eps inside the root)."""
+    """QK-norm (or the value norm) of a projection x (B, L, F = heads*W), in compute dtype.
+    scope "head": each head's W features normalised on their own, scale/bias (W,)
+    shared by the heads (Qwen3, Gemma 3) or (heads, W), one per head (Cohere);
+    "all": the whole F at once, scale/bias (heads, W) (OLMo 2); scale None: a
+    weightless norm (Llama 4's L2 norm, Gemma 3n's value norm). The stage runs
+    on the flat projection in both scopes ("head" views it as (B, L, heads, W)
+    inside), so its trace has one layout (a norm after RoPE: norm_heads). kind
+    "rms": x / sqrt(mean(x^2) + eps) * scale; "layer": (x - mean) / sqrt(var +
+    eps) * scale + bias (eps inside the root)."""
     B, L, F = x.shape
     ct = compute_dtype(x.dtype)
     width = F // heads if scope == "head" else F
-    y = x.astype(ct).reshape(B, L, F // width, width)  # (B, L, heads|1, H|F)
+    y = x.astype(ct).reshape(B, L, F // width, width)  # (B, L, heads|1, W|F)
+
+    def per_feature(t):  # (W,) or (heads, W) on (B, L, heads, W); (heads, W) as (F,) on (B, L, 1, F)
+        return t.astype(ct).reshape(-1) if scope == "all" else t.astype(ct)
+
     if kind == "layer":
         y = y - y.mean(axis=-1, keepdims=True)
     y = y / np.sqrt((y * y).mean(axis=-1, keepdims=True) + ct.type(eps))
-    y = y * scale.astype(ct).reshape(-1)  # (H,) on every head, or (heads, H) flat as (F,)
+    if scale is not None:
+        y = y * per_feature(scale)
     if bias is not None:
-        y = y + bias.astype(ct).reshape(-1)
+        y = y + per_feature(bias)
     return y.reshape(B, L, F).astype(x.dtype)  # (B, L, F)
+
+
+def norm_heads(x: np.ndarray, scale, bias, kind: str, eps: float, scope: str) -> np.ndarray:
+    """The norm of x (B, heads, L, W) after RoPE: norm() on its flat (B, L, heads*W) view -> (B, heads, L, W)."""
+    B, heads, L, W = x.shape
+    flat = x.transpose(0, 2, 1, 3).reshape(B, L, heads * W)
+    return split_heads(norm(flat, scale, bias, kind, eps, heads, scope), heads)
 
 
 def split_heads(x: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,5 +1,6 @@
 """The stages a call runs before attention, shared by the dispatch (attention.py) and the fused core
-(chunked.py): project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature] -> [cache]. The call's validated arrays come
+(chunked.py): project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after rope] -> [query temperature]
+-> [cache]. The call's validated arrays come
 in as attention.prepare's Call; this module imports neither attention.py nor chunked.py.
 """
 
@@ -14,7 +15,8 @@ from . import functional as F
 
 
 def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, append: bool = True):
-    """call: attention.prepare's Call. project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
+    """call: attention.prepare's Call. project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after rope]
+    -> [temperature] -> [cache appended]: q (B, N,
     T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
     present cache). append=False: k and v are the new keys' alone (B, K, S, .)."""
     p, N, K = call.params, config.num_heads, config.num_kv_heads
@@ -25,10 +27,15 @@ def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, 
         q = rec("query.clip", F.clip(q, config.qkv_clip))
         k = rec("key.clip", F.clip(k, config.qkv_clip))
         v = rec("value.clip", F.clip(v, config.qkv_clip))
-    if config.qk_norm is not None:
-        n = config.qk_norm
-        q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N, n.scope))
-        k = rec("key.norm", F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    n = config.qk_norm
+    if n is not None and not n.after_rope:
+        q = rec("query.norm", F.norm(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps, N,
+                                     n.scope))
+        k = rec("key.norm", F.norm(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    if config.value_norm is not None:
+        vn = config.value_norm
+        v = rec("value.norm", F.norm(v, p.get("value.norm.scale"), p.get("value.norm.bias"), vn.type, vn.eps, K,
+                                     vn.scope))
     q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
@@ -37,6 +44,10 @@ def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, 
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if n is not None and n.after_rope:  # Llama 4's rope layers: the (weightless) norm of the turned q and k
+        q = rec("query.norm", F.norm_heads(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps,
+                                           n.scope))
+        k = rec("key.norm", F.norm_heads(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, n.scope))
     if config.query_temperature is not None:
         t = config.query_temperature
         q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,

@@ -112,26 +112,31 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
         c = config.qkv_clip
         q, k, v = (rec(f"{name}.clip", np.where(np.abs(true[f"{name}.project"]) <= c, m, c))
                    for name, m in (("query", q), ("key", k), ("value", v)))
-    if config.qk_norm is not None:
-        n = config.qk_norm
-        ct = np.dtype(np.float64)
+    n = config.qk_norm
 
-        # norm: a norm divides upstream error by the RMS it divides by. mag(y) r |scale| + |bias|, r the
-        # TRUE forward's 1 / sqrt(mean(y^2) + eps); for "layer" y = x - mean(x), of magnitude
-        # mag(x) + mean over the group of mag(x).
-        def norm(name, m, heads):
-            before = true[name + (".clip" if config.qkv_clip is not None else ".project")]
-            _, r = _norm_parts(before, n.type, n.eps, heads, n.scope, ct)  # r (B, L, groups, 1)
-            B, L, Fw = m.shape
-            y = m.reshape(r.shape[:-1] + (Fw // r.shape[-2],))  # (B, L, groups, W)
-            if n.type == "layer":
-                y = y + y.mean(axis=-1, keepdims=True)
-            y = y * r * p[name + ".norm.scale"].reshape(-1)
-            if name + ".norm.bias" in p:
-                y = y + p[name + ".norm.bias"].reshape(-1)
-            return rec(name + ".norm", y.reshape(B, L, Fw))
+    # norm: a norm divides upstream error by the RMS it divides by. mag(y) r |scale| + |bias|, r the
+    # TRUE forward's 1 / sqrt(mean(y^2) + eps); for "layer" y = x - mean(x), of magnitude
+    # mag(x) + mean over the group of mag(x). before: the true value the norm read (B, L, F).
+    def norm(name, m, heads, cfg, before):
+        _, r = _norm_parts(before, cfg.type, cfg.eps, heads, cfg.scope, np.dtype(np.float64))  # (B, L, groups, 1)
+        B, L, Fw = m.shape
+        y = m.reshape(r.shape[:-1] + (Fw // r.shape[-2],))  # (B, L, groups, W)
+        if cfg.type == "layer":
+            y = y + y.mean(axis=-1, keepdims=True)
+        y = y * r
+        for part in ("scale", "bias"):
+            if f"{name}.norm.{part}" in p:
+                t = p[f"{name}.norm.{part}"]
+                t = t.reshape(-1) if cfg.scope == "all" else t  # as functional.norm lays it on the groups
+                y = y * t if part == "scale" else y + t
+        return y.reshape(B, L, Fw)
 
-        q, k = norm("query", q, N), norm("key", k, K)
+    upstream = ".clip" if config.qkv_clip is not None else ".project"
+    if n is not None and not n.after_rope:
+        q = rec("query.norm", norm("query", q, N, n, true["query" + upstream]))
+        k = rec("key.norm", norm("key", k, K, n, true["key" + upstream]))
+    if config.value_norm is not None:
+        v = rec("value.norm", norm("value", v, K, config.value_norm, true["value" + upstream]))
     # split_heads: the same reshape
     q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
@@ -149,6 +154,14 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
             return rec(name + ".rope", _rope_join(m1 * c + m2 * s, m2 * c + m1 * s, m[..., R:], interleaved))
 
         q, k = rope("query", q, call.positions), rope("key", k, call.key_positions)
+    # a norm after RoPE: the rule above on the flat view of the turned q and k (functional.norm_heads)
+    if n is not None and n.after_rope:
+        def flat(x):  # (B, heads, L, W) -> (B, L, heads*W)
+            return x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
+
+        turned = ".rope" if config.rope is not None else ".split_heads"  # without RoPE: right after split_heads
+        q = rec("query.norm", F.split_heads(norm("query", flat(q), N, n, flat(true["query" + turned])), N))
+        k = rec("key.norm", F.split_heads(norm("key", flat(k), K, n, flat(true["key" + turned])), K))
     # temperature: q times the factor (its magnitude: the factor may be below 0 for beta < 0)
     if config.query_temperature is not None:
         t = config.query_temperature

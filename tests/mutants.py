@@ -66,8 +66,10 @@ def port(config, tensors, inputs, options, bug=None):
             y = np.clip(y, -clip, clip)
         if name == "query" and bug == "temperature_before_norm" and temperature:
             y = y * temperature_factor()[:, 0]  # (B|1, T, 1): the norm that follows divides it out again
-        if config.get("qk_norm") and name in ("query", "key"):
-            y = _qk_norm(y, t, name, heads, H, config["qk_norm"], bug)
+        norm = config.get("value_norm") if name == "value" else config.get("qk_norm")
+        after_rope = norm and norm.get("after_rope") and bug != "norm_before_rope"
+        if norm and not after_rope and not (name == "value" and bug == "value_norm_ignored"):
+            y = _qk_norm(y, t, name, heads, width, norm, bug)
         if bug == "heads_split_wrong_order":
             return y.reshape(x.shape[0], x.shape[1], width, heads).transpose(0, 3, 1, 2)  # (B, heads, L, width)
         return y.reshape(x.shape[0], x.shape[1], heads, width).transpose(0, 2, 1, 3)  # (B, heads, L, width)
@@ -83,6 +85,14 @@ def port(config, tensors, inputs, options, bug=None):
         q, k = _rope(q, positions, config, H, bug), _rope(k, key_positions, config, H, bug)
         if bug == "rope_on_value" and V == H:
             v = _rope(v, key_positions, config, H, bug)
+    norm = config.get("qk_norm")
+    if norm and norm.get("after_rope") and bug != "norm_before_rope":  # the norm of the turned heads
+        def flat_norm(x, name, heads):
+            B_, _, L, W = x.shape
+            y = _qk_norm(x.transpose(0, 2, 1, 3).reshape(B_, L, heads * W), t, name, heads, W, norm, bug)
+            return y.reshape(B_, L, heads, W).transpose(0, 2, 1, 3)
+
+        q, k = flat_norm(q, "query", N), flat_norm(k, "key", K)
     if clip and bug == "clip_after_rope":
         q, k, v = (np.clip(x, -clip, clip) for x in (q, k, v))
     if temperature and bug != "temperature_before_norm":
@@ -213,9 +223,12 @@ def _qk_norm(y, t, name, heads, H, norm, bug):
     g = g.reshape(B, L, F)
 
     def per_feature(x):  # (H,) for every head, or (heads, H): as (F,)
+        if x.ndim == 2 and bug == "per_head_norm_weights_averaged" and norm.get("per_head"):
+            x = x.mean(axis=0)  # one scale for every head, where each head has its own
         return np.tile(x, heads) if x.ndim == 1 else x.reshape(-1)
 
-    g = g * per_feature(t[f"{name}.norm.scale"])
+    if f"{name}.norm.scale" in t:  # none for a weightless norm
+        g = g * per_feature(t[f"{name}.norm.scale"])
     if f"{name}.norm.bias" in t:
         g = g + per_feature(t[f"{name}.norm.bias"])
     return g
@@ -312,6 +325,9 @@ MUTANTS = {
                                "the rotation)",
     "clip_after_rope": "the QKV clip applied after RoPE instead of right after the projection",
     "gate_after_output": "the output gate applied after the output projection instead of before merge_heads",
+    "norm_before_rope": "a QK-norm that runs after RoPE applied before it",
+    "per_head_norm_weights_averaged": "per-head QK-norm weights (Cohere) averaged into one scale for every head",
+    "value_norm_ignored": "the value norm (Gemma 3n / 4) left out",
 }
 
 

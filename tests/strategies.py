@@ -3,7 +3,8 @@
 configs() draws every classic field; with modern=True also the modern ones (weights/config.py): rope (any
 even rotary_dim, half-split or interleaved, any theta, no scaling or linear, llama3 or yarn), qk_norm (rms or
 layer, per head or over all heads), window_left / window_right, logit_softcap and use_sinks, and the frontier
-fields (alibi, local_chunk, query_temperature, qkv_clip, output_gate), each one on or off by itself.
+fields (alibi, local_chunk, query_temperature, qkv_clip, output_gate, value_norm; qk_norm's weight, per_head and
+after_rope), each one on or off by itself.
 
 calls() draws lengths of 1 to 6 and, one draw in five, 7 to 40 (LONG), so a length crosses the key blocks of
 a small chunk_size many times; shrinking goes to the short ones. With modern=True also the modern inputs
@@ -71,9 +72,12 @@ def modern_fields(draw, head_dim: int, qk_norm_eps=(1e-6, 1e-5, 1e-2)) -> dict:
                           "theta": draw(st.sampled_from([10000.0, 100.0, 500000.0]) | st.floats(2.0, 1e6)),
                           "scaling": draw(rope_scalings())}
     if draw(st.booleans()):
-        fields["qk_norm"] = {"type": draw(st.sampled_from(["rms", "layer"])),
-                             "scope": draw(st.sampled_from(["head", "all"])),
-                             "eps": draw(st.sampled_from(qk_norm_eps))}
+        scope = draw(st.sampled_from(["head", "all"]))
+        weight = draw(st.integers(0, 3)) > 0
+        fields["qk_norm"] = {"type": draw(st.sampled_from(["rms", "layer"])), "scope": scope,
+                             "eps": draw(st.sampled_from(qk_norm_eps)), "weight": weight,
+                             "per_head": scope == "head" and weight and draw(st.booleans()),
+                             "after_rope": draw(st.integers(0, 3)) == 0}
     if draw(st.booleans()):
         fields["window_left"] = draw(st.integers(-1, 8))
         fields["window_right"] = draw(st.integers(-1, 8))
@@ -91,6 +95,9 @@ def modern_fields(draw, head_dim: int, qk_norm_eps=(1e-6, 1e-5, 1e-2)) -> dict:
                                        "offset": draw(st.integers(0, 1))}
     if draw(st.integers(0, 2)) == 0:
         fields["qkv_clip"] = draw(st.sampled_from([0.1, 0.5, 8.0]))
+    if draw(st.integers(0, 3)) == 0:
+        fields["value_norm"] = {"type": draw(st.sampled_from(["rms", "layer"])),
+                                "scope": draw(st.sampled_from(["head", "all"])), "weight": draw(st.booleans())}
     if draw(st.integers(0, 2)) == 0:
         fields["output_gate"] = {"scope": draw(st.sampled_from(["element", "head"])), "bias": draw(st.booleans())}
     return fields

@@ -209,13 +209,13 @@ def test_low_precision_rule_softmax_in_float32(dtype):
 def test_trace_names_every_stage_in_order():
     from impl_numpy import STAGES
 
-    optional = {"query.norm", "key.norm", "query.rope", "key.rope", "softcap", "query.clip", "key.clip",
+    optional = {"query.norm", "key.norm", "value.norm", "query.rope", "key.rope", "softcap", "query.clip", "key.clip",
                 "value.clip", "query.temperature", "alibi", "gate.project", "gate"}
     plain = AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
     every = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, rope={}, qk_norm={"type": "rms"},
                             logit_softcap=5.0, use_sinks=True, window_left=1, alibi=True, local_chunk=2,
                             query_temperature={"beta": 0.1, "floor": 2.0}, qkv_clip=1.0,
-                            output_gate={"scope": "head"})
+                            output_gate={"scope": "head"}, value_norm={"type": "rms", "weight": False})
     for config, expected in ((plain, tuple(s for s in STAGES if s not in optional)), (every, STAGES)):
         trace = []
         multi_head_attention(config, weights.init(config, seed=0), np.ones((1, 2, 4), np.float32), trace=trace)

@@ -18,11 +18,12 @@ import numpy as np
 OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
                    "segment_ids", "key_segment_ids")
 
-# The traced stages, in order (docs/spec.md); a call records the ones it runs (clip, norm, rope, temperature,
-# softcap, alibi and the gate only when configured).
+# The traced stages, in order (docs/spec.md); a call records the ones it runs (clip, norms, rope, temperature,
+# softcap, alibi and the gate only when configured; query.norm and key.norm after the rope stages where the
+# norm runs after RoPE).
 STAGES = (
     "query.project", "key.project", "value.project", "query.clip", "key.clip", "value.clip", "query.norm",
-    "key.norm", "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
+    "key.norm", "value.norm", "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
     "query.temperature", "logits", "softcap", "alibi", "mask", "softmax", "dropout", "attend", "gate.project",
     "gate", "merge_heads", "output",
 )

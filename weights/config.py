@@ -173,27 +173,44 @@ class Rope:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QKNorm:
-    """Normalisation of q and k after projection, before RoPE."""
+    """Normalisation of q and k after projection, before RoPE (after it with after_rope); value_norm's too."""
 
     type: str  # "rms" (x / sqrt(mean x^2 + eps) * scale) | "layer" ((x - mean) / sqrt(var + eps) * scale + bias)
     eps: float = 1e-6  # inside the square root
     scope: str = "head"  # "head": over H of each head (Qwen3, Gemma 3); "all": over the whole N*H or K*H (OLMo 2)
+    weight: bool = True  # False: no scale (nor bias) tensor (Llama 4's L2 norm, Gemma 3n's value norm)
+    per_head: bool = False  # scope "head" with one scale per head: tensors (N, H) / (K, H) (Cohere)
+    after_rope: bool = False  # the norm runs after RoPE (Llama 4's rope layers); q and k only
+
+    # The keys added after the first three: written only where they differ from these defaults, so a file
+    # that does not use them reads byte for byte as before.
+    _LATER = {"weight": True, "per_head": False, "after_rope": False}
 
     @classmethod
-    def from_value(cls, value: Any) -> QKNorm | None:
+    def from_value(cls, value: Any, name: str = "qk_norm") -> QKNorm | None:
         if value is None or isinstance(value, QKNorm):
             return value
-        data = _object("qk_norm", value, ("type", "eps", "scope"))
+        data = _object(name, value, ("type", "eps", "scope", *cls._LATER))
         if data.get("type") not in QK_NORM_TYPES:
-            raise ValueError(f"qk_norm.type must be one of {', '.join(QK_NORM_TYPES)}: got {_shown(data.get('type'))}")
+            raise ValueError(f"{name}.type must be one of {', '.join(QK_NORM_TYPES)}: got {_shown(data.get('type'))}")
         if data.get("scope", "head") not in QK_NORM_SCOPES:
-            raise ValueError(f"qk_norm.scope must be one of {', '.join(QK_NORM_SCOPES)}: "
+            raise ValueError(f"{name}.scope must be one of {', '.join(QK_NORM_SCOPES)}: "
                              f"got {_shown(data.get('scope'))}")
-        eps = _finite_number("qk_norm.eps", data.get("eps", 1e-6), positive=True)
-        return cls(type=data["type"], eps=eps, scope=data.get("scope", "head"))
+        eps = _finite_number(f"{name}.eps", data.get("eps", 1e-6), positive=True)
+        flags = {key: data.get(key, default) for key, default in cls._LATER.items()}
+        for key, flag in flags.items():
+            _check_bool(f"{name}.{key}", flag)
+        if flags["per_head"] and data.get("scope", "head") != "head":
+            raise ValueError(f"{name}.per_head needs scope head (scope all already has one scale per feature of "
+                             "every head)")
+        if flags["per_head"] and not flags["weight"]:
+            raise ValueError(f"{name}.per_head needs weight true (per-head scales are weights)")
+        return cls(type=data["type"], eps=eps, scope=data.get("scope", "head"), **flags)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, "eps": self.eps, "scope": self.scope}
+        data = {"type": self.type, "eps": self.eps, "scope": self.scope}
+        data.update({key: getattr(self, key) for key, default in self._LATER.items() if getattr(self, key) != default})
+        return data
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -250,9 +267,10 @@ class OutputGate:
 # The modern fields and their defaults: `to_json` leaves a field out while it holds its default.
 MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1,
                                    "qk_norm": None, "use_sinks": False, "alibi": False, "local_chunk": None,
-                                   "query_temperature": None, "qkv_clip": None, "output_gate": None}
+                                   "query_temperature": None, "qkv_clip": None, "output_gate": None,
+                                   "value_norm": None}
 # The fields that are objects (a dict converts; to_dict gives their dict form).
-_OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate")
+_OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate", "value_norm")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -286,6 +304,7 @@ class AttentionConfig:
     query_temperature: QueryTemperature | None = None  # a position-dependent query scale after RoPE (a dict converts)
     qkv_clip: float | None = None  # c: q, k, v clamped to [-c, c] right after their projections (MPT, OLMo)
     output_gate: OutputGate | None = None  # sigmoid gate on the context before merge_heads (a dict converts)
+    value_norm: QKNorm | None = None  # normalise v after projection, as qk_norm does q and k (Gemma 3n / 4)
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -355,6 +374,10 @@ class AttentionConfig:
         if self.qkv_clip is not None:
             object.__setattr__(self, "qkv_clip", _finite_number("qkv_clip", self.qkv_clip, positive=True))
         object.__setattr__(self, "output_gate", OutputGate.from_value(self.output_gate))
+        value_norm = QKNorm.from_value(self.value_norm, "value_norm")
+        if value_norm is not None and value_norm.after_rope:
+            raise ValueError("value_norm.after_rope must be false (RoPE never turns v)")
+        object.__setattr__(self, "value_norm", value_norm)
 
     # -- derived quantities -------------------------------------------------
     @property
@@ -386,6 +409,7 @@ class AttentionConfig:
         shapes["value.kernel"] = (self.value_dim, K, V)
         if self.use_value_bias:
             shapes["value.bias"] = (K, V)
+        shapes.update(self._norm_shapes("value", K))
         shapes["output.kernel"] = (N, V, self.out_dim)
         if self.use_output_bias:
             shapes["output.bias"] = (self.out_dim,)
@@ -401,11 +425,14 @@ class AttentionConfig:
         return shapes
 
     def _norm_shapes(self, prefix: str, heads: int) -> dict[str, tuple[int, ...]]:
-        """query.norm.* / key.norm.*: (H,) shared by every head, or (heads, H) over the whole projection."""
-        if self.qk_norm is None:
+        """query.norm.* / key.norm.* / value.norm.*: (W,) shared by every head, or (heads, W) per head or over
+        the whole projection (W: H, or V for the value norm); none for a weightless norm."""
+        norm = self.value_norm if prefix == "value" else self.qk_norm
+        if norm is None or not norm.weight:
             return {}
-        shape = (self.head_dim,) if self.qk_norm.scope == "head" else (heads, self.head_dim)
-        names = ("scale", "bias") if self.qk_norm.type == "layer" else ("scale",)
+        width = self.value_head_dim if prefix == "value" else self.head_dim
+        shape = (width,) if norm.scope == "head" and not norm.per_head else (heads, width)
+        names = ("scale", "bias") if norm.type == "layer" else ("scale",)
         return {f"{prefix}.norm.{name}": shape for name in names}
 
     @property

@@ -152,7 +152,8 @@ def _modern_grid() -> list[Case]:
 
 
 def _frontier_grid() -> list[Case]:
-    """ALiBi, local chunks, the query temperature, the QKV clip, output gates, and all of them together."""
+    """ALiBi, local chunks, the query temperature, the QKV clip, output gates, the QK-norm variants (per-head
+    weights, after RoPE), the value norm, and all of them together."""
     cross = dict(self_attention=False, T=4, S=6)
     causal = dict(is_causal=True)
     decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
@@ -170,6 +171,15 @@ def _frontier_grid() -> list[Case]:
         Case("output_gate_element", _cfg(value_head_dim=3, out_dim=6, output_gate={"scope": "element", "bias": True}),
              **cross),
         Case("output_gate_head", _cfg(num_heads=4, num_kv_heads=2, output_gate={"scope": "head"}), **causal),
+        Case("qk_norm_per_head_layer", _cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "per_head": True}),
+             **cross),
+        # weighted, so that the order shows: a weightless RMS norm over a head commutes with RoPE (a rotation
+        # keeps the norm), Llama 4's included
+        Case("norm_after_rope_chunked", _cfg(rope={"interleaved": True}, local_chunk=4,
+                                             qk_norm={"type": "rms", "eps": 1e-5, "after_rope": True}), T=7, S=7,
+             **causal),
+        Case("value_norm", _cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "rms"},
+                                value_norm={"type": "rms", "weight": False}), **causal),
         Case("frontier_everything",
              _cfg(num_heads=4, num_kv_heads=2, head_dim=8, rope={"rotary_dim": 4}, alibi=True, local_chunk=5,
                   query_temperature={"beta": 0.1, "floor": 4.0, "offset": 0}, qkv_clip=0.8, use_sinks=True,
@@ -360,7 +370,8 @@ def _with_modern_features(case: Case, rng, pick) -> Case:
 
 
 def _with_frontier_features(case: Case, rng) -> Case:
-    """ALiBi, local chunks, the query temperature, the QKV clip and the output gate, each one in two."""
+    """ALiBi, local chunks, the query temperature, the QKV clip and the output gate, each one in two; the value
+    norm and the later QK-norms (weightless, per-head weights, after RoPE) less often."""
     pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
     features: dict[str, Any] = {}
     if rng.random() < 0.5:
@@ -374,4 +385,11 @@ def _with_frontier_features(case: Case, rng) -> Case:
         features["qkv_clip"] = pick([0.2, 0.6, 4.0])
     if rng.random() < 0.5:
         features["output_gate"] = {"scope": pick(["element", "head"]), "bias": bool(rng.random() < 0.5)}
+    if rng.random() < 0.3:
+        features["value_norm"] = {"type": pick(["rms", "layer"]), "scope": pick(["head", "all"]),
+                                  "weight": bool(rng.random() < 0.5)}
+    if rng.random() < 0.4:  # a QK-norm of the later kinds: weightless, per-head weights, after RoPE
+        weight = bool(rng.random() < 0.6)
+        features["qk_norm"] = {"type": pick(["rms", "layer"]), "weight": weight,
+                               "per_head": weight and bool(rng.random() < 0.5), "after_rope": bool(rng.random() < 0.5)}
     return dataclasses.replace(case, config=dataclasses.replace(case.config, **features)) if features else case

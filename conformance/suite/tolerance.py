@@ -71,7 +71,8 @@ The modern stages lengthen L (modern_length):
   position, as the error does. (cos and sin of a large angle add no more
   than the angle's own rounding: both are computed to within an ulp.)
 * QK-norm: a mean of squares over H (head scope) or the whole N*H / K*H
-  (all), one more reduction of that length before the logits.
+  (all), one more reduction of that length before the logits; the value
+  norm the same over V or K*V.
 * Sinks: one more term in every softmax denominator (S + 1).
 * The cache: every key counts, S is S_total = P + S.
 * Softcap: c tanh(x / c) has slope <= 1, so it adds no error beyond one
@@ -249,6 +250,8 @@ def modern_length(config, max_position: int) -> int:
     if config.qk_norm is not None:
         heads = 1 if config.qk_norm.scope == "head" else max(config.num_heads, config.num_kv_heads)
         extra += heads * config.head_dim
+    if config.value_norm is not None:  # the same reduction over the value features
+        extra += (1 if config.value_norm.scope == "head" else config.num_kv_heads) * config.value_head_dim
     if config.use_sinks:
         extra += 1
     if config.output_gate is not None:  # the gate's projection: one more reduction over the query input

@@ -12,7 +12,8 @@ Which path honours which feature:
 - SDPA (use_sdpa=True): masks, bias, causal, windows, local chunks and
   segment ids (one bool mask, built by functional.allowed_mask), ALiBi
   (its bias joins the call's in SDPA's float mask), with the clip, RoPE,
-  QK-norm, the query temperature and the cache applied before it
+  QK-norm (before or after RoPE), the value norm, the query temperature and
+  the cache applied before it
   (qkv_heads) and the output gate after it. Softcap and sinks have no SDPA
   counterpart: a config with either takes the stages instead.
 torch has no chunked path (no chunk_size argument): SDPA's kernels already
@@ -28,7 +29,14 @@ import torch
 
 from weights import DTYPES, AttentionConfig, WeightsFormatError, validate_tensors
 from weights.call import record
-from weights.contract import CallShapes, Plan, check_bias_values, check_call, in_place_buffer_error
+from weights.contract import (
+    CallShapes,
+    Plan,
+    check_bias_values,
+    check_call,
+    check_position_values,
+    in_place_buffer_error,
+)
 from weights.rope import rope_tables
 
 from . import functional as F
@@ -128,6 +136,16 @@ def _check_bias_values(bias: torch.Tensor) -> None:
         check_bias_values(bias[bad][:1].double().cpu().numpy())  # raises, in the contract's words
 
 
+def _check_position_values(config: AttentionConfig, positions: torch.Tensor | None) -> None:
+    """The contract's check of the positions a query temperature reads (position + offset >= 0). It reads
+    one value (the least) on the host, so torch.compile skips it (it would split the graph)."""
+    if config.query_temperature is None or positions is None or positions.numel() == 0:
+        return
+    if torch.compiler.is_compiling():
+        return
+    check_position_values(config, positions.min().reshape(1).cpu().numpy())  # raises, in the contract's words
+
+
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
@@ -170,6 +188,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         materializes_scores=materializes_scores and not torch.compiler.is_compiling() and query.device.type == "cpu",
         scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8, keys_given=keys_given,
     )
+    _check_position_values(config, given.get("positions"))
     T, S_total = shapes.T, shapes.S_total
     in_place = shapes.capacity is not None
     if in_place:
@@ -247,8 +266,8 @@ def refuse_autograd(query, key, value, tensors, bias, past_key, past_value) -> N
 
 
 def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value):
-    """project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature] -> [cache appended]: q (B, N,
-    T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
+    """project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after rope] -> [query temperature] -> [cache
+    appended]: q (B, N, T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
     present cache)."""
     p, N, K = call.params, config.num_heads, config.num_kv_heads
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
@@ -258,10 +277,15 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         q = rec("query.clip", F.clip(q, config.qkv_clip))
         k = rec("key.clip", F.clip(k, config.qkv_clip))
         v = rec("value.clip", F.clip(v, config.qkv_clip))
-    if config.qk_norm is not None:
-        n = config.qk_norm
-        q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N, n.scope))
-        k = rec("key.norm", F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    n = config.qk_norm
+    if n is not None and not n.after_rope:
+        q = rec("query.norm", F.norm(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps, N,
+                                     n.scope))
+        k = rec("key.norm", F.norm(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    if config.value_norm is not None:
+        vn = config.value_norm
+        v = rec("value.norm", F.norm(v, p.get("value.norm.scale"), p.get("value.norm.bias"), vn.type, vn.eps, K,
+                                     vn.scope))
     q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
@@ -270,6 +294,10 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if n is not None and n.after_rope:  # Llama 4's rope layers: the (weightless) norm of the turned q and k
+        q = rec("query.norm", F.norm_heads(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps,
+                                           n.scope))
+        k = rec("key.norm", F.norm_heads(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, n.scope))
     if config.query_temperature is not None:
         t = config.query_temperature
         q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,

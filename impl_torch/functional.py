@@ -8,8 +8,8 @@ NumPy spec; torch ops only. Shape letters as in impl_numpy:
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
 Stages (the bracketed ones where the config turns them on):
-project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature]
--> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
+project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after rope]
+-> [query temperature] -> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
 causal, window, local chunks, segments) -> softmax [+ sinks] -> dropout ->
 attend -> [gate] -> merge_heads -> output.
 
@@ -57,25 +57,41 @@ def clip(x: torch.Tensor, c: float) -> torch.Tensor:
     return torch.clamp(x, -c, c)
 
 
-def norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float, heads: int,
+def norm(x: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, kind: str, eps: float, heads: int,
          scope: str) -> torch.Tensor:
-    """QK-norm of a projection x (B, L, F = heads*H), in compute dtype.
-    scope "head": each head's H features normalised on their own, scale/bias (H,)
-    shared by the heads (Qwen3, Gemma 3); "all": the whole F at once, scale/bias
-    (heads, H) (OLMo 2). Runs before split_heads in both scopes (on the flat
-    projection), so its trace has one layout. kind "rms": x / sqrt(mean(x^2) +
-    eps) * scale; "layer": (x - mean) / sqrt(var + eps) * scale + bias."""
+    """QK-norm (or the value norm) of a projection x (B, L, F = heads*W), in compute dtype.
+    scope "head": each head's W features normalised on their own, scale/bias (W,)
+    shared by the heads (Qwen3, Gemma 3) or (heads, W), one per head (Cohere);
+    "all": the whole F at once, scale/bias (heads, W) (OLMo 2); scale None: a
+    weightless norm (Llama 4's L2 norm, Gemma 3n's value norm). Runs on the
+    flat projection in both scopes ("head" views it as (B, L, heads, W)
+    inside), so its trace has one layout (a norm after RoPE: norm_heads).
+    kind "rms": x / sqrt(mean(x^2) + eps) * scale; "layer": (x - mean) /
+    sqrt(var + eps) * scale + bias (eps inside the root)."""
     B, L, F = x.shape
     ct = compute_dtype(x.dtype)
     width = F // heads if scope == "head" else F
-    y = x.to(ct).reshape(B, L, F // width, width)  # (B, L, heads|1, H|F)
+    y = x.to(ct).reshape(B, L, F // width, width)  # (B, L, heads|1, W|F)
+
+    def per_feature(t):  # (W,) or (heads, W) on (B, L, heads, W); (heads, W) as (F,) on (B, L, 1, F)
+        return t.to(ct).reshape(-1) if scope == "all" else t.to(ct)
+
     if kind == "layer":
         y = y - y.mean(dim=-1, keepdim=True)
     y = y / torch.sqrt((y * y).mean(dim=-1, keepdim=True) + eps)
-    y = y * scale.to(ct).reshape(-1)  # (H,) on every head, or (heads, H) flat as (F,)
+    if scale is not None:
+        y = y * per_feature(scale)
     if bias is not None:
-        y = y + bias.to(ct).reshape(-1)
+        y = y + per_feature(bias)
     return y.reshape(B, L, F).to(x.dtype)  # (B, L, F)
+
+
+def norm_heads(x: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, kind: str, eps: float,
+               scope: str) -> torch.Tensor:
+    """The norm of x (B, heads, L, W) after RoPE: norm() on its flat (B, L, heads*W) view -> (B, heads, L, W)."""
+    B, heads, L, W = x.shape
+    flat = x.transpose(1, 2).reshape(B, L, heads * W)
+    return split_heads(norm(flat, scale, bias, kind, eps, heads, scope), heads)
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

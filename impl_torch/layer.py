@@ -17,15 +17,20 @@ canonical tensors are views of them:
 | query.norm.bias (layer)     | query_norm.bias               | bias.reshape(shape)       |
 | key.norm.scale (H,)/(K, H)  | key_norm.weight (H,)/(K*H,)   | weight.reshape(shape)     |
 | key.norm.bias (layer)       | key_norm.bias                 | bias.reshape(shape)       |
+| value.norm.scale (V,)/(K, V)| value_norm.weight (V,)/(K*V,) | weight.reshape(shape)     |
+| value.norm.bias (layer)     | value_norm.bias               | bias.reshape(shape)       |
 | sinks (N,)                  | sinks (N,)                    | as is                     |
 | alibi.slopes (N,)           | alibi_slopes (N,)             | as is                     |
 | gate.kernel (D, N, V)/(D, N)| gate.weight (N*V|N, D)        | weight.T.reshape(shape)   |
 | gate.bias (N, V)/(N,)       | gate.bias (N*V|N,)            | bias.reshape(shape)       |
 
-The QK-norm parameters live in nn.RMSNorm / nn.LayerNorm modules over the
-normalised width (H for scope "head", the whole projection for "all"), as a
-torch port holds them; only their parameters are used (the computation is
-functional.norm, the spec's stage). The output gate is one more nn.Linear
+The QK-norm and value-norm parameters live in nn.RMSNorm / nn.LayerNorm
+modules over the normalised width (H, or V for the value norm, for scope
+"head"; the whole projection for "all"), as a torch port holds them; a
+per_head norm's in a PerHeadNorm whose weight (and bias) is already (heads,
+W) (Cohere's); a weightless norm (weight false) has no module at all. Only
+their parameters are used (the computation is functional.norm, the spec's
+stage, before or after RoPE as the config says). The output gate is one more nn.Linear
 from the query input (Qwen3-Next keeps its rows in q_proj; here they stand
 apart, as the canonical gate.kernel does).
 
@@ -46,7 +51,9 @@ from torch import nn
 import weights
 from weights import AttentionConfig
 from weights.alibi import bloom_slopes
+from weights.config import QKNorm
 
+from . import functional as F
 from .attention import multi_head_attention
 from .convert import to_numpy, to_torch, torch_dtype
 from .device import matmul_precision, torch_device
@@ -66,9 +73,33 @@ def _layout(config: AttentionConfig) -> dict[str, tuple[str, str, tuple[int, ...
     return out
 
 
-def _norm_module(config: AttentionConfig, heads: int, kw) -> nn.Module:
-    n = config.qk_norm
-    width = config.head_dim * (1 if n.scope == "head" else heads)
+class PerHeadNorm(nn.Module):
+    """A norm over each head's W features with one scale (and, for "layer", one bias) per head: weight and
+    bias (heads, W), as Cohere's CohereLayerNorm((heads, head_dim)) holds them. forward(x (B, L, heads*W)) is
+    functional.norm with scope "head"."""
+
+    def __init__(self, kind: str, heads: int, width: int, eps: float, *, device=None, dtype=None):
+        super().__init__()
+        self.kind, self.heads, self.eps = kind, heads, eps
+        self.weight = nn.Parameter(torch.ones(heads, width, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(heads, width, device=device, dtype=dtype)) if kind == "layer" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.norm(x, self.weight, self.bias, self.kind, self.eps, self.heads, "head")
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, heads={self.heads}, width={self.weight.shape[-1]}, eps={self.eps}"
+
+
+def _norm_module(n: QKNorm, heads: int, width: int, kw) -> nn.Module | None:
+    """The module holding a norm's tensors over width W (H, or V for the value norm): nn.RMSNorm /
+    nn.LayerNorm over W (scope "head") or heads*W (scope "all"), PerHeadNorm for per_head; None for a
+    weightless norm (it has no tensors)."""
+    if not n.weight:
+        return None
+    if n.per_head:
+        return PerHeadNorm(n.type, heads, width, n.eps, **kw)
+    width = width * (1 if n.scope == "head" else heads)
     if n.type == "rms":
         return nn.RMSNorm(width, eps=n.eps, **kw)
     return nn.LayerNorm(width, eps=n.eps, **kw)
@@ -77,7 +108,7 @@ def _norm_module(config: AttentionConfig, heads: int, kw) -> nn.Module:
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with the contract's options (mask, bias, causal with
     both alignments, masked_row, GQA, dropout with an explicit keep-mask,
-    return_weights; RoPE, QK-norm, softcap, windows, sinks, ALiBi, local
+    return_weights; RoPE, QK-norm, the value norm, softcap, windows, sinks, ALiBi, local
     chunks, the query temperature, the QKV clip, output gates, the KV cache
     and segment ids where the config and the call ask) on any device and dtype.
 
@@ -99,9 +130,11 @@ class MultiHeadAttention(nn.Module):
         self.key = nn.Linear(c.key_dim, c.num_kv_heads * c.head_dim, bias=c.use_key_bias, **kw)
         self.value = nn.Linear(c.value_dim, c.num_kv_heads * c.value_head_dim, bias=c.use_value_bias, **kw)
         self.output = nn.Linear(c.num_heads * c.value_head_dim, c.out_dim, bias=c.use_output_bias, **kw)
-        if c.qk_norm is not None:
-            self.query_norm = _norm_module(c, c.num_heads, kw)
-            self.key_norm = _norm_module(c, c.num_kv_heads, kw)
+        if c.qk_norm is not None and c.qk_norm.weight:
+            self.query_norm = _norm_module(c.qk_norm, c.num_heads, c.head_dim, kw)
+            self.key_norm = _norm_module(c.qk_norm, c.num_kv_heads, c.head_dim, kw)
+        if c.value_norm is not None and c.value_norm.weight:
+            self.value_norm = _norm_module(c.value_norm, c.num_kv_heads, c.value_head_dim, kw)
         if c.use_sinks:
             self.sinks = nn.Parameter(torch.zeros(c.num_heads, **kw))  # (N,); 0: the sink starts as one more key
         if c.alibi:  # (N,): BLOOM's (and MPT's default) slopes, as a model that trains them starts

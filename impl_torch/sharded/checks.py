@@ -51,10 +51,15 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
     """Why this sharded call is not built, or None."""
     if trace:
         return "a sharded call returns no trace: no process runs every stage on the whole call"
+    qk = config.qk_norm
     frontier = [name for name, on in (("alibi", config.alibi), ("local_chunk", config.local_chunk is not None),
                                       ("query_temperature", config.query_temperature is not None),
                                       ("qkv_clip", config.qkv_clip is not None),
-                                      ("output_gate", config.output_gate is not None)) if on]
+                                      ("output_gate", config.output_gate is not None),
+                                      ("value_norm", config.value_norm is not None),
+                                      ("qk_norm.weight false", qk is not None and not qk.weight),
+                                      ("qk_norm.per_head", qk is not None and qk.per_head),
+                                      ("qk_norm.after_rope", qk is not None and qk.after_rope)) if on]
     if frontier:
         return (f"the sharded engines do not compute the frontier fields yet (docs/spec-frontier.md): "
                 f"{', '.join(frontier)}")

@@ -24,6 +24,7 @@ from weights.contract import (
     in_place_buffer_error,
 )
 from weights.dtypes import is_float
+from weights.rope import rope_tables
 
 from . import functional as F
 from .heads import qkv_heads
@@ -60,6 +61,16 @@ class Call:
                               segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids,
                               local_chunk=config.local_chunk, positions=self.positions,
                               key_positions=self.every_key_position)
+
+    @property
+    def max_position(self) -> int | None:
+        """The call's largest position (its queries' and new keys'): longrope's choice of table."""
+        given = [int(x.max()) for x in (self.positions, self.key_positions) if x is not None and x.size]
+        return max(given) if given else None
+
+    def rope_tables(self, config: AttentionConfig):
+        """weights.rope.rope_tables for this call (longrope picks its table by the call's largest position)."""
+        return rope_tables(config.rope, self.max_position)
 
     @property
     def every_key_position(self) -> np.ndarray | None:

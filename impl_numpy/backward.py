@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 
 from weights import compute_dtype
-from weights.rope import rope_tables
 
 from . import functional as F
 from .attention import prepare
@@ -144,7 +143,7 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     if rope_cfg is not None:
         R, inter = rope_cfg.rotary_dim, rope_cfg.interleaved
         if not magnitude:
-            inv_freq, factor = rope_tables(config.rope)
+            inv_freq, factor = call.rope_tables(config)
             for name, positions in (("query", call.positions), ("key", call.key_positions)):
                 angles = F.rope_angles(positions, inv_freq, dtype)
                 kept[name + ".rope"] = (np.cos(angles) * ct.type(factor), np.sin(angles) * ct.type(factor))

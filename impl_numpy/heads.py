@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 from weights import AttentionConfig
-from weights.rope import rope_tables
 
 from . import functional as F
 
@@ -40,7 +39,7 @@ def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, 
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config.rope)
+        inv_freq, factor = call.rope_tables(config)
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from weights.rope import rope_tables
 
 from . import functional as F
 from .attention import multi_head_attention, prepare
@@ -142,7 +141,7 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config.rope)
+        inv_freq, factor = call.rope_tables(config)
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
 
         # rope: with the true cos/sin (times the attention factor), (x1 c - x2 s, x2 c + x1 s) becomes

@@ -82,9 +82,12 @@ def port(config, tensors, inputs, options, bug=None):
         if bug == "packed_positions_not_restarted" and "segment_ids" in inputs:
             # the caller's restarted positions dropped: the row counted 0..T-1 across its documents
             positions, key_positions = start + np.arange(T), start + np.arange(k.shape[2])
-        q, k = _rope(q, positions, config, H, bug), _rope(k, key_positions, config, H, bug)
+        longest = max(int(np.max(positions)), int(np.max(key_positions)))  # longrope's choice of table
+        if bug == "longrope_table_by_length":  # the call's length where its largest position decides
+            longest = max(T, k.shape[2]) - 1
+        q, k = _rope(q, positions, config, H, bug, longest), _rope(k, key_positions, config, H, bug, longest)
         if bug == "rope_on_value" and V == H:
-            v = _rope(v, key_positions, config, H, bug)
+            v = _rope(v, key_positions, config, H, bug, longest)
     norm = config.get("qk_norm")
     if norm and norm.get("after_rope") and bug != "norm_before_rope":  # the norm of the turned heads
         def flat_norm(x, name, heads):
@@ -234,23 +237,37 @@ def _qk_norm(y, t, name, heads, H, norm, bug):
     return g
 
 
-def _rope(x, positions, config, H, bug):
-    """Rotary embedding of x (B, heads, L, H) at positions (L,) or (B, L), written out as a port would."""
+def _rope(x, positions, config, H, bug, longest):
+    """Rotary embedding of x (B, heads, L, H) at positions (L,) or (B, L), written out as a port would.
+    longest: the call's largest position (longrope's choice of table)."""
     from weights.config import Rope
     from weights.rope import attention_factor, inverse_frequencies
 
     rope = config["rope"]
     R = H if bug == "partial_rotary_whole_head" else rope["rotary_dim"]
     scaling = rope["scaling"]
-    if scaling is None or (bug == "llama3_scaling_ignored" and scaling["type"] == "llama3"):
+    kind = None if scaling is None else scaling["type"]
+    if kind == "proportional" and bug == "proportional_as_partial":  # an ordinary partial rotary of the share
+        R = 2 * int(scaling["partial_rotary_factor"] * R // 2)
+        kind = "plain"
+    if scaling is None or kind == "plain" or (bug == "llama3_scaling_ignored" and kind == "llama3"):
         inv_freq = 1.0 / rope["theta"] ** (np.arange(0, R, 2) / R)
+    elif kind == "longrope":  # written out: the base frequencies over the short or the long factors
+        table = "long_factor" if longest + 1 > scaling["original_max_position_embeddings"] else "short_factor"
+        inv_freq = 1.0 / (np.asarray(scaling[table]) * rope["theta"] ** (np.arange(0, R, 2) / R))
+    elif kind == "proportional":  # the first share of the pairs turn, over the whole head; the rest stand still
+        turning = int(scaling["partial_rotary_factor"] * R // 2)
+        inv_freq = np.where(np.arange(R // 2) < turning, rope["theta"] ** (-np.arange(0, R, 2) / R), 0.0)
+        inv_freq = inv_freq / scaling["factor"]
     else:  # the scaled rules from weights.rope (tests/test_rope.py checks them against transformers)
         inv_freq = inverse_frequencies(Rope.from_value(dict(rope, rotary_dim=R)))
     if bug == "rope_freqs_bfloat16":
         inv_freq = inv_freq.astype(ml_dtypes.bfloat16).astype(np.float64)
     factor = 1.0
-    if scaling is not None and scaling["type"] == "yarn" and bug != "yarn_attention_factor_ignored":
+    if kind == "yarn" and bug != "yarn_attention_factor_ignored":
         factor = attention_factor(Rope.from_value(rope))
+    if kind == "longrope":
+        factor = scaling["attention_factor"]
     angle = np.asarray(positions, np.float64).reshape(-1, 1, np.shape(positions)[-1], 1) * inv_freq  # (B|1, 1, L, R/2)
     cos, sin = np.cos(angle) * factor, np.sin(angle) * factor
     interleaved = rope["interleaved"] != (bug == "rope_convention_swapped")
@@ -328,6 +345,10 @@ MUTANTS = {
     "norm_before_rope": "a QK-norm that runs after RoPE applied before it",
     "per_head_norm_weights_averaged": "per-head QK-norm weights (Cohere) averaged into one scale for every head",
     "value_norm_ignored": "the value norm (Gemma 3n / 4) left out",
+    "longrope_table_by_length": "LongRoPE's table chosen by the call's length instead of its largest position "
+                                "(a decode step far into the context keeps the short table)",
+    "proportional_as_partial": "Gemma 4's proportional RoPE read as an ordinary partial rotary of the same share "
+                               "(pairs i, i + R/2 of the first features, frequencies over R)",
 }
 
 

@@ -112,3 +112,73 @@ def test_modern_config_round_trips_and_plain_files_stay_plain():
         assert f'"{name}"' not in plain.to_json() and f'"{name}"' in config.to_dict().__repr__().replace("'", '"')
     shapes = config.tensor_shapes()
     assert shapes["query.norm.scale"] == (2, 4) and shapes["key.norm.bias"] == (2, 4) and shapes["sinks"] == (2,)
+
+
+def _longrope(R=64):
+    """Phi-3.5-like: factor 32 (131072 / 4096), factor lists of R/2 entries rising towards the slow pairs."""
+    rng = np.random.default_rng(17)
+    return {"type": "longrope", "factor": 32.0, "original_max_position_embeddings": 4096,
+            "short_factor": (1.0 + rng.random(R // 2) * 0.5).tolist(),
+            "long_factor": (1.0 + np.linspace(0, 40, R // 2) + rng.random(R // 2)).tolist()}
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_longrope_matches_transformers(long):
+    """transformers' _compute_longrope_parameters picks long_factor when seq_len > original (its longrope
+    update passes seq_len = max(position_ids) + 1); weights.rope picks by the call's largest position."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from weights.rope import rope_tables
+
+    theta, R = 10000.0, 64
+    scaling = _longrope(R)
+    parameters = {"rope_type": "longrope", "rope_theta": theta, **{k: v for k, v in scaling.items() if k != "type"}}
+    config = transformers.LlamaConfig(hidden_size=R * 2, num_attention_heads=2, head_dim=R,
+                                      max_position_embeddings=131072, rope_parameters=parameters)
+    max_position = 4096 if long else 4095  # + 1 past the original 4096, or exactly at it
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=max_position + 1)
+    got, factor = rope_tables(_rope(scaling, theta, R), max_position)
+    np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-6, atol=0)
+    assert factor == pytest.approx(float(expected_factor), rel=1e-6)
+    assert factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-12)
+    wanted = scaling["long_factor" if long else "short_factor"]  # the rule written out
+    np.testing.assert_allclose(got, theta ** (-np.arange(0, R, 2) / R) / np.asarray(wanted), rtol=1e-14)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 1.0])
+def test_proportional_matches_transformers(share):
+    """Gemma 4's proportional RoPE: pairs over the whole head, the first share of them turning at
+    theta^(-2i/H) / factor, the rest at 0."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta, H = 1000000.0, 64
+    scaling = {"type": "proportional", "partial_rotary_factor": share, "factor": 2.0}
+    parameters = {"rope_type": "proportional", "rope_theta": theta, "partial_rotary_factor": share, "factor": 2.0}
+    config = transformers.LlamaConfig(hidden_size=H * 2, num_attention_heads=2, head_dim=H,
+                                      rope_parameters=parameters)
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu")
+    got = inverse_frequencies(_rope(scaling, theta, H))
+    np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-6, atol=0)
+    assert attention_factor(_rope(scaling, theta, H)) == float(expected_factor) == 1.0
+    turning = int(share * H // 2)
+    written = np.where(np.arange(H // 2) < turning, theta ** (-np.arange(0, H, 2) / H), 0.0) / 2.0
+    np.testing.assert_allclose(got, written, rtol=1e-14)
+
+
+@pytest.mark.parametrize("scaling,words", [
+    ({"type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16, "short_factor": [1, 1],
+      "long_factor": [1, 1, 1]}, "rope.scaling.short_factor must have rotary_dim / 2 = 3 entries: got 2"),
+    ({"type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16, "short_factor": [1, 1, 1],
+      "long_factor": [1, 0, 1]}, "rope.scaling.long_factor must be a finite number > 0: got 0"),
+    ({"type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16, "long_factor": [1, 1, 1]},
+     "rope.scaling (longrope) is missing short_factor"),
+    ({"type": "proportional", "partial_rotary_factor": 1.5}, "rope.scaling.partial_rotary_factor must lie in [0, 1]"),
+])
+def test_bad_longrope_and_proportional_are_one_line(scaling, words):
+    with pytest.raises(ValueError) as info:
+        AttentionConfig(num_heads=2, query_dim=8, head_dim=8, rope={"rotary_dim": 6, "scaling": scaling})
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)

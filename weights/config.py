@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 MASKED_ROW_POLICIES = ("zero", "uniform", "nan")
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "proportional")
 QK_NORM_TYPES = ("rms", "layer")
 QK_NORM_SCOPES = ("head", "all")
 OUTPUT_GATE_SCOPES = ("element", "head")
@@ -73,6 +73,13 @@ _SCALING_KEYS: dict[str, dict[str, Any]] = {
     # attention_factor, when absent, follows from factor (and mscale / mscale_all_dim when both are given).
     "yarn": {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0, "beta_slow": 1.0,
              "attention_factor": None, "mscale": None, "mscale_all_dim": None, "truncate": True},
+    # LongRoPE (Phi-3.5, Phi-4-mini): factor is max_position_embeddings / original_max_position_embeddings (what
+    # transformers computes when the config has no factor); attention_factor, when absent, follows from it.
+    "longrope": {"factor": None, "original_max_position_embeddings": None, "short_factor": None,
+                 "long_factor": None, "attention_factor": None},
+    # Gemma 4's "proportional": the first partial_rotary_factor of the head's pairs turn at theta^(-2i/H), the
+    # rest not at all, every pair half-split over the whole head; factor divides the frequencies.
+    "proportional": {"factor": 1.0, "partial_rotary_factor": None},
 }
 
 
@@ -92,8 +99,11 @@ class RopeScaling:
     original_max_position_embeddings: int | None = None  # llama3, yarn: the pre-training context length
     beta_fast: float | None = None  # yarn: rotations at which the ramp starts (32)
     beta_slow: float | None = None  # yarn: rotations at which it ends (1)
-    attention_factor: float | None = None  # yarn: multiplies cos and sin (resolved: never None for yarn)
+    attention_factor: float | None = None  # yarn, longrope: multiplies cos and sin (resolved: never None there)
     truncate: bool | None = None  # yarn: round the ramp's ends to whole dimensions (true)
+    short_factor: tuple[float, ...] | None = None  # longrope: per pair, divides the frequencies for short calls
+    long_factor: tuple[float, ...] | None = None  # longrope: ... for calls past original_max_position_embeddings
+    partial_rotary_factor: float | None = None  # proportional: the share of the head's pairs that turn
 
     @classmethod
     def from_value(cls, value: Any) -> RopeScaling | None:
@@ -138,12 +148,38 @@ class RopeScaling:
             else:
                 attention = _yarn_mscale(factor)
             resolved["attention_factor"] = float(attention)
+        if kind == "longrope":
+            for key in ("short_factor", "long_factor"):
+                values = fields[key]
+                if not isinstance(values, (list, tuple)) or not values:
+                    raise ValueError(f"rope.scaling.{key} must be a list of numbers > 0: got {_shown(values)}")
+                resolved[key] = tuple(_finite_number(f"rope.scaling.{key}", v, positive=True) for v in values)
+            factor, original = resolved["factor"], resolved["original_max_position_embeddings"]
+            if fields["attention_factor"] is not None:
+                attention = _finite_number("rope.scaling.attention_factor", fields["attention_factor"], positive=True)
+            else:  # transformers' _compute_longrope_parameters, as the LongRoPE paper suggests
+                attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+            resolved["attention_factor"] = float(attention)
+        if kind == "proportional":
+            share = _finite_number("rope.scaling.partial_rotary_factor", fields["partial_rotary_factor"])
+            if not 0 <= share <= 1:
+                raise ValueError(f"rope.scaling.partial_rotary_factor must lie in [0, 1]: got {share}")
+            resolved["partial_rotary_factor"] = share
         return cls(**resolved)
 
+    def factor_lists_fit(self, rotary_dim: int) -> None:
+        """longrope: each factor list has one entry per rotating pair (rotary_dim / 2); ValueError otherwise."""
+        for key in ("short_factor", "long_factor"):
+            values = getattr(self, key)
+            if values is not None and len(values) != rotary_dim // 2:
+                raise ValueError(f"rope.scaling.{key} must have rotary_dim / 2 = {rotary_dim // 2} entries: got "
+                                 f"{len(values)}")
+
     def to_dict(self) -> dict[str, Any]:
-        """Only the keys of this type (the resolved form: yarn's attention_factor included)."""
-        return {"type": self.type, **{key: getattr(self, key) for key in _SCALING_KEYS[self.type]
+        """Only the keys of this type (the resolved form: yarn's and longrope's attention_factor included)."""
+        data = {"type": self.type, **{key: getattr(self, key) for key in _SCALING_KEYS[self.type]
                                       if key not in ("mscale", "mscale_all_dim")}}
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in data.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -356,6 +392,8 @@ class AttentionConfig:
             if rotary_dim > self.head_dim:
                 raise ValueError(f"rope.rotary_dim must be at most head_dim: got rotary_dim={rotary_dim}, "
                                  f"head_dim={self.head_dim}")
+            if rope.scaling is not None:
+                rope.scaling.factor_lists_fit(rotary_dim)
             rope = dataclasses.replace(rope, rotary_dim=rotary_dim)
         object.__setattr__(self, "rope", rope)
         if self.logit_softcap is not None:

@@ -22,6 +22,13 @@ radians per position, then:
   turns beta_fast and beta_slow times over original_max_position_embeddings
   (rounded outwards when truncate); cos and sin are multiplied by
   attention_factor.
+- longrope (Phi-3.5, Phi-4-mini): inv_freq / short_factor[i] for a call
+  whose largest position + 1 is at most original_max_position_embeddings,
+  inv_freq / long_factor[i] past it (the call's choice: rope_tables'
+  max_position); cos and sin are multiplied by attention_factor.
+- proportional (Gemma 4): the head's first partial_rotary_factor * R/2 pairs
+  turn at theta^(-2i/R) / factor, the rest not at all (frequency 0: cos 1,
+  sin 0), so the pairs stay half-split over the whole head.
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ import numpy as np
 from .config import Rope
 
 
-def inverse_frequencies(rope: Rope) -> np.ndarray:
-    """(rotary_dim/2,) float64 radians per position of each rotating pair."""
+def inverse_frequencies(rope: Rope, *, long: bool = False) -> np.ndarray:
+    """(rotary_dim/2,) float64 radians per position of each rotating pair (longrope: the short table, or
+    the long one with long=True)."""
     R = rope.rotary_dim
     base = rope.theta ** (-np.arange(0, R, 2, dtype=np.float64) / R)  # (R/2,)
     scaling = rope.scaling
@@ -43,6 +51,11 @@ def inverse_frequencies(rope: Rope) -> np.ndarray:
         return base
     if scaling.type == "linear":
         return base / scaling.factor
+    if scaling.type == "longrope":
+        return base / np.asarray(scaling.long_factor if long else scaling.short_factor, dtype=np.float64)
+    if scaling.type == "proportional":
+        turning = int(scaling.partial_rotary_factor * R // 2)  # transformers: int(partial_rotary_factor * H // 2)
+        return np.where(np.arange(R // 2) < turning, base, 0.0) / scaling.factor
     if scaling.type == "llama3":
         original = scaling.original_max_position_embeddings
         low_wavelength = original / scaling.low_freq_factor
@@ -72,18 +85,28 @@ def inverse_frequencies(rope: Rope) -> np.ndarray:
 
 
 def attention_factor(rope: Rope) -> float:
-    """What cos and sin are multiplied by: yarn's attention_factor, else 1."""
+    """What cos and sin are multiplied by: yarn's and longrope's attention_factor, else 1."""
     scaling = rope.scaling
-    return scaling.attention_factor if scaling is not None and scaling.type == "yarn" else 1.0
+    return scaling.attention_factor if scaling is not None and scaling.type in ("yarn", "longrope") else 1.0
 
 
-def rope_tables(rope: Rope) -> tuple[np.ndarray, float]:
+def uses_long_table(rope: Rope, max_position: int | None) -> bool:
+    """longrope: does a call whose largest position (queries' and new keys') is max_position take the long
+    table? True iff max_position + 1 > original_max_position_embeddings (transformers' longrope update:
+    seq_len = max(position_ids) + 1). Always False for the other rules."""
+    scaling = rope.scaling
+    return (scaling is not None and scaling.type == "longrope" and max_position is not None
+            and max_position + 1 > scaling.original_max_position_embeddings)
+
+
+def rope_tables(rope: Rope, max_position: int | None = None) -> tuple[np.ndarray, float]:
     """A Rope config's rotary frequencies (float64, a fresh array) and attention factor, computed once per
-    (hashable) Rope. The mirrors form angles, cos and sin from them in their own ops."""
-    inv_freq, factor = _tables(rope)
+    (hashable) Rope. The mirrors form angles, cos and sin from them in their own ops. max_position: the
+    call's largest position, which picks longrope's table (uses_long_table); None: the short one."""
+    inv_freq, factor = _tables(rope, uses_long_table(rope, max_position))
     return inv_freq.copy(), factor
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(rope: Rope) -> tuple[np.ndarray, float]:
-    return inverse_frequencies(rope), attention_factor(rope)
+def _tables(rope: Rope, long: bool) -> tuple[np.ndarray, float]:
+    return inverse_frequencies(rope, long=long), attention_factor(rope)

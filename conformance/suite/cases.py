@@ -153,10 +153,12 @@ def _modern_grid() -> list[Case]:
 
 def _frontier_grid() -> list[Case]:
     """ALiBi, local chunks, the query temperature, the QKV clip, output gates, the QK-norm variants (per-head
-    weights, after RoPE), the value norm, and all of them together."""
+    weights, after RoPE), the value norm, LongRoPE and proportional RoPE, and all of them together."""
     cross = dict(self_attention=False, T=4, S=6)
     causal = dict(is_causal=True)
     decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    longrope = {"type": "longrope", "factor": 8.0, "original_max_position_embeddings": 16,
+                "short_factor": [1.0, 1.3, 2.1], "long_factor": [1.5, 4.0, 9.0]}
     return [
         Case("alibi_causal", _cfg(num_heads=6, num_kv_heads=2, alibi=True), T=6, S=6, mask="padding", **causal),
         # the cache's keys at positions 0..P-1: ALiBi's distances and the chunks count from there
@@ -178,8 +180,14 @@ def _frontier_grid() -> list[Case]:
         Case("norm_after_rope_chunked", _cfg(rope={"interleaved": True}, local_chunk=4,
                                              qk_norm={"type": "rms", "eps": 1e-5, "after_rope": True}), T=7, S=7,
              **causal),
-        Case("value_norm", _cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "rms"},
-                                value_norm={"type": "rms", "weight": False}), **causal),
+        # Gemma 4's pieces: the weightless value norm and proportional RoPE (half of the pairs turn, over the head)
+        Case("value_norm", _cfg(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm={"type": "rms"},
+                                value_norm={"type": "rms", "weight": False},
+                                rope={"scaling": {"type": "proportional", "partial_rotary_factor": 0.5}}), **causal),
+        # LongRoPE's two tables: a call within the original context (short) and one past it (long)
+        Case("rope_longrope_short", _cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": longrope}), T=6, S=6, **causal),
+        Case("rope_longrope_long", _cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": longrope}), positions="far",
+             **cross),
         Case("frontier_everything",
              _cfg(num_heads=4, num_kv_heads=2, head_dim=8, rope={"rotary_dim": 4}, alibi=True, local_chunk=5,
                   query_temperature={"beta": 0.1, "floor": 4.0, "offset": 0}, qkv_clip=0.8, use_sinks=True,
@@ -371,7 +379,8 @@ def _with_modern_features(case: Case, rng, pick) -> Case:
 
 def _with_frontier_features(case: Case, rng) -> Case:
     """ALiBi, local chunks, the query temperature, the QKV clip and the output gate, each one in two; the value
-    norm and the later QK-norms (weightless, per-head weights, after RoPE) less often."""
+    norm, the later QK-norms (weightless, per-head weights, after RoPE) and LongRoPE / proportional RoPE in
+    place of a case's RoPE scaling less often."""
     pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
     features: dict[str, Any] = {}
     if rng.random() < 0.5:
@@ -392,4 +401,12 @@ def _with_frontier_features(case: Case, rng) -> Case:
         weight = bool(rng.random() < 0.6)
         features["qk_norm"] = {"type": pick(["rms", "layer"]), "weight": weight,
                                "per_head": weight and bool(rng.random() < 0.5), "after_rope": bool(rng.random() < 0.5)}
+    rope = case.config.rope
+    if rope is not None and rng.random() < 0.4:  # LongRoPE (either table, by the case's positions) or proportional
+        pairs = rope.rotary_dim // 2
+        scaling = pick([{"type": "longrope", "factor": 8.0, "original_max_position_embeddings": 16,
+                         "short_factor": (1 + rng.random(pairs)).tolist(),
+                         "long_factor": (1 + 8 * rng.random(pairs)).tolist()},
+                        {"type": "proportional", "partial_rotary_factor": pick([0.25, 0.5, 1.0])}])
+        features["rope"] = dict(rope.to_dict(), scaling=scaling)
     return dataclasses.replace(case, config=dataclasses.replace(case.config, **features)) if features else case

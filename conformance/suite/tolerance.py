@@ -245,7 +245,8 @@ def modern_length(config, max_position: int) -> int:
     if config.rope is not None:
         from weights.rope import inverse_frequencies
 
-        theta_max = abs(max_position) * float(inverse_frequencies(config.rope).max())
+        fastest = max(float(inverse_frequencies(config.rope, long=long).max()) for long in (False, True))
+        theta_max = abs(max_position) * fastest  # (longrope: either table)
         extra += math.ceil(theta_max**2)
     if config.qk_norm is not None:
         heads = 1 if config.qk_norm.scope == "head" else max(config.num_heads, config.num_kv_heads)

@@ -397,24 +397,34 @@ def modern_features(config: AttentionConfig, inputs, options) -> list[str]:
     from weights.config import MODERN_DEFAULTS
 
     used = [field for field, default in MODERN_DEFAULTS.items() if getattr(config, field) != default]
+    # the later forms of a field a wrapper may express in its first form: named on their own, so that a
+    # wrapper that takes qk_norm or rope refuses them unless it says it expresses them too
+    norm = config.qk_norm
+    if norm is not None:
+        used += [f"qk_norm.{key}" for key, default in norm.LATER_KEYS.items() if getattr(norm, key) != default]
+    scaling = None if config.rope is None else config.rope.scaling
+    if scaling is not None and scaling.type in ("longrope", "proportional"):
+        used.append(f"rope.scaling {scaling.type}")
     used += [field for field in MODERN_INPUTS if inputs.get(field) is not None]
     used += ["return_cache"] if options.get("return_cache") else []
     return used
 
 
-def refuse_modern(name: str, config: AttentionConfig, inputs, options, expresses=(), why: str = "") -> None:
+def refuse_modern(name: str, config: AttentionConfig, inputs, options, expresses=(), why: str | dict = "") -> None:
     """NotImplementedError for the modern features a wrapper does not express.
     `expresses`: the feature names (modern_features' names) the backend
     passes to its native API or builds around it; every other one used is
-    refused, with `why` (the API's reason) when given."""
+    refused, with `why` (the API's reason) when given: one reason for all, or a dict feature -> reason
+    (a reason that concerns one feature is not printed for another)."""
     used = [f for f in modern_features(config, inputs, options) if f not in expresses]
     if used:
+        reasons = why if isinstance(why, str) else "; ".join(dict.fromkeys(why[f] for f in used if f in why))
         raise NotImplementedError(f"{name}: this wrapper of the native API does not express {', '.join(used)}"
-                                  + (f" ({why})" if why else ""))
+                                  + (f" ({reasons})" if reasons else ""))
 
 
 def prepare_call(name: str, config: AttentionConfig, tensors, inputs, options, device: str, precision: str,
-                 devices: list[str], *, expresses=(), why: str = ""):
+                 devices: list[str], *, expresses=(), why: str | dict = ""):
     """The start every native backend shares: precision and device checked,
     tensors and inputs cast to the call's dtype, the call validated.
     `expresses`, `why`: the modern features the backend takes (refuse_modern).

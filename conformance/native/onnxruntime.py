@@ -395,7 +395,7 @@ def _plain_core(g: _Graph, config, shapes, inputs, options, q, k, v, bias) -> st
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                                  expresses=EXPRESSES, why=SINKS_WHY)
+                                                  expresses=EXPRESSES, why={"use_sinks": SINKS_WHY})
     if options.get("training") and config.dropout > 0 and inputs.get("dropout_mask") is None:
         raise NotImplementedError(f"{NAME}: dropout in training needs the case's explicit dropout_mask (the graph "
                                   "draws no random numbers)")

@@ -136,6 +136,16 @@ def _check_bias_values(bias: torch.Tensor) -> None:
         check_bias_values(bias[bad][:1].double().cpu().numpy())  # raises, in the contract's words
 
 
+def _longrope_max_position(config: AttentionConfig, call) -> int | None:
+    """The call's largest position (its queries' and new keys'), which picks LongRoPE's table
+    (weights.rope.uses_long_table); None for every other rule (no read of the positions to the host)."""
+    scaling = config.rope.scaling
+    if scaling is None or scaling.type != "longrope":
+        return None
+    given = [int(x.max()) for x in (call.positions, call.key_positions) if x is not None and x.numel()]
+    return max(given) if given else None
+
+
 def _check_position_values(config: AttentionConfig, positions: torch.Tensor | None) -> None:
     """The contract's check of the positions a query temperature reads (position + offset >= 0). It reads
     one value (the least) on the host, so torch.compile skips it (it would split the graph)."""
@@ -290,7 +300,7 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config.rope)
+        inv_freq, factor = rope_tables(config.rope, _longrope_max_position(config, call))
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
         q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))

@@ -59,7 +59,9 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
                                       ("value_norm", config.value_norm is not None),
                                       ("qk_norm.weight false", qk is not None and not qk.weight),
                                       ("qk_norm.per_head", qk is not None and qk.per_head),
-                                      ("qk_norm.after_rope", qk is not None and qk.after_rope)) if on]
+                                      ("qk_norm.after_rope", qk is not None and qk.after_rope),
+                                      ("rope.scaling longrope", config.rope is not None and config.rope.scaling
+                                       is not None and config.rope.scaling.type == "longrope")) if on]
     if frontier:
         return (f"the sharded engines do not compute the frontier fields yet (docs/spec-frontier.md): "
                 f"{', '.join(frontier)}")

@@ -28,6 +28,8 @@ from weights.rope import rope_tables
 
 from . import functional as F
 from .heads import qkv_heads
+from .latent import expand as expand_latent
+from .latent import latent_heads
 
 # The fused fast path's chunk_size: key blocks of 512 (query blocks of chunked.QUERY_ROWS).
 FUSED_BLOCK = 512
@@ -265,7 +267,12 @@ def multi_head_attention(
 
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params
-    q, k, v = qkv_heads(config, call, rec)
+    if config.latent is not None:  # the expanded form: the present cache is the latent and the rotary key
+        q, present_key, present_value = latent_heads(config, call, rec)
+        k, v = expand_latent(config, call, present_key, present_value, rec)
+    else:
+        q, k, v = qkv_heads(config, call, rec)
+        present_key, present_value = k, v
     allowed = call.allowed(config, is_causal, causal_alignment)
     x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
     if config.logit_softcap is not None:
@@ -282,6 +289,6 @@ def multi_head_attention(
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
     if call.cache_length is not None:
-        k, v = call.past_key, call.past_value  # the buffers, whole
-    result = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
+        present_key, present_value = call.past_key, call.past_value  # the buffers, whole
+    result = (out,) + ((w,) if return_weights else ()) + ((present_key, present_value) if return_cache else ())
     return result[0] if len(result) == 1 else result

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from weights import compute_dtype
+from weights.config import QKNorm
 
 from . import functional as F
 from .attention import prepare
@@ -110,16 +111,6 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         past_value = None if past_value is None else np.abs(past_value)
     else:
         kept = {}
-    qp = F.project(xq, p["query.kernel"], p.get("query.bias"))  # (B, T, N*H)
-    kp = F.project(xk, p["key.kernel"], p.get("key.bias"))  # (B, S, K*H)
-    vp = F.project(xv, p["value.kernel"], p.get("value.bias"))  # (B, S, K*V)
-    clip = config.qkv_clip
-    if clip is not None:  # clip: the values inside [-c, c] pass (and their gradient); the rest are c
-        if not magnitude:
-            kept["clip"] = tuple(np.abs(y) <= clip for y in (qp, kp, vp))
-            qp, kp, vp = (F.clip(y, clip) for y in (qp, kp, vp))
-        else:  # a clipped value's magnitude is c's (exact: no terms)
-            qp, kp, vp = (ew(np.where(inside, y, ct.type(clip))) for y, inside in zip((qp, kp, vp), kept["clip"]))
     def per_feature(t, cfg):  # a norm tensor on xhat (B, L, groups, W): (W,) / (heads, W) per head, (F,) over all
         return t.astype(ct).reshape(-1) if cfg.scope == "all" else t.astype(ct)
 
@@ -134,39 +125,83 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
             y = y + per_feature(p[name + ".norm.bias"], cfg)
         return ew(y.reshape(x.shape))
 
-    qn, kn = qp, kp
-    if norm_cfg is not None and not norm_cfg.after_rope:
-        qn, kn = norm_forward("query", qp, N, norm_cfg), norm_forward("key", kp, K, norm_cfg)
-    if config.value_norm is not None:
-        vp = norm_forward("value", vp, K, config.value_norm)
-    q, k_new, v_new = F.split_heads(qn, N), F.split_heads(kn, K), F.split_heads(vp, K)
-    if rope_cfg is not None:
-        R, inter = rope_cfg.rotary_dim, rope_cfg.interleaved
-        if not magnitude:
-            inv_freq, factor = call.rope_tables(config)
-            for name, positions in (("query", call.positions), ("key", call.key_positions)):
-                angles = F.rope_angles(positions, inv_freq, dtype)
-                kept[name + ".rope"] = (np.cos(angles) * ct.type(factor), np.sin(angles) * ct.type(factor))
-            q, k_new = (F.rope(x, F.rope_angles(pos, inv_freq, dtype), R, inter, factor)
-                        for x, pos in ((q, call.positions), (k_new, call.key_positions)))
-        else:
-            def rope_abs(x, cs):
-                c, s_ = np.abs(cs[0]), np.abs(cs[1])
-                x1, x2 = _rope_pair(x.astype(ct), R, inter)
-                return ew(_rope_join(x1 * c + x2 * s_, x2 * c + x1 * s_, x[..., R:].astype(ct), inter))
+    def keep_rope_tables():  # cos and sin (times the attention factor) of the queries' and the new keys' angles
+        inv_freq, factor = call.rope_tables(config)
+        for name, positions in (("query", call.positions), ("key", call.key_positions)):
+            angles = F.rope_angles(positions, inv_freq, dtype)
+            kept[name + ".rope"] = (np.cos(angles) * ct.type(factor), np.sin(angles) * ct.type(factor))
 
-            q, k_new = rope_abs(q, kept["query.rope"]), rope_abs(k_new, kept["key.rope"])
-    if norm_cfg is not None and norm_cfg.after_rope:  # the norm of the turned q and k (functional.norm_heads)
-        q = F.split_heads(norm_forward("query", _merge(q), N, norm_cfg), N)
-        k_new = F.split_heads(norm_forward("key", _merge(k_new), K, norm_cfg), K)
+    def rope_abs(x, cs):  # rope in magnitude mode: every difference a sum, |cos| and |sin|
+        R_, inter_ = rope_cfg.rotary_dim, rope_cfg.interleaved
+        c, s_ = np.abs(cs[0]), np.abs(cs[1])
+        x1, x2 = _rope_pair(x.astype(ct), R_, inter_)
+        return ew(_rope_join(x1 * c + x2 * s_, x2 * c + x1 * s_, x[..., R_:].astype(ct), inter_))
+
+    latent = config.latent
+    if latent is not None:  # latent.py's expanded form
+        C, R, inter = latent.kv_rank, latent.rope_dim, rope_cfg.interleaved
+        rms = QKNorm(type="rms", eps=latent.eps)  # the latent norms: RMS over the whole width (one group)
+        if latent.query_rank is not None:
+            qd = F.project(xq, p["query.down.kernel"], p.get("query.down.bias"))  # (B, T, Qr)
+            qdn = norm_forward("query.down", qd, 1, rms)  # (B, T, Qr): the up-projection's input
+            qp = F.project(qdn, p["query.kernel"], None)
+        else:
+            qp = F.project(xq, p["query.kernel"], p.get("query.bias"))  # (B, T, N*H)
+        both = F.project(xk, p["latent.kernel"], p.get("latent.bias"))  # (B, S, C+R)
+        c_new = norm_forward("latent", both[..., :C], 1, rms)  # (B, S, C)
+        q, r_new = F.split_heads(qp, N), F.split_heads(np.ascontiguousarray(both[..., C:]), 1)  # (B, 1, S, R)
+        if not magnitude:
+            keep_rope_tables()
+            inv_freq, factor = call.rope_tables(config)
+            q = F.rope_last(q, F.rope_angles(call.positions, inv_freq, dtype), R, inter, factor)
+            r_new = F.rope(r_new, F.rope_angles(call.key_positions, inv_freq, dtype), R, inter, factor)
+        else:
+            q = np.concatenate([q[..., : H - R], rope_abs(q[..., H - R:], kept["query.rope"])], axis=-1)
+            r_new = rope_abs(r_new, kept["key.rope"])
+        c_all = F.split_heads(c_new, 1) if past_key is None else np.concatenate([past_key, F.split_heads(c_new, 1)], 2)
+        r_all = r_new if past_value is None else np.concatenate([past_value, r_new], axis=2)  # (B, 1, S_total, R)
+        k_nope = F.split_heads(F.project(c_all[:, 0], p["key.kernel"], None), K)  # (B, K, S_total, H-R)
+        v = F.split_heads(F.project(c_all[:, 0], p["value.kernel"], None), K)  # (B, K, S_total, V)
+        k = F.join_keys(k_nope, r_all)  # (B, K, S_total, H)
+    else:
+        qp = F.project(xq, p["query.kernel"], p.get("query.bias"))  # (B, T, N*H)
+        kp = F.project(xk, p["key.kernel"], p.get("key.bias"))  # (B, S, K*H)
+        vp = F.project(xv, p["value.kernel"], p.get("value.bias"))  # (B, S, K*V)
+        clip = config.qkv_clip
+        if clip is not None:  # clip: the values inside [-c, c] pass (and their gradient); the rest are c
+            if not magnitude:
+                kept["clip"] = tuple(np.abs(y) <= clip for y in (qp, kp, vp))
+                qp, kp, vp = (F.clip(y, clip) for y in (qp, kp, vp))
+            else:  # a clipped value's magnitude is c's (exact: no terms)
+                qp, kp, vp = (ew(np.where(inside, y, ct.type(clip))) for y, inside in zip((qp, kp, vp), kept["clip"]))
+        qn, kn = qp, kp
+        if norm_cfg is not None and not norm_cfg.after_rope:
+            qn, kn = norm_forward("query", qp, N, norm_cfg), norm_forward("key", kp, K, norm_cfg)
+        if config.value_norm is not None:
+            vp = norm_forward("value", vp, K, config.value_norm)
+        q, k_new, v_new = F.split_heads(qn, N), F.split_heads(kn, K), F.split_heads(vp, K)
+        if rope_cfg is not None:
+            R, inter = rope_cfg.rotary_dim, rope_cfg.interleaved
+            if not magnitude:
+                inv_freq, factor = call.rope_tables(config)
+                for name, positions in (("query", call.positions), ("key", call.key_positions)):
+                    angles = F.rope_angles(positions, inv_freq, dtype)
+                    kept[name + ".rope"] = (np.cos(angles) * ct.type(factor), np.sin(angles) * ct.type(factor))
+                q, k_new = (F.rope(x, F.rope_angles(pos, inv_freq, dtype), R, inter, factor)
+                            for x, pos in ((q, call.positions), (k_new, call.key_positions)))
+            else:
+                q, k_new = rope_abs(q, kept["query.rope"]), rope_abs(k_new, kept["key.rope"])
+        if norm_cfg is not None and norm_cfg.after_rope:  # the norm of the turned q and k (functional.norm_heads)
+            q = F.split_heads(norm_forward("query", _merge(q), N, norm_cfg), N)
+            k_new = F.split_heads(norm_forward("key", _merge(k_new), K, norm_cfg), K)
+        k = k_new if past_key is None else np.concatenate([past_key, k_new], axis=2)  # (B, K, S_total, H)
+        v = v_new if past_value is None else np.concatenate([past_value, v_new], axis=2)  # (B, K, S_total, V)
     temp = config.query_temperature
     if temp is not None:  # q times the temperature factor per query (positive or not: its magnitude in magnitude mode)
         if not magnitude:
             kept["temperature"] = F.temperature_factor(call.positions, temp.beta, temp.floor, temp.offset, dtype)
         factor = kept["temperature"]
         q = F.temperature(q, np.abs(factor) if magnitude else factor)
-    k = k_new if past_key is None else np.concatenate([past_key, k_new], axis=2)  # (B, K, S_total, H)
-    v = v_new if past_value is None else np.concatenate([past_value, v_new], axis=2)  # (B, K, S_total, V)
     if not magnitude:
         allowed = call.allowed(config, is_causal, causal_alignment)
         x0 = F.logits(q, k, scale)  # (B, N, T, S_total)
@@ -252,10 +287,6 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     d_s = _grouped(ew(d_x.astype(ct) * ct.type(scale)), K)  # (B, K, G*T, S_total)
     d_q = mm(d_s, k).reshape(B, N, T, H)
     d_k = mm(d_s.swapaxes(-1, -2), q.reshape(B, K, -1, H))  # (B, K, S_total, H)
-    # the cache: k = concat(past_key, k_new), v likewise
-    if P:
-        grads["past_key"], d_k = d_k[:, :, :P], d_k[:, :, P:]
-        grads["past_value"], d_v = d_v[:, :, :P], d_v[:, :, P:]
     # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
     # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
     def norm_back(name, dy, cfg):
@@ -275,33 +306,6 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
             inner = inner + dxhat.mean(axis=-1, keepdims=True)
         return ew((r * (dxhat + inner if magnitude else dxhat - inner)).reshape(dy.shape))
 
-    # temperature: q_t = q_r * factor (after rope), so d q_r = d q_t * factor
-    if temp is not None:
-        d_q = ew(d_q.astype(ct) * (np.abs(kept["temperature"]) if magnitude else kept["temperature"]))
-    if norm_cfg is not None and norm_cfg.after_rope:  # the norm after rope, undone before rope is
-        d_q = F.split_heads(norm_back("query", _merge(d_q), norm_cfg), N)
-        d_k = F.split_heads(norm_back("key", _merge(d_k), norm_cfg), K)
-    # rope: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), so dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s
-    if rope_cfg is not None:
-        def rope_back(dy, cs):
-            c, s_ = (np.abs(cs[0]), np.abs(cs[1])) if magnitude else cs
-            dy1, dy2 = _rope_pair(dy.astype(ct), R, inter)
-            dx2 = dy2 * c + dy1 * s_ if magnitude else dy2 * c - dy1 * s_
-            return ew(_rope_join(dy1 * c + dy2 * s_, dx2, dy[..., R:].astype(ct), inter))
-
-        d_q, d_k = rope_back(d_q, kept["query.rope"]), rope_back(d_k, kept["key.rope"])
-    d_q, d_k, d_v = _merge(d_q), _merge(d_k), _merge(d_v)  # (B, L, F): split_heads undone
-    # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
-    # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
-    if norm_cfg is not None and not norm_cfg.after_rope:
-        d_q, d_k = norm_back("query", d_q, norm_cfg), norm_back("key", d_k, norm_cfg)
-    if config.value_norm is not None:
-        d_v = norm_back("value", d_v, config.value_norm)
-
-    # clip: the gradient passes where the value was inside [-c, c] (autodiff of a clamp: bounds included)
-    if clip is not None:
-        d_q, d_k, d_v = (ew(np.where(inside, d, 0)) for d, inside in zip((d_q, d_k, d_v), kept["clip"]))
-
     # project: y = x @ W + b
     def project_back(prefix, x_in, d_flat):
         W = p[f"{prefix}.kernel"]
@@ -310,11 +314,73 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
             grads[f"{prefix}.bias"] = ew(d_flat.astype(ct).sum(axis=(0, 1))).reshape(p[f"{prefix}.bias"].shape)
         return mm(d_flat, W.reshape(W.shape[0], -1).T)  # (B, L, D)
 
-    grads["query"] = project_back("query", xq, d_q)
+    # rope: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), so dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s
+    def rope_back(dy, cs):
+        R_, inter_ = rope_cfg.rotary_dim, rope_cfg.interleaved
+        c, s_ = (np.abs(cs[0]), np.abs(cs[1])) if magnitude else cs
+        dy1, dy2 = _rope_pair(dy.astype(ct), R_, inter_)
+        dx2 = dy2 * c + dy1 * s_ if magnitude else dy2 * c - dy1 * s_
+        return ew(_rope_join(dy1 * c + dy2 * s_, dx2, dy[..., R_:].astype(ct), inter_))
+
+    # temperature: q_t = q_r * factor (after rope), so d q_r = d q_t * factor
+    if latent is None and temp is not None:
+        d_q = ew(d_q.astype(ct) * (np.abs(kept["temperature"]) if magnitude else kept["temperature"]))
+    if latent is not None:
+        # key.join: each head's nope part goes to its up-projection, the rotary part (shared) sums over heads
+        d_k_nope, d_r_all = _merge(d_k[..., : H - R]), d_k[..., H - R:].astype(ct).sum(axis=1, keepdims=True)
+        d_v = _merge(d_v)  # (B, S_total, K*V)
+        c_flat = c_all[:, 0]  # (B, S_total, C)
+        grads["key.kernel"] = ein("BLD,BLF->DF", c_flat, d_k_nope).reshape(p["key.kernel"].shape)
+        grads["value.kernel"] = ein("BLD,BLF->DF", c_flat, d_v).reshape(p["value.kernel"].shape)
+        d_c_all = ew(mm(d_k_nope, p["key.kernel"].reshape(C, -1).T).astype(ct)
+                     + mm(d_v, p["value.kernel"].reshape(C, -1).T).astype(ct))  # (B, S_total, C)
+        d_r_all = ew(d_r_all)  # (B, 1, S_total, R)
+        if P:  # the cache: the latent and the rotary key
+            grads["past_key"], d_c = d_c_all[:, None, :P], d_c_all[:, P:]
+            grads["past_value"], d_r = d_r_all[:, :, :P], d_r_all[:, :, P:]
+        else:
+            d_c, d_r = d_c_all, d_r_all
+        if temp is not None:
+            d_q = ew(d_q.astype(ct) * (np.abs(kept["temperature"]) if magnitude else kept["temperature"]))
+        d_q = np.concatenate([d_q[..., : H - R], rope_back(d_q[..., H - R:], kept["query.rope"])], axis=-1)
+        d_r = rope_back(d_r, kept["key.rope"])  # (B, 1, S, R)
+        d_latent = np.concatenate([norm_back("latent", d_c, rms), d_r[:, 0]], axis=-1)  # (B, S, C+R)
+        grads["key"] = project_back("latent", xk, d_latent)
+        grads["value"] = ew(np.zeros_like(xv))  # a latent layer reads no value input
+        d_q = _merge(d_q)  # (B, T, N*H)
+        if latent.query_rank is not None:
+            grads["query.kernel"] = ein("BLD,BLF->DF", qdn, d_q).reshape(p["query.kernel"].shape)
+            d_qd = norm_back("query.down", mm(d_q, p["query.kernel"].reshape(latent.query_rank, -1).T), rms)
+            grads["query"] = project_back("query.down", xq, d_qd)
+        else:
+            grads["query"] = project_back("query", xq, d_q)
+    else:
+        # the cache: k = concat(past_key, k_new), v likewise
+        if P:
+            grads["past_key"], d_k = d_k[:, :, :P], d_k[:, :, P:]
+            grads["past_value"], d_v = d_v[:, :, :P], d_v[:, :, P:]
+        if norm_cfg is not None and norm_cfg.after_rope:  # the norm after rope, undone before rope is
+            d_q = F.split_heads(norm_back("query", _merge(d_q), norm_cfg), N)
+            d_k = F.split_heads(norm_back("key", _merge(d_k), norm_cfg), K)
+        if rope_cfg is not None:
+            d_q, d_k = rope_back(d_q, kept["query.rope"]), rope_back(d_k, kept["key.rope"])
+        d_q, d_k, d_v = _merge(d_q), _merge(d_k), _merge(d_v)  # (B, L, F): split_heads undone
+        # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
+        # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
+        if norm_cfg is not None and not norm_cfg.after_rope:
+            d_q, d_k = norm_back("query", d_q, norm_cfg), norm_back("key", d_k, norm_cfg)
+        if config.value_norm is not None:
+            d_v = norm_back("value", d_v, config.value_norm)
+
+        # clip: the gradient passes where the value was inside [-c, c] (autodiff of a clamp: bounds included)
+        if clip is not None:
+            d_q, d_k, d_v = (ew(np.where(inside, d, 0)) for d, inside in zip((d_q, d_k, d_v), kept["clip"]))
+
+        grads["query"] = project_back("query", xq, d_q)
+        grads["key"] = project_back("key", xk, d_k)
+        grads["value"] = project_back("value", xv, d_v)
     if d_gate_input is not None:  # the gate reads the query input too
         grads["query"] = ew(grads["query"].astype(ct) + d_gate_input.astype(ct))
-    grads["key"] = project_back("key", xk, d_k)
-    grads["value"] = project_back("value", xv, d_v)
     return out, kept, grads
 
 

@@ -36,6 +36,7 @@ from weights.contract import check_chunk_size
 
 from . import functional as F
 from .heads import qkv_heads
+from .latent import latent_heads
 
 # Queries are taken in blocks of at most this many rows (keys in blocks of
 # chunk_size): a causal query block computes a (rows x rows) triangle of hidden
@@ -304,10 +305,16 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
     # A cache nobody asks back is never concatenated (a copy of the whole cache per step): the core
     # reads it and the new keys as parts.
     parts = call.past_key is not None and not return_cache and call.cache_length is None
-    q, k, v = qkv_heads(config, call, append=not parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
+    ct = compute_dtype(call.dtype)
+    if config.latent is not None:  # the absorbed form (latent.py): one shared head of width C + R over the latent
+        q, latent, rotary = latent_heads(config, call)  # (B, N, T, H), (B, 1, S_total, C), (B, 1, S_total, R)
+        q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim)  # (B, N, T, C + R)
+        k, v = np.concatenate([latent, rotary], axis=-1), latent  # (B, 1, S_total, C + R), (B, 1, S_total, C)
+        parts = False
+    else:
+        q, k, v = qkv_heads(config, call, append=not parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
     if parts:
         k, v = KeyParts((call.past_key, k)), KeyParts((call.past_value, v))  # (B, K, S_total, .) as parts
-    ct = compute_dtype(call.dtype)
     q = q.astype(ct) * ct.type(config.effective_scale)
     positioned = config.alibi or config.local_chunk is not None
     ctx = chunked_attention_core(config, q, k, v, mask=call.mask4, bias=call.bias4, keep=call.keep,
@@ -317,6 +324,9 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
                                  positions=call.positions if positioned else None,
                                  key_positions=call.every_key_position if positioned else None)  # (B, N, T, V)
     p = call.params
+    if config.latent is not None:  # the attended latent through each head's value up-projection; the present cache
+        ctx = F.expand_values(ctx, p["value.kernel"])  # (B, N, T, V)
+        k, v = latent, rotary
     if config.output_gate is not None:
         ctx = F.gate(ctx, F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")), config.num_heads)
     if parts:

@@ -143,6 +143,44 @@ def rope(x: np.ndarray, angles: np.ndarray, rotary_dim: int, interleaved: bool, 
     return np.concatenate([turned.astype(x.dtype), x[..., R:]], axis=-1)  # (B, heads, L, H)
 
 
+def rope_last(x: np.ndarray, angles: np.ndarray, rotary_dim: int, interleaved: bool, attention_factor: float):
+    """RoPE on the LAST rotary_dim features of x (B, heads, L, H): a latent layer's heads are [features
+    without position | rotary features] (DeepSeek's order); the first H - rotary_dim pass through."""
+    H = x.shape[-1]
+    turned = rope(x[..., H - rotary_dim:], angles, rotary_dim, interleaved, attention_factor)
+    return np.concatenate([x[..., : H - rotary_dim], turned], axis=-1)
+
+
+def join_keys(k_nope: np.ndarray, k_rope: np.ndarray) -> np.ndarray:
+    """KEY.JOIN (latent): each head's key features from the latent, k_nope (B, K, S, H - R), then the rotary
+    key every head shares, k_rope (B, 1, S, R) -> (B, K, S, H)."""
+    return np.concatenate([k_nope, np.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
+
+
+def absorb_query(q: np.ndarray, key_kernel: np.ndarray, rope_dim: int) -> np.ndarray:
+    """The absorbed form's query (latent): each head's features without position taken through its key
+    up-projection's transpose, q_nope W_uk^T (C features), then its rotary features: (B, N, T, H) with
+    key.kernel (C, K, H - R) -> (B, N, T, C + R), in compute dtype, stored. Query head n reads key head
+    n // G. Then q_abs . [latent | rotary key] = q . [latent W_uk | rotary key]: the expanded logits."""
+    B, N, T, H = q.shape
+    C, K, _ = key_kernel.shape
+    ct = compute_dtype(q.dtype)
+    q_nope = q[..., : H - rope_dim].astype(ct).reshape(B, K, N // K, T, H - rope_dim)
+    q_latent = np.einsum("bkgth,ckh->bkgtc", q_nope, key_kernel.astype(ct)).reshape(B, N, T, C)
+    return np.concatenate([q_latent.astype(q.dtype), q[..., H - rope_dim:]], axis=-1)
+
+
+def expand_values(ctx_latent: np.ndarray, value_kernel: np.ndarray) -> np.ndarray:
+    """The absorbed form's context (latent): each head's attention over the latent, (B, N, T, C), through
+    its value up-projection (C, K, V) -> (B, N, T, V) (sum_j w_j (c_j W_uv) = (sum_j w_j c_j) W_uv)."""
+    B, N, T, C = ctx_latent.shape
+    K = value_kernel.shape[1]
+    ct = compute_dtype(ctx_latent.dtype)
+    grouped = ctx_latent.astype(ct).reshape(B, K, N // K, T, C)
+    return np.einsum("bkgtc,ckv->bkgtv", grouped, value_kernel.astype(ct)).reshape(B, N, T, -1).astype(
+        ctx_latent.dtype)
+
+
 def temperature_factor(positions: np.ndarray, beta: float, floor: float, offset: int, dtype) -> np.ndarray:
     """The query temperature's factor per query, (B|1, 1, T, 1) in compute dtype:
     1 + beta * ln(1 + floor((position + offset) / floor)). The floor of the

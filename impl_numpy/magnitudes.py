@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from weights.config import QKNorm
 
 from . import functional as F
 from .attention import multi_head_attention, prepare
@@ -102,16 +103,6 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
     # inputs and tensors: replaced by their absolute values
     p = {name: np.abs(t) for name, t in call.params.items()}
     xq, xk, xv = np.abs(call.query), np.abs(call.key), np.abs(call.value)
-    # project: |x| @ |W| + |b|
-    q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
-    k = rec("key.project", F.project(xk, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
-    v = rec("value.project", F.project(xv, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
-    # clip: a value the clip replaced is c exactly (no terms); the others pass through
-    if config.qkv_clip is not None:
-        c = config.qkv_clip
-        q, k, v = (rec(f"{name}.clip", np.where(np.abs(true[f"{name}.project"]) <= c, m, c))
-                   for name, m in (("query", q), ("key", k), ("value", v)))
-    n = config.qk_norm
 
     # norm: a norm divides upstream error by the RMS it divides by. mag(y) r |scale| + |bias|, r the
     # TRUE forward's 1 / sqrt(mean(y^2) + eps); for "layer" y = x - mean(x), of magnitude
@@ -130,47 +121,88 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
                 y = y * t if part == "scale" else y + t
         return y.reshape(B, L, Fw)
 
-    upstream = ".clip" if config.qkv_clip is not None else ".project"
-    if n is not None and not n.after_rope:
-        q = rec("query.norm", norm("query", q, N, n, true["query" + upstream]))
-        k = rec("key.norm", norm("key", k, K, n, true["key" + upstream]))
-    if config.value_norm is not None:
-        v = rec("value.norm", norm("value", v, K, config.value_norm, true["value" + upstream]))
-    # split_heads: the same reshape
-    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
-    k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
-    v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
         inv_freq, factor = call.rope_tables(config)
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
 
-        # rope: with the true cos/sin (times the attention factor), (x1 c - x2 s, x2 c + x1 s) becomes
-        # (m1|c| + m2|s|, m2|c| + m1|s|) on the rotary features; the rest pass through
-        def rope(name, m, positions):
-            angles = F.rope_angles(positions, inv_freq, call.dtype)  # (B|1, 1, L, R/2)
-            c, s = np.abs(np.cos(angles) * factor), np.abs(np.sin(angles) * factor)
-            m1, m2 = _rope_pair(m, R, interleaved)
-            return rec(name + ".rope", _rope_join(m1 * c + m2 * s, m2 * c + m1 * s, m[..., R:], interleaved))
+    # rope: with the true cos/sin (times the attention factor), (x1 c - x2 s, x2 c + x1 s) becomes
+    # (m1|c| + m2|s|, m2|c| + m1|s|) on the first R features; the rest pass through
+    def rope(m, positions):
+        angles = F.rope_angles(positions, inv_freq, call.dtype)  # (B|1, 1, L, R/2)
+        c, s = np.abs(np.cos(angles) * factor), np.abs(np.sin(angles) * factor)
+        m1, m2 = _rope_pair(m, R, interleaved)
+        return _rope_join(m1 * c + m2 * s, m2 * c + m1 * s, m[..., R:], interleaved)
 
-        q, k = rope("query", q, call.positions), rope("key", k, call.key_positions)
-    # a norm after RoPE: the rule above on the flat view of the turned q and k (functional.norm_heads)
-    if n is not None and n.after_rope:
-        def flat(x):  # (B, heads, L, W) -> (B, L, heads*W)
-            return x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
-
-        turned = ".rope" if config.rope is not None else ".split_heads"  # without RoPE: right after split_heads
-        q = rec("query.norm", F.split_heads(norm("query", flat(q), N, n, flat(true["query" + turned])), N))
-        k = rec("key.norm", F.split_heads(norm("key", flat(k), K, n, flat(true["key" + turned])), K))
     # temperature: q times the factor (its magnitude: the factor may be below 0 for beta < 0)
-    if config.query_temperature is not None:
-        t = config.query_temperature
-        q = rec("query.temperature", q * np.abs(F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                     call.dtype)))
-    # the cache: past_key / past_value's magnitudes are their absolute values, the new keys' appended
-    if call.past_key is not None:
-        k = np.concatenate([np.abs(call.past_key), k], axis=2)  # (B, K, P+S, H)
-        v = np.concatenate([np.abs(call.past_value), v], axis=2)  # (B, K, P+S, V)
-    mags["present_key"], mags["present_value"] = k, v
+    def temperature():
+        nonlocal q
+        if config.query_temperature is not None:
+            t = config.query_temperature
+            q = rec("query.temperature", q * np.abs(F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
+                                                                         call.dtype)))
+
+    # project: |x| @ |W| + |b|
+    latent = config.latent
+    if latent is not None:  # latent.py's expanded form, stage by stage, by the same rules
+        C, R_, H = latent.kv_rank, latent.rope_dim, config.head_dim
+        rms = QKNorm(type="rms", eps=latent.eps)
+        if latent.query_rank is not None:
+            q = rec("query.down", F.project(xq, p["query.down.kernel"], p.get("query.down.bias")))  # (B, T, Qr)
+            q = rec("query.down_norm", norm("query.down", q, 1, rms, true["query.down"]))
+            q = rec("query.project", F.project(q, p["query.kernel"], None))  # (B, T, N*H)
+        else:
+            q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))
+        both = rec("latent.project", F.project(xk, p["latent.kernel"], p.get("latent.bias")))  # (B, S, C+R)
+        c_new = rec("latent.norm", norm("latent", both[..., :C], 1, rms, true["latent.project"][..., :C]))
+        q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+        q = rec("query.rope", np.concatenate([q[..., : H - R_], rope(q[..., H - R_:], call.positions)], axis=-1))
+        r_new = rec("key.rope", rope(F.split_heads(np.ascontiguousarray(both[..., C:]), 1), call.key_positions))
+        temperature()
+        c_all = F.split_heads(c_new, 1)  # (B, 1, S, C); the cache's magnitudes are its absolute values
+        if call.past_key is not None:
+            c_all = np.concatenate([np.abs(call.past_key), c_all], axis=2)  # (B, 1, P+S, C)
+            r_new = np.concatenate([np.abs(call.past_value), r_new], axis=2)  # (B, 1, P+S, R)
+        k = rec("key.project", F.project(c_all[:, 0], p["key.kernel"], None))
+        v = rec("value.project", F.project(c_all[:, 0], p["value.kernel"], None))
+        k, v = rec("key.split_heads", F.split_heads(k, K)), rec("value.split_heads", F.split_heads(v, K))
+        k = rec("key.join", F.join_keys(k, r_new))  # (B, K, P+S, H)
+        mags["present_key"], mags["present_value"] = c_all, r_new
+    else:
+        q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+        k = rec("key.project", F.project(xk, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
+        v = rec("value.project", F.project(xv, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+        # clip: a value the clip replaced is c exactly (no terms); the others pass through
+        if config.qkv_clip is not None:
+            c = config.qkv_clip
+            q, k, v = (rec(f"{name}.clip", np.where(np.abs(true[f"{name}.project"]) <= c, m, c))
+                       for name, m in (("query", q), ("key", k), ("value", v)))
+        n = config.qk_norm
+        upstream = ".clip" if config.qkv_clip is not None else ".project"
+        if n is not None and not n.after_rope:
+            q = rec("query.norm", norm("query", q, N, n, true["query" + upstream]))
+            k = rec("key.norm", norm("key", k, K, n, true["key" + upstream]))
+        if config.value_norm is not None:
+            v = rec("value.norm", norm("value", v, K, config.value_norm, true["value" + upstream]))
+        # split_heads: the same reshape
+        q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+        k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
+        v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
+        if config.rope is not None:
+            q, k = rec("query.rope", rope(q, call.positions)), rec("key.rope", rope(k, call.key_positions))
+        # a norm after RoPE: the rule above on the flat view of the turned q and k (functional.norm_heads)
+        if n is not None and n.after_rope:
+            def flat(x):  # (B, heads, L, W) -> (B, L, heads*W)
+                return x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
+
+            turned = ".rope" if config.rope is not None else ".split_heads"  # without RoPE: right after split_heads
+            q = rec("query.norm", F.split_heads(norm("query", flat(q), N, n, flat(true["query" + turned])), N))
+            k = rec("key.norm", F.split_heads(norm("key", flat(k), K, n, flat(true["key" + turned])), K))
+        temperature()
+        # the cache: past_key / past_value's magnitudes are their absolute values, the new keys' appended
+        if call.past_key is not None:
+            k = np.concatenate([np.abs(call.past_key), k], axis=2)  # (B, K, P+S, H)
+            v = np.concatenate([np.abs(call.past_value), v], axis=2)  # (B, K, P+S, V)
+        mags["present_key"], mags["present_value"] = k, v
     # logits: |scale| * mag_q @ mag_k^T, query head n reading key head n // G
     x = rec("logits", F.logits(q, k, abs(config.effective_scale)))  # (B, N, T, P+S)
     # softcap: c tanh(x / c) has slope <= 1, so |softcap(x)| <= |x|: the magnitude passes through

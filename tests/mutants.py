@@ -74,8 +74,15 @@ def port(config, tensors, inputs, options, bug=None):
             return y.reshape(x.shape[0], x.shape[1], width, heads).transpose(0, 3, 1, 2)  # (B, heads, L, width)
         return y.reshape(x.shape[0], x.shape[1], heads, width).transpose(0, 2, 1, 3)  # (B, heads, L, width)
 
-    q, k, v = proj(q_in, "query", N, H), proj(k_in, "key", K, H), proj(v_in, "value", K, V)
-    if config.get("rope"):
+    if config.get("latent"):  # multi-head latent attention, written out (its own projections, norms and cache)
+        q, k, v, present = _latent(config, t, q_in, k_in, inputs, q_pos, k_pos[:, P:], P, mm, bug)
+        if temperature:
+            q = q * temperature_factor()
+    else:
+        q, k, v = proj(q_in, "query", N, H), proj(k_in, "key", K, H), proj(v_in, "value", K, V)
+    if config.get("latent"):
+        pass
+    elif config.get("rope"):
         start = 0 if bug == "rope_positions_no_cache_offset" else P
         positions = inputs.get("positions", start + np.arange(T))
         key_positions = inputs.get("key_positions", start + np.arange(k.shape[2]))
@@ -98,12 +105,13 @@ def port(config, tensors, inputs, options, bug=None):
         q, k = flat_norm(q, "query", N), flat_norm(k, "key", K)
     if clip and bug == "clip_after_rope":
         q, k, v = (np.clip(x, -clip, clip) for x in (q, k, v))
-    if temperature and bug != "temperature_before_norm":
+    if temperature and bug != "temperature_before_norm" and not config.get("latent"):
         q = q * temperature_factor()
-    if P:
+    if P and not config.get("latent"):
         k = np.concatenate([inputs["past_key"].astype(ct), k], axis=2)  # (B, K, P+S, H)
         v = np.concatenate([inputs["past_value"].astype(ct), v], axis=2)
-    present = (k, v)
+    if not config.get("latent"):
+        present = (k, v)
     kv_of = (np.arange(N) % K) if bug == "gqa_head_mapping_modulo" else (np.arange(N) // G)
     k, v = k[:, kv_of], v[:, kv_of]  # (B, N, S, H)
     scale = config["scale"] if config["scale"] is not None else 1.0 / np.sqrt(H)
@@ -278,6 +286,58 @@ def _rope(x, positions, config, H, bug, longest):
     return np.concatenate([turned, x[..., R:]], -1).astype(x.dtype)
 
 
+def _latent(config, t, q_in, k_in, inputs, q_pos, new_key_pos, P, mm, bug):
+    """MLA as transformers' DeepseekV3Attention computes it, written out: -> q (B, N, T, H) after RoPE,
+    k (B, K, P+S, H), v (B, K, P+S, V), present (latent (B, 1, P+S, C), rotary key (B, 1, P+S, R))."""
+    lat = config["latent"]
+    N, K, H, V = config["num_heads"], config["num_kv_heads"], config["head_dim"], config["value_head_dim"]
+    C, R, eps = lat["kv_rank"], lat["rope_dim"], lat["eps"]
+    B, T, _ = q_in.shape
+
+    def rms(x, scale):  # DeepseekV3RMSNorm: x / sqrt(mean(x^2) + eps) * weight
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * scale
+
+    if lat["query_rank"] is not None:
+        down = mm(q_in, t["query.down.kernel"]) + t.get("query.down.bias", 0)
+        q = mm(rms(down, t["query.down.norm.scale"]), t["query.kernel"].reshape(lat["query_rank"], -1))
+    else:
+        q = mm(q_in, t["query.kernel"].reshape(q_in.shape[-1], -1)) + t.get("query.bias", np.zeros(N * H)).reshape(-1)
+    q = q.reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H): [no position | rotary]
+    both = mm(k_in, t["latent.kernel"]) + t.get("latent.bias", 0)  # (B, S, C + R)
+    if bug == "mla_latent_norm_over_rope_too":  # one norm over the latent and the rotary key together
+        scale = np.concatenate([t["latent.norm.scale"], np.ones(R)])
+        both = both / np.sqrt((both * both).mean(-1, keepdims=True) + eps) * scale
+        latent, rotary = both[..., :C], both[..., C:]
+    else:
+        latent, rotary = rms(both[..., :C], t["latent.norm.scale"]), both[..., C:]
+    rope = {**config, "rope": {**config["rope"], "rotary_dim": R}}
+    turned = slice(0, R) if bug == "mla_rope_on_nope_features" else slice(H - R, H)  # DeepSeek: the last R
+    head = q[..., turned]
+    q = q.copy()
+    q[..., turned] = _rope(np.ascontiguousarray(head), q_pos, rope, R, bug, 0)
+    rotary = _rope(rotary[:, None], new_key_pos, rope, R, bug, 0)  # (B, 1, S, R): one key for every head
+    latent = latent[:, None]  # (B, 1, S, C)
+    if P:
+        latent = np.concatenate([inputs["past_key"].astype(latent.dtype), latent], axis=2)
+        rotary = np.concatenate([inputs["past_value"].astype(rotary.dtype), rotary], axis=2)
+    S = latent.shape[2]
+    w_k = t["key.kernel"].reshape(C, -1)
+    w_v = t["value.kernel"].reshape(C, -1)
+    if bug == "mla_absorbed_value_transposed" and P:  # a decode step's torch weight (K*V, C) reshaped, not transposed
+        w_v = t["value.kernel"].reshape(C, -1).T.copy().reshape(C, -1)
+    k_nope = mm(latent[:, 0], w_k).reshape(B, S, K, H - R).transpose(0, 2, 1, 3)
+    v = mm(latent[:, 0], w_v).reshape(B, S, K, V).transpose(0, 2, 1, 3)
+    k = np.zeros((B, K, S, H), dtype=k_nope.dtype)
+    k[..., : H - R] = k_nope
+    if bug == "mla_rotary_key_first_head_only":  # the shared key written into one head, not broadcast
+        k[:, :1, :, H - R:] = rotary
+    elif bug == "mla_rope_on_nope_features":
+        k = np.concatenate([rotary.repeat(K, 1), k_nope], axis=-1)
+    else:
+        k[..., H - R:] = rotary
+    return q, k, v, (latent, rotary)
+
+
 def _alibi(t, q_pos, k_pos, N, P, T, bug):
     """ALiBi's bias (B|1, N, T, P+S): -slope * |pos_q - pos_k|, as a port writes it."""
     slopes = t["alibi.slopes"]
@@ -349,6 +409,14 @@ MUTANTS = {
                                 "(a decode step far into the context keeps the short table)",
     "proportional_as_partial": "Gemma 4's proportional RoPE read as an ordinary partial rotary of the same share "
                                "(pairs i, i + R/2 of the first features, frequencies over R)",
+    # latent attention (MLA)
+    "mla_rope_on_nope_features": "MLA's RoPE on the first R features of each head (and the rotary key put first) "
+                                 "where DeepSeek's heads end with them",
+    "mla_rotary_key_first_head_only": "MLA's shared rotary key written into the first head only, not broadcast to "
+                                      "every head",
+    "mla_latent_norm_over_rope_too": "MLA's latent norm taken over the rotary key's features too",
+    "mla_absorbed_value_transposed": "a decode step's value up-projection read from a torch weight (K*V, C) by "
+                                     "reshape instead of transpose",
 }
 
 

@@ -167,3 +167,59 @@ def test_a_file_without_frontier_fields_holds_none_of_them(tmp_path):
     stored = json.loads(used.to_json())
     assert stored["alibi"] is True and stored["output_gate"] == {"scope": "element", "bias": False}
     assert AttentionConfig.from_json(used.to_json()) == used
+
+
+LATENT = dict(num_heads=4, query_dim=8, head_dim=6, value_head_dim=5, use_value_bias=False, rope={})
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(latent={"kv_rank": 4}), "latent is missing rope_dim"),
+    (dict(latent={"kv_rank": 0, "rope_dim": 2}), "latent.kv_rank must be a positive integer: got 0"),
+    (dict(latent={"kv_rank": 4, "rope_dim": 3}), "latent.rope_dim must be even (features rotate in pairs): got 3"),
+    (dict(latent={"kv_rank": 4, "rope_dim": 6}), "latent.rope_dim must be less than head_dim (the key's other "
+                                                  "features come from the latent): got rope_dim=6, head_dim=6"),
+    (dict(latent={"kv_rank": 4, "rope_dim": 2}, rope=None),
+     "latent needs rope (it turns the rope_dim features and the shared key): got rope null"),
+    (dict(latent={"kv_rank": 4, "rope_dim": 2}, rope={"rotary_dim": 4}),
+     "rope.rotary_dim must equal latent.rope_dim or be null: got rotary_dim=4, rope_dim=2"),
+    (dict(latent={"kv_rank": 4, "rope_dim": 2}, use_value_bias=True),
+     "use_value_bias must be false with latent (the values are the latent's up-projection, which has no bias): "
+     "got true"),
+    (dict(latent={"kv_rank": 4, "rope_dim": 2}, qk_norm={"type": "rms"}),
+     "qk_norm must be null with latent (the latent has its own norms): got {'type': 'rms'}"),
+    (dict(latent={"kv_rank": 4, "rope_dim": 2, "query_rank": 0}),
+     "latent.query_rank must be a positive integer: got 0"),
+])
+def test_latent_config_errors_name_the_field(fields, message):
+    with pytest.raises(ValueError) as info:
+        AttentionConfig(**{**LATENT, **fields})
+    assert str(info.value) == message
+
+
+def test_latent_trace_and_cache_widths():
+    """The expanded form traces LATENT_STAGES in order; the cache holds C + R values per token per layer, as
+    past_key (B, 1, P, C) and past_value (B, 1, P, R), and a cache of the wrong width is one line."""
+    from weights.call import LATENT_STAGES
+
+    config = AttentionConfig(**LATENT, latent={"query_rank": 5, "kv_rank": 3, "rope_dim": 2})
+    tensors = weights.init(config, seed=1, dtype="float64")
+    x, rng = _inputs(2, T=2)
+    past_key, past_value = rng.standard_normal((2, 1, 4, 3)), rng.standard_normal((2, 1, 4, 2))
+    trace = []
+    out, present_key, present_value = multi_head_attention(
+        config, tensors, x, x, x, past_key=past_key, past_value=past_value, return_cache=True, trace=trace)
+    optional = {"query.temperature", "softcap", "alibi", "gate.project", "gate"}
+    assert [e.stage for e in trace] == [s for s in LATENT_STAGES if s not in optional]
+    assert present_key.shape == (2, 1, 6, 3) and present_value.shape == (2, 1, 6, 2)
+    assert present_key.shape[-1] + present_value.shape[-1] == 3 + 2  # C + R values per token
+    np.testing.assert_array_equal(present_key[:, :, :4], past_key)
+    # the absorbed form (the fused path) writes the same cache and the same output
+    fused = multi_head_attention(config, tensors, x, x, x, past_key=past_key, past_value=past_value,
+                                 return_cache=True)
+    np.testing.assert_allclose(fused[0], out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(fused[1], present_key, rtol=0, atol=0)
+    with pytest.raises(ValueError) as info:
+        multi_head_attention(config, tensors, x, x, x, past_key=rng.standard_normal((2, 1, 4, 6)),
+                             past_value=past_value)
+    assert str(info.value) == ("past_key must have shape (B, 1, P, C) = (2, 1, P, 3) (a latent layer caches its "
+                               "normed latent in past_key and its rotated shared key in past_value): got (2, 1, 4, 6)")

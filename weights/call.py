@@ -28,6 +28,14 @@ STAGES = (
     "gate", "merge_heads", "output",
 )
 
+# A latent layer's (weights.config.Latent) stages before the logits, in order (impl_numpy/latent.py's expanded
+# form); from the logits on, STAGES' own.
+LATENT_STAGES = (
+    "query.down", "query.down_norm", "query.project", "latent.project", "latent.norm", "query.split_heads",
+    "query.rope", "key.rope", "query.temperature", "key.project", "value.project", "key.split_heads",
+    "value.split_heads", "key.join",
+) + STAGES[STAGES.index("logits"):]
+
 # The contractions, as einsum strings the mirrors share (B batch, L/T/S lengths, D input features, F = heads x
 # width, K key heads, G query heads per key head, H/V head widths, O output features).
 PROJECT = "BLD,DF->BLF"

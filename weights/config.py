@@ -220,20 +220,20 @@ class QKNorm:
 
     # The keys added after the first three: written only where they differ from these defaults, so a file
     # that does not use them reads byte for byte as before.
-    _LATER = {"weight": True, "per_head": False, "after_rope": False}
+    LATER_KEYS = {"weight": True, "per_head": False, "after_rope": False}
 
     @classmethod
     def from_value(cls, value: Any, name: str = "qk_norm") -> QKNorm | None:
         if value is None or isinstance(value, QKNorm):
             return value
-        data = _object(name, value, ("type", "eps", "scope", *cls._LATER))
+        data = _object(name, value, ("type", "eps", "scope", *cls.LATER_KEYS))
         if data.get("type") not in QK_NORM_TYPES:
             raise ValueError(f"{name}.type must be one of {', '.join(QK_NORM_TYPES)}: got {_shown(data.get('type'))}")
         if data.get("scope", "head") not in QK_NORM_SCOPES:
             raise ValueError(f"{name}.scope must be one of {', '.join(QK_NORM_SCOPES)}: "
                              f"got {_shown(data.get('scope'))}")
         eps = _finite_number(f"{name}.eps", data.get("eps", 1e-6), positive=True)
-        flags = {key: data.get(key, default) for key, default in cls._LATER.items()}
+        flags = {key: data.get(key, default) for key, default in cls.LATER_KEYS.items()}
         for key, flag in flags.items():
             _check_bool(f"{name}.{key}", flag)
         if flags["per_head"] and data.get("scope", "head") != "head":
@@ -245,7 +245,7 @@ class QKNorm:
 
     def to_dict(self) -> dict[str, Any]:
         data = {"type": self.type, "eps": self.eps, "scope": self.scope}
-        data.update({key: getattr(self, key) for key, default in self._LATER.items() if getattr(self, key) != default})
+        data.update({key: getattr(self, key) for key, default in self.LATER_KEYS.items() if getattr(self, key) != default})
         return data
 
 
@@ -300,13 +300,48 @@ class OutputGate:
         return {"scope": self.scope, "bias": self.bias}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Latent:
+    """Multi-head latent attention (MLA: DeepSeek V2/V3, Kimi K2, MiniCPM3, Mistral 4). Queries through a
+    low-rank down-projection, an RMS norm and an up-projection (or one projection without query_rank); keys
+    and values from one down-projection of the key input to kv_rank + rope_dim features: an RMS norm on the
+    kv_rank latent features, up-projected to each head's H - rope_dim key features and V value features, and
+    rope_dim features that RoPE turns as one key shared by every head. Each q/k head is [H - rope_dim
+    features without position | rope_dim rotary features] (DeepSeek's order)."""
+
+    query_rank: int | None  # Qr (q_lora_rank); None: one query projection (DeepSeek V2-Lite)
+    kv_rank: int  # C (kv_lora_rank): the latent's width, what the cache holds besides the rotary key
+    rope_dim: int  # R (qk_rope_head_dim): the rotary features of each head, last in the head
+    eps: float = 1e-6  # of both latent norms (DeepSeek's fixed 1e-6, not rms_norm_eps)
+
+    @classmethod
+    def from_value(cls, value: Any) -> Latent | None:
+        if value is None or isinstance(value, Latent):
+            return value
+        data = _object("latent", value, ("query_rank", "kv_rank", "rope_dim", "eps"))
+        missing = [key for key in ("kv_rank", "rope_dim") if key not in data]
+        if missing:
+            raise ValueError(f"latent is missing {', '.join(missing)}")
+        if data.get("query_rank") is not None:
+            _check_positive_int("latent.query_rank", data["query_rank"])
+        _check_positive_int("latent.kv_rank", data["kv_rank"])
+        _check_positive_int("latent.rope_dim", data["rope_dim"])
+        if data["rope_dim"] % 2:
+            raise ValueError(f"latent.rope_dim must be even (features rotate in pairs): got {data['rope_dim']}")
+        return cls(query_rank=data.get("query_rank"), kv_rank=data["kv_rank"], rope_dim=data["rope_dim"],
+                   eps=_finite_number("latent.eps", data.get("eps", 1e-6), positive=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"query_rank": self.query_rank, "kv_rank": self.kv_rank, "rope_dim": self.rope_dim, "eps": self.eps}
+
+
 # The modern fields and their defaults: `to_json` leaves a field out while it holds its default.
 MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1,
                                    "qk_norm": None, "use_sinks": False, "alibi": False, "local_chunk": None,
                                    "query_temperature": None, "qkv_clip": None, "output_gate": None,
-                                   "value_norm": None}
+                                   "value_norm": None, "latent": None}
 # The fields that are objects (a dict converts; to_dict gives their dict form).
-_OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate", "value_norm")
+_OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate", "value_norm", "latent")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -341,6 +376,7 @@ class AttentionConfig:
     qkv_clip: float | None = None  # c: q, k, v clamped to [-c, c] right after their projections (MPT, OLMo)
     output_gate: OutputGate | None = None  # sigmoid gate on the context before merge_heads (a dict converts)
     value_norm: QKNorm | None = None  # normalise v after projection, as qk_norm does q and k (Gemma 3n / 4)
+    latent: Latent | None = None  # multi-head latent attention (a dict converts); see Latent
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -383,6 +419,11 @@ class AttentionConfig:
 
     def _resolve_modern(self) -> None:
         rope = Rope.from_value(self.rope)
+        latent = Latent.from_value(self.latent)
+        object.__setattr__(self, "latent", latent)
+        if latent is not None:
+            self._check_latent(latent, rope)
+            rope = dataclasses.replace(rope, rotary_dim=latent.rope_dim)
         if rope is not None:
             rotary_dim = self.head_dim if rope.rotary_dim is None else rope.rotary_dim
             if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2:
@@ -417,6 +458,24 @@ class AttentionConfig:
             raise ValueError("value_norm.after_rope must be false (RoPE never turns v)")
         object.__setattr__(self, "value_norm", value_norm)
 
+    def _check_latent(self, latent: Latent, rope: Rope | None) -> None:
+        """What a latent layer needs of the other fields (one line each, naming the field)."""
+        if latent.rope_dim >= self.head_dim:
+            raise ValueError(f"latent.rope_dim must be less than head_dim (the key's other features come from the "
+                             f"latent): got rope_dim={latent.rope_dim}, head_dim={self.head_dim}")
+        if rope is None:
+            raise ValueError("latent needs rope (it turns the rope_dim features and the shared key): got rope null")
+        if rope.rotary_dim is not None and rope.rotary_dim != latent.rope_dim:
+            raise ValueError(f"rope.rotary_dim must equal latent.rope_dim or be null: got rotary_dim={rope.rotary_dim}, "
+                             f"rope_dim={latent.rope_dim}")
+        if self.use_value_bias:
+            raise ValueError("use_value_bias must be false with latent (the values are the latent's up-projection, "
+                             "which has no bias): got true")
+        for name in ("qk_norm", "value_norm", "qkv_clip"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} must be null with latent (the latent has its own norms): got "
+                                 f"{_shown(getattr(self, name))}")
+
     # -- derived quantities -------------------------------------------------
     @property
     def effective_scale(self) -> float:
@@ -436,6 +495,8 @@ class AttentionConfig:
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """The canonical tensors this config has, name -> shape."""
         N, K, H, V = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        if self.latent is not None:
+            return self._latent_shapes()
         shapes: dict[str, tuple[int, ...]] = {"query.kernel": (self.query_dim, N, H)}
         if self.use_query_bias:
             shapes["query.bias"] = (N, H)
@@ -448,6 +509,42 @@ class AttentionConfig:
         if self.use_value_bias:
             shapes["value.bias"] = (K, V)
         shapes.update(self._norm_shapes("value", K))
+        shapes["output.kernel"] = (N, V, self.out_dim)
+        if self.use_output_bias:
+            shapes["output.bias"] = (self.out_dim,)
+        if self.use_sinks:
+            shapes["sinks"] = (N,)
+        if self.alibi:
+            shapes["alibi.slopes"] = (N,)
+        if self.output_gate is not None:
+            per_head = (N, V) if self.output_gate.scope == "element" else (N,)
+            shapes["gate.kernel"] = (self.query_dim, *per_head)
+            if self.output_gate.bias:
+                shapes["gate.bias"] = per_head
+        return shapes
+
+    def _latent_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A latent layer's tensors: the query's down-projection, norm and up-projection (or one projection),
+        the latent's down-projection and norm, its up-projections to keys and values, the output."""
+        N, K, H, V, L = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim, self.latent
+        C, R, Qr = L.kv_rank, L.rope_dim, L.query_rank
+        shapes: dict[str, tuple[int, ...]] = {}
+        if Qr is not None:
+            shapes["query.down.kernel"] = (self.query_dim, Qr)
+            if self.use_query_bias:
+                shapes["query.down.bias"] = (Qr,)
+            shapes["query.down.norm.scale"] = (Qr,)
+            shapes["query.kernel"] = (Qr, N, H)
+        else:
+            shapes["query.kernel"] = (self.query_dim, N, H)
+            if self.use_query_bias:
+                shapes["query.bias"] = (N, H)
+        shapes["latent.kernel"] = (self.key_dim, C + R)
+        if self.use_key_bias:
+            shapes["latent.bias"] = (C + R,)
+        shapes["latent.norm.scale"] = (C,)
+        shapes["key.kernel"] = (C, K, H - R)
+        shapes["value.kernel"] = (C, K, V)
         shapes["output.kernel"] = (N, V, self.out_dim)
         if self.use_output_bias:
             shapes["output.bias"] = (self.out_dim,)

@@ -85,23 +85,37 @@ def check_ids(argument: str, shape, dtype_name: str | None, B: int, L: int, lett
 
 def _check_cache(config: AttentionConfig, past_key_shape, past_key_dtype, past_value_shape, past_value_dtype,
                  B: int) -> int:
-    """past_key (B, K, P, H) and past_value (B, K, P, V), both or neither; returns P."""
+    """past_key (B, K, P, H) and past_value (B, K, P, V), both or neither; returns P. A latent layer's cache
+    (cache_widths): past_key (B, 1, P, C), its normed latent, and past_value (B, 1, P, R), its rotated shared
+    key, as transformers' DeepSeek V3 attention caches them."""
     if (past_key_shape is None) != (past_value_shape is None):
         given = "past_key" if past_value_shape is None else "past_value"
         raise ValueError(f"past_key and past_value must be given together: got {given} alone")
     if past_key_shape is None:
         return 0
-    K, H, V = config.num_kv_heads, config.head_dim, config.value_head_dim
+    (K, key_width, key_letter), (_, value_width, value_letter) = cache_widths(config)
     pk, pv = _shape(past_key_shape), _shape(past_value_shape)
-    for name, shape, dtype_name, width, letter in (("past_key", pk, past_key_dtype, H, "H"),
-                                                   ("past_value", pv, past_value_dtype, V, "V")):
+    heads = "1" if config.latent is not None else "K"
+    for name, shape, dtype_name, width, letter in (("past_key", pk, past_key_dtype, key_width, key_letter),
+                                                   ("past_value", pv, past_value_dtype, value_width, value_letter)):
         if dtype_name is None or "float" not in dtype_name:
             raise ValueError(f"{name} must be a float array: got dtype {dtype_name}")
         if len(shape) != 4 or shape[0] != B or shape[1] != K or shape[3] != width:
-            raise ValueError(f"{name} must have shape (B, K, P, {letter}) = ({B}, {K}, P, {width}): got {shape}")
+            what = (" (a latent layer caches its normed latent in past_key and its rotated shared key in "
+                    "past_value)" if config.latent is not None else "")
+            raise ValueError(f"{name} must have shape (B, {heads}, P, {letter}) = ({B}, {K}, P, {width}){what}: "
+                             f"got {shape}")
     if pk[2] != pv[2]:
         raise ValueError(f"past_key and past_value must hold the same number of positions P: got {pk[2]} and {pv[2]}")
     return pk[2]
+
+
+def cache_widths(config: AttentionConfig) -> tuple[tuple[int, int, str], tuple[int, int, str]]:
+    """The cache's (heads, width, letter) for past_key / present_key and past_value / present_value:
+    (K, H) and (K, V); a latent layer's (1, C) (its normed latent) and (1, R) (its rotated shared key)."""
+    if config.latent is not None:
+        return (1, config.latent.kv_rank, "C"), (1, config.latent.rope_dim, "R")
+    return (config.num_kv_heads, config.head_dim, "H"), (config.num_kv_heads, config.value_head_dim, "V")
 
 
 def check_cache_length(cache_length, capacity: int | None, S: int) -> int:

@@ -379,10 +379,15 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
     }
     ranges = {"norm.scale": (0.5, 1.5), "norm.bias": (-0.5, 0.5), "sinks": (-1.0, 1.0), "alibi.slopes": (1 / 16, 0.5)}
     tensors = {}
+    latent = config.latent
+    if latent is not None:  # the up-projections read the latent (or the query's low-rank latent)
+        fan_in.update(latent=config.key_dim, key=latent.kv_rank, value=latent.kv_rank)
+        if latent.query_rank is not None:
+            fan_in["query"] = latent.query_rank
     for name, shape in config.tensor_shapes().items():
         kind = next((k for k in ranges if name.endswith(k)), None)
         if kind is None:
-            bound = 1.0 / np.sqrt(fan_in[name.split(".")[0]])
+            bound = 1.0 / np.sqrt(config.query_dim if name.startswith("query.down.") else fan_in[name.split(".")[0]])
             low, high = -bound, bound
         else:
             low, high = ranges[kind]

@@ -15,6 +15,7 @@ import numpy as np
 
 import weights
 from weights import AttentionConfig
+from weights.contract import cache_widths
 from weights.dtypes import is_float
 
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16")
@@ -153,7 +154,8 @@ def _modern_grid() -> list[Case]:
 
 def _frontier_grid() -> list[Case]:
     """ALiBi, local chunks, the query temperature, the QKV clip, output gates, the QK-norm variants (per-head
-    weights, after RoPE), the value norm, LongRoPE and proportional RoPE, and all of them together."""
+    weights, after RoPE), the value norm, LongRoPE and proportional RoPE, latent attention, and all of them
+    together."""
     cross = dict(self_attention=False, T=4, S=6)
     causal = dict(is_causal=True)
     decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
@@ -188,6 +190,14 @@ def _frontier_grid() -> list[Case]:
         Case("rope_longrope_short", _cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": longrope}), T=6, S=6, **causal),
         Case("rope_longrope_long", _cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": longrope}), positions="far",
              **cross),
+        # multi-head latent attention: DeepSeek V3's shape (query rank, interleaved RoPE on 2 of 6 features), and
+        # a decode step over a latent cache without a query rank, with Mistral 4's query temperature
+        Case("latent_mla", _cfg(num_heads=4, head_dim=6, value_head_dim=4, use_value_bias=False,
+                                rope={"interleaved": True}, latent={"query_rank": 6, "kv_rank": 5, "rope_dim": 2}),
+             T=6, S=6, **causal),
+        Case("latent_decode", _cfg(num_heads=4, num_kv_heads=2, head_dim=6, value_head_dim=3, use_value_bias=False,
+                                   rope={}, latent={"query_rank": None, "kv_rank": 4, "rope_dim": 4},
+                                   query_temperature={"beta": 0.3, "floor": 4.0}), T=2, S=2, P=5, **decode),
         Case("frontier_everything",
              _cfg(num_heads=4, num_kv_heads=2, head_dim=8, rope={"rotary_dim": 4}, alibi=True, local_chunk=5,
                   query_temperature={"beta": 0.1, "floor": 4.0, "offset": 0}, qkv_clip=0.8, use_sinks=True,
@@ -270,8 +280,9 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
     c, B, T, S, P = case.config, case.B, case.T, case.S, case.P
     inputs: dict[str, np.ndarray] = {}
     if P:
-        inputs["past_key"] = rng.standard_normal((B, c.num_kv_heads, P, c.head_dim))
-        inputs["past_value"] = rng.standard_normal((B, c.num_kv_heads, P, c.value_head_dim))
+        (key_heads, key_width, _), (value_heads, value_width, _) = cache_widths(c)  # a latent layer's: C and R
+        inputs["past_key"] = rng.standard_normal((B, key_heads, P, key_width))
+        inputs["past_value"] = rng.standard_normal((B, value_heads, P, value_width))
     if case.positions == "far":
         inputs["positions"] = 37 + P + np.arange(T, dtype=np.int64)  # (T,)
         inputs["key_positions"] = 37 + P + np.arange(S, dtype=np.int64)  # (S,)
@@ -409,4 +420,10 @@ def _with_frontier_features(case: Case, rng) -> Case:
                          "long_factor": (1 + 8 * rng.random(pairs)).tolist()},
                         {"type": "proportional", "partial_rotary_factor": pick([0.25, 0.5, 1.0])}])
         features["rope"] = dict(rope.to_dict(), scaling=scaling)
+    if rng.random() < 0.15:  # a latent layer (MLA): its own norms, no value bias, RoPE on R = 2 of H >= 3
+        R = 2
+        features.update(latent={"query_rank": pick([None, int(rng.integers(1, 9))]), "kv_rank": int(rng.integers(1, 9)),
+                                "rope_dim": R}, rope={"interleaved": bool(rng.random() < 0.5), "theta": 10000.0},
+                        head_dim=max(case.config.head_dim, R + 1), use_value_bias=False, qk_norm=None,
+                        value_norm=None, qkv_clip=None)
     return dataclasses.replace(case, config=dataclasses.replace(case.config, **features)) if features else case

@@ -85,6 +85,11 @@ The modern stages lengthen L (modern_length):
   (query_dim).
 * Local chunks, the QKV clip and the query temperature add none (a mask,
   an exact clamp, one product whose factor is in q's magnitudes).
+* Latent attention (MLA): the query's low-rank norm and up-projection (the
+  query rank, twice) and the latent's norm and up-projection (kv_rank,
+  twice) lengthen the chain before the logits; the absorbed form sums over
+  the same C latent features in another order (q W_uk^T . c against
+  q . c W_uk), which the same length covers.
 
 `precision="tf32"` (reduced matmul precision on GPUs, asked for explicitly)
 uses u = 2**-11 for float32 and says so in the reason.
@@ -257,6 +262,9 @@ def modern_length(config, max_position: int) -> int:
         extra += 1
     if config.output_gate is not None:  # the gate's projection: one more reduction over the query input
         extra += config.query_dim
+    latent = config.latent
+    if latent is not None:  # the query's and the latent's norms and up-projections: Qr twice, C twice
+        extra += 2 * (latent.query_rank or 0) + 2 * latent.kv_rank
     return extra
 
 

@@ -5,12 +5,15 @@ Kept apart from functional.py so that imports point one way: this module and
 chunked.py import the stages; the stages import neither.
 
 Three paths, each honouring every feature of the config and the call (rope,
-QK-norm, softcap, windows, sinks, a cache, segment ids):
+QK-norm, softcap, windows, sinks, a cache, segment ids, and the frontier
+fields: the QKV clip, the query temperature, ALiBi, local chunks, the output
+gate):
 - the stages (functional.py), whenever `trace` or `return_weights` is asked
   for: the spec, stage by stage, each result stored in the storage dtype;
-- `fused_attention` otherwise: logits -> [softcap] -> mask -> softmax [+
-  sinks] -> dropout -> attend as one computation on the heads that
-  `qkv_heads` made (project, [norm], split, [rope], [cache]): the scale folded
+- `fused_attention` otherwise: logits -> [softcap] -> [alibi] -> mask ->
+  softmax [+ sinks] -> dropout -> attend as one computation on the heads that
+  `qkv_heads` made (project, [clip], [norm], split, [rope], [temperature],
+  [cache]), the output gate after it: the scale folded
   into q, TensorFlow's own softmax kernel (a sink-aware one where sinks are
   on), masks and masked rows handled with as few passes over the (B, N, T,
   S) scores as the call allows; compiled by XLA from XLA_MIN_SCORES scores;
@@ -115,7 +118,22 @@ def _modern_core_options(config: AttentionConfig, call: Call) -> dict:
         options.update(segment_ids=call.segment_ids, key_segment_ids=call.key_segment_ids)
     if config.use_sinks:
         options["sinks"] = call.params["sinks"]
+    if config.alibi:
+        options["alibi_slopes"] = call.params["alibi.slopes"]
+    if config.local_chunk is not None:
+        options["local_chunk"] = config.local_chunk
+    if config.alibi or config.local_chunk is not None:
+        options.update(positions=call.positions, key_positions=call.every_key_position)
     return options
+
+
+def gated(config: AttentionConfig, call: Call, ctx):
+    """The context (B, N, T, V) through the output gate (gate.project, gate) where the config has one, as the
+    stages run it after attend: the fused and chunked cores leave it to this."""
+    if config.output_gate is None:
+        return ctx
+    p = call.params
+    return F.gate(ctx, F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")), config.num_heads)
 
 
 def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str):
@@ -139,13 +157,17 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
     valid = (tf.range(C) < S_total)[None, None, None]  # (1, 1, 1, C)
     allowed = valid if allowed is None else ops.logical_and(_over_capacity(allowed, S_total, C, False), valid)
     options = {name: value for name, value in _modern_core_options(config, call).items()
-               if name in ("softcap", "sinks")}  # windows and segments are in `allowed`
+               if name in ("softcap", "sinks", "alibi_slopes")}  # windows, chunks and segments are in `allowed`
+    if config.alibi:  # every key's position over the capacity: the spare ones (hidden) at 0
+        options.update(positions=call.positions,
+                       key_positions=_over_capacity(call.every_key_position, S_total, C, 0))
     ctx = _attention(
         q, tf.convert_to_tensor(call.past_key), tf.convert_to_tensor(call.past_value), mask4=allowed,
         bias=_over_capacity(call.bias4, S_total, C, 0.0), keep=_over_capacity(call.keep, S_total, C, False),
         is_causal=False, causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
         masked_row=config.masked_row, key_length=tf.constant(S_total, tf.int32), **options,
     )  # (B, N, T, V)
+    ctx = gated(config, call, ctx)
     return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
 
 
@@ -226,7 +248,8 @@ def multi_head_attention(
             config, call.query, p, k, v, positions=call.positions, mask4=call.mask4, bias=call.bias4,
             keep=call.keep, is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
             segment_ids=call.segment_ids, key_segment_ids=call.key_segment_ids,
-        )  # (B, T, N*V): the queries are projected block by block
+            key_positions=call.every_key_position,
+        )  # (B, T, N*V): the queries are projected (and gated) block by block
         if not return_cache:
             k = v = None  # released (eagerly) before the output projection
         return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, k, v)  # (B, T, O)
@@ -245,6 +268,7 @@ def multi_head_attention(
             causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
             masked_row=config.masked_row, **_modern_core_options(config, call),
         )  # (B, N, T, V)
+        ctx = gated(config, call, ctx)
         return result(F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), None, k, v)
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     q, k, v = qkv_heads(config, call, rec)
@@ -252,10 +276,15 @@ def multi_head_attention(
     x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
     if config.logit_softcap is not None:
         x = rec("softcap", F.softcap(x, config.logit_softcap))
+    if config.alibi:
+        x = rec("alibi", F.alibi(x, call.alibi_bias(config)))
     x = rec("mask", F.mask_stage(x, allowed, call.bias4))
     w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
     wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
     ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    if config.output_gate is not None:
+        g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
+        ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
     return result(out, w, k, v)

@@ -128,19 +128,33 @@ class Call:
     dtype: str
     T: Any  # int, or a traced scalar
     S_total: Any  # P + S: int, or a traced scalar
-    positions: Any = None  # (B|1, T) int where the config has rope
+    positions: Any = None  # (B|1, T) int where the config reads positions (config.reads_positions)
     key_positions: Any = None  # (B|1, S)
     past_key: Any = None  # (B, K, P, H); with cache_length the caller's tf.Variable (B, K, C, H)
     past_value: Any = None  # (B, K, P, V); with cache_length (B, K, C, V)
     segment_ids: Any = None  # (T,) or (B, T)
     key_segment_ids: Any = None  # (S_total,) or (B, S_total)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
+    P: Any = 0  # the cache's length: int, or a traced scalar
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
-        """mask AND causal AND window AND segments over every key (rank 4), or None."""
+        """mask AND causal AND window AND local chunks AND segments over every key (rank 4), or None."""
         return F.allowed_mask(self.mask4, self.T, self.S_total, is_causal, causal_alignment,
                               window_left=config.window_left, window_right=config.window_right,
-                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids)
+                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids,
+                              local_chunk=config.local_chunk, positions=self.positions,
+                              key_positions=self.every_key_position)
+
+    @property
+    def every_key_position(self):
+        """(B|1, P+S): the cache's keys at 0..P-1, then key_positions (where the config reads positions)."""
+        if self.key_positions is None:
+            return None
+        return F.all_key_positions(self.key_positions, self.P)
+
+    def alibi_bias(self, config: AttentionConfig):
+        """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
+        return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype)
 
     @property
     def modern(self) -> bool:
@@ -194,7 +208,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     segment_ids, key_segment_ids = given.get("segment_ids"), given.get("key_segment_ids")
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
-    rope = config.rope is not None
+    rope = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
     return Call(
         shapes=shapes, params=params, query=F._cast(query, dtype), key=F._cast(key, dtype),
         value=F._cast(value, dtype), mask4=mask4, bias4=bias_t, keep=keep, dtype=dtype, T=T, S_total=S_total,
@@ -202,7 +216,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         key_positions=F.default_positions(given.get("key_positions"), P, S) if rope else None,
         past_key=past_key if in_place or past_key is None else F._cast(past_key, dtype),
         past_value=past_value if in_place or past_value is None else F._cast(past_value, dtype),
-        segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,
+        segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None, P=P,
     )
 
 

@@ -10,12 +10,15 @@ from every query of a block are skipped, as impl_numpy/chunked.py skips them.
 The result equals the stages within the tolerance policy (the same stages on
 blocks, the same rounding rule).
 
-Every feature of the config and the call: QK-norm and RoPE run on each
-query block after its projection (both act per token); the keys and values
-arrive as the present cache (heads.qkv_heads); the softcap follows the
-logits of each block; windows and segment ids mask within a block; sinks
-start each query block's running max and sum (max = the sink, sum = 1,
-numerator 0), so a row that sees no key ends with a context of 0.
+Every feature of the config and the call: the QKV clip, QK-norm, RoPE and
+the query temperature run on each query block after its projection (all act
+per token); the keys and values arrive as the present cache
+(heads.qkv_heads, clipped there); the softcap follows the logits of each
+block, then ALiBi's bias, built block by block from the positions; windows,
+local chunks and segment ids mask within a block; sinks start each query
+block's running max and sum (max = the sink, sum = 1, numerator 0), so a row
+that sees no key ends with a context of 0; the output gate multiplies each
+query block's context before its heads are merged.
 
 Beyond impl_numpy, for memory: the query projection runs block by block too
 (the (B, T, N*H) queries are never held; at T = 8192, D = 512 they would be
@@ -59,7 +62,22 @@ from weights.contract import check_chunk_size
 from weights.rope import rope_tables
 
 from ._keras import keras, tf
-from .functional import _cast, compute_dtype, dtype_name, merge_heads, norm, project, rope, rope_angles, split_heads
+from .functional import (
+    _cast,
+    clip,
+    compute_dtype,
+    dtype_name,
+    gate,
+    gate_project,
+    merge_heads,
+    norm,
+    project,
+    rope,
+    rope_angles,
+    split_heads,
+    temperature,
+    temperature_factor,
+)
 
 ops = keras.ops
 
@@ -101,18 +119,23 @@ def _block(array, T: int, S: int, t0, tb: int, s0, sb: int, compiled: bool = Fal
     return _slice(array, begin, [-1, -1, tb if full_t else 1, sb if full_s else 1], compiled)
 
 
-def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids=None, k_ids=None, *, T: int, S: int,
-              tb: int, sb: int, causal: bool, offset: int, rate: float, dtype: str, compiled: bool = False,
-              left: int = -1, right: int = -1, cap: float | None = None):
+def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids=None, k_ids=None, slopes=None, q_pos=None,
+              k_pos=None, *, T: int, S: int, tb: int, sb: int, causal: bool, offset: int, rate: float, dtype: str,
+              compiled: bool = False, left: int = -1, right: int = -1, cap: float | None = None,
+              chunk: int | None = None):
     """One key block s0 <= s < s0 + sb into the running (m, l, acc) of the query
     block t0 <= t < t0 + tb: functional.py's stages on a (B, N, tb, sb) block.
 
     qg (B, K, G*tb, H) scaled queries and kc (B, K, S, H), vc (B, K, S, V) in
     the compute dtype; t0, s0 int32 scalars; mask4 / bias / keep the call's
     rank-4 arrays (or None); q_ids (B|1, T), k_ids (B|1, S) segment ids (or
-    None). causal, left, right: apply the causal mask and a window of that
-    many keys left / right (-1: none) to the block (one that crosses the
-    diagonal or a window's edge; key_plan says which). cap: the logit softcap.
+    None). slopes (N,) in the compute dtype with q_pos (B|1, T) and every
+    key's k_pos (B|1, S): ALiBi's bias on the block, after the softcap
+    (functional.alibi); chunk (config.local_chunk) with the same positions:
+    the local chunk mask. causal, left, right: apply the causal mask and a
+    window of that many keys left / right (-1: none) to the block (one that
+    crosses the diagonal or a window's edge; key_plan says which). cap: the
+    logit softcap.
     Stage results are rounded to the storage `dtype` as in impl_numpy.
     compiled: traced for XLA (the offsets then slice with xla.dynamic_slice).
     LOGITS and ATTEND are matmuls on the grouped queries, as impl_numpy's
@@ -135,6 +158,12 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids=None, k_id
     if cap is not None:  # functional.softcap, before mask and bias
         c = tf.constant(cap, ct)
         x = round_(tf.tanh(x / c) * c)
+    if slopes is not None or chunk is not None:
+        qp = _slice(q_pos, [0, t0], [-1, tb], compiled)  # (B|1, tb)
+        kp = _slice(k_pos, [0, s0], [-1, sb], compiled)  # (B|1, sb)
+    if slopes is not None:  # functional.alibi, after the softcap and before the mask
+        distance = _cast(ops.abs(qp[:, :, None] - kp[:, None, :]), ct)[:, None]  # (B|1, 1, tb, sb)
+        x = round_(x - ops.reshape(slopes, (1, N, 1, 1)) * distance)
     allowed = _block(mask4, T, S, t0, tb, s0, sb, compiled)
     if bias is not None:
         bb = _block(bias, T, S, t0, tb, s0, sb, compiled)
@@ -151,6 +180,9 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids=None, k_id
         if right >= 0:
             visible = both(visible, j <= aligned + right)
         allowed = both(allowed, visible[None, None])  # (1, 1, tb, sb)
+    if chunk is not None:  # local chunks: only keys of the query's own chunk of positions
+        same = ops.equal(tf.math.floordiv(qp, chunk)[:, :, None], tf.math.floordiv(kp, chunk)[:, None, :])
+        allowed = both(allowed, same[:, None])  # (B|1, 1, tb, sb)
     if q_ids is not None:  # packed sequences: only keys of the query's own segment
         qi = _slice(q_ids, [0, t0], [-1, tb], compiled)  # (B|1, tb)
         ki = _slice(k_ids, [0, s0], [-1, sb], compiled)  # (B|1, sb)
@@ -173,12 +205,12 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids=None, k_id
 _COMPILED: dict[tuple, object] = {}
 
 
-def compiled_key_block(mask4, bias, keep, q_ids=None, k_ids=None, **static):
+def compiled_key_block(mask4, bias, keep, q_ids=None, k_ids=None, slopes=None, q_pos=None, k_pos=None, **static):
     """key_block compiled by XLA for these static arguments, taking tensors
     only, positionally: (m, l, acc, qg, kc, vc, t0, s0, *present of mask4,
-    bias, keep, q_ids, k_ids). Eagerly a call costs a third less dispatch
-    than the same tf.function called with keywords and Nones."""
-    present = (mask4 is not None, bias is not None, keep is not None, q_ids is not None, k_ids is not None)
+    bias, keep, q_ids, k_ids, slopes, q_pos, k_pos). Eagerly a call costs a
+    third less dispatch than the same tf.function called with keywords and Nones."""
+    present = tuple(a is not None for a in (mask4, bias, keep, q_ids, k_ids, slopes, q_pos, k_pos))
     cache_key = (present, tuple(sorted(static.items())))
     if cache_key not in _COMPILED:
         if len(_COMPILED) >= 64:
@@ -186,8 +218,8 @@ def compiled_key_block(mask4, bias, keep, q_ids=None, k_ids=None, **static):
 
         def step(m, l, acc, qg, kc, vc, t0, s0, *optional):
             given = iter(optional)
-            mask4, bias, keep, q_ids, k_ids = (next(given) if p else None for p in present)
-            return key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids, k_ids, compiled=True, **static)
+            arrays = (next(given) if p else None for p in present)  # mask4, bias, keep, q_ids, k_ids, slopes, q_pos, k_pos
+            return key_block(m, l, acc, qg, kc, vc, t0, s0, *arrays, compiled=True, **static)
 
         _COMPILED[cache_key] = tf.function(step, jit_compile=True, autograph=False)
     return _COMPILED[cache_key]
@@ -216,15 +248,19 @@ def key_plan(t0: int, tb: int, *, T: int, S: int, C: int, offset: int, causal: b
 
 
 def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bias, keep, is_causal: bool,
-                      causal_alignment: str, chunk_size: int, segment_ids=None, key_segment_ids=None):
-    """query (B, T, D) (projected here, block by block, with its norm and
-    rope), k (B, K, S, H), v (B, K, S, V) (the present keys and values: a
-    cache's included), all in the storage dtype -> merged context (B, T, N*V).
+                      causal_alignment: str, chunk_size: int, segment_ids=None, key_segment_ids=None,
+                      key_positions=None):
+    """query (B, T, D) (projected here, block by block, with its clip, norm,
+    rope and temperature; the output gate reads it there too), k (B, K, S,
+    H), v (B, K, S, V) (the present keys and values: a cache's included), all
+    in the storage dtype -> merged context (B, T, N*V), gated.
     Pass k and v without keeping references: they are released (eagerly)
     before the (B, T, N*V) context is assembled.
 
     params: the canonical tensors (query.kernel, query.bias, query.norm.*,
-    sinks read here); positions (B|1, T) int: the queries' rope positions.
+    sinks, alibi.slopes, gate.* read here); positions (B|1, T) int: the
+    queries' positions (rope, the temperature, ALiBi, local chunks);
+    key_positions (B|1, S) int: every key's (ALiBi, local chunks).
     mask4: bool, rank 4 broadcastable to (B, N, T, S), causal and window not
     included; bias: compute dtype, rank 4; keep: the dropout keep-mask (B, N,
     T, S) or None; segment_ids (T,) or (B, T) and key_segment_ids (S,) or
@@ -251,13 +287,21 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
     static = dict(T=T, S=S, offset=offset, rate=rate, dtype=dtype)
     if config.logit_softcap is not None:
         static["cap"] = config.logit_softcap
+    if config.local_chunk is not None:
+        static["chunk"] = config.local_chunk
     q_ids = k_ids = None
     if segment_ids is not None:  # (B|1, T) and (B|1, S), one integer dtype
         q_ids = ops.convert_to_tensor(segment_ids)
         q_ids = q_ids[None] if len(q_ids.shape) == 1 else q_ids
         k_ids = ops.cast(ops.convert_to_tensor(key_segment_ids), q_ids.dtype)
         k_ids = k_ids[None] if len(k_ids.shape) == 1 else k_ids
-    optional = [a for a in (mask4, bias, keep, q_ids, k_ids) if a is not None]
+    slopes = q_pos = k_pos = None
+    if config.alibi:
+        slopes = _cast(params["alibi.slopes"], ct)  # (N,)
+    if config.alibi or config.local_chunk is not None:  # one integer dtype
+        q_pos, k_pos = _cast(positions, "int64"), _cast(key_positions, "int64")  # (B|1, T), (B|1, S)
+    arrays = (mask4, bias, keep, q_ids, k_ids, slopes, q_pos, k_pos)  # key_block's, in its order
+    optional = [a for a in arrays if a is not None]
     sinks = params.get("sinks") if config.use_sinks else None
     sink = None if sinks is None else ops.reshape(_cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
     q_norm = config.qk_norm
@@ -270,10 +314,9 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
     def run(state, qg, t0, tb, s0, sb, masked):
         window = dict(causal=is_causal, left=left, right=right) if masked else dict(causal=False)
         if use_xla:
-            step = compiled_key_block(mask4, bias, keep, q_ids, k_ids, tb=tb, sb=sb, **window, **static)
+            step = compiled_key_block(*arrays, tb=tb, sb=sb, **window, **static)
             return step(*state, qg, kc, vc, i32(t0), i32(s0), *optional)
-        return key_block(*state, qg, kc, vc, i32(t0), i32(s0), mask4, bias, keep, q_ids, k_ids, tb=tb, sb=sb,
-                         **window, **static)
+        return key_block(*state, qg, kc, vc, i32(t0), i32(s0), *arrays, tb=tb, sb=sb, **window, **static)
 
     def key_loop(state, qg, t0: int, tb: int, j0: int, j1: int):
         """Full key blocks j0 <= j < j1, none crossing the diagonal or a window's edge: one tf.while_loop."""
@@ -325,8 +368,11 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
         return u
 
     def query_heads(t0: int, tb: int):
-        """The block's queries after project -> [norm] -> split_heads -> [rope]: (B, N, tb, H)."""
+        """The block's queries after project -> [clip] -> [norm] -> split_heads -> [rope] -> [temperature]:
+        (B, N, tb, H)."""
         q = project(query[:, t0:t0 + tb], params["query.kernel"], params.get("query.bias"))  # (B, tb, N*H)
+        if config.qkv_clip is not None:
+            q = clip(q, config.qkv_clip)
         if q_norm is not None:  # per token, so the block's rows alone
             q = norm(q, params["query.norm.scale"], params.get("query.norm.bias"), q_norm.type, q_norm.eps, N,
                      q_norm.scope)
@@ -334,6 +380,9 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
         if config.rope is not None:
             angles = rope_angles(positions[:, t0:t0 + tb], inv_freq, dtype)  # (B|1, 1, tb, R/2)
             q = rope(q, angles, config.rope.rotary_dim, config.rope.interleaved, factor)
+        if config.query_temperature is not None:
+            t = config.query_temperature
+            q = temperature(q, temperature_factor(positions[:, t0:t0 + tb], t.beta, t.floor, t.offset, dtype))
         return q
 
     def query_block(t0: int, tb: int):
@@ -367,7 +416,11 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
         # With sinks an empty row's context is 0 whatever masked_row says: acc is 0 there.
         if masked_row != "zero" and sink is None:
             ctx = tf.where(empty, masked_row_ctx(t0, tb, empty), ctx)
-        return merge_heads(_cast(ctx, dtype))  # (B, tb, N*V)
+        ctx = _cast(ctx, dtype)
+        if config.output_gate is not None:  # functional.gate on the block's rows: the gate acts per token
+            g = gate_project(query[:, t0:t0 + tb], params["gate.kernel"], params.get("gate.bias"))  # (B, tb, N*V|N)
+            ctx = gate(ctx, g, N)
+        return merge_heads(ctx)  # (B, tb, N*V)
 
     blocks = []
     for t0 in range(0, T, C):

@@ -12,9 +12,10 @@ Shape letters (impl_numpy's):
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
 Stages (the bracketed ones where the config turns them on):
-project -> [norm] -> split_heads -> [rope] -> [cache appended] -> logits
-(scale) -> [softcap] -> mask (bias, causal, window, segments) -> softmax
-[+ sinks] -> dropout -> attend -> merge_heads -> output.
+project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature]
+-> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
+causal, window, local chunks, segments) -> softmax [+ sinks] -> dropout ->
+attend -> [gate] -> merge_heads -> output.
 
 The call that runs them (and chooses the fused and chunked paths) is
 attention.py; this file holds the stages alone and imports neither.
@@ -50,7 +51,7 @@ import numpy as np
 from weights.call import ATTEND, LOGITS, OUTPUT, PROJECT
 
 from ._keras import keras, tf
-from .masks import causal_mask, segment_mask, window_mask
+from .masks import causal_mask, chunk_mask, segment_mask, window_mask
 
 ops = keras.ops
 
@@ -88,6 +89,14 @@ def project(x, kernel, bias):
         ct = compute_dtype(x.dtype)
         y = _cast(_cast(y, ct) + _cast(ops.reshape(bias, (-1,)), ct), x.dtype)  # bias (F,); y (B, L, F)
     return y
+
+
+def clip(x, c: float):
+    """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias), in
+    the storage dtype as the spec's (exact: the bound rounds once, as NumPy's). Autodiff of the clamp passes
+    the gradient where |x| <= c, bounds included, as the spec's backward."""
+    bound = tf.constant(c, x.dtype)
+    return tf.clip_by_value(x, -bound, bound)
 
 
 def norm(x, scale, bias, kind: str, eps: float, heads: int, scope: str):
@@ -151,6 +160,21 @@ def rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float)
     return ops.concatenate([_cast(turned, x.dtype), x[..., R:]], axis=-1)  # (B, heads, L, H)
 
 
+def temperature_factor(positions, beta: float, floor: float, offset: int, dtype):
+    """The query temperature's factor per query, (B|1, 1, T, 1) in compute dtype:
+    1 + beta * ln(1 + floor((position + offset) / floor)). The floor of the
+    quotient is taken in float64 (positions are integers: exact), the log in
+    compute dtype, as the spec's."""
+    ct = compute_dtype(dtype)
+    steps = tf.floor((_cast(positions, "float64") + offset) / tf.constant(floor, tf.float64))  # (B|1, T)
+    return (1 + tf.constant(beta, ct) * tf.math.log1p(_cast(steps, ct)))[:, None, :, None]
+
+
+def temperature(q, factor):
+    """QUERY TEMPERATURE: q (B, N, T, H) times temperature_factor (after RoPE)."""
+    return _cast(_cast(q, factor.dtype) * factor, q.dtype)
+
+
 def logits(q, k, scale: float):
     """LOGITS times scale: q (B, N, T, H), k (B, K, S, H) -> (B, N, T, S).
     Query head n reads key head n // G."""
@@ -168,6 +192,23 @@ def softcap(x, cap: float):
     ct = compute_dtype(x.dtype)
     c = tf.constant(cap, ct)
     return _cast(ops.tanh(_cast(x, ct) / c) * c, x.dtype)
+
+
+def alibi_bias(slopes, positions, key_positions, dtype):
+    """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
+    positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions). The distance is an
+    integer, exact in any compute dtype the contract uses up to 2^24; the slopes' gradient flows
+    through the product."""
+    ct = compute_dtype(dtype)
+    q_pos, k_pos = _cast(positions, "int64"), _cast(key_positions, "int64")
+    distance = _cast(ops.abs(q_pos[:, :, None] - k_pos[:, None, :]), ct)  # (B|1, T, S)
+    return -ops.reshape(_cast(slopes, ct), (1, -1, 1, 1)) * distance[:, None]  # (B|1, N, T, S)
+
+
+def alibi(x, bias):
+    """ALIBI: the scaled (and softcapped) logits plus alibi_bias, before the mask (so a masked position stays
+    -inf): BLOOM's baddbmm adds it to the scaled q.k."""
+    return _cast(_cast(x, bias.dtype) + bias, x.dtype)
 
 
 def mask(x, allowed, bias):
@@ -231,6 +272,21 @@ def attend(w, v):
     return ops.reshape(_einsum(ATTEND, wg, v, w.dtype), (B, N, T, V))  # (B, N, T, V)
 
 
+def gate_project(x, kernel, bias):
+    """GATE.PROJECT: the query input (B, T, D) times gate.kernel (D, N, V) or (D, N) -> (B, T, N*V) or (B, T, N)."""
+    return project(x, kernel, bias)
+
+
+def gate(ctx, gate_logits, num_heads: int):
+    """GATE: the context (B, N, T, V) times sigmoid of gate.project's logits, (B, T, N*V) per element or
+    (B, T, N) per head; in compute dtype, stored. Autodiff of the sigmoid gives the spec's g (1 - g)."""
+    ct = compute_dtype(ctx.dtype)
+    B, T = ops.shape(gate_logits)[0], ops.shape(gate_logits)[1]
+    g = ops.reshape(_cast(gate_logits, ct), (B, T, num_heads, -1))  # (B, T, N, V|1)
+    g = tf.sigmoid(ops.transpose(g, (0, 2, 1, 3)))  # (B, N, T, V|1)
+    return _cast(_cast(ctx, ct) * g, ctx.dtype)
+
+
 def merge_heads(x):
     """(B, N, T, V) -> (B, T, N*V)."""
     B, N, T, V = ops.shape(x)
@@ -262,10 +318,12 @@ def dropout_keep_mask(shape, rate: float, seed) -> Any:
 
 
 def allowed_mask(mask4, T, S, is_causal: bool, causal_alignment: str, *, window_left: int = -1,
-                 window_right: int = -1, segment_ids=None, key_segment_ids=None):
-    """mask AND causal AND window AND segments, rank 4, broadcastable to (B, N,
+                 window_right: int = -1, segment_ids=None, key_segment_ids=None, local_chunk: int | None = None,
+                 positions=None, key_positions=None):
+    """mask AND causal AND window AND local chunks AND segments, rank 4, broadcastable to (B, N,
     T, S) (S: every key, the cache's included); None if none applies. T and S
-    may be traced scalars."""
+    may be traced scalars. local_chunk reads positions (B|1, T) and every key's
+    key_positions (B|1, S)."""
     allowed = mask4
 
     def both(extra):
@@ -275,9 +333,21 @@ def allowed_mask(mask4, T, S, is_causal: bool, causal_alignment: str, *, window_
         allowed = both(causal_mask(T, S, causal_alignment)[None, None])  # (1, 1, T, S)
     if window_left >= 0 or window_right >= 0:
         allowed = both(window_mask(T, S, window_left, window_right, causal_alignment)[None, None])  # (1, 1, T, S)
+    if local_chunk is not None:
+        allowed = both(chunk_mask(positions, key_positions, local_chunk))  # (B|1, 1, T, S)
     if segment_ids is not None:
         allowed = both(segment_mask(segment_ids, key_segment_ids))  # (B|1, 1, T, S)
     return allowed
+
+
+def all_key_positions(key_positions, P):
+    """Every key's position, (B|1, P+S): the cache's keys at 0..P-1, then the new keys' key_positions.
+    P may be a traced scalar."""
+    if isinstance(P, int) and not P:
+        return key_positions
+    key_positions = _cast(key_positions, "int64")
+    cached = tf.broadcast_to(tf.range(P, dtype=tf.int64)[None], (tf.shape(key_positions)[0], P))  # (B|1, P)
+    return ops.concatenate([cached, key_positions], axis=1)  # (B|1, P+S)
 
 
 def default_positions(positions, P, L):

@@ -1,5 +1,5 @@
-"""The fused fast path's core: logits -> [softcap] -> mask -> softmax [+
-sinks] -> dropout -> attend as one computation on the heads
+"""The fused fast path's core: logits -> [softcap] -> [alibi] -> mask ->
+softmax [+ sinks] -> dropout -> attend as one computation on the heads
 (fused_attention), for calls that ask for neither the trace nor the weights,
 and the test that tells a call whose rows can all be empty
 (may_have_empty_rows). attention.py chooses it and runs it, eagerly or
@@ -17,11 +17,11 @@ ops = keras.ops
 
 
 def may_have_empty_rows(mask4, bias, is_causal: bool, causal_alignment: str, T, S, *, windowed: bool = False,
-                        segments: bool = False) -> bool:
+                        segments: bool = False, chunks: bool = False) -> bool:
     """False only where no query row can lose every key: no mask, no bias, no
-    window, no segments, and causal (if at all) aligned so that every query
-    sees key 0 or more."""
-    if mask4 is not None or bias is not None or windowed or segments:
+    window, no segments, no local chunks (a query's chunk may hold no key), and
+    causal (if at all) aligned so that every query sees key 0 or more."""
+    if mask4 is not None or bias is not None or windowed or segments or chunks:
         return True
     if not is_causal or causal_alignment == "top_left":
         return False
@@ -30,8 +30,9 @@ def may_have_empty_rows(mask4, bias, is_causal: bool, causal_alignment: str, T, 
 
 def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_alignment: str, scale: float,
                     rate: float, masked_row: str, softcap: float | None = None, window_left: int = -1,
-                    window_right: int = -1, segment_ids=None, key_segment_ids=None, sinks=None, key_length=None):
-    """logits -> [softcap] -> mask -> softmax [+ sinks] -> dropout -> attend
+                    window_right: int = -1, segment_ids=None, key_segment_ids=None, sinks=None, key_length=None,
+                    alibi_slopes=None, local_chunk: int | None = None, positions=None, key_positions=None):
+    """logits -> [softcap] -> [alibi] -> mask -> softmax [+ sinks] -> dropout -> attend
     as one computation, for calls that ask for neither the trace nor the
     weights: q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> (B, N, T, V) in
     the storage dtype (S: every key, a cache's included).
@@ -49,12 +50,18 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     masked, and the mask's select passes none. With sinks no row is empty:
     a fully masked one is 0, as the spec says, with no select.
 
+    alibi_slopes (N,) with positions (B|1, T) and every key's key_positions
+    (B|1, S): ALiBi's bias (functional.alibi_bias, in the compute dtype) added
+    after the softcap, so the slopes get their gradient; local_chunk with the
+    same positions: the chunk mask (functional.allowed_mask).
+
     key_length (an in-place cache read whole): a scalar tensor, the number of
     keys that count (P + S); the keys past it are the buffers' spare
-    positions, which mask4 hides (the caller builds its causal, window and
-    segment masks over key_length keys and pads them: is_causal, windows and
-    segments are not passed with it). A uniform masked row spreads over
-    key_length keys. A hidden key gets weight 0 exactly, so its value must be
+    positions, which mask4 hides (the caller builds its causal, window,
+    local chunk and segment masks over key_length keys and pads them:
+    is_causal, windows, chunks and segments are not passed with it; ALiBi's
+    key_positions cover the whole capacity, any position past key_length). A
+    uniform masked row spreads over key_length keys. A hidden key gets weight 0 exactly, so its value must be
     finite (the contract's rule for the spare positions).
     """
     dtype = F.dtype_name(q)
@@ -81,8 +88,11 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     if softcap is not None:  # before mask and bias, as the spec's stage
         cap = tf.constant(softcap, ct)
         x = tf.tanh(x / cap) * cap
+    if alibi_slopes is not None:  # after the softcap, before mask and bias, as the spec's stage
+        x = x + F.alibi_bias(alibi_slopes, positions, key_positions, dtype)
     allowed = F.allowed_mask(mask4, T, S, is_causal, causal_alignment, window_left=window_left,
-                             window_right=window_right, segment_ids=segment_ids, key_segment_ids=key_segment_ids)
+                             window_right=window_right, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+                             local_chunk=local_chunk, positions=positions, key_positions=key_positions)
     if bias is not None:
         x = x + bias
         finite = bias > tf.constant(-math.inf, ct)  # (B|1, N|1, T|1, S|1)
@@ -92,7 +102,8 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     if sinks is None:
         w = tf.nn.softmax(x, axis=-1)  # (B, N, T, S); a row with no allowed key is NaN here
         if may_have_empty_rows(mask4, bias, is_causal, causal_alignment, T, S,
-                               windowed=window_left >= 0 or window_right >= 0, segments=segment_ids is not None):
+                               windowed=window_left >= 0 or window_right >= 0, segments=segment_ids is not None,
+                               chunks=local_chunk is not None):
             empty = ops.logical_not(ops.any(allowed, axis=-1, keepdims=True))  # (B|1, N|1, T|1, 1), on the mask
             fill = {"zero": 0.0, "uniform": 1.0, "nan": math.nan}[masked_row]
             if masked_row != "uniform":

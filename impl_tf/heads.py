@@ -1,8 +1,8 @@
-"""The stages a call runs before attention: project -> [norm] ->
-split_heads -> [rope] -> [cache] (qkv_heads, mirroring impl_numpy/heads.py),
-and the write of the new keys into an in-place cache's tf.Variables
-(write_cache, compiled by XLA). The call's tensors come in as call.prepare's
-Call.
+"""The stages a call runs before attention: project -> [clip] -> [norm] ->
+split_heads -> [rope] -> [query temperature] -> [cache] (qkv_heads,
+mirroring impl_numpy/heads.py), and the write of the new keys into an
+in-place cache's tf.Variables (write_cache, compiled by XLA). The call's
+tensors come in as call.prepare's Call.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def write_cache(past_key, past_value, k, v, start):
 
 
 def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = True, append: bool = True):
-    """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
+    """project -> [clip] -> [norm] -> split_heads -> [rope] -> [temperature] -> [cache appended]: q (B, N,
     T, H) (None unless `query`), k (B, K, S_total, H), v (B, K, S_total, V)
     (k and v: the present cache). rec(stage, value) records a stage.
     append=False: k and v are the new keys' alone (B, K, S, .)."""
@@ -40,6 +40,11 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = Tr
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"))) if query else None
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
     v = rec("value.project", F.project(call.value, p["value.kernel"], p.get("value.bias")))  # (B, S, K*V)
+    if config.qkv_clip is not None:
+        if query:
+            q = rec("query.clip", F.clip(q, config.qkv_clip))
+        k = rec("key.clip", F.clip(k, config.qkv_clip))
+        v = rec("value.clip", F.clip(v, config.qkv_clip))
     if config.qk_norm is not None:
         n = config.qk_norm
         if query:
@@ -57,6 +62,10 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = Tr
             q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved,
                                          factor))
         k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved, factor))
+    if config.query_temperature is not None and query:
+        t = config.query_temperature
+        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
+                                                                           call.dtype)))
     if call.cache_length is not None:  # in place: the new keys written after the P cached ones
         P = call.cache_length
         write_cache(call.past_key, call.past_value, k, v, tf.constant(P, tf.int32))

@@ -5,8 +5,10 @@ kernels (D, N*H), (D, K*H), (D, K*V), (N*V, O) and flat biases. The
 canonical tensors of the weight format, (D, N, H) and so on, are a reshape
 of those, so from_tensors / to_tensors are exact for every dtype.
 
-QK-norm's scales and biases and the sinks, where the config has them, are
-variables of their canonical shapes (query_norm_scale, ..., sinks).
+QK-norm's scales and biases, the sinks, ALiBi's slopes and the output
+gate's kernel and bias, where the config has them, are variables of their
+canonical shapes (query_norm_scale, ..., sinks, alibi_slopes, gate_kernel,
+gate_bias).
 
 The layer is a thin wrapper: call() hands its parameters to
 attention.multi_head_attention, which runs the spec's stages (or its fused
@@ -24,6 +26,7 @@ import numpy as np
 
 import weights
 from weights import AttentionConfig
+from weights.alibi import bloom_slopes
 from weights.contract import check_chunk_size
 
 from . import attention
@@ -77,6 +80,18 @@ def matmul_precision(precision: str):
         yield
     finally:
         tf.config.experimental.enable_tensor_float_32_execution(before)
+
+
+def _initializer(name: str, num_heads: int):
+    """A fresh layer's value of a tensor beyond the Dense ones: the scales 1, ALiBi's slopes BLOOM's rule
+    (weights.alibi), the gate's kernel as a Dense kernel (glorot uniform), biases and sinks 0."""
+    if name.endswith(".scale"):
+        return "ones"
+    if name == "alibi.slopes":
+        return keras.initializers.Constant(bloom_slopes(num_heads))
+    if name == "gate.kernel":
+        return "glorot_uniform"
+    return "zeros"
 
 
 @keras.saving.register_keras_serializable(package="impl_tf")
@@ -147,12 +162,12 @@ class MultiHeadAttention(keras.layers.Layer):
             self.wk.build((None, c.key_dim))
             self.wv.build((None, c.value_dim))
             self.wo.build((None, N * V))
-            # QK-norm and sinks: variables of the canonical shapes (scale 1, bias 0, sink logits 0).
+            # QK-norm, sinks, ALiBi and the gate: variables of the canonical shapes (scale 1, bias 0, sink
+            # logits 0, BLOOM's slopes, the gate's kernel drawn as a Dense kernel is).
             self.extra_variables = {}
             for name, shape in c.tensor_shapes().items():
-                if ".norm." in name or name == "sinks":
-                    init = "ones" if name.endswith(".scale") else "zeros"
-                    self.extra_variables[name] = self.add_weight(shape=shape, initializer=init,
+                if ".norm." in name or name in ("sinks", "alibi.slopes", "gate.kernel", "gate.bias"):
+                    self.extra_variables[name] = self.add_weight(shape=shape, initializer=_initializer(name, N),
                                                                  name=name.replace(".", "_"))
             self.seed_generator = None if seed is None else keras.random.SeedGenerator(self.seed)
         self.supports_masking = True

@@ -41,6 +41,15 @@ def window_mask(T, S, left: int, right: int, alignment: str = "top_left"):
     return visible  # (T, S)
 
 
+def chunk_mask(positions, key_positions, chunk: int):
+    """(B|1, 1, T, S) bool: key j visible to query i iff floor(pos_q(i) / chunk) == floor(pos_k(j) / chunk):
+    absolute chunks of `chunk` positions (Llama 4's chunked local attention, attention_chunk_size).
+    positions (B|1, T), key_positions (B|1, S): integers, divided with floor as NumPy's //."""
+    q_chunk = tf.math.floordiv(ops.convert_to_tensor(positions), chunk)  # (B|1, T)
+    k_chunk = tf.math.floordiv(ops.convert_to_tensor(key_positions), chunk)  # (B|1, S)
+    return ops.equal(q_chunk[:, :, None], ops.cast(k_chunk, q_chunk.dtype)[:, None, :])[:, None]  # (B|1, 1, T, S)
+
+
 def segment_mask(segment_ids, key_segment_ids):
     """(B|1, 1, T, S) bool: key j visible to query i iff their segment ids are
     equal (packed sequences). Ids are (T,) or (B, T) and (S,) or (B, S)."""

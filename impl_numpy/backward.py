@@ -170,7 +170,7 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         clip = config.qkv_clip
         if clip is not None:  # clip: the values inside [-c, c] pass (and their gradient); the rest are c
             if not magnitude:
-                kept["clip"] = tuple(np.abs(y) <= clip for y in (qp, kp, vp))
+                kept["clip"] = tuple(np.abs(y) <= F.clip_bound(clip, y.dtype) for y in (qp, kp, vp))
                 qp, kp, vp = (F.clip(y, clip) for y in (qp, kp, vp))
             else:  # a clipped value's magnitude is c's (exact: no terms)
                 qp, kp, vp = (ew(np.where(inside, y, ct.type(clip))) for y, inside in zip((qp, kp, vp), kept["clip"]))

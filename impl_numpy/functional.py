@@ -70,8 +70,17 @@ def project(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None, out: np.
 
 
 def clip(x: np.ndarray, c: float) -> np.ndarray:
-    """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias)."""
-    return np.clip(x, -c, c).astype(x.dtype, copy=False)  # (NumPy promotes bfloat16 against a float bound)
+    """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias),
+    c rounded to the storage dtype first (as torch.clamp rounds a Python bound, and NumPy for float16 under
+    NEP 50; ml_dtypes would compare bfloat16 in float32 against the unrounded c): clip_bound."""
+    bound = clip_bound(c, x.dtype)
+    return np.clip(x, -bound, bound).astype(x.dtype, copy=False)
+
+
+def clip_bound(c: float, dtype) -> np.generic:
+    """The clip's bound in the storage dtype: the values the clip passes (and its gradient) are those with
+    |x| <= this, bounds included."""
+    return np.dtype(dtype).type(c)
 
 
 def norm(x: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None, kind: str, eps: float, heads: int,

@@ -16,6 +16,14 @@ Which path honours which feature:
   the cache applied before it
   (qkv_heads) and the output gate after it. Softcap and sinks have no SDPA
   counterpart: a config with either takes the stages instead.
+- latent attention (MLA, config.latent): the stages run the expanded form
+  (latent_heads, expand_latent: impl_numpy/latent.py, traced as
+  weights.call.LATENT_STAGES); SDPA and an in-place cache (cache_length=,
+  untraced) run the absorbed form (absorb_latent: one shared head of width
+  C + R over [latent | rotary key], the latent as values, then
+  functional.expand_values), through SDPA or, for softcap and sinks, the
+  stage functions. The cache is the normed latent (B, 1, P+S, C) and the
+  rotated shared key (B, 1, P+S, R) on every path.
 torch has no chunked path (no chunk_size argument): SDPA's kernels already
 work blockwise.
 """
@@ -323,6 +331,69 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
     return q, k, v
 
 
+def latent_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value):
+    """A latent layer's (MLA, impl_numpy/latent.py) stages before attention: [query.down -> query.down_norm]
+    -> query.project, latent.project -> latent.norm, query.split_heads -> query.rope (its last R features) ->
+    key.rope (the shared rotary key) -> [query temperature] -> [cache appended]. -> q (B, N, T, H), latent
+    (B, 1, S_total, C) and rotary key (B, 1, S_total, R): the present cache (in place: views of the buffers
+    after the new latent and rotary key are written at P .. P+S-1)."""
+    p, N, L = call.params, config.num_heads, config.latent
+    C, R = L.kv_rank, L.rope_dim
+    if L.query_rank is not None:
+        qd = rec("query.down", F.project(call.query, p["query.down.kernel"], p.get("query.down.bias")))  # (B, T, Qr)
+        qd = rec("query.down_norm", F.norm(qd, p["query.down.norm.scale"], None, "rms", L.eps, 1, "head"))
+        q = rec("query.project", F.project(qd, p["query.kernel"], None))  # (B, T, N*H)
+    else:
+        q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+    both = rec("latent.project", F.project(call.key, p["latent.kernel"], p.get("latent.bias")))  # (B, S, C+R)
+    latent = rec("latent.norm", F.norm(both[..., :C], p["latent.norm.scale"], None, "rms", L.eps, 1, "head"))
+    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+    inv_freq, factor = rope_tables(config.rope, _longrope_max_position(config, call))
+    interleaved = config.rope.interleaved
+    q = rec("query.rope", F.rope_last(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved,
+                                      factor))
+    rotary = rec("key.rope", F.rope(F.split_heads(both[..., C:], 1),
+                                    F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved,
+                                    factor))  # (B, 1, S, R): one key for every head
+    if config.query_temperature is not None:
+        t = config.query_temperature
+        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
+                                                                           call.dtype)))
+    latent = F.split_heads(latent, 1)  # (B, 1, S, C)
+    if call.cache_length is not None:  # in place: the new latent and rotary key written after the P cached ones
+        P, S = call.cache_length, latent.shape[2]
+        call.past_key[:, :, P:P + S].copy_(latent)
+        call.past_value[:, :, P:P + S].copy_(rotary)
+        return q, call.past_key[:, :, :P + S], call.past_value[:, :, :P + S]  # (B, 1, P+S, .) views
+    if call.past_key is not None:  # the cache: the normed latent and the rotated shared key
+        latent = _append(call.past_key, latent)  # (B, 1, P+S, C)
+        rotary = _append(call.past_value, rotary)  # (B, 1, P+S, R)
+    return q, latent, rotary
+
+
+def expand_latent(config: AttentionConfig, call: Call, latent: torch.Tensor, rotary: torch.Tensor,
+                  rec=lambda stage, value: value):
+    """The expanded form's keys and values (the stages): the latent (B, 1, S_total, C) up-projected per head,
+    the keys joined with the shared rotary key (B, 1, S_total, R). -> k (B, K, S_total, H), v (B, K, S_total,
+    V)."""
+    p, K = call.params, config.num_kv_heads
+    k = rec("key.project", F.project(latent[:, 0], p["key.kernel"], None))  # (B, S_total, K*(H-R))
+    v = rec("value.project", F.project(latent[:, 0], p["value.kernel"], None))  # (B, S_total, K*V)
+    k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S_total, H-R)
+    v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S_total, V)
+    return rec("key.join", F.join_keys(k, rotary)), v
+
+
+def absorb_latent(config: AttentionConfig, call: Call, q: torch.Tensor, latent: torch.Tensor,
+                  rotary: torch.Tensor):
+    """The absorbed form's query, key and value (SDPA and the in-place cache): the key up-projection folded
+    into the query, one shared head of width C + R over [latent | rotary key], the latent as its values.
+    -> q (B, N, T, C+R), k (B, 1, S_total, C+R), v (B, 1, S_total, C); functional.expand_values takes the
+    attended latent to each head's values."""
+    q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim)  # (B, N, T, C+R)
+    return q, torch.cat([latent, rotary], dim=-1), latent
+
+
 # Present caches of at least this many bytes, on the CPU and outside autograd, are written into memory
 # NumPy allocates (_append says why).
 HUGE_PAGE_MIN_BYTES = 4 * 2**20
@@ -386,7 +457,8 @@ def multi_head_attention(
     """The forward pass. Returns output (B, T, O); with return_weights also
     weights (B, N, T, P+S) after softmax and before dropout; with
     return_cache also present_key (B, K, P+S, H) and present_value (B, K,
-    P+S, V): (output[, weights][, present_key, present_value]).
+    P+S, V) (a latent layer's: (B, 1, P+S, C) and (B, 1, P+S, R)):
+    (output[, weights][, present_key, present_value]).
 
     tensors: the canonical tensors (impl_numpy's names and layouts) as torch
     tensors on one device; inputs, masks, bias, ids and the cache are moved
@@ -419,7 +491,18 @@ def multi_head_attention(
     )
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params
-    q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+    # A latent layer runs the absorbed form on SDPA and on an in-place cache (never expanding the cache), the
+    # expanded form (the spec's stages, traced by their names) otherwise.
+    absorbed = config.latent is not None and trace is None and (will_use_sdpa or call.cache_length is not None)
+    if config.latent is not None:
+        q, present_key, present_value = latent_heads(config, call, rec)  # (B, N, T, H), (B, 1, S_total, C|R)
+        if absorbed:
+            q, k, v = absorb_latent(config, call, q, present_key, present_value)  # (.., C+R), (.., C+R), (.., C)
+        else:
+            k, v = expand_latent(config, call, present_key, present_value, rec)  # (B, K, S_total, H|V)
+    else:
+        q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+        present_key, present_value = k, v
     w = None
     if will_use_sdpa:
         bias4 = call.bias4
@@ -437,6 +520,8 @@ def multi_head_attention(
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
         ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    if absorbed:  # the attended latent (B, N, T, C) through each head's value up-projection
+        ctx = F.expand_values(ctx, p["value.kernel"])  # (B, N, T, V)
     if config.output_gate is not None:
         g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
         ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
@@ -445,5 +530,5 @@ def multi_head_attention(
     if not (return_weights or return_cache):
         return out
     if call.cache_length is not None:
-        k, v = call.past_key, call.past_value  # the buffers, whole
-    return (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
+        present_key, present_value = call.past_key, call.past_value  # the buffers, whole
+    return (out,) + ((w,) if return_weights else ()) + ((present_key, present_value) if return_cache else ())

@@ -52,8 +52,9 @@ def project(x: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def clip(x: torch.Tensor, c: float) -> torch.Tensor:
-    """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias).
-    Exact (a select); autograd passes the gradient where |x| <= c, bounds included, as the spec's VJP."""
+    """QKV clip: a projection clamped to [-c, c], c rounded to the storage dtype (MPT's and OLMo's clip_qkv,
+    after the projection's bias). torch.clamp rounds a Python bound to the tensor's dtype, as the spec does;
+    the gradient passes where |x| <= that c, bounds included."""
     return torch.clamp(x, -c, c)
 
 
@@ -127,6 +128,42 @@ def rope(x: torch.Tensor, angles: torch.Tensor, rotary_dim: int, interleaved: bo
     y2 = x2 * cos + x1 * sin
     turned = torch.stack([y1, y2], dim=-1).reshape(xr.shape) if interleaved else torch.cat([y1, y2], dim=-1)
     return torch.cat([turned.to(x.dtype), x[..., R:]], dim=-1)  # (B, heads, L, H)
+
+
+def rope_last(x: torch.Tensor, angles: torch.Tensor, rotary_dim: int, interleaved: bool,
+              attention_factor: float) -> torch.Tensor:
+    """RoPE on the LAST rotary_dim features of x (B, heads, L, H): a latent layer's heads are [features
+    without position | rotary features] (DeepSeek's order); the first H - rotary_dim pass through."""
+    H = x.shape[-1]
+    turned = rope(x[..., H - rotary_dim:], angles, rotary_dim, interleaved, attention_factor)
+    return torch.cat([x[..., : H - rotary_dim], turned], dim=-1)
+
+
+def join_keys(k_nope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    """KEY.JOIN (latent): each head's key features from the latent, k_nope (B, K, S, H - R), then the rotary
+    key every head shares, k_rope (B, 1, S, R) -> (B, K, S, H)."""
+    return torch.cat([k_nope, k_rope.expand(*k_nope.shape[:3], k_rope.shape[-1])], dim=-1)
+
+
+def absorb_query(q: torch.Tensor, key_kernel: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """The absorbed form's query (latent): each head's features without position taken through its key
+    up-projection's transpose, q_nope W_uk^T (C features), then its rotary features: (B, N, T, H) with
+    key.kernel (C, K, H - R) -> (B, N, T, C + R), in compute dtype, stored. Query head n reads key head
+    n // G. Then q_abs . [latent | rotary key] = q . [latent W_uk | rotary key]: the expanded logits."""
+    B, N, T, H = q.shape
+    C, K, _ = key_kernel.shape
+    q_nope = q[..., : H - rope_dim].reshape(B, K, N // K, T, H - rope_dim)
+    q_latent = _einsum("bkgth,ckh->bkgtc", q_nope, key_kernel, q.dtype).reshape(B, N, T, C)
+    return torch.cat([q_latent, q[..., H - rope_dim:]], dim=-1)
+
+
+def expand_values(ctx_latent: torch.Tensor, value_kernel: torch.Tensor) -> torch.Tensor:
+    """The absorbed form's context (latent): each head's attention over the latent, (B, N, T, C), through
+    its value up-projection (C, K, V) -> (B, N, T, V) (sum_j w_j (c_j W_uv) = (sum_j w_j c_j) W_uv)."""
+    B, N, T, C = ctx_latent.shape
+    K = value_kernel.shape[1]
+    grouped = ctx_latent.reshape(B, K, N // K, T, C)
+    return _einsum("bkgtc,ckv->bkgtv", grouped, value_kernel, ctx_latent.dtype).reshape(B, N, T, -1)
 
 
 def temperature_factor(positions: torch.Tensor, beta: float, floor: float, offset: int,

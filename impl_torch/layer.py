@@ -24,6 +24,21 @@ canonical tensors are views of them:
 | gate.kernel (D, N, V)/(D, N)| gate.weight (N*V|N, D)        | weight.T.reshape(shape)   |
 | gate.bias (N, V)/(N,)       | gate.bias (N*V|N,)            | bias.reshape(shape)       |
 
+A latent layer (config.latent, MLA) has these instead of query/key/value's
+(C = kv_rank, R = rope_dim, Qr = query_rank):
+
+| canonical (weights/)          | here                            | conversion (exact)        |
+|-------------------------------|---------------------------------|---------------------------|
+| query.down.kernel (D, Qr)     | query_down.weight (Qr, D)       | weight.T                  |
+| query.down.bias (Qr,)         | query_down.bias (Qr,)           | as is                     |
+| query.down.norm.scale (Qr,)   | query_down_norm.weight (RMSNorm)| as is                     |
+| query.kernel (Qr|D, N, H)     | query.weight (N*H, Qr|D)        | weight.T.reshape(., N, H) |
+| latent.kernel (Dk, C+R)       | latent.weight (C+R, Dk)         | weight.T                  |
+| latent.bias (C+R,)            | latent.bias (C+R,)              | as is                     |
+| latent.norm.scale (C,)        | latent_norm.weight (RMSNorm)    | as is                     |
+| key.kernel (C, K, H-R)        | key.weight (K*(H-R), C)         | weight.T.reshape(C, K, H-R)|
+| value.kernel (C, K, V)        | value.weight (K*V, C)           | weight.T.reshape(C, K, V) |
+
 The QK-norm and value-norm parameters live in nn.RMSNorm / nn.LayerNorm
 modules over the normalised width (H, or V for the value norm, for scope
 "head"; the whole projection for "all"), as a torch port holds them; a
@@ -63,13 +78,12 @@ def _layout(config: AttentionConfig) -> dict[str, tuple[str, str, tuple[int, ...
     """canonical name -> (submodule ("" for the layer itself), parameter name, canonical shape)."""
     out = {}
     for name, shape in config.tensor_shapes().items():
-        parts = name.split(".")
-        if len(parts) == 3:  # query.norm.scale -> query_norm.weight
-            out[name] = (f"{parts[0]}_norm", "weight" if parts[2] == "scale" else "bias", shape)
-        elif len(parts) == 2 and name != "alibi.slopes":  # query.kernel -> query.weight (transposed), ...
-            out[name] = (parts[0], "weight" if parts[1] == "kernel" else "bias", shape)
-        else:  # sinks, alibi.slopes -> alibi_slopes: parameters of the layer itself
+        *owner, last = name.split(".")
+        if name in ("sinks", "alibi.slopes"):  # sinks, alibi.slopes -> alibi_slopes: parameters of the layer itself
             out[name] = ("", name.replace(".", "_"), shape)
+        else:  # query.kernel -> query.weight (transposed), query.norm.scale -> query_norm.weight,
+            # query.down.kernel -> query_down.weight, query.down.norm.scale -> query_down_norm.weight, ...
+            out[name] = ("_".join(owner), "weight" if last in ("kernel", "scale") else "bias", shape)
     return out
 
 
@@ -109,8 +123,8 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with the contract's options (mask, bias, causal with
     both alignments, masked_row, GQA, dropout with an explicit keep-mask,
     return_weights; RoPE, QK-norm, the value norm, softcap, windows, sinks, ALiBi, local
-    chunks, the query temperature, the QKV clip, output gates, the KV cache
-    and segment ids where the config and the call ask) on any device and dtype.
+    chunks, the query temperature, the QKV clip, output gates, latent attention
+    (MLA), the KV cache and segment ids where the config and the call ask) on any device and dtype.
 
     `training` follows the module's mode (`.train()` / `.eval()`) unless a call
     passes it; in training with dropout > 0 and neither `dropout_mask` nor
@@ -126,9 +140,12 @@ class MultiHeadAttention(nn.Module):
         kw = dict(device=device if device == "meta" else torch_device(device), dtype=dtype)
         self.config = config
         self.use_sdpa = use_sdpa  # default for forward(use_sdpa=None)
-        self.query = nn.Linear(c.query_dim, c.num_heads * c.head_dim, bias=c.use_query_bias, **kw)
-        self.key = nn.Linear(c.key_dim, c.num_kv_heads * c.head_dim, bias=c.use_key_bias, **kw)
-        self.value = nn.Linear(c.value_dim, c.num_kv_heads * c.value_head_dim, bias=c.use_value_bias, **kw)
+        if c.latent is not None:
+            self._build_latent(kw)
+        else:
+            self.query = nn.Linear(c.query_dim, c.num_heads * c.head_dim, bias=c.use_query_bias, **kw)
+            self.key = nn.Linear(c.key_dim, c.num_kv_heads * c.head_dim, bias=c.use_key_bias, **kw)
+            self.value = nn.Linear(c.value_dim, c.num_kv_heads * c.value_head_dim, bias=c.use_value_bias, **kw)
         self.output = nn.Linear(c.num_heads * c.value_head_dim, c.out_dim, bias=c.use_output_bias, **kw)
         if c.qk_norm is not None and c.qk_norm.weight:
             self.query_norm = _norm_module(c.qk_norm, c.num_heads, c.head_dim, kw)
@@ -142,6 +159,22 @@ class MultiHeadAttention(nn.Module):
         if c.output_gate is not None:  # gate.kernel (D, N, V) or (D, N) as one nn.Linear from the query input
             per_head = c.value_head_dim if c.output_gate.scope == "element" else 1
             self.gate = nn.Linear(c.query_dim, c.num_heads * per_head, bias=c.output_gate.bias, **kw)
+
+    def _build_latent(self, kw) -> None:
+        """A latent layer's modules (DeepSeek V3's q_a_proj, q_a_layernorm, q_b_proj / q_proj,
+        kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj, this last as its key and value rows apart)."""
+        c, L = self.config, self.config.latent
+        N, K, H, V, C, R = c.num_heads, c.num_kv_heads, c.head_dim, c.value_head_dim, L.kv_rank, L.rope_dim
+        if L.query_rank is not None:
+            self.query_down = nn.Linear(c.query_dim, L.query_rank, bias=c.use_query_bias, **kw)
+            self.query_down_norm = nn.RMSNorm(L.query_rank, eps=L.eps, **kw)
+            self.query = nn.Linear(L.query_rank, N * H, bias=False, **kw)
+        else:
+            self.query = nn.Linear(c.query_dim, N * H, bias=c.use_query_bias, **kw)
+        self.latent = nn.Linear(c.key_dim, C + R, bias=c.use_key_bias, **kw)
+        self.latent_norm = nn.RMSNorm(C, eps=L.eps, **kw)
+        self.key = nn.Linear(C, K * (H - R), bias=False, **kw)
+        self.value = nn.Linear(C, K * V, bias=False, **kw)
 
     # -- canonical tensors <-> nn.Linear ----------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:

@@ -8,7 +8,9 @@ ALiBi (its bias added to the call's by attention.py: SDPA's float mask, the
 slopes' gradient through it); the clip, RoPE, QK-norm, the query temperature
 and the cache come before it (attention.qkv_heads), the output gate after.
 Softcap and sinks have no SDPA counterpart: attention.py sends such calls
-to the stages.
+to the stages. A latent layer's call arrives absorbed (attention.absorb_latent):
+q (B, N, T, C+R) against one shared head k (B, 1, S, C+R), v the latent (B, 1,
+S, C), at the config's scale (1/sqrt(H) by default, not 1/sqrt(C+R)).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def sdpa_attend(config: AttentionConfig, q, k, v, *, allowed, bias, plain_causal
     weight = {"zero": 0.0, "uniform": 1.0 / v.shape[2], "nan": float("nan")}[config.masked_row]
     zero = torch.zeros((), dtype=ct, device=v.device)
     factor = torch.where(empty, zero + weight, zero)  # (B|1, N|1, T, 1), 1/S in the compute dtype
-    v_sum = v.to(ct).sum(dim=2, keepdim=True).repeat_interleave(config.group_size, dim=1)  # (B, N, 1, V)
+    # (B, N, 1, V): query head n reads value head n // G (G = N // K; a latent layer's one shared head: N)
+    v_sum = v.to(ct).sum(dim=2, keepdim=True).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     return torch.where(empty, (factor * v_sum).to(dtype), ctx)
 
 

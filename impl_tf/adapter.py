@@ -133,7 +133,7 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     shapes = config.tensor_shapes()
     grads = {}
     for name, source, g in zip([*given, *variables], sources, found):
-        g = ops.zeros_like(source) if g is None else g  # not reached: every input and tensor feeds the output
+        g = ops.zeros_like(source) if g is None else g  # an input the call does not read (a latent layer's value)
         g = _numpy(ops.cast(g, dtype))
         grads[name] = g.reshape(shapes[name]) if name in shapes else g  # Dense layout -> canonical shape
     return {"output": _numpy(out), "grads": grads}

@@ -5,9 +5,10 @@ Kept apart from functional.py so that imports point one way: this module and
 chunked.py import the stages; the stages import neither.
 
 Three paths, each honouring every feature of the config and the call (rope,
-QK-norm, softcap, windows, sinks, a cache, segment ids, and the frontier
-fields: the QKV clip, the query temperature, ALiBi, local chunks, the output
-gate):
+LongRoPE's table chosen by the call's positions, QK-norm (weightless, per
+head, after RoPE), the value norm, softcap, windows, sinks, a cache, segment
+ids, and the frontier fields: the QKV clip, the query temperature, ALiBi,
+local chunks, the output gate, latent attention):
 - the stages (functional.py), whenever `trace` or `return_weights` is asked
   for: the spec, stage by stage, each result stored in the storage dtype;
 - `fused_attention` otherwise: logits -> [softcap] -> [alibi] -> mask ->
@@ -20,6 +21,12 @@ gate):
 - `chunk_size=` (chunked.py): impl_numpy's chunked mode, exact attention with
   an online softmax over key blocks that never holds a (T, S) array and
   skips key blocks the causal mask or a window hides.
+A latent layer (MLA, config.latent) runs the expanded form on the stages
+(heads.latent_heads, expand_latent) and the absorbed form on the fused,
+chunked and in-place paths, as impl_numpy/chunked.py's _fused_modern: the
+query through key.kernel (absorbed_heads), one shared key head [latent |
+rotary key] with the latent as its values, the attended latent through
+value.kernel (expanded); its cache is the latent and the rotary key.
 A plain call (no modern feature, no cache, no segments) runs exactly the ops
 it ran before the modern features existed.
 
@@ -54,7 +61,7 @@ from .call import (  # noqa: F401 - re-exported: attention.py was their home, an
 )
 from .chunked import chunked_attention
 from .fused import fused_attention, may_have_empty_rows  # noqa: F401 - may_have_empty_rows re-exported
-from .heads import qkv_heads, write_cache  # noqa: F401 - write_cache re-exported
+from .heads import expand_latent, latent_heads, qkv_heads, write_cache  # noqa: F401 - write_cache re-exported
 
 ops = keras.ops
 
@@ -136,6 +143,24 @@ def gated(config: AttentionConfig, call: Call, ctx):
     return F.gate(ctx, F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")), config.num_heads)
 
 
+def absorbed_heads(config: AttentionConfig, call: Call, *, append: bool = True):
+    """A latent layer's absorbed form (impl_numpy/chunked.py's _fused_modern): the query through key.kernel,
+    q (B, N, T, C + R); the keys [latent | rotary key] (B, 1, S_total, C + R) as one shared head, the
+    latent (B, 1, S_total, C) as its values; and the present cache (latent, rotary key).
+    append=False (an in-place cache): the keys and values are the buffers, whole (capacity positions)."""
+    q, latent, rotary = latent_heads(config, call, append=append)  # (B, N, T, H), (B, 1, S|S_total, C), (.., R)
+    q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim)  # (B, N, T, C + R)
+    if not append:  # in place: the buffers, written, read whole
+        latent, rotary = tf.convert_to_tensor(call.past_key), tf.convert_to_tensor(call.past_value)
+    return q, ops.concatenate([latent, rotary], axis=-1), latent, (latent, rotary)
+
+
+def expanded(config: AttentionConfig, call: Call, ctx):
+    """The absorbed form's attended latent (B, N, T, C) through each head's value up-projection (B, N, T, V);
+    any other layer's context unchanged."""
+    return ctx if config.latent is None else F.expand_values(ctx, call.params["value.kernel"])
+
+
 def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str):
     """The fused path over an in-place cache: the new keys written into the
     buffers, then attention over their whole capacity C, the positions from
@@ -149,7 +174,11 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
     Reading C rather than P+S positions costs the spare capacity the caller
     chose; the masks over (T, C) are small beside the cache."""
     p = call.params
-    q, _, _ = qkv_heads(config, call, append=False)  # writes the new keys and values at P .. P+S-1
+    if config.latent is not None:  # the absorbed form over the buffers (latent | rotary key), whole
+        q, keys, values, _ = absorbed_heads(config, call, append=False)
+    else:  # writes the new keys and values at P .. P+S-1
+        q, _, _ = qkv_heads(config, call, append=False)
+        keys, values = tf.convert_to_tensor(call.past_key), tf.convert_to_tensor(call.past_value)
     S_total, C = call.S_total, call.past_key.shape[2]
     # one bottom-right query (a decode step) sees every key: no causal mask to build
     decode_step = causal_alignment == "bottom_right" and isinstance(call.T, int) and call.T == 1
@@ -162,12 +191,12 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
         options.update(positions=call.positions,
                        key_positions=_over_capacity(call.every_key_position, S_total, C, 0))
     ctx = _attention(
-        q, tf.convert_to_tensor(call.past_key), tf.convert_to_tensor(call.past_value), mask4=allowed,
+        q, keys, values, mask4=allowed,
         bias=_over_capacity(call.bias4, S_total, C, 0.0), keep=_over_capacity(call.keep, S_total, C, False),
         is_causal=False, causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
         masked_row=config.masked_row, key_length=tf.constant(S_total, tf.int32), **options,
-    )  # (B, N, T, V)
-    ctx = gated(config, call, ctx)
+    )  # (B, N, T, V), or the attended latent (B, N, T, C)
+    ctx = gated(config, call, expanded(config, call, ctx))
     return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
 
 
@@ -203,7 +232,10 @@ def multi_head_attention(
     """The forward pass. Returns output (B, T, O); with return_weights also
     weights (B, N, T, P+S) after softmax and before dropout; with
     return_cache also present_key (B, K, P+S, H) and present_value (B, K,
-    P+S, V): (output[, weights][, present_key, present_value]).
+    P+S, V): (output[, weights][, present_key, present_value]). A latent
+    layer's cache (weights.contract.cache_widths) is its normed latent (B, 1,
+    ., C) in past_key / present_key and its rotated shared key (B, 1, ., R)
+    in past_value / present_value; its `value` input is not read.
 
     tensors: the canonical tensors (NumPy arrays, or tensors/variables of the
     canonical shapes). dtype: compute in this storage dtype (default: the
@@ -243,22 +275,34 @@ def multi_head_attention(
         return parts[0] if len(parts) == 1 else parts
 
     if path == "chunked":
-        _, k, v = qkv_heads(config, call, query=False)  # (B, K, S_total, H), (B, K, S_total, V)
+        if config.latent is not None:  # the absorbed form: one shared head [latent | rotary key], the latent as values
+            _, latent, rotary = latent_heads(config, call, query=False)  # (B, 1, S_total, C), (B, 1, S_total, R)
+            k, v, present = ops.concatenate([latent, rotary], axis=-1), latent, (latent, rotary)
+            latent = rotary = None
+        else:
+            _, k, v = qkv_heads(config, call, query=False)  # (B, K, S_total, H), (B, K, S_total, V)
+            present = (k, v)
+        if not return_cache:
+            present = (None, None)  # released (eagerly) with k and v before the output projection
         ctx = chunked_attention(
             config, call.query, p, k, v, positions=call.positions, mask4=call.mask4, bias=call.bias4,
             keep=call.keep, is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
             segment_ids=call.segment_ids, key_segment_ids=call.key_segment_ids,
             key_positions=call.every_key_position,
+            rope_tables=call.rope_tables(config) if config.rope is not None else None,
         )  # (B, T, N*V): the queries are projected (and gated) block by block
-        if not return_cache:
-            k = v = None  # released (eagerly) before the output projection
-        return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, k, v)  # (B, T, O)
+        k = v = None
+        return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, *present)  # (B, T, O)
     if path == "fused" and call.cache_length is not None:
         return result(in_place_fused(config, call, is_causal, causal_alignment), None, None, None)
     if path == "fused":
         # a cache nobody asks back is never concatenated: fused_attention takes it and the new keys as parts
-        cache_parts = call.past_key is not None and not return_cache
-        q, k, v = qkv_heads(config, call, append=not cache_parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
+        cache_parts = call.past_key is not None and not return_cache and config.latent is None
+        if config.latent is not None:  # the absorbed form: q (B, N, T, C+R) over one shared head (B, 1, S_total, .)
+            q, k, v, present = absorbed_heads(config, call)
+        else:
+            q, k, v = qkv_heads(config, call, append=not cache_parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
+            present = (k, v)
         if cache_parts:
             k, v = (call.past_key, k), (call.past_value, v)
         # one bottom-right query (a decode step) sees every key: no causal mask to build and select by
@@ -267,11 +311,16 @@ def multi_head_attention(
             q, k, v, mask4=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal and not decode_step,
             causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
             masked_row=config.masked_row, **_modern_core_options(config, call),
-        )  # (B, N, T, V)
-        ctx = gated(config, call, ctx)
-        return result(F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), None, k, v)
+        )  # (B, N, T, V), or the attended latent (B, N, T, C)
+        ctx = gated(config, call, expanded(config, call, ctx))
+        return result(F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), None, *present)
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
-    q, k, v = qkv_heads(config, call, rec)
+    if config.latent is not None:  # the expanded form: the present cache is the latent and the rotary key
+        q, present_key, present_value = latent_heads(config, call, rec)
+        k, v = expand_latent(config, call, present_key, present_value, rec)
+    else:
+        q, k, v = qkv_heads(config, call, rec)
+        present_key, present_value = k, v
     allowed = call.allowed(config, is_causal, causal_alignment)
     x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
     if config.logit_softcap is not None:
@@ -287,4 +336,4 @@ def multi_head_attention(
         ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
-    return result(out, w, k, v)
+    return result(out, w, present_key, present_value)

@@ -15,7 +15,8 @@ import numpy as np
 
 from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
 from weights.call import OPTIONAL_INPUTS
-from weights.contract import CallShapes, check_bias_values, check_call, in_place_buffer_error
+from weights.contract import CallShapes, check_bias_values, check_call, check_position_values, in_place_buffer_error
+from weights.rope import attention_factor, inverse_frequencies, rope_tables
 
 from . import functional as F
 from ._keras import keras, tf
@@ -152,6 +153,26 @@ class Call:
             return None
         return F.all_key_positions(self.key_positions, self.P)
 
+    def rope_tables(self, config: AttentionConfig):
+        """(inv_freq (R/2,), attention_factor) of this call: weights.rope.rope_tables, where LongRoPE picks its
+        table by the call's largest position (its queries' and new keys'). Eagerly that position is read to
+        the host (LongRoPE only); in a graph (tf.function, XLA) the table is selected by tf.where on
+        max position + 1 > original_max_position_embeddings, nothing read to Python."""
+        rope = config.rope
+        scaling = rope.scaling
+        if scaling is None or scaling.type != "longrope":
+            return rope_tables(rope)
+        given = [x for x in (self.positions, self.key_positions) if x is not None]
+        if not any(_is_symbolic(x) for x in given):
+            values = [np.asarray(ops.convert_to_numpy(x)) for x in given]
+            largest = [int(x.max()) for x in values if x.size]
+            return rope_tables(rope, max(largest) if largest else None)
+        largest = tf.reduce_max(tf.stack([tf.reduce_max(tf.cast(x, tf.int64)) for x in given]))
+        long = largest + 1 > scaling.original_max_position_embeddings
+        inv_freq = tf.where(long, tf.constant(inverse_frequencies(rope, long=True), tf.float64),
+                            tf.constant(inverse_frequencies(rope, long=False), tf.float64))  # (R/2,)
+        return inv_freq, attention_factor(rope)
+
     def alibi_bias(self, config: AttentionConfig):
         """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
         return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype)
@@ -188,6 +209,9 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         seed=seed, return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
         materializes_scores=materializes_scores, **given,
     )
+    given_positions = given.get("positions")
+    if config.query_temperature is not None and given_positions is not None and not _is_symbolic(given_positions):
+        check_position_values(config, ops.convert_to_numpy(given_positions))  # traced positions are not read
     in_place = shapes.capacity is not None
     if in_place:
         given["past_key"], given["past_value"] = past_key_buffers(past_key, past_value, dtype)

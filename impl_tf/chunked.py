@@ -10,15 +10,17 @@ from every query of a block are skipped, as impl_numpy/chunked.py skips them.
 The result equals the stages within the tolerance policy (the same stages on
 blocks, the same rounding rule).
 
-Every feature of the config and the call: the QKV clip, QK-norm, RoPE and
-the query temperature run on each query block after its projection (all act
-per token); the keys and values arrive as the present cache
-(heads.qkv_heads, clipped there); the softcap follows the logits of each
-block, then ALiBi's bias, built block by block from the positions; windows,
-local chunks and segment ids mask within a block; sinks start each query
-block's running max and sum (max = the sink, sum = 1, numerator 0), so a row
-that sees no key ends with a context of 0; the output gate multiplies each
-query block's context before its heads are merged.
+Every feature of the config and the call: the QKV clip, QK-norm (before or
+after RoPE), RoPE and the query temperature run on each query block after
+its projection (all act per token); the keys and values arrive as the
+present cache (heads.qkv_heads, clipped and normed there; a latent layer's
+as its absorbed form's one shared head, heads.latent_heads); the softcap
+follows the logits of each block, then ALiBi's bias, built block by block
+from the positions; windows, local chunks and segment ids mask within a
+block; sinks start each query block's running max and sum (max = the sink,
+sum = 1, numerator 0), so a row that sees no key ends with a context of 0;
+a latent layer's attended latent goes through value.kernel, and the output
+gate multiplies each query block's context, before its heads are merged.
 
 Beyond impl_numpy, for memory: the query projection runs block by block too
 (the (B, T, N*H) queries are never held; at T = 8192, D = 512 they would be
@@ -59,18 +61,21 @@ from __future__ import annotations
 import math
 
 from weights.contract import check_chunk_size
-from weights.rope import rope_tables
+from weights.rope import rope_tables as default_rope_tables
 
 from ._keras import keras, tf
 from .functional import (
     _cast,
+    absorb_query,
     clip,
     compute_dtype,
     dtype_name,
+    expand_values,
     gate,
     gate_project,
     merge_heads,
     norm,
+    norm_heads,
     project,
     rope,
     rope_angles,
@@ -78,6 +83,7 @@ from .functional import (
     temperature,
     temperature_factor,
 )
+from .heads import latent_query_heads
 
 ops = keras.ops
 
@@ -249,7 +255,7 @@ def key_plan(t0: int, tb: int, *, T: int, S: int, C: int, offset: int, causal: b
 
 def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bias, keep, is_causal: bool,
                       causal_alignment: str, chunk_size: int, segment_ids=None, key_segment_ids=None,
-                      key_positions=None):
+                      key_positions=None, rope_tables=None):
     """query (B, T, D) (projected here, block by block, with its clip, norm,
     rope and temperature; the output gate reads it there too), k (B, K, S,
     H), v (B, K, S, V) (the present keys and values: a cache's included), all
@@ -264,7 +270,13 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
     mask4: bool, rank 4 broadcastable to (B, N, T, S), causal and window not
     included; bias: compute dtype, rank 4; keep: the dropout keep-mask (B, N,
     T, S) or None; segment_ids (T,) or (B, T) and key_segment_ids (S,) or
-    (B, S), or None.
+    (B, S), or None. rope_tables: the call's (inv_freq, attention_factor)
+    (call.Call.rope_tables: LongRoPE's table chosen by the call's positions).
+
+    A latent layer (config.latent) runs the absorbed form: k the shared head
+    [latent | rotary key] (B, 1, S, C + R), v the latent (B, 1, S, C); each
+    query block is absorbed through key.kernel (functional.absorb_query) and
+    its attended latent expanded through value.kernel (expand_values).
     """
     C = check_chunk_size(chunk_size)
     T, S = query.shape[1], k.shape[2]
@@ -273,7 +285,7 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
             f"chunk_size needs the query and key lengths known when the graph is traced: got T={T}, S={S}"
         )
     T, S = int(T), int(S)
-    N, K, V = config.num_heads, config.num_kv_heads, config.value_head_dim
+    N, K, V = config.num_heads, k.shape[1], v.shape[-1]  # a latent layer's one shared head: K = 1, V = C
     G = N // K
     B = query.shape[0] if query.shape[0] is not None else tf.shape(query)[0]
     dtype = dtype_name(query)
@@ -306,7 +318,7 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
     sink = None if sinks is None else ops.reshape(_cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
     q_norm = config.qk_norm
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config.rope)
+        inv_freq, factor = default_rope_tables(config.rope) if rope_tables is None else rope_tables
 
     def i32(x):
         return tf.constant(x, tf.int32) if isinstance(x, int) else x
@@ -368,18 +380,25 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
         return u
 
     def query_heads(t0: int, tb: int):
-        """The block's queries after project -> [clip] -> [norm] -> split_heads -> [rope] -> [temperature]:
-        (B, N, tb, H)."""
+        """The block's queries after project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after
+        rope] -> [temperature]: (B, N, tb, H); a latent layer's absorbed, (B, N, tb, C + R)."""
+        if config.latent is not None:
+            q = latent_query_heads(config, params, query[:, t0:t0 + tb], positions[:, t0:t0 + tb],
+                                   (inv_freq, factor), dtype)  # (B, N, tb, H)
+            return absorb_query(q, params["key.kernel"], config.latent.rope_dim)  # (B, N, tb, C + R)
         q = project(query[:, t0:t0 + tb], params["query.kernel"], params.get("query.bias"))  # (B, tb, N*H)
         if config.qkv_clip is not None:
             q = clip(q, config.qkv_clip)
-        if q_norm is not None:  # per token, so the block's rows alone
-            q = norm(q, params["query.norm.scale"], params.get("query.norm.bias"), q_norm.type, q_norm.eps, N,
+        if q_norm is not None and not q_norm.after_rope:  # per token, so the block's rows alone
+            q = norm(q, params.get("query.norm.scale"), params.get("query.norm.bias"), q_norm.type, q_norm.eps, N,
                      q_norm.scope)
         q = split_heads(q, N)  # (B, N, tb, H)
         if config.rope is not None:
             angles = rope_angles(positions[:, t0:t0 + tb], inv_freq, dtype)  # (B|1, 1, tb, R/2)
             q = rope(q, angles, config.rope.rotary_dim, config.rope.interleaved, factor)
+        if q_norm is not None and q_norm.after_rope:
+            q = norm_heads(q, params.get("query.norm.scale"), params.get("query.norm.bias"), q_norm.type,
+                           q_norm.eps, q_norm.scope)
         if config.query_temperature is not None:
             t = config.query_temperature
             q = temperature(q, temperature_factor(positions[:, t0:t0 + tb], t.beta, t.floor, t.offset, dtype))
@@ -417,6 +436,8 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
         if masked_row != "zero" and sink is None:
             ctx = tf.where(empty, masked_row_ctx(t0, tb, empty), ctx)
         ctx = _cast(ctx, dtype)
+        if config.latent is not None:  # the attended latent through each head's value up-projection
+            ctx = expand_values(ctx, params["value.kernel"])  # (B, N, tb, V)
         if config.output_gate is not None:  # functional.gate on the block's rows: the gate acts per token
             g = gate_project(query[:, t0:t0 + tb], params["gate.kernel"], params.get("gate.bias"))  # (B, tb, N*V|N)
             ctx = gate(ctx, g, N)

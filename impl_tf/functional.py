@@ -12,10 +12,13 @@ Shape letters (impl_numpy's):
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
 Stages (the bracketed ones where the config turns them on):
-project -> [clip] -> [norm] -> split_heads -> [rope] -> [query temperature]
--> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
-causal, window, local chunks, segments) -> softmax [+ sinks] -> dropout ->
-attend -> [gate] -> merge_heads -> output.
+project -> [clip] -> [norm] -> [value norm] -> split_heads -> [rope] ->
+[norm after rope] -> [query temperature] -> [cache appended] -> logits
+(scale) -> [softcap] -> [alibi] -> mask (bias, causal, window, local chunks,
+segments) -> softmax [+ sinks] -> dropout -> attend -> [gate] ->
+merge_heads -> output. A latent layer's stages up to the keys are
+weights.call.LATENT_STAGES (heads.latent_heads; rope_last, join_keys here,
+and absorb_query / expand_values for its absorbed form).
 
 The call that runs them (and chooses the fused and chunked paths) is
 attention.py; this file holds the stages alone and imports neither.
@@ -100,25 +103,39 @@ def clip(x, c: float):
 
 
 def norm(x, scale, bias, kind: str, eps: float, heads: int, scope: str):
-    """QK-norm of a projection x (B, L, F = heads*H), in compute dtype.
-    scope "head": each head's H features normalised on their own, scale/bias (H,)
-    shared by the heads (Qwen3, Gemma 3); "all": the whole F at once, scale/bias
-    (heads, H) (OLMo 2). The stage runs before split_heads in both scopes (on
-    the flat projection; "head" views it as (B, L, heads, H) inside), so its
-    trace has one layout. kind "rms": x / sqrt(mean(x^2) + eps) * scale;
-    "layer": (x - mean) / sqrt(var + eps) * scale + bias (eps inside the root)."""
+    """QK-norm (or the value norm) of a projection x (B, L, F = heads*W), in compute dtype.
+    scope "head": each head's W features normalised on their own, scale/bias (W,)
+    shared by the heads (Qwen3, Gemma 3) or (heads, W), one per head (Cohere);
+    "all": the whole F at once, scale/bias (heads, W) (OLMo 2); scale None: a
+    weightless norm (Llama 4's L2 norm, Gemma 3n's value norm). The stage runs
+    on the flat projection in both scopes ("head" views it as (B, L, heads, W)
+    inside), so its trace has one layout (a norm after RoPE: norm_heads). kind
+    "rms": x / sqrt(mean(x^2) + eps) * scale; "layer": (x - mean) / sqrt(var +
+    eps) * scale + bias (eps inside the root)."""
     B, L = ops.shape(x)[0], ops.shape(x)[1]
     F = x.shape[-1]
     ct = compute_dtype(x.dtype)
     width = F // heads if scope == "head" else F
-    y = ops.reshape(_cast(x, ct), (B, L, F // width, width))  # (B, L, heads|1, H|F)
+    y = ops.reshape(_cast(x, ct), (B, L, F // width, width))  # (B, L, heads|1, W|F)
+
+    def per_feature(t):  # (W,) or (heads, W) on (B, L, heads, W); (heads, W) as (F,) on (B, L, 1, F)
+        return ops.reshape(_cast(t, ct), (-1,)) if scope == "all" else _cast(t, ct)
+
     if kind == "layer":
         y = y - ops.mean(y, axis=-1, keepdims=True)
     y = y / ops.sqrt(ops.mean(y * y, axis=-1, keepdims=True) + tf.constant(eps, ct))
-    y = y * ops.reshape(_cast(scale, ct), (-1,))  # (H,) on every head, or (heads, H) flat as (F,)
+    if scale is not None:
+        y = y * per_feature(scale)
     if bias is not None:
-        y = y + ops.reshape(_cast(bias, ct), (-1,))
+        y = y + per_feature(bias)
     return _cast(ops.reshape(y, (B, L, F)), x.dtype)  # (B, L, F)
+
+
+def norm_heads(x, scale, bias, kind: str, eps: float, scope: str):
+    """The norm of x (B, heads, L, W) after RoPE: norm() on its flat (B, L, heads*W) view -> (B, heads, L, W)."""
+    B, heads, L, W = ops.shape(x)[0], x.shape[1], ops.shape(x)[2], x.shape[3]
+    flat = ops.reshape(ops.transpose(x, (0, 2, 1, 3)), (B, L, heads * W))
+    return split_heads(norm(flat, scale, bias, kind, eps, heads, scope), heads)
 
 
 def split_heads(x, num_heads: int):
@@ -158,6 +175,45 @@ def rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float)
     if R == x.shape[-1]:
         return _cast(turned, x.dtype)  # (B, heads, L, H)
     return ops.concatenate([_cast(turned, x.dtype), x[..., R:]], axis=-1)  # (B, heads, L, H)
+
+
+def rope_last(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float):
+    """RoPE on the LAST rotary_dim features of x (B, heads, L, H): a latent layer's heads are [features
+    without position | rotary features] (DeepSeek's order); the first H - rotary_dim pass through."""
+    H = x.shape[-1]
+    turned = rope(x[..., H - rotary_dim:], angles, rotary_dim, interleaved, attention_factor)
+    return ops.concatenate([x[..., : H - rotary_dim], turned], axis=-1)
+
+
+def join_keys(k_nope, k_rope):
+    """KEY.JOIN (latent): each head's key features from the latent, k_nope (B, K, S, H - R), then the rotary
+    key every head shares, k_rope (B, 1, S, R) -> (B, K, S, H)."""
+    shape = tf.concat([tf.shape(k_nope)[:3], tf.shape(k_rope)[3:]], axis=0)
+    return ops.concatenate([k_nope, tf.broadcast_to(k_rope, shape)], axis=-1)
+
+
+def absorb_query(q, key_kernel, rope_dim: int):
+    """The absorbed form's query (latent): each head's features without position taken through its key
+    up-projection's transpose, q_nope W_uk^T (C features), then its rotary features: (B, N, T, H) with
+    key.kernel (C, K, H - R) -> (B, N, T, C + R), in compute dtype, stored. Query head n reads key head
+    n // G. Then q_abs . [latent | rotary key] = q . [latent W_uk | rotary key]: the expanded logits."""
+    B, N, T, H = ops.shape(q)[0], q.shape[1], ops.shape(q)[2], q.shape[3]
+    C, K = key_kernel.shape[0], key_kernel.shape[1]
+    ct = compute_dtype(q.dtype)
+    q_nope = ops.reshape(_cast(q[..., : H - rope_dim], ct), (B, K, N // K, T, H - rope_dim))
+    q_latent = ops.reshape(tf.einsum("bkgth,ckh->bkgtc", q_nope, _cast(key_kernel, ct)), (B, N, T, C))
+    return ops.concatenate([_cast(q_latent, q.dtype), q[..., H - rope_dim:]], axis=-1)
+
+
+def expand_values(ctx_latent, value_kernel):
+    """The absorbed form's context (latent): each head's attention over the latent, (B, N, T, C), through
+    its value up-projection (C, K, V) -> (B, N, T, V) (sum_j w_j (c_j W_uv) = (sum_j w_j c_j) W_uv)."""
+    B, N, T, C = ops.shape(ctx_latent)[0], ctx_latent.shape[1], ops.shape(ctx_latent)[2], ctx_latent.shape[3]
+    K, V = value_kernel.shape[1], value_kernel.shape[2]
+    ct = compute_dtype(ctx_latent.dtype)
+    grouped = ops.reshape(_cast(ctx_latent, ct), (B, K, N // K, T, C))
+    return _cast(ops.reshape(tf.einsum("bkgtc,ckv->bkgtv", grouped, _cast(value_kernel, ct)), (B, N, T, V)),
+                 ctx_latent.dtype)
 
 
 def temperature_factor(positions, beta: float, floor: float, offset: int, dtype):

@@ -5,10 +5,17 @@ kernels (D, N*H), (D, K*H), (D, K*V), (N*V, O) and flat biases. The
 canonical tensors of the weight format, (D, N, H) and so on, are a reshape
 of those, so from_tensors / to_tensors are exact for every dtype.
 
-QK-norm's scales and biases, the sinks, ALiBi's slopes and the output
-gate's kernel and bias, where the config has them, are variables of their
-canonical shapes (query_norm_scale, ..., sinks, alibi_slopes, gate_kernel,
-gate_bias).
+The norms' scales and biases (QK-norm, the value norm), the sinks, ALiBi's
+slopes and the output gate's kernel and bias, where the config has them, are
+variables of their canonical shapes (query_norm_scale, value_norm_scale, ...,
+sinks, alibi_slopes, gate_kernel, gate_bias); a weightless norm has none.
+
+A latent layer (MLA, config.latent) holds Dense `wq_down` (query.down.*,
+with a query_rank), `wq` (query.kernel: from the query's rank, or from the
+input), `w_latent` (latent.*: (key_dim, C + R)), `wk` (key.kernel: (C,
+K*(H - R))), `wv` (value.kernel: (C, K*V)), `wo`, and the two norms' scales
+as variables (query_down_norm_scale, latent_norm_scale). Its cache is
+(B, 1, ., C) and (B, 1, ., R).
 
 The layer is a thin wrapper: call() hands its parameters to
 attention.multi_head_attention, which runs the spec's stages (or its fused
@@ -27,7 +34,7 @@ import numpy as np
 import weights
 from weights import AttentionConfig
 from weights.alibi import bloom_slopes
-from weights.contract import check_chunk_size
+from weights.contract import cache_widths, check_chunk_size
 
 from . import attention
 from ._keras import keras, tf
@@ -153,17 +160,34 @@ class MultiHeadAttention(keras.layers.Layer):
         self.chunk_size = None if chunk_size is None else check_chunk_size(chunk_size)
         c = config
         N, K, H, V = c.num_heads, c.num_kv_heads, c.head_dim, c.value_head_dim
+        L = c.latent
         with placement(self.device):
-            self.wq = keras.layers.Dense(N * H, use_bias=c.use_query_bias, dtype=self.dtype_policy, name="wq")
-            self.wk = keras.layers.Dense(K * H, use_bias=c.use_key_bias, dtype=self.dtype_policy, name="wk")
-            self.wv = keras.layers.Dense(K * V, use_bias=c.use_value_bias, dtype=self.dtype_policy, name="wv")
-            self.wo = keras.layers.Dense(c.out_dim, use_bias=c.use_output_bias, dtype=self.dtype_policy, name="wo")
-            self.wq.build((None, c.query_dim))
-            self.wk.build((None, c.key_dim))
-            self.wv.build((None, c.value_dim))
+            dense = lambda units, bias, name: keras.layers.Dense(  # noqa: E731
+                units, use_bias=bias, dtype=self.dtype_policy, name=name)
+            if L is None:
+                self.wq = dense(N * H, c.use_query_bias, "wq")
+                self.wk = dense(K * H, c.use_key_bias, "wk")
+                self.wv = dense(K * V, c.use_value_bias, "wv")
+                self.wq.build((None, c.query_dim))
+                self.wk.build((None, c.key_dim))
+                self.wv.build((None, c.value_dim))
+            else:  # latent attention (MLA): the query's and the latent's down-projections, the up-projections
+                if L.query_rank is not None:
+                    self.wq_down = dense(L.query_rank, c.use_query_bias, "wq_down")  # query.down.*
+                    self.wq_down.build((None, c.query_dim))
+                self.wq = dense(N * H, c.use_query_bias and L.query_rank is None, "wq")
+                self.wq.build((None, c.query_dim if L.query_rank is None else L.query_rank))
+                self.w_latent = dense(L.kv_rank + L.rope_dim, c.use_key_bias, "w_latent")  # latent.*
+                self.w_latent.build((None, c.key_dim))
+                self.wk = dense(K * (H - L.rope_dim), False, "wk")  # key.kernel (C, K, H - R)
+                self.wv = dense(K * V, False, "wv")  # value.kernel (C, K, V)
+                self.wk.build((None, L.kv_rank))
+                self.wv.build((None, L.kv_rank))
+            self.wo = dense(c.out_dim, c.use_output_bias, "wo")
             self.wo.build((None, N * V))
-            # QK-norm, sinks, ALiBi and the gate: variables of the canonical shapes (scale 1, bias 0, sink
-            # logits 0, BLOOM's slopes, the gate's kernel drawn as a Dense kernel is).
+            # The norms' scales and biases (QK-norm, the value norm, a latent layer's two RMS norms), sinks,
+            # ALiBi and the gate: variables of the canonical shapes (scale 1, bias 0, sink logits 0, BLOOM's
+            # slopes, the gate's kernel drawn as a Dense kernel is).
             self.extra_variables = {}
             for name, shape in c.tensor_shapes().items():
                 if ".norm." in name or name in ("sinks", "alibi.slopes", "gate.kernel", "gate.bias"):
@@ -177,7 +201,10 @@ class MultiHeadAttention(keras.layers.Layer):
     def canonical_variables(self) -> dict[str, keras.Variable]:
         """Canonical tensor name -> the Dense variable holding it (Keras layout)."""
         found = {}
-        for prefix, dense in (("query", self.wq), ("key", self.wk), ("value", self.wv), ("output", self.wo)):
+        layers = [("query", self.wq), ("key", self.wk), ("value", self.wv), ("output", self.wo)]
+        layers += [(prefix, getattr(self, name)) for prefix, name in (("query.down", "wq_down"),
+                                                                      ("latent", "w_latent")) if hasattr(self, name)]
+        for prefix, dense in layers:
             found[f"{prefix}.kernel"] = dense.kernel
             if dense.use_bias:
                 found[f"{prefix}.bias"] = dense.bias
@@ -315,9 +342,8 @@ class MultiHeadAttention(keras.layers.Layer):
         parts = [keras.KerasTensor((B, T, c.out_dim), dtype=dtype)]
         if return_weights:
             parts.append(keras.KerasTensor((B, c.num_heads, T, S), dtype=dtype))
-        if return_cache:
-            parts += [keras.KerasTensor((B, c.num_kv_heads, C, c.head_dim), dtype=dtype),
-                      keras.KerasTensor((B, c.num_kv_heads, C, c.value_head_dim), dtype=dtype)]
+        if return_cache:  # (B, K, ., H) and (B, K, ., V); a latent layer's (B, 1, ., C) and (B, 1, ., R)
+            parts += [keras.KerasTensor((B, heads, C, width), dtype=dtype) for heads, width, _ in cache_widths(c)]
         return parts[0] if len(parts) == 1 else tuple(parts)
 
     # -- serialisation ---------------------------------------------------------------

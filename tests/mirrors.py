@@ -122,14 +122,16 @@ def case_named(framework: str, name: str) -> Case:
 PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"), "jax": ("stages", "fused", "chunked")}
 GPU_PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"), "jax": ("stages", "fused")}
 TRACE_DTYPES = {"torch": ("float64",), "tf": ("float64",), "jax": ("float64", "float32")}
+FRONTIER_TRACE_CASES = ["frontier_everything", "latent_mla", "norm_after_rope_chunked", "value_norm"]
 TRACE_CASES = {
-    "torch": ["modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap", "rope_partial", "rope_yarn",
+    "torch": [*FRONTIER_TRACE_CASES, "modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
+              "rope_partial", "rope_yarn",
               "torch_qk_norm_rms_all"],
-    "tf": ["modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap", "rope_partial", "rope_yarn",
-           "segments_packed", "tf_qk_norm_rms_all", "tf_rope_half_partial_llama3_per_batch",
+    "tf": [*FRONTIER_TRACE_CASES, "modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
+           "rope_partial", "rope_yarn", "segments_packed", "tf_qk_norm_rms_all", "tf_rope_half_partial_llama3_per_batch",
            "tf_softcap_bias_sinks_gqa"],
-    "jax": ["modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap", "rope_partial", "rope_yarn",
-            "jax_qk_norm_rms_all", "sinks_masked_rows"],
+    "jax": [*FRONTIER_TRACE_CASES, "modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
+            "rope_partial", "rope_yarn", "jax_qk_norm_rms_all", "sinks_masked_rows"],
 }
 NAMES_CASES = {"torch": ["modern_everything", "decode_cache", "torch_window_both_cache"],
                "tf": ["modern_everything", "decode_cache", "tf_window_both_cache", "tf_qk_norm_layer_head_gqa"],
@@ -140,7 +142,7 @@ GPU_CASES = ["modern_everything", "decode_cache", "cache_window_gqa", "segments_
 
 def layer_cases(framework: str) -> list[str]:
     return ["qk_norm_layer_all", "qk_norm_rms_head", "sinks", "modern_everything", f"{framework}_qk_norm_rms_all",
-            f"{framework}_qk_norm_layer_head_gqa"]
+            f"{framework}_qk_norm_layer_head_gqa", "frontier_everything", "latent_mla", "qk_norm_per_head_layer"]
 
 
 def bad_calls(framework: str) -> dict[str, dict]:
@@ -364,7 +366,9 @@ class TorchMirror(_Mirror):
                     past_value=leaves.get("past_value"), is_causal=case.is_causal,
                     causal_alignment=case.causal_alignment, **extra)
         out.backward(to_torch(d_out).to(out.dtype))
-        grads = {k: to_numpy(x.grad) for k, x in leaves.items()}
+        # an input the layer does not read (a latent layer's value) has no gradient: zeros, as the adapters give
+        grads = {k: to_numpy(x.grad) if x.grad is not None else np.zeros(x.shape, inputs[k].dtype)
+                 for k, x in leaves.items()}
         for name, (module, param, shape) in _layout(layer.config).items():
             grad = getattr(getattr(layer, module) if module else layer, param).grad
             grads[name] = to_numpy((grad.T if name.endswith(".kernel") else grad).reshape(shape))
@@ -479,8 +483,10 @@ class TfMirror(_Mirror):
         sources = [*leaves.values(), *variables.values()]
         found = tape.gradient(out, sources, output_gradients=tf.constant(d_out))
         shapes = case.config.tensor_shapes()
-        grads = {name: np.asarray(g).reshape(shapes.get(name, tuple(g.shape)))
-                 for name, g in zip([*leaves, *variables], found, strict=True)}
+        # an input the layer does not read (a latent layer's value) has no gradient: zeros, as the adapters give
+        grads = {name: (np.zeros(source.shape, source.dtype.as_numpy_dtype) if g is None else np.asarray(g)).reshape(
+                 shapes.get(name, tuple(source.shape)))
+                 for name, source, g in zip([*leaves, *variables], sources, found, strict=True)}
         return np.asarray(out), grads
 
 

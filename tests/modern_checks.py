@@ -30,6 +30,11 @@ DECODE_CONFIGS = {
     "everything": cfg(num_heads=4, num_kv_heads=2, head_dim=8, window_left=3, logit_softcap=5.0, use_sinks=True,
                       qk_norm={"type": "layer", "scope": "all"},
                       rope={"rotary_dim": 6, "interleaved": True, "scaling": YARN}),
+    # the frontier: a latent layer (its cache the latent and the rotary key) with ALiBi, chunks of 3 positions,
+    # Mistral 4's temperature and an element gate
+    "latent_frontier": cfg(num_heads=4, head_dim=6, value_head_dim=4, use_value_bias=False, rope={"interleaved": True},
+                           latent={"query_rank": 5, "kv_rank": 3, "rope_dim": 2}, alibi=True, local_chunk=3,
+                           query_temperature={"beta": 0.2, "floor": 2.0}, output_gate={"scope": "element"}),
 }
 PROMPT, TOTAL = 3, 7  # the first call holds 3 tokens, then 4 steps of one
 
@@ -59,7 +64,8 @@ def decode_reference(config_name: str, dtype: str, *, perturb_norms: bool = Fals
         errors = {name: float(np.nanmax(np.abs(got.astype(np.float64) - want)))
                   for name, got, want in zip(("output", "present_key", "present_value"), low, (out, pk, pv))}
     want = {"output": out, "present_key": pk, "present_value": pv}
-    return tensors, x, want, {e.stage: e.value for e in trace}["logits"], errors
+    stages = {e.stage: e.value for e in trace}
+    return tensors, x, want, stages.get("alibi", stages["logits"]), errors  # ALiBi's bias is part of the logits
 
 
 def modern_bad_calls() -> dict[str, dict]:
@@ -109,6 +115,9 @@ def decode_in_place(step, tensors, x, zeros):
     B = x.shape[0]
     config_k = tensors["key.kernel"].shape[1:]  # (K, H)
     config_v = tensors["value.kernel"].shape[1:]
+    if "latent.kernel" in tensors:  # a latent layer's cache (weights.contract.cache_widths): (1, C) and (1, R)
+        C = tensors["latent.norm.scale"].shape[0]
+        config_k, config_v = (1, C), (1, tensors["latent.kernel"].shape[1] - C)
     pk = zeros((B, config_k[0], TOTAL + SPARE, config_k[1]))
     pv = zeros((B, config_v[0], TOTAL + SPARE, config_v[1]))
     outputs, same = [], True

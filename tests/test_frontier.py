@@ -84,7 +84,7 @@ def test_local_chunk_is_the_mask_it_makes():
 def _per_head(config, tensors, x, positions):
     """The temperature, the clip and the gate written out head by head in float64 (no RoPE, no norm)."""
     t = tensors
-    N, G, H, V = config.num_heads, config.group_size, config.head_dim, config.value_head_dim
+    N, G = config.num_heads, config.group_size
     c = config.qkv_clip or np.inf
     out = np.zeros((x.shape[0], x.shape[1], config.out_dim)) + t["output.bias"]
     for n in range(N):

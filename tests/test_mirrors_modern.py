@@ -41,6 +41,7 @@ import weights
 from conformance.suite.cases import DTYPE_NAMES, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
 from conformance.suite.compare import expected_for
 from conformance.suite.tolerance import assert_close
+from weights.call import LATENT_STAGES, stage_order
 
 FRAMEWORKS = ("torch", "tf", "jax")
 
@@ -132,7 +133,8 @@ def _trace_rows(framework):
 
 @parametrize("name, dtype", _trace_rows)
 def test_modern_trace_matches_reference_stage_by_stage(mirror, name, dtype):
-    """The new stages appear under their exact names, in STAGES order (and, where the mirror says which
+    """The new stages appear under their exact names, in STAGES order (weights.call.stage_order: a latent
+    layer's own, a norm after RoPE after it) (and, where the mirror says which
     stages a config traces, those), each equal to the reference's (norm on the flat projection in both
     scopes)."""
     case = mirror.case(name)
@@ -140,7 +142,8 @@ def test_modern_trace_matches_reference_stage_by_stage(mirror, name, dtype):
     got = mirror.adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype), trace=True)["trace"]
     got_names, want_names = [s for s, _ in got], [s for s, _ in exp["trace"]]
     assert got_names == want_names, f"stages {got_names} != reference {want_names}"
-    assert got_names == [s for s in mirror.module.STAGES if s in got_names], f"{got_names} out of STAGES order"
+    assert got_names == [s for s in stage_order(case.config) if s in got_names], f"{got_names} out of order"
+    assert set(got_names) <= set(mirror.module.STAGES) | set(LATENT_STAGES), "a stage no mirror names"
     if mirror.trace_stages is not None:
         assert tuple(got_names) == mirror.trace_stages(case.config), (
             f"{got_names} != {mirror.trace_stages(case.config)}")

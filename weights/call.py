@@ -36,6 +36,19 @@ LATENT_STAGES = (
     "value.split_heads", "key.join",
 ) + STAGES[STAGES.index("logits"):]
 
+def stage_order(config) -> tuple[str, ...]:
+    """The order a config's trace follows: LATENT_STAGES for a latent layer; else STAGES, with query.norm and
+    key.norm after the rope stages where the QK-norm runs after RoPE. A call records the ones it runs."""
+    if getattr(config, "latent", None) is not None:
+        return LATENT_STAGES
+    norm = getattr(config, "qk_norm", None)
+    if norm is None or not norm.after_rope:
+        return STAGES
+    rest = [s for s in STAGES if s not in ("query.norm", "key.norm")]
+    at = rest.index("key.rope") + 1
+    return (*rest[:at], "query.norm", "key.norm", *rest[at:])
+
+
 # The contractions, as einsum strings the mirrors share (B batch, L/T/S lengths, D input features, F = heads x
 # width, K key heads, G query heads per key head, H/V head widths, O output features).
 PROJECT = "BLD,DF->BLF"

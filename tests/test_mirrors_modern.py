@@ -165,9 +165,15 @@ def test_modern_trace_matches_reference_stage_by_stage(mirror, name, dtype):
 
 # -- decoding token by token with the cache ---------------------------------------------------
 
+def _frontier_slow(config_name, dtype, **_):
+    """The latent_frontier decode runs in float32 and bfloat16 in the framework envs; float64 and float16 (the
+    same code, other roundings) in `tox -e full`: each of its rows costs 2-4 s, a config of the others 1."""
+    return _slow(config_name == "latent_frontier" and dtype in ("float64", "float16"))
+
+
 def _decode_rows(framework):
     if framework != "jax":
-        yield from grid(("path", "config_name", "dtype"), ("config_name", "dtype", "path"),
+        yield from grid(("path", "config_name", "dtype"), ("config_name", "dtype", "path"), marks=_frontier_slow,
                         path=DECODE_PATHS[framework], config_name=list(DECODE_CONFIGS), dtype=DTYPE_NAMES)
         return
     for config_name in DECODE_CONFIGS:
@@ -175,7 +181,8 @@ def _decode_rows(framework):
             for path in DECODE_PATHS["jax"]:
                 if path == "stages" and dtype in ("float16", "bfloat16"):
                     continue  # 16-bit "plain" is the stages already
-                slow = path == "chunked" and dtype != "float32" and config_name != "everything"
+                slow = (path == "chunked" and dtype != "float32" and config_name != "everything") or (
+                    config_name == "latent_frontier" and dtype in ("float64", "float16"))
                 yield pytest.param(config_name, dtype, path, id=f"{config_name}-{dtype}-{path}", marks=_slow(slow))
 
 
@@ -230,13 +237,14 @@ def test_decoding_with_explicit_positions_equals_the_defaults(mirror):
 
 def _in_place_rows(framework):
     if framework != "jax":
-        yield from grid(("variant", "config_name", "dtype"), ("config_name", "dtype", "variant"),
+        yield from grid(("variant", "config_name", "dtype"), ("config_name", "dtype", "variant"), marks=_frontier_slow,
                         variant=IN_PLACE_VARIANTS[framework], config_name=list(DECODE_CONFIGS), dtype=DTYPE_NAMES)
         return
     for config_name in DECODE_CONFIGS:
         for dtype in DTYPE_NAMES:
             for mode in IN_PLACE_VARIANTS["jax"]:
                 slow = mode == "eager" and dtype != "float32"  # op by op: 4-9 s each, the jitted code's ops
+                slow = slow or (config_name == "latent_frontier" and dtype in ("float64", "float16"))
                 yield pytest.param(config_name, dtype, mode, id=f"{config_name}-{dtype}-{mode}", marks=_slow(slow))
 
 

@@ -11,9 +11,14 @@ XLA CPU compiles into one kernel instead of five passes over (B, N, T, S).
 chunk_size= takes chunked.py's online softmax over blocks instead: no (T, S)
 array, causal and window-hidden blocks skipped. Every path honours every
 feature of the config and the call: the projections, QK-norm, RoPE and the
-cache run as the stages (qkv_heads) before the fused expression and before
-the chunked core of a modern call; softcap, windows, segment ids and sinks
-are part of both cores.
+cache, the QKV clip and the query temperature run as the stages (qkv_heads)
+before the fused expression and before the chunked core of a modern call;
+softcap, ALiBi, windows, local chunks, segment ids and sinks are part of both
+cores; the output gate runs as its stages after either (the chunked core:
+per query block, before the output projection). A latent layer (MLA,
+latent.py) runs its expanded form on the stages and its absorbed form (one
+shared head over the latent, never expanded) on the fused and chunked cores
+and the in-place cache, as impl_numpy does.
 
 float64 needs JAX's x64 mode. This module never switches it on (that would
 change the default dtypes of every other JAX program in the process); a
@@ -69,6 +74,7 @@ from .call import (  # noqa: F401 - re-exported: attention.py was their home, an
 from .chunked import chunked_attention
 from .fused import fused_attention
 from .heads import qkv_heads, trace_stages  # noqa: F401 - trace_stages re-exported (impl_jax's public name)
+from .latent import absorbed, expand, latent_heads
 
 # Arguments of `apply` that must be static under jax.jit (hashable Python values).
 STATIC_ARGNAMES = (
@@ -184,9 +190,18 @@ def apply(
         if not (config.is_modern or call.modern or return_cache):
             return chunked_attention(config, p, call.query, call.key, call.value, **common)
         # norm, rope and the cache as the stages, then the core on the heads (as impl_numpy's _fused_modern)
-        q, k, v = qkv_heads(config, call, pr)
-        out = chunked_attention(config, p, None, None, None, heads=(q, k, v), segment_ids=call.segment_ids,
-                                key_segment_ids=call.key_segment_ids, **common)
+        values_up = None
+        if config.latent is not None:  # the absorbed form: one shared head of width C + R over the latent
+            q, k, v = latent_heads(config, call, pr)
+            heads, values_up = absorbed(config, call, q, k, v, pr), p["value.kernel"]
+        else:
+            q, k, v = qkv_heads(config, call, pr)
+            heads = (q, k, v)
+        positioned = config.alibi or config.local_chunk is not None  # the core reads every key's position
+        out = chunked_attention(config, p, None, None, None, heads=heads, segment_ids=call.segment_ids,
+                                key_segment_ids=call.key_segment_ids, gate_input=call.query, values_up=values_up,
+                                positions=call.positions if positioned else None,
+                                key_positions=call.every_key_position if positioned else None, **common)
         if call.cache_length is not None:
             k, v = call.past_key, call.past_value  # the written buffers, whole
         return (out, k, v) if return_cache else out
@@ -196,7 +211,7 @@ def apply(
     # A cache nobody asks back is never concatenated: the fused expression takes it and the new keys as
     # two parts (at P 32768 under jax.jit, 2 x 128 MiB: attention on the cache alone 67-71 ms,
     # concatenate then attention 133-163 ms, on the 2-core Xeon VM, 2026-11-25).
-    parts = fused and call.past_key is not None and not return_cache
+    parts = fused and call.past_key is not None and not return_cache and config.latent is None
     in_place = call.cache_length is not None
     # An in-place cache on the fused path is read whole, the positions past P+S hidden (fused_attention's
     # key_count): XLA CPU writes a slice [:P+S] of the written buffer out before the dot, and then copies
@@ -209,7 +224,13 @@ def apply(
         call.hides_tail = call.traced_length or call.shapes.P + call.shapes.S < call.shapes.capacity
         if call.hides_tail and not call.traced_length:
             pad_to_capacity(call)
-    q, k, v = qkv_heads(config, call, pr, rec, append=not parts, whole=whole)
+    if config.latent is not None:  # k and v: the present cache (the latent and the rotary key) until expanded
+        q, k, v = latent_heads(config, call, pr, rec, whole=whole)
+        cache = k, v
+        q, k, v = absorbed(config, call, q, k, v, pr) if fused else (q, *expand(config, call, k, v, pr, rec))
+    else:
+        q, k, v = qkv_heads(config, call, pr, rec, append=not parts, whole=whole)
+        cache = k, v
     allowed = call.allowed(config, is_causal, causal_alignment, tail=not fused)
     if fused:
         # nothing asks for the stages between: logits .. attend as one expression (the same
@@ -218,18 +239,27 @@ def apply(
             k, v = (call.past_key, k), (call.past_value, v)
         ctx = fused_attention(q, k, v, allowed, call.bias4, config.effective_scale, config.masked_row, pr,
                               softcap=config.logit_softcap, sinks=p.get("sinks"),
+                              alibi=call.alibi_bias(config) if config.alibi else None,
                               key_count=call.cache_length + call.shapes.S if call.hides_tail else None,
                               attend_by_reduce=in_place and call.shapes.T == 1)
+        if config.latent is not None:  # the attended latent through each head's value up-projection
+            ctx = F.expand_values(ctx, p["value.kernel"], pr)  # (B, N, T, V)
     else:
         x = rec("logits", F.logits(q, k, config.effective_scale, pr))  # (B, N, T, S_total)
         if config.logit_softcap is not None:
             x = rec("softcap", F.softcap(x, config.logit_softcap))
+        if config.alibi:
+            x = rec("alibi", F.alibi(x, call.alibi_bias(config)))
         x = rec("mask", F.mask_stage(x, allowed, call.bias4))
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
         ctx = rec("attend", F.attend(wd, v, pr))  # (B, N, T, V)
+    if config.output_gate is not None:
+        g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias"), pr))
+        ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias"), pr))  # (B, T, O)
+    k, v = cache  # the present cache (a latent layer's: its latent and rotary key)
     if call.cache_length is not None:
         k, v = call.past_key, call.past_value  # the written buffers, whole
     result = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())

@@ -24,10 +24,12 @@ from weights.contract import (
     check_bias_values,
     check_cache_alignment,
     check_call,
+    check_position_values,
     check_scores_fit,
     in_place_buffer_error,
 )
 from weights.dtypes import is_float, resolve_dtype
+from weights.rope import rope_tables
 
 from . import functional as F
 from .functional import _precision
@@ -91,7 +93,8 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
     cache_length: see apply; a traced one is range-checked as 0 (its value
     cannot be read) and shapes.P is then 0 (the caller keeps the tracer);
     is_causal or a window then needs bottom_right, as for any P > 0 (the
-    contract's words without "(P=...)")."""
+    contract's words without "(P=...)"). Position values are checked (a
+    query temperature's) when positions are concrete, as bias values are."""
     stored = check_params(config, params)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     if dtype == np.float64 and not x64_enabled():
@@ -134,6 +137,8 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
             check_scores_fit(shapes.B, config.num_heads, shapes.T, shapes.capacity, compute_dtype(dtype).itemsize)
     if bias is not None and is_concrete(bias):
         check_bias_values(np.asarray(bias))
+    if positions is not None and is_concrete(positions):  # a query temperature's log counts positions from 0
+        check_position_values(config, np.asarray(positions))
     return shapes, dtype
 
 
@@ -206,7 +211,7 @@ class Call:
     bias4: Any  # same, compute dtype, or None
     keep: Any  # dropout keep-mask (B, N, T, S_total), or None
     dtype: np.dtype
-    positions: Any  # (B|1, T) integer where the config has rope, else None
+    positions: Any  # (B|1, T) integer where the config reads positions (config.reads_positions), else None
     key_positions: Any  # (B|1, S)
     past_key: Any  # (B, K, P, H) or None; with cache_length the buffer (B, K, C, H)
     past_value: Any  # (B, K, P, V) or None; with cache_length (B, K, C, V)
@@ -222,7 +227,7 @@ class Call:
         return is_traced_length(self.cache_length)
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str, *, tail: bool = True):
-        """mask AND causal AND window AND segments over every key (rank 4), or None.
+        """mask AND causal AND window AND local chunks AND segments over every key (rank 4), or None.
         One bottom-right query (a decode step) sees every key: its causal mask hides nothing and is
         left out, so that fused_attention runs without a select and without the empty-row pass
         (which read V once more). An in-place cache read whole (hides_tail): over its C keys, and
@@ -233,7 +238,46 @@ class Call:
             return in_place_allowed(config, self, is_causal, causal_alignment, tail=tail)
         return F.allowed_mask(self.mask4, self.shapes.T, self.shapes.S_total, is_causal, causal_alignment,
                               window_left=config.window_left, window_right=config.window_right,
-                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids)
+                              segment_ids=self.segment_ids, key_segment_ids=self.key_segment_ids,
+                              local_chunk=config.local_chunk, positions=self.positions,
+                              key_positions=self.every_key_position)
+
+    @property
+    def max_position(self):
+        """The call's largest position (its queries' and new keys'), a jax scalar (traced under jit): longrope's
+        choice of table."""
+        given = [x.max() for x in (self.positions, self.key_positions) if x is not None and x.size]
+        return None if not given else given[0] if len(given) == 1 else jnp.maximum(*given)
+
+    def rope_angles(self, config: AttentionConfig, positions):
+        """F.rope_angles of positions (B|1, L) with this call's table (weights.rope.rope_tables): longrope's
+        long table where the call's largest position + 1 passes original_max_position_embeddings, its short
+        one otherwise. Positions are traced under jit, so both tables' angles are formed and one is selected
+        (a select on integers: nothing reaches the gradient)."""
+        inv_freq, _ = rope_tables(config.rope)
+        angles = F.rope_angles(positions, inv_freq, self.dtype)  # (B|1, 1, L, R/2)
+        scaling = config.rope.scaling
+        if scaling is None or scaling.type != "longrope" or self.max_position is None:
+            return angles
+        original = scaling.original_max_position_embeddings
+        long_freq, _ = rope_tables(config.rope, original)  # a largest position of `original`: the long table
+        long = self.max_position + 1 > original
+        return jnp.where(long, F.rope_angles(positions, long_freq, self.dtype), angles)
+
+    @property
+    def every_key_position(self):
+        """(B|1, P+S): the cache's keys at 0..P-1, then key_positions (where the config reads positions), or
+        None; an in-place cache read whole (hides_tail): (B|1, C), its buffer's slots."""
+        if self.key_positions is None:
+            return None
+        if self.hides_tail:
+            return F.all_key_positions(self.key_positions, self.cache_length, self.shapes.capacity)
+        return F.all_key_positions(self.key_positions, self.shapes.P)
+
+    def alibi_bias(self, config: AttentionConfig):
+        """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias), over every key the call
+        reads (an in-place buffer read whole: its C slots)."""
+        return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype)
 
     @property
     def modern(self) -> bool:
@@ -271,7 +315,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
     segment_ids, key_segment_ids = _ids(segment_ids), _ids(key_segment_ids)
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
-    rope = config.rope is not None
+    rope = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
     P = shapes.P if cache_length is None else cache_length  # the new tokens' default positions start at P
     return Call(
         shapes=shapes, params=cast_params, query=_cast(query, dtype), key=_cast(key, dtype),
@@ -302,7 +346,7 @@ def in_place_allowed(config: AttentionConfig, call: Call, is_causal: bool, causa
     a Python int or traced): the mask and key segment ids padded to C
     (pad_to_capacity), causality and windows aligned with S_total = P + S
     (masks.causal_mask and window_mask with an offset that may be traced),
-    and with tail=True key j < P + S. Rank 4 (B|1, N|1, T, C), or None."""
+    local chunks over the slots' positions, and with tail=True key j < P + S. Rank 4 (B|1, N|1, T, C), or None."""
     T, C = call.shapes.T, call.shapes.capacity
     total = call.cache_length + call.shapes.S  # S_total
     j = jnp.arange(C, dtype=jnp.int32)[None, :]  # (1, C)
@@ -317,6 +361,9 @@ def in_place_allowed(config: AttentionConfig, call: Call, is_causal: bool, causa
     allowed = call.mask4
     for condition in conditions:  # each (T|1, C)
         allowed = condition[None, None] if allowed is None else allowed & condition[None, None]
+    if config.local_chunk is not None:  # the buffer's slots at their positions (Call.every_key_position)
+        chunks = F.chunk_mask(call.positions, call.every_key_position, config.local_chunk)  # (B|1, 1, T, C)
+        allowed = chunks if allowed is None else allowed & chunks
     if call.segment_ids is not None:
         segments = F.segment_mask(call.segment_ids, call.key_segment_ids)  # (B|1, 1, T, C)
         allowed = segments if allowed is None else allowed & segments

@@ -40,17 +40,22 @@ and kept once. Dropout: an explicit dropout_mask is (B, N, T, S) by contract,
 and a seed (or rng) draws that whole keep-mask as the plain path does (as
 impl_numpy does), so a seed means the same dropout on both paths.
 
-Modern calls (a config with norm, rope, softcap, windows or sinks, or a call
-with a cache or segment ids) hand in their heads instead of the inputs:
-attention.py runs the stages up to the present keys (project, norm,
-split_heads, rope, the cache appended), as impl_numpy's _fused_modern does,
+Modern calls (a config with any field beyond the plain layer's: norm, rope,
+softcap, windows, sinks, ALiBi, local chunks, the temperature, the clip or
+the gate; or a call with a cache or segment ids) hand in their heads instead
+of the inputs: attention.py runs the stages up to the present keys (project,
+clip, norm, split_heads, rope, temperature, the cache appended), as impl_numpy's _fused_modern does,
 and the same recurrence runs on slices of those heads (so such a call
 holds its (B, N, T, H) queries whole, as impl_numpy's does; still no (T, S)
 array). Softcap follows the
 logits in each block; a window hides key blocks from a whole query block
 as causality does (skipped by the same switch; the blocks its edges cross
-take the structural mask); segment ids are compared block by block; sinks
-start each row's running max at its sink and its running sum at 1.
+take the structural mask); segment ids, local chunks and ALiBi's distances
+are computed block by block from the positions (no (T, S) array); sinks
+start each row's running max at its sink and its running sum at 1. The
+QKV clip and the query temperature run among the stages before the core;
+the output gate runs on each query block's context before its output
+projection.
 """
 
 from __future__ import annotations
@@ -67,6 +72,11 @@ from .functional import (
     ATTEND,
     LOGITS,
     _precision,
+    alibi,
+    alibi_bias,
+    expand_values,
+    gate,
+    gate_project,
     logits,
     mask_stage,
     merge_heads,
@@ -96,7 +106,7 @@ def _block(array, T: int, S: int, t0, Cq: int, s0, Ck: int):
 
 def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_causal: bool, causal_alignment: str,
                       chunk_size: int, precision: str = "highest", heads=None, segment_ids=None,
-                      key_segment_ids=None):
+                      key_segment_ids=None, positions=None, key_positions=None, gate_input=None, values_up=None):
     """query (B, T, query_dim), key (B, S, key_dim), value (B, S, value_dim), all
     cast to the storage dtype, canonical tensors p -> output (B, T, O).
 
@@ -107,7 +117,15 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     the stages up to the present keys already run (norm, rope, the cache
     appended: S counts every key); query, key and value are then None.
     segment_ids (T,) or (B, T) and key_segment_ids (S,) or (B, S): packed
-    sequences. The config's softcap, window and sinks (p["sinks"]) apply."""
+    sequences. The config's softcap, window and sinks (p["sinks"]) apply, and
+    ALiBi (p["alibi.slopes"]) and local chunks, which read positions (B|1, T)
+    and every key's key_positions (B|1, S), block by block. gate_input: the
+    query input (B, T, query_dim), cast, for the output gate (its stages run
+    on each query block's context, before the output projection).
+    values_up: a latent layer's value.kernel (C, K, V): heads are then the
+    absorbed form's (latent.absorbed: one shared head of width C + R, the
+    latent as values), and each query block's attended latent goes through
+    functional.expand_values before the gate and the output projection."""
     chunk_size = check_chunk_size(chunk_size)
     if heads is None:
         dtype = query.dtype
@@ -119,8 +137,10 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
         B, T, S = q_heads.shape[0], q_heads.shape[2], k_heads.shape[2]
     ct = compute_dtype(dtype)
     N, K = config.num_heads, config.num_kv_heads
+    V, H = config.value_head_dim, config.head_dim
+    if heads is not None:  # the heads' own widths: a latent layer's absorbed form has one head of C + R and C
+        K, H, V = k_heads.shape[1], q_heads.shape[3], v_heads.shape[3]
     G = N // K
-    V = config.value_head_dim
     Cq, Ck = min(chunk_size, T), min(chunk_size, S)
     q_starts, k_starts = _starts(T, Cq), _starts(S, Ck)
     nq, nk = len(q_starts), len(k_starts)
@@ -134,6 +154,8 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     scale = config.effective_scale
     cap = config.logit_softcap
     sinks = p.get("sinks")
+    slopes = p.get("alibi.slopes") if config.alibi else None  # (N,)
+    chunk = config.local_chunk
     rate = jnp.asarray(1.0 - config.dropout, ct)
     # A fully masked row's weights, as functional.softmax fills them: 1/S or NaN on all S keys, then
     # dropout. Its context is those weights times V over every key (hidden blocks too), so that its
@@ -194,8 +216,9 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
         rows = t0 + jnp.arange(Cq, dtype=jnp.int32)  # (Cq,) query indices
         if exact:  # float32/float64: the scale on the (Cq, H) queries, not on every (Cq, Ck) block of logits
             qs = qb.astype(ct) * jnp.asarray(scale, ct)
-            qs = qs.reshape(B, K, G * Cq, config.head_dim)  # (B, K, G*Cq, H)
+            qs = qs.reshape(B, K, G * Cq, H)  # (B, K, G*Cq, H)
         qb_ids = None if q_ids is None else lax.dynamic_slice_in_dim(q_ids, t0, Cq, axis=1)  # (B|1, Cq)
+        qb_pos = None if positions is None else lax.dynamic_slice_in_dim(positions, t0, Cq, axis=1)  # (B|1, Cq)
 
         def key_block(carry, js):
             j, s0 = js
@@ -218,12 +241,19 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                         kb_ids = lax.dynamic_slice_in_dim(k_ids, s0, Ck, axis=1)  # (B|1, Ck)
                         same = (qb_ids[:, :, None] == kb_ids[:, None, :])[:, None]  # (B|1, 1, Cq, Ck)
                         allowed = same if allowed is None else allowed & same
+                    if qb_pos is not None:  # ALiBi's distances and the local chunks: this block's positions
+                        kb_pos = lax.dynamic_slice_in_dim(key_positions, s0, Ck, axis=1)  # (B|1, Ck)
+                    if chunk is not None:  # local chunks: only keys of the query's own chunk of positions
+                        near = (qb_pos[:, :, None] // chunk == kb_pos[:, None, :] // chunk)[:, None]  # (B|1, 1, Cq, Ck)
+                        allowed = near if allowed is None else allowed & near
                     bias_b = _block(bias, T, S, t0, Cq, s0, Ck)
                     if exact:  # the stages' arithmetic, rounding to the storage dtype being the identity
                         x = jnp.einsum(LOGITS.replace("G", ""), qs, kb.astype(ct), precision=pr).reshape(B, N, Cq, Ck)
                         if cap is not None:  # functional.softcap, before mask and bias
                             c = jnp.asarray(cap, ct)
                             x = jnp.tanh(x / c) * c
+                        if slopes is not None:  # functional.alibi, after the softcap and before the mask
+                            x = x + alibi_bias(slopes, qb_pos, kb_pos, dtype)
                         if bias_b is not None:
                             x = x + bias_b
                             finite = bias_b > -jnp.inf  # a -inf bias is a mask, as in mask(): NaN logits there too
@@ -234,6 +264,8 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                         x = logits(qb, kb, scale, precision)  # (B, N, Cq, Ck), storage dtype
                         if cap is not None:
                             x = softcap(x, cap)
+                        if slopes is not None:
+                            x = alibi(x, alibi_bias(slopes, qb_pos, kb_pos, dtype))
                         x = mask_stage(x, allowed, bias_b).astype(ct)
                     # softmax is shift-invariant: the running max carries no gradient
                     m_new = lax.stop_gradient(jnp.maximum(m, x.max(axis=-1, keepdims=True)))  # (B, N, Cq, 1)
@@ -300,7 +332,13 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
 
                 filled, _ = lax.scan(jax.checkpoint(fill_block, prevent_cse=False), jnp.zeros_like(acc), xs)
                 ctx = jnp.where(empty, filled, ctx)
-        ctx = merge_heads(ctx.astype(dtype))  # (B, Cq, N*V)
+        ctx = ctx.astype(dtype)  # (B, N, Cq, V): the core's context, stored
+        if values_up is not None:  # the attended latent (B, N, Cq, C) through each head's value up-projection
+            ctx = expand_values(ctx, values_up, precision)  # (B, N, Cq, V)
+        if config.output_gate is not None:  # the gate's stages on this block's rows of the query input
+            xb = lax.dynamic_slice_in_dim(gate_input, t0, Cq, axis=1)  # (B, Cq, query_dim)
+            ctx = gate(ctx, gate_project(xb, p["gate.kernel"], p.get("gate.bias"), precision), N)
+        ctx = merge_heads(ctx)  # (B, Cq, N*V)
         return output(ctx, p["output.kernel"], p.get("output.bias"), precision)  # (B, Cq, O)
 
     def step(_, t0):

@@ -8,9 +8,10 @@ NumPy spec; jax.numpy and jax.lax only. Shape letters as in impl_numpy:
   F a flattened head axis: N*H, K*H or K*V (N*V after merge_heads)
 
 Stages (the bracketed ones where the config turns them on):
-project -> [norm] -> split_heads -> [rope] -> [cache appended] -> logits
-(scale) -> [softcap] -> mask (bias, causal, window, segments) -> softmax
-[+ sinks] -> dropout -> attend -> merge_heads -> output.
+project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after rope]
+-> [query temperature] -> [cache appended] -> logits (scale) -> [softcap] -> [alibi] -> mask (bias,
+causal, window, local chunks, segments) -> softmax [+ sinks] -> dropout ->
+attend -> [gate] -> merge_heads -> output.
 
 The call that runs them and chooses between the stages, the fused XLA
 expression and the chunked path is attention.py (`apply`; its validation
@@ -26,8 +27,10 @@ precision="tf32" or "default" (both lax.Precision.DEFAULT: TF32 on Ampere and
 later GPUs unless jax_default_matmul_precision says otherwise, float32 on CPUs).
 
 Integer inputs (positions, segment ids) are arrays, traced under jit; the
-config's rope, softcap, windows and qk_norm are Python values (the config is
-a static argument), so each of them shapes the compiled program.
+config's rope, softcap, windows, qk_norm and the frontier fields (alibi,
+local_chunk, query_temperature, qkv_clip, output_gate) are Python values
+(the config is a static argument), so each of them shapes the compiled
+program; ALiBi's slopes and the gate's kernel are tensors (traced).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from jax import lax
 from weights import compute_dtype
 from weights.call import ATTEND, LOGITS, OUTPUT, PROJECT
 
-from .masks import causal_mask, segment_mask, window_mask
+from .masks import causal_mask, chunk_mask, segment_mask, window_mask
 
 PRECISIONS = {
     "highest": lax.Precision.HIGHEST,  # float32 matmuls everywhere (the correctness setting)
@@ -75,25 +78,54 @@ def project(x, kernel, bias, precision: str = "highest"):
     return y
 
 
+def clip(x, c: float):
+    """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias),
+    c rounded to the storage dtype first (clip_bound, as the spec and torch.clamp round it). Two selects,
+    so that the gradient passes where |x| <= the bound, bounds included (jnp.clip's max and min would
+    halve it at a bound); a NaN passes as NaN, as np.clip gives it."""
+    bound = jnp.asarray(clip_bound(c, x.dtype), x.dtype)
+    return jnp.where(x > bound, bound, jnp.where(x < -bound, -bound, x))
+
+
+def clip_bound(c: float, dtype):
+    """The clip's bound in the storage dtype: the values the clip passes (and its gradient) are those with
+    |x| <= this, bounds included."""
+    return np.dtype(dtype).type(c)
+
+
 def norm(x, scale, bias, kind: str, eps: float, heads: int, scope: str):
-    """QK-norm of a projection x (B, L, F = heads*H), in compute dtype.
-    scope "head": each head's H features normalised on their own, scale/bias (H,)
-    shared by the heads (Qwen3, Gemma 3); "all": the whole F at once, scale/bias
-    (heads, H) (OLMo 2). The stage runs before split_heads in both scopes (on
-    the flat projection; "head" views it as (B, L, heads, H) inside), so its
-    trace has one layout. kind "rms": x / sqrt(mean(x^2) + eps) * scale;
-    "layer": (x - mean) / sqrt(var + eps) * scale + bias (eps inside the root)."""
+    """QK-norm (or the value norm) of a projection x (B, L, F = heads*W), in compute dtype.
+    scope "head": each head's W features normalised on their own, scale/bias (W,)
+    shared by the heads (Qwen3, Gemma 3) or (heads, W), one per head (Cohere);
+    "all": the whole F at once, scale/bias (heads, W) (OLMo 2); scale None: a
+    weightless norm (Llama 4's L2 norm, Gemma 3n's value norm). The stage runs
+    on the flat projection in both scopes ("head" views it as (B, L, heads, W)
+    inside), so its trace has one layout (a norm after RoPE: norm_heads). kind
+    "rms": x / sqrt(mean(x^2) + eps) * scale; "layer": (x - mean) / sqrt(var +
+    eps) * scale + bias (eps inside the root)."""
     B, L, F = x.shape
     ct = compute_dtype(x.dtype)
     width = F // heads if scope == "head" else F
-    y = x.astype(ct).reshape(B, L, F // width, width)  # (B, L, heads|1, H|F)
+    y = x.astype(ct).reshape(B, L, F // width, width)  # (B, L, heads|1, W|F)
+
+    def per_feature(t):  # (W,) or (heads, W) on (B, L, heads, W); (heads, W) as (F,) on (B, L, 1, F)
+        return t.astype(ct).reshape(-1) if scope == "all" else t.astype(ct)
+
     if kind == "layer":
         y = y - y.mean(axis=-1, keepdims=True)
     y = y / jnp.sqrt((y * y).mean(axis=-1, keepdims=True) + jnp.asarray(eps, ct))
-    y = y * scale.astype(ct).reshape(-1)  # (H,) on every head, or (heads, H) flat as (F,)
+    if scale is not None:
+        y = y * per_feature(scale)
     if bias is not None:
-        y = y + bias.astype(ct).reshape(-1)
+        y = y + per_feature(bias)
     return y.reshape(B, L, F).astype(x.dtype)  # (B, L, F)
+
+
+def norm_heads(x, scale, bias, kind: str, eps: float, scope: str):
+    """The norm of x (B, heads, L, W) after RoPE: norm() on its flat (B, L, heads*W) view -> (B, heads, L, W)."""
+    B, heads, L, W = x.shape
+    flat = x.transpose(0, 2, 1, 3).reshape(B, L, heads * W)
+    return split_heads(norm(flat, scale, bias, kind, eps, heads, scope), heads)
 
 
 def split_heads(x, num_heads: int):
@@ -130,6 +162,65 @@ def rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float)
     return jnp.concatenate([turned.astype(x.dtype), x[..., R:]], axis=-1)  # (B, heads, L, H)
 
 
+def temperature_factor(positions, beta: float, floor: float, offset: int, dtype):
+    """The query temperature's factor per query, (B|1, 1, T, 1) in compute dtype:
+    1 + beta * ln(1 + floor((position + offset) / floor)). The floor of the
+    quotient is exact, as the spec's float64 one: an integer division where
+    floor is a whole number, else in float64 (x64) or the compute dtype; the
+    log in compute dtype."""
+    ct = compute_dtype(dtype)
+    if float(floor).is_integer():
+        steps = (positions + offset) // int(floor)  # (B|1, T): integers, floored toward -inf as np.floor
+    else:
+        wide = jnp.float64 if jax.config.jax_enable_x64 else ct
+        steps = jnp.floor((positions.astype(wide) + offset) / jnp.asarray(floor, wide))
+    return (1 + jnp.asarray(beta, ct) * jnp.log1p(steps.astype(ct)))[:, None, :, None]
+
+
+def temperature(q, factor):
+    """QUERY TEMPERATURE: q (B, N, T, H) times temperature_factor (after RoPE)."""
+    return (q.astype(factor.dtype) * factor).astype(q.dtype)
+
+
+def rope_last(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float):
+    """RoPE on the LAST rotary_dim features of x (B, heads, L, H): a latent layer's heads are [features
+    without position | rotary features] (DeepSeek's order); the first H - rotary_dim pass through."""
+    H = x.shape[-1]
+    turned = rope(x[..., H - rotary_dim:], angles, rotary_dim, interleaved, attention_factor)
+    return jnp.concatenate([x[..., : H - rotary_dim], turned], axis=-1)
+
+
+def join_keys(k_nope, k_rope):
+    """KEY.JOIN (latent): each head's key features from the latent, k_nope (B, K, S, H - R), then the rotary
+    key every head shares, k_rope (B, 1, S, R) -> (B, K, S, H)."""
+    return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
+
+
+def absorb_query(q, key_kernel, rope_dim: int, precision: str = "highest"):
+    """The absorbed form's query (latent): each head's features without position taken through its key
+    up-projection's transpose, q_nope W_uk^T (C features), then its rotary features: (B, N, T, H) with
+    key.kernel (C, K, H - R) -> (B, N, T, C + R), in compute dtype, stored. Query head n reads key head
+    n // G. Then q_abs . [latent | rotary key] = q . [latent W_uk | rotary key]: the expanded logits."""
+    B, N, T, H = q.shape
+    C, K, _ = key_kernel.shape
+    ct = compute_dtype(q.dtype)
+    q_nope = q[..., : H - rope_dim].astype(ct).reshape(B, K, N // K, T, H - rope_dim)
+    q_latent = jnp.einsum("bkgth,ckh->bkgtc", q_nope, key_kernel.astype(ct),
+                          precision=_precision(precision)).reshape(B, N, T, C)
+    return jnp.concatenate([q_latent.astype(q.dtype), q[..., H - rope_dim:]], axis=-1)
+
+
+def expand_values(ctx_latent, value_kernel, precision: str = "highest"):
+    """The absorbed form's context (latent): each head's attention over the latent, (B, N, T, C), through
+    its value up-projection (C, K, V) -> (B, N, T, V) (sum_j w_j (c_j W_uv) = (sum_j w_j c_j) W_uv)."""
+    B, N, T, C = ctx_latent.shape
+    K = value_kernel.shape[1]
+    ct = compute_dtype(ctx_latent.dtype)
+    grouped = ctx_latent.astype(ct).reshape(B, K, N // K, T, C)
+    y = jnp.einsum("bkgtc,ckv->bkgtv", grouped, value_kernel.astype(ct), precision=_precision(precision))
+    return y.reshape(B, N, T, -1).astype(ctx_latent.dtype)
+
+
 def logits(q, k, scale: float, precision: str = "highest"):
     """LOGITS times scale: q (B, N, T, H), k (B, K, S, H) -> (B, N, T, S).
     Query head n reads key head n // G."""
@@ -147,6 +238,21 @@ def softcap(x, cap: float):
     ct = compute_dtype(x.dtype)
     c = jnp.asarray(cap, ct)
     return (jnp.tanh(x.astype(ct) / c) * c).astype(x.dtype)
+
+
+def alibi_bias(slopes, positions, key_positions, dtype):
+    """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
+    positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions). The distance is an
+    integer, exact in any compute dtype the contract uses up to 2^24."""
+    ct = compute_dtype(dtype)
+    distance = jnp.abs(positions[:, :, None] - key_positions[:, None, :]).astype(ct)  # (B|1, T, S)
+    return -slopes.astype(ct).reshape(1, -1, 1, 1) * distance[:, None]  # (B|1, N, T, S)
+
+
+def alibi(x, bias):
+    """ALIBI: the scaled (and softcapped) logits plus alibi_bias, before the mask (so a masked position stays
+    -inf): BLOOM's baddbmm adds it to the scaled q.k (Falcon-RW's slopes come folded with its scale)."""
+    return (x.astype(bias.dtype) + bias).astype(x.dtype)
 
 
 def mask(x, allowed, bias):
@@ -206,6 +312,21 @@ def attend(w, v, precision: str = "highest"):
     return _einsum(ATTEND, wg, v, w.dtype, precision).reshape(B, N, T, v.shape[-1])  # (B, N, T, V)
 
 
+def gate_project(x, kernel, bias, precision: str = "highest"):
+    """GATE.PROJECT: the query input (B, T, D) times gate.kernel (D, N, V) or (D, N) -> (B, T, N*V) or (B, T, N)."""
+    return project(x, kernel, bias, precision)
+
+
+def gate(ctx, gate_logits, num_heads: int):
+    """GATE: the context (B, N, T, V) times sigmoid of gate.project's logits, (B, T, N*V) per element or
+    (B, T, N) per head; in compute dtype, stored. jax.nn.sigmoid, not 1 / (1 + exp(-l)): the same values to
+    round-off, and a gradient g (1 - g) that stays finite where exp(-l) overflows."""
+    ct = compute_dtype(ctx.dtype)
+    B, N, T, V = ctx.shape
+    g = gate_logits.astype(ct).reshape(B, T, num_heads, -1).transpose(0, 2, 1, 3)  # (B, N, T, V|1)
+    return (ctx.astype(ct) * jax.nn.sigmoid(g)).astype(ctx.dtype)
+
+
 def merge_heads(x):
     """(B, N, T, V) -> (B, T, N*V)."""
     B, N, T, V = x.shape
@@ -234,9 +355,11 @@ def dropout_keep_mask(shape: tuple[int, ...], rate: float, rng) -> jax.Array:
 
 
 def allowed_mask(mask4, T: int, S: int, is_causal: bool, causal_alignment: str, *, window_left: int = -1,
-                 window_right: int = -1, segment_ids=None, key_segment_ids=None):
-    """mask AND causal AND window AND segments, rank 4, broadcastable to (B, N,
-    T, S) (S: every key, the cache's included); None if none applies."""
+                 window_right: int = -1, segment_ids=None, key_segment_ids=None, local_chunk: int | None = None,
+                 positions=None, key_positions=None):
+    """mask AND causal AND window AND local chunks AND segments, rank 4, broadcastable to (B, N,
+    T, S) (S: every key, the cache's included); None if none applies. local_chunk reads positions
+    (B|1, T) and every key's key_positions (B|1, S)."""
     allowed = mask4
 
     def both(extra):
@@ -246,9 +369,26 @@ def allowed_mask(mask4, T: int, S: int, is_causal: bool, causal_alignment: str, 
         allowed = both(causal_mask(T, S, causal_alignment)[None, None])  # (1, 1, T, S)
     if window_left >= 0 or window_right >= 0:
         allowed = both(window_mask(T, S, window_left, window_right, causal_alignment)[None, None])  # (1, 1, T, S)
+    if local_chunk is not None:
+        allowed = both(chunk_mask(positions, key_positions, local_chunk))  # (B|1, 1, T, S)
     if segment_ids is not None:
         allowed = both(segment_mask(segment_ids, key_segment_ids))  # (B|1, 1, T, S)
     return allowed
+
+
+def all_key_positions(key_positions, P, capacity: int | None = None):
+    """Every key's position, (B|1, P+S): the cache's keys at 0..P-1, then the new keys' key_positions.
+    capacity: an in-place cache's buffer read whole, (B|1, capacity) with P a Python int or traced: slot
+    j < P holds position j, P <= j < P+S key_positions[j - P], the slots after (hidden) position 0."""
+    if capacity is None:
+        if isinstance(P, int) and not P:
+            return key_positions
+        cached = jnp.broadcast_to(jnp.arange(P, dtype=key_positions.dtype)[None], (key_positions.shape[0], P))
+        return jnp.concatenate([cached, key_positions], axis=1)
+    j = jnp.arange(capacity, dtype=key_positions.dtype)[None]  # (1, C)
+    new = jnp.zeros((key_positions.shape[0], capacity), key_positions.dtype)
+    new = lax.dynamic_update_slice(new, key_positions, (jnp.asarray(0, jnp.int32), jnp.asarray(P, jnp.int32)))
+    return jnp.where(j < P, j, new)  # (B|1, C)
 
 
 def default_positions(positions, P: int, L: int):

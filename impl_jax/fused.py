@@ -17,9 +17,9 @@ from .functional import _precision
 
 
 def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, precision: str = "highest", *,
-                    softcap: float | None = None, sinks=None, key_count: int | None = None,
+                    softcap: float | None = None, sinks=None, alibi=None, key_count: int | None = None,
                     attend_by_reduce: bool = False):
-    """logits -> [softcap] -> mask -> softmax [+ sinks] -> attend in one
+    """logits -> [softcap] -> [alibi] -> mask -> softmax [+ sinks] -> attend in one
     expression, for calls that ask for neither the weights nor the trace, in
     float32 or float64 (where every stage's rounding to the storage dtype is
     the identity) and without dropout. The same contractions (LOGITS and
@@ -37,11 +37,13 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     outside the fusion (one more pass over the logits). A row with no allowed key is
     computed finite (every position kept, no bias) and its context replaced
     afterwards by the masked_row policy's (0 x V, the mean of V, NaN), as
-    functional.softmax fills its weights. Windows and segment ids arrive in
-    `allowed`. softcap: cap * tanh(logits / cap) before the bias, as the
-    stage. sinks (N,): each row's max and denominator include its head's
-    sink; a row with no allowed key then keeps every position hidden and
-    gets weights 0 (context 0 x V), as functional.softmax gives it.
+    functional.softmax fills its weights. Windows, local chunks and segment
+    ids arrive in `allowed`. softcap: cap * tanh(logits / cap) before the
+    bias, as the stage. alibi: functional.alibi_bias's (B|1, N, T, S) bias in
+    compute dtype, added after the softcap and before the bias, as the stage.
+    sinks (N,): each row's max and denominator include its head's sink; a row
+    with no allowed key then keeps every position hidden and gets weights 0
+    (context 0 x V), as functional.softmax gives it.
 
     q (B, N, T, H), k (B, K, S, H), v (B, K, S, V); allowed (bool) and bias
     rank 4, broadcasting to (B, N, T, S), or None -> context (B, N, T, V).
@@ -103,6 +105,8 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     if softcap is not None:
         c = jnp.asarray(softcap, ct)
         x = jnp.tanh(x / c) * c
+    if alibi is not None:
+        x = x + grouped(alibi)  # (B, K, G*T, S)
     if add is not None:
         x = x + grouped(add)  # (B, K, G*T, S)
     if tail is not None:

@@ -1,8 +1,9 @@
 """The stages a call runs before attention, shared by the dispatch
-(attention.py) and the sharded mirror (sharded.py): project -> [norm] ->
-split_heads -> [rope] -> [cache] (qkv_heads, mirroring impl_numpy/heads.py),
-and the stage names a trace of a config holds (trace_stages). The call's
-arrays come in as call.prepare's Call.
+(attention.py) and the sharded mirror (sharded.py): project -> [clip] ->
+[norm] -> split_heads -> [rope] -> [norm after rope] -> [query temperature]
+-> [cache] (qkv_heads, mirroring impl_numpy/heads.py; the cache: present,
+which latent.py shares), and the stage names a trace of a config holds
+(trace_stages). The call's arrays come in as call.prepare's Call.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from weights import AttentionConfig
-from weights.call import STAGES
+from weights.call import LATENT_STAGES, STAGES
 from weights.rope import rope_tables
 
 from . import functional as F
@@ -20,31 +21,53 @@ from .call import Call
 
 def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", rec=lambda stage, value: value, *,
               append: bool = True, whole: bool = False):
-    """project -> [norm] -> split_heads -> [rope] -> [cache appended]: q (B, N,
-    T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
-    present cache). append=False: k and v are the new keys' alone (B, K, S, .).
-    An in-place cache (call.cache_length): the new keys are written into the
-    buffers at P .. P+S-1, call.past_key / past_value become the written
-    buffers, and k and v are the buffers whole (whole=True, or a traced P:
-    call.allowed then hides the positions past P+S) or their first P+S
-    positions."""
+    """project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after rope] -> [temperature] -> [cache
+    appended]: q (B, N, T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the present cache).
+    append=False: k and v are the new keys' alone (B, K, S, .). An in-place cache (call.cache_length):
+    see present (whole: the buffers whole)."""
     p, N, K, pr = call.params, config.num_heads, config.num_kv_heads, precision
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"), pr))  # (B, T, N*H)
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias"), pr))  # (B, S, K*H)
     v = rec("value.project", F.project(call.value, p["value.kernel"], p.get("value.bias"), pr))  # (B, S, K*V)
-    if config.qk_norm is not None:
-        n = config.qk_norm
-        q = rec("query.norm", F.norm(q, p["query.norm.scale"], p.get("query.norm.bias"), n.type, n.eps, N, n.scope))
-        k = rec("key.norm", F.norm(k, p["key.norm.scale"], p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    if config.qkv_clip is not None:
+        q = rec("query.clip", F.clip(q, config.qkv_clip))
+        k = rec("key.clip", F.clip(k, config.qkv_clip))
+        v = rec("value.clip", F.clip(v, config.qkv_clip))
+    n = config.qk_norm
+    if n is not None and not n.after_rope:
+        q = rec("query.norm", F.norm(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps, N,
+                                     n.scope))
+        k = rec("key.norm", F.norm(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, K, n.scope))
+    if config.value_norm is not None:
+        vn = config.value_norm
+        v = rec("value.norm", F.norm(v, p.get("value.norm.scale"), p.get("value.norm.bias"), vn.type, vn.eps, K,
+                                     vn.scope))
     q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
     if config.rope is not None:
-        inv_freq, factor = rope_tables(config.rope)
+        _, factor = rope_tables(config.rope)
         R, interleaved = config.rope.rotary_dim, config.rope.interleaved
-        q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
-        k = rec("key.rope", F.rope(k, F.rope_angles(call.key_positions, inv_freq, call.dtype), R, interleaved,
-                                   factor))
+        q = rec("query.rope", F.rope(q, call.rope_angles(config, call.positions), R, interleaved, factor))
+        k = rec("key.rope", F.rope(k, call.rope_angles(config, call.key_positions), R, interleaved, factor))
+    if n is not None and n.after_rope:  # Llama 4's rope layers: the (weightless) norm of the turned q and k
+        q = rec("query.norm", F.norm_heads(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps,
+                                           n.scope))
+        k = rec("key.norm", F.norm_heads(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, n.scope))
+    if config.query_temperature is not None:
+        t = config.query_temperature
+        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
+                                                                           call.dtype)))
+    return (q, *present(call, k, v, append=append, whole=whole))
+
+
+def present(call: Call, k, v, *, append: bool = True, whole: bool = False):
+    """The new keys k and values v (B, heads, S, .) with the call's cache: the present cache (B, heads,
+    S_total, .), as qkv_heads returns it (a latent layer's: its latent and rotary key, latent.latent_heads).
+    append=False: the new ones alone. An in-place cache (call.cache_length): written into the buffers at
+    P .. P+S-1, call.past_key / past_value become the written buffers, and the result is the buffers whole
+    (whole=True, or a traced P: call.allowed then hides the positions past P+S) or their first P+S
+    positions."""
     if call.cache_length is not None:
         # dynamic_update_slice: written in place under jax.jit when the caller donates the buffers (a new
         # buffer otherwise, eager calls included); a traced P past C - S is clamped by XLA, not refused
@@ -53,25 +76,48 @@ def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", r
         call.past_key = lax.dynamic_update_slice(call.past_key, k.astype(call.past_key.dtype), start)
         call.past_value = lax.dynamic_update_slice(call.past_value, v.astype(call.past_value.dtype), start)
         if whole or call.traced_length:
-            return q, call.past_key, call.past_value  # (B, K, C, .): call.allowed hides the positions past P+S
+            return call.past_key, call.past_value  # (B, K, C, .): call.allowed hides the positions past P+S
         # the paths that need exactly P+S keys (the trace's and the weights' shapes, chunked.py's causal
         # offsets): a slice, which XLA CPU writes out (a copy of the cache)
-        return q, call.past_key[:, :, :P + S], call.past_value[:, :, :P + S]  # (B, K, P+S, .)
+        return call.past_key[:, :, :P + S], call.past_value[:, :, :P + S]  # (B, K, P+S, .)
     if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
         k = jnp.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
         v = jnp.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
-    return q, k, v
+    return k, v
 
 
 def trace_stages(config: AttentionConfig) -> tuple[str, ...]:
     """The stage names a trace of this config holds, in order (STAGES less
-    the norm, rope and softcap stages the config does not turn on)."""
+    the clip, norm, rope, temperature, softcap, alibi and gate stages the
+    config does not turn on; a norm after RoPE moved after the rope stages,
+    as qkv_heads records it; a latent layer's LATENT_STAGES, less the query's
+    down-projection without a query rank)."""
     off = set()
+    if config.qkv_clip is None:
+        off |= {"query.clip", "key.clip", "value.clip"}
     if config.qk_norm is None:
         off |= {"query.norm", "key.norm"}
+    if config.value_norm is None:
+        off.add("value.norm")
     if config.rope is None:
         off |= {"query.rope", "key.rope"}
+    if config.query_temperature is None:
+        off.add("query.temperature")
     if config.logit_softcap is None:
         off.add("softcap")
-    return tuple(stage for stage in STAGES if stage not in off)
-
+    if not config.alibi:
+        off.add("alibi")
+    if config.output_gate is None:
+        off |= {"gate.project", "gate"}
+    latent = getattr(config, "latent", None)
+    if latent is not None:
+        if latent.query_rank is None:
+            off |= {"query.down", "query.down_norm"}
+        return tuple(stage for stage in LATENT_STAGES if stage not in off)
+    stages = [stage for stage in STAGES if stage not in off]
+    if config.qk_norm is not None and config.qk_norm.after_rope:  # after the rope stages, or split_heads
+        stages = [stage for stage in stages if stage not in ("query.norm", "key.norm")]
+        last = "key.rope" if config.rope is not None else "value.split_heads"
+        at = stages.index(last) + 1
+        stages[at:at] = ["query.norm", "key.norm"]
+    return tuple(stages)

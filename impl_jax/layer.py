@@ -4,7 +4,10 @@ Parameters live in submodules named after the canonical tensors, so the NNX
 state path ("query", "kernel") *is* the canonical name "query.kernel" and the
 layout is the canonical one: query.kernel (D, N, H), query.bias (N, H), ...,
 output.kernel (N, V, O), output.bias (O). Flax's own attention calls the
-output projection `out`; this layer keeps the contract's `output`.
+output projection `out`; this layer keeps the contract's `output`. The
+frontier tensors follow the same rule: ("alibi", "slopes") is alibi.slopes,
+("gate", "kernel") and ("gate", "bias") the output gate's, ("latent", "norm",
+"scale") and ("query", "down", "kernel") a latent layer's.
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ class Projection(nnx.Module):
             self.norm = norm
 
 
+class Alibi(nnx.Module):
+    """ALiBi's slopes (N,): a submodule so that the state path ("alibi", "slopes") is the canonical name."""
+
+    def __init__(self, slopes: jax.Array):
+        self.slopes = nnx.Param(slopes)
+
+
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention on the common weight format.
 
@@ -76,8 +86,13 @@ class MultiHeadAttention(nnx.Module):
     key_positions, past_key, past_value, segment_ids, key_segment_ids,
     return_weights, return_cache, precision, dtype, chunk_size, trace.
     Modern configs hold their tensors as Params too: query.norm.scale /
-    .bias, key.norm.scale / .bias (submodule `norm` of the projection) and
-    sinks.
+    .bias, key.norm.scale / .bias, value.norm.scale / .bias (submodule
+    `norm` of the projection; none for a weightless norm),
+    sinks, alibi.slopes (submodule `alibi`) and the output gate's
+    gate.kernel / gate.bias (a Projection named `gate`). A latent layer
+    (MLA) holds latent.kernel / .bias / .norm.scale (a Projection named
+    `latent`) and, with a query rank, query.down.kernel / .bias /
+    .norm.scale (submodule `down` of the query's Projection).
     """
 
     def __init__(self, config: AttentionConfig, tensors: dict[str, np.ndarray] | None = None, *,
@@ -96,8 +111,18 @@ class MultiHeadAttention(nnx.Module):
             if f"{name}.norm.scale" in placed:
                 norm = Norm(placed[f"{name}.norm.scale"], placed.get(f"{name}.norm.bias"))
             setattr(self, name, Projection(placed[f"{name}.kernel"], placed.get(f"{name}.bias"), norm))
+        if "latent.kernel" in placed:  # MLA: the latent's down-projection and norm; the query's, with a rank
+            self.latent = Projection(placed["latent.kernel"], placed.get("latent.bias"),
+                                     Norm(placed["latent.norm.scale"], None))
+            if "query.down.kernel" in placed:
+                self.query.down = Projection(placed["query.down.kernel"], placed.get("query.down.bias"),
+                                             Norm(placed["query.down.norm.scale"], None))
         if "sinks" in placed:
             self.sinks = nnx.Param(placed["sinks"])  # (N,)
+        if "alibi.slopes" in placed:
+            self.alibi = Alibi(placed["alibi.slopes"])  # (N,)
+        if "gate.kernel" in placed:  # (query_dim, N, V) or (query_dim, N), and (N, V) or (N,)
+            self.gate = Projection(placed["gate.kernel"], placed.get("gate.bias"))
 
     @classmethod
     def from_tensors(cls, config: AttentionConfig, tensors: dict[str, np.ndarray], *,

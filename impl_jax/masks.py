@@ -42,6 +42,15 @@ def window_mask(T: int, S: int, left: int, right: int, alignment: str = "top_lef
     return visible  # (T, S)
 
 
+def chunk_mask(positions, key_positions, chunk: int) -> jax.Array:
+    """(B|1, 1, T, S) bool: key j visible to query i iff floor(pos_q(i) / chunk) == floor(pos_k(j) / chunk):
+    absolute chunks of `chunk` positions (Llama 4's chunked local attention, attention_chunk_size).
+    positions (B|1, T) and key_positions (B|1, S) are integer arrays (traced under jit)."""
+    q_chunk = jnp.floor_divide(jnp.asarray(positions), chunk)  # (B|1, T)
+    k_chunk = jnp.floor_divide(jnp.asarray(key_positions), chunk)  # (B|1, S)
+    return (q_chunk[:, :, None] == k_chunk[:, None, :])[:, None]  # (B|1, 1, T, S)
+
+
 def segment_mask(segment_ids, key_segment_ids) -> jax.Array:
     """(B|1, 1, T, S) bool: key j visible to query i iff their segment ids are
     equal (packed sequences). Ids are (T,) or (B, T) and (S,) or (B, S),

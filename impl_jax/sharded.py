@@ -52,7 +52,11 @@ call jax.distributed.initialize() in each process before the first call (see
 docs/sharding.md).
 
 Refused with the reason (NotImplementedError): the trace; the weights and
-dropout under sequence sharding; head counts that do not split N ways.
+dropout under sequence sharding; head counts that do not split N ways;
+ALiBi, the output gate and latent attention (frontier_refusal), and local
+chunks under sequence sharding. The QKV clip and the query temperature run among the
+stages before either core (qkv_heads), and local chunks under heads
+sharding in the mask (call.allowed).
 """
 
 from __future__ import annotations
@@ -117,6 +121,21 @@ def mesh(devices: int) -> Mesh:
             f"{devices} devices asked for, {len(present)} present ({present[0].platform}); on CPU start the "
             f"process with XLA_FLAGS=--xla_force_host_platform_device_count={devices} (set before JAX starts)")
     return Mesh(np.array(present[:devices]), (AXIS,))
+
+
+def frontier_refusal(config, kind: str) -> str | None:
+    """Why this engine cannot take the config's frontier fields, or None: neither core adds ALiBi's bias,
+    gates the context or runs a latent layer (MLA), and the ring compares no positions for local chunks."""
+    why = {"alibi": "no core adds ALiBi's bias", "output_gate": "no core gates the context",
+           "local_chunk": "the ring compares no positions",
+           "latent": "the cores take expanded heads, and the cache is the latent's"}
+    used = [name for name, on in (("alibi", config.alibi), ("output_gate", config.output_gate is not None),
+                                  ("local_chunk", kind == "sequence" and config.local_chunk is not None),
+                                  ("latent", config.latent is not None)) if on]
+    if not used:
+        return None
+    return (f"{kind} sharding does not run {', '.join(used)} ({'; '.join(why[name] for name in used)}): run the "
+            "unsharded call")
 
 
 def _check_kind(kind, devices) -> None:
@@ -434,6 +453,9 @@ def _run(config, tensors, inputs, options, d_output, *, kind, devices):
     weights.validate_tensors(config, tensors)
     if kind == "heads":
         kv_split(config, devices)
+    refusal = frontier_refusal(config, kind)
+    if refusal:
+        raise NotImplementedError(refusal)
     training = bool(options.get("training", False))
     return_weights = bool(options.get("return_weights", False))
     return_cache = bool(options.get("return_cache", False))

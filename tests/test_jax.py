@@ -51,6 +51,7 @@ from conformance.suite.cases import (  # noqa: E402
 )
 from conformance.suite.compare import case_policy, expected_for  # noqa: E402
 from conformance.suite.tolerance import compare, max_finite_abs, policy_for  # noqa: E402
+from weights.call import OPTIONAL_STAGES  # noqa: E402
 
 pytestmark = pytest.mark.jax
 
@@ -159,11 +160,11 @@ def test_self_attention_grads_fold_into_query(dtype):
 @pytest.mark.parametrize("name", ["mask_and_bias_causal", "dropout_train"])
 def test_trace_stages_match_reference(name):
     """Every stage a plain layer runs, named as the reference's trace names it (impl_numpy.STAGES
-    less the norm, rope and softcap stages), against the float64 reference's stage."""
+    less weights.call.OPTIONAL_STAGES), against the float64 reference's stage."""
     case, tensors, inputs = case_arrays(name, "float32")
     got = adapter.forward(case.config, tensors, inputs, case.options("float32"), trace=True)["trace"]
     want = reference(name)[0]["trace"]
-    plain = [s for s in impl_numpy.STAGES if s not in ("query.norm", "key.norm", "query.rope", "key.rope", "softcap")]
+    plain = [s for s in impl_numpy.STAGES if s not in OPTIONAL_STAGES]
     assert [s for s, _ in got] == [s for s, _ in want] == plain, f"stages {[s for s, _ in got]}"
     assert impl_jax.STAGES == impl_numpy.STAGES, f"{impl_jax.STAGES} != {impl_numpy.STAGES}"
     failures = []

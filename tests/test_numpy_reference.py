@@ -13,6 +13,7 @@ from strategies import calls, configs
 import weights
 from impl_numpy import causal_mask, multi_head_attention
 from weights import AttentionConfig
+from weights.call import OPTIONAL_STAGES
 
 
 def assert_allclose64(actual, expected, what, rtol=1e-12, atol=1e-12):
@@ -209,8 +210,7 @@ def test_low_precision_rule_softmax_in_float32(dtype):
 def test_trace_names_every_stage_in_order():
     from impl_numpy import STAGES
 
-    optional = {"query.norm", "key.norm", "value.norm", "query.rope", "key.rope", "softcap", "query.clip", "key.clip",
-                "value.clip", "query.temperature", "alibi", "gate.project", "gate"}
+    optional = OPTIONAL_STAGES
     plain = AttentionConfig(num_heads=2, query_dim=4, head_dim=2)
     every = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, rope={}, qk_norm={"type": "rms"},
                             logit_softcap=5.0, use_sinks=True, window_left=1, alibi=True, local_chunk=2,

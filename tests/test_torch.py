@@ -46,6 +46,7 @@ from conformance.suite.cases import (  # noqa: E402
 )
 from conformance.suite.tolerance import assert_close, max_finite_abs  # noqa: E402
 from impl_torch.convert import to_numpy, to_torch  # noqa: E402
+from weights.call import OPTIONAL_STAGES  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -169,10 +170,7 @@ def test_trace_stages_match_reference_stage_by_stage():
     case = CASES[name]
     got = torch_adapter.forward(case.config, make_tensors(case), make_inputs(case), case.options("float64"), trace=True)
     ref = reference(name)[0]["trace"]
-    # the stages a config without the optional fields runs: every stage but those it turns on
-    optional = {"query.clip", "key.clip", "value.clip", "query.norm", "key.norm", "value.norm", "query.rope",
-                "key.rope", "query.temperature", "softcap", "alibi", "gate.project", "gate"}
-    plain = [s for s in impl_numpy.STAGES if s not in optional]
+    plain = [s for s in impl_numpy.STAGES if s not in OPTIONAL_STAGES]
     assert [s for s, _ in got["trace"]] == plain == [s for s, _ in ref], (
         f"stages {[s for s, _ in got['trace']]} != {plain}")
     assert impl_torch.STAGES == impl_numpy.STAGES, f"{impl_torch.STAGES} != {impl_numpy.STAGES}"

@@ -28,6 +28,10 @@ STAGES = (
     "gate", "merge_heads", "output",
 )
 
+# The stages a call records only where its config turns them on (a plain layer's trace: STAGES less these).
+OPTIONAL_STAGES = frozenset({"query.clip", "key.clip", "value.clip", "query.norm", "key.norm", "value.norm",
+                             "query.rope", "key.rope", "query.temperature", "softcap", "alibi", "gate.project", "gate"})
+
 # A latent layer's (weights.config.Latent) stages before the logits, in order (impl_numpy/latent.py's expanded
 # form); from the logits on, STAGES' own.
 LATENT_STAGES = (

@@ -1,0 +1,76 @@
+"""Multi-head latent attention (MLA; weights.config.Latent) in JAX, the stages before attention in both
+forms: mirrors impl_numpy/latent.py.
+
+The expanded form is the spec and what transformers computes: the query's projections, the latent's
+projection and norm, RoPE on each query head's rotary features and on the one rotary key every head shares,
+the cache (the normed latent and the rotated key, as transformers' DeepSeek V3 attention caches them), then
+the latent (cache included) up-projected to each head's key features and values, and the keys joined with
+the shared rotary key (expand). The stages run it.
+
+The absorbed form never expands the cache: the key up-projection is folded into the query
+(functional.absorb_query), attention runs as one shared head of width C + R over [latent | rotary key] with
+the latent as values (absorbed), and the value up-projection is applied to the attended latent
+(functional.expand_values). attention.py takes it on the fused, chunked and in-place paths, as impl_numpy's
+attention.py does.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from weights import AttentionConfig
+from weights.rope import rope_tables
+
+from . import functional as F
+from .call import Call
+from .heads import present
+
+
+def latent_heads(config: AttentionConfig, call: Call, precision: str = "highest", rec=lambda stage, value: value,
+                 *, append: bool = True, whole: bool = False):
+    """-> q (B, N, T, H) after RoPE (and the temperature), latent (B, 1, S_total, C) and rotary key (B, 1,
+    S_total, R): the present cache (append=False: the new keys' alone, S; an in-place cache: heads.present,
+    the buffers written, whole with whole=True)."""
+    p, N, L, pr = call.params, config.num_heads, config.latent, precision
+    C, R = L.kv_rank, L.rope_dim
+    if L.query_rank is not None:
+        qd = rec("query.down", F.project(call.query, p["query.down.kernel"], p.get("query.down.bias"),
+                                         pr))  # (B, T, Qr)
+        qd = rec("query.down_norm", F.norm(qd, p["query.down.norm.scale"], None, "rms", L.eps, 1, "head"))
+        q = rec("query.project", F.project(qd, p["query.kernel"], None, pr))  # (B, T, N*H)
+    else:
+        q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"), pr))  # (B, T, N*H)
+    both = rec("latent.project", F.project(call.key, p["latent.kernel"], p.get("latent.bias"), pr))  # (B, S, C+R)
+    latent = rec("latent.norm", F.norm(both[..., :C], p["latent.norm.scale"], None, "rms", L.eps, 1, "head"))
+    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+    _, factor = rope_tables(config.rope)
+    interleaved = config.rope.interleaved
+    q = rec("query.rope", F.rope_last(q, call.rope_angles(config, call.positions), R, interleaved, factor))
+    rotary = rec("key.rope", F.rope(F.split_heads(both[..., C:], 1), call.rope_angles(config, call.key_positions),
+                                    R, interleaved, factor))  # (B, 1, S, R): one key for every head
+    if config.query_temperature is not None:
+        t = config.query_temperature
+        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
+                                                                           call.dtype)))
+    latent = F.split_heads(latent, 1)  # (B, 1, S, C)
+    return (q, *present(call, latent, rotary, append=append, whole=whole))
+
+
+def expand(config: AttentionConfig, call: Call, latent, rotary, precision: str = "highest",
+           rec=lambda stage, value: value):
+    """The expanded form's keys and values: the latent (B, 1, S_total, C) up-projected per head, the keys
+    joined with the shared rotary key (B, 1, S_total, R). -> k (B, K, S_total, H), v (B, K, S_total, V)."""
+    p, K, pr = call.params, config.num_kv_heads, precision
+    k = rec("key.project", F.project(latent[:, 0], p["key.kernel"], None, pr))  # (B, S_total, K*(H-R))
+    v = rec("value.project", F.project(latent[:, 0], p["value.kernel"], None, pr))  # (B, S_total, K*V)
+    k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S_total, H-R)
+    v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S_total, V)
+    return rec("key.join", F.join_keys(k, rotary)), v
+
+
+def absorbed(config: AttentionConfig, call: Call, q, latent, rotary, precision: str = "highest"):
+    """The absorbed form's heads: q (B, N, T, C + R) through the key up-projection, one shared key head
+    [latent | rotary key] (B, 1, S_total, C + R) and the latent as its values (B, 1, S_total, C); the
+    attended latent then goes through functional.expand_values."""
+    q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim, precision)
+    return q, jnp.concatenate([latent, rotary], axis=-1), latent

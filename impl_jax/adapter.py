@@ -156,10 +156,28 @@ def compile_options(name: str) -> dict:
     return cpu_compile_options() if name == "fast" else {}
 
 
+def program(name: str, with_vjp: bool = True):
+    """The jitted forward-and-vjp program compiled with compile_options(name); with_vjp=False: the forward
+    alone (an in-place cache: inference only, so the backward pass would be compiled for nothing)."""
+    return _program(name, bool(with_vjp))
+
+
 @functools.cache
-def program(name: str):
-    """The jitted forward-and-vjp program compiled with compile_options(name)."""
-    return jax.jit(_forward_and_vjp, static_argnames=_STATIC_ARGNAMES, compiler_options=compile_options(name) or None)
+def _program(name: str, with_vjp: bool):
+    return jax.jit(_forward_and_vjp if with_vjp else _forward_only, static_argnames=_STATIC_ARGNAMES,
+                   compiler_options=compile_options(name) or None)
+
+
+def _forward_only(config, params, arrays, d_output, *, static, return_weights, return_cache, with_trace):
+    """_forward_and_vjp's results without the VJP (its gradient slots None)."""
+    entries = [] if with_trace else None
+    result = _call(config, params, arrays, static, return_weights=return_weights, return_cache=return_cache,
+                   trace=entries)
+    parts = list(result) if (return_weights or return_cache) else [result]
+    out = parts.pop(0)
+    w = parts.pop(0) if return_weights else None
+    cache = tuple(parts) if return_cache else None
+    return out, w, cache, None if entries is None else [e.value for e in entries], None, None
 
 
 def set_cpu_compile(mode: str) -> None:
@@ -200,6 +218,7 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
     if "past_key" in host:
         check_input_values(past_key=host["past_key"], past_value=host["past_value"])
     want = (shapes.B, shapes.T, config.out_dim)
+    with_vjp = d_output is not None or not options.get("in_place")  # an in-place forward: inference only
     if d_output is None:
         d_output = np.zeros(want, dtype)
     d_output = np.asarray(d_output)
@@ -208,13 +227,27 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
     dev = resolve_device(device)
     params, arrays, d_output = jax.device_put((dict(tensors), host, d_output.astype(dtype)), dev)
     name = _cpu_compile if dev.platform == "cpu" else "default"
-    return programs.run(repr(compile_options(name)), program(name), dev, (config,), dict(static=static, return_weights=return_weights,
-                        return_cache=return_cache, with_trace=with_trace), (params, arrays, d_output))
+    return programs.run(repr(compile_options(name)) + ("" if with_vjp else " forward only"), program(name, with_vjp),
+                        dev, (config,), dict(static=static, return_weights=return_weights, return_cache=return_cache,
+                                             with_trace=with_trace), (params, arrays, d_output))
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     out, w, cache, stages, _, _ = _run(config, tensors, inputs, options, None, device=device, precision=precision,
                                        with_trace=bool(trace))
+    return _answer(config, inputs, options, out, w, cache, stages if trace else None)
+
+
+def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    """forward()'s answer and vjp()'s gradients from one run of the call's program (it computes both: see
+    _forward_and_vjp); `mha check` asks for both."""
+    out, w, cache, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
+                                                precision=precision, with_trace=False)
+    return _answer(config, inputs, options, out, w, cache, None), _grads(config, inputs, d_params, d_inputs)
+
+
+def _answer(config, inputs, options, out, w, cache, stages) -> dict:
+    """The forward answer as NumPy: output, and the weights, the present cache and the trace where asked."""
     answer = {"output": np.asarray(out)}
     if w is not None:
         answer["weights"] = np.asarray(w)
@@ -224,7 +257,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
             S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs)
             answer["present_key"], answer["present_value"] = (answer[name][:, :, :S_total] for name in
                                                               ("present_key", "present_value"))
-    if trace:
+    if stages is not None:
         names = trace_stages(config)
         assert len(stages) == len(names), (len(stages), names)
         answer["trace"] = [(stage, np.asarray(value)) for stage, value in zip(names, stages)]
@@ -236,8 +269,12 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     (with a cache of P > 0 positions, as the reference) and every tensor."""
     out, _, _, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
                                             precision=precision, with_trace=False)
+    return {"output": np.asarray(out), "grads": _grads(config, inputs, d_params, d_inputs)}
+
+
+def _grads(config, inputs, d_params, d_inputs) -> dict:
     grads = {name: np.asarray(d_inputs[name]) for name in ("query", "key", "value") if name in d_inputs}
     if "past_key" in d_inputs and np.asarray(inputs["past_key"]).shape[2] > 0:
         grads.update({name: np.asarray(d_inputs[name]) for name in ("past_key", "past_value")})
     grads.update({name: np.asarray(d_params[name]) for name in config.tensor_shapes()})
-    return {"output": np.asarray(out), "grads": grads}
+    return grads

@@ -112,6 +112,16 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    answer, grads = forward_and_vjp(config, tensors, inputs, options, d_output, device=device, precision=precision)
+    return {"output": answer["output"], "grads": grads}
+
+
+def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    """forward()'s answer and vjp()'s gradients of one call, from one recorded pass: `mha check` asks for
+    both, and the eager Keras pass is most of this backend's time there. (forward's weights and present
+    cache are the same call's; an in-place cache, inference only, goes through forward alone.)"""
+    if options.get("in_place"):
+        raise ValueError("forward_and_vjp: an in-place cache is inference only (refused under a recording tape)")
     _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
     differentiable = ("query", "key", "value", "past_key", "past_value")  # the float inputs, in the reference's order
@@ -119,11 +129,13 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     variables = layer.canonical_variables()
     kwargs = {**_kwargs(inputs, options), **{n: given[n] for n in ("past_key", "past_value") if n in given}}
     return_weights = bool(options.get("return_weights", False))  # the weights run the stages (the stages path)
+    return_cache = bool(options.get("return_cache", False))
     with tf.GradientTape() as tape:
         tape.watch(list(given.values()))
-        out = layer(given["query"], given.get("key"), given.get("value"), return_weights=return_weights, **kwargs)
-        if return_weights:
-            out = out[0]  # (output, weights): the gradient is the output's
+        result = layer(given["query"], given.get("key"), given.get("value"), return_weights=return_weights,
+                       return_cache=return_cache, **kwargs)
+        out = result[0] if (return_weights or return_cache) else result  # the gradient is the output's
+    answer = split_result(result, return_weights, return_cache, _numpy)
     d_out = np.asarray(d_output)
     if d_out.shape != tuple(out.shape):
         raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")
@@ -136,4 +148,4 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
         g = ops.zeros_like(source) if g is None else g  # an input the call does not read (a latent layer's value)
         g = _numpy(ops.cast(g, dtype))
         grads[name] = g.reshape(shapes[name]) if name in shapes else g  # Dense layout -> canonical shape
-    return {"output": _numpy(out), "grads": grads}
+    return answer, grads

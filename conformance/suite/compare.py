@@ -283,13 +283,22 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
         options = path_options(adapter, path, case, dtype)
         if options is None:
             return None
-        forward = adapter.forward(case.config, exp["tensors"], exp["inputs"], options, device=device, precision=precision)
-        grads = None
+        forward = grads = None
+        d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
+        both = getattr(adapter, "forward_and_vjp", None)  # one pass for both, where the backend offers it
+        if gradients and not options.get("forward_only") and both is not None:
+            try:
+                forward, grads = both(case.config, exp["tensors"], exp["inputs"], options, d_out, device=device,
+                                      precision=precision)
+            except NotImplementedError:
+                pass  # the forward alone, then the gradients' own refusal, below
+        if forward is None:
+            forward = adapter.forward(case.config, exp["tensors"], exp["inputs"], options, device=device,
+                                      precision=precision)
         if gradients and options.get("forward_only"):
             result.message = f"forward only: {options['forward_only']}"
-        elif gradients:
+        elif gradients and grads is None:
             try:
-                d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
                 grads = adapter.vjp(case.config, exp["tensors"], exp["inputs"], options, d_out, device=device,
                                     precision=precision)["grads"]
             except NotImplementedError as err:

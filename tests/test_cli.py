@@ -66,9 +66,10 @@ def test_trace_prints_every_stage(capsys):
     assert code == 0, err
     report = json.loads(out)
     from impl_numpy import STAGES
+    from weights.call import OPTIONAL_STAGES
 
-    modern = {"query.norm", "key.norm", "query.rope", "key.rope", "softcap"}  # the example is a plain layer
-    assert [s["stage"] for s in report["stages"]] == [s for s in STAGES if s not in modern]
+    # the example is a plain layer
+    assert [s["stage"] for s in report["stages"]] == [s for s in STAGES if s not in OPTIONAL_STAGES]
     softmax = next(s for s in report["stages"] if s["stage"] == "softmax")
     assert softmax["first"][:4] == [1.0, 0.0, 0.0, 0.0], "causal: the first query sees only the first key"
     code, out, err = run_cli("trace", "--weights", EXAMPLE / "weights.safetensors", "--inputs", EXAMPLE / "inputs.safetensors",

@@ -16,6 +16,7 @@ import pytest
 from conformance.suite.cases import DTYPE_NAMES
 from conformance.suite.vectors import load_all
 from conformance.suite.verify import verify_vector
+from weights.config import MODERN_DEFAULTS
 
 pytest_plugins = ["pytester"]
 NODEID = "mha-vectors"  # the vectors' collector (conformance.suite.pytest_plugin.NODEID)
@@ -24,8 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mha_examples" / "numpy_attention.py"
 VECTORS = {v.name: v for v in load_all()}
 PLAIN_INPUTS = {"query", "key", "value", "mask", "bias", "dropout_mask"}
-MODERN_OFF = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1, "qk_norm": None,
-              "use_sinks": False}
+MODERN_OFF = MODERN_DEFAULTS  # every field beyond the plain layer's, each off
 
 
 def is_plain(vector) -> bool:
@@ -238,3 +238,11 @@ def test_every_flag_the_guide_and_the_ci_example_use_exists(user_repo, capsys):
     flags = {f for line in verify_lines for f in re.findall(r"(?<![\w-])--[a-z][a-z-]+", line)}
     assert {"--impl", "--junit", "--require-gradients"} <= flags
     assert flags <= set(re.findall(r"--[a-z][a-z-]+", verify_help)), flags
+
+
+def test_the_example_refuses_every_field_it_does_not_implement():
+    """The worked example's OFF table is every field beyond the plain layer (weights.config.MODERN_DEFAULTS),
+    so a vector that uses a new field is reported unsupported by it, not failed."""
+    namespace: dict = {}
+    exec(compile(EXAMPLE.read_text(), str(EXAMPLE), "exec"), namespace)
+    assert namespace["OFF"] == MODERN_DEFAULTS

@@ -27,6 +27,7 @@ from conformance.suite import verify as V
 from conformance.suite.vectors import load_all
 from impl_numpy import adapter as reference
 from weights import AttentionConfig
+from weights.config import MODERN_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mha_examples" / "numpy_attention.py"
@@ -43,8 +44,7 @@ attention = _load_example()
 VECTORS = {v.name: v for v in load_all()}
 # The features the example implements; vectors of others (rope, a KV cache ...) it must refuse as unsupported.
 PLAIN_INPUTS = {"query", "key", "value", "mask", "bias", "dropout_mask"}
-MODERN_OFF = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1, "qk_norm": None,
-              "use_sinks": False}
+MODERN_OFF = MODERN_DEFAULTS  # every field beyond the plain layer's, each off
 
 
 def is_plain(vector) -> bool:

@@ -509,18 +509,7 @@ class AttentionConfig:
         if self.use_value_bias:
             shapes["value.bias"] = (K, V)
         shapes.update(self._norm_shapes("value", K))
-        shapes["output.kernel"] = (N, V, self.out_dim)
-        if self.use_output_bias:
-            shapes["output.bias"] = (self.out_dim,)
-        if self.use_sinks:
-            shapes["sinks"] = (N,)
-        if self.alibi:
-            shapes["alibi.slopes"] = (N,)
-        if self.output_gate is not None:
-            per_head = (N, V) if self.output_gate.scope == "element" else (N,)
-            shapes["gate.kernel"] = (self.query_dim, *per_head)
-            if self.output_gate.bias:
-                shapes["gate.bias"] = per_head
+        shapes.update(self._after_attention_shapes())
         return shapes
 
     def _latent_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -545,7 +534,14 @@ class AttentionConfig:
         shapes["latent.norm.scale"] = (C,)
         shapes["key.kernel"] = (C, K, H - R)
         shapes["value.kernel"] = (C, K, V)
-        shapes["output.kernel"] = (N, V, self.out_dim)
+        shapes.update(self._after_attention_shapes())
+        return shapes
+
+    def _after_attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensors every layer, latent or not, takes after its keys and values: the output projection,
+        sinks, ALiBi's slopes and the output gate."""
+        N, V = self.num_heads, self.value_head_dim
+        shapes: dict[str, tuple[int, ...]] = {"output.kernel": (N, V, self.out_dim)}
         if self.use_output_bias:
             shapes["output.bias"] = (self.out_dim,)
         if self.use_sinks:

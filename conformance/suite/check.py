@@ -6,6 +6,7 @@ terminal, optionally a report and JSON; exit 0 only if everything conforms.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import time
@@ -113,7 +114,9 @@ def _warm(backend_ids) -> tuple[dict[str, tuple[bool, list[str] | str]], dict]:
             found[backend_id] = (True, list(backends.load(backend_id).devices()))
         except backends.BackendUnavailable as err:
             found[backend_id] = (False, str(err))
-    return found, environment.framework_probes([b for b in backend_ids if found[b][0]])
+    probes = environment.framework_probes([b for b in backend_ids if found[b][0]])
+    gc.freeze()  # the frameworks' modules, imported above, live as long as the worker: never scan them again
+    return found, probes
 
 
 def _plan_from(backend_ids, devices, found) -> tuple[list, list]:
@@ -168,6 +171,19 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
               "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
 
 
+# A worker's garbage collector runs its full collections less often. Tracing a JAX program or running an
+# eager Keras call allocates objects by the hundred thousand, and with Python's default thresholds
+# (700, 10, 10) the oldest generation, all of TensorFlow's, torch's and JAX's objects included, was scanned
+# again every few programs. A worker lives for one `mha check`, and what it leaves is freed when it exits.
+# Measured (2026-11-27, 2-core EPYC, the 2000-result grid, cold, runs alternated): 47.8 and 45.9 s ->
+# 44.6 and 43.3 s wall, user CPU 89.0 and 85.5 -> 83.3 and 80.9 s.
+WORKER_GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def _start_worker() -> None:
+    gc.set_threshold(*WORKER_GC_THRESHOLDS)
+
+
 @contextlib.contextmanager
 def _one_thread_per_worker(jobs: int):
     """ONE_THREAD in the environment the workers start with, when jobs >= the cores; restored after."""
@@ -213,7 +229,7 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
             stack.enter_context(_one_thread_per_worker(jobs))
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                jobs, mp_context=multiprocessing.get_context("spawn")))
+                jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker))
             warming = [pool.submit(_warm, list(backend_ids)) for _ in range(jobs)]  # one per idle worker, as a rule
             found = {}
             for future in warming:

@@ -5,8 +5,8 @@ The same recurrence as the NumPy spec of this mode (Milakov & Gimelshein
 `chunk_size` rows and keys in blocks of `chunk_size` columns; for each query
 block a running max m, running sum l and running numerator acc are rescaled
 as each key block arrives, so the largest temporary is (B, N, chunk, chunk).
-Key blocks that the causal mask or a window hides entirely are skipped
-(lax.switch: a hidden block costs a branch and no arithmetic; only blocks
+Key blocks that the causal mask, a window or the local chunks hide entirely
+are skipped (lax.switch: a hidden block costs a branch and no arithmetic; only blocks
 the diagonal or a window's edge crosses pay for the structural select).
 Under a band (a left window with causality or a right window) a query
 block's key loop runs only the fixed number of blocks the band can reach,
@@ -219,6 +219,7 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
             qs = qs.reshape(B, K, G * Cq, H)  # (B, K, G*Cq, H)
         qb_ids = None if q_ids is None else lax.dynamic_slice_in_dim(q_ids, t0, Cq, axis=1)  # (B|1, Cq)
         qb_pos = None if positions is None else lax.dynamic_slice_in_dim(positions, t0, Cq, axis=1)  # (B|1, Cq)
+        qb_chunks = None if chunk is None else qb_pos // chunk  # (B|1, Cq): the queries' chunks of positions
 
         def key_block(carry, js):
             j, s0 = js
@@ -278,14 +279,18 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                     return m_new, l_new, acc * correction + attend_acc(e, vb)
                 return run
 
-            if upper is None and left is None and not k_overlap:
+            if upper is None and left is None and not k_overlap and chunk is None:
                 return compute(False)(*carry), None
             # hidden: every key after every query's last visible one, or before every query's first
-            # visible one; crosses: the causal diagonal, a window's edge or the overlap runs through the
-            # block, which then needs the structural mask
+            # visible one, or (local chunks) in no chunk of positions that a query of the block is in;
+            # crosses: the causal diagonal, a window's edge or the overlap runs through the block, which
+            # then needs the structural mask (a chunk's edge is masked inside every block, from positions)
             hidden = crosses = False
+            if chunk is not None:
+                kb_chunks = lax.dynamic_slice_in_dim(key_positions, s0, Ck, axis=1) // chunk  # (B|1, Ck)
+                hidden = (kb_chunks.max() < qb_chunks.min()) | (kb_chunks.min() > qb_chunks.max())
             if upper is not None:
-                hidden = s0 > t0 + (Cq - 1 + offset + upper)
+                hidden = hidden | (s0 > t0 + (Cq - 1 + offset + upper))
                 crosses = s0 + (Ck - 1) > t0 + (offset + upper)
             if left is not None:
                 hidden = hidden | (s0 + (Ck - 1) < t0 + (offset - left))

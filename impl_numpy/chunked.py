@@ -269,7 +269,7 @@ def fused_forward(config, call, *, is_causal, causal_alignment, chunk_size, retu
     A call with any modern feature (norm, rope, a cache, segments, softcap,
     windows, sinks, or return_cache) takes _fused_modern: the stages up to the
     present keys, then the same core, which skips the key blocks a window
-    hides as it skips causally hidden ones.
+    or the local chunks hide as it skips causally hidden ones.
 
     Calls of at least THREADED_MIN_FLOPS (float32/float64) run every stage on
     THREADS threads under one BLAS limit of one thread: the projections and
@@ -518,6 +518,7 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
     chunk = config.local_chunk
     rate = ct.type(1.0 - config.dropout)
     kc, vc = k.astype(ct, copy=False), v.astype(ct, copy=False)
+    k_chunks = None if chunk is None else k_pos // chunk  # (B|1, S): each key's chunk of positions
     rows = min(chunk_size, QUERY_ROWS, T)
     bias_masks = bias is not None and bool(np.isneginf(bias).any())
     # Reused by every block: its logits (worked on in place), its numerator and one product.
@@ -541,9 +542,16 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                 m = np.broadcast_to(sink, (B, N, t, 1)).copy()
                 l = np.ones((B, N, t, 1), dtype=ct)
                 acc[...] = 0
+            if chunk is not None:  # the chunks of positions this block's queries are in (every batch row's)
+                q_chunks = q_pos[:, t0:t1] // chunk
+                q_first, q_last = q_chunks.min(), q_chunks.max()
             for s0 in range(s_start, s_stop, chunk_size):
                 s1 = min(s_stop, s0 + chunk_size)
                 s = s1 - s0
+                if chunk is not None:  # local chunks hide the block from every query of this one: skip it
+                    block_chunks = k_chunks[:, s0:s1]
+                    if block_chunks.max() < q_first or block_chunks.min() > q_last:
+                        continue
                 # The stages of functional.py on one block (same rounding rule), in place in `scores`.
                 x = scores[: B * N * t * s].reshape(B, K, G * t, s)
                 np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2), out=x)  # logits, already scaled

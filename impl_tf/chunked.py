@@ -5,8 +5,9 @@ Queries are taken in blocks of `chunk_size` rows and keys in blocks of
 `chunk_size` columns, so the largest temporary is (B, N, chunk, chunk). For
 each query block a running max m, running sum l and running numerator acc are
 rescaled as each key block arrives (Milakov & Gimelshein 2018, the recurrence
-flash-attention uses). Key blocks that the causal mask or a window hides
-from every query of a block are skipped, as impl_numpy/chunked.py skips them.
+flash-attention uses). Key blocks that the causal mask, a window or (in an
+eager call) the local chunks hide from every query of a block are skipped, as
+impl_numpy/chunked.py skips them.
 The result equals the stages within the tolerance policy (the same stages on
 blocks, the same rounding rule).
 
@@ -59,6 +60,8 @@ batch of unknown size is fine): the blocks are laid out from them.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from weights.contract import check_chunk_size
 from weights.rope import rope_tables as default_rope_tables
@@ -312,6 +315,11 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
         slopes = _cast(params["alibi.slopes"], ct)  # (N,)
     if config.alibi or config.local_chunk is not None:  # one integer dtype
         q_pos, k_pos = _cast(positions, "int64"), _cast(key_positions, "int64")  # (B|1, T), (B|1, S)
+    # Local chunks skip the key blocks that no query of a block shares a chunk with, as a window's are,
+    # where the positions are values here (an eager call; a graph's tensors mask within every block only).
+    chunks = None
+    if config.local_chunk is not None and tf.executing_eagerly():
+        chunks = tuple(np.asarray(x) // config.local_chunk for x in (q_pos, k_pos))  # (B|1, T), (B|1, S)
     arrays = (mask4, bias, keep, q_ids, k_ids, slopes, q_pos, k_pos)  # key_block's, in its order
     optional = [a for a in arrays if a is not None]
     sinks = params.get("sinks") if config.use_sinks else None
@@ -415,10 +423,15 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
             m0 = tf.stop_gradient(ops.maximum(ops.full((B, N, tb, 1), -math.inf, dtype=ct), sink))
             state = (m0, ops.exp(sink - m0), ops.zeros((B, N, tb, V), dtype=ct))
         plan = key_plan(t0, tb, T=T, S=S, C=C, offset=offset, causal=is_causal, left=left, right=right)
+        if chunks is not None:  # local chunks: the blocks in no chunk of positions that a row of this one is in
+            q_chunks = chunks[0][:, t0:t0 + tb]
+            plan = [(s0, sb, masked) for s0, sb, masked in plan
+                    if chunks[1][:, s0:s0 + sb].max() >= q_chunks.min() and chunks[1][:, s0:s0 + sb].min() <= q_chunks.max()]
         i = 0
-        while i < len(plan):  # runs of full unmasked blocks in one while loop, the others one by one
+        while i < len(plan):  # runs of adjacent full unmasked blocks in one while loop, the others one by one
             j = i
-            while j < len(plan) and not plan[j][2] and plan[j][1] == C:
+            while (j < len(plan) and not plan[j][2] and plan[j][1] == C
+                   and (j == i or plan[j][0] == plan[j - 1][0] + C)):
                 j += 1
             if j > i:
                 state = key_loop(state, qg, t0, tb, plan[i][0] // C, plan[j - 1][0] // C + 1)

@@ -167,13 +167,13 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     segment_ids, key_segment_ids = optional["segment_ids"], optional["key_segment_ids"]
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
-    rope = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
+    positioned = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
     return Call(
         shapes=shapes, params=params, query=query.astype(dtype, copy=False), key=key.astype(dtype, copy=False),
         value=value.astype(dtype, copy=False), mask4=None if mask_np is None else mask_np.reshape(shapes.mask_shape),
         bias4=bias_np, keep=keep, dtype=dtype,
-        positions=F.default_positions(optional["positions"], shapes.P, shapes.T) if rope else None,
-        key_positions=F.default_positions(optional["key_positions"], shapes.P, shapes.S) if rope else None,
+        positions=F.default_positions(optional["positions"], shapes.P, shapes.T) if positioned else None,
+        key_positions=F.default_positions(optional["key_positions"], shapes.P, shapes.S) if positioned else None,
         past_key=None if past_key is None else past_key.astype(dtype, copy=False),
         past_value=None if past_value is None else past_value.astype(dtype, copy=False),
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,

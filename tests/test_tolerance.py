@@ -27,3 +27,38 @@ def test_one_16_bit_step_passes_two_fail(dtype):
     assert one.ok, one.describe()
     two = compare("output", stored + 2 * step, stored, tol)
     assert not two.ok, two.describe()
+
+
+def test_a_nan_passes_only_where_the_same_dtype_reference_has_one():
+    """Tolerance.nan_allowed (set by compare.case_policy where the 16-bit reference is NaN and float64's is
+    not): a NaN there passes, a NaN anywhere else fails, and a finite value there is judged as ever."""
+    import dataclasses
+
+    reference = np.array([0.0, 0.5, 1.0])
+    tol = dataclasses.replace(tolerance("bfloat16", length=20, reference_scale=1.0, same_precision_error=1e-3),
+                              nan_allowed=np.array([True, False, False]))
+    assert compare("grad", np.array([np.nan, 0.5, 1.0]), reference, tol).ok
+    assert not compare("grad", np.array([0.0, np.nan, 1.0]), reference, tol).ok
+    assert compare("grad", reference, reference, tol).ok
+    assert not compare("grad", np.array([0.5, 0.5, 1.0]), reference, tol).ok
+    plain = dataclasses.replace(tol, nan_allowed=None)
+    assert not compare("grad", np.array([np.nan, 0.5, 1.0]), reference, plain).ok
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_clip_gate_rounding_opens_lets_the_16_bit_nan_through():
+    """A masked_row "nan" row's NaN gradient passes the QKV clip where |v| <= c. A value just above c in
+    float64 lands on the rounded bound in bfloat16, inside the clip there: the bfloat16 reference's value
+    gradient is NaN where float64's is 0, and the policy takes the dtype's own NaN (compare._nan_only_in)."""
+    from conformance.suite.compare import _nan_only_in
+
+    c = 0.2
+    bound = float(np.asarray(c, ml_dtypes.bfloat16))
+    x64 = np.array([bound + bound * 2.0**-12, 0.1])  # just outside in float64; bfloat16 rounds it to the bound
+    x16 = x64.astype(ml_dtypes.bfloat16).astype(np.float64)
+    upstream = np.nan  # the gradient reaching the clip from a NaN row
+    grad64 = np.where(np.abs(x64) <= c, upstream, 0.0)
+    grad16 = np.where(np.abs(x16) <= bound, upstream, 0.0)
+    assert not np.isnan(grad64[0]) and np.isnan(grad16[0])
+    np.testing.assert_array_equal(_nan_only_in(grad16, grad64), [True, False])
+    assert _nan_only_in(grad64, grad64) is None

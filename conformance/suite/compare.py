@@ -146,6 +146,9 @@ def expected_for(case: Case, dtype: str) -> dict:
         same = {name: _max_err(low[name], fwd[name]) for name in ("output", "weights", *cache)}
         same.update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
         expected["same_precision"] = same
+        nan = {name: _nan_only_in(low[name], fwd[name]) for name in ("output", "weights", *cache)}
+        nan.update({f"grad {name}": _nan_only_in(low_grads[name], grads[name]) for name in grads})
+        expected["same_precision_nan"] = {name: where for name, where in nan.items() if where is not None}
     if len(_EXPECTED_CACHE) > 512:  # sweeps make thousands of cases
         _EXPECTED_CACHE.clear()
     _EXPECTED_CACHE[key] = expected
@@ -167,6 +170,16 @@ def _reference_grads(case: Case, tensors, inputs, d_out):
         gradient_magnitudes=True,
     )
     return grads, magnitudes
+
+
+def _nan_only_in(low, reference):
+    """Where the 16-bit reference is NaN and the float64 one is not (None if nowhere). A gate that rounding
+    opens or closes decides it: the QKV clip passes the gradient where |x| <= c, and a value rounded onto
+    the rounded bound is inside it in 16 bits and outside in float64, so the NaN gradient of a masked_row
+    "nan" row passes in one and not the other (the torch sweep's random_961557, bfloat16, grad value.kernel:
+    NumPy's bfloat16 run and torch's both NaN where float64 gives 0)."""
+    where = np.isnan(np.asarray(low, np.float64)) & ~np.isnan(np.asarray(reference, np.float64))
+    return where if where.any() else None
 
 
 def _max_err(a, b) -> float:
@@ -211,11 +224,17 @@ def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, 
     exp = expected_for(case, dtype)
     terms = exp["forward_magnitudes"]
     logit_terms = terms["alibi"] if "alibi" in terms else terms["logits"]  # ALiBi's bias is part of the logits' size
-    return policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
+    tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
                       reference=reference, logits=logit_terms if logits else None, precision=precision,
                       same_precision_error=exp["same_precision"].get(name) if quantity != "stage" else None,
                       scale_floor=scale_floor, max_position=exp["max_position"],
                       magnitude=terms.get(name) if quantity in ("output", "stage") else None)
+    nan_allowed = exp.get("same_precision_nan", {}).get(name) if quantity != "stage" else None
+    if nan_allowed is None:
+        return tol
+    return dataclasses.replace(tol, nan_allowed=nan_allowed, reason=(
+        f"{tol.reason}; NaN also where the {dtype} reference is NaN and float64's is not "
+        f"({int(nan_allowed.sum())} elements: a gate rounding decides, see compare._nan_only_in)"))
 
 
 def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "highest") -> list[Comparison]:

@@ -126,6 +126,9 @@ class Tolerance:
     # An elementwise absolute allowance where it is larger than atol: rtol * (1 + z) * the magnitude of what
     # each element is summed from (None: atol alone). Broadcasts against the compared tensor.
     floor: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    # Where a 16-bit result may be NaN although the float64 reference is finite: the same-dtype reference is
+    # NaN there (None: nowhere). See conformance.suite.compare.case_policy.
+    nan_allowed: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +228,8 @@ def compare(name: str, actual, expected, tol: Tolerance) -> Comparison:
     with np.errstate(invalid="ignore"):
         err = np.abs(a - r)
     err = np.where(both_nan | same_inf, 0.0, err)
+    if tol.nan_allowed is not None:  # the dtype's own NaN (Tolerance.nan_allowed)
+        err = np.where(np.isnan(a) & np.asarray(tol.nan_allowed, dtype=bool), 0.0, err)
     err = np.where(np.isnan(err), np.inf, err)  # NaN on one side only is a failure
     ratio = err / allowance
     flat = int(np.argmax(ratio))

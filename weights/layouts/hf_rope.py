@@ -41,7 +41,30 @@ def _hf_rope(cfg: Mapping[str, Any], layer_type: str | None, head_dim: int, *, i
             scaling["factor"] = cfg.get("max_position_embeddings") / scaling["original_max_position_embeddings"]
         for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):  # transformers: `get(...) or default`
             scaling[key] = scaling.get(key) or default
+    elif kind in ("longrope", "su"):  # "su": Phi-3's name for it before 4.x settled on longrope
+        scaling = _longrope(cfg, params)
     else:
         raise ValueError(f"hf_config: rope_type={kind!r} is not expressible in the canonical config "
-                         "(default, linear, llama3 and yarn are)")
+                         "(default, linear, llama3, yarn and longrope are)")
     return {"theta": theta, "rotary_dim": rotary_dim, "interleaved": interleaved, "scaling": scaling}
+
+
+def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE. transformers' standardize_rope_params lets a top-level
+    original_max_position_embeddings (Phi-3 keeps one) win over the one inside the rope parameters; a
+    missing factor is max_position_embeddings / original_max_position_embeddings, as
+    _compute_longrope_parameters computes it (5.23)."""
+    original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("hf_config: rope_type 'longrope' needs original_max_position_embeddings: got none")
+    factor = params.get("factor")
+    if factor is None:
+        if not cfg.get("max_position_embeddings"):
+            raise ValueError("hf_config: rope_type 'longrope' without a factor needs max_position_embeddings: got "
+                             f"{cfg.get('max_position_embeddings')!r}")
+        factor = cfg["max_position_embeddings"] / original
+    scaling = {"type": "longrope", "factor": factor, "original_max_position_embeddings": original,
+               "short_factor": params.get("short_factor"), "long_factor": params.get("long_factor")}
+    if params.get("attention_factor") is not None:
+        scaling["attention_factor"] = params["attention_factor"]
+    return scaling

@@ -5,9 +5,12 @@
 | hf-llama          | [P]layers.{L}.self_attn.q_proj.weight (N*H, D)... | query, key, value, output  | linear |
 |   (phi3)          | [P]layers.{L}.self_attn.qkv_proj.weight           | query+key+value            | linear |
 |                   | q_norm.weight, k_norm.weight (H,) or (N*H,), sinks| query/key.norm.scale, sinks| 1-D    |
+|   (cohere)        | q_norm.weight (N, H), k_norm.weight (K, H)        | query/key.norm.scale       | 2-D    |
+|   (qwen3_next, qwen3_5, gemma4: a gated q_proj, k = v: llama_gated.py's rows)                               |
 
 A decoder: its config file is required (write.py says what that brings);
-half-split RoPE pairs. Gemma's norm weights are w of (1 + w): the canonical
+half-split RoPE pairs, except llama4, cohere, cohere2 (interleaved: config.json's model_type says which,
+and from_canonical writes that pairing). Gemma's norm weights are w of (1 + w): the canonical
 multiplier is 1 + w, the one conversion that is an addition (exact to one
 rounding, not bit-exact).
 """
@@ -17,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from . import llama_gated
 from .hf_rope import _hf_rope
 from .table import LINEAR, Extra, Layout, R, Table, Tie
 
@@ -33,17 +39,26 @@ _SLIDING_RULES: dict[str, Callable[[Mapping[str, Any], int], bool]] = {
     "gemma3_text": lambda cfg, layer: (layer + 1) % cfg.get("sliding_window_pattern",
                                                             cfg.get("_sliding_window_pattern", 6)) != 0,
     "gpt_oss": lambda cfg, layer: layer % 2 == 0,
+    "ministral3": lambda cfg, layer: True,  # Ministral3Model: one sliding mask for all when sliding_window is set
+    "smollm3": lambda cfg, layer: bool(cfg.get("use_sliding_window")) and not _uses_rope(cfg, layer),
+    "cohere2": lambda cfg, layer: (layer + 1) % cfg.get("sliding_window_pattern", 4) != 0,
 }
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "olmo2", "gpt_oss",
-                  "phi3")
+                  "phi3", "llama4", "llama4_text", "smollm3", "ministral3", "granite", "cohere", "cohere2",
+                  *llama_gated.TYPES)
 
 
 def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     """config.json of a Llama-family decoder -> sizes, behaviour and the modern fields of block `layer`."""
     model_type = cfg.get("model_type")
+    if model_type in llama_gated.TYPES:  # Qwen3-Next, Qwen3.5, Gemma 4: gates, k = v (llama_gated.py)
+        facts = llama_gated.layer_facts(cfg, layer)
+        return {**facts, "table": FAMILY[0].tables.index(_GATED_TABLES[facts["table"]]) if facts["table"] else 0}
     if model_type == "gemma3" and isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg["text_config"], "model_type": "gemma3_text"}  # the multimodal wrapper's language model
         model_type = "gemma3_text"
+    if model_type == "llama4" and isinstance(cfg.get("text_config"), Mapping):
+        cfg, model_type = {**cfg["text_config"], "model_type": "llama4_text"}, "llama4_text"
     if model_type not in HF_LLAMA_TYPES:
         raise ValueError(f"hf_config: model_type must be one of {', '.join(HF_LLAMA_TYPES)} for hf-llama: "
                          f"got {model_type!r}")
@@ -80,13 +95,81 @@ def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
         norm_offset = 1.0 if gemma else 0.0  # Gemma3RMSNorm multiplies by (1 + weight)
     elif model_type == "olmo2":
         modern["qk_norm"] = {"type": "rms", "eps": eps, "scope": "all"}
-    return {
+    facts = {
         "num_heads": heads, "num_kv_heads": cfg.get("num_key_value_heads") or heads, "head_dim": head_dim,
         "hidden": hidden, "dropout": cfg.get("attention_dropout"),
         "scale": cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
         "scale_by_layer": False, "modern": modern, "norm_offset": norm_offset,
         "table": 1 if model_type == "phi3" else 0, "model_type": model_type,
     }
+    if model_type in _FRONTIER_TYPES:
+        _frontier(cfg, model_type, layer, layer_type, facts)
+    return facts
+
+
+# -- the frontier model types: NoPE layers, local chunks, the query temperature, Cohere's norm and pairing ---
+
+_FRONTIER_TYPES = ("llama4_text", "smollm3", "ministral3", "granite", "cohere", "cohere2")
+
+
+def _uses_rope(cfg: Mapping[str, Any], layer: int) -> bool:
+    """Llama 4 and SmolLM3: no_rope_layers[layer] is 1 on a RoPE layer and 0 on a NoPE one (despite its
+    name); without the list both configs make every no_rope_layer_interval-th layer (4) a NoPE one."""
+    flags = cfg.get("no_rope_layers")
+    if flags:
+        if layer >= len(flags):
+            raise ValueError(f"layer={layer} is past config.json's {len(flags)} no_rope_layers")
+        return bool(flags[layer])
+    return (layer + 1) % cfg.get("no_rope_layer_interval", 4) != 0
+
+
+def _frontier(cfg: Mapping[str, Any], model_type: str, layer: int, layer_type: str, facts: dict[str, Any]) -> None:
+    """The fields these model types add to a Llama block (facts updated in place), as transformers 5.23's
+    modeling files compute them; defaults are each config class's own."""
+    modern = facts["modern"]
+    if model_type == "cohere2":  # Cohere2Config sets head_dim = hidden_size // heads whatever the file says
+        facts["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    # Llama 4 rotates (2i, 2i+1) as complex numbers; Cohere repeat_interleaves its frequencies
+    interleaved = model_type in ("llama4_text", "cohere", "cohere2")
+    if interleaved:
+        facts["pairing"] = "interleaved"
+    rope_on = {"llama4_text": lambda: _uses_rope(cfg, layer), "smollm3": lambda: _uses_rope(cfg, layer),
+               "cohere2": lambda: layer_type == "sliding_attention"}.get(model_type, lambda: True)()
+    modern["rope"] = _hf_rope(cfg, layer_type, facts["head_dim"], interleaved=interleaved) if rope_on else None
+    if model_type == "llama4_text":
+        has_types = isinstance(cfg.get("layer_types"), Sequence) and not isinstance(cfg.get("layer_types"), str)
+        chunk = cfg.get("attention_chunk_size", 8192)
+        # 5.x names the chunked layers in layer_types, derived from no_rope_layers as below when absent
+        chunked = layer_type == "chunked_attention" if has_types else rope_on and chunk is not None
+        if chunked and chunk is None:
+            raise ValueError(f"hf_config: layer {layer} is a chunked_attention layer: attention_chunk_size "
+                             "must be a positive integer: got None")
+        modern["local_chunk"] = int(chunk) if chunked else None
+        if rope_on and cfg.get("use_qk_norm", True):  # Llama4TextL2Norm: x / sqrt(mean(x^2) + eps), after RoPE
+            modern["qk_norm"] = {"type": "rms", "eps": float(cfg.get("rms_norm_eps", 1e-5)), "scope": "head",
+                                 "weight": False, "after_rope": True}
+        if not rope_on and cfg.get("attn_temperature_tuning", True):  # 1 + attn_scale ln(1 + floor((p + 1) / f))
+            modern["query_temperature"] = {"beta": float(cfg.get("attn_scale", 0.1)),
+                                           "floor": float(cfg.get("floor_scale", 8192)), "offset": 1}
+    elif model_type == "smollm3" and not cfg.get("use_sliding_window", False):
+        modern["window_left"] = -1  # SmolLM3Attention slides only with use_sliding_window
+    elif model_type == "ministral3":  # get_llama_4_attn_scale: 1 + beta ln(1 + floor(position / original))
+        params = cfg.get("rope_parameters")
+        params = params if isinstance(params, Mapping) else cfg.get("rope_scaling") or {}
+        beta, floor = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+        if beta is None or floor is None:
+            raise ValueError("hf_config: ministral3 needs rope_parameters.llama_4_scaling_beta and "
+                             f"original_max_position_embeddings: got {beta!r} and {floor!r}")
+        modern["query_temperature"] = {"beta": float(beta), "floor": float(floor), "offset": 0}
+    elif model_type == "granite":
+        facts["scale"] = float(cfg.get("attention_multiplier", 1.0))  # GraniteAttention.scaling, not 1/sqrt(H)
+    elif model_type == "cohere" and cfg.get("use_qk_norm", False):
+        # CohereLayerNorm over each head's H features, one weight row per head and no bias (zeros here)
+        modern["qk_norm"] = {"type": "layer", "eps": float(cfg.get("layer_norm_eps", 1e-5)), "scope": "head",
+                             "per_head": True}
+        heads, kv_heads = facts["num_heads"], facts["num_kv_heads"]
+        facts["derived"] = {"query.norm.bias": np.zeros((heads, facts["head_dim"])),
+                            "key.norm.bias": np.zeros((kv_heads, facts["head_dim"]))}
 
 
 _DECODER_TIES = (
@@ -95,17 +178,21 @@ _DECODER_TIES = (
     Tie("value_dim", "query_dim", "values are projected from the hidden states"),
     Tie("out_dim", "query_dim", "o_proj maps back to hidden_size"),
 )
+_GATED_TABLES = llama_gated.tables(_DECODER_TIES)
 
 
 FAMILY = (
     Layout(
         "hf-llama", "a Llama-family decoder's attention (llama, mistral, qwen2, qwen3, gemma2, gemma3, olmo2, "
-        "gpt_oss, phi3): [prefix]layers.{L}.self_attn.{q,k,v,o}_proj (phi3: fused qkv_proj), q_norm/k_norm, "
-        "sinks; config.json gives rope, windows, norms; causal",
+        "gpt_oss, phi3, llama4, smollm3, ministral3, granite, cohere, cohere2, qwen3_next, qwen3_5, gemma4): "
+        "[prefix]layers.{L}.self_attn."
+        "{q,k,v,o}_proj (phi3: fused qkv_proj), q_norm/k_norm, sinks; config.json gives rope (its pairing: "
+        "interleaved for llama4 and cohere), windows, chunks, norms, temperature; causal",
         sep=".", scope="layers.{layer}.self_attn.", select=True, hf=_llama_config, pairing="half",
         needs_hf_config=True,
         extras=(Extra("q_norm.weight", "query.norm.scale"), Extra("k_norm.weight", "key.norm.scale"),
                 Extra("sinks", "sinks")),
+        derived=("query.norm.bias", "key.norm.bias"),  # Cohere's LayerNorm has none: zeros
         tables=(
             Table((
                 R("q_proj.weight", "query.kernel", LINEAR), R("q_proj.bias", "query.bias", LINEAR),  # (N*H, D)
@@ -118,6 +205,7 @@ FAMILY = (
                 R("qkv_proj.bias", "query.bias key.bias value.bias", LINEAR),
                 R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),
             ), ties=_DECODER_TIES, note="phi3: fused qkv_proj = [q; k; v]"),
+            *_GATED_TABLES.values(),  # picked by config.json (their q_proj is table 0's key)
         ),
     ),
 )

@@ -40,7 +40,11 @@ def _candidates(layout: Layout, state: Mapping[str, Any], names: dict[str, str] 
     """Every (table, roles, prefix) under which the first row's key exists, with the layers found."""
     found: dict[tuple[int, int, str], set] = {}
     role_sets = [names] if names is not None else list(layout.roles)
+    anchors: set[str] = set()
     for t_index, table in enumerate(layout.tables):
+        if table.rows[0].key in anchors:
+            continue  # the state cannot tell it from an earlier table: config.json picks (hf: "table")
+        anchors.add(table.rows[0].key)
         for r_index, roles in enumerate(role_sets):
             pattern = _anchor_pattern(layout, table, roles)
             for key in state:

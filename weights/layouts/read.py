@@ -43,9 +43,11 @@ from ..dtypes import DTYPES, resolve_dtype
 from ..format import WeightsFormatError, validate_tensors
 from .locate import _expand, _locate
 from .table import (
+    AXES,
     BIAS_FLAG,
     FIELDS,
     FLAT,
+    HEAD,
     HEADS,
     LINEAR,
     TO_HINTS,
@@ -123,8 +125,11 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
                     raise ValueError(f"num_heads={known['N']} disagrees with the checkpoint's config.json ({n_cfg})")
                 known["N"] = int(n_cfg)
                 heads_source = heads_source if hint_heads is not None else "config.json"
+    if "table" in hf and lay.tables[hf["table"]].rows[0].key == place.table.rows[0].key:
+        place.table = lay.tables[hf["table"]]  # tables the state cannot tell apart: config.json's choice
     if lay.qkv_per_head:
-        visible = _qkv_rows(visible, [base + key for key in lay.qkv_per_head], known.get("N"), to_blocks=True)
+        visible = _qkv_rows(visible, [base + key for key in lay.qkv_per_head], known.get("N"), to_blocks=True,
+                            kv_heads=known.get("K"))
     per_head = any(row.per_head for row in place.table.rows)
     if per_head:
         heads_re = re.compile(re.escape(base + place.roles["heads"] + lay.sep) + r"(\d+)" + re.escape(lay.sep))
@@ -213,6 +218,9 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
                         f"that many heads ({sizes})")
     if not problems:
         flags = {flag: any(name in by_key[k][0].parts for k in present) for name, flag in BIAS_FLAG.items()}
+        for target, source in place.table.shared:
+            if target in BIAS_FLAG:
+                flags[BIAS_FLAG[target]] = flags[BIAS_FLAG[source]]
         behaviour = {"scale": hf.get("scale"), "dropout": hf.get("dropout")}
         if hf.get("scale_by_layer"):
             unit = 1.0 / math.sqrt(dims["H"]) if behaviour["scale"] is None else behaviour["scale"]
@@ -228,6 +236,11 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
     if config is not None and lay.extras:
         dtype = next((visible[k].dtype for k in sorted(present) if isinstance(visible[k], np.ndarray)), None)
         extra_tensors = _read_extras(lay, config, visible, base, hf, dtype, problems)
+    if config is not None and lay.derived:
+        dtype = next((visible[k].dtype for k in sorted(present) if isinstance(visible[k], np.ndarray)), None)
+        for name in lay.derived:
+            if name in config.tensor_shapes():  # computed from config.json (float64), stored in the state's dtype
+                extra_tensors[name] = np.asarray(hf["derived"][name], dtype=np.float64).astype(dtype)
     if config is not None and hints.get("config") is not None:
         given = hints["config"]
         if not isinstance(given, AttentionConfig):
@@ -242,6 +255,9 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
         raise WeightsFormatError(f"{lay.id}: " + "; ".join(problems))
 
     tensors = _gather(config, [(key, *by_key[key], visible[key]) for key in by_key if key in present])
+    for target, source in place.table.shared:
+        if source in tensors:
+            tensors[target] = tensors[source].copy()
     tensors.update(extra_tensors)
     tensors = {name: tensors[name] for name in config.tensor_shapes() if name in tensors}
     validate_tensors(config, tensors, source=lay.id)  # internal invariant: the table is complete
@@ -268,8 +284,9 @@ def _read_extras(lay: Layout, config: AttentionConfig, visible: Mapping[str, Any
             continue
         issue = _array_problem(key, array)
         shape = shapes[extra.canonical]
-        if issue is None and (array.ndim != 1 or array.size != math.prod(shape)):
-            issue = f"{key} has shape {_fmt_shape(array.shape)}, expected ({math.prod(shape)},)"
+        stored = shape if _per_head_norm(config, extra.canonical) else (math.prod(shape),)  # Cohere: (heads, H)
+        if issue is None and array.shape != stored:
+            issue = f"{key} has shape {_fmt_shape(array.shape)}, expected {_fmt_shape(stored)}"
         if issue is None and dtype is not None and array.dtype != dtype:
             issue = f"mixed dtypes (one dtype for all tensors): {key} is {array.dtype}, the projections {dtype}"
         if issue:
@@ -282,17 +299,35 @@ def _read_extras(lay: Layout, config: AttentionConfig, visible: Mapping[str, Any
     return out
 
 
-def _qkv_rows(state: Mapping[str, Any], keys: Sequence[str], heads: int | None, *, to_blocks: bool):
-    """GPT-NeoX's fused rows (N, 3, H) <-> the table's [q; k; v] blocks (3, N, H): a permutation of the
-    first axis, exact. Left alone when the row count does not divide (the shape check then reports it)."""
+def _per_head_norm(config: AttentionConfig, name: str) -> bool:
+    """A norm tensor with one row per head (qk_norm.per_head: Cohere's q_norm (N, H)): stored in that shape,
+    every other extra flat."""
+    norm = config.value_norm if name.startswith("value.") else config.qk_norm
+    return ".norm." in name and norm is not None and norm.per_head
+
+
+def _qkv_rows(state: Mapping[str, Any], keys: Sequence[str], heads: int | None, *, to_blocks: bool,
+              kv_heads: int | None = None):
+    """Fused rows grouped by kv head, (K, G + 2, H) with G = N / K (each group's G query heads, then its
+    key and value head: Falcon; K = N gives GPT-NeoX's and BLOOM's (N, 3, H)) <-> the table's [q; k; v]
+    blocks (N*H; K*H; K*H): a permutation of the first axis, exact. Left alone when the row count does
+    not divide (the shape check then reports it)."""
     out = dict(state)
+    K = heads if kv_heads is None else kv_heads
     for key in keys:
         array = out.get(key)
-        if not isinstance(array, np.ndarray) or heads is None or array.ndim < 1 or array.shape[0] % (3 * heads):
+        if (not isinstance(array, np.ndarray) or heads is None or not K or heads % K or array.ndim < 1
+                or array.shape[0] % (heads + 2 * K)):
             continue
-        width = array.shape[0] // (3 * heads)
-        grid = (heads, 3, width) if to_blocks else (3, heads, width)
-        moved = array.reshape(*grid, *array.shape[1:]).swapaxes(0, 1)  # (3, N, H, ...) or (N, 3, H, ...)
+        width, G, rest = array.shape[0] // (heads + 2 * K), heads // K, array.shape[1:]
+        if to_blocks:
+            grid = array.reshape(K, G + 2, width, *rest)  # (K, G + 2, H, ...)
+            parts = [grid[:, :G], grid[:, G:G + 1], grid[:, G + 1:]]  # (K, G, H, ...), (K, 1, H, ...) twice
+            moved = np.concatenate([part.reshape(-1, *rest) for part in parts])  # (N*H + 2*K*H, ...)
+        else:
+            q, k, v = np.split(array, [heads * width, (heads + K) * width])
+            moved = np.concatenate([q.reshape(K, G, width, *rest), k.reshape(K, 1, width, *rest),
+                                    v.reshape(K, 1, width, *rest)], axis=1)  # (K, G + 2, H, ...)
         out[key] = np.array(moved.reshape(array.shape), order="C", copy=True)
     return out
 
@@ -342,7 +377,12 @@ def _gather(config: AttentionConfig, items) -> dict[str, np.ndarray]:
             else:
                 target[head] = flat  # (width,)
             continue
-        widths = [_evaluate((FLAT[p][-1],), dims) for p in row.parts]
+        if row.head_major:  # (in, heads*sum(widths)) -> (in, heads, sum(widths)), split per head
+            widths = [_evaluate((HEAD[p][-1],), dims) for p in row.parts]
+            heads = dims[AXES[row.parts[0]][-2]]
+            flat = flat.reshape(*flat.shape[:-1], heads, sum(widths))
+        else:
+            widths = [_evaluate((FLAT[p][-1],), dims) for p in row.parts]
         pieces = np.split(flat, np.cumsum(widths)[:-1], axis=-1)
         for name, piece in zip(row.parts, pieces):
             tensors[name] = np.array(piece.reshape(shapes[name]), order="C", copy=True)

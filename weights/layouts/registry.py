@@ -16,23 +16,45 @@ from typing import Any
 import numpy as np
 
 from ..config import AttentionConfig
-from . import bert, canonical, flax, gpt2, gptj, keras, llama, locate, meta, neox, read, torch, write
+from . import (
+    alibi_models,
+    bert,
+    canonical,
+    deepseek,
+    flax,
+    gpt2,
+    gptj,
+    keras,
+    llama,
+    locate,
+    meta,
+    neox,
+    read,
+    torch,
+    write,
+)
 from .table import Catalogue, Layout, Table, _self_check
 from .table import describe as _describe
 
 # The families, one module each (its FAMILY: its layouts), in LAYOUT_LIST's order
-FAMILIES = (canonical, torch, keras, flax, bert, gpt2, llama, neox, gptj, meta)
+FAMILIES = (canonical, torch, keras, flax, bert, gpt2, llama, neox, gptj, meta, alibi_models, deepseek)
 
 LAYOUT_LIST = tuple(layout for family in FAMILIES for layout in family.FAMILY)
 
 # detect_layout tries these in order: the first whose kernel keys all exist under one prefix
-DETECT_ORDER = ("hf-bert", "hf-gpt2", "hf-llama", "hf-gpt-neox", "hf-gptj", "meta-llama", "torch-mha", "torch-per-head",
-                "torch-fused-qkv", "torch-linears", "keras-split-heads", "keras-mha", "flax-linen-mha", "canonical")
+# (hf-falcon has hf-bloom's keys: a state alone answers hf-bloom; config.json's model_type tells them apart)
+DETECT_ORDER = ("hf-bert", "hf-gpt2", "hf-llama", "hf-gpt-neox", "hf-gptj", "meta-llama", "hf-bloom", "hf-mpt",
+                "hf-deepseek", "deepseek",
+                "torch-mha", "torch-per-head", "torch-fused-qkv", "torch-linears", "keras-split-heads", "keras-mha",
+                "flax-linen-mha", "canonical")
 
 CATALOGUE = Catalogue(LAYOUT_LIST, DETECT_ORDER)
 _BY_ID = CATALOGUE.by_id
 LAYOUTS: dict[str, str] = CATALOGUE.descriptions
 ROLES: dict[str, tuple[str, ...]] = CATALOGUE.roles
+# Layouts whose tensors the table engine cannot hold (latent attention): their family module converts them
+OWN_CONVERTERS = {layout.id: family for family in FAMILIES if getattr(family, "OWN_CONVERTER", False)
+                  for layout in family.FAMILY}
 
 
 def spec(layout: str) -> Layout:
@@ -50,6 +72,9 @@ def to_canonical(layout: str, state: Mapping[str, Any], **hints: Any) -> tuple[A
     Raises one WeightsFormatError listing every missing, unexpected,
     mis-shaped or mis-typed key; ValueError for a bad hint.
     """
+    own = OWN_CONVERTERS.get(_get(layout).id)
+    if own is not None:
+        return own.to_canonical(CATALOGUE, layout, state, **hints)
     return read.to_canonical(CATALOGUE, layout, state, **hints)
 
 
@@ -60,6 +85,9 @@ def from_canonical(layout: str, config: AttentionConfig, tensors: Mapping[str, n
     ValueError naming each field and value the layout cannot express.
     Hints: names, prefix, layer (hf-*; default 0).
     """
+    own = OWN_CONVERTERS.get(_get(layout).id)
+    if own is not None:
+        return own.from_canonical(CATALOGUE, layout, config, tensors, **hints)
     return write.from_canonical(CATALOGUE, layout, config, tensors, **hints)
 
 
@@ -69,11 +97,17 @@ def cannot_express(layout: str, config: AttentionConfig, *, table: Table | None 
     Behaviour fields (scale, RoPE, windows, softcap: config.json's business for hf-*) are not
     tensors and never make a layout refuse; a RoPE pairing other than the layout's is permuted
     (repair_pairing), not refused."""
+    own = OWN_CONVERTERS.get(_get(layout).id)
+    if own is not None:
+        return own.cannot_express(CATALOGUE, layout, config)
     return write.cannot_express(CATALOGUE, layout, config, table=table)
 
 
 def mapping(layout: str, config: AttentionConfig, **hints: Any) -> dict[str, tuple[str, ...]]:
     """Which canonical tensors each key of from_canonical's state holds (hints as from_canonical's)."""
+    own = OWN_CONVERTERS.get(_get(layout).id)
+    if own is not None:
+        return own.mapping(CATALOGUE, layout, config, **hints)
     return write.mapping(CATALOGUE, layout, config, **hints)
 
 

@@ -20,7 +20,8 @@ tensor(s) it holds, and its *form*:
 
 A row naming several canonical tensors holds them concatenated along the
 feature (out) axis in that order: torch `in_proj_weight` = [Wq; Wk; Wv], GPT-2
-`c_attn` = [q | k | v]. A key with `{i}` repeats for each head i and holds that
+`c_attn` = [q | k | v]; a head_major row alternates them head by head instead (Qwen3-Next's
+`q_proj` = per head [query | gate]). A key with `{i}` repeats for each head i and holds that
 head's slice (kernel[:, i, :], bias[i]). Conversion is transposes, reshapes,
 concatenation and slicing only, so every round trip is bit-exact in every dtype.
 
@@ -57,17 +58,20 @@ AXES = {
     "key.kernel": ("Dk", "K", "H"), "key.bias": ("K", "H"),
     "value.kernel": ("Dv", "K", "V"), "value.bias": ("K", "V"),
     "output.kernel": ("N", "V", "O"), "output.bias": ("O",),
+    "gate.kernel": ("D", "N", "V"), "gate.bias": ("N", "V"),  # the element-wise output gate
 }
 FLAT = {
     "query.kernel": (("D",), ("N", "H")), "query.bias": (("N", "H"),),
     "key.kernel": (("Dk",), ("K", "H")), "key.bias": (("K", "H"),),
     "value.kernel": (("Dv",), ("K", "V")), "value.bias": (("K", "V"),),
     "output.kernel": (("N", "V"), ("O",)), "output.bias": (("O",),),
+    "gate.kernel": (("D",), ("N", "V")), "gate.bias": (("N", "V"),),
 }
 HEAD = {
     "query.kernel": (("D",), ("H",)), "query.bias": (("H",),),
     "key.kernel": (("Dk",), ("H",)), "key.bias": (("H",),),
     "value.kernel": (("Dv",), ("V",)), "value.bias": (("V",),),
+    "gate.kernel": (("D",), ("V",)), "gate.bias": (("V",),),
 }
 BIAS_FLAG = {
     "query.bias": "use_query_bias", "key.bias": "use_key_bias",
@@ -86,6 +90,7 @@ class Row:
     key: str  # foreign name relative to the prefix; {role} and {i} (head index) are filled in
     parts: tuple[str, ...]  # canonical tensors, concatenated along the feature axis
     form: str  # LINEAR | DENSE | HEADS
+    head_major: bool = False  # the parts alternate head by head: each head's slice of every part in turn
 
     @property
     def is_bias(self) -> bool:
@@ -117,6 +122,7 @@ class Table:
     ties: tuple[Tie, ...] = ()
     when: Callable[[AttentionConfig], bool] | None = None  # from_canonical picks the first table this accepts
     note: str = ""
+    shared: tuple[tuple[str, str], ...] = ()  # (canonical, source): stored once, as source (Gemma 4's k = v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +142,9 @@ class Layout:
     extras: tuple[Extra, ...] = ()  # 1-D tensors beside the projections (norm scales, sinks)
     pairing: str = ""  # "half" | "interleaved": the RoPE pairing the layout's weights are written for
     needs_hf_config: bool = False  # RoPE, windows and norms live only in the config file
-    qkv_per_head: tuple[str, ...] = ()  # keys whose rows are (N, 3, H): each head's q, k, v together (GPT-NeoX)
+    qkv_per_head: tuple[str, ...] = ()  # keys whose rows are (K, N/K + 2, H): each kv head's q's, k, v together
+    #   (GPT-NeoX, BLOOM: (N, 3, H); Falcon: K from config.json, 1 for multi_query)
+    derived: tuple[str, ...] = ()  # canonical tensors computed from config.json, never stored (ALiBi slopes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +153,8 @@ class Extra:
     canonical: str  # the canonical tensor it holds, reshaped (e.g. OLMo 2's (N*H,) -> (N, H))
 
 
-def R(key: str, parts: str, form: str) -> Row:
-    return Row(key, tuple(parts.split()), form)
+def R(key: str, parts: str, form: str, *, head_major: bool = False) -> Row:
+    return Row(key, tuple(parts.split()), form, head_major)
 
 
 NO_GQA = "num_heads"  # Tie target for "no grouped-query attention"

@@ -12,7 +12,8 @@ hf-llama, hf-gpt-neox; interleaved: hf-gptj, meta-llama); from_canonical
 permutes the q and k features of each head of a config in the other
 pairing (repair_pairing), so the written block computes the same numbers.
 from_canonical with hf_config writes what that config file's model stores
-(Gemma's w, phi3's fused qkv_proj) and checks the block reads back under
+(Gemma's w, phi3's fused qkv_proj, Qwen3-Next's gated q_proj, Gemma 4's k = v
+k_proj alone) and checks the block reads back under
 it with the same config.
 """
 
@@ -28,7 +29,7 @@ import numpy as np
 from ..config import AttentionConfig
 from ..format import validate_tensors
 from .locate import _expand, _Place
-from .read import _qkv_rows, to_canonical
+from .read import _per_head_norm, _qkv_rows, to_canonical
 from .table import (
     BIAS_FLAG,
     FROM_HINTS,
@@ -88,10 +89,20 @@ def cannot_express(catalogue: Catalogue, layout: str, config: AttentionConfig, /
         pass  # the plain layouts predate the modern tensors; they write the projections they hold
     elif config.qk_norm is not None and "query.norm.scale" not in extras:
         problems.append(f"qk_norm={config.qk_norm.to_dict()} ({lay.id} holds no QK-norm tensors)")
-    elif config.qk_norm is not None and config.qk_norm.type != "rms":
+    elif config.qk_norm is not None and config.qk_norm.type != "rms" and not (
+            config.qk_norm.per_head and "query.norm.bias" in lay.derived):  # hf-llama: Cohere's per-head LayerNorm
         problems.append(f"qk_norm.type={config.qk_norm.type!r} ({lay.id} stores RMS-norm scales only, no norm bias)")
     if (lay.extras or lay.pairing) and config.use_sinks and "sinks" not in extras:
         problems.append(f"use_sinks=True ({lay.id} holds no sinks tensor)")
+    shapes = config.tensor_shapes()
+    held = {part for row in table.rows for part in row.parts}
+    if (lay.extras or lay.pairing) and config.output_gate is not None and "gate.kernel" not in held:
+        problems.append(f"output_gate={config.output_gate.to_dict()} ({lay.id}'s table "
+                        f"'{table.note}' holds no gate)")
+    for row in table.rows:
+        absent = [part for part in row.parts if part not in shapes]
+        if not row.is_bias and absent:
+            problems.append(f"no {', '.join(absent)} ({row.key} holds {' + '.join(row.parts)}: {table.note})")
     for tie in table.ties:
         value = getattr(config, tie.field)
         target = math.prod(getattr(config, f) for f in tie.equals.split("*"))
@@ -105,16 +116,20 @@ def cannot_express(catalogue: Catalogue, layout: str, config: AttentionConfig, /
         off = [BIAS_FLAG[n] for n, on in flags.items() if not on]
         problems.append(f"{', '.join(f'{f}=False' for f in off)} with other biases on ({lay.bias_why})")
     for row in table.rows:
-        if row.is_bias and len(row.parts) > 1 and len({flags[p] for p in row.parts}) > 1:
-            shown = ", ".join(f"{BIAS_FLAG[p]}={flags[p]}" for p in row.parts)
+        has = {p: flags[p] if p in flags else p in shapes for p in row.parts}  # gate.bias: output_gate.bias
+        if row.is_bias and len(row.parts) > 1 and len(set(has.values())) > 1:
+            shown = ", ".join(f"{BIAS_FLAG.get(p, p)}={has[p]}" for p in row.parts)
             problems.append(f"{shown} ({row.key} holds the {' and '.join(p.split('.')[0] for p in row.parts)} "
                             "biases together)")
     return problems
 
 
 def _pick_table(layout: Layout, config: AttentionConfig) -> Table:
+    for table in layout.tables:  # a table made for the config (its `when` accepts it) before a general one
+        if table.when is not None and table.when(config):
+            return table
     for table in layout.tables:
-        if table.when is None or table.when(config):
+        if table.when is None:
             return table
     raise AssertionError(f"{layout.id}: no table accepts the config")  # the last table has no `when`
 
@@ -128,16 +143,18 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
     if not isinstance(config, AttentionConfig):
         raise ValueError(f"config must be an AttentionConfig: got {type(config).__name__}")
     validate_tensors(config, tensors, source="canonical tensors")
-    if lay.pairing:
-        config, tensors = repair_pairing(config, tensors, lay.pairing == "interleaved")
     prefix = hints.get("prefix") or ""
     if not isinstance(prefix, str):
         raise ValueError(f"prefix must be a string: got {prefix!r}")
     layer = _check_int("layer", hints["layer"]) if hints.get("layer") is not None else (0 if lay.scope else None)
     hf_config = _load_hf_config(hints.get("hf_config"))
     hf = lay.hf(hf_config, layer) if hf_config is not None else {}
+    if lay.pairing:  # config.json may name the model's own pairing (hf-llama: llama4, cohere)
+        config, tensors = repair_pairing(config, tensors, hf.get("pairing", lay.pairing) == "interleaved")
     table = lay.tables[hf["table"]] if "table" in hf else _pick_table(lay, config)
     problems = cannot_express(catalogue, lay.id, config, table=table)
+    problems += [f"{target} != {source} ({table.note})" for target, source in table.shared
+                 if target in tensors and not np.array_equal(tensors[target], tensors[source])]
     if problems:
         raise ValueError(f"{lay.id} cannot express " + "; ".join(problems))
     roles = _names_hint(catalogue, lay, hints.get("names")) or lay.roles[0]
@@ -149,16 +166,24 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
         state[key] = _scatter(row, head, [tensors[p] for p in row.parts])
     if lay.qkv_per_head:
         state = _qkv_rows(state, [place.base(lay) + key for key in lay.qkv_per_head], config.num_heads,
-                          to_blocks=False)
+                          to_blocks=False, kv_heads=config.num_kv_heads)
     for extra in lay.extras:
         if extra.canonical in tensors:
-            value = np.asarray(tensors[extra.canonical]).reshape(-1)
+            value = np.asarray(tensors[extra.canonical])
+            value = value if _per_head_norm(config, extra.canonical) else value.reshape(-1)
             if hf.get("norm_offset") and ".norm." in extra.canonical:
                 value = value - value.dtype.type(hf["norm_offset"])  # Gemma stores w of its (1 + w)
             state[place.base(lay) + extra.key] = np.array(value, order="C", copy=True)
+    derived = [name for name in lay.derived if name in tensors]
+    if derived and hf_config is None:
+        raise ValueError(f"hf_config: {lay.id} stores no {', '.join(derived)} (config.json's rule gives them): "
+                         "pass the destination's config.json: got None")
     if hf_config is not None:  # the file must mean, under its config file, what config says
-        read, _ = to_canonical(catalogue, lay.id, state, hf_config=hf_config, layer=layer, prefix=prefix)
+        read, read_tensors = to_canonical(catalogue, lay.id, state, hf_config=hf_config, layer=layer, prefix=prefix)
         differ = _behaviour_differences(config, read)
+        differ += [f"{name}={np.asarray(tensors[name]).tolist()} (config file gives "
+                   f"{read_tensors[name].tolist()})" for name in derived
+                   if name in read_tensors and not np.array_equal(read_tensors[name], tensors[name])]
         if differ:
             raise ValueError(f"hf_config disagrees with config for {lay.id} block {layer}: " + "; ".join(differ))
     return state
@@ -184,6 +209,9 @@ def _scatter(row: Row, head: int | None, arrays: list[np.ndarray]) -> np.ndarray
     name = row.parts[0]
     if head is not None:
         flat = arrays[0][:, head, :] if name.endswith(".kernel") else arrays[0][head]  # (in, width) / (width,)
+    elif row.head_major:  # (in, heads, width) each -> (in, heads, sum(widths)) -> (in, heads*sum(widths))
+        joined = np.concatenate(arrays, axis=-1)
+        flat = joined.reshape(*joined.shape[:-2], -1)
     else:
         flats = []
         for part, array in zip(row.parts, arrays):

@@ -1,0 +1,469 @@
+"""The latent-attention (MLA) layouts: transformers' DeepSeek V2 / V3 (and Kimi K2), and DeepSeek's own checkpoint.
+
+| layout       | foreign key ([P]layers.{L}.<scope>)      | canonical                                   | form   |
+|--------------|------------------------------------------|---------------------------------------------|--------|
+| hf-deepseek  | self_attn.q_a_proj.weight / .bias        | query.down.kernel / query.down.bias         | linear |
+|  (deepseek:  | self_attn.q_a_layernorm.weight           | query.down.norm.scale                       | 1-D    |
+|   attn.wq_a, | self_attn.q_b_proj.weight                | query.kernel (Qr, N, H)                     | linear |
+|   q_norm,    | self_attn.q_proj.weight (q_lora_rank null)| query.kernel (D, N, H)                     | linear |
+|   wq_b, wq,  | self_attn.kv_a_proj_with_mqa.weight/.bias| latent.kernel / latent.bias (C + R)         | linear |
+|   wkv_a,     | self_attn.kv_a_layernorm.weight          | latent.norm.scale                           | 1-D    |
+|   kv_norm,   | self_attn.kv_b_proj.weight               | key.kernel + value.kernel, per head [H-R|V] | linear |
+|   wkv_b, wo) | self_attn.o_proj.weight / .bias          | output.kernel / output.bias                 | linear |
+
+The table engine (read.py, write.py) knows the plain projections only, so this family converts with its own
+to_canonical / from_canonical (registry.py hands them these layouts); the tables below serve locate.py
+(prefix, layer, detect_layout) and describe. Every conversion is transposes, reshapes and slicing: bit-exact.
+
+hf-deepseek reads config.json (transformers 4.x `rope_scaling` + `rope_theta` or 5.x `rope_parameters`) of
+model types deepseek_v2, deepseek_v3, kimi_k2 (Kimi K2's released config: DeepSeek V3's architecture) and
+kimi_k25 (its `text_config`). Facts, from transformers 5.23's modeling_deepseek_v2.py / modeling_deepseek_v3.py:
+- RoPE pairing: V2's apply_rotary_emb views consecutive features (2i, 2i+1) as one complex number:
+  interleaved. V3 rotates interleaved pairs when `rope_interleave` (default true) and half-split pairs
+  (rotate_half) otherwise. The canonical config keeps the checkpoint's pairing, so its tensors are the
+  checkpoint's own; V3's interleaved path writes its rotated features evens first, then odds, so its cached
+  rotary key is the contract's `past_value` with the features in that order (a permutation, q . k unchanged).
+- The softmax scale: (qk_nope_head_dim + qk_rope_head_dim)^-1/2, times mscale(factor, mscale_all_dim)^2
+  (mscale(f, m) = 0.1 m ln f + 1 for f > 1, else 1) when the rope type is not "default" and mscale_all_dim is
+  set (yarn_apply_mscale); `mscale` only enters RoPE's cos/sin factor (the contract's yarn attention_factor).
+- Both latent norms (q_a_layernorm, kv_a_layernorm) are built without an eps: their class default, 1e-6, not
+  rms_norm_eps.
+- Biases: q_a_proj, kv_a_proj_with_mqa and o_proj carry one when attention_bias; q_proj, q_b_proj and
+  kv_b_proj never. kv_b_proj expands the latent to num_attention_heads heads (num_key_value_heads is unused).
+
+deepseek: DeepSeek-V3's inference/convert.py renames transformers' keys (model. dropped, self_attn -> attn,
+q_a_proj -> wq_a, q_a_layernorm -> q_norm, q_b_proj -> wq_b, q_proj -> wq, kv_a_proj_with_mqa -> wkv_a,
+kv_a_layernorm -> kv_norm, kv_b_proj -> wkv_b, o_proj -> wo); its inference/model.py (MLA) holds no biases,
+norms of eps 1e-6, and rotates interleaved pairs (torch.view_as_complex). Its config is ModelArgs' JSON
+(inference/configs/config_*.json: dim, n_heads, q_lora_rank (0: none), kv_lora_rank, qk_nope_head_dim,
+qk_rope_head_dim, v_head_dim, rope_theta, and YaRN when max_seq_len > original_seq_len: rope_factor, beta_fast,
+beta_slow, mscale; softmax scale times (0.1 mscale ln rope_factor + 1)^2); a transformers config.json of the
+same model reads as hf-deepseek's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..config import AttentionConfig
+from ..format import WeightsFormatError, validate_tensors
+from .hf_rope import _hf_rope
+from .locate import _locate
+from .read import _array_problem
+from .table import (
+    FROM_HINTS,
+    HEADS,
+    LINEAR,
+    TO_HINTS,
+    Catalogue,
+    Layout,
+    R,
+    Table,
+    Tie,
+    _check_hints,
+    _check_int,
+    _load_hf_config,
+    _names_hint,
+)
+from .write import _behaviour_differences
+
+OWN_CONVERTER = True  # registry.py: this module converts its layouts (to_canonical, from_canonical, ...)
+HF_DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
+LATENT_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default eps, which q_a_layernorm and kv_a_layernorm keep
+
+# -- config files ----------------------------------------------------------------------------
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_params(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    params = cfg.get("rope_parameters")
+    return params if isinstance(params, Mapping) else (cfg.get("rope_scaling") or {})
+
+
+def _mla_scale(params: Mapping[str, Any], head_dim: int) -> float | None:
+    """transformers' yarn_apply_mscale: None (the contract's default 1/sqrt(head_dim)) unless it changes it."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    m_all = params.get("mscale_all_dim") or 0
+    if kind == "default" or not m_all:
+        return None
+    if params.get("factor") is None:
+        raise ValueError(f"hf_config: rope scaling with mscale_all_dim needs factor: got {dict(params)!r}")
+    m = _yarn_mscale(float(params["factor"]), float(m_all))
+    return head_dim ** -0.5 * m * m
+
+
+def _latent_eps(cfg: Mapping[str, Any]) -> float:
+    return LATENT_EPS
+
+
+def _interleaved(model_type: str, cfg: Mapping[str, Any]) -> bool:
+    if model_type == "deepseek_v2":
+        return True  # complex multiplication of consecutive pairs
+    return bool(cfg.get("rope_interleave", True))  # DeepseekV3Config's default
+
+
+def _text_config(cfg: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    model_type = cfg.get("model_type")
+    if model_type == "kimi_k25":
+        text = cfg.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ValueError("hf_config: a kimi_k25 config.json needs text_config (its DeepSeek V3 language model)")
+        cfg, model_type = text, text.get("model_type", "deepseek_v3")
+    if model_type not in HF_DEEPSEEK_TYPES[:3]:
+        raise ValueError(f"hf_config: model_type must be one of {', '.join(HF_DEEPSEEK_TYPES)} for hf-deepseek: "
+                         f"got {model_type!r}")
+    return ("deepseek_v3" if model_type == "kimi_k2" else model_type), cfg
+
+
+def _need(cfg: Mapping[str, Any], keys, where: str) -> None:
+    missing = [key for key in keys if cfg.get(key) is None]
+    if missing:
+        raise ValueError(f"hf_config: {where} needs {', '.join(missing)}: got none")
+
+
+def _hf_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """config.json of a DeepSeek V2 / V3 / Kimi K2 model -> the block's AttentionConfig fields (every layer alike)."""
+    model_type, cfg = _text_config(cfg)
+    _need(cfg, ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim"), model_type)
+    nope, rope_dim = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    head_dim = nope + rope_dim
+    bias = bool(cfg.get("attention_bias", False))
+    query_rank = cfg.get("q_lora_rank")
+    return {
+        "model_type": model_type,
+        "fields": {
+            "num_heads": int(cfg["num_attention_heads"]), "query_dim": int(cfg["hidden_size"]), "head_dim": head_dim,
+            "value_head_dim": int(cfg["v_head_dim"]), "use_query_bias": bias and query_rank is not None,
+            "use_key_bias": bias, "use_value_bias": False, "use_output_bias": bias,
+            "dropout": float(cfg.get("attention_dropout") or 0.0),
+            "scale": _mla_scale(_rope_params(cfg), head_dim),
+            "rope": _hf_rope(cfg, None, rope_dim, interleaved=_interleaved(model_type, cfg)),
+            "latent": {"query_rank": query_rank, "kv_rank": int(cfg["kv_lora_rank"]), "rope_dim": rope_dim,
+                       "eps": _latent_eps(cfg)},
+        },
+    }
+
+
+# DeepSeek-V3's inference/model.py ModelArgs defaults for the fields its config files may leave out
+_ARGS_DEFAULTS = {"q_lora_rank": 0, "rope_theta": 10000.0, "max_seq_len": 4096 * 4, "original_seq_len": 4096,
+                  "rope_factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0}
+
+
+def _deepseek_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """DeepSeek's ModelArgs JSON (or a transformers config.json of the same model) -> the block's fields."""
+    if "model_type" in cfg:
+        return _hf_config(cfg, layer)
+    _need(cfg, ("dim", "n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+          "DeepSeek's ModelArgs config")
+    args = {**_ARGS_DEFAULTS, **cfg}
+    rope_dim = int(args["qk_rope_head_dim"])
+    head_dim = int(args["qk_nope_head_dim"]) + rope_dim
+    scaling, scale = None, None
+    if args["max_seq_len"] > args["original_seq_len"]:  # MLA.__init__ and precompute_freqs_cis turn YaRN on
+        factor, mscale = float(args["rope_factor"]), float(args["mscale"])
+        scaling = {"type": "yarn", "factor": factor, "original_max_position_embeddings": int(args["original_seq_len"]),
+                   "beta_fast": float(args["beta_fast"]), "beta_slow": float(args["beta_slow"]),
+                   "attention_factor": 1.0}  # its cos and sin are not scaled
+        scale = head_dim ** -0.5 * _yarn_mscale(factor, mscale) ** 2
+    query_rank = int(args["q_lora_rank"]) or None
+    return {
+        "model_type": "deepseek",
+        "fields": {
+            "num_heads": int(args["n_heads"]), "query_dim": int(args["dim"]), "head_dim": head_dim,
+            "value_head_dim": int(args["v_head_dim"]), "use_query_bias": False, "use_key_bias": False,
+            "use_value_bias": False, "use_output_bias": False, "scale": scale,
+            "rope": {"theta": float(args["rope_theta"]), "rotary_dim": rope_dim, "interleaved": True,
+                     "scaling": scaling},
+            "latent": {"query_rank": query_rank, "kv_rank": int(args["kv_lora_rank"]), "rope_dim": rope_dim,
+                       "eps": LATENT_EPS},
+        },
+    }
+
+
+# -- the tables (for locate.py and describe; the conversion is below) ---------------------------
+
+# role -> key (without .weight / .bias) in each layout
+_KEYS = {
+    "hf-deepseek": {"q_down": "q_a_proj", "q_norm": "q_a_layernorm", "q_up": "q_b_proj", "q": "q_proj",
+                    "latent": "kv_a_proj_with_mqa", "latent_norm": "kv_a_layernorm", "kv_up": "kv_b_proj",
+                    "out": "o_proj"},
+    "deepseek": {"q_down": "wq_a", "q_norm": "q_norm", "q_up": "wq_b", "q": "wq", "latent": "wkv_a",
+                 "latent_norm": "kv_norm", "kv_up": "wkv_b", "out": "wo"},
+}
+_TIES = (Tie("value_dim", "key_dim", "keys and values both come from the key input's latent"),)
+
+
+def _tables(keys: Mapping[str, str], biases: bool) -> tuple[Table, ...]:
+    def rows(*entries):  # (key, canonical, is a bias)
+        return tuple(R(key, parts, HEADS if ".norm." in parts else LINEAR) for key, parts, bias in entries
+                     if biases or not bias)
+
+    tail = rows((f"{keys['latent']}.weight", "latent.kernel", False), (f"{keys['latent']}.bias", "latent.bias", True),
+                (f"{keys['latent_norm']}.weight", "latent.norm.scale", False),
+                (f"{keys['kv_up']}.weight", "key.kernel value.kernel", False),
+                (f"{keys['out']}.weight", "output.kernel", False), (f"{keys['out']}.bias", "output.bias", True))
+    note = f"{keys['kv_up']}'s rows, per head: H - R key features, then V value features"
+    return (
+        Table(rows((f"{keys['q_down']}.weight", "query.down.kernel", False),
+                   (f"{keys['q_down']}.bias", "query.down.bias", True),
+                   (f"{keys['q_norm']}.weight", "query.down.norm.scale", False),
+                   (f"{keys['q_up']}.weight", "query.kernel", False)) + tail, ties=_TIES,
+              note=f"query_rank set; {note}"),
+        Table(rows((f"{keys['q']}.weight", "query.kernel", False)) + tail, ties=_TIES,
+              note=f"query_rank null; {note}"),
+    )
+
+
+FAMILY = (
+    Layout(
+        "hf-deepseek", "transformers' DeepSeek V2 / V3 latent attention (deepseek_v2, deepseek_v3, Kimi K2's "
+        "kimi_k2, kimi_k25's text_config): [prefix]layers.{L}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj,"
+        "kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj}; config.json gives rope, scale, biases; causal",
+        sep=".", scope="layers.{layer}.self_attn.", select=True, hf=_hf_config, needs_hf_config=True,
+        tables=_tables(_KEYS["hf-deepseek"], biases=True),
+    ),
+    Layout(
+        "deepseek", "DeepSeek's own inference checkpoint (DeepSeek-V3 inference/convert.py names): "
+        "[prefix]layers.{L}.attn.{wq_a,q_norm,wq_b | wq,wkv_a,kv_norm,wkv_b,wo}.weight; its ModelArgs config.json "
+        "beside it; interleaved RoPE pairs; no biases; causal",
+        sep=".", scope="layers.{layer}.attn.", select=True, hf=_deepseek_config, needs_hf_config=True,
+        pairing="interleaved", tables=_tables(_KEYS["deepseek"], biases=False),
+    ),
+)
+
+# -- the rotary features' pairing ----------------------------------------------------------------
+
+
+def _repair_latent_pairing(config: AttentionConfig, tensors: Mapping[str, np.ndarray], interleaved: bool):
+    """(config, tensors) rotating in pairing `interleaved`, computing the same numbers: the last R features of
+    every query head and of the latent projection (the shared rotary key) permuted alike."""
+    if config.rope.interleaved == interleaved:
+        return config, dict(tensors)
+    R_ = config.latent.rope_dim
+    half = np.concatenate([np.arange(0, R_, 2), np.arange(1, R_, 2)])  # interleaved -> half-split
+    perm = np.argsort(half) if interleaved else half
+    out = dict(tensors)
+    for name in ("query.kernel", "query.bias", "latent.kernel", "latent.bias"):
+        if name in out:
+            array = np.array(out[name], copy=True)
+            array[..., -R_:] = array[..., -R_:][..., perm]
+            out[name] = np.ascontiguousarray(array)
+    return config.replace(rope=dataclasses.replace(config.rope, interleaved=interleaved)), out
+
+
+# -- canonical <-> state -----------------------------------------------------------------------
+
+
+def _state_of(config: AttentionConfig, tensors: Mapping[str, np.ndarray], keys: Mapping[str, str], base: str
+              ) -> dict[str, tuple[np.ndarray, tuple[str, ...]]]:
+    """Canonical tensors -> {foreign key: (array, the canonical tensors it holds)}."""
+    N, H, V = config.num_heads, config.head_dim, config.value_head_dim
+    R_ = config.latent.rope_dim
+    out: dict[str, tuple[np.ndarray, tuple[str, ...]]] = {}
+
+    def put(role, suffix, array, *names):
+        out[f"{base}{keys[role]}.{suffix}"] = (np.ascontiguousarray(array), names)
+
+    if config.latent.query_rank is not None:
+        put("q_down", "weight", tensors["query.down.kernel"].T, "query.down.kernel")
+        if "query.down.bias" in tensors:
+            put("q_down", "bias", tensors["query.down.bias"], "query.down.bias")
+        put("q_norm", "weight", tensors["query.down.norm.scale"], "query.down.norm.scale")
+        put("q_up", "weight", tensors["query.kernel"].reshape(-1, N * H).T, "query.kernel")  # (N*H, Qr)
+    else:
+        put("q", "weight", tensors["query.kernel"].reshape(-1, N * H).T, "query.kernel")  # (N*H, D)
+        if "query.bias" in tensors:
+            put("q", "bias", tensors["query.bias"].reshape(-1), "query.bias")
+    put("latent", "weight", tensors["latent.kernel"].T, "latent.kernel")  # (C + R, D)
+    if "latent.bias" in tensors:
+        put("latent", "bias", tensors["latent.bias"], "latent.bias")
+    put("latent_norm", "weight", tensors["latent.norm.scale"], "latent.norm.scale")
+    kv = np.concatenate([tensors["key.kernel"], tensors["value.kernel"]], axis=-1)  # (C, N, H - R + V)
+    put("kv_up", "weight", kv.reshape(kv.shape[0], N * (H - R_ + V)).T, "key.kernel", "value.kernel")
+    put("out", "weight", tensors["output.kernel"].reshape(N * V, -1).T, "output.kernel")  # (O, N*V)
+    if "output.bias" in tensors:
+        put("out", "bias", tensors["output.bias"], "output.bias")
+    return out
+
+
+def _gather(config: AttentionConfig, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """{role.suffix: foreign array} -> canonical tensors (the inverse of _state_of)."""
+    N, H, V = config.num_heads, config.head_dim, config.value_head_dim
+    R_ = config.latent.rope_dim
+    t: dict[str, np.ndarray] = {}
+    if config.latent.query_rank is not None:
+        t["query.down.kernel"] = arrays["q_down.weight"].T
+        if "q_down.bias" in arrays:
+            t["query.down.bias"] = arrays["q_down.bias"]
+        t["query.down.norm.scale"] = arrays["q_norm.weight"]
+        t["query.kernel"] = arrays["q_up.weight"].T.reshape(-1, N, H)  # (Qr, N, H)
+    else:
+        t["query.kernel"] = arrays["q.weight"].T.reshape(-1, N, H)  # (D, N, H)
+        if "q.bias" in arrays:
+            t["query.bias"] = arrays["q.bias"].reshape(N, H)
+    t["latent.kernel"] = arrays["latent.weight"].T  # (D, C + R)
+    if "latent.bias" in arrays:
+        t["latent.bias"] = arrays["latent.bias"]
+    t["latent.norm.scale"] = arrays["latent_norm.weight"]
+    kv = arrays["kv_up.weight"].T.reshape(-1, N, H - R_ + V)  # (C, N, H - R + V)
+    t["key.kernel"], t["value.kernel"] = kv[..., :H - R_], kv[..., H - R_:]
+    t["output.kernel"] = arrays["out.weight"].T.reshape(N, V, -1)  # (N, V, O)
+    if "out.bias" in arrays:
+        t["output.bias"] = arrays["out.bias"]
+    shapes = config.tensor_shapes()
+    return {name: np.array(t[name], order="C", copy=True) for name in shapes if name in t}
+
+
+def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
+                 **hints: Any) -> tuple[AttentionConfig, dict[str, np.ndarray]]:
+    """weights.layouts.to_canonical for hf-deepseek and deepseek: the sizes come from the config file, every
+    missing, unexpected, mis-shaped or mis-typed key of the block is listed in one WeightsFormatError."""
+    lay = catalogue.get(layout)
+    _check_hints("to_canonical", lay, hints, TO_HINTS)
+    hints = {k: v for k, v in hints.items() if v is not None}
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state must be a mapping of names to numpy arrays: got {type(state).__name__}")
+    _names_hint(catalogue, lay, hints.get("names"))  # fixed names: a names hint is refused there
+    cfg = _load_hf_config(hints.get("hf_config"))
+    if cfg is None:
+        raise ValueError(f"hf_config: {lay.id} reads the sizes, RoPE and scale from the checkpoint's config file "
+                         "(a dict or the path of config.json; CLI: beside SRC): got None")
+    ignore = hints.get("ignore") or ()
+    ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+    visible = {k: v for k, v in state.items()
+               if isinstance(k, str) and not any(fnmatch.fnmatchcase(k, p) for p in ignore)}
+    place = _locate(lay, visible, None, hints.get("prefix"), hints.get("layer"))
+    facts = lay.hf(cfg, place.layer)
+    fields = dict(facts["fields"])
+    heads = hints.get("num_heads")
+    if heads is not None and heads != fields["num_heads"]:
+        raise ValueError(f"num_heads={heads} disagrees with the checkpoint's config file ({fields['num_heads']})")
+    fields.update({k: hints[k] for k in ("scale", "dropout", "masked_row") if k in hints})
+    try:
+        config = AttentionConfig(**fields)
+    except ValueError as err:
+        raise ValueError(f"hf_config: {err}") from None
+    base = place.base(lay)
+    keys = _KEYS[lay.id]
+    expected = {key: tuple(int(d) for d in array.shape)
+                for key, (array, _) in _state_of(config, _zeros(config), keys, base).items()}
+    problems = []
+    missing = [key for key in expected if key not in visible]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    unexpected = sorted(k for k in visible if k.startswith(base) and k not in expected)
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected)} (config file: q_lora_rank="
+                        f"{config.latent.query_rank}, biases {config.use_key_bias})")
+    dtypes: dict[str, list[str]] = {}
+    for key, shape in expected.items():
+        if key not in visible:
+            continue
+        issue = _array_problem(key, visible[key])
+        if issue is None and tuple(visible[key].shape) != shape:
+            issue = f"{key} has shape {tuple(visible[key].shape)}, expected {shape}"
+        if issue:
+            problems.append(issue)
+        else:
+            dtypes.setdefault(str(visible[key].dtype), []).append(key)
+    if len(dtypes) > 1:
+        problems.append("mixed dtypes (one dtype for all tensors): "
+                        + "; ".join(f"{d}: {', '.join(k)}" for d, k in dtypes.items()))
+    if problems:
+        raise WeightsFormatError(f"{lay.id}: " + "; ".join(problems))
+    role_of = {f"{base}{key}.{suffix}": f"{role}.{suffix}" for role, key in keys.items() for suffix in ("weight", "bias")}
+    tensors = _gather(config, {role_of[key]: visible[key] for key in expected})
+    validate_tensors(config, tensors, source=lay.id)  # internal invariant: every tensor read
+    return config, tensors
+
+
+def cannot_express(catalogue: Catalogue, layout: str, config: AttentionConfig, /, *, table=None) -> list[str]:
+    """Why the layout cannot hold config's tensors, one line per field (behaviour fields never refuse)."""
+    lay = catalogue.get(layout)
+    if config.latent is None:
+        return [f"latent=None ({lay.id} holds latent attention (MLA) only)"]
+    problems = []
+    for field, equals, why in (("num_kv_heads", "num_heads", "kv_b_proj expands the latent to every query head"),
+                               ("key_dim", "query_dim", "the latent is projected from the hidden states"),
+                               ("out_dim", "query_dim", "the output projection maps back to hidden_size")):
+        if getattr(config, field) != getattr(config, equals):
+            problems.append(f"{field}={getattr(config, field)} (needs {field} == {equals}={getattr(config, equals)}: "
+                            f"{why})")
+    flags = {"use_query_bias": config.use_query_bias, "use_key_bias": config.use_key_bias,
+             "use_output_bias": config.use_output_bias}
+    if lay.id == "deepseek":
+        problems += [f"{flag}=True (DeepSeek's MLA has no biases)" for flag, on in flags.items() if on]
+    else:
+        if config.latent.query_rank is None:  # q_proj has no bias; attention_bias reaches q_a_proj only
+            if flags.pop("use_query_bias"):
+                problems.append("use_query_bias=True (q_proj has no bias in transformers' DeepSeek attention)")
+        if len(set(flags.values())) > 1:
+            shown = ", ".join(f"{flag}={on}" for flag, on in flags.items())
+            problems.append(f"{shown} (one attention_bias flag sets them all)")
+    for field, on in (("use_sinks", config.use_sinks), ("alibi", config.alibi),
+                      ("output_gate", config.output_gate is not None)):
+        if on:
+            problems.append(f"{field}={getattr(config, field)!r} ({lay.id} holds no such tensor)")
+    return problems
+
+
+def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, tensors: Mapping[str, np.ndarray], /,
+                   **hints: Any) -> dict[str, np.ndarray]:
+    """weights.layouts.from_canonical for hf-deepseek and deepseek. The rotary rows are written in the
+    destination's pairing: deepseek's interleaved; hf-deepseek's from hf_config when given (V2: interleaved;
+    V3: rope_interleave), else config's own. With hf_config the block is read back under it and must mean
+    what config says."""
+    lay = catalogue.get(layout)
+    _check_hints("from_canonical", lay, hints, FROM_HINTS)
+    hints = {k: v for k, v in hints.items() if v is not None}
+    if not isinstance(config, AttentionConfig):
+        raise ValueError(f"config must be an AttentionConfig: got {type(config).__name__}")
+    _names_hint(catalogue, lay, hints.get("names"))
+    problems = cannot_express(catalogue, lay.id, config)
+    if problems:
+        raise ValueError(f"{lay.id} cannot express " + "; ".join(problems))
+    validate_tensors(config, tensors, source="canonical tensors")
+    prefix = hints.get("prefix") or ""
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix must be a string: got {prefix!r}")
+    layer = _check_int("layer", hints.get("layer", 0))
+    cfg = _load_hf_config(hints.get("hf_config"))
+    if lay.pairing:
+        target = lay.pairing == "interleaved"
+    elif cfg is not None:
+        target = lay.hf(cfg, layer)["fields"]["rope"]["interleaved"]
+    else:
+        target = config.rope.interleaved
+    config, tensors = _repair_latent_pairing(config, tensors, target)
+    base = prefix + lay.scope.format(layer=layer)
+    state = {key: array for key, (array, _) in _state_of(config, tensors, _KEYS[lay.id], base).items()}
+    if cfg is not None:
+        read, _ = to_canonical(catalogue, lay.id, state, hf_config=cfg, layer=layer, prefix=prefix)
+        differ = _behaviour_differences(config, read)
+        if differ:
+            raise ValueError(f"hf_config disagrees with config for {lay.id} block {layer}: " + "; ".join(differ))
+    return state
+
+
+def mapping(catalogue: Catalogue, layout: str, config: AttentionConfig, /, **hints: Any) -> dict[str, tuple[str, ...]]:
+    """Which canonical tensors each key of from_canonical's state holds."""
+    lay = catalogue.get(layout)
+    state = from_canonical(catalogue, layout, config, _zeros(config), **hints)
+    hints = {k: v for k, v in hints.items() if v is not None}
+    base = (hints.get("prefix") or "") + lay.scope.format(layer=hints.get("layer", 0))
+    held = _state_of(config, _zeros(config), _KEYS[lay.id], base)
+    return {key: held[key][1] for key in state}
+
+
+def _zeros(config: AttentionConfig) -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape, np.float32) for name, shape in config.tensor_shapes().items()}

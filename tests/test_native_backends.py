@@ -71,14 +71,17 @@ SUPPORTED: dict[str, set[str]] = {
     # everything but an explicit dropout mask; uniform for a fully masked row
     # and windows (local_window_size, top-left: a bottom_right window over S > T keys is refused)
     "jax-dpa": PLAIN - {"causal_bottom_right_long_query", "masked_rows_zero", "masked_rows_nan", "dropout_train"}
-    | {"window_left_causal", "window_right"},
+    | {"window_left_causal", "window_right", "alibi_causal"},  # ALiBi through its bias argument
     # everything plain (the Attention node, or plain ops where it cannot express a case); softcap, cache,
     # RotaryEmbedding, RMS/LayerNormalization, segments in attn_mask; onnxruntime 1.30 refuses the window
     # attributes (opset 25); no sinks input
     "onnxruntime": PLAIN | {"rope_half", "rope_interleaved", "rope_partial", "rope_llama3", "rope_yarn",
                             "rope_linear_per_batch", "decode_cache", "return_cache_no_past", "softcap",
                             "softcap_masked_rows", "qk_norm_rms_head", "qk_norm_layer_all", "segments_packed",
-                            "segments_packed_cache"},
+                            "segments_packed_cache",
+                            # ALiBi in the float attn_mask, local chunks in the bool one, LongRoPE's tables
+                            "alibi_causal", "alibi_chunk_decode", "local_chunk_per_batch", "rope_longrope_short",
+                            "rope_longrope_long"},
 }
 assert all(names <= set(CASES) for names in SUPPORTED.values())
 
@@ -96,7 +99,8 @@ def _supported(backend_id: str, dtype: str) -> set[str]:
 # program per case; torch-flex runs flex_attention eagerly (about 1 s a case on the 2-core VM).
 FAST: dict[str, set[str]] = {
     "torch-flex": {"self_basic", "bias_neg_inf", "gqa", "decode_cache", "window_both_bottom_right", "softcap",
-                   "qk_norm_layer_all", "sinks_masked_rows", "segments_packed", "modern_everything"},
+                   "qk_norm_layer_all", "sinks_masked_rows", "segments_packed", "modern_everything",
+                   "local_chunk_per_batch", "frontier_everything"},
     "flax-linen-mha": {"mask_bnts", "causal_bottom_right", "masked_rows_uniform"},
     "flax-nnx-mha": {"gqa", "causal_top_left", "masked_rows_uniform"},
     "jax-dpa": {"value_head_dim", "bias_neg_inf", "mask_and_bias_causal", "masked_rows_uniform", "window_right"},
@@ -383,3 +387,72 @@ def test_flax_nnx_normalize_qk_expresses_layer_norm_per_head_only():
         adapter.forward(rms, weights.init(rms, seed=3, dtype="float32"), inputs, {"dtype": "float32"})
     with pytest.raises(NotImplementedError, match="no gradient"):
         adapter.vjp(config, tensors, inputs, {"dtype": "float32"}, np.ones((2, 5, 8)))
+
+
+# -- the frontier fields (docs/spec-frontier.md) -----------------------------------------
+
+FRONTIER_REFUSALS = {
+    ("jax-dpa", "local_chunk_per_batch"): "local_window_size is a sliding window",
+    ("jax-dpa", "output_gate_head"): "no gate argument",
+    ("onnxruntime", "qkv_clip"): "ONNX Attention (opset 23-25) has no argument for it",
+    ("onnxruntime", "norm_after_rope_chunked"): "normalises q and k before RotaryEmbedding",
+    ("onnxruntime", "latent_mla"): "latent attention's up-projections come before the node",
+}
+
+
+@pytest.mark.parametrize("backend_id", [_param(b) for b in ("jax-dpa", "onnxruntime")])
+def test_frontier_refusals_say_why(backend_id):
+    """A frontier field the API has no argument for is refused with that field's own reason."""
+    adapter = _adapter(backend_id)
+    bad = []
+    for (b, name), words in FRONTIER_REFUSALS.items():
+        if b == backend_id:
+            result = run_case(CASES[name], backend_id, dtype="float32", adapter=adapter)
+            if result.status != STATUS_UNSUPPORTED or words not in result.message:
+                bad.append(f"{name}: expected unsupported with {words!r}:\n{_describe(result)}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.jax
+def test_jax_dpa_alibi_reads_the_call_positions():
+    """jax-dpa's ALiBi reads the call's positions: a row whose positions restart (distance != index distance),
+    output and every gradient (alibi.slopes' included) against the float64 reference under the suite's policy;
+    the grid's ALiBi case has the default positions, where reading them or not gives the same numbers."""
+    adapter = _adapter("jax-dpa")
+    from conformance.suite.tolerance import assert_close
+    from impl_numpy import multi_head_attention_vjp
+
+    config = weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, alibi=True)
+    tensors = weights.init(config, seed=5, dtype="float32")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    d_out = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    positions = np.array([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]])  # row 0 restarts, row 1 starts at 3
+    got = adapter.vjp(config, tensors, {"query": x, "key": x, "value": x, "positions": positions,
+                                        "key_positions": positions}, {"dtype": "float32", "is_causal": True}, d_out)
+    x64 = x.astype(np.float64)
+    expected_out, expected, magnitudes = multi_head_attention_vjp(
+        config, {n: t.astype(np.float64) for n, t in tensors.items()}, x64, x64, x64,
+        d_output=d_out.astype(np.float64), is_causal=True, positions=positions, key_positions=positions,
+        gradient_magnitudes=True)
+    common = dict(config=config, dtype="float32", B=2, T=5, S=5)
+    assert_close("output", got["output"], expected_out, quantity="output", **common)
+    for name in ("alibi.slopes", "query", "query.kernel"):
+        assert_close(f"grad {name}", got["grads"][name], expected[name], quantity="grad",
+                     scale_floor=float(np.abs(magnitudes[name]).max()), **common)
+
+
+@pytest.mark.parametrize("backend_id", [_param(b) for b in ("torch-flex", "onnxruntime")])
+def test_alibi_after_the_softcap_over_a_cache(backend_id):
+    """ALiBi comes after the softcap and counts the cache's keys at 0..P-1 while the new tokens sit far on: a
+    softcap of 2 saturated by large logits (ALiBi before it would vanish) and distances that are not the index
+    distances (the grid's frontier_everything hides the cache behind its chunks). Judged by the suite."""
+    adapter = _adapter(backend_id)
+    from conformance.suite.cases import Case
+
+    case = Case("alibi_softcap_cache", weights.AttentionConfig(num_heads=2, query_dim=8, head_dim=4, alibi=True,
+                                                               logit_softcap=2.0),
+                T=2, S=2, P=4, positions="far", input_scale=4.0, is_causal=True, causal_alignment="bottom_right",
+                self_attention=False)
+    result = run_case(case, backend_id, dtype="float32", adapter=adapter)
+    assert result.status == STATUS_PASS, _describe(result)

@@ -241,6 +241,13 @@ REFUSALS = {
     ("torchtune", "segments_packed"): "BlockMask reaches flex_attention only on CUDA",
     ("torchtune", "custom_scale"): "always scales by 1/sqrt(head_dim)",
     ("torchtune", "bias"): "no additive attention bias",
+    # the frontier fields (spec-frontier.md): what each library has of them, read from its source
+    ("keras-hub", "alibi_causal"): "AlibiBias adds its own slopes",
+    ("keras-hub", "rope_longrope_short"): "model-internal, not in keras_hub.layers",
+    ("keras-hub", "latent_mla"): "no latent attention layer",
+    ("torchtune", "alibi_causal"): "torchtune 0.6.1 has no ALiBi",
+    ("torchtune", "local_chunk_per_batch"): "no chunked attention (no Llama 4",
+    ("torchtune", "output_gate_head"): "MultiHeadAttention has no gate argument",
 }
 
 

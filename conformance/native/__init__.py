@@ -40,7 +40,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from impl_numpy.masks import causal_mask, segment_mask, window_mask
+from impl_numpy.functional import all_key_positions, default_positions
+from impl_numpy.masks import causal_mask, chunk_mask, segment_mask, window_mask
 from weights import AttentionConfig, dtype_from_name, layouts, validate_tensors
 from weights.contract import CallShapes, check_call, check_input_values
 
@@ -141,11 +142,25 @@ def bias4(shapes: CallShapes, inputs: Mapping) -> np.ndarray | None:
     return None if b is None else np.asarray(b).reshape(shapes.bias_shape)
 
 
+def call_positions(shapes: CallShapes, inputs: Mapping) -> tuple[np.ndarray, np.ndarray]:
+    """The positions ALiBi, local chunks and RoPE read (spec-frontier.md): the queries' (B|1, T) and every
+    key's (B|1, S_total), the cache's keys at 0..P-1, int64."""
+    return (default_positions(inputs.get("positions"), shapes.P, shapes.T),
+            all_key_positions(default_positions(inputs.get("key_positions"), shapes.P, shapes.S), shapes.P))
+
+
+def alibi_distance(shapes: CallShapes, inputs: Mapping) -> np.ndarray:
+    """|pos_q(i) - pos_k(j)|, (B|1, T, S_total) int64: ALiBi's bias is -slope_n times it."""
+    q, k = call_positions(shapes, inputs)
+    return np.abs(q[:, :, None] - k[:, None, :])  # (B|1, T, S_total)
+
+
 def allowed4(shapes: CallShapes, inputs: Mapping, options: Mapping, *, causal: bool | None = None,
              config: AttentionConfig | None = None) -> np.ndarray | None:
     """mask AND (if `causal`, default the call's is_causal) the causal mask,
     rank 4 over every key (S_total, the cache's included); with `config`,
-    its window and the call's segment ids too (what the reference ANDs)."""
+    its window, its local chunks and the call's segment ids too (what the
+    reference ANDs)."""
     T, S, alignment = shapes.T, shapes.S_total, options.get("causal_alignment", "top_left")
     allowed = mask4(shapes, inputs)
 
@@ -156,6 +171,8 @@ def allowed4(shapes: CallShapes, inputs: Mapping, options: Mapping, *, causal: b
         allowed = both(causal_mask(T, S, alignment)[None, None])  # (1, 1, T, S)
     if config is not None and (config.window_left >= 0 or config.window_right >= 0):
         allowed = both(window_mask(T, S, config.window_left, config.window_right, alignment)[None, None])
+    if config is not None and config.local_chunk is not None:
+        allowed = both(chunk_mask(*call_positions(shapes, inputs), config.local_chunk))  # (B|1, 1, T, S)
     if config is not None and inputs.get("segment_ids") is not None:
         key_ids = inputs.get("key_segment_ids")
         allowed = both(segment_mask(inputs["segment_ids"], inputs["segment_ids"] if key_ids is None else key_ids))
@@ -421,6 +438,12 @@ def refuse_modern(name: str, config: AttentionConfig, inputs, options, expresses
         reasons = why if isinstance(why, str) else "; ".join(dict.fromkeys(why[f] for f in used if f in why))
         raise NotImplementedError(f"{name}: this wrapper of the native API does not express {', '.join(used)}"
                                   + (f" ({reasons})" if reasons else ""))
+
+
+def why_each(config: AttentionConfig, inputs, options, default: str, specific: Mapping[str, str]) -> dict[str, str]:
+    """refuse_modern's `why` as a dict: each modern feature the call uses -> its own reason where `specific`
+    has one, else `default` (the API's general reason)."""
+    return {f: specific.get(f, default) for f in modern_features(config, inputs, options)}
 
 
 def prepare_call(name: str, config: AttentionConfig, tensors, inputs, options, device: str, precision: str,

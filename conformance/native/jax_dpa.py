@@ -10,9 +10,17 @@ call on (B, T, N, H) / (B, S, K, H) arrays:
 - windows: local_window_size=(window_left, window_right) (jax's window is
   top-left: query i sees keys i - left .. i + right), so top_left alignment,
   or bottom_right with T == S; a bottom_right window over a longer key
-  sequence has no argument and is refused. The other modern features (RoPE,
-  QK-norm, cache, softcap, sinks, segment ids) have no argument either:
-  refused (torch-flex builds them around its kernel);
+  sequence has no argument and is refused;
+- ALiBi: the `bias` argument, which jax adds to the scaled logits before the
+  mask, where the contract puts ALiBi (jax has no softcap to come first):
+  -slope_n * |pos_q(i) - pos_k(j)| from the tensor alibi.slopes (so its
+  gradient flows) and the call's positions (`positions` / `key_positions`
+  taken for it), plus the case's bias;
+- the other modern and frontier features have no argument: refused with the
+  reason (torch-flex builds them around its kernel). Local chunks in
+  particular: local_window_size is a sliding window (i - left .. i + right),
+  not absolute chunks; only the general mask could carry them, as it could
+  segment ids, and this wrapper passes neither through it;
 - mask (B|1, N|1, T, S) bool, True = attend (our polarity); bias added;
   causal top-left is is_causal=True (top-left), bottom-right is folded into
   the mask;
@@ -40,6 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import (
+    alibi_distance,
     allowed4,
     bias4,
     check_dropout,
@@ -53,6 +62,7 @@ from . import (
     prepare_call,
     qkv,
     require,
+    why_each,
 )
 
 require("jax")
@@ -77,8 +87,15 @@ def devices() -> list[str]:
     return jax_devices()
 
 
-WINDOW_WHY = ("jax.nn.dot_product_attention takes local_window_size and nothing else of the modern contract; this "
-              "wrapper builds only the projections around it")
+WINDOW_WHY = ("jax.nn.dot_product_attention takes local_window_size and bias (ALiBi's) and nothing else of the "
+              "modern contract; this wrapper builds only the projections around it")
+WHY = {
+    "local_chunk": "jax.nn.dot_product_attention has no chunk argument: local_window_size is a sliding window "
+                   "(query i sees i - left .. i + right), not absolute chunks of C positions",
+    "query_temperature": "jax.nn.dot_product_attention takes one scale for every query, not one per position",
+    "output_gate": "jax.nn.dot_product_attention returns the context with no gate argument",
+}
+ALIBI_INPUTS = ("alibi", "positions", "key_positions")  # the positions only feed ALiBi here (RoPE is refused)
 
 
 def window_size(config, shapes, options) -> tuple[int, int] | None:
@@ -99,8 +116,9 @@ def window_size(config, shapes, options) -> tuple[int, int] | None:
 
 
 def _prepare(config, tensors, inputs, options, device, precision):
+    expresses = ("window_left", "window_right") + (ALIBI_INPUTS if config.alibi else ())
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                                  expresses=("window_left", "window_right"), why=WINDOW_WHY)
+                                                  expresses=expresses, why=why_each(config, inputs, options, WINDOW_WHY, WHY))
     window = window_size(config, shapes, options)
     check_dropout(NAME, config, inputs, options)
     check_masked_rows(NAME, config, shapes, inputs, options, "uniform",
@@ -110,7 +128,8 @@ def _prepare(config, tensors, inputs, options, device, precision):
     bias = bias4(shapes, inputs)
     if bias is not None and dtype in ("float16", "bfloat16"):
         bias = bias.astype(np.float32)  # the logits' dtype; the values are the case's
-    return dtype, tensors, inputs, {"mask": mask, "bias": bias}, top_left, window
+    distance = alibi_distance(shapes, inputs)[:, None] if config.alibi else None  # (B|1, 1, T, S) int64
+    return dtype, tensors, inputs, {"mask": mask, "bias": bias, "distance": distance}, top_left, window
 
 
 def _compute_dtype(dtype):
@@ -138,11 +157,16 @@ def pad_heads(x, width):
     return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def _attention(p, query, key, value, mask, bias, *, config, is_causal, want_weights, window=None):
-    """Our projections around the kernel: output (B, T, O) and weights (B, N, T, S) or None."""
+def _attention(p, query, key, value, mask, bias, distance=None, *, config, is_causal, want_weights, window=None):
+    """Our projections around the kernel: output (B, T, O) and weights (B, N, T, S) or None.
+    distance: ALiBi's |pos_q - pos_k| (B|1, 1, T, S), joined to `bias` as -slope_n times it."""
     import jax
     import jax.numpy as jnp
 
+    if distance is not None:
+        ct = _compute_dtype(query.dtype)
+        alibi = -p["alibi.slopes"].astype(ct).reshape(1, -1, 1, 1) * distance.astype(ct)  # (B|1, N, T, S)
+        bias = alibi if bias is None else alibi + bias.astype(ct)  # the contract's order: ALiBi, then bias
     q = _project(query, p["query.kernel"], p.get("query.bias"))  # (B, T, N, H)
     k = _project(key, p["key.kernel"], p.get("key.bias"))  # (B, S, K, H)
     v = _project(value, p["value.kernel"], p.get("value.bias"))  # (B, S, K, V)
@@ -174,19 +198,19 @@ def _masks(masks):
 
 
 @jax_jit(static_argnames=("config", "is_causal", "want_weights", "window"))
-def _everything(p, query, key, value, mask, bias, d_out, *, config, is_causal, want_weights, window):
+def _everything(p, query, key, value, mask, bias, distance, d_out, *, config, is_causal, want_weights, window):
     """(output, weights or None, gradients for d_out): one compiled program for
     the case, shared by forward (d_out zero) and vjp (see jax_jit)."""
     import jax
 
     def f(p, q, k, v):
-        return _attention(p, q, k, v, mask, bias, config=config, is_causal=is_causal, want_weights=False,
+        return _attention(p, q, k, v, mask, bias, distance, config=config, is_causal=is_causal, want_weights=False,
                           window=window)[0]
 
     out, pullback = jax.vjp(f, p, query, key, value)
     weights = None
     if want_weights:
-        weights = _attention(p, query, key, value, mask, bias, config=config, is_causal=is_causal,
+        weights = _attention(p, query, key, value, mask, bias, distance, config=config, is_causal=is_causal,
                              want_weights=True, window=window)[1]
     return out, weights, pullback(d_out.astype(out.dtype))
 

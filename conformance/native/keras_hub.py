@@ -71,6 +71,7 @@ from . import (
     prepare_call,
     qkv,
     require,
+    why_each,
 )
 
 require("keras", "tensorflow", "keras_hub")
@@ -84,6 +85,25 @@ EXPRESSES = ("rope", "positions", "key_positions", "past_key", "past_value", "re
 WHY = ("CachedMultiHeadAttention takes attention_mask, cache and cache_update_index, and RotaryEmbedding turns q and "
        "k: no window (sliding_window is applied only by MultiHeadAttention.call), softcap, QK-norm, sinks or "
        "segment-id argument")
+# The frontier fields: read from keras-hub 0.32's source. Its public layers (keras_hub.layers) include AlibiBias
+# and RMSNormalization; the rest lives inside models' own attention layers, which this wrapper does not use.
+FRONTIER_WHY = {
+    "alibi": "keras_hub.layers.AlibiBias adds its own slopes (from alibi_bias_max, not a weight tensor) times "
+             "j - (S - 1), not |pos_q - pos_k|, to scores it is handed, and CachedMultiHeadAttention has no bias "
+             "argument to take it",
+    "local_chunk": "CachedMultiHeadAttention has no chunk argument (keras-hub 0.32 has no Llama 4)",
+    "query_temperature": "CachedMultiHeadAttention scales every query alike (no temperature argument)",
+    "qkv_clip": "CachedMultiHeadAttention has no clip argument",
+    "output_gate": "CachedMultiHeadAttention has no gate argument (Qwen3.5's gate is inside keras-hub's own "
+                   "Qwen3.5 attention layer, not in keras_hub.layers)",
+    "value_norm": "CachedMultiHeadAttention has no value-norm argument (Gemma 4's v_norm is inside its own "
+                  "attention layer)",
+    "latent": "keras-hub 0.32 has no latent attention layer",
+    "rope.scaling longrope": "keras_hub.layers.RotaryEmbedding takes rope_type linear, dynamic or yarn (Phi-3's "
+                             "SU-scaled rotary class is model-internal, not in keras_hub.layers)",
+    "rope.scaling proportional": "keras_hub.layers.RotaryEmbedding has no partial-frequency rule (Gemma 4's is "
+                                 "inside its own attention layer)",
+}
 
 
 def _keras():
@@ -156,7 +176,8 @@ def _rope_arguments(config) -> dict:
 
 def _prepare(config, tensors, inputs, options, device, precision):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                                  expresses=EXPRESSES, why=WHY)
+                                                  expresses=EXPRESSES,
+                                                  why=why_each(config, inputs, options, WHY, FRONTIER_WHY))
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)

@@ -47,12 +47,26 @@ The modern contract, at the highest opset onnxruntime 1.30 runs:
   (RotaryEmbedding) ... is invalid"), reported unsupported in its words;
 - QK-norm: RMSNormalization / LayerNormalization (opset 23) over the last
   axis (scope "head") or the last two (scope "all") of (B, L, heads, H);
-- segment ids: folded into attn_mask (the node has no segment argument);
+- segment ids and local chunks (pos_q // C == pos_k // C): folded into the
+  bool attn_mask (the node has no segment or chunk argument);
+- ALiBi: -slope_n * |pos_q - pos_k| (from alibi.slopes and the call's
+  positions, the cache's keys at 0..P-1) joins the case's bias in the float
+  attn_mask, which the node adds after its softcap, where the contract puts
+  ALiBi;
+- LongRoPE and proportional RoPE: RotaryEmbedding's cos_cache / sin_cache
+  inputs are the tables of the rule (LongRoPE's short or long table picked by
+  the call's largest position, as weights.rope.rope_tables does);
 - windows: the node's left_window_size / right_window_size (opset 25), never
   emulated by the mask: onnxruntime 1.30 refuses them ("Unrecognized
   attribute: left_window_size for operator Attention"), reported unsupported
   in its words, and would run them once it knows them;
 - sinks: no input for them up to opset 25: refused.
+
+Refused, each with its reason (FRONTIER_WHY): the QKV clip, the query
+temperature, the output gate, the value norm, the later QK-norm forms
+(weightless, per head, after RoPE) and latent attention: the Attention node
+and the ops this graph uses for the modern contract (RotaryEmbedding,
+RMSNormalization, LayerNormalization) have no argument for them.
 
 `graph_form(...)` says which form a call uses. Forward only: vjp raises
 NotImplementedError (onnxruntime's inference sessions compute no gradients).
@@ -69,6 +83,7 @@ import numpy as np
 from impl_numpy.functional import default_positions
 
 from . import (
+    alibi_distance,
     allowed4,
     bias4,
     call_shapes,
@@ -85,8 +100,23 @@ NAME = "onnxruntime"
 OPSET = 23
 WINDOW_OPSET = 25  # the first opset whose Attention has left_window_size / right_window_size
 EXPRESSES = ("rope", "logit_softcap", "window_left", "window_right", "qk_norm", "positions", "key_positions",
-             "past_key", "past_value", "segment_ids", "key_segment_ids", "return_cache")
+             "past_key", "past_value", "segment_ids", "key_segment_ids", "return_cache", "alibi", "local_chunk",
+             "rope.scaling longrope", "rope.scaling proportional")
 SINKS_WHY = "ONNX Attention has no sinks input up to opset 25"
+_NO_ARGUMENT = "ONNX Attention (opset 23-25) has no argument for it"
+FRONTIER_WHY = {
+    "use_sinks": SINKS_WHY,
+    "qkv_clip": f"{_NO_ARGUMENT}: the clamp of q, k, v comes before the node",
+    "query_temperature": f"{_NO_ARGUMENT}: its scale attribute is one number for every query",
+    "output_gate": f"{_NO_ARGUMENT}: the node returns the context ungated",
+    "value_norm": f"{_NO_ARGUMENT}: the node takes v as given",
+    "latent": f"{_NO_ARGUMENT}: latent attention's up-projections come before the node",
+    "qk_norm.weight": "RMSNormalization / LayerNormalization always take a scale input (this graph passes the "
+                      "case's scale tensors, which a weightless norm has none of)",
+    "qk_norm.per_head": "RMSNormalization / LayerNormalization take one scale over the normalised axes, not one "
+                        "per head",
+    "qk_norm.after_rope": "this graph normalises q and k before RotaryEmbedding (the QK-norm of the modern contract)",
+}
 IR_VERSION = 11
 
 
@@ -263,15 +293,16 @@ def _norm(g: _Graph, y: str, heads: int, width: int, qk_norm, scale, bias) -> st
                 epsilon=float(qk_norm.eps))
 
 
-def _rope_tables(config, positions, B: int, L: int, P: int, dtype: str):
+def _rope_tables(config, positions, B: int, L: int, P: int, dtype: str, max_position: int | None = None):
     """cos and sin (B, L, R/2) for RotaryEmbedding: angle = position x
     frequency in float64 (weights.rope), times the attention factor, then
-    rounded to the storage dtype."""
-    from weights.rope import attention_factor, inverse_frequencies
+    rounded to the storage dtype. max_position: the call's largest position
+    (of its queries and new keys), which picks LongRoPE's table."""
+    from weights.rope import rope_tables
 
     pos = np.broadcast_to(default_positions(positions, P, L), (B, L)).astype(np.float64)  # (B, L)
-    angles = pos[..., None] * inverse_frequencies(config.rope)  # (B, L, R/2)
-    factor = attention_factor(config.rope)
+    inv_freq, factor = rope_tables(config.rope, max_position)
+    angles = pos[..., None] * inv_freq  # (B, L, R/2)
     return ((np.cos(angles) * factor).astype(dtype), (np.sin(angles) * factor).astype(dtype),
             config.rope.rotary_dim, config.rope.interleaved)
 
@@ -283,7 +314,8 @@ def graph_form(config, shapes, inputs, options, device: str, dtype: str) -> str:
     if config.window_left >= 0 or config.window_right >= 0:  # the node's own window attributes, never emulated
         return "attention"
     if empty_rows(shapes, inputs, options, config)[1]:
-        if native_masked_row(device, dtype, inputs.get("bias") is not None) != config.masked_row:
+        float_mask = inputs.get("bias") is not None or config.alibi
+        if native_masked_row(device, dtype, float_mask) != config.masked_row:
             return "plain"
     return "attention"
 
@@ -300,13 +332,19 @@ def _build(config, tensors, inputs, options, shapes, form: str, want_weights: bo
         norms = [(config.qk_norm, tensors[f"{n}.norm.scale"], tensors.get(f"{n}.norm.bias")) for n in ("query", "key")]
     ropes = [None, None]
     if config.rope is not None:
-        ropes = [_rope_tables(config, inputs.get("positions"), B, T, shapes.P, dtype),
-                 _rope_tables(config, inputs.get("key_positions"), B, shapes.S, shapes.P, dtype)]
+        largest = max(int(default_positions(inputs.get(n), shapes.P, L).max(initial=0))
+                      for n, L in (("positions", T), ("key_positions", shapes.S)))
+        ropes = [_rope_tables(config, inputs.get("positions"), B, T, shapes.P, dtype, largest),
+                 _rope_tables(config, inputs.get("key_positions"), B, shapes.S, shapes.P, dtype, largest)]
     q = _project(g, query, tensors["query.kernel"], tensors.get("query.bias"), N, norms[0], ropes[0])  # (B, N, T, H)
     k = _project(g, key, tensors["key.kernel"], tensors.get("key.bias"), K, norms[1], ropes[1])  # (B, K, S_new, H)
     v = _project(g, value, tensors["value.kernel"], tensors.get("value.bias"), K)  # (B, K, S_new, V)
     past = [g.input(n, inputs[n]) for n in ("past_key", "past_value")] if inputs.get("past_key") is not None else []
     bias = bias4(shapes, inputs)
+    if config.alibi:  # -slope_n * distance, one product; then the case's bias, the contract's order
+        slopes = tensors["alibi.slopes"].astype(np.float64).reshape(1, N, 1, 1)
+        alibi = (-slopes * alibi_distance(shapes, inputs)[:, None]).astype(dtype)  # (B|1, N, T, S)
+        bias = alibi if bias is None else alibi.astype(np.float64) + bias.astype(np.float64)
     top_left = bool(options.get("is_causal")) and options.get("causal_alignment", "top_left") == "top_left"
     window = {}
     if config.window_left >= 0 or config.window_right >= 0:  # the node's own attributes (opset 25), not the mask
@@ -326,7 +364,11 @@ def _build(config, tensors, inputs, options, shapes, form: str, want_weights: bo
         elif past:
             names.append("")
         names += past
-        outs = ["ctx"] + (["present_key", "present_value"] if want_cache else ["", ""] if want_weights else [])
+        # onnxruntime refuses past_key without present_key ("does not support past_key provided and present_key
+        # being null"): with a past the present outputs are always named, graph outputs only where asked for
+        outs = ["ctx"] + (["present_key", "present_value"] if want_cache else
+                          [g.name("present_key"), g.name("present_value")] if past else
+                          ["", ""] if want_weights else [])
         outs += ["weights"] if want_weights else []
         attrs = {"qk_matmul_output_mode": 3} if want_weights else {}
         if config.logit_softcap is not None:
@@ -395,7 +437,7 @@ def _plain_core(g: _Graph, config, shapes, inputs, options, q, k, v, bias) -> st
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                                  expresses=EXPRESSES, why={"use_sinks": SINKS_WHY})
+                                                  expresses=EXPRESSES, why=FRONTIER_WHY)
     if options.get("training") and config.dropout > 0 and inputs.get("dropout_mask") is None:
         raise NotImplementedError(f"{NAME}: dropout in training needs the case's explicit dropout_mask (the graph "
                                   "draws no random numbers)")

@@ -5,11 +5,15 @@ the output projection are impl_torch's stages (impl_torch.attention.qkv_heads,
 which mirror impl_numpy); logits, softcap, bias, mask, softmax and attend are
 one flex_attention call, run eagerly (not compiled):
 
-- score_mod: the softcap c tanh(s / c) on the scaled logit, then the case's
-  bias added (the contract's order: scale, softcap, bias, mask);
+- score_mod: the softcap c tanh(s / c) on the scaled logit, then ALiBi's
+  -slope_h * |pos_q(i) - pos_k(j)| (positions as RoPE reads them: the call's,
+  the cache's keys at 0..P-1), then the case's bias (the contract's order:
+  scale, softcap, alibi, bias, mask);
 - block_mask from one mask_mod: the case's mask, causal (top-left or
   bottom-right: query i sits at i + S_total - T), the window
-  p_i - window_left <= j <= p_i + window_right, and segment ids (equal ids);
+  p_i - window_left <= j <= p_i + window_right, local chunks
+  (pos_q(i) // C == pos_k(j) // C, from the same positions) and segment ids
+  (equal ids);
 - GQA natively (enable_gqa=True), value_head_dim != head_dim, any scale;
 - sinks: flex_attention returns the row's log-sum-exp (return_aux=AuxRequest(lse=True)), so
   a sink logit z joins the denominator by one rescale of the output,
@@ -17,6 +21,14 @@ one flex_attention call, run eagerly (not compiled):
   has lse = -inf and gives 0, as the contract's sink row does;
 - attention weights: flex returns none; they are read out of the same
   kernel with the value set to the identity (conformance.native.identity_values).
+
+Around the call, as the projections, RoPE and QK-norm already were (flex has
+no argument for any of them and needs none: they change q, k, v or the
+context, not the scores): the QKV clip, every QK-norm form (weightless, per
+head, after RoPE), the value norm, LongRoPE and proportional RoPE, the query
+temperature (impl_torch.attention.qkv_heads), a latent layer's expanded
+keys and values (latent_heads, expand_latent: flex then sees plain GQA heads)
+and the output gate on the attended context (impl_torch.functional.gate).
 
 Cannot express: dropout (flex_attention has no dropout argument). A query row
 with no allowed key gives what the kernel gives, measured by a probe
@@ -48,10 +60,14 @@ require("torch")
 
 NAME = "torch-flex"
 
-# Every modern feature: flex's score_mod / block_mask / lse take softcap, windows, segments and sinks; rope,
-# QK-norm and the cache are impl_torch's stages around the call, as the projections are.
+# Every modern and frontier feature: flex's score_mod / block_mask / lse take softcap, ALiBi, windows, local
+# chunks, segments and sinks; rope, the norms, the clip, the temperature, the latent's expansion, the gate and the
+# cache are impl_torch's stages around the call, as the projections are.
 EXPRESSES = ("rope", "logit_softcap", "window_left", "window_right", "qk_norm", "use_sinks", "positions",
-             "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids", "return_cache")
+             "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids", "return_cache",
+             "alibi", "local_chunk", "query_temperature", "qkv_clip", "output_gate", "value_norm", "latent",
+             "qk_norm.weight", "qk_norm.per_head", "qk_norm.after_rope", "rope.scaling longrope",
+             "rope.scaling proportional")
 
 
 def known_difference(case, dtype: str) -> str | None:
@@ -113,9 +129,10 @@ def _prepare(config, tensors, inputs, options, device, precision):
     return dtype, tensors, inputs, shapes
 
 
-def _mods(config, shapes, inputs, options, dtype, dev):
-    """(score_mod or None, mask_mod or None) for the case: softcap and bias as
-    a score_mod, mask / causal / window / segments as one mask_mod."""
+def _mods(config, shapes, inputs, options, dtype, dev, call):
+    """(score_mod or None, mask_mod or None) for the case: softcap, ALiBi and bias
+    as a score_mod, mask / causal / window / local chunks / segments as one
+    mask_mod. `call`: impl_torch's Call, whose positions ALiBi and the chunks read."""
     import torch
 
     from impl_torch.convert import to_torch
@@ -135,6 +152,13 @@ def _mods(config, shapes, inputs, options, dtype, dev):
         k_ids = to_torch(np.broadcast_to(np.asarray(key_ids).reshape(-1, S), (B, S)).copy()).to(dev)  # (B, S)
     causal = bool(options.get("is_causal"))
     cap = config.logit_softcap
+    chunk = config.local_chunk
+    if config.alibi or chunk is not None:
+        pos_q = call.positions.expand(B, T).contiguous()  # (B, T) int64
+        pos_k = call.every_key_position.expand(B, S).contiguous()  # (B, S_total): the cache's keys at 0..P-1
+    if config.alibi:
+        slopes = call.params["alibi.slopes"].to(torch.float32 if dtype in ("float16", "bfloat16")
+                                                else getattr(torch, dtype))  # (N,) in compute dtype
 
     def mask_mod(bi, h, i, j):
         ok = j >= 0  # a tensor of True with j's shape
@@ -145,6 +169,9 @@ def _mods(config, shapes, inputs, options, dtype, dev):
             ok = ok & (j >= p - left)
         if right >= 0:
             ok = ok & (j <= p + right)
+        if chunk is not None:
+            ok = ok & (torch.div(pos_q[bi, i], chunk, rounding_mode="floor")
+                       == torch.div(pos_k[bi, j], chunk, rounding_mode="floor"))
         if ids is not None:
             ok = ok & (q_ids[bi, i] == k_ids[bi, j])
         if mask is not None:
@@ -154,12 +181,15 @@ def _mods(config, shapes, inputs, options, dtype, dev):
     def score_mod(score, bi, h, i, j):
         if cap is not None:
             score = cap * torch.tanh(score / cap)
+        if config.alibi:  # the distance is an integer, exact; one product, as functional.alibi_bias
+            score = score - slopes[h] * (pos_q[bi, i] - pos_k[bi, j]).abs().to(slopes.dtype)
         if bias is not None:
             score = score + bias[bi, h, i, j]
         return score
 
-    masked = causal or left >= 0 or right >= 0 or ids is not None or mask is not None
-    return (score_mod if cap is not None or bias is not None else None), (mask_mod if masked else None)
+    masked = causal or left >= 0 or right >= 0 or chunk is not None or ids is not None or mask is not None
+    scored = cap is not None or config.alibi or bias is not None
+    return (score_mod if scored else None), (mask_mod if masked else None)
 
 
 def _run(config, call, score_mod, block_mask, *, want_weights, trace, want_cache):
@@ -167,11 +197,17 @@ def _run(config, call, score_mod, block_mask, *, want_weights, trace, want_cache
     import torch
 
     from impl_torch import functional as f
-    from impl_torch.attention import qkv_heads
+    from impl_torch.attention import expand_latent, latent_heads, qkv_heads
 
     entries = []
     rec = lambda stage, value: (entries.append((stage, value)) if trace else None, value)[1]  # noqa: E731
-    q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+    if config.latent is not None:  # the expanded form: flex sees each head's keys and values
+        q, latent, rotary = latent_heads(config, call, rec)  # (B, N, T, H), (B, 1, S_total, C), (B, 1, S_total, R)
+        k, v = expand_latent(config, call, latent, rotary, rec)  # (B, K, S_total, H), (B, K, S_total, V)
+        present = (latent, rotary)  # a latent layer's cache
+    else:
+        q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
+        present = (k, v)
     from torch.nn.attention.flex_attention import AuxRequest
 
     common = dict(score_mod=score_mod, block_mask=block_mask, scale=config.effective_scale,
@@ -194,9 +230,12 @@ def _run(config, call, score_mod, block_mask, *, want_weights, trace, want_cache
         with torch.no_grad():
             weights = rec("softmax", core(eye))  # (B, N, T, S)
     ctx = rec("attend", core(v))  # (B, N, T, V)
+    if config.output_gate is not None:
+        g = rec("gate.project", f.gate_project(call.query, call.params["gate.kernel"], call.params.get("gate.bias")))
+        ctx = rec("gate", f.gate(ctx, g, config.num_heads))  # (B, N, T, V)
     ctx = rec("merge_heads", f.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", f.output(ctx, call.params["output.kernel"], call.params.get("output.bias")))  # (B, T, O)
-    return out, weights, (k, v) if want_cache else None, entries
+    return out, weights, present if want_cache else None, entries
 
 
 def _call(config, tensors, inputs, options, device, precision, *, requires_grad=False):
@@ -217,7 +256,7 @@ def _call(config, tensors, inputs, options, device, precision, *, requires_grad=
     call = prepare(config, params, x["query"], x["key"], x["value"], mask=None, bias=None, dropout_mask=None,
                    is_causal=False, causal_alignment=options.get("causal_alignment", "top_left"), training=False,
                    seed=None, return_weights=False, dtype=dtype, materializes_scores=False, **given)
-    score_mod, mask_mod = _mods(config, shapes, inputs, options, dtype, dev)
+    score_mod, mask_mod = _mods(config, shapes, inputs, options, dtype, dev, call)
     block_mask = None if mask_mod is None else _block_mask(mask_mod, shapes.B, config.num_heads, shapes.T,
                                                            shapes.S_total, dev)
     leaves = {**x, **params, **{n: given[n] for n in ("past_key", "past_value") if n in given}}

@@ -66,6 +66,7 @@ from . import (
     qkv,
     require,
     torch_vjp,
+    why_each,
 )
 
 require("torch", "torchtune")
@@ -76,6 +77,26 @@ NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "output": "outpu
 EXPRESSES = ("rope", "positions", "key_positions", "past_key", "past_value", "return_cache", "qk_norm")
 WHY = ("torchtune's MultiHeadAttention has pos_embeddings, q_norm/k_norm and kv_cache; no window, softcap or sinks "
        "argument, and a packed-sequence BlockMask reaches flex_attention only on CUDA (capability >= 7.5)")
+# The frontier fields: read from torchtune 0.6.1's source (torchtune/modules, torchtune/models): no ALiBi, no
+# Llama 4 (so no chunked attention nor its temperature), no LongRoPE (Phi-3's rotary class is the plain one),
+# no gate, clip, value norm or latent attention anywhere in it.
+FRONTIER_WHY = {
+    "alibi": "torchtune 0.6.1 has no ALiBi (no bias argument, no ALiBi module)",
+    "local_chunk": "torchtune 0.6.1 has no chunked attention (no Llama 4; MultiHeadAttention takes one mask)",
+    "query_temperature": "torchtune 0.6.1 has no query temperature (no Llama 4; one scale for every query)",
+    "qkv_clip": "MultiHeadAttention has no clip argument and clamps nothing",
+    "output_gate": "MultiHeadAttention has no gate argument (torchtune 0.6.1 has no Qwen3-Next)",
+    "value_norm": "MultiHeadAttention takes q_norm and k_norm only, no value norm",
+    "latent": "torchtune 0.6.1 has no latent attention (no DeepSeek V2/V3 model or module)",
+    "rope.scaling longrope": "RotaryPositionalEmbeddings takes dim, max_seq_len and base (torchtune 0.6.1's Phi-3 "
+                             "rotary class has no short/long factors)",
+    "rope.scaling proportional": "RotaryPositionalEmbeddings turns every pair of the head (dim, max_seq_len, base)",
+    "qk_norm.weight": "this wrapper builds q_norm / k_norm as torchtune's RMSNorm, which always has a scale",
+    "qk_norm.per_head": "torchtune's RMSNorm(head_dim) has one scale shared by every head",
+    "qk_norm.after_rope": "torchtune's own order is this one (q_norm / k_norm after pos_embeddings), but this "
+                          "wrapper treats every rope + qk_norm case as the contract's norm-before-RoPE (a known "
+                          "difference) and has not been run with after_rope",
+}
 
 
 def _tt():
@@ -153,7 +174,8 @@ def _positions(config, shapes, inputs):
 
 def _prepare(config, tensors, inputs, options, device, precision):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision,
-                                                  devices(), expresses=EXPRESSES, why=WHY)
+                                                  devices(), expresses=EXPRESSES,
+                                                  why=why_each(config, inputs, options, WHY, FRONTIER_WHY))
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)
     if inputs.get("bias") is not None:

@@ -21,9 +21,11 @@ from conformance.bench.shapes import (
     CHUNK_SIZE,
     DECODE_LENGTHS,
     FAMILIES,
+    LATENT_LENGTHS,
     LONG_T,
     MATMUL_N,
     QUICK_DECODE_LENGTHS,
+    QUICK_LATENT_LENGTHS,
     QUICK_SHAPES,
     QUICK_SWEEP_LENGTHS,
     QUICK_WINDOW_LENGTHS,
@@ -44,7 +46,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, *FAMILIES],
                    help="shapes and families to time (default: the four shapes and the sweep; window, decode and "
-                        "sequence-sharded only when named)")
+                        "sequence-sharded and latent only when named)")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the inputs, weights and caches (and the matmul the rates are measured against): float32, "
@@ -59,6 +61,8 @@ def add_parser(subparsers) -> None:
                    help="window family: largest T (default 65536)")
     p.add_argument("--decode-max", type=int, default=DECODE_LENGTHS[-1],
                    help="decode family: largest cache length P (default 65536)")
+    p.add_argument("--latent-max", type=int, default=LATENT_LENGTHS[-1],
+                   help="latent family: largest cache length P (default 65536)")
     p.add_argument("--mem-limit", type=float, default=None,
                    help="GiB a path's (B, N, T, S) arrays may take (default: 40%% of MemAvailable)")
     p.add_argument("--json", metavar="FILE", help="write every raw number as JSON")
@@ -129,6 +133,9 @@ def run(args) -> int:
         shapes += decode_shapes(QUICK_DECODE_LENGTHS if quick else _upto(DECODE_LENGTHS, args.decode_max, "--decode-max"),
                                 quick)
     mem_limit = int(args.mem_limit * 2**30) if args.mem_limit is not None else int(0.4 * _mem_available())
+    latent_lengths = None
+    if "latent" in args.shapes:
+        latent_lengths = QUICK_LATENT_LENGTHS if quick else _upto(LATENT_LENGTHS, args.latent_max, "--latent-max")
     spec = {"shapes": [dataclasses.asdict(s) for s in shapes], "device": args.device, "dtype": args.dtype,
             "repeats": repeats, "max_seconds": args.max_seconds, "budget": args.budget, "mem_limit": mem_limit,
             "quick": quick, "matmul_n": 256 if quick else MATMUL_N}
@@ -146,7 +153,7 @@ def run(args) -> int:
                           "one extra call after timing",
                 "ratio_to_native": "time / fastest native path, same backend, shape, pass and mode"},
             "backends": {}, "results": [], "matmul": [], "sweep_stops": {}}
-    for backend in args.backends if shapes else ():  # sequence-sharded alone starts no backend worker
+    for backend in args.backends if shapes else ():  # sequence-sharded or latent alone starts no backend worker
         console.print(f"[bold]{backend}[/]: running ({len(shapes)} shapes) ...")
         out = run_backend(backend, spec)
         data["backends"][backend] = {"status": out["status"], "info": out.get("info", {}),
@@ -164,6 +171,13 @@ def run(args) -> int:
         console.print(f"[bold]{sharded.FAMILY}[/]: torch, {sharded.DEVICES} processes and one unsharded ...")
         data["sequence_sharded"] = sharded.run(quick)
         data["targets"] += sharded.targets(data["sequence_sharded"])
+    if latent_lengths is not None:
+        from conformance.bench import latent
+
+        data["latent"] = latent.run(args.backends, quick=quick, lengths=latent_lengths, repeats=repeats,
+                                    max_seconds=args.max_seconds, mem_limit=mem_limit, matmul_n=spec["matmul_n"],
+                                    device=args.device)
+        data["targets"] += latent.targets(data["latent"])
     data["machine"]["loadavg_end"] = os.getloadavg()
     data["total_s"] = time.perf_counter() - started
     if args.json:  # first: a problem in printing must not lose the numbers

@@ -82,9 +82,13 @@ def print_report(console, data: dict) -> None:
         from conformance.bench.sharded import print_family
 
         print_family(console, data["sequence_sharded"])
+    if "latent" in data:
+        from conformance.bench.latent import print_family as print_latent
+
+        print_latent(console, data["latent"])
     families = ("window", "decode")
     ran = data["settings"].get("shapes")
-    shape_targets = [e for e in data["targets"] if e["shape"] not in (*families, "sequence-sharded")]
+    shape_targets = [e for e in data["targets"] if e["shape"] not in (*families, "sequence-sharded", "latent")]
     if ran is None or any(name in SHAPES for name in ran):
         _print_targets(console, SHAPE_TARGETS, shape_targets)
     elif shape_targets:
@@ -95,6 +99,9 @@ def print_report(console, data: dict) -> None:
     sharding_targets = [e for e in data["targets"] if e["shape"] == "sequence-sharded"]
     if sharding_targets:
         _print_targets(console, "targets: sequence sharding", sharding_targets)
+    latent_targets = [e for e in data["targets"] if e["shape"] == "latent"]
+    if latent_targets:
+        _print_targets(console, "targets: latent attention (MLA) decode", latent_targets)
 
 
 def _print_targets(console, title: str, entries: list[dict]) -> None:

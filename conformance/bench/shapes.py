@@ -127,8 +127,13 @@ def sweep_shapes(lengths) -> list[Shape]:
 
 
 # Families of shapes picked by name in --shapes, each a list of points (window and decode; sequence-sharded,
-# one point measured by conformance/bench/sharded.py in processes of its own), each with targets of its own.
-FAMILIES = ("sweep", "window", "decode", "sequence-sharded")
+# one point measured by conformance/bench/sharded.py in processes of its own; latent, a latent layer's decode
+# step in its two forms, measured by conformance/bench/latent.py), each with targets of its own.
+FAMILIES = ("sweep", "window", "decode", "sequence-sharded", "latent")
+
+# latent: one new token after a cache of P tokens (conformance/bench/latent.py says the layer).
+LATENT_LENGTHS = (4096, 8192, 16384, 32768, 65536)
+QUICK_LATENT_LENGTHS = (16, 32, 64)
 
 # window: causal, window_left 4095 (each query sees at most 4096 keys), T = S growing; B 1, D 512, N 8.
 WINDOW_LEFT = 4095

@@ -10,6 +10,9 @@ Also measured here (docs/conventions.md, "ALiBi in transformers"): transformers'
 the cache's keys at positions 0..P-1 as the contract does; Falcon's eager path adds the ALiBi bias
 twice where its sdpa path adds it once; BLOOM's and MPT's slope rules side by side; where
 transformers computes in float32 inside a float64 model.
+
+Mutants of the slope readers (BLOOM's 6 heads given the power-of-two formula, Falcon-RW's slopes
+without 1/sqrt(H)) are each shown to fail the policy.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from conformance.cli.commands import main as mha
 from conformance.suite import backends
 from conformance.suite.tolerance import compare, policy_for
 from weights import alibi, layouts, load
+from weights.layouts import alibi_models
 
 try:
     import torch
@@ -110,10 +114,22 @@ def _decode_calls(model, ids) -> list[dict]:
     return [{"input_ids": ids[:, -1:], "past_key_values": past, "use_cache": True}]
 
 
+_BUILT: dict[str, tuple] = {}  # each variant built and converted once per session
+
+
+def _converted(variant: str, tmp_path_factory):
+    """(variant, config, tensors, captured full call, captured decode step, state dict, config.json, model)."""
+    if variant not in _BUILT:
+        _BUILT[variant] = _build(variant, tmp_path_factory)
+    return _BUILT[variant]
+
+
 @pytest.fixture(scope="module", params=[pytest.param(v, marks=needs_transformers) for v in MODELS])
 def converted(request, tmp_path_factory):
-    """(variant, config, tensors, captured full call, captured decode step, state dict, config.json, model)."""
-    variant = request.param
+    return _converted(request.param, tmp_path_factory)
+
+
+def _build(variant: str, tmp_path_factory):
     model = _model(variant)
     folder = tmp_path_factory.mktemp(variant)
     model.save_pretrained(folder)
@@ -241,6 +257,37 @@ def test_round_trip_is_bit_exact(converted):
     assert set(again) == set(tensors), (variant, set(again) ^ set(tensors))
     for name in tensors:
         assert np.array_equal(again[name], tensors[name]), (variant, name)
+
+
+# -- mutants of the slope readers: each must make the reproduction fail ------------------------------------
+
+def _power_of_two_rule(original):
+    # 2^(-8k/N), k = 1..N: the paper's formula for a power-of-two head count, applied to BLOOM's 6 heads as they stand
+    return lambda num_heads: np.exp2(-8.0 * np.arange(1, num_heads + 1, dtype=np.float64) / num_heads)
+
+
+MUTANTS = {  # name -> (variant, the reader's function, the bug made from it)
+    "bloom_power_of_two_rule": ("bloom", "bloom_slopes", _power_of_two_rule),
+    "falcon_without_1_over_sqrt_H": ("falcon-rw", "_falcon_slopes",
+                                     lambda original: lambda heads, head_dim: original(heads, 1)),
+}
+
+
+@pytest.mark.parametrize("mutant", [pytest.param(m, marks=needs_transformers) for m in MUTANTS])
+def test_mutant_reader_fails_the_policy(mutant, tmp_path_factory, monkeypatch):
+    """Each porting bug of a slope rule, put in the reader: the float64 reference on the block it reads
+    misses the model's own output under the float32 policy (the reader as it is passes:
+    test_backends_reproduce_the_block)."""
+    variant, attribute, make = MUTANTS[mutant]
+    _, _, _, full, _, state, hf_config, _ = _converted(variant, tmp_path_factory)
+    monkeypatch.setattr(alibi_models, attribute, make(getattr(alibi_models, attribute)))
+    config, tensors = layouts.to_canonical(MODELS[variant][0], state, hf_config=hf_config, layer=LAYER)
+    ref, z = _reference(config, tensors, full["x"], np.arange(T, dtype=np.int64))
+    tol = policy_for(config, dtype="float32", quantity="output", B=1, T=T, S=T, reference=full["out"], logits=z,
+                     max_position=T)
+    result = compare(f"{variant} read by {mutant}", ref["output"], full["out"], tol)
+    assert not result.ok, f"{mutant} still passes: {result.describe()}"
+    print(result.describe())
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=needs_transformers) for v in ("bloom", "falcon-rw")])

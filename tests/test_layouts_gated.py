@@ -5,10 +5,14 @@ their own head size. Pattern of tests/test_layouts_modern.py: a tiny randomly in
 model (eager, float32) saved with save_pretrained, one block per interesting layer converted with
 `mha convert --from hf-llama --to canonical`, every installed core backend held to the block's own output
 (a forward hook on the attention module): full causal, and a decode step on the returned cache.
+
+Mutants of the layout: Qwen's gate read as the second half of q_proj fails the policy; Gemma 4's
+attention_k_eq_v ignored makes the global block's conversion fail, naming the missing v_proj.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -17,7 +21,9 @@ from test_layouts_modern import _check, _installed, needs_transformers
 
 from conformance.cli.commands import main as mha
 from conformance.suite import backends
+from conformance.suite.tolerance import compare, policy_for
 from weights import layouts, load
+from weights.layouts import llama_gated
 
 try:
     import torch
@@ -84,10 +90,22 @@ def _capture(model, model_type: str) -> dict[int, dict]:
     return seen
 
 
+_BUILT: dict[str, tuple] = {}  # each model built and converted once per session
+
+
+def _converted(model_type: str, tmp_path_factory):
+    """(model_type, {layer: (config, tensors, captured)}, state dict, config.json, folder)."""
+    if model_type not in _BUILT:
+        _BUILT[model_type] = _build(model_type, tmp_path_factory)
+    return _BUILT[model_type]
+
+
 @pytest.fixture(scope="module", params=[pytest.param(m, marks=needs_transformers) for m in MODELS])
 def converted(request, tmp_path_factory):
-    """(model_type, {layer: (config, tensors, captured)}, state dict, config.json, folder)."""
-    model_type = request.param
+    return _converted(request.param, tmp_path_factory)
+
+
+def _build(model_type: str, tmp_path_factory):
     model = _model(model_type)
     folder = tmp_path_factory.mktemp(model_type)
     model.save_pretrained(folder)
@@ -221,6 +239,56 @@ def test_what_the_layout_refuses(converted):
     # without the model's config.json, separate projections: v_proj holds the copy
     written = layouts.from_canonical("hf-llama", config, changed, layer=1)
     assert np.array_equal(written["layers.1.self_attn.v_proj.weight"], changed["value.kernel"].reshape(32, -1).T)
+
+
+# -- mutants of the layout: each must make the reproduction (or the conversion) fail ----------------------
+
+def _gate_read_as_second_half(monkeypatch):
+    """hf-llama with its head-major rows read whole: q_proj = [every head's query; every head's gate]."""
+    lay = layouts.spec("hf-llama")
+    tables = tuple(dataclasses.replace(table, rows=tuple(dataclasses.replace(row, head_major=False)
+                                                         for row in table.rows)) for table in lay.tables)
+    monkeypatch.setitem(layouts.CATALOGUE.by_id, "hf-llama", dataclasses.replace(lay, tables=tables))
+
+
+def _k_eq_v_ignored(monkeypatch):
+    monkeypatch.setattr(llama_gated, "_shares_kv", lambda cfg, layer_type: False)
+
+
+# name -> (model, block, how the mutant is applied, what the conversion then says: None where it converts)
+MUTANTS = {
+    "gate_read_as_second_half_qwen3_next": ("qwen3_next", 1, _gate_read_as_second_half, None),
+    "gate_read_as_second_half_qwen3_5": ("qwen3_5", 1, _gate_read_as_second_half, None),
+    # Ignored, the reader expects the global layer's own v_proj, which the checkpoint does not hold: the engine
+    # never makes up a kernel, so the honest outcome is a refusal naming the key
+    "k_eq_v_ignored": ("gemma4_text", 1, _k_eq_v_ignored, r"missing model\.layers\.1\.self_attn\.v_proj\.weight"),
+}
+
+
+@pytest.mark.parametrize("mutant", [pytest.param(m, marks=needs_transformers) for m in MUTANTS])
+def test_mutant_reader_fails_the_policy(mutant, tmp_path_factory, monkeypatch):
+    """Each porting bug of these rows, put in the layout: the float64 reference on the block it reads misses
+    the model's own output under the float32 policy, or the block no longer converts (the layout as it is
+    passes: test_backends_reproduce_the_block)."""
+    model_type, layer, apply, refusal = MUTANTS[mutant]
+    _, blocks, state, hf_config, _ = _converted(model_type, tmp_path_factory)
+    seen = blocks[layer][2]
+    apply(monkeypatch)
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal) as err:
+            layouts.to_canonical("hf-llama", state, hf_config=hf_config, layer=layer)
+        print(f"{mutant}: {err.value}")
+        return
+    config, tensors = layouts.to_canonical("hf-llama", state, hf_config=hf_config, layer=layer)
+    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
+    ref = backends.load("numpy").forward(config, wide, {"query": seen["x"].astype(np.float64),
+                                                        "positions": np.arange(T, dtype=np.int64)},
+                                         {"is_causal": True}, trace=True)
+    tol = policy_for(config, dtype="float32", quantity="output", B=1, T=T, S=T, reference=seen["out"],
+                     logits=dict(ref["trace"])["logits"], max_position=T)
+    result = compare(f"{model_type}[{layer}] read by {mutant}", ref["output"], seen["out"], tol)
+    assert not result.ok, f"{mutant} still passes: {result.describe()}"
+    print(result.describe())
 
 
 @pytest.mark.skipif(transformers is None, reason="needs torch and transformers (extra hf)")

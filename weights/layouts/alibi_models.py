@@ -126,12 +126,17 @@ def _falcon_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     out = {"num_heads": heads, "num_kv_heads": kv, "hidden": hidden, "head_dim": head_dim,
            "dropout": cfg.get("attention_dropout"), "scale": None, "scale_by_layer": False, "model_type": "falcon"}
     if cfg.get("alibi", False):
-        slopes = bloom_slopes(heads).astype(ml_dtypes.bfloat16).astype(np.float64)  # build_alibi_tensor's .bfloat16()
         out["modern"] = {"alibi": True}
-        out["derived"] = {"alibi.slopes": slopes / math.sqrt(head_dim)}
+        out["derived"] = {"alibi.slopes": _falcon_slopes(heads, head_dim)}
     else:
         out["modern"] = {"rope": _hf_rope(cfg, None, head_dim)}
     return out
+
+
+def _falcon_slopes(heads: int, head_dim: int) -> np.ndarray:
+    """Falcon-RW's slopes as the contract adds them: BLOOM's rule rounded to bfloat16 (build_alibi_tensor's
+    .bfloat16()), times the 1/sqrt(H) Falcon applies to the bias with the logits."""
+    return bloom_slopes(heads).astype(ml_dtypes.bfloat16).astype(np.float64) / math.sqrt(head_dim)
 
 
 _FALCON_TIES = (

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conformance.native import conventions as conv
+from conformance.native.conventions import alibi_models as ca
 from conformance.native.conventions import modern as cm
 from conformance.native.conventions import packed as cp
 from conformance.native.conventions import precision
@@ -27,6 +28,7 @@ TORCH = "torch not installed: pip install -c constraints/cpu.txt '.[torch]'"
 TF = "keras/tensorflow not installed: pip install -c constraints/cpu.txt '.[tf]'"
 JAX = "jax/flax not installed: pip install -c constraints/cpu.txt '.[jax]'"
 ONNX = "onnx/onnxruntime not installed: pip install -c constraints/cpu.txt '.[onnx]'"
+HF = "torch/transformers not installed: pip install -c constraints/cpu.txt '.[hf,torch]'"
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIFORM = conv.POLICY_LABELS["uniform"]
@@ -156,12 +158,13 @@ def test_expectations_are_project_data_for_known_apis_and_keys():
     text = (importlib.resources.files("conformance.native.conventions") / conv.EXPECTED_FILE).read_text(encoding="utf-8")
     raw = json.loads(text)["apis"]
     table = conv.expected()
-    names = {api.name for api in conv.APIS} | {api.name for api in cm.APIS} | {api.name for api in cp.APIS}
+    names = ({api.name for api in conv.APIS} | {api.name for api in cm.APIS} | {api.name for api in cp.APIS}
+             | {api.name for api in ca.APIS})
     assert set(table) == set(raw) and set(table) <= names, sorted(set(table) - names)
     for api, entry in raw.items():
         assert entry["expect"] and set(entry["expect"]) <= set(conv.EXPECTED_KEYS), (api, entry)
         assert len(entry["source"]) > 20, f"{api}: no source for its expectations"
-    keys = {key for _, key in conv.COLUMNS} | {"causal_T2_S4_past_cache"} | set(cm.KEYS) | set(cp.KEYS)
+    keys = {key for _, key in conv.COLUMNS} | {"causal_T2_S4_past_cache"} | set(cm.KEYS) | set(cp.KEYS) | set(ca.KEYS)
     assert set(conv.EXPECTED_KEYS) <= keys, set(conv.EXPECTED_KEYS) - keys
     assert "shared/" not in text and "shared/" not in conv.EXPECTED_SOURCE
 
@@ -297,14 +300,15 @@ def test_markdown_and_terminal_show_every_api(data):
 
     text = conv.to_markdown(data)
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 3 + len(conv.APIS) + len(cm.APIS) + len(cp.APIS), table  # three headers + one line per API
-    for api in (*conv.APIS, *cm.APIS, *cp.APIS):
+    every = (*conv.APIS, *cm.APIS, *cp.APIS, *ca.APIS)
+    assert len(table) == 4 + len(every), table  # four headers + one line per API
+    for api in every:
         assert any(line.startswith(f"| {api.name} |") for line in table), f"{api.name} missing from\n{text}"
     assert f"with {conv.EXPECTED_SOURCE}" in text, text
     console = Console(record=True, width=400)
     conv.render_terminal(data, console=console)
     shown = console.export_text()
-    for api in (*conv.APIS, *cm.APIS, *cp.APIS):
+    for api in every:
         assert api.name in shown, f"{api.name} missing from the terminal tables"
 
 
@@ -424,3 +428,55 @@ def test_modern_rope_pairing_of_the_rope_libraries(data):
         measured[api] = row["rope_pairing"]
     if not measured:
         pytest.skip("none of transformers, keras-hub, torchtune installed")
+
+
+# -- transformers' ALiBi models (conformance/native/conventions/alibi_models.py) --------------------------
+
+@pytest.mark.torch
+@pytest.mark.tf
+@pytest.mark.jax
+def test_alibi_models_are_measured_and_match_the_expectations(data):
+    """One row per model, every cell measured ("<label> (err ...)"), each label the one expected.json
+    records from transformers' source: BLOOM and MPT outside the scale, Falcon inside; Falcon's eager
+    path adds the bias twice, its sdpa path once; BLOOM and MPT compute in float32 inside a float64
+    model; every decode step reads the cache at positions 0..P-1."""
+    import re
+
+    pytest.importorskip("torch", reason=HF)
+    pytest.importorskip("transformers", reason=HF)
+    rows = data["alibi_rows"]
+    json.dumps(rows, allow_nan=False)
+    assert [r["api"] for r in rows] == [api.name for api in ca.APIS]
+    table = conv.expected()
+    for row in rows:
+        assert row["status"] == "measured", f"{row['api']}: {row['status']}: {row.get('reason')}"
+        for key in ca.KEYS:
+            assert re.search(r" \(err \d\.\de[-+]\d\d\)", row[key]), (row["api"], key, row[key])
+            label = re.sub(r" \(err [^)]*\)", "", row[key])
+            assert label == table[row["api"]][key], f"{row['api']}: {key} measured {row[key]!r}; {row['evidence']}"
+    assert not [line for line in conv.disagreements(data) if line.startswith("transformers ")], conv.disagreements(data)
+
+
+def test_alibi_models_without_transformers_are_not_installed_rows(monkeypatch):
+    """transformers missing: each model is a "not installed" row naming the install line, in every
+    rendering; nothing raises."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "transformers" else find_spec(name, *a, **k))
+    data = conv.measure(apis=(), alibi_apis=ca.APIS)
+    assert [r["api"] for r in data["alibi_rows"]] == [api.name for api in ca.APIS]
+    for row in data["alibi_rows"]:
+        assert row["status"] == conv.NOT_INSTALLED and "transformers" in row["reason"], row
+        assert ca.HF_EXTRA in row["reason"], row
+    text = conv.to_markdown(data)
+    from rich.console import Console
+
+    console = Console(record=True, width=300)
+    conv.render_terminal(data, console=console)
+    for api in ca.APIS:
+        assert f"| {api.name} | not installed |" in text, text
+    shown = console.export_text()
+    assert all(api.name in shown for api in ca.APIS) and "not installed" in shown, shown
+    assert ca.HF_EXTRA in text and ca.HF_EXTRA in shown, (text, shown)

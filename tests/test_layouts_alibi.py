@@ -9,7 +9,9 @@ converted weights is held to them first.
 Also measured here (docs/conventions.md, "ALiBi in transformers"): transformers' own decode step reads
 the cache's keys at positions 0..P-1 as the contract does; Falcon's eager path adds the ALiBi bias
 twice where its sdpa path adds it once; BLOOM's and MPT's slope rules side by side; where
-transformers computes in float32 inside a float64 model.
+transformers computes in float32 inside a float64 model. The models and those measurements are
+conformance/native/conventions/alibi_models.py's (the ALiBi table of `mha check --conventions`);
+the tests here hold them to what docs/conventions.md says.
 
 Mutants of the slope readers (BLOOM's 6 heads given the power-of-two formula, Falcon-RW's slopes
 without 1/sqrt(H)) are each shown to fail the policy.
@@ -26,6 +28,7 @@ import numpy as np
 import pytest
 
 from conformance.cli.commands import main as mha
+from conformance.native.conventions import alibi_models as am
 from conformance.suite import backends
 from conformance.suite.tolerance import compare, policy_for
 from weights import alibi, layouts, load
@@ -39,20 +42,15 @@ except ImportError:
 needs_transformers = [pytest.mark.torch, pytest.mark.tf, pytest.mark.jax,
                       pytest.mark.skipif(transformers is None, reason="needs torch and transformers (extra hf)")]
 
-T = 9  # tokens: ALiBi's distances reach 8, enough for a wrong slope to move every row
-LAYER = 1  # the block converted: its input is another block's output, not the embedding
+T = am.T  # tokens: ALiBi's distances reach 8, enough for a wrong slope to move every row
+LAYER = am.LAYER  # the block converted: its input is another block's output, not the embedding
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "conventions.md"
 
 _SMALL = dict(num_hidden_layers=2, vocab_size=64)
-# variant -> (layout, model_type, config kwargs, path to the blocks, attention attribute, output projection)
+# variant -> (layout, model_type, config kwargs, path to the blocks, attention attribute, output projection):
+# the conventions table's BLOOM, MPT and Falcon-RW, and Falcon's two RoPE variants
 MODELS = {
-    "bloom": ("hf-bloom", "bloom", dict(hidden_size=48, n_head=6, **_SMALL), "transformer.h", "self_attention",
-              "dense"),  # 6 heads: BLOOM's rule for a head count that is not a power of two
-    "mpt": ("hf-mpt", "mpt", dict(d_model=32, n_heads=4, max_seq_len=32, **_SMALL, attn_config=dict(
-        clip_qkv=0.6, softmax_scale=0.3, alibi=True)), "transformer.blocks", "attn", "out_proj"),
-    "falcon-rw": ("hf-falcon", "falcon", dict(hidden_size=48, num_attention_heads=6, alibi=True, multi_query=False,
-                                              bias=True, parallel_attn=False, **_SMALL),
-                  "transformer.h", "self_attention", "dense"),
+    **am.MODELS,
     "falcon-mq": ("hf-falcon", "falcon", dict(hidden_size=32, num_attention_heads=4, multi_query=True,
                                               rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
                                               **_SMALL), "transformer.h", "self_attention", "dense"),
@@ -63,55 +61,21 @@ MODELS = {
 
 
 def _model(variant: str, *, dtype=None, attn: str | None = None):
-    _, model_type, kwargs, *_ = MODELS[variant]
-    config = transformers.AutoConfig.for_model(model_type, **kwargs)
-    torch.manual_seed(0)
-    attn = attn or ("sdpa" if model_type == "falcon" else "eager")  # Falcon's default; the others have only eager
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
-                                                          dtype=dtype or torch.float32)
-    with torch.no_grad():  # every parameter random (the inits leave biases 0 and norms 1)
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.5 if ("norm" in name or "ln" in name or "bias" in name) else 0.2)
-    return model.eval()
+    return am.build(MODELS[variant], dtype=dtype, attn=attn)
 
 
 def _module(model, variant: str, layer: int):
-    _, _, _, path, attribute, out = MODELS[variant]
-    blocks = model
-    for part in path.split("."):
-        blocks = getattr(blocks, part)
-    attention = getattr(blocks[layer], attribute)
-    return attention, getattr(attention, out)
+    return am.attention_module(model, MODELS[variant], layer)
 
 
 def _run(model, variant: str, *calls) -> list[dict]:
     """Block LAYER's attention input and output projection, for each call of the model (kwargs dicts)."""
-    attention, out_proj = _module(model, variant, LAYER)
-    seen: list[dict] = []
-    pre = attention.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append({"x": kwargs.get("hidden_states", args[0] if args else None)
-                                             .detach().numpy().copy()}), with_kwargs=True)
-    post = out_proj.register_forward_hook(lambda m, args, output: seen[-1].update(out=output.detach().numpy().copy()))
-    try:
-        with torch.no_grad():
-            for kwargs in calls:
-                model(**kwargs)
-    finally:
-        pre.remove()
-        post.remove()
-    return seen
+    return am.capture(model, MODELS[variant], *calls)
 
 
-def _ids():
-    return torch.arange(3, 3 + T).reshape(1, T)
-
-
-def _decode_calls(model, ids) -> list[dict]:
-    """The prefix, then the last token on the cache the prefix left (two calls of the model)."""
-    first = {"input_ids": ids[:, :-1], "use_cache": True}
-    with torch.no_grad():
-        past = model(**first).past_key_values
-    return [{"input_ids": ids[:, -1:], "past_key_values": past, "use_cache": True}]
+_ids = am.token_ids
+_decode_calls = am.decode_calls  # the prefix, then the last token on the cache the prefix left
+_reference = am.reference  # the float64 reference and the logit magnitudes the policy takes z from
 
 
 _BUILT: dict[str, tuple] = {}  # each variant built and converted once per session
@@ -154,24 +118,8 @@ def _installed():
     return out
 
 
-def _reference(config, tensors, x, positions, **extra):
-    """The float64 reference with its trace; the logit magnitudes the policy takes z from (|logits| + |bias|
-    where ALiBi adds one, as conformance.suite.compare.case_policy does)."""
-    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
-    inputs = {"query": x.astype(np.float64), "positions": positions, **extra}
-    options = {"is_causal": True, **({"causal_alignment": "bottom_right"} if extra else {})}
-    ref = backends.load("numpy").forward(config, wide, inputs, options, trace=True)
-    trace = dict(ref["trace"])
-    z = np.abs(trace["logits"])
-    if "alibi" in trace:
-        z = z + np.abs(trace["alibi"] - trace["logits"])
-    return ref, z
-
-
 def _check(name, actual, expected, config, *, S, z, dtype="float32") -> float:
-    tol = policy_for(config, dtype=dtype, quantity="output", B=1, T=expected.shape[1], S=S, reference=expected,
-                     logits=z, max_position=T)
-    result = compare(name, actual, expected, tol)
+    result = am.judge(name, actual, expected, config, S=S, z=z, dtype=dtype)
     assert result.ok, result.describe()
     return result.margin
 
@@ -233,14 +181,8 @@ def test_transformers_decode_reads_the_cache_at_positions_0_to_P_minus_1(convert
     equals the contract's decode, cache keys at positions 0..P-1 and the query at P, computed by the
     float64 reference from the cache the reference itself builds."""
     variant, config, tensors, full, step, *_ = converted
-    positions = np.arange(T, dtype=np.int64)
-    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
-    first = backends.load("numpy").forward(config, wide, {"query": full["x"][:, :-1].astype(np.float64),
-                                                          "positions": positions[:-1]},
-                                           {"is_causal": True, "return_cache": True})
-    ref, z = _reference(config, tensors, step["x"], positions[-1:], past_key=first["present_key"],
-                        past_value=first["present_value"])
-    _check(f"{variant}: transformers' decode step vs the contract's", step["out"], ref["output"], config, S=T, z=z)
+    result = am.decode_comparison(config, tensors, full, step, f"{variant}: transformers'")
+    assert result.ok, result.describe()
 
 
 def test_round_trip_is_bit_exact(converted):
@@ -359,28 +301,22 @@ def test_falcon_eager_adds_alibi_twice(variant, converted_falcon_rw):
     config, tensors, sdpa = converted_falcon_rw
     eager = _model(variant, attn="eager")
     (out,) = _run(eager, variant, {"input_ids": _ids(), "use_cache": False})
-    positions = np.arange(T, dtype=np.int64)
-    once, z1 = _reference(config, tensors, sdpa["x"], positions)
-    _check("falcon sdpa vs the bias once", sdpa["out"], once["output"], config, S=T, z=z1)
-    twice, z2 = _reference(config, dict(tensors, **{"alibi.slopes": tensors["alibi.slopes"] * 2}), out["x"], positions)
-    _check("falcon eager vs the bias twice", out["out"], twice["output"], config, S=T, z=z2)
-    tol = policy_for(config, dtype="float32", quantity="output", B=1, T=T, S=T, reference=once["output"], logits=z1,
-                     max_position=T)
-    assert not compare("falcon eager vs the bias once", out["out"], once["output"], tol).ok
-    print(f"falcon eager - float64 reference (bias once): {np.abs(out['out'] - once['output']).max():.3g}")
+    once = am.bias_count(config, tensors, sdpa, "falcon sdpa")
+    assert once["once"].ok, once["once"].describe()
+    twice = am.bias_count(config, tensors, out, "falcon eager")
+    assert twice["twice"].ok, twice["twice"].describe()
+    assert not twice["once"].ok, twice["once"].describe()
+    print(f"falcon eager - float64 reference (bias once): {twice['once'].max_abs_error:.3g}")
 
 
 @pytest.fixture(scope="module")
-def converted_falcon_rw(tmp_path_factory):
+def converted_falcon_rw():
     if transformers is None:
         pytest.skip("needs torch and transformers (extra hf)")
     variant = "falcon-rw"
     model = _model(variant)
-    folder = tmp_path_factory.mktemp("falcon-rw-sdpa")
-    model.save_pretrained(folder)
     (full,) = _run(model, variant, {"input_ids": _ids(), "use_cache": False})
-    config, tensors = layouts.to_canonical("hf-falcon", {k: v.detach().numpy() for k, v in model.state_dict().items()},
-                                           hf_config=json.loads((folder / "config.json").read_text()), layer=LAYER)
+    config, tensors = am.convert(model, MODELS[variant])  # the config.json save_pretrained writes
     return config, tensors, full
 
 
@@ -418,26 +354,18 @@ def test_slope_table_is_generated_and_matches_transformers():
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=needs_transformers) for v in ("bloom", "mpt", "falcon-rw")])
-def test_float32_inside_a_float64_model(variant, tmp_path):
+def test_float32_inside_a_float64_model(variant):
     """Measured: the model built in float64 against the float64 reference on its converted weights.
     BLOOM (softmax dtype=float32, its alibi tensor from float32 slopes) and MPT (softmax of
     scores.float(), float32 slopes) miss the float64 policy and meet the float32 one; Falcon (softmax
     in the hidden dtype, sdpa in float64; its bfloat16 slopes are powers of two for 6 heads) meets the
     float64 policy."""
-    model = _model(variant, dtype=torch.float64)
-    model.save_pretrained(tmp_path)
-    (full,) = _run(model, variant, {"input_ids": _ids(), "use_cache": False})
-    config, tensors = layouts.to_canonical(MODELS[variant][0],
-                                           {k: v.detach().numpy() for k, v in model.state_dict().items()},
-                                           hf_config=json.loads((tmp_path / "config.json").read_text()), layer=LAYER)
-    ref, z = _reference(config, tensors, full["x"], np.arange(T, dtype=np.int64))
-    tol64 = policy_for(config, dtype="float64", quantity="output", B=1, T=T, S=T, reference=ref["output"], logits=z,
-                       max_position=T)
-    result = compare(f"{variant} float64 model", full["out"], ref["output"], tol64)
-    print(f"{variant} in float64: worst |model - reference| {np.abs(full['out'] - ref['output']).max():.3g}, "
-          f"float64 policy atol {tol64.atol:.3g}")
+    wide = am.float64_model(MODELS[variant], name=variant)  # the slopes as the layout reads them
+    result = wide["float64"]
+    print(f"{variant} in float64: worst |model - reference| {wide['worst']:.3g}, "
+          f"float64 policy atol {result.tolerance.atol:.3g}")
     if variant == "falcon-rw":
         assert result.ok, result.describe()
     else:
         assert not result.ok, f"{variant}: expected float32 rounding inside the float64 model: {result.describe()}"
-        _check(f"{variant} float64 model, float32 policy", full["out"], ref["output"], config, S=T, z=z)
+        assert wide["float32"].ok, wide["float32"].describe()

@@ -26,7 +26,10 @@ keys visible, softcap before or after the mask, sinks, the QK-norm option)
 are a second table, measured by modern.py in this package in the
 same run; the native packed and sharded paths (jax's seq lengths, flex_attention
 document masks, torch's context_parallel and DTensor heads on 2 gloo
-processes) a third, by packed.py.
+processes) a third, by packed.py; where transformers' ALiBi models (BLOOM, MPT,
+Falcon-RW, tiny random models built in the same run) add the bias, how many
+times, in which dtype, and what their decode step reads, a fourth, by
+alibi_models.py.
 
 Layers get identity projections without biases (D = N*H), so their output is
 the attention itself, merged over heads, and compares directly with the
@@ -44,8 +47,9 @@ N heads, H head dim, D = N*H features.
 The package: harness.py (shapes, the reference, Runner/Api, what is measured
 of one API), apis.py (the per-API runners and APIS), precision.py (the float32
 matmul probe), expectations.py (expected.json), render.py (cells, Markdown,
-the terminal), survey.py (the whole run and its command); the second and third
-tables: modern.py, packed.py (with packed_labels.py and packed_sharded.py);
+the terminal), survey.py (the whole run and its command); the second, third and
+fourth tables: modern.py, packed.py (with packed_labels.py and packed_sharded.py),
+alibi_models.py;
 kernels.py, the forced-kernel table (`python -m
 conformance.native.conventions.kernels`); features.py, which API takes which
 modern feature (`python -m conformance.native.conventions.features`).

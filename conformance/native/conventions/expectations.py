@@ -15,7 +15,8 @@ EXPECTED_SOURCE = f"the recorded expectations ({EXPECTED_PATH})"
 # measurements some runners add (ONNX's past-cache causal alignment).
 EXPECTED_KEYS = ("mask_true_means", "fully_masked_row", "fully_masked_weights", "causal_T2_S4", "causal_T4_S2",
                  "causal_T2_S4_past_cache", "rope_pairing", "window", "softcap_order", "sinks", "qk_norm",
-                 "keys_visible", "empty_row", "packing")
+                 "keys_visible", "empty_row", "packing", "alibi_placement", "alibi_times_added", "float64_model",
+                 "decode_cache_positions")
 
 
 def parse_expected(text: str) -> dict[str, dict[str, str]]:

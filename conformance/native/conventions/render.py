@@ -55,9 +55,10 @@ def table_cells(data: dict) -> tuple[list[list[str]], list[str]]:
 
 
 def _notes(data: dict) -> list[str]:
-    from conformance.native.conventions import modern, packed
+    from conformance.native.conventions import alibi_models, modern, packed
 
     notes = modern.notes(data.get("modern_rows", [])) + packed.notes(data.get("packed_rows", []))
+    notes += alibi_models.notes(data.get("alibi_rows", []))
     for row in data["rows"]:
         if row.get("status") not in ("measured", NOT_INSTALLED):
             notes.append(f"{row['api']}: {row['status']}: {row.get('reason', '')}")
@@ -73,17 +74,19 @@ def disagreements(data: dict) -> list[str]:
 
     lines = []
     table = expected()
+    from conformance.native.conventions.alibi_models import KEYS as ALIBI_KEYS
     from conformance.native.conventions.modern import KEYS as MODERN_KEYS
     from conformance.native.conventions.packed import KEYS as PACKED_KEYS
 
     tables = ([(row, ()) for row in data["rows"]] + [(row, MODERN_KEYS) for row in data.get("modern_rows", [])]
-              + [(row, PACKED_KEYS) for row in data.get("packed_rows", [])])
+              + [(row, PACKED_KEYS) for row in data.get("packed_rows", [])]
+              + [(row, ALIBI_KEYS) for row in data.get("alibi_rows", [])])
     for row, own in tables:
         if row.get("status") != "measured":
             continue
         for key, want in table.get(row["api"], {}).items():
             # an API may have a row in each table: each checks its own keys (the first table: the rest)
-            if not ((key in own) if own else (key not in MODERN_KEYS and key not in PACKED_KEYS)):
+            if not ((key in own) if own else (key not in MODERN_KEYS + PACKED_KEYS + ALIBI_KEYS)):
                 continue
             got = row.get(key)
             if isinstance(got, str):  # a modern cell's "(err 1.2e-07)" is evidence, not the convention
@@ -103,10 +106,11 @@ def _setup_line(data: dict) -> str:
 
 def _second_tables(data: dict):
     """The tables after the first that this run measured: (name, module with SETUP/COLUMNS/cells, rows)."""
-    from conformance.native.conventions import modern, packed
+    from conformance.native.conventions import alibi_models, modern, packed
 
     for name, table, key in (("Modern arguments", modern, "modern_rows"),
-                             ("Packed and sharded paths", packed, "packed_rows")):
+                             ("Packed and sharded paths", packed, "packed_rows"),
+                             ("ALiBi in transformers' models", alibi_models, "alibi_rows")):
         if data.get(key) is not None:
             yield name, table, data[key]
 

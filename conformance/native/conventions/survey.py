@@ -1,4 +1,4 @@
-"""The whole conventions measurement (the three tables in one run) and its
+"""The whole conventions measurement (the four tables in one run) and its
 command, `python -m conformance.native.conventions`."""
 
 from __future__ import annotations
@@ -25,16 +25,20 @@ from conformance.native.conventions.precision import MATMUL_PROBES, _precision_i
 from conformance.native.conventions.render import render_terminal, to_markdown
 
 
-def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None, packed_apis=None) -> dict:
+def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None, packed_apis=None,
+            alibi_apis=None) -> dict:
     """Measure every API (default APIS), every modern API (default
-    modern.APIS) and every packed/sharded path (default
-    packed.APIS; either none when `apis` is given). JSON-serialisable."""
-    from conformance.native.conventions import modern, packed
+    modern.APIS), every packed/sharded path (default packed.APIS) and
+    transformers' ALiBi models (default alibi_models.APIS; each of the
+    last three none when `apis` is given). JSON-serialisable."""
+    from conformance.native.conventions import alibi_models, modern, packed
 
     if modern_apis is None:
         modern_apis = modern.APIS if apis is None else ()
     if packed_apis is None:
         packed_apis = packed.APIS if apis is None else ()
+    if alibi_apis is None:
+        alibi_apis = alibi_models.APIS if apis is None else ()
     apis = APIS if apis is None else apis
     started = time.perf_counter()
     a, b, exact = _precision_inputs()
@@ -69,13 +73,16 @@ def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None,
         if status is not None:
             status.update("measuring conventions: the packed and sharded paths")
         packed_rows = packed.measure(packed_apis)
+        if status is not None:
+            status.update("measuring conventions: transformers' ALiBi models")
+        alibi_rows = alibi_models.measure(alibi_apis)
     finally:
         if status is not None:
             status.stop()
     present = {r["framework"].split(" ")[0] for r in rows if r["status"] == "measured"}
     versions = {**_versions(present), **modern.versions()}
     return {"versions": versions, "devices": devices, "rows": rows, "modern_rows": modern_rows,
-            "packed_rows": packed_rows,
+            "packed_rows": packed_rows, "alibi_rows": alibi_rows,
             "shapes": {"B": B, "T": T, "S": S, "N": N, "H": H, "causal_T_S": [list(p) for p in CAUSAL_SHAPES]},
             "tolerance": TOL, "matmul_shape": list(MATMUL_SHAPE),
             "seconds": round(time.perf_counter() - started, 2)}
@@ -94,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             description="Measure the conventions of each framework's own attention API (bool mask polarity, the "
                         "output and weights of a fully masked row, causal alignment when T != S, the default float32 "
                         "matmul precision on each device; RoPE pairing, window meaning, softcap order, sinks and the QK-norm "
-                        "option of the APIs that have them) against the NumPy reference, and print the tables with "
+                        "option of the APIs that have them; the packed and sharded paths; where transformers' "
+                        "ALiBi models add the bias, and how many times) against the NumPy reference, and print the "
+                        "tables with "
                         f"every disagreement with {EXPECTED_SOURCE}. Frameworks that are not installed are rows "
                         "saying so. `mha check --conventions` prints the same table after the main job.")
         form = parser.add_mutually_exclusive_group()

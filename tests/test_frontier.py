@@ -17,6 +17,8 @@ from impl_numpy import multi_head_attention
 from weights import AttentionConfig
 from weights.alibi import bloom_slopes
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, `all` does not again
+
 BASE = dict(num_heads=4, num_kv_heads=2, query_dim=8, head_dim=4)
 
 

@@ -36,6 +36,8 @@ from impl_numpy import multi_head_attention
 from weights import AttentionConfig, WeightsFormatError
 from weights.format import _SAFETENSORS_NUMPY
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, `all` does not again
+
 # -- case counts ---------------------------------------------------------------------
 
 COUNTS: collections.Counter[str] = collections.Counter()

@@ -9,6 +9,7 @@ mirrors over weights. Read from the source with ast, nothing imported.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,3 +131,25 @@ def test_each_layer_imports_only_its_own_and_those_below():
                     if layer_of(name) is not None and layer_of(target) is not None
                     and layer_of(target) < layer_of(name))
     assert not upward, "imports against the layers: " + "; ".join(upward)
+
+
+FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "flax", "transformers", "onnx", "onnxruntime", "keras_hub",
+              "torchtune", "impl_torch", "impl_tf", "impl_jax", "mirrors", "conformance.suite.backends")
+
+
+def test_reference_marked_files_look_for_no_framework():
+    """A test file marked `reference` runs in the numpy env only (`tox -e all` deselects it: it would run
+    the same again): it must import no framework or mirror, directly or through the backends registry, and
+    skip on none (importorskip), or `all` would lose what it tests with the frameworks installed."""
+    marked = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
+              if re.search(r"^pytestmark = pytest\.mark\.reference\b", p.read_text(), re.M)]
+    assert len(marked) >= 10, [p.name for p in marked]
+    for path in marked:
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        names |= {f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and node.module for alias in node.names}
+        found = sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in FRAMEWORKS))
+        assert not found, f"{path.name} is marked reference but imports {found}"
+        assert "importorskip" not in path.read_text(), f"{path.name} is marked reference but skips on a framework"

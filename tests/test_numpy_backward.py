@@ -12,6 +12,8 @@ import weights
 from conformance.suite.cases import CASES, make_inputs, make_tensors, output_cotangent
 from impl_numpy import multi_head_attention, multi_head_attention_vjp
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, `all` does not again
+
 EPS = 1e-6
 
 

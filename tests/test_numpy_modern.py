@@ -18,6 +18,8 @@ from impl_numpy import multi_head_attention
 from impl_numpy.backward import multi_head_attention_vjp
 from weights import AttentionConfig
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, `all` does not again
+
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}

@@ -15,6 +15,8 @@ from impl_numpy import causal_mask, multi_head_attention
 from weights import AttentionConfig
 from weights.call import OPTIONAL_STAGES
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, `all` does not again
+
 
 def assert_allclose64(actual, expected, what, rtol=1e-12, atol=1e-12):
     """float64 against float64: both sides exact up to a few ulps of round-off

@@ -12,6 +12,8 @@ from conformance.suite.cases import CASES, DTYPE_NAMES
 from conformance.suite.vectors import DEFAULT_DIR, Vector, generate, load_all
 from weights import read_safetensors
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, `all` does not again
+
 
 def test_vectors_regenerate_byte_identically_on_one_machine(tmp_path):
     first, second = generate(tmp_path / "a"), generate(tmp_path / "b")

@@ -13,6 +13,8 @@ from strategies import configs
 import weights
 from weights import AttentionConfig, WeightsFormatError
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, `all` does not again
+
 
 @given(config=configs(dropout=True, modern=True))
 def test_config_json_round_trip(config):

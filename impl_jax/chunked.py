@@ -297,6 +297,8 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                 crosses = crosses | (s0 < t0 + (Cq - 1 + offset - left))
             if k_overlap:
                 crosses = crosses | (j == nk - 1)
+            if crosses is False:  # local chunks alone: no causal, window or overlap edge crosses any block
+                return lax.switch(jnp.where(hidden, 0, 1), [lambda *c: c, compute(False)], *carry), None
             branch = jnp.where(hidden, 0, jnp.where(crosses, 2, 1))
             return lax.switch(branch, [lambda *c: c, compute(False), compute(True)], *carry), None
 

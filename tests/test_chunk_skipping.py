@@ -31,8 +31,8 @@ POSITIONS = {
 }
 
 
-def _chunked(mirror: str, config, tensors, x, value, positions) -> np.ndarray:
-    options = dict(chunk_size=BLOCK, is_causal=False)
+def _chunked(mirror: str, config, tensors, x, value, positions, **extra) -> np.ndarray:
+    options = dict(chunk_size=BLOCK, is_causal=False, **extra)
     if positions is not None:  # the keys at the queries' positions (a self-attention call's)
         options.update(positions=positions, key_positions=positions)
     if mirror == "numpy":
@@ -42,6 +42,7 @@ def _chunked(mirror: str, config, tensors, x, value, positions) -> np.ndarray:
         import impl_tf
 
         as_tf = {name: tf.constant(t) for name, t in tensors.items()}
+        options = {k: tf.constant(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
         return np.asarray(impl_tf.multi_head_attention(config, as_tf, tf.constant(x), tf.constant(x),
                                                        tf.constant(value), **options))
     pytest.importorskip("jax", reason="JAX not installed: pip install '.[jax]'")
@@ -77,3 +78,18 @@ def test_chunked_skips_the_key_blocks_local_chunks_hide(mirror, positions):
     assert np.isnan(got[sees]).all(), f"{mirror}: the rows that see the NaN key are not NaN"
     skipped_rows = sum(key_block.max() < (pos[:, t:t + BLOCK] // CHUNK).min() for t in range(0, T, BLOCK))
     assert skipped_rows >= 2, "the call should hide the poisoned key block from at least two query blocks"
+
+
+@pytest.mark.parametrize("mirror", MIRRORS)
+def test_local_chunks_alone_with_a_mask(mirror):
+    """Chunks the only structure (no causal mask, no window, S a multiple of the block) and a bool mask: the
+    chunked path equals the float64 stages (JAX's key loop once built its causal-edge branch here, with
+    nothing to AND into the mask: the 1000-case sweep's random_961000 and 17 more)."""
+    config = weights.AttentionConfig(num_heads=2, query_dim=D, head_dim=4, local_chunk=CHUNK)
+    tensors = weights.init(config, seed=6, dtype="float64")
+    x = np.random.default_rng(30).standard_normal((B, T, D))
+    mask = np.random.default_rng(31).random((B, 1, T, T)) < 0.8
+    got = _chunked(mirror, config, tensors, x, x, None, mask=mask)
+    want = impl_numpy.multi_head_attention(config, tensors, x, x, x, mask=mask, trace=[])
+    assert_close(f"{mirror}: chunks and a mask", got, want, config=config, dtype="float64", quantity="output",
+                 B=B, T=T, S=T)

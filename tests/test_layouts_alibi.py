@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_layouts_modern import _installed
 
 from conformance.cli.commands import main as mha
 from conformance.native.conventions import alibi_models as am
-from conformance.suite import backends
 from conformance.suite.tolerance import compare, policy_for
 from weights import alibi, layouts, load
 from weights.layouts import alibi_models
@@ -106,16 +106,6 @@ def _build(variant: str, tmp_path_factory):
     config, tensors = load(target)
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return variant, config, tensors, full, step, state, json.loads((folder / "config.json").read_text()), model
-
-
-def _installed():
-    out = []
-    for backend in backends.CORE:
-        try:
-            out.append((backend, backends.load(backend)))
-        except backends.BackendUnavailable:
-            continue
-    return out
 
 
 def _check(name, actual, expected, config, *, S, z, dtype="float32") -> float:

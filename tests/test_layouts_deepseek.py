@@ -19,6 +19,7 @@ import json
 
 import numpy as np
 import pytest
+from test_layouts_modern import _installed
 
 from conformance.cli import files
 from conformance.cli.commands import main as mha
@@ -127,16 +128,6 @@ def _build(name: str, tmp_path_factory):
 def _policy(config, expected, logits):
     return policy_for(config, dtype="float32", quantity="output", B=1, T=expected.shape[1], S=T, reference=expected,
                       logits=logits, max_position=T)
-
-
-def _installed():
-    out = []
-    for backend in backends.CORE:
-        try:
-            out.append((backend, backends.load(backend)))
-        except backends.BackendUnavailable:
-            continue
-    return out
 
 
 def _reference(config, tensors, x):

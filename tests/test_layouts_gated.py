@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 import pytest
-from test_layouts_modern import _check, _installed, needs_transformers
+from test_layouts_modern import needs_transformers, reproduce_block
 
 from conformance.cli.commands import main as mha
 from conformance.suite import backends
@@ -169,30 +169,8 @@ def test_backends_reproduce_the_block(converted):
     """Full causal call on every installed core backend, and a decode step from the returned cache, against
     the model's own output; the float64 reference first."""
     model_type, blocks, *_ = converted
-    numpy_backend = backends.load("numpy")
-    positions = np.arange(T, dtype=np.int64)
     for layer, (config, tensors, seen) in blocks.items():
-        x, expected = seen["x"], seen["out"]
-        wide = {k: v.astype(np.float64) for k, v in tensors.items()}
-        ref = numpy_backend.forward(config, wide, {"query": x.astype(np.float64), "positions": positions},
-                                    {"is_causal": True}, trace=True)
-        logits = dict(ref["trace"])["logits"]
-        margins = {"float64": _check(f"{model_type}[{layer}] float64 reference", ref["output"], expected, config,
-                                     S=T, logits=logits, max_position=T)}
-        for name, backend in _installed():
-            full = backend.forward(config, tensors, {"query": x, "positions": positions}, {"is_causal": True})
-            margins[name] = _check(f"{model_type}[{layer}] {name}", full["output"], expected, config, S=T,
-                                   logits=logits, max_position=T)
-            first = backend.forward(config, tensors, {"query": x[:, :-1], "positions": positions[:-1]},
-                                    {"is_causal": True, "return_cache": True})
-            step = backend.forward(
-                config, tensors, {"query": x[:, -1:], "positions": positions[-1:], "past_key": first["present_key"],
-                                  "past_value": first["present_value"]},
-                {"is_causal": True, "causal_alignment": "bottom_right"})
-            margins[f"{name} decode"] = _check(f"{model_type}[{layer}] {name} decode", step["output"],
-                                               expected[:, -1:], config, S=T, logits=logits[..., -1:, :],
-                                               max_position=T)
-        print(f"{model_type} block {layer}: worst margins " + ", ".join(f"{k} {v:.3g}" for k, v in margins.items()))
+        reproduce_block(f"{model_type}[{layer}]", config, tensors, seen["x"], seen["out"])
 
 
 def test_round_trip_is_bit_exact(converted):

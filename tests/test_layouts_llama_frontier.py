@@ -15,10 +15,9 @@ import json
 
 import numpy as np
 import pytest
-from test_layouts_modern import _check, _installed
+from test_layouts_modern import reproduce_block
 
 from conformance.cli.commands import main as mha
-from conformance.suite import backends
 from weights import layouts, load
 
 try:
@@ -157,34 +156,11 @@ def test_backends_reproduce_the_block(converted):
     prefix returned, against the model's own output; the float64 reference first. phi3 at T = 9 (long
     factors: the prefix of 8 tokens is past the original 4 too) and T = 4 (short)."""
     model_type, _model_, blocks, runs, *_ = converted
-    numpy_backend = backends.load("numpy")
-    installed = _installed()
     for tokens, seen_by_layer in runs.items():
-        positions = np.arange(tokens, dtype=np.int64)
         for layer, (config, tensors) in blocks.items():
-            x, expected = seen_by_layer[layer]["x"], seen_by_layer[layer]["out"]
-            name = f"{model_type}[{layer}] T={tokens}"
-            wide = {k: v.astype(np.float64) for k, v in tensors.items()}
-            ref = numpy_backend.forward(config, wide, {"query": x.astype(np.float64), "positions": positions},
-                                        {"is_causal": True}, trace=True)
-            logits = dict(ref["trace"])["logits"]
-            check = dict(S=tokens, logits=logits, max_position=tokens)
-            margins = {"float64": _check(f"{name} float64 reference", ref["output"], expected, config, **check)}
-            for backend_name, backend in installed:
-                full = backend.forward(config, tensors, {"query": x, "positions": positions}, {"is_causal": True})
-                margins[backend_name] = _check(f"{name} {backend_name}", full["output"], expected, config, **check)
-                if backend_name not in ("numpy", "torch"):
-                    continue
-                first = backend.forward(config, tensors, {"query": x[:, :-1], "positions": positions[:-1]},
-                                        {"is_causal": True, "return_cache": True})
-                step = backend.forward(
-                    config, tensors, {"query": x[:, -1:], "positions": positions[-1:],
-                                      "past_key": first["present_key"], "past_value": first["present_value"]},
-                    {"is_causal": True, "causal_alignment": "bottom_right"})
-                margins[f"{backend_name} decode"] = _check(
-                    f"{name} {backend_name} decode", step["output"], expected[:, -1:], config,
-                    S=tokens, logits=logits[..., -1:, :], max_position=tokens)
-            print(f"{name}: worst margins " + ", ".join(f"{k} {v:.3g}" for k, v in margins.items()))
+            seen = seen_by_layer[layer]
+            reproduce_block(f"{model_type}[{layer}] T={tokens}", config, tensors, seen["x"], seen["out"],
+                            decode=("numpy", "torch"))
 
 
 def test_round_trip_is_bit_exact(converted):

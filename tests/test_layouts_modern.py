@@ -133,6 +133,35 @@ def _check(name, actual, expected, config, *, S, logits, max_position) -> float:
     return result.margin
 
 
+def reproduce_block(name: str, config, tensors, x, expected, *, decode=None) -> dict[str, float]:
+    """The float64 reference, then every installed core backend, on a full causal call of x (B, L, D)
+    against the model's own output, and a decode step of the last token on the cache the prefix returned
+    (on the backends named in `decode`; None: every one). -> each check's margin (printed too)."""
+    tokens = x.shape[1]
+    positions = np.arange(tokens, dtype=np.int64)
+    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
+    ref = backends.load("numpy").forward(config, wide, {"query": x.astype(np.float64), "positions": positions},
+                                         {"is_causal": True}, trace=True)
+    logits = dict(ref["trace"])["logits"]
+    check = dict(S=tokens, logits=logits, max_position=tokens)
+    margins = {"float64": _check(f"{name} float64 reference", ref["output"], expected, config, **check)}
+    for backend_name, backend in _installed():
+        full = backend.forward(config, tensors, {"query": x, "positions": positions}, {"is_causal": True})
+        margins[backend_name] = _check(f"{name} {backend_name}", full["output"], expected, config, **check)
+        if decode is not None and backend_name not in decode:
+            continue
+        first = backend.forward(config, tensors, {"query": x[:, :-1], "positions": positions[:-1]},
+                                {"is_causal": True, "return_cache": True})
+        step = backend.forward(
+            config, tensors, {"query": x[:, -1:], "positions": positions[-1:], "past_key": first["present_key"],
+                              "past_value": first["present_value"]},
+            {"is_causal": True, "causal_alignment": "bottom_right"})
+        margins[f"{backend_name} decode"] = _check(f"{name} {backend_name} decode", step["output"], expected[:, -1:],
+                                                   config, S=tokens, logits=logits[..., -1:, :], max_position=tokens)
+    print(f"{name}: worst margins " + ", ".join(f"{k} {v:.3g}" for k, v in margins.items()))
+    return margins
+
+
 def _installed():
     out = []
     for backend in backends.CORE:
@@ -185,30 +214,8 @@ def test_backends_reproduce_the_block(converted):
     """Full causal call and one decode step on a cache, every installed core backend, against the
     model's own output; the float64 reference first."""
     model_type, blocks, *_ = converted
-    numpy_backend = backends.load("numpy")
-    positions = np.arange(T, dtype=np.int64)
     for layer, (config, tensors, seen) in blocks.items():
-        x, expected = seen["x"], seen["out"]
-        wide = {k: v.astype(np.float64) for k, v in tensors.items()}
-        ref = numpy_backend.forward(config, wide, {"query": x.astype(np.float64), "positions": positions},
-                                    {"is_causal": True}, trace=True)
-        logits = dict(ref["trace"])["logits"]
-        margins = {"float64": _check(f"{model_type}[{layer}] float64 reference", ref["output"], expected, config,
-                                     S=T, logits=logits, max_position=T)}
-        for name, backend in _installed():
-            full = backend.forward(config, tensors, {"query": x, "positions": positions}, {"is_causal": True})
-            margins[name] = _check(f"{model_type}[{layer}] {name}", full["output"], expected, config, S=T,
-                                   logits=logits, max_position=T)
-            first = backend.forward(config, tensors, {"query": x[:, :-1], "positions": positions[:-1]},
-                                    {"is_causal": True, "return_cache": True})
-            step = backend.forward(
-                config, tensors, {"query": x[:, -1:], "positions": positions[-1:], "past_key": first["present_key"],
-                                  "past_value": first["present_value"]},
-                {"is_causal": True, "causal_alignment": "bottom_right"})
-            margins[f"{name} decode"] = _check(f"{model_type}[{layer}] {name} decode", step["output"],
-                                               expected[:, -1:], config, S=T, logits=logits[..., -1:, :],
-                                               max_position=T)
-        print(f"{model_type} block {layer}: worst margins " + ", ".join(f"{k} {v:.3g}" for k, v in margins.items()))
+        reproduce_block(f"{model_type}[{layer}]", config, tensors, seen["x"], seen["out"])
 
 
 def test_round_trip_is_bit_exact(converted):

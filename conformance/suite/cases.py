@@ -37,7 +37,8 @@ class Case:
     return_weights: bool = True
     input_scale: float = 1.0  # > 1 makes large logits
     # The modern inputs (all off by default: a plain case's vectors are unchanged)
-    positions: str | None = None  # None (the defaults) | "far" | "per_batch" | "packed" (with segment ids)
+    positions: str | None = None  # None (the defaults) | "far" | "per_batch" | "packed" (with segment ids) | "explicit"
+    first_position: int = 0  # positions "explicit": the first new key's position (see _modern_inputs)
     P: int = 0  # cache length: past_key / past_value of P positions
     return_cache: bool = False
 
@@ -203,6 +204,74 @@ def _frontier_grid() -> list[Case]:
                   query_temperature={"beta": 0.1, "floor": 4.0, "offset": 0}, qkv_clip=0.8, use_sinks=True,
                   output_gate={"scope": "element"}, logit_softcap=10.0),
              T=3, S=3, P=4, positions="far", mask="padding", **decode),
+    ] + _edge_grid()
+
+
+def _edge_grid() -> list[Case]:
+    """The contract's thresholds, a case on each side (issue 38, item 3), and the features the other cases never
+    reach: a weightless QK-norm, a weighted value norm, ALiBi / chunks / the temperature over a cache whose keys a
+    query sees under explicit positions, causal with T < S and T > S over a cache.
+
+    Each position is computed from the config it tests (`first_position`), never typed, and
+    tests/test_edge_cases.py asserts that each case sits where its comment says, so an edit cannot drift it off
+    its edge. The window's first and last visible keys (p - left, p + right) and a chunk boundary inside one call
+    are the existing window_left_causal, window_both_bottom_right, local_chunk_per_batch and
+    norm_after_rope_chunked (the test asserts those too)."""
+    causal = dict(is_causal=True)
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    # LongRoPE: the long table iff the call's largest position + 1 > original_max_position_embeddings; the
+    # attention factor given, and not the one the LongRoPE rule would compute from factor (sqrt(1.75) here)
+    longrope = {"type": "longrope", "factor": 8.0, "original_max_position_embeddings": 16, "attention_factor": 1.1,
+                "short_factor": [1.0, 1.3, 2.1], "long_factor": [1.5, 4.0, 9.0]}
+    longrope_cfg = _cfg(head_dim=8, rope={"rotary_dim": 6, "scaling": longrope})
+    original = longrope["original_max_position_embeddings"]
+    T = 4  # self attention: the largest position is first_position + T - 1
+    # llama3 over theta 100 (wavelengths 2 pi 100^(i/4): 6.3, 19.9, 62.8, 199) with original 32 / high_freq_factor 4
+    # = 8 and original / low_freq_factor = 32: pair 0 below the ramp, pair 1 on it, pairs 2 and 3 past it
+    llama3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32}
+    # YaRN without rounding (gpt-oss's truncate false): over theta 100 and original 64 the ramp runs from dimension
+    # 0.81 (beta_fast 4) to 2.02 (beta_slow 1): pair 0 before it, pairs 1 and 2 on it, pair 3 past it
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 4.0, "beta_slow": 1.0,
+            "truncate": False}
+    # Llama 4's temperature (offset 1): the floor step is where position + offset reaches floor
+    temperature = {"beta": 0.5, "floor": 6.0, "offset": 1}
+    step = int(temperature["floor"]) - temperature["offset"]  # the first position of step 1
+    # a decode step of two queries across a chunk boundary: the first at the chunk's last position C - 1 (it sees
+    # the chunk's first key, the cache's key 0, and its last, itself), the second at C (it sees itself alone);
+    # the temperature's floor step (offset 0, Ministral 3 / Mistral 4) at C too
+    chunk = 4
+    return [
+        # LongRoPE's threshold: largest position + 1 == original (short table) and == original + 1 (long table)
+        Case("edge_longrope_at_original", longrope_cfg, B=1, T=T, S=T, positions="explicit",
+             first_position=original - T, **causal),
+        Case("edge_longrope_past_original", longrope_cfg, B=1, T=T, S=T, positions="explicit",
+             first_position=original - T + 1, **causal),
+        # the temperature's floor step: positions step - 2 .. step + 1, two on each side of it (NoPE: a Llama 4
+        # layer without RoPE, as the temperature's own layers are)
+        Case("edge_temperature_floor_step", _cfg(query_temperature=temperature), B=1, T=T, S=T,
+             positions="explicit", first_position=step - 2, **causal),
+        # the ramps' ends: pairs on each side of each end (llama3 is continuous there, so a pair exactly on an
+        # end shows nothing a pair beside it does not)
+        Case("edge_llama3_ramp_ends", _cfg(head_dim=8, rope={"theta": 100.0, "scaling": llama3}), B=1,
+             positions="far", **causal),
+        Case("edge_yarn_ramp_ends", _cfg(head_dim=8, rope={"theta": 100.0, "scaling": yarn}), B=1, T=3, S=4,
+             self_attention=False, positions="far"),
+        # Llama 4's RoPE layer (a weightless QK-norm after RoPE, local chunks) decoding across a chunk boundary,
+        # with the temperature's floor step in the same step: the cache's keys visible to the first query
+        Case("edge_chunk_decode", _cfg(num_heads=4, num_kv_heads=2, rope={}, local_chunk=chunk,
+                                       qk_norm={"type": "rms", "eps": 1e-5, "weight": False, "after_rope": True},
+                                       query_temperature={"beta": 0.5, "floor": float(chunk), "offset": 0}),
+             T=2, S=2, P=chunk - 1, positions="explicit", first_position=chunk - 1, **decode),
+        # ALiBi over a cache at explicit positions 4 past the cache's end (cache keys at 0..P-1, visible): a port
+        # that measures distances by index (query i at P + S - T + i) instead of position is off by 4 on every
+        # cache key; T=2 < S=3, bottom-right
+        Case("edge_alibi_decode_positions", _cfg(num_heads=4, num_kv_heads=2, alibi=True), T=2, S=3, P=3,
+             positions="explicit", first_position=3 + 4, **decode),
+        # a weighted value norm over a cache, causal with T=3 > S=2 new keys (the ALiBi case has T < S; a cache's
+        # other alignment, top-left, is refused: weights.contract.check_cache_alignment)
+        Case("edge_value_norm_cache_long_query", _cfg(value_norm={"type": "rms", "weight": True}), T=3, S=2, P=2,
+             **decode),
     ]
 
 
@@ -276,7 +345,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
     """The cache (after projection, norm and rope, as a model stores it: unit-scale values), and the
     positions: "far" 37 places on, past a short original context; "per_batch" a different offset per
-    row; "packed" two or three documents per row whose positions restart, with their segment ids."""
+    row; "packed" two or three documents per row whose positions restart, with their segment ids;
+    "explicit" from case.first_position on."""
     c, B, T, S, P = case.config, case.B, case.T, case.S, case.P
     inputs: dict[str, np.ndarray] = {}
     if P:
@@ -290,6 +360,12 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
         offsets = rng.integers(0, 60, size=(B, 1))
         inputs["positions"] = (offsets + P + np.arange(T)).astype(np.int64)  # (B, T)
         inputs["key_positions"] = (offsets + P + np.arange(S)).astype(np.int64)  # (B, S)
+    elif case.positions == "explicit":
+        # the new keys at first_position + arange(S); the queries too (top-left), or the last T of them
+        # (bottom-right, T <= S: a decode step's queries are its last tokens)
+        shift = case.S - T if case.causal_alignment == "bottom_right" and case.S >= T else 0
+        inputs["positions"] = case.first_position + shift + np.arange(T, dtype=np.int64)  # (T,)
+        inputs["key_positions"] = case.first_position + np.arange(S, dtype=np.int64)  # (S,)
     elif case.positions == "packed":
         if not (case.self_attention and P == 0):
             raise ValueError(f"case {case.name}: packed positions need self attention without a cache")

@@ -230,7 +230,12 @@ def _qk_norm(y, t, name, heads, H, norm, bug):
     if norm["type"] == "layer":
         g = g - g.mean(-1, keepdims=True)
     ms = (g * g).mean(-1, keepdims=True)
-    g = g / (np.sqrt(ms) + norm["eps"]) if bug == "norm_eps_outside_sqrt" else g / np.sqrt(ms + norm["eps"])
+    if bug == "weightless_qk_norm_as_l2" and not norm["weight"] and name != "value":  # F.normalize: x / |x|
+        g = g / np.maximum(np.sqrt((g * g).sum(-1, keepdims=True)), 1e-12)
+    elif bug == "norm_eps_outside_sqrt":
+        g = g / (np.sqrt(ms) + norm["eps"])
+    else:
+        g = g / np.sqrt(ms + norm["eps"])
     g = g.reshape(B, L, F)
 
     def per_feature(x):  # (H,) for every head, or (heads, H): as (F,)
@@ -238,6 +243,8 @@ def _qk_norm(y, t, name, heads, H, norm, bug):
             x = x.mean(axis=0)  # one scale for every head, where each head has its own
         return np.tile(x, heads) if x.ndim == 1 else x.reshape(-1)
 
+    if name == "value" and bug == "value_norm_scale_ignored":
+        return g  # normalised, the stored scale never applied
     if f"{name}.norm.scale" in t:  # none for a weightless norm
         g = g * per_feature(t[f"{name}.norm.scale"])
     if f"{name}.norm.bias" in t:
@@ -261,13 +268,17 @@ def _rope(x, positions, config, H, bug, longest):
     if scaling is None or kind == "plain" or (bug == "llama3_scaling_ignored" and kind == "llama3"):
         inv_freq = 1.0 / rope["theta"] ** (np.arange(0, R, 2) / R)
     elif kind == "longrope":  # written out: the base frequencies over the short or the long factors
-        table = "long_factor" if longest + 1 > scaling["original_max_position_embeddings"] else "short_factor"
+        original = scaling["original_max_position_embeddings"]
+        long = longest + 1 >= original if bug == "longrope_long_table_at_original" else longest + 1 > original
+        table = "long_factor" if long else "short_factor"
         inv_freq = 1.0 / (np.asarray(scaling[table]) * rope["theta"] ** (np.arange(0, R, 2) / R))
     elif kind == "proportional":  # the first share of the pairs turn, over the whole head; the rest stand still
         turning = int(scaling["partial_rotary_factor"] * R // 2)
         inv_freq = np.where(np.arange(R // 2) < turning, rope["theta"] ** (-np.arange(0, R, 2) / R), 0.0)
         inv_freq = inv_freq / scaling["factor"]
     else:  # the scaled rules from weights.rope (tests/test_rope.py checks them against transformers)
+        if kind == "yarn" and bug == "yarn_always_truncated":
+            rope = dict(rope, scaling=dict(scaling, truncate=True))
         inv_freq = inverse_frequencies(Rope.from_value(dict(rope, rotary_dim=R)))
     if bug == "rope_freqs_bfloat16":
         inv_freq = inv_freq.astype(ml_dtypes.bfloat16).astype(np.float64)
@@ -276,6 +287,8 @@ def _rope(x, positions, config, H, bug, longest):
         factor = attention_factor(Rope.from_value(rope))
     if kind == "longrope":
         factor = scaling["attention_factor"]
+        if bug == "longrope_attention_factor_recomputed":  # the paper's rule from factor, the stored value unread
+            factor = np.sqrt(1 + np.log(scaling["factor"]) / np.log(scaling["original_max_position_embeddings"]))
     angle = np.asarray(positions, np.float64).reshape(-1, 1, np.shape(positions)[-1], 1) * inv_freq  # (B|1, 1, L, R/2)
     cos, sin = np.cos(angle) * factor, np.sin(angle) * factor
     interleaved = rope["interleaved"] != (bug == "rope_convention_swapped")
@@ -345,6 +358,9 @@ def _alibi(t, q_pos, k_pos, N, P, T, bug):
         slopes = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)
     if bug == "alibi_query_positions_no_cache_offset":  # the queries counted from 0 while decoding
         q_pos = q_pos - P
+    if bug == "alibi_by_index":  # distances by index: the queries the last T of the P + S keys, the positions unread
+        S = k_pos.shape[1]
+        q_pos, k_pos = (S - T + np.arange(T))[None], np.arange(S)[None]
     distance = np.abs(q_pos[:, :, None] - k_pos[:, None, :])[:, None]  # (B|1, 1, T, S)
     sign = 1.0 if bug == "alibi_sign_flipped" else -1.0
     return sign * slopes.reshape(1, -1, 1, 1) * distance
@@ -409,6 +425,17 @@ MUTANTS = {
                                 "(a decode step far into the context keeps the short table)",
     "proportional_as_partial": "Gemma 4's proportional RoPE read as an ordinary partial rotary of the same share "
                                "(pairs i, i + R/2 of the first features, frequencies over R)",
+    # the thresholds and the features of the edge grid (cases.py's _edge_grid)
+    "longrope_long_table_at_original": "LongRoPE's long table taken when the largest position + 1 reaches "
+                                       "original_max_position_embeddings (>=) instead of exceeding it (>)",
+    "longrope_attention_factor_recomputed": "LongRoPE's attention factor computed from factor by the paper's rule, the "
+                                            "config's own attention_factor unread",
+    "yarn_always_truncated": "YaRN's ramp ends rounded to whole dimensions where the config says truncate false "
+                             "(gpt-oss)",
+    "weightless_qk_norm_as_l2": "a weightless QK-norm (Llama 4's L2Norm, an RMS norm) done as an L2 norm, x / |x|",
+    "value_norm_scale_ignored": "a weighted value norm's scale left out (the weightless form applied)",
+    "alibi_by_index": "ALiBi's distances by index (the queries the last T of the P + S keys) instead of the "
+                      "caller's positions",
     # latent attention (MLA)
     "mla_rope_on_nope_features": "MLA's RoPE on the first R features of each head (and the rotary key put first) "
                                  "where DeepSeek's heads end with them",

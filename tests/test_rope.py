@@ -22,6 +22,9 @@ SCALINGS = [
     {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
     {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0},
+    # gpt-oss's unrounded ramp (the grid's edge_yarn_ramp_ends)
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 4.0, "beta_slow": 1.0,
+     "truncate": False},
 ]
 
 
@@ -51,7 +54,8 @@ def _id(scaling):
     if scaling is None:
         return "none"
     return "-".join([scaling["type"], f"{scaling['factor']:g}", str(scaling.get("original_max_position_embeddings", "")),
-                     "mscale" if "mscale" in scaling else ""]).rstrip("-")
+                     "mscale" if "mscale" in scaling else "", "untruncated" if scaling.get("truncate") is False
+                     else ""]).replace("--", "-").rstrip("-")
 
 
 @pytest.mark.parametrize("scaling", SCALINGS, ids=_id)

@@ -81,7 +81,11 @@ SUPPORTED: dict[str, set[str]] = {
                             "segments_packed_cache",
                             # ALiBi in the float attn_mask, local chunks in the bool one, LongRoPE's tables
                             "alibi_causal", "alibi_chunk_decode", "local_chunk_per_batch", "rope_longrope_short",
-                            "rope_longrope_long"},
+                            "rope_longrope_long",
+                            # the edge group's: LongRoPE on each side of its threshold, the ramps' ends, ALiBi at
+                            # explicit positions over a cache
+                            "edge_longrope_at_original", "edge_longrope_past_original", "edge_llama3_ramp_ends",
+                            "edge_yarn_ramp_ends", "edge_alibi_decode_positions"},
 }
 assert all(names <= set(CASES) for names in SUPPORTED.values())
 

@@ -44,7 +44,7 @@ SUPPORTED = {
                   "key_len_1", "causal_square", "causal_top_left", "causal_bottom_right",
                   "causal_bottom_right_long_query", "padding_mask", "mask_bts", "mask_ts", "masked_rows_zero",
                   "no_weights", "rope_half", "rope_interleaved", "rope_partial", "rope_yarn", "rope_linear_per_batch",
-                  "return_cache_no_past"},
+                  "return_cache_no_past", "edge_yarn_ramp_ends"},  # yarn's truncate false included
     # forward(x, y): key and value from one input (the grid's cross cases give two); whole-head RoPE without
     # scaling; RMSNorm per head; no additive bias; the cache with GQA (the decode tests below)
     "torchtune": {"self_basic", "out_dim", "no_query_bias", "no_output_bias", "no_biases", "causal_square",

@@ -241,6 +241,8 @@ def _edge_grid() -> list[Case]:
     # the chunk's first key, the cache's key 0, and its last, itself), the second at C (it sees itself alone);
     # the temperature's floor step (offset 0, Ministral 3 / Mistral 4) at C too
     chunk = 4
+    # ALiBi's decode step: its new keys `gap` positions past the cache's end (the cache's keys at 0..P-1)
+    alibi_cache, gap = 3, 4
     return [
         # LongRoPE's threshold: largest position + 1 == original (short table) and == original + 1 (long table)
         Case("edge_longrope_at_original", longrope_cfg, B=1, T=T, S=T, positions="explicit",
@@ -263,11 +265,11 @@ def _edge_grid() -> list[Case]:
                                        qk_norm={"type": "rms", "eps": 1e-5, "weight": False, "after_rope": True},
                                        query_temperature={"beta": 0.5, "floor": float(chunk), "offset": 0}),
              T=2, S=2, P=chunk - 1, positions="explicit", first_position=chunk - 1, **decode),
-        # ALiBi over a cache at explicit positions 4 past the cache's end (cache keys at 0..P-1, visible): a port
-        # that measures distances by index (query i at P + S - T + i) instead of position is off by 4 on every
-        # cache key; T=2 < S=3, bottom-right
-        Case("edge_alibi_decode_positions", _cfg(num_heads=4, num_kv_heads=2, alibi=True), T=2, S=3, P=3,
-             positions="explicit", first_position=3 + 4, **decode),
+        # ALiBi over a cache at explicit positions `gap` past the cache's end (its keys at 0..P-1, all visible): a
+        # port that measures distances by index (query i at P + S - T + i) instead of position is off by `gap` on
+        # every cache key; T=2 < S=3, bottom-right
+        Case("edge_alibi_decode_positions", _cfg(num_heads=4, num_kv_heads=2, alibi=True), T=2, S=3, P=alibi_cache,
+             positions="explicit", first_position=alibi_cache + gap, **decode),
         # a weighted value norm over a cache, causal with T=3 > S=2 new keys (the ALiBi case has T < S; a cache's
         # other alignment, top-left, is refused: weights.contract.check_cache_alignment)
         Case("edge_value_norm_cache_long_query", _cfg(value_norm={"type": "rms", "weight": True}), T=3, S=2, P=2,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from assertions import assert_bit_equal
+from modern_checks import CACHE_POSITION_CASES as CASES
 from reference_checks import error_of
 
 import impl_numpy
@@ -18,29 +19,13 @@ import impl_numpy.adapter as numpy_adapter
 import weights
 from conformance.cli.commands import main as mha
 from conformance.io import write_arrays
-from conformance.suite.cases import Case, _cfg
+from conformance.suite.cases import _cfg
 from conformance.suite.compare import STATUS_FAIL, STATUS_PASS, run_case
 from conformance.suite.tolerance import assert_close
 from weights import AttentionConfig, save
 from weights.config import QueryTemperature
 
 pytestmark = pytest.mark.reference
-
-# -- the cases every backend runs (tests/test_mirrors_modern.py too) ------------------------------------
-DECODE = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
-CASES = {
-    # RoPE with ALiBi and chunks of 4 over a cache of 6 whose last row is left-padded by 2: ALiBi's distances
-    # and the chunks read every cached key's position
-    "cache_positions_alibi_chunk": Case("cache_positions_alibi_chunk",
-                                        _cfg(num_heads=4, num_kv_heads=2, rope={}, alibi=True, local_chunk=4),
-                                        T=3, S=3, P=6, positions="left_padded", mask="padding", **DECODE),
-    # the temperature from the cache index (Llama 4's NoPE layers), with chunks from the positions
-    "cache_positions_temperature": Case(
-        "cache_positions_temperature",
-        _cfg(num_heads=4, num_kv_heads=2, local_chunk=4,
-             query_temperature={"beta": 0.5, "floor": 3.0, "offset": 1, "position": "cache_index"}),
-        T=2, S=2, P=7, positions="left_padded", **DECODE),
-}
 
 B, L, P, D = 2, 12, 9, 16
 PADS = np.array([0, 2])  # row 1 left-padded by 2, as transformers pads a batch

@@ -80,10 +80,9 @@ def test_heads_refusals_name_the_counts():
 @needs_jax
 def test_past_key_positions_is_refused_by_name():
     """The engines place a cache's keys at 0..P-1: past_key_positions is refused before anything runs."""
-    from impl_jax import sharded as engine
-
     from conformance.suite.cases import CASES
     from conformance.suite.compare import expected_for
+    from impl_jax import sharded as engine
 
     case = CASES["decode_cache"]
     exp = expected_for(case, "float32")

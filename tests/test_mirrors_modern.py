@@ -303,6 +303,23 @@ def test_cache_positions_match_reference_on_every_path(mirror, case_name, path):
     assert result.status == STATUS_PASS, describe(result)
 
 
+@parametrize("", lambda fw: [pytest.param(marks=_slow(fw == "jax"))])
+def test_layer_takes_past_key_positions(mirror):
+    """The mirror's layer passes past_key_positions (and the rest of a left-padded decode step) through to
+    its call: the float32 output against the float64 reference's. (JAX's layer is apply() with **options,
+    op by op here: 3 s, so `slow`.)"""
+    case = CACHE_POSITION_CASES["cache_positions_alibi_chunk"]
+    exp = expected_for(case, "float32")
+    inputs = exp["inputs"]
+    layer = mirror.module.MultiHeadAttention.from_tensors(case.config, exp["tensors"])
+    out = layer(inputs["query"], inputs["key"], inputs["value"], is_causal=True, causal_alignment="bottom_right",
+                **{n: inputs[n] for n in ("mask", "positions", "key_positions", "past_key", "past_value",
+                                          "past_key_positions")})
+    got = mirror.to_numpy(out) if mirror.name == "torch" else np.asarray(out)
+    assert_close("layer output", got, exp["output"], config=case.config, dtype="float32", quantity="output", B=case.B,
+                 T=case.T, S=case.S_total, logits=exp["logits"])
+
+
 # -- the layer -------------------------------------------------------------------------------
 
 @parametrize("name, dtype", lambda fw: grid(("name", "dtype"), ("name", "dtype"), name=layer_cases(fw),

@@ -91,6 +91,36 @@ def test_cached_call_equals_the_keys_given_whole(config_name, path):
         assert differ > 1e-3, f"{config_name} {path}: the cache at 0..P-1 gave nearly the same output ({differ})"
 
 
+def shuffled_call():
+    """A decode step of 3 queries over a cache of 10 whose keys sit at shuffled positions (a different order
+    per row, some shared, some past the queries'): chunks of 4 and ALiBi with RoPE, float32 inputs.
+    -> (config, tensors, inputs, options) in the adapters' interface."""
+    config = AttentionConfig(num_heads=4, query_dim=D, head_dim=4, num_kv_heads=2, rope={}, alibi=True,
+                             local_chunk=4)
+    rng = np.random.default_rng(11)
+    P, T = 10, 3
+    tensors = {k: v.astype(np.float32) for k, v in weights.init(config, seed=4, dtype="float32").items()}
+    inputs = {"query": rng.standard_normal((B, T, D)).astype(np.float32),
+              "past_key": rng.standard_normal((B, 2, P, 4)).astype(np.float32),
+              "past_value": rng.standard_normal((B, 2, P, 4)).astype(np.float32),
+              "past_key_positions": np.stack([rng.permutation(P), rng.integers(0, P + T, P)]),
+              "positions": np.array([[10, 11, 12], [5, 9, 12]]), "key_positions": np.array([[10, 11, 12], [5, 9, 12]])}
+    return config, tensors, inputs, {"is_causal": True, "causal_alignment": "bottom_right", "dtype": "float32"}
+
+
+def test_shuffled_cache_positions_keep_the_chunked_paths_exact():
+    """Key blocks are skipped by the chunks of positions they hold, not by their indices: with the cache's
+    keys at shuffled positions the fused and chunked cores (blocks of 2 and 4) equal the stages."""
+    config, tensors, inputs, options = shuffled_call()
+    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
+    ins = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+    want = numpy_adapter.forward(config, wide, ins, options | {"return_weights": True, "dtype": "float64"})["output"]
+    for extra in ({}, {"chunk_size": 2}, {"chunk_size": 4}):
+        got = numpy_adapter.forward(config, wide, ins, options | {"dtype": "float64"} | extra)["output"]
+        assert_close(f"shuffled {extra or 'fused'}", got, want, config=config, dtype="float64", quantity="output",
+                     B=B, T=3, S=13)
+
+
 def test_default_past_key_positions_are_0_to_p():
     """past_key_positions = arange(P), (P,) or (B, P), is the default bit for bit, on every path."""
     config, tensors, x, positions, mask = _left_padded("alibi")

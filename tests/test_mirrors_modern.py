@@ -303,6 +303,29 @@ def test_cache_positions_match_reference_on_every_path(mirror, case_name, path):
     assert result.status == STATUS_PASS, describe(result)
 
 
+@parametrize("path", lambda fw: [pytest.param(p, id=p) for p in ADAPTER_PATHS[fw] if p != "stages"])
+def test_shuffled_cache_positions_on_the_fast_and_chunked_paths(mirror, path):
+    """The cache's keys at shuffled positions (tests/test_cache_positions.shuffled_call): each fast,
+    chunked (blocks of 2, skipped by their chunks of positions) and in-place path against the float64
+    reference's stages."""
+    from test_cache_positions import shuffled_call
+
+    from weights.paths import common_path_options
+
+    config, tensors, inputs, options = shuffled_call()
+    want, *_ = impl_numpy.multi_head_attention(
+        config, {k: v.astype(np.float64) for k, v in tensors.items()}, inputs["query"].astype(np.float64),
+        return_weights=True, trace=(trace := []), is_causal=True, causal_alignment="bottom_right",
+        **{k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items() if k != "query"})
+    if path in ("chunked", "in_place"):
+        options = common_path_options(path, inputs, options, paths=ADAPTER_PATHS[mirror.name])
+    else:
+        options = options | ({"use_sdpa": True} if path == "sdpa" else {})
+    got = mirror.adapter.forward(config, tensors, inputs, options)["output"]
+    assert_close(f"shuffled {path}", got, want, config=config, dtype="float32", quantity="output", B=2, T=3, S=13,
+                 logits=dict((e.stage, e.value) for e in trace)["alibi"])
+
+
 @parametrize("", lambda fw: [pytest.param(marks=_slow(fw == "jax"))])
 def test_layer_takes_past_key_positions(mirror):
     """The mirror's layer passes past_key_positions (and the rest of a left-padded decode step) through to

@@ -278,7 +278,9 @@ def test_decoding_in_place_equals_the_full_causal_call(mirror, config_name, dtyp
 
 # Each mirror's paths as `mha check` runs them (its adapter's PATHS, checked below: the stages, its fast
 # path, chunk_size=2 where it has one, the in-place cache), float32; the other dtypes are the same code in
-# other roundings. JAX's chunked path compiles nested scans and their VJP (1.3-1.5 s a case): one case by default.
+# other roundings. JAX compiles a program per row (0.3-2.6 s): by default the temperature case (whose
+# position source every JAX path reads through the same Call.temperature_positions) on its stages, and the
+# chunked path (its forward and VJP, 2.6 s) in `tox -e full`, its forward over shuffled positions below.
 ADAPTER_PATHS = {"torch": ("stages", "sdpa", "in_place"), "tf": ("stages", "fused", "chunked", "in_place"),
                  "jax": ("stages", "fused", "chunked", "in_place")}
 
@@ -286,7 +288,8 @@ ADAPTER_PATHS = {"torch": ("stages", "sdpa", "in_place"), "tf": ("stages", "fuse
 def _cache_position_rows(framework):
     for case_name in CACHE_POSITION_CASES:
         for path in ADAPTER_PATHS[framework]:
-            slow = framework == "jax" and path == "chunked" and case_name != "cache_positions_alibi_chunk"
+            slow = framework == "jax" and path != "stages" and (case_name != "cache_positions_alibi_chunk"
+                                                                or path == "chunked")
             yield pytest.param(case_name, path, id=f"{case_name}-{path}", marks=_slow(slow))
 
 
@@ -303,11 +306,12 @@ def test_cache_positions_match_reference_on_every_path(mirror, case_name, path):
     assert result.status == STATUS_PASS, describe(result)
 
 
-@parametrize("path", lambda fw: [pytest.param(p, id=p) for p in ADAPTER_PATHS[fw] if p != "stages"])
+@parametrize("path", lambda fw: [pytest.param(p, id=p, marks=_slow(fw == "jax" and p == "fused"))
+                                  for p in ADAPTER_PATHS[fw] if p != "stages"])
 def test_shuffled_cache_positions_on_the_fast_and_chunked_paths(mirror, path):
     """The cache's keys at shuffled positions (tests/test_cache_positions.shuffled_call): each fast,
     chunked (blocks of 2, skipped by their chunks of positions) and in-place path against the float64
-    reference's stages."""
+    reference's stages (JAX's fused expression, a program of its own with no block to skip: `slow`)."""
     from test_cache_positions import shuffled_call
 
     from weights.paths import common_path_options

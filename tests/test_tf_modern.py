@@ -369,8 +369,16 @@ def test_modern_decode_step_in_graphs_with_gradient(mode, path):
                      quantity=quantity, B=case.B, T=case.T, S=case.S_total, logits=exp["logits"], scale_floor=floor)
 
 
-@pytest.mark.parametrize("path", ["fused", "chunked", "stages", "in_place"])
-@pytest.mark.parametrize("case_name", list(CACHE_POSITION_CASES))
+def _graph_rows():
+    """Every path for the ALiBi and chunks case; the temperature case (0.2-0.4 s a row) on the chunked path,
+    which computes its queries' temperature block by block from positions of its own, the rest `slow`."""
+    for case_name in CACHE_POSITION_CASES:
+        for path in ("fused", "chunked", "stages", "in_place"):
+            slow = case_name == "cache_positions_temperature" and path != "chunked"
+            yield pytest.param(case_name, path, id=f"{case_name}-{path}", marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("case_name, path", _graph_rows())
 def test_cache_positions_in_a_graph(case_name, path):
     """A left-padded decode step (past_key_positions, and the temperature from the cache index) inside
     tf.function, the positions graph tensors (so the chunked path masks every block instead of skipping

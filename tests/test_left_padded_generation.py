@@ -13,11 +13,11 @@ What makes a left-padded row need past_key_positions (checked against transforme
   left_padding counted at masking_utils.py:1440), while its RoPE reads position_ids; both are the real
   token's position, index - pads, for every key, the cached ones included;
 - its NoPE layers' temperature counts the cache index, arange(T) + the past length, pads included
-  (modeling_llama4.py:361-362): query_temperature.position "cache_index", which hf-llama's reader sets;
+  (modeling_llama4.py:360-361): query_temperature.position "cache_index", which hf-llama's reader sets;
 - BLOOM's ALiBi is slope * (cumsum(attention_mask) - 1) * mask over the keys (modeling_bloom.py:87),
   the same within each row as -slope * |pos_q - pos_k| for every key a query sees (a per-row constant).
 A pad's own query row (every key masked) is the model's arbitrary value: it is left out (zeroed on both
-sides); the pads' positions are generate's (position 1), masked as keys.
+sides); the pads' positions are generate's (0, generation/utils.py:906-908), masked as keys.
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ def generated(request):
 
 def _steps():
     """Each forward pass generate made: (the keys' valid mask (B, P+T), positions (B, P+T)) over the cache
-    and its tokens; generate's position_ids: cumsum(mask) - 1, the pads at 1."""
+    and its tokens; generate's position_ids: cumsum(mask) - 1, the pads at 0."""
     valid = np.array([[1] * PROMPT, [0] * PADS + [1] * (PROMPT - PADS)])
     out = []
     for step in range(NEW):
         if step:
             valid = np.concatenate([valid, np.ones((2, 1), int)], axis=1)
-        positions = np.where(valid == 1, valid.cumsum(-1) - 1, 1).astype(np.int64)
+        positions = np.where(valid == 1, valid.cumsum(-1) - 1, 0).astype(np.int64)
         out.append((valid.astype(bool), positions))
     return out
 

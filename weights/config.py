@@ -264,7 +264,7 @@ class QueryTemperature:
     offset: int = 0  # 0 | 1: added to the position before the division
     # Where pos_q comes from: "positions", the call's query positions (the default); "cache_index", the
     # query's index in the cache, P + t, whatever the positions (transformers' Llama 4: arange plus the
-    # past length, left pads included, modeling_llama4.py:361-362, while its RoPE and chunks read
+    # past length, left pads included, modeling_llama4.py:360-361, while its RoPE and chunks read
     # position_ids). The two agree wherever the positions are the default P + arange(T).
     position: str = "positions"
 

@@ -150,7 +150,7 @@ def _frontier(cfg: Mapping[str, Any], model_type: str, layer: int, layer_type: s
                                  "weight": False, "after_rope": True}
         if not rope_on and cfg.get("attn_temperature_tuning", True):  # 1 + attn_scale ln(1 + floor((p + 1) / f))
             # p: the query's cache index, arange(T) + the past length, left pads included, not position_ids
-            # (modeling_llama4.py:361-362, transformers 5.23)
+            # (modeling_llama4.py:360-361, transformers 5.23)
             modern["query_temperature"] = {"beta": float(cfg.get("attn_scale", 0.1)),
                                            "floor": float(cfg.get("floor_scale", 8192)), "offset": 1,
                                            "position": "cache_index"}

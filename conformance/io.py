@@ -22,8 +22,8 @@ from weights.dtypes import is_float
 from weights.format import canonical_safetensors_bytes, show_names
 
 INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask", "positions", "key_positions", "past_key",
-               "past_value", "segment_ids", "key_segment_ids")
-INTEGER_INPUTS = ("positions", "key_positions", "segment_ids", "key_segment_ids")
+               "past_value", "segment_ids", "key_segment_ids", "past_key_positions")
+INTEGER_INPUTS = ("positions", "key_positions", "segment_ids", "key_segment_ids", "past_key_positions")
 
 
 class InputsError(ValueError):

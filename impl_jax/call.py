@@ -85,7 +85,7 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
           is_causal=False, causal_alignment="top_left", training=False, seed=None, rng=None,
           positions=None, key_positions=None, past_key=None, past_value=None, segment_ids=None,
           key_segment_ids=None, return_weights=False, return_cache=False, dtype=None, precision="highest",
-          materializes_scores=True, cache_length=None):
+          materializes_scores=True, cache_length=None, past_key_positions=None):
     """Validate a call in the reference's order and words; returns (CallShapes,
     storage dtype). Reads shapes and dtypes only, and bias values when bias
     is concrete. materializes_scores=False (the chunked path) skips the
@@ -111,7 +111,7 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
         raise ValueError(f"pass seed or rng, not both: got seed={seed!r} and an rng key")
     optional = dict(mask=mask, bias=bias, dropout_mask=dropout_mask, positions=positions, key_positions=key_positions,
                     past_key=past_key, past_value=past_value, segment_ids=segment_ids,
-                    key_segment_ids=key_segment_ids)
+                    key_segment_ids=key_segment_ids, past_key_positions=past_key_positions)
     meta = {}
     for name, x in optional.items():
         meta.update(_meta(name, None if x is None else _as_array(x)))
@@ -119,6 +119,7 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
     if traced:  # before check_call, which would judge these inputs' shapes against P = 0
         check_traced_length(config, dict(mask=mask, bias=bias, dropout_mask=dropout_mask, segment_ids=segment_ids,
                                          key_segment_ids=key_segment_ids, return_weights=return_weights,
+                                         past_key_positions=past_key_positions,
                                          training=training and config.dropout > 0))
     shapes = check_call(
         config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape, **meta,
@@ -220,6 +221,7 @@ class Call:
     cache_length: Any = None  # P of an in-place cache: a Python int, or a traced int scalar (under jit); else None
 
     hides_tail: bool = False  # the keys are an in-place cache's whole buffers: positions past P+S to be hidden
+    past_key_positions: Any = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
 
     @property
     def traced_length(self) -> bool:
@@ -266,13 +268,21 @@ class Call:
 
     @property
     def every_key_position(self):
-        """(B|1, P+S): the cache's keys at 0..P-1, then key_positions (where the config reads positions), or
-        None; an in-place cache read whole (hides_tail): (B|1, C), its buffer's slots."""
+        """(B|1, P+S): the cache's keys at past_key_positions (0..P-1 by default), then key_positions (where
+        the config reads positions), or None; an in-place cache read whole (hides_tail): (B|1, C), its
+        buffer's slots."""
         if self.key_positions is None:
             return None
         if self.hides_tail:
-            return F.all_key_positions(self.key_positions, self.cache_length, self.shapes.capacity)
-        return F.all_key_positions(self.key_positions, self.shapes.P)
+            return F.all_key_positions(self.key_positions, self.cache_length, self.shapes.capacity,
+                                       self.past_key_positions)
+        return F.all_key_positions(self.key_positions, self.shapes.P, past_key_positions=self.past_key_positions)
+
+    def temperature_positions(self, config: AttentionConfig):
+        """(B|1, T): the positions the query temperature reads (functional.temperature_positions); an
+        in-place cache's P may be traced."""
+        P = self.shapes.P if self.cache_length is None else self.cache_length
+        return F.temperature_positions(self.positions, config.query_temperature.position, P, self.shapes.T)
 
     def alibi_bias(self, config: AttentionConfig):
         """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias), over every key the call
@@ -288,7 +298,7 @@ class Call:
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, rng, return_weights, dtype, precision, positions=None, key_positions=None,
             past_key=None, past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
-            cache_length=None, materializes_scores=True) -> Call:
+            cache_length=None, materializes_scores=True, past_key_positions=None) -> Call:
     """Validate a call (`check`) and cast everything to the storage dtype."""
     shapes, dtype = check(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
@@ -296,6 +306,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         key_positions=key_positions, past_key=past_key, past_value=past_value, segment_ids=segment_ids,
         key_segment_ids=key_segment_ids, return_weights=return_weights, return_cache=return_cache, dtype=dtype,
         precision=precision, materializes_scores=materializes_scores, cache_length=cache_length,
+        past_key_positions=past_key_positions,
     )
     if cache_length is not None:  # a Python int (static), or the tracer itself
         cache_length = jnp.asarray(cache_length, jnp.int32) if is_traced_length(cache_length) else shapes.P
@@ -325,6 +336,8 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         past_key=None if past_key is None else _cast(_as_array(past_key), dtype),
         past_value=None if past_value is None else _cast(_as_array(past_value), dtype),
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=cache_length,
+        past_key_positions=F.default_positions(_ids(past_key_positions), 0, shapes.P)
+        if rope and past_key_positions is not None else None,
     )
 
 

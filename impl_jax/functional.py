@@ -376,19 +376,36 @@ def allowed_mask(mask4, T: int, S: int, is_causal: bool, causal_alignment: str, 
     return allowed
 
 
-def all_key_positions(key_positions, P, capacity: int | None = None):
-    """Every key's position, (B|1, P+S): the cache's keys at 0..P-1, then the new keys' key_positions.
-    capacity: an in-place cache's buffer read whole, (B|1, capacity) with P a Python int or traced: slot
-    j < P holds position j, P <= j < P+S key_positions[j - P], the slots after (hidden) position 0."""
+def all_key_positions(key_positions, P, capacity: int | None = None, past_key_positions=None):
+    """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
+    then the new keys' key_positions (B|1, S). capacity: an in-place cache's buffer read whole, (B|1,
+    capacity) with P a Python int or traced (past_key_positions only with a Python int): slot j < P holds
+    the cached key's position (j by default), P <= j < P+S key_positions[j - P], the slots after (hidden)
+    position 0."""
+    cached = None if past_key_positions is None else past_key_positions.astype(key_positions.dtype)  # (B|1, P)
+    B = key_positions.shape[0] if cached is None else max(cached.shape[0], key_positions.shape[0])
     if capacity is None:
         if isinstance(P, int) and not P:
             return key_positions
-        cached = jnp.broadcast_to(jnp.arange(P, dtype=key_positions.dtype)[None], (key_positions.shape[0], P))
-        return jnp.concatenate([cached, key_positions], axis=1)
+        if cached is None:
+            cached = jnp.broadcast_to(jnp.arange(P, dtype=key_positions.dtype)[None], (key_positions.shape[0], P))
+            return jnp.concatenate([cached, key_positions], axis=1)
+        return jnp.concatenate([jnp.broadcast_to(cached, (B, cached.shape[1])),
+                                jnp.broadcast_to(key_positions, (B, key_positions.shape[1]))], axis=1)  # (B, P+S)
     j = jnp.arange(capacity, dtype=key_positions.dtype)[None]  # (1, C)
     new = jnp.zeros((key_positions.shape[0], capacity), key_positions.dtype)
     new = lax.dynamic_update_slice(new, key_positions, (jnp.asarray(0, jnp.int32), jnp.asarray(P, jnp.int32)))
-    return jnp.where(j < P, j, new)  # (B|1, C)
+    if cached is None:
+        return jnp.where(j < P, j, new)  # (B|1, C)
+    slots = jnp.pad(cached, ((0, 0), (0, capacity - cached.shape[1])))  # (B|1, C): the cached keys' positions first
+    return jnp.where(j < P, slots, new)  # (B, C)
+
+
+def temperature_positions(positions, source: str, P, T: int):
+    """The positions a query temperature reads, (B|1, T): the queries' positions ("positions"), or their
+    index in the cache, P + arange(T) ("cache_index": transformers' Llama 4, left pads counted). P may be
+    traced (an in-place cache's length)."""
+    return positions if source == "positions" else default_positions(None, P, T)
 
 
 def default_positions(positions, P: int, L: int):

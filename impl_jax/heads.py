@@ -56,8 +56,8 @@ def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", r
         k = rec("key.norm", F.norm_heads(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, n.scope))
     if config.query_temperature is not None:
         t = config.query_temperature
-        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                           call.dtype)))
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
     return (q, *present(call, k, v, append=append, whole=whole))
 
 

@@ -50,8 +50,8 @@ def latent_heads(config: AttentionConfig, call: Call, precision: str = "highest"
                                     R, interleaved, factor))  # (B, 1, S, R): one key for every head
     if config.query_temperature is not None:
         t = config.query_temperature
-        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                           call.dtype)))
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
     latent = F.split_heads(latent, 1)  # (B, 1, S, C)
     return (q, *present(call, latent, rotary, append=append, whole=whole))
 

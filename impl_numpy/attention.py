@@ -55,6 +55,7 @@ class Call:
     segment_ids: np.ndarray | None  # (T,) or (B, T)
     key_segment_ids: np.ndarray | None  # (S_total,) or (B, S_total)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
+    past_key_positions: np.ndarray | None = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND segments over every key (rank 4), or None."""
@@ -76,10 +77,16 @@ class Call:
 
     @property
     def every_key_position(self) -> np.ndarray | None:
-        """(B|1, P+S): the cache's keys at 0..P-1, then key_positions (where the config reads positions)."""
+        """(B|1, P+S): the cache's keys at past_key_positions (0..P-1 by default), then key_positions (where
+        the config reads positions)."""
         if self.key_positions is None:
             return None
-        return F.all_key_positions(self.key_positions, self.shapes.P)
+        return F.all_key_positions(self.key_positions, self.shapes.P, self.past_key_positions)
+
+    def temperature_positions(self, config: AttentionConfig) -> np.ndarray:
+        """(B|1, T): the positions the query temperature reads (functional.temperature_positions)."""
+        return F.temperature_positions(self.positions, config.query_temperature.position, self.shapes.P,
+                                       self.shapes.T)
 
     def alibi_bias(self, config: AttentionConfig) -> np.ndarray:
         """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
@@ -117,7 +124,7 @@ def _meta(x, name):  # check_call's shape and dtype arguments of one optional in
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True) -> Call:
+            materializes_scores=True, past_key_positions=None) -> Call:
     """Validate a call and cast everything to the storage dtype."""
     stored = validate_tensors(config, tensors)
     dtype = stored if dtype is None else dtype_from_name(dtype)
@@ -128,7 +135,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     optional = {name: _optional(x) for name, x in (
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
-        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids))}
+        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids),
+        ("past_key_positions", past_key_positions))}
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not is_float(x.dtype):
             raise ValueError(f"{name} must be a float array: got dtype {x.dtype}")
@@ -177,6 +185,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         past_key=None if past_key is None else past_key.astype(dtype, copy=False),
         past_value=None if past_value is None else past_value.astype(dtype, copy=False),
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,
+        past_key_positions=F.default_positions(optional["past_key_positions"], 0, shapes.P)
+        if positioned and optional["past_key_positions"] is not None else None,
     )
 
 
@@ -212,6 +222,7 @@ def multi_head_attention(
     past_value: np.ndarray | None = None,
     segment_ids: np.ndarray | None = None,
     key_segment_ids: np.ndarray | None = None,
+    past_key_positions: np.ndarray | None = None,
     return_weights: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
@@ -223,6 +234,10 @@ def multi_head_attention(
     weights (B, N, T, P+S) after softmax and before dropout; with
     return_cache also present_key (B, K, P+S, H) and present_value (B, K,
     P+S, V): (output[, weights][, present_key, present_value]).
+
+    past_key_positions (P,) or (B, P): the cached keys' positions (default
+    0..P-1), read by ALiBi and local chunks as key_positions are (a
+    left-padded row: index - pads); RoPE was applied to them when they were new.
 
     cache_length: an in-place cache. past_key (B, K, C, H) and past_value
     (B, K, C, V) are the caller's buffers (writeable, of the storage dtype)
@@ -251,7 +266,7 @@ def multi_head_attention(
         positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
-        materializes_scores=chunk_size is None or return_weights,
+        materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     path = plan(return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size, dtype=call.dtype).path

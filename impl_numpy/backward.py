@@ -199,7 +199,8 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     temp = config.query_temperature
     if temp is not None:  # q times the temperature factor per query (positive or not: its magnitude in magnitude mode)
         if not magnitude:
-            kept["temperature"] = F.temperature_factor(call.positions, temp.beta, temp.floor, temp.offset, dtype)
+            kept["temperature"] = F.temperature_factor(call.temperature_positions(config), temp.beta, temp.floor,
+                                                       temp.offset, dtype)
         factor = kept["temperature"]
         q = F.temperature(q, np.abs(factor) if magnitude else factor)
     if not magnitude:
@@ -405,14 +406,15 @@ def _fold(config, grads, key_given, value_given, dtype):
 def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_output, mask=None, bias=None,
                              is_causal=False, causal_alignment="top_left", training=False, dropout_mask=None,
                              seed=None, dtype=None, positions=None, key_positions=None, past_key=None,
-                             past_value=None, segment_ids=None, key_segment_ids=None, gradient_magnitudes=False):
+                             past_value=None, segment_ids=None, key_segment_ids=None, gradient_magnitudes=False,
+                             past_key_positions=None):
     """Returns (output, grads), or (output, grads, magnitudes) with
     gradient_magnitudes=True (see the module docstring)."""
     call = prepare(config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
                    is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
                    return_weights=False, dtype=dtype, positions=positions, key_positions=key_positions,
                    past_key=past_key, past_value=past_value, segment_ids=segment_ids,
-                   key_segment_ids=key_segment_ids)
+                   key_segment_ids=key_segment_ids, past_key_positions=past_key_positions)
     dtype = call.dtype
     d_out = np.asarray(d_output).astype(dtype)
     B, T, O = call.shapes.B, call.shapes.T, config.out_dim

@@ -360,12 +360,21 @@ def allowed_mask(mask4: np.ndarray | None, T: int, S: int, is_causal: bool, caus
     return allowed
 
 
-def all_key_positions(key_positions: np.ndarray, P: int) -> np.ndarray:
-    """Every key's position, (B|1, P+S): the cache's keys at 0..P-1, then the new keys' key_positions."""
+def all_key_positions(key_positions: np.ndarray, P: int, past_key_positions: np.ndarray | None = None) -> np.ndarray:
+    """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
+    then the new keys' key_positions (B|1, S)."""
     if not P:
         return key_positions
-    cached = np.broadcast_to(np.arange(P, dtype=np.int64)[None], (key_positions.shape[0], P))
-    return np.concatenate([cached, key_positions], axis=1)
+    cached = np.arange(P, dtype=np.int64)[None] if past_key_positions is None else past_key_positions  # (B|1, P)
+    B = max(cached.shape[0], key_positions.shape[0])
+    return np.concatenate([np.broadcast_to(cached, (B, P)), np.broadcast_to(key_positions, (B, key_positions.shape[1]))],
+                          axis=1)
+
+
+def temperature_positions(positions: np.ndarray, source: str, P: int, T: int) -> np.ndarray:
+    """The positions a query temperature reads, (B|1, T): the queries' positions ("positions"), or their
+    index in the cache, P + arange(T) ("cache_index": transformers' Llama 4, left pads counted)."""
+    return positions if source == "positions" else (P + np.arange(T, dtype=np.int64))[None]
 
 
 def default_positions(positions, P: int, L: int) -> np.ndarray:

@@ -49,8 +49,8 @@ def qkv_heads(config: AttentionConfig, call, rec=lambda stage, value: value, *, 
         k = rec("key.norm", F.norm_heads(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, n.scope))
     if config.query_temperature is not None:
         t = config.query_temperature
-        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                           call.dtype)))
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
     if call.cache_length is not None:  # in place: the new keys written after the P cached ones, no copy
         P, S = call.cache_length, k.shape[2]
         call.past_key[:, :, P:P + S] = k

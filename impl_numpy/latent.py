@@ -44,8 +44,8 @@ def latent_heads(config: AttentionConfig, call, rec=lambda stage, value: value, 
                                     factor))  # (B, 1, S, R): one key for every head
     if config.query_temperature is not None:
         t = config.query_temperature
-        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                           call.dtype)))
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
     latent = F.split_heads(latent, 1)  # (B, 1, S, C)
     if call.cache_length is not None:  # in place: the new latent and rotary key written after the P cached ones
         P, S = call.cache_length, latent.shape[2]

@@ -222,6 +222,7 @@ def multi_head_attention(
     past_value=None,
     segment_ids=None,
     key_segment_ids=None,
+    past_key_positions=None,
     return_weights: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
@@ -236,6 +237,8 @@ def multi_head_attention(
     layer's cache (weights.contract.cache_widths) is its normed latent (B, 1,
     ., C) in past_key / present_key and its rotated shared key (B, 1, ., R)
     in past_value / present_value; its `value` input is not read.
+    past_key_positions (P,) or (B, P): the cached keys' positions (default
+    0..P-1), as impl_numpy's, on every path (the in-place cache included).
 
     tensors: the canonical tensors (NumPy arrays, or tensors/variables of the
     canonical shapes). dtype: compute in this storage dtype (default: the
@@ -262,7 +265,7 @@ def multi_head_attention(
         positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
-        materializes_scores=chunk_size is None or return_weights,
+        materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     path = plan(return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size).path
@@ -290,6 +293,7 @@ def multi_head_attention(
             segment_ids=call.segment_ids, key_segment_ids=call.key_segment_ids,
             key_positions=call.every_key_position,
             rope_tables=call.rope_tables(config) if config.rope is not None else None,
+            temperature_positions=None if config.query_temperature is None else call.temperature_positions(config),
         )  # (B, T, N*V): the queries are projected (and gated) block by block
         k = v = None
         return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, *present)  # (B, T, O)

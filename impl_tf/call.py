@@ -137,6 +137,7 @@ class Call:
     key_segment_ids: Any = None  # (S_total,) or (B, S_total)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
     P: Any = 0  # the cache's length: int, or a traced scalar
+    past_key_positions: Any = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND local chunks AND segments over every key (rank 4), or None."""
@@ -148,10 +149,15 @@ class Call:
 
     @property
     def every_key_position(self):
-        """(B|1, P+S): the cache's keys at 0..P-1, then key_positions (where the config reads positions)."""
+        """(B|1, P+S): the cache's keys at past_key_positions (0..P-1 by default), then key_positions (where
+        the config reads positions)."""
         if self.key_positions is None:
             return None
-        return F.all_key_positions(self.key_positions, self.P)
+        return F.all_key_positions(self.key_positions, self.P, self.past_key_positions)
+
+    def temperature_positions(self, config: AttentionConfig):
+        """(B|1, T): the positions the query temperature reads (functional.temperature_positions)."""
+        return F.temperature_positions(self.positions, config.query_temperature.position, self.P, self.T)
 
     def rope_tables(self, config: AttentionConfig):
         """(inv_freq (R/2,), attention_factor) of this call: weights.rope.rope_tables, where LongRoPE picks its
@@ -186,7 +192,7 @@ class Call:
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True) -> Call:
+            materializes_scores=True, past_key_positions=None) -> Call:
     """Validate a call and cast everything to the storage dtype (an in-place
     cache's buffers excepted: they are the caller's variables, kept as given)."""
     stored = check_tensors(config, tensors)
@@ -202,7 +208,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     given = {name: x if name in buffers and isinstance(x, tf.Variable) else _tensor(x) for name, x in (
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
-        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids)) if x is not None}
+        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids),
+        ("past_key_positions", past_key_positions)) if x is not None}
     shapes = check_inputs(
         config, dtype, query, key if keys_given else None, value if keys_given else None, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training,
@@ -241,6 +248,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         past_key=past_key if in_place or past_key is None else F._cast(past_key, dtype),
         past_value=past_value if in_place or past_value is None else F._cast(past_value, dtype),
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None, P=P,
+        past_key_positions=F.default_positions(given["past_key_positions"], 0, P)
+        if rope and "past_key_positions" in given else None,
     )
 
 

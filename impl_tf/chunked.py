@@ -258,7 +258,7 @@ def key_plan(t0: int, tb: int, *, T: int, S: int, C: int, offset: int, causal: b
 
 def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bias, keep, is_causal: bool,
                       causal_alignment: str, chunk_size: int, segment_ids=None, key_segment_ids=None,
-                      key_positions=None, rope_tables=None):
+                      key_positions=None, rope_tables=None, temperature_positions=None):
     """query (B, T, D) (projected here, block by block, with its clip, norm,
     rope and temperature; the output gate reads it there too), k (B, K, S,
     H), v (B, K, S, V) (the present keys and values: a cache's included), all
@@ -270,6 +270,8 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
     sinks, alibi.slopes, gate.* read here); positions (B|1, T) int: the
     queries' positions (rope, the temperature, ALiBi, local chunks);
     key_positions (B|1, S) int: every key's (ALiBi, local chunks).
+    temperature_positions (B|1, T) int: what the query temperature reads
+    (call.Call.temperature_positions; default positions).
     mask4: bool, rank 4 broadcastable to (B, N, T, S), causal and window not
     included; bias: compute dtype, rank 4; keep: the dropout keep-mask (B, N,
     T, S) or None; segment_ids (T,) or (B, T) and key_segment_ids (S,) or
@@ -327,6 +329,8 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
     q_norm = config.qk_norm
     if config.rope is not None:
         inv_freq, factor = default_rope_tables(config.rope) if rope_tables is None else rope_tables
+
+    temp_positions = positions if temperature_positions is None else temperature_positions  # the temperature's positions
 
     def i32(x):
         return tf.constant(x, tf.int32) if isinstance(x, int) else x
@@ -392,7 +396,7 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
         rope] -> [temperature]: (B, N, tb, H); a latent layer's absorbed, (B, N, tb, C + R)."""
         if config.latent is not None:
             q = latent_query_heads(config, params, query[:, t0:t0 + tb], positions[:, t0:t0 + tb],
-                                   (inv_freq, factor), dtype)  # (B, N, tb, H)
+                                   (inv_freq, factor), dtype, temp_positions[:, t0:t0 + tb])  # (B, N, tb, H)
             return absorb_query(q, params["key.kernel"], config.latent.rope_dim)  # (B, N, tb, C + R)
         q = project(query[:, t0:t0 + tb], params["query.kernel"], params.get("query.bias"))  # (B, tb, N*H)
         if config.qkv_clip is not None:
@@ -409,7 +413,7 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
                            q_norm.eps, q_norm.scope)
         if config.query_temperature is not None:
             t = config.query_temperature
-            q = temperature(q, temperature_factor(positions[:, t0:t0 + tb], t.beta, t.floor, t.offset, dtype))
+            q = temperature(q, temperature_factor(temp_positions[:, t0:t0 + tb], t.beta, t.floor, t.offset, dtype))
         return q
 
     def query_block(t0: int, tb: int):

@@ -396,14 +396,26 @@ def allowed_mask(mask4, T, S, is_causal: bool, causal_alignment: str, *, window_
     return allowed
 
 
-def all_key_positions(key_positions, P):
-    """Every key's position, (B|1, P+S): the cache's keys at 0..P-1, then the new keys' key_positions.
-    P may be a traced scalar."""
+def all_key_positions(key_positions, P, past_key_positions=None):
+    """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
+    then the new keys' key_positions (B|1, S). P may be a traced scalar."""
     if isinstance(P, int) and not P:
         return key_positions
     key_positions = _cast(key_positions, "int64")
-    cached = tf.broadcast_to(tf.range(P, dtype=tf.int64)[None], (tf.shape(key_positions)[0], P))  # (B|1, P)
-    return ops.concatenate([cached, key_positions], axis=1)  # (B|1, P+S)
+    if past_key_positions is None:
+        cached = tf.broadcast_to(tf.range(P, dtype=tf.int64)[None], (tf.shape(key_positions)[0], P))  # (B|1, P)
+        return ops.concatenate([cached, key_positions], axis=1)  # (B|1, P+S)
+    cached = _cast(past_key_positions, "int64")  # (B|1, P)
+    B = tf.maximum(tf.shape(cached)[0], tf.shape(key_positions)[0])
+    return ops.concatenate([tf.broadcast_to(cached, (B, tf.shape(cached)[1])),
+                            tf.broadcast_to(key_positions, (B, tf.shape(key_positions)[1]))], axis=1)  # (B, P+S)
+
+
+def temperature_positions(positions, source: str, P, T):
+    """The positions a query temperature reads, (B|1, T): the queries' positions ("positions"), or their
+    index in the cache, P + arange(T) ("cache_index": transformers' Llama 4, left pads counted). P and T
+    may be traced scalars."""
+    return positions if source == "positions" else default_positions(None, P, T)
 
 
 def default_positions(positions, P, L):

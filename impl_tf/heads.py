@@ -77,8 +77,8 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = Tr
         k = rec("key.norm", F.norm_heads(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, n.scope))
     if config.query_temperature is not None and query:
         t = config.query_temperature
-        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                           call.dtype)))
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
     return q, *_cached(call, k, v, append)
 
 
@@ -113,17 +113,20 @@ def latent_query(config: AttentionConfig, params, query, rec=None):
     return rec("query.project", F.project(query, p["query.kernel"], p.get("query.bias")))  # (B, L, N*H)
 
 
-def latent_query_heads(config: AttentionConfig, params, query, positions, tables, dtype: str):
+def latent_query_heads(config: AttentionConfig, params, query, positions, tables, dtype: str,
+                       temperature_positions=None):
     """A latent layer's queries on rows of their own (the chunked path's query blocks): latent_query ->
     split_heads -> RoPE on each head's last R features -> [temperature]. query (B, L, D), positions (B|1,
-    L), tables: Call.rope_tables' (inv_freq, attention_factor) -> (B, N, L, H)."""
+    L), tables: Call.rope_tables' (inv_freq, attention_factor) -> (B, N, L, H). temperature_positions
+    (B|1, L): what the temperature reads (Call.temperature_positions; default positions)."""
     inv_freq, factor = tables
     q = F.split_heads(latent_query(config, params, query), config.num_heads)  # (B, N, L, H)
     q = F.rope_last(q, F.rope_angles(positions, inv_freq, dtype), config.latent.rope_dim, config.rope.interleaved,
                     factor)
     if config.query_temperature is not None:
         t = config.query_temperature
-        q = F.temperature(q, F.temperature_factor(positions, t.beta, t.floor, t.offset, dtype))
+        at = positions if temperature_positions is None else temperature_positions
+        q = F.temperature(q, F.temperature_factor(at, t.beta, t.floor, t.offset, dtype))
     return q
 
 
@@ -148,8 +151,8 @@ def latent_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool =
                                     factor))  # (B, 1, S, R): one key for every head
     if query and config.query_temperature is not None:
         t = config.query_temperature
-        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                           call.dtype)))
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
     latent = F.split_heads(latent, 1)  # (B, 1, S, C)
     return q, *_cached(call, latent, rotary, append)
 

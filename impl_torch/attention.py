@@ -72,13 +72,20 @@ class Call:
     past_key: torch.Tensor | None = None  # (B, K, P, H); with cache_length the caller's buffer (B, K, C, H)
     past_value: torch.Tensor | None = None  # (B, K, P, V); with cache_length (B, K, C, V)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
+    past_key_positions: torch.Tensor | None = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
 
     @property
     def every_key_position(self) -> torch.Tensor | None:
-        """(B|1, P+S): the cache's keys at 0..P-1, then key_positions (where the config reads positions)."""
+        """(B|1, P+S): the cache's keys at past_key_positions (0..P-1 by default), then key_positions (where
+        the config reads positions)."""
         if self.key_positions is None:
             return None
-        return F.all_key_positions(self.key_positions, self.shapes.P)
+        return F.all_key_positions(self.key_positions, self.shapes.P, self.past_key_positions)
+
+    def temperature_positions(self, config: AttentionConfig) -> torch.Tensor:
+        """(B|1, T): the positions the query temperature reads (functional.temperature_positions)."""
+        return F.temperature_positions(self.positions, config.query_temperature.position, self.shapes.P,
+                                       self.shapes.T)
 
     def alibi_bias(self) -> torch.Tensor:
         """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
@@ -167,7 +174,7 @@ def _check_position_values(config: AttentionConfig, positions: torch.Tensor | No
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, sdpa=False) -> Call:
+            materializes_scores=True, sdpa=False, past_key_positions=None) -> Call:
     """Validate a call and cast everything to the storage dtype. sdpa: the
     core will run through SDPA; when SDPA's own is_causal can apply (the
     Call's plain_causal), the (T, S) causal mask is not built at all."""
@@ -182,7 +189,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     given = {name: to_torch(x, device) for name, x in (
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
-        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids))
+        ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids),
+        ("past_key_positions", past_key_positions))
         if x is not None and not (cache_length is not None and name in ("past_key", "past_value"))}
     if cache_length is not None:
         # Buffers written in place are never moved or converted (that would copy the whole cache, and the
@@ -229,10 +237,12 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     plain_causal = (sdpa and is_causal and mask_t is None and bias_t is None and not windowed
                     and not config.alibi and config.local_chunk is None
                     and segment_ids is None and (causal_alignment == "top_left" or T == S_total))
-    positions_t = key_positions_t = None
+    positions_t = key_positions_t = past_key_positions_t = None
     if config.reads_positions:  # RoPE, ALiBi, local chunks and the temperature read the positions
         positions_t = F.default_positions(given.get("positions"), shapes.P, T, device)
         key_positions_t = F.default_positions(given.get("key_positions"), shapes.P, shapes.S, device)
+        if "past_key_positions" in given:
+            past_key_positions_t = F.default_positions(given["past_key_positions"], 0, shapes.P, device)
     mask4 = None if mask_t is None else mask_t.reshape(shapes.mask_shape)
     # One query aligned bottom-right (a decode step) sees every key: its causal mask hides nothing, so
     # none is built (nor applied to the (B, N, 1, S) logits, nor handed to SDPA, which then runs unmasked).
@@ -242,11 +252,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
                              segment_ids=segment_ids, key_segment_ids=key_segment_ids,
                              local_chunk=config.local_chunk, positions=positions_t,
                              key_positions=None if key_positions_t is None else
-                             F.all_key_positions(key_positions_t, shapes.P), device=device)
+                             F.all_key_positions(key_positions_t, shapes.P, past_key_positions_t), device=device)
     query, key, value = (x.to(dtype) for x in (query, key, value))
     call = Call(shapes=shapes, params=params, query=query, key=key, value=value, allowed=allowed, bias4=bias_t,
                 keep=keep_t, dtype=dtype, plain_causal=plain_causal, positions=positions_t,
-                key_positions=key_positions_t)
+                key_positions=key_positions_t, past_key_positions=past_key_positions_t)
     if in_place:
         # the buffers themselves (their infinities are not checked: that would read the whole cache every token)
         call.past_key, call.past_value, call.cache_length = past_key, past_value, shapes.P
@@ -318,8 +328,8 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         k = rec("key.norm", F.norm_heads(k, p.get("key.norm.scale"), p.get("key.norm.bias"), n.type, n.eps, n.scope))
     if config.query_temperature is not None:
         t = config.query_temperature
-        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                           call.dtype)))
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
     if call.cache_length is not None:  # in place: the new keys written after the P cached ones, no copy
         P, S = call.cache_length, k.shape[2]
         call.past_key[:, :, P:P + S].copy_(k)
@@ -357,8 +367,8 @@ def latent_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: v
                                     factor))  # (B, 1, S, R): one key for every head
     if config.query_temperature is not None:
         t = config.query_temperature
-        q = rec("query.temperature", F.temperature(q, F.temperature_factor(call.positions, t.beta, t.floor, t.offset,
-                                                                           call.dtype)))
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
     latent = F.split_heads(latent, 1)  # (B, 1, S, C)
     if call.cache_length is not None:  # in place: the new latent and rotary key written after the P cached ones
         P, S = call.cache_length, latent.shape[2]
@@ -447,6 +457,7 @@ def multi_head_attention(
     past_value: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     key_segment_ids: torch.Tensor | None = None,
+    past_key_positions: torch.Tensor | None = None,
     return_weights: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
@@ -459,6 +470,9 @@ def multi_head_attention(
     return_cache also present_key (B, K, P+S, H) and present_value (B, K,
     P+S, V) (a latent layer's: (B, 1, P+S, C) and (B, 1, P+S, R)):
     (output[, weights][, present_key, present_value]).
+
+    past_key_positions (P,) or (B, P): the cached keys' positions (default
+    0..P-1), as impl_numpy's, on every path (the in-place cache included).
 
     tensors: the canonical tensors (impl_numpy's names and layouts) as torch
     tensors on one device; inputs, masks, bias, ids and the cache are moved
@@ -487,7 +501,7 @@ def multi_head_attention(
         positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype, materializes_scores=not will_use_sdpa,
-        sdpa=will_use_sdpa,
+        sdpa=will_use_sdpa, past_key_positions=past_key_positions,
     )
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params

@@ -341,12 +341,24 @@ def allowed_mask(mask4: torch.Tensor | None, T: int, S: int, is_causal: bool, ca
     return allowed
 
 
-def all_key_positions(key_positions: torch.Tensor, P: int) -> torch.Tensor:
-    """Every key's position, (B|1, P+S): the cache's keys at 0..P-1, then the new keys' key_positions."""
+def all_key_positions(key_positions: torch.Tensor, P: int, past_key_positions: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
+    then the new keys' key_positions (B|1, S)."""
     if not P:
         return key_positions
-    cached = torch.arange(P, dtype=torch.int64, device=key_positions.device)[None].expand(key_positions.shape[0], P)
-    return torch.cat([cached, key_positions], dim=1)
+    cached = (torch.arange(P, dtype=torch.int64, device=key_positions.device)[None] if past_key_positions is None
+              else past_key_positions)  # (B|1, P)
+    B = max(cached.shape[0], key_positions.shape[0])
+    return torch.cat([cached.expand(B, P), key_positions.expand(B, key_positions.shape[1])], dim=1)
+
+
+def temperature_positions(positions: torch.Tensor, source: str, P: int, T: int) -> torch.Tensor:
+    """The positions a query temperature reads, (B|1, T): the queries' positions ("positions"), or their
+    index in the cache, P + arange(T) ("cache_index": transformers' Llama 4, left pads counted)."""
+    if source == "positions":
+        return positions
+    return (P + torch.arange(T, dtype=torch.int64, device=positions.device))[None]
 
 
 def default_positions(positions: torch.Tensor | None, P: int, L: int, device=None) -> torch.Tensor:

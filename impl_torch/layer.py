@@ -227,7 +227,7 @@ class MultiHeadAttention(nn.Module):
                 causal_alignment: str = "top_left", training: bool | None = None, dropout_mask=None,
                 seed: int | None = None, positions=None, key_positions=None, past_key=None, past_value=None,
                 segment_ids=None, key_segment_ids=None, return_weights: bool = False, return_cache: bool = False,
-                cache_length: int | None = None, use_sdpa: bool | None = None, precision: str | None = "highest", trace: list | None = None):
+                cache_length: int | None = None, past_key_positions=None, use_sdpa: bool | None = None, precision: str | None = "highest", trace: list | None = None):
         """query (B, T, query_dim), key (B, S, key_dim) default query, value
         (B, S, value_dim) default key -> output (B, T, O); with
         return_weights also weights (B, N, T, P+S), with return_cache also
@@ -247,7 +247,8 @@ class MultiHeadAttention(nn.Module):
                        training=training, dropout_mask=dropout_mask, seed=seed, positions=positions,
                        key_positions=key_positions, past_key=past_key, past_value=past_value,
                        segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
-                       return_cache=return_cache, cache_length=cache_length, trace=trace, use_sdpa=self.use_sdpa if use_sdpa is None else use_sdpa)
+                       return_cache=return_cache, cache_length=cache_length, trace=trace,
+                       past_key_positions=past_key_positions, use_sdpa=self.use_sdpa if use_sdpa is None else use_sdpa)
         if precision is None or torch.compiler.is_compiling():
             return multi_head_attention(self.config, self.canonical_tensors(), query, key, value, **options)
         with matmul_precision(precision):

@@ -11,7 +11,7 @@ import numpy as np
 
 import impl_numpy
 import weights
-from conformance.suite.cases import cast_inputs, cast_tensors
+from conformance.suite.cases import Case, cast_inputs, cast_tensors
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -37,6 +37,22 @@ DECODE_CONFIGS = {
                            query_temperature={"beta": 0.2, "floor": 2.0}, output_gate={"scope": "element"}),
 }
 PROMPT, TOTAL = 3, 7  # the first call holds 3 tokens, then 4 steps of one
+
+# past_key_positions (tests/test_cache_positions.py on the reference, test_mirrors_modern.py on each mirror's
+# paths): the last row left-padded by 2 (conformance.suite.cases' positions "left_padded").
+CACHE_POSITION_CASES = {
+    # RoPE with ALiBi and chunks of 4 over a cache of 6: ALiBi's distances and the chunks read every cached
+    # key's position
+    "cache_positions_alibi_chunk": Case("cache_positions_alibi_chunk",
+                                        cfg(num_heads=4, num_kv_heads=2, rope={}, alibi=True, local_chunk=4),
+                                        T=3, S=3, P=6, positions="left_padded", mask="padding", **DECODE),
+    # the temperature from the cache index (Llama 4's NoPE layers), with chunks from the positions
+    "cache_positions_temperature": Case(
+        "cache_positions_temperature",
+        cfg(num_heads=4, num_kv_heads=2, local_chunk=4,
+            query_temperature={"beta": 0.5, "floor": 3.0, "offset": 1, "position": "cache_index"}),
+        T=2, S=2, P=7, positions="left_padded", **DECODE),
+}
 
 
 @functools.cache

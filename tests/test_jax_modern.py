@@ -176,6 +176,7 @@ def test_in_place_refusals():
                            "segment_ids, key_segment_ids"),
                           (dict(return_weights=True), "return_weights"),
                           (dict(chunk_size=2), "chunk_size=2"),
+                          (dict(past_key_positions=np.arange(2)), "past_key_positions"),
                           (dict(trace=[]), "trace")):
         text = message(jax.jit(lambda n: traced(n, **kwargs)), jnp.int32(1))
         assert text.startswith(f"a traced cache_length attends over the whole buffer and cannot take {named} ("), text

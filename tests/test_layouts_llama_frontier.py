@@ -117,8 +117,8 @@ def test_config_read_matches_the_model(converted):
                 assert config.query_temperature is None
             else:
                 assert config.qk_norm is None and not hasattr(attn, "qk_norm")
-                assert config.query_temperature.to_dict() == {"beta": attn.attn_scale, "floor": attn.floor_scale,
-                                                              "offset": 1}, config.query_temperature
+                want = {"beta": attn.attn_scale, "floor": attn.floor_scale, "offset": 1, "position": "cache_index"}
+                assert config.query_temperature.to_dict() == want, config.query_temperature
         elif model_type == "ministral3":
             assert config.query_temperature.to_dict() == {"beta": 0.5, "floor": 4.0, "offset": 0}
         elif model_type == "cohere":
@@ -214,7 +214,8 @@ def test_llama4_multimodal_and_4x_configs():
     assert rope_layer.local_chunk == 4 and rope_layer.qk_norm.eps == 1e-5, rope_layer
     nope_layer, _ = layouts.to_canonical("hf-llama", state, hf_config=LLAMA4_TEXT, layer=1)
     assert nope_layer.rope is None and nope_layer.local_chunk is None, nope_layer
-    assert nope_layer.query_temperature.to_dict() == {"beta": 0.1, "floor": 8192.0, "offset": 1}
+    assert nope_layer.query_temperature.to_dict() == {"beta": 0.1, "floor": 8192.0, "offset": 1,
+                                                      "position": "cache_index"}
     # no no_rope_layers: every 4th layer is NoPE
     four = {**LLAMA4_TEXT, "num_hidden_layers": 4, "no_rope_layers": None}
     kinds = [layouts.to_canonical("hf-llama", _state(layers=4), hf_config=four, layer=i)[0].rope is None

@@ -32,8 +32,16 @@ from mirrors import (
     layer_cases,
     over_mirrors,
 )
-from modern_checks import DECODE_CONFIGS, PROMPT, TOTAL, cfg, check_in_place_decode, decode_reference
-from reference_checks import assert_case_conforms, assert_gradients_conform, error_of
+from modern_checks import (
+    CACHE_POSITION_CASES,
+    DECODE_CONFIGS,
+    PROMPT,
+    TOTAL,
+    cfg,
+    check_in_place_decode,
+    decode_reference,
+)
+from reference_checks import assert_case_conforms, assert_gradients_conform, describe, error_of
 
 import impl_numpy
 import impl_numpy.adapter as numpy_adapter
@@ -264,6 +272,79 @@ def test_decoding_in_place_equals_the_full_causal_call(mirror, config_name, dtyp
                      B=2, T=TOTAL, S=TOTAL, logits=logits, same_precision_error=errors.get(name))
 
     check_in_place_decode(outputs, pk, pv, want, compare)
+
+
+# -- the cache's keys at the caller's positions (past_key_positions), a left-padded row ------------------
+
+# Each mirror's paths as `mha check` runs them (its adapter's PATHS, checked below: the stages, its fast
+# path, chunk_size=2 where it has one, the in-place cache), float32; the other dtypes are the same code in
+# other roundings. JAX compiles a program per row (0.3-2.6 s): by default the temperature case (whose
+# position source every JAX path reads through the same Call.temperature_positions) on its stages, and the
+# chunked path (its forward and VJP, 2.6 s) in `tox -e full`, its forward over shuffled positions below.
+ADAPTER_PATHS = {"torch": ("stages", "sdpa", "in_place"), "tf": ("stages", "fused", "chunked", "in_place"),
+                 "jax": ("stages", "fused", "chunked", "in_place")}
+
+
+def _cache_position_rows(framework):
+    for case_name in CACHE_POSITION_CASES:
+        for path in ADAPTER_PATHS[framework]:
+            slow = framework == "jax" and path != "stages" and (case_name != "cache_positions_alibi_chunk"
+                                                                or path == "chunked")
+            yield pytest.param(case_name, path, id=f"{case_name}-{path}", marks=_slow(slow))
+
+
+@parametrize("case_name, path", _cache_position_rows)
+def test_cache_positions_match_reference_on_every_path(mirror, case_name, path):
+    """The last row left-padded by 2 (past_key_positions 2 less than the cache index, the pads at 0): ALiBi
+    and chunks over a RoPE cache, and the temperature from the cache index over chunks; output, present
+    cache and (where the path has them) gradients judged as `mha check` judges them."""
+    from conformance.suite.compare import STATUS_PASS, run_case
+
+    assert mirror.adapter.PATHS == ADAPTER_PATHS[mirror.name], (mirror.adapter.PATHS, ADAPTER_PATHS[mirror.name])
+    result = run_case(CACHE_POSITION_CASES[case_name], mirror.name, dtype="float32", path=path)
+    assert result is not None, f"{mirror.name} {path} does not run {case_name}"
+    assert result.status == STATUS_PASS, describe(result)
+
+
+@parametrize("path", lambda fw: [pytest.param(p, id=p, marks=_slow(fw == "jax" and p == "fused"))
+                                  for p in ADAPTER_PATHS[fw] if p != "stages"])
+def test_shuffled_cache_positions_on_the_fast_and_chunked_paths(mirror, path):
+    """The cache's keys at shuffled positions (tests/test_cache_positions.shuffled_call): each fast,
+    chunked (blocks of 2, skipped by their chunks of positions) and in-place path against the float64
+    reference's stages (JAX's fused expression, a program of its own with no block to skip: `slow`)."""
+    from test_cache_positions import shuffled_call
+
+    from weights.paths import common_path_options
+
+    config, tensors, inputs, options = shuffled_call()
+    want, *_ = impl_numpy.multi_head_attention(
+        config, {k: v.astype(np.float64) for k, v in tensors.items()}, inputs["query"].astype(np.float64),
+        return_weights=True, trace=(trace := []), is_causal=True, causal_alignment="bottom_right",
+        **{k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items() if k != "query"})
+    if path in ("chunked", "in_place"):
+        options = common_path_options(path, inputs, options, paths=ADAPTER_PATHS[mirror.name])
+    else:
+        options = options | ({"use_sdpa": True} if path == "sdpa" else {})
+    got = mirror.adapter.forward(config, tensors, inputs, options)["output"]
+    assert_close(f"shuffled {path}", got, want, config=config, dtype="float32", quantity="output", B=2, T=3, S=13,
+                 logits=dict((e.stage, e.value) for e in trace)["alibi"])
+
+
+@parametrize("", lambda fw: [pytest.param(marks=_slow(fw == "jax"))])
+def test_layer_takes_past_key_positions(mirror):
+    """The mirror's layer passes past_key_positions (and the rest of a left-padded decode step) through to
+    its call: the float32 output against the float64 reference's. (JAX's layer is apply() with **options,
+    op by op here: 3 s, so `slow`.)"""
+    case = CACHE_POSITION_CASES["cache_positions_alibi_chunk"]
+    exp = expected_for(case, "float32")
+    inputs = exp["inputs"]
+    layer = mirror.module.MultiHeadAttention.from_tensors(case.config, exp["tensors"])
+    out = layer(inputs["query"], inputs["key"], inputs["value"], is_causal=True, causal_alignment="bottom_right",
+                **{n: inputs[n] for n in ("mask", "positions", "key_positions", "past_key", "past_value",
+                                          "past_key_positions")})
+    got = mirror.to_numpy(out) if mirror.name == "torch" else np.asarray(out)
+    assert_close("layer output", got, exp["output"], config=case.config, dtype="float32", quantity="output", B=case.B,
+                 T=case.T, S=case.S_total, logits=exp["logits"])
 
 
 # -- the layer -------------------------------------------------------------------------------

@@ -460,3 +460,26 @@ def test_alibi_after_the_softcap_over_a_cache(backend_id):
                 self_attention=False)
     result = run_case(case, backend_id, dtype="float32", adapter=adapter)
     assert result.status == STATUS_PASS, _describe(result)
+
+
+@pytest.mark.parametrize("backend_id", [_param(b) for b in ("torch-flex", "onnxruntime")])
+def test_cache_positions_reach_alibi_and_the_chunks(backend_id):
+    """past_key_positions (a left-padded row) reach the ALiBi bias and the chunk mask of the two natives that
+    build them from the call's positions: forward judged by the suite (both are forward-only on CPU)."""
+    from modern_checks import CACHE_POSITION_CASES
+
+    adapter = _adapter(backend_id)
+    result = run_case(CACHE_POSITION_CASES["cache_positions_alibi_chunk"], backend_id, dtype="float32",
+                      adapter=adapter, gradients=False)
+    assert result.status == STATUS_PASS, _describe(result)
+
+
+@pytest.mark.parametrize("backend_id", [_param(b) for b in NATIVE if b not in ("torch-flex", "onnxruntime")])
+def test_cache_positions_are_refused_by_name(backend_id):
+    """Every other native refuses past_key_positions, naming it, with its reason."""
+    from modern_checks import CACHE_POSITION_CASES
+
+    adapter = _adapter(backend_id)
+    result = run_case(CACHE_POSITION_CASES["cache_positions_alibi_chunk"], backend_id, dtype="float32",
+                      adapter=adapter, gradients=False)
+    assert result.status == STATUS_UNSUPPORTED and "past_key_positions" in result.message, _describe(result)

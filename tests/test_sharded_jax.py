@@ -76,6 +76,21 @@ def test_heads_refusals_name_the_counts():
         kv_split(AttentionConfig(num_heads=6, num_kv_heads=3, query_dim=6, head_dim=2), 2)
 
 
+@pytest.mark.jax
+@needs_jax
+def test_past_key_positions_is_refused_by_name():
+    """The engines place a cache's keys at 0..P-1: past_key_positions is refused before anything runs."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import expected_for
+    from impl_jax import sharded as engine
+
+    case = CASES["decode_cache"]
+    exp = expected_for(case, "float32")
+    inputs = dict(exp["inputs"], past_key_positions=np.arange(case.P))
+    with pytest.raises(NotImplementedError, match="past_key_positions is not taken"):
+        engine.forward(case.config, exp["tensors"], inputs, case.options("float32"), kind="heads", devices=1)
+
+
 def test_parse_shard_and_missing_engine():
     from conformance.suite import sharded
 

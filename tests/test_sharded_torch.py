@@ -178,6 +178,14 @@ def test_refusals_name_the_reason(kind, devices, options, expected):
         sharded.forward(config, tensors, inputs, {**base, **options}, kind=kind, devices=devices)
 
 
+def test_refusal_past_key_positions():
+    """The engines place a cache's keys at 0..P-1: past_key_positions is refused by name, before any process."""
+    config, tensors, inputs, options = _call("decode_cache")
+    inputs = dict(inputs, past_key_positions=np.arange(inputs["past_key"].shape[2]))
+    with pytest.raises(NotImplementedError, match="past_key_positions is not taken"):
+        sharded.forward(config, tensors, inputs, options, kind="heads", devices=2)
+
+
 def test_refusal_trace():
     config, tensors, inputs, options = _call()
     with pytest.raises(NotImplementedError, match="no trace"):

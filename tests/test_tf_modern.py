@@ -26,6 +26,7 @@ keras = pytest.importorskip("keras", reason=INSTALL)
 from assertions import ulps_between  # noqa: E402
 from mirrors import TracedOnTheStages, case_named  # noqa: E402
 from modern_checks import (  # noqa: E402
+    CACHE_POSITION_CASES,
     DECODE,
     DECODE_CONFIGS,
     TOTAL,
@@ -366,6 +367,48 @@ def test_modern_decode_step_in_graphs_with_gradient(mode, path):
         floor = np.abs(exp["magnitudes"][label[2:]]).max() if quantity == "grad" else 0.0
         assert_close(f"{mode} {path} {label}", np.asarray(got), want, config=case.config, dtype="float64",
                      quantity=quantity, B=case.B, T=case.T, S=case.S_total, logits=exp["logits"], scale_floor=floor)
+
+
+def _graph_rows():
+    """Every path for the ALiBi and chunks case; the temperature case (0.2-0.4 s a row) on the chunked path,
+    which computes its queries' temperature block by block from positions of its own, the rest `slow`."""
+    for case_name in CACHE_POSITION_CASES:
+        for path in ("fused", "chunked", "stages", "in_place"):
+            slow = case_name == "cache_positions_temperature" and path != "chunked"
+            yield pytest.param(case_name, path, id=f"{case_name}-{path}", marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("case_name, path", _graph_rows())
+def test_cache_positions_in_a_graph(case_name, path):
+    """A left-padded decode step (past_key_positions, and the temperature from the cache index) inside
+    tf.function, the positions graph tensors (so the chunked path masks every block instead of skipping
+    from their values), on each path; in place on tf.Variables the function captures. Float64 output
+    against the reference's."""
+    case = CACHE_POSITION_CASES[case_name]
+    exp = expected_for(case, "float64")
+    inputs = make_inputs(case)
+    params = {n: tf.constant(t) for n, t in make_tensors(case).items()}
+    extra = {"fused": {}, "chunked": dict(chunk_size=2), "stages": dict(trace=[]), "in_place": {}}[path]
+    cache = {n: tf.constant(inputs[n]) for n in ("past_key", "past_value")}
+    if path == "in_place":
+        for name in cache:
+            past = inputs[name]
+            buffer = np.zeros((*past.shape[:2], past.shape[2] + case.S + 1, past.shape[3]))
+            buffer[:, :, :case.P] = past
+            cache[name] = tf.Variable(buffer)
+        extra["cache_length"] = case.P
+
+    @tf.function(autograph=False)
+    def run(query, key, value, positions, key_positions, past_key_positions, mask):
+        return impl_tf.multi_head_attention(case.config, params, query, key, value, **cache, mask=mask,
+                                            positions=positions, key_positions=key_positions,
+                                            past_key_positions=past_key_positions, is_causal=True,
+                                            causal_alignment="bottom_right", **extra)
+
+    names = ("query", "key", "value", "positions", "key_positions", "past_key_positions")
+    out = run(*(tf.constant(inputs[n]) for n in names), None if "mask" not in inputs else tf.constant(inputs["mask"]))
+    assert_close(f"tf.function {path} output", np.asarray(out), exp["output"], config=case.config, dtype="float64",
+                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=exp["logits"])
 
 
 # -- masks and error wording ------------------------------------------------------------------

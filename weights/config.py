@@ -249,6 +249,10 @@ class QKNorm:
         return data
 
 
+# Where a query temperature reads its query's position (QueryTemperature.position).
+TEMPERATURE_POSITIONS = ("positions", "cache_index")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QueryTemperature:
     """q <- q * (1 + beta * ln(1 + floor((pos_q + offset) / floor))), after RoPE: a query scale that grows
@@ -258,23 +262,37 @@ class QueryTemperature:
     beta: float  # Llama 4's attn_scale (0.1), Ministral 3's llama_4_scaling_beta
     floor: float  # Llama 4's floor_scale (8192), Ministral 3's original_max_position_embeddings
     offset: int = 0  # 0 | 1: added to the position before the division
+    # Where pos_q comes from: "positions", the call's query positions (the default); "cache_index", the
+    # query's index in the cache, P + t, whatever the positions (transformers' Llama 4: arange plus the
+    # past length, left pads included, modeling_llama4.py:360-361, while its RoPE and chunks read
+    # position_ids). The two agree wherever the positions are the default P + arange(T).
+    position: str = "positions"
 
     @classmethod
     def from_value(cls, value: Any) -> QueryTemperature | None:
         if value is None or isinstance(value, QueryTemperature):
             return value
-        data = _object("query_temperature", value, ("beta", "floor", "offset"))
+        data = _object("query_temperature", value, ("beta", "floor", "offset", "position"))
         missing = [key for key in ("beta", "floor") if key not in data]
         if missing:
             raise ValueError(f"query_temperature is missing {', '.join(missing)}")
         offset = data.get("offset", 0)
         if isinstance(offset, bool) or offset not in (0, 1):
             raise ValueError(f"query_temperature.offset must be 0 or 1: got {_shown(offset)}")
+        position = data.get("position", "positions")
+        if position not in TEMPERATURE_POSITIONS:
+            raise ValueError(f"query_temperature.position must be one of {', '.join(TEMPERATURE_POSITIONS)}: "
+                             f"got {_shown(position)}")
         return cls(beta=_finite_number("query_temperature.beta", data["beta"]),
-                   floor=_finite_number("query_temperature.floor", data["floor"], positive=True), offset=int(offset))
+                   floor=_finite_number("query_temperature.floor", data["floor"], positive=True), offset=int(offset),
+                   position=position)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"beta": self.beta, "floor": self.floor, "offset": self.offset}
+        """Its fields; position only where it is not the default (so a default config's JSON is unchanged)."""
+        data = {"beta": self.beta, "floor": self.floor, "offset": self.offset}
+        if self.position != "positions":
+            data["position"] = self.position
+        return data
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -191,6 +191,8 @@ def check_call(
     past_key_dtype: str | None = None,
     past_value_shape=None,
     past_value_dtype: str | None = None,
+    past_key_positions_shape=None,
+    past_key_positions_dtype: str | None = None,
     segment_ids_shape=None,
     segment_ids_dtype: str | None = None,
     key_segment_ids_shape=None,
@@ -210,7 +212,11 @@ def check_call(
 
     positions (T,) or (B, T) and key_positions (S,) or (B, S): integer RoPE
     positions of the queries and the new keys. past_key (B, K, P, H) and
-    past_value (B, K, P, V): the cache (both or neither). segment_ids (T,) or
+    past_value (B, K, P, V): the cache (both or neither). past_key_positions
+    (P,) or (B, P): the cached keys' positions (default 0..P-1), integer, only
+    with a cache; read wherever key positions are (ALiBi, local chunks; RoPE
+    was applied to the cached keys when they were new), e.g. a left-padded
+    row's keys at index - pads. segment_ids (T,) or
     (B, T) and key_segment_ids (S_total,) or (B, S_total): packed sequences;
     key_segment_ids may be left out only in self-attention without a cache
     (keys_given false: the caller passed no key or value, so the keys are the
@@ -268,6 +274,11 @@ def check_call(
         check_ids("positions", positions_shape, positions_dtype, B, T, "T")
     if key_positions_shape is not None:
         check_ids("key_positions", key_positions_shape, key_positions_dtype, B, S, "S")
+    if past_key_positions_shape is not None:
+        if past_key_shape is None:
+            raise ValueError("past_key_positions was given without past_key/past_value (the cache whose keys it "
+                             "places)")
+        check_ids("past_key_positions", past_key_positions_shape, past_key_positions_dtype, B, P, "P")
     if segment_ids_shape is not None:
         check_ids("segment_ids", segment_ids_shape, segment_ids_dtype, B, T, "T")
         if key_segment_ids_shape is None and keys_given:
@@ -384,8 +395,8 @@ def check_position_values(config, positions) -> None:
     """With a query temperature, ln(1 + floor((position + offset) / floor)) needs position + offset >= 0
     (a model's positions count from 0): a smaller one is refused, naming the position."""
     temperature = getattr(config, "query_temperature", None)
-    if temperature is None or positions is None:
-        return
+    if temperature is None or positions is None or temperature.position == "cache_index":
+        return  # (the cache index P + t is never negative)
     values = np.asarray(positions)
     if values.size and int(values.min()) + temperature.offset < 0:
         raise ValueError(f"positions must be >= {-temperature.offset} with a query_temperature (its log counts "

@@ -144,9 +144,11 @@ def bias4(shapes: CallShapes, inputs: Mapping) -> np.ndarray | None:
 
 def call_positions(shapes: CallShapes, inputs: Mapping) -> tuple[np.ndarray, np.ndarray]:
     """The positions ALiBi, local chunks and RoPE read (spec-frontier.md): the queries' (B|1, T) and every
-    key's (B|1, S_total), the cache's keys at 0..P-1, int64."""
+    key's (B|1, S_total), the cache's keys at past_key_positions (default 0..P-1), int64."""
+    past = inputs.get("past_key_positions")
     return (default_positions(inputs.get("positions"), shapes.P, shapes.T),
-            all_key_positions(default_positions(inputs.get("key_positions"), shapes.P, shapes.S), shapes.P))
+            all_key_positions(default_positions(inputs.get("key_positions"), shapes.P, shapes.S), shapes.P,
+                              None if past is None else default_positions(past, 0, shapes.P)))
 
 
 def alibi_distance(shapes: CallShapes, inputs: Mapping) -> np.ndarray:
@@ -405,7 +407,8 @@ def torch_vjp(out, leaves: Mapping, d_output) -> tuple[np.ndarray, dict[str, np.
 
 # The modern call inputs (positions, KV cache, packed segments), beside the config's modern fields
 # (weights.config.MODERN_DEFAULTS).
-MODERN_INPUTS = ("positions", "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids")
+MODERN_INPUTS = ("positions", "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids",
+                 "past_key_positions")
 
 
 def modern_features(config: AttentionConfig, inputs, options) -> list[str]:

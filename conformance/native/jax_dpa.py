@@ -94,6 +94,7 @@ WHY = {
                    "(query i sees i - left .. i + right), not absolute chunks of C positions",
     "query_temperature": "jax.nn.dot_product_attention takes one scale for every query, not one per position",
     "output_gate": "jax.nn.dot_product_attention returns the context with no gate argument",
+    "past_key_positions": "this wrapper takes no cache (past_key/past_value), whose keys these would place",
 }
 ALIBI_INPUTS = ("alibi", "positions", "key_positions")  # the positions only feed ALiBi here (RoPE is refused)
 

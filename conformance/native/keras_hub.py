@@ -92,6 +92,8 @@ FRONTIER_WHY = {
              "j - (S - 1), not |pos_q - pos_k|, to scores it is handed, and CachedMultiHeadAttention has no bias "
              "argument to take it",
     "local_chunk": "CachedMultiHeadAttention has no chunk argument (keras-hub 0.32 has no Llama 4)",
+    "past_key_positions": "CachedMultiHeadAttention's cache holds keys and values, not their positions (cache "
+                          "slot j is position j)",
     "query_temperature": "CachedMultiHeadAttention scales every query alike (no temperature argument)",
     "qkv_clip": "CachedMultiHeadAttention has no clip argument",
     "output_gate": "CachedMultiHeadAttention has no gate argument (Qwen3.5's gate is inside keras-hub's own "

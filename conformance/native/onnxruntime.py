@@ -101,7 +101,7 @@ OPSET = 23
 WINDOW_OPSET = 25  # the first opset whose Attention has left_window_size / right_window_size
 EXPRESSES = ("rope", "logit_softcap", "window_left", "window_right", "qk_norm", "positions", "key_positions",
              "past_key", "past_value", "segment_ids", "key_segment_ids", "return_cache", "alibi", "local_chunk",
-             "rope.scaling longrope", "rope.scaling proportional")
+             "rope.scaling longrope", "rope.scaling proportional", "past_key_positions")
 SINKS_WHY = "ONNX Attention has no sinks input up to opset 25"
 _NO_ARGUMENT = "ONNX Attention (opset 23-25) has no argument for it"
 FRONTIER_WHY = {

@@ -65,6 +65,7 @@ NAME = "torch-flex"
 # cache are impl_torch's stages around the call, as the projections are.
 EXPRESSES = ("rope", "logit_softcap", "window_left", "window_right", "qk_norm", "use_sinks", "positions",
              "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids", "return_cache",
+             "past_key_positions",
              "alibi", "local_chunk", "query_temperature", "qkv_clip", "output_gate", "value_norm", "latent",
              "qk_norm.weight", "qk_norm.per_head", "qk_norm.after_rope", "rope.scaling longrope",
              "rope.scaling proportional")
@@ -155,7 +156,7 @@ def _mods(config, shapes, inputs, options, dtype, dev, call):
     chunk = config.local_chunk
     if config.alibi or chunk is not None:
         pos_q = call.positions.expand(B, T).contiguous()  # (B, T) int64
-        pos_k = call.every_key_position.expand(B, S).contiguous()  # (B, S_total): the cache's keys at 0..P-1
+        pos_k = call.every_key_position.expand(B, S).contiguous()  # (B, S_total): the cache's keys' and the new
     if config.alibi:
         slopes = call.params["alibi.slopes"].to(torch.float32 if dtype in ("float16", "bfloat16")
                                                 else getattr(torch, dtype))  # (N,) in compute dtype
@@ -248,8 +249,8 @@ def _call(config, tensors, inputs, options, device, precision, *, requires_grad=
     dev = resolve_device(device)
     params = {n: to_torch(t).to(dev).requires_grad_(requires_grad) for n, t in tensors.items()}
     x = {n: to_torch(a).to(dev).requires_grad_(requires_grad) for n, a in zip(("query", "key", "value"), qkv(inputs))}
-    given = {n: to_torch(inputs[n]).to(dev) for n in ("positions", "key_positions", "past_key", "past_value")
-             if inputs.get(n) is not None}
+    given = {n: to_torch(inputs[n]).to(dev) for n in ("positions", "key_positions", "past_key", "past_value",
+                                                      "past_key_positions") if inputs.get(n) is not None}
     for name in ("past_key", "past_value"):
         if name in given:
             given[name].requires_grad_(requires_grad)

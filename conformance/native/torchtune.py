@@ -83,6 +83,7 @@ WHY = ("torchtune's MultiHeadAttention has pos_embeddings, q_norm/k_norm and kv_
 FRONTIER_WHY = {
     "alibi": "torchtune 0.6.1 has no ALiBi (no bias argument, no ALiBi module)",
     "local_chunk": "torchtune 0.6.1 has no chunked attention (no Llama 4; MultiHeadAttention takes one mask)",
+    "past_key_positions": "KVCache holds keys and values, not their positions (cache slot j is position j)",
     "query_temperature": "torchtune 0.6.1 has no query temperature (no Llama 4; one scale for every query)",
     "qkv_clip": "MultiHeadAttention has no clip argument and clamps nothing",
     "output_gate": "MultiHeadAttention has no gate argument (torchtune 0.6.1 has no Qwen3-Next)",

@@ -37,7 +37,9 @@ class Case:
     return_weights: bool = True
     input_scale: float = 1.0  # > 1 makes large logits
     # The modern inputs (all off by default: a plain case's vectors are unchanged)
-    positions: str | None = None  # None (the defaults) | "far" | "per_batch" | "packed" (with segment ids) | "explicit"
+    # None (the defaults) | "far" | "per_batch" | "packed" (with segment ids) | "explicit" | "left_padded"
+    # (with a cache: past_key_positions)
+    positions: str | None = None
     first_position: int = 0  # positions "explicit": the first new key's position (see _modern_inputs)
     P: int = 0  # cache length: past_key / past_value of P positions
     return_cache: bool = False
@@ -348,7 +350,9 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
     """The cache (after projection, norm and rope, as a model stores it: unit-scale values), and the
     positions: "far" 37 places on, past a short original context; "per_batch" a different offset per
     row; "packed" two or three documents per row whose positions restart, with their segment ids;
-    "explicit" from case.first_position on."""
+    "explicit" from case.first_position on; "left_padded" (a cache) the last row left-padded by 2: every
+    position, the cached keys' too (past_key_positions), 2 less, the pads at 0, as transformers' batched
+    generation places them."""
     c, B, T, S, P = case.config, case.B, case.T, case.S, case.P
     inputs: dict[str, np.ndarray] = {}
     if P:
@@ -381,6 +385,14 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
         # key and value are passed explicitly (as every case does), so their ids are too (check_call)
         inputs.update(segment_ids=ids, key_segment_ids=ids.copy(), positions=positions,
                       key_positions=positions.copy())
+    elif case.positions == "left_padded":
+        if not P:
+            raise ValueError(f"case {case.name}: left_padded positions need a cache (P > 0)")
+        pads = np.zeros((B, 1), dtype=np.int64)
+        pads[-1] = min(2, P)
+        inputs["past_key_positions"] = np.maximum(np.arange(P) - pads, 0)  # (B, P)
+        inputs["positions"] = P + np.arange(T) - pads  # (B, T)
+        inputs["key_positions"] = P + np.arange(S) - pads  # (B, S)
     elif case.positions is not None:
         raise ValueError(f"case {case.name}: unknown positions kind {case.positions!r}")
     return inputs

@@ -149,8 +149,11 @@ def _frontier(cfg: Mapping[str, Any], model_type: str, layer: int, layer_type: s
             modern["qk_norm"] = {"type": "rms", "eps": float(cfg.get("rms_norm_eps", 1e-5)), "scope": "head",
                                  "weight": False, "after_rope": True}
         if not rope_on and cfg.get("attn_temperature_tuning", True):  # 1 + attn_scale ln(1 + floor((p + 1) / f))
+            # p: the query's cache index, arange(T) + the past length, left pads included, not position_ids
+            # (modeling_llama4.py:360-361, transformers 5.23)
             modern["query_temperature"] = {"beta": float(cfg.get("attn_scale", 0.1)),
-                                           "floor": float(cfg.get("floor_scale", 8192)), "offset": 1}
+                                           "floor": float(cfg.get("floor_scale", 8192)), "offset": 1,
+                                           "position": "cache_index"}
     elif model_type == "smollm3" and not cfg.get("use_sliding_window", False):
         modern["window_left"] = -1  # SmolLM3Attention slides only with use_sliding_window
     elif model_type == "ministral3":  # get_llama_4_attn_scale: 1 + beta ln(1 + floor(position / original))

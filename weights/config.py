@@ -130,8 +130,8 @@ class RopeScaling:
         if kind == "llama3":
             low = _finite_number("rope.scaling.low_freq_factor", fields["low_freq_factor"], positive=True)
             high = _finite_number("rope.scaling.high_freq_factor", fields["high_freq_factor"], positive=True)
-            if high <= low:
-                raise ValueError(f"rope.scaling.high_freq_factor must exceed low_freq_factor: got {high} <= {low}")
+            if high < low:  # equal factors: no interpolation band, a step at original / low (Llama 4 Scout: 1, 1)
+                raise ValueError(f"rope.scaling.high_freq_factor must be at least low_freq_factor: got {high} < {low}")
             resolved.update(low_freq_factor=low, high_freq_factor=high)
         if kind == "yarn":
             resolved["beta_fast"] = _finite_number("rope.scaling.beta_fast", fields["beta_fast"], positive=True)

@@ -95,6 +95,10 @@ def _mpt_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     if attn.get("qk_ln"):
         raise ValueError("hf_config: attn_config.qk_ln=True is not read by hf-mpt (transformers' MptAttention has no "
                          "q_ln / k_ln): got True")
+    for key, what in (("prefix_lm", "a bidirectional prefix"), ("attn_uses_sequence_id", "a mask by sequence id")):
+        if attn.get(key):  # MosaicML's attention honours them; transformers' MptAttention has neither
+            raise ValueError(f"hf_config: attn_config.{key}=True ({what}) is not read by hf-mpt (transformers' "
+                             f"MptAttention has no such mask): got {attn[key]!r}")
     alibi = bool(attn.get("alibi", True))
     modern: dict[str, Any] = {"alibi": alibi, "qkv_clip": attn.get("clip_qkv") or None}
     out = {"num_heads": heads, "hidden": hidden, "head_dim": head_dim, "dropout": attn.get("attn_pdrop"),

@@ -264,3 +264,20 @@ def test_converted_block_reproduces_metas_own_code(model, tmp_path):
         # Meta's code runs in float32: sums of D = 64 and S <= 12 terms, a softmax and wo, each ~1e-7
         # relative; 1e-5 of the largest output is 100x that, and 1000x below what a misread field moves
         assert np.abs(mine - expected).max() <= 1e-5 * scale, (model, layer, np.abs(mine - expected).max(), scale)
+
+
+def test_meta_llama_and_hf_llama_read_scout_alike():
+    """The same Scout-like blocks read from Meta's params.json and from transformers' llama4_text config.json
+    (rope_parameters llama3 with factor 16, low and high 1: Scout's published config) are the same config."""
+    hf = {"model_type": "llama4_text", "hidden_size": D, "num_attention_heads": N, "num_key_value_heads": K,
+          "head_dim": H, "rms_norm_eps": 1e-2, "no_rope_layers": [1, 0], "attention_chunk_size": 4,
+          "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.5,
+          "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}
+    meta_state = _state(fused=False)
+    hf_state = {k.replace("attention.w", "self_attn.").replace(".weight", "_proj.weight"): v  # wq -> q_proj ...
+                for k, v in meta_state.items()}
+    for layer in (0, 1):
+        from_meta, _ = layouts.to_canonical("meta-llama", meta_state, hf_config=SCOUT, layer=layer)
+        from_hf, _ = layouts.to_canonical("hf-llama", hf_state, hf_config=hf, layer=layer)
+        assert from_meta == from_hf, (layer, from_meta, from_hf)

@@ -155,6 +155,7 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
     cap = config.logit_softcap
     sinks = p.get("sinks")
     slopes = p.get("alibi.slopes") if config.alibi else None  # (N,)
+    rounding = config.alibi_bias_dtype  # Falcon-RW's rounded key form (functional.alibi_bias), or None
     chunk = config.local_chunk
     rate = jnp.asarray(1.0 - config.dropout, ct)
     # A fully masked row's weights, as functional.softmax fills them: 1/S or NaN on all S keys, then
@@ -254,7 +255,7 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                             c = jnp.asarray(cap, ct)
                             x = jnp.tanh(x / c) * c
                         if slopes is not None:  # functional.alibi, after the softcap and before the mask
-                            x = x + alibi_bias(slopes, qb_pos, kb_pos, dtype)
+                            x = x + alibi_bias(slopes, qb_pos, kb_pos, dtype, rounding)
                         if bias_b is not None:
                             x = x + bias_b
                             finite = bias_b > -jnp.inf  # a -inf bias is a mask, as in mask(): NaN logits there too
@@ -266,7 +267,7 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
                         if cap is not None:
                             x = softcap(x, cap)
                         if slopes is not None:
-                            x = alibi(x, alibi_bias(slopes, qb_pos, kb_pos, dtype))
+                            x = alibi(x, alibi_bias(slopes, qb_pos, kb_pos, dtype, rounding))
                         x = mask_stage(x, allowed, bias_b).astype(ct)
                     # softmax is shift-invariant: the running max carries no gradient
                     m_new = lax.stop_gradient(jnp.maximum(m, x.max(axis=-1, keepdims=True)))  # (B, N, Cq, 1)

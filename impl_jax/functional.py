@@ -240,11 +240,27 @@ def softcap(x, cap: float):
     return (jnp.tanh(x.astype(ct) / c) * c).astype(x.dtype)
 
 
-def alibi_bias(slopes, positions, key_positions, dtype):
+def alibi_bias(slopes, positions, key_positions, dtype, rounding=None):
     """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
     positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions). The distance is an
-    integer, exact in any compute dtype the contract uses up to 2^24."""
+    integer, exact in any compute dtype the contract uses up to 2^24.
+    rounding (config.alibi_bias_dtype): Falcon-RW's round(round(slope_n) * round(pos_k(j))) in that dtype;
+    the roundings pass the gradient straight through (d slope_n = sum(d bias * round(pos_k)))."""
     ct = compute_dtype(dtype)
+    if rounding is not None:
+        # lax.reduce_precision, not astype(r).astype(ct): under jit XLA drops a convert pair that loses
+        # precision (xla_allow_excess_precision, on by default), and the rounding with it
+        bits = {"bfloat16": (8, 7), "float16": (5, 10), "float32": (8, 23)}[rounding]
+
+        def round_(a):
+            return lax.reduce_precision(a, *bits)
+
+        slope = slopes.astype(ct).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+        key = round_(key_positions.astype(ct))[:, None, None, :]  # (B|1, 1, 1, S)
+        exact = slope * key  # (B|1, N, 1, S): carries the gradient
+        rounded = round_(round_(lax.stop_gradient(slope)) * key)
+        rows = jnp.zeros_like(positions, dtype=ct)[:, None, :, None]  # (B|1, 1, T, 1)
+        return exact + lax.stop_gradient(rounded - exact) + rows  # (B|1, N, T, S)
     distance = jnp.abs(positions[:, :, None] - key_positions[:, None, :]).astype(ct)  # (B|1, T, S)
     return -slopes.astype(ct).reshape(1, -1, 1, 1) * distance[:, None]  # (B|1, N, T, S)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from weights import compute_dtype
+from weights import compute_dtype, dtype_from_name
 from weights.config import QKNorm
 
 from . import functional as F
@@ -276,7 +276,13 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     # reach the value gradient only, not the query and key gradients.
     d_x = ew(np.where(x == -np.inf, 0, d_x))
     # alibi: x + bias, bias = -slope_n * distance: the logits pass d_x on; d slope_n = -sum(d_x * distance)
-    if config.alibi:
+    if config.alibi and config.alibi_bias_dtype is not None:  # bias = round(round(slope_n) * round(pos_k)): the
+        # roundings pass the gradient straight through (as the mirrors' stop_gradient form does): d slope_n =
+        # sum(d_x * round(pos_k))
+        key = call.every_key_position.astype(ct).astype(dtype_from_name(config.alibi_bias_dtype)).astype(ct)
+        d_slope = (d_x.astype(ct) * (np.abs(key) if magnitude else key)[:, None, None, :]).sum(axis=(0, 2, 3))
+        grads["alibi.slopes"] = ew(d_slope)
+    elif config.alibi:
         distance = np.abs(call.positions[:, :, None] - call.every_key_position[:, None, :]).astype(ct)[:, None]
         d_slope = (d_x.astype(ct) * distance).sum(axis=(0, 2, 3))  # (N,)
         grads["alibi.slopes"] = ew(d_slope if magnitude else -d_slope)

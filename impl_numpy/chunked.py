@@ -564,7 +564,11 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                     x *= cap
                     if rounds:
                         x[...] = x.astype(dtype)
-                if slope is not None:  # functional.alibi, after the softcap and before the mask
+                if slope is not None and config.alibi_bias_dtype is not None:  # Falcon-RW's rounded key form
+                    x += F.alibi_bias(slopes, q_pos[:, t0:t1], k_pos[:, s0:s1], dtype, config.alibi_bias_dtype)
+                    if rounds:
+                        x[...] = x.astype(dtype)
+                elif slope is not None:  # functional.alibi, after the softcap and before the mask
                     distance = np.abs(q_pos[:, t0:t1, None] - k_pos[:, None, s0:s1]).astype(ct)  # (B|1, t, s)
                     x -= slope * distance[:, None]
                     if rounds:

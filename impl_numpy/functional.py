@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from weights import compute_dtype
+from weights import compute_dtype, dtype_from_name
 
 from .masks import causal_mask, chunk_mask, segment_mask, window_mask
 
@@ -225,11 +225,23 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
     return (np.tanh(x.astype(ct) / c) * c).astype(x.dtype)
 
 
-def alibi_bias(slopes: np.ndarray, positions: np.ndarray, key_positions: np.ndarray, dtype) -> np.ndarray:
+def alibi_bias(slopes: np.ndarray, positions: np.ndarray, key_positions: np.ndarray, dtype,
+               rounding: str | None = None) -> np.ndarray:
     """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
     positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions). The distance is an
-    integer, exact in any compute dtype the contract uses up to 2^24."""
+    integer, exact in any compute dtype the contract uses up to 2^24.
+    rounding (config.alibi_bias_dtype, e.g. "bfloat16"): Falcon-RW's form instead, round(round(slope_n) *
+    round(pos_k(j))), each rounding to nearest even in that dtype; the product of two rounded values is
+    exact in the compute dtype (8 + 8 or 11 + 11 significant bits; float32's 24 + 24 in float64, and one
+    rounding in float32), so the one rounding of it is the same in every compute dtype."""
     ct = compute_dtype(dtype)
+    if rounding is not None:
+        r = dtype_from_name(rounding)
+        slope = slopes.astype(ct).astype(r).astype(ct).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+        key = key_positions.astype(ct).astype(r).astype(ct)[:, None, None, :]  # (B|1, 1, 1, S)
+        bias = (slope * key).astype(r).astype(ct)  # (B|1, N, 1, S)
+        B = max(positions.shape[0], key_positions.shape[0])
+        return np.broadcast_to(bias, (B, bias.shape[1], positions.shape[1], bias.shape[3])).copy()  # (B|1, N, T, S)
     distance = np.abs(positions[:, :, None] - key_positions[:, None, :]).astype(ct)  # (B|1, T, S)
     return -slopes.astype(ct).reshape(1, -1, 1, 1) * distance[:, None]  # (B|1, N, T, S)
 

@@ -127,6 +127,8 @@ def _modern_core_options(config: AttentionConfig, call: Call) -> dict:
         options["sinks"] = call.params["sinks"]
     if config.alibi:
         options["alibi_slopes"] = call.params["alibi.slopes"]
+        if config.alibi_bias_dtype is not None:
+            options["alibi_rounding"] = config.alibi_bias_dtype
     if config.local_chunk is not None:
         options["local_chunk"] = config.local_chunk
     if config.alibi or config.local_chunk is not None:
@@ -186,7 +188,7 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
     valid = (tf.range(C) < S_total)[None, None, None]  # (1, 1, 1, C)
     allowed = valid if allowed is None else ops.logical_and(_over_capacity(allowed, S_total, C, False), valid)
     options = {name: value for name, value in _modern_core_options(config, call).items()
-               if name in ("softcap", "sinks", "alibi_slopes")}  # windows, chunks and segments are in `allowed`
+               if name in ("softcap", "sinks", "alibi_slopes", "alibi_rounding")}  # windows, chunks and segments are in `allowed`
     if config.alibi:  # every key's position over the capacity: the spare ones (hidden) at 0
         options.update(positions=call.positions,
                        key_positions=_over_capacity(call.every_key_position, S_total, C, 0))

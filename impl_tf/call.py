@@ -181,7 +181,8 @@ class Call:
 
     def alibi_bias(self, config: AttentionConfig):
         """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
-        return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype)
+        return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype,
+                            config.alibi_bias_dtype)
 
     @property
     def modern(self) -> bool:

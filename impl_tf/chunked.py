@@ -70,6 +70,7 @@ from ._keras import keras, tf
 from .functional import (
     _cast,
     absorb_query,
+    alibi_bias,
     clip,
     compute_dtype,
     dtype_name,
@@ -131,7 +132,7 @@ def _block(array, T: int, S: int, t0, tb: int, s0, sb: int, compiled: bool = Fal
 def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids=None, k_ids=None, slopes=None, q_pos=None,
               k_pos=None, *, T: int, S: int, tb: int, sb: int, causal: bool, offset: int, rate: float, dtype: str,
               compiled: bool = False, left: int = -1, right: int = -1, cap: float | None = None,
-              chunk: int | None = None):
+              chunk: int | None = None, alibi_rounding: str | None = None):
     """One key block s0 <= s < s0 + sb into the running (m, l, acc) of the query
     block t0 <= t < t0 + tb: functional.py's stages on a (B, N, tb, sb) block.
 
@@ -170,7 +171,9 @@ def key_block(m, l, acc, qg, kc, vc, t0, s0, mask4, bias, keep, q_ids=None, k_id
     if slopes is not None or chunk is not None:
         qp = _slice(q_pos, [0, t0], [-1, tb], compiled)  # (B|1, tb)
         kp = _slice(k_pos, [0, s0], [-1, sb], compiled)  # (B|1, sb)
-    if slopes is not None:  # functional.alibi, after the softcap and before the mask
+    if slopes is not None and alibi_rounding is not None:  # Falcon-RW's rounded key form (functional.alibi_bias)
+        x = round_(x + alibi_bias(slopes, qp, kp, ct, alibi_rounding))
+    elif slopes is not None:  # functional.alibi, after the softcap and before the mask
         distance = _cast(ops.abs(qp[:, :, None] - kp[:, None, :]), ct)[:, None]  # (B|1, 1, tb, sb)
         x = round_(x - ops.reshape(slopes, (1, N, 1, 1)) * distance)
     allowed = _block(mask4, T, S, t0, tb, s0, sb, compiled)
@@ -306,6 +309,8 @@ def chunked_attention(config, query, params, k, v, *, positions=None, mask4, bia
         static["cap"] = config.logit_softcap
     if config.local_chunk is not None:
         static["chunk"] = config.local_chunk
+    if config.alibi_bias_dtype is not None:
+        static["alibi_rounding"] = config.alibi_bias_dtype
     q_ids = k_ids = None
     if segment_ids is not None:  # (B|1, T) and (B|1, S), one integer dtype
         q_ids = ops.convert_to_tensor(segment_ids)

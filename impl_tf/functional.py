@@ -250,12 +250,21 @@ def softcap(x, cap: float):
     return _cast(ops.tanh(_cast(x, ct) / c) * c, x.dtype)
 
 
-def alibi_bias(slopes, positions, key_positions, dtype):
+def alibi_bias(slopes, positions, key_positions, dtype, rounding=None):
     """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
     positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions). The distance is an
     integer, exact in any compute dtype the contract uses up to 2^24; the slopes' gradient flows
-    through the product."""
+    through the product.
+    rounding (config.alibi_bias_dtype): Falcon-RW's round(round(slope_n) * round(pos_k(j))) in that dtype;
+    the roundings pass the gradient straight through (d slope_n = sum(d bias * round(pos_k)))."""
     ct = compute_dtype(dtype)
+    if rounding is not None:
+        slope = ops.reshape(_cast(slopes, ct), (1, -1, 1, 1))  # (1, N, 1, 1)
+        key = _cast(_cast(_cast(key_positions, ct), rounding), ct)[:, None, None, :]  # (B|1, 1, 1, S)
+        exact = slope * key  # (B|1, N, 1, S): carries the gradient
+        rounded = _cast(_cast(_cast(_cast(ops.stop_gradient(slope), rounding), ct) * key, rounding), ct)
+        rows = ops.zeros_like(_cast(positions, ct))[:, None, :, None]  # (B|1, 1, T, 1)
+        return exact + ops.stop_gradient(rounded - exact) + rows  # (B|1, N, T, S)
     q_pos, k_pos = _cast(positions, "int64"), _cast(key_positions, "int64")
     distance = _cast(ops.abs(q_pos[:, :, None] - k_pos[:, None, :]), ct)  # (B|1, T, S)
     return -ops.reshape(_cast(slopes, ct), (1, -1, 1, 1)) * distance[:, None]  # (B|1, N, T, S)

@@ -31,7 +31,8 @@ def may_have_empty_rows(mask4, bias, is_causal: bool, causal_alignment: str, T, 
 def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_alignment: str, scale: float,
                     rate: float, masked_row: str, softcap: float | None = None, window_left: int = -1,
                     window_right: int = -1, segment_ids=None, key_segment_ids=None, sinks=None, key_length=None,
-                    alibi_slopes=None, local_chunk: int | None = None, positions=None, key_positions=None):
+                    alibi_slopes=None, local_chunk: int | None = None, positions=None, key_positions=None,
+                    alibi_rounding: str | None = None):
     """logits -> [softcap] -> [alibi] -> mask -> softmax [+ sinks] -> dropout -> attend
     as one computation, for calls that ask for neither the trace nor the
     weights: q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> (B, N, T, V) in
@@ -89,7 +90,7 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
         cap = tf.constant(softcap, ct)
         x = tf.tanh(x / cap) * cap
     if alibi_slopes is not None:  # after the softcap, before mask and bias, as the spec's stage
-        x = x + F.alibi_bias(alibi_slopes, positions, key_positions, dtype)
+        x = x + F.alibi_bias(alibi_slopes, positions, key_positions, dtype, alibi_rounding)
     allowed = F.allowed_mask(mask4, T, S, is_causal, causal_alignment, window_left=window_left,
                              window_right=window_right, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
                              local_chunk=local_chunk, positions=positions, key_positions=key_positions)

@@ -87,9 +87,10 @@ class Call:
         return F.temperature_positions(self.positions, config.query_temperature.position, self.shapes.P,
                                        self.shapes.T)
 
-    def alibi_bias(self) -> torch.Tensor:
+    def alibi_bias(self, config: AttentionConfig) -> torch.Tensor:
         """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
-        return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype)
+        return F.alibi_bias(self.params["alibi.slopes"], self.positions, self.every_key_position, self.dtype,
+                            config.alibi_bias_dtype)
 
 
 def plan(config: AttentionConfig, *, use_sdpa: bool, return_weights: bool, traced: bool, dropout: bool) -> Plan:
@@ -521,7 +522,7 @@ def multi_head_attention(
     if will_use_sdpa:
         bias4 = call.bias4
         if config.alibi:  # ALiBi joins the call's bias in SDPA's float mask (a -inf there stays -inf)
-            bias4 = call.alibi_bias() if bias4 is None else call.alibi_bias() + bias4
+            bias4 = call.alibi_bias(config) if bias4 is None else call.alibi_bias(config) + bias4
         ctx = sdpa_attend(config, q, k, v, allowed=call.allowed, bias=bias4,
                           plain_causal=call.plain_causal)  # (B, N, T, V)
     else:
@@ -529,7 +530,7 @@ def multi_head_attention(
         if config.logit_softcap is not None:
             x = rec("softcap", F.softcap(x, config.logit_softcap))
         if config.alibi:
-            x = rec("alibi", F.alibi(x, call.alibi_bias()))
+            x = rec("alibi", F.alibi(x, call.alibi_bias(config)))
         x = rec("mask", F.mask_stage(x, call.allowed, call.bias4))
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))

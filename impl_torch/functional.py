@@ -28,7 +28,7 @@ import torch
 
 from weights.call import ATTEND, LOGITS, OUTPUT, PROJECT
 
-from .convert import compute_dtype
+from .convert import TORCH_DTYPES, compute_dtype
 from .masks import causal_mask, chunk_mask, segment_mask, window_mask
 
 
@@ -201,12 +201,23 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def alibi_bias(slopes: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, rounding: str | None = None) -> torch.Tensor:
     """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
     positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions). The distance is an
     integer, exact in any compute dtype the contract uses up to 2^24; autograd gives the slopes'
-    gradient through the product."""
+    gradient through the product.
+    rounding (config.alibi_bias_dtype): Falcon-RW's round(round(slope_n) * round(pos_k(j))) in that dtype;
+    the roundings pass the gradient straight through (d slope_n = sum(d bias * round(pos_k)))."""
     ct = compute_dtype(dtype)
+    if rounding is not None:
+        r = TORCH_DTYPES[rounding]
+        slope = slopes.to(ct).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+        key = key_positions.to(ct).to(r).to(ct)[:, None, None, :]  # (B|1, 1, 1, S)
+        exact = slope * key  # (B|1, N, 1, S): carries the gradient
+        rounded = (slope.detach().to(r).to(ct) * key).to(r).to(ct)
+        bias = exact + (rounded - exact).detach()
+        B = max(positions.shape[0], key_positions.shape[0])
+        return bias.expand(B, -1, positions.shape[1], -1).contiguous()  # (B|1, N, T, S)
     distance = (positions[:, :, None] - key_positions[:, None, :]).abs().to(ct)  # (B|1, T, S)
     return -slopes.to(ct).reshape(1, -1, 1, 1) * distance[:, None]  # (B|1, N, T, S)
 

@@ -110,6 +110,12 @@ EXTRA_CASES = {
     ),
 }
 
+# Falcon-RW's rounded ALiBi (alibi_bias_dtype): random slopes, so the bfloat16 product rounds, past a cache
+for _framework in EXTRA_CASES:
+    EXTRA_CASES[_framework][f"{_framework}_alibi_bf16_cache"] = Case(
+        f"{_framework}_alibi_bf16_cache", cfg(num_heads=4, num_kv_heads=2, alibi=True, alibi_bias_dtype="bfloat16"),
+        T=3, S=3, P=4, positions="far", mask="padding", **DECODE)
+
 
 def case_named(framework: str, name: str) -> Case:
     from conformance.suite.cases import CASES

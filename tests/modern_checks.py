@@ -35,6 +35,8 @@ DECODE_CONFIGS = {
     "latent_frontier": cfg(num_heads=4, head_dim=6, value_head_dim=4, use_value_bias=False, rope={"interleaved": True},
                            latent={"query_rank": 5, "kv_rank": 3, "rope_dim": 2}, alibi=True, local_chunk=3,
                            query_temperature={"beta": 0.2, "floor": 2.0}, output_gate={"scope": "element"}),
+    # Falcon-RW's ALiBi, rounded to bfloat16 (alibi_bias_dtype): random slopes, so the product rounds
+    "alibi_rounded": cfg(num_heads=4, num_kv_heads=2, alibi=True, alibi_bias_dtype="bfloat16"),
 }
 PROMPT, TOTAL = 3, 7  # the first call holds 3 tokens, then 4 steps of one
 

@@ -69,6 +69,35 @@ def test_alibi_reads_the_cache_offset_and_explicit_positions():
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
 
 
+def test_rounded_alibi_is_falcons_bias():
+    """alibi_bias_dtype="bfloat16" equals the plain layer given Falcon-RW's bias written out with ml_dtypes:
+    bf16(bf16(m_n) * bf16(p_j)) on key j, whatever the query (causal, over a cache, positions past 256 where
+    bfloat16 integers come in steps of 2), on the stages and the chunked path; and it is not the exact one."""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    config = AttentionConfig(**BASE, alibi=True, alibi_bias_dtype="bfloat16")
+    tensors = weights.init(config, seed=7, dtype="float64")
+    tensors["alibi.slopes"] = np.array([0.71, 0.3, 0.113, 0.0177])  # not bfloat16 numbers: they round too
+    without = {n: t for n, t in tensors.items() if n != "alibi.slopes"}
+    plain = config.replace(alibi=False, alibi_bias_dtype=None)
+    x, rng = _inputs(8, T=3)
+    past_key, past_value = rng.standard_normal((2, 2, 300, 4)), rng.standard_normal((2, 2, 300, 4))
+    keys = np.arange(303, dtype=np.float64)  # the cache at 0..299, the new keys at 300..302
+    slope = tensors["alibi.slopes"].astype(bf16).astype(np.float64)
+    bias = (slope[:, None] * keys.astype(bf16).astype(np.float64)[None, :]).astype(bf16).astype(np.float64)
+    bias = np.broadcast_to(bias[None, :, None, :], (1, 4, 3, 303))
+    want = multi_head_attention(plain, without, x, x, x, past_key=past_key, past_value=past_value, bias=bias,
+                                is_causal=True, causal_alignment="bottom_right")
+    for chunk_size in (None, 64):
+        got = multi_head_attention(config, tensors, x, x, x, past_key=past_key, past_value=past_value,
+                                   is_causal=True, causal_alignment="bottom_right", chunk_size=chunk_size)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    exact = multi_head_attention(config.replace(alibi_bias_dtype=None), tensors, x, x, x, past_key=past_key,
+                                 past_value=past_value, is_causal=True, causal_alignment="bottom_right")
+    assert np.abs(exact - want).max() > 1e-3, np.abs(exact - want).max()
+
+
 def test_local_chunk_is_the_mask_it_makes():
     """local_chunk=C equals the plain layer given the mask floor(p_i / C) == floor(p_j / C), per-row positions."""
     config = AttentionConfig(**BASE, local_chunk=3)
@@ -129,6 +158,10 @@ def test_temperature_clip_gate_per_head(fields):
 
 @pytest.mark.parametrize("fields, message", [
     (dict(alibi=1), "alibi must be true or false: got 1"),
+    (dict(alibi_bias_dtype="bfloat16"), "alibi_bias_dtype needs alibi true (it says how ALiBi's bias is rounded): "
+                                        "got alibi_bias_dtype='bfloat16' with alibi false"),
+    (dict(alibi=True, alibi_bias_dtype="int8"), "alibi_bias_dtype must be one of bfloat16, float16, float32 or "
+                                                "null: got 'int8'"),
     (dict(local_chunk=0), "local_chunk must be a positive integer: got 0"),
     (dict(local_chunk=2.0), "local_chunk must be a positive integer: got 2.0"),
     (dict(qkv_clip=0), "qkv_clip must be a finite number > 0: got 0"),

@@ -252,6 +252,11 @@ def _fake_state(hf_config, variant):  # BLOOM's and Falcon-RW's keys, (N, 3, H) 
     ({"model_type": "falcon", "num_attention_heads": 4, "hidden_size": 32, "new_decoder_architecture": True,
       "num_kv_heads": 3}, r"num_kv_heads must divide num_attention_heads=4: got 3"),
     ({"model_type": "llama", "n_head": 4}, r"model_type must be 'bloom' for hf-bloom: got 'llama'"),
+    ({"model_type": "falcon", "num_attention_heads": 12, "hidden_size": 96, "alibi": True,
+      "max_position_embeddings": 256}, r"got head_dim=8, num_attention_heads=12, max_position_embeddings=256"),
+    ({"model_type": "falcon", "num_attention_heads": 6, "hidden_size": 48, "alibi": True},
+     r"got head_dim=8, num_attention_heads=6, max_position_embeddings=2048"),
+    ({"model_type": "mpt", "attn_config": {"prefix_lm": True}}, r"attn_config\.prefix_lm=True"),
 ])
 def test_config_refusals_name_the_field(cfg, message):
     layout = {"mpt": "hf-mpt", "falcon": "hf-falcon"}.get(cfg["model_type"], "hf-bloom")
@@ -267,7 +272,8 @@ def test_falcon_grouped_rows_are_the_models_split():
     N, H, D = 4, 3, 12
     for K in (1, 2, 4):
         cfg = {"model_type": "falcon", "num_attention_heads": N, "hidden_size": D, "alibi": True,
-               "new_decoder_architecture": K == 2, "multi_query": K == 1, "num_kv_heads": K}
+               "new_decoder_architecture": K == 2, "multi_query": K == 1, "num_kv_heads": K,
+               "max_position_embeddings": 256}  # H = 3: hf-falcon converts it exactly only up to 256 positions
         rows = np.arange((N + 2 * K) * H * D, dtype=np.float32).reshape((N + 2 * K) * H, D)
         state = {"h.0.self_attention.query_key_value.weight": rows,
                  "h.0.self_attention.dense.weight": np.zeros((D, D), np.float32)}

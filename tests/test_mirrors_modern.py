@@ -78,16 +78,24 @@ JAX_CHUNKED_OTHER_DTYPES = {"jax_sinks_cache_mqa_empty_rows", "jax_softcap_windo
                             "jax_dropout_cache_rope_sinks"}
 
 
+def _rounded_alibi_slow(name, dtype, **_):
+    """The rounded-ALiBi extra case (alibi_bias_dtype) runs in float32 in the framework envs, its other dtypes
+    in `tox -e full` (the same bias code; the decode configs' alibi_rounded runs float32 too)."""
+    return _slow(name.endswith("_alibi_bf16_cache") and dtype != "float32")
+
+
 def _extra_rows(framework):
     if framework != "jax":
-        yield from grid(("path", "name", "dtype"), ("name", "dtype", "path"), path=PATHS[framework],
-                        name=list(EXTRA_CASES[framework]), dtype=DTYPE_NAMES)
+        yield from grid(("path", "name", "dtype"), ("name", "dtype", "path"), marks=_rounded_alibi_slow,
+                        path=PATHS[framework], name=list(EXTRA_CASES[framework]), dtype=DTYPE_NAMES)
         return
     for name in EXTRA_CASES["jax"]:
         for dtype in DTYPE_NAMES:
-            yield pytest.param(name, dtype, "stages", id=f"{name}-{dtype}-stages")
+            yield pytest.param(name, dtype, "stages", id=f"{name}-{dtype}-stages",
+                               marks=_rounded_alibi_slow(name, dtype))
             if dtype in ("float64", "float32"):  # 16-bit storage always takes the stages
-                yield pytest.param(name, dtype, "fused", id=f"{name}-{dtype}-fused")
+                yield pytest.param(name, dtype, "fused", id=f"{name}-{dtype}-fused",
+                                   marks=_rounded_alibi_slow(name, dtype))
             yield pytest.param(name, dtype, "chunked", id=f"{name}-{dtype}-chunked",
                                marks=_slow(dtype != "float32" and name not in JAX_CHUNKED_OTHER_DTYPES))
 
@@ -177,7 +185,12 @@ def _frontier_slow(config_name, dtype, **_):
     """The latent_frontier decode runs in float32 in the framework envs, its other dtypes (the same code,
     other roundings) in `tox -e full`: each of its rows costs 2-4 s (8 s JAX's op-by-op eager), a row of
     the other configs about 1 (measured 2026-11-27: it took the fresh-clone tox 5 s past its 15 minutes)."""
-    return _slow(config_name == "latent_frontier" and dtype != "float32")
+    return _slow(config_name in _FLOAT32_ONLY and dtype != "float32")
+
+
+# decode configs whose other dtypes run in `tox -e full` only (alibi_rounded: its other dtypes are the same
+# code with other roundings, which tests/test_mirrors_modern.py's extra alibi cases run on every path)
+_FLOAT32_ONLY = ("latent_frontier", "alibi_rounded")
 
 
 def _decode_rows(framework):
@@ -191,7 +204,7 @@ def _decode_rows(framework):
                 if path == "stages" and dtype in ("float16", "bfloat16"):
                     continue  # 16-bit "plain" is the stages already
                 slow = (path == "chunked" and dtype != "float32" and config_name != "everything") or (
-                    config_name == "latent_frontier" and dtype != "float32")
+                    config_name in _FLOAT32_ONLY and dtype != "float32")
                 yield pytest.param(config_name, dtype, path, id=f"{config_name}-{dtype}-{path}", marks=_slow(slow))
 
 
@@ -253,7 +266,7 @@ def _in_place_rows(framework):
         for dtype in DTYPE_NAMES:
             for mode in IN_PLACE_VARIANTS["jax"]:
                 slow = mode == "eager" and dtype != "float32"  # op by op: 4-9 s each, the jitted code's ops
-                slow = slow or (config_name == "latent_frontier" and (dtype != "float32" or mode == "eager"))
+                slow = slow or (config_name in _FLOAT32_ONLY and (dtype != "float32" or mode == "eager"))
                 yield pytest.param(config_name, dtype, mode, id=f"{config_name}-{dtype}-{mode}", marks=_slow(slow))
 
 

@@ -19,6 +19,9 @@ SCALINGS = [
      "original_max_position_embeddings": 8192},
     {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 16},
+    # Llama 4 Scout (Meta's args.py: use_scaled_rope gives factor 16, high_freq_factor 1; low is 1): a step
+    {"type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+     "original_max_position_embeddings": 8192},
     {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
     {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0},
@@ -82,9 +85,14 @@ def test_frequencies_written_out():
     assert llama3[0] == pytest.approx((1 - smooth) * base[0] / 8 + smooth * base[0], rel=1e-14)
     np.testing.assert_allclose(llama3[1:], base[1:] / 8, rtol=1e-15)
     # yarn with original 16, factor 4: the ramp runs over pair 0..1, so pair 0 keeps its frequency, the rest / 4
-    yarn = inverse_frequencies(_rope(SCALINGS[5], theta, R))
+    yarn = inverse_frequencies(_rope(SCALINGS[6], theta, R))
     np.testing.assert_allclose(yarn, np.concatenate([base[:1], base[1:] / 4]), rtol=1e-15)
-    assert attention_factor(_rope(SCALINGS[5], theta, R)) == pytest.approx(0.1 * math.log(4) + 1)
+    assert attention_factor(_rope(SCALINGS[6], theta, R)) == pytest.approx(0.1 * math.log(4) + 1)
+    # llama3 with equal factors (Scout's 1 and 1) over original 16: a step at wavelength 16, no blend; the
+    # wavelengths 6.28 (kept) and 62.8, 628, 6283 (divided by 16)
+    step = inverse_frequencies(_rope({"type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 1.0, "original_max_position_embeddings": 16}, theta, R))
+    np.testing.assert_allclose(step, np.concatenate([base[:1], base[1:] / 16]), rtol=1e-15)
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -92,6 +100,8 @@ def test_frequencies_written_out():
     ("rope", {"rotary_dim": 16}, "rope.rotary_dim must be at most head_dim"),
     ("rope", {"scaling": {"type": "ntk", "factor": 2.0}}, "rope.scaling.type must be one of"),
     ("rope", {"scaling": {"type": "llama3", "factor": 2.0}}, "rope.scaling (llama3) is missing"),
+    ("rope", {"scaling": {"type": "llama3", "factor": 2.0, "low_freq_factor": 2.0, "high_freq_factor": 1.0,
+                          "original_max_position_embeddings": 8}}, "high_freq_factor must be at least low_freq"),
     ("rope", {"spin": 1}, "rope has unknown fields"),
     ("logit_softcap", 0.0, "logit_softcap must be a finite number > 0"),
     ("window_left", -2, "window_left must be an integer >= -1"),
@@ -105,7 +115,7 @@ def test_bad_modern_config_is_one_line_naming_the_field(field, value, words):
 
 
 def test_modern_config_round_trips_and_plain_files_stay_plain():
-    config = AttentionConfig(num_heads=2, query_dim=8, head_dim=4, rope={"scaling": SCALINGS[5]},
+    config = AttentionConfig(num_heads=2, query_dim=8, head_dim=4, rope={"scaling": SCALINGS[6]},
                              qk_norm={"type": "layer", "scope": "all"}, logit_softcap=30.0, window_left=3,
                              use_sinks=True)
     again = AttentionConfig.from_json(config.to_json())

@@ -4,7 +4,7 @@ Shape letters (see impl_numpy for the full list): N query heads, K key/value
 heads, H head dim, V value head dim, O output features.
 
 The modern fields (rope, logit_softcap, window_left, window_right, qk_norm,
-use_sinks) and the frontier ones (alibi, local_chunk, query_temperature,
+use_sinks) and the frontier ones (alibi, alibi_bias_dtype, local_chunk, query_temperature,
 qkv_clip, output_gate) default to the behaviour of a plain layer. A config file holds
 them only where they differ from that default (`to_json`), so a file of a
 plain layer reads the same as before they existed, and a reader that
@@ -130,8 +130,8 @@ class RopeScaling:
         if kind == "llama3":
             low = _finite_number("rope.scaling.low_freq_factor", fields["low_freq_factor"], positive=True)
             high = _finite_number("rope.scaling.high_freq_factor", fields["high_freq_factor"], positive=True)
-            if high <= low:
-                raise ValueError(f"rope.scaling.high_freq_factor must exceed low_freq_factor: got {high} <= {low}")
+            if high < low:  # equal factors: no interpolation band, a step at original / low (Llama 4 Scout: 1, 1)
+                raise ValueError(f"rope.scaling.high_freq_factor must be at least low_freq_factor: got {high} < {low}")
             resolved.update(low_freq_factor=low, high_freq_factor=high)
         if kind == "yarn":
             resolved["beta_fast"] = _finite_number("rope.scaling.beta_fast", fields["beta_fast"], positive=True)
@@ -357,7 +357,9 @@ class Latent:
 MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1,
                                    "qk_norm": None, "use_sinks": False, "alibi": False, "local_chunk": None,
                                    "query_temperature": None, "qkv_clip": None, "output_gate": None,
-                                   "value_norm": None, "latent": None}
+                                   "value_norm": None, "latent": None, "alibi_bias_dtype": None}
+# The dtypes alibi_bias_dtype may name: Falcon-RW builds its bias in bfloat16 whatever the model's dtype.
+ALIBI_BIAS_DTYPES = ("bfloat16", "float16", "float32")
 # The fields that are objects (a dict converts; to_dict gives their dict form).
 _OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate", "value_norm", "latent")
 
@@ -395,6 +397,10 @@ class AttentionConfig:
     output_gate: OutputGate | None = None  # sigmoid gate on the context before merge_heads (a dict converts)
     value_norm: QKNorm | None = None  # normalise v after projection, as qk_norm does q and k (Gemma 3n / 4)
     latent: Latent | None = None  # multi-head latent attention (a dict converts); see Latent
+    # With alibi: None adds -slope_n * |pos_q - pos_k| (exact); a dtype name adds BLOOM's and Falcon's key form
+    # rounded as Falcon-RW builds it, round(round(slope_n) * round(pos_k)) in that dtype (the same bias up to a
+    # constant per query row, so under a causal mask the same softmax, but for the roundings)
+    alibi_bias_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -465,6 +471,13 @@ class AttentionConfig:
         object.__setattr__(self, "qk_norm", QKNorm.from_value(self.qk_norm))
         _check_bool("use_sinks", self.use_sinks)
         _check_bool("alibi", self.alibi)
+        if self.alibi_bias_dtype is not None:
+            if self.alibi_bias_dtype not in ALIBI_BIAS_DTYPES:
+                raise ValueError(f"alibi_bias_dtype must be one of {', '.join(ALIBI_BIAS_DTYPES)} or null: got "
+                                 f"{_shown(self.alibi_bias_dtype)}")
+            if not self.alibi:
+                raise ValueError(f"alibi_bias_dtype needs alibi true (it says how ALiBi's bias is rounded): got "
+                                 f"alibi_bias_dtype={self.alibi_bias_dtype!r} with alibi false")
         if self.local_chunk is not None:
             _check_positive_int("local_chunk", self.local_chunk)
         object.__setattr__(self, "query_temperature", QueryTemperature.from_value(self.query_temperature))

@@ -15,7 +15,12 @@ radians per position, then:
   original_max_position_embeddings / low_freq_factor are divided by factor,
   shorter than original_max_position_embeddings / high_freq_factor kept, and
   in between interpolated with smooth = (original / wavelength -
-  low_freq_factor) / (high_freq_factor - low_freq_factor).
+  low_freq_factor) / (high_freq_factor - low_freq_factor). With equal
+  factors (Llama 4 Scout: 1 and 1) there is no band between: a step, kept
+  up to original / low_freq_factor inclusive and divided past it (Meta's
+  apply_scaling and transformers' _compute_llama3_parameters agree
+  everywhere but at a wavelength of exactly that length, where Meta's
+  asserts and transformers divides 0 by 0; no frequency theta^(-2i/R) hits it).
 - yarn (Peng et al. 2023; gpt-oss, Qwen, DeepSeek configs): pair i blends
   inv_freq / factor (interpolation) with inv_freq (extrapolation) by a
   linear ramp over the pair index between the dimensions where a frequency
@@ -62,6 +67,8 @@ def inverse_frequencies(rope: Rope, *, long: bool = False) -> np.ndarray:
         high_wavelength = original / scaling.high_freq_factor
         wavelength = 2 * math.pi / base
         scaled = np.where(wavelength > low_wavelength, base / scaling.factor, base)
+        if scaling.high_freq_factor == scaling.low_freq_factor:  # no band between: a step (Llama 4 Scout's 1, 1)
+            return scaled
         smooth = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor
                                                                     - scaling.low_freq_factor)
         blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled

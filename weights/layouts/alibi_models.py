@@ -26,8 +26,15 @@ modeling files:
   projection: the contract's qkv_clip.
 - Falcon with `alibi`: `(q k^T + alibi) * 1/sqrt(H)` (eager), `alibi / sqrt(H)`
   in the mask (sdpa): inside the scale, so the slopes are stored times
-  1/sqrt(H). Falcon rounds BLOOM's slopes to bfloat16 before multiplying
-  them by the positions; the slopes here are rounded the same way.
+  1/sqrt(H). Falcon builds its bias in bfloat16 whatever the model's dtype,
+  bf16(bf16(slope) * bf16(j)) with j the key's position
+  (modeling_falcon.py build_alibi_tensor: `slopes[..., None].bfloat16() *
+  arange_tensor`), so positions past 256 come in steps of 2, 4, 8 and the
+  product rounds to 8 significant bits: the reader sets alibi_bias_dtype
+  "bfloat16", which states exactly that (the scaled slopes' roundings equal
+  Falcon's where 1/sqrt(H) is a power of two, H = 64 in Falcon-RW 1B and 7B;
+  for another H the exact bias where every rounding is exact, 8 heads or
+  fewer and max_position_embeddings <= 256, else refused).
   Without `alibi`, half-split RoPE from config.json.
 
 Falcon's fused rows: `new_decoder_architecture` groups them by kv head,
@@ -95,6 +102,10 @@ def _mpt_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     if attn.get("qk_ln"):
         raise ValueError("hf_config: attn_config.qk_ln=True is not read by hf-mpt (transformers' MptAttention has no "
                          "q_ln / k_ln): got True")
+    for key, what in (("prefix_lm", "a bidirectional prefix"), ("attn_uses_sequence_id", "a mask by sequence id")):
+        if attn.get(key):  # MosaicML's attention honours them; transformers' MptAttention has neither
+            raise ValueError(f"hf_config: attn_config.{key}=True ({what}) is not read by hf-mpt (transformers' "
+                             f"MptAttention has no such mask): got {attn[key]!r}")
     alibi = bool(attn.get("alibi", True))
     modern: dict[str, Any] = {"alibi": alibi, "qkv_clip": attn.get("clip_qkv") or None}
     out = {"num_heads": heads, "hidden": hidden, "head_dim": head_dim, "dropout": attn.get("attn_pdrop"),
@@ -126,11 +137,29 @@ def _falcon_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     out = {"num_heads": heads, "num_kv_heads": kv, "hidden": hidden, "head_dim": head_dim,
            "dropout": cfg.get("attention_dropout"), "scale": None, "scale_by_layer": False, "model_type": "falcon"}
     if cfg.get("alibi", False):
-        out["modern"] = {"alibi": True}
+        out["modern"] = {"alibi": True, "alibi_bias_dtype": _falcon_rounding(heads, head_dim, cfg)}
         out["derived"] = {"alibi.slopes": _falcon_slopes(heads, head_dim)}
     else:
         out["modern"] = {"rope": _hf_rope(cfg, None, head_dim)}
     return out
+
+
+def _falcon_rounding(heads: int, head_dim: int, cfg: Mapping[str, Any]) -> str | None:
+    """Falcon-RW's bias is bf16(bf16(m) * bf16(j)) (build_alibi_tensor), then times 1/sqrt(H); the contract
+    rounds the scaled slopes' product (alibi_bias_dtype), the same where 1/sqrt(H) is a power of two (H = 4,
+    16, 64: Falcon-RW 1B's and 7B's 64). For another H the exact bias is Falcon's only while every rounding
+    is exact: 8 heads or fewer (BLOOM's slopes then powers of two) and positions up to 256 (integers
+    exact in bfloat16); past that the conversion would be wrong by as much as the rounding, refused."""
+    if not math.log2(head_dim) % 2:
+        return "bfloat16"
+    longest = cfg.get("max_position_embeddings") or 2048  # FalconConfig's default
+    if heads <= 8 and longest <= 256:
+        return None
+    raise ValueError(f"hf_config: Falcon-RW rounds its ALiBi bias to bfloat16 before the 1/sqrt(H) scale, which "
+                     f"the contract states only where sqrt(H) is a power of two (H = 4, 16, 64) or every rounding is "
+                     f"exact (8 heads or fewer, max_position_embeddings <= 256): got head_dim={head_dim}, "
+                     f"num_attention_heads={heads}, max_position_embeddings={longest} (the exact bias misses "
+                     f"Falcon-RW by margin 3.3 at 32 heads and 64 tokens)")
 
 
 def _falcon_slopes(heads: int, head_dim: int) -> np.ndarray:
@@ -179,7 +208,7 @@ FAMILY = (
         "hf-falcon", "a Falcon checkpoint's attention: [prefix]h.{L}.self_attention.query_key_value with rows "
         "(K, N/K + 2, H) (new_decoder_architecture: K = num_kv_heads; multi_query: K = 1; else (N, 3, H)), "
         "self_attention.dense; config.json gives alibi (slopes by BLOOM's rule in bfloat16, times 1/sqrt(H), "
-        "computed) or half-split RoPE; causal",
+        "computed; the bias rounded to bfloat16 as Falcon builds it: alibi_bias_dtype) or half-split RoPE; causal",
         sep=".", scope="h.{layer}.self_attention.", select=True, hf=_falcon_config, needs_hf_config=True,
         pairing="half", qkv_per_head=("query_key_value.weight", "query_key_value.bias"), bias="all",
         bias_why="config.json's bias covers query_key_value and dense", derived=_SLOPES,

@@ -51,6 +51,11 @@ HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gem
 def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     """config.json of a Llama-family decoder -> sizes, behaviour and the modern fields of block `layer`."""
     model_type = cfg.get("model_type")
+    inner = cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else {}
+    # Gemma 2 and 3 (EmbeddingGemma) say True; Gemma 4 says "vision" or "all" (llama_gated.py reads that)
+    if cfg.get("use_bidirectional_attention") is True or inner.get("use_bidirectional_attention") is True:
+        raise ValueError("hf_config: use_bidirectional_attention=True (Gemma's encoder use: no causal mask, and "
+                         "sliding windows on both sides) is not read by hf-llama, a causal layout: got True")
     if model_type in llama_gated.TYPES:  # Qwen3-Next, Qwen3.5, Gemma 4: gates, k = v (llama_gated.py)
         facts = llama_gated.layer_facts(cfg, layer)
         return {**facts, "table": FAMILY[0].tables.index(_GATED_TABLES[facts["table"]]) if facts["table"] else 0}

@@ -117,8 +117,9 @@ def _gemma4_layer(cfg: Mapping[str, Any], layer: int, layer_type: str) -> Mappin
     """cfg with block `layer`'s overrides: per_layer_config (5.x writes it), else what
     Gemma4TextConfig.__post_init__ builds it from: global_head_dim and num_global_key_value_heads."""
     overrides = cfg.get("per_layer_config")
-    if isinstance(overrides, Mapping):
-        return {**cfg, **(overrides.get(str(layer)) or {})}
+    if isinstance(overrides, Mapping):  # 5.23 zero-pads the keys ("05" beside "29") and reads them with int()
+        mine = [value for key, value in overrides.items() if int(key) == layer]
+        return {**cfg, **(mine[0] if mine else {})}
     if layer_type != "full_attention":
         return cfg
     out = {**cfg, "head_dim": cfg.get("global_head_dim", 512)}

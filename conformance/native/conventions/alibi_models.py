@@ -44,8 +44,10 @@ MODELS: dict[str, tuple] = {
               "dense"),  # 6 heads: BLOOM's rule for a head count that is not a power of two
     "mpt": ("hf-mpt", "mpt", dict(d_model=32, n_heads=4, max_seq_len=32, **_SMALL, attn_config=dict(
         clip_qkv=0.6, softmax_scale=0.3, alibi=True)), "transformer.blocks", "attn", "out_proj"),
+    # 6 heads of 8 features, positions <= 256: Falcon's bfloat16 bias is exact there (hf-falcon's rule for an H
+    # whose sqrt is not a power of two; tests/test_layouts_falcon_rw.py holds the real head counts)
     "falcon-rw": ("hf-falcon", "falcon", dict(hidden_size=48, num_attention_heads=6, alibi=True, multi_query=False,
-                                              bias=True, parallel_attn=False, **_SMALL),
+                                              bias=True, parallel_attn=False, max_position_embeddings=256, **_SMALL),
                   "transformer.h", "self_attention", "dense"),
 }
 

@@ -275,7 +275,8 @@ def modern_length(config, max_position: int) -> int:
 
 def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, reference, logits=None,
                precision: str = "highest", same_precision_error: float | None = None,
-               scale_floor: float = 0.0, max_position: int | None = None, magnitude=None) -> Tolerance:
+               scale_floor: float = 0.0, max_position: int | None = None, magnitude=None,
+               logit_error=None) -> Tolerance:
     """The Tolerance for one quantity of one case: the policy applied.
 
     scale_floor: a magnitude the reference scale may not fall below. For a
@@ -291,22 +292,44 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
     magnitude: the elementwise magnitude of what each element of a forward
     quantity is summed from (impl_numpy.magnitudes); each element is then
     allowed at least rtol * (1 + z) * its magnitude. logits: the logits'
-    magnitudes (or, without them, the logits) give z."""
+    magnitudes (or, without them, the logits) give z.
+
+    logit_error: for a quantity downstream of the softmax, the elementwise
+    bound of what a relative rounding of the logits does to it, per unit of
+    that rounding (impl_numpy.magnitudes, logit_errors=True). Each element is
+    then allowed rtol * (magnitude + logit_error) where that is below
+    rtol * (1 + z) * magnitude, and the tensor-wide bar takes z_eff =
+    max(logit_error) / max(magnitude) where that is below z: the keys that
+    carry weight set the bar, not the largest logit of the case."""
     D = max(config.query_dim, config.key_dim, config.value_dim)
     length = reduction_length(quantity, D=D, H=config.head_dim, S=S, NV=config.num_heads * config.value_head_dim, B=B, T=T)
     length += modern_length(config, T + S if max_position is None else max_position)
     logit_scale = 0.0 if logits is None else max_finite_abs(logits)
+    terms = None if magnitude is None else \
+        np.nan_to_num(np.abs(np.asarray(magnitude, dtype=np.float64)), nan=0.0, posinf=0.0, neginf=0.0)
+    weighted = None
+    if terms is not None and logit_error is not None and logits is not None:
+        weighted = np.nan_to_num(np.abs(np.asarray(logit_error, dtype=np.float64)), nan=0.0, posinf=0.0, neginf=0.0)
+        top = float(terms.max()) if terms.size else 0.0
+        effective = float(weighted.max()) / top if top > 0 else logit_scale
+        logit_scale = min(logit_scale, effective)  # never above the largest logit's (1 + z)
     tol = tolerance(
         dtype, length=length, reference_scale=max(max_finite_abs(reference), scale_floor),
         logit_scale=logit_scale, precision=precision,
         same_precision_error=same_precision_error, quantity_is_gradient=quantity == "grad",
     )
-    if magnitude is None:
+    if terms is None:
         return tol
-    terms = np.nan_to_num(np.abs(np.asarray(magnitude, dtype=np.float64)), nan=0.0, posinf=0.0, neginf=0.0)
     float32_rtol = SAFETY * UNIT_ROUNDOFF["float32"] * math.sqrt(max(length, 1))  # the 16-bit bars' float32 floor
     rtol = float32_rtol if dtype_from_name(dtype).name in ("float16", "bfloat16") and same_precision_error is not None \
         else tol.rtol
+    if weighted is not None:
+        full = 0.0 if logits is None else max_finite_abs(logits)
+        floor = rtol * np.minimum((1.0 + full) * terms, terms + weighted)
+        return dataclasses.replace(tol, floor=floor, reason=tol.reason + (
+            "; z from the keys that carry weight (the softmax Jacobian's bound, largest logit scale "
+            f"{full:.3g}); elementwise at least rtol*(magnitude + logit error), the terms each element is summed "
+            f"from and what the logits' rounding moves it by (up to {float(floor.max()):.3g})"))
     floor = rtol * (1.0 + logit_scale) * terms
     return dataclasses.replace(tol, floor=floor, reason=tol.reason + "; elementwise at least rtol*(1+z)*magnitude, "
                                f"the size of the terms each element is summed from (up to {float(floor.max()):.3g})")

@@ -48,8 +48,8 @@ def _caught(case_name, directory, dtype="float32"):
 
 
 def test_alibi_slope_typo_caught_at_256():
-    assert "long_alibi_causal" in CASES  # the default grid, its shipped vectors
-    _caught("long_alibi_causal", compare.__file__.rsplit("/", 1)[0] + "/vectors")
+    assert "long_alibi_256" in CASES  # the default grid, its shipped vectors
+    _caught("long_alibi_256", compare.__file__.rsplit("/", 1)[0] + "/vectors")
 
 
 @pytest.mark.slow

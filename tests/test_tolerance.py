@@ -86,7 +86,7 @@ def test_logit_error_bound_covers_a_logit_rounding(signs):
     from conformance.suite.cases import CASES
     from conformance.suite.compare import expected_for
 
-    case = CASES["long_alibi_causal"]
+    case = CASES["long_alibi_256"]
     exp = expected_for(case, "float64")
     logits = dict(exp["trace"])["mask"]
     m = np.where(np.isfinite(logits), exp["forward_magnitudes"]["mask"], 0.0)

@@ -170,7 +170,10 @@ def _frontier_grid() -> list[Case]:
         Case("query_temperature", _cfg(rope={}, qk_norm={"type": "rms"},
                                        query_temperature={"beta": 0.5, "floor": 3.0, "offset": 1}),
              positions="far", **causal),
-        Case("qkv_clip", _cfg(qkv_clip=0.5, qk_norm={"type": "rms"}), input_scale=2.0, **cross),
+        # c 0.45, not 0.5: no pre-clip value within 16-bit rounding of +-c, so no gate flips between the 16-bit and
+        # the float64 reference (at 0.5 the bfloat16 reference's own error on the key gradients was 47% of them:
+        # an allowance a zero gradient passes; tests/test_not_judged.py)
+        Case("qkv_clip", _cfg(qkv_clip=0.45, qk_norm={"type": "rms"}), input_scale=2.0, **cross),
         # N*V == O: a port that gates the projected output instead of the context runs, and is caught
         Case("output_gate_element", _cfg(value_head_dim=3, out_dim=6, output_gate={"scope": "element", "bias": True}),
              **cross),
@@ -216,7 +219,7 @@ def _long_grid() -> list[Case]:
     (B, N, T, S) would be most of a vector file). The length the tolerance policy's logit term must hold at:
     ALiBi's bias grows with the distance, to slope * 255 here, on keys whose weight is e^-60 and less."""
     return [
-        Case("long_alibi_causal", _long_cfg(alibi=True), B=1, T=256, S=256, is_causal=True, return_weights=False),
+        Case("long_alibi_256", _long_cfg(alibi=True), B=1, T=256, S=256, is_causal=True, return_weights=False),
     ]
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from conformance.suite import backends
 from conformance.suite.cases import Case, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
-from conformance.suite.tolerance import Comparison, compare, max_finite_abs, policy_for
+from conformance.suite.tolerance import Comparison, compare, comparison_status, max_finite_abs, policy_for
 from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
 from impl_numpy.magnitudes import forward_magnitudes
@@ -64,11 +64,18 @@ class CaseResult:
 
     @property
     def margin(self) -> float:
-        return max((c.margin for c in self.comparisons), default=0.0)
+        """The worst margin of the judged comparisons (and of any that failed); a not-judged one's says nothing."""
+        return max((c.margin for c in self.comparisons if c.judged or not c.ok), default=0.0)
 
     @property
     def worst(self) -> Comparison | None:
-        return max(self.comparisons, key=lambda c: c.margin, default=None)
+        judged = [c for c in self.comparisons if c.judged or not c.ok]
+        return max(judged, key=lambda c: c.margin, default=None)
+
+    @property
+    def not_judged(self) -> list[Comparison]:
+        """Comparisons that passed an allowance not well below the quantity's size: no check, never a pass."""
+        return [c for c in self.comparisons if c.ok and not c.judged]
 
     def to_json(self) -> dict:
         worst = self.worst
@@ -78,9 +85,11 @@ class CaseResult:
             "seconds": round(self.seconds, 4), "message": self.message,
             "worst": None if worst is None else worst.describe(),
             "divergence": None if self.divergence is None else self.divergence.describe(),
+            "not_judged": len(self.not_judged),
             "comparisons": [
-                {"name": c.name, "ok": c.ok, "margin": _finite_or_str(c.margin), "max_abs_error": _finite_or_str(c.max_abs_error),
-                 "rtol": c.tolerance.rtol, "atol": c.tolerance.atol, "reason": c.tolerance.reason}
+                {"name": c.name, "ok": c.ok, "status": comparison_status(c), "margin": _finite_or_str(c.margin),
+                 "max_abs_error": _finite_or_str(c.max_abs_error), "rtol": c.tolerance.rtol, "atol": c.tolerance.atol,
+                 "reason": c.tolerance.reason, "not_judged": c.not_judged}
                 for c in self.comparisons
             ],
         }

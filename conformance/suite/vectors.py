@@ -24,7 +24,9 @@ File `<case>.<dtype>.safetensors`:
 __metadata__: format "mha-vectors", format_version "1", case, dtype, config
 (AttentionConfig JSON), options (JSON: is_causal, causal_alignment,
 return_weights, dtype, training, and return_cache where true), tolerance (JSON: quantity -> {rtol, atol,
-reason}, from conformance/suite/tolerance.py), generator. An element passes iff
+reason[, not_judged]}, from conformance/suite/tolerance.py; not_judged, where present, says why the quantity's
+allowance is no check: it is not well below the quantity's own size, a zero result would pass, and `mha verify`
+reports the comparison "not judged", never a pass), generator. An element passes iff
 |actual - expected| <= max(atol, allowance) + rtol * |expected| (allowance 0
 where the file has none).
 
@@ -47,7 +49,7 @@ import numpy as np
 from conformance.io import write_arrays
 from conformance.suite.cases import ALL_CASES, CASES, DTYPE_NAMES, PROFILE_DTYPES, PROFILES, Case
 from conformance.suite.compare import case_policy, expected_for
-from conformance.suite.tolerance import max_finite_abs
+from conformance.suite.tolerance import max_finite_abs, not_judged_reason
 from weights import AttentionConfig, read_safetensors
 
 FORMAT = "mha-vectors"
@@ -75,6 +77,9 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
     def tol(name, quantity, reference, floor=0.0):
         t = case_policy(case, dtype, name, quantity, reference, scale_floor=floor)
         tolerance[name] = {"rtol": t.rtol, "atol": t.atol, "reason": t.reason}
+        why = not_judged_reason(t, reference)
+        if why is not None:  # an allowance not well below the quantity: verify reports it "not judged"
+            tolerance[name]["not_judged"] = why
         if t.floor is not None:
             arrays[f"allowance.{name}"] = np.broadcast_to(t.floor, np.shape(reference)).astype(np.float64)
 

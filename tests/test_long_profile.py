@@ -1,12 +1,12 @@
-"""The long profile (`mha check --profile long`): every core backend passes each long case on every path, float32
-with room (margin <= 0.1, the issue 38 bar: the policy's bars at these lengths are not loose), bfloat16 too."""
+"""The long profile (`mha check --profile long`) and the default grid's long cases: every core backend passes each on
+every path (the chunked cores in blocks of T // 8: weights.paths.chunk_size), float32 with room (margin <= 0.1, the issue 38 bar: the policy's bars at these lengths are not loose), bfloat16 too."""
 
 from __future__ import annotations
 
 import pytest
 
 from conformance.suite import backends
-from conformance.suite.cases import LONG_CASES, PROFILE_DTYPES
+from conformance.suite.cases import CASES, LONG_CASES, LONG_GRID, PROFILE_DTYPES
 from conformance.suite.check import PATH_KINDS, paths_of
 from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case
 
@@ -22,7 +22,7 @@ def test_long_profile(backend_id):
         pytest.skip(reason)
     adapter = backends.load(backend_id)
     bad, worst = [], {}
-    for case in LONG_CASES.values():
+    for case in [*(CASES[name] for name in LONG_GRID), *LONG_CASES.values()]:
         for dtype in PROFILE_DTYPES["long"]:
             for path in paths_of(adapter, PATH_KINDS):
                 r = run_case(case, backend_id, dtype=dtype, adapter=adapter, path=path)

@@ -294,7 +294,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--paths", nargs="+", default=None, choices=[*PATH_KINDS, "all"],
                    metavar="PATH",
                    help="which paths of each core backend to judge, each a column of the matrix: stages (the spec), "
-                        "fast (numpy/tf/jax fused, torch sdpa), chunked (chunk_size=2), in_place (cache_length=, cases "
+                        "fast (numpy/tf/jax fused, torch sdpa), chunked (chunk_size=2; T // 8 on a long call), in_place (cache_length=, cases "
                         "with a cache), all; default: " + " ".join(DEFAULT_PATH_KINDS) + " (--profile long: all, the "
                         "chunked cores being where length matters)")
     p.add_argument("--report", metavar="DIR", help="write report.md, report.html and heatmaps here")

@@ -48,6 +48,20 @@ stage by stage (each is a comment in the code below):
 * merge_heads: the same reshape.
 * output: mag_ctx @ |W_o| + |b_o|.
 
+Logit errors (logit_errors=True, a second dict): what a relative rounding
+rho of every logit does downstream of the softmax, divided by rho. A logit
+l_j off by e_j, |e_j| <= rho m_j (m the mask stage's magnitude: every term
+of the logit, ALiBi's bias and the additive bias), moves the weights by the
+softmax's Jacobian, d w_i = w_i (e_i - e_bar), e_bar = sum_j w_j e_j, so
+|d w_i| <= rho w_i (m_i + zbar), zbar = sum_j w_j m_j the row's
+weight-weighted logit magnitude. The context c = sum_j wd_j v_j (wd = w
+times keep / (1 - p)) moves by sum_j wd_j e_j v_j - e_bar c, so
+|d c| <= rho ((wd m) @ mag_v + zbar |c|). A key of weight e^-95 adds
+e^-95 m_j: the bound follows the keys that carry weight, not the largest
+logit of the row. The gate multiplies it by g, merge_heads reshapes it,
+the output projection sums it through |W_o| (its bias is exact). Masked
+keys (no logit) and masked rows add nothing.
+
 The true values these rules need (the norm's r, cos/sin, the mask stage,
 the weights, the dropped weights) come from the reference itself: the stage
 values of multi_head_attention's trace, the norm's r from backward.py's
@@ -71,7 +85,7 @@ CACHE_NAMES = ("present_key", "present_value")
 def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
                        causal_alignment="top_left", training=False, dropout_mask=None, seed=None, positions=None,
                        key_positions=None, past_key=None, past_value=None, segment_ids=None,
-                       key_segment_ids=None, past_key_positions=None) -> dict[str, np.ndarray]:
+                       key_segment_ids=None, past_key_positions=None, logit_errors=False):
     """Magnitude bounds of every traced forward stage, in float64 (module docstring).
 
     Arguments as impl_numpy.multi_head_attention's (without return_weights,
@@ -80,7 +94,12 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
     value.project, [query.norm, key.norm], query.split_heads, ...,
     [query.rope, key.rope], logits, [softcap], mask, softmax, dropout,
     attend, merge_heads, output), each of its stage's shape, plus
-    present_key (B, K, P+S, H) and present_value (B, K, P+S, V)."""
+    present_key (B, K, P+S, H) and present_value (B, K, P+S, V).
+
+    logit_errors: also return, as a second dict, what a relative rounding
+    of the logits does downstream of the softmax (the module docstring's
+    "logit error" rule), keyed by the stages it reaches: softmax, dropout,
+    attend, [gate], merge_heads, output."""
     options = dict(mask=mask, bias=bias, is_causal=is_causal, causal_alignment=causal_alignment, training=training,
                    seed=seed, positions=positions, key_positions=key_positions, past_key=past_key,
                    past_value=past_value, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
@@ -218,11 +237,26 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
             x = x + np.abs(call.bias4)
     x = rec("mask", np.where(true["mask"] == -np.inf, true["mask"], x))
     # softmax: the true weights (nonnegative: their own magnitude; masked rows and sinks as the reference has them)
-    rec("softmax", true["softmax"])
+    w = rec("softmax", true["softmax"])
     # dropout: the true dropped weights (weights * keep / (1 - p), nonnegative)
     wd = rec("dropout", true["dropout"])
     # attend: true dropped weights @ mag_v (a NaN row stays NaN, a zero row 0, a uniform row the mean's magnitude)
     ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    # logit error: logit j off by e_j, |e_j| <= rho m_j (m: the mask stage's magnitude, every term of the logit
+    # and its bias), moves weight i by w_i (e_i - sum_j w_j e_j) and the context by sum_j wd_j e_j v_j - e_bar c:
+    # |d w_i| <= rho w_i (m_i + zbar), |d c| <= rho ((wd m) @ mag_v + zbar |c|), zbar = sum_j w_j m_j per row
+    errs: dict[str, np.ndarray] = {}
+    if logit_errors:
+        with np.errstate(invalid="ignore"):
+            finite = np.isfinite(x) & np.isfinite(w) & (w > 0)  # masked keys and masked rows: no logit to round
+            m = np.where(finite, x, 0.0)
+            wm = np.where(finite, w * m, 0.0)
+            zbar = wm.sum(axis=-1, keepdims=True)  # (B, N, T, 1): the row's weight-weighted logit magnitude
+            keep = np.where(finite, np.nan_to_num(wd) / np.where(finite, w, 1.0), 0.0)  # keep / (1 - p), or 1
+            errs["softmax"] = np.where(finite, w * (m + zbar), 0.0)
+            errs["dropout"] = errs["softmax"] * keep
+            err_ctx = F.attend(wm * keep, v) + zbar * np.nan_to_num(np.abs(true["attend"]))
+        errs["attend"] = err_ctx
     # gate: |x| @ |Wg| + |bg| for its logits; the gated context g * mag(ctx) plus the gate's own error carried
     # by the context: |ctx| g (1 - g) mag(logits) (sigmoid's slope g (1 - g), g the TRUE gate)
     if config.output_gate is not None:
@@ -231,11 +265,17 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
         g = 1 / (1 + np.exp(-true["gate.project"].reshape(B, T, N, -1).transpose(0, 2, 1, 3)))
         m_gl = gl.reshape(B, T, N, -1).transpose(0, 2, 1, 3)
         ctx = rec("gate", ctx * g + np.abs(true["attend"]) * g * (1 - g) * m_gl)
+        if logit_errors:  # the gate multiplies the context's error by g
+            err_ctx = errs["gate"] = err_ctx * g
     # merge_heads: the same reshape
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     # output: mag_ctx @ |W_o| + |b_o|
     rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
+    if logit_errors:  # the same reshape, then |W_o| (the bias is exact)
+        errs["merge_heads"] = F.merge_heads(err_ctx)
+        errs["output"] = F.output(errs["merge_heads"], p["output.kernel"], None)
     missing = set(true) ^ (set(mags) - set(CACHE_NAMES))
     if missing:  # the reference traced a stage this module does not know, or the other way round
         raise AssertionError(f"forward_magnitudes and the reference's trace disagree on stages {sorted(missing)}")
-    return {name: mags[name] for name in (*true, *CACHE_NAMES)}
+    mags = {name: mags[name] for name in (*true, *CACHE_NAMES)}
+    return (mags, errs) if logit_errors else mags

@@ -356,6 +356,8 @@ def _alibi(t, q_pos, k_pos, N, P, T, bug):
     slopes = t["alibi.slopes"]
     if bug == "alibi_power_of_two_rule":  # the slopes recomputed by the rule for a power-of-two head count
         slopes = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)
+    if bug == "alibi_slope_typo":  # a hand-typed slope table: 0.26 for the first head's 2^-2
+        slopes = slopes * np.where(np.arange(N) == 0, 1.04, 1.0).astype(slopes.dtype)
     if bug == "alibi_query_positions_no_cache_offset":  # the queries counted from 0 while decoding
         q_pos = q_pos - P
     if bug == "alibi_by_index":  # distances by index: the queries the last T of the P + S keys, the positions unread
@@ -407,6 +409,8 @@ MUTANTS = {
     # the frontier fields (ALiBi, local chunks, the query temperature, the QKV clip, output gates)
     "alibi_power_of_two_rule": "ALiBi slopes 2^(-8k/N), the power-of-two rule, on any head count (6 heads "
                                "included) instead of the stored slopes",
+    "alibi_slope_typo": "the first head's ALiBi slope 4% off (a hand-typed slope table: 0.26 for 2^-2): an "
+                        "output 0.7% off at T 256, which only a bar set by the keys that carry weight sees",
     "alibi_sign_flipped": "ALiBi's bias added with the wrong sign (+slope * distance)",
     "alibi_before_scale": "ALiBi added before the scale (Falcon's placement) where the slopes are BLOOM's",
     "alibi_query_positions_no_cache_offset": "ALiBi's query positions counted from 0 while decoding (the cache's "

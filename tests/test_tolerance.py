@@ -64,3 +64,44 @@ def test_a_clip_gate_rounding_opens_lets_the_16_bit_nan_through():
     assert not np.isnan(grad64[0]) and np.isnan(grad16[0])
     np.testing.assert_array_equal(_nan_only_in(grad16, grad64), [True, False])
     assert _nan_only_in(grad64, grad64) is None
+
+
+def _output_from_logits(case, exp, logits):
+    """The reference's output from the mask stage on (softmax, attend, merge_heads, output), in float64."""
+    from impl_numpy import functional as F
+
+    trace = dict(exp["trace"])
+    w = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    w = w / w.sum(axis=-1, keepdims=True)
+    ctx = F.merge_heads(F.attend(w, trace["value.split_heads"]))
+    tensors = {k: v.astype(np.float64) for k, v in exp["tensors"].items()}
+    return F.output(ctx, tensors["output.kernel"], tensors.get("output.bias"))
+
+
+@pytest.mark.parametrize("signs", ["random", "all_up", "alternating"])
+def test_logit_error_bound_covers_a_logit_rounding(signs):
+    """impl_numpy.magnitudes' logit error is a bound: every logit moved by rho * its magnitude (any signs) moves
+    the output by at most rho * logit_error (first order in rho), on the T 256 ALiBi case whose largest
+    |logit| + |bias| (on keys of negligible weight) is far above the bound's weighted one."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import expected_for
+
+    case = CASES["long_alibi_256"]
+    exp = expected_for(case, "float64")
+    logits = dict(exp["trace"])["mask"]
+    m = np.where(np.isfinite(logits), exp["forward_magnitudes"]["mask"], 0.0)
+    rng = np.random.default_rng(38)
+    s = {"random": rng.choice([-1.0, 1.0], size=m.shape), "all_up": np.ones(m.shape),
+         "alternating": np.where(np.arange(m.shape[-1]) % 2 == 0, 1.0, -1.0) * np.ones(m.shape)}[signs]
+    rho = 1e-7
+    base = _output_from_logits(case, exp, logits)
+    np.testing.assert_allclose(base, exp["output"], rtol=1e-12, atol=1e-12)  # the recomputation is the reference's
+    moved = _output_from_logits(case, exp, logits + rho * m * s)
+    bound = rho * exp["logit_errors"]["output"]
+    ratio = float((np.abs(moved - base) / bound).max())
+    print(f"{signs}: |d output| / (rho * logit error) <= {ratio:.3g}")
+    assert ratio <= 1.0 + 1e-3, ratio
+    z_all = float(np.abs(exp["forward_magnitudes"]["alibi"]).max())
+    z_eff = float(exp["logit_errors"]["output"].max() / exp["forward_magnitudes"]["output"].max())
+    print(f"z over every key {z_all:.3g}, weighted z_eff {z_eff:.3g}")
+    assert z_eff < z_all / 4, (z_eff, z_all)  # the point: the weighted bound is far below the largest logit's

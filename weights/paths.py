@@ -16,6 +16,9 @@ import numpy as np
 # chunk_size of the chunked paths in conformance runs: blocks of 2 keys and 2 queries, so that every case
 # with S_total > 2 crosses blocks (the online softmax's rescaling) and causal cases skip hidden ones.
 CHUNK = 2
+# A long call's blocks: about this many per axis (at least CHUNK rows), so that T 2048 runs 8 x 8 blocks of 256
+# instead of a million blocks of 2; a call of up to 23 positions keeps blocks of 2.
+BLOCKS_PER_AXIS = 8
 # An in-place cache's buffers hold this many positions past P + S, never part of a result.
 SPARE = 1
 IN_PLACE_FORWARD_ONLY = "an in-place cache is inference only"
@@ -30,7 +33,7 @@ def common_path_options(path: str, inputs: dict, options: dict, *, paths, forwar
     if path == "stages":
         return options | {"return_weights": True}  # asking for the weights runs the stages (each mirror's plan)
     if path == "chunked":
-        return options | {"return_weights": False, "chunk_size": CHUNK} | (
+        return options | {"return_weights": False, "chunk_size": chunk_size(inputs)} | (
             {"forward_only": forward_only} if forward_only else {})
     if path == "in_place":
         if inputs.get("past_key") is None:
@@ -38,6 +41,14 @@ def common_path_options(path: str, inputs: dict, options: dict, *, paths, forwar
         return options | {"return_weights": False, "return_cache": True, "in_place": True,
                           "forward_only": in_place_forward_only}
     raise ValueError(f"path {path!r} is the adapter's own (its fast path): common_path_options has no answer")
+
+
+def chunk_size(inputs: dict) -> int:
+    """The chunked path's block size for a call: CHUNK, or longest // BLOCKS_PER_AXIS for a long one (the longest
+    of the queries and every key, the cache's included)."""
+    past = inputs.get("past_key")
+    longest = max(np.shape(inputs["query"])[1], new_keys(inputs) + (0 if past is None else np.shape(past)[2]))
+    return max(CHUNK, longest // BLOCKS_PER_AXIS)
 
 
 def new_keys(inputs: dict) -> int:

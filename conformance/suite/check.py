@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from conformance.suite import backends
-from conformance.suite.cases import CASES, DTYPE_NAMES
+from conformance.suite.cases import ALL_CASES, CASES, DTYPE_NAMES, PROFILE_DTYPES, PROFILES
 from conformance.suite.compare import (
     DEFAULT_PATH,
     STATUS_ERROR,
@@ -73,7 +73,7 @@ def cross_device(results: list[CaseResult]) -> list[CaseResult]:
         cpu = by_key.get((backend_id, path, "cpu", case_name, dtype))
         if device != "gpu" or cpu is None:
             continue
-        case = CASES[case_name]
+        case = ALL_CASES[case_name]
         tol = policy_for(case.config, dtype=dtype, quantity="output", B=case.B, T=case.T, S=case.S_total,
                          reference=cpu.arrays["backend_output"], precision=gpu.precision)
         c = compare("output (gpu vs cpu)", gpu.arrays["backend_output"], cpu.arrays["backend_output"], tol)
@@ -148,7 +148,7 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
     if own_cache:
         adapter.set_program_cache(None if compile_cache is None else Path(compile_cache) / "programs")
     # a case on each path in turn: the case's reference and the adapter's prepared layer serve every path
-    runs = (run_case(CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
+    runs = (run_case(ALL_CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
                      adapter=adapter, keep_arrays=True, path=path)
             for name in case_names for path in paths_of(adapter, path_kinds))
     results = [result for result in runs if result is not None]  # None: the path does not exist for the case
@@ -280,17 +280,23 @@ def add_parser(subparsers) -> None:
                         + ", ".join(backends.NATIVE) + "), all; missing frameworks are reported, not fatal")
     p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
                    help="default: every device present for each backend")
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
-    p.add_argument("--cases", nargs="+", default=None, choices=list(CASES), metavar="CASE",
-                   help="default: all; names: " + ", ".join(CASES))
+    p.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPE_NAMES),
+                   help="default: the profile's (default: all four; long: float32 bfloat16)")
+    p.add_argument("--profile", default="default", choices=list(PROFILES),
+                   help="which grid: default (the shipped grid, its vectors), or long (T and S in the hundreds to "
+                        "thousands: ALiBi, windows, local chunks, LongRoPE, a latent decode step; every path by "
+                        "default; tox -e full runs it): " + ", ".join(PROFILES["long"]))
+    p.add_argument("--cases", nargs="+", default=None, choices=list(ALL_CASES), metavar="CASE",
+                   help="default: the profile's; names: " + ", ".join(ALL_CASES))
     p.add_argument("--precision", default="highest", choices=["highest", "tf32"],
                    help="tf32: let float32 matmuls use TF32 on GPUs, judged with TF32's unit round-off")
     p.add_argument("--no-gradients", action="store_true", help="forward only")
-    p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATH_KINDS), choices=[*PATH_KINDS, "all"],
+    p.add_argument("--paths", nargs="+", default=None, choices=[*PATH_KINDS, "all"],
                    metavar="PATH",
                    help="which paths of each core backend to judge, each a column of the matrix: stages (the spec), "
-                        "fast (numpy/tf/jax fused, torch sdpa), chunked (chunk_size=2), in_place (cache_length=, cases "
-                        "with a cache), all; default: " + " ".join(DEFAULT_PATH_KINDS))
+                        "fast (numpy/tf/jax fused, torch sdpa), chunked (chunk_size=2; T // 8 on a long call), in_place (cache_length=, cases "
+                        "with a cache), all; default: " + " ".join(DEFAULT_PATH_KINDS) + " (--profile long: all, the "
+                        "chunked cores being where length matters)")
     p.add_argument("--report", metavar="DIR", help="write report.md, report.html and heatmaps here")
     p.add_argument("--json", metavar="FILE", help="write every result as JSON")
     p.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per case x backend x device x dtype")
@@ -327,7 +333,7 @@ def _run_sharded(args, console):
             raise ValueError(f"--sharded-cases: unknown case {name!r} (cases: {', '.join(sharded.SHARDED_CASES)})")
     sharded.force_host_devices(max(sharded.DEVICE_COUNTS))
     # --dtypes defaults to the default grid's four; the sharded grid's default is its own two
-    dtypes = sharded.DTYPES if list(args.dtypes) == list(DTYPE_NAMES) else tuple(args.dtypes)
+    dtypes = sharded.DTYPES if args.dtypes is None else tuple(args.dtypes)
     return sharded.run_sharded(engines, dtypes=dtypes, case_names=args.sharded_cases, gradients=not args.no_gradients,
                                jobs=args.jobs)
 
@@ -350,12 +356,15 @@ def run(args) -> int:
     if args.sharded:
         results, skipped = _run_sharded(args, console)
     else:
-        results, skipped = run_check(expand_backends(args.backends), args.devices, args.dtypes, args.cases,
+        kinds = args.paths or (["all"] if args.profile == "long" else list(DEFAULT_PATH_KINDS))
+        results, skipped = run_check(expand_backends(args.backends), args.devices,
+                                     args.dtypes or PROFILE_DTYPES[args.profile],
+                                     args.cases or list(PROFILES[args.profile]),
                                      precision=args.precision, gradients=not args.no_gradients,
                                      progress=console.is_terminal, jobs=args.jobs,
                                      compile_cache=None if args.no_compile_cache else default_compile_cache(),
                                      xla_full_opt=args.xla_full_opt,
-                                     path_kinds=PATH_KINDS if "all" in args.paths else tuple(args.paths),
+                                     path_kinds=PATH_KINDS if "all" in kinds else tuple(kinds),
                                      probes=probes)
     if not results:
         reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"

@@ -23,7 +23,7 @@ import numpy as np
 
 from conformance.suite import backends
 from conformance.suite.cases import Case, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
-from conformance.suite.tolerance import Comparison, compare, max_finite_abs, policy_for
+from conformance.suite.tolerance import Comparison, compare, comparison_status, max_finite_abs, policy_for
 from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
 from impl_numpy.magnitudes import forward_magnitudes
@@ -64,11 +64,18 @@ class CaseResult:
 
     @property
     def margin(self) -> float:
-        return max((c.margin for c in self.comparisons), default=0.0)
+        """The worst margin of the judged comparisons (and of any that failed); a not-judged one's says nothing."""
+        return max((c.margin for c in self.comparisons if c.judged or not c.ok), default=0.0)
 
     @property
     def worst(self) -> Comparison | None:
-        return max(self.comparisons, key=lambda c: c.margin, default=None)
+        judged = [c for c in self.comparisons if c.judged or not c.ok]
+        return max(judged, key=lambda c: c.margin, default=None)
+
+    @property
+    def not_judged(self) -> list[Comparison]:
+        """Comparisons that passed an allowance not well below the quantity's size: no check, never a pass."""
+        return [c for c in self.comparisons if c.ok and not c.judged]
 
     def to_json(self) -> dict:
         worst = self.worst
@@ -78,9 +85,11 @@ class CaseResult:
             "seconds": round(self.seconds, 4), "message": self.message,
             "worst": None if worst is None else worst.describe(),
             "divergence": None if self.divergence is None else self.divergence.describe(),
+            "not_judged": len(self.not_judged),
             "comparisons": [
-                {"name": c.name, "ok": c.ok, "margin": _finite_or_str(c.margin), "max_abs_error": _finite_or_str(c.max_abs_error),
-                 "rtol": c.tolerance.rtol, "atol": c.tolerance.atol, "reason": c.tolerance.reason}
+                {"name": c.name, "ok": c.ok, "status": comparison_status(c), "margin": _finite_or_str(c.margin),
+                 "max_abs_error": _finite_or_str(c.max_abs_error), "rtol": c.tolerance.rtol, "atol": c.tolerance.atol,
+                 "reason": c.tolerance.reason, "not_judged": c.not_judged}
                 for c in self.comparisons
             ],
         }
@@ -129,12 +138,12 @@ def expected_for(case: Case, dtype: str) -> dict:
     fwd = reference.forward(case.config, t64, i64, options64, trace=True)
     grads, magnitudes = _reference_grads(case, t64, i64, d_out)
     # what each forward value is summed from: the tolerance's elementwise floor, and its logit scale z
-    terms = forward_magnitudes(case.config, t64, i64["query"], i64["key"], i64["value"],
-                               **{name: i64.get(name) for name in reference.OPTIONAL_INPUTS},
-                               is_causal=case.is_causal, causal_alignment=case.causal_alignment,
-                               training=case.training)
+    terms, logit_errors = forward_magnitudes(
+        case.config, t64, i64["query"], i64["key"], i64["value"],
+        **{name: i64.get(name) for name in reference.OPTIONAL_INPUTS}, is_causal=case.is_causal,
+        causal_alignment=case.causal_alignment, training=case.training, logit_errors=True)
     expected = {"output": fwd["output"], "weights": fwd["weights"], "grads": grads, "magnitudes": magnitudes,
-                "forward_magnitudes": terms, "trace": fwd["trace"],
+                "forward_magnitudes": terms, "logit_errors": logit_errors, "trace": fwd["trace"],
                 "logits": dict(fwd["trace"])["logits"], "tensors": tensors, "inputs": inputs, "d_output": d_out,
                 "same_precision": {}, "max_position": max_position(case, inputs)}
     cache = [name for name in ("present_key", "present_value") if name in fwd]
@@ -220,15 +229,24 @@ def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, 
                 scale_floor: float = 0.0, logits: bool = True):
     """The policy's Tolerance for one quantity of a case (its S is every key, the cache's included): z from the
     logits' magnitudes, and a forward quantity's elementwise floor from its own (output, present_key,
-    present_value and every traced stage; the weights are nonnegative, their own magnitude)."""
+    present_value and every traced stage; the weights are nonnegative, their own magnitude). Downstream of
+    the softmax (weights, output, the softmax to output stages) the logit term follows the keys that carry
+    weight: impl_numpy.magnitudes' logit errors (tolerance.policy_for's logit_error)."""
     exp = expected_for(case, dtype)
     terms = exp["forward_magnitudes"]
     logit_terms = terms["alibi"] if "alibi" in terms else terms["logits"]  # ALiBi's bias is part of the logits' size
+    # downstream of the softmax z comes from the keys that carry weight (magnitudes' logit errors); the weights
+    # are nonnegative, their own magnitude
+    stage = "softmax" if name == "weights" else name
+    weighted = exp["logit_errors"].get(stage) if quantity != "grad" else None
+    magnitude = terms.get(name) if quantity in ("output", "stage") else None
+    if name == "weights" and weighted is not None:
+        magnitude = exp["weights"]
     tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
                       reference=reference, logits=logit_terms if logits else None, precision=precision,
                       same_precision_error=exp["same_precision"].get(name) if quantity != "stage" else None,
-                      scale_floor=scale_floor, max_position=exp["max_position"],
-                      magnitude=terms.get(name) if quantity in ("output", "stage") else None)
+                      scale_floor=scale_floor, max_position=exp["max_position"], magnitude=magnitude,
+                      logit_error=weighted)
     nan_allowed = exp.get("same_precision_nan", {}).get(name) if quantity != "stage" else None
     if nan_allowed is None:
         return tol

@@ -88,6 +88,7 @@ def verify_cases(results) -> list[JUnitCase]:
             message = f"unsupported: {r.detail}"
         cases.append(JUnitCase("mha.verify", r.name, outcome[r.status], message, r.seconds,
                               output=r.message() if r.status == "pass" else ""))
+        cases += not_judged_cases("mha.verify", r.name, [c for c in r.comparisons if c.ok and not c.judged])
     return cases
 
 
@@ -125,7 +126,14 @@ def check_cases(results) -> list[JUnitCase]:
         path = "" if r.path == DEFAULT_PATH else f".{r.path}"
         cases.append(JUnitCase(f"mha.check.{r.backend}{path}.{r.device}", f"{r.case}.{r.dtype}", outcome[r.status],
                               "" if passed else text, r.seconds, output=text if passed else ""))
+        cases += not_judged_cases(f"mha.check.{r.backend}{path}.{r.device}", f"{r.case}.{r.dtype}", r.not_judged)
     return cases
+
+
+def not_judged_cases(classname: str, name: str, comparisons) -> list[JUnitCase]:
+    """One <skipped> testcase per comparison that is no check (its allowance is not well below the quantity's
+    size: conformance.suite.tolerance.not_judged_reason), named after its quantity: never counted a pass."""
+    return [JUnitCase(classname, f"{name} {c.name}", SKIPPED, f"{c.not_judged}; {c.describe()}") for c in comparisons]
 
 
 def write_check(path, results, *, seconds: float, skipped=()) -> None:

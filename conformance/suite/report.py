@@ -59,8 +59,26 @@ def _summary(results: list[CaseResult]) -> str:
         "nothing was run" if not results else
         "everything that ran passed (each unsupported one with its reason below)"
         if counts[STATUS_FAIL] == counts[STATUS_ERROR] == 0 and counts[STATUS_PASS] else "NOT everything passed")
+    not_judged = sum(len(r.not_judged) for r in results)
+    judged = (f" {not_judged} comparisons not judged (their allowance is not well below the quantity's size: no "
+              "check, not a pass)." if not_judged else "")
     return (f"{len(results)} results: {counts[STATUS_PASS]} pass, {counts[STATUS_FAIL]} fail, "
-            f"{counts[STATUS_ERROR]} error, {counts[STATUS_UNSUPPORTED]} unsupported; {verdict}.")
+            f"{counts[STATUS_ERROR]} error, {counts[STATUS_UNSUPPORTED]} unsupported; {verdict}.{judged}")
+
+
+def not_judged_lines(results: list[CaseResult]) -> list[str]:
+    """One line per case and dtype with comparisons not judged (the allowance is a property of the case, dtype and
+    quantity: every backend and path shares it): its quantities, how many results, the worst zero margin's reason."""
+    groups: dict[tuple[str, str], dict[str, list]] = {}
+    for r in results:
+        for c in r.not_judged:
+            groups.setdefault((r.case, r.dtype), {}).setdefault(c.name, []).append(c)
+    lines = []
+    for (case, dtype), quantities in groups.items():
+        count = sum(len(v) for v in quantities.values())
+        reason = next(iter(quantities.values()))[0].not_judged
+        lines.append(f"{case}.{dtype}: {', '.join(quantities)} ({count} results; {reason})")
+    return lines
 
 
 HOW_TO_READ = (
@@ -330,5 +348,10 @@ def render_terminal(results: list[CaseResult], console=None):
                 line.append(f"; {r.message}")
         else:
             line.append(r.message or "-")
+        console.print(line)
+    for text in not_judged_lines(results):
+        line = Text()
+        line.append("NOT JUDGED ", style="yellow")
+        line.append(text)
         console.print(line)
     return console

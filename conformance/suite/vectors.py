@@ -24,7 +24,9 @@ File `<case>.<dtype>.safetensors`:
 __metadata__: format "mha-vectors", format_version "1", case, dtype, config
 (AttentionConfig JSON), options (JSON: is_causal, causal_alignment,
 return_weights, dtype, training, and return_cache where true), tolerance (JSON: quantity -> {rtol, atol,
-reason}, from conformance/suite/tolerance.py), generator. An element passes iff
+reason[, not_judged]}, from conformance/suite/tolerance.py; not_judged, where present, says why the quantity's
+allowance is no check: it is not well below the quantity's own size, a zero result would pass, and `mha verify`
+reports the comparison "not judged", never a pass), generator. An element passes iff
 |actual - expected| <= max(atol, allowance) + rtol * |expected| (allowance 0
 where the file has none).
 
@@ -45,9 +47,9 @@ from pathlib import Path
 import numpy as np
 
 from conformance.io import write_arrays
-from conformance.suite.cases import CASES, DTYPE_NAMES, Case
+from conformance.suite.cases import ALL_CASES, CASES, DTYPE_NAMES, PROFILE_DTYPES, PROFILES, Case
 from conformance.suite.compare import case_policy, expected_for
-from conformance.suite.tolerance import max_finite_abs
+from conformance.suite.tolerance import max_finite_abs, not_judged_reason
 from weights import AttentionConfig, read_safetensors
 
 FORMAT = "mha-vectors"
@@ -75,6 +77,9 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
     def tol(name, quantity, reference, floor=0.0):
         t = case_policy(case, dtype, name, quantity, reference, scale_floor=floor)
         tolerance[name] = {"rtol": t.rtol, "atol": t.atol, "reason": t.reason}
+        why = not_judged_reason(t, reference)
+        if why is not None:  # an allowance not well below the quantity: verify reports it "not judged"
+            tolerance[name]["not_judged"] = why
         if t.floor is not None:
             arrays[f"allowance.{name}"] = np.broadcast_to(t.floor, np.shape(reference)).astype(np.float64)
 
@@ -102,7 +107,7 @@ def generate(directory: str | os.PathLike = DEFAULT_DIR, *, cases=None, dtypes=D
     written = []
     for name in cases or CASES:
         for dtype in dtypes:
-            arrays, metadata = build_vector(CASES[name], dtype)
+            arrays, metadata = build_vector(ALL_CASES[name], dtype)
             path = directory / f"{vector_name(name, dtype)}.safetensors"
             write_arrays(path, arrays, overwrite=overwrite, metadata=metadata)
             written.append(path)
@@ -155,8 +160,12 @@ def add_parser(subparsers) -> None:
     g = sub.add_parser("generate", help="write one file per case and dtype")
     g.add_argument("--out", default=None,
                    help=f"directory (default: the shipped vectors, {DEFAULT_DIR}, which takes --overwrite)")
-    g.add_argument("--cases", nargs="+", choices=list(CASES), default=None)
-    g.add_argument("--dtypes", nargs="+", choices=list(DTYPE_NAMES), default=list(DTYPE_NAMES))
+    g.add_argument("--profile", default="default", choices=list(PROFILES),
+                   help="default: the shipped grid; long: the long profile's cases (write them with --out: they "
+                        "are not shipped)")
+    g.add_argument("--cases", nargs="+", choices=list(ALL_CASES), default=None)
+    g.add_argument("--dtypes", nargs="+", choices=list(DTYPE_NAMES), default=None,
+                   help="default: the profile's (default: all four; long: float32 bfloat16)")
     g.add_argument("--overwrite", action="store_true",
                    help="replace vector files that exist (without --out: regenerate the shipped vectors)")
     g.set_defaults(func=run)
@@ -168,13 +177,17 @@ def run(args) -> int:
     # Without --out the files replaced are the ones `mha verify` and `mha check`
     # judge by: the error says so and where they are.
     out = Path(args.out) if args.out is not None else DEFAULT_DIR
-    names = [vector_name(case, dtype) for case in (args.cases or CASES) for dtype in args.dtypes]
+    cases = args.cases or list(PROFILES[args.profile])
+    dtypes = args.dtypes or list(PROFILE_DTYPES[args.profile])
+    if args.out is None and any(name not in CASES for name in cases):
+        raise ValueError("the long profile's vectors are not shipped: pass --out DIR to write them")
+    names = [vector_name(case, dtype) for case in cases for dtype in dtypes]
     existing = [name for name in names if (out / f"{name}.safetensors").exists()]
     if existing and not args.overwrite:
         where = f"the shipped vectors in {out}" if args.out is None else f"--out {out}"
         raise ValueError(f"{len(existing)} of the {len(names)} vector files exist in {where}: pass --overwrite to "
                          f"replace them{' or --out DIR to write elsewhere' if args.out is None else ''}")
-    written = generate(out, cases=args.cases, dtypes=args.dtypes, overwrite=args.overwrite)
+    written = generate(out, cases=cases, dtypes=dtypes, overwrite=args.overwrite)
     total = sum(p.stat().st_size for p in written)
     shipped = " (the shipped vectors)" if out.resolve() == DEFAULT_DIR else ""
     print(f"wrote {len(written)} vector files ({total / 1024:.0f} KiB) to {out}{shipped}")

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.suite.tolerance import Comparison, Tolerance, compare, policy_for
+from conformance.suite.tolerance import Comparison, Tolerance, compare, comparison_status, policy_for
 from conformance.suite.vectors import DEFAULT_DIR, Vector, load_all
 from weights.dtypes import is_float
 
@@ -96,9 +96,11 @@ class VerifyResult:
         return {"name": self.name, "status": self.status, "label": self.label, "detail": self.detail,
                 "margin": margin, "gradients": self.gradients, "seconds": round(self.seconds, 4),
                 "unchecked": dict(self.unchecked), "divergence": self.divergence, "sharding": self.sharding,
-                "comparisons": [{"name": c.name, "ok": c.ok, "margin": c.margin if np.isfinite(c.margin)
-                                 else str(c.margin), "rtol": c.tolerance.rtol, "atol": c.tolerance.atol,
-                                 "reason": c.tolerance.reason} for c in self.comparisons]}
+                "not_judged": sum(c.ok and not c.judged for c in self.comparisons),
+                "comparisons": [{"name": c.name, "ok": c.ok, "status": comparison_status(c),
+                                 "margin": c.margin if np.isfinite(c.margin) else str(c.margin),
+                                 "rtol": c.tolerance.rtol, "atol": c.tolerance.atol, "reason": c.tolerance.reason,
+                                 "not_judged": c.not_judged} for c in self.comparisons]}
 
     def message(self) -> str:
         """What `mha verify --verbose` prints for this vector (and a failing pytest item says)."""
@@ -219,10 +221,15 @@ def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
                 comparisons.append(compare(f"grad {g}", actual, vector.expected[f"grad.{g}"],
                                            _tolerance(vector, GRAD_PREFIX + g)))
 
-    worst = max(comparisons, key=lambda c: c.margin)
+    judged = [c for c in comparisons if c.judged or not c.ok]  # a not-judged comparison's margin says nothing
+    worst = max(judged or comparisons, key=lambda c: c.margin)
     failed = [c for c in comparisons if not c.ok]
+    not_judged = [c for c in comparisons if c.ok and not c.judged]
     if not failed and problem is None:
         detail = f"worst {worst.describe()}"
+        if not_judged:
+            detail += (f"; {len(not_judged)} not judged ({', '.join(c.name for c in not_judged)}: the allowance is "
+                       "not well below the quantity's size)")
         if unchecked:
             detail = f"{describe_unchecked(unchecked)}; {detail}"
         if gradients == GRADIENTS_FORWARD_ONLY:
@@ -417,7 +424,10 @@ def summary(results: list[VerifyResult]) -> str:
                 text += f" ({'; '.join(notes)})"
             parts.append(text)
     worst = max((r.margin for r in results if r.status in (STATUS_PASS, STATUS_FAIL) and r.comparisons), default=0.0)
-    return f"{len(results)} vectors: {', '.join(parts) or 'none'}; worst margin {worst:.3g}"
+    not_judged = sum(c.ok and not c.judged for r in results for c in r.comparisons)
+    judged = f"; {not_judged} comparisons not judged (allowance not well below the quantity's size)" \
+        if not_judged else ""
+    return f"{len(results)} vectors: {', '.join(parts) or 'none'}; worst margin {worst:.3g}{judged}"
 
 
 def check_destination(flag: str, path) -> None:

@@ -7,9 +7,11 @@
    norm, no rope) they are the reference's values, stage by stage.
 3. The two cases the sweep found (random_case 910775: a cancelling output;
    912288: a cancelled projection that an RMS QK-norm divides by its own
-   small RMS) have magnitudes far above the reference's values, and judged
-   with scale = max(magnitude) the frameworks' results pass where the
-   max|reference| bar fails them.
+   small RMS) have magnitudes far above the reference's values; a result
+   off the reference by one rounding at the size of the terms it is summed
+   from (what a correct implementation may return, built so on every
+   machine) fails the max|reference| bar and passes the magnitude bar, and
+   the implementations' own results pass the magnitude bar.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from conformance.suite.cases import CASES, Case, make_inputs, make_tensors, random_case
 from conformance.suite.compare import case_policy, expected_for
-from conformance.suite.tolerance import compare, policy_for
+from conformance.suite.tolerance import UNIT_ROUNDOFF, compare, policy_for
 from impl_numpy import multi_head_attention
 from impl_numpy.adapter import OPTIONAL_INPUTS
 from impl_numpy.magnitudes import forward_magnitudes
@@ -267,16 +269,40 @@ def test_numpy_float32_passes_the_magnitude_bar(seed, name):
           f"old atol {old.tolerance.atol:.3g} (margin {old.margin:.3g}), new atol {new.tolerance.atol:.3g} "
           f"(margin {new.margin:.3g})")
     assert new.ok and new.margin <= old.margin
-    # (NumPy float32 happens to pass the old bar too on both cases: the torch test below shows a failure turned pass)
+    # (whether a real result fails the old bar is its machine's rounding: the test below builds one that does)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("seed", "name"), CASE_QUANTITY)
+def test_one_rounding_of_the_terms_fails_the_old_bar_and_passes_the_new(seed, name, dtype):
+    """The sweep's false failures, built to happen on every machine: the float64 reference plus u * magnitude
+    (u the dtype's unit round-off) at the element that cancels most. A correct implementation in that dtype
+    may be off by that much: its sum of those terms is only known to within n * u * sum|terms| (Higham,
+    "Accuracy and Stability of Numerical Algorithms", sec. 3.1), here with n = 1, one rounding at the size of
+    the terms. The policy as it was (scale max|reference|) fails it; the magnitude bar must pass it."""
+    case, exp, mag = _case_arrays(seed, dtype)
+    expected, m = np.asarray(exp[name], np.float64), mag[name]
+    finite = np.isfinite(expected) & (expected != 0)
+    cancels = np.where(finite, m / np.where(finite, np.abs(expected), 1.0), 0.0)
+    index = np.unravel_index(int(np.argmax(cancels)), expected.shape)
+    assert cancels[index] > 100, f"{case.name} {name}: no element cancels (max magnitude/|value| {cancels[index]:.3g})"
+    actual = expected.copy()
+    actual[index] += UNIT_ROUNDOFF[dtype] * m[index]
+    old, new = _bars(case, exp, mag, dtype, name, actual)
+    print(f"{case.name} {name} + u*magnitude ({dtype}): old margin {old.margin:.3g}, new margin {new.margin:.3g}")
+    assert not old.ok and old.index == index, old.describe()  # the old bar's false failure, at that element
+    assert new.ok, new.describe()
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize(("seed", "name", "dtype"), [(CANCELLING_OUTPUT, "output", "float32"),
                                                      (CANCELLING_OUTPUT, "output", "float64"),
                                                      (NORMED_CANCELLATION, "present_key", "float64")])
-def test_torch_false_failure_passes_the_magnitude_bar(seed, name, dtype):
-    """The sweep's false failures (torch agrees with tf and jax there): out of the max|reference| bar, within
-    the max|magnitude| one."""
+def test_torch_passes_the_magnitude_bar(seed, name, dtype):
+    """The sweep's false failures (torch agrees with tf and jax there): torch's own result is within the
+    magnitude bar. Whether it is out of the max|reference| one is the machine's rounding (an AVX2 OpenBLAS
+    kernel's float64 reference equals torch's float64 output on 910775 exactly): the test above builds that
+    failure on every machine."""
     pytest.importorskip("torch", reason="PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'")
     from conformance.suite import backends
 
@@ -286,5 +312,4 @@ def test_torch_false_failure_passes_the_magnitude_bar(seed, name, dtype):
     old, new = _bars(case, exp, mag, dtype, name, np.asarray(result[name]))
     print(f"{case.name} torch {dtype} {name}: max abs error {old.max_abs_error:.3g}; old atol "
           f"{old.tolerance.atol:.3g} margin {old.margin:.3g}, new atol {new.tolerance.atol:.3g} margin {new.margin:.3g}")
-    assert not old.ok, old.describe()
     assert new.ok, new.describe()

@@ -290,6 +290,33 @@ def test_heatmaps_of_the_closest_case_when_everything_passed(passing, tmp_path):
     parse_html(paths["html"])
 
 
+def test_heatmaps_label_the_query_and_key_indices(passing):
+    """Each panel's ticks sit on the cells it draws (integers, never imshow's half-integer edges) and are
+    labelled with those query and key indices; a long axis is labelled at most MAX_TICKS times."""
+    from conformance.suite import heatmaps
+
+    subject, why = heatmaps.heatmap_subject(passing)
+    T, S = subject.arrays["reference_weights"].shape[2:]
+    figures = list(heatmaps._head_figures(subject, why))
+    assert figures
+    for n, fig in figures:
+        panels = [ax for ax in fig.axes if ax.images]  # the three heatmaps, not their colorbars
+        assert len(panels) == 3
+        for ax in panels:
+            for axis, count in ((ax.xaxis, S), (ax.yaxis, T)):
+                ticks = [float(t) for t in axis.get_ticklocs()]
+                labels = [label.get_text() for label in axis.get_ticklabels()]
+                assert all(t.is_integer() and 0 <= t < count for t in ticks), f"head {n}: ticks {ticks}, {count} cells"
+                assert ticks == heatmaps.integer_ticks(count), f"head {n}: ticks {ticks} on {count} cells"
+                assert labels == [str(int(t)) for t in ticks], f"head {n}: labels {labels}"
+    assert heatmaps.integer_ticks(1) == [0] and heatmaps.integer_ticks(10) == list(range(10))
+    assert heatmaps.integer_ticks(11) == list(range(0, 11, 2)) and heatmaps.integer_ticks(100) == list(range(0, 100, 10))
+    assert heatmaps.integer_ticks(4097) == list(range(0, 4097, 500))
+    for count in range(1, 300):
+        ticks = heatmaps.integer_ticks(count)
+        assert ticks[0] == 0 and len(ticks) <= heatmaps.MAX_TICKS and ticks[-1] < count, count
+
+
 def test_report_without_arrays_or_matplotlib(passing, tmp_path, monkeypatch):
     bare = [run_case(CASES["self_basic"], "numpy", dtype="float64")]  # keep_arrays off
     paths = report.write_report(tmp_path / "bare", bare, {})

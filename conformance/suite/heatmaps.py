@@ -19,6 +19,7 @@ from conformance.suite.matrix import _margin_key, format_margin, where
 from weights.atomic import write_bytes_atomic
 
 MAX_HEATMAP_HEADS = 16  # one PNG per head; beyond this the report says how many were left out
+MAX_TICKS = 10  # labelled positions per axis; a longer axis is labelled every 2, 5, 10, 20, 50, ... positions
 
 
 # --------------------------------------------------------------------------- heatmaps
@@ -91,15 +92,30 @@ def _finite_range(*arrays: np.ndarray) -> tuple[float, float]:
     return (lo, hi) if hi > lo else (lo, lo + 1.0)
 
 
-def _write_heatmaps(directory: Path, result: CaseResult, why: str) -> tuple[list[tuple[int, Path]], str]:
-    """One PNG per head (reference weights | backend weights | absolute error).
-    Returns [(head, path)] and a note ("" or why some or all are missing)."""
-    try:
-        from matplotlib import colormaps
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        return [], f"heatmaps not drawn: matplotlib is not installed ({err}); install the 'report' extra"
+def integer_ticks(count: int, max_ticks: int = MAX_TICKS) -> list[int]:
+    """The positions to label on an axis of `count` cells (imshow draws cell i from i - 0.5 to i + 0.5, and
+    matplotlib's own ticks fall on the half-integers between them): 0 and every step-th position after it,
+    step the smallest of 1, 2, 5, 10, 20, 50, ... that labels at most max_ticks."""
+    magnitude = 1
+    while True:
+        for step in (magnitude, 2 * magnitude, 5 * magnitude):
+            if -(-count // step) <= max_ticks:
+                return list(range(0, count, step))
+        magnitude *= 10
+
+
+def _label_positions(ax, queries: int, keys: int) -> None:
+    """Ticks on the query and key indices the panel shows, labelled with them."""
+    for ticks, set_ticks in ((integer_ticks(keys), ax.set_xticks), (integer_ticks(queries), ax.set_yticks)):
+        set_ticks(ticks, [str(i) for i in ticks])
+
+
+def _head_figures(result: CaseResult, why: str):
+    """(head, Figure) for each drawn head of the result's batch of interest (matplotlib imported)."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     ref, got = _weights_pair(result)
     B, N, T, S = ref.shape
     b = _batch_of_interest(result, B)
@@ -107,7 +123,6 @@ def _write_heatmaps(directory: Path, result: CaseResult, why: str) -> tuple[list
     weights_cmap = colormaps["viridis"].with_extremes(bad="#d0d0d0")
     error_cmap = colormaps["magma"].with_extremes(bad="#00c8ff")
     lo, hi = _finite_range(ref[b], got[b])
-    written = []
     for n in range(min(N, MAX_HEATMAP_HEADS)):
         fig = Figure(figsize=(12.0, 3.6), layout="constrained")
         FigureCanvasAgg(fig)
@@ -126,9 +141,23 @@ def _write_heatmaps(directory: Path, result: CaseResult, why: str) -> tuple[list
             ax.set_title(name, fontsize=9)
             ax.set_xlabel("key position s")
             ax.set_ylabel("query position t")
+            _label_positions(ax, T, S)
             fig.colorbar(image, ax=ax)
         fig.suptitle(f"{result.case} · {where(result)} · head {n} · batch {b} "
                      f"· margin {format_margin(result.margin)} ({why.split(':')[0]})", fontsize=10)
+        yield n, fig
+
+
+def _write_heatmaps(directory: Path, result: CaseResult, why: str) -> tuple[list[tuple[int, Path]], str]:
+    """One PNG per head (reference weights | backend weights | absolute error).
+    Returns [(head, path)] and a note ("" or why some or all are missing)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        return [], f"heatmaps not drawn: matplotlib is not installed ({err}); install the 'report' extra"
+    N = _weights_pair(result)[0].shape[1]
+    written = []
+    for n, fig in _head_figures(result, why):
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=90)
         name = f"heatmap-{_slug(result.case)}-{_slug(result.backend)}-{_slug(result.device)}-{_slug(result.dtype)}-head{n}.png"

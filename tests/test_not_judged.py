@@ -13,7 +13,7 @@ import pytest
 from conformance.suite import verify as V
 from conformance.suite.cases import CASES, DTYPE_NAMES
 from conformance.suite.compare import STATUS_FAIL, case_policy, expected_for, run_case
-from conformance.suite.tolerance import JUDGED_ZERO_MARGIN, ZERO_REFERENCE, allowance_of, compare, max_finite_abs
+from conformance.suite.tolerance import JUDGED_ZERO_MARGIN, allowance_of, compare, max_finite_abs, structural_zero
 from impl_numpy import adapter as reference
 from weights import AttentionConfig
 
@@ -53,7 +53,7 @@ def _quantities(case, dtype):
         out.append(("weights", "weights", exp["weights"], 0.0))
     if case.return_cache or case.P:
         out += [(name, "output", exp[name], 0.0) for name in ("present_key", "present_value") if name in exp]
-    out += [(f"grad {g}", "grad", v, max_finite_abs(exp["magnitudes"][g])) for g, v in exp["grads"].items()]
+    out += [(f"grad {g}", "grad", v, 0.0) for g, v in exp["grads"].items()]  # elementwise: case_policy
     return out
 
 
@@ -69,9 +69,9 @@ def cannot_fail(names, dtypes=DTYPE_NAMES):
                 zero_margin = float((r / allowance_of(tol, ref)).max()) if r.size else np.inf
                 result = compare(q, ref, ref, tol)
                 # zero up to the float64 reference's rounding of its terms (the key bias gradient): judged by design
-                structural_zero = bool(r.size) and float(r.max()) <= ZERO_REFERENCE * tol.atol / tol.rtol
+                zero = structural_zero(tol, ref)
                 if zero_margin < JUDGED_ZERO_MARGIN or not result.judged:
-                    found.append((name, dtype, q, zero_margin, result.judged, structural_zero))
+                    found.append((name, dtype, q, zero_margin, result.judged, zero))
     return found
 
 
@@ -107,23 +107,26 @@ def test_no_clip_gate_flips_in_16_bits(name):
                 assert exp["same_precision"][f"grad {g}"] <= 0.05 * size, (dtype, g, exp["same_precision"][f"grad {g}"] / size)
 
 
-def test_zeroed_key_gradients_are_never_a_pass():
-    """mha check and mha verify fail a port whose key-side gradients are zero where the comparison can judge them
-    (float32, float16), and report them not judged, never passed, where the 16-bit gradient allowance (the noise
-    of the terms each gradient is summed from) is not well below them (bfloat16)."""
+def test_zeroed_key_gradients_fail_mha_check_and_mha_verify():
+    """mha check and mha verify fail a port whose key-side gradients are zero, in every dtype with the QKV clip:
+    each gradient element is allowed the noise of its own terms (impl_numpy.backward's gradient magnitudes), not
+    of the largest term of the tensor, so in bfloat16 too the allowance falls below the key gradients (issue 38:
+    it was 1.4x max|grad| while clip gates flipped, then still above them, and zero passed as "not judged"). In
+    bfloat16 grad key and key.kernel fail at margins 1.9 and 1.6: still reported not judged as well (an allowance
+    above half the gradient), never a pass."""
     case = CASES["qkv_clip"]
     adapter = ZeroKeyGradients()
     for dtype in ("float32", "float16", "bfloat16"):
         result = run_case(case, "zero-key-grads", dtype=dtype, adapter=adapter)
         key_side = [c for c in result.comparisons if c.name.removeprefix("grad ") in KEY_SIDE]
         assert key_side and all(not c.ok or not c.judged for c in key_side), [c.describe() for c in key_side]
-        if dtype != "bfloat16":
-            assert result.status == STATUS_FAIL, result.worst.describe()
+        assert result.status == STATUS_FAIL, result.worst.describe()
+        assert not all(c.ok for c in key_side if c.name != "grad key.bias"), [c.describe() for c in key_side]
         verified = V.verify(adapter, only=["qkv_clip"], dtypes=[dtype])
         assert len(verified) == 1
         vector_key_side = [c for c in verified[0].comparisons if c.name.removeprefix("grad ") in KEY_SIDE]
         assert vector_key_side and all(not c.ok or not c.judged for c in vector_key_side)
-        assert verified[0].status == ("fail" if dtype != "bfloat16" else "pass")
+        assert verified[0].status == "fail", dtype
         record = verified[0].to_json()
         assert {c["status"] for c in record["comparisons"] if c["name"].removeprefix("grad ") in KEY_SIDE} <= \
             {"fail", "not judged"}

@@ -199,6 +199,7 @@ def test_quantities_a_vector_format_adds_are_checked_generically(tmp_path):
     arrays = {f"weights.{k}": v for k, v in src.tensors.items()}
     arrays |= {f"inputs.{k}": v for k, v in src.inputs.items()} | {"inputs.positions": np.arange(5, dtype=np.int64)}
     arrays |= {f"expected.{k}": v for k, v in src.expected.items()} | {"expected.novel": np.full((2, 3), 0.5)}
+    arrays |= {f"allowance.{k}": v for k, v in src.allowance.items()}  # the elementwise floors (a gradient's too)
     arrays["cotangent.output"] = src.cotangent
     tolerance = src.tolerance | {"novel": {"rtol": 1e-6, "atol": 1e-6, "reason": "made up for the test"}}
     metadata = {"format": "mha-vectors", "format_version": "1", "case": "invented", "dtype": "float32",

@@ -23,7 +23,7 @@ import numpy as np
 
 from conformance.suite import backends
 from conformance.suite.cases import Case, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
-from conformance.suite.tolerance import Comparison, compare, comparison_status, max_finite_abs, policy_for
+from conformance.suite.tolerance import Comparison, compare, comparison_status, policy_for
 from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
 from impl_numpy.magnitudes import forward_magnitudes
@@ -229,7 +229,8 @@ def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, 
                 scale_floor: float = 0.0, logits: bool = True):
     """The policy's Tolerance for one quantity of a case (its S is every key, the cache's included): z from the
     logits' magnitudes, and a forward quantity's elementwise floor from its own (output, present_key,
-    present_value and every traced stage; the weights are nonnegative, their own magnitude). Downstream of
+    present_value and every traced stage; the weights are nonnegative, their own magnitude), and a gradient's
+    from impl_numpy.backward's gradient magnitudes, element by element. Downstream of
     the softmax (weights, output, the softmax to output stages) the logit term follows the keys that carry
     weight: impl_numpy.magnitudes' logit errors (tolerance.policy_for's logit_error)."""
     exp = expected_for(case, dtype)
@@ -240,6 +241,8 @@ def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, 
     stage = "softmax" if name == "weights" else name
     weighted = exp["logit_errors"].get(stage) if quantity != "grad" else None
     magnitude = terms.get(name) if quantity in ("output", "stage") else None
+    if quantity == "grad":  # each gradient element's own term magnitude (impl_numpy.backward's)
+        magnitude = exp["magnitudes"].get(name.removeprefix("grad "))
     if name == "weights" and weighted is not None:
         magnitude = exp["weights"]
     tol = policy_for(case.config, dtype=dtype, quantity=quantity, B=case.B, T=case.T, S=case.S_total,
@@ -257,16 +260,15 @@ def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, 
 
 def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "highest") -> list[Comparison]:
     """Compare gradients (query, key, value, every canonical tensor, past_key
-    and past_value with a cache) under the policy: each scaled by the
-    magnitude of the terms it is summed from."""
+    and past_value with a cache) under the policy: each element allowed at
+    least the rounding of the terms it is summed from (case_policy)."""
     exp = expected_for(case, dtype)
     comparisons = []
     for name, expected in exp["grads"].items():
         if name not in grads:
             raise ValueError(f"backend returned no gradient for {name}")
         key = f"grad {name}"
-        tol = case_policy(case, dtype, key, "grad", expected, precision=precision,
-                          scale_floor=max_finite_abs(exp["magnitudes"][name]))
+        tol = case_policy(case, dtype, key, "grad", expected, precision=precision)
         comparisons.append(compare(key, grads[name], expected, tol))
     return comparisons
 

@@ -34,14 +34,21 @@ Reasoning (docs/conformance.md "Tolerance policy" says the same in prose):
   logit's absolute error follows its terms too.
 * Gradients cancel (softmax's backward subtracts a row sum; the key bias
   gradient is exactly zero by shift invariance), and rounding error follows
-  the size of the terms summed, not of the result. Their scale is therefore
-  the largest term magnitude, computed by running the reference backward pass
-  on absolute values (impl_numpy.backward, gradient_magnitudes=True), the
-  componentwise bound of Higham sec. 3.5 used as a scale.
+  the size of the terms summed, not of the result. The reference backward
+  pass run on absolute values (impl_numpy.backward, gradient_magnitudes=True)
+  gives, elementwise, the size of the terms each gradient element is summed
+  from (the componentwise bound of Higham sec. 3.5), and each element is
+  allowed at least rtol * (1 + z) * its own term magnitude, as a forward
+  value is. Not the largest term of the whole tensor: a gradient whose
+  terms are large in one row and small in another (a sharp softmax, a
+  clipped key) would otherwise be judged by its largest row's noise
+  everywhere, an allowance above the gradient itself (issue 38: zero key
+  gradients passed). The tensor-wide atol is the float32/64 formula on the
+  gradient's own max|reference|, as for every other quantity.
 
     rtol = SAFETY * u * sqrt(L)
     atol = rtol * (1 + z) * max|reference|
-    floor_i = rtol * (1 + z) * magnitude_i        (forward quantities)
+    floor_i = rtol * (1 + z) * magnitude_i        (forward quantities and gradients)
     pass iff |actual - reference| <= max(atol, floor_i) + rtol * |reference| everywhere
 
 margin = max over elements of |actual - reference| / (atol + rtol*|reference|);
@@ -61,6 +68,17 @@ error is known (stage localisation). The float32 formula is the floor, for
 quantities the 16-bit reference happens to get exactly, and rtol is at least
 one 16-bit step (2u): results stored in 16 bits that straddle a rounding
 boundary differ by one step whatever the reference's own error.
+
+16-bit gradients: atol = max(REFERENCE_FACTOR x the same-dtype reference's
+error, the float32 formula on max|reference|), and each element is allowed at
+least its own 16-bit noise, u * sqrt(L) * magnitude_i (no safety factor), or
+the float32 floor rtol32 * (1 + z) * magnitude_i where larger. A gradient
+that cancels (the key bias one is exactly zero) is rounding noise of the
+size of its terms, and one 16-bit sample of that noise (the same-dtype
+reference's) says little about another order's; the noise of element i
+follows element i's terms, not the tensor's largest (policy_for, magnitude).
+Without elementwise magnitudes (assert_close's scale_floor) the noise floor
+is tensor-wide: u * sqrt(L) * the largest term.
 
 The modern stages lengthen L (modern_length):
 * RoPE: the angle position x frequency is rounded to the compute dtype,
@@ -240,13 +258,24 @@ def allowance_of(tol: Tolerance, expected) -> np.ndarray:
     return atol + tol.rtol * np.abs(np.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0))
 
 
+def structural_zero(tol: Tolerance, expected) -> bool:
+    """Whether the reference is zero up to the float64 reference's own rounding of its terms: max |reference| at
+    most ZERO_REFERENCE times the largest allowance's scale, max(atol, floor) / rtol (for a gradient, (1 + z)
+    times its largest term magnitude)."""
+    r = np.abs(np.nan_to_num(np.asarray(expected, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0))
+    if r.size == 0 or tol.rtol <= 0:
+        return False
+    largest = tol.atol if tol.floor is None else max(tol.atol, float(np.max(tol.floor)))
+    return float(r.max()) <= ZERO_REFERENCE * largest / tol.rtol
+
+
 def not_judged_reason(tol: Tolerance, expected) -> str | None:
     """Why a comparison under `tol` cannot fail a result of the right size (None: it can). The margin an all-zero
     result would score is max |reference| / allowance over the elements; below JUDGED_ZERO_MARGIN the allowance
     is not well below the quantity's own size (issue 38: a bfloat16 reference whose own error on a QKV-clipped
     key gradient is 45% of it gives an allowance of 1.4x max|grad|, and a port returning zero passes)."""
     r = np.abs(np.nan_to_num(np.asarray(expected, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0))
-    if r.size == 0 or float(r.max()) <= ZERO_REFERENCE * (tol.atol / tol.rtol if tol.rtol > 0 else 0.0):
+    if r.size == 0 or structural_zero(tol, r):
         return None
     zero_margin = float((r / allowance_of(tol, expected)).max())
     if zero_margin >= JUDGED_ZERO_MARGIN:
@@ -328,18 +357,22 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
     """The Tolerance for one quantity of one case: the policy applied.
 
     scale_floor: a magnitude the reference scale may not fall below. For a
-    gradient it is the largest term magnitude the gradient is summed from
-    (impl_numpy's gradient_magnitudes), because gradients cancel: the key
-    bias gradient is exactly zero, and what a backend returns there is
-    rounding noise the size of those terms.
+    gradient judged without elementwise magnitudes (assert_close) it is the
+    largest term magnitude the gradient is summed from (impl_numpy's
+    gradient_magnitudes), because gradients cancel: the key bias gradient is
+    exactly zero, and what a backend returns there is rounding noise the size
+    of those terms. With magnitude given it is not needed (case_policy
+    passes 0): each element's own terms set its floor.
 
     S: every key the softmax sees (P + S with a cache). max_position: the
     largest |position| of the call (RoPE); None: T + S, the largest a
     call without explicit positions reaches.
 
-    magnitude: the elementwise magnitude of what each element of a forward
-    quantity is summed from (impl_numpy.magnitudes); each element is then
-    allowed at least rtol * (1 + z) * its magnitude. logits: the logits'
+    magnitude: the elementwise magnitude of what each element is summed from
+    (a forward quantity's from impl_numpy.magnitudes, a gradient's from
+    impl_numpy.backward's gradient_magnitudes); each element is then allowed
+    at least rtol * (1 + z) * its magnitude (a 16-bit gradient also its
+    16-bit noise, u * sqrt(L) * its magnitude). logits: the logits'
     magnitudes (or, without them, the logits) give z.
 
     logit_error: for a quantity downstream of the softmax, the elementwise
@@ -364,7 +397,7 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
     tol = tolerance(
         dtype, length=length, reference_scale=max(max_finite_abs(reference), scale_floor),
         logit_scale=logit_scale, precision=precision,
-        same_precision_error=same_precision_error, quantity_is_gradient=quantity == "grad",
+        same_precision_error=same_precision_error, quantity_is_gradient=quantity == "grad" and terms is None,
     )
     if terms is None:
         return tol
@@ -378,6 +411,12 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
             f" from the keys with weight (largest {full:.3g}); elementwise at least rtol*(magnitude + logit "
             f"error) (up to {float(floor.max()):.3g})"))
     floor = rtol * (1.0 + logit_scale) * terms
+    if quantity == "grad" and dtype_from_name(dtype).name in ("float16", "bfloat16") and same_precision_error is not None:
+        # the 16-bit noise of each gradient element's own terms (tolerance(): quantity_is_gradient)
+        floor = np.maximum(floor, UNIT_ROUNDOFF[dtype_from_name(dtype).name] * math.sqrt(max(length, 1)) * terms)
+        return dataclasses.replace(tol, floor=floor, reason=tol.reason + (
+            "; elementwise at least max(rtol*(1+z), u*sqrt(L))*magnitude, the 16-bit noise of the terms each "
+            f"element is summed from (up to {float(floor.max()):.3g})"))
     return dataclasses.replace(tol, floor=floor, reason=tol.reason + "; elementwise at least rtol*(1+z)*magnitude, "
                                f"the size of the terms each element is summed from (up to {float(floor.max()):.3g})")
 

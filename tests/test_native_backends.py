@@ -71,7 +71,7 @@ SUPPORTED: dict[str, set[str]] = {
     # everything but an explicit dropout mask; uniform for a fully masked row
     # and windows (local_window_size, top-left: a bottom_right window over S > T keys is refused)
     "jax-dpa": PLAIN - {"causal_bottom_right_long_query", "masked_rows_zero", "masked_rows_nan", "dropout_train"}
-    | {"window_left_causal", "window_right", "alibi_causal"},  # ALiBi through its bias argument
+    | {"window_left_causal", "window_right", "alibi_causal", "long_alibi_256"},  # ALiBi through its bias argument
     # everything plain (the Attention node, or plain ops where it cannot express a case); softcap, cache,
     # RotaryEmbedding, RMS/LayerNormalization, segments in attn_mask; onnxruntime 1.30 refuses the window
     # attributes (opset 25); no sinks input
@@ -80,7 +80,8 @@ SUPPORTED: dict[str, set[str]] = {
                             "softcap_masked_rows", "qk_norm_rms_head", "qk_norm_layer_all", "segments_packed",
                             "segments_packed_cache",
                             # ALiBi in the float attn_mask, local chunks in the bool one, LongRoPE's tables
-                            "alibi_causal", "alibi_chunk_decode", "local_chunk_per_batch", "rope_longrope_short",
+                            "alibi_causal", "alibi_chunk_decode", "long_alibi_256", "local_chunk_per_batch",
+                            "rope_longrope_short",
                             "rope_longrope_long",
                             # the edge group's: LongRoPE on each side of its threshold, the ramps' ends, ALiBi at
                             # explicit positions over a cache

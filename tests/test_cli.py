@@ -298,3 +298,24 @@ def test_vectors_generate_to_a_directory_replaces_only_with_overwrite(tmp_path, 
     assert code == 2 and "1 of the 1 vector files exist in --out" in err and path.read_bytes() == b"stale", err
     code, out, err = run_cli(*argv, "--overwrite", capsys=capsys)
     assert code == 0 and path.read_bytes() != b"stale", err
+
+
+def test_a_plain_check_runs_the_edge_and_long_cases_in_float32_and_given_dtypes_in_each(tmp_path):
+    """conformance.suite.cases.CHECK_ONE_DTYPE: without --dtypes an edge case runs in float32 alone and a grid
+    case in all four; --dtypes runs every selected case in each."""
+    from conformance.suite.cases import CHECK_ONE_DTYPE, DTYPE_NAMES
+
+    assert "edge_longrope_at_original" in CHECK_ONE_DTYPE and "long_alibi_256" in CHECK_ONE_DTYPE
+    assert "self_basic" not in CHECK_ONE_DTYPE
+    cases = ("self_basic", "edge_longrope_at_original")
+    runs = [((), {"self_basic": set(DTYPE_NAMES), "edge_longrope_at_original": {"float32"}}),
+            (("--dtypes", "float64", "bfloat16"), dict.fromkeys(cases, {"float64", "bfloat16"}))]
+    for given, expected in runs:
+        out = tmp_path / "check.json"
+        proc = _cli("check", "--backends", "numpy", "--cases", *cases, *given, "--jobs", 1, "--no-gradients",
+                    "--paths", "stages", "--json", out, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ran: dict[str, set[str]] = {}
+        for result in json.loads(out.read_text())["results"]:
+            ran.setdefault(result["case"], set()).add(result["dtype"])
+        assert ran == expected, (given, ran)

@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 
 from conformance.suite import backends
-from conformance.suite.cases import ALL_CASES, CASES, DTYPE_NAMES, PROFILE_DTYPES, PROFILES
+from conformance.suite.cases import (
+    ALL_CASES,
+    CASES,
+    CHECK_ONE_DTYPE,
+    DTYPE_NAMES,
+    ONE_DTYPE,
+    PROFILE_DTYPES,
+    PROFILES,
+)
 from conformance.suite.compare import (
     DEFAULT_PATH,
     STATUS_ERROR,
@@ -199,7 +207,7 @@ def _one_thread_per_worker(jobs: int):
 
 def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
               gradients=True, console=None, progress=True, jobs=None, compile_cache=None, xla_full_opt=False,
-              path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None):
+              path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None, skip=None):
     """Every (backend, device, dtype) chunk of cases. jobs > 1 runs chunks in
     that many worker processes (each imports its own frameworks); the
     results are the same objects either way. compile_cache: a directory for
@@ -207,12 +215,16 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
     xla_full_opt: compile impl_jax's CPU programs with XLA's default options
     instead of impl_jax.adapter.FAST_CPU_COMPILE. path_kinds: which of each
     core backend's paths (PATH_KINDS). probes: a dict to fill with the
-    workers' environment.framework_probes (left empty when jobs is 1)."""
+    workers' environment.framework_probes (left empty when jobs is 1). skip: (case, dtype) pairs not to run."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console(stderr=True)
     names = list(case_names or CASES)
+    skip = frozenset(skip or ())
+
+    def names_for(dtype):
+        return [name for name in names if (name, dtype) not in skip]
     # The workers start and import the frameworks themselves, and tell this process which backends
     # and devices are here (_warm): the main process imports no framework (TensorFlow alone takes 4 s).
     jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), len(backend_ids) * len(dtypes)))
@@ -243,19 +255,19 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
         chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes), key=lambda c: _COST_ORDER.get(c[0], 3))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not progress, transient=True) as bar:
-            task = bar.add_task("mha check", total=len(chunks) * len(names))
+            task = bar.add_task("mha check", total=sum(len(names_for(t)) for _, _, t in chunks))
             if pool is None:
                 for backend_id, device, dtype in chunks:
                     bar.update(task, description=f"{backend_id}/{device}/{dtype}")
-                    results += _run_chunk(backend_id, device, dtype, names, precision, gradients, compile_cache,
-                                          xla_full_opt, path_kinds)
-                    bar.advance(task, len(names))
+                    results += _run_chunk(backend_id, device, dtype, names_for(dtype), precision, gradients,
+                                          compile_cache, xla_full_opt, path_kinds)
+                    bar.advance(task, len(names_for(dtype)))
             else:  # slowest chunks first: the two workers share JAX's, then the rest
-                futures = [pool.submit(_run_chunk, b, d, t, names, precision, gradients, compile_cache,
-                                       xla_full_opt, path_kinds) for b, d, t in chunks]
+                futures = {pool.submit(_run_chunk, b, d, t, names_for(t), precision, gradients, compile_cache,
+                                       xla_full_opt, path_kinds): t for b, d, t in chunks}
                 for future in concurrent.futures.as_completed(futures):
                     results += future.result()
-                    bar.advance(task, len(names))
+                    bar.advance(task, len(names_for(futures[future])))
     order = {chunk: i for i, chunk in enumerate((b, d, t) for b, d, _ in pairs for t in dtypes)}
     results.sort(key=lambda r: order[(r.backend, r.device, r.dtype)])  # stable: each chunk keeps its path order
     results.extend(cross_device(results))
@@ -281,7 +293,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
                    help="default: every device present for each backend")
     p.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPE_NAMES),
-                   help="default: the profile's (default: all four; long: float32 bfloat16)")
+                   help="default: the profile's (default: all four, the edge cases and the realistic lengths float32 "
+                        "alone; long: float32 bfloat16); given, every selected case runs in each")
     p.add_argument("--profile", default="default", choices=list(PROFILES),
                    help="which grid: default (the shipped grid, its vectors), or long (T and S in the hundreds to "
                         "thousands: ALiBi, windows, local chunks, LongRoPE, a latent decode step; every path by "
@@ -357,9 +370,12 @@ def run(args) -> int:
         results, skipped = _run_sharded(args, console)
     else:
         kinds = args.paths or (["all"] if args.profile == "long" else list(DEFAULT_PATH_KINDS))
+        # without --dtypes, the edge group and the realistic lengths run in float32 alone (cases.CHECK_ONE_DTYPE)
+        skip = None if args.dtypes or args.profile != "default" else \
+            {(name, dtype) for name in CHECK_ONE_DTYPE for dtype in DTYPE_NAMES if dtype != ONE_DTYPE}
         results, skipped = run_check(expand_backends(args.backends), args.devices,
                                      args.dtypes or PROFILE_DTYPES[args.profile],
-                                     args.cases or list(PROFILES[args.profile]),
+                                     args.cases or list(PROFILES[args.profile]), skip=skip,
                                      precision=args.precision, gradients=not args.no_gradients,
                                      progress=console.is_terminal, jobs=args.jobs,
                                      compile_cache=None if args.no_compile_cache else default_compile_cache(),

@@ -146,7 +146,7 @@ def test_params_json_reads_every_llama4_field():
     assert scout0.qk_norm.after_rope and not scout0.qk_norm.weight and scout0.qk_norm.eps == 1e-2, scout0.qk_norm
     scout1, _ = layouts.to_canonical("meta-llama", state, hf_config=SCOUT, layer=1)
     assert scout1.rope is None and scout1.qk_norm is None and scout1.local_chunk is None, scout1
-    assert scout1.query_temperature.to_dict() == {"beta": 0.5, "floor": 4.0, "offset": 1}
+    assert scout1.query_temperature.to_dict() == {"beta": 0.5, "floor": 4.0, "offset": 1, "position": "cache_index"}
     maverick0, _ = layouts.to_canonical("meta-llama", state, hf_config=MAVERICK, layer=0)
     assert maverick0.rope.scaling is None and maverick0.qk_norm is None and maverick0.local_chunk == 4, maverick0
     # a params.json nested under "model" (as transformers' converter allows) reads the same

@@ -80,8 +80,10 @@ def _meta_config(params: Mapping[str, Any], layer: int | None) -> dict[str, Any]
         if nope:
             modern["rope"] = None
             if params.get("attn_temperature_tuning", False):  # 1 + attn_scale ln(1 + floor((p + 1) / floor_scale))
+                # p: the query's cache index (Meta's start_pos + arange(seqlen)), as transformers' llama4 reads it
                 modern["query_temperature"] = {"beta": float(params.get("attn_scale", 0.1)),
-                                               "floor": float(params.get("floor_scale", 8192.0)), "offset": 1}
+                                               "floor": float(params.get("floor_scale", 8192.0)), "offset": 1,
+                                               "position": "cache_index"}
         else:
             if params.get("use_qk_norm", False):  # rmsnorm(x, norm_eps) without a weight, after the rotation
                 modern["qk_norm"] = {"type": "rms", "eps": float(params.get("norm_eps", 1e-5)), "scope": "head",
@@ -93,6 +95,14 @@ def _meta_config(params: Mapping[str, Any], layer: int | None) -> dict[str, Any]
             "norm_offset": 0.0, "table": 0, "model_type": "meta-llama"}
 
 
+# the sizes both tables tie (separate wq/wk/wv, and Llama 4's fused wqkv)
+_SHARED_TIES = (
+    Tie("query_dim", "num_heads*head_dim", "Meta's head_dim is dim // n_heads"),
+    Tie("key_dim", "num_heads*head_dim", "keys are projected from the hidden states"),
+    Tie("value_dim", "num_heads*head_dim", "values are projected from the hidden states"),
+    Tie("out_dim", "num_heads*head_dim", "wo maps back to dim"),
+)
+
 FAMILY = (
     Layout(
         "meta-llama", "Meta's Llama checkpoint (consolidated.*.pth): layers.{L}.attention.{wq,wk,wv,wo}.weight "
@@ -103,21 +113,10 @@ FAMILY = (
         tables=(Table((
             R("wq.weight", "query.kernel", LINEAR), R("wk.weight", "key.kernel", LINEAR),
             R("wv.weight", "value.kernel", LINEAR), R("wo.weight", "output.kernel", LINEAR),
-        ), ties=(
-            Tie("value_head_dim", "head_dim", "wv splits into heads of head_dim"),
-            Tie("query_dim", "num_heads*head_dim", "Meta's head_dim is dim // n_heads"),
-            Tie("key_dim", "num_heads*head_dim", "keys are projected from the hidden states"),
-            Tie("value_dim", "num_heads*head_dim", "values are projected from the hidden states"),
-            Tie("out_dim", "num_heads*head_dim", "wo maps back to dim"),
-        )), Table((
+        ), ties=(Tie("value_head_dim", "head_dim", "wv splits into heads of head_dim"), *_SHARED_TIES)), Table((
             R("wqkv.weight", "query.kernel key.kernel value.kernel", LINEAR),  # ((N+2K)*H, D) = [wq; wk; wv]
             R("wo.weight", "output.kernel", LINEAR),
-        ), ties=(
-            Tie("value_head_dim", "head_dim", "wqkv's v rows split into heads of head_dim"),
-            Tie("query_dim", "num_heads*head_dim", "Meta's head_dim is dim // n_heads"),
-            Tie("key_dim", "num_heads*head_dim", "keys are projected from the hidden states"),
-            Tie("value_dim", "num_heads*head_dim", "values are projected from the hidden states"),
-            Tie("out_dim", "num_heads*head_dim", "wo maps back to dim"),
-        ), note="Llama 4: fused wqkv = [wq; wk; wv] (Attention.load_hook splits it)")),
+        ), ties=(Tie("value_head_dim", "head_dim", "wqkv's v rows split into heads of head_dim"), *_SHARED_TIES),
+            note="Llama 4: fused wqkv = [wq; wk; wv] (Attention.load_hook splits it)")),
     ),
 )

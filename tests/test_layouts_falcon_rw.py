@@ -5,7 +5,7 @@ build_alibi_tensor), so the product rounds to 8 significant bits and positions p
 initialised FalconModel (head_dim 4, 2 blocks, float32, its default sdpa path) with 32, 64 and 71 heads
 to it: the float64 reference first, then every installed core backend.
 
-- T = 300 (positions past 256), 32 heads: the full causal call and a decode step (reproduce_block).
+- T = 300 (positions past 256), 32 heads: the full causal call and a decode step (check_block_reproduced).
 - T = 2048, 32, 64 and 71 heads (slow): the last 16 query rows on a cache of the first 2032 keys, their
   projections computed from the converted weights in float64 (a (64, 2048, 2048) float64 score array per
   backend would be 2 GiB).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_layouts_modern import _installed, reproduce_block
+from test_layouts_modern import _installed, check_block_reproduced
 
 from conformance.native.conventions import alibi_models as am
 from conformance.suite import backends
@@ -73,7 +73,7 @@ def test_falcon_rw_past_position_256(N):
     """32 heads (Falcon-RW 1B's), T = 300: every backend, full causal call and decode, reproduces the model."""
     config, tensors, x, expected = _falcon_rw(N, 300)
     assert config.alibi_bias_dtype == "bfloat16", config
-    reproduce_block(f"falcon-rw N={N} T=300", config, tensors, x, expected)
+    check_block_reproduced(f"falcon-rw N={N} T=300", config, tensors, x, expected)
 
 
 @pytest.mark.parametrize("N", [pytest.param(32, marks=needs_transformers)])

@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 import pytest
-from test_layouts_modern import needs_transformers, reproduce_block
+from test_layouts_modern import check_block_reproduced, needs_transformers
 
 from conformance.cli.commands import main as mha
 from conformance.suite import backends
@@ -170,7 +170,7 @@ def test_backends_reproduce_the_block(converted):
     the model's own output; the float64 reference first."""
     model_type, blocks, *_ = converted
     for layer, (config, tensors, seen) in blocks.items():
-        reproduce_block(f"{model_type}[{layer}]", config, tensors, seen["x"], seen["out"])
+        check_block_reproduced(f"{model_type}[{layer}]", config, tensors, seen["x"], seen["out"])
 
 
 def test_round_trip_is_bit_exact(converted):

@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 import pytest
-from test_layouts_modern import reproduce_block
+from test_layouts_modern import check_block_reproduced
 
 from conformance.cli.commands import main as mha
 from weights import layouts, load
@@ -159,7 +159,7 @@ def test_backends_reproduce_the_block(converted):
     for tokens, seen_by_layer in runs.items():
         for layer, (config, tensors) in blocks.items():
             seen = seen_by_layer[layer]
-            reproduce_block(f"{model_type}[{layer}] T={tokens}", config, tensors, seen["x"], seen["out"],
+            check_block_reproduced(f"{model_type}[{layer}] T={tokens}", config, tensors, seen["x"], seen["out"],
                             decode=("numpy", "torch"))
 
 

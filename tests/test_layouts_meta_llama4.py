@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 import pytest
-from test_layouts_modern import reproduce_block
+from test_layouts_modern import check_block_reproduced
 
 from conformance.cli import files
 from conformance.cli.commands import main as mha
@@ -162,7 +162,7 @@ def test_numpy_reference_computes_meta_llama4(model, tmp_path):
     x = np.random.default_rng(3).standard_normal((1, T, D)).astype(np.float32)
     for layer in (0, 1):
         config, tensors = _convert(tmp_path, state, params, layer)
-        reproduce_block(f"meta-llama {model}[{layer}]", config, tensors, x,
+        check_block_reproduced(f"meta-llama {model}[{layer}]", config, tensors, x,
                         meta_llama4_attention(state, layer, x, params).astype(np.float32))
 
 
@@ -258,7 +258,7 @@ def test_converted_block_reproduces_metas_own_code(model, tmp_path):
                                                                                    "wv.weight")])
     for layer, (x, expected) in seen.items():
         config, tensors = _convert(tmp_path, state, params, layer)
-        reproduce_block(f"Meta's llama4 {model}[{layer}]", config, tensors, x, expected)
+        check_block_reproduced(f"Meta's llama4 {model}[{layer}]", config, tensors, x, expected)
         mine = meta_llama4_attention(state, layer, x, params)
         scale = np.abs(expected).max()
         # Meta's code runs in float32: sums of D = 64 and S <= 12 terms, a softmax and wo, each ~1e-7

@@ -133,7 +133,7 @@ def _check(name, actual, expected, config, *, S, logits, max_position) -> float:
     return result.margin
 
 
-def reproduce_block(name: str, config, tensors, x, expected, *, decode=None) -> dict[str, float]:
+def check_block_reproduced(name: str, config, tensors, x, expected, *, decode=None) -> dict[str, float]:
     """The float64 reference, then every installed core backend, on a full causal call of x (B, L, D)
     against the model's own output, and a decode step of the last token on the cache the prefix returned
     (on the backends named in `decode`; None: every one). -> each check's margin (printed too)."""
@@ -215,7 +215,7 @@ def test_backends_reproduce_the_block(converted):
     model's own output; the float64 reference first."""
     model_type, blocks, *_ = converted
     for layer, (config, tensors, seen) in blocks.items():
-        reproduce_block(f"{model_type}[{layer}]", config, tensors, seen["x"], seen["out"])
+        check_block_reproduced(f"{model_type}[{layer}]", config, tensors, seen["x"], seen["out"])
 
 
 def test_round_trip_is_bit_exact(converted):

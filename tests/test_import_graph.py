@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("weights", "impl_numpy", "impl_torch", "impl_tf", "impl_jax", "conformance", "examples/mha_examples")
+PACKAGES = ("weights", "impl_numpy", "impl_torch", "impl_tf", "impl_jax", "impl_mlx", "conformance",
+            "examples/mha_examples")
 
 
 def modules(root: Path, packages) -> dict[str, Path]:
@@ -113,7 +114,7 @@ LAYERS = (
     ("conformance.cli", "conformance.__main__", "conformance.bench"),
     ("conformance.suite", "conformance.native"),
     ("conformance.console", "conformance.io", "conformance.logs"),
-    ("impl_numpy", "impl_torch", "impl_tf", "impl_jax"),
+    ("impl_numpy", "impl_torch", "impl_tf", "impl_jax", "impl_mlx"),
     ("weights",),
 )
 
@@ -133,8 +134,8 @@ def test_each_layer_imports_only_its_own_and_those_below():
     assert not upward, "imports against the layers: " + "; ".join(upward)
 
 
-FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "flax", "transformers", "onnx", "onnxruntime", "keras_hub",
-              "torchtune", "impl_torch", "impl_tf", "impl_jax", "mirrors", "conformance.suite.backends")
+FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "flax", "mlx", "transformers", "onnx", "onnxruntime", "keras_hub",
+              "torchtune", "impl_torch", "impl_tf", "impl_jax", "impl_mlx", "mirrors", "conformance.suite.backends")
 
 
 def test_reference_marked_files_look_for_no_framework():

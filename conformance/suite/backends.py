@@ -17,9 +17,15 @@ from conformance.console import BackendUnavailable
 from conformance.logs import quiet_python_loggers
 
 DEVICES = ("cpu", "gpu")
-CORE = ("numpy", "torch", "tf", "jax")
+CORE = ("numpy", "torch", "tf", "jax", "mlx")
 NATIVE = ("torch-native-mha", "torch-sdpa", "torch-flex", "keras-native-mha", "flax-linen-mha", "flax-nnx-mha",
           "jax-dpa", "onnxruntime", "keras-hub", "torchtune")
+
+
+# MLX has wheels for Linux x86-64 (mlx-cpu) and macOS arm64 (mlx) only; the `mlx` extra installs nothing
+# elsewhere, and the backend is then "not installed" with this.
+MLX_INSTALL = ("mlx: the mlx extra, pip install -c constraints/cpu.txt '.[mlx]' (wheels: mlx-cpu on Linux x86-64, "
+               "mlx on macOS arm64; none for this platform otherwise)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +43,7 @@ REGISTRY: dict[str, Backend] = {
         Backend("torch", "impl_torch.adapter", "torch", "impl_torch, PyTorch"),
         Backend("tf", "impl_tf.adapter", "tensorflow + keras", "impl_tf, Keras split_heads layer on TensorFlow"),
         Backend("jax", "impl_jax.adapter", "jax + flax", "impl_jax, JAX / Flax NNX"),
+        Backend("mlx", "impl_mlx.adapter", MLX_INSTALL, "impl_mlx, MLX (mlx.nn.Module)"),
         # The frameworks' own layers, run on the canonical weights (interop).
         Backend("torch-native-mha", "conformance.native.torch_native_mha", "torch", "torch nn.MultiheadAttention"),
         Backend("torch-sdpa", "conformance.native.torch_sdpa", "torch",

@@ -1,0 +1,147 @@
+"""The conformance adapter: NumPy arrays in and out (see conformance/suite/backends.py).
+
+The same functions and argument names as impl_numpy/adapter.py and impl_jax/adapter.py. Gradients come
+from mx.vjp: query, key, value, past_key and past_value (those given, the cache with P > 0) and every
+tensor; forward_and_vjp runs the forward pass and its VJP once for both (`mha check` asks for both).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+import weights
+from weights.call import OPTIONAL_INPUTS, split_result
+from weights.paths import common_path_options, in_place_buffers, new_keys
+
+from .attention import multi_head_attention, plan
+from .convert import to_mx, to_numpy
+from .layer import gpu_available, resolve_device
+
+NAME = "mlx"
+
+# The paths `mha check` judges (weights/paths.py): the stages, the fused kernel
+# (mx.fast.scaled_dot_product_attention), the chunked core (chunk_size=) and the in-place cache (cache_length=).
+PATHS = ("stages", "fused", "chunked", "in_place")
+FAST_PATH = "fused"
+PRECISIONS = ("highest", "tf32", "default")  # MLX has one float32 matmul: all three compute the same
+GPU_FLOAT64 = "float64 runs on MLX's CPU device only (Metal has no float64)"
+_DIFFERENTIABLE = ("query", "key", "value", "past_key", "past_value")
+
+
+def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
+    """The call options that run `path` on this call (weights.paths); NotImplementedError where the fused
+    kernel cannot take it, with the plan's reason."""
+    if path != "fused":
+        return common_path_options(path, inputs, options, paths=PATHS)
+    dropout = bool(options.get("training")) and (inputs.get("dropout_mask") is not None or config.dropout > 0)
+    chosen = plan(config, return_weights=False, traced=False, chunk_size=None, dropout=dropout,
+                  dtype=weights.dtype_from_name(options["dtype"]))
+    if chosen.path != "fused":
+        raise NotImplementedError(f"the fused path cannot take this call: {chosen.why} (the stages run)")
+    return options | {"return_weights": False}
+
+
+def devices() -> list[str]:
+    return ["cpu", "gpu"] if gpu_available() else ["cpu"]
+
+
+def _check(device: str, precision: str, options: dict):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}: got {precision!r}")
+    dev = resolve_device(device)
+    if dev == mx.gpu and options.get("dtype") == "float64":
+        raise NotImplementedError(GPU_FLOAT64)
+    return dev
+
+
+def _kwargs(options) -> dict:
+    return dict(is_causal=bool(options.get("is_causal", False)),
+                causal_alignment=options.get("causal_alignment", "top_left"),
+                training=bool(options.get("training", False)), seed=options.get("seed"), dtype=options.get("dtype"),
+                chunk_size=options.get("chunk_size"))
+
+
+def _arrays(inputs, options, tensors):
+    """The call's arrays as mx.arrays (ids and positions as given), and an in-place cache's buffers."""
+    arrays = {name: to_mx(inputs[name]) for name in ("query", "key", "value", *OPTIONAL_INPUTS)
+              if inputs.get(name) is not None}
+    extra = {}
+    if options.get("in_place"):  # the cache in zeroed buffers of capacity P + S + SPARE, written in place
+        dtype = weights.dtype_from_name(options.get("dtype") or next(iter(tensors.values())).dtype.name)
+        past_key, past_value, P = in_place_buffers(inputs, dtype)
+        arrays["past_key"], arrays["past_value"] = to_mx(past_key), to_mx(past_value)
+        extra["cache_length"] = P
+    return arrays, extra
+
+
+def _call(config, params, arrays, options, extra, *, trace=None):
+    return_weights, return_cache = bool(options.get("return_weights")), bool(options.get("return_cache"))
+    return multi_head_attention(config, params, arrays["query"], arrays.get("key"), arrays.get("value"),
+                                **{name: arrays.get(name) for name in OPTIONAL_INPUTS}, **_kwargs(options), **extra,
+                                return_weights=return_weights, return_cache=return_cache, trace=trace)
+
+
+def _answer(inputs, options, result, entries=None) -> dict:
+    return_weights, return_cache = bool(options.get("return_weights")), bool(options.get("return_cache"))
+    answer = split_result(result, return_weights, return_cache, to_numpy)
+    if options.get("in_place") and return_cache:  # the buffers, whole: the cache is their first P + S positions
+        S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs)
+        answer["present_key"], answer["present_value"] = (answer[n][:, :, :S_total] for n in
+                                                          ("present_key", "present_value"))
+    if entries is not None:
+        answer["trace"] = [(e.stage, to_numpy(e.value)) for e in entries]
+    return answer
+
+
+def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    dev = _check(device, precision, options)
+    weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
+    entries = [] if trace else None
+    with mx.stream(dev):
+        params = {name: to_mx(t) for name, t in tensors.items()}
+        arrays, extra = _arrays(inputs, options, tensors)
+        result = _call(config, params, arrays, options, extra, trace=entries)
+        return _answer(inputs, options, result, entries)
+
+
+def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    """forward()'s answer and the gradients from one mx.vjp of the call: the weights and the present cache
+    ride along as outputs with zero cotangents."""
+    dev = _check(device, precision, options)
+    weights.validate_tensors(config, tensors)
+    with mx.stream(dev):
+        params = {name: to_mx(t) for name, t in tensors.items()}
+        arrays, extra = _arrays(inputs, options, tensors)
+        differentiable = [name for name in _DIFFERENTIABLE if name in arrays]
+        names = differentiable + list(params)
+        others = {name: a for name, a in arrays.items() if name not in differentiable}
+
+        def f(*primals):
+            given = dict(zip(names, primals))
+            result = _call(config, {n: given[n] for n in params}, {**others, **{n: given[n] for n in differentiable}},
+                           options, extra)
+            return list(result) if isinstance(result, tuple) else [result]
+
+        primals = [arrays[n] for n in differentiable] + [params[n] for n in params]
+        out_shape = f(*primals)
+        d_out = to_mx(np.asarray(d_output)).astype(out_shape[0].dtype)
+        if tuple(d_out.shape) != tuple(out_shape[0].shape):
+            raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out_shape[0].shape)}: got "
+                             f"{tuple(d_out.shape)}")
+        cotangents = [d_out] + [mx.zeros_like(x) for x in out_shape[1:]]
+        outputs, grads = mx.vjp(f, primals, cotangents)
+        answer = _answer(inputs, options, outputs[0] if len(outputs) == 1 else tuple(outputs))
+        by_name = dict(zip(names, grads))
+        order = [n for n in ("query", "key", "value") if n in by_name]
+        if "past_key" in by_name and np.shape(inputs["past_key"])[2] > 0:
+            order += ["past_key", "past_value"]
+        order += list(config.tensor_shapes())
+        return answer, {n: to_numpy(by_name[n]) for n in order}
+
+
+def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    """Gradients of query, key, value (those given), past_key and past_value (with a cache of P > 0
+    positions, as the reference) and every tensor, through mx.vjp."""
+    answer, grads = forward_and_vjp(config, tensors, inputs, options, d_output, device=device, precision=precision)
+    return {"output": answer["output"], "grads": grads}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-BACKENDS = ("numpy", "torch", "tf", "jax")
+BACKENDS = ("numpy", "torch", "tf", "jax", "mlx")
 FRAMEWORKS = ("torch", "tf", "jax")
 MATMUL_N = 2048
 LONG_T = 2048  # from this query length on, the long-sequence (chunked) paths

@@ -145,3 +145,18 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     positions, as the reference) and every tensor, through mx.vjp."""
     answer, grads = forward_and_vjp(config, tensors, inputs, options, d_output, device=device, precision=precision)
     return {"output": answer["output"], "grads": grads}
+
+
+def attention(config, tensors, inputs, options) -> dict:
+    """`mha verify`'s and the pytest plugin's function (conformance/suite/verify.py): the whole contract through
+    impl_mlx, gradients by mx.vjp when the vector gives a cotangent.
+    `mha verify --impl impl_mlx.adapter:attention --require-gradients`."""
+    from weights import AttentionConfig
+
+    config = AttentionConfig.from_dict(config) if isinstance(config, dict) else config
+    options = dict(options)
+    cotangent = options.pop("cotangent", None)
+    if cotangent is None:
+        return forward(config, tensors, inputs, options)
+    answer, grads = forward_and_vjp(config, tensors, inputs, options, cotangent)
+    return answer | {"grads": grads}

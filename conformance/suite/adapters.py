@@ -3,6 +3,7 @@
     torch_module(factory, layout="torch-mha", call=None, *, accepts=(), self_attention=False, device="cpu", **hints)
     keras_layer(factory, layout="keras-mha", call=None, *, accepts=(), self_attention=False, **hints)
     flax_module(factory, layout="flax-nnx-mha", call=None, *, accepts=(), self_attention=False, **hints)
+    mlx_module(factory, layout="canonical", call=None, *, accepts=(), self_attention=False, **hints)
 
 each return fn(config, tensors, inputs, options), the signature of
 conformance/suite/verify.py, for `mha verify --impl`, `pytest --mha-impl` or
@@ -10,8 +11,8 @@ conformance.suite.pytest_plugin.assert_conforms. Per vector the adapter
 
 1. builds your module: factory(AttentionConfig), in the vector's dtype
    (torch: module.to(dtype); Keras: the global dtype policy while the
-   factory runs; Flax: the loaded parameters carry it, float64 under
-   jax.enable_x64);
+   factory runs; Flax and MLX: the loaded parameters carry it, float64
+   under jax.enable_x64; MLX's float64 on its CPU device only);
 2. loads the vector's canonical tensors through the layout's
    weights.layouts.from_canonical (hints: names, prefix), checking that the
    module's parameters are exactly the layout's keys;
@@ -20,8 +21,11 @@ conformance.suite.pytest_plugin.assert_conforms. Per vector the adapter
    output, a tuple whose first element is the output, or a dict with
    "output" and optionally "weights" (B, N, T, S). Default calls, with the
    framework's own argument order: torch module(query, key, value) (first
-   element of a tuple), Keras layer(query, value, key=key), Flax
-   module(query, key, value);
+   element of a tuple), Keras layer(query, value, key=key), Flax and MLX
+   module(query, key, value) (impl_mlx.MultiHeadAttention's layout is
+   "canonical"; mlx.nn.MultiHeadAttention's is "torch-linears" with
+   names={"query": "query_proj", "key": "key_proj", "value": "value_proj",
+   "output": "out_proj"});
 4. returns the output, the weights when the vector asks and the call gives
    them (else reported "not returned"), and the gradients of
    sum(output * cotangent) by the framework's autodiff: query, key, value
@@ -359,5 +363,51 @@ def flax_module(factory, layout: str = "flax-nnx-mha", call=None, *, accepts=(),
                                 for path, v in nnx.to_flat_state(g_params)}
             return plan.answer(np.asarray(output), None if weights is None else np.asarray(weights), grads_qkv,
                                grads_params, hints)
+
+    return verify_fn
+
+
+# -- MLX ------------------------------------------------------------------------------------
+
+def _mlx_default_call(module, inputs, options):
+    return module(inputs["query"], inputs["key"], inputs["value"])
+
+
+def mlx_module(factory, layout: str = "canonical", call=None, *, accepts=(), self_attention: bool = False, **hints):
+    """An mlx.nn.Module (impl_mlx.MultiHeadAttention, mlx.nn.MultiHeadAttention, yours): its parameters are
+    its flattened names (mlx.utils.tree_flatten), loaded with module.update; gradients by mx.vjp."""
+    _check_hints(hints)
+    call = call or _mlx_default_call
+
+    def verify_fn(config, tensors, inputs, options):
+        import mlx.core as mx
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        from impl_mlx.convert import to_mx, to_numpy
+
+        plan = _Plan("mlx_module", layout, config, inputs, options, accepts, self_attention)
+        module = factory(plan.config)
+        state = plan.state(tensors, hints)
+        parameters = dict(tree_flatten(module.parameters()))
+        plan.check_parameters(state, {k: tuple(v.shape) for k, v in parameters.items()})
+        names = list(state)
+        module.update(tree_unflatten([(k, to_mx(state[k])) for k in names]))
+        module.train(bool(options.get("training")))
+        arrays = {n: to_mx(v) for n, v in inputs.items()}
+
+        def run(q, k, v, *params):
+            module.update(tree_unflatten(list(zip(names, params))))
+            return _split(call(module, _call_inputs(plan, {**arrays, "query": q, "key": k, "value": v}), options))
+
+        qkv = [arrays[n] for n in QKV]
+        params = [to_mx(state[k]) for k in names]
+        output, weights = run(*qkv, *params)
+        grads_qkv = grads_params = None
+        if plan.cotangent is not None:
+            _, got = mx.vjp(lambda *primals: [run(*primals)[0]], qkv + params, [to_mx(plan.cotangent)])
+            grads_qkv = {n: to_numpy(g) for n, g in zip(QKV, got[:3])}
+            grads_params = {k: to_numpy(g) for k, g in zip(names, got[3:])}
+        return plan.answer(to_numpy(output), None if weights is None else to_numpy(weights), grads_qkv, grads_params,
+                           hints)
 
     return verify_fn

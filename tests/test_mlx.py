@@ -1,0 +1,316 @@
+"""impl_mlx, the MLX mirror: what MLX does differently (measured), the grid on every path and dtype, the
+in-place cache, the layer and its weight file, the backend's refusals, and the porting bugs of
+tests/mutants.py planted in the MLX paths (each must fail `mha check`'s comparison).
+
+The cross-backend agreement itself is `mha check --backends numpy mlx` (every case, every path and dtype,
+against the float64 reference); here a subset that reaches every feature and path, to keep `tox -e mlx`
+under a minute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from conformance.suite import backends, check
+from conformance.suite.cases import CASES, cast_inputs, cast_tensors, make_inputs, make_tensors
+from conformance.suite.compare import STATUS_FAIL, STATUS_PASS, STATUS_UNSUPPORTED, run_case
+
+pytestmark = pytest.mark.mlx
+mx = pytest.importorskip("mlx.core", reason="MLX not installed: pip install -c constraints/cpu.txt '.[mlx]' "
+                                            "(wheels: Linux x86-64, macOS arm64)")
+
+from impl_mlx import functional as F  # noqa: E402
+
+# Cases that reach every feature the contract has (masks, bias, causal of both alignments, GQA, masked rows
+# of each policy, dropout, RoPE and its scalings, the cache, windows, softcap, norms, sinks, packed rows,
+# ALiBi, local chunks, the temperature, the clip, gates, LongRoPE, MLA with its decode, past_key_positions).
+GRID = ("mask_and_bias_causal", "causal_bottom_right_long_query", "gqa", "masked_rows_nan", "sinks_masked_rows",
+        "dropout_train", "decode_cache", "cache_window_gqa", "segments_packed_cache", "modern_everything",
+        "frontier_everything", "alibi_chunk_decode", "rope_longrope_long", "latent_mla", "latent_decode",
+        "norm_after_rope_chunked", "edge_alibi_decode_positions", "output_gate_head", "qk_norm_per_head_layer")
+
+
+def _rng_array(shape, seed=0, scale=1.0):
+    return np.random.default_rng(seed).standard_normal(shape) * scale
+
+
+# -- what MLX does differently (the figures docs/conventions.md cites) ----------------------------------------
+
+def test_mlx_float64_exp_sin_cos_are_float32_accurate_and_the_stages_are_not():
+    """MLX 0.32.4 on the CPU: exp, sin and cos of float64 carry float32's error (tanh, log1p, power: float64's);
+    the stages' exp and RoPE's cos/sin are float64-accurate (functional.exp, cos_sin)."""
+    x = _rng_array(4096, scale=3.0)
+    a = mx.array(x, dtype=mx.float64)
+    native = {"exp": np.abs(np.array(mx.exp(a)) / np.exp(x) - 1).max(),
+              "cos": np.abs(np.array(mx.cos(a * 30)) - np.cos(x * 30)).max(),
+              "sin": np.abs(np.array(mx.sin(a * 30)) - np.sin(x * 30)).max()}
+    cos, sin = F.cos_sin(a * 30)
+    ours = {"exp": np.abs(np.array(F.exp(a)) / np.exp(x) - 1).max(),
+            "cos": np.abs(np.array(cos) - np.cos(x * 30)).max(), "sin": np.abs(np.array(sin) - np.sin(x * 30)).max()}
+    print(f"float64 error, MLX's own: {native}; the stages': {ours}")
+    # far beyond float64's rounding (1e-16 relative; angles to 90: 1e-14 absolute), and far below a wrong result
+    assert all(1e-10 < e < 1e-3 for e in native.values()), native
+    assert all(e < 1e-13 for e in ours.values()), ours
+    for name in ("tanh", "log1p"):  # the ones MLX computes in float64: the stages use them as they are
+        err = np.abs(np.array(getattr(mx, name)(mx.array(np.abs(x), dtype=mx.float64))) / getattr(np, name)(np.abs(x)) - 1)
+        assert err.max() < 1e-14, (name, err.max())
+
+
+def test_sdpa_computes_float64_in_float32_so_float64_never_takes_it():
+    from impl_mlx.attention import FLOAT64_REFUSAL, plan
+
+    B, N, K, T, S, H = 1, 4, 2, 5, 7, 8
+    q, k, v = _rng_array((B, N, T, H), 1), _rng_array((B, K, S, H), 2), _rng_array((B, K, S, H), 3)
+    kk, vv = np.repeat(k, N // K, 1), np.repeat(v, N // K, 1)
+    x = q @ kk.swapaxes(-1, -2) * 0.3
+    w = np.exp(x - x.max(-1, keepdims=True))
+    expected = (w / w.sum(-1, keepdims=True)) @ vv
+    got = mx.fast.scaled_dot_product_attention(*(mx.array(a, dtype=mx.float64) for a in (q, k, v)), scale=0.3)
+    error = np.abs(np.array(got) - expected).max()
+    print(f"mx.fast.scaled_dot_product_attention, float64 inputs: dtype {got.dtype}, max error {error:.3g}")
+    assert got.dtype == mx.float64 and 1e-11 < error < 1e-5, error  # float32's error under a float64 dtype
+    config = CASES["self_basic"].config
+    chosen = plan(config, return_weights=False, traced=False, chunk_size=None, dropout=False, dtype=np.float64)
+    assert chosen.path == "stages" and chosen.why == FLOAT64_REFUSAL
+    assert plan(config, return_weights=False, traced=False, chunk_size=None, dropout=False,
+                dtype=np.float32).path == "fused"
+
+
+def test_sdpa_causal_aligns_bottom_right_and_gives_an_empty_row_the_mean_of_v():
+    T, S, H = 5, 3, 4
+    q, k, v = (mx.array(_rng_array(s, i).astype(np.float32)) for i, s in enumerate(((1, 1, T, H), (1, 1, S, H),
+                                                                                    (1, 1, S, H))))
+    causal = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal"))
+    for name, offset, same in (("top_left", 0, False), ("bottom_right", S - T, True)):
+        allowed = mx.arange(S)[None] <= mx.arange(T)[:, None] + offset
+        by_mask = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=allowed))
+        assert np.allclose(causal, by_mask, rtol=1e-6, atol=1e-6) is same, name
+    # rows 0 and 1 see no key under bottom-right (j <= i - 2): MLX gives them the mean of V, not 0 or NaN
+    assert np.allclose(causal[0, 0, :2], np.array(v).mean(axis=2)[0, 0], rtol=1e-5, atol=1e-6), causal[0, 0, :2]
+
+
+# -- the grid on every path and dtype ---------------------------------------------------------------------
+
+def test_the_grid_passes_on_every_path_or_says_why_not():
+    results, skipped = check.run_check(["mlx"], case_names=list(GRID), jobs=1, progress=False,
+                                       path_kinds=check.PATH_KINDS)
+    assert not skipped, skipped
+    bad = [f"{r.case}/{r.path}/{r.dtype}: {r.status} {r.message or (r.worst.describe() if r.worst else '')}"
+           for r in results if r.status not in (STATUS_PASS, STATUS_UNSUPPORTED)]
+    assert not bad, "\n".join(bad)
+    unsupported = {(r.path, r.message.split(": ", 1)[1].split(" (the stages run)")[0]) for r in results
+                   if r.status == STATUS_UNSUPPORTED}
+    # only the fused kernel refuses, and only for what it cannot compute
+    assert {path for path, _ in unsupported} == {"fused"}, unsupported
+    reasons = {why for _, why in unsupported}
+    assert any(why.startswith("float64 storage") for why in reasons) and any("softcap" in why for why in reasons)
+    assert any("dropout" in why for why in reasons), reasons
+    paths = {r.path for r in results if r.status == STATUS_PASS}
+    assert paths == {"stages", "fused", "chunked", "in_place"}, paths
+    print(f"{len(results)} results: {sum(r.status == STATUS_PASS for r in results)} pass, worst margin "
+          f"{max(r.margin for r in results if r.status == STATUS_PASS):.3g}")
+
+
+# -- the in-place cache, the layer, the refusals ---------------------------------------------------------
+
+def test_the_in_place_cache_writes_the_callers_buffers():
+    from impl_mlx import multi_head_attention
+    from impl_numpy import multi_head_attention as reference
+
+    case = CASES["decode_cache"]
+    tensors, inputs = cast_tensors(make_tensors(case), "float64"), cast_inputs(make_inputs(case), "float64")
+    P, S = inputs["past_key"].shape[2], inputs["query"].shape[1]
+    buffers = []
+    for name in ("past_key", "past_value"):
+        buffer = np.zeros((*inputs[name].shape[:2], P + S + 2, inputs[name].shape[3]))
+        buffer[:, :, :P] = inputs[name]
+        buffers.append(mx.array(buffer, dtype=mx.float64))
+    options = dict(is_causal=case.is_causal, causal_alignment=case.causal_alignment, positions=inputs.get("positions"))
+    out, k, v = multi_head_attention(case.config, tensors, inputs["query"], past_key=buffers[0],
+                                     past_value=buffers[1], cache_length=P, return_cache=True, **options)
+    ref_out, ref_k, ref_v = reference(case.config, tensors, inputs["query"], past_key=inputs["past_key"],
+                                      past_value=inputs["past_value"], return_cache=True, **options)
+    assert k is buffers[0] and v is buffers[1]  # the caller's own arrays, written
+    # 1e-12: both float64, the same stages in another order of rounding, on values of size ~1 summed over
+    # a few dozen terms (float64's unit 1.1e-16: 10^4 of them), where a wrong or missing write is off by ~1
+    for got, want in ((np.array(buffers[0])[:, :, :P + S], ref_k), (np.array(buffers[1])[:, :, :P + S], ref_v)):
+        assert np.abs(got - want).max() < 1e-12, np.abs(got - want).max()
+    assert not np.array(buffers[0])[:, :, P + S:].any()  # nothing written past P + S
+    assert np.abs(np.array(out) - ref_out).max() < 1e-12
+    with pytest.raises(ValueError, match="past_key with cache_length is written in place: it must be an mx.array of the storage dtype float64: got a ndarray"):
+        multi_head_attention(case.config, tensors, inputs["query"], past_key=np.array(buffers[0]),
+                             past_value=buffers[1], cache_length=P, return_cache=True, **options)
+
+
+def test_the_layer_reads_the_weight_file_and_names_its_parameters_canonically(tmp_path):
+    import mlx.nn as nn
+
+    import weights
+    from impl_mlx import MultiHeadAttention
+
+    case = CASES["frontier_everything"]
+    tensors = cast_tensors(make_tensors(case), "bfloat16")
+    weights.save(tmp_path / "w.safetensors", case.config, tensors)
+    layer = MultiHeadAttention.from_file(tmp_path / "w.safetensors")
+    assert isinstance(layer, nn.Module) and set(layer.params) == set(case.config.tensor_shapes())
+    back = layer.to_tensors()
+    assert all(back[n].dtype == tensors[n].dtype and np.array_equal(back[n].view(np.uint16), tensors[n].view(np.uint16))
+               for n in tensors)  # bit-exact, bfloat16 included
+    # an ordinary MLX model: nn.value_and_grad over its parameters
+    x = mx.array(_rng_array((1, 3, case.config.query_dim)).astype(np.float32))
+    layer32 = MultiHeadAttention(case.config, cast_tensors(make_tensors(case), "float32"))
+    loss, grads = nn.value_and_grad(layer32, lambda m, x: m(x, is_causal=True).sum())(layer32, x)
+    assert math.isfinite(loss.item()) and "kernel" in grads["query"] and "slopes" in grads["alibi"]
+
+
+def test_bad_inputs_are_one_line_errors_naming_the_argument():
+    from impl_mlx import multi_head_attention
+
+    case = CASES["self_basic"]
+    tensors, inputs = make_tensors(case), make_inputs(case)
+    with pytest.raises(ValueError, match="query must be a float array: got dtype int64"):
+        multi_head_attention(case.config, tensors, mx.array(np.ones((1, 2, case.config.query_dim), np.int64)))
+    bad = inputs["query"].copy()
+    bad[0, 0, 0] = np.inf
+    with pytest.raises(ValueError, match="query contains \\+-inf"):
+        multi_head_attention(case.config, tensors, bad)
+
+
+def test_the_backend_says_not_installed_where_mlx_is_missing(monkeypatch):
+    for name in [n for n in sys.modules if n == "mlx" or n.startswith(("mlx.", "impl_mlx"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "mlx", None)  # `import mlx.core` now fails as on a platform without a wheel
+    ok, why = backends.availability("mlx")
+    assert not ok and why.startswith("backend mlx: not installed (mlx"), why
+    assert "install mlx: the mlx extra" in why and "Linux x86-64" in why and "macOS arm64" in why, why
+
+
+def test_mlx_nn_multi_head_attention_through_the_live_module_adapter():
+    """mlx.nn.MultiHeadAttention (query_proj ... out_proj, torch's Linear layout) under `mha verify`: it conforms
+    in float32 and bfloat16, and not in float64, where its softmax's exp is MLX's float32-accurate one."""
+    import mlx.nn as nn
+
+    from conformance.suite import adapters
+    from conformance.suite.verify import verify
+
+    names = {"query": "query_proj", "key": "key_proj", "value": "value_proj", "output": "out_proj"}
+    fn = adapters.mlx_module(lambda c: nn.MultiHeadAttention(c.query_dim, c.num_heads, bias=c.use_query_bias),
+                             "torch-linears", names=names)
+    results = {r.name: r for r in verify(fn, only=["self_basic", "cross_basic"], require_gradients=True,
+                                         dtypes=["float64", "float32", "bfloat16"])}
+    status = {name: r.status for name, r in results.items()}
+    assert status == {f"{c}.{d}": STATUS_FAIL if d == "float64" else STATUS_PASS
+                      for c in ("self_basic", "cross_basic") for d in ("float64", "float32", "bfloat16")}, status
+
+
+# -- the porting bugs of tests/mutants.py, planted in the MLX paths -------------------------------------------
+
+def _wrap(monkeypatch, module, name, make):
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, make(original))
+
+
+def _plant(bug: str, monkeypatch) -> None:
+    from impl_mlx import attention, chunked
+
+    if bug == "wrong_scale":  # 1/H instead of 1/sqrt(H), in the stages' logits and the fused kernel's call
+        _wrap(monkeypatch, F, "logits", lambda f: lambda q, k, scale: f(q, k, scale / math.sqrt(q.shape[-1])))
+        _wrap(monkeypatch, attention, "sdpa_attend", lambda f: lambda config, q, k, v, **kw: f(
+            dataclasses.replace(config, scale=config.effective_scale / math.sqrt(q.shape[-1])), q, k, v, **kw))
+    elif bug == "softmax_wrong_axis":
+        _wrap(monkeypatch, F, "softmax", lambda f: lambda x, row, sinks=None: mx.swapaxes(
+            f(mx.swapaxes(x, -1, -2), row, None), -1, -2) if x.shape[-1] == x.shape[-2] else f(x, row, sinks))
+    elif bug == "inverted_mask":  # True read as masked
+        _wrap(monkeypatch, F, "mask_stage", lambda f: lambda x, allowed, bias: f(
+            x, None if allowed is None else ~allowed, bias))
+        _wrap(monkeypatch, attention, "sdpa_attend", lambda f: lambda config, q, k, v, *, allowed, **kw: f(
+            config, q, k, v, allowed=None if allowed is None else ~allowed, **kw))
+    elif bug == "causal_off_by_one":  # j < i: a token cannot see itself
+        _wrap(monkeypatch, F, "causal_mask", lambda f: lambda T, S, alignment="top_left": f(T, S, alignment) & ~(
+            mx.arange(S)[None, :] == mx.arange(T)[:, None] + (0 if alignment == "top_left" else S - T)))
+    elif bug == "causal_always_bottom_right":
+        _wrap(monkeypatch, F, "causal_mask", lambda f: lambda T, S, alignment="top_left": f(T, S, "bottom_right"))
+    elif bug == "missing_output_bias":
+        _wrap(monkeypatch, F, "output", lambda f: lambda x, kernel, bias: f(x, kernel, None))
+    elif bug == "gqa_head_mapping_modulo":  # query head n reads key head n % K instead of n // G
+        def regroup(q, K):
+            B, N, T, H = q.shape
+            return q.reshape(B, N // K, K, T, H).transpose(0, 2, 1, 3, 4).reshape(B, N, T, H)
+
+        _wrap(monkeypatch, F, "logits", lambda f: lambda q, k, scale: regroup(f(regroup(q, k.shape[1]), k, scale),
+                                                                               q.shape[1] // k.shape[1]))
+    elif bug == "mask_fill_minus_1e9":  # masked logits -1e9: a fully masked row becomes uniform
+        _wrap(monkeypatch, F, "mask_stage", lambda f: lambda x, allowed, bias: mx.maximum(
+            f(x, allowed, bias), mx.array(-1e9, dtype=x.dtype)))
+    elif bug == "rope_convention_swapped":
+        _wrap(monkeypatch, F, "rope", lambda f: lambda x, angles, R, interleaved, factor: f(
+            x, angles, R, not interleaved, factor))
+    elif bug == "sinks_ignored":
+        _wrap(monkeypatch, F, "softmax", lambda f: lambda x, row, sinks=None: f(x, row, None))
+        _wrap(monkeypatch, attention, "sdpa_attend", lambda f: lambda config, q, k, v, *, sinks=None, **kw: f(
+            config, q, k, v, sinks=None, **kw))
+    elif bug == "norm_eps_outside_sqrt":  # x / (sqrt(mean(x^2)) + eps): the norm's own stage rewritten so
+        def norm(x, scale, bias, kind, eps, heads, scope):
+            B, L, Fl = x.shape
+            width = Fl // heads if scope == "head" else Fl
+            y = x.astype(mx.float32).reshape(B, L, Fl // width, width)
+            if kind == "layer":
+                y = y - y.mean(axis=-1, keepdims=True)
+            y = y / (mx.sqrt((y * y).mean(axis=-1, keepdims=True)) + eps)
+            for t in (scale, bias):
+                if t is not None:
+                    t = (t.reshape(-1) if scope == "all" else t).astype(mx.float32)
+                    y = y * t if t is scale else y + t
+            return y.reshape(B, L, Fl).astype(x.dtype)
+
+        monkeypatch.setattr(F, "norm", norm)
+    elif bug == "dropout_no_rescale":
+        _wrap(monkeypatch, F, "dropout", lambda f: lambda w, keep, rate: f(w, keep, 0.0))
+    elif bug == "segments_ignored_by_the_chunked_core":  # the chunked core's own masks: packed rows leak
+        monkeypatch.setattr(chunked, "segment_mask", lambda q, k: mx.ones((1, 1, q.shape[-1], k.shape[-1]), mx.bool_))
+    elif bug == "alibi_sign_flipped":
+        _wrap(monkeypatch, F, "alibi_bias", lambda f: lambda *a, **kw: -f(*a, **kw))
+    elif bug == "mla_absorbed_value_transposed":  # the absorbed form's value up-projection read the wrong way
+        _wrap(monkeypatch, F, "expand_values", lambda f: lambda ctx, kernel: f(
+            ctx, kernel.reshape(kernel.shape[2], kernel.shape[1], kernel.shape[0]).transpose(2, 1, 0)))
+    else:
+        raise AssertionError(bug)
+
+
+# bug -> (cases that reach it, the paths it lives on)
+PLANTED = {
+    "wrong_scale": (("self_basic", "gqa"), ("stages", "fused", "chunked")),
+    "softmax_wrong_axis": (("self_basic",), ("stages",)),
+    "inverted_mask": (("mask_and_bias_causal", "padding_mask"), ("stages", "fused", "chunked")),
+    "causal_off_by_one": (("causal_square", "causal_top_left"), ("stages", "fused")),
+    "causal_always_bottom_right": (("causal_top_left",), ("stages", "fused")),
+    "missing_output_bias": (("self_basic",), ("stages", "fused", "chunked")),
+    "gqa_head_mapping_modulo": (("gqa",), ("stages", "chunked")),
+    "mask_fill_minus_1e9": (("masked_rows_zero", "masked_rows_nan"), ("stages",)),
+    "rope_convention_swapped": (("rope_half", "rope_interleaved"), ("stages", "fused", "chunked")),
+    "sinks_ignored": (("sinks",), ("stages", "fused")),
+    "norm_eps_outside_sqrt": (("qk_norm_rms_head", "qk_norm_layer_all", "value_norm", "edge_value_norm_cache_long_query"),
+                              ("stages", "fused", "chunked")),
+    "dropout_no_rescale": (("dropout_train",), ("stages",)),
+    "segments_ignored_by_the_chunked_core": (("segments_packed", "segments_packed_cache"), ("chunked",)),
+    "alibi_sign_flipped": (("alibi_causal",), ("stages", "fused", "chunked")),
+    "mla_absorbed_value_transposed": (("latent_decode",), ("fused", "chunked")),
+}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_a_porting_bug_planted_in_the_mlx_paths_fails(bug, monkeypatch):
+    cases, paths = PLANTED[bug]
+    adapter = backends.load("mlx")
+    _plant(bug, monkeypatch)
+    results = [run_case(CASES[name], "mlx", dtype="float32", adapter=adapter, gradients=False, path=path)
+               for name in cases for path in paths]
+    results = [r for r in results if r is not None]
+    caught = {r.path for r in results if r.status == STATUS_FAIL}
+    assert caught == set(paths), (f"{bug}: caught on {sorted(caught)} of {paths}: "
+                                  + "; ".join(f"{r.case}/{r.path} {r.status} {r.message}" for r in results))

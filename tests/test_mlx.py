@@ -314,3 +314,26 @@ def test_a_porting_bug_planted_in_the_mlx_paths_fails(bug, monkeypatch):
     caught = {r.path for r in results if r.status == STATUS_FAIL}
     assert caught == set(paths), (f"{bug}: caught on {sorted(caught)} of {paths}: "
                                   + "; ".join(f"{r.case}/{r.path} {r.status} {r.message}" for r in results))
+
+
+# -- mha bench ---------------------------------------------------------------------------------------------
+
+def test_mha_bench_times_the_mlx_paths(tmp_path, capsys):
+    """`mha bench --quick --backends mlx`: every path timed, and what was timed computed the attention (its
+    output against impl_numpy's; mlx has no target set, so none is judged for it)."""
+    import json
+
+    from conformance.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--backends", "mlx", "--shapes", "bert-base", "decode", "--json", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    assert data["backends"]["mlx"]["status"] == "ok" and rows
+    assert {r["path"] for r in rows} >= {"ours", "native.sdpa", "ours.vjp", "ours.in_place", "cache.read"}, rows
+    for r in rows:
+        assert r["status"] == "ok", r
+        if r["max_abs_diff_vs_numpy"] is not None:  # a sanity check of what was timed: float32 vs float32
+            assert r["max_abs_diff_vs_numpy"] <= 1e-3 * max(1.0, r["reference_max_abs"]), r
+    assert not [t for t in data["targets"] if t["backend"] == "mlx"]

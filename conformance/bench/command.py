@@ -17,6 +17,7 @@ from pathlib import Path
 from conformance.bench.measure import MIN_REPEATS, proc_kb
 from conformance.bench.report import print_report, write_plots
 from conformance.bench.shapes import (
+    ALL_BACKENDS,
     BACKENDS,
     CHUNK_SIZE,
     DECODE_LENGTHS,
@@ -24,6 +25,7 @@ from conformance.bench.shapes import (
     LATENT_LENGTHS,
     LONG_T,
     MATMUL_N,
+    OPTIONAL_BACKENDS,
     QUICK_DECODE_LENGTHS,
     QUICK_LATENT_LENGTHS,
     QUICK_SHAPES,
@@ -43,7 +45,8 @@ SCHEMA = "mha-bench/1"
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time every backend against its framework's native paths and matmul rate")
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(ALL_BACKENDS),
+                   help=f"default: {' '.join(BACKENDS)}; {' '.join(OPTIONAL_BACKENDS)} when named (no target set for it)")
     p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, *FAMILIES],
                    help="shapes and families to time (default: the four shapes and the sweep; window, decode and "
                         "sequence-sharded and latent only when named)")

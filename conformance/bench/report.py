@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance.bench.shapes import BACKENDS, SHAPES
+from conformance.bench.shapes import ALL_BACKENDS as BACKENDS
+from conformance.bench.shapes import SHAPES
 
 # The title of the targets on the named shapes (targets.targets): speed against the matmul rate and the
 # native paths, and memory at long.
@@ -201,7 +202,7 @@ def write_plots(data: dict, directory: Path) -> list[Path]:
 
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    colors = {"numpy": "tab:blue", "torch": "tab:red", "tf": "tab:orange", "jax": "tab:green"}
+    colors = {"numpy": "tab:blue", "torch": "tab:red", "tf": "tab:orange", "jax": "tab:green", "mlx": "tab:purple"}
     rows = [r for r in data["results"] if r["status"] == "ok"]
     sweep = [r for r in rows if r["sweep"]]
     fig, ax = plt.subplots(figsize=(8, 5.5))

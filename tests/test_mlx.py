@@ -337,3 +337,21 @@ def test_mha_bench_times_the_mlx_paths(tmp_path, capsys):
         if r["max_abs_diff_vs_numpy"] is not None:  # a sanity check of what was timed: float32 vs float32
             assert r["max_abs_diff_vs_numpy"] <= 1e-3 * max(1.0, r["reference_max_abs"]), r
     assert not [t for t in data["targets"] if t["backend"] == "mlx"]
+
+
+# -- mha check --conventions ---------------------------------------------------------------------------------
+
+def test_the_conventions_table_measures_mlx_sdpa_as_recorded():
+    """mx.fast.scaled_dot_product_attention's row of the conventions table: mask polarity, the fully masked
+    row, causal alignment for T != S, and the float32 matmul, measured and matching conventions/expected.json."""
+    from conformance.native import conventions as conv
+
+    api = next(a for a in conv.APIS if a.framework == "mlx")
+    data = conv.measure(apis=(api,), modern_apis=(), packed_apis=(), alibi_apis=())
+    (row,) = [r for r in data["rows"] if r["api"] == api.name]
+    assert row["status"] == "measured", row
+    assert (row["mask_true_means"], row["fully_masked_row"], row["causal_T2_S4"], row["causal_T4_S2"]) == (
+        "attend", "mean of V (uniform)", "bottom_right", "bottom_right"), row
+    assert row["float32_matmul"]["cpu"]["label"] == "float32", row["float32_matmul"]
+    assert not conv.disagreements(data), conv.disagreements(data)
+    assert f"| {api.name} |" in conv.to_markdown(data)

@@ -233,6 +233,22 @@ def _jax_dpa() -> Runner:
     return Runner(run, {"mask": "full"}, returns_weights=False)
 
 
+# mlx --------------------------------------------------------------------------------
+
+def _mlx_sdpa() -> Runner:
+    import mlx.core as mx
+
+    def run(q, k, v, masks=None, causal=False, want_weights=True):
+        mask = "causal" if causal else None
+        if masks and "mask" in masks:
+            mask = mx.array(masks["mask"])[:, None]  # (B, 1, T, S)
+        heads = [mx.array(_split(x)).transpose(0, 2, 1, 3) for x in (q, k, v)]  # (B, N, L, H)
+        out = mx.fast.scaled_dot_product_attention(*heads, scale=1.0 / np.sqrt(H), mask=mask)
+        return _merge(np.array(out.transpose(0, 2, 1, 3))), None
+
+    return Runner(run, {"mask": "full"}, returns_weights=False)
+
+
 # onnx -------------------------------------------------------------------------------
 
 ONNX_OPSET = 23
@@ -341,6 +357,7 @@ TORCH_EXTRA = "pip install -c constraints/cpu.txt '.[torch]'"
 TF_EXTRA = "pip install -c constraints/cpu.txt '.[tf]'"
 JAX_EXTRA = "pip install -c constraints/cpu.txt '.[jax]'"
 ONNX_EXTRA = "pip install -c constraints/cpu.txt '.[onnx]'"
+MLX_EXTRA = "pip install -c constraints/cpu.txt '.[mlx]' (Linux x86-64, macOS arm64)"
 
 APIS: tuple[Api, ...] = (
     Api("torch nn.MultiheadAttention", "torch", ("torch",), TORCH_EXTRA, lambda: _torch_mha(fast_path=False)),
@@ -353,6 +370,7 @@ APIS: tuple[Api, ...] = (
     Api("flax.linen.MultiHeadDotProductAttention", "jax", ("jax", "flax"), JAX_EXTRA, _flax_linen),
     Api("flax.nnx.MultiHeadAttention", "jax", ("jax", "flax"), JAX_EXTRA, _flax_nnx),
     Api("jax.nn.dot_product_attention", "jax", ("jax",), JAX_EXTRA, _jax_dpa),
+    Api("mx.fast.scaled_dot_product_attention", "mlx", ("mlx",), MLX_EXTRA, _mlx_sdpa),
     Api("onnxruntime Attention (opset 23, CPU)", "onnxruntime", ("onnx", "onnxruntime"), ONNX_EXTRA,
         lambda: _onnx_runner("onnxruntime")),
     Api("onnx.reference Attention (opset 23)", "onnx", ("onnx",), ONNX_EXTRA, lambda: _onnx_runner("reference")),

@@ -118,17 +118,28 @@ def _matmul_numpy(a, b, exact, devices):
     return {"cpu": _precision_label(a @ b, exact)}
 
 
+def _matmul_mlx(a, b, exact, devices):
+    import mlx.core as mx
+
+    out = {"cpu": _precision_label(np.array(mx.matmul(mx.array(a), mx.array(b), stream=mx.cpu)), exact)}
+    devices["mlx"] = {"cpu": str(mx.cpu)}
+    if mx.metal.is_available():
+        out["gpu"] = _precision_label(np.array(mx.matmul(mx.array(a), mx.array(b), stream=mx.gpu)), exact)
+        devices["mlx"]["gpu"] = str(mx.gpu)
+    return out
+
+
 # framework key of APIS -> its default-settings float32 matmul on every device present
 MATMUL_PROBES = {"torch": _matmul_torch, "keras": _matmul_keras, "jax": _matmul_jax, "onnxruntime": _matmul_onnxruntime,
-                 "onnx": _matmul_onnx_reference, "numpy": _matmul_numpy}
+                 "onnx": _matmul_onnx_reference, "numpy": _matmul_numpy, "mlx": _matmul_mlx}
 
 
 def _versions(frameworks) -> dict[str, str]:
     versions = {"python": platform.python_version(), "numpy": np.__version__}
-    for name in ("torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "onnx", "onnxruntime"):
+    for name in ("torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "onnx", "onnxruntime", "mlx"):
         if name in sys.modules or name in frameworks:
             try:
-                versions[name] = importlib.import_module(name).__version__
+                versions[name] = importlib.import_module("mlx.core" if name == "mlx" else name).__version__
             except Exception:  # noqa: BLE001
                 continue
     return versions

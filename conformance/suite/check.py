@@ -288,7 +288,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("check", help="the main job: do the backends agree with the reference?")
     p.add_argument("--backends", nargs="+", default=["core"], choices=["core", "native", "all", *backends.REGISTRY],
                    metavar="BACKEND",
-                   help="ids, or groups: core (numpy torch tf jax, the default), native (the frameworks' own layers: "
+                   help="ids, or groups: core (numpy torch tf jax mlx, the default), native (the frameworks' own layers: "
                         + ", ".join(backends.NATIVE) + "), all; missing frameworks are reported, not fatal")
     p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
                    help="default: every device present for each backend")

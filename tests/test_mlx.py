@@ -355,3 +355,51 @@ def test_the_conventions_table_measures_mlx_sdpa_as_recorded():
     assert row["float32_matmul"]["cpu"]["label"] == "float32", row["float32_matmul"]
     assert not conv.disagreements(data), conv.disagreements(data)
     assert f"| {api.name} |" in conv.to_markdown(data)
+
+
+# -- each path runs its own core, and a bug in one fast path fails that column alone (tests/test_check_paths.py) --
+
+def test_each_path_runs_its_own_core_and_the_stages_do_not(monkeypatch):
+    from impl_mlx import attention
+
+    adapter = backends.load("mlx")
+    assert tuple(adapter.PATHS) == ("stages", "fused", "chunked", "in_place") and adapter.FAST_PATH == "fused"
+    assert check.paths_of(adapter, check.DEFAULT_PATH_KINDS) == ["stages", "fused", "in_place"]
+    calls: dict[str, int] = {}
+    for path, function in (("fused", "sdpa_attend"), ("chunked", "chunked_attention")):
+        original = getattr(attention, function)
+
+        def spy(*args, _original=original, _path=path, **kwargs):
+            calls[_path] = calls.get(_path, 0) + 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(attention, function, spy)
+    for path in adapter.PATHS:  # decode_cache has a cache: every path exists for it
+        calls.clear()
+        result = run_case(CASES["decode_cache"], "mlx", dtype="float32", adapter=adapter, path=path)
+        assert result.status == STATUS_PASS and result.path == path, (path, result.message)
+        if path == "stages":
+            assert not calls, f"the stages path called the cores of {sorted(calls)}"
+        elif path in ("fused", "chunked"):
+            assert calls.get(path), f"the {path} path never called its core; calls {calls}"
+        else:  # the in-place cache runs on the fused kernel (the plain call's path)
+            assert calls.get("fused"), calls
+
+
+def test_a_bug_in_the_fused_path_fails_its_column_and_only_it(monkeypatch):
+    """The fused kernel's scale 10% off, the stages untouched: only the fused column sees it (the in-place
+    cache runs on the fused kernel too)."""
+    from impl_mlx import attention
+
+    original = attention.sdpa_attend
+    monkeypatch.setattr(attention, "sdpa_attend", lambda config, q, k, v, **kw: original(
+        dataclasses.replace(config, scale=config.effective_scale * 1.1), q, k, v, **kw))
+    cases = ("self_basic", "mask_and_bias_causal", "gqa", "decode_cache", "qk_norm_rms_head")
+    results, skipped = check.run_check(["mlx"], dtypes=["float32"], case_names=list(cases), jobs=1, progress=False)
+    assert not skipped, skipped
+    by_path: dict[str, set] = {}
+    for r in results:
+        by_path.setdefault(r.path, set()).add((r.case, r.status))
+    assert by_path["fused"] == {(c, STATUS_FAIL) for c in cases}, by_path["fused"]
+    assert by_path["stages"] == {(c, STATUS_PASS) for c in cases}, by_path["stages"]
+    assert by_path["in_place"] == {("decode_cache", STATUS_FAIL)}, by_path["in_place"]

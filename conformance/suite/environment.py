@@ -23,12 +23,12 @@ from conformance.suite.tolerance import REFERENCE_FACTOR, SAFETY, UNIT_ROUNDOFF
 NOT_INSTALLED = "not installed"
 
 # Top-level modules whose versions every report records, in this order.
-PACKAGES = ("numpy", "torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "onnx", "onnxruntime",
+PACKAGES = ("numpy", "torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "mlx", "onnx", "onnxruntime",
             "ml_dtypes", "safetensors", "matplotlib", "rich")
 
 # Backend id prefix -> the framework whose devices and precision flags it depends on.
 FRAMEWORK_OF = {"torch": "torch", "tf": "tensorflow", "keras": "tensorflow", "jax": "jax", "flax": "jax",
-                "onnx": "onnxruntime", "ort": "onnxruntime"}
+                "onnx": "onnxruntime", "ort": "onnxruntime", "mlx": "mlx"}
 
 
 # --------------------------------------------------------------------------- environment
@@ -117,7 +117,13 @@ def _onnxruntime_probe(devices: dict, flags: dict) -> None:
     devices["onnxruntime"] = _ask(lambda: [f"{ort.get_device()}; providers {', '.join(ort.get_available_providers())}"])
 
 
-PROBES = {"torch": _torch_probe, "jax": _jax_probe, "tensorflow": _tf_probe, "onnxruntime": _onnxruntime_probe}
+def _mlx_probe(devices: dict, flags: dict) -> None:
+    mx = importlib.import_module("mlx.core")
+    devices["mlx"] = _ask(lambda: [str(mx.default_device())] + (["gpu (Metal)"] if mx.metal.is_available() else []))
+
+
+PROBES = {"torch": _torch_probe, "jax": _jax_probe, "tensorflow": _tf_probe, "onnxruntime": _onnxruntime_probe,
+          "mlx": _mlx_probe}
 
 
 def _precision_meaning(precision: str, gpu_in_run: bool) -> str:

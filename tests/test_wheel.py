@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.wheel]
 
 ROOT = Path(__file__).resolve().parents[1]
 # The project's own names and no other (a generic one such as `bench` would collide with any other on the path).
-TOP_LEVEL = ("weights", "impl_numpy", "impl_torch", "impl_tf", "impl_jax", "conformance", "mha_examples")
+TOP_LEVEL = ("weights", "impl_numpy", "impl_torch", "impl_tf", "impl_jax", "impl_mlx", "conformance", "mha_examples")
 VECTOR_FILES = sorted(p.name for p in (ROOT / "conformance" / "suite" / "vectors").glob("*.safetensors"))
 
 BUGGY = '''

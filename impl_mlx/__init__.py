@@ -11,6 +11,10 @@ the stages up to the keys (mirrors impl_numpy/heads.py); latent.py MLA's; fused.
 (conformance), convert.py (dtypes and arrays at the edges).
 
 MLX wheels: mlx-cpu on Linux x86-64, mlx on macOS arm64 (Metal). float64 runs on the CPU device only.
+mx.vjp, mx.grad and nn.value_and_grad differentiate every path; mx.compile does not take the call: it
+reads values on the host (the contract's checks of infinities, bias and positions, longrope's choice of
+table), as impl_numpy does. What MLX computes differently and how the stages keep to the spec:
+docs/conventions.md (MLX).
 """
 
 from weights.call import STAGES, TraceEntry

@@ -408,7 +408,7 @@ def torch_vjp(out, leaves: Mapping, d_output) -> tuple[np.ndarray, dict[str, np.
 # The modern call inputs (positions, KV cache, packed segments), beside the config's modern fields
 # (weights.config.MODERN_DEFAULTS).
 MODERN_INPUTS = ("positions", "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids",
-                 "past_key_positions")
+                 "past_key_positions", "topk_indices")
 
 
 def modern_features(config: AttentionConfig, inputs, options) -> list[str]:

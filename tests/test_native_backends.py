@@ -48,7 +48,8 @@ _BASIC = {"self_basic", "cross_basic", "no_biases", "query_len_1", "key_len_1", 
 
 # The modern cases (rope, cache, windows, softcap, QK-norm, sinks, segments): each backend runs those its API
 # expresses (SUPPORTED); the rest are refused with the reason (conformance.native.refuse_modern).
-MODERN = {name for name, case in CASES.items() if case.config.is_modern or case.P or case.positions or case.return_cache}
+MODERN = {name for name, case in CASES.items()
+          if case.config.is_modern or case.P or case.positions or case.return_cache or case.selection}
 PLAIN = set(CASES) - MODERN
 
 # What each API can express: the cases that run (float32 and float64 alike).

@@ -106,7 +106,7 @@ def _supported(backend_id: str, dtype: str) -> set[str]:
 FAST: dict[str, set[str]] = {
     "torch-flex": {"self_basic", "bias_neg_inf", "gqa", "decode_cache", "window_both_bottom_right", "softcap",
                    "qk_norm_layer_all", "sinks_masked_rows", "segments_packed", "modern_everything",
-                   "local_chunk_per_batch", "frontier_everything"},
+                   "local_chunk_per_batch", "frontier_everything", "topk_per_kv_head_window"},
     "flax-linen-mha": {"mask_bnts", "causal_bottom_right", "masked_rows_uniform"},
     "flax-nnx-mha": {"gqa", "causal_top_left", "masked_rows_uniform"},
     "jax-dpa": {"value_head_dim", "bias_neg_inf", "mask_and_bias_causal", "masked_rows_uniform", "window_right"},

@@ -4,8 +4,9 @@ Inputs file: `query` and optionally `key`, `value`, `mask` (bool, or 0/1
 integers / floats, True = may attend), `bias` (float, -inf allowed),
 `dropout_mask` (bool or 0/1, True = keep), `positions` / `key_positions`
 (integer, RoPE positions), `past_key` / `past_value` (float, the KV cache),
-`segment_ids` / `key_segment_ids` (integer, packed sequences). Anything else
-is refused.
+`segment_ids` / `key_segment_ids` (integer, packed sequences),
+`past_key_positions` (integer), `topk_indices` (integer, the keys each query
+may see, -1 an unused slot). Anything else is refused.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from weights.dtypes import is_float
 from weights.format import canonical_safetensors_bytes, show_names
 
 INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask", "positions", "key_positions", "past_key",
-               "past_value", "segment_ids", "key_segment_ids", "past_key_positions")
-INTEGER_INPUTS = ("positions", "key_positions", "segment_ids", "key_segment_ids", "past_key_positions")
+               "past_value", "segment_ids", "key_segment_ids", "past_key_positions", "topk_indices")
+INTEGER_INPUTS = ("positions", "key_positions", "segment_ids", "key_segment_ids", "past_key_positions",
+                  "topk_indices")
 
 
 class InputsError(ValueError):

@@ -122,6 +122,7 @@ def apply(
     segment_ids=None,
     key_segment_ids=None,
     past_key_positions=None,
+    topk_indices=None,
     return_weights: bool = False,
     return_cache: bool = False,
     cache_length=None,
@@ -143,7 +144,9 @@ def apply(
     (B, K, P, V): the cache, after norm and RoPE; segment_ids (T,) or (B, T)
     and key_segment_ids (S_total,) or (B, S_total): packed sequences;
     past_key_positions (P,) or (B, P): the cached keys' positions (default
-    0..P-1; not with a traced cache_length). All traced arrays under jit.
+    0..P-1; not with a traced cache_length); topk_indices (B, T, k) or (B, K,
+    T, k): the keys each query may see, impl_numpy's (joins the mask; not with
+    a traced cache_length). All traced arrays under jit.
     cache_length: an in-place cache (the contract's; impl_numpy's). past_key
     (B, K, C, H) and past_value (B, K, C, V) are buffers of the storage dtype
     whose first cache_length = P positions are the cache; the call writes its
@@ -179,6 +182,7 @@ def apply(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype, precision=precision,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
+        topk_indices=topk_indices,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     if call.traced_length and (trace is not None or chunk_size is not None):

@@ -26,6 +26,7 @@ from weights.contract import (
     check_call,
     check_position_values,
     check_scores_fit,
+    check_topk_values,
     in_place_buffer_error,
 )
 from weights.dtypes import is_float, resolve_dtype
@@ -85,7 +86,7 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
           is_causal=False, causal_alignment="top_left", training=False, seed=None, rng=None,
           positions=None, key_positions=None, past_key=None, past_value=None, segment_ids=None,
           key_segment_ids=None, return_weights=False, return_cache=False, dtype=None, precision="highest",
-          materializes_scores=True, cache_length=None, past_key_positions=None):
+          materializes_scores=True, cache_length=None, past_key_positions=None, topk_indices=None):
     """Validate a call in the reference's order and words; returns (CallShapes,
     storage dtype). Reads shapes and dtypes only, and bias values when bias
     is concrete. materializes_scores=False (the chunked path) skips the
@@ -111,7 +112,7 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
         raise ValueError(f"pass seed or rng, not both: got seed={seed!r} and an rng key")
     optional = dict(mask=mask, bias=bias, dropout_mask=dropout_mask, positions=positions, key_positions=key_positions,
                     past_key=past_key, past_value=past_value, segment_ids=segment_ids,
-                    key_segment_ids=key_segment_ids, past_key_positions=past_key_positions)
+                    key_segment_ids=key_segment_ids, past_key_positions=past_key_positions, topk_indices=topk_indices)
     meta = {}
     for name, x in optional.items():
         meta.update(_meta(name, None if x is None else _as_array(x)))
@@ -119,7 +120,7 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
     if traced:  # before check_call, which would judge these inputs' shapes against P = 0
         check_traced_length(config, dict(mask=mask, bias=bias, dropout_mask=dropout_mask, segment_ids=segment_ids,
                                          key_segment_ids=key_segment_ids, return_weights=return_weights,
-                                         past_key_positions=past_key_positions,
+                                         past_key_positions=past_key_positions, topk_indices=topk_indices,
                                          training=training and config.dropout > 0))
     shapes = check_call(
         config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape, **meta,
@@ -140,6 +141,8 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
         check_bias_values(np.asarray(bias))
     if positions is not None and is_concrete(positions):  # a query temperature's log counts positions from 0
         check_position_values(config, np.asarray(positions))
+    if topk_indices is not None and is_concrete(topk_indices):  # (a traced selection: the adapter checked it)
+        check_topk_values(np.asarray(topk_indices), shapes.P, shapes.S)
     return shapes, dtype
 
 
@@ -299,15 +302,16 @@ class Call:
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, rng, return_weights, dtype, precision, positions=None, key_positions=None,
             past_key=None, past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
-            cache_length=None, materializes_scores=True, past_key_positions=None) -> Call:
-    """Validate a call (`check`) and cast everything to the storage dtype."""
+            cache_length=None, materializes_scores=True, past_key_positions=None, topk_indices=None) -> Call:
+    """Validate a call (`check`) and cast everything to the storage dtype. topk_indices joins the mask (mask4 =
+    mask AND F.selection_mask), as impl_numpy's."""
     shapes, dtype = check(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training, seed=seed, rng=rng, positions=positions,
         key_positions=key_positions, past_key=past_key, past_value=past_value, segment_ids=segment_ids,
         key_segment_ids=key_segment_ids, return_weights=return_weights, return_cache=return_cache, dtype=dtype,
         precision=precision, materializes_scores=materializes_scores, cache_length=cache_length,
-        past_key_positions=past_key_positions,
+        past_key_positions=past_key_positions, topk_indices=topk_indices,
     )
     if cache_length is not None:  # a Python int (static), or the tracer itself
         cache_length = jnp.asarray(cache_length, jnp.int32) if is_traced_length(cache_length) else shapes.P
@@ -321,6 +325,9 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
     if not training:
         keep = None
     mask4 = None if mask is None else jnp.asarray(_as_array(mask)).reshape(shapes.mask_shape)  # (B|1, N|1, T|1, S|1)
+    if topk_indices is not None:  # the selection joins the mask: (B, 1|N, T, S_total)
+        selected = F.selection_mask(_as_array(topk_indices), config.num_heads, shapes.S_total)
+        mask4 = selected if mask4 is None else mask4 & selected
     query = _as_array(query)
     key = query if key is None else _as_array(key)
     value = key if value is None else _as_array(value)

@@ -392,6 +392,19 @@ def allowed_mask(mask4, T: int, S: int, is_causal: bool, causal_alignment: str, 
     return allowed
 
 
+def selection_mask(topk_indices, num_heads: int, S: int):
+    """impl_numpy's selection_mask: topk_indices (B, T, k) or (B, K, T, k), a traced input like any other ->
+    bool (B, 1|N, T, S), -1 selecting nothing (scattered into a spare column S, dropped), kv head K's selection
+    for its G query heads."""
+    idx = jnp.asarray(topk_indices)
+    idx = idx[:, None] if idx.ndim == 3 else idx  # (B, K|1, T, k)
+    B, K, T, _ = idx.shape
+    idx = jnp.where(idx < 0, S, idx)
+    rows = jnp.arange(B)[:, None, None, None], jnp.arange(K)[None, :, None, None], jnp.arange(T)[None, None, :, None]
+    selected = jnp.zeros((B, K, T, S + 1), dtype=bool).at[(*rows, idx)].set(True)[..., :S]
+    return selected if K == 1 else jnp.repeat(selected, num_heads // K, axis=1)  # (B, 1|N, T, S)
+
+
 def all_key_positions(key_positions, P, capacity: int | None = None, past_key_positions=None):
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S). capacity: an in-place cache's buffer read whole, (B|1,

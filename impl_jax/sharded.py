@@ -54,8 +54,8 @@ docs/sharding.md).
 Refused with the reason (NotImplementedError): the trace; the weights and
 dropout under sequence sharding; head counts that do not split N ways;
 ALiBi, the output gate and latent attention (frontier_refusal), local
-chunks under sequence sharding, and past_key_positions (the cache's keys
-are at 0..P-1 here). The QKV clip and the query temperature run among the
+chunks under sequence sharding, past_key_positions (the cache's keys
+are at 0..P-1 here) and topk_indices (not wired for a selection). The QKV clip and the query temperature run among the
 stages before either core (qkv_heads), and local chunks under heads
 sharding in the mask (call.allowed).
 """
@@ -460,6 +460,9 @@ def _run(config, tensors, inputs, options, d_output, *, kind, devices):
     if inputs.get("past_key_positions") is not None:
         raise NotImplementedError("the sharded engines place a cache's keys at 0..P-1: past_key_positions is not "
                                   "taken (run the unsharded call)")
+    if inputs.get("topk_indices") is not None:
+        raise NotImplementedError("the sharded engines are not wired for a selection over every key (no sharded "
+                                  "grid case holds one): topk_indices is not taken (run the unsharded call)")
     training = bool(options.get("training", False))
     return_weights = bool(options.get("return_weights", False))
     return_cache = bool(options.get("return_cache", False))

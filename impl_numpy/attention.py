@@ -21,6 +21,7 @@ from weights.contract import (
     check_chunk_size,
     check_input_values,
     check_position_values,
+    check_topk_values,
     in_place_buffer_error,
 )
 from weights.dtypes import is_float
@@ -56,6 +57,7 @@ class Call:
     key_segment_ids: np.ndarray | None  # (S_total,) or (B, S_total)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
     past_key_positions: np.ndarray | None = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
+    selected: bool = False  # topk_indices was given: mask4 holds the selection (the fused core skips unselected blocks)
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND segments over every key (rank 4), or None."""
@@ -95,8 +97,8 @@ class Call:
 
     @property
     def modern(self) -> bool:
-        """Uses a cache or packed segments (the config's own features: config.is_modern)."""
-        return self.past_key is not None or self.segment_ids is not None
+        """Uses a cache, packed segments or a selection (the config's own features: config.is_modern)."""
+        return self.past_key is not None or self.segment_ids is not None or self.selected
 
 
 def plan(*, return_weights: bool, traced: bool, chunk_size: int | None, dtype) -> Plan:
@@ -125,8 +127,9 @@ def _meta(x, name):  # check_call's shape and dtype arguments of one optional in
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None) -> Call:
-    """Validate a call and cast everything to the storage dtype."""
+            materializes_scores=True, past_key_positions=None, topk_indices=None) -> Call:
+    """Validate a call and cast everything to the storage dtype. topk_indices joins the mask (mask4 = mask AND
+    functional.selection_mask): every path, the backward and the magnitudes read the selection there."""
     stored = validate_tensors(config, tensors)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     query = np.asarray(query)
@@ -137,7 +140,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
         ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids),
-        ("past_key_positions", past_key_positions))}
+        ("past_key_positions", past_key_positions), ("topk_indices", topk_indices))}
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not is_float(x.dtype):
             raise ValueError(f"{name} must be a float array: got dtype {x.dtype}")
@@ -153,6 +156,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     )
     check_input_values(query=query, key=None if key is query else key, value=None if value is key else value)
     check_position_values(config, optional["positions"])
+    if optional["topk_indices"] is not None:
+        check_topk_values(optional["topk_indices"], shapes.P, shapes.S)
     in_place = shapes.capacity is not None
     if in_place:
         past_key, past_value = past_key_buffers(past_key, past_value, dtype)
@@ -172,14 +177,17 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         keep = F.dropout_keep_mask((shapes.B, config.num_heads, shapes.T, shapes.S_total), config.dropout, seed)
     if not training:
         keep = None
-    mask_np = optional["mask"]
+    mask_np = None if optional["mask"] is None else optional["mask"].reshape(shapes.mask_shape)
+    if optional["topk_indices"] is not None:  # the selection joins the mask: (B, 1|N, T, S_total)
+        selected = F.selection_mask(optional["topk_indices"], config.num_heads, shapes.S_total)
+        mask_np = selected if mask_np is None else mask_np & selected
     segment_ids, key_segment_ids = optional["segment_ids"], optional["key_segment_ids"]
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     positioned = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
     return Call(
         shapes=shapes, params=params, query=query.astype(dtype, copy=False), key=key.astype(dtype, copy=False),
-        value=value.astype(dtype, copy=False), mask4=None if mask_np is None else mask_np.reshape(shapes.mask_shape),
+        value=value.astype(dtype, copy=False), mask4=mask_np,
         bias4=bias_np, keep=keep, dtype=dtype,
         positions=F.default_positions(optional["positions"], shapes.P, shapes.T) if positioned else None,
         key_positions=F.default_positions(optional["key_positions"], shapes.P, shapes.S) if positioned else None,
@@ -188,6 +196,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,
         past_key_positions=F.default_positions(optional["past_key_positions"], 0, shapes.P)
         if positioned and optional["past_key_positions"] is not None else None,
+        selected=optional["topk_indices"] is not None,
     )
 
 
@@ -224,6 +233,7 @@ def multi_head_attention(
     segment_ids: np.ndarray | None = None,
     key_segment_ids: np.ndarray | None = None,
     past_key_positions: np.ndarray | None = None,
+    topk_indices: np.ndarray | None = None,
     return_weights: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
@@ -239,6 +249,13 @@ def multi_head_attention(
     past_key_positions (P,) or (B, P): the cached keys' positions (default
     0..P-1), read by ALiBi and local chunks as key_positions are (a
     left-padded row: index - pads); RoPE was applied to them when they were new.
+
+    topk_indices (B, T, k) or (B, K, T, k), integer: the keys each query may
+    see (one selection for every head, or one per kv head), indexed over the
+    cache's P keys first (0..P-1), then the new ones (P..P+S-1); -1 pads an
+    unused slot, a key given twice is selected once, any other value is
+    refused. ANDed with every other mask (functional.selection_mask): a
+    query left with no visible key is a fully masked row (masked_row).
 
     cache_length: an in-place cache. past_key (B, K, C, H) and past_value
     (B, K, C, V) are the caller's buffers (writeable, of the storage dtype)
@@ -268,6 +285,7 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
+        topk_indices=topk_indices,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     path = plan(return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size, dtype=call.dtype).path

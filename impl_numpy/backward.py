@@ -413,14 +413,14 @@ def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_
                              is_causal=False, causal_alignment="top_left", training=False, dropout_mask=None,
                              seed=None, dtype=None, positions=None, key_positions=None, past_key=None,
                              past_value=None, segment_ids=None, key_segment_ids=None, gradient_magnitudes=False,
-                             past_key_positions=None):
+                             past_key_positions=None, topk_indices=None):
     """Returns (output, grads), or (output, grads, magnitudes) with
     gradient_magnitudes=True (see the module docstring)."""
     call = prepare(config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
                    is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
                    return_weights=False, dtype=dtype, positions=positions, key_positions=key_positions,
                    past_key=past_key, past_value=past_value, segment_ids=segment_ids,
-                   key_segment_ids=key_segment_ids, past_key_positions=past_key_positions)
+                   key_segment_ids=key_segment_ids, past_key_positions=past_key_positions, topk_indices=topk_indices)
     dtype = call.dtype
     d_out = np.asarray(d_output).astype(dtype)
     B, T, O = call.shapes.B, call.shapes.T, config.out_dim

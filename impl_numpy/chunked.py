@@ -8,7 +8,9 @@ Gimelshein 2018, the recurrence flash-attention uses), unless every logit is
 known to be small enough to need no max (logits_bounded). Key blocks that the
 causal mask hides entirely are never computed, nor read: a NaN in a hidden
 key or value reaches no row here, while the stages' attend matmul spreads it
-through 0 * NaN. Otherwise the result equals the stages' to round-off.
+through 0 * NaN; with a selection (topk_indices, skip_masked) so are the key
+blocks the mask, the selection in it, hides from every query of a block.
+Otherwise the result equals the stages' to round-off.
 
 This is also the plain call's fast engine (attention.py hands fused_forward
 the call when no trace and no weights are asked for), so it is written for
@@ -322,7 +324,8 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
                                  sinks=call.params.get("sinks"), segment_ids=call.segment_ids,
                                  key_segment_ids=call.key_segment_ids, alibi_slopes=call.params.get("alibi.slopes"),
                                  positions=call.positions if positioned else None,
-                                 key_positions=call.every_key_position if positioned else None)  # (B, N, T, V)
+                                 key_positions=call.every_key_position if positioned else None,
+                                 skip_masked=call.selected)  # (B, N, T, V)
     p = call.params
     if config.latent is not None:  # the attended latent through each head's value up-projection; the present cache
         ctx = F.expand_values(ctx, p["value.kernel"])  # (B, N, T, V)
@@ -402,7 +405,7 @@ def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_
 
 def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, out=None,
                            threaded=True, sinks=None, segment_ids=None, key_segment_ids=None, alibi_slopes=None,
-                           positions=None, key_positions=None):
+                           positions=None, key_positions=None, skip_masked=False):
     """q (B, N, T, H), k (B, K, S, H), v (B, K, S, V) -> context (B, N, T, V).
 
     q comes already multiplied by the scale, in the compute dtype (the caller
@@ -419,7 +422,8 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
 
     The config's softcap, window, ALiBi, local chunks and sinks apply here; sinks (N,), the
     segment ids ((T,) or (B, T), and (S,) or (B, S)), the ALiBi slopes (N,) and the positions
-    ALiBi and the chunks read ((B|1, T) and every key's (B|1, S)) are arguments."""
+    ALiBi and the chunks read ((B|1, T) and every key's (B|1, S)) are arguments. skip_masked: a key block
+    the mask hides from every query of a query block is skipped (a selection's: most blocks of a long cache)."""
     B, N, T, H = q.shape
     S, V = k.shape[2], v.shape[3]
     context = np.empty((B, T, N, V), dtype=k.dtype) if out is None else out  # merge_heads' layout
@@ -427,7 +431,8 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
     tasks = _core_tasks(config, q, k, v, mask=mask, bias=bias, keep=keep, is_causal=is_causal,
                         causal_alignment=causal_alignment, chunk_size=chunk_size, context=context, parts=parts,
                         sinks=sinks, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
-                        alibi_slopes=alibi_slopes, positions=positions, key_positions=key_positions)
+                        alibi_slopes=alibi_slopes, positions=positions, key_positions=key_positions,
+                        skip_masked=skip_masked)
     if len(tasks) == 1:
         tasks[0]()
     else:
@@ -438,7 +443,7 @@ def chunked_attention_core(config, q, k, v, *, mask, bias, keep, is_causal, caus
 
 def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, context, parts,
                 sinks=None, segment_ids=None, key_segment_ids=None, alibi_slopes=None, positions=None,
-                key_positions=None):
+                key_positions=None, skip_masked=False):
     """The core as up to `parts` independent callables over kv heads (each
     with its G query heads), or over the batch when there are fewer kv heads
     than parts; each writes its own part of context (B, T, N, V)."""
@@ -453,6 +458,7 @@ def _core_tasks(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignmen
     H, V = q.shape[3], v.shape[3]
     worth_checking = 3 * N * q.shape[2] >= K * (H + 2 * V)
     options = dict(is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
+                   skip_masked=skip_masked and mask is not None,
                    bounded=SKIP_MAX_WHEN_BOUNDED and sinks is None and alibi_slopes is None and worth_checking
                    and logits_bounded(q, k, v, bias))
     q_ids = None if segment_ids is None else np.asarray(segment_ids).reshape(-1, q.shape[2])  # (B|1, T)
@@ -497,7 +503,7 @@ def _ids(ids, b0, b1):
 
 
 def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, bounded, context,
-          sinks=None, q_ids=None, k_ids=None, slopes=None, q_pos=None, k_pos=None):
+          sinks=None, q_ids=None, k_ids=None, slopes=None, q_pos=None, k_pos=None, skip_masked=False):
     """The online softmax over key blocks for all of q's heads, into context (B, T, N, V).
     bounded (logits_bounded): every block's exp is taken against 0, not the running max.
     sinks (N,): the running max and sum start at the sink (exp(sink - sink) = 1), the numerator at 0.
@@ -552,6 +558,8 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                     block_chunks = k_chunks[:, s0:s1]
                     if block_chunks.max() < q_first or block_chunks.min() > q_last:
                         continue
+                if skip_masked and not _block(mask, (T, S), t0, t1, s0, s1).any():
+                    continue  # the mask (a selection) hides the block from every query of this one
                 # The stages of functional.py on one block (same rounding rule), in place in `scores`.
                 x = scores[: B * N * t * s].reshape(B, K, G * t, s)
                 np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2), out=x)  # logits, already scaled

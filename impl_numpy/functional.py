@@ -372,6 +372,21 @@ def allowed_mask(mask4: np.ndarray | None, T: int, S: int, is_causal: bool, caus
     return allowed
 
 
+def selection_mask(topk_indices: np.ndarray, num_heads: int, S: int) -> np.ndarray:
+    """The keys each query may see, bool (B, 1|N, T, S) (S: every key, the cache's first): topk_indices (B, T, k)
+    (one selection for every head) or (B, K, T, k) (one per kv head: query head n reads kv head n // G, as
+    attend groups them). Index j < P is the cache's key j, P + i the new key i; -1 pads an unused slot (it
+    selects nothing, never the last key); a key selected twice is selected. ANDed with every other mask (the
+    mask argument's place): a selected key another mask hides stays hidden."""
+    idx = np.asarray(topk_indices).astype(np.int64)
+    idx = idx[:, None] if idx.ndim == 3 else idx  # (B, K|1, T, k)
+    B, K, T, _ = idx.shape
+    selected = np.zeros((B, K, T, S + 1), dtype=bool)  # column S: where the -1 slots land, dropped below
+    np.put_along_axis(selected, np.where(idx < 0, S, idx), True, axis=-1)
+    selected = selected[..., :S]
+    return selected if K == 1 else np.repeat(selected, num_heads // K, axis=1)  # (B, 1|N, T, S)
+
+
 def all_key_positions(key_positions: np.ndarray, P: int, past_key_positions: np.ndarray | None = None) -> np.ndarray:
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S)."""

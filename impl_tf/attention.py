@@ -225,6 +225,7 @@ def multi_head_attention(
     segment_ids=None,
     key_segment_ids=None,
     past_key_positions=None,
+    topk_indices=None,
     return_weights: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
@@ -241,6 +242,8 @@ def multi_head_attention(
     in past_value / present_value; its `value` input is not read.
     past_key_positions (P,) or (B, P): the cached keys' positions (default
     0..P-1), as impl_numpy's, on every path (the in-place cache included).
+    topk_indices (B, T, k) or (B, K, T, k): the keys each query may see, as
+    impl_numpy's (it joins the mask).
 
     tensors: the canonical tensors (NumPy arrays, or tensors/variables of the
     canonical shapes). dtype: compute in this storage dtype (default: the
@@ -268,6 +271,7 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
+        topk_indices=topk_indices,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     path = plan(return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size).path

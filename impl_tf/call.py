@@ -15,7 +15,14 @@ import numpy as np
 
 from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
 from weights.call import OPTIONAL_INPUTS
-from weights.contract import CallShapes, check_bias_values, check_call, check_position_values, in_place_buffer_error
+from weights.contract import (
+    CallShapes,
+    check_bias_values,
+    check_call,
+    check_position_values,
+    check_topk_values,
+    in_place_buffer_error,
+)
 from weights.rope import attention_factor, inverse_frequencies, rope_tables
 
 from . import functional as F
@@ -193,7 +200,7 @@ class Call:
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None) -> Call:
+            materializes_scores=True, past_key_positions=None, topk_indices=None) -> Call:
     """Validate a call and cast everything to the storage dtype (an in-place
     cache's buffers excepted: they are the caller's variables, kept as given)."""
     stored = check_tensors(config, tensors)
@@ -210,7 +217,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
         ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids),
-        ("past_key_positions", past_key_positions)) if x is not None}
+        ("past_key_positions", past_key_positions), ("topk_indices", topk_indices)) if x is not None}
     shapes = check_inputs(
         config, dtype, query, key if keys_given else None, value if keys_given else None, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training,
@@ -237,6 +244,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     if not training:
         keep = None
     mask4 = None if "mask" not in given else _rank4(F._cast(given["mask"], "bool"))  # (B|1, N|1, T|1, S_total|1)
+    if "topk_indices" in given:  # the selection joins the mask (impl_numpy's prepare): (B, 1|N, T, S_total)
+        if not _is_symbolic(given["topk_indices"]):
+            check_topk_values(ops.convert_to_numpy(given["topk_indices"]), shapes.P, shapes.S)
+        selected = F.selection_mask(given["topk_indices"], config.num_heads, S_total)
+        mask4 = selected if mask4 is None else ops.logical_and(mask4, selected)
     segment_ids, key_segment_ids = given.get("segment_ids"), given.get("key_segment_ids")
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)

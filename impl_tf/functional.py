@@ -405,6 +405,18 @@ def allowed_mask(mask4, T, S, is_causal: bool, causal_alignment: str, *, window_
     return allowed
 
 
+def selection_mask(topk_indices, num_heads: int, S):
+    """impl_numpy's selection_mask: topk_indices (B, T, k) or (B, K, T, k) -> bool (B, 1|N, T, S), -1 selecting
+    nothing (a one-hot in a spare column S, dropped), kv head K's selection for its G query heads. The one-hot
+    holds (B, K, T, k, S+1) bytes at once: a test's size, not a long cache's."""
+    idx = _cast(topk_indices, "int32")
+    idx = idx[:, None] if len(idx.shape) == 3 else idx  # (B, K|1, T, k)
+    idx = ops.where(idx < 0, S, idx)
+    selected = ops.max(ops.one_hot(idx, S + 1, dtype="uint8"), axis=-2)[..., :S] > 0  # (B, K|1, T, S)
+    K = idx.shape[1]
+    return selected if K == 1 else ops.repeat(selected, num_heads // K, axis=1)  # (B, 1|N, T, S)
+
+
 def all_key_positions(key_positions, P, past_key_positions=None):
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S). P may be a traced scalar."""

@@ -296,7 +296,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
              training=None, dropout_mask=None, seed=None, positions=None, key_positions=None, past_key=None,
              past_value=None, segment_ids=None, key_segment_ids=None, return_weights=False, return_cache=False,
-             chunk_size=None, cache_length=None, past_key_positions=None):
+             chunk_size=None, cache_length=None, past_key_positions=None, topk_indices=None):
         training = bool(training)
         try:
             with placement(self.device), matmul_precision(self.precision):
@@ -308,7 +308,7 @@ class MultiHeadAttention(keras.layers.Layer):
                     positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
                     segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
                     return_cache=return_cache, chunk_size=self.chunk_size if chunk_size is None else chunk_size,
-                    cache_length=cache_length, past_key_positions=past_key_positions,
+                    cache_length=cache_length, past_key_positions=past_key_positions, topk_indices=topk_indices,
                 )
         except ValueError as err:
             # Keras rewrites the message of an error raised in call() (adding

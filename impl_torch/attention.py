@@ -43,6 +43,7 @@ from weights.contract import (
     check_bias_values,
     check_call,
     check_position_values,
+    check_topk_values,
     in_place_buffer_error,
 )
 from weights.rope import rope_tables
@@ -175,7 +176,7 @@ def _check_position_values(config: AttentionConfig, positions: torch.Tensor | No
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, sdpa=False, past_key_positions=None) -> Call:
+            materializes_scores=True, sdpa=False, past_key_positions=None, topk_indices=None) -> Call:
     """Validate a call and cast everything to the storage dtype. sdpa: the
     core will run through SDPA; when SDPA's own is_causal can apply (the
     Call's plain_causal), the (T, S) causal mask is not built at all."""
@@ -191,7 +192,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
         ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids),
-        ("past_key_positions", past_key_positions))
+        ("past_key_positions", past_key_positions), ("topk_indices", topk_indices))
         if x is not None and not (cache_length is not None and name in ("past_key", "past_value"))}
     if cache_length is not None:
         # Buffers written in place are never moved or converted (that would copy the whole cache, and the
@@ -216,6 +217,9 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         scores_itemsize=torch.finfo(compute_dtype(dtype)).bits // 8, keys_given=keys_given,
     )
     _check_position_values(config, given.get("positions"))
+    selection = given.get("topk_indices")
+    if selection is not None and not torch.compiler.is_compiling():  # (a value read would break the graph)
+        check_topk_values(selection.cpu().numpy(), shapes.P, shapes.S)
     T, S_total = shapes.T, shapes.S_total
     in_place = shapes.capacity is not None
     if in_place:
@@ -235,7 +239,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     windowed = config.window_left >= 0 or config.window_right >= 0
     # ALiBi's bias and the local chunks go into SDPA's attn_mask, which its own is_causal cannot join
-    plain_causal = (sdpa and is_causal and mask_t is None and bias_t is None and not windowed
+    plain_causal = (sdpa and is_causal and mask_t is None and selection is None and bias_t is None and not windowed
                     and not config.alibi and config.local_chunk is None
                     and segment_ids is None and (causal_alignment == "top_left" or T == S_total))
     positions_t = key_positions_t = past_key_positions_t = None
@@ -245,6 +249,9 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         if "past_key_positions" in given:
             past_key_positions_t = F.default_positions(given["past_key_positions"], 0, shapes.P, device)
     mask4 = None if mask_t is None else mask_t.reshape(shapes.mask_shape)
+    if selection is not None:  # the selection joins the mask (impl_numpy.attention.prepare): (B, 1|N, T, S_total)
+        selected = F.selection_mask(selection, config.num_heads, S_total)
+        mask4 = selected if mask4 is None else mask4 & selected
     # One query aligned bottom-right (a decode step) sees every key: its causal mask hides nothing, so
     # none is built (nor applied to the (B, N, 1, S) logits, nor handed to SDPA, which then runs unmasked).
     hides_nothing = causal_alignment == "bottom_right" and T == 1
@@ -459,6 +466,7 @@ def multi_head_attention(
     segment_ids: torch.Tensor | None = None,
     key_segment_ids: torch.Tensor | None = None,
     past_key_positions: torch.Tensor | None = None,
+    topk_indices: torch.Tensor | None = None,
     return_weights: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
@@ -474,6 +482,8 @@ def multi_head_attention(
 
     past_key_positions (P,) or (B, P): the cached keys' positions (default
     0..P-1), as impl_numpy's, on every path (the in-place cache included).
+    topk_indices (B, T, k) or (B, K, T, k): the keys each query may see, as
+    impl_numpy's; it joins the boolean mask, SDPA's attn_mask included.
 
     tensors: the canonical tensors (impl_numpy's names and layouts) as torch
     tensors on one device; inputs, masks, bias, ids and the cache are moved
@@ -502,7 +512,7 @@ def multi_head_attention(
         positions=positions, key_positions=key_positions, past_key=past_key, past_value=past_value,
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype, materializes_scores=not will_use_sdpa,
-        sdpa=will_use_sdpa, past_key_positions=past_key_positions,
+        sdpa=will_use_sdpa, past_key_positions=past_key_positions, topk_indices=topk_indices,
     )
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params

@@ -352,6 +352,18 @@ def allowed_mask(mask4: torch.Tensor | None, T: int, S: int, is_causal: bool, ca
     return allowed
 
 
+def selection_mask(topk_indices: torch.Tensor, num_heads: int, S: int) -> torch.Tensor:
+    """impl_numpy's selection_mask: topk_indices (B, T, k) or (B, K, T, k) -> bool (B, 1|N, T, S), -1 selecting
+    nothing (a scatter into a spare column S, dropped), kv head K's selection for its G query heads."""
+    idx = topk_indices.to(torch.int64)
+    idx = idx[:, None] if idx.dim() == 3 else idx  # (B, K|1, T, k)
+    B, K, T, _ = idx.shape
+    selected = torch.zeros((B, K, T, S + 1), dtype=torch.bool, device=idx.device)
+    selected.scatter_(-1, torch.where(idx < 0, torch.full_like(idx, S), idx), True)
+    selected = selected[..., :S]
+    return selected if K == 1 else selected.repeat_interleave(num_heads // K, dim=1)  # (B, 1|N, T, S)
+
+
 def all_key_positions(key_positions: torch.Tensor, P: int, past_key_positions: torch.Tensor | None = None
                       ) -> torch.Tensor:
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),

@@ -227,14 +227,16 @@ class MultiHeadAttention(nn.Module):
                 causal_alignment: str = "top_left", training: bool | None = None, dropout_mask=None,
                 seed: int | None = None, positions=None, key_positions=None, past_key=None, past_value=None,
                 segment_ids=None, key_segment_ids=None, return_weights: bool = False, return_cache: bool = False,
-                cache_length: int | None = None, past_key_positions=None, use_sdpa: bool | None = None, precision: str | None = "highest", trace: list | None = None):
+                cache_length: int | None = None, past_key_positions=None, use_sdpa: bool | None = None, precision: str | None = "highest", trace: list | None = None,
+                topk_indices=None):
         """query (B, T, query_dim), key (B, S, key_dim) default query, value
         (B, S, value_dim) default key -> output (B, T, O); with
         return_weights also weights (B, N, T, P+S), with return_cache also
         present_key and present_value (functional's return convention).
         positions / key_positions (RoPE), past_key / past_value (the cache;
-        with cache_length, buffers written in place) and segment_ids / key_segment_ids as in
-        attention.multi_head_attention. Inputs are cast to the
+        with cache_length, buffers written in place), segment_ids / key_segment_ids and topk_indices (the
+        keys each query may see: a layer that reuses another layer's selection, GLM-5's shared layers, takes
+        it here) as in attention.multi_head_attention. Inputs are cast to the
         module's dtype. precision: "highest" or "tf32" for the call's float32
         matmuls, None to leave torch's global settings as they are. Under
         torch.compile the settings in force at compile time apply (a compiled
@@ -248,7 +250,7 @@ class MultiHeadAttention(nn.Module):
                        key_positions=key_positions, past_key=past_key, past_value=past_value,
                        segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
                        return_cache=return_cache, cache_length=cache_length, trace=trace,
-                       past_key_positions=past_key_positions, use_sdpa=self.use_sdpa if use_sdpa is None else use_sdpa)
+                       past_key_positions=past_key_positions, topk_indices=topk_indices, use_sdpa=self.use_sdpa if use_sdpa is None else use_sdpa)
         if precision is None or torch.compiler.is_compiling():
             return multi_head_attention(self.config, self.canonical_tensors(), query, key, value, **options)
         with matmul_precision(precision):

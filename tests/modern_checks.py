@@ -117,6 +117,10 @@ def modern_bad_calls() -> dict[str, dict]:
         "cache_length_past_capacity": dict(cache, causal_alignment="bottom_right", cache_length=0),
         "cache_length_negative": dict(cache, causal_alignment="bottom_right", cache_length=-1),
         "cache_length_not_int": dict(cache, causal_alignment="bottom_right", cache_length=1.0),
+        "topk_indices_float": dict(topk_indices=np.zeros((B, T, 2))),
+        "topk_indices_heads": dict(topk_indices=ints(B, K + 1, T, 2)),
+        "topk_indices_length": dict(topk_indices=ints(B, T + 1, 2)),
+        "topk_indices_empty": dict(topk_indices=ints(B, T, 0)),
     }
 
 

@@ -168,6 +168,8 @@ def port(config, tensors, inputs, options, bug=None):
         q_ids = np.asarray(inputs["segment_ids"]).reshape(-1, T)
         k_ids = np.asarray(inputs.get("key_segment_ids", inputs["segment_ids"])).reshape(-1, S)
         allowed &= (q_ids[:, :, None] == k_ids[:, None, :])[:, None]
+    if "topk_indices" in inputs and bug != "topk_ignored":
+        allowed &= _selected(inputs["topk_indices"], N, K, P, S, bug)
     fill = -1e9 if bug == "mask_fill_minus_1e9" else -np.inf
     logits = np.where(allowed, logits, fill)
     if cap and bug == "softcap_after_mask":  # -inf becomes -cap: masked keys get weight
@@ -368,6 +370,26 @@ def _alibi(t, q_pos, k_pos, N, P, T, bug):
     return sign * slopes.reshape(1, -1, 1, 1) * distance
 
 
+def _selected(topk_indices, N, K, P, S, bug):
+    """The keys each query may see, (B, 1|N, T, S), slot by slot as a port loops over FlashMLA-style indices:
+    j < P the cache's key j, P + i the new key i, -1 nothing."""
+    idx = np.asarray(topk_indices)
+    idx = idx[:, None] if idx.ndim == 3 else idx  # (B, K|1, T, k)
+    selected = np.zeros(idx.shape[:3] + (S,), bool)
+    for (b, h, t, _), j in np.ndenumerate(idx):
+        j = int(j)
+        if bug == "topk_new_keys_only" and j >= 0:  # index i read as the new key i, past the cache
+            j += P
+        if j == -1 and bug == "topk_minus_one_as_last":
+            selected[b, h, t, j] = True  # Python's index -1: the last key
+        elif 0 <= j < S:
+            selected[b, h, t, j] = True
+    if idx.shape[1] == 1:
+        return selected
+    kv_of = np.arange(N) % K if bug == "topk_kv_heads_tiled" else np.arange(N) // (N // K)
+    return selected[:, kv_of]  # (B, N, T, S): each query head its kv head's selection
+
+
 def _rank4(shape):
     return {2: (1, 1) + tuple(shape), 3: (shape[0], 1) + tuple(shape[1:]), 4: tuple(shape)}[len(shape)]
 
@@ -448,6 +470,19 @@ MUTANTS = {
     "mla_latent_norm_over_rope_too": "MLA's latent norm taken over the rotary key's features too",
     "mla_absorbed_value_transposed": "a decode step's value up-projection read from a torch weight (K*V, C) by "
                                      "reshape instead of transpose",
+}
+
+# Attention over selected keys (topk_indices), each bug with the grid case it targets (tests/test_topk_selection.py
+# runs them on their case: the whole short grid per mutant, as test_mutants does, would add a minute of tox for
+# bugs only the topk cases can show)
+TOPK_MUTANTS = {
+    "topk_ignored": ("the selection ignored: every key the other masks show is attended", "topk_per_kv_head_window"),
+    "topk_new_keys_only": ("the selection indexed over the new keys only (the cache offset P forgotten: index i read "
+                           "as the new key i)", "topk_shared_cache"),
+    "topk_minus_one_as_last": ("a -1 slot read as Python's index -1: the last key selected", "topk_shared_cache"),
+    "topk_kv_heads_tiled": ("a per-kv-head selection tiled over the query heads (head n reads kv head n % K) "
+                            "instead of each kv head's repeated for its G query heads (n // G)",
+                            "topk_per_kv_head_window"),
 }
 
 

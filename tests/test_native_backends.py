@@ -48,7 +48,8 @@ _BASIC = {"self_basic", "cross_basic", "no_biases", "query_len_1", "key_len_1", 
 
 # The modern cases (rope, cache, windows, softcap, QK-norm, sinks, segments): each backend runs those its API
 # expresses (SUPPORTED); the rest are refused with the reason (conformance.native.refuse_modern).
-MODERN = {name for name, case in CASES.items() if case.config.is_modern or case.P or case.positions or case.return_cache}
+MODERN = {name for name, case in CASES.items()
+          if case.config.is_modern or case.P or case.positions or case.return_cache or case.selection}
 PLAIN = set(CASES) - MODERN
 
 # What each API can express: the cases that run (float32 and float64 alike).
@@ -105,7 +106,7 @@ def _supported(backend_id: str, dtype: str) -> set[str]:
 FAST: dict[str, set[str]] = {
     "torch-flex": {"self_basic", "bias_neg_inf", "gqa", "decode_cache", "window_both_bottom_right", "softcap",
                    "qk_norm_layer_all", "sinks_masked_rows", "segments_packed", "modern_everything",
-                   "local_chunk_per_batch", "frontier_everything"},
+                   "local_chunk_per_batch", "frontier_everything", "topk_per_kv_head_window"},
     "flax-linen-mha": {"mask_bnts", "causal_bottom_right", "masked_rows_uniform"},
     "flax-nnx-mha": {"gqa", "causal_top_left", "masked_rows_uniform"},
     "jax-dpa": {"value_head_dim", "bias_neg_inf", "mask_and_bias_causal", "masked_rows_uniform", "window_right"},

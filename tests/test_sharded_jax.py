@@ -89,6 +89,9 @@ def test_past_key_positions_is_refused_by_name():
     inputs = dict(exp["inputs"], past_key_positions=np.arange(case.P))
     with pytest.raises(NotImplementedError, match="past_key_positions is not taken"):
         engine.forward(case.config, exp["tensors"], inputs, case.options("float32"), kind="heads", devices=1)
+    inputs = dict(exp["inputs"], topk_indices=np.zeros((case.B, case.T, 2), np.int64))  # not wired for a selection
+    with pytest.raises(NotImplementedError, match="topk_indices is not taken"):
+        engine.forward(case.config, exp["tensors"], inputs, case.options("float32"), kind="heads", devices=1)
 
 
 def test_parse_shard_and_missing_engine():

@@ -186,6 +186,14 @@ def test_refusal_past_key_positions():
         sharded.forward(config, tensors, inputs, options, kind="heads", devices=2)
 
 
+def test_refusal_topk_indices():
+    """The engines are not wired for a selection: topk_indices is refused by name, before any process."""
+    config, tensors, inputs, options = _call("decode_cache")
+    inputs = dict(inputs, topk_indices=np.zeros((inputs["query"].shape[0], inputs["query"].shape[1], 2), np.int64))
+    with pytest.raises(NotImplementedError, match="topk_indices is not taken"):
+        sharded.forward(config, tensors, inputs, options, kind="heads", devices=2)
+
+
 def test_refusal_trace():
     config, tensors, inputs, options = _call()
     with pytest.raises(NotImplementedError, match="no trace"):

@@ -16,7 +16,7 @@ import numpy as np
 # The optional call inputs, under their contract names (weights.contract.check_call), in the order the mirrors'
 # signatures take them; every adapter passes them through by these names.
 OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
-                   "segment_ids", "key_segment_ids", "past_key_positions")
+                   "segment_ids", "key_segment_ids", "past_key_positions", "topk_indices")
 
 # The traced stages, in order (docs/spec.md); a call records the ones it runs (clip, norms, rope, temperature,
 # softcap, alibi and the gate only when configured; query.norm and key.norm after the rope stages where the

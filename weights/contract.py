@@ -83,6 +83,28 @@ def check_ids(argument: str, shape, dtype_name: str | None, B: int, L: int, lett
                          f"({B}, {L}): got dtype {dtype_name} shape {shape}")
 
 
+def check_topk_indices(shape, dtype_name: str | None, B: int, K: int, T: int) -> None:
+    """topk_indices: integer, (B, T, k) (one selection for every head) or (B, K, T, k) (one per kv head), k >= 1."""
+    shape = _shape(shape)
+    if (not _is_integer(dtype_name) or len(shape) not in (3, 4) or shape[0] != B or shape[-2] != T
+            or (len(shape) == 4 and shape[1] != K) or shape[-1] < 1):
+        raise ValueError(f"topk_indices must be an integer array of shape (B, T, k) or (B, K, T, k) = ({B}, {T}, k) "
+                         f"or ({B}, {K}, {T}, k), k >= 1: got dtype {dtype_name} shape {shape}")
+
+
+def check_topk_values(topk_indices, P: int, S: int) -> None:
+    """Each selected key indexes the cache's P keys first, then the S new ones (0 .. P+S-1); -1 pads an unused
+    slot (FlashMLA's sparse kernels' convention). Any other value is refused, naming it."""
+    values = np.asarray(topk_indices)
+    if not values.size:
+        return
+    low, high = int(values.min()), int(values.max())
+    if low < -1 or high >= P + S:
+        bad = low if low < -1 else high
+        raise ValueError(f"topk_indices must hold key indices in -1..{P + S - 1} (the cache's {P} keys, then the "
+                         f"{S} new ones; -1 an unused slot): got {bad}")
+
+
 def _check_cache(config: AttentionConfig, past_key_shape, past_key_dtype, past_value_shape, past_value_dtype,
                  B: int) -> int:
     """past_key (B, K, P, H) and past_value (B, K, P, V), both or neither; returns P. A latent layer's cache
@@ -197,6 +219,8 @@ def check_call(
     segment_ids_dtype: str | None = None,
     key_segment_ids_shape=None,
     key_segment_ids_dtype: str | None = None,
+    topk_indices_shape=None,
+    topk_indices_dtype: str | None = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
     training: bool = False,
@@ -292,6 +316,8 @@ def check_call(
         if segment_ids_shape is None:
             raise ValueError("key_segment_ids was given without segment_ids (the queries' ids)")
         check_ids("key_segment_ids", key_segment_ids_shape, key_segment_ids_dtype, B, S_total, "S_total")
+    if topk_indices_shape is not None:
+        check_topk_indices(topk_indices_shape, topk_indices_dtype, B, config.num_kv_heads, T)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise ValueError(f"is_causal must be true or false: got {is_causal!r}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:

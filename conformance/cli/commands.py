@@ -221,7 +221,7 @@ def _add_call_arguments(p, *, write: bool) -> None:
 
     p.add_argument("--backend", default="numpy", choices=list(REGISTRY), help="implementation to run (default numpy)")
     p.add_argument("--weights", required=True, help="weight file (mha-weights safetensors)")
-    p.add_argument("--inputs", required=True, help="inputs safetensors: query [key value mask bias dropout_mask positions key_positions past_key past_value segment_ids key_segment_ids past_key_positions]")
+    p.add_argument("--inputs", required=True, help="inputs safetensors: query [key value mask bias dropout_mask positions key_positions past_key past_value segment_ids key_segment_ids past_key_positions topk_indices]")
     p.add_argument("--causal", action="store_true", help="apply a causal mask")
     p.add_argument("--causal-alignment", default="top_left", choices=["top_left", "bottom_right"])
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights' dtype)")

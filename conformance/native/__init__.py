@@ -40,7 +40,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from impl_numpy.functional import all_key_positions, default_positions
+from impl_numpy.functional import all_key_positions, default_positions, selection_mask
 from impl_numpy.masks import causal_mask, chunk_mask, segment_mask, window_mask
 from weights import AttentionConfig, dtype_from_name, layouts, validate_tensors
 from weights.contract import CallShapes, check_call, check_input_values
@@ -161,8 +161,8 @@ def allowed4(shapes: CallShapes, inputs: Mapping, options: Mapping, *, causal: b
              config: AttentionConfig | None = None) -> np.ndarray | None:
     """mask AND (if `causal`, default the call's is_causal) the causal mask,
     rank 4 over every key (S_total, the cache's included); with `config`,
-    its window, its local chunks and the call's segment ids too (what the
-    reference ANDs)."""
+    its window, its local chunks, the call's segment ids and its selection
+    (topk_indices) too (what the reference ANDs)."""
     T, S, alignment = shapes.T, shapes.S_total, options.get("causal_alignment", "top_left")
     allowed = mask4(shapes, inputs)
 
@@ -178,6 +178,8 @@ def allowed4(shapes: CallShapes, inputs: Mapping, options: Mapping, *, causal: b
     if config is not None and inputs.get("segment_ids") is not None:
         key_ids = inputs.get("key_segment_ids")
         allowed = both(segment_mask(inputs["segment_ids"], inputs["segment_ids"] if key_ids is None else key_ids))
+    if config is not None and inputs.get("topk_indices") is not None:
+        allowed = both(selection_mask(inputs["topk_indices"], config.num_heads, S))  # (B, 1|N, T, S)
     return allowed
 
 
@@ -408,7 +410,12 @@ def torch_vjp(out, leaves: Mapping, d_output) -> tuple[np.ndarray, dict[str, np.
 # The modern call inputs (positions, KV cache, packed segments), beside the config's modern fields
 # (weights.config.MODERN_DEFAULTS).
 MODERN_INPUTS = ("positions", "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids",
-                 "past_key_positions")
+                 "past_key_positions", "topk_indices")
+
+
+# Why a native without an index argument refuses topk_indices (torch-flex takes it in its block mask).
+SELECTION_WHY = ("no argument takes key indices: the API would take the selection only as a dense (B, N, T, P+S) "
+                 "boolean mask, which this wrapper does not build from topk_indices (torch-flex's block mask does)")
 
 
 def modern_features(config: AttentionConfig, inputs, options) -> list[str]:

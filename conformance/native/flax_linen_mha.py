@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import (
+    SELECTION_WHY,
     allowed4,
     check_default_scale,
     check_dropout,
@@ -40,6 +41,7 @@ from . import (
     prepare_call,
     qkv,
     require,
+    why_each,
 )
 
 require("jax", "flax")
@@ -61,7 +63,7 @@ def devices() -> list[str]:
 
 def _prepare(config, tensors, inputs, options, device, precision):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                              why=WHY)
+                                              why=why_each(config, inputs, options, WHY, {"topk_indices": SELECTION_WHY}))
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)

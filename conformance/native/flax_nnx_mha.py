@@ -45,6 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import (
+    SELECTION_WHY,
     allowed4,
     check_default_scale,
     check_dropout,
@@ -59,6 +60,7 @@ from . import (
     prepare_call,
     qkv,
     require,
+    why_each,
 )
 
 require("jax", "flax")
@@ -111,7 +113,7 @@ def _check_norm(config, tensors) -> None:
 
 def _prepare(config, tensors, inputs, options, device, precision):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                                  expresses=("qk_norm",), why=WHY)
+                                                  expresses=("qk_norm",), why=why_each(config, inputs, options, WHY, {"topk_indices": SELECTION_WHY}))
     _check_norm(config, tensors)
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import (
+    SELECTION_WHY,
     alibi_distance,
     allowed4,
     bias4,
@@ -90,6 +91,7 @@ def devices() -> list[str]:
 WINDOW_WHY = ("jax.nn.dot_product_attention takes local_window_size and bias (ALiBi's) and nothing else of the "
               "modern contract; this wrapper builds only the projections around it")
 WHY = {
+    "topk_indices": SELECTION_WHY,
     "local_chunk": "jax.nn.dot_product_attention has no chunk argument: local_window_size is a sliding window "
                    "(query i sees i - left .. i + right), not absolute chunks of C positions",
     "query_temperature": "jax.nn.dot_product_attention takes one scale for every query, not one per position",

@@ -61,6 +61,7 @@ import warnings
 import numpy as np
 
 from . import (
+    SELECTION_WHY,
     allowed4,
     check_default_scale,
     check_dropout,
@@ -88,6 +89,7 @@ WHY = ("CachedMultiHeadAttention takes attention_mask, cache and cache_update_in
 # The frontier fields: read from keras-hub 0.32's source. Its public layers (keras_hub.layers) include AlibiBias
 # and RMSNormalization; the rest lives inside models' own attention layers, which this wrapper does not use.
 FRONTIER_WHY = {
+    "topk_indices": SELECTION_WHY,
     "alibi": "keras_hub.layers.AlibiBias adds its own slopes (from alibi_bias_max, not a weight tensor) times "
              "j - (S - 1), not |pos_q - pos_k|, to scores it is handed, and CachedMultiHeadAttention has no bias "
              "argument to take it",

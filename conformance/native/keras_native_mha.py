@@ -44,6 +44,7 @@ import sys
 import numpy as np
 
 from . import (
+    SELECTION_WHY,
     allowed4,
     check_default_scale,
     check_dropout,
@@ -55,6 +56,7 @@ from . import (
     prepare_call,
     qkv,
     require,
+    why_each,
 )
 
 require("keras", "tensorflow")
@@ -148,7 +150,7 @@ def sliding_window(config, shapes, options) -> int | None:
 
 def _prepare(config, tensors, inputs, options, device, precision):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                                  expresses=("window_left", "window_right"), why=WHY)
+                                                  expresses=("window_left", "window_right"), why=why_each(config, inputs, options, WHY, {"topk_indices": SELECTION_WHY}))
     sliding_window(config, shapes, options)  # refuses a window it cannot express before anything runs
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)

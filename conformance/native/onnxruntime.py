@@ -83,6 +83,7 @@ import numpy as np
 from impl_numpy.functional import default_positions
 
 from . import (
+    SELECTION_WHY,
     alibi_distance,
     allowed4,
     bias4,
@@ -105,6 +106,7 @@ EXPRESSES = ("rope", "logit_softcap", "window_left", "window_right", "qk_norm", 
 SINKS_WHY = "ONNX Attention has no sinks input up to opset 25"
 _NO_ARGUMENT = "ONNX Attention (opset 23-25) has no argument for it"
 FRONTIER_WHY = {
+    "topk_indices": SELECTION_WHY,
     "use_sinks": SINKS_WHY,
     "qkv_clip": f"{_NO_ARGUMENT}: the clamp of q, k, v comes before the node",
     "query_temperature": f"{_NO_ARGUMENT}: its scale attribute is one number for every query",

@@ -12,8 +12,9 @@ one flex_attention call, run eagerly (not compiled):
 - block_mask from one mask_mod: the case's mask, causal (top-left or
   bottom-right: query i sits at i + S_total - T), the window
   p_i - window_left <= j <= p_i + window_right, local chunks
-  (pos_q(i) // C == pos_k(j) // C, from the same positions) and segment ids
-  (equal ids);
+  (pos_q(i) // C == pos_k(j) // C, from the same positions), segment ids
+  (equal ids) and the selection (topk_indices, impl_torch's selection_mask:
+  flex's block mask then skips the key blocks nothing selects);
 - GQA natively (enable_gqa=True), value_head_dim != head_dim, any scale;
 - sinks: flex_attention returns the row's log-sum-exp (return_aux=AuxRequest(lse=True)), so
   a sink logit z joins the denominator by one rescale of the output,
@@ -65,7 +66,7 @@ NAME = "torch-flex"
 # cache are impl_torch's stages around the call, as the projections are.
 EXPRESSES = ("rope", "logit_softcap", "window_left", "window_right", "qk_norm", "use_sinks", "positions",
              "key_positions", "past_key", "past_value", "segment_ids", "key_segment_ids", "return_cache",
-             "past_key_positions",
+             "past_key_positions", "topk_indices",
              "alibi", "local_chunk", "query_temperature", "qkv_clip", "output_gate", "value_norm", "latent",
              "qk_norm.weight", "qk_norm.per_head", "qk_norm.after_rope", "rope.scaling longrope",
              "rope.scaling proportional")
@@ -143,6 +144,11 @@ def _mods(config, shapes, inputs, options, dtype, dev, call):
     left, right = config.window_left, config.window_right
     m, b = mask4(shapes, inputs), bias4(shapes, inputs)
     mask = None if m is None else to_torch(np.ascontiguousarray(np.broadcast_to(m, (B, N, T, S)))).to(dev)
+    if inputs.get("topk_indices") is not None:  # the selection joins the mask_mod's mask (impl_torch's)
+        from impl_torch.functional import selection_mask
+
+        selected = selection_mask(to_torch(np.asarray(inputs["topk_indices"])).to(dev), N, S).expand(B, N, T, S)
+        mask = selected if mask is None else mask & selected
     bias = None if b is None else to_torch(np.ascontiguousarray(np.broadcast_to(b, (B, N, T, S)))).to(
         device=dev, dtype=torch.float32 if dtype in ("float16", "bfloat16") else getattr(torch, dtype))
     ids = inputs.get("segment_ids")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import (
+    SELECTION_WHY,
     allowed4,
     bias4,
     case_has_empty_rows,
@@ -42,6 +43,7 @@ from . import (
     qkv,
     require,
     torch_vjp,
+    why_each,
 )
 
 require("torch")
@@ -68,7 +70,7 @@ def devices() -> list[str]:
 
 def _prepare(config, tensors, inputs, options, device, precision):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                              why=WHY)
+                                              why=why_each(config, inputs, options, WHY, {"topk_indices": SELECTION_WHY}))
     check_layout(NAME, LAYOUT, config)
     check_default_scale(NAME, config)
     check_dropout(NAME, config, inputs, options)

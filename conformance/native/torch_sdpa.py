@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import (
+    SELECTION_WHY,
     allowed4,
     bias4,
     check_dropout,
@@ -38,6 +39,7 @@ from . import (
     qkv,
     require,
     torch_vjp,
+    why_each,
 )
 
 require("torch")
@@ -85,7 +87,7 @@ def native_masked_row(device: str, dtype: str, float_mask: bool) -> str:
 
 def _prepare(config, tensors, inputs, options, device, precision):
     dtype, tensors, inputs, shapes = prepare_call(NAME, config, tensors, inputs, options, device, precision, devices(),
-                                              why=WHY)
+                                              why=why_each(config, inputs, options, WHY, {"topk_indices": SELECTION_WHY}))
     check_dropout(NAME, config, inputs, options)
     float_mask = inputs.get("bias") is not None
     check_masked_rows(NAME, config, shapes, inputs, options, native_masked_row(device, dtype, float_mask),

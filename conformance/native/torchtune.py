@@ -55,6 +55,7 @@ import warnings
 import numpy as np
 
 from . import (
+    SELECTION_WHY,
     allowed4,
     check_default_scale,
     check_dropout,
@@ -81,6 +82,7 @@ WHY = ("torchtune's MultiHeadAttention has pos_embeddings, q_norm/k_norm and kv_
 # Llama 4 (so no chunked attention nor its temperature), no LongRoPE (Phi-3's rotary class is the plain one),
 # no gate, clip, value norm or latent attention anywhere in it.
 FRONTIER_WHY = {
+    "topk_indices": SELECTION_WHY,
     "alibi": "torchtune 0.6.1 has no ALiBi (no bias argument, no ALiBi module)",
     "local_chunk": "torchtune 0.6.1 has no chunked attention (no Llama 4; MultiHeadAttention takes one mask)",
     "past_key_positions": "KVCache holds keys and values, not their positions (cache slot j is position j)",

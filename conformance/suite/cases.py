@@ -43,6 +43,10 @@ class Case:
     first_position: int = 0  # positions "explicit": the first new key's position (see _modern_inputs)
     P: int = 0  # cache length: past_key / past_value of P positions
     return_cache: bool = False
+    # topk_indices (attention over selected keys): None | "shared" (B, T, k) | "per_kv_head" (B, K, T, k) |
+    # "empty_row" (shared, query 0 of row 0 selecting only keys the other masks hide); top_k: k
+    selection: str | None = None
+    top_k: int = 0
 
     @property
     def seed(self) -> int:
@@ -105,7 +109,7 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
-    ] + _modern_grid() + _long_grid()
+    ] + _modern_grid() + _topk_grid() + _long_grid()
 
 
 def _modern_grid() -> list[Case]:
@@ -282,6 +286,25 @@ def _edge_grid() -> list[Case]:
     ]
 
 
+def _topk_grid() -> list[Case]:
+    """Attention over selected keys (topk_indices, issue 39 item 1): one selection for every head over a cache (the
+    indices count the cache's keys first), one per kv head ANDed with causal and a window, a latent (MLA) decode
+    step (the absorbed form on the fused paths), and a query whose selection leaves it no visible key. -1 pads
+    the odd queries' slots and the even ones repeat a key (_selection)."""
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    return [
+        Case("topk_shared_cache", _cfg(num_heads=4, num_kv_heads=2, rope={}), T=3, S=3, P=5, selection="shared",
+             top_k=4, **decode),
+        Case("topk_per_kv_head_window", _cfg(num_heads=4, num_kv_heads=2, window_left=3), T=7, S=7, is_causal=True,
+             selection="per_kv_head", top_k=4),
+        Case("topk_latent_decode", _cfg(num_heads=4, head_dim=6, value_head_dim=3, use_value_bias=False, rope={},
+                                        latent={"query_rank": None, "kv_rank": 4, "rope_dim": 4}),
+             T=1, S=1, P=6, return_weights=False, selection="shared", top_k=3, **decode),
+        Case("topk_empty_row", _cfg(), self_attention=False, T=4, S=6, is_causal=True, selection="empty_row",
+             top_k=3),
+    ]
+
+
 def _long_cfg(**kw) -> AttentionConfig:
     """A realistic length's shape, kept cheap: 4 heads of 8 features over 16 input features, 8 outputs."""
     return _cfg(**{"num_heads": 4, "head_dim": 8, "query_dim": 16, "out_dim": 8, **kw})
@@ -334,7 +357,7 @@ PROFILE_DTYPES: dict[str, tuple[str, ...]] = {"default": DTYPE_NAMES, "long": ("
 # float64 float32 float16 bfloat16` runs them all. Measured back to back (2026-11-29, 2-core AMD EPYC VM, a day
 # whose grid before these nine cases took 52.8 s cold / 22.6 s warm): all four dtypes of the nine cases took a
 # plain check to about 60 s cold / 40 s warm, float32 and bfloat16 to 54 / 30.4 s, float32 alone to 56.8 / 26.2 s.
-CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid(), *_long_grid()))
+CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid(), *_topk_grid(), *_long_grid()))
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"
@@ -400,7 +423,44 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     if case.training:
         inputs["dropout_mask"] = rng.random((B, N, T, S)) >= c.dropout
     inputs.update(_modern_inputs(case, np.random.default_rng(case.seed + 3)))
+    if case.selection is not None:
+        inputs["topk_indices"] = _selection(case, np.random.default_rng(case.seed + 5))
     return inputs
+
+
+def _selection(case: Case, rng) -> np.ndarray:
+    """topk_indices for case.selection, int64, over every key (the cache's first: 0..P+S-1).
+
+    Each query's first slot is a key every other mask of the case shows it (its aligned position, or the one
+    before: causal and a window of left >= 1 keep both), so no row is empty by chance; the rest are random. The
+    last query and every second one before it leave the last half of their slots -1 and never select the last
+    key (a port that reads -1 as Python's last index selects it, and the last query sees it); the others fill
+    their k slots, the last repeating the first (a duplicate). "empty_row":
+    query 0 of row 0 selects only keys after its aligned position (causal hides them), or only -1 where there
+    are none."""
+    c, B, T, k, S = case.config, case.B, case.T, case.top_k, case.S_total
+    if k < 2:
+        raise ValueError(f"case {case.name}: a selection needs top_k >= 2")
+    heads = c.num_kv_heads if case.selection == "per_kv_head" else 1
+    offset = S - T if case.causal_alignment == "bottom_right" else 0
+    idx = np.empty((B, heads, T, k), dtype=np.int64)
+    for b in range(B):
+        for h in range(heads):
+            for t in range(T):
+                aligned = min(t + offset, S - 1) if case.is_causal or c.window_left >= 0 else 0
+                if (T - 1 - t) % 2:  # k slots, the last a repeat of the first
+                    rest = rng.choice(np.delete(np.arange(S), aligned), size=k - 2, replace=False)
+                    idx[b, h, t] = [aligned, *rest, aligned]
+                else:  # the last query and every second one before it: half the slots -1, the last key unselected
+                    first = max(aligned - 1, 0)  # visible too (causal, and a window of left >= 1)
+                    pool = np.delete(np.arange(S - 1), first)
+                    used = k - k // 2
+                    idx[b, h, t] = [first, *rng.choice(pool, size=used - 1, replace=False), *[-1] * (k // 2)]
+    if case.selection == "empty_row":
+        hidden = np.arange(offset + 1, S)[:k]  # the keys causal hides from query 0
+        idx[0, :, 0] = -1
+        idx[0, :, 0, :hidden.size] = hidden
+    return idx[:, 0] if heads == 1 else idx
 
 
 def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ File `<case>.<dtype>.safetensors`:
   inputs.dropout_mask        bool, True = keep (training cases)
   inputs.positions, inputs.key_positions, inputs.segment_ids, inputs.key_segment_ids
                              int64 (cases with explicit positions / packed rows)
+  inputs.topk_indices        int64 (cases with a selection: the keys each query may see, -1 unused)
   inputs.past_key|past_value in <dtype> (cases with a cache)
   cotangent.output           (B, T, O) float64: the output cotangent
   expected.output            float64

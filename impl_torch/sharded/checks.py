@@ -69,6 +69,9 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
     if inputs.get("past_key_positions") is not None:
         return ("the sharded engines place a cache's keys at 0..P-1: past_key_positions is not taken (run the "
                 "unsharded call)")
+    if inputs.get("topk_indices") is not None:
+        return ("the sharded engines are not wired for a selection over every key (no sharded grid case holds "
+                "one): topk_indices is not taken (run the unsharded call)")
     if kind == "heads":
         if config.num_heads % devices:
             return (f"heads sharding splits the query heads evenly: num_heads={config.num_heads} "

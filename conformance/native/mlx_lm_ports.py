@@ -1,0 +1,636 @@
+"""mlx-lm's attention ports, judged against the spec and transformers (a table of `mha check --conventions`).
+
+mlx-lm (Apple's MLX language-model package) ships its own attention for each model type, written by hand
+from transformers' code. For every model type whose attention block our layouts reproduce (weights/layouts:
+hf-llama, hf-deepseek, hf-gpt-neox, hf-gptj, hf-gpt2) that mlx-lm also ships, this module:
+
+1. builds a tiny randomly initialised transformers model (eager attention, float32; the features its
+   family uses turned on: windows, softcap, QK-norm, sinks, partial or scaled RoPE, NoPE layers, chunks,
+   latent attention), saves it with save_pretrained, and captures each block's attention input and
+   output (forward hooks) on a causal batch of B = 2 rows of T tokens;
+2. loads the same folder as mlx-lm loads a checkpoint (mlx_lm.utils.load_model: config.json -> its
+   ModelArgs.from_dict, the Model, its sanitize(), its key names), and runs mlx-lm's own model on the
+   same token ids, with each attention module's input replaced by transformers' captured input (so both
+   judge the same x: the rest of the model, MLP and norms, is not what is judged), in float32:
+   prefill (the whole causal call, mlx-lm's own mask) and decode (a prefix of P tokens into mlx-lm's own
+   KV cache, mlx_lm.models.cache.make_prompt_cache, then one token at a time);
+3. judges mlx-lm's outputs against the float64 NumPy reference (impl_numpy) run on the block's weights as
+   our layout converts them, and against transformers' own output, under the project's tolerance policy
+   (conformance/suite/tolerance.py: float32, each element's allowance from the magnitudes of the terms it
+   is summed from, impl_numpy.magnitudes, as `mha check` judges a backend);
+4. where mlx-lm differs, names the first stage that differs: its projections (q_proj, k_proj, v_proj),
+   its QK-norms, its RoPE (the rope module's output), the scale, mask and softmax through what reached
+   mx.fast.scaled_dot_product_attention (q, k, v, scale, mask, sinks), the merged heads (o_proj's input)
+   and the output, each against the reference's trace of the same stage, under the policy's stage
+   tolerance (conformance.suite.compare.localise's rule).
+
+Shape letters as in impl_numpy: B batch, T query length, S key length, N heads, K key/value heads, H head
+dim, D model width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+B, T, P = 2, 9, 5  # batch rows, tokens, the decode prefix (then T - P steps, one token each)
+
+_SMALL = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+              intermediate_size=32, vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              max_position_embeddings=64)
+_GATED_TEXT = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                   vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64)
+_LINEAR = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+               linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+_DEEPSEEK = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=6, qk_nope_head_dim=4,
+                 qk_rope_head_dim=4, v_head_dim=3, num_hidden_layers=2, first_k_dense_replace=2, intermediate_size=16,
+                 moe_intermediate_size=8, n_routed_experts=2, num_experts_per_tok=1, vocab_size=64,
+                 max_position_embeddings=64, rms_norm_eps=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+         "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    """One row: a model type (and its variant), the config's kwargs, our layout, where its blocks are."""
+    model_type: str
+    kwargs: dict
+    layout: str = "hf-llama"
+    blocks: str = "model.layers"  # transformers' path to the blocks
+    attribute: str = "self_attn"  # the block's attention (transformers and mlx-lm alike, unless mlx_attribute)
+    mlx_attribute: str | None = None
+    layers: tuple[int, ...] = (0, 1)
+    multimodal: bool = False
+    note: str = ""  # what the variant turns on, for the table
+
+
+# name -> Port. Each model type with the features its family uses turned on, at T tokens (longer than every
+# window and chunk below, so decode crosses them).
+PORTS: dict[str, Port] = {
+    "llama": Port("llama", dict(_SMALL, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), note="llama3 RoPE scaling"),
+    "mistral": Port("mistral", dict(_SMALL, sliding_window=3), note="sliding_window 3"),
+    "qwen2": Port("qwen2", dict(_SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+                  note="layer 1 slides (window 4)"),
+    "qwen3": Port("qwen3", dict(_SMALL), note="QK-norm per head"),
+    "qwen3 attention_bias": Port("qwen3", dict(_SMALL, attention_bias=True), note="QK-norm per head, biases"),
+    "gemma2": Port("gemma2", dict(_SMALL, sliding_window=3, attn_logit_softcapping=3.0, query_pre_attn_scalar=12),
+                   note="softcap 3, window 3, query_pre_attn_scalar 12"),
+    "gemma3_text": Port("gemma3_text", dict(_SMALL, sliding_window=4, query_pre_attn_scalar=12,
+                                            layer_types=["sliding_attention", "full_attention"]),
+                        note="QK-norm, layer 0 window 4"),
+    "olmo2": Port("olmo2", dict(_SMALL), note="QK-norm over the whole projection"),
+    "gpt_oss": Port("gpt_oss", dict(_SMALL, sliding_window=3, num_local_experts=2, num_experts_per_tok=1),
+                    note="sinks, window 3"),
+    "phi3": Port("phi3", dict(_SMALL, partial_rotary_factor=0.5, sliding_window=5),
+                 note="partial RoPE (half), window 5"),
+    "phi3 longrope": Port("phi3", dict(_SMALL, original_max_position_embeddings=4, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [1.0, 4.0, 9.0, 16.0]}), note="longrope, T past original_max_position_embeddings 4"),
+    "llama4_text": Port("llama4_text", dict(_SMALL, no_rope_layers=[1, 0], attention_chunk_size=4, floor_scale=4,
+                                            attn_scale=0.5, use_qk_norm=True, num_local_experts=2,
+                                            intermediate_size_mlp=32, rms_norm_eps=1e-2),
+                        note="layer 0 RoPE + chunks of 4 + L2 norm; layer 1 NoPE + temperature"),
+    "smollm3": Port("smollm3", dict(_SMALL, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=4),
+                    note="layer 1 NoPE"),
+    "ministral3": Port("ministral3", dict(_SMALL, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 4,
+        "llama_4_scaling_beta": 0.5}), note="YaRN, llama_4_scaling_beta"),
+    "granite": Port("granite", dict(_SMALL, attention_multiplier=0.3), note="attention_multiplier 0.3"),
+    "cohere": Port("cohere", dict(_SMALL, use_qk_norm=True, layer_norm_eps=1e-2),
+                   note="interleaved RoPE, QK LayerNorm"),
+    "cohere2": Port("cohere2", dict(_SMALL, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+                    note="layer 0 RoPE + window 4, layer 1 NoPE"),
+    "qwen3_next": Port("qwen3_next", dict(_GATED_TEXT, **_LINEAR, num_experts=2, num_experts_per_tok=1,
+                                          moe_intermediate_size=16, shared_expert_intermediate_size=16),
+                       layers=(1,), note="output gate, partial RoPE"),
+    "gemma4_text": Port("gemma4_text", dict(_GATED_TEXT, num_hidden_layers=2,
+                                            layer_types=["sliding_attention", "full_attention"], sliding_window=3,
+                                            attention_k_eq_v=True, global_head_dim=32, num_global_key_value_heads=1,
+                                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=64),
+                        note="window 3; layer 1 k = v, proportional RoPE"),
+    "deepseek_v2": Port("deepseek_v2", dict(_DEEPSEEK, q_lora_rank=5, rope_parameters=_YARN), layout="hf-deepseek",
+                        layers=(1,), note="MLA, YaRN"),
+    "deepseek_v3": Port("deepseek_v3", dict(_DEEPSEEK, q_lora_rank=5, rope_interleave=True, rope_parameters=_YARN),
+                        layout="hf-deepseek", layers=(1,), note="MLA, YaRN (mscale_all_dim 0.5)"),
+    # intermediate_size 4 * hidden_size: mlx-lm's GPT-NeoX MLP has that width whatever config.json says
+    "gpt_neox": Port("gpt_neox", dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                      intermediate_size=128, vocab_size=64, max_position_embeddings=64,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                                       "partial_rotary_factor": 0.5}),
+                     layout="hf-gpt-neox", blocks="gpt_neox.layers", attribute="attention",
+                     note="fused qkv, partial RoPE"),
+    "gptj": Port("gptj", dict(n_embd=32, n_head=4, n_layer=2, rotary_dim=4, vocab_size=64, n_positions=64),
+                 layout="hf-gptj", blocks="transformer.h", attribute="attn", note="interleaved partial RoPE"),
+    "gpt2": Port("gpt2", dict(n_embd=32, n_head=4, n_layer=2, vocab_size=64, n_positions=64,
+                              scale_attn_by_inverse_layer_idx=True),
+                 layout="hf-gpt2", blocks="transformer.h", attribute="attn", note="scale_attn_by_inverse_layer_idx"),
+}
+
+KEYS = ("transformers_config", "verdict", "prefill", "decode", "vs_transformers", "first_stage")
+COLUMNS = (("model type", "api"), ("config.json as transformers 5 saves it", "transformers_config"),
+           ("mlx-lm's port (config.json in the Hub's 4.x form)", "verdict"),
+           ("prefill: max err (margin)", "prefill"), ("decode: max err (margin)", "decode"),
+           ("vs transformers: max err (margin)", "vs_transformers"), ("first stage that differs, and why", "first_stage"))
+SETUP = (f"tiny random transformers models, B={B}, T={T}, decode: {P} tokens then {T - P} steps on mlx-lm's own "
+         "cache; mlx-lm in float32 on transformers' attention input, against the float64 reference on our "
+         "converted block and against transformers' output, float32 policy with allowances from magnitudes; "
+         "margin = error / allowance (<= 1 agrees), worst block of the model")
+MLX_EXTRA = "pip install -c constraints/cpu.txt mlx mlx-lm '.[hf,torch]'"
+
+
+# -- transformers' side ------------------------------------------------------------------------------
+
+def token_ids() -> np.ndarray:
+    """(B, T) token ids: two different rows."""
+    return np.stack([np.arange(3, 3 + T), np.arange(40, 40 - T, -1)]).astype(np.int64)
+
+
+def build_hf(port: Port):
+    """The tiny transformers model of `port`, every parameter random (norms, sinks and biases too); the
+    global torch RNG is left as it was."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(port.model_type, **port.kwargs)
+    auto = transformers.AutoModelForImageTextToText if port.multimodal else transformers.AutoModelForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = auto.from_config(config, attn_implementation="eager", dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if port.layout == "hf-deepseek":
+                    param.normal_(1.0 if "norm" in name else 0.0, 0.3)
+                else:
+                    big = "norm" in name or "sinks" in name or "bias" in name or "ln" in name
+                    param.normal_(0.0, 0.5 if big else 0.2)
+    return model.eval()
+
+
+def _get(root, path: str):
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def capture_hf(model, port: Port) -> dict[int, dict]:
+    """{layer: {"x": attention input (B, T, D), "out": attention output (B, T, D)}} of the model's causal
+    forward on token_ids()."""
+    import torch
+
+    blocks = _get(model, port.blocks)
+    seen: dict[int, dict] = {}
+    hooks = []
+    for index in port.layers:
+        def hook(module, args, kwargs, output, index=index):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            out = output[0] if isinstance(output, tuple) else output
+            seen[index] = {"x": hidden.detach().numpy().copy(), "out": out.detach().numpy().copy()}
+        hooks.append(getattr(blocks[index], port.attribute).register_forward_hook(hook, with_kwargs=True))
+    ids = torch.tensor(token_ids())
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=torch.arange(T).expand(B, T), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def convert(model, folder: Path, port: Port, layer: int):
+    """(AttentionConfig, canonical tensors) of block `layer`, read by our layout from the model's state dict
+    and the config.json save_pretrained wrote."""
+    from weights import layouts
+
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return layouts.to_canonical(port.layout, state, hf_config=json.loads((folder / "config.json").read_text()),
+                                layer=layer)
+
+
+# -- mlx-lm's side -----------------------------------------------------------------------------------
+
+def _mlx_layers(model):
+    for path in ("layers", "model.layers", "language_model.model.layers", "model.language_model.layers",
+                 "language_model.layers", "transformer.h", "gpt_neox.layers", "model.h"):
+        with contextlib.suppress(AttributeError, KeyError):
+            return _get(model, path)
+    raise ValueError(f"model: no layers found in mlx-lm's {type(model).__name__}")
+
+
+def _recorder_class():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class Recorder(nn.Module):
+        """Stands in the block for one mlx-lm attention module while it runs: replaces its input x by
+        `inject` (transformers' captured input, the rows of this call), records what it returns; every
+        other attribute is the module's own (what mlx-lm's cache and mask code read of it)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            object.__setattr__(self, "inject", None)
+            object.__setattr__(self, "outputs", [])
+            object.__setattr__(self, "gate", None)  # a dict whose "on" is True while the module runs
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                if "inner" not in self:
+                    raise
+                return getattr(self["inner"], name)
+
+        def __call__(self, *args, **kwargs):
+            if self.inject is not None:
+                new = mx.array(self.inject)
+                if args:
+                    args = (new, *args[1:])
+                else:
+                    key = next(k for k, v in kwargs.items() if isinstance(v, mx.array) and v.ndim == 3)
+                    kwargs[key] = new
+            if self.gate is not None:
+                self.gate["on"] = True
+            try:
+                out = self["inner"](*args, **kwargs)
+            finally:
+                if self.gate is not None:
+                    self.gate["on"] = False
+            first = out[0] if isinstance(out, tuple) else out
+            self.outputs.append(np.array(first.astype(mx.float32)))
+            return out
+
+    return Recorder
+
+
+@contextlib.contextmanager
+def recording(model, layers: tuple[int, ...], attribute: str):
+    """{layer: Recorder} standing in each measured block for its attention module for the duration."""
+    Recorder = _recorder_class()
+    blocks = _mlx_layers(model)
+    recorders = {}
+    try:
+        for index in layers:
+            recorders[index] = Recorder(blocks[index][attribute])
+            blocks[index][attribute] = recorders[index]
+        yield recorders
+    finally:
+        for index, recorder in recorders.items():
+            blocks[index][attribute] = recorder["inner"]
+
+
+def hub_form(cfg: dict) -> dict:
+    """config.json in the form the Hub's checkpoints carry, transformers 4.x's: the RoPE fields that
+    transformers 5 writes inside rope_parameters also at the top level (rope_theta, rope_scaling with its
+    "type", partial_rotary_factor; GPT-NeoX's rotary_pct and rotary_emb_base), GPT-2's n_ctx, and the
+    periodic sliding_window_pattern that Gemma 3 and Cohere 2 configs carried beside layer_types."""
+    out = dict(cfg)
+    text = out.get("text_config") if isinstance(out.get("text_config"), dict) else None
+    if text is not None:
+        out["text_config"] = hub_form(text)
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict):
+        if "rope_theta" in rope:
+            out.setdefault("rope_theta", rope["rope_theta"])
+        if "partial_rotary_factor" in rope:
+            out.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+        kind = rope.get("rope_type", "default")
+        if kind != "default":
+            out.setdefault("rope_scaling", {**{k: v for k, v in rope.items() if k != "rope_theta"}, "type": kind})
+    if cfg.get("model_type") == "gpt_neox":
+        out.setdefault("rotary_pct", out.get("partial_rotary_factor", 1.0))
+        out.setdefault("rotary_emb_base", out.get("rope_theta", 10000.0))
+    if cfg.get("model_type") == "gpt2":
+        out.setdefault("n_ctx", cfg.get("n_positions", 1024))
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list) and "full_attention" in kinds and "sliding_attention" in kinds:
+        out.setdefault("sliding_window_pattern", kinds.index("full_attention") + 1)
+    if isinstance(kinds, list) and "full_attention" in kinds and "linear_attention" in kinds:
+        out.setdefault("full_attention_interval", kinds.index("full_attention") + 1)
+    return out
+
+
+def hub_weights(folder: Path) -> None:
+    """GPT-2's model.safetensors in the Hub's form (openai-community/gpt2: GPT2Model's keys, h.{L}..., no
+    "transformer." prefix, which save_pretrained of GPT2LMHeadModel writes and mlx-lm's sanitize does not
+    strip)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    save_file({k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}, path,
+              metadata={"format": "pt"})
+
+
+def load_mlx(folder: Path, cfg: dict) -> tuple[Any, str]:
+    """mlx-lm's model of the folder with `cfg` as its config.json, loaded as mlx-lm loads a checkpoint
+    (mlx_lm.utils.load_model: config.json -> ModelArgs.from_dict, the Model, its sanitize(), strict key
+    names), and a note: "" where the strict load took every key; else what it refused, after which the
+    folder is loaded non-strict (the keys mlx-lm does not read are left at its own initialisation: a
+    block whose attention keys it refused is then judged on random weights and differs)."""
+    from mlx_lm.utils import load_model
+
+    (folder / "config.json").write_text(json.dumps(cfg))
+    try:
+        return load_model(folder)[0], ""
+    except ValueError as err:
+        if "parameters not in model" not in str(err) and "Missing" not in str(err):
+            raise
+        note = " ".join(str(err).split())
+    return load_model(folder, strict=False)[0], note
+
+
+def run_mlx(model, port: Port, seen: dict[int, dict], *, attribute: str | None = None,
+            layers: tuple[int, ...] | None = None) -> dict[int, dict]:
+    """{layer: {"prefill": (B, T, D), "decode": (B, T - P, D)}}: mlx-lm's attention outputs on transformers'
+    inputs; prefill without a cache (mlx-lm's own causal/window mask), decode with mlx-lm's own cache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = token_ids()
+    attribute = attribute or port.mlx_attribute or port.attribute
+    out: dict[int, dict] = {}
+    with recording(model, port.layers if layers is None else layers, attribute) as recorders:
+        def call(rows: slice, cache=None):
+            for index, rec in recorders.items():
+                rec.inject = seen[index]["x"][:, rows]
+            logits = model(mx.array(ids[:, rows]), cache=cache)
+            mx.eval(logits)
+            if cache is not None:
+                mx.eval([c.state for c in cache])
+
+        call(slice(0, T))
+        prefill = {i: r.outputs.pop() for i, r in recorders.items()}
+        cache = make_prompt_cache(model)
+        call(slice(0, P), cache)
+        for r in recorders.values():
+            r.outputs.pop()
+        for t in range(P, T):
+            call(slice(t, t + 1), cache)
+        for index, rec in recorders.items():
+            out[index] = {"prefill": prefill[index], "decode": np.concatenate(rec.outputs, axis=1)}
+    return out
+
+
+# -- the reference and the judgement ----------------------------------------------------------------
+
+def reference(config, tensors: dict, x: np.ndarray) -> dict:
+    """The float64 reference's causal call on x (B, T, D): its output, trace and the magnitudes the
+    policy takes its allowances from."""
+    from conformance.suite import backends
+    from impl_numpy.magnitudes import forward_magnitudes
+
+    wide = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    x64 = np.asarray(x, np.float64)
+    positions = np.arange(x.shape[1], dtype=np.int64)
+    ref = backends.load("numpy").forward(config, wide, {"query": x64, "positions": positions},
+                                         {"is_causal": True}, trace=True)
+    terms, logit_errors = forward_magnitudes(config, wide, x64, is_causal=True, positions=positions,
+                                             logit_errors=True)
+    return {"output": ref["output"], "trace": dict(ref["trace"]), "terms": terms, "logit_errors": logit_errors,
+            "tensors": tensors}
+
+
+def judge(name: str, actual, ref: dict, config, *, rows: slice = slice(None), stage: str = "output",
+          expected=None, quantity: str = "output"):
+    """conformance.suite.tolerance.compare of `actual` with the reference's `stage` (or `expected`, the same
+    shape: transformers' output) on query rows `rows`, float32 policy, allowances from the reference's
+    magnitudes (as conformance.suite.compare.case_policy builds them)."""
+    from conformance.suite.tolerance import compare, policy_for
+
+    want = ref["trace"][stage] if stage != "output" else ref["output"]
+    terms = ref["terms"].get(stage)
+    weighted = ref["logit_errors"].get(stage)
+    logit_terms = ref["terms"]["logits"]
+    if stage in ("output", "merge_heads", "attend"):
+        want, terms = want[:, rows] if stage != "attend" else want, terms[:, rows] if stage != "attend" else terms
+        weighted = None if weighted is None else (weighted[:, rows] if stage != "attend" else weighted)
+    if expected is not None:
+        want = expected
+    tol = policy_for(config, dtype="float32", quantity=quantity, B=want.shape[0], T=ref["output"].shape[1],
+                     S=ref["output"].shape[1], reference=want, logits=logit_terms, max_position=T,
+                     magnitude=terms, logit_error=weighted)
+    return compare(name, np.asarray(actual, np.float64), want, tol)
+
+
+@dataclasses.dataclass
+class BlockResult:
+    layer: int
+    prefill: Any  # Comparison against the reference
+    decode: Any
+    vs_transformers: Any  # mlx-lm's prefill against transformers' output
+    transformers: Any  # transformers' output against the reference (the layout's own check)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.prefill.ok and self.decode.ok and self.vs_transformers.ok)
+
+
+FORMS = ("transformers", "hub")  # config.json as transformers 5 saves it; in the Hub's (4.x) form
+
+
+def measure_port(name: str, *, mutate=None) -> dict:
+    """One row's cells and evidence for PORTS[name]. mutate: applied to mlx-lm's loaded model before it
+    runs (a planted porting bug: tests/test_mlx_lm_ports.py)."""
+    port = PORTS[name]
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
+        warnings.simplefilter("ignore")
+        folder = Path(tmp)
+        hf = build_hf(port)
+        hf.save_pretrained(folder)
+        saved = json.loads((folder / "config.json").read_text())
+        seen = capture_hf(hf, port)
+        blocks = {layer: convert(hf, folder, port, layer) for layer in port.layers}
+        refs = {layer: reference(*blocks[layer], seen[layer]["x"]) for layer in port.layers}
+        runs = {}
+        for form in FORMS:
+            try:
+                if form == "hub" and port.model_type == "gpt2":
+                    hub_weights(folder)
+                model, note = load_mlx(folder, saved if form == "transformers" else hub_form(saved))
+                if mutate is not None:
+                    mutate(model)
+                got = run_mlx(model, port, seen)
+            except Exception as err:  # noqa: BLE001 (a port that cannot load or run is this row's finding)
+                runs[form] = {"error": _short(err)}
+                continue
+            results = []
+            for layer in port.layers:
+                config, ref, label = blocks[layer][0], refs[layer], f"{name}[{layer}] {form} config"
+                results.append(BlockResult(
+                    layer,
+                    judge(f"{label} mlx-lm prefill", got[layer]["prefill"], ref, config),
+                    judge(f"{label} mlx-lm decode", got[layer]["decode"], ref, config, rows=slice(P, T)),
+                    judge(f"{label} mlx-lm vs transformers", got[layer]["prefill"], ref, config,
+                          expected=seen[layer]["out"]),
+                    judge(f"{label} transformers", seen[layer]["out"], ref, config)))
+            runs[form] = {"results": results, "model": model, "note": note}
+    return summarise(port, runs, seen, blocks, refs)
+
+
+def _short(err: BaseException) -> str:
+    from conformance.native.conventions.modern import _short as short
+
+    return " ".join(short(err).split())
+
+
+def _cell(results: list[BlockResult], field: str) -> tuple[str, dict]:
+    worst = max(results, key=lambda r: getattr(r, field).margin)
+    c = getattr(worst, field)
+    return f"{c.max_abs_error:.1e} ({c.margin:.3g}, block {worst.layer})", {
+        str(r.layer): {"ok": bool(getattr(r, field).ok), "margin": float(getattr(r, field).margin),
+                       "max_abs_error": float(getattr(r, field).max_abs_error)} for r in results}
+
+
+def _form_label(run: dict) -> str:
+    if "error" in run:
+        return f"fails: {run['error']}"
+    results = run["results"]
+    worst = max(results, key=lambda r: max(r.prefill.margin, r.decode.margin))
+    margin = max(worst.prefill.margin, worst.decode.margin)
+    err = max(worst.prefill.max_abs_error, worst.decode.max_abs_error)
+    return ("agrees" if all(r.ok for r in results) else "differs") + f" (err {err:.1e}, margin {margin:.3g})" + (
+        "; strict load refused keys" if run["note"] else "")
+
+
+def summarise(port, runs, seen, blocks, refs) -> dict:
+    row: dict[str, Any] = {"evidence": {form: ({"error": run["error"]} if "error" in run else {"note": run["note"]})
+                                        for form, run in runs.items()}}
+    row["transformers_config"] = _form_label(runs["transformers"])
+    hub = runs["hub"]
+    if "error" in hub:
+        row["verdict"] = f"fails: {hub['error']}"
+        for key in ("prefill", "decode", "vs_transformers", "first_stage"):
+            row[key] = "-"
+        return row
+    results = hub["results"]
+    for field in ("prefill", "decode", "vs_transformers", "transformers"):
+        cell, ev = _cell(results, field)
+        row["evidence"][field] = ev
+        if field != "transformers":
+            row[field] = cell
+    agrees = all(r.ok for r in results)
+    row["verdict"] = ("agrees" if agrees else "differs") + (f" ({port.note})" if port.note else "")
+    if hub["note"]:
+        row["verdict"] += f"; strict load refused: {hub['note'][:160]}"
+    if not all(r.transformers.ok for r in results):
+        row["verdict"] += "; transformers itself leaves the policy (our layout's fault: see evidence)"
+    if agrees:
+        row["first_stage"] = "-"
+        return row
+    stages = []
+    for r in results:
+        if r.ok:
+            continue
+        config = blocks[r.layer][0]
+        where = "prefill" if not (r.prefill.ok and r.vs_transformers.ok) else "decode"
+        stage, why = localise(hub["model"], port, seen, r.layer, config, refs[r.layer], where)
+        stages.append(f"block {r.layer} {where}: {stage}: {why}")
+        row["evidence"][f"stage[{r.layer}]"] = {"where": where, "stage": stage, "why": why}
+    row["first_stage"] = "; ".join(stages)
+    return row
+
+
+# -- the first stage that differs ------------------------------------------------------------------
+
+def localise(model, port, seen, layer, config, ref, where) -> tuple[str, str]:
+    """(stage, why with numbers): mlx-lm's intermediates of block `layer`'s prefill call against the
+    reference's trace."""
+    from conformance.native import mlx_lm_stages
+
+    return mlx_lm_stages.first_difference(model, port, seen, layer, config, ref, where)
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+def _api_name(name: str) -> str:
+    return f"mlx-lm {name}"
+
+
+def _measure_row(name: str) -> dict:
+    from conformance.native.conventions import modern
+
+    api = modern.ModernApi(_api_name(name), "mlx", ("mlx", "mlx_lm", "torch", "transformers"), MLX_EXTRA,
+                           lambda: measure_port(name))
+    return modern.measure_row(api, KEYS, _json_safe)
+
+
+def _json_safe(evidence):
+    from conformance.native.conventions.packed import _json_safe as safe
+
+    return safe(evidence)
+
+
+APIS = tuple(PORTS)
+
+
+def measure(apis: tuple[str, ...] | None = None) -> list[dict]:
+    """Every port's row (default: all of PORTS); never raises (modern.measure_row's rule)."""
+    from conformance.logs import quiet_python_loggers
+
+    rows = []
+    for name in APIS if apis is None else apis:
+        rows.append(_measure_row(name))
+        quiet_python_loggers()
+    return rows
+
+
+def cells(rows: list[dict]) -> list[list[str]]:
+    from conformance.native.conventions import modern
+
+    return modern.cells(rows, COLUMNS)
+
+
+def notes(rows: list[dict]) -> list[str]:
+    from conformance.native.conventions import modern
+
+    return modern.notes(rows)[:1]  # one "not installed" note says it for every row
+
+
+def versions(rows: list[dict]) -> dict[str, str]:
+    """mlx's and mlx-lm's versions where a row was measured."""
+    import importlib.metadata
+
+    if not any(row.get("status") == "measured" for row in rows):
+        return {}
+    return {name: importlib.metadata.version(name) for name in ("mlx", "mlx-lm")}
+
+
+def to_markdown(rows: list[dict]) -> str:
+    """This table alone, in Markdown (docs/conventions.md's "mlx-lm's ports" section)."""
+    out = ["| " + " | ".join(title for title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in cells(rows)]
+    out += ["", f"Setup: {SETUP}.", ""] + [f"- {note}" for note in notes(rows)]
+    found = versions(rows)
+    if found:
+        out += ["Versions: " + ", ".join(f"{k} {v}" for k, v in found.items()) + "."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m conformance.native.mlx_lm_ports [--json] [NAME ...]: this table alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m conformance.native.mlx_lm_ports",
+                                     description="Judge mlx-lm's attention ports against the spec and transformers.")
+    parser.add_argument("names", nargs="*", help=f"ports to measure (default: all): {', '.join(PORTS)}")
+    parser.add_argument("--json", action="store_true", help="print the rows, evidence included, as JSON")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in PORTS]
+    if unknown:
+        parser.error(f"names must be among {', '.join(PORTS)}: got {', '.join(map(repr, unknown))}")
+    rows = measure(tuple(args.names) or None)
+    print(json.dumps(rows, indent=1) if args.json else to_markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

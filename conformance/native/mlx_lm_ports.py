@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 B, T, P = 2, 9, 5  # batch rows, tokens, the decode prefix (then T - P steps, one token each)
+FAR, FAR_L = 4096, 8  # the rotation alone at positions FAR..FAR+FAR_L-1: where a frequency's error shows
 
 _SMALL = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
               intermediate_size=32, vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -135,11 +136,12 @@ PORTS: dict[str, Port] = {
                  layout="hf-gpt2", blocks="transformer.h", attribute="attn", note="scale_attn_by_inverse_layer_idx"),
 }
 
-KEYS = ("transformers_config", "verdict", "prefill", "decode", "vs_transformers", "first_stage")
+KEYS = ("transformers_config", "verdict", "prefill", "decode", "vs_transformers", "far", "first_stage")
 COLUMNS = (("model type", "api"), ("config.json as transformers 5 saves it", "transformers_config"),
            ("mlx-lm's port (config.json in the Hub's 4.x form)", "verdict"),
            ("prefill: max err (margin)", "prefill"), ("decode: max err (margin)", "decode"),
-           ("vs transformers: max err (margin)", "vs_transformers"), ("first stage that differs, and why", "first_stage"))
+           ("vs transformers: max err (margin)", "vs_transformers"),
+           (f"RoPE alone at positions {FAR}+: max err (margin)", "far"), ("first stage that differs, and why", "first_stage"))
 SETUP = (f"tiny random transformers models, B={B}, T={T}, decode: {P} tokens then {T - P} steps on mlx-lm's own "
          "cache; mlx-lm in float32 on transformers' attention input, against the float64 reference on our "
          "converted block and against transformers' output, float32 policy with allowances from magnitudes; "
@@ -291,7 +293,9 @@ def hub_form(cfg: dict) -> dict:
     """config.json in the form the Hub's checkpoints carry, transformers 4.x's: the RoPE fields that
     transformers 5 writes inside rope_parameters also at the top level (rope_theta, rope_scaling with its
     "type", partial_rotary_factor; GPT-NeoX's rotary_pct and rotary_emb_base), GPT-2's n_ctx, and the
-    periodic sliding_window_pattern that Gemma 3 and Cohere 2 configs carried beside layer_types."""
+    periodic sliding_window_pattern that Gemma 3 and Cohere 2 configs carried beside layer_types, Qwen3-Next's
+    full_attention_interval, and Gemma 4's global_head_dim and num_global_key_value_heads (per_layer_config
+    in transformers 5)."""
     out = dict(cfg)
     text = out.get("text_config") if isinstance(out.get("text_config"), dict) else None
     if text is not None:
@@ -313,6 +317,14 @@ def hub_form(cfg: dict) -> dict:
     kinds = cfg.get("layer_types")
     if isinstance(kinds, list) and "full_attention" in kinds and "sliding_attention" in kinds:
         out.setdefault("sliding_window_pattern", kinds.index("full_attention") + 1)
+    overrides = cfg.get("per_layer_config")
+    if isinstance(kinds, list) and isinstance(overrides, dict) and "full_attention" in kinds:
+        # Gemma 4: transformers 5 keeps global_head_dim and num_global_key_value_heads as per-layer overrides
+        first = overrides.get(str(kinds.index("full_attention")), overrides.get(kinds.index("full_attention"), {}))
+        if "head_dim" in first:
+            out.setdefault("global_head_dim", first["head_dim"])
+        if "num_key_value_heads" in first:
+            out.setdefault("num_global_key_value_heads", first["num_key_value_heads"])
     if isinstance(kinds, list) and "full_attention" in kinds and "linear_attention" in kinds:
         out.setdefault("full_attention_interval", kinds.index("full_attention") + 1)
     return out
@@ -380,6 +392,39 @@ def run_mlx(model, port: Port, seen: dict[int, dict], *, attribute: str | None =
     return out
 
 
+def rope_far(model, port: Port, layer: int, config, attribute: str | None = None):
+    """mlx-lm's rope module of block `layer` alone, called with offset FAR on x (1, 2, FAR_L, W) (W the head
+    dim, a latent layer's rotary width), against the contract's rotation at positions FAR.. (impl_numpy's rope
+    with weights.rope's tables) under the policy's stage allowance there (its RoPE term grows with the
+    position: conformance.suite.tolerance.modern_length). None where the block has no rope or mlx-lm's has
+    no rope(x, offset=) module. At T tokens a frequency off by a little moves the output by position x
+    error: a YaRN ramp rounded where the config says not to is within the output's allowance at position 8
+    and not at 4096."""
+    import mlx.core as mx
+
+    from conformance.suite.tolerance import compare, policy_for
+    from impl_numpy.functional import rope, rope_angles
+    from weights.rope import rope_tables
+
+    attention = _mlx_layers(model)[layer][attribute or port.mlx_attribute or port.attribute]
+    module = attention.get("rope") if isinstance(attention, dict) else None
+    if config.rope is None or module is None:
+        return None
+    width = config.rope.rotary_dim if config.latent is not None else config.head_dim
+    x = np.random.default_rng(11).standard_normal((1, 2, FAR_L, width)).astype(np.float32)
+    try:
+        got = np.array(module(mx.array(x), offset=FAR).astype(mx.float32))
+    except TypeError:
+        return None
+    positions = np.arange(FAR, FAR + FAR_L)[None]
+    inv_freq, factor = rope_tables(config.rope, FAR + FAR_L - 1)
+    angles = rope_angles(positions, inv_freq, np.dtype(np.float64))
+    want = rope(x.astype(np.float64), angles, config.rope.rotary_dim or width, config.rope.interleaved, factor)
+    tol = policy_for(config, dtype="float32", quantity="stage", B=1, T=FAR_L, S=FAR_L, reference=want,
+                     max_position=FAR + FAR_L - 1, magnitude=np.abs(x).astype(np.float64) * max(factor, 1.0))
+    return compare(f"{port.model_type}[{layer}] mlx-lm rope at {FAR}..", got, want, tol)
+
+
 # -- the reference and the judgement ----------------------------------------------------------------
 
 def reference(config, tensors: dict, x: np.ndarray) -> dict:
@@ -428,10 +473,12 @@ class BlockResult:
     decode: Any
     vs_transformers: Any  # mlx-lm's prefill against transformers' output
     transformers: Any  # transformers' output against the reference (the layout's own check)
+    far: Any = None  # mlx-lm's rope alone at positions FAR.. (rope_far); None without one
 
     @property
     def ok(self) -> bool:
-        return bool(self.prefill.ok and self.decode.ok and self.vs_transformers.ok)
+        return bool(self.prefill.ok and self.decode.ok and self.vs_transformers.ok and
+                    (self.far is None or self.far.ok))
 
 
 FORMS = ("transformers", "hub")  # config.json as transformers 5 saves it; in the Hub's (4.x) form
@@ -465,13 +512,14 @@ def measure_port(name: str, *, mutate=None) -> dict:
             results = []
             for layer in port.layers:
                 config, ref, label = blocks[layer][0], refs[layer], f"{name}[{layer}] {form} config"
+                far = rope_far(model, port, layer, config)
                 results.append(BlockResult(
                     layer,
                     judge(f"{label} mlx-lm prefill", got[layer]["prefill"], ref, config),
                     judge(f"{label} mlx-lm decode", got[layer]["decode"], ref, config, rows=slice(P, T)),
                     judge(f"{label} mlx-lm vs transformers", got[layer]["prefill"], ref, config,
                           expected=seen[layer]["out"]),
-                    judge(f"{label} transformers", seen[layer]["out"], ref, config)))
+                    judge(f"{label} transformers", seen[layer]["out"], ref, config), far))
             runs[form] = {"results": results, "model": model, "note": note}
     return summarise(port, runs, seen, blocks, refs)
 
@@ -508,7 +556,7 @@ def summarise(port, runs, seen, blocks, refs) -> dict:
     hub = runs["hub"]
     if "error" in hub:
         row["verdict"] = f"fails: {hub['error']}"
-        for key in ("prefill", "decode", "vs_transformers", "first_stage"):
+        for key in ("prefill", "decode", "vs_transformers", "far", "first_stage"):
             row[key] = "-"
         return row
     results = hub["results"]
@@ -517,6 +565,12 @@ def summarise(port, runs, seen, blocks, refs) -> dict:
         row["evidence"][field] = ev
         if field != "transformers":
             row[field] = cell
+    with_far = [r for r in results if r.far is not None]
+    if with_far:
+        cell, ev = _cell(with_far, "far")
+        row["far"], row["evidence"]["far"] = cell, ev
+    else:
+        row["far"] = "- (no rope(x, offset) module)" if any(blocks[r.layer][0].rope for r in results) else "- (no RoPE)"
     agrees = all(r.ok for r in results)
     row["verdict"] = ("agrees" if agrees else "differs") + (f" ({port.note})" if port.note else "")
     if hub["note"]:
@@ -531,8 +585,13 @@ def summarise(port, runs, seen, blocks, refs) -> dict:
         if r.ok:
             continue
         config = blocks[r.layer][0]
-        where = "prefill" if not (r.prefill.ok and r.vs_transformers.ok) else "decode"
-        stage, why = localise(hub["model"], port, seen, r.layer, config, refs[r.layer], where)
+        if r.prefill.ok and r.vs_transformers.ok and r.decode.ok:  # only the rotation far out differs
+            where, stage = f"rope at {FAR}+", "query.rope, key.rope"
+            why = f"err {r.far.max_abs_error:.1e}, margin {r.far.margin:.3g}; " + _far_why(hub["model"], port, r.layer,
+                                                                                              config)
+        else:
+            where = "prefill" if not (r.prefill.ok and r.vs_transformers.ok) else "decode"
+            stage, why = localise(hub["model"], port, seen, r.layer, config, refs[r.layer], where)
         stages.append(f"block {r.layer} {where}: {stage}: {why}")
         row["evidence"][f"stage[{r.layer}]"] = {"where": where, "stage": stage, "why": why}
     row["first_stage"] = "; ".join(stages)
@@ -540,6 +599,30 @@ def summarise(port, runs, seen, blocks, refs) -> dict:
 
 
 # -- the first stage that differs ------------------------------------------------------------------
+
+def _far_why(model, port: Port, layer: int, config) -> str:
+    """Which rotation mlx-lm's rope at positions FAR.. matches: the contract's with one choice changed."""
+    import dataclasses
+
+    scaling = config.rope.scaling
+    variants = {}
+    if scaling is not None and scaling.type == "yarn":
+        variants[f"truncate={not scaling.truncate}"] = dataclasses.replace(
+            config, rope=dataclasses.replace(config.rope, scaling=dataclasses.replace(scaling, truncate=not scaling.truncate)))
+    if scaling is not None:
+        variants["no scaling"] = dataclasses.replace(config, rope=dataclasses.replace(config.rope, scaling=None))
+    variants["the other pairing"] = dataclasses.replace(
+        config, rope=dataclasses.replace(config.rope, interleaved=not config.rope.interleaved))
+    for label, variant in variants.items():
+        try:
+            c = rope_far(model, port, layer, variant)
+        except Exception:  # noqa: BLE001 (a variant the contract refuses explains nothing)
+            continue
+        if c is not None and c.ok:
+            return f"mlx-lm's rotation is the model's with {label} (err {c.max_abs_error:.1e})"
+    return "no single changed choice explains it"
+
+
 
 def localise(model, port, seen, layer, config, ref, where) -> tuple[str, str]:
     """(stage, why with numbers): mlx-lm's intermediates of block `layer`'s prefill call against the

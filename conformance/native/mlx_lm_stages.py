@@ -239,8 +239,29 @@ def first_difference(model, port, seen, layer, config, ref, where) -> tuple[str,
             call = extra
             ratio = np.median(np.abs(shaped) / np.maximum(np.abs(want), 1e-30))
             why += f"; scale passed {call['scale']!r}, the spec's {config.effective_scale:.6g} (median ratio {ratio:.4g})"
+            why += _normalised(call, trace)
         return stage, why + counterfactual(model, port, seen, layer, config, ref)
     return "output", "no observed stage leaves the policy" + counterfactual(model, port, seen, layer, config, ref)
+
+
+def _rms(x) -> np.ndarray:
+    return np.sqrt(np.mean(np.square(np.asarray(x, np.float64)), axis=-1))
+
+
+def _normalised(call: dict, trace: dict) -> str:
+    """"; mlx-lm's queries and keys reach the softmax RMS-normalised ..." where every head vector of what
+    reached the fused attention has RMS 1 and the spec's (after every stage before the logits) do not."""
+    ours = trace.get("query.norm", trace.get("query.rope", trace.get("query.split_heads")))
+    theirs_q, theirs_k = _rms(call["q"]), _rms(call["k"])
+    near = 0.1  # an RMS norm's output has RMS sqrt(ms / (ms + eps)): within 10% of 1 for eps up to a fifth of ms
+    unit = bool(np.abs(theirs_q - 1).max() < near and np.abs(theirs_k - 1).max() < near)
+    spec = _rms(ours)
+    if not unit or np.abs(spec - 1).max() < near:
+        return ""
+    low, high = min(theirs_q.min(), theirs_k.min()), max(theirs_q.max(), theirs_k.max())
+    return (f"; mlx-lm's queries and keys reach the softmax RMS-normalised per head (RMS {low:.3f} to {high:.3f}), "
+            f"the model's queries here are not (RMS {spec.min():.2f} to {spec.max():.2f}): a QK-norm the model "
+            "does not apply on this layer")
 
 
 def _variants(config) -> dict[str, Any]:

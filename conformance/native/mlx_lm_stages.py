@@ -167,7 +167,7 @@ def first_difference(model, port, seen, layer, config, ref, where) -> tuple[str,
     (conformance.native.mlx_lm_ports.reference) on transformers' input."""
     import mlx.core as mx
 
-    from conformance.native import mlx_lm_ports as ports
+    from conformance.native import mlx_lm_harness as ports
 
     attribute = port.mlx_attribute or port.attribute
     attention = ports._mlx_layers(model)[layer][attribute]
@@ -291,7 +291,7 @@ def counterfactual(model, port, seen, layer, config, ref) -> str:
     explains mlx-lm's whole output; "" where none does."""
     import warnings
 
-    from conformance.native import mlx_lm_ports as ports
+    from conformance.native import mlx_lm_harness as ports
 
     got = ports.run_mlx(model, port, {layer: seen[layer]}, layers=(layer,))[layer]["prefill"]
     tensors = ref["tensors"]

@@ -80,6 +80,8 @@ class Port:
     mlx_attribute: str | None = None
     layers: tuple[int, ...] = (0, 1)
     multimodal: bool = False
+    wrap: str | None = None  # the Hub's checkpoints wrap this text model as model_type `wrap` (text_config,
+    # weights under language_model.): the Hub form loads that way (mlx-lm's module for `wrap`)
     note: str = ""  # what the variant turns on, for the table
 
 
@@ -111,6 +113,13 @@ PORTS: dict[str, Port] = {
                                             attn_scale=0.5, use_qk_norm=True, num_local_experts=2,
                                             intermediate_size_mlp=32, rms_norm_eps=1e-2),
                         note="layer 0 RoPE + chunks of 4 + L2 norm; layer 1 NoPE + temperature"),
+    # model_type llama4, as Meta's released checkpoints carry it (mlx-lm's llama4.py; llama4_text.py above is
+    # what a bare text config gets): 4 blocks, block 3 NoPE (no_rope_layer_interval 4); rms_norm_eps 1e-5 as
+    # Llama 4 Scout's config.json (the L2 QK-norm's eps in transformers)
+    "llama4": Port("llama4_text", dict(_SMALL, num_hidden_layers=4, attention_chunk_size=4, floor_scale=4,
+                                       attn_scale=0.5, use_qk_norm=True, num_local_experts=2,
+                                       intermediate_size_mlp=32, rms_norm_eps=1e-5), layers=(0, 3), wrap="llama4",
+                   note="model_type llama4: block 0 RoPE + chunks of 4 + L2 norm; block 3 NoPE + temperature"),
     "smollm3": Port("smollm3", dict(_SMALL, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=4),
                     note="layer 1 NoPE"),
     "ministral3": Port("ministral3", dict(_SMALL, rope_parameters={
@@ -237,8 +246,8 @@ def hub_form(cfg: dict) -> dict:
         if "partial_rotary_factor" in rope:
             out.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
         kind = rope.get("rope_type", "default")
-        if kind != "default":
-            out.setdefault("rope_scaling", {**{k: v for k, v in rope.items() if k != "rope_theta"}, "type": kind})
+        out.setdefault("rope_scaling", None if kind == "default" else  # 4.x wrote null for the default rule
+                       {**{k: v for k, v in rope.items() if k != "rope_theta"}, "type": kind})
     if cfg.get("model_type") == "gpt_neox":
         out.setdefault("rotary_pct", out.get("partial_rotary_factor", 1.0))
         out.setdefault("rotary_emb_base", out.get("rope_theta", 10000.0))
@@ -260,16 +269,19 @@ def hub_form(cfg: dict) -> dict:
     return out
 
 
-def hub_weights(folder: Path) -> None:
-    """GPT-2's model.safetensors in the Hub's form (openai-community/gpt2: GPT2Model's keys, h.{L}..., no
-    "transformer." prefix, which save_pretrained of GPT2LMHeadModel writes and mlx-lm's sanitize does not
-    strip)."""
+def hub_weights(folder: Path, prefix: str | None = None) -> None:
+    """model.safetensors in the Hub's form. prefix None: GPT-2's (openai-community/gpt2: GPT2Model's keys,
+    h.{L}..., no "transformer." prefix, which save_pretrained of GPT2LMHeadModel writes and mlx-lm's sanitize
+    does not strip); else every key under `prefix` (a text model inside a multimodal checkpoint)."""
     from safetensors.numpy import load_file, save_file
 
     path = folder / "model.safetensors"
     state = load_file(path)
-    save_file({k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}, path,
-              metadata={"format": "pt"})
+    if prefix is None:
+        state = {k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}
+    else:
+        state = {prefix + k: v for k, v in state.items()}
+    save_file(state, path, metadata={"format": "pt"})
 
 
 def load_mlx(folder: Path, cfg: dict) -> tuple[Any, str]:
@@ -357,9 +369,13 @@ def measure_port(name: str, *, mutate=None) -> dict:
         runs = {}
         for form in FORMS:
             try:
+                cfg = saved if form == "transformers" else hub_form(saved)
                 if form == "hub" and port.model_type == "gpt2":
                     hub_weights(folder)
-                model, note = load_mlx(folder, saved if form == "transformers" else hub_form(saved))
+                if form == "hub" and port.wrap:
+                    hub_weights(folder, prefix="language_model.")
+                    cfg = {"model_type": port.wrap, "text_config": cfg}
+                model, note = load_mlx(folder, cfg)
                 if mutate is not None:
                     mutate(model)
                 got = run_mlx(model, port, seen)

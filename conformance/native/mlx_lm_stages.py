@@ -259,6 +259,10 @@ def _normalised(call: dict, trace: dict) -> str:
     if not unit or np.abs(spec - 1).max() < near:
         return ""
     low, high = min(theirs_q.min(), theirs_k.min()), max(theirs_q.max(), theirs_k.max())
+    if "query.norm" in trace:
+        return (f"; mlx-lm's queries and keys reach the softmax with RMS {low:.4f} to {high:.4f} per head, the "
+                f"model's normed queries with RMS {spec.min():.4f} to {spec.max():.4f}: the norm's eps is not the "
+                "model's (an RMS norm's output has RMS sqrt(ms / (ms + eps)))")
     return (f"; mlx-lm's queries and keys reach the softmax RMS-normalised per head (RMS {low:.3f} to {high:.3f}), "
             f"the model's queries here are not (RMS {spec.min():.2f} to {spec.max():.2f}): a QK-norm the model "
             "does not apply on this layer")

@@ -116,7 +116,7 @@ def _second_tables(data: dict):
                              ("Packed and sharded paths", packed, "packed_rows"),
                              ("ALiBi in transformers' models", alibi_models, "alibi_rows"),
                              ("mlx-lm's ports judged", mlx_lm_ports, "mlx_lm_rows")):
-        if data.get(key) is not None:
+        if data.get(key) is not None and (data[key] or key != "mlx_lm_rows"):  # the ports' table: where asked for
             yield name, table, data[key]
 
 

@@ -419,7 +419,17 @@ def _form_label(run: dict) -> str:
     margin = max(worst.prefill.margin, worst.decode.margin)
     err = max(worst.prefill.max_abs_error, worst.decode.max_abs_error)
     return ("agrees" if all(r.ok for r in results) else "differs") + f" (err {err:.1e}, margin {margin:.3g})" + (
-        "; strict load refused keys" if run["note"] else "")
+        f"; {_refused(run['note'])}" if run["note"] else "")
+
+
+def _refused(note: str) -> str:
+    """mlx-lm's strict-load refusal, short: how many keys and the first (the evidence keeps the whole)."""
+    import re
+
+    found = re.search(r"Received (\d+) parameters not in model: ([^,\s]+)", note)
+    if found:
+        return f"strict load refused {found.group(1)} keys not in its model (first: {found.group(2)})"
+    return f"strict load refused: {note[:120]}"
 
 
 def summarise(port, runs, seen, blocks, refs) -> dict:
@@ -447,7 +457,7 @@ def summarise(port, runs, seen, blocks, refs) -> dict:
     agrees = all(r.ok for r in results)
     row["verdict"] = ("agrees" if agrees else "differs") + (f" ({port.note})" if port.note else "")
     if hub["note"]:
-        row["verdict"] += f"; strict load refused: {hub['note'][:160]}"
+        row["verdict"] += f"; {_refused(hub['note'])}"
     if not all(r.transformers.ok for r in results):
         row["verdict"] += "; transformers itself leaves the policy (our layout's fault: see evidence)"
     if agrees:

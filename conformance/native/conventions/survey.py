@@ -1,4 +1,5 @@
-"""The whole conventions measurement (the four tables in one run) and its
+"""The whole conventions measurement (the four tables in one run, and mlx-lm's ports judged:
+conformance/native/mlx_lm_ports.py) and its
 command, `python -m conformance.native.conventions`."""
 
 from __future__ import annotations

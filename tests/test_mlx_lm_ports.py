@@ -9,7 +9,8 @@ converted block and transformers' own output, never mlx-lm's. Held here:
 - a port that agrees passes the policy on prefill, decode and the rotation at positions 4096+, and
   transformers' own output passes it too (the judgement can pass);
 - a planted porting bug (the rope module's `traditional` flag flipped, the other RoPE pairing) is reported
-  as differing, at the RoPE stage, with the other pairing named as what mlx-lm computes;
+  as differing, at the RoPE stage, with the other pairing named as what mlx-lm computes; another (the rope
+  ignoring the cache offset) passes prefill and is found at the first decode step's RoPE stage;
 - two of the findings docs/conventions.md publishes: Mistral's window is not applied (first stage: the
   mask, with the keys each query sees), gpt-oss's YaRN ramp is rounded against `truncate: false` (the
   rotation at positions 4096+ matches truncate=True).
@@ -79,6 +80,36 @@ def test_planted_rope_flip_is_found_at_the_rope_stage():
         stage = row["evidence"][f"stage[{layer}]"]
         assert stage["where"] == "prefill" and stage["stage"] == "query.rope", stage
         assert "the other pairing (interleaved)" in stage["why"], stage
+
+
+def _rope_without_offset(model):
+    """The planted decode bug: every block's rope ignores the cache offset (each decode step rotated as
+    position 0), a port's classic slip; prefill, whose offset is 0, is untouched."""
+    import mlx.nn as nn
+
+    class FromZero(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x, offset=0, **kwargs):
+            return self.inner(x)
+
+    for layer in ports._mlx_layers(model):
+        layer["self_attn"]["rope"] = FromZero(layer["self_attn"]["rope"])
+
+
+@needs_mlx_lm
+def test_planted_decode_offset_bug_is_found_at_its_step():
+    row = ports.measure_port("qwen3", mutate=_rope_without_offset)
+    ev = row["evidence"]
+    assert all(c["ok"] for c in ev["prefill"].values()), ev["prefill"]
+    assert not all(c["ok"] for c in ev["decode"].values()), f"the offset bug passed decode: {ev['decode']}"
+    for layer in ("0", "1"):
+        stage = ev[f"stage[{layer}]"]
+        assert stage["where"] == "decode", stage
+        assert stage["stage"] == f"query.rope (decode step at position {ports.P})", stage
+        assert "is positions from 0, not 5 (the cache's offset ignored)" in stage["why"], stage
 
 
 @needs_mlx_lm

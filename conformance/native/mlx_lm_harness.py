@@ -158,6 +158,27 @@ def judge(name: str, actual, ref: dict, config, *, rows: slice = slice(None), st
     if expected is not None:
         want = expected
     tol = policy_for(config, dtype="float32", quantity=quantity, B=want.shape[0], T=ref["output"].shape[1],
-                     S=ref["output"].shape[1], reference=want, logits=logit_terms, max_position=T,
+                     S=ref.get("S", ref["output"].shape[1]), reference=want, logits=logit_terms, max_position=T,
                      magnitude=terms, logit_error=weighted)
     return compare(name, np.asarray(actual, np.float64), want, tol)
+
+
+_KEYED = ("logits", "softcap", "alibi", "mask", "softmax", "dropout")  # (B, N, T, S): a query row and its keys
+
+
+def _row(stage: str, x, t: int):
+    if x is None:
+        return None
+    x = np.asarray(x)
+    if stage in _KEYED:
+        return x[:, :, t:t + 1, :t + 1]
+    return x[:, t:t + 1] if x.ndim == 3 else x[:, :, t:t + 1]
+
+
+def row_view(ref: dict, t: int) -> dict:
+    """The reference of a decode step: query row t of every traced stage (the new key's row t of the key
+    stages; the logits' keys 0..t), of their magnitudes and logit errors, and of the output; S = t + 1."""
+    return {"output": ref["output"][:, t:t + 1], "S": t + 1, "tensors": ref["tensors"],
+            "trace": {k: _row(k, v, t) for k, v in ref["trace"].items()},
+            "terms": {k: _row(k, v, t) for k, v in ref["terms"].items()},
+            "logit_errors": {k: _row(k, v, t) for k, v in ref["logit_errors"].items()}}

@@ -125,9 +125,10 @@ def _keys_seen(visible: np.ndarray) -> str:
     return "[" + " ".join(str(int(c)) for c in counts) + "]"
 
 
-def _rope_why(x_in: np.ndarray, got: np.ndarray, config, ref_value: np.ndarray) -> str:
-    """Which rotation mlx-lm's rope output matches: the spec's, the other pairing, the frequencies without
-    their scaling, theta 10000; with each one's error."""
+def _rope_why(x_in: np.ndarray, got: np.ndarray, config, first: int = 0) -> str:
+    """Which rotation mlx-lm's rope output matches: the spec's at positions first.., the other pairing, the
+    frequencies without their scaling, theta 10000, positions from 0 (a cache offset ignored); with each
+    one's error."""
     import dataclasses
 
     from impl_numpy.functional import rope, rope_angles
@@ -135,13 +136,16 @@ def _rope_why(x_in: np.ndarray, got: np.ndarray, config, ref_value: np.ndarray) 
 
     spec = config.rope
     T = x_in.shape[2]
-    positions = np.arange(T)[None]
 
-    def rotated(r):
-        inv_freq, factor = rope_tables(r, T - 1)
+    def rotated(r, start=first):
+        positions = np.arange(start, start + T)[None]
+        inv_freq, factor = rope_tables(r, int(positions.max()))
         angles = rope_angles(positions, inv_freq, np.dtype(np.float64))
         return rope(np.asarray(x_in, np.float64), angles, r.rotary_dim or x_in.shape[-1], r.interleaved, factor)
 
+    errs = {}
+    if first:
+        errs[f"positions from 0, not {first} (the cache's offset ignored)"] = float(np.abs(rotated(spec, 0) - got).max())
     candidates = {"the spec's": spec,
                   f"the other pairing ({'half-split' if spec.interleaved else 'interleaved'})":
                       dataclasses.replace(spec, interleaved=not spec.interleaved)}
@@ -151,7 +155,6 @@ def _rope_why(x_in: np.ndarray, got: np.ndarray, config, ref_value: np.ndarray) 
         candidates["theta 10000, unscaled"] = dataclasses.replace(spec, theta=10000.0, scaling=None)
     if spec.rotary_dim not in (None, x_in.shape[-1]):
         candidates["every feature turning"] = dataclasses.replace(spec, rotary_dim=None)
-    errs = {}
     for label, r in candidates.items():
         with contextlib.suppress(Exception):
             errs[label] = float(np.abs(rotated(r) - got).max())
@@ -164,17 +167,44 @@ def _rope_why(x_in: np.ndarray, got: np.ndarray, config, ref_value: np.ndarray) 
 
 def first_difference(model, port, seen, layer, config, ref, where) -> tuple[str, str]:
     """(stage, why with numbers) for block `layer` of mlx-lm's `model` against the reference `ref`
-    (conformance.native.mlx_lm_ports.reference) on transformers' input."""
+    (conformance.native.mlx_lm_harness.reference) on transformers' input. where "prefill": the whole causal
+    call without a cache; "decode": the prefix into mlx-lm's cache, then each step, probed, against the
+    reference's row of that step (the first step with a stage beyond the policy is named)."""
     import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
 
     from conformance.native import mlx_lm_harness as ports
 
     attribute = port.mlx_attribute or port.attribute
     attention = ports._mlx_layers(model)[layer][attribute]
-    with probes(attention) as (records, fused, gate), ports.recording(model, (layer,), attribute) as recorders:
-        recorders[layer].inject = seen[layer]["x"]
-        object.__setattr__(recorders[layer], "gate", gate)
-        mx.eval(model(mx.array(ports.token_ids())))
+    ids, x = ports.token_ids(), seen[layer]["x"]
+    if where != "decode":
+        with probes(attention) as (records, fused, gate), ports.recording(model, (layer,), attribute) as recorders:
+            recorders[layer].inject = x
+            object.__setattr__(recorders[layer], "gate", gate)
+            mx.eval(model(mx.array(ids)))
+        return _first_stage(model, port, seen, layer, config, ref, records, fused, recorders[layer].outputs[-1])
+    cache = make_prompt_cache(model)
+    with ports.recording(model, (layer,), attribute) as recorders:
+        recorders[layer].inject = x[:, :ports.P]
+        mx.eval(model(mx.array(ids[:, :ports.P]), cache=cache))
+    for t in range(ports.P, ports.T):
+        with probes(attention) as (records, fused, gate), ports.recording(model, (layer,), attribute) as recorders:
+            recorders[layer].inject = x[:, t:t + 1]
+            object.__setattr__(recorders[layer], "gate", gate)
+            mx.eval(model(mx.array(ids[:, t:t + 1]), cache=cache))
+        stage, why = _first_stage(model, port, seen, layer, config, ports.row_view(ref, t), records, fused,
+                                  recorders[layer].outputs[-1], step=True, first=t)
+        if stage != "-":
+            return f"{stage} (decode step at position {t})", why
+    return "-", "every decode step within the policy at every observed stage"
+
+
+def _first_stage(model, port, seen, layer, config, ref, records, fused, output, *, step: bool = False,
+                 first: int = 0):
+    """The first observed stage beyond the policy: (stage, why), or ("-", "") for a decode step with none."""
+    from conformance.native import mlx_lm_harness as ports
+
     trace = ref["trace"]
     observed: list[tuple[str, np.ndarray, Any]] = []  # (stage, value, extra)
     for stage, child in (("query.project", "q_proj"), ("key.project", "k_proj"), ("value.project", "v_proj"),
@@ -204,13 +234,16 @@ def first_difference(model, port, seen, layer, config, ref, where) -> tuple[str,
         observed.append(("merge_heads", records["o_proj"][0][0], None))
         observed.append(("output", records["o_proj"][0][1], None))
     else:
-        observed.append(("output", recorders[layer].outputs[-1], None))
+        observed.append(("output", output, None))
 
     for stage, value, extra in observed:
         want = trace[stage] if stage != "output" else ref["output"]
         if stage == "mask":
             T, S = want.shape[-2:]
-            theirs, ours = _visible(extra["mask"], T, S), np.isfinite(want.reshape((-1, T, S))[0])
+            kept = np.asarray(extra["k"]).shape[-2]  # the keys that reached it (a rotating cache keeps a window)
+            theirs, ours = _visible(extra["mask"], T, kept), np.isfinite(want.reshape((-1, T, S))[0])
+            if theirs.shape != ours.shape and theirs.sum() == ours.sum():
+                continue  # the same number of keys, held in the cache's own order
             if not np.array_equal(theirs, ours):
                 shown = extra["mask"] if isinstance(extra["mask"], str) else f"an array {np.shape(extra['mask'])}"
                 return "mask", (f"keys each query sees {_keys_seen(theirs)} under mlx-lm's mask ({shown}), "
@@ -234,13 +267,15 @@ def first_difference(model, port, seen, layer, config, ref, where) -> tuple[str,
         if stage in ("query.rope", "key.rope") and config.rope is not None and extra is not None:
             x_in = _as(extra, want)
             if x_in is not None:
-                why += "; " + _rope_why(x_in, shaped, config, want)
+                why += "; " + _rope_why(x_in, shaped, config, first)
         if stage == "logits":
             call = extra
             ratio = np.median(np.abs(shaped) / np.maximum(np.abs(want), 1e-30))
             why += f"; scale passed {call['scale']!r}, the spec's {config.effective_scale:.6g} (median ratio {ratio:.4g})"
             why += _normalised(call, trace)
-        return stage, why + counterfactual(model, port, seen, layer, config, ref)
+        return stage, why + ("" if step else counterfactual(model, port, seen, layer, config, ref))
+    if step:
+        return "-", ""
     return "output", "no observed stage leaves the policy" + counterfactual(model, port, seen, layer, config, ref)
 
 

@@ -84,6 +84,9 @@ def recording(model, layers: tuple[int, ...], attribute: str):
     recorders = {}
     try:
         for index in layers:
+            if attribute not in blocks[index]:
+                raise ValueError(f"mlx-lm's block {index} has no {attribute} (its children: "
+                                 f"{', '.join(k for k in blocks[index] if not k.startswith('_'))})")
             recorders[index] = Recorder(blocks[index][attribute])
             blocks[index][attribute] = recorders[index]
         yield recorders

@@ -81,7 +81,9 @@ class Port:
     layers: tuple[int, ...] = (0, 1)
     multimodal: bool = False
     wrap: str | None = None  # the Hub's checkpoints wrap this text model as model_type `wrap` (text_config,
-    # weights under language_model.): the Hub form loads that way (mlx-lm's module for `wrap`)
+    # weights under wrap_keys[1] instead of wrap_keys[0]): the Hub form loads that way (mlx-lm's module for it)
+    wrap_keys: tuple[str, str] = ("", "language_model.")
+    hub_model_type: str | None = None  # the Hub form's model_type where the released configs say another
     note: str = ""  # what the variant turns on, for the table
 
 
@@ -98,6 +100,11 @@ PORTS: dict[str, Port] = {
     "qwen3 attention_bias": Port("qwen3", dict(_SMALL, attention_bias=True), note="QK-norm per head, biases"),
     "gemma2": Port("gemma2", dict(_SMALL, sliding_window=3, attn_logit_softcapping=3.0, query_pre_attn_scalar=12),
                    note="softcap 3, window 3, query_pre_attn_scalar 12"),
+    # model_type gemma3, the multimodal checkpoints' (mlx-lm's gemma3.py around gemma3_text.py): the text
+    # model's keys under language_model. as Google's released checkpoints (transformers 4.x) have them
+    "gemma3": Port("gemma3_text", dict(_SMALL, sliding_window=4, query_pre_attn_scalar=12,
+                                       layer_types=["sliding_attention", "full_attention"]),
+                   wrap="gemma3", note="model_type gemma3: QK-norm, layer 0 window 4"),
     "gemma3_text": Port("gemma3_text", dict(_SMALL, sliding_window=4, query_pre_attn_scalar=12,
                                             layer_types=["sliding_attention", "full_attention"]),
                         note="QK-norm, layer 0 window 4"),
@@ -138,11 +145,32 @@ PORTS: dict[str, Port] = {
                                             attention_k_eq_v=True, global_head_dim=32, num_global_key_value_heads=1,
                                             hidden_size_per_layer_input=8, vocab_size_per_layer_input=64),
                         note="window 3; layer 1 k = v, proportional RoPE"),
+    # model_type gemma4 (mlx-lm's gemma4.py): the text model's keys under model.language_model. (transformers 5's
+    # form, which mlx-lm's sanitize reads)
+    "gemma4": Port("gemma4_text", dict(_GATED_TEXT, num_hidden_layers=2,
+                                       layer_types=["sliding_attention", "full_attention"], sliding_window=3,
+                                       attention_k_eq_v=True, global_head_dim=32, num_global_key_value_heads=1,
+                                       hidden_size_per_layer_input=8, vocab_size_per_layer_input=64),
+                   wrap="gemma4", wrap_keys=("model.", "model.language_model."),
+                   note="model_type gemma4: window 3; layer 1 k = v, proportional RoPE"),
+    # the multimodal Qwen3.5 (vision tower included, as released): mlx-lm's qwen3_5.py drops the tower
+    "qwen3_5": Port("qwen3_5", dict(text_config=dict(_GATED_TEXT, **_LINEAR, attention_bias=True),
+                                    vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                                       out_hidden_size=32, patch_size=4, num_position_embeddings=16),
+                                    image_token_id=60, video_token_id=61, vision_start_token_id=62,
+                                    vision_end_token_id=63),
+                    multimodal=True, blocks="model.language_model.layers", layers=(1,),
+                    note="output gate with its bias, partial RoPE"),
     "deepseek_v2": Port("deepseek_v2", dict(_DEEPSEEK, q_lora_rank=5, rope_parameters=_YARN), layout="hf-deepseek",
                         layers=(1,), note="MLA, YaRN"),
     "deepseek_v3": Port("deepseek_v3", dict(_DEEPSEEK, q_lora_rank=5, rope_interleave=True, rope_parameters=_YARN),
                         layout="hf-deepseek", layers=(1,), note="MLA, YaRN (mscale_all_dim 0.5)"),
     # intermediate_size 4 * hidden_size: mlx-lm's GPT-NeoX MLP has that width whatever config.json says
+    # Kimi K2's released config.json: model_type kimi_k2 (mlx-lm remaps it to deepseek_v3), YaRN with betas 1, 1
+    "kimi_k2": Port("deepseek_v3", dict(_DEEPSEEK, q_lora_rank=5, rope_interleave=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "original_max_position_embeddings": 4,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0}), layout="hf-deepseek",
+                    layers=(1,), hub_model_type="kimi_k2", note="model_type kimi_k2: MLA, YaRN betas 1, 1"),
     "gpt_neox": Port("gpt_neox", dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
                                       intermediate_size=128, vocab_size=64, max_position_embeddings=64,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
@@ -269,10 +297,11 @@ def hub_form(cfg: dict) -> dict:
     return out
 
 
-def hub_weights(folder: Path, prefix: str | None = None) -> None:
+def hub_weights(folder: Path, prefix: tuple[str, str] | None = None) -> None:
     """model.safetensors in the Hub's form. prefix None: GPT-2's (openai-community/gpt2: GPT2Model's keys,
     h.{L}..., no "transformer." prefix, which save_pretrained of GPT2LMHeadModel writes and mlx-lm's sanitize
-    does not strip); else every key under `prefix` (a text model inside a multimodal checkpoint)."""
+    does not strip); else (old, new): every key's leading `old` replaced by `new` (a text model inside a
+    multimodal checkpoint)."""
     from safetensors.numpy import load_file, save_file
 
     path = folder / "model.safetensors"
@@ -280,7 +309,8 @@ def hub_weights(folder: Path, prefix: str | None = None) -> None:
     if prefix is None:
         state = {k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}
     else:
-        state = {prefix + k: v for k, v in state.items()}
+        old, new = prefix
+        state = {new + k.removeprefix(old): v for k, v in state.items()}
     save_file(state, path, metadata={"format": "pt"})
 
 
@@ -373,8 +403,10 @@ def measure_port(name: str, *, mutate=None) -> dict:
                 if form == "hub" and port.model_type == "gpt2":
                     hub_weights(folder)
                 if form == "hub" and port.wrap:
-                    hub_weights(folder, prefix="language_model.")
-                    cfg = {"model_type": port.wrap, "text_config": cfg}
+                    hub_weights(folder, prefix=port.wrap_keys)
+                    cfg = {"model_type": port.wrap, "text_config": cfg, "vocab_size": cfg.get("vocab_size")}
+                if form == "hub" and port.hub_model_type:
+                    cfg = {**cfg, "model_type": port.hub_model_type}
                 model, note = load_mlx(folder, cfg)
                 if mutate is not None:
                     mutate(model)

@@ -22,7 +22,13 @@ hf-llama, hf-deepseek, hf-gpt-neox, hf-gptj, hf-gpt2) that mlx-lm also ships, th
    its QK-norms, its RoPE (the rope module's output), the scale, mask and softmax through what reached
    mx.fast.scaled_dot_product_attention (q, k, v, scale, mask, sinks), the merged heads (o_proj's input)
    and the output, each against the reference's trace of the same stage, under the policy's stage
-   tolerance (conformance.suite.compare.localise's rule).
+   tolerance (conformance.suite.compare.localise's rule); a decode that differs, step by step on mlx-lm's
+   cache against the reference's row of each step (mlx_lm_stages.py);
+5. calls mlx-lm's rope module alone at positions FAR.. against the contract's rotation there (rope_far:
+   a frequency a little off hides under a T-token output's allowance and shows far out).
+
+Each model runs twice: with config.json as transformers 5 saves it, and in the Hub's (transformers 4.x)
+form that mlx-lm reads (hub_form, hub_weights); the port's verdict is the second's, the first a column.
 
 Shape letters as in impl_numpy: B batch, T query length, S key length, N heads, K key/value heads, H head
 dim, D model width.

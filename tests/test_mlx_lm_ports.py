@@ -51,6 +51,21 @@ def test_hub_form_moves_the_rope_fields_to_the_top_level():
     assert saved.get("rope_theta") is None, "hub_form must not change its argument"
 
 
+@pytest.mark.reference
+def test_a_missing_package_is_a_row_saying_so(monkeypatch):
+    """Without mlx-lm (here: a module that does not exist) every row says "not installed" with the install
+    line, and the table renders; nothing is built."""
+    from conformance.native import conventions as conv
+
+    monkeypatch.setattr(ports, "MODULES", ("mlx_lm_ghost_module",))
+    data = conv.measure(apis=(), mlx_lm_ports=("qwen3", "gpt2"))
+    for row in data["mlx_lm_rows"]:
+        assert row["status"] == "not installed" and ports.MLX_EXTRA in row["reason"], row
+    text = conv.to_markdown(data)
+    assert "| mlx-lm qwen3 | not installed |" in text and "| mlx-lm gpt2 | not installed |" in text, text
+    assert ports.MLX_EXTRA in text, text
+
+
 def _flip_rope_pairing(model):
     """The planted bug: every measured block's rope rotates the other pairing (nn.RoPE's traditional)."""
     for layer in ports._mlx_layers(model):
@@ -146,4 +161,10 @@ def test_the_table_in_mha_check_conventions():
     assert row["status"] == "measured" and all(key in row for key in ports.KEYS), row
     text = conv.to_markdown(data)
     assert "mlx-lm's ports judged" in text and "| mlx-lm qwen3 | agrees" in text, text
-    assert "mlx-lm 0." in text or "mlx-lm" in data["versions"], data["versions"]
+    assert "mlx-lm" in data["versions"], data["versions"]
+    from rich.console import Console
+
+    console = Console(record=True, width=400)
+    conv.render_terminal(data, console=console)
+    shown = console.export_text()
+    assert "mlx-lm's ports judged" in shown and "mlx-lm qwen3" in shown, shown

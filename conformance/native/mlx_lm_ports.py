@@ -200,7 +200,8 @@ SETUP = (f"tiny random transformers models, B={B}, T={T}, decode: {P} tokens the
          "cache; mlx-lm in float32 on transformers' attention input, against the float64 reference on our "
          "converted block and against transformers' output, float32 policy with allowances from magnitudes; "
          "margin = error / allowance (<= 1 agrees), worst block of the model")
-MLX_EXTRA = "pip install -c constraints/cpu.txt mlx mlx-lm '.[hf,torch]'"
+MLX_EXTRA = "pip install -c constraints/cpu.txt '.[mlx-lm]'"
+MODULES = ("mlx", "mlx_lm", "torch", "transformers")  # what a row needs; a row without one says "not installed"
 
 
 # -- transformers' side ------------------------------------------------------------------------------
@@ -562,8 +563,7 @@ def _api_name(name: str) -> str:
 def _measure_row(name: str) -> dict:
     from conformance.native.conventions import modern
 
-    api = modern.ModernApi(_api_name(name), "mlx", ("mlx", "mlx_lm", "torch", "transformers"), MLX_EXTRA,
-                           lambda: measure_port(name))
+    api = modern.ModernApi(_api_name(name), "mlx", MODULES, MLX_EXTRA, lambda: measure_port(name))
     return modern.measure_row(api, KEYS, _json_safe)
 
 

@@ -26,6 +26,9 @@ Kernels that return no attention weights (SDPA, jax.nn.dot_product_attention)
 have them read out of the kernel itself: a second call with the value set to
 the identity (V = I_S, so weights @ I = weights); see `identity_values`.
 
+Not a backend: mlx_lm_ports.py (with mlx_lm_stages.py and mlx_lm_harness.py)
+judges mlx-lm's hand-written model ports, a table of `mha check --conventions`.
+
 Shape letters as in impl_numpy: B batch, T query length, S key length,
 N query heads, K key/value heads, H head dim, V value head dim, D input
 features, O output features.

@@ -59,6 +59,9 @@ def _notes(data: dict) -> list[str]:
 
     notes = modern.notes(data.get("modern_rows", [])) + packed.notes(data.get("packed_rows", []))
     notes += alibi_models.notes(data.get("alibi_rows", []))
+    from conformance.native import mlx_lm_ports
+
+    notes += mlx_lm_ports.notes(data.get("mlx_lm_rows", []))
     for row in data["rows"]:
         if row.get("status") not in ("measured", NOT_INSTALLED):
             notes.append(f"{row['api']}: {row['status']}: {row.get('reason', '')}")
@@ -106,12 +109,14 @@ def _setup_line(data: dict) -> str:
 
 def _second_tables(data: dict):
     """The tables after the first that this run measured: (name, module with SETUP/COLUMNS/cells, rows)."""
+    from conformance.native import mlx_lm_ports
     from conformance.native.conventions import alibi_models, modern, packed
 
     for name, table, key in (("Modern arguments", modern, "modern_rows"),
                              ("Packed and sharded paths", packed, "packed_rows"),
-                             ("ALiBi in transformers' models", alibi_models, "alibi_rows")):
-        if data.get(key) is not None:
+                             ("ALiBi in transformers' models", alibi_models, "alibi_rows"),
+                             ("mlx-lm's ports judged", mlx_lm_ports, "mlx_lm_rows")):
+        if data.get(key) is not None and (data[key] or key != "mlx_lm_rows"):  # the ports' table: where asked for
             yield name, table, data[key]
 
 

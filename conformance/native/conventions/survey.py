@@ -1,4 +1,5 @@
-"""The whole conventions measurement (the four tables in one run) and its
+"""The whole conventions measurement (the four tables in one run, and mlx-lm's ports judged:
+conformance/native/mlx_lm_ports.py) and its
 command, `python -m conformance.native.conventions`."""
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from conformance.native.conventions.render import render_terminal, to_markdown
 
 
 def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None, packed_apis=None,
-            alibi_apis=None) -> dict:
+            alibi_apis=None, mlx_lm_ports=None) -> dict:
     """Measure every API (default APIS), every modern API (default
     modern.APIS), every packed/sharded path (default packed.APIS) and
     transformers' ALiBi models (default alibi_models.APIS; each of the
-    last three none when `apis` is given). JSON-serialisable."""
+    last three none when `apis` is given), and mlx-lm's ports (default conformance.native.mlx_lm_ports.APIS,
+    none when `apis` is given). JSON-serialisable."""
+    from conformance.native import mlx_lm_ports as ports
     from conformance.native.conventions import alibi_models, modern, packed
 
     if modern_apis is None:
@@ -39,6 +42,8 @@ def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None,
         packed_apis = packed.APIS if apis is None else ()
     if alibi_apis is None:
         alibi_apis = alibi_models.APIS if apis is None else ()
+    if mlx_lm_ports is None:
+        mlx_lm_ports = ports.APIS if apis is None else ()
     apis = APIS if apis is None else apis
     started = time.perf_counter()
     a, b, exact = _precision_inputs()
@@ -76,13 +81,16 @@ def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None,
         if status is not None:
             status.update("measuring conventions: transformers' ALiBi models")
         alibi_rows = alibi_models.measure(alibi_apis)
+        if status is not None:
+            status.update("measuring conventions: mlx-lm's ports")
+        port_rows = ports.measure(mlx_lm_ports)
     finally:
         if status is not None:
             status.stop()
     present = {r["framework"].split(" ")[0] for r in rows if r["status"] == "measured"}
-    versions = {**_versions(present), **modern.versions()}
+    versions = {**_versions(present), **modern.versions(), **ports.versions(port_rows)}
     return {"versions": versions, "devices": devices, "rows": rows, "modern_rows": modern_rows,
-            "packed_rows": packed_rows, "alibi_rows": alibi_rows,
+            "packed_rows": packed_rows, "alibi_rows": alibi_rows, "mlx_lm_rows": port_rows,
             "shapes": {"B": B, "T": T, "S": S, "N": N, "H": H, "causal_T_S": [list(p) for p in CAUSAL_SHAPES]},
             "tolerance": TOL, "matmul_shape": list(MATMUL_SHAPE),
             "seconds": round(time.perf_counter() - started, 2)}

@@ -1,0 +1,150 @@
+"""Top-k in the tolerance policy (conformance.suite.selection): two selections agree when they differ only
+in keys whose float64 index scores lie within the score allowance of the k-th score. A clear swap fails
+naming the query and the keys; near-ties built on purpose pass in float32, float16 and bfloat16 when a
+backend (the NumPy reference in that dtype, the torch mirror) keeps the other key of the tie. Tiny shapes:
+about a second in all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.suite.selection import compare_selection, index_length, score_allowance
+from impl_numpy.indexer import lightning_indexer
+from weights import AttentionConfig, init
+
+D = 12
+
+
+def _config(rope: bool = True, topk: int = 4) -> AttentionConfig:
+    return AttentionConfig(num_heads=4, query_dim=D, head_dim=8, use_value_bias=False,
+                           rope={"theta": 10000.0, "rotary_dim": 4}, latent={"query_rank": 5, "kv_rank": 6, "rope_dim": 4},
+                           indexer={"heads": 4, "head_dim": 8, "topk": topk, "key_norm": {"type": "layer"},
+                                    "rope": {"rotary_dim": 4} if rope else None})
+
+
+def _near_ties(T=16, seed=0, gap=1e-6):
+    """Tokens 4, 6, 8, ... repeat token 2 up to a relative perturbation `gap`: with no RoPE on the index key
+    their scores tie for every query up to about `gap`, far below float32's rounding of them."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, T, D))
+    for j in range(4, T, 2):
+        x[:, j] = x[:, 2] * (1 + gap * rng.standard_normal(D))
+    return x
+
+
+def _reference(config, t, x):
+    r = lightning_indexer(config, t, x, return_scores=True)
+    return r["topk_indices"][:, None], r["index_scores"], r["index_score_magnitudes"]
+
+
+def _allowance(config, dtype, magnitudes, T, same_precision_error=None):
+    return score_allowance(dtype, magnitudes, length=index_length(config, T), same_precision_error=same_precision_error)
+
+
+def _clear_swap(selection, scores):
+    """The mutant: in the first query that drops a visible key, its best key swapped for its worst dropped one."""
+    bad = selection.copy()
+    for row in np.ndindex(*scores.shape[:-1]):
+        kept = [j for j in bad[row] if j >= 0]
+        dropped = [j for j in range(scores.shape[-1]) if np.isfinite(scores[row][j]) and j not in kept]
+        if dropped:
+            worst = min(dropped, key=lambda j: scores[row][j])
+            bad[row][list(bad[row]).index(kept[0])] = worst
+            return bad, row, kept[0], worst
+    raise AssertionError("no query drops a visible key: the case cannot show a swap")
+
+
+@pytest.mark.reference
+def test_a_clear_swap_fails_naming_the_query_and_keys():
+    config = _config()
+    t = init(config, seed=1, dtype="float64")
+    x = np.random.default_rng(1).standard_normal((2, 12, D))
+    sel, s, m = _reference(config, t, x)
+    allowance = _allowance(config, "float32", m, 12)
+    same = compare_selection("selection", sel, sel, s, allowance)
+    assert same.ok and same.swaps == 0 and same.margin == 0, same.describe()
+    bad, row, best, worst = _clear_swap(sel, s)
+    c = compare_selection("selection", bad, sel, s, allowance)
+    assert not c.ok, c.describe()
+    text = c.describe()
+    assert f"query {list(row)}" in text and f"({int(worst)}," in text and f"({int(best)}," in text, text
+
+
+@pytest.mark.reference
+def test_padding_masked_keys_ties_and_counts():
+    scores = np.array([[[2.0, 0.0, 0.0, 0.0, -np.inf]]])  # one query, keys 1-3 tie at 0 (a ReLU), key 4 masked
+    allowance = np.full(scores.shape, 1e-6)
+    expected = np.array([[[0, 1, -1]]])
+    for ok in ([[[0, 3, -1]]], [[[1, 0, -1]]], [[[0, 2, 4]]]):  # another zero; another order; a masked key as padding
+        c = compare_selection("tie", np.array(ok), expected, scores, allowance)
+        assert c.ok, (ok, c.describe())
+    for bad, words in (([[[0, -1, -1]]], "1 visible keys selected, the reference selects 2"),
+                       ([[[0, 0, -1]]], "a key selected twice"), ([[[0, 7, -1]]], "out of range")):
+        c = compare_selection("tie", np.array(bad), expected, scores, allowance)
+        assert not c.ok and words in c.describe(), c.describe()
+    near = np.array([[[1.0, 0.5, 0.5 + 1e-7, 0.1]]])  # the k-th place is a near-tie of keys 1 and 2
+    c = compare_selection("near", np.array([[[0, 1]]]), np.array([[[0, 2]]]), near, np.full(near.shape, 1e-7))
+    assert c.ok and c.swaps == 1 and 0 < c.margin <= 1, c.describe()
+    c = compare_selection("far", np.array([[[0, 3]]]), np.array([[[0, 2]]]), near, np.full(near.shape, 1e-7))
+    assert not c.ok and c.margin > 1e5, c.describe()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_near_ties_pass_on_every_backend_and_dtype(dtype):
+    """The NumPy reference and the torch mirror in `dtype` on cases with near-ties at the k-th place: each
+    selection agrees with the float64 reference's under the policy, and over the cases some backend keeps
+    the other key of a tie (so the allowance, not luck, is what passes them)."""
+    torch = pytest.importorskip("torch")
+    from impl_torch.indexer import lightning_indexer as torch_indexer
+
+    config = _config(rope=False)
+    swaps = 0
+    strict_failures = 0  # under float64's allowance (u = 2^-53) the same selections must fail somewhere
+    for seed in range(3):
+        t = init(config, seed=10 + seed, dtype="float64")
+        x = _near_ties(seed=seed)
+        sel, s, m = _reference(config, t, x)
+        low = lightning_indexer(config, t, x, dtype=dtype, return_scores=True)
+        finite = np.isfinite(s)
+        diff = np.subtract(low["index_scores"].astype(np.float64), s, where=finite, out=np.zeros(s.shape))
+        error = np.abs(diff)
+        same = error.max(axis=-1, keepdims=True) if dtype != "float32" else None
+        allowance = _allowance(config, dtype, m, x.shape[1], same)
+        mirror = torch_indexer(config, t, x, dtype=dtype)["topk_indices"].numpy()[:, None]
+        for name, got in (("numpy", low["topk_indices"][:, None]), ("torch", mirror)):
+            c = compare_selection(f"{name} {dtype} seed {seed}", got, sel, s, allowance)
+            assert c.ok, c.describe()
+            swaps += c.swaps
+            strict_failures += not compare_selection("strict", got, sel, s, score_allowance(
+                "float64", m, length=index_length(config, x.shape[1]))).ok
+    assert swaps > 0, f"{dtype}: no backend broke a near-tie otherwise: the cases do not exercise the allowance"
+    assert strict_failures > 0, f"{dtype}: float64's allowance passes too: the near-ties are not near enough"
+    del torch
+
+
+@pytest.mark.torch
+def test_torch_mirror_matches_the_reference_in_float64_and_fp8():
+    """The torch mirror against the NumPy spec in float64, blocks and fp8 included: the same selection, the
+    same scores to float64's rounding (1e-12 of the largest), the same index cache."""
+    pytest.importorskip("torch")
+    from impl_torch.indexer import lightning_indexer as torch_indexer
+
+    m3 = AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=D, head_dim=8, rope={"rotary_dim": 4},
+                         indexer={"heads": 2, "head_dim": 8, "topk": 2, "query_source": "input",
+                                  "query_norm": {"type": "rms"}, "key_norm": {"type": "rms"}, "rope": {"rotary_dim": 4},
+                                  "head_weights": False, "relu": False, "score_scale": 1.0, "per_kv_head": True,
+                                  "block_size": 2, "local_blocks": 1})
+    x = np.random.default_rng(3).standard_normal((2, 9, D))
+    for config, precision in ((_config(), None), (_config(), "fp8_e4m3"), (m3, None)):
+        t = init(config, seed=5, dtype="float64")
+        want = lightning_indexer(config, t, x, precision=precision, return_scores=True)
+        got = torch_indexer(config, t, x, precision=precision, return_scores=True)
+        assert np.array_equal(got["topk_indices"].numpy(), want["topk_indices"]), (precision, config.indexer)
+        a, b = got["index_scores"].numpy(), want["index_scores"]
+        finite = np.isfinite(b)
+        assert np.array_equal(np.isfinite(a), finite)
+        err = np.abs(a[finite] - b[finite]).max()
+        assert err <= 1e-12 * np.abs(b[finite]).max(), (precision, err)
+        assert np.allclose(got["present_index_keys"].numpy(), want["present_index_keys"], rtol=1e-12, atol=0)

@@ -145,3 +145,54 @@ def compare_selection(name: str, actual, expected, scores, allowance, *, shown: 
     rows = int(np.prod(s.shape[:-1]))
     return SelectionComparison(ok=failing == 0, name=name, margin=margin, swaps=swaps, rows=rows,
                                problems=tuple(problems[:shown]), failing_rows=failing)
+
+
+def judge_indexer(config, tensors, inputs: dict, result: dict, *, dtype: str = "float32") -> list:
+    """Judge one indexer call of a port: `result` holds its "topk_indices" (and, where the port returns them,
+    "index_scores", (B, G, T, P+S)); `inputs` the call's query [, key, positions, key_positions,
+    past_index_keys, mask]. The float64 reference (impl_numpy.indexer) gives the scores, their magnitudes and
+    the selection; a 16-bit dtype adds the same-dtype reference's score error. -> [SelectionComparison,
+    and for the scores a tolerance.Comparison]: each .ok."""
+    from impl_numpy.indexer import block_scores, lightning_indexer
+
+    from .tolerance import Tolerance, compare
+
+    call = {name: inputs[name] for name in ("key", "positions", "key_positions", "past_index_keys", "mask")
+            if name in inputs}
+    query = np.asarray(inputs["query"], dtype=np.float64)
+    ref = lightning_indexer(config, tensors, query, dtype="float64", return_scores=True, **call)
+    s, m = ref["index_scores"], ref["index_score_magnitudes"]
+    P = 0 if "past_index_keys" not in call else np.asarray(call["past_index_keys"]).shape[1]
+    length = index_length(config, P + query.shape[1])
+    same = None
+    if dtype in ("float16", "bfloat16"):
+        low = lightning_indexer(config, tensors, query, dtype=dtype, return_scores=True, **call)["index_scores"]
+        finite = np.isfinite(s)
+        same = np.abs(np.subtract(low.astype(np.float64), s, where=finite, out=np.zeros(s.shape)))
+        same = same.max(axis=-1, keepdims=True)
+    allowance = score_allowance(dtype, m, length=length, same_precision_error=same)
+    out = []
+    if "index_scores" in result:
+        got = np.asarray(result["index_scores"], dtype=np.float64)
+        finite = np.isfinite(s)
+        if not np.array_equal(np.isfinite(got), finite):
+            out.append(SelectionComparison(ok=False, name="index_scores", margin=math.inf, swaps=0, rows=0,
+                                           problems=("the masked (-inf) scores are not where the reference's are",),
+                                           failing_rows=1))
+        else:
+            floor = np.where(finite, allowance, 0.0)
+            tol = Tolerance(rtol=0.0, atol=float(np.finfo(np.float64).tiny), floor=floor,
+                            reason=f"{dtype} index scores: 8*u*sqrt(L) x each score's magnitude, L={length}")
+            out.append(compare("index_scores", np.where(finite, got, 0.0), np.where(finite, s, 0.0), tol))
+    ix = config.indexer
+    if ix.block_size is None:
+        expected = ref["topk_indices"] if ix.per_kv_head else ref["topk_indices"][:, None]
+        actual = np.asarray(result["topk_indices"])
+        actual = actual if ix.per_kv_head else actual[:, None]
+        out.append(compare_selection("topk_indices", actual, expected, s, allowance))
+    else:
+        bs = ref["block_scores"]
+        ballow = block_scores(np.where(np.isfinite(s), allowance, -np.inf), ix.block_size)
+        out.append(compare_selection("topk_blocks", result["topk_blocks"], ref["topk_blocks"], bs,
+                                     np.where(np.isfinite(ballow), ballow, 0.0)))
+    return out

@@ -65,8 +65,8 @@ def hadamard(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_fp8(x: np.ndarray, block: int, scale_format: str) -> tuple[np.ndarray, np.ndarray]:
-    """DeepSeek's act_quant, simulated: per block of `block` features, amax = max(|x|, 1e-4), the scale
-    amax / 448 ("float") or the power of two at or above it ("ue8m0", DeepSeek's scale_fmt in
+    """DeepSeek's act_quant, simulated: per block of `block` features, amax = max(|x|, 1e-4) in float32, the
+    scale amax * (1/448) in float32 ("float") or the power of two at or above it ("ue8m0", DeepSeek's scale_fmt in
     config_671B_v3.2.json), x / scale rounded to float8 e4m3 (ml_dtypes.float8_e4m3fn, round to nearest even,
     clamped to +-448). -> (the quantised values as float64, (..., J // block) scales)."""
     import ml_dtypes
@@ -74,9 +74,10 @@ def quantize_fp8(x: np.ndarray, block: int, scale_format: str) -> tuple[np.ndarr
     shape = x.shape
     xb = x.astype(np.float64).reshape(*shape[:-1], shape[-1] // block, block)  # (..., nblk, block)
     amax = np.maximum(np.abs(xb).max(axis=-1, keepdims=True), FP8_AMAX_FLOOR).astype(np.float32)
-    scale = amax / np.float32(FP8_MAX)
-    if scale_format == "ue8m0":
-        scale = np.exp2(np.ceil(np.log2(scale)))
+    scale = amax * np.float32(1 / FP8_MAX)  # float32, times the reciprocal, as the kernel's fp8_max_inv
+    if scale_format == "ue8m0":  # 2^ceil(log2 scale), exactly: frexp's mantissa is 0.5 on a power of two
+        mantissa, exponent = np.frexp(scale)
+        scale = np.ldexp(np.float32(1), np.where(mantissa == 0.5, exponent - 1, exponent)).astype(np.float32)
     scale = scale.astype(np.float64)
     q = np.clip(xb / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     return q.reshape(shape), scale[..., 0]

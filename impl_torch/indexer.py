@@ -48,9 +48,10 @@ def quantize_fp8(x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.
     shape = x.shape
     xb = x.to(torch.float64).reshape(*shape[:-1], shape[-1] // block, block)  # (..., nblk, block)
     amax = torch.clamp(xb.abs().amax(dim=-1, keepdim=True), min=FP8_AMAX_FLOOR).to(torch.float32)
-    scale = amax / FP8_MAX
-    if scale_format == "ue8m0":
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32)  # float32, times the reciprocal
+    if scale_format == "ue8m0":  # 2^ceil(log2 scale), exactly
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent))
     scale = scale.to(torch.float64)
     q = torch.clamp(xb / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float64)
     return q.reshape(shape), scale[..., 0]

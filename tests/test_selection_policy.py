@@ -1,7 +1,7 @@
 """Top-k in the tolerance policy (conformance.suite.selection): two selections agree when they differ only
 in keys whose float64 index scores lie within the score allowance of the k-th score. A clear swap fails
 naming the query and the keys; near-ties built on purpose pass in float32, float16 and bfloat16 when a
-backend (the NumPy reference in that dtype, the torch mirror) keeps the other key of the tie. Tiny shapes:
+backend (the NumPy reference in that dtype, the torch and JAX mirrors) keeps the other key of the tie. Tiny shapes:
 about a second in all."""
 
 from __future__ import annotations
@@ -14,6 +14,26 @@ from impl_numpy.indexer import lightning_indexer
 from weights import AttentionConfig, init
 
 D = 12
+MIRRORS = [pytest.param("torch", marks=pytest.mark.torch), pytest.param("jax", marks=pytest.mark.jax)]
+
+
+def _mirror(name):
+    """The mirror's lightning_indexer with NumPy results (jax: x64 on, as impl_jax.adapter switches it)."""
+    if name == "torch":
+        pytest.importorskip("torch")
+        from impl_torch.indexer import lightning_indexer as run
+    else:
+        pytest.importorskip("jax")
+        import impl_jax.adapter  # noqa: F401  (x64 mode, process-wide)
+        from impl_jax.indexer import lightning_indexer as run
+
+    def call(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if name == "torch":  # bfloat16 has no NumPy form in torch: widened exactly to float32
+            return {k: (v.float() if str(v.dtype) == "torch.bfloat16" else v).numpy() for k, v in out.items()}
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    return call
 
 
 def _config(rope: bool = True, topk: int = 4) -> AttentionConfig:
@@ -90,15 +110,13 @@ def test_padding_masked_keys_ties_and_counts():
     assert not c.ok and c.margin > 1e5, c.describe()
 
 
-@pytest.mark.torch
+@pytest.mark.parametrize("mirror", MIRRORS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_near_ties_pass_on_every_backend_and_dtype(dtype):
+def test_near_ties_pass_on_every_backend_and_dtype(mirror, dtype):
     """The NumPy reference and the torch mirror in `dtype` on cases with near-ties at the k-th place: each
     selection agrees with the float64 reference's under the policy, and over the cases some backend keeps
     the other key of a tie (so the allowance, not luck, is what passes them)."""
-    torch = pytest.importorskip("torch")
-    from impl_torch.indexer import lightning_indexer as torch_indexer
-
+    run = _mirror(mirror)
     config = _config(rope=False)
     swaps = 0
     strict_failures = 0  # under float64's allowance (u = 2^-53) the same selections must fail somewhere
@@ -112,8 +130,8 @@ def test_near_ties_pass_on_every_backend_and_dtype(dtype):
         error = np.abs(diff)
         same = error.max(axis=-1, keepdims=True) if dtype != "float32" else None
         allowance = _allowance(config, dtype, m, x.shape[1], same)
-        mirror = torch_indexer(config, t, x, dtype=dtype)["topk_indices"].numpy()[:, None]
-        for name, got in (("numpy", low["topk_indices"][:, None]), ("torch", mirror)):
+        got_mirror = run(config, t, x, dtype=dtype)["topk_indices"][:, None]
+        for name, got in (("numpy", low["topk_indices"][:, None]), (mirror, got_mirror)):
             c = compare_selection(f"{name} {dtype} seed {seed}", got, sel, s, allowance)
             assert c.ok, c.describe()
             swaps += c.swaps
@@ -121,15 +139,13 @@ def test_near_ties_pass_on_every_backend_and_dtype(dtype):
                 "float64", m, length=index_length(config, x.shape[1]))).ok
     assert swaps > 0, f"{dtype}: no backend broke a near-tie otherwise: the cases do not exercise the allowance"
     assert strict_failures > 0, f"{dtype}: float64's allowance passes too: the near-ties are not near enough"
-    del torch
 
 
-@pytest.mark.torch
-def test_torch_mirror_matches_the_reference_in_float64_and_fp8():
-    """The torch mirror against the NumPy spec in float64, blocks and fp8 included: the same selection, the
-    same scores to float64's rounding (1e-12 of the largest), the same index cache."""
-    pytest.importorskip("torch")
-    from impl_torch.indexer import lightning_indexer as torch_indexer
+@pytest.mark.parametrize("mirror", MIRRORS)
+def test_mirror_matches_the_reference_in_float64_and_fp8(mirror):
+    """The mirror against the NumPy spec in float64, blocks and fp8 included: the same selection, the same
+    scores to float64's rounding (1e-12 of the largest), the same index cache."""
+    run = _mirror(mirror)
 
     m3 = AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=D, head_dim=8, rope={"rotary_dim": 4},
                          indexer={"heads": 2, "head_dim": 8, "topk": 2, "query_source": "input",
@@ -140,11 +156,11 @@ def test_torch_mirror_matches_the_reference_in_float64_and_fp8():
     for config, precision in ((_config(), None), (_config(), "fp8_e4m3"), (m3, None)):
         t = init(config, seed=5, dtype="float64")
         want = lightning_indexer(config, t, x, precision=precision, return_scores=True)
-        got = torch_indexer(config, t, x, precision=precision, return_scores=True)
-        assert np.array_equal(got["topk_indices"].numpy(), want["topk_indices"]), (precision, config.indexer)
-        a, b = got["index_scores"].numpy(), want["index_scores"]
+        got = run(config, t, x, precision=precision, return_scores=True)
+        assert np.array_equal(got["topk_indices"], want["topk_indices"]), (precision, config.indexer)
+        a, b = got["index_scores"], want["index_scores"]
         finite = np.isfinite(b)
         assert np.array_equal(np.isfinite(a), finite)
         err = np.abs(a[finite] - b[finite]).max()
         assert err <= 1e-12 * np.abs(b[finite]).max(), (precision, err)
-        assert np.allclose(got["present_index_keys"].numpy(), want["present_index_keys"], rtol=1e-12, atol=0)
+        assert np.allclose(got["present_index_keys"], want["present_index_keys"], rtol=1e-12, atol=0)

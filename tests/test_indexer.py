@@ -261,3 +261,16 @@ def test_the_config_field():
         c = AttentionConfig(num_heads=2, query_dim=D, head_dim=6, indexer={"heads": 2, "head_dim": 6, "topk": 1,
                                                                           "query_source": "input"})
         lightning_indexer(c, init(c, seed=0), _x(), precision="fp8_e4m3")
+
+
+def test_a_weights_file_keeps_the_indexer_and_no_layout_drops_it_silently(tmp_path):
+    from weights import layouts, load, save
+
+    config = _m3()
+    t = init(config, seed=7)
+    save(tmp_path / "w.safetensors", config, t)
+    again, tensors = load(tmp_path / "w.safetensors")
+    assert again == config and all(np.array_equal(tensors[n], t[n]) for n in t) and set(tensors) == set(t)
+    for layout in ("canonical", "torch-linears", "hf-llama"):
+        problems = layouts.cannot_express(layout, config)
+        assert any(p.startswith("indexer (") for p in problems), (layout, problems)

@@ -1,7 +1,7 @@
 """Top-k in the tolerance policy (conformance.suite.selection): two selections agree when they differ only
 in keys whose float64 index scores lie within the score allowance of the k-th score. A clear swap fails
 naming the query and the keys; near-ties built on purpose pass in float32, float16 and bfloat16 when a
-backend (the NumPy reference in that dtype, the torch and JAX mirrors) keeps the other key of the tie. Tiny shapes:
+backend (the NumPy reference in that dtype, the torch, JAX and TensorFlow mirrors) keeps the other key of the tie. Tiny shapes:
 about a second in all."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from impl_numpy.indexer import lightning_indexer
 from weights import AttentionConfig, init
 
 D = 12
-MIRRORS = [pytest.param("torch", marks=pytest.mark.torch), pytest.param("jax", marks=pytest.mark.jax)]
+MIRRORS = [pytest.param("torch", marks=pytest.mark.torch), pytest.param("jax", marks=pytest.mark.jax),
+           pytest.param("tf", marks=pytest.mark.tf)]
 
 
 def _mirror(name):
@@ -22,6 +23,9 @@ def _mirror(name):
     if name == "torch":
         pytest.importorskip("torch")
         from impl_torch.indexer import lightning_indexer as run
+    elif name == "tf":
+        pytest.importorskip("tensorflow")
+        from impl_tf.indexer import lightning_indexer as run
     else:
         pytest.importorskip("jax")
         import impl_jax.adapter  # noqa: F401  (x64 mode, process-wide)
@@ -31,7 +35,7 @@ def _mirror(name):
         out = run(*args, **kwargs)
         if name == "torch":  # bfloat16 has no NumPy form in torch: widened exactly to float32
             return {k: (v.float() if str(v.dtype) == "torch.bfloat16" else v).numpy() for k, v in out.items()}
-        return {k: np.asarray(v) for k, v in out.items()}
+        return {k: np.asarray(v.numpy() if name == "tf" else v) for k, v in out.items()}
 
     return call
 
@@ -153,10 +157,11 @@ def test_mirror_matches_the_reference_in_float64_and_fp8(mirror):
                                   "head_weights": False, "relu": False, "score_scale": 1.0, "per_kv_head": True,
                                   "block_size": 2, "local_blocks": 1})
     x = np.random.default_rng(3).standard_normal((2, 9, D))
-    for config, precision in ((_config(), None), (_config(), "fp8_e4m3"), (m3, None)):
+    for config, precision, fmt in ((_config(), None, "float"), (_config(), "fp8_e4m3", "float"),
+                                   (_config(), "fp8_e4m3", "ue8m0"), (m3, None, "float")):
         t = init(config, seed=5, dtype="float64")
-        want = lightning_indexer(config, t, x, precision=precision, return_scores=True)
-        got = run(config, t, x, precision=precision, return_scores=True)
+        want = lightning_indexer(config, t, x, precision=precision, fp8_scale_format=fmt, return_scores=True)
+        got = run(config, t, x, precision=precision, fp8_scale_format=fmt, return_scores=True)
         assert np.array_equal(got["topk_indices"], want["topk_indices"]), (precision, config.indexer)
         a, b = got["index_scores"], want["index_scores"]
         finite = np.isfinite(b)

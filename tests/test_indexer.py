@@ -274,3 +274,18 @@ def test_a_weights_file_keeps_the_indexer_and_no_layout_drops_it_silently(tmp_pa
     for layout in ("canonical", "torch-linears", "hf-llama"):
         problems = layouts.cannot_express(layout, config)
         assert any(p.startswith("indexer (") for p in problems), (layout, problems)
+
+
+@pytest.mark.parametrize("make", [lambda: _dsa(True), lambda: _m3()], ids=["dsa", "m3"])
+def test_the_trace_follows_indexer_stages(make):
+    """The stages recorded (rec) are weights.call.INDEXER_STAGES' names, in its order; the mirrors use the same
+    names (impl_torch/impl_jax/impl_tf indexer.py), so a divergence names a stage."""
+    from weights.call import INDEXER_STAGES
+
+    config = make()
+    seen = []
+    lightning_indexer(config, init(config, seed=8, dtype="float64"), _x(), precision="fp8_e4m3",
+                      rec=lambda stage, value: seen.append(stage) or value)
+    assert all(stage in INDEXER_STAGES for stage in seen), seen
+    assert seen == sorted(seen, key=INDEXER_STAGES.index) and len(seen) == len(set(seen)), seen
+    assert "indexer.scores" in seen and "indexer.selection" in seen

@@ -160,8 +160,12 @@ def test_mirror_matches_the_reference_in_float64_and_fp8(mirror):
     for config, precision, fmt in ((_config(), None, "float"), (_config(), "fp8_e4m3", "float"),
                                    (_config(), "fp8_e4m3", "ue8m0"), (m3, None, "float")):
         t = init(config, seed=5, dtype="float64")
-        want = lightning_indexer(config, t, x, precision=precision, fp8_scale_format=fmt, return_scores=True)
-        got = run(config, t, x, precision=precision, fp8_scale_format=fmt, return_scores=True)
+        stages: dict[str, list] = {"numpy": [], mirror: []}
+        want = lightning_indexer(config, t, x, precision=precision, fp8_scale_format=fmt, return_scores=True,
+                                 rec=lambda stage, value: stages["numpy"].append(stage) or value)
+        got = run(config, t, x, precision=precision, fp8_scale_format=fmt, return_scores=True,
+                  rec=lambda stage, value: stages[mirror].append(stage) or value)
+        assert stages["numpy"] == stages[mirror], stages  # the same stages, by the same names
         assert np.array_equal(got["topk_indices"], want["topk_indices"]), (precision, config.indexer)
         a, b = got["index_scores"], want["index_scores"]
         finite = np.isfinite(b)

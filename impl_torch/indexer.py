@@ -24,6 +24,8 @@ FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
 FP8_BLOCK = 128
 PRECISIONS = (None, "fp8_e4m3")
+# The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
+READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
 
 
@@ -195,7 +197,7 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
             raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {J}): "
                              f"got {tuple(past_index_keys.shape)}")
         P = past_index_keys.shape[1]
-    tensors = {name: tensor(t, dt) for name, t in tensors.items()}
+    tensors = {name: tensor(t, dt) for name, t in tensors.items() if name.startswith(READS)}
     positions = F.default_positions(None if positions is None else tensor(positions, torch.int64), P, T, query.device)
     key_positions = F.default_positions(None if key_positions is None else tensor(key_positions, torch.int64), P, S,
                                         query.device)

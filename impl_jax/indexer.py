@@ -29,6 +29,16 @@ READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
 
 
+def _float8():
+    """JAX's float8 e4m3 type, or a ValueError saying why the simulation cannot run."""
+    fp8 = getattr(jnp, "float8_e4m3fn", None)
+    if fp8 is None:
+        import jax
+
+        raise ValueError(f"precision fp8_e4m3 needs jnp.float8_e4m3fn, which JAX {jax.__version__} lacks")
+    return fp8
+
+
 # -- stages -----------------------------------------------------------------------------------------------
 
 def index_rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float, end: str):
@@ -55,7 +65,7 @@ def quantize_fp8(x, block: int, scale_format: str):
         mantissa, exponent = jnp.frexp(scale)
         scale = jnp.ldexp(jnp.ones_like(scale), jnp.where(mantissa == 0.5, exponent - 1, exponent))
     scale = scale.astype(jnp.float64)
-    q = jnp.clip(xb / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float64)
+    q = jnp.clip(xb / scale, -FP8_MAX, FP8_MAX).astype(_float8()).astype(jnp.float64)
     return q.reshape(shape), scale[..., 0]
 
 
@@ -174,6 +184,8 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     if fp8_scale_format not in FP8_SCALE_FORMATS:
         raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {fp8_scale_format!r}")
     J = ix.head_dim
+    if precision is not None:
+        _float8()
     if precision is not None and (J & (J - 1) or J > FP8_BLOCK):
         raise ValueError(f"precision fp8_e4m3 needs indexer.head_dim a power of two <= {FP8_BLOCK} (DeepSeek's "
                          f"Hadamard transform and one quantisation block per head): got head_dim={J}")

@@ -33,7 +33,7 @@ def _float8():
     """TensorFlow's float8 e4m3 type, or a ValueError saying why the simulation cannot run."""
     fp8 = getattr(tf.dtypes.experimental, "float8_e4m3fn", None)
     if fp8 is None:
-        raise ValueError(f"precision fp8_e4m3 needs TensorFlow's float8_e4m3fn type, which TensorFlow "
+        raise ValueError(f"precision fp8_e4m3 needs tf.dtypes.experimental.float8_e4m3fn, which TensorFlow "
                          f"{tf.__version__} lacks")
     return fp8
 

@@ -173,3 +173,23 @@ def test_mirror_matches_the_reference_in_float64_and_fp8(mirror):
         err = np.abs(a[finite] - b[finite]).max()
         assert err <= 1e-12 * np.abs(b[finite]).max(), (precision, err)
         assert np.allclose(got["present_index_keys"], want["present_index_keys"], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("mirror", [pytest.param("torch", marks=pytest.mark.torch),
+                                    pytest.param("tf", marks=pytest.mark.tf)])
+def test_a_framework_without_float8_refuses_the_fp8_simulation(mirror, monkeypatch):
+    """Where the framework has no float8 e4m3 type (removed here), the call is refused with that reason, one
+    line, before any work."""
+    run = _mirror(mirror)
+    if mirror == "torch":
+        import torch
+
+        monkeypatch.delattr(torch, "float8_e4m3fn")
+    else:
+        from impl_tf._keras import tf
+
+        monkeypatch.delattr(tf.dtypes.experimental, "float8_e4m3fn")
+    config = _config()
+    with pytest.raises(ValueError, match="precision fp8_e4m3 needs .*float8_e4m3fn, which .* lacks") as err:
+        run(config, init(config, seed=0, dtype="float64"), np.zeros((1, 2, D)), precision="fp8_e4m3")
+    assert "\n" not in str(err.value)

@@ -23,7 +23,7 @@ import pytest
 from conformance.suite.selection import compare_selection, index_length, score_allowance
 from impl_numpy.indexer import block_scores, lightning_indexer
 from weights import AttentionConfig
-from weights.layouts.indexer import index_keys_from_hf, indexer_field, indexer_tensors
+from weights.layouts.indexer import index_keys_from_hf, indexer_field, indexer_layers, indexer_tensors
 
 D, QR, I, J, R, TOPK, T = 16, 6, 3, 8, 4, 3, 10
 
@@ -170,3 +170,23 @@ def test_m3_indexer_reproduces_transformers():
     _judge("minimax_m3 decode", config, step, scores, sel, "block_scores")
     hf_keys = index_keys_from_hf("minimax_m3_vl", cache.layers[0].idx_keys.numpy(), 4)
     assert np.allclose(hf_keys, step["present_index_keys"], rtol=1e-5, atol=1e-6), "the index caches differ"
+
+
+def test_which_layers_have_an_indexer_as_transformers_reads_them():
+    """indexer_layers against the configs' own resolution: GLM-5's indexer_types from a pattern or the
+    freq/offset schedule (full and shared layers), MiniMax M3's layer_types from sparse_attention_freq."""
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install '.[hf]'")
+    from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as conf
+
+    for extra in ({}, {"index_topk_freq": 3, "index_skip_topk_offset": 2}, {"index_topk_pattern": "FSSFS"}):
+        hf = {"num_hidden_layers": 5, **extra}
+        cfg = transformers.GlmMoeDsaConfig(num_hidden_layers=5, **extra)
+        assert indexer_layers("glm_moe_dsa", hf) == list(cfg.indexer_types), (extra, cfg.indexer_types)
+    assert "shared" in indexer_layers("glm_moe_dsa", {"num_hidden_layers": 5, "index_topk_pattern": "FSSFS"})
+    freq = [0, 1, 1, 0]
+    cfg = conf.MiniMaxM3VLTextConfig(num_hidden_layers=4, sparse_attention_config={"sparse_attention_freq": freq})
+    want = ["full" if t == "minimax_m3_sparse" else None for t in cfg.layer_types]
+    assert indexer_layers("minimax_m3_vl", {"num_hidden_layers": 4, "sparse_attention_config":
+                                            {"sparse_attention_freq": freq}}) == want == [None, "full", "full", None]
+    with pytest.raises(ValueError, match="indexer_types must give full or shared"):
+        indexer_layers("glm_moe_dsa", {"num_hidden_layers": 2, "indexer_types": ["shared", "full"]})

@@ -5,6 +5,8 @@ MiniMax M3) call these two functions for a layer's `indexer` (DeepseekV32Indexer
 `self_attn.indexer.*`; MiniMaxM3VLIndexer: `self_attn.indexer.*`). What each model computes, with the
 transformers file:line it is read from: docs/sparse-attention.md.
 
+    indexer_layers(model_type, hf_config) -> per layer "full" (its own indexer), "shared" (GLM-5: the
+        previous full layer's selection, fed as topk_indices) or None (a dense layer)
     indexer_field(model_type, hf_config, rope) -> the config's `indexer` (a dict)
     indexer_tensors(model_type, state) -> {"indexer.query.kernel": ..., ...}
     index_keys_from_hf(model_type, keys, rotary_dim) -> the contract's present_index_keys
@@ -35,6 +37,45 @@ def _get(hf: Mapping[str, Any], name: str):
     if name not in hf:
         raise ValueError(f"config.json has no {name} (the indexer needs it)")
     return hf[name]
+
+
+def indexer_layers(model_type: str, hf: Mapping[str, Any]) -> list[str | None]:
+    """What each layer of a `model_type` checkpoint does, from its config.json: "full" runs its own indexer,
+    "shared" (GLM-5) reuses the previous full layer's selection (it has no indexer field: it takes
+    topk_indices), None is a dense layer (MiniMax M3's full_attention layers). The rules, as transformers 5.23
+    reads them: deepseek_v32, every layer full; glm_moe_dsa, `indexer_types`, else `index_topk_pattern`
+    ("F"/"S"), else full where max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0 (defaults 2 and
+    1: every layer full; configuration_glm_moe_dsa.py:136-148); MiniMax M3, `layer_types` ("minimax_m3_sparse")
+    else sparse_attention_config.sparse_attention_freq (configuration_minimax_m3_vl.py:141-146)."""
+    kind = _type(model_type)
+    n = int(_get(hf, "num_hidden_layers"))
+    if model_type == "deepseek_v32":
+        return ["full"] * n
+    if kind == "dsa":
+        types = hf.get("indexer_types")
+        if types is None:
+            pattern = hf.get("index_topk_pattern")
+            if pattern is not None:
+                types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
+            else:
+                freq, offset = max(int(hf.get("index_topk_freq", 1)), 1), int(hf.get("index_skip_topk_offset", 2))
+                types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+        types = list(types)
+        if len(types) != n or any(t not in ("full", "shared") for t in types) or (types and types[0] != "full"):
+            raise ValueError(f"indexer_types must give full or shared for each of the {n} layers, the first full "
+                             f"(a shared layer reuses an earlier full layer's selection): got {_shown(types)}")
+        return types
+    types = hf.get("layer_types")
+    if types is None:
+        freq = (hf.get("sparse_attention_config") or {}).get("sparse_attention_freq")
+        types = ["full_attention"] * n if freq is None else ["minimax_m3_sparse" if f else "full_attention"
+                                                              for f in freq]
+    return ["full" if t == "minimax_m3_sparse" else None for t in types]
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def indexer_field(model_type: str, hf: Mapping[str, Any], rope: Rope | Mapping | None) -> dict:

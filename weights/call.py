@@ -55,6 +55,14 @@ def stage_order(config) -> tuple[str, ...]:
 
 # The contractions, as einsum strings the mirrors share (B batch, L/T/S lengths, D input features, F = heads x
 # width, K key heads, G query heads per key head, H/V head widths, O output features).
+# The lightning indexer's trace (impl_*/indexer.py, `rec`), in order; each where its config turns it on
+# (query.latent: query_source "latent"; the norms, rope and weights where configured; fp8 with that precision;
+# blocks with block_size).
+INDEXER_STAGES = ("indexer.query.latent", "indexer.query.project", "indexer.query.norm", "indexer.query.rope",
+                  "indexer.key.project", "indexer.key.norm", "indexer.key.rope", "indexer.weights",
+                  "indexer.query.fp8", "indexer.key.fp8", "indexer.scores", "indexer.masked_scores", "indexer.blocks",
+                  "indexer.selection")
+
 PROJECT = "BLD,DF->BLF"
 LOGITS = "BKGTH,BKSH->BKGTS"
 ATTEND = "BKGTS,BKSV->BKGTV"

@@ -353,15 +353,121 @@ class Latent:
         return {"query_rank": self.query_rank, "kv_rank": self.kv_rank, "rope_dim": self.rope_dim, "eps": self.eps}
 
 
+# Where the indexer's query comes from (Indexer.query_source) and which end of its head RoPE turns.
+INDEXER_QUERY_SOURCES = ("latent", "input")
+INDEXER_ROPE_ENDS = ("first", "last")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Indexer:
+    """A lightning indexer (DeepSeek V3.2's DSA, GLM-5's glm_moe_dsa, MiniMax M3): a small multi-head scorer
+    that picks, for every query, the keys (or blocks of keys) the attention may see. docs/sparse-attention.md
+    states each stage; impl_numpy/indexer.py is its executable form. Shape letters: I index heads, J index
+    head_dim. Tensors (AttentionConfig.tensor_shapes): indexer.query.kernel (Qsrc, I, J), Qsrc the query
+    rank (query_source "latent": the layer's normed query latent, DeepSeek's `qr`) or query_dim ("input");
+    indexer.query.norm.scale (J,) with query_norm; indexer.key.kernel (key_dim, J); indexer.key.norm.scale
+    (J,) and .bias (J,) (a "layer" norm); indexer.weights.kernel (query_dim, I) with head_weights. The
+    indexer keeps its own cache: one key of J features per token after norm and RoPE (past_index_keys /
+    present_index_keys, (B, P, J))."""
+
+    heads: int  # I: index heads (index_n_heads)
+    head_dim: int  # J: index head_dim (index_head_dim)
+    topk: int  # k: keys kept per query (index_topk), or blocks with block_size (index_topk_blocks)
+    query_source: str = "latent"  # "latent": from the normed query latent (needs latent.query_rank); "input"
+    query_norm: QKNorm | None = None  # a norm of each index query head (MiniMax M3: rms), scope head
+    key_norm: QKNorm | None = None  # the index key's norm (DeepSeek V3.2 / GLM-5: layer, eps 1e-6; M3: rms)
+    rope: Rope | None = None  # RoPE on rope.rotary_dim features of q and k (theta, pairing, scaling); None: none
+    rope_end: str = "first"  # which end of the J features turns: "first" (V3.2, GLM-5, M3) or "last"
+    head_weights: bool = True  # score = sum_i w_i(x) relu(.): per-head weights from the query input
+    weight_scale: float | None = None  # multiplies the head weights; None: I ** -0.5 (DeepSeek)
+    score_scale: float | None = None  # multiplies q.k before the ReLU; None: J ** -0.5 (DeepSeek); M3: 1
+    relu: bool = True  # ReLU on each head's scaled q.k before the weighted sum (M3: none)
+    per_kv_head: bool = False  # one selection per kv head (index head i selects for kv head i; M3) or one
+    block_size: int | None = None  # None: keys are selected; an int: blocks of block_size keys (max-pooled)
+    local_blocks: int = 0  # blocks always kept: the query's own and the local_blocks - 1 before it (M3: 1)
+
+    @classmethod
+    def from_value(cls, value: Any) -> Indexer | None:
+        if value is None or isinstance(value, Indexer):
+            return value
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+        data = _object("indexer", value, fields)
+        missing = [key for key in ("heads", "head_dim", "topk") if key not in data]
+        if missing:
+            raise ValueError(f"indexer is missing {', '.join(missing)}")
+        for key in ("heads", "head_dim", "topk"):
+            _check_positive_int(f"indexer.{key}", data[key])
+        if data.get("query_source", "latent") not in INDEXER_QUERY_SOURCES:
+            raise ValueError(f"indexer.query_source must be one of {', '.join(INDEXER_QUERY_SOURCES)}: "
+                             f"got {_shown(data.get('query_source'))}")
+        if data.get("rope_end", "first") not in INDEXER_ROPE_ENDS:
+            raise ValueError(f"indexer.rope_end must be one of {', '.join(INDEXER_ROPE_ENDS)}: "
+                             f"got {_shown(data.get('rope_end'))}")
+        for key in ("head_weights", "relu", "per_kv_head"):
+            _check_bool(f"indexer.{key}", data.get(key, getattr(cls, key)))
+        scales = {key: None if data.get(key) is None else _finite_number(f"indexer.{key}", data[key], positive=True)
+                  for key in ("weight_scale", "score_scale")}
+        block_size = data.get("block_size")
+        if block_size is not None:
+            _check_positive_int("indexer.block_size", block_size)
+        local_blocks = data.get("local_blocks", 0)
+        if isinstance(local_blocks, bool) or not isinstance(local_blocks, int) or local_blocks < 0:
+            raise ValueError(f"indexer.local_blocks must be an integer >= 0: got {_shown(local_blocks)}")
+        if local_blocks and block_size is None:
+            raise ValueError(f"indexer.local_blocks needs block_size (local blocks are blocks): got local_blocks="
+                             f"{local_blocks} with block_size null")
+        if local_blocks > data["topk"]:
+            raise ValueError(f"indexer.local_blocks must be at most indexer.topk (the local blocks take top-k "
+                             f"slots): got local_blocks={local_blocks}, topk={data['topk']}")
+        norms = {key: QKNorm.from_value(data.get(key), f"indexer.{key}") for key in ("query_norm", "key_norm")}
+        for key, norm in norms.items():
+            if norm is not None and (norm.scope != "head" or norm.per_head or norm.after_rope):
+                raise ValueError(f"indexer.{key} must be a norm over each head's J features before RoPE (scope "
+                                 f"head, per_head false, after_rope false): got {_shown(norm.to_dict())}")
+        rope = Rope.from_value(data.get("rope"))
+        if rope is not None:
+            rotary_dim = data["head_dim"] if rope.rotary_dim is None else rope.rotary_dim
+            if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
+                raise ValueError(f"indexer.rope.rotary_dim must be an even integer >= 2 or null: "
+                                 f"got {_shown(rotary_dim)}")
+            if rotary_dim > data["head_dim"]:
+                raise ValueError(f"indexer.rope.rotary_dim must be at most indexer.head_dim: got rotary_dim="
+                                 f"{rotary_dim}, head_dim={data['head_dim']}")
+            if rope.scaling is not None:
+                rope.scaling.factor_lists_fit(rotary_dim)
+            rope = dataclasses.replace(rope, rotary_dim=rotary_dim)
+        return cls(heads=data["heads"], head_dim=data["head_dim"], topk=data["topk"],
+                   query_source=data.get("query_source", "latent"), rope=rope,
+                   rope_end=data.get("rope_end", "first"), head_weights=data.get("head_weights", True),
+                   relu=data.get("relu", True), per_kv_head=data.get("per_kv_head", False), block_size=block_size,
+                   local_blocks=local_blocks, **norms, **scales)
+
+    @property
+    def effective_weight_scale(self) -> float:
+        return self.heads ** -0.5 if self.weight_scale is None else self.weight_scale
+
+    @property
+    def effective_score_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.score_scale is None else self.score_scale
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in ("query_norm", "key_norm", "rope"):
+            if data[key] is not None:
+                data[key] = data[key].to_dict()
+        return data
+
+
 # The modern fields and their defaults: `to_json` leaves a field out while it holds its default.
 MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1,
                                    "qk_norm": None, "use_sinks": False, "alibi": False, "local_chunk": None,
                                    "query_temperature": None, "qkv_clip": None, "output_gate": None,
-                                   "value_norm": None, "latent": None, "alibi_bias_dtype": None}
+                                   "value_norm": None, "latent": None, "alibi_bias_dtype": None,
+                                   "indexer": None}
 # The dtypes alibi_bias_dtype may name: Falcon-RW builds its bias in bfloat16 whatever the model's dtype.
 ALIBI_BIAS_DTYPES = ("bfloat16", "float16", "float32")
 # The fields that are objects (a dict converts; to_dict gives their dict form).
-_OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate", "value_norm", "latent")
+_OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate", "value_norm", "latent", "indexer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -401,6 +507,9 @@ class AttentionConfig:
     # rounded as Falcon-RW builds it, round(round(slope_n) * round(pos_k)) in that dtype (the same bias up to a
     # constant per query row, so under a causal mask the same softmax, but for the roundings)
     alibi_bias_dtype: str | None = None
+    # A lightning indexer (DeepSeek V3.2, GLM-5, MiniMax M3; a dict converts): its tensors and its selection of
+    # keys (impl_numpy.indexer), fed to the attention as topk_indices; see Indexer and docs/sparse-attention.md
+    indexer: Indexer | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -488,6 +597,23 @@ class AttentionConfig:
         if value_norm is not None and value_norm.after_rope:
             raise ValueError("value_norm.after_rope must be false (RoPE never turns v)")
         object.__setattr__(self, "value_norm", value_norm)
+        indexer = Indexer.from_value(self.indexer)
+        if indexer is not None:
+            self._check_indexer(indexer)
+        object.__setattr__(self, "indexer", indexer)
+
+    def _check_indexer(self, indexer: Indexer) -> None:
+        """What an indexer needs of the other fields (one line each, naming the field)."""
+        if indexer.query_source == "latent" and (self.latent is None or self.latent.query_rank is None):
+            raise ValueError("indexer.query_source latent needs latent.query_rank (the indexer's query is the "
+                             "layer's normed query latent): got latent "
+                             f"{'null' if self.latent is None else 'without query_rank'}")
+        if indexer.per_kv_head and indexer.heads != self.num_kv_heads:
+            raise ValueError(f"indexer.per_kv_head needs indexer.heads equal to num_kv_heads (index head i selects "
+                             f"for kv head i): got heads={indexer.heads}, num_kv_heads={self.num_kv_heads}")
+        if indexer.per_kv_head and indexer.head_weights:
+            raise ValueError("indexer.per_kv_head needs head_weights false (each index head selects on its own "
+                             "score; head weights sum the heads into one)")
 
     def _check_latent(self, latent: Latent, rope: Rope | None) -> None:
         """What a latent layer needs of the other fields (one line each, naming the field)."""
@@ -527,7 +653,7 @@ class AttentionConfig:
         """The canonical tensors this config has, name -> shape."""
         N, K, H, V = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if self.latent is not None:
-            return self._latent_shapes()
+            return {**self._latent_shapes(), **self._indexer_shapes()}
         shapes: dict[str, tuple[int, ...]] = {"query.kernel": (self.query_dim, N, H)}
         if self.use_query_bias:
             shapes["query.bias"] = (N, H)
@@ -541,6 +667,32 @@ class AttentionConfig:
             shapes["value.bias"] = (K, V)
         shapes.update(self._norm_shapes("value", K))
         shapes.update(self._after_attention_shapes())
+        shapes.update(self._indexer_shapes())
+        return shapes
+
+    @property
+    def indexer_query_width(self) -> int:
+        """The width of what the indexer's query projection reads: the query rank (query_source "latent") or
+        query_dim ("input")."""
+        return self.latent.query_rank if self.indexer.query_source == "latent" else self.query_dim
+
+    def _indexer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """indexer.*: the indexer's query projection (from the query latent or the query input), its norms, its
+        key projection (one key of J features per token, shared by the index heads) and its head weights."""
+        ix = self.indexer
+        if ix is None:
+            return {}
+        I, J = ix.heads, ix.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"indexer.query.kernel": (self.indexer_query_width, I, J)}
+        if ix.query_norm is not None and ix.query_norm.weight:
+            shapes.update({f"indexer.query.norm.{n}": (J,) for n in
+                           (("scale", "bias") if ix.query_norm.type == "layer" else ("scale",))})
+        shapes["indexer.key.kernel"] = (self.key_dim, J)
+        if ix.key_norm is not None and ix.key_norm.weight:
+            shapes.update({f"indexer.key.norm.{n}": (J,) for n in
+                           (("scale", "bias") if ix.key_norm.type == "layer" else ("scale",))})
+        if ix.head_weights:
+            shapes["indexer.weights.kernel"] = (self.query_dim, I)
         return shapes
 
     def _latent_shapes(self) -> dict[str, tuple[int, ...]]:

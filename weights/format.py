@@ -364,7 +364,8 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
     the logits, so that it takes a visible share of every row); ALiBi slopes
     in [1/16, 1/2] (the range of BLOOM's and MPT's rules for 2 to 16 heads,
     drawn so that a slope read from the wrong head shows); the output gate's
-    kernel and bias as a projection from the query input. Tensors are
+    kernel and bias as a projection from the query input; the indexer's
+    projections as projections from their inputs. Tensors are
     drawn in `config.tensor_shapes()` order, so a plain config draws what it
     drew before the modern tensors existed.
     """
@@ -384,9 +385,16 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
         fan_in.update(latent=config.key_dim, key=latent.kv_rank, value=latent.kv_rank)
         if latent.query_rank is not None:
             fan_in["query"] = latent.query_rank
+    indexer_fan_in = {}  # the indexer's projections (indexer.query / key / weights), from their own sources
+    if config.indexer is not None:
+        indexer_fan_in = {"indexer.query.": config.indexer_query_width, "indexer.key.": config.key_dim,
+                          "indexer.weights.": config.query_dim}
     for name, shape in config.tensor_shapes().items():
         kind = next((k for k in ranges if name.endswith(k)), None)
-        if kind is None:
+        if kind is None and name.startswith("indexer."):
+            bound = 1.0 / np.sqrt(next(v for k, v in indexer_fan_in.items() if name.startswith(k)))
+            low, high = -bound, bound
+        elif kind is None:
             bound = 1.0 / np.sqrt(config.query_dim if name.startswith("query.down.") else fan_in[name.split(".")[0]])
             low, high = -bound, bound
         else:

@@ -1,0 +1,198 @@
+"""Top-k in the tolerance policy: when two selections of keys (or blocks) agree.
+
+A lightning indexer keeps the k best-scoring keys of each query. Two correct ports compute the index scores
+with different roundings, so where two keys' scores are nearer than that rounding, either may land at the
+k-th place: a port that keeps the other key of such a near-tie is right. The rule (docs/conformance.md "Top-k
+selections" and docs/sparse-attention.md say it in prose):
+
+    s_k      the k-th highest float64 reference score of the query (the lowest score the reference keeps)
+    a_j      the score allowance of key j: rtol * m_j, m_j the size of what score j sums
+             (impl_numpy.indexer's index_score_magnitudes: the same stages on |q|, |k|, |w|)
+    rtol     SAFETY * u * sqrt(L), u the backend's unit round-off, L the score's chain of reductions
+             (index_length); 16-bit: at least REFERENCE_FACTOR x the same-dtype reference's own score error
+    agree    iff the two selections keep the same number of visible keys, and every key one keeps and the
+             other drops has |s_j - s_k| <= a_j + a_k (both within the allowance of the k-th score)
+
+Anything else fails, naming the query (batch, group, query index) and the keys with their scores. The order
+of the slots is the contract's (highest score first, ties to the lower key) but is not judged: the attention
+takes the selection as a set. A selected key the masks hide counts as padding (-1): transformers' ports fill
+a query's spare slots with masked future keys, which the attention's own causal mask hides again; they are
+padding in effect, and judged so. A key out of range, selected twice, or a +inf local block dropped fails.
+
+Ties: the contract breaks exact ties by the lower key index. A port that breaks them otherwise (torch.topk's
+order among equal values is unspecified; ReLU sets about one score in 2^heads to exactly 0 with independent
+heads, so zeros tie often) keeps keys whose scores equal s_k: |s_j - s_k| = 0 <= the allowance, a pass, and
+the output is then judged against the reference computed with the port's own selection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .tolerance import REFERENCE_FACTOR, SAFETY, UNIT_ROUNDOFF
+
+
+def index_length(config, max_position: int = 0) -> int:
+    """L of an index score: the projection of its query source (the query latent's two reductions where the
+    query comes from it), the key's projection (key_dim), the key norm's mean (J), the dot product (J), the
+    sum over heads (I) and the head weights' projection (query_dim); RoPE adds theta_max^2 (the rounding of
+    the angle, as the attention's policy: weights/rope.py frequencies, largest position)."""
+    ix = config.indexer
+    J, I = ix.head_dim, ix.heads
+    length = config.key_dim + 2 * J + I
+    length += (config.query_dim + 2 * config.latent.query_rank) if ix.query_source == "latent" else config.query_dim
+    if ix.query_norm is not None:
+        length += J
+    if ix.head_weights:
+        length += config.query_dim
+    if ix.rope is not None and max_position:
+        from weights.rope import rope_tables
+
+        inv_freq, _ = rope_tables(ix.rope, max_position)
+        length += int(math.ceil((max_position * float(np.max(inv_freq))) ** 2))
+    return length
+
+
+def score_allowance(dtype: str, magnitudes, *, length: int, same_precision_error=None) -> np.ndarray:
+    """Each score's absolute allowance: SAFETY * u * sqrt(length) * its magnitude; for 16-bit storage with the
+    same-dtype reference's error known (per query row, broadcastable), at least REFERENCE_FACTOR times it."""
+    rtol = SAFETY * UNIT_ROUNDOFF[dtype] * math.sqrt(max(length, 1))
+    m = np.nan_to_num(np.asarray(magnitudes, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    allowance = rtol * m
+    if same_precision_error is not None:
+        allowance = np.maximum(allowance, REFERENCE_FACTOR * np.asarray(same_precision_error, dtype=np.float64))
+    return allowance
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionComparison:
+    ok: bool
+    name: str
+    margin: float  # worst |s_j - s_k| / (a_j + a_k) over the swapped keys; <= 1 passes (0: same sets)
+    swaps: int  # keys kept by one and dropped by the other, over every query (each swap counts one)
+    rows: int  # queries (and groups) compared
+    problems: tuple[str, ...]  # one line per failing query (the first few)
+    failing_rows: int = 0
+
+    def describe(self) -> str:
+        head = (f"{self.name}: {'ok' if self.ok else 'FAIL'}: {self.rows} queries, {self.swaps} admissible "
+                f"swaps, margin {self.margin:.3g}")
+        if self.ok:
+            return head
+        more = f" (and {self.failing_rows - len(self.problems)} more)" if self.failing_rows > len(self.problems) else ""
+        return head + f"; {self.failing_rows} failing: " + "; ".join(self.problems) + more
+
+
+def compare_selection(name: str, actual, expected, scores, allowance, *, shown: int = 3) -> SelectionComparison:
+    """Judge a backend's selection `actual` against the reference's `expected` (both (..., T, k) int, -1
+    padding; the same leading axes), with the float64 reference scores (..., T, n) (-inf where masked, +inf
+    for a local block) and their allowance (same shape as scores)."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    s = np.asarray(scores, dtype=np.float64)
+    a = np.broadcast_to(np.asarray(allowance, dtype=np.float64), s.shape)
+    if actual.shape[:-1] != expected.shape[:-1] or expected.shape[:-1] != s.shape[:-1]:
+        raise ValueError(f"{name}: selections {actual.shape} and {expected.shape} and scores {s.shape} do not "
+                         "share their leading axes (..., T)")
+    n = s.shape[-1]
+    problems: list[str] = []
+    failing = swaps = 0
+    margin = 0.0
+    for row in np.ndindex(*s.shape[:-1]):
+        got, want, sc, al = actual[row], expected[row], s[row], a[row]
+        where = f"query {list(row)}"
+        bad = [int(j) for j in got if j >= n or j < -1]
+        if bad:
+            failing += 1
+            problems.append(f"{where}: keys {bad} out of range [0, {n})")
+            margin = math.inf
+            continue
+        picked = [int(j) for j in got if j >= 0 and sc[j] > -np.inf]  # a masked key is padding in effect
+        if len(set(picked)) != len(picked):
+            failing += 1
+            problems.append(f"{where}: a key selected twice: {sorted(picked)}")
+            margin = math.inf
+            continue
+        ref = {int(j) for j in want if j >= 0}
+        mine = set(picked)
+        if len(mine) != len(ref):
+            failing += 1
+            problems.append(f"{where}: {len(mine)} visible keys selected, the reference selects {len(ref)}")
+            margin = math.inf
+            continue
+        added, dropped = sorted(mine - ref), sorted(ref - mine)
+        if not added:
+            continue
+        kth = min(ref, key=lambda j: (sc[j], -j))
+        sk, ak = sc[kth], al[kth]
+        row_margin = 0.0
+        for j in added + dropped:
+            gap = abs(sc[j] - sk)
+            allowed = al[j] + ak
+            row_margin = max(row_margin, math.inf if not np.isfinite(gap) else
+                             (gap / allowed if allowed > 0 else (math.inf if gap > 0 else 0.0)))
+        swaps += len(added)
+        margin = max(margin, row_margin)
+        if row_margin > 1.0:
+            failing += 1
+            if len(problems) < shown:
+                problems.append(f"{where}: selected {[(j, float(sc[j])) for j in added]} instead of "
+                                f"{[(j, float(sc[j])) for j in dropped]} (key, float64 score); the k-th score "
+                                f"{float(sk):.6g} (key {kth}), allowance {float(ak):.3g}, margin {row_margin:.3g}")
+    rows = int(np.prod(s.shape[:-1]))
+    return SelectionComparison(ok=failing == 0, name=name, margin=margin, swaps=swaps, rows=rows,
+                               problems=tuple(problems[:shown]), failing_rows=failing)
+
+
+def judge_indexer(config, tensors, inputs: dict, result: dict, *, dtype: str = "float32") -> list:
+    """Judge one indexer call of a port: `result` holds its "topk_indices" (and, where the port returns them,
+    "index_scores", (B, G, T, P+S)); `inputs` the call's query [, key, positions, key_positions,
+    past_index_keys, mask]. The float64 reference (impl_numpy.indexer) gives the scores, their magnitudes and
+    the selection; a 16-bit dtype adds the same-dtype reference's score error. -> [SelectionComparison,
+    and for the scores a tolerance.Comparison]: each .ok."""
+    from impl_numpy.indexer import block_scores, lightning_indexer
+
+    from .tolerance import Tolerance, compare
+
+    call = {name: inputs[name] for name in ("key", "positions", "key_positions", "past_index_keys", "mask")
+            if name in inputs}
+    query = np.asarray(inputs["query"], dtype=np.float64)
+    ref = lightning_indexer(config, tensors, query, dtype="float64", return_scores=True, **call)
+    s, m = ref["index_scores"], ref["index_score_magnitudes"]
+    P = 0 if "past_index_keys" not in call else np.asarray(call["past_index_keys"]).shape[1]
+    length = index_length(config, P + query.shape[1])
+    same = None
+    if dtype in ("float16", "bfloat16"):
+        low = lightning_indexer(config, tensors, query, dtype=dtype, return_scores=True, **call)["index_scores"]
+        finite = np.isfinite(s)
+        same = np.abs(np.subtract(low.astype(np.float64), s, where=finite, out=np.zeros(s.shape)))
+        same = same.max(axis=-1, keepdims=True)
+    allowance = score_allowance(dtype, m, length=length, same_precision_error=same)
+    out = []
+    if "index_scores" in result:
+        got = np.asarray(result["index_scores"], dtype=np.float64)
+        finite = np.isfinite(s)
+        if not np.array_equal(np.isfinite(got), finite):
+            out.append(SelectionComparison(ok=False, name="index_scores", margin=math.inf, swaps=0, rows=0,
+                                           problems=("the masked (-inf) scores are not where the reference's are",),
+                                           failing_rows=1))
+        else:
+            floor = np.where(finite, allowance, 0.0)
+            tol = Tolerance(rtol=0.0, atol=float(np.finfo(np.float64).tiny), floor=floor,
+                            reason=f"{dtype} index scores: 8*u*sqrt(L) x each score's magnitude, L={length}")
+            out.append(compare("index_scores", np.where(finite, got, 0.0), np.where(finite, s, 0.0), tol))
+    ix = config.indexer
+    if ix.block_size is None:
+        expected = ref["topk_indices"] if ix.per_kv_head else ref["topk_indices"][:, None]
+        actual = np.asarray(result["topk_indices"])
+        actual = actual if ix.per_kv_head else actual[:, None]
+        out.append(compare_selection("topk_indices", actual, expected, s, allowance))
+    else:
+        bs = ref["block_scores"]
+        ballow = block_scores(np.where(np.isfinite(s), allowance, -np.inf), ix.block_size)
+        out.append(compare_selection("topk_blocks", result["topk_blocks"], ref["topk_blocks"], bs,
+                                     np.where(np.isfinite(ballow), ballow, 0.0)))
+    return out

@@ -1,0 +1,308 @@
+"""The lightning indexer (weights.config.Indexer): which keys each query may see. The executable spec of
+DeepSeek V3.2's DSA indexer, GLM-5's (glm_moe_dsa) and MiniMax M3's; docs/sparse-attention.md states each
+stage with its sources.
+
+Shape letters as functional.py's, plus I index heads, J index head_dim, G selection groups (1: one
+selection per query; K: one per kv head), nb key blocks, k the selection's width.
+
+Stages (the bracketed ones where the config turns them on):
+index query: project (from the query latent or the query input) -> split heads -> [norm] -> [rope]
+index key: project -> [norm] -> [rope] -> [cache appended]
+[fp8: Hadamard, block e4m3 quantisation of q and k (DeepSeek's inference scoring)]
+-> scores: s * q.k per head -> [relu] -> [head weights w_i(x) * weight_scale, summed] (or per kv head)
+-> masked (causal AND the call's mask: -inf) -> [block max-pool, local blocks kept] -> top-k (the tie
+rule) -> -1 where fewer are visible -> [blocks expanded to their visible keys].
+
+The selection is returned in the attention's `topk_indices` format: (B, T, k) or per kv head (B, K, T, k),
+int64, indexed over the cache's keys then the new ones, sorted by score (highest first, ties to the lower
+key index), -1 padding every unused slot at the end. The index scores stay in the compute dtype (float32
+for 16-bit inputs: transformers' `.float()`, DeepSeek's float32 logits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from weights import AttentionConfig, compute_dtype, dtype_from_name
+from weights.rope import rope_tables
+
+from . import functional as F
+from .masks import causal_mask
+
+# DeepSeek's float8 e4m3 range (inference/kernel.py act_quant_kernel: fp8_max 448) and its amax floor (1e-4).
+FP8_MAX = 448.0
+FP8_AMAX_FLOOR = 1e-4
+# DeepSeek's quantisation block along the features (inference/model.py block_size = 128).
+FP8_BLOCK = 128
+PRECISIONS = (None, "fp8_e4m3")
+# The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
+READS = ("indexer.", "query.down.")
+FP8_SCALE_FORMATS = ("float", "ue8m0")
+
+
+# -- stages -----------------------------------------------------------------------------------------------
+
+def index_rope(x: np.ndarray, angles: np.ndarray, rotary_dim: int, interleaved: bool, attention_factor: float,
+               end: str) -> np.ndarray:
+    """RoPE on the first (end "first": DeepSeek V3.2, GLM-5, MiniMax M3) or last rotary_dim of x's J features,
+    x (B, heads, L, J); the pairs turn in place (interleaved: 2i with 2i+1, without the reordering
+    transformers' GLM-5 port applies to both q and k)."""
+    if end == "first":
+        return F.rope(x, angles, rotary_dim, interleaved, attention_factor)
+    return F.rope_last(x, angles, rotary_dim, interleaved, attention_factor)
+
+
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """x (..., J) times the orthonormal Sylvester Hadamard matrix H_J / sqrt(J) (J a power of two): DeepSeek's
+    rotate_activation (fast_hadamard_transform with scale J**-0.5), in compute dtype. Dot products are
+    unchanged in exact arithmetic; it matters only to the fp8 quantisation that follows it."""
+    J = x.shape[-1]
+    h = np.ones((1, 1))
+    while h.shape[0] < J:
+        h = np.block([[h, h], [h, -h]])
+    ct = compute_dtype(x.dtype)
+    return (x.astype(ct) @ (h / math.sqrt(J)).astype(ct)).astype(x.dtype)
+
+
+def quantize_fp8(x: np.ndarray, block: int, scale_format: str) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek's act_quant, simulated: per block of `block` features, amax = max(|x|, 1e-4) in float32, the
+    scale amax * (1/448) in float32 ("float") or the power of two at or above it ("ue8m0", DeepSeek's scale_fmt in
+    config_671B_v3.2.json), x / scale rounded to float8 e4m3 (ml_dtypes.float8_e4m3fn, round to nearest even,
+    clamped to +-448). -> (the quantised values as float64, (..., J // block) scales)."""
+    import ml_dtypes
+
+    shape = x.shape
+    xb = x.astype(np.float64).reshape(*shape[:-1], shape[-1] // block, block)  # (..., nblk, block)
+    amax = np.maximum(np.abs(xb).max(axis=-1, keepdims=True), FP8_AMAX_FLOOR).astype(np.float32)
+    scale = amax * np.float32(1 / FP8_MAX)  # float32, times the reciprocal, as the kernel's fp8_max_inv
+    if scale_format == "ue8m0":  # 2^ceil(log2 scale), exactly: frexp's mantissa is 0.5 on a power of two
+        mantissa, exponent = np.frexp(scale)
+        scale = np.ldexp(np.float32(1), np.where(mantissa == 0.5, exponent - 1, exponent)).astype(np.float32)
+    scale = scale.astype(np.float64)
+    q = np.clip(xb / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return q.reshape(shape), scale[..., 0]
+
+
+def scores(q: np.ndarray, k: np.ndarray, weights: np.ndarray | None, score_scale: float, relu: bool,
+           per_kv_head: bool) -> np.ndarray:
+    """INDEX SCORES: q (B, I, T, J), k (B, S, J) (every key, the cache's included), weights (B, T, I) (head
+    weights times their scale) or None. Per head s * q.k, then ReLU; weighted and summed over the heads ->
+    (B, 1, T, S); per_kv_head: each head on its own -> (B, I, T, S); no weights: summed -> (B, 1, T, S).
+    In compute dtype, kept there."""
+    ct = compute_dtype(q.dtype)
+    dots = np.einsum("BITJ,BSJ->BITS", q.astype(ct), k.astype(ct)) * ct.type(score_scale)  # (B, I, T, S)
+    if relu:
+        dots = np.maximum(dots, ct.type(0))
+    if per_kv_head:
+        return dots
+    if weights is None:
+        return dots.sum(axis=1, keepdims=True)  # (B, 1, T, S)
+    return np.einsum("BTI,BITS->BTS", weights.astype(ct), dots)[:, None]  # (B, 1, T, S)
+
+
+def mask_scores(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """-inf where a key is not visible (allowed (B|1, 1, T, S) bool): the masks act BEFORE the selection."""
+    return np.where(allowed, x, -np.inf)
+
+
+def block_scores(x: np.ndarray, block_size: int) -> np.ndarray:
+    """(B, G, T, S) -> (B, G, T, nb = ceil(S / block_size)): each block's largest visible score (-inf for a
+    block with none; the last block padded with -inf)."""
+    B, G, T, S = x.shape
+    nb = -(-S // block_size)
+    padded = np.full((B, G, T, nb * block_size), -np.inf, dtype=x.dtype)
+    padded[..., :S] = x
+    return padded.reshape(B, G, T, nb, block_size).max(axis=-1)  # (B, G, T, nb)
+
+
+def keep_local_blocks(x: np.ndarray, query_slots: np.ndarray, block_size: int, local_blocks: int) -> np.ndarray:
+    """+inf on the query's own block and the local_blocks - 1 before it (query_slots (T,): each query's index
+    among the keys), where that block has a visible key: they always win a slot (MiniMax M3's local blocks,
+    its own block included)."""
+    own = query_slots // block_size  # (T,)
+    local = np.zeros(x.shape[-2:], dtype=bool)  # (T, nb)
+    for back in range(local_blocks):
+        b = own - back
+        ok = b >= 0
+        local[np.arange(len(own))[ok], b[ok]] = True
+    return np.where(local & (x > -np.inf), np.inf, x)
+
+
+def select_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """TOP-K with the contract's tie rule: x (..., n) scores -> (..., min(k, n)) int64 indices, highest score
+    first, equal scores in ascending index; a slot whose score is -inf (nothing visible left) is -1."""
+    width = min(k, x.shape[-1])
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :width]  # stable: ties keep ascending index
+    chosen = np.take_along_axis(x, order, axis=-1)
+    return np.where(chosen > -np.inf, order, -1).astype(np.int64)
+
+
+def expand_blocks(blocks: np.ndarray, block_size: int, allowed: np.ndarray, S: int) -> np.ndarray:
+    """Selected blocks (B, G, T, kb) (-1: none) -> their visible keys (B, G, T, min(kb * block_size, S)) in
+    block order, ascending within a block, left-packed, -1 after them. allowed (B|1, 1, T, S)."""
+    B, G, T, kb = blocks.shape
+    keys = blocks[..., None] * block_size + np.arange(block_size)  # (B, G, T, kb, bs)
+    keys = keys.reshape(B, G, T, kb * block_size)
+    valid = (blocks[..., None] >= 0).repeat(block_size, axis=-1).reshape(keys.shape) & (keys < S)
+    seen = np.broadcast_to(allowed, (B, G, T, S))
+    valid &= np.take_along_axis(seen, np.clip(keys, 0, S - 1), axis=-1)
+    order = np.argsort(~valid, axis=-1, kind="stable")[..., :min(kb * block_size, S)]  # valid first, in order
+    packed = np.take_along_axis(keys, order, axis=-1)
+    return np.where(np.take_along_axis(valid, order, axis=-1), packed, -1).astype(np.int64)
+
+
+# -- the call -----------------------------------------------------------------------------------------------
+
+def _allowed(mask, B: int, T: int, S: int, is_causal: bool) -> np.ndarray:
+    """The call's mask ((T, S), (B, T, S) or (B, 1, T, S), True = visible) AND causal (bottom-right: query t
+    sees keys j <= t + S - T, the cache's included) -> (B|1, 1, T, S)."""
+    allowed = np.ones((1, 1, T, S), dtype=bool)
+    if is_causal:
+        allowed = causal_mask(T, S, "bottom_right")[None, None]
+    if mask is not None:
+        m = np.asarray(mask, dtype=bool)
+        if m.ndim not in (2, 3, 4) or m.shape[-2:] != (T, S) or (m.ndim == 4 and m.shape[1] != 1):
+            raise ValueError(f"index mask must have shape (T, S), (B, T, S) or (B, 1, T, S) with T={T}, "
+                             f"S={S} (every key, the cache's included): got {m.shape}")
+        m = m.reshape((1, 1, T, S) if m.ndim == 2 else (m.shape[0], 1, T, S))
+        allowed = allowed & m
+    return allowed
+
+
+def index_keys(config: AttentionConfig, tensors, key: np.ndarray, key_positions: np.ndarray, dtype,
+               rec=lambda stage, value: value) -> np.ndarray:
+    """The new tokens' index keys (B, S, J): projected, normed, rotated (what the indexer's cache holds)."""
+    ix = config.indexer
+    k = rec("indexer.key.project", F.project(key, tensors["indexer.key.kernel"][:, None, :], None))  # (B, S, J)
+    if ix.key_norm is not None:
+        n = ix.key_norm
+        k = rec("indexer.key.norm", F.norm(k, tensors.get("indexer.key.norm.scale"),
+                                           tensors.get("indexer.key.norm.bias"), n.type, n.eps, 1, "head"))
+    if ix.rope is not None:
+        inv_freq, factor = rope_tables(ix.rope, int(key_positions.max()) if key_positions.size else None)
+        k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
+                       ix.rope.interleaved, factor, ix.rope_end)[:, 0]
+        k = rec("indexer.key.rope", k)
+    return k  # (B, S, J)
+
+
+def index_queries(config: AttentionConfig, tensors, query: np.ndarray, positions: np.ndarray, dtype,
+                  rec=lambda stage, value: value) -> np.ndarray:
+    """The index queries (B, I, T, J): from the layer's normed query latent (query_source "latent": the
+    query's down-projection and RMS norm, DeepSeek's `qr`) or from the query input."""
+    ix = config.indexer
+    source = query
+    if ix.query_source == "latent":
+        L = config.latent
+        source = F.project(query, tensors["query.down.kernel"], tensors.get("query.down.bias"))  # (B, T, Qr)
+        source = rec("indexer.query.latent", F.norm(source, tensors["query.down.norm.scale"], None, "rms", L.eps,
+                                                    1, "head"))
+    q = rec("indexer.query.project", F.project(source, tensors["indexer.query.kernel"], None))  # (B, T, I*J)
+    if ix.query_norm is not None:
+        n = ix.query_norm
+        q = rec("indexer.query.norm", F.norm(q, tensors.get("indexer.query.norm.scale"),
+                                             tensors.get("indexer.query.norm.bias"), n.type, n.eps, ix.heads, "head"))
+    q = F.split_heads(q, ix.heads)  # (B, I, T, J)
+    if ix.rope is not None:
+        inv_freq, factor = rope_tables(ix.rope, int(positions.max()) if positions.size else None)
+        q = rec("indexer.query.rope", index_rope(q, F.rope_angles(positions, inv_freq, dtype), ix.rope.rotary_dim,
+                                                 ix.rope.interleaved, factor, ix.rope_end))
+    return q  # (B, I, T, J)
+
+
+def _check_fp8(config: AttentionConfig, precision, scale_format: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}: got {precision!r}")
+    if scale_format not in FP8_SCALE_FORMATS:
+        raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {scale_format!r}")
+    if precision is None:
+        return
+    J = config.indexer.head_dim
+    if J & (J - 1) or J > FP8_BLOCK:
+        raise ValueError(f"precision fp8_e4m3 needs indexer.head_dim a power of two <= {FP8_BLOCK} (DeepSeek's "
+                         f"Hadamard transform and one quantisation block per head): got head_dim={J}")
+
+
+def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *, positions=None,
+                      key_positions=None, past_index_keys=None, mask=None, is_causal: bool = True,
+                      dtype: str | None = None, precision: str | None = None, fp8_scale_format: str = "float",
+                      return_scores: bool = False, rec=lambda stage, value: value) -> dict:
+    """Run the indexer of `config.indexer` on one call.
+
+    query (B, T, Dq), key (B, S, Dk) (default: query, self-attention); positions (T,) or (B, T) and
+    key_positions (S,) or (B, S) (default P + arange: the cache's length P offsets them); past_index_keys
+    (B, P, J): the index keys of the P cached tokens (present_index_keys of the previous call); mask: True
+    where a key is visible (padding), (T, P+S), (B, T, P+S) or (B, 1, T, P+S), ANDed with the causal mask
+    (bottom-right) when is_causal. dtype: the storage dtype (default: the query's). precision "fp8_e4m3":
+    DeepSeek's scoring precision (Hadamard, e4m3 with one scale per head vector, fp8_scale_format "float" or
+    "ue8m0"), simulated through ml_dtypes.
+
+    -> {"topk_indices": (B, T, k') or, per kv head, (B, K, T, k') int64 (k' = min(topk, P+S), or with blocks
+    min(topk * block_size, P+S)), "present_index_keys": (B, P+S, J)}; with blocks also "topk_blocks" (B, G,
+    T, min(topk, nb)); with return_scores "index_scores" (B, G, T, P+S) (-inf where masked) and
+    "index_score_magnitudes" (the same stages on |q|, |k|, |w|: the size of what each score sums, float64).
+    """
+    ix = config.indexer
+    if ix is None:
+        raise ValueError("config.indexer is null: this layer has no indexer")
+    _check_fp8(config, precision, fp8_scale_format)
+    query = np.asarray(query)
+    dt = dtype_from_name(dtype or query.dtype.name)
+    query = query.astype(dt)
+    key = query if key is None else np.asarray(key).astype(dt)
+    if query.ndim != 3 or key.ndim != 3 or key.shape[0] != query.shape[0]:
+        raise ValueError(f"query must be (B, T, Dq) and key (B, S, Dk) with one B: got query {query.shape}, "
+                         f"key {key.shape}")
+    B, T, S = query.shape[0], query.shape[1], key.shape[1]
+    P = 0
+    if past_index_keys is not None:
+        past_index_keys = np.asarray(past_index_keys).astype(dt)
+        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.head_dim:
+            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {ix.head_dim}): "
+                             f"got {past_index_keys.shape}")
+        P = past_index_keys.shape[1]
+    tensors = {name: np.asarray(t).astype(dt) for name, t in tensors.items() if name.startswith(READS)}
+    positions = F.default_positions(positions, P, T)
+    key_positions = F.default_positions(key_positions, P, S)
+
+    q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
+    k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
+    k = k_new if past_index_keys is None else np.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J)
+    weights = None
+    if ix.head_weights:
+        ct = compute_dtype(dt)
+        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        weights = rec("indexer.weights", (w.astype(ct) * ct.type(ix.effective_weight_scale)).astype(dt))
+    qs, ks = q, k
+    if precision == "fp8_e4m3":
+        qs, q_scale = quantize_fp8(hadamard(q), ix.head_dim, fp8_scale_format)
+        ks, k_scale = quantize_fp8(hadamard(k), ix.head_dim, fp8_scale_format)
+        # the values the fp8 kernel multiplies: each quantised feature times its block's scale
+        qs = rec("indexer.query.fp8", qs * np.repeat(q_scale, ix.head_dim, axis=-1))
+        ks = rec("indexer.key.fp8", ks * np.repeat(k_scale, ix.head_dim, axis=-1))
+        qs, ks = qs.astype(np.float64), ks.astype(np.float64)
+    x = rec("indexer.scores", scores(qs, ks, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
+    allowed = _allowed(mask, B, T, P + S, is_causal)  # (B|1, 1, T, P+S)
+    x = rec("indexer.masked_scores", mask_scores(x, allowed))
+    result = {"present_index_keys": k}
+    if return_scores:
+        result["index_scores"] = x
+        aw = None if weights is None else np.abs(weights.astype(np.float64))
+        mag = scores(np.abs(qs.astype(np.float64)), np.abs(ks.astype(np.float64)), aw, ix.effective_score_scale,
+                     False, ix.per_kv_head)
+        result["index_score_magnitudes"] = mask_scores(mag, allowed)
+    if ix.block_size is None:
+        selection = select_topk(x, ix.topk)  # (B, G, T, k')
+    else:
+        bx = block_scores(x, ix.block_size)
+        if ix.local_blocks:
+            bx = keep_local_blocks(bx, np.arange(T) + P + S - T, ix.block_size, ix.local_blocks)
+        blocks = rec("indexer.blocks", select_topk(bx, ix.topk))  # (B, G, T, kb')
+        result["topk_blocks"] = blocks
+        if return_scores:
+            result["block_scores"] = bx
+        selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
+    result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
+    return result

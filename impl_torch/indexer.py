@@ -1,0 +1,248 @@
+"""The lightning indexer in PyTorch: mirrors impl_numpy/indexer.py (same stages, same names, same einsum
+strings; torch ops only). Shape letters as there: I index heads, J index head_dim, G selection groups.
+
+The fp8 simulation quantises through torch.float8_e4m3fn (round to nearest even, as ml_dtypes' cast) after
+DeepSeek's Hadamard transform; the top-k runs on the scores with the contract's tie rule (a stable sort of
+the negated scores: torch.topk's order among equal scores is unspecified, so it is not used).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from weights import AttentionConfig
+from weights.rope import rope_tables
+
+from . import functional as F
+from .convert import compute_dtype, torch_dtype
+from .masks import causal_mask
+
+FP8_MAX = 448.0
+FP8_AMAX_FLOOR = 1e-4
+FP8_BLOCK = 128
+PRECISIONS = (None, "fp8_e4m3")
+# The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
+READS = ("indexer.", "query.down.")
+FP8_SCALE_FORMATS = ("float", "ue8m0")
+
+
+def _float8():
+    """torch's float8 e4m3 type, or a ValueError saying why the simulation cannot run."""
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        raise ValueError(f"precision fp8_e4m3 needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
+    return fp8
+
+
+# -- stages -----------------------------------------------------------------------------------------------
+
+def index_rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float, end: str):
+    if end == "first":
+        return F.rope(x, angles, rotary_dim, interleaved, attention_factor)
+    return F.rope_last(x, angles, rotary_dim, interleaved, attention_factor)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    J = x.shape[-1]
+    h = torch.ones((1, 1), dtype=torch.float64)
+    while h.shape[0] < J:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    ct = compute_dtype(x.dtype)
+    return (x.to(ct) @ (h / math.sqrt(J)).to(ct)).to(x.dtype)
+
+
+def quantize_fp8(x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = x.shape
+    xb = x.to(torch.float64).reshape(*shape[:-1], shape[-1] // block, block)  # (..., nblk, block)
+    amax = torch.clamp(xb.abs().amax(dim=-1, keepdim=True), min=FP8_AMAX_FLOOR).to(torch.float32)
+    scale = amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32)  # float32, times the reciprocal
+    if scale_format == "ue8m0":  # 2^ceil(log2 scale), exactly
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent))
+    scale = scale.to(torch.float64)
+    q = torch.clamp(xb / scale, -FP8_MAX, FP8_MAX).to(_float8()).to(torch.float64)
+    return q.reshape(shape), scale[..., 0]
+
+
+def scores(q, k, weights, score_scale: float, relu: bool, per_kv_head: bool):
+    ct = compute_dtype(q.dtype)
+    dots = torch.einsum("BITJ,BSJ->BITS", q.to(ct), k.to(ct)) * score_scale  # (B, I, T, S)
+    if relu:
+        dots = torch.clamp(dots, min=0)
+    if per_kv_head:
+        return dots
+    if weights is None:
+        return dots.sum(dim=1, keepdim=True)  # (B, 1, T, S)
+    return torch.einsum("BTI,BITS->BTS", weights.to(ct), dots)[:, None]  # (B, 1, T, S)
+
+
+def mask_scores(x, allowed):
+    return x.masked_fill(~allowed, -math.inf)
+
+
+def block_scores(x, block_size: int):
+    B, G, T, S = x.shape
+    nb = -(-S // block_size)
+    padded = torch.full((B, G, T, nb * block_size), -math.inf, dtype=x.dtype, device=x.device)
+    padded[..., :S] = x
+    return padded.reshape(B, G, T, nb, block_size).amax(dim=-1)  # (B, G, T, nb)
+
+
+def keep_local_blocks(x, query_slots: torch.Tensor, block_size: int, local_blocks: int):
+    own = query_slots // block_size  # (T,)
+    local = torch.zeros(x.shape[-2:], dtype=torch.bool, device=x.device)  # (T, nb)
+    rows = torch.arange(len(own), device=x.device)
+    for back in range(local_blocks):
+        b = own - back
+        ok = b >= 0
+        local[rows[ok], b[ok]] = True
+    return torch.where(local & (x > -math.inf), torch.full_like(x, math.inf), x)
+
+
+def select_topk(x, k: int):
+    width = min(k, x.shape[-1])
+    order = torch.sort(-x, dim=-1, stable=True).indices[..., :width]  # stable: ties keep ascending index
+    chosen = torch.gather(x, -1, order)
+    return torch.where(chosen > -math.inf, order, torch.full_like(order, -1))
+
+
+def expand_blocks(blocks, block_size: int, allowed, S: int):
+    B, G, T, kb = blocks.shape
+    keys = (blocks[..., None] * block_size + torch.arange(block_size, device=blocks.device))
+    keys = keys.reshape(B, G, T, kb * block_size)
+    valid = (blocks[..., None] >= 0).expand(B, G, T, kb, block_size).reshape(keys.shape) & (keys < S)
+    seen = allowed.expand(B, G, T, S)
+    valid &= torch.gather(seen, -1, keys.clamp(0, S - 1))
+    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[..., :min(kb * block_size, S)]
+    packed = torch.gather(keys, -1, order)
+    return torch.where(torch.gather(valid, -1, order), packed, torch.full_like(packed, -1))
+
+
+# -- the call -----------------------------------------------------------------------------------------------
+
+def _allowed(mask, B: int, T: int, S: int, is_causal: bool, device):
+    allowed = torch.ones((1, 1, T, S), dtype=torch.bool, device=device)
+    if is_causal:
+        allowed = causal_mask(T, S, "bottom_right", device=device)[None, None]
+    if mask is not None:
+        m = torch.as_tensor(np.asarray(mask, dtype=bool), device=device)
+        if m.ndim not in (2, 3, 4) or tuple(m.shape[-2:]) != (T, S) or (m.ndim == 4 and m.shape[1] != 1):
+            raise ValueError(f"index mask must have shape (T, S), (B, T, S) or (B, 1, T, S) with T={T}, "
+                             f"S={S} (every key, the cache's included): got {tuple(m.shape)}")
+        allowed = allowed & m.reshape((1, 1, T, S) if m.ndim == 2 else (m.shape[0], 1, T, S))
+    return allowed
+
+
+def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=lambda stage, value: value):
+    ix = config.indexer
+    k = rec("indexer.key.project", F.project(key, tensors["indexer.key.kernel"][:, None, :], None))  # (B, S, J)
+    if ix.key_norm is not None:
+        n = ix.key_norm
+        k = rec("indexer.key.norm", F.norm(k, tensors.get("indexer.key.norm.scale"),
+                                           tensors.get("indexer.key.norm.bias"), n.type, n.eps, 1, "head"))
+    if ix.rope is not None:
+        inv_freq, factor = rope_tables(ix.rope, int(key_positions.max()) if key_positions.numel() else None)
+        k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
+                       ix.rope.interleaved, factor, ix.rope_end)[:, 0]
+        k = rec("indexer.key.rope", k)
+    return k  # (B, S, J)
+
+
+def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec=lambda stage, value: value):
+    ix = config.indexer
+    source = query
+    if ix.query_source == "latent":
+        L = config.latent
+        source = F.project(query, tensors["query.down.kernel"], tensors.get("query.down.bias"))  # (B, T, Qr)
+        source = rec("indexer.query.latent", F.norm(source, tensors["query.down.norm.scale"], None, "rms", L.eps,
+                                                    1, "head"))
+    q = rec("indexer.query.project", F.project(source, tensors["indexer.query.kernel"], None))  # (B, T, I*J)
+    if ix.query_norm is not None:
+        n = ix.query_norm
+        q = rec("indexer.query.norm", F.norm(q, tensors.get("indexer.query.norm.scale"),
+                                             tensors.get("indexer.query.norm.bias"), n.type, n.eps, ix.heads, "head"))
+    q = F.split_heads(q, ix.heads)  # (B, I, T, J)
+    if ix.rope is not None:
+        inv_freq, factor = rope_tables(ix.rope, int(positions.max()) if positions.numel() else None)
+        q = rec("indexer.query.rope", index_rope(q, F.rope_angles(positions, inv_freq, dtype), ix.rope.rotary_dim,
+                                                 ix.rope.interleaved, factor, ix.rope_end))
+    return q  # (B, I, T, J)
+
+
+def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *, positions=None,
+                      key_positions=None, past_index_keys=None, mask=None, is_causal: bool = True,
+                      dtype: str | None = None, precision: str | None = None, fp8_scale_format: str = "float",
+                      return_scores: bool = False, rec=lambda stage, value: value, device=None) -> dict:
+    """impl_numpy.indexer.lightning_indexer in torch: NumPy arrays or tensors in, tensors out."""
+    ix = config.indexer
+    if ix is None:
+        raise ValueError("config.indexer is null: this layer has no indexer")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}: got {precision!r}")
+    if fp8_scale_format not in FP8_SCALE_FORMATS:
+        raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {fp8_scale_format!r}")
+    J = ix.head_dim
+    if precision is not None:
+        _float8()
+    if precision is not None and (J & (J - 1) or J > FP8_BLOCK):
+        raise ValueError(f"precision fp8_e4m3 needs indexer.head_dim a power of two <= {FP8_BLOCK} (DeepSeek's "
+                         f"Hadamard transform and one quantisation block per head): got head_dim={J}")
+
+    def tensor(x, dt):
+        return torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x, device=device).to(dt)
+
+    if dtype is None:
+        dtype = str(query.dtype).replace("torch.", "") if isinstance(query, torch.Tensor) else np.asarray(query).dtype.name
+    dt = torch_dtype(dtype)
+    query = tensor(query, dt)
+    key = query if key is None else tensor(key, dt)
+    B, T, S = query.shape[0], query.shape[1], key.shape[1]
+    P = 0
+    if past_index_keys is not None:
+        past_index_keys = tensor(past_index_keys, dt)
+        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != J:
+            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {J}): "
+                             f"got {tuple(past_index_keys.shape)}")
+        P = past_index_keys.shape[1]
+    tensors = {name: tensor(t, dt) for name, t in tensors.items() if name.startswith(READS)}
+    positions = F.default_positions(None if positions is None else tensor(positions, torch.int64), P, T, query.device)
+    key_positions = F.default_positions(None if key_positions is None else tensor(key_positions, torch.int64), P, S,
+                                        query.device)
+
+    q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
+    k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
+    k = k_new if past_index_keys is None else torch.cat([past_index_keys, k_new], dim=1)  # (B, P+S, J)
+    weights = None
+    if ix.head_weights:
+        ct = compute_dtype(dt)
+        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        weights = rec("indexer.weights", (w.to(ct) * ix.effective_weight_scale).to(dt))
+    qs, ks = q, k
+    if precision == "fp8_e4m3":
+        qs, q_scale = quantize_fp8(hadamard(q), J, fp8_scale_format)
+        ks, k_scale = quantize_fp8(hadamard(k), J, fp8_scale_format)
+        qs = rec("indexer.query.fp8", qs * torch.repeat_interleave(q_scale, J, dim=-1))
+        ks = rec("indexer.key.fp8", ks * torch.repeat_interleave(k_scale, J, dim=-1))
+    x = rec("indexer.scores", scores(qs, ks, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
+    allowed = _allowed(mask, B, T, P + S, is_causal, query.device)  # (B|1, 1, T, P+S)
+    x = rec("indexer.masked_scores", mask_scores(x, allowed))
+    result = {"present_index_keys": k}
+    if return_scores:
+        result["index_scores"] = x
+    if ix.block_size is None:
+        selection = select_topk(x, ix.topk)  # (B, G, T, k')
+    else:
+        bx = block_scores(x, ix.block_size)
+        if ix.local_blocks:
+            slots = torch.arange(T, device=query.device) + P + S - T
+            bx = keep_local_blocks(bx, slots, ix.block_size, ix.local_blocks)
+        blocks = rec("indexer.blocks", select_topk(bx, ix.topk))  # (B, G, T, kb')
+        result["topk_blocks"] = blocks
+        if return_scores:
+            result["block_scores"] = bx
+        selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
+    result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
+    return result

@@ -59,6 +59,10 @@ def _notes(data: dict) -> list[str]:
 
     notes = modern.notes(data.get("modern_rows", [])) + packed.notes(data.get("packed_rows", []))
     notes += alibi_models.notes(data.get("alibi_rows", []))
+    if data.get("keras_backends"):
+        from conformance.native.conventions import keras_backends as kb
+
+        notes += kb.notes(data["keras_backends"]) + [kb.setup_line(data["keras_backends"])]
     for row in data["rows"]:
         if row.get("status") not in ("measured", NOT_INSTALLED):
             notes.append(f"{row['api']}: {row['status']}: {row.get('reason', '')}")
@@ -72,7 +76,9 @@ def disagreements(data: dict) -> list[str]:
     """One line per measured fact that differs from the recorded expectations."""
     import re
 
-    lines = []
+    from conformance.native.conventions import keras_backends as kb
+
+    lines = kb.disagreements(data["keras_backends"]) if data.get("keras_backends") else []
     table = expected()
     from conformance.native.conventions.alibi_models import KEYS as ALIBI_KEYS
     from conformance.native.conventions.modern import KEYS as MODERN_KEYS
@@ -113,6 +119,16 @@ def _second_tables(data: dict):
                              ("ALiBi in transformers' models", alibi_models, "alibi_rows")):
         if data.get(key) is not None:
             yield name, table, data[key]
+    yield from _keras_backend_tables(data)
+
+
+def _keras_backend_tables(data: dict):
+    """The fifth and sixth tables: Keras's own attention on its three backends (keras_backends.py)."""
+    from conformance.native.conventions import keras_backends as kb
+
+    if data.get("keras_backends"):
+        yield "Keras on its three backends", kb.RowsTable, data["keras_backends"]["rows"]
+        yield "The same Keras calls across backends", kb.CrossTable, data["keras_backends"]["cross"]
 
 
 def to_markdown(data: dict) -> str:

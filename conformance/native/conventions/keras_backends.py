@@ -470,7 +470,7 @@ def _why(row, outs) -> str:
     """Which stage or kernel explains the difference, from the fits and kernels measured."""
     per = {b: info for b, info in row["backends"].items() if "best" in info}
     if len(per) < 2:
-        return ""
+        return "; ".join(f"{b}: closest emulation {info['best']}" for b, info in per.items()) or "-"
     groups: dict[str, list[str]] = {}
     for b, info in per.items():
         groups.setdefault(info["best"], []).append(b)
@@ -558,6 +558,8 @@ def _rows_cell(row: dict, key: str) -> str:
         return f"default {row.get('flash_default')}; True: {true}"
     if key == "kernels":
         k = row.get("kernels", {})
+        if len(set(k.values())) == 1:
+            return f"{', '.join(k)}: {next(iter(k.values()))}"
         return "; ".join(f"{what}: {label}" for what, label in k.items())
     return f"{row.get(key, '')}{_err_of(row, key)}"
 

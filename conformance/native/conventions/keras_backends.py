@@ -146,8 +146,8 @@ class Run:
                        PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
             if backend == "jax" and "XLA_FLAGS" not in env:
                 # Keras on jax runs eagerly: one small XLA compile per op and shape. The CPU compile options
-                # `mha check` and tox use (impl_jax.adapter.FAST_CPU_COMPILE: the same HLO, LLVM -O0) take
-                # this worker from about 40 s to about 25 s on a 2-core VM
+                # `mha check` and tox use (impl_jax.adapter.FAST_CPU_COMPILE: the same HLO, LLVM -O0) took
+                # this worker from 23.3 s of CPU to 9.7 s on a 2-core VM (docs/conventions.md)
                 env["XLA_FLAGS"] = JAX_FAST_FLAGS
             out_json, out_npz = tmp / f"{backend}.json", tmp / f"{backend}.npz"
             cmd = [sys.executable, "-m", "conformance.native.conventions.keras_backends_worker", backend, str(src),
@@ -504,7 +504,7 @@ def _fmt(x) -> str:
 class RowsTable:
     """The fifth table (the harness's columns per backend, and the mask shapes, flash and kernel)."""
 
-    SETUP = ("Keras 3 on its backends (a worker process per KERAS_BACKEND), B=2 T=4 S=5 N=2 H=4, identity "
+    SETUP = ("a worker process per KERAS_BACKEND, B=2 T=4 S=5 N=2 H=4, identity "
              "projections, float32 against the float64 reference, match tolerance 0.0001; mask shapes as named, "
              "each meant as its letters say; kernels recorded by hooks on what keras/src/backend/*/nn.py calls "
              "(torch: the profiler's aten ops)")

@@ -12,6 +12,7 @@ measurement on the three backends: every cell, no disagreement.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -83,6 +84,7 @@ def test_a_worker_fills_every_cell_and_reports_a_planted_polarity():
     pytest.importorskip("keras", reason=TF_TORCH)
     pytest.importorskip("torch", reason=TF_TORCH)
     data = kb.measure(("torch",), plant={"torch": "polarity"}, quick=True)
+    json.dumps(data, allow_nan=False)  # `mha check --json` writes it
     for row in data["rows"]:
         assert row["status"] == "measured", row
     _every_cell(data)

@@ -196,6 +196,34 @@ def _mask_shapes(call, shapes) -> dict:
     return out
 
 
+def _padding_mask_when_b_is_t(call) -> dict:
+    """A (B, S) padding mask where B == T (3): refused like any (B, S), or does it run, and as what?"""
+    from conformance.native.conventions.harness import D, N, S
+
+    rng = np.random.default_rng(13)
+    Bt = 3
+    q = rng.standard_normal((Bt, Bt, D)).astype(np.float32)
+    k, v = (rng.standard_normal((Bt, S, D)).astype(np.float32) for _ in range(2))
+    pattern = rng.random((Bt, S)) < 0.6
+    pattern[:, 0] = True
+    try:
+        got = call(q, k, v, pattern)
+    except Exception as err:  # noqa: BLE001
+        return {"label": "refused", "why": _short(err)}
+    meant = np.broadcast_to(pattern[:, None, None, :], (Bt, N, Bt, S))  # key padding per batch
+    as_queries = np.broadcast_to(pattern[None, None, :, :], (Bt, N, Bt, S))  # query t reads row t
+    errs = {"ok": _diff(got, _reference4(q, k, v, meant)),
+            "runs, read as (T, S): query t gets batch t's padding": _diff(got, _reference4(q, k, v, as_queries))}
+    best = min(errs, key=errs.get)
+    return {"label": best if errs[best] <= 1e-4 else "runs, another meaning", "err": errs[best]}
+
+
+def _diff(a, b) -> float:
+    from conformance.native.conventions.harness import _max_err
+
+    return _max_err(a, b)
+
+
 def _reference4(q, k, v, allowed4):
     """impl_numpy with identity projections and a (B, N, T, S) mask."""
     from conformance.native.conventions.harness import _config, _identity_tensors
@@ -266,7 +294,9 @@ def _runners(backend: str, plant: str | None) -> list:
                 return _np(result), None
 
             def extra():
-                ex = {"mask_shapes": _mask_shapes(lambda q, k, v, m: call(q, k, v, m), MHA_MASK_SHAPES),
+                ex = {"mask_shapes": {**_mask_shapes(lambda q, k, v, m: call(q, k, v, m), MHA_MASK_SHAPES),
+                                      "(B, S) with B = T": _padding_mask_when_b_is_t(
+                                          lambda q, k, v, m: call(q, k, v, m))},
                       "kernels": _kernels(backend, call),
                       "flash_default": repr(layer._flash_attention)}
                 ex["flash_true"] = ({"label": "refused", "why": "ValueError: Returning attention scores is not "

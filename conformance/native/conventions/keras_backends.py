@@ -660,14 +660,24 @@ def to_markdown(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m conformance.native.conventions.keras_backends [--json]"""
-    argv = sys.argv[1:] if argv is None else argv
-    data = measure()
-    if "--json" in argv:
-        print(json.dumps(data, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
-    else:
-        print(to_markdown(data))
-    return 0
+    """python -m conformance.native.conventions.keras_backends [--json] [--backends ...]"""
+    from conformance.console import OneLineParser, guarded
+
+    def command() -> int:
+        parser = OneLineParser(
+            prog="python -m conformance.native.conventions.keras_backends",
+            description="Measure Keras's own attention (MultiHeadAttention, keras.ops.dot_product_attention) on "
+                        "each Keras backend, one worker process per backend, and print the two tables (the fifth "
+                        "and sixth of `mha check --conventions`) as Markdown.")
+        parser.add_argument("--json", action="store_true", help="print the whole measurement as JSON")
+        parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                            help="the Keras backends to measure (default: all three)")
+        args = parser.parse_args(argv)
+        data = measure(tuple(args.backends))
+        print(json.dumps(data, indent=1, allow_nan=False) if args.json else to_markdown(data))
+        return 0
+
+    return guarded(command)
 
 
 if __name__ == "__main__":

@@ -55,10 +55,12 @@ class Kernels:
     def __init__(self, backend: str):
         self.backend = backend
         self.seen: list[str] = []
+        self.missing: str | None = None
         self._undo = []
 
     def __enter__(self):
         self.seen = []
+        self.missing: str | None = None
         self.dtypes: list[str] = []
         if self.backend == "tensorflow":
             from keras.src.backend.tensorflow import nn as knn
@@ -87,7 +89,10 @@ class Kernels:
         return self
 
     def _wrap(self, module, name, label, keep=True):
-        original = getattr(module, name)
+        original = getattr(module, name, None)
+        if original is None:  # another Keras than 3.15 may have renamed it: the kernel is then unknown
+            self.missing = f"unknown ({module.__name__}.{name} not found)"
+            return
 
         def hooked(*a, **k):
             seen = label(*a, **k)
@@ -114,7 +119,9 @@ class Kernels:
         return False
 
     def label(self) -> str:
-        return " + ".join(dict.fromkeys(self.seen)) or "no fused kernel (einsum and the Softmax layer)"
+        if self.seen:
+            return " + ".join(dict.fromkeys(self.seen))
+        return self.missing or "no fused kernel (einsum and the Softmax layer)"
 
 
 def _dt(x) -> str:

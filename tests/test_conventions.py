@@ -18,6 +18,7 @@ import pytest
 
 from conformance.native import conventions as conv
 from conformance.native.conventions import alibi_models as ca
+from conformance.native.conventions import keras_backends as ckb
 from conformance.native.conventions import modern as cm
 from conformance.native.conventions import packed as cp
 from conformance.native.conventions import precision
@@ -38,7 +39,8 @@ KNOWN_ROW_LABELS = set(conv.POLICY_LABELS.values())
 @pytest.fixture(scope="module")
 def data():
     # every table but mlx-lm's ports (about 25 s of model building: tests/test_mlx_lm_ports.py renders that one)
-    return conv.measure(mlx_lm_ports=())
+    # and Keras on its three backends (tests/test_conventions_keras_backends.py)
+    return conv.measure(mlx_lm_ports=(), keras_backends=())
 
 
 def _row(data, api: str) -> dict:
@@ -160,7 +162,7 @@ def test_expectations_are_project_data_for_known_apis_and_keys():
     raw = json.loads(text)["apis"]
     table = conv.expected()
     names = ({api.name for api in conv.APIS} | {api.name for api in cm.APIS} | {api.name for api in cp.APIS}
-             | {api.name for api in ca.APIS})
+             | {api.name for api in ca.APIS} | set(ckb.API_NAMES))
     assert set(table) == set(raw) and set(table) <= names, sorted(set(table) - names)
     for api, entry in raw.items():
         assert entry["expect"] and set(entry["expect"]) <= set(conv.EXPECTED_KEYS), (api, entry)

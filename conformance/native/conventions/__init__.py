@@ -29,7 +29,12 @@ document masks, torch's context_parallel and DTensor heads on 2 gloo
 processes) a third, by packed.py; where transformers' ALiBi models (BLOOM, MPT,
 Falcon-RW, tiny random models built in the same run) add the bias, how many
 times, in which dtype, and what their decode step reads, a fourth, by
-alibi_models.py.
+alibi_models.py. Keras's own attention (MultiHeadAttention and
+keras.ops.dot_product_attention) on each of its backends, tensorflow, jax and
+torch, one worker process per backend, is a fifth (the first table's columns,
+mask shapes, flash_attention and the kernel run) and a sixth (the same calls
+on the same weights across the backends, and the stage that explains each
+difference), by keras_backends.py and keras_backends_worker.py.
 
 Layers get identity projections without biases (D = N*H), so their output is
 the attention itself, merged over heads, and compares directly with the

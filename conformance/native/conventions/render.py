@@ -62,6 +62,10 @@ def _notes(data: dict) -> list[str]:
     from conformance.native import mlx_lm_ports
 
     notes += mlx_lm_ports.notes(data.get("mlx_lm_rows", []))
+    if data.get("keras_backends"):
+        from conformance.native.conventions import keras_backends as kb
+
+        notes += kb.notes(data["keras_backends"]) + [kb.setup_line(data["keras_backends"])]
     for row in data["rows"]:
         if row.get("status") not in ("measured", NOT_INSTALLED):
             notes.append(f"{row['api']}: {row['status']}: {row.get('reason', '')}")
@@ -75,7 +79,9 @@ def disagreements(data: dict) -> list[str]:
     """One line per measured fact that differs from the recorded expectations."""
     import re
 
-    lines = []
+    from conformance.native.conventions import keras_backends as kb
+
+    lines = kb.disagreements(data["keras_backends"]) if data.get("keras_backends") else []
     table = expected()
     from conformance.native.conventions.alibi_models import KEYS as ALIBI_KEYS
     from conformance.native.conventions.modern import KEYS as MODERN_KEYS
@@ -118,6 +124,16 @@ def _second_tables(data: dict):
                              ("mlx-lm's ports judged", mlx_lm_ports, "mlx_lm_rows")):
         if data.get(key) is not None and (data[key] or key != "mlx_lm_rows"):  # the ports' table: where asked for
             yield name, table, data[key]
+    yield from _keras_backend_tables(data)
+
+
+def _keras_backend_tables(data: dict):
+    """The fifth and sixth tables: Keras's own attention on its three backends (keras_backends.py)."""
+    from conformance.native.conventions import keras_backends as kb
+
+    if data.get("keras_backends"):
+        yield "Keras on its three backends", kb.RowsTable, data["keras_backends"]["rows"]
+        yield "The same Keras calls across backends", kb.CrossTable, data["keras_backends"]["cross"]
 
 
 def to_markdown(data: dict) -> str:

@@ -27,14 +27,21 @@ from conformance.native.conventions.render import render_terminal, to_markdown
 
 
 def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None, packed_apis=None,
-            alibi_apis=None, mlx_lm_ports=None) -> dict:
+            alibi_apis=None, mlx_lm_ports=None, keras_backends=None) -> dict:
     """Measure every API (default APIS), every modern API (default
-    modern.APIS), every packed/sharded path (default packed.APIS) and
-    transformers' ALiBi models (default alibi_models.APIS; each of the
-    last three none when `apis` is given), and mlx-lm's ports (default conformance.native.mlx_lm_ports.APIS,
-    none when `apis` is given). JSON-serialisable."""
+    modern.APIS), every packed/sharded path (default packed.APIS),
+    transformers' ALiBi models (default alibi_models.APIS), mlx-lm's ports
+    (default conformance.native.mlx_lm_ports.APIS) and Keras's own
+    attention on each Keras backend (default keras_backends.BACKENDS, one
+    worker process each, started first so they run alongside; each of the
+    last five none when `apis` is given). JSON-serialisable."""
     from conformance.native import mlx_lm_ports as ports
     from conformance.native.conventions import alibi_models, modern, packed
+    from conformance.native.conventions import keras_backends as kb
+
+    if keras_backends is None:
+        keras_backends = kb.BACKENDS if apis is None else ()
+    keras_run = kb.start(keras_backends) if keras_backends else None
 
     if modern_apis is None:
         modern_apis = modern.APIS if apis is None else ()
@@ -84,13 +91,19 @@ def measure(console=None, apis: tuple[Api, ...] | None = None, modern_apis=None,
         if status is not None:
             status.update("measuring conventions: mlx-lm's ports")
         port_rows = ports.measure(mlx_lm_ports)
+        if status is not None and keras_run is not None:
+            status.update("measuring conventions: Keras on its backends (the workers)")
+        keras_data = keras_run.finish() if keras_run is not None else None
     finally:
         if status is not None:
             status.stop()
     present = {r["framework"].split(" ")[0] for r in rows if r["status"] == "measured"}
     versions = {**_versions(present), **modern.versions(), **ports.versions(port_rows)}
+    if keras_data is not None:
+        versions.update({k: v for k, v in keras_data["versions"].items() if k not in versions})
     return {"versions": versions, "devices": devices, "rows": rows, "modern_rows": modern_rows,
             "packed_rows": packed_rows, "alibi_rows": alibi_rows, "mlx_lm_rows": port_rows,
+            "keras_backends": keras_data,
             "shapes": {"B": B, "T": T, "S": S, "N": N, "H": H, "causal_T_S": [list(p) for p in CAUSAL_SHAPES]},
             "tolerance": TOL, "matmul_shape": list(MATMUL_SHAPE),
             "seconds": round(time.perf_counter() - started, 2)}

@@ -378,6 +378,18 @@ def allowed_mask(mask4, T: int, S: int, is_causal: bool, causal_alignment: str, 
     return allowed
 
 
+def selection_mask(topk_indices, num_heads: int, S: int) -> mx.array:
+    """impl_numpy's selection_mask: topk_indices (B, T, k) or (B, K, T, k) -> bool (B, 1|N, T, S) (S: every key,
+    the cache's first), -1 selecting nothing (put_along_axis into a spare column S, dropped), kv head K's
+    selection for its G query heads (query head n reads kv head n // G, as attend groups them)."""
+    idx = topk_indices.astype(mx.int64)
+    idx = idx[:, None] if idx.ndim == 3 else idx  # (B, K|1, T, k)
+    B, K, T, _ = idx.shape
+    selected = mx.zeros((B, K, T, S + 1), dtype=mx.bool_)  # column S: where the -1 slots land, dropped below
+    selected = mx.put_along_axis(selected, mx.where(idx < 0, S, idx), mx.array(True), axis=-1)[..., :S]
+    return selected if K == 1 else mx.repeat(selected, num_heads // K, axis=1)  # (B, 1|N, T, S)
+
+
 def all_key_positions(key_positions: mx.array, P: int, past_key_positions=None) -> mx.array:
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S)."""

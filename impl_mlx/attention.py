@@ -14,8 +14,9 @@ dtype: its float64 results carry float32's error, measured in
 tests/test_mlx.py); those take the stages. Every path honours every
 feature of the config and the call: the projections, clip, QK-norm, RoPE,
 temperature and the cache run as the stages (heads.qkv_heads) before
-either core; ALiBi, windows, local chunks, segments, bias and sinks are
-part of both; the output gate runs after. A latent layer (MLA, latent.py)
+either core; ALiBi, windows, local chunks, segments, the selection
+(topk_indices, in the mask: call.prepare), bias and sinks are part of
+both; the output gate runs after. A latent layer (MLA, latent.py)
 runs its expanded form on the stages and its absorbed form on the fused and
 chunked cores and the in-place cache, as impl_numpy does.
 
@@ -87,6 +88,7 @@ def multi_head_attention(
     segment_ids=None,
     key_segment_ids=None,
     past_key_positions=None,
+    topk_indices=None,
     return_weights: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
@@ -98,6 +100,9 @@ def multi_head_attention(
     arrays or mx.arrays). Returns output (B, T, O); with return_weights also weights (B, N, T, P+S); with
     return_cache also present_key (B, K, P+S, H) and present_value (B, K, P+S, V).
 
+    topk_indices (B, T, k) or (B, K, T, k), integer: the keys each query may see, as impl_numpy's (indexed
+    over the cache's keys then the new ones, -1 an unused slot); it joins the mask on every path (the fused
+    kernel's bool mask, the chunked core's blocks, which skips the key blocks nothing selects).
     cache_length: an in-place cache (see the module docstring); inference and gradients alike (MLX's
     slice assignment is differentiable), the buffers written whatever the transform.
     chunk_size: exact online softmax over blocks of this size (chunked.py). Not with return_weights or trace.
@@ -110,6 +115,7 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
+        topk_indices=topk_indices,
     )
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     path = plan(config, return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size,

@@ -22,6 +22,7 @@ from weights.contract import (
     check_call,
     check_input_values,
     check_position_values,
+    check_topk_values,
     in_place_buffer_error,
 )
 from weights.dtypes import is_float
@@ -74,6 +75,7 @@ class Call:
     key_segment_ids: Any  # (S_total,) or (B, S_total)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions, or None
+    selected: bool = False  # topk_indices was given: mask4 holds the selection (the chunked core skips unselected blocks)
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND local chunks AND segments over every key (rank 4), or None."""
@@ -112,8 +114,8 @@ class Call:
 
     @property
     def modern(self) -> bool:
-        """Uses a cache or packed segments (the config's own features: config.is_modern)."""
-        return self.past_key is not None or self.segment_ids is not None
+        """Uses a cache, packed segments or a selection (the config's own features: config.is_modern)."""
+        return self.past_key is not None or self.segment_ids is not None or self.selected
 
 
 def _meta(x, name):  # check_call's shape and dtype arguments of one optional input
@@ -128,8 +130,9 @@ def _ids(x):
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None) -> Call:
-    """Validate a call in the reference's order and words and cast everything to the storage dtype."""
+            materializes_scores=True, past_key_positions=None, topk_indices=None) -> Call:
+    """Validate a call in the reference's order and words and cast everything to the storage dtype. topk_indices
+    joins the mask (mask4 = mask AND functional.selection_mask), as impl_numpy's: every path reads it there."""
     stored = check_params(config, params)
     np_storage = stored if dtype is None else dtype_from_name(dtype)
     query = _as_array(query)
@@ -140,7 +143,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
         ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids),
-        ("past_key_positions", past_key_positions))}
+        ("past_key_positions", past_key_positions), ("topk_indices", topk_indices))}
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not is_float(_np_dtype_of(x)):
             raise ValueError(f"{name} must be a float array: got dtype {dtype_name(x)}")
@@ -158,6 +161,9 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
                        value=None if value is key else to_numpy(value))
     if optional["positions"] is not None:
         check_position_values(config, to_numpy(optional["positions"]))
+    selection = optional["topk_indices"]
+    if selection is not None:
+        check_topk_values(to_numpy(selection), shapes.P, shapes.S)
     in_place = shapes.capacity is not None
     if in_place:
         past_key, past_value = past_key_buffers(optional["past_key"], optional["past_value"], np_storage)
@@ -180,6 +186,9 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         keep = None
     mask4 = optional["mask"]
     mask4 = None if mask4 is None else to_mx(mask4).astype(mx.bool_).reshape(shapes.mask_shape)
+    if selection is not None:  # the selection joins the mask: (B, 1|N, T, S_total)
+        selected = F.selection_mask(to_mx(selection), config.num_heads, shapes.S_total)
+        mask4 = selected if mask4 is None else mask4 & selected
     segment_ids, key_segment_ids = _ids(optional["segment_ids"]), _ids(optional["key_segment_ids"])
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
@@ -193,6 +202,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         cache_length=shapes.P if in_place else None,
         past_key_positions=F.default_positions(_ids(optional["past_key_positions"]), 0, shapes.P)
         if positioned and optional["past_key_positions"] is not None else None,
+        selected=selection is not None,
     )
 
 

@@ -6,7 +6,9 @@ rescaled as each block of `chunk_size` keys arrives, so the largest temporary is
 MLX needs no static shapes, so the blocks are plain Python slices (the last one shorter) and the loops
 are Python loops building one lazy graph; mx.vjp differentiates through them. A key block that the causal
 mask or a window hides from every query of the block is skipped (never read, as impl_numpy's and
-impl_jax's cores skip it: a NaN value there reaches no row of that query block).
+impl_jax's cores skip it: a NaN value there reaches no row of that query block); with a selection
+(topk_indices) so is a key block the mask, the selection in it, hides from every query of the block
+(impl_numpy's skip_masked: most blocks of a long cache), judged on the host from the mask's values.
 
 The stages run on each block as the plain path runs them on the whole (logits, softcap, alibi, mask), so
 in 16 bits those round as the stages do; softmax, dropout and attend, merged into the running recurrence,
@@ -22,6 +24,7 @@ output gate runs on each query block's context before its output projection.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from weights import AttentionConfig
 from weights.contract import check_chunk_size
@@ -67,6 +70,9 @@ def chunked_attention(config: AttentionConfig, call, q, k, v, *, is_causal: bool
         q_ids = call.segment_ids.reshape(-1, T)  # (B|1, T)
         k_ids = call.key_segment_ids.reshape(-1, S)  # (B|1, S)
     positions, key_positions = call.positions, call.every_key_position
+    # with a selection, the mask's values on the host (one read; no gradient flows through a mask): the key blocks
+    # it hides from every query of a query block are skipped
+    shown = np.array(call.mask4) if call.selected and call.mask4 is not None else None
     fill = None if sinks is not None else {"zero": None, "uniform": 1.0 / S, "nan": float("nan")}[config.masked_row]
     outputs = []
     for t0 in range(0, T, chunk_size):
@@ -89,6 +95,8 @@ def chunked_attention(config: AttentionConfig, call, q, k, v, *, is_causal: bool
                 continue  # after every query's last visible key
             if left is not None and s1 - 1 < t0 + offset - left:
                 continue  # before every query's first visible key
+            if shown is not None and not _columns(shown, T, S, t0, t1, s0, s1).any():
+                continue  # the mask (a selection) hides the block from every query of this one
             blocks.append((s0, s1))
             cols = mx.arange(s0, s1)[None, :]  # (1, Ck)
             allowed = _columns(call.mask4, T, S, t0, t1, s0, s1)

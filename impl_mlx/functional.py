@@ -242,13 +242,18 @@ def alibi_bias(slopes: mx.array, positions: mx.array, key_positions: mx.array, d
     """ALiBi's bias in compute dtype, (B|1, N, T, S): -slope_n * |pos_q(i) - pos_k(j)|. slopes (N,),
     positions (B|1, T), key_positions (B|1, S) of every key (all_key_positions).
     rounding (config.alibi_bias_dtype): Falcon-RW's round(round(slope_n) * round(pos_k(j))) in that dtype,
-    each a cast (MLX keeps every cast it is given); the casts pass the gradient straight through."""
+    each a cast (MLX keeps every cast it is given); the roundings pass the gradient straight through (d slope_n
+    = sum(d bias * round(pos_k)), as impl_torch's): the rounded bias is the exact product plus a stop_gradient
+    of their difference, since MLX's VJP of a cast to bfloat16 rounds the cotangent to bfloat16 too (its
+    float64 slopes' gradient was 0.02 off, found by tests/test_mirrors_modern.py's mlx_alibi_bf16_cache)."""
     c = compute_of(dtype)
     if rounding is not None:
         r = to_mx_dtype(dtype_from_name(rounding))
-        slope = slopes.astype(c).astype(r).astype(c).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
+        slope = slopes.astype(c).reshape(1, -1, 1, 1)  # (1, N, 1, 1)
         key = key_positions.astype(c).astype(r).astype(c)[:, None, None, :]  # (B|1, 1, 1, S)
-        bias = (slope * key).astype(r).astype(c)  # (B|1, N, 1, S)
+        exact = slope * key  # (B|1, N, 1, S): carries the gradient
+        rounded = (mx.stop_gradient(slope).astype(r).astype(c) * key).astype(r).astype(c)
+        bias = exact + mx.stop_gradient(rounded - exact)  # the rounded values (Sterbenz: the difference is exact)
         B = max(positions.shape[0], key_positions.shape[0])
         return mx.broadcast_to(bias, (B, bias.shape[1], positions.shape[1], bias.shape[3]))  # (B|1, N, T, S)
     distance = mx.abs(positions[:, :, None] - key_positions[:, None, :]).astype(c)  # (B|1, T, S)
@@ -376,6 +381,18 @@ def allowed_mask(mask4, T: int, S: int, is_causal: bool, causal_alignment: str, 
     if segment_ids is not None:
         allowed = both(segment_mask(segment_ids, key_segment_ids))  # (B|1, 1, T, S)
     return allowed
+
+
+def selection_mask(topk_indices, num_heads: int, S: int) -> mx.array:
+    """impl_numpy's selection_mask: topk_indices (B, T, k) or (B, K, T, k) -> bool (B, 1|N, T, S) (S: every key,
+    the cache's first), -1 selecting nothing (put_along_axis into a spare column S, dropped), kv head K's
+    selection for its G query heads (query head n reads kv head n // G, as attend groups them)."""
+    idx = topk_indices.astype(mx.int64)
+    idx = idx[:, None] if idx.ndim == 3 else idx  # (B, K|1, T, k)
+    B, K, T, _ = idx.shape
+    selected = mx.zeros((B, K, T, S + 1), dtype=mx.bool_)  # column S: where the -1 slots land, dropped below
+    selected = mx.put_along_axis(selected, mx.where(idx < 0, S, idx), mx.array(True), axis=-1)[..., :S]
+    return selected if K == 1 else mx.repeat(selected, num_heads // K, axis=1)  # (B, 1|N, T, S)
 
 
 def all_key_positions(key_positions: mx.array, P: int, past_key_positions=None) -> mx.array:

@@ -2,9 +2,10 @@
 
 Stands where impl_numpy's fused core and impl_torch's sdpa.py stand: a fast path that attention.py
 chooses when it gives the stages' numbers, never a stage itself. It expresses masks (bool or additive),
-causal of either alignment, windows, local chunks and segment ids (folded into one bool mask by
-functional.allowed_mask), ALiBi and the call's bias (one additive mask, the slopes' gradient through it:
-mx.vjp differentiates the kernel's additive mask), sinks (the kernel's own `sinks=`) and grouped heads
+causal of either alignment, windows, local chunks, segment ids and a selection (topk_indices, which
+call.prepare ANDs into the mask) (folded into one bool mask by functional.allowed_mask), ALiBi and the
+call's bias (one additive mask, the slopes' gradient through it: mx.vjp differentiates the kernel's
+additive mask), sinks (the kernel's own `sinks=`) and grouped heads
 (K < N: the kernel reads key head n // G itself, keys not tiled). The clip, RoPE, QK-norm, the query
 temperature and the cache come before it (heads.qkv_heads), the output gate after. What it cannot take
 (attention.plan says why): the weights or a trace (it returns neither), dropout (no keep-mask argument),

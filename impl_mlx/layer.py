@@ -72,7 +72,8 @@ class MultiHeadAttention(nn.Module):
 
     `MultiHeadAttention(config, seed=0, dtype="float32")` draws weights with weights.init (the same numbers
     every framework draws for that seed); `from_tensors` / `from_file` load canonical tensors. The call
-    takes multi_head_attention's options and passes them through."""
+    takes multi_head_attention's options and passes them through (topk_indices= included: a layer that reuses
+    another layer's selection, GLM-5's shared layers, takes it here)."""
 
     def __init__(self, config: AttentionConfig, tensors: dict[str, np.ndarray] | None = None, *, seed: int = 0,
                  dtype: str = "float32", device: str = "cpu"):

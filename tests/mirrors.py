@@ -1,4 +1,4 @@
-"""One handle per mirror (impl_torch, impl_tf, impl_jax) for tests/test_mirrors_modern.py: how to call
+"""One handle per mirror (impl_torch, impl_tf, impl_jax, impl_mlx) for tests/test_mirrors_modern.py: how to call
 the functional API and the layer, read answers back as NumPy, run each path, decode with the cache, and
 what each mirror's error tables and extra cases hold.
 
@@ -23,10 +23,11 @@ import impl_numpy.adapter as numpy_adapter
 import weights
 from conformance.suite.cases import Case
 
-MARKS = {"torch": pytest.mark.torch, "tf": pytest.mark.tf, "jax": pytest.mark.jax}
+MARKS = {"torch": pytest.mark.torch, "tf": pytest.mark.tf, "jax": pytest.mark.jax, "mlx": pytest.mark.mlx}
 INSTALL = {"torch": "PyTorch not installed: pip install -c constraints/cpu.txt '.[torch]'",
            "tf": "TensorFlow/Keras not installed: pip install -c constraints/cpu.txt '.[tf]'",
-           "jax": "JAX/Flax not installed: pip install -c constraints/cpu.txt '.[jax]'"}
+           "jax": "JAX/Flax not installed: pip install -c constraints/cpu.txt '.[jax]'",
+           "mlx": "MLX not installed: pip install -c constraints/cpu.txt '.[mlx]' (wheels: Linux x86-64, macOS arm64)"}
 
 
 def _cases(*cases: Case) -> dict[str, Case]:
@@ -108,6 +109,28 @@ EXTRA_CASES = {
         Case("jax_dropout_cache_rope_sinks", cfg(dropout=0.25, use_sinks=True, rope={}), training=True, T=3, S=3,
              P=2, mask="padding", **DECODE),
     ),
+    # MLX: the combinations its fused kernel's mask folding meets (a window over a cache and T != S, sinks with
+    # empty rows, segments with a window, bias with -inf and sinks under GQA) and the norms' scopes
+    "mlx": _cases(
+        Case("mlx_qk_norm_rms_all", cfg(qk_norm={"type": "rms", "scope": "all"}), **CROSS),
+        Case("mlx_qk_norm_layer_head_gqa", cfg(num_heads=4, num_kv_heads=2, qk_norm={"type": "layer", "eps": 1e-5}),
+             is_causal=True),
+        Case("mlx_rope_interleaved_partial_linear",
+             cfg(head_dim=8, rope={"rotary_dim": 4, "interleaved": True, "scaling": {"type": "linear", "factor": 4.0}}),
+             positions="far", is_causal=True),
+        Case("mlx_window_both_cache", cfg(window_left=2, window_right=0, rope={}), T=2, S=2, P=5, **DECODE),
+        Case("mlx_window_long_query_bottom_right", cfg(window_left=1, window_right=1), self_attention=False, T=7,
+             S=3, causal_alignment="bottom_right"),
+        Case("mlx_sinks_cache_mqa_empty_rows",
+             cfg(num_heads=4, num_kv_heads=1, use_sinks=True, masked_row="uniform", rope={"interleaved": True}),
+             T=2, S=2, P=3, mask="empty_rows", **DECODE),
+        Case("mlx_window_segments_norm", cfg(window_left=2, window_right=1, qk_norm={"type": "rms"}, rope={}),
+             T=7, S=7, positions="packed"),
+        Case("mlx_bias_sinks_gqa", cfg(num_heads=4, num_kv_heads=2, use_sinks=True), bias="neg_inf", mask="random",
+             **CROSS),
+        Case("mlx_dropout_cache_rope_sinks", cfg(dropout=0.25, use_sinks=True, rope={}), training=True, T=3, S=3,
+             P=2, mask="padding", **DECODE),
+    ),
 }
 
 # Falcon-RW's rounded ALiBi (alibi_bias_dtype): random slopes, so the bfloat16 product rounds, past a cache
@@ -125,9 +148,13 @@ def case_named(framework: str, name: str) -> Case:
 
 # The paths a case runs on: torch's stages or SDPA; Keras's stages, fused core or chunk_size=2; JAX's
 # stages (weights asked for), fused expression or chunk_size=2.
-PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"), "jax": ("stages", "fused", "chunked")}
-GPU_PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"), "jax": ("stages", "fused")}
-TRACE_DTYPES = {"torch": ("float64",), "tf": ("float64",), "jax": ("float64", "float32")}
+# MLX's stages (weights asked for), fused kernel (mx.fast.scaled_dot_product_attention; float64 and what it
+# cannot take run the stages) or chunk_size=2.
+PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"), "jax": ("stages", "fused", "chunked"),
+         "mlx": ("stages", "fused", "chunked")}
+GPU_PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"), "jax": ("stages", "fused"),
+             "mlx": ("stages", "fused", "chunked")}
+TRACE_DTYPES = {"torch": ("float64",), "tf": ("float64",), "jax": ("float64", "float32"), "mlx": ("float64",)}
 FRONTIER_TRACE_CASES = ["frontier_everything", "latent_mla", "norm_after_rope_chunked", "value_norm"]
 TRACE_CASES = {
     "torch": [*FRONTIER_TRACE_CASES, "modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
@@ -138,10 +165,13 @@ TRACE_CASES = {
            "tf_softcap_bias_sinks_gqa"],
     "jax": [*FRONTIER_TRACE_CASES, "modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
             "rope_partial", "rope_yarn", "jax_qk_norm_rms_all", "sinks_masked_rows"],
+    "mlx": [*FRONTIER_TRACE_CASES, "modern_everything", "qk_norm_layer_all", "softcap", "rope_yarn",
+            "mlx_qk_norm_rms_all", "sinks_masked_rows"],
 }
 NAMES_CASES = {"torch": ["modern_everything", "decode_cache", "torch_window_both_cache"],
                "tf": ["modern_everything", "decode_cache", "tf_window_both_cache", "tf_qk_norm_layer_head_gqa"],
-               "jax": ["modern_everything", "decode_cache", "jax_window_both_cache"]}
+               "jax": ["modern_everything", "decode_cache", "jax_window_both_cache"],
+               "mlx": ["modern_everything", "decode_cache", "mlx_window_both_cache"]}
 GPU_CASES = ["modern_everything", "decode_cache", "cache_window_gqa", "segments_packed", "sinks_masked_rows", "softcap",
              "rope_yarn", "qk_norm_layer_all"]  # and each mirror's window_segments_norm
 
@@ -160,14 +190,15 @@ def bad_calls(framework: str) -> dict[str, dict]:
 
 # The decode paths (test_decoding_with_the_cache_equals_the_full_causal_call) and the in-place variants.
 DECODE_PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"),
-                "jax": ("plain", "stages", "chunked")}
+                "jax": ("plain", "stages", "chunked"), "mlx": ("stages", "fused", "chunked")}
 # decode_reference(perturb_norms=): Keras's tests move the norm scales and sinks off their initial 1 and 0
-PERTURB_NORMS = {"torch": False, "tf": True, "jax": False}
+PERTURB_NORMS = {"torch": False, "tf": True, "jax": False, "mlx": True}
 IN_PLACE_VARIANTS = {
     "torch": ("stages", "sdpa"),
     "tf": ("fused-eager", "stages-eager", "chunked-eager", "fused-tf.function", "fused-captured",
            "stages-tf.function", "chunked-captured"),
     "jax": ("eager", "jit", "traced"),
+    "mlx": ("stages", "fused", "chunked"),
 }
 
 
@@ -643,12 +674,133 @@ class JaxMirror(_Mirror):
         return np.asarray(out), grads
 
 
+class MlxMirror(_Mirror):
+    name = "mlx"
+
+    def __init__(self):
+        self.mx = pytest.importorskip("mlx.core", reason=INSTALL["mlx"])
+        import impl_mlx
+        import impl_mlx.adapter as adapter
+        from impl_mlx.convert import to_mx, to_numpy
+
+        self.module, self.adapter, self.to_mx, self.to_numpy = impl_mlx, adapter, to_mx, to_numpy
+        self.trace_stages = impl_mlx.trace_stages
+
+    PATH_OPTIONS = {"stages": {"trace": []}, "fused": {}, "chunked": {"chunk_size": 2}}
+
+    def path_adapter(self, path):
+        return TracedOnTheStages(self.adapter, chunk_size=2) if path == "chunked" else self.adapter
+
+    def gpu_missing(self):
+        return None if self.module.gpu_available() else "no GPU: MLX's Metal device is macOS arm64 only"
+
+    def _args(self, value):
+        return self.to_mx(value) if isinstance(value, np.ndarray) else value
+
+    def call(self, config, tensors, query, **kw):
+        params = {n: self.to_mx(t) for n, t in tensors.items()}
+        return self.module.multi_head_attention(config, params, self.to_mx(query),
+                                                **{k: self._args(v) for k, v in kw.items()})
+
+    def decode(self, config, tensors, x, path, *, layer=False):
+        """PROMPT tokens in one causal call, then one token at a time with the cache, each call on `path`
+        (stages: with a trace; fused: the plan's own path; chunked: chunk_size=2)."""
+        mx, extra = self.mx, self.PATH_OPTIONS[path]
+        if layer:
+            module = self.module.MultiHeadAttention.from_tensors(config, tensors)
+            call = lambda q, **kw: module(q, **kw, **extra)  # noqa: E731
+        else:
+            params = {n: self.to_mx(t) for n, t in tensors.items()}
+            call = lambda q, **kw: self.module.multi_head_attention(config, params, q, **kw, **extra)  # noqa: E731
+        rows, pk, pv = decode_token_by_token(call, self.to_mx(x))
+        return self.to_numpy(mx.concatenate(rows, axis=1)), self.to_numpy(pk), self.to_numpy(pv)
+
+    def layer_decode_path(self):
+        return "fused"
+
+    def in_place_decode(self, config, dtype, tensors, x, variant):
+        """One zeroed pair of mx.arrays (cache_length=P) on `variant` (a path); every step must hand back the
+        very arrays it was given (MLX's slice assignment writes the caller's array)."""
+        mx, to_mx, to_numpy = self.mx, self.to_mx, self.to_numpy
+        params = {n: to_mx(t) for n, t in tensors.items()}
+
+        class Buffer:
+            """An mx.array as decode_in_place holds it (np.asarray through to_numpy: bfloat16 included)."""
+
+            def __init__(self, array):
+                self.array = array
+
+            def __array__(self, dtype=None, copy=None):
+                array = to_numpy(self.array)
+                return array if dtype is None else array.astype(dtype)
+
+        def step(_, part, pk, pv, P):
+            out, k, v = self.module.multi_head_attention(
+                config, params, to_mx(part), past_key=pk.array, past_value=pv.array, cache_length=P, is_causal=True,
+                causal_alignment="bottom_right", return_cache=True, **self.PATH_OPTIONS[variant])
+            return to_numpy(out), pk if k is pk.array else Buffer(k), pv if v is pv.array else Buffer(v)
+
+        zeros = lambda shape: Buffer(mx.zeros(shape, dtype=to_mx(np.zeros((), dtype)).dtype))  # noqa: E731
+        outputs, pk, pv, same = decode_in_place(step, tensors, x, zeros)
+        assert same, "a step returned a new array instead of the buffers it was given"
+        return outputs, pk, pv
+
+    def error_calls(self, config, tensors, query, call):
+        """The functional call on NumPy and on mx arrays, and the layer."""
+        as_mx = {k: self._args(v) for k, v in call.items()}
+        params = {n: self.to_mx(t) for n, t in tensors.items()}
+        layer = self.module.MultiHeadAttention.from_tensors(config, tensors)
+        mha = self.module.multi_head_attention
+        return [("functional", error_of(mha, config, tensors, query, **call), None),
+                ("functional on mx arrays", error_of(mha, config, params, self.to_mx(query), **as_mx), None),
+                ("layer", error_of(layer, self.to_mx(query), **as_mx), None)]
+
+    def tensor_error_calls(self, config, broken, query):
+        mha = self.module.multi_head_attention
+        return [("numpy arrays", error_of(mha, config, broken, query), None),
+                ("mx arrays", error_of(mha, config, {k: self.to_mx(v) for k, v in broken.items()}, query), None),
+                ("layer", error_of(self.module.MultiHeadAttention.from_tensors, config, broken),
+                 error_of(impl_numpy.MultiHeadAttention.from_tensors, config, broken))]
+
+    def parameter_count(self, layer):
+        from mlx.utils import tree_flatten
+
+        return sum(int(v.size) for _, v in tree_flatten(layer.parameters()))
+
+    def layer_output_and_grads(self, case, layer, inputs, d_out):
+        """mx.grad of <output, d_out> over the layer's own parameters (their flattened names are the canonical
+        ones) and the inputs, the parameters swapped in with layer.update as nn.value_and_grad does."""
+        from mlx.utils import tree_flatten
+
+        mx, to_mx = self.mx, self.to_mx
+        leaves = {k: to_mx(inputs[k]) for k in ("query", "key", "value", "past_key", "past_value") if k in inputs}
+        extra = {k: to_mx(inputs[k]) for k in ("mask", "bias", "positions", "key_positions", "segment_ids",
+                                               "key_segment_ids") if k in inputs}
+        d_out = to_mx(d_out)
+        found = {}
+
+        def loss(params, leaves):
+            layer.update(params)
+            out = layer(leaves["query"], leaves.get("key"), leaves.get("value"), past_key=leaves.get("past_key"),
+                        past_value=leaves.get("past_value"), is_causal=case.is_causal,
+                        causal_alignment=case.causal_alignment, **extra)
+            found["out"] = out
+            return (out * d_out).sum()
+
+        params = layer.trainable_parameters()
+        g_params, g_leaves = mx.grad(loss, argnums=(0, 1))(params, leaves)
+        layer.update(params)
+        grads = {name: self.to_numpy(g) for name, g in tree_flatten(g_params)}
+        grads.update({k: self.to_numpy(g) for k, g in g_leaves.items()})
+        return self.to_numpy(found["out"]), grads
+
+
 _LOADED: dict[str, _Mirror] = {}
 
 
 def load(framework: str) -> _Mirror:
     """The mirror's handle (its framework imported once per process); skips the test where it is missing."""
     if framework not in _LOADED:
-        _LOADED[framework] = {"torch": TorchMirror, "tf": TfMirror, "jax": JaxMirror}[framework]()
+        _LOADED[framework] = {"torch": TorchMirror, "tf": TfMirror, "jax": JaxMirror, "mlx": MlxMirror}[framework]()
     return _LOADED[framework]
 

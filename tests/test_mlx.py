@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from mutants import TOPK_MUTANTS
 
 from conformance.suite import backends, check
 from conformance.suite.cases import CASES, cast_inputs, cast_tensors, make_inputs, make_tensors
@@ -28,11 +29,14 @@ from impl_mlx import functional as F  # noqa: E402
 
 # Cases that reach every feature the contract has (masks, bias, causal of both alignments, GQA, masked rows
 # of each policy, dropout, RoPE and its scalings, the cache, windows, softcap, norms, sinks, packed rows,
-# ALiBi, local chunks, the temperature, the clip, gates, LongRoPE, MLA with its decode, past_key_positions).
+# ALiBi, local chunks, the temperature, the clip, gates, LongRoPE, MLA with its decode, past_key_positions,
+# and every topk_indices case: shared over a cache, per kv head, the latent decode, a row left empty).
+TOPK_CASES = tuple(name for name, case in CASES.items() if case.selection is not None)
 GRID = ("mask_and_bias_causal", "causal_bottom_right_long_query", "gqa", "masked_rows_nan", "sinks_masked_rows",
         "dropout_train", "decode_cache", "cache_window_gqa", "segments_packed_cache", "modern_everything",
         "frontier_everything", "alibi_chunk_decode", "rope_longrope_long", "latent_mla", "latent_decode",
-        "norm_after_rope_chunked", "edge_alibi_decode_positions", "output_gate_head", "qk_norm_per_head_layer")
+        "norm_after_rope_chunked", "edge_alibi_decode_positions", "output_gate_head", "qk_norm_per_head_layer",
+        *TOPK_CASES)
 
 
 def _rng_array(shape, seed=0, scale=1.0):
@@ -314,6 +318,41 @@ def test_a_porting_bug_planted_in_the_mlx_paths_fails(bug, monkeypatch):
     caught = {r.path for r in results if r.status == STATUS_FAIL}
     assert caught == set(paths), (f"{bug}: caught on {sorted(caught)} of {paths}: "
                                   + "; ".join(f"{r.case}/{r.path} {r.status} {r.message}" for r in results))
+
+
+# topk_indices' porting bugs (tests/mutants.py TOPK_MUTANTS), planted in the one function every MLX path takes the
+# selection from (functional.selection_mask, ANDed into the mask by call.prepare): each fails its grid case on
+# every path that runs it (the in-place cache where the case has one)
+def _plant_topk(bug: str, P: int, monkeypatch) -> None:
+    def planted(f):
+        def selection_mask(topk_indices, num_heads, S):
+            idx = topk_indices.astype(mx.int64)
+            if bug == "topk_ignored":
+                return mx.ones((idx.shape[0], 1, idx.shape[-2], S), mx.bool_)
+            if bug == "topk_new_keys_only":  # index i read as the new key i: P + i, those past the keys dropped
+                return f(mx.where(idx >= 0, idx + P, idx), num_heads, S + P)[..., :S]
+            if bug == "topk_minus_one_as_last":  # Python's index -1: the last key
+                return f(mx.where(idx == -1, S - 1, idx), num_heads, S)
+            assert bug == "topk_kv_heads_tiled" and idx.ndim == 4, bug
+            K = idx.shape[1]  # query head n reads kv head n % K
+            return mx.tile(f(idx, K, S), (1, num_heads // K, 1, 1))
+        return selection_mask
+
+    _wrap(monkeypatch, F, "selection_mask", planted)
+
+
+@pytest.mark.parametrize("bug", list(TOPK_MUTANTS))
+def test_a_topk_porting_bug_planted_in_the_mlx_paths_fails(bug, monkeypatch):
+    name = TOPK_MUTANTS[bug][1]
+    case = CASES[name]
+    paths = ("stages", "fused", "chunked") + (("in_place",) if case.P else ())
+    adapter = backends.load("mlx")
+    _plant_topk(bug, case.P, monkeypatch)
+    results = [run_case(case, "mlx", dtype="float32", adapter=adapter, gradients=False, path=path) for path in paths]
+    caught = {r.path for r in results if r is not None and r.status == STATUS_FAIL}
+    assert caught == set(paths), (f"{bug}: caught on {sorted(caught)} of {paths}: "
+                                  + "; ".join(f"{r.path} {r.status} {r.message}" for r in results if r is not None))
+    print(f"{bug} on {name}: " + ", ".join(f"{r.path} margin {r.margin:.3g}" for r in results))
 
 
 # -- mha bench ---------------------------------------------------------------------------------------------

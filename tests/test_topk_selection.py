@@ -3,7 +3,8 @@ an independent formulation (each query's selected, visible keys gathered and a d
 on each path of the reference; the chunked core's skipped blocks; the defaults; the values refused in the
 contract's words by every mirror; the inputs file; and the porting bugs the suite catches (tests/mutants.py's
 TOPK_MUTANTS, each on the grid case it targets). The mirrors run the grid's topk cases, gradients included, in
-their own grid tests (tests/test_torch.py, test_tf.py, test_jax.py); the shape and dtype errors are in
+their own grid tests (tests/test_torch.py, test_tf.py, test_jax.py, test_mlx.py, whose test also plants the four
+bugs in impl_mlx); the shape and dtype errors are in
 modern_checks.modern_bad_calls, said alike by every mirror's ways in."""
 
 from __future__ import annotations
@@ -239,6 +240,28 @@ def test_jax_names_bad_values_and_traces_the_selection():
         assert_close("jitted selection", got, want, config=case.config, dtype="float64", quantity="output",
                      B=case.B, T=case.T, S=case.S_total)
     assert len(traces) == 1, f"the selection was static: {len(traces)} traces"
+
+
+@pytest.mark.mlx
+def test_mlx_names_bad_values_and_its_chunked_core_skips_the_blocks_nothing_selects():
+    """impl_mlx's function and layer name the values in the contract's words; its chunked core, as the
+    reference's, never reads a key block the selection leaves out (a NaN value there reaches no row; the stages'
+    attend spreads it)."""
+    pytest.importorskip("mlx.core")
+    import impl_mlx
+    from impl_mlx.convert import to_mx, to_numpy
+
+    _mirror_values("mlx", to_mx, impl_mlx.multi_head_attention, impl_mlx.MultiHeadAttention.from_tensors)
+    config, tensors, call = _decode_over_nan()
+    got = to_numpy(impl_mlx.multi_head_attention(config, tensors, **call, chunk_size=2))
+    clean = dict(call, past_value=np.nan_to_num(call["past_value"], nan=0.0))
+    want = to_numpy(impl_mlx.multi_head_attention(config, tensors, **clean, chunk_size=2))
+    assert np.isfinite(got).all(), "a skipped block was read"
+    assert_bit_equal("NaN in the unselected blocks vs zeros there", got, want)
+    assert np.isnan(to_numpy(impl_mlx.multi_head_attention(config, tensors, **call, return_weights=True)[0])).any()
+    reference = impl_numpy.multi_head_attention(config, tensors, **clean, chunk_size=2)
+    assert_close("mlx chunked vs the reference", got, reference, config=config, dtype="float64", quantity="output",
+                 B=2, T=1, S=9)
 
 
 @pytest.mark.reference

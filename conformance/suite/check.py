@@ -166,7 +166,7 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
 
 # Slowest first, so the parallel run is not left waiting on a late long chunk
 # (JAX compiles one program per case and dtype).
-_COST_ORDER = {"jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "tf": 2, "keras-native-mha": 2}
+_COST_ORDER = {"keras-jax": -1, "keras-torch": -1, "jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "tf": 2, "keras-native-mha": 2}
 
 
 # Each worker's frameworks on one compute thread where the workers are as many as the cores: the grid's
@@ -192,6 +192,12 @@ def _start_worker() -> None:
     gc.set_threshold(*WORKER_GC_THRESHOLDS)
 
 
+def _start_keras_worker(keras_backend: str) -> None:
+    """A worker of a Keras backend's own (backends.own_process): KERAS_BACKEND set before keras is imported."""
+    _start_worker()
+    os.environ["KERAS_BACKEND"] = keras_backend
+
+
 @contextlib.contextmanager
 def _one_thread_per_worker(jobs: int):
     """ONE_THREAD in the environment the workers start with, when jobs >= the cores; restored after."""
@@ -210,7 +216,10 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
               path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None, skip=None):
     """Every (backend, device, dtype) chunk of cases. jobs > 1 runs chunks in
     that many worker processes (each imports its own frameworks); the
-    results are the same objects either way. compile_cache: a directory for
+    results are the same objects either way. A backend that runs Keras on
+    jax or torch (keras-jax, keras-torch: backends.own_process) runs in one
+    worker of its own whatever jobs says, since Keras fixes its backend at
+    import and the other workers' Keras runs on TensorFlow. compile_cache: a directory for
     JAX's persistent compilation cache (None: compile everything afresh).
     xla_full_opt: compile impl_jax's CPU programs with XLA's default options
     instead of impl_jax.adapter.FAST_CPU_COMPILE. path_kinds: which of each
@@ -227,11 +236,14 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
         return [name for name in names if (name, dtype) not in skip]
     # The workers start and import the frameworks themselves, and tell this process which backends
     # and devices are here (_warm): the main process imports no framework (TensorFlow alone takes 4 s).
-    jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), len(backend_ids) * len(dtypes)))
+    own = [b for b in backend_ids if backends.own_process(b)]  # Keras on jax / torch: a worker each
+    shared = [b for b in backend_ids if b not in own]
+    jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), max(1, len(shared)) * len(dtypes)))
     results: list[CaseResult] = []
     with contextlib.ExitStack() as stack:
         pool = None
-        if jobs > 1:
+        own_pools: dict = {}
+        if jobs > 1 or own:
             import concurrent.futures
             import multiprocessing
 
@@ -239,32 +251,47 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
             # JAX takes 75% of a GPU's memory when it starts (its default preallocation); the workers share
             # one GPU, so each allocates as it goes instead (read by the workers' JAX when it starts).
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-            stack.enter_context(_one_thread_per_worker(jobs))
-            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker))
-            warming = [pool.submit(_warm, list(backend_ids)) for _ in range(jobs)]  # one per idle worker, as a rule
+            stack.enter_context(_one_thread_per_worker(jobs + len(own)))
+            spawn = multiprocessing.get_context("spawn")
+            if jobs > 1 and shared:
+                pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                    jobs, mp_context=spawn, initializer=_start_worker))
+            for backend_id in own:
+                own_pools[backend_id] = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                    1, mp_context=spawn, initializer=_start_keras_worker,
+                    initargs=(backends.get(backend_id).keras_backend,)))
+            warming = [own_pools[b].submit(_warm, [b]) for b in own]
+            if pool is not None:
+                warming += [pool.submit(_warm, list(shared)) for _ in range(jobs)]  # one per idle worker, as a rule
             found = {}
             for future in warming:
                 answer, probed = future.result()
                 found.update(answer)
                 if probes is not None:
                     probes.update(probed)
-            pairs, skipped = _plan_from(backend_ids, devices, found)
+            pairs, skipped = _plan_from(own if pool is None else backend_ids, devices, found)
+            if pool is None:  # jobs 1: the shared backends in this process
+                shared_pairs, shared_skipped = plan(shared, devices, console)
+                pairs, skipped = shared_pairs + pairs, shared_skipped + skipped
         else:
             pairs, skipped = plan(backend_ids, devices, console)
         chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes), key=lambda c: _COST_ORDER.get(c[0], 3))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not progress, transient=True) as bar:
             task = bar.add_task("mha check", total=sum(len(names_for(t)) for _, _, t in chunks))
-            if pool is None:
-                for backend_id, device, dtype in chunks:
-                    bar.update(task, description=f"{backend_id}/{device}/{dtype}")
-                    results += _run_chunk(backend_id, device, dtype, names_for(dtype), precision, gradients,
-                                          compile_cache, xla_full_opt, path_kinds)
-                    bar.advance(task, len(names_for(dtype)))
-            else:  # slowest chunks first: the two workers share JAX's, then the rest
-                futures = {pool.submit(_run_chunk, b, d, t, names_for(t), precision, gradients, compile_cache,
-                                       xla_full_opt, path_kinds): t for b, d, t in chunks}
+            # slowest chunks first: the two workers share JAX's, then the rest; a Keras backend's own worker
+            # runs its chunks in turn
+            futures = {(own_pools.get(b) or pool).submit(
+                _run_chunk, b, d, t, names_for(t), precision, gradients, compile_cache, xla_full_opt, path_kinds): t
+                for b, d, t in chunks if own_pools.get(b) or pool}
+            for backend_id, device, dtype in chunks:
+                if own_pools.get(backend_id) or pool:
+                    continue
+                bar.update(task, description=f"{backend_id}/{device}/{dtype}")
+                results += _run_chunk(backend_id, device, dtype, names_for(dtype), precision, gradients,
+                                      compile_cache, xla_full_opt, path_kinds)
+                bar.advance(task, len(names_for(dtype)))
+            if futures:
                 for future in concurrent.futures.as_completed(futures):
                     results += future.result()
                     bar.advance(task, len(names_for(futures[future])))

@@ -44,6 +44,12 @@ CORE_BACKENDS = backends.CORE
 PATH_KINDS = ("stages", "fast", "chunked", "in_place")
 DEFAULT_PATH_KINDS = ("stages", "fast", "in_place")
 
+# Without --dtypes, keras-jax runs float32 alone: each of its calls is one compiled program (Keras's layer
+# traced through stateless_call, jax.vjp and jax.jit: about 0.25 s of CPU a call, cold; eagerly, JAX compiled
+# every op for every shape, 8x that), and its four dtypes over the default grid cost about 170 s of CPU cold,
+# 110 s warm (2-core EPYC VM, 2026-11-29), over `mha check`'s budget. --dtypes runs each dtype given on it.
+DEFAULT_BACKEND_DTYPES = {"keras-jax": ("float32",)}
+
 
 def paths_of(adapter, kinds) -> list[str]:
     """The adapter's paths of these kinds, in its own order; [DEFAULT_PATH] for a backend with one path."""
@@ -213,7 +219,7 @@ def _one_thread_per_worker(jobs: int):
 
 def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
               gradients=True, console=None, progress=True, jobs=None, compile_cache=None, xla_full_opt=False,
-              path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None, skip=None):
+              path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None, skip=None, backend_dtypes=None):
     """Every (backend, device, dtype) chunk of cases. jobs > 1 runs chunks in
     that many worker processes (each imports its own frameworks); the
     results are the same objects either way. A backend that runs Keras on
@@ -224,7 +230,8 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
     xla_full_opt: compile impl_jax's CPU programs with XLA's default options
     instead of impl_jax.adapter.FAST_CPU_COMPILE. path_kinds: which of each
     core backend's paths (PATH_KINDS). probes: a dict to fill with the
-    workers' environment.framework_probes (left empty when jobs is 1). skip: (case, dtype) pairs not to run."""
+    workers' environment.framework_probes (left empty when jobs is 1). skip: (case, dtype) pairs not to run.
+    backend_dtypes: {backend: dtypes} runs those backends in those of `dtypes` alone (DEFAULT_BACKEND_DTYPES)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -275,7 +282,9 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
                 pairs, skipped = shared_pairs + pairs, shared_skipped + skipped
         else:
             pairs, skipped = plan(backend_ids, devices, console)
-        chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes), key=lambda c: _COST_ORDER.get(c[0], 3))
+        backend_dtypes = backend_dtypes or {}
+        chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes if t in backend_dtypes.get(b, dtypes)),
+                        key=lambda c: _COST_ORDER.get(c[0], 3))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not progress, transient=True) as bar:
             task = bar.add_task("mha check", total=sum(len(names_for(t)) for _, _, t in chunks))
@@ -315,7 +324,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("check", help="the main job: do the backends agree with the reference?")
     p.add_argument("--backends", nargs="+", default=["core"], choices=["core", "native", "all", *backends.REGISTRY],
                    metavar="BACKEND",
-                   help="ids, or groups: core (numpy torch tf jax, the default), native (the frameworks' own layers: "
+                   help="ids, or groups: core (numpy torch tf keras-jax keras-torch jax, the default), native (the frameworks' own layers: "
                         + ", ".join(backends.NATIVE) + "), all; missing frameworks are reported, not fatal")
     p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
                    help="default: every device present for each backend")
@@ -408,7 +417,7 @@ def run(args) -> int:
                                      compile_cache=None if args.no_compile_cache else default_compile_cache(),
                                      xla_full_opt=args.xla_full_opt,
                                      path_kinds=PATH_KINDS if "all" in kinds else tuple(kinds),
-                                     probes=probes)
+                                     probes=probes, backend_dtypes=None if args.dtypes else DEFAULT_BACKEND_DTYPES)
     if not results:
         reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"
         raise ValueError(f"nothing to run: {reasons}")

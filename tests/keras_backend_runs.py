@@ -4,6 +4,7 @@ Keras layer on that backend, judged by run_case on a few cases, with and without
 
     python tests/keras_backend_runs.py BACKEND_ID judge MUTANT[,MUTANT...] CASE[:DTYPE[:PATH]] ...
     python tests/keras_backend_runs.py BACKEND_ID round_trip DIR
+    python tests/keras_backend_runs.py BACKEND_ID verify
 
 judge prints one JSON line, {mutant: [[case, dtype, path, status, message], ...]} (MUTANT: names joined by
 commas, each planted alone and undone after); "none" runs the layer as it is, the others (_plant) are porting bugs a Keras-on-jax or Keras-on-torch port makes, planted in that
@@ -121,10 +122,34 @@ def round_trip(backend_id: str, folder: str) -> dict:
     return seen
 
 
+def verify_keras_mha(backend_id: str) -> dict:
+    """mha verify's keras_layer adapter (what `pytest --mha-impl` takes for a live Keras layer) on
+    keras.layers.MultiHeadAttention, gradients required, on this backend: {vector: [status, detail]}."""
+    from conformance.suite import adapters, backends
+    from conformance.suite.verify import verify
+
+    backends.load(backend_id)
+    import keras
+
+    def build(c):
+        return keras.layers.MultiHeadAttention(c.num_heads, c.head_dim, value_dim=c.value_head_dim,
+                                               output_shape=c.out_dim, use_bias=c.use_query_bias)
+
+    def call(layer, x, options):
+        out, scores = layer(x["query"], x["value"], key=x["key"], return_attention_scores=True)
+        return {"output": out, "weights": scores}
+
+    results = verify(adapters.keras_layer(build, "keras-mha", call), require_gradients=True,
+                     only=["cross_basic", "value_head_dim"], dtypes=["float32", "bfloat16"])
+    return {r.name: [r.status, r.detail] for r in results}
+
+
 if __name__ == "__main__":
     backend_id, command, *rest = sys.argv[1:]
     if command == "judge":  # judge MUTANT[,MUTANT...] SPEC ...: {mutant: rows}
         print(json.dumps({mutant: judge(backend_id, mutant, rest[1:]) for mutant in rest[0].split(",")}))
+    elif command == "verify":
+        print(json.dumps(verify_keras_mha(backend_id)))
     elif command == "round_trip":
         print(json.dumps(round_trip(backend_id, rest[0])))
     else:

@@ -112,3 +112,15 @@ def test_keras_file_round_trip(backend_id, tmp_path):
                      reference=expected["output"], logits=expected["logits"])
     c = compare("model.predict after load", np.asarray(seen["model_predict"]), expected["output"], tol)
     assert c.ok, c
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
+def test_the_keras_layer_adapter_takes_a_layer_on_the_backend(backend_id):
+    """mha verify's keras_layer adapter (the pytest plugin's, for a live Keras layer) on
+    keras.layers.MultiHeadAttention, gradients required: through jax.vjp or torch.autograd."""
+    _needs(backend_id)
+    results = _run(backend_id, "verify")
+    assert sorted(results) == ["cross_basic.bfloat16", "cross_basic.float32", "value_head_dim.bfloat16",
+                               "value_head_dim.float32"], sorted(results)
+    for name, (status, detail) in results.items():
+        assert status == STATUS_PASS, (name, status, detail)

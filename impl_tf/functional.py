@@ -30,9 +30,8 @@ dtype; its arithmetic (matmul accumulation, exp and sums) runs in
 otherwise.
 
 Differences of form, all for each backend's autodiff (tf.GradientTape,
-jax.vjp, torch.autograd) to give the spec's
-hand-written gradients (impl_numpy/backward.py); the forward values are the
-same:
+jax.vjp, torch.autograd) to give the spec's hand-written gradients
+(impl_numpy/backward.py); the forward values are the same:
 - softmax subtracts a stop_gradient row max (softmax does not depend on it;
   with sinks the sink's gradient flows through its own exp term);
 - masked_row="nan" multiplies a fully masked row by NaN instead of filling

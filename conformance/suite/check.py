@@ -46,8 +46,8 @@ DEFAULT_PATH_KINDS = ("stages", "fast", "in_place")
 
 # Without --dtypes, keras-jax runs float32 alone: each of its calls is one compiled program (Keras's layer
 # traced through stateless_call, jax.vjp and jax.jit: about 0.25 s of CPU a call, cold; eagerly, JAX compiled
-# every op for every shape, 8x that), and its four dtypes over the default grid cost about 170 s of CPU cold,
-# 110 s warm (2-core EPYC VM, 2026-11-29), over `mha check`'s budget. --dtypes runs each dtype given on it.
+# every op for every shape, 5x that): float32 over the default grid 28 s of CPU cold (17 s warm), the four
+# dtypes 111 s cold (2-core EPYC VM, 2026-11-29), over `mha check`'s budget. --dtypes runs each dtype given.
 DEFAULT_BACKEND_DTYPES = {"keras-jax": ("float32",)}
 
 

@@ -1,8 +1,11 @@
-"""Multi-head attention in Keras on TensorFlow: a split_heads layer (seed 003's
-style) over a keras.ops mirror of the NumPy spec (see functional.py).
+"""Multi-head attention in Keras: a split_heads layer (seed 003's style) over
+a keras.ops mirror of the NumPy spec (see functional.py), on Keras's
+tensorflow, jax and torch backends.
 
 Importing impl_tf selects Keras's TensorFlow backend (KERAS_BACKEND) unless
-keras was already imported, and refuses to run on another backend.
+keras was already imported or KERAS_BACKEND says otherwise; it runs on the
+backend keras is on (_keras.py). The chunked path and the in-place cache are
+TensorFlow's alone (tf_only.py, chunked.py): NotImplementedError elsewhere.
 """
 
 from weights.call import STAGES, TraceEntry

@@ -1,9 +1,17 @@
 """The conformance adapter: NumPy arrays in and out (see conformance/suite/backends.py).
 
 The same three functions and argument names as impl_numpy/adapter.py. It
-builds the Keras layer from the canonical tensors and calls it; gradients
-come from tf.GradientTape. bfloat16 arrays are ml_dtypes.bfloat16. An
+builds the Keras layer from the canonical tensors and calls it, on the Keras
+backend keras was imported on: backend `tf` on TensorFlow, `keras-jax` on
+JAX, `keras-torch` on PyTorch (`mha check` runs each in a worker of its own:
+Keras fixes its backend at import). Gradients come from the backend's own
+autodiff: tf.GradientTape, jax.vjp (through the layer's stateless_call),
+torch.autograd. bfloat16 arrays are ml_dtypes.bfloat16. An
 options["chunk_size"] selects the chunked path (tests run the grid through it).
+
+On jax, importing this module switches on JAX's x64 mode, process-wide (as
+impl_jax/adapter.py does): float64 is one of the conformance dtypes, and JAX
+computes it only in x64 mode.
 """
 
 from __future__ import annotations
@@ -14,36 +22,51 @@ from weights.call import OPTIONAL_INPUTS, split_result
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, new_keys
 
-from ._keras import keras, tf
+from ._keras import BACKEND, TENSORFLOW, keras
+from .attention import CHUNKED_UNSUPPORTED
+from .backend import gpus, to_tensor
+from .call import IN_PLACE_UNSUPPORTED
 from .layer import MultiHeadAttention, check_device, check_precision
 
 ops = keras.ops
 
-NAME = "tf"
+# The conformance backend this module is, by the Keras backend it runs on.
+NAMES = {"tensorflow": "tf", "jax": "keras-jax", "torch": "keras-torch"}
+NAME = NAMES[BACKEND]
+
+if BACKEND == "jax":
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
 
 # The paths `mha check` judges (weights/paths.py): the stages, fused_attention (a call without weights or
-# trace), the chunked path (chunk_size=) and the in-place cache (cache_length=, tf.Variables).
+# trace), the chunked path (chunk_size=) and the in-place cache (cache_length=, tf.Variables); the last two
+# on TensorFlow alone (unsupported on jax and torch, with the reason).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
-    """The call options that run `path` on this call (weights.paths): every path takes every call."""
+    """The call options that run `path` on this call (weights.paths): on TensorFlow every path takes every
+    call; on jax and torch the chunked path and the in-place cache raise NotImplementedError (their reason)."""
     if path == "fused":
         return options | {"return_weights": False}
-    return common_path_options(path, inputs, options, paths=PATHS, in_place_forward_only=(
+    found = common_path_options(path, inputs, options, paths=PATHS, in_place_forward_only=(
         "an in-place cache is inference only (refused under a recording tape)"))
+    if found is not None and not TENSORFLOW and path in ("chunked", "in_place"):
+        raise NotImplementedError(CHUNKED_UNSUPPORTED if path == "chunked" else IN_PLACE_UNSUPPORTED)
+    return found
 
 
 def devices() -> list[str]:
-    return ["cpu"] + (["gpu"] if tf.config.list_physical_devices("GPU") else [])
+    return ["cpu"] + (["gpu"] if gpus() else [])
 
 
 
 
 def _kwargs(inputs, options):
     return dict(
-        **{name: inputs.get(name) for name in OPTIONAL_INPUTS},
+        **{name: None if inputs.get(name) is None else to_tensor(inputs[name]) for name in OPTIONAL_INPUTS},
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"),
@@ -96,17 +119,25 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
         dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
         *buffers, P = in_place_buffers(inputs, np.float64)
         S = new_keys(inputs)
+        import tensorflow as tf  # only TensorFlow has the in-place cache (path_options says so elsewhere)
+
         for name, buffer in zip(("past_key", "past_value"), buffers):
             in_place[name] = tf.Variable(ops.cast(buffer, dtype))
         in_place["cache_length"] = P
-    result = layer(inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights,
-                   return_cache=return_cache, **(kwargs | in_place))
+    query, key, value = (None if inputs.get(n) is None else to_tensor(inputs[n]) for n in ("query", "key", "value"))
+    if BACKEND == "jax":  # one compiled program instead of an XLA compile per op and shape (_jax_stateless)
+        result = jax.jit(lambda q, k, v, trainable: _jax_stateless(layer, trainable)(
+            q, k, v, return_weights=return_weights, return_cache=return_cache, **kwargs))(
+                query, key, value, [v.value for v in layer.trainable_variables])
+    else:
+        result = layer(query, key, value, return_weights=return_weights, return_cache=return_cache,
+                       **(kwargs | in_place))
     answer = split_result(result, return_weights, return_cache, _numpy)
     if in_place and return_cache:  # the buffers, whole: the cache is their first P + S positions
         answer["present_key"], answer["present_value"] = (answer[name][:, :, :P + S] for name in
                                                           ("present_key", "present_value"))
     if trace:
-        _, entries = layer.trace(inputs["query"], inputs.get("key"), inputs.get("value"), **kwargs)
+        _, entries = layer.trace(query, key, value, **kwargs)
         answer["trace"] = [(e.stage, _numpy(e.value)) for e in entries]
     return answer
 
@@ -125,27 +156,105 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
     _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
     differentiable = ("query", "key", "value", "past_key", "past_value")  # the float inputs, in the reference's order
-    given = {n: ops.convert_to_tensor(inputs[n]) for n in differentiable if inputs.get(n) is not None}
+    given = {n: to_tensor(inputs[n]) for n in differentiable if inputs.get(n) is not None}
     variables = layer.canonical_variables()
-    kwargs = {**_kwargs(inputs, options), **{n: given[n] for n in ("past_key", "past_value") if n in given}}
+    kwargs = {n: x for n, x in _kwargs(inputs, options).items() if n not in given}  # the cache: from `given`
     return_weights = bool(options.get("return_weights", False))  # the weights run the stages (the stages path)
     return_cache = bool(options.get("return_cache", False))
-    with tf.GradientTape() as tape:
-        tape.watch(list(given.values()))
-        result = layer(given["query"], given.get("key"), given.get("value"), return_weights=return_weights,
-                       return_cache=return_cache, **kwargs)
-        out = result[0] if (return_weights or return_cache) else result  # the gradient is the output's
-    answer = split_result(result, return_weights, return_cache, _numpy)
     d_out = np.asarray(d_output)
-    if d_out.shape != tuple(out.shape):
-        raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")
+
+    def call(inputs_now, fn=layer):  # fn: the layer, or a stateless form of it (jax)
+        return fn(inputs_now["query"], inputs_now.get("key"), inputs_now.get("value"),
+                  return_weights=return_weights, return_cache=return_cache,
+                  **kwargs, **{n: inputs_now[n] for n in ("past_key", "past_value") if n in inputs_now})
+
+    result, found = _GRADIENTS[BACKEND](layer, call, given, list(variables.values()), d_out)
+    answer = split_result(result, return_weights, return_cache, _numpy)
+    dtype = answer["output"].dtype
     sources = [*given.values(), *variables.values()]
-    found = tape.gradient(out, sources, output_gradients=ops.cast(d_out, out.dtype))
-    dtype = out.dtype
     shapes = config.tensor_shapes()
     grads = {}
     for name, source, g in zip([*given, *variables], sources, found):
-        g = ops.zeros_like(source) if g is None else g  # an input the call does not read (a latent layer's value)
-        g = _numpy(ops.cast(g, dtype))
+        g = np.zeros(tuple(source.shape), dtype) if g is None else _numpy(g).astype(dtype)  # None: not read (a
+        # latent layer's value)
         grads[name] = g.reshape(shapes[name]) if name in shapes else g  # Dense layout -> canonical shape
     return answer, grads
+
+
+# -- gradients, through each backend's own autodiff ---------------------------------------------
+# Each: (layer, call(inputs[, fn]) -> the layer's result, inputs {name: tensor}, variables [keras.Variable],
+# d_out ndarray (B, T, O)) -> (result, [gradient or None per input, then per variable]).
+
+def _output(result):
+    return result[0] if isinstance(result, (tuple, list)) else result  # the gradient is the output's
+
+
+def _check_cotangent(out, d_out):
+    if d_out.shape != tuple(out.shape):
+        raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")
+
+
+def _tensorflow_gradients(layer, call, given, variables, d_out):
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        tape.watch(list(given.values()))
+        result = call(given)
+        out = _output(result)
+    _check_cotangent(out, d_out)
+    found = tape.gradient(out, [*given.values(), *variables], output_gradients=ops.cast(d_out, out.dtype))
+    return result, found
+
+
+def _jax_stateless(layer, trainable_values):
+    """The layer as a pure function of its trainable variables' values (stateless_call, as Keras's own jax
+    trainer calls a layer), for jax.jit and jax.vjp. The conformance calls run it compiled, one program per
+    call: eagerly, JAX compiles every op for every new shape, and the grid's cases ran about 5x the CPU
+    time (measured: ten cases in four dtypes, 110 s eagerly against 22 s compiled; impl_jax's own programs
+    14 s)."""
+    other_values = [v.value for v in layer.non_trainable_variables]
+
+    def stateless(*args, **kwargs):
+        return layer.stateless_call(trainable_values, other_values, *args, **kwargs)[0]
+
+    return stateless
+
+
+def _jax_gradients(layer, call, given, variables, d_out):
+    """jax.vjp of the layer's stateless_call over the inputs and its trainable variables' values, compiled as
+    one program (jax.jit) with the output's cotangent."""
+    trainable = layer.trainable_variables
+    index = {id(v): i for i, v in enumerate(trainable)}
+
+    def run(inputs_now, trainable_values):
+        result = call(inputs_now, _jax_stateless(layer, trainable_values))
+        return _output(result), result
+
+    def both(inputs_now, trainable_values, cotangent):
+        out, pullback, result = jax.vjp(run, inputs_now, trainable_values, has_aux=True)
+        return result, pullback(cotangent.astype(out.dtype))
+
+    query = given["query"]
+    _check_cotangent(jax.ShapeDtypeStruct((*query.shape[:2], layer.config.out_dim), query.dtype), d_out)
+    result, (d_inputs, d_trainable) = jax.jit(both)(given, [v.value for v in trainable],
+                                                    jax.numpy.asarray(d_out.astype(np.float32)
+                                                                      if d_out.dtype.name == "bfloat16" else d_out))
+    return result, [*(d_inputs[n] for n in given), *(d_trainable[index[id(v)]] for v in variables)]
+
+
+def _torch_gradients(layer, call, given, variables, d_out):
+    """torch.autograd.grad of the output over the inputs (leaf tensors that require grad) and the
+    variables' torch parameters."""
+    import torch
+
+    given = {n: x.detach().requires_grad_(True) for n, x in given.items()}
+    result = call(given)
+    out = _output(result)
+    _check_cotangent(out, d_out)
+    sources = [*given.values(), *(v.value for v in variables)]
+    found = torch.autograd.grad(out, sources, grad_outputs=ops.cast(to_tensor(d_out), out.dtype),
+                                allow_unused=True)
+    return result, list(found)
+
+
+_GRADIENTS = {"tensorflow": _tensorflow_gradients, "jax": _jax_gradients, "torch": _torch_gradients}

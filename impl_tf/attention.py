@@ -15,7 +15,7 @@ local chunks, the output gate, latent attention):
   softmax [+ sinks] -> dropout -> attend as one computation on the heads that
   `qkv_heads` made (project, [clip], [norm], split, [rope], [temperature],
   [cache]), the output gate after it: the scale folded
-  into q, TensorFlow's own softmax kernel (a sink-aware one where sinks are
+  into q, the backend's own softmax kernel (a sink-aware one where sinks are
   on), masks and masked rows handled with as few passes over the (B, N, T,
   S) scores as the call allows; compiled by XLA from XLA_MIN_SCORES scores;
 - `chunk_size=` (chunked.py): impl_numpy's chunked mode, exact attention with
@@ -51,7 +51,7 @@ from weights.call import record
 from weights.contract import Plan, check_chunk_size
 
 from . import functional as F
-from ._keras import keras, tf
+from ._keras import BACKEND, TENSORFLOW, keras
 from .call import (  # noqa: F401 - re-exported: attention.py was their home, and tests and callers read them here
     Call,
     check_inputs,
@@ -59,11 +59,20 @@ from .call import (  # noqa: F401 - re-exported: attention.py was their home, an
     past_key_buffers,
     prepare,
 )
-from .chunked import chunked_attention
 from .fused import fused_attention, may_have_empty_rows  # noqa: F401 - may_have_empty_rows re-exported
 from .heads import expand_latent, latent_heads, qkv_heads, write_cache  # noqa: F401 - write_cache re-exported
 
+if TENSORFLOW:
+    from .chunked import chunked_attention
+
 ops = keras.ops
+
+# Why the chunked path (chunk_size=) is TensorFlow's alone, in the words a NotImplementedError carries.
+CHUNKED_UNSUPPORTED = (
+    f"chunk_size (the chunked path) needs Keras's TensorFlow backend (keras runs on {BACKEND}): its loop over "
+    "key blocks is a tf.while_loop over XLA's dynamic slices, which keras.ops has no form of (impl_jax's "
+    "and impl_torch's chunked paths are their own mirrors'); call without chunk_size"
+)
 
 
 # -- the path ---------------------------------------------------------------------
@@ -73,8 +82,11 @@ def plan(*, return_weights: bool, traced: bool, chunk_size: int | None) -> Plan:
     chunked path when chunk_size is given, the stages when the weights or the
     trace are asked for, fused_attention otherwise, in every storage dtype
     (it computes in the compute dtype throughout, where the stages round each
-    result to the storage dtype)."""
+    result to the storage dtype). The chunked path exists on TensorFlow alone (NotImplementedError elsewhere:
+    CHUNKED_UNSUPPORTED)."""
     if chunk_size is not None:
+        if not TENSORFLOW:
+            raise NotImplementedError(CHUNKED_UNSUPPORTED)
         return Plan("chunked", f"chunk_size={chunk_size}")
     if return_weights or traced:
         return Plan("stages", "the weights or the trace are asked for")
@@ -86,7 +98,7 @@ def _over_capacity(x, S_total: int, C: int, fill):
     x (..., 1) (broadcast over the keys) or None unchanged."""
     if x is None or x.shape[-1] == 1 or C == S_total:
         return x
-    return tf.pad(x, [[0, 0]] * (len(x.shape) - 1) + [[0, C - S_total]], constant_values=fill)
+    return ops.pad(x, [[0, 0]] * (len(x.shape) - 1) + [[0, C - S_total]], constant_values=fill)
 
 
 # -- the fused path: fused.py's core, eagerly or through XLA ------------------
@@ -97,10 +109,17 @@ def _over_capacity(x, S_total: int, C: int, fill):
 # elementwise op over (B, N, T, S) writes a fresh array, one page fault per 4
 # KiB once it passes glibc's 32 MiB mmap threshold. XLA fuses those passes.
 # Smaller calls (the conformance grid) stay eager: compiling would cost more
-# than it saves. The first call of a shape pays the compile.
+# than it saves. The first call of a shape pays the compile. TensorFlow only:
+# on jax and torch the fused core runs as Keras runs it (eagerly; inside a
+# caller's jax.jit, or a Keras model compiled with jit_compile, compiled whole).
 XLA_MIN_SCORES = 2**18
 
-_fused_attention_xla = tf.function(fused_attention, jit_compile=True, autograph=False)
+if TENSORFLOW:
+    from .tf_only import xla
+
+    _fused_attention_xla = xla(fused_attention)
+else:
+    _fused_attention_xla = None
 
 
 def _attention(q, k, v, **options):
@@ -108,7 +127,7 @@ def _attention(q, k, v, **options):
     B, N, T = q.shape[:3]
     sizes = [part.shape[2] for part in (k if isinstance(k, tuple) else (k,))]
     S = None if None in sizes else sum(sizes)
-    if None not in (N, T, S) and (B or 1) * N * T * S >= XLA_MIN_SCORES:
+    if _fused_attention_xla is not None and None not in (N, T, S) and (B or 1) * N * T * S >= XLA_MIN_SCORES:
         return _fused_attention_xla(q, k, v, **options)
     return fused_attention(q, k, v, **options)
 
@@ -153,7 +172,7 @@ def absorbed_heads(config: AttentionConfig, call: Call, *, append: bool = True):
     q, latent, rotary = latent_heads(config, call, append=append)  # (B, N, T, H), (B, 1, S|S_total, C), (.., R)
     q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim)  # (B, N, T, C + R)
     if not append:  # in place: the buffers, written, read whole
-        latent, rotary = tf.convert_to_tensor(call.past_key), tf.convert_to_tensor(call.past_value)
+        latent, rotary = ops.convert_to_tensor(call.past_key), ops.convert_to_tensor(call.past_value)
     return q, ops.concatenate([latent, rotary], axis=-1), latent, (latent, rotary)
 
 
@@ -180,12 +199,12 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
         q, keys, values, _ = absorbed_heads(config, call, append=False)
     else:  # writes the new keys and values at P .. P+S-1
         q, _, _ = qkv_heads(config, call, append=False)
-        keys, values = tf.convert_to_tensor(call.past_key), tf.convert_to_tensor(call.past_value)
+        keys, values = ops.convert_to_tensor(call.past_key), ops.convert_to_tensor(call.past_value)
     S_total, C = call.S_total, call.past_key.shape[2]
     # one bottom-right query (a decode step) sees every key: no causal mask to build
     decode_step = causal_alignment == "bottom_right" and isinstance(call.T, int) and call.T == 1
     allowed = call.allowed(config, is_causal and not decode_step, causal_alignment)  # over S_total keys, or None
-    valid = (tf.range(C) < S_total)[None, None, None]  # (1, 1, 1, C)
+    valid = (ops.arange(C) < S_total)[None, None, None]  # (1, 1, 1, C)
     allowed = valid if allowed is None else ops.logical_and(_over_capacity(allowed, S_total, C, False), valid)
     options = {name: value for name, value in _modern_core_options(config, call).items()
                if name in ("softcap", "sinks", "alibi_slopes", "alibi_rounding")}  # windows, chunks and segments are in `allowed`
@@ -196,7 +215,7 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
         q, keys, values, mask4=allowed,
         bias=_over_capacity(call.bias4, S_total, C, 0.0), keep=_over_capacity(call.keep, S_total, C, False),
         is_causal=False, causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
-        masked_row=config.masked_row, key_length=tf.constant(S_total, tf.int32), **options,
+        masked_row=config.masked_row, key_length=ops.convert_to_tensor(S_total, "int32"), **options,
     )  # (B, N, T, V), or the attended latent (B, N, T, C)
     ctx = gated(config, call, expanded(config, call, ctx))
     return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)

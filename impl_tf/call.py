@@ -21,18 +21,17 @@ from weights.contract import (
     check_call,
     check_position_values,
     check_topk_values,
-    in_place_buffer_error,
 )
 from weights.rope import attention_factor, inverse_frequencies, rope_tables
 
 from . import functional as F
-from ._keras import keras, tf
+from ._keras import BACKEND, TENSORFLOW, keras
+from .backend import check_dtype, is_symbolic, to_tensor
 
 ops = keras.ops
 
 
-def _is_symbolic(x) -> bool:
-    return keras.backend.is_keras_tensor(x) or (tf.is_tensor(x) and not tf.executing_eagerly())
+_is_symbolic = is_symbolic
 
 
 def _static_shape(x) -> tuple[int, ...]:
@@ -118,7 +117,7 @@ def check_inputs(config: AttentionConfig, dtype: str, query, key=None, value=Non
 
 
 def _tensor(x):
-    return None if x is None else ops.convert_to_tensor(x)
+    return None if x is None else to_tensor(x)
 
 
 @dataclasses.dataclass
@@ -169,7 +168,7 @@ class Call:
     def rope_tables(self, config: AttentionConfig):
         """(inv_freq (R/2,), attention_factor) of this call: weights.rope.rope_tables, where LongRoPE picks its
         table by the call's largest position (its queries' and new keys'). Eagerly that position is read to
-        the host (LongRoPE only); in a graph (tf.function, XLA) the table is selected by tf.where on
+        the host (LongRoPE only); in a graph (tf.function, XLA, jax.jit) the table is selected by a where on
         max position + 1 > original_max_position_embeddings, nothing read to Python."""
         rope = config.rope
         scaling = rope.scaling
@@ -180,10 +179,10 @@ class Call:
             values = [np.asarray(ops.convert_to_numpy(x)) for x in given]
             largest = [int(x.max()) for x in values if x.size]
             return rope_tables(rope, max(largest) if largest else None)
-        largest = tf.reduce_max(tf.stack([tf.reduce_max(tf.cast(x, tf.int64)) for x in given]))
+        largest = ops.max(ops.stack([ops.max(ops.cast(x, "int64")) for x in given]))
         long = largest + 1 > scaling.original_max_position_embeddings
-        inv_freq = tf.where(long, tf.constant(inverse_frequencies(rope, long=True), tf.float64),
-                            tf.constant(inverse_frequencies(rope, long=False), tf.float64))  # (R/2,)
+        inv_freq = ops.where(long, ops.convert_to_tensor(inverse_frequencies(rope, long=True), "float64"),
+                             ops.convert_to_tensor(inverse_frequencies(rope, long=False), "float64"))  # (R/2,)
         return inv_freq, attention_factor(rope)
 
     def alibi_bias(self, config: AttentionConfig):
@@ -204,16 +203,18 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     """Validate a call and cast everything to the storage dtype (an in-place
     cache's buffers excepted: they are the caller's variables, kept as given)."""
     stored = check_tensors(config, tensors)
-    dtype = stored if dtype is None else dtype_from_name(dtype).name
+    dtype = check_dtype(stored if dtype is None else dtype_from_name(dtype).name)
     training = bool(training)
-    query = ops.convert_to_tensor(query)
+    query = to_tensor(query)
     keys_given = key is not None or value is not None  # else self-attention: the keys are the queries
-    key = query if key is None else ops.convert_to_tensor(key)
-    value = key if value is None else ops.convert_to_tensor(value)
+    key = query if key is None else to_tensor(key)
+    value = key if value is None else to_tensor(value)
     # An in-place cache's variables are checked by their shape and dtype, never read here: a read tensor
     # alive while the call writes a buffer would make that write copy the buffer whole
+    if cache_length is not None and not TENSORFLOW:
+        raise NotImplementedError(IN_PLACE_UNSUPPORTED)
     buffers = ("past_key", "past_value") if cache_length is not None else ()
-    given = {name: x if name in buffers and isinstance(x, tf.Variable) else _tensor(x) for name, x in (
+    given = {name: x if name in buffers and _is_variable(x) else _tensor(x) for name, x in (
         ("mask", mask), ("bias", bias), ("dropout_mask", dropout_mask), ("positions", positions),
         ("key_positions", key_positions), ("past_key", past_key), ("past_value", past_value),
         ("segment_ids", segment_ids), ("key_segment_ids", key_segment_ids),
@@ -266,26 +267,29 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     )
 
 
-def _could_record() -> bool:
-    """Whether a GradientTape may record this call (TensorFlow's own test, private: False where it is gone)."""
-    try:
-        from tensorflow.python.eager import record
-    except ImportError:
+# Why the in-place cache (cache_length=) is TensorFlow's alone: the new keys are written into the caller's
+# tf.Variables where they lie, by XLA (tf_only.write_cache).
+IN_PLACE_UNSUPPORTED = (
+    f"cache_length (an in-place cache) needs Keras's TensorFlow backend (keras runs on {BACKEND}): the keys are "
+    "written into the caller's tf.Variables by XLA; on jax an array cannot be written in place (a "
+    "keras.Variable.assign replaces it whole), and the torch form is not written; pass past_key/past_value "
+    "without cache_length (the cache appended)"
+)
+
+
+def _is_variable(x) -> bool:
+    if not TENSORFLOW:
         return False
-    return record.could_possibly_record()
+    from .tf_only import is_variable
+
+    return is_variable(x)
 
 
 def past_key_buffers(past_key, past_value, dtype: str):
     """The buffers of an in-place cache (cache_length=), as given: tf.Variables
-    of the storage dtype (a tensor cannot be written; a cast would write a
-    copy the caller never sees). Refused under a recording GradientTape: no
-    gradient passes through a write into a variable."""
-    for name, buffer in (("past_key", past_key), ("past_value", past_value)):
-        if not isinstance(buffer, tf.Variable) or F.dtype_name(buffer) != dtype:
-            what = (f"dtype {F.dtype_name(buffer)}" if isinstance(buffer, tf.Variable) else
-                    f"a {type(buffer).__name__}")
-            raise in_place_buffer_error(name, f"be a tf.Variable of the storage dtype {dtype}", what)
-    if _could_record():
-        raise ValueError("cache_length writes past_key/past_value in place, which no gradient passes through: "
-                         "got a call under a recording GradientTape (an in-place cache is for inference)")
-    return past_key, past_value
+    of the storage dtype (tf_only.past_key_buffers: TensorFlow only)."""
+    if not TENSORFLOW:
+        raise NotImplementedError(IN_PLACE_UNSUPPORTED)
+    from .tf_only import past_key_buffers as buffers
+
+    return buffers(past_key, past_value, dtype, F.dtype_name)

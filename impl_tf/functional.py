@@ -1,9 +1,10 @@
 """Multi-head attention in keras.ops, one function per stage: mirrors impl_numpy/functional.py.
 
 Same stage functions, same names, same einsum strings, same order as the
-NumPy spec; every op is a keras.ops (or tf) call, run on the TensorFlow
-backend (impl_tf insists on it). A disagreement with the spec therefore
-names a stage.
+NumPy spec; every op is a keras.ops call (or one of backend.py's few
+primitives, TensorFlow's own ops on TensorFlow), so the stages run on Keras's
+tensorflow, jax and torch backends alike. A disagreement with the spec
+therefore names a stage.
 
 Shape letters (impl_numpy's):
   B batch             T query length        S key/value length
@@ -28,9 +29,9 @@ dtype; its arithmetic (matmul accumulation, exp and sums) runs in
 `compute_dtype`, float32 for float16/bfloat16 inputs, the dtype itself
 otherwise.
 
-Differences of form, all for TensorFlow's autodiff to give the spec's
-hand-written gradients (impl_numpy/backward.py); the forward values are the
-same:
+Differences of form, all for each backend's autodiff (tf.GradientTape,
+jax.vjp, torch.autograd) to give the spec's hand-written gradients
+(impl_numpy/backward.py); the forward values are the same:
 - softmax subtracts a stop_gradient row max (softmax does not depend on it;
   with sinks the sink's gradient flows through its own exp term);
 - masked_row="nan" multiplies a fully masked row by NaN instead of filling
@@ -39,9 +40,8 @@ same:
   passes none of it to the logits, as the spec's backward zeroes every -inf
   position.
 
-The stages' contractions run through tf.einsum with the spec's strings:
-keras.ops.einsum rewrites "BLD,DF->BLF" into a broadcasting 3-D matmul that
-TensorFlow runs about 1.3x slower than the einsum it came from.
+The stages' contractions run through backend.einsum with the spec's strings
+(tf.einsum on TensorFlow: tf_only.py says why).
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ import numpy as np
 
 from weights.call import ATTEND, LOGITS, OUTPUT, PROJECT
 
-from ._keras import keras, tf
+from . import backend as bk
+from ._keras import keras
+from .backend import constant, einsum, same_dtype
 from .masks import causal_mask, chunk_mask, segment_mask, window_mask
 
 ops = keras.ops
@@ -72,14 +74,14 @@ def compute_dtype(dtype) -> str:
 def _cast(x, dtype: str):
     """ops.cast, without its dispatch when x is a tensor of that dtype already
     (most casts of a float32 or float64 call: about 30 us each, eagerly)."""
-    if tf.is_tensor(x) and x.dtype == dtype:
+    if same_dtype(x, dtype):
         return x
     return ops.cast(x, dtype)
 
 
 def _einsum(subscripts: str, a, b, dtype):
     ct = compute_dtype(dtype)
-    return _cast(tf.einsum(subscripts, _cast(a, ct), _cast(b, ct)), dtype)
+    return _cast(einsum(subscripts, _cast(a, ct), _cast(b, ct)), dtype)
 
 
 # -- stages --------------------------------------------------------------------
@@ -98,8 +100,8 @@ def clip(x, c: float):
     """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias), in
     the storage dtype as the spec's (exact: the bound rounds once, as NumPy's). Autodiff of the clamp passes
     the gradient where |x| <= c, bounds included, as the spec's backward."""
-    bound = tf.constant(c, x.dtype)
-    return tf.clip_by_value(x, -bound, bound)
+    bound = constant(c, dtype_name(x))
+    return ops.where(x > bound, bound, ops.where(x < -bound, -bound, x))  # a select: the gradient where |x| <= c
 
 
 def norm(x, scale, bias, kind: str, eps: float, heads: int, scope: str):
@@ -122,8 +124,8 @@ def norm(x, scale, bias, kind: str, eps: float, heads: int, scope: str):
         return ops.reshape(_cast(t, ct), (-1,)) if scope == "all" else _cast(t, ct)
 
     if kind == "layer":
-        y = y - ops.mean(y, axis=-1, keepdims=True)
-    y = y / ops.sqrt(ops.mean(y * y, axis=-1, keepdims=True) + tf.constant(eps, ct))
+        y = y - bk.mean(y, axis=-1, keepdims=True)
+    y = y / ops.sqrt(bk.mean(y * y, axis=-1, keepdims=True) + constant(eps, ct))
     if scale is not None:
         y = y * per_feature(scale)
     if bias is not None:
@@ -161,9 +163,9 @@ def rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float)
     (YaRN; 1 otherwise); features past rotary_dim pass through."""
     ct = compute_dtype(x.dtype)
     R = rotary_dim
-    factor = tf.constant(attention_factor, ct)
-    cos = ops.cos(angles) * factor  # (B|1, 1, L, R/2)
-    sin = ops.sin(angles) * factor
+    factor = constant(attention_factor, ct)
+    cos = bk.cos(angles) * factor  # (B|1, 1, L, R/2)
+    sin = bk.sin(angles) * factor
     xr = _cast(x[..., :R], ct)
     x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., : R // 2], xr[..., R // 2:])
     y1 = x1 * cos - x2 * sin  # (B, heads, L, R/2)
@@ -188,8 +190,8 @@ def rope_last(x, angles, rotary_dim: int, interleaved: bool, attention_factor: f
 def join_keys(k_nope, k_rope):
     """KEY.JOIN (latent): each head's key features from the latent, k_nope (B, K, S, H - R), then the rotary
     key every head shares, k_rope (B, 1, S, R) -> (B, K, S, H)."""
-    shape = tf.concat([tf.shape(k_nope)[:3], tf.shape(k_rope)[3:]], axis=0)
-    return ops.concatenate([k_nope, tf.broadcast_to(k_rope, shape)], axis=-1)
+    B, K, S = ops.shape(k_nope)[:3]
+    return ops.concatenate([k_nope, ops.broadcast_to(k_rope, (B, K, S, k_rope.shape[3]))], axis=-1)
 
 
 def absorb_query(q, key_kernel, rope_dim: int):
@@ -201,7 +203,7 @@ def absorb_query(q, key_kernel, rope_dim: int):
     C, K = key_kernel.shape[0], key_kernel.shape[1]
     ct = compute_dtype(q.dtype)
     q_nope = ops.reshape(_cast(q[..., : H - rope_dim], ct), (B, K, N // K, T, H - rope_dim))
-    q_latent = ops.reshape(tf.einsum("bkgth,ckh->bkgtc", q_nope, _cast(key_kernel, ct)), (B, N, T, C))
+    q_latent = ops.reshape(einsum("bkgth,ckh->bkgtc", q_nope, _cast(key_kernel, ct)), (B, N, T, C))
     return ops.concatenate([_cast(q_latent, q.dtype), q[..., H - rope_dim:]], axis=-1)
 
 
@@ -212,7 +214,7 @@ def expand_values(ctx_latent, value_kernel):
     K, V = value_kernel.shape[1], value_kernel.shape[2]
     ct = compute_dtype(ctx_latent.dtype)
     grouped = ops.reshape(_cast(ctx_latent, ct), (B, K, N // K, T, C))
-    return _cast(ops.reshape(tf.einsum("bkgtc,ckv->bkgtv", grouped, _cast(value_kernel, ct)), (B, N, T, V)),
+    return _cast(ops.reshape(einsum("bkgtc,ckv->bkgtv", grouped, _cast(value_kernel, ct)), (B, N, T, V)),
                  ctx_latent.dtype)
 
 
@@ -222,8 +224,8 @@ def temperature_factor(positions, beta: float, floor: float, offset: int, dtype)
     quotient is taken in float64 (positions are integers: exact), the log in
     compute dtype, as the spec's."""
     ct = compute_dtype(dtype)
-    steps = tf.floor((_cast(positions, "float64") + offset) / tf.constant(floor, tf.float64))  # (B|1, T)
-    return (1 + tf.constant(beta, ct) * tf.math.log1p(_cast(steps, ct)))[:, None, :, None]
+    steps = bk.floor((_cast(positions, "float64") + offset) / constant(floor, "float64"))  # (B|1, T)
+    return (1 + constant(beta, ct) * ops.log1p(_cast(steps, ct)))[:, None, :, None]
 
 
 def temperature(q, factor):
@@ -238,7 +240,7 @@ def logits(q, k, scale: float):
     K, S = k.shape[1], ops.shape(k)[2]
     qg = ops.reshape(q, (B, K, N // K, T, H))  # (B, K, G, T, H)
     ct = compute_dtype(q.dtype)
-    scores = tf.einsum(LOGITS, _cast(qg, ct), _cast(k, ct))  # (B, K, G, T, S)
+    scores = einsum(LOGITS, _cast(qg, ct), _cast(k, ct))  # (B, K, G, T, S)
     return _cast(ops.reshape(scores * scale, (B, N, T, S)), q.dtype)  # (B, N, T, S)
 
 
@@ -246,8 +248,8 @@ def softcap(x, cap: float):
     """cap * tanh(logits / cap), after the scale and before mask and bias, so a
     masked position stays -inf (Gemma 2's attn_logit_softcapping, ONNX's softcap)."""
     ct = compute_dtype(x.dtype)
-    c = tf.constant(cap, ct)
-    return _cast(ops.tanh(_cast(x, ct) / c) * c, x.dtype)
+    c = constant(cap, ct)
+    return _cast(bk.tanh(_cast(x, ct) / c) * c, x.dtype)
 
 
 def alibi_bias(slopes, positions, key_positions, dtype, rounding=None):
@@ -285,7 +287,7 @@ def mask(x, allowed, bias):
     if bias is not None:
         ct = compute_dtype(x.dtype)
         x = _cast(_cast(x, ct) + bias, x.dtype)
-        finite = bias > tf.constant(-math.inf, ct)  # (B|1, N|1, T|1, S|1)
+        finite = bias > constant(-math.inf, ct)  # (B|1, N|1, T|1, S|1)
         allowed = finite if allowed is None else ops.logical_and(allowed, finite)
     if allowed is not None:
         x = ops.where(allowed, x, _cast(-math.inf, x.dtype))
@@ -304,7 +306,7 @@ def softmax(x, masked_row: str, sinks=None):
     row_max = ops.max(xc, axis=-1, keepdims=True)  # (B, N, T, 1)
     sink = None if sinks is None else ops.reshape(_cast(sinks, ct), (1, -1, 1, 1))  # (1, N, 1, 1)
     if sink is not None:
-        row_max = ops.maximum(row_max, sink)
+        row_max = bk.maximum(row_max, sink)
     row_max = ops.stop_gradient(row_max)
     empty = ops.equal(row_max, -math.inf)
     shift = ops.where(empty, ops.zeros_like(row_max), row_max)
@@ -348,7 +350,7 @@ def gate(ctx, gate_logits, num_heads: int):
     ct = compute_dtype(ctx.dtype)
     B, T = ops.shape(gate_logits)[0], ops.shape(gate_logits)[1]
     g = ops.reshape(_cast(gate_logits, ct), (B, T, num_heads, -1))  # (B, T, N, V|1)
-    g = tf.sigmoid(ops.transpose(g, (0, 2, 1, 3)))  # (B, N, T, V|1)
+    g = ops.sigmoid(ops.transpose(g, (0, 2, 1, 3)))  # (B, N, T, V|1)
     return _cast(_cast(ctx, ct) * g, ctx.dtype)
 
 
@@ -424,12 +426,13 @@ def all_key_positions(key_positions, P, past_key_positions=None):
         return key_positions
     key_positions = _cast(key_positions, "int64")
     if past_key_positions is None:
-        cached = tf.broadcast_to(tf.range(P, dtype=tf.int64)[None], (tf.shape(key_positions)[0], P))  # (B|1, P)
+        cached = ops.broadcast_to(ops.arange(P, dtype="int64")[None], (ops.shape(key_positions)[0], P))  # (B|1, P)
         return ops.concatenate([cached, key_positions], axis=1)  # (B|1, P+S)
     cached = _cast(past_key_positions, "int64")  # (B|1, P)
-    B = tf.maximum(tf.shape(cached)[0], tf.shape(key_positions)[0])
-    return ops.concatenate([tf.broadcast_to(cached, (B, tf.shape(cached)[1])),
-                            tf.broadcast_to(key_positions, (B, tf.shape(key_positions)[1]))], axis=1)  # (B, P+S)
+    B1, B2 = ops.shape(cached)[0], ops.shape(key_positions)[0]
+    B = max(B1, B2) if isinstance(B1, int) and isinstance(B2, int) else bk.maximum(B1, B2)
+    return ops.concatenate([ops.broadcast_to(cached, (B, ops.shape(cached)[1])),
+                            ops.broadcast_to(key_positions, (B, ops.shape(key_positions)[1]))], axis=1)  # (B, P+S)
 
 
 def temperature_positions(positions, source: str, P, T):
@@ -443,7 +446,7 @@ def default_positions(positions, P, L):
     """(B|1, L) int: the given positions ((L,) or (B, L)), or P + arange(L)
     (the cache's length P offsets new tokens). P and L may be traced scalars."""
     if positions is None:
-        return (tf.range(L, dtype=tf.int64) + tf.cast(P, tf.int64))[None]  # (1, L)
+        return (ops.arange(L, dtype="int64") + ops.cast(P, "int64"))[None]  # (1, L)
     positions = ops.convert_to_tensor(positions)
     return positions[None] if len(positions.shape) == 1 else positions  # (B|1, L)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from . import functional as F
-from ._keras import keras, tf
+from ._keras import keras
+from .backend import constant, matmul, matmul_nt, maximum, softmax, tanh, where
 
 ops = keras.ops
 
@@ -41,7 +42,7 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     Equal to the stages within the tolerance policy (the arithmetic runs in the
     compute dtype throughout; the stages round each result to the storage
     dtype). The differences of form: the scale multiplies q (T*H values, not
-    T*S); TensorFlow's softmax kernel (with sinks, the softmax written out:
+    T*S); the backend's softmax kernel (keras.ops.softmax; with sinks, the softmax written out:
     max, exp and sum with the sink's term); a position whose bias is -inf is
     folded into the allowed mask, so that, as in the spec, no masked position
     passes a gradient; and a fully masked row (every allowed flag False) is
@@ -77,18 +78,18 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
         S = S + ops.shape(part)[2]
     # LOGITS and ATTEND as matmuls on the grouped (B, K, G*T, .) queries, as impl_numpy computes
     # them: XLA runs these 1.3-1.7x faster than the 5-D einsum's dot.
-    qg = ops.reshape(F._cast(q, ct) * tf.constant(scale, ct), (B, K, (N // K) * T, H))  # (B, K, G*T, H)
+    qg = ops.reshape(F._cast(q, ct) * constant(scale, ct), (B, K, (N // K) * T, H))  # (B, K, G*T, H)
     if key_length is not None:
         # an in-place cache (one part, T small beside S): the keys as the matmul's left operand, (S, H) x
         # (H, G*T), then the small (S, G*T) result transposed; XLA's CPU dot ran the (G*T, H) x (H, S)
         # form 2.5-3.5x slower on a (1, 8, 65537, 128) cache (measured: 228 ms against 62-96 ms)
-        x = [tf.transpose(tf.matmul(F._cast(ks[0], ct), qg, transpose_b=True), (0, 1, 3, 2))]  # (B, K, G*T, S)
+        x = [ops.transpose(matmul_nt(F._cast(ks[0], ct), qg), (0, 1, 3, 2))]  # (B, K, G*T, S)
     else:
-        x = [tf.matmul(qg, F._cast(part, ct), transpose_b=True) for part in ks]  # (B, K, G*T, S_part) each
+        x = [matmul_nt(qg, F._cast(part, ct)) for part in ks]  # (B, K, G*T, S_part) each
     x = ops.reshape(x[0] if len(x) == 1 else ops.concatenate(x, axis=-1), (B, N, T, S))  # (B, N, T, S), scaled
     if softcap is not None:  # before mask and bias, as the spec's stage
-        cap = tf.constant(softcap, ct)
-        x = tf.tanh(x / cap) * cap
+        cap = constant(softcap, ct)
+        x = tanh(x / cap) * cap
     if alibi_slopes is not None:  # after the softcap, before mask and bias, as the spec's stage
         x = x + F.alibi_bias(alibi_slopes, positions, key_positions, dtype, alibi_rounding)
     allowed = F.allowed_mask(mask4, T, S, is_causal, causal_alignment, window_left=window_left,
@@ -96,39 +97,39 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
                              local_chunk=local_chunk, positions=positions, key_positions=key_positions)
     if bias is not None:
         x = x + bias
-        finite = bias > tf.constant(-math.inf, ct)  # (B|1, N|1, T|1, S|1)
+        finite = bias > constant(-math.inf, ct)  # (B|1, N|1, T|1, S|1)
         allowed = finite if allowed is None else ops.logical_and(allowed, finite)
     if allowed is not None:
-        x = tf.where(allowed, x, tf.constant(-math.inf, ct))
+        x = where(allowed, x, constant(-math.inf, ct))
     if sinks is None:
-        w = tf.nn.softmax(x, axis=-1)  # (B, N, T, S); a row with no allowed key is NaN here
+        w = softmax(x)  # (B, N, T, S); a row with no allowed key is NaN here
         if may_have_empty_rows(mask4, bias, is_causal, causal_alignment, T, S,
                                windowed=window_left >= 0 or window_right >= 0, segments=segment_ids is not None,
                                chunks=local_chunk is not None):
             empty = ops.logical_not(ops.any(allowed, axis=-1, keepdims=True))  # (B|1, N|1, T|1, 1), on the mask
             fill = {"zero": 0.0, "uniform": 1.0, "nan": math.nan}[masked_row]
             if masked_row != "uniform":
-                fill = tf.constant(fill, ct)
+                fill = constant(fill, ct)
             elif key_length is None:
-                fill = tf.constant(fill, ct) / tf.cast(S, ct)
+                fill = constant(fill, ct) / ops.cast(S, ct)
             else:  # over the keys that count; 0 on the hidden ones
-                fill = tf.where(tf.range(S) < key_length, tf.constant(fill, ct) / tf.cast(key_length, ct),
-                                tf.constant(0.0, ct))
-            w = tf.where(empty, fill, w)
+                fill = where(ops.arange(S) < key_length, constant(fill, ct) / ops.cast(key_length, ct),
+                             constant(0.0, ct))
+            w = where(empty, fill, w)
     else:
         sink = ops.reshape(F._cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
-        shift = tf.stop_gradient(ops.maximum(ops.max(x, axis=-1, keepdims=True), sink))  # finite: the sink is
+        shift = ops.stop_gradient(maximum(ops.max(x, axis=-1, keepdims=True), sink))  # finite: the sink is
         e = ops.exp(x - shift)  # (B, N, T, S); masked -> exactly 0
         w = e / (ops.sum(e, axis=-1, keepdims=True) + ops.exp(sink - shift))
     if keep is not None:
-        w = tf.where(keep, w / tf.constant(1.0 - rate, ct), tf.constant(0.0, ct))
+        w = where(keep, w / constant(1.0 - rate, ct), constant(0.0, ct))
     wg = ops.reshape(w, (B, K, (N // K) * T, S))  # (B, K, G*T, S)
     if len(vs) == 1:
-        ctx = tf.matmul(wg, F._cast(vs[0], ct))  # (B, K, G*T, V)
+        ctx = matmul(wg, F._cast(vs[0], ct))  # (B, K, G*T, V)
     else:  # each part's weights times its values
         ctx, s0 = None, 0
         for part in vs:
             s1 = s0 + ops.shape(part)[2]
-            term = tf.matmul(wg[..., s0:s1], F._cast(part, ct))  # (B, K, G*T, V)
+            term = matmul(wg[..., s0:s1], F._cast(part, ct))  # (B, K, G*T, V)
             ctx, s0 = term if ctx is None else ctx + term, s1
     return F._cast(ops.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)

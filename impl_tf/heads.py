@@ -3,7 +3,8 @@
 temperature] -> [cache] (qkv_heads, mirroring impl_numpy/heads.py), a
 latent layer's (latent_heads, expand_latent: impl_numpy/latent.py), and the
 write of the new keys into an in-place cache's tf.Variables (write_cache,
-compiled by XLA). The call's tensors come in as call.prepare's Call.
+compiled by XLA: tf_only.py, TensorFlow only). The call's tensors come in as
+call.prepare's Call.
 """
 
 from __future__ import annotations
@@ -11,23 +12,17 @@ from __future__ import annotations
 from weights import AttentionConfig
 
 from . import functional as F
-from ._keras import keras, tf
-from .call import Call
+from ._keras import TENSORFLOW, keras
+from .call import IN_PLACE_UNSUPPORTED, Call
 
 ops = keras.ops
 
 
-@tf.function(jit_compile=True, autograph=False)
-def write_cache(past_key, past_value, k, v, start):
-    """past_key[:, :, start:start+S] = k, past_value's = v, in place. Compiled
-    by XLA, eagerly too: XLA updates a variable's buffer where it lies (about
-    0.5 ms for a (1, 8, 65537, 128) float32 buffer), while TensorFlow's own
-    sliced assign copies the buffer whole and leaves the variable copying it
-    on every later read (about 150 ms each, measured). start is a tensor, so
-    that one compilation serves every step."""
-    S = k.shape[2]
-    past_key[:, :, start:start + S].assign(k)
-    past_value[:, :, start:start + S].assign(v)
+if TENSORFLOW:
+    from .tf_only import write_cache
+else:
+    def write_cache(past_key, past_value, k, v, start):
+        raise NotImplementedError(IN_PLACE_UNSUPPORTED)
 
 
 def _keep(stage, value):
@@ -88,11 +83,11 @@ def _cached(call: Call, k, v, append: bool):
     append=False)."""
     if call.cache_length is not None:  # in place: the new keys written after the P cached ones
         P = call.cache_length
-        write_cache(call.past_key, call.past_value, k, v, tf.constant(P, tf.int32))
+        write_cache(call.past_key, call.past_value, k, v, ops.convert_to_tensor(P, "int32"))
         if not append:
             return k, v
         n = P + k.shape[2]  # read back after the write (one copy of P+S positions: the stages and chunked paths)
-        return tf.convert_to_tensor(call.past_key)[:, :, :n], tf.convert_to_tensor(call.past_value)[:, :, :n]
+        return ops.convert_to_tensor(call.past_key)[:, :, :n], ops.convert_to_tensor(call.past_value)[:, :, :n]
     if call.past_key is not None and append:  # the cache holds keys after norm and rope (as HF and ONNX store it)
         k = ops.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H)
         v = ops.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)

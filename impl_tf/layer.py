@@ -26,7 +26,6 @@ and every stage's result in that dtype, arithmetic in float32 for 16-bit).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import numpy as np
@@ -37,7 +36,8 @@ from weights.alibi import bloom_slopes
 from weights.contract import cache_widths, check_chunk_size
 
 from . import attention
-from ._keras import keras, tf
+from ._keras import keras
+from .backend import GPU_MISSING, check_dtype, gpus, matmul_precision, placement, to_tensor
 
 ops = keras.ops
 
@@ -46,15 +46,13 @@ PRECISIONS = ("highest", "tf32")
 
 
 def check_device(device: str | None) -> str | None:
-    """None (TensorFlow's own placement: a GPU when there is one), "cpu" or "gpu"."""
+    """None (the backend's own placement: a GPU when there is one), "cpu" or "gpu"."""
     if device is None:
         return None
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}: got {device!r}")
-    if device == "gpu" and not tf.config.list_physical_devices("GPU"):
-        raise ValueError(
-            "device gpu requested but TensorFlow sees no GPU (tf.config.list_physical_devices('GPU') is empty)"
-        )
+    if device == "gpu" and not gpus():
+        raise ValueError(f"device gpu requested but {GPU_MISSING}")
     return device
 
 
@@ -62,31 +60,6 @@ def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}: got {precision!r}")
     return precision
-
-
-@contextlib.contextmanager
-def placement(device: str | None):
-    """Run (and create variables) on a TensorFlow device: /CPU:0 or /GPU:0."""
-    if device is None:
-        yield
-        return
-    with tf.device("/GPU:0" if device == "gpu" else "/CPU:0"):
-        yield
-
-
-@contextlib.contextmanager
-def matmul_precision(precision: str):
-    """TF32 matmuls off ("highest") or on ("tf32") for the block, restored after.
-
-    TensorFlow enables TF32 by default on Ampere and later GPUs; it only
-    matters there. Inside tf.function this takes effect while tracing.
-    """
-    before = tf.config.experimental.tensor_float_32_execution_enabled()
-    tf.config.experimental.enable_tensor_float_32_execution(precision == "tf32")
-    try:
-        yield
-    finally:
-        tf.config.experimental.enable_tensor_float_32_execution(before)
 
 
 def _initializer(name: str, num_heads: int):
@@ -117,8 +90,13 @@ class MultiHeadAttention(keras.layers.Layer):
     array; not with return_weights); None: the layer's.
 
     config: an AttentionConfig (or its dict, as get_config stores it).
-    device: None (TensorFlow's placement), "cpu" or "gpu".
+    device: None (the backend's placement), "cpu" or "gpu".
     precision: "highest" (TF32 off during the call) or "tf32".
+
+    It runs on Keras's tensorflow, jax and torch backends (the one keras was
+    imported on); the chunked path (chunk_size) and the in-place cache
+    (cache_length) on TensorFlow alone (NotImplementedError elsewhere, with
+    the reason); float64 on jax needs JAX's x64 mode.
     seed: if given, training without dropout_mask or a call seed draws its
       keep-mask from a keras.random.SeedGenerator(seed) (what model.fit
       needs); if None, such a call is refused as the contract says.
@@ -150,7 +128,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "dtype must be one policy for variables and arithmetic (float16, bfloat16, float32 or float64; "
                 f"the layer casts 16-bit to float32 itself): got {policy.name}"
             )
-        weights.dtype_from_name(policy.variable_dtype, argument="dtype")
+        check_dtype(weights.dtype_from_name(policy.variable_dtype, argument="dtype").name)
         self.config = config
         self.device = check_device(device)
         self.precision = check_precision(precision)
@@ -223,7 +201,7 @@ class MultiHeadAttention(keras.layers.Layer):
         dtype = weights.dtype_from_name(self.dtype_policy.variable_dtype)
         for name, variable in self.canonical_variables().items():
             # canonical -> Dense layout: (D, N, H) -> (D, N*H), (N, H) -> (N*H,), (N, V, O) -> (N*V, O)
-            variable.assign(np.asarray(tensors[name]).astype(dtype).reshape(tuple(variable.shape)))
+            variable.assign(to_tensor(np.asarray(tensors[name]).astype(dtype).reshape(tuple(variable.shape))))
 
     def to_tensors(self) -> dict[str, np.ndarray]:
         """The canonical tensors as NumPy arrays in the layer's dtype (bfloat16:

@@ -10,7 +10,8 @@ import numpy as np
 
 from weights.contract import CAUSAL_ALIGNMENTS
 
-from ._keras import keras, tf
+from ._keras import keras
+from .backend import is_symbolic
 
 ops = keras.ops
 
@@ -45,8 +46,8 @@ def chunk_mask(positions, key_positions, chunk: int):
     """(B|1, 1, T, S) bool: key j visible to query i iff floor(pos_q(i) / chunk) == floor(pos_k(j) / chunk):
     absolute chunks of `chunk` positions (Llama 4's chunked local attention, attention_chunk_size).
     positions (B|1, T), key_positions (B|1, S): integers, divided with floor as NumPy's //."""
-    q_chunk = tf.math.floordiv(ops.convert_to_tensor(positions), chunk)  # (B|1, T)
-    k_chunk = tf.math.floordiv(ops.convert_to_tensor(key_positions), chunk)  # (B|1, S)
+    q_chunk = ops.floor_divide(ops.convert_to_tensor(positions), chunk)  # (B|1, T)
+    k_chunk = ops.floor_divide(ops.convert_to_tensor(key_positions), chunk)  # (B|1, S)
     return ops.equal(q_chunk[:, :, None], ops.cast(k_chunk, q_chunk.dtype)[:, None, :])[:, None]  # (B|1, 1, T, S)
 
 
@@ -62,12 +63,12 @@ def segment_mask(segment_ids, key_segment_ids):
 
 def padding_mask(lengths, S: int):
     """(B, 1, 1, S) bool: key j of batch b is visible iff j < lengths[b]."""
-    if not tf.is_tensor(lengths):
+    if not ops.is_tensor(lengths):
         lengths = np.asarray(lengths)  # NumPy's reading of lists, as the reference
     dtype = keras.backend.standardize_dtype(lengths.dtype)
     if len(lengths.shape) != 1 or not dtype.startswith(("int", "uint")):
         raise ValueError(f"lengths must be a 1-D integer array: got dtype {dtype} shape {tuple(lengths.shape)}")
-    if not tf.is_tensor(lengths) or tf.executing_eagerly():
+    if not is_symbolic(lengths):
         values = np.asarray(ops.convert_to_numpy(lengths))
         if (values < 0).any() or (values > S).any():
             raise ValueError(f"lengths must lie in [0, S={S}]: got {values.tolist()}")

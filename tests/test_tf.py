@@ -589,11 +589,15 @@ def test_import_selects_tensorflow_backend():
 # It needs jax as well as TensorFlow (keras started on the jax backend): marked jax too, so that tox's `all`
 # env (every framework; it deselects a test marked with one framework only) runs it; the tf env has no jax.
 @pytest.mark.jax
-def test_import_refuses_another_backend():
+def test_import_picks_the_backend_keras_runs_on():
+    """Keras already on jax: impl_tf runs there (tests/test_keras_backends.py judges it); a backend impl_tf
+    has no form for (Keras's numpy backend, no autodiff) is refused with the reason."""
     pytest.importorskip("jax", reason="needs jax to start keras on another backend")
-    done = _import_in_subprocess("jax", "import keras; import impl_tf")
-    want = ("ImportError: impl_tf needs Keras on the TensorFlow backend, but keras is running on 'jax' "
-            "(keras was imported before impl_tf); set KERAS_BACKEND=tensorflow before keras is first imported")
+    done = _import_in_subprocess("jax", "import keras; import impl_tf; print(impl_tf._keras.BACKEND)")
+    assert done.returncode == 0 and done.stdout.split()[-1] == "jax", f"rc {done.returncode}: {done.stderr[-700:]!r}"
+    done = _import_in_subprocess("numpy", "import impl_tf")
+    want = ("ImportError: impl_tf runs on Keras's tensorflow, jax, torch backends, but keras is running on 'numpy' "
+            "(KERAS_BACKEND='numpy'); set KERAS_BACKEND before keras is first imported")
     assert done.returncode != 0 and want in done.stderr, f"rc {done.returncode}, stderr tail {done.stderr[-700:]!r}"
 
 

@@ -30,8 +30,9 @@ conformance.suite.pytest_plugin.assert_conforms. Per vector the adapter
    them (else reported "not returned"), and the gradients of
    sum(output * cotangent) by the framework's autodiff: query, key, value
    and every parameter, mapped back to canonical names through the layout's
-   to_canonical (Keras: TensorFlow backend only; other Keras backends are
-   verified forward only).
+   to_canonical (Keras: on the backend Keras runs on, tf.GradientTape,
+   jax.vjp with the variables' values through keras.StatelessScope, or
+   torch.autograd; float64 on jax needs JAX's x64 mode, else unsupported).
 
 What the module is not declared to take makes the vector "unsupported"
 (NotImplementedError with the reason), never a silent pass: an input
@@ -272,30 +273,36 @@ def keras_layer(factory, layout: str = "keras-mha", call=None, *, accepts=(), se
         plan = _Plan("keras_layer", layout, config, inputs, options, accepts, self_attention)
         with _keras_dtype_policy(plan.dtype.name):
             layer = factory(plan.config)
-        tensor = keras.ops.convert_to_tensor
-        arrays = {n: tensor(v) for n, v in inputs.items()}
+        from impl_tf.backend import X64_MESSAGE, to_tensor  # NumPy bfloat16 on torch too
+
+        backend = keras.backend.backend()
+        if backend == "jax" and plan.dtype.name == "float64":
+            import jax
+
+            if not jax.config.jax_enable_x64:
+                raise NotImplementedError(f"float64: {X64_MESSAGE}")
+        arrays = {n: to_tensor(v) for n, v in inputs.items()}
         if not layer.built:  # Keras builds a layer on its first call
             call(layer, _call_inputs(plan, arrays), options)
         variables = native._mha_variables(layer) if layout == "keras-mha" else native._attribute_variables(layer)
         state = plan.state(tensors, hints)
         plan.check_parameters(state, {k: tuple(v.shape) for k, v in variables.items()})
         for key, value in state.items():
-            variables[key].assign(value.astype(variables[key].dtype))
-        if plan.cotangent is None or keras.backend.backend() != "tensorflow":
+            variables[key].assign(to_tensor(value.astype(variables[key].dtype)))
+        if plan.cotangent is None:
             output, weights = _split(call(layer, _call_inputs(plan, arrays), options))
             return plan.answer(keras.ops.convert_to_numpy(output), _numpy_or_none(weights), None, None, hints)
-        import tensorflow as tf
-
-        watched = [arrays[n] for n in (("query",) if self_attention else QKV)]
-        with tf.GradientTape() as tape:
-            tape.watch(watched)
-            output, weights = _split(call(layer, _call_inputs(plan, arrays), options))
+        watched_names = ("query",) if self_attention else QKV
         names = list(variables)
-        got = tape.gradient(output, watched + [variables[k].value for k in names],
-                            output_gradients=tf.convert_to_tensor(plan.cotangent))
-        got_qkv, got_params = got[:len(watched)], got[len(watched):]
-        grads_qkv = {n: None if g is None else g.numpy() for n, g in zip(QKV, got_qkv)}
-        grads_params = {k: g.numpy() if g is not None else np.zeros(tuple(variables[k].shape), plan.dtype)
+
+        def run(watched):
+            return _split(call(layer, _call_inputs(plan, {**arrays, **dict(zip(watched_names, watched))}), options))
+
+        output, weights, got = _KERAS_GRADIENTS[backend](run, [arrays[n] for n in watched_names],
+                                                         [variables[k] for k in names], plan.cotangent)
+        got_qkv, got_params = got[:len(watched_names)], got[len(watched_names):]
+        grads_qkv = {n: None if g is None else _numpy_or_none(g) for n, g in zip(QKV, got_qkv)}
+        grads_params = {k: _numpy_or_none(g) if g is not None else np.zeros(tuple(variables[k].shape), plan.dtype)
                         for k, g in zip(names, got_params)}
         return plan.answer(keras.ops.convert_to_numpy(output), _numpy_or_none(weights), grads_qkv, grads_params,
                            hints)
@@ -309,6 +316,55 @@ def _numpy_or_none(x):
     import keras
 
     return keras.ops.convert_to_numpy(x)
+
+
+# The gradients of sum(output * cotangent) by each Keras backend's own autodiff: run(watched) -> (output,
+# weights); -> (output, weights, [d watched..., d variable...]) (None: not read).
+
+def _keras_tensorflow_gradients(run, watched, variables, cotangent):
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        tape.watch(watched)
+        output, weights = run(watched)
+    got = tape.gradient(output, watched + [v.value for v in variables],
+                        output_gradients=tf.cast(tf.convert_to_tensor(cotangent), output.dtype))
+    return output, weights, got
+
+
+def _keras_torch_gradients(run, watched, variables, cotangent):
+    import keras
+    import torch
+
+    from impl_tf.backend import to_tensor
+
+    watched = [w.detach().requires_grad_(True) for w in watched]
+    output, weights = run(watched)
+    got = torch.autograd.grad(output, watched + [v.value for v in variables],
+                              grad_outputs=keras.ops.cast(to_tensor(cotangent), output.dtype), allow_unused=True)
+    return output, weights, list(got)
+
+
+def _keras_jax_gradients(run, watched, variables, cotangent):
+    """jax.vjp over the inputs and the variables' values, read through keras.StatelessScope (how Keras's
+    stateless_call runs a layer on values it is given)."""
+    import jax
+    import keras
+
+    def pure(watched_now, values):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            output, weights = run(watched_now)
+        return output, weights
+
+    output, pullback, weights = jax.vjp(pure, watched, [v.value for v in variables], has_aux=True)
+    d_watched, d_values = pullback(jax.numpy.asarray(np.asarray(cotangent, np.float32)
+                                                     if cotangent.dtype.name == "bfloat16" else cotangent,
+                                                     output.dtype))
+    return output, weights, [*d_watched, *d_values]
+
+
+_KERAS_GRADIENTS = {"tensorflow": _keras_tensorflow_gradients, "torch": _keras_torch_gradients,
+                    "jax": _keras_jax_gradients}
 
 
 # -- Flax NNX -------------------------------------------------------------------------------

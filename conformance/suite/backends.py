@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from types import ModuleType
 
 from conformance.console import BackendUnavailable
 from conformance.logs import quiet_python_loggers
 
 DEVICES = ("cpu", "gpu")
-CORE = ("numpy", "torch", "tf", "jax", "mlx")
+CORE = ("numpy", "torch", "tf", "keras-jax", "keras-torch", "jax", "mlx")
 NATIVE = ("torch-native-mha", "torch-sdpa", "torch-flex", "keras-native-mha", "flax-linen-mha", "flax-nnx-mha",
           "jax-dpa", "onnxruntime", "keras-hub", "torchtune")
 
@@ -34,6 +36,9 @@ class Backend:
     adapter: str  # module path of the adapter
     framework: str  # what a user installs to get it
     description: str
+    # The Keras backend the adapter needs (KERAS_BACKEND), for a Keras one; Keras fixes its backend when it is
+    # first imported, so a process runs one: `mha check` runs those other than TensorFlow in workers of their own
+    keras_backend: str | None = None
 
 
 REGISTRY: dict[str, Backend] = {
@@ -41,7 +46,12 @@ REGISTRY: dict[str, Backend] = {
     for b in (
         Backend("numpy", "impl_numpy.adapter", "numpy", "the NumPy reference (impl_numpy)"),
         Backend("torch", "impl_torch.adapter", "torch", "impl_torch, PyTorch"),
-        Backend("tf", "impl_tf.adapter", "tensorflow + keras", "impl_tf, Keras split_heads layer on TensorFlow"),
+        Backend("tf", "impl_tf.adapter", "tensorflow + keras", "impl_tf, Keras split_heads layer on TensorFlow",
+                "tensorflow"),
+        Backend("keras-jax", "impl_tf.adapter", "jax + keras", "impl_tf, the same Keras layer on Keras's jax backend",
+                "jax"),
+        Backend("keras-torch", "impl_tf.adapter", "torch + keras",
+                "impl_tf, the same Keras layer on Keras's torch backend", "torch"),
         Backend("jax", "impl_jax.adapter", "jax + flax", "impl_jax, JAX / Flax NNX"),
         Backend("mlx", "impl_mlx.adapter", MLX_INSTALL, "impl_mlx, MLX (mlx.nn.Module)"),
         # The frameworks' own layers, run on the canonical weights (interop).
@@ -51,7 +61,7 @@ REGISTRY: dict[str, Backend] = {
         Backend("torch-flex", "conformance.native.torch_flex", "torch",
                 "flex_attention (eager) around our projections, RoPE, QK-norm and cache"),
         Backend("keras-native-mha", "conformance.native.keras_native_mha", "tensorflow + keras",
-                "keras.layers.MultiHeadAttention"),
+                "keras.layers.MultiHeadAttention", "tensorflow"),
         Backend("flax-linen-mha", "conformance.native.flax_linen_mha", "jax + flax",
                 "flax.linen.MultiHeadDotProductAttention"),
         Backend("flax-nnx-mha", "conformance.native.flax_nnx_mha", "jax + flax", "flax.nnx.MultiHeadAttention"),
@@ -75,9 +85,31 @@ def get(backend_id: str) -> Backend:
         raise ValueError(f"backend must be one of {', '.join(REGISTRY)}: got {backend_id!r}") from None
 
 
+def own_process(backend_id: str) -> bool:
+    """Whether the backend runs Keras on another backend than TensorFlow: a process (a worker) of its own."""
+    return get(backend_id).keras_backend not in (None, "tensorflow")
+
+
+def _check_keras_backend(backend: Backend) -> None:
+    """Keras on the backend's Keras backend in this process, or BackendUnavailable saying why not. Keras not yet
+    imported: KERAS_BACKEND is set here for it (a worker of the backend's own, or a user's process)."""
+    wanted = backend.keras_backend
+    keras = sys.modules.get("keras")
+    if keras is None:
+        os.environ["KERAS_BACKEND"] = wanted
+        return
+    running = keras.backend.backend()
+    if running != wanted:
+        raise BackendUnavailable(
+            f"backend {backend.id}: Keras runs on {running} in this process and fixes its backend when first "
+            f"imported; {backend.id} needs a process of its own with KERAS_BACKEND={wanted} (mha check starts one)")
+
+
 def load(backend_id: str) -> ModuleType:
     """Import a backend's adapter; BackendUnavailable says why it can't be."""
     backend = get(backend_id)
+    if backend.keras_backend is not None:
+        _check_keras_backend(backend)
     try:
         module = importlib.import_module(backend.adapter)
     except ModuleNotFoundError as err:

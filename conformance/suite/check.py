@@ -44,6 +44,12 @@ CORE_BACKENDS = backends.CORE
 PATH_KINDS = ("stages", "fast", "chunked", "in_place")
 DEFAULT_PATH_KINDS = ("stages", "fast", "in_place")
 
+# Without --dtypes, keras-jax runs float32 alone: each of its calls is one compiled program (Keras's layer
+# traced through stateless_call, jax.vjp and jax.jit: about 0.25 s of CPU a call, cold; eagerly, JAX compiled
+# every op for every shape, 5x that): float32 over the default grid 28 s of CPU cold (17 s warm), the four
+# dtypes 111 s cold (2-core EPYC VM, 2026-11-29), over `mha check`'s budget. --dtypes runs each dtype given.
+DEFAULT_BACKEND_DTYPES = {"keras-jax": ("float32",)}
+
 
 def paths_of(adapter, kinds) -> list[str]:
     """The adapter's paths of these kinds, in its own order; [DEFAULT_PATH] for a backend with one path."""
@@ -166,7 +172,7 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
 
 # Slowest first, so the parallel run is not left waiting on a late long chunk
 # (JAX compiles one program per case and dtype).
-_COST_ORDER = {"jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "tf": 2, "keras-native-mha": 2}
+_COST_ORDER = {"keras-jax": -1, "keras-torch": -1, "jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "tf": 2, "keras-native-mha": 2}
 
 
 # Each worker's frameworks on one compute thread where the workers are as many as the cores: the grid's
@@ -192,6 +198,12 @@ def _start_worker() -> None:
     gc.set_threshold(*WORKER_GC_THRESHOLDS)
 
 
+def _start_keras_worker(keras_backend: str) -> None:
+    """A worker of a Keras backend's own (backends.own_process): KERAS_BACKEND set before keras is imported."""
+    _start_worker()
+    os.environ["KERAS_BACKEND"] = keras_backend
+
+
 @contextlib.contextmanager
 def _one_thread_per_worker(jobs: int):
     """ONE_THREAD in the environment the workers start with, when jobs >= the cores; restored after."""
@@ -207,15 +219,19 @@ def _one_thread_per_worker(jobs: int):
 
 def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
               gradients=True, console=None, progress=True, jobs=None, compile_cache=None, xla_full_opt=False,
-              path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None, skip=None):
+              path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None, skip=None, backend_dtypes=None):
     """Every (backend, device, dtype) chunk of cases. jobs > 1 runs chunks in
     that many worker processes (each imports its own frameworks); the
-    results are the same objects either way. compile_cache: a directory for
+    results are the same objects either way. A backend that runs Keras on
+    jax or torch (keras-jax, keras-torch: backends.own_process) runs in one
+    worker of its own whatever jobs says, since Keras fixes its backend at
+    import and the other workers' Keras runs on TensorFlow. compile_cache: a directory for
     JAX's persistent compilation cache (None: compile everything afresh).
     xla_full_opt: compile impl_jax's CPU programs with XLA's default options
     instead of impl_jax.adapter.FAST_CPU_COMPILE. path_kinds: which of each
     core backend's paths (PATH_KINDS). probes: a dict to fill with the
-    workers' environment.framework_probes (left empty when jobs is 1). skip: (case, dtype) pairs not to run."""
+    workers' environment.framework_probes (left empty when jobs is 1). skip: (case, dtype) pairs not to run.
+    backend_dtypes: {backend: dtypes} runs those backends in those of `dtypes` alone (DEFAULT_BACKEND_DTYPES)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -227,11 +243,14 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
         return [name for name in names if (name, dtype) not in skip]
     # The workers start and import the frameworks themselves, and tell this process which backends
     # and devices are here (_warm): the main process imports no framework (TensorFlow alone takes 4 s).
-    jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), len(backend_ids) * len(dtypes)))
+    own = [b for b in backend_ids if backends.own_process(b)]  # Keras on jax / torch: a worker each
+    shared = [b for b in backend_ids if b not in own]
+    jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), max(1, len(shared)) * len(dtypes)))
     results: list[CaseResult] = []
     with contextlib.ExitStack() as stack:
         pool = None
-        if jobs > 1:
+        own_pools: dict = {}
+        if jobs > 1 or own:
             import concurrent.futures
             import multiprocessing
 
@@ -239,32 +258,49 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
             # JAX takes 75% of a GPU's memory when it starts (its default preallocation); the workers share
             # one GPU, so each allocates as it goes instead (read by the workers' JAX when it starts).
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-            stack.enter_context(_one_thread_per_worker(jobs))
-            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker))
-            warming = [pool.submit(_warm, list(backend_ids)) for _ in range(jobs)]  # one per idle worker, as a rule
+            stack.enter_context(_one_thread_per_worker(jobs + len(own)))
+            spawn = multiprocessing.get_context("spawn")
+            if jobs > 1 and shared:
+                pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                    jobs, mp_context=spawn, initializer=_start_worker))
+            for backend_id in own:
+                own_pools[backend_id] = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                    1, mp_context=spawn, initializer=_start_keras_worker,
+                    initargs=(backends.get(backend_id).keras_backend,)))
+            warming = [own_pools[b].submit(_warm, [b]) for b in own]
+            if pool is not None:
+                warming += [pool.submit(_warm, list(shared)) for _ in range(jobs)]  # one per idle worker, as a rule
             found = {}
             for future in warming:
                 answer, probed = future.result()
                 found.update(answer)
                 if probes is not None:
                     probes.update(probed)
-            pairs, skipped = _plan_from(backend_ids, devices, found)
+            pairs, skipped = _plan_from(own if pool is None else backend_ids, devices, found)
+            if pool is None:  # jobs 1: the shared backends in this process
+                shared_pairs, shared_skipped = plan(shared, devices, console)
+                pairs, skipped = shared_pairs + pairs, shared_skipped + skipped
         else:
             pairs, skipped = plan(backend_ids, devices, console)
-        chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes), key=lambda c: _COST_ORDER.get(c[0], 3))
+        backend_dtypes = backend_dtypes or {}
+        chunks = sorted(((b, d, t) for b, d, _ in pairs for t in dtypes if t in backend_dtypes.get(b, dtypes)),
+                        key=lambda c: _COST_ORDER.get(c[0], 3))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not progress, transient=True) as bar:
             task = bar.add_task("mha check", total=sum(len(names_for(t)) for _, _, t in chunks))
-            if pool is None:
-                for backend_id, device, dtype in chunks:
-                    bar.update(task, description=f"{backend_id}/{device}/{dtype}")
-                    results += _run_chunk(backend_id, device, dtype, names_for(dtype), precision, gradients,
-                                          compile_cache, xla_full_opt, path_kinds)
-                    bar.advance(task, len(names_for(dtype)))
-            else:  # slowest chunks first: the two workers share JAX's, then the rest
-                futures = {pool.submit(_run_chunk, b, d, t, names_for(t), precision, gradients, compile_cache,
-                                       xla_full_opt, path_kinds): t for b, d, t in chunks}
+            # slowest chunks first: the two workers share JAX's, then the rest; a Keras backend's own worker
+            # runs its chunks in turn
+            futures = {(own_pools.get(b) or pool).submit(
+                _run_chunk, b, d, t, names_for(t), precision, gradients, compile_cache, xla_full_opt, path_kinds): t
+                for b, d, t in chunks if own_pools.get(b) or pool}
+            for backend_id, device, dtype in chunks:
+                if own_pools.get(backend_id) or pool:
+                    continue
+                bar.update(task, description=f"{backend_id}/{device}/{dtype}")
+                results += _run_chunk(backend_id, device, dtype, names_for(dtype), precision, gradients,
+                                      compile_cache, xla_full_opt, path_kinds)
+                bar.advance(task, len(names_for(dtype)))
+            if futures:
                 for future in concurrent.futures.as_completed(futures):
                     results += future.result()
                     bar.advance(task, len(names_for(futures[future])))
@@ -288,7 +324,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("check", help="the main job: do the backends agree with the reference?")
     p.add_argument("--backends", nargs="+", default=["core"], choices=["core", "native", "all", *backends.REGISTRY],
                    metavar="BACKEND",
-                   help="ids, or groups: core (numpy torch tf jax mlx, the default), native (the frameworks' own layers: "
+                   help="ids, or groups: core (numpy torch tf keras-jax keras-torch jax mlx, the default), native (the frameworks' own layers: "
                         + ", ".join(backends.NATIVE) + "), all; missing frameworks are reported, not fatal")
     p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
                    help="default: every device present for each backend")
@@ -381,7 +417,7 @@ def run(args) -> int:
                                      compile_cache=None if args.no_compile_cache else default_compile_cache(),
                                      xla_full_opt=args.xla_full_opt,
                                      path_kinds=PATH_KINDS if "all" in kinds else tuple(kinds),
-                                     probes=probes)
+                                     probes=probes, backend_dtypes=None if args.dtypes else DEFAULT_BACKEND_DTYPES)
     if not results:
         reasons = "; ".join(reason for _, _, reason in skipped) or "nothing selected"
         raise ValueError(f"nothing to run: {reasons}")

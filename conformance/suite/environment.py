@@ -29,6 +29,8 @@ PACKAGES = ("numpy", "torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "m
 # Backend id prefix -> the framework whose devices and precision flags it depends on.
 FRAMEWORK_OF = {"torch": "torch", "tf": "tensorflow", "keras": "tensorflow", "jax": "jax", "flax": "jax",
                 "onnx": "onnxruntime", "ort": "onnxruntime", "mlx": "mlx"}
+# Whole backend ids whose framework their prefix does not say: Keras on jax and on torch.
+FRAMEWORK_OF_BACKEND = {"keras-jax": "jax", "keras-torch": "torch"}
 
 
 # --------------------------------------------------------------------------- environment
@@ -64,7 +66,9 @@ def _frameworks_in_use(backends_used: Iterable[str]) -> list[str]:
     wanted = []
     for backend_id in backends_used:
         prefix = re.split(r"[_\-.]", str(backend_id), maxsplit=1)[0]
-        if prefix in FRAMEWORK_OF:
+        if backend_id in FRAMEWORK_OF_BACKEND:
+            wanted.append(FRAMEWORK_OF_BACKEND[backend_id])
+        elif prefix in FRAMEWORK_OF:
             wanted.append(FRAMEWORK_OF[prefix])
     wanted += [name for name in ("torch", "tensorflow", "jax") if sys.modules.get(name) is not None]
     return list(dict.fromkeys(wanted))

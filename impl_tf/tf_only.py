@@ -1,0 +1,119 @@
+"""What only TensorFlow has, for impl_tf on Keras's TensorFlow backend (imported there alone).
+
+- The primitives backend.py hands the stages on TensorFlow: tf.einsum (keras.ops.einsum rewrites
+  "BLD,DF->BLF" into a broadcasting 3-D matmul that TensorFlow runs about 1.3x slower than the einsum it
+  came from), tf.matmul (transpose_b=True folded in), tf.where and tf.constant (keras.ops' forms resolve dtypes and
+  convert their operands on every call: tens of microseconds each, eagerly, on the conformance grid's
+  tiny calls).
+- The in-place cache: its tf.Variables checked (in_place_buffers) and written by XLA (write_cache).
+- XLA: the fused core compiled (xla), for large score arrays (attention.XLA_MIN_SCORES).
+- Devices and TF32 (placement, matmul_precision, gpus).
+The chunked path (tf.while_loop over key blocks, xla.dynamic_slice) is chunked.py, TensorFlow-only too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from weights.contract import in_place_buffer_error
+
+from ._keras import keras
+
+einsum = tf.einsum
+matmul = tf.matmul
+where = tf.where
+constant = tf.constant
+
+
+def softmax(x):
+    return tf.nn.softmax(x, axis=-1)
+
+
+def matmul_nt(a, b):
+    return tf.matmul(a, b, transpose_b=True)
+
+
+def same_dtype(x, dtype) -> bool:
+    return tf.is_tensor(x) and x.dtype == dtype
+
+
+def is_symbolic(x) -> bool:
+    return keras.backend.is_keras_tensor(x) or (tf.is_tensor(x) and not tf.executing_eagerly())
+
+
+def xla(function):
+    """function compiled by XLA (tf.function(jit_compile=True)), eagerly too."""
+    return tf.function(function, jit_compile=True, autograph=False)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def write_cache(past_key, past_value, k, v, start):
+    """past_key[:, :, start:start+S] = k, past_value's = v, in place. Compiled
+    by XLA, eagerly too: XLA updates a variable's buffer where it lies (about
+    0.5 ms for a (1, 8, 65537, 128) float32 buffer), while TensorFlow's own
+    sliced assign copies the buffer whole and leaves the variable copying it
+    on every later read (about 150 ms each, measured). start is a tensor, so
+    that one compilation serves every step."""
+    S = k.shape[2]
+    past_key[:, :, start:start + S].assign(k)
+    past_value[:, :, start:start + S].assign(v)
+
+
+def _could_record() -> bool:
+    """Whether a GradientTape may record this call (TensorFlow's own test, private: False where it is gone)."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:
+        return False
+    return record.could_possibly_record()
+
+
+def is_variable(x) -> bool:
+    return isinstance(x, tf.Variable)
+
+
+def past_key_buffers(past_key, past_value, dtype: str, dtype_name):
+    """The buffers of an in-place cache (cache_length=), as given: tf.Variables
+    of the storage dtype (a tensor cannot be written; a cast would write a
+    copy the caller never sees). Refused under a recording GradientTape: no
+    gradient passes through a write into a variable."""
+    for name, buffer in (("past_key", past_key), ("past_value", past_value)):
+        if not isinstance(buffer, tf.Variable) or dtype_name(buffer) != dtype:
+            what = (f"dtype {dtype_name(buffer)}" if isinstance(buffer, tf.Variable) else
+                    f"a {type(buffer).__name__}")
+            raise in_place_buffer_error(name, f"be a tf.Variable of the storage dtype {dtype}", what)
+    if _could_record():
+        raise ValueError("cache_length writes past_key/past_value in place, which no gradient passes through: "
+                         "got a call under a recording GradientTape (an in-place cache is for inference)")
+    return past_key, past_value
+
+
+def gpus() -> bool:
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+@contextlib.contextmanager
+def placement(device: str | None):
+    """Run (and create variables) on a TensorFlow device: /CPU:0 or /GPU:0."""
+    if device is None:
+        yield
+        return
+    with tf.device("/GPU:0" if device == "gpu" else "/CPU:0"):
+        yield
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """TF32 matmuls off ("highest") or on ("tf32") for the block, restored after.
+
+    TensorFlow enables TF32 by default on Ampere and later GPUs; it only
+    matters there. Inside tf.function this takes effect while tracing.
+    """
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(precision == "tf32")
+    try:
+        yield
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(before)

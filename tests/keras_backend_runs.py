@@ -1,0 +1,156 @@
+"""Run in a process of its own with KERAS_BACKEND set (tests/test_keras_backends.py starts it): impl_tf's
+Keras layer on that backend, judged by run_case on a few cases, with and without planted bugs, and its
+.keras round trip.
+
+    python tests/keras_backend_runs.py BACKEND_ID judge MUTANT[,MUTANT...] CASE[:DTYPE[:PATH]] ...
+    python tests/keras_backend_runs.py BACKEND_ID round_trip DIR
+    python tests/keras_backend_runs.py BACKEND_ID verify
+
+judge prints one JSON line, {mutant: [[case, dtype, path, status, message], ...]} (MUTANT: names joined by
+commas, each planted alone and undone after); "none" runs the layer as it is, the others (_plant) are porting bugs a Keras-on-jax or Keras-on-torch port makes, planted in that
+backend's run alone, that the keras-jax and keras-torch columns must catch. round_trip saves the layer and a
+functional Model holding it as .keras files in DIR, loads them, and prints what it compared.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def _plant(mutant: str) -> list:
+    """Plant the bug; returns what undoes it ([(module, name, value before)])."""
+    from impl_tf import attention, backend, fused, masks
+    from impl_tf import functional as F
+
+    ops = backend.ops
+    undo = []
+
+    def put(module, name, value):
+        undo.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    def primitives(**changed):  # backend.py's primitives, some replaced by their keras.ops forms
+        return type("bk", (), {**{n: getattr(backend, n) for n in backend.__all__}, **changed})
+
+    if mutant == "fused_scale":  # the fast path's scale 10% off, the stages untouched (the other backends' plant)
+        original = attention._attention
+        put(attention, "_attention", lambda q, k, v, scale, **kw: original(q, k, v, scale=scale * 1.1, **kw))
+    elif mutant == "keras_matmul":  # the fused core's matmuls as keras.ops.matmul (float64 in float32 on torch)
+        put(fused, "matmul", ops.matmul)
+        put(fused, "matmul_nt", lambda a, b: ops.matmul(a, ops.swapaxes(b, -1, -2)))
+    elif mutant == "keras_trig":  # RoPE's cos and sin as keras.ops' (float64 in float32 on jax)
+        put(F, "bk", primitives(cos=ops.cos, sin=ops.sin))
+    elif mutant == "keras_mean":  # the norms' mean as keras.ops.mean (float64 in float32 on jax and torch)
+        put(F, "bk", primitives(mean=ops.mean))
+    elif mutant == "causal_top_left_only":  # the causal mask aligned top-left whatever the call asks
+        original_mask = masks.causal_mask
+        put(F, "causal_mask", lambda T, S, alignment="top_left": original_mask(T, S, "top_left"))
+    elif mutant != "none":
+        raise SystemExit(f"unknown mutant {mutant!r}")
+    return undo
+
+
+def judge(backend_id: str, mutant: str, specs: list[str]) -> list:
+    """[[case, dtype, path, status, message], ...] of the specs (CASE[:DTYPE[:PATH]]) with the mutant planted,
+    then undone."""
+    from conformance.suite import backends
+    from conformance.suite.cases import ALL_CASES
+    from conformance.suite.compare import run_case
+
+    adapter = backends.load(backend_id)
+    undo = _plant(mutant)
+    rows = []
+    try:
+        for spec in specs:
+            name, dtype, path = (spec.split(":") + ["float32", "stages"][spec.count(":"):])[:3]
+            result = run_case(ALL_CASES[name], backend_id, dtype=dtype, adapter=adapter, path=path)
+            rows.append([name, dtype, path, None if result is None else result.status,
+                         None if result is None else result.message])
+    finally:
+        for module, name, value in reversed(undo):
+            setattr(module, name, value)
+    return rows
+
+
+def round_trip(backend_id: str, folder: str) -> dict:
+    """The layer (bfloat16: the storage dtype Keras's torch backend converts by hand) and a float32 Model
+    holding it, saved and loaded as .keras files: the loaded weights equal byte for byte, the loaded layer's
+    outputs equal to the saved one's (the same computation, same process), the Model's predict within the
+    float32 tolerance of the float64 reference."""
+    from conformance.suite import backends
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import expected_for
+    from impl_tf import MultiHeadAttention, keras
+
+    backends.load(backend_id)  # x64 on jax, as the adapter sets it
+    seen = {}
+    case = CASES["mask_and_bias_causal"]
+    exp = expected_for(case, "bfloat16")
+    layer = MultiHeadAttention.from_tensors(case.config, exp["tensors"], dtype="bfloat16")
+    x = np.asarray(exp["inputs"]["query"], np.float32)
+    call = dict(mask=exp["inputs"]["mask"], bias=np.asarray(exp["inputs"]["bias"], np.float32), is_causal=True,
+                return_weights=True)
+    path = Path(folder) / "layer.keras"
+    keras.saving.save_model(layer, path)
+    loaded = keras.saving.load_model(path)
+    seen["class"] = type(loaded).__name__
+    seen["policy"] = loaded.dtype_policy.name
+    seen["same_config"] = loaded.config == layer.config
+    seen["same_bytes"] = all(a.tobytes() == b.tobytes() for a, b in zip(layer.to_tensors().values(),
+                                                                        loaded.to_tensors().values()))
+    got = [np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(t, "float32"))) for t in loaded(x, **call)]
+    want = [np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(t, "float32"))) for t in layer(x, **call)]
+    seen["same_outputs"] = all(np.array_equal(a, b) for a, b in zip(got, want))
+
+    case = CASES["causal_top_left"]
+    exp = expected_for(case, "float32")
+    c = case.config
+    inner = MultiHeadAttention.from_tensors(c, exp["tensors"], dtype="float32")
+    q, k, v = keras.Input((case.T, c.query_dim)), keras.Input((case.S, c.key_dim)), keras.Input((case.S, c.value_dim))
+    model = keras.Model([q, k, v], inner(q, k, v, is_causal=True))
+    model_path = Path(folder) / "model.keras"
+    model.save(model_path)
+    loaded_model = keras.saving.load_model(model_path)
+    args = [np.asarray(exp["inputs"][n], np.float32) for n in ("query", "key", "value")]
+    predicted = loaded_model.predict(args, verbose=0)
+    seen["model_same_predict"] = bool(np.array_equal(predicted, model.predict(args, verbose=0)))
+    seen["model_predict"] = np.asarray(predicted, np.float64).tolist()
+    return seen
+
+
+def verify_keras_mha(backend_id: str) -> dict:
+    """mha verify's keras_layer adapter (what `pytest --mha-impl` takes for a live Keras layer) on
+    keras.layers.MultiHeadAttention, gradients required, on this backend: {vector: [status, detail]}."""
+    from conformance.suite import adapters, backends
+    from conformance.suite.verify import verify
+
+    backends.load(backend_id)
+    import keras
+
+    def build(c):
+        return keras.layers.MultiHeadAttention(c.num_heads, c.head_dim, value_dim=c.value_head_dim,
+                                               output_shape=c.out_dim, use_bias=c.use_query_bias)
+
+    def call(layer, x, options):
+        out, scores = layer(x["query"], x["value"], key=x["key"], return_attention_scores=True)
+        return {"output": out, "weights": scores}
+
+    results = verify(adapters.keras_layer(build, "keras-mha", call), require_gradients=True,
+                     only=["cross_basic", "value_head_dim"], dtypes=["float32", "bfloat16"])
+    return {r.name: [r.status, r.detail] for r in results}
+
+
+if __name__ == "__main__":
+    backend_id, command, *rest = sys.argv[1:]
+    if command == "judge":  # judge MUTANT[,MUTANT...] SPEC ...: {mutant: rows}
+        print(json.dumps({mutant: judge(backend_id, mutant, rest[1:]) for mutant in rest[0].split(",")}))
+    elif command == "verify":
+        print(json.dumps(verify_keras_mha(backend_id)))
+    elif command == "round_trip":
+        print(json.dumps(round_trip(backend_id, rest[0])))
+    else:
+        raise SystemExit(f"unknown command {command!r}")

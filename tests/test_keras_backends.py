@@ -1,0 +1,126 @@
+"""impl_tf's one Keras layer on Keras's jax and torch backends: the keras-jax and keras-torch columns of
+`mha check` (each in a worker of its own), the porting bugs those columns catch, and the .keras round trip.
+
+Keras fixes its backend when first imported, and this process's Keras (the tf tests') runs on TensorFlow:
+every Keras-on-jax or Keras-on-torch call here runs in a process of its own (tests/keras_backend_runs.py,
+or mha check's workers). The tests run in tox's `all` env, the one with keras, jax and torch together.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conformance.suite import check
+from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, expected_for
+from conformance.suite.tolerance import compare, policy_for
+
+RUNS = Path(__file__).with_name("keras_backend_runs.py")
+FRAMEWORK = {"keras-jax": "jax", "keras-torch": "torch"}
+MARKS = {"keras-jax": [pytest.mark.keras_jax, pytest.mark.tf, pytest.mark.jax],
+         "keras-torch": [pytest.mark.keras_torch, pytest.mark.tf, pytest.mark.torch]}
+
+
+def per_backend(*names):
+    return [pytest.param(name, marks=MARKS[name], id=name) for name in names]
+
+
+def _needs(backend_id):
+    missing = [m for m in ("keras", FRAMEWORK[backend_id]) if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{backend_id} needs {' and '.join(missing)}: pip install -c constraints/cpu.txt '.[all]'")
+
+
+def _run(backend_id, *args) -> dict:
+    """tests/keras_backend_runs.py in a process whose Keras runs on the backend's framework."""
+    env = {**os.environ, "KERAS_BACKEND": FRAMEWORK[backend_id], "TF_CPP_MIN_LOG_LEVEL": "2"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, str(RUNS), backend_id, *args], capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
+    assert done.returncode == 0, f"{backend_id} {args[0]} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
+def test_the_column_passes_every_path_and_dtype_in_a_worker_of_its_own(backend_id):
+    """mha check's column on two cases, every path and dtype: the stages and the fused path pass (forward and
+    gradients through the backend's own autodiff), the chunked path and the in-place cache are unsupported
+    with their reason (TensorFlow only). run_check starts the backend's own worker."""
+    _needs(backend_id)
+    results, skipped = check.run_check([backend_id], dtypes=["float64", "float32", "float16", "bfloat16"],
+                                       case_names=["causal_bottom_right", "decode_cache"], jobs=1, progress=False,
+                                       compile_cache=None, path_kinds=check.PATH_KINDS)
+    assert not skipped, skipped
+    table = {(r.case, r.dtype, r.path): r for r in results}
+    assert len(table) == 2 * 4 * 3 + 4, sorted(table)  # stages, fused, chunked each; in_place where a cache is
+    for (case, dtype, path), r in table.items():
+        if path in ("chunked", "in_place"):
+            assert r.status == STATUS_UNSUPPORTED, (case, dtype, path, r.status, r.message)
+            assert "needs Keras's TensorFlow backend" in r.message, r.message
+        else:
+            assert r.status == STATUS_PASS, (case, dtype, path, r.status, r.message)
+            assert any(c.name.startswith("grad ") for c in r.comparisons), (case, dtype, path, "no gradient judged")
+
+
+# Porting bugs planted in the Keras-on-jax or Keras-on-torch run alone, and a case each must fail on.
+# keras_matmul, keras_trig and keras_mean are the float64 traps of Keras 3.15's jax and torch backends
+# (impl_tf/backend.py): each fails float64 where its op computes in float32, and passes where it does not
+# (measured: keras.ops.matmul keeps float64 on jax, keras.ops.cos and sin on torch).
+MUTANTS = {
+    "fused_scale": ("gqa:float32:fused", ("keras-jax", "keras-torch")),
+    "causal_top_left_only": ("causal_bottom_right:float32:stages", ("keras-jax", "keras-torch")),
+    "keras_mean": ("qk_norm_rms_head:float64:stages", ("keras-jax", "keras-torch")),
+    "keras_matmul": ("causal_bottom_right:float64:fused", ("keras-torch",)),
+    "keras_trig": ("rope_half:float64:stages", ("keras-jax",)),
+}
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
+def test_the_column_catches_the_porting_bugs_planted_in_it(backend_id):
+    _needs(backend_id)
+    specs = sorted({spec for spec, _ in MUTANTS.values()})
+    judged = _run(backend_id, "judge", ",".join(["none", *MUTANTS]), *specs)
+    clean = {row[0] + ":" + row[1] + ":" + row[2]: row[3] for row in judged["none"]}
+    assert set(clean.values()) == {STATUS_PASS}, f"the layer as it is must pass every case first: {clean}"
+    for mutant, (spec, caught_on) in MUTANTS.items():
+        status = {row[0] + ":" + row[1] + ":" + row[2]: row[3] for row in judged[mutant]}[spec]
+        want = "fail" if backend_id in caught_on else STATUS_PASS
+        assert status == want, f"{mutant} on {backend_id}, {spec}: {status}, expected {want}"
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
+def test_keras_file_round_trip(backend_id, tmp_path):
+    """The layer (bfloat16) and a Model holding it (float32) saved and loaded as .keras on the backend."""
+    _needs(backend_id)
+    seen = _run(backend_id, "round_trip", str(tmp_path))
+    assert seen["class"] == "MultiHeadAttention" and seen["policy"] == "bfloat16" and seen["same_config"], seen
+    assert seen["same_bytes"], "the weights changed in the .keras round trip"
+    assert seen["same_outputs"] and seen["model_same_predict"], "the loaded layer computes otherwise"
+    from conformance.suite.cases import CASES
+
+    case = CASES["causal_top_left"]
+    expected = expected_for(case, "float32")  # the float64 reference's
+    tol = policy_for(case.config, dtype="float32", quantity="output", B=case.B, T=case.T, S=case.S_total,
+                     reference=expected["output"], logits=expected["logits"])
+    c = compare("model.predict after load", np.asarray(seen["model_predict"]), expected["output"], tol)
+    assert c.ok, c
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
+def test_the_keras_layer_adapter_takes_a_layer_on_the_backend(backend_id):
+    """mha verify's keras_layer adapter (the pytest plugin's, for a live Keras layer) on
+    keras.layers.MultiHeadAttention, gradients required: through jax.vjp or torch.autograd."""
+    _needs(backend_id)
+    results = _run(backend_id, "verify")
+    assert sorted(results) == ["cross_basic.bfloat16", "cross_basic.float32", "value_head_dim.bfloat16",
+                               "value_head_dim.float32"], sorted(results)
+    for name, (status, detail) in results.items():
+        assert status == STATUS_PASS, (name, status, detail)

@@ -12,6 +12,10 @@ any tracing and keeps the compiled executable itself
 - the jax, jaxlib and NumPy versions, XLA_FLAGS, and JAX's configuration
   (x64, default precision, PRNG implementation...; the cache locations aside);
 - the device's platform and kind, and which compile options (the program's name);
+- the CPU the program is compiled for (_cpu_target): XLA compiles for the host's
+  instruction set, so a program written on an AVX-512 machine would stop an
+  AVX2 one that shares the directory (a network home, a restored CI cache)
+  with an illegal instruction;
 - the call's static arguments and the tree, shapes and dtypes of its arrays.
 
 Values never change a program (they are its arguments), so equal keys are the
@@ -29,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import platform
 from pathlib import Path
 
 import jax
@@ -39,6 +44,7 @@ from weights.atomic import write_bytes_atomic
 _directory: Path | None = None
 _loaded: dict[str, object] = {}  # key -> compiled program, this process
 _source_digest: bytes | None = None
+_cpu_targets: dict[int, str] = {}  # id(device) -> _cpu_target(device)
 
 
 def set_directory(directory) -> None:
@@ -70,6 +76,29 @@ def _sources() -> bytes:
     return _source_digest
 
 
+def _cpu_target(device) -> str:
+    """What XLA compiles this device's programs for: the fingerprint of XLA's topology of the device (the one JAX's
+    own compilation cache hashes; it follows the instruction set XLA targets: with XLA_FLAGS
+    --xla_cpu_max_isa=SSE4_2 it differs, tests/test_jax_programs.py), and the host's CPU flags as the kernel
+    reports them (Linux), which name every extension a CPU has (avx512f, avx512_bf16, amx_tile, ...)."""
+    if id(device) not in _cpu_targets:
+        parts = [platform.machine()]
+        try:
+            from jax._src.lib import xla_client
+
+            parts.append(str(xla_client.get_topology_for_devices([device]).fingerprint()))
+        except Exception as error:  # a jaxlib without it: keyed by the flags below alone
+            parts.append(f"no topology: {type(error).__name__}")
+        try:
+            with open("/proc/cpuinfo") as cpuinfo:  # x86: "flags", ARM: "Features"; the first core's line
+                parts.append(next((line for line in cpuinfo if line.split(":")[0].strip() in ("flags", "Features")),
+                                  ""))
+        except OSError:
+            parts.append(platform.processor())
+        _cpu_targets[id(device)] = "\0".join(parts)
+    return _cpu_targets[id(device)]
+
+
 def _key(name: str, device, static: tuple, dynamic: tuple) -> str:
     import jaxlib
 
@@ -78,7 +107,7 @@ def _key(name: str, device, static: tuple, dynamic: tuple) -> str:
     leaves, tree = jax.tree.flatten(dynamic)
     h = hashlib.sha256(_sources())
     for part in (jax.__version__, jaxlib.__version__, np.__version__, os.environ.get("XLA_FLAGS", ""), config,
-                 device.platform, device.device_kind, name, static, tree,
+                 device.platform, device.device_kind, _cpu_target(device), name, static, tree,
                  [(tuple(x.shape), str(x.dtype)) for x in leaves]):
         h.update(repr(part).encode() + b"\0")
     return h.hexdigest()

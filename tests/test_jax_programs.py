@@ -7,6 +7,11 @@ changes the program, or a warm `mha check` would judge a stale program.
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -106,6 +111,9 @@ def test_the_key_changes_with_what_changes_the_program(monkeypatch):
     monkeypatch.setattr(programs, "_source_digest", b"edited source")
     changed["the source"] = _key()
     monkeypatch.undo()
+    monkeypatch.setitem(programs._cpu_targets, id(jax.devices("cpu")[0]), "another CPU's instruction set")
+    changed["the CPU compiled for"] = _key()
+    monkeypatch.undo()
     with jax.default_matmul_precision("bfloat16"):
         changed["JAX's configuration"] = _key()
     same = [what for what, key in changed.items() if key == base]
@@ -116,3 +124,20 @@ def test_without_a_directory_nothing_is_kept(tmp_path):
     programs.set_directory(None)
     _call("self_basic")
     assert programs._loaded == {}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA cap below is x86's")
+def test_the_cpu_target_follows_the_instruction_set_xla_compiles_for():
+    """A cache written where XLA targets one instruction set must not be read where it targets another. Capped at
+    SSE4.2 (below any x86-64 CPU that runs these tests, all of which have AVX2), XLA compiles for less than the
+    host: the target, and so every key, must differ from the uncapped one."""
+    script = ("import jax; from impl_jax import programs; d = jax.devices('cpu')[0]; "
+              "print(programs._cpu_target(d).split(chr(0))[1])")
+    fingerprints = []
+    for cap in ("", " --xla_cpu_max_isa=SSE4_2"):
+        env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + cap}
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        fingerprints.append(proc.stdout.strip())
+    assert not fingerprints[0].startswith("no topology"), fingerprints
+    assert fingerprints[0] != fingerprints[1], fingerprints

@@ -19,6 +19,7 @@ from weights.contract import (
     check_bias_values,
     check_call,
     check_chunk_size,
+    check_indexer_call,
     check_input_values,
     check_position_values,
     check_topk_values,
@@ -209,32 +210,14 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     return call
 
 
-def check_indexer_call(config: AttentionConfig, topk_given: bool, past_index_keys, shapes: CallShapes,
-                       cache_length) -> None:
-    """A layer with an indexer selects its keys itself: topk_indices with it is refused (a layer that takes
-    another's selection, GLM-5's shared layers, has no indexer), and its cache is past_index_keys (B, P, J),
-    or with cache_length the caller's buffer (B, C, J) whose first P positions are the cache."""
-    if config.indexer is None:
-        if past_index_keys is not None:
-            raise ValueError("past_index_keys is given but config.indexer is null (no indexer, no index cache)")
-        return
-    if topk_given:
-        raise ValueError("topk_indices is given but config.indexer selects the keys itself: pass one of them (a layer "
-                         "that reuses another's selection, GLM-5's shared layers, has no indexer)")
-    B, P, J = shapes.B, shapes.P, config.indexer.head_dim
-    if past_index_keys is None:
-        if P:
-            raise ValueError(f"past_index_keys is missing: a call with a cache of P={P} keys and config.indexer "
-                             f"needs the index keys of those P tokens, (B, P, J) = ({B}, {P}, {J})")
-        return
-    shape = tuple(np.shape(past_index_keys))
-    if cache_length is None:
-        if shape != (B, P, J):
-            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, {P}, {J}) (P: past_key's length): "
-                             f"got {shape}")
-    elif len(shape) != 3 or shape[0] != B or shape[2] != J or shape[1] < P + shapes.S:
-        raise ValueError(f"past_index_keys must be a buffer of shape (B, C, J) = ({B}, C, {J}) with C >= "
-                         f"cache_length + S = {P + shapes.S} (an in-place cache): got {shape}")
+def index_mask(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str) -> np.ndarray | None:
+    """The keys the indexer may select, (B|1, 1, T, P+S) bool, or None (every key): those every other mask of
+    the call shows the query (call.allowed, before the selection joins it), any head's."""
+    allowed = call.allowed(config, is_causal, causal_alignment)  # (B|1, N|1, T|1, S_total|1) or None
+    if allowed is None:
+        return None
+    return np.broadcast_to(allowed.any(axis=1, keepdims=True), (allowed.shape[0], 1, call.shapes.T,
+                                                                  call.shapes.S_total))
 
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
@@ -248,11 +231,8 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
     KL loss against the attention's scores)."""
     from .indexer import lightning_indexer
 
-    T, S, P = call.shapes.T, call.shapes.S, call.shapes.P
-    allowed = call.allowed(config, is_causal, causal_alignment)  # (B|1, N|1, T|1, S_total|1) or None
-    index_mask = None
-    if allowed is not None:
-        index_mask = np.broadcast_to(allowed.any(axis=1, keepdims=True), (allowed.shape[0], 1, T, P + S))
+    S, P = call.shapes.S, call.shapes.P
+    mask = index_mask(config, call, is_causal, causal_alignment)
     buffer = None
     past = past_index_keys
     if past is not None and call.cache_length is not None:
@@ -262,7 +242,7 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
                                         f"{call.dtype.name}", f"{type(buffer).__name__} {getattr(buffer, 'dtype', '')}")
         past = buffer[:, :P]
     result = lightning_indexer(config, call.params, call.query, call.key, positions=positions,
-                               key_positions=key_positions, past_index_keys=past, mask=index_mask, is_causal=False,
+                               key_positions=key_positions, past_index_keys=past, mask=mask, is_causal=False,
                                dtype=call.dtype.name)
     call.present_index_keys = result["present_index_keys"]
     if buffer is not None:

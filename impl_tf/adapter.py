@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from weights.call import OPTIONAL_INPUTS, split_result
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
 from weights.contract import check_input_values
-from weights.paths import common_path_options, in_place_buffers, new_keys
+from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from ._keras import keras, tf
 from .layer import MultiHeadAttention, check_device, check_precision
@@ -43,7 +43,7 @@ def devices() -> list[str]:
 
 def _kwargs(inputs, options):
     return dict(
-        **{name: inputs.get(name) for name in OPTIONAL_INPUTS},
+        **{name: inputs.get(name) for name in OPTIONAL_INPUTS + INDEXER_INPUTS},
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"),
@@ -99,12 +99,19 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
         for name, buffer in zip(("past_key", "past_value"), buffers):
             in_place[name] = tf.Variable(ops.cast(buffer, dtype))
         in_place["cache_length"] = P
+        if config.indexer is not None:
+            in_place["past_index_keys"] = tf.Variable(ops.cast(index_buffer(inputs, buffers[0].shape[2], np.float64),
+                                                               dtype))
+    selection = config.indexer is not None  # the indexer's selection is returned, to be judged
     result = layer(inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights,
-                   return_cache=return_cache, **(kwargs | in_place))
-    answer = split_result(result, return_weights, return_cache, _numpy)
+                   return_cache=return_cache, return_selection=selection, **(kwargs | in_place))
+    answer = split_result(result, return_weights, return_cache, _numpy, return_selection=selection,
+                          index_cache=selection)
     if in_place and return_cache:  # the buffers, whole: the cache is their first P + S positions
         answer["present_key"], answer["present_value"] = (answer[name][:, :, :P + S] for name in
                                                           ("present_key", "present_value"))
+        if "present_index_keys" in answer:
+            answer["present_index_keys"] = answer["present_index_keys"][:, :P + S]
     if trace:
         _, entries = layer.trace(inputs["query"], inputs.get("key"), inputs.get("value"), **kwargs)
         answer["trace"] = [(e.stage, _numpy(e.value)) for e in entries]
@@ -130,12 +137,14 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
     kwargs = {**_kwargs(inputs, options), **{n: given[n] for n in ("past_key", "past_value") if n in given}}
     return_weights = bool(options.get("return_weights", False))  # the weights run the stages (the stages path)
     return_cache = bool(options.get("return_cache", False))
+    selection = config.indexer is not None  # the indexer's selection is returned, to be judged
     with tf.GradientTape() as tape:
         tape.watch(list(given.values()))
         result = layer(given["query"], given.get("key"), given.get("value"), return_weights=return_weights,
-                       return_cache=return_cache, **kwargs)
-        out = result[0] if (return_weights or return_cache) else result  # the gradient is the output's
-    answer = split_result(result, return_weights, return_cache, _numpy)
+                       return_cache=return_cache, return_selection=selection, **kwargs)
+        out = result[0] if (return_weights or return_cache or selection) else result  # the gradient is the output's
+    answer = split_result(result, return_weights, return_cache, _numpy, return_selection=selection,
+                          index_cache=selection)
     d_out = np.asarray(d_output)
     if d_out.shape != tuple(out.shape):
         raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")

@@ -96,7 +96,7 @@ def _initializer(name: str, num_heads: int):
         return "ones"
     if name == "alibi.slopes":
         return keras.initializers.Constant(bloom_slopes(num_heads))
-    if name == "gate.kernel":
+    if name == "gate.kernel" or (name.startswith("indexer.") and name.endswith(".kernel")):
         return "glorot_uniform"
     return "zeros"
 
@@ -190,7 +190,8 @@ class MultiHeadAttention(keras.layers.Layer):
             # slopes, the gate's kernel drawn as a Dense kernel is).
             self.extra_variables = {}
             for name, shape in c.tensor_shapes().items():
-                if ".norm." in name or name in ("sinks", "alibi.slopes", "gate.kernel", "gate.bias"):
+                if (".norm." in name or name in ("sinks", "alibi.slopes", "gate.kernel", "gate.bias")
+                        or name.startswith("indexer.")):  # the indexer's (no gradient reaches them from the output)
                     self.extra_variables[name] = self.add_weight(shape=shape, initializer=_initializer(name, N),
                                                                  name=name.replace(".", "_"))
             self.seed_generator = None if seed is None else keras.random.SeedGenerator(self.seed)
@@ -296,7 +297,8 @@ class MultiHeadAttention(keras.layers.Layer):
     def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
              training=None, dropout_mask=None, seed=None, positions=None, key_positions=None, past_key=None,
              past_value=None, segment_ids=None, key_segment_ids=None, return_weights=False, return_cache=False,
-             chunk_size=None, cache_length=None, past_key_positions=None, topk_indices=None):
+             chunk_size=None, cache_length=None, past_key_positions=None, topk_indices=None, past_index_keys=None,
+             return_selection=False):
         training = bool(training)
         try:
             with placement(self.device), matmul_precision(self.precision):
@@ -309,6 +311,7 @@ class MultiHeadAttention(keras.layers.Layer):
                     segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
                     return_cache=return_cache, chunk_size=self.chunk_size if chunk_size is None else chunk_size,
                     cache_length=cache_length, past_key_positions=past_key_positions, topk_indices=topk_indices,
+                    past_index_keys=past_index_keys, return_selection=return_selection,
                 )
         except ValueError as err:
             # Keras rewrites the message of an error raised in call() (adding

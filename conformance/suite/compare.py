@@ -382,6 +382,9 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
     result = CaseResult(case.name, backend_id, device, dtype, precision, STATUS_PASS, path=path)
     try:
         adapter = adapter or backends.load(backend_id)
+        reason = backends.not_yet(backend_id, case.config)
+        if reason:
+            raise NotImplementedError(reason)
         exp = expected_for(case, dtype)
         options = path_options(adapter, path, case, dtype)
         if options is None:

@@ -210,14 +210,18 @@ def call_selection_inputs(config, tensors, inputs: dict, options: dict) -> dict:
         x = np.asarray(x)
         return x.astype(np.float64) if is_float(x.dtype) else x
 
+    import dataclasses
+
     arrays = {name: f64(x) for name, x in inputs.items() if x is not None}
-    t64 = {name: np.asarray(t).astype(np.float64) for name, t in tensors.items()}
-    kwargs = _kwargs(arrays, options | {"dtype": "float64"})
-    call = prepare(config, t64, arrays["query"], arrays.get("key"), arrays.get("value"), return_weights=False,
+    # the call without its indexer (whose selection prepare would join to the mask): the other masks alone
+    plain = dataclasses.replace(config, indexer=None)
+    t64 = {name: np.asarray(t).astype(np.float64) for name, t in tensors.items() if not name.startswith("indexer.")}
+    kwargs = _kwargs({n: x for n, x in arrays.items() if n != "past_index_keys"}, options | {"dtype": "float64"})
+    call = prepare(plain, t64, arrays["query"], arrays.get("key"), arrays.get("value"), return_weights=False,
                    **kwargs)
     given = {"query": arrays["query"], "key": arrays["key"] if "key" in arrays else arrays["query"]}
     given.update({name: arrays[name] for name in ("positions", "key_positions", "past_index_keys") if name in arrays})
-    mask = index_mask(config, call, kwargs["is_causal"], kwargs["causal_alignment"])
+    mask = index_mask(plain, call, kwargs["is_causal"], kwargs["causal_alignment"])
     if mask is not None:
         given["mask"] = np.ascontiguousarray(mask)
     return given

@@ -332,7 +332,7 @@ class MultiHeadAttention(keras.layers.Layer):
         return result, entries
 
     def compute_output_spec(self, query, key=None, value=None, return_weights=False, return_cache=False,
-                            past_key=None, cache_length=None, **_options):
+                            past_key=None, cache_length=None, return_selection=False, **_options):
         c = self.config
         B, T = query.shape[0], query.shape[1]
         S = (query if key is None else key).shape[1]
@@ -345,8 +345,15 @@ class MultiHeadAttention(keras.layers.Layer):
         parts = [keras.KerasTensor((B, T, c.out_dim), dtype=dtype)]
         if return_weights:
             parts.append(keras.KerasTensor((B, c.num_heads, T, S), dtype=dtype))
+        if return_selection:  # the indexer's selection: (B, T, k') or (B, K, T, k'), int64
+            ix = c.indexer
+            width = None if S is None else min(ix.topk * (ix.block_size or 1), S)
+            lead = (B, c.num_kv_heads) if ix.per_kv_head else (B,)
+            parts.append(keras.KerasTensor((*lead, T, width), dtype="int64"))
         if return_cache:  # (B, K, ., H) and (B, K, ., V); a latent layer's (B, 1, ., C) and (B, 1, ., R)
             parts += [keras.KerasTensor((B, heads, C, width), dtype=dtype) for heads, width, _ in cache_widths(c)]
+            if c.indexer is not None:  # present_index_keys (B, ., J)
+                parts.append(keras.KerasTensor((B, C, c.indexer.head_dim), dtype=dtype))
         return parts[0] if len(parts) == 1 else tuple(parts)
 
     # -- serialisation ---------------------------------------------------------------

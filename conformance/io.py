@@ -6,7 +6,8 @@ integers / floats, True = may attend), `bias` (float, -inf allowed),
 (integer, RoPE positions), `past_key` / `past_value` (float, the KV cache),
 `segment_ids` / `key_segment_ids` (integer, packed sequences),
 `past_key_positions` (integer), `topk_indices` (integer, the keys each query
-may see, -1 an unused slot). Anything else is refused.
+may see, -1 an unused slot), `past_index_keys` (float, a config with `indexer`:
+its cache of index keys). Anything else is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from weights.dtypes import is_float
 from weights.format import canonical_safetensors_bytes, show_names
 
 INPUT_NAMES = ("query", "key", "value", "mask", "bias", "dropout_mask", "positions", "key_positions", "past_key",
-               "past_value", "segment_ids", "key_segment_ids", "past_key_positions", "topk_indices")
+               "past_value", "segment_ids", "key_segment_ids", "past_key_positions", "topk_indices",
+               "past_index_keys")
 INTEGER_INPUTS = ("positions", "key_positions", "segment_ids", "key_segment_ids", "past_key_positions",
                   "topk_indices")
 

@@ -21,9 +21,9 @@ import jax
 import numpy as np
 
 import weights
-from weights.call import OPTIONAL_INPUTS
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS
 from weights.contract import check_input_values
-from weights.paths import common_path_options, in_place_buffers, new_keys
+from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from . import programs
 from .attention import apply, plan
@@ -57,7 +57,7 @@ def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
     return options | {"return_weights": False}
 
 
-_ARRAYS = ("query", "key", "value", *OPTIONAL_INPUTS)
+_ARRAYS = ("query", "key", "value", *OPTIONAL_INPUTS, *INDEXER_INPUTS)
 # The inputs jax.vjp differentiates (those given); the others (masks, ids) are not differentiable.
 _DIFFERENTIABLE = ("query", "key", "value", "past_key", "past_value")
 
@@ -82,7 +82,7 @@ def _static(options, precision):
 
 def _call(config, params, arrays, static, **extra):
     return apply(config, params, arrays["query"], arrays.get("key"), arrays.get("value"),
-                 **{name: arrays.get(name) for name in OPTIONAL_INPUTS}, **dict(static), **extra)
+                 **{name: arrays.get(name) for name in OPTIONAL_INPUTS + INDEXER_INPUTS}, **dict(static), **extra)
 
 
 def _forward_and_vjp(config, params, arrays, d_output, *, static, return_weights, return_cache, with_trace):
@@ -99,13 +99,15 @@ def _forward_and_vjp(config, params, arrays, d_output, *, static, return_weights
 
     def f(params, inputs):
         entries = [] if with_trace else None
+        selection = config.indexer is not None  # the indexer's selection rides along, to be judged
         result = _call(config, params, {**inputs, **others}, static, return_weights=return_weights,
-                       return_cache=return_cache, trace=entries)
-        parts = list(result) if (return_weights or return_cache) else [result]
+                       return_cache=return_cache, trace=entries, return_selection=selection)
+        parts = list(result) if (return_weights or return_cache or selection) else [result]
         out = parts.pop(0)
         w = parts.pop(0) if return_weights else None
+        chosen = parts.pop(0) if selection else None
         cache = tuple(parts) if return_cache else None
-        return out, (w, cache, None if entries is None else [e.value for e in entries])
+        return out, (w, (chosen, cache), None if entries is None else [e.value for e in entries])
 
     out, pullback, (w, cache, stages) = jax.vjp(f, params, inputs, has_aux=True)
     d_params, d_inputs = pullback(d_output.astype(out.dtype))
@@ -171,13 +173,15 @@ def _program(name: str, with_vjp: bool):
 def _forward_only(config, params, arrays, d_output, *, static, return_weights, return_cache, with_trace):
     """_forward_and_vjp's results without the VJP (its gradient slots None)."""
     entries = [] if with_trace else None
+    selection = config.indexer is not None
     result = _call(config, params, arrays, static, return_weights=return_weights, return_cache=return_cache,
-                   trace=entries)
-    parts = list(result) if (return_weights or return_cache) else [result]
+                   trace=entries, return_selection=selection)
+    parts = list(result) if (return_weights or return_cache or selection) else [result]
     out = parts.pop(0)
     w = parts.pop(0) if return_weights else None
+    chosen = parts.pop(0) if selection else None
     cache = tuple(parts) if return_cache else None
-    return out, w, cache, None if entries is None else [e.value for e in entries], None, None
+    return out, w, (chosen, cache), None if entries is None else [e.value for e in entries], None, None
 
 
 def set_cpu_compile(mode: str) -> None:
@@ -205,6 +209,8 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
     if options.get("in_place"):  # the cache in zeroed buffers of capacity P + S + SPARE (cache_length=P)
         past_key, past_value, P = in_place_buffers(inputs, np.asarray(inputs["past_key"]).dtype)
         inputs = dict(inputs, past_key=past_key, past_value=past_value)
+        if config.indexer is not None:
+            inputs["past_index_keys"] = index_buffer(inputs, past_key.shape[2], past_key.dtype)
         options = options | {"cache_length": P}
     static = _static(options, precision)
     return_weights = bool(options.get("return_weights", False))
@@ -212,8 +218,9 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
     host = {name: np.asarray(inputs[name]) for name in _ARRAYS if inputs.get(name) is not None}
     checked = {name: value for name, value in static if name != "chunk_size"}
     shapes, dtype = check(config, tensors, host["query"], host.get("key"), host.get("value"),
-                          **{name: host.get(name) for name in OPTIONAL_INPUTS}, return_weights=return_weights,
-                          return_cache=return_cache, materializes_scores=options.get("chunk_size") is None, **checked)
+                          **{name: host.get(name) for name in OPTIONAL_INPUTS + INDEXER_INPUTS},
+                          return_weights=return_weights, return_cache=return_cache,
+                          materializes_scores=options.get("chunk_size") is None, **checked)
     check_input_values(query=host["query"], key=host.get("key"), value=host.get("value"))
     if "past_key" in host:
         check_input_values(past_key=host["past_key"], past_value=host["past_value"])
@@ -247,16 +254,24 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
 
 
 def _answer(config, inputs, options, out, w, cache, stages) -> dict:
-    """The forward answer as NumPy: output, and the weights, the present cache and the trace where asked."""
+    """The forward answer as NumPy: output, and the weights, the present cache and the trace where asked; cache:
+    (the indexer's selection or None, the present cache or None)."""
     answer = {"output": np.asarray(out)}
     if w is not None:
         answer["weights"] = np.asarray(w)
+    selection, cache = cache
+    if selection is not None:
+        answer["selection"] = np.asarray(selection)
     if cache is not None:
-        answer["present_key"], answer["present_value"] = (np.asarray(x) for x in cache)
+        answer["present_key"], answer["present_value"] = (np.asarray(x) for x in cache[:2])
+        if len(cache) > 2:
+            answer["present_index_keys"] = np.asarray(cache[2])
         if options.get("in_place"):  # the buffers, whole: the cache is their first P + S positions
             S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs)
             answer["present_key"], answer["present_value"] = (answer[name][:, :, :S_total] for name in
                                                               ("present_key", "present_value"))
+            if "present_index_keys" in answer:
+                answer["present_index_keys"] = answer["present_index_keys"][:, :S_total]
     if stages is not None:
         names = trace_stages(config)
         assert len(stages) == len(names), (len(stages), names)

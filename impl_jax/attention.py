@@ -123,7 +123,9 @@ def apply(
     key_segment_ids=None,
     past_key_positions=None,
     topk_indices=None,
+    past_index_keys=None,
     return_weights: bool = False,
+    return_selection: bool = False,
     return_cache: bool = False,
     cache_length=None,
     precision: str = "highest",
@@ -147,6 +149,11 @@ def apply(
     0..P-1; not with a traced cache_length); topk_indices (B, T, k) or (B, K,
     T, k): the keys each query may see, impl_numpy's (joins the mask; not with
     a traced cache_length). All traced arrays under jit.
+    With config.indexer: its selection (impl_jax.indexer, under
+    lax.stop_gradient), past_index_keys (B, P, J) (with a static
+    cache_length the buffer (B, C, J)), return_selection and
+    present_index_keys as impl_numpy's: (output[, weights][, selection][,
+    present_key, present_value[, present_index_keys]]).
     cache_length: an in-place cache (the contract's; impl_numpy's). past_key
     (B, K, C, H) and past_value (B, K, C, V) are buffers of the storage dtype
     whose first cache_length = P positions are the cache; the call writes its
@@ -182,8 +189,17 @@ def apply(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype, precision=precision,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
-        topk_indices=topk_indices,
+        topk_indices=topk_indices, past_index_keys=past_index_keys,
     )
+    if return_selection and call.selection is None:
+        raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")
+
+    def result(out, w, k, v):  # (output[, weights][, selection][, present_key, present_value[, index keys]])
+        parts = (out,) + ((w,) if return_weights else ()) + ((call.selection,) if return_selection else ())
+        if return_cache:
+            parts += (k, v) + ((call.present_index_keys,) if config.indexer is not None else ())
+        return parts[0] if len(parts) == 1 else parts
+
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     if call.traced_length and (trace is not None or chunk_size is not None):
         given = "trace" if trace is not None else f"chunk_size={chunk_size}"
@@ -210,7 +226,7 @@ def apply(
                                 key_positions=call.every_key_position if positioned else None, **common)
         if call.cache_length is not None:
             k, v = call.past_key, call.past_value  # the written buffers, whole
-        return (out, k, v) if return_cache else out
+        return result(out, None, k, v)
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     fused = plan(return_weights=return_weights, traced=trace is not None, chunk_size=None,
                  dropout=call.keep is not None, dtype=dtype).path == "fused"
@@ -268,8 +284,7 @@ def apply(
     k, v = cache  # the present cache (a latent layer's: its latent and rotary key)
     if call.cache_length is not None:
         k, v = call.past_key, call.past_value  # the written buffers, whole
-    result = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
-    return result[0] if len(result) == 1 else result
+    return result(out, w if return_weights else None, k, v)
 
 
 # The spec's name for the whole call.

@@ -24,6 +24,7 @@ from weights.contract import (
     check_bias_values,
     check_cache_alignment,
     check_call,
+    check_indexer_call,
     check_position_values,
     check_scores_fit,
     check_topk_values,
@@ -86,7 +87,8 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
           is_causal=False, causal_alignment="top_left", training=False, seed=None, rng=None,
           positions=None, key_positions=None, past_key=None, past_value=None, segment_ids=None,
           key_segment_ids=None, return_weights=False, return_cache=False, dtype=None, precision="highest",
-          materializes_scores=True, cache_length=None, past_key_positions=None, topk_indices=None):
+          materializes_scores=True, cache_length=None, past_key_positions=None, topk_indices=None,
+          past_index_keys=None):
     """Validate a call in the reference's order and words; returns (CallShapes,
     storage dtype). Reads shapes and dtypes only, and bias values when bias
     is concrete. materializes_scores=False (the chunked path) skips the
@@ -143,6 +145,9 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
         check_position_values(config, np.asarray(positions))
     if topk_indices is not None and is_concrete(topk_indices):  # (a traced selection: the adapter checked it)
         check_topk_values(np.asarray(topk_indices), shapes.P, shapes.S)
+    if config.indexer is not None and traced:
+        raise ValueError("config.indexer needs a static cache_length (a Python int): its index cache is sliced at P")
+    check_indexer_call(config, topk_indices is not None, past_index_keys, shapes, cache_length)
     return shapes, dtype
 
 
@@ -225,6 +230,8 @@ class Call:
 
     hides_tail: bool = False  # the keys are an in-place cache's whole buffers: positions past P+S to be hidden
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
+    selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k), or None
+    present_index_keys: Any = None  # (B, P+S, J); with cache_length the written buffer (B, C, J)
 
     @property
     def traced_length(self) -> bool:
@@ -302,16 +309,17 @@ class Call:
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, rng, return_weights, dtype, precision, positions=None, key_positions=None,
             past_key=None, past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
-            cache_length=None, materializes_scores=True, past_key_positions=None, topk_indices=None) -> Call:
+            cache_length=None, materializes_scores=True, past_key_positions=None, topk_indices=None,
+            past_index_keys=None) -> Call:
     """Validate a call (`check`) and cast everything to the storage dtype. topk_indices joins the mask (mask4 =
-    mask AND F.selection_mask), as impl_numpy's."""
+    mask AND F.selection_mask), as impl_numpy's; with config.indexer its selection does (run_indexer)."""
     shapes, dtype = check(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training, seed=seed, rng=rng, positions=positions,
         key_positions=key_positions, past_key=past_key, past_value=past_value, segment_ids=segment_ids,
         key_segment_ids=key_segment_ids, return_weights=return_weights, return_cache=return_cache, dtype=dtype,
         precision=precision, materializes_scores=materializes_scores, cache_length=cache_length,
-        past_key_positions=past_key_positions, topk_indices=topk_indices,
+        past_key_positions=past_key_positions, topk_indices=topk_indices, past_index_keys=past_index_keys,
     )
     if cache_length is not None:  # a Python int (static), or the tracer itself
         cache_length = jnp.asarray(cache_length, jnp.int32) if is_traced_length(cache_length) else shapes.P
@@ -336,7 +344,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     rope = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
     P = shapes.P if cache_length is None else cache_length  # the new tokens' default positions start at P
-    return Call(
+    call = Call(
         shapes=shapes, params=cast_params, query=_cast(query, dtype), key=_cast(key, dtype),
         value=_cast(value, dtype), mask4=mask4, bias4=bias, keep=keep, dtype=dtype,
         positions=F.default_positions(_ids(positions), P, shapes.T) if rope else None,
@@ -347,6 +355,39 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         past_key_positions=F.default_positions(_ids(past_key_positions), 0, shapes.P)
         if rope and past_key_positions is not None else None,
     )
+    if config.indexer is not None:
+        run_indexer(config, call, is_causal, causal_alignment, positions, key_positions, past_index_keys)
+    return call
+
+
+def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
+                key_positions, past_index_keys) -> None:
+    """impl_numpy.attention.run_indexer in JAX: the indexer's selection (impl_jax.indexer) over the keys every
+    other mask shows (call.allowed before the selection joins it, any head's), joined to call.mask4;
+    call.selection and call.present_index_keys set (an in-place cache: the new index keys written into the
+    buffer at P..P+S-1, the buffer whole). Under lax.stop_gradient: the selection is piecewise constant, and
+    the indexer's tensors get no gradient from the output (zeros)."""
+    from .indexer import lightning_indexer
+
+    T, S, P = call.shapes.T, call.shapes.S, call.shapes.P
+    allowed = call.allowed(config, is_causal, causal_alignment)
+    mask = None if allowed is None else jnp.broadcast_to(jnp.any(allowed, axis=1, keepdims=True),
+                                                         (allowed.shape[0], 1, T, P + S))
+    buffer = past = None if past_index_keys is None else _as_array(past_index_keys)
+    if buffer is not None and call.cache_length is not None:
+        past = buffer[:, :P]
+    sg = jax.lax.stop_gradient
+    result = lightning_indexer(config, {n: sg(t) for n, t in call.params.items()}, sg(call.query), sg(call.key),
+                               positions=None if positions is None else _ids(positions),
+                               key_positions=None if key_positions is None else _ids(key_positions),
+                               past_index_keys=None if past is None else sg(past), mask=mask, is_causal=False,
+                               dtype=np.dtype(call.dtype).name)
+    present = result["present_index_keys"]
+    if buffer is not None and call.cache_length is not None:
+        present = jax.lax.dynamic_update_slice(_cast(buffer, call.dtype), present[:, P:], (0, P, 0))
+    call.selection, call.present_index_keys = result["topk_indices"], present
+    selected = F.selection_mask(call.selection, config.num_heads, call.shapes.S_total)
+    call.mask4 = selected if call.mask4 is None else call.mask4 & selected
 
 
 def pad_to_capacity(call: Call) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -127,12 +128,20 @@ def _allowed(mask, B: int, T: int, S: int, is_causal: bool):
     if is_causal:
         allowed = causal_mask(T, S, "bottom_right")[None, None]
     if mask is not None:
-        m = np.asarray(mask, dtype=bool)
+        m = jnp.asarray(mask).astype(bool)
         if m.ndim not in (2, 3, 4) or m.shape[-2:] != (T, S) or (m.ndim == 4 and m.shape[1] != 1):
             raise ValueError(f"index mask must have shape (T, S), (B, T, S) or (B, 1, T, S) with T={T}, "
                              f"S={S} (every key, the cache's included): got {m.shape}")
-        allowed = allowed & jnp.asarray(m.reshape((1, 1, T, S) if m.ndim == 2 else (m.shape[0], 1, T, S)))
+        allowed = allowed & (m.reshape((1, 1, T, S) if m.ndim == 2 else (m.shape[0], 1, T, S)))
     return allowed
+
+
+def _largest(positions) -> int | None:
+    """The largest position (longrope's choice of table), or None where it is traced (under jax.jit: the
+    short table, as rope_tables without a position; a traced call with longrope scaling reads no further)."""
+    if positions.size == 0 or isinstance(positions, jax.core.Tracer):
+        return None
+    return int(np.max(np.asarray(positions)))
 
 
 def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=lambda stage, value: value):
@@ -143,7 +152,7 @@ def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=
         k = rec("indexer.key.norm", F.norm(k, tensors.get("indexer.key.norm.scale"),
                                            tensors.get("indexer.key.norm.bias"), n.type, n.eps, 1, "head"))
     if ix.rope is not None:
-        inv_freq, factor = rope_tables(ix.rope, int(np.max(key_positions)) if key_positions.size else None)
+        inv_freq, factor = rope_tables(ix.rope, _largest(key_positions))
         k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
                        ix.rope.interleaved, factor, ix.rope_end)[:, 0]
         k = rec("indexer.key.rope", k)
@@ -165,7 +174,7 @@ def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec
                                              tensors.get("indexer.query.norm.bias"), n.type, n.eps, ix.heads, "head"))
     q = F.split_heads(q, ix.heads)  # (B, I, T, J)
     if ix.rope is not None:
-        inv_freq, factor = rope_tables(ix.rope, int(np.max(positions)) if positions.size else None)
+        inv_freq, factor = rope_tables(ix.rope, _largest(positions))
         q = rec("indexer.query.rope", index_rope(q, F.rope_angles(positions, inv_freq, dtype), ix.rope.rotary_dim,
                                                  ix.rope.interleaved, factor, ix.rope_end))
     return q  # (B, I, T, J)
@@ -189,30 +198,28 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     if precision is not None and (J & (J - 1) or J > FP8_BLOCK):
         raise ValueError(f"precision fp8_e4m3 needs indexer.head_dim a power of two <= {FP8_BLOCK} (DeepSeek's "
                          f"Hadamard transform and one quantisation block per head): got head_dim={J}")
-    query = np.asarray(query)
-    dt = dtype_from_name(dtype or query.dtype.name)
+    query = query if isinstance(query, jax.Array) else np.asarray(query)  # a traced query under jit stays one
+    dt = dtype_from_name(dtype or np.dtype(query.dtype).name)
     if dt == np.float64 or precision is not None:
-        from .call import x64_enabled
-
-        if not x64_enabled():
+        if not jax.config.jax_enable_x64:  # impl_jax.call.x64_enabled (not imported: call imports this module)
             raise ValueError("float64 (and the fp8 simulation's float64 products) needs JAX's x64 mode, which is "
                              "off: call jax.config.update('jax_enable_x64', True) first")
-    query = jnp.asarray(query.astype(dt))
-    key = query if key is None else jnp.asarray(np.asarray(key).astype(dt))
+    query = jnp.asarray(query).astype(dt)
+    key = query if key is None else jnp.asarray(key).astype(dt)
     B, T, S = query.shape[0], query.shape[1], key.shape[1]
     P = 0
     if past_index_keys is not None:
-        past_index_keys = jnp.asarray(np.asarray(past_index_keys).astype(dt))
+        past_index_keys = jnp.asarray(past_index_keys).astype(dt)
         if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != J:
             raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {J}): "
                              f"got {past_index_keys.shape}")
         P = past_index_keys.shape[1]
-    tensors = {name: jnp.asarray(np.asarray(t).astype(dt)) for name, t in tensors.items() if name.startswith(READS)}
-    positions = np.asarray(F.default_positions(positions, P, T))
-    key_positions = np.asarray(F.default_positions(key_positions, P, S))
+    tensors = {name: jnp.asarray(t).astype(dt) for name, t in tensors.items() if name.startswith(READS)}
+    positions = F.default_positions(positions, P, T)
+    key_positions = F.default_positions(key_positions, P, S)
 
-    q = index_queries(config, tensors, query, jnp.asarray(positions), dt, rec)  # (B, I, T, J)
-    k_new = index_keys(config, tensors, key, jnp.asarray(key_positions), dt, rec)  # (B, S, J)
+    q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
+    k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
     k = k_new if past_index_keys is None else jnp.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J)
     weights = None
     if ix.head_weights:

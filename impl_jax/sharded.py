@@ -129,10 +129,12 @@ def frontier_refusal(config, kind: str) -> str | None:
     gates the context or runs a latent layer (MLA), and the ring compares no positions for local chunks."""
     why = {"alibi": "no core adds ALiBi's bias", "output_gate": "no core gates the context",
            "local_chunk": "the ring compares no positions",
-           "latent": "the cores take expanded heads, and the cache is the latent's"}
+           "latent": "the cores take expanded heads, and the cache is the latent's",
+           "indexer": "no engine runs the lightning indexer's selection"}
     used = [name for name, on in (("alibi", config.alibi), ("output_gate", config.output_gate is not None),
                                   ("local_chunk", kind == "sequence" and config.local_chunk is not None),
-                                  ("latent", config.latent is not None)) if on]
+                                  ("latent", config.latent is not None),
+                                  ("indexer", getattr(config, "indexer", None) is not None)) if on]
     if not used:
         return None
     return (f"{kind} sharding does not run {', '.join(used)} ({'; '.join(why[name] for name in used)}): run the "

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from weights import dtype_from_name
-from weights.call import OPTIONAL_INPUTS, split_result
-from weights.paths import common_path_options, in_place_buffers, new_keys
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
+from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
 from .backward import multi_head_attention_vjp
@@ -43,7 +43,7 @@ def devices() -> list[str]:
 
 def _kwargs(inputs, options):
     return dict(
-        **{name: inputs.get(name) for name in OPTIONAL_INPUTS},
+        **{name: inputs.get(name) for name in OPTIONAL_INPUTS + INDEXER_INPUTS},
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"), dtype=options.get("dtype"),
@@ -63,15 +63,21 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     if options.get("in_place"):
         dtype = dtype_from_name(options.get("dtype") or next(iter(tensors.values())).dtype.name)
         kwargs["past_key"], kwargs["past_value"], kwargs["cache_length"] = in_place_buffers(inputs, dtype)
+        if config.indexer is not None:
+            kwargs["past_index_keys"] = index_buffer(inputs, kwargs["past_key"].shape[2], dtype)
+    selection = config.indexer is not None  # the indexer's selection is returned, to be judged
     result = multi_head_attention(
         config, tensors, inputs["query"], inputs.get("key"), inputs.get("value"), return_weights=return_weights,
-        return_cache=return_cache, trace=entries, chunk_size=options.get("chunk_size"), **kwargs,
+        return_cache=return_cache, trace=entries, chunk_size=options.get("chunk_size"), return_selection=selection,
+        **kwargs,
     )
-    answer = split_result(result, return_weights, return_cache)
+    answer = split_result(result, return_weights, return_cache, return_selection=selection, index_cache=selection)
     if "cache_length" in kwargs and return_cache:  # the buffers, whole: the cache is their first P + S positions
         S_total = kwargs["cache_length"] + new_keys(inputs)
         answer["present_key"], answer["present_value"] = (answer[n][:, :, :S_total] for n in
                                                           ("present_key", "present_value"))
+        if "present_index_keys" in answer:
+            answer["present_index_keys"] = answer["present_index_keys"][:, :S_total]
     if trace:
         answer["trace"] = [(e.stage, np.asarray(e.value)) for e in entries]
     return answer

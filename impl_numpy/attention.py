@@ -19,6 +19,7 @@ from weights.contract import (
     check_bias_values,
     check_call,
     check_chunk_size,
+    check_indexer_call,
     check_input_values,
     check_position_values,
     check_topk_values,
@@ -58,6 +59,8 @@ class Call:
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
     past_key_positions: np.ndarray | None = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
     selected: bool = False  # topk_indices was given: mask4 holds the selection (the fused core skips unselected blocks)
+    selection: np.ndarray | None = None  # config.indexer's selection (B, T, k) or (B, K, T, k) int64, joined to mask4
+    present_index_keys: np.ndarray | None = None  # (B, P+S, J); with cache_length the caller's buffer (B, C, J)
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND segments over every key (rank 4), or None."""
@@ -127,9 +130,10 @@ def _meta(x, name):  # check_call's shape and dtype arguments of one optional in
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None, topk_indices=None) -> Call:
+            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None) -> Call:
     """Validate a call and cast everything to the storage dtype. topk_indices joins the mask (mask4 = mask AND
-    functional.selection_mask): every path, the backward and the magnitudes read the selection there."""
+    functional.selection_mask): every path, the backward and the magnitudes read the selection there. With
+    config.indexer the indexer makes that selection here (run_indexer), so every path attends to it."""
     stored = validate_tensors(config, tensors)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     query = np.asarray(query)
@@ -158,6 +162,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     check_position_values(config, optional["positions"])
     if optional["topk_indices"] is not None:
         check_topk_values(optional["topk_indices"], shapes.P, shapes.S)
+    check_indexer_call(config, topk_indices is not None, past_index_keys, shapes, cache_length)
     in_place = shapes.capacity is not None
     if in_place:
         past_key, past_value = past_key_buffers(past_key, past_value, dtype)
@@ -178,14 +183,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     if not training:
         keep = None
     mask_np = None if optional["mask"] is None else optional["mask"].reshape(shapes.mask_shape)
-    if optional["topk_indices"] is not None:  # the selection joins the mask: (B, 1|N, T, S_total)
-        selected = F.selection_mask(optional["topk_indices"], config.num_heads, shapes.S_total)
-        mask_np = selected if mask_np is None else mask_np & selected
     segment_ids, key_segment_ids = optional["segment_ids"], optional["key_segment_ids"]
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     positioned = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
-    return Call(
+    call = Call(
         shapes=shapes, params=params, query=query.astype(dtype, copy=False), key=key.astype(dtype, copy=False),
         value=value.astype(dtype, copy=False), mask4=mask_np,
         bias4=bias_np, keep=keep, dtype=dtype,
@@ -196,8 +198,58 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None,
         past_key_positions=F.default_positions(optional["past_key_positions"], 0, shapes.P)
         if positioned and optional["past_key_positions"] is not None else None,
-        selected=optional["topk_indices"] is not None,
+        selected=optional["topk_indices"] is not None or config.indexer is not None,
     )
+    selection = optional["topk_indices"]
+    if config.indexer is not None:
+        selection = run_indexer(config, call, is_causal, causal_alignment, optional["positions"],
+                                optional["key_positions"], past_index_keys)
+    if selection is not None:  # the selection joins the mask: (B, 1|N, T, S_total)
+        selected = F.selection_mask(selection, config.num_heads, shapes.S_total)
+        call.mask4 = selected if call.mask4 is None else call.mask4 & selected
+    return call
+
+
+def index_mask(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str) -> np.ndarray | None:
+    """The keys the indexer may select, (B|1, 1, T, P+S) bool, or None (every key): those every other mask of
+    the call shows the query (call.allowed, before the selection joins it), any head's."""
+    allowed = call.allowed(config, is_causal, causal_alignment)  # (B|1, N|1, T|1, S_total|1) or None
+    if allowed is None:
+        return None
+    return np.broadcast_to(allowed.any(axis=1, keepdims=True), (allowed.shape[0], 1, call.shapes.T,
+                                                                  call.shapes.S_total))
+
+
+def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
+                key_positions, past_index_keys) -> np.ndarray:
+    """config.indexer's selection for this call (impl_numpy.indexer.lightning_indexer), its index cache kept
+    in call.present_index_keys (with cache_length written into the caller's buffer at P..P+S-1, the buffer
+    whole). The keys it may choose from are those every other mask of the call shows the query (causal in
+    the call's alignment, the mask, windows, local chunks, segments: call.allowed), any head's: a hidden key
+    never takes a slot. The selection is piecewise constant in every input: no gradient flows through it,
+    and the indexer's own tensors get none from the attention's output (DeepSeek trains them apart, with a
+    KL loss against the attention's scores)."""
+    from .indexer import lightning_indexer
+
+    S, P = call.shapes.S, call.shapes.P
+    mask = index_mask(config, call, is_causal, causal_alignment)
+    buffer = None
+    past = past_index_keys
+    if past is not None and call.cache_length is not None:
+        buffer = past
+        if not isinstance(buffer, np.ndarray) or buffer.dtype != call.dtype or not buffer.flags.writeable:
+            raise in_place_buffer_error("past_index_keys", f"be a writeable numpy array of the storage dtype "
+                                        f"{call.dtype.name}", f"{type(buffer).__name__} {getattr(buffer, 'dtype', '')}")
+        past = buffer[:, :P]
+    result = lightning_indexer(config, call.params, call.query, call.key, positions=positions,
+                               key_positions=key_positions, past_index_keys=past, mask=mask, is_causal=False,
+                               dtype=call.dtype.name)
+    call.present_index_keys = result["present_index_keys"]
+    if buffer is not None:
+        buffer[:, P:P + S] = call.present_index_keys[:, P:]
+        call.present_index_keys = buffer
+    call.selection = result["topk_indices"]
+    return call.selection
 
 
 def past_key_buffers(past_key, past_value, dtype: np.dtype):
@@ -234,7 +286,9 @@ def multi_head_attention(
     key_segment_ids: np.ndarray | None = None,
     past_key_positions: np.ndarray | None = None,
     topk_indices: np.ndarray | None = None,
+    past_index_keys: np.ndarray | None = None,
     return_weights: bool = False,
+    return_selection: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
     dtype: str | None = None,
@@ -244,7 +298,8 @@ def multi_head_attention(
     """The forward pass. Returns output (B, T, O); with return_weights also
     weights (B, N, T, P+S) after softmax and before dropout; with
     return_cache also present_key (B, K, P+S, H) and present_value (B, K,
-    P+S, V): (output[, weights][, present_key, present_value]).
+    P+S, V): (output[, weights][, selection][, present_key, present_value[,
+    present_index_keys]]) (weights.call.result_names).
 
     past_key_positions (P,) or (B, P): the cached keys' positions (default
     0..P-1), read by ALiBi and local chunks as key_positions are (a
@@ -285,8 +340,10 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
-        topk_indices=topk_indices,
+        topk_indices=topk_indices, past_index_keys=past_index_keys,
     )
+    if return_selection and call.selection is None:
+        raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     path = plan(return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size, dtype=call.dtype).path
     if path in ("chunked", "fused"):
@@ -297,7 +354,7 @@ def multi_head_attention(
             chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size, return_cache=return_cache)  # (B, T, O)
         if call.cache_length is not None:
             present_key, present_value = call.past_key, call.past_value  # the buffers, whole
-        return (out, present_key, present_value) if return_cache else out
+        return _result(call, out, None, present_key, present_value, return_selection, return_cache)
 
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params
@@ -324,5 +381,15 @@ def multi_head_attention(
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
     if call.cache_length is not None:
         present_key, present_value = call.past_key, call.past_value  # the buffers, whole
-    result = (out,) + ((w,) if return_weights else ()) + ((present_key, present_value) if return_cache else ())
+    return _result(call, out, w if return_weights else None, present_key, present_value, return_selection,
+                   return_cache)
+
+
+def _result(call: Call, out, weights, present_key, present_value, return_selection: bool, return_cache: bool):
+    """(output[, weights][, selection][, present_key, present_value[, present_index_keys]]), or output alone."""
+    result = (out,) + ((weights,) if weights is not None else ()) + ((call.selection,) if return_selection else ())
+    if return_cache:
+        result += (present_key, present_value)
+        if call.present_index_keys is not None:
+            result += (call.present_index_keys,)
     return result[0] if len(result) == 1 else result

@@ -405,7 +405,9 @@ def _fold(config, grads, key_given, value_given, dtype):
     for name in ("past_key", "past_value"):
         if name in grads:
             ordered[name] = grads[name]
-    ordered.update({name: grads[name] for name in config.tensor_shapes()})
+    # the indexer's tensors: zero (its selection is piecewise constant; DeepSeek trains it with a loss of its own)
+    ordered.update({name: grads[name] if name in grads or not name.startswith("indexer.") else
+                    np.zeros(shape, dtype) for name, shape in config.tensor_shapes().items()})
     return {name: g.astype(dtype) for name, g in ordered.items()}
 
 
@@ -413,14 +415,16 @@ def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_
                              is_causal=False, causal_alignment="top_left", training=False, dropout_mask=None,
                              seed=None, dtype=None, positions=None, key_positions=None, past_key=None,
                              past_value=None, segment_ids=None, key_segment_ids=None, gradient_magnitudes=False,
-                             past_key_positions=None, topk_indices=None):
+                             past_key_positions=None, topk_indices=None, past_index_keys=None):
     """Returns (output, grads), or (output, grads, magnitudes) with
-    gradient_magnitudes=True (see the module docstring)."""
+    gradient_magnitudes=True (see the module docstring). With config.indexer the selection is a constant
+    (attention.run_indexer): the indexer's tensors get zero gradients."""
     call = prepare(config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
                    is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
                    return_weights=False, dtype=dtype, positions=positions, key_positions=key_positions,
                    past_key=past_key, past_value=past_value, segment_ids=segment_ids,
-                   key_segment_ids=key_segment_ids, past_key_positions=past_key_positions, topk_indices=topk_indices)
+                   key_segment_ids=key_segment_ids, past_key_positions=past_key_positions, topk_indices=topk_indices,
+                   past_index_keys=past_index_keys)
     dtype = call.dtype
     d_out = np.asarray(d_output).astype(dtype)
     B, T, O = call.shapes.B, call.shapes.T, config.out_dim

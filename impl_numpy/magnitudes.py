@@ -85,7 +85,8 @@ CACHE_NAMES = ("present_key", "present_value")
 def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
                        causal_alignment="top_left", training=False, dropout_mask=None, seed=None, positions=None,
                        key_positions=None, past_key=None, past_value=None, segment_ids=None,
-                       key_segment_ids=None, past_key_positions=None, logit_errors=False, topk_indices=None):
+                       key_segment_ids=None, past_key_positions=None, logit_errors=False, topk_indices=None,
+                       past_index_keys=None):
     """Magnitude bounds of every traced forward stage, in float64 (module docstring).
 
     Arguments as impl_numpy.multi_head_attention's (without return_weights,
@@ -103,7 +104,7 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
     options = dict(mask=mask, bias=bias, is_causal=is_causal, causal_alignment=causal_alignment, training=training,
                    seed=seed, positions=positions, key_positions=key_positions, past_key=past_key,
                    past_value=past_value, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
-                   past_key_positions=past_key_positions, topk_indices=topk_indices)
+                   past_key_positions=past_key_positions, topk_indices=topk_indices, past_index_keys=past_index_keys)
     call = prepare(config, tensors, query, key, value, dropout_mask=dropout_mask, return_weights=False,
                    dtype="float64", **options)
     # The true forward, stage by stage, from the reference's own trace. The

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from weights.call import OPTIONAL_INPUTS, split_result
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
 from weights.contract import check_input_values
-from weights.paths import common_path_options, in_place_buffers, new_keys
+from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from ._keras import BACKEND, TENSORFLOW, keras
 from .attention import CHUNKED_UNSUPPORTED
@@ -66,7 +66,8 @@ def devices() -> list[str]:
 
 def _kwargs(inputs, options):
     return dict(
-        **{name: None if inputs.get(name) is None else to_tensor(inputs[name]) for name in OPTIONAL_INPUTS},
+        **{name: None if inputs.get(name) is None else to_tensor(inputs[name])
+           for name in OPTIONAL_INPUTS + INDEXER_INPUTS},
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"),
@@ -124,18 +125,25 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
         for name, buffer in zip(("past_key", "past_value"), buffers):
             in_place[name] = tf.Variable(ops.cast(buffer, dtype))
         in_place["cache_length"] = P
+        if config.indexer is not None:
+            in_place["past_index_keys"] = tf.Variable(ops.cast(index_buffer(inputs, buffers[0].shape[2], np.float64),
+                                                               dtype))
+    selection = config.indexer is not None  # the indexer's selection is returned, to be judged
     query, key, value = (None if inputs.get(n) is None else to_tensor(inputs[n]) for n in ("query", "key", "value"))
     if BACKEND == "jax":  # one compiled program instead of an XLA compile per op and shape (_jax_stateless)
         result = jax.jit(lambda q, k, v, trainable: _jax_stateless(layer, trainable)(
-            q, k, v, return_weights=return_weights, return_cache=return_cache, **kwargs))(
-                query, key, value, [v.value for v in layer.trainable_variables])
+            q, k, v, return_weights=return_weights, return_cache=return_cache, return_selection=selection,
+            **kwargs))(query, key, value, [v.value for v in layer.trainable_variables])
     else:
         result = layer(query, key, value, return_weights=return_weights, return_cache=return_cache,
-                       **(kwargs | in_place))
-    answer = split_result(result, return_weights, return_cache, _numpy)
+                       return_selection=selection, **(kwargs | in_place))
+    answer = split_result(result, return_weights, return_cache, _numpy, return_selection=selection,
+                          index_cache=selection)
     if in_place and return_cache:  # the buffers, whole: the cache is their first P + S positions
         answer["present_key"], answer["present_value"] = (answer[name][:, :, :P + S] for name in
                                                           ("present_key", "present_value"))
+        if "present_index_keys" in answer:
+            answer["present_index_keys"] = answer["present_index_keys"][:, :P + S]
     if trace:
         _, entries = layer.trace(query, key, value, **kwargs)
         answer["trace"] = [(e.stage, _numpy(e.value)) for e in entries]
@@ -161,15 +169,17 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
     kwargs = {n: x for n, x in _kwargs(inputs, options).items() if n not in given}  # the cache: from `given`
     return_weights = bool(options.get("return_weights", False))  # the weights run the stages (the stages path)
     return_cache = bool(options.get("return_cache", False))
+    selection = config.indexer is not None  # the indexer's selection is returned, to be judged
     d_out = np.asarray(d_output)
 
     def call(inputs_now, fn=layer):  # fn: the layer, or a stateless form of it (jax)
         return fn(inputs_now["query"], inputs_now.get("key"), inputs_now.get("value"),
-                  return_weights=return_weights, return_cache=return_cache,
+                  return_weights=return_weights, return_cache=return_cache, return_selection=selection,
                   **kwargs, **{n: inputs_now[n] for n in ("past_key", "past_value") if n in inputs_now})
 
     result, found = _GRADIENTS[BACKEND](layer, call, given, list(variables.values()), d_out)
-    answer = split_result(result, return_weights, return_cache, _numpy)
+    answer = split_result(result, return_weights, return_cache, _numpy, return_selection=selection,
+                          index_cache=selection)
     dtype = answer["output"].dtype
     sources = [*given.values(), *variables.values()]
     shapes = config.tensor_shapes()

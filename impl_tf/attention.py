@@ -245,7 +245,9 @@ def multi_head_attention(
     key_segment_ids=None,
     past_key_positions=None,
     topk_indices=None,
+    past_index_keys=None,
     return_weights: bool = False,
+    return_selection: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
     dtype: str | None = None,
@@ -261,6 +263,10 @@ def multi_head_attention(
     in past_value / present_value; its `value` input is not read.
     past_key_positions (P,) or (B, P): the cached keys' positions (default
     0..P-1), as impl_numpy's, on every path (the in-place cache included).
+    With config.indexer: its selection, past_index_keys, return_selection
+    and present_index_keys as impl_numpy's ((output[, weights][,
+    selection][, present_key, present_value[, present_index_keys]])), run
+    eagerly (refused in a graph).
     topk_indices (B, T, k) or (B, K, T, k): the keys each query may see, as
     impl_numpy's (it joins the mask).
 
@@ -290,8 +296,10 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
-        topk_indices=topk_indices,
+        topk_indices=topk_indices, past_index_keys=past_index_keys,
     )
+    if return_selection and call.selection is None:
+        raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     path = plan(return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size).path
     p = call.params
@@ -299,7 +307,9 @@ def multi_head_attention(
     def result(out, w, k, v):
         if call.cache_length is not None:
             k, v = call.past_key, call.past_value  # the buffers, whole
-        parts = (out,) + ((w,) if return_weights else ()) + ((k, v) if return_cache else ())
+        parts = (out,) + ((w,) if return_weights else ()) + ((call.selection,) if return_selection else ())
+        if return_cache:
+            parts += (k, v) + ((call.present_index_keys,) if config.indexer is not None else ())
         return parts[0] if len(parts) == 1 else parts
 
     if path == "chunked":

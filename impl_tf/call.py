@@ -19,8 +19,10 @@ from weights.contract import (
     CallShapes,
     check_bias_values,
     check_call,
+    check_indexer_call,
     check_position_values,
     check_topk_values,
+    in_place_buffer_error,
 )
 from weights.rope import attention_factor, inverse_frequencies, rope_tables
 
@@ -144,6 +146,8 @@ class Call:
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
     P: Any = 0  # the cache's length: int, or a traced scalar
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
+    selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k), or None
+    present_index_keys: Any = None  # (B, P+S, J); with cache_length the caller's tf.Variable (B, C, J)
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND local chunks AND segments over every key (rank 4), or None."""
@@ -199,9 +203,10 @@ class Call:
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None, topk_indices=None) -> Call:
+            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None) -> Call:
     """Validate a call and cast everything to the storage dtype (an in-place
-    cache's buffers excepted: they are the caller's variables, kept as given)."""
+    cache's buffers excepted: they are the caller's variables, kept as given).
+    With config.indexer its selection joins the mask (run_indexer)."""
     stored = check_tensors(config, tensors)
     dtype = check_dtype(stored if dtype is None else dtype_from_name(dtype).name)
     training = bool(training)
@@ -225,6 +230,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         seed=seed, return_weights=return_weights, return_cache=return_cache, cache_length=cache_length,
         materializes_scores=materializes_scores, **given,
     )
+    check_indexer_call(config, "topk_indices" in given, past_index_keys, shapes, cache_length)
     given_positions = given.get("positions")
     if config.query_temperature is not None and given_positions is not None and not _is_symbolic(given_positions):
         check_position_values(config, ops.convert_to_numpy(given_positions))  # traced positions are not read
@@ -254,7 +260,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     rope = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
-    return Call(
+    call = Call(
         shapes=shapes, params=params, query=F._cast(query, dtype), key=F._cast(key, dtype),
         value=F._cast(value, dtype), mask4=mask4, bias4=bias_t, keep=keep, dtype=dtype, T=T, S_total=S_total,
         positions=F.default_positions(given.get("positions"), P, T) if rope else None,
@@ -265,6 +271,64 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         past_key_positions=F.default_positions(given["past_key_positions"], 0, P)
         if rope and "past_key_positions" in given else None,
     )
+    if config.indexer is not None:
+        run_indexer(config, call, is_causal, causal_alignment, given.get("positions"), given.get("key_positions"),
+                    past_index_keys)
+    return call
+
+
+def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
+                key_positions, past_index_keys) -> None:
+    """impl_numpy.attention.run_indexer in TensorFlow: the indexer's selection (impl_tf.indexer) over the keys
+    every other mask shows (call.allowed before the selection joins it, any head's), joined to call.mask4;
+    call.selection and call.present_index_keys set (an in-place cache: past_index_keys a tf.Variable (B, C,
+    J), the new index keys assigned at P..P+S-1, the variable returned). Eager only (impl_tf.indexer reads its
+    inputs as NumPy arrays): refused in a graph. No gradient flows through it (the selection is piecewise
+    constant; the indexer's variables get zeros)."""
+    if not TENSORFLOW:  # impl_tf/indexer.py is written in TensorFlow (its float8 scoring too)
+        raise NotImplementedError(INDEXER_UNSUPPORTED)
+    import tensorflow as tf
+
+    from .indexer import lightning_indexer
+
+    if not tf.executing_eagerly():
+        raise ValueError("config.indexer runs eagerly in impl_tf (its indexer reads NumPy arrays): call the layer "
+                         "outside tf.function")
+    T, S, P = call.shapes.T, call.shapes.S, call.shapes.P
+    allowed = call.allowed(config, is_causal, causal_alignment)
+    mask = None
+    if allowed is not None:
+        mask = np.broadcast_to(np.asarray(ops.convert_to_numpy(allowed)).any(axis=1, keepdims=True),
+                               (allowed.shape[0], 1, T, P + S))
+    in_place = call.cache_length is not None and past_index_keys is not None
+    if in_place and (not isinstance(past_index_keys, tf.Variable) or F.dtype_name(past_index_keys) != call.dtype):
+        raise in_place_buffer_error("past_index_keys", f"be a tf.Variable of the storage dtype {call.dtype}",
+                                    f"a {type(past_index_keys).__name__}")
+    past = None
+    if past_index_keys is not None:
+        past = ops.convert_to_numpy(past_index_keys[:, :P] if in_place else past_index_keys)
+
+    def host(x):
+        return None if x is None else np.asarray(ops.convert_to_numpy(x))
+
+    result = lightning_indexer(config, {n: host(t) for n, t in call.params.items() if n.startswith(("indexer.",
+                                                                                                    "query.down."))},
+                               host(call.query), host(call.key), positions=host(positions),
+                               key_positions=host(key_positions), past_index_keys=past, mask=mask, is_causal=False,
+                               dtype=call.dtype)
+    present = result["present_index_keys"]
+    if in_place:
+        past_index_keys[:, P:P + S].assign(tf.cast(present[:, P:], call.dtype))
+        present = past_index_keys
+    call.selection, call.present_index_keys = result["topk_indices"], present
+    selected = F.selection_mask(call.selection, config.num_heads, call.S_total)
+    call.mask4 = selected if call.mask4 is None else ops.logical_and(call.mask4, selected)
+
+
+# Why the indexer (config.indexer) runs on TensorFlow's backend alone (conformance.suite.backends.NOT_YET says
+# so for keras-jax and keras-torch).
+INDEXER_UNSUPPORTED = (f"config.indexer needs Keras's TensorFlow backend (keras runs on {BACKEND}): impl_tf's "
+                       "indexer stage (impl_tf/indexer.py) is written in TensorFlow; its keras.ops form is not written")
 
 
 # Why the in-place cache (cache_length=) is TensorFlow's alone: the new keys are written into the caller's

@@ -69,7 +69,7 @@ def _initializer(name: str, num_heads: int):
         return "ones"
     if name == "alibi.slopes":
         return keras.initializers.Constant(bloom_slopes(num_heads))
-    if name == "gate.kernel":
+    if name == "gate.kernel" or (name.startswith("indexer.") and name.endswith(".kernel")):
         return "glorot_uniform"
     return "zeros"
 
@@ -168,7 +168,8 @@ class MultiHeadAttention(keras.layers.Layer):
             # slopes, the gate's kernel drawn as a Dense kernel is).
             self.extra_variables = {}
             for name, shape in c.tensor_shapes().items():
-                if ".norm." in name or name in ("sinks", "alibi.slopes", "gate.kernel", "gate.bias"):
+                if (".norm." in name or name in ("sinks", "alibi.slopes", "gate.kernel", "gate.bias")
+                        or name.startswith("indexer.")):  # the indexer's (no gradient reaches them from the output)
                     self.extra_variables[name] = self.add_weight(shape=shape, initializer=_initializer(name, N),
                                                                  name=name.replace(".", "_"))
             self.seed_generator = None if seed is None else keras.random.SeedGenerator(self.seed)
@@ -274,7 +275,8 @@ class MultiHeadAttention(keras.layers.Layer):
     def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
              training=None, dropout_mask=None, seed=None, positions=None, key_positions=None, past_key=None,
              past_value=None, segment_ids=None, key_segment_ids=None, return_weights=False, return_cache=False,
-             chunk_size=None, cache_length=None, past_key_positions=None, topk_indices=None):
+             chunk_size=None, cache_length=None, past_key_positions=None, topk_indices=None, past_index_keys=None,
+             return_selection=False):
         training = bool(training)
         try:
             with placement(self.device), matmul_precision(self.precision):
@@ -287,6 +289,7 @@ class MultiHeadAttention(keras.layers.Layer):
                     segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
                     return_cache=return_cache, chunk_size=self.chunk_size if chunk_size is None else chunk_size,
                     cache_length=cache_length, past_key_positions=past_key_positions, topk_indices=topk_indices,
+                    past_index_keys=past_index_keys, return_selection=return_selection,
                 )
         except ValueError as err:
             # Keras rewrites the message of an error raised in call() (adding
@@ -307,7 +310,7 @@ class MultiHeadAttention(keras.layers.Layer):
         return result, entries
 
     def compute_output_spec(self, query, key=None, value=None, return_weights=False, return_cache=False,
-                            past_key=None, cache_length=None, **_options):
+                            past_key=None, cache_length=None, return_selection=False, **_options):
         c = self.config
         B, T = query.shape[0], query.shape[1]
         S = (query if key is None else key).shape[1]
@@ -320,8 +323,15 @@ class MultiHeadAttention(keras.layers.Layer):
         parts = [keras.KerasTensor((B, T, c.out_dim), dtype=dtype)]
         if return_weights:
             parts.append(keras.KerasTensor((B, c.num_heads, T, S), dtype=dtype))
+        if return_selection:  # the indexer's selection: (B, T, k') or (B, K, T, k'), int64
+            ix = c.indexer
+            width = None if S is None else min(ix.topk * (ix.block_size or 1), S)
+            lead = (B, c.num_kv_heads) if ix.per_kv_head else (B,)
+            parts.append(keras.KerasTensor((*lead, T, width), dtype="int64"))
         if return_cache:  # (B, K, ., H) and (B, K, ., V); a latent layer's (B, 1, ., C) and (B, 1, ., R)
             parts += [keras.KerasTensor((B, heads, C, width), dtype=dtype) for heads, width, _ in cache_widths(c)]
+            if c.indexer is not None:  # present_index_keys (B, ., J)
+                parts.append(keras.KerasTensor((B, C, c.indexer.head_dim), dtype=dtype))
         return parts[0] if len(parts) == 1 else tuple(parts)
 
     # -- serialisation ---------------------------------------------------------------

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 import weights
-from weights.call import OPTIONAL_INPUTS, split_result
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
 from weights.contract import check_input_values
-from weights.paths import common_path_options, in_place_buffers, new_keys
+from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
 from .convert import to_numpy, to_torch, torch_dtype
@@ -56,7 +56,7 @@ def _kwargs(inputs, options, device, *, skip=()):
         return None if inputs.get(name) is None else to_torch(inputs[name], device)
 
     return dict(
-        **{name: get(name) for name in OPTIONAL_INPUTS if name not in skip},
+        **{name: get(name) for name in OPTIONAL_INPUTS + INDEXER_INPUTS if name not in skip},
         is_causal=bool(options.get("is_causal", False)),
         causal_alignment=options.get("causal_alignment", "top_left"),
         training=bool(options.get("training", False)), seed=options.get("seed"), dtype=options.get("dtype"),
@@ -88,15 +88,22 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
         for name, buffer in zip(CACHE, buffers):
             kwargs[name] = to_torch(buffer, dev).to(dtype)
         kwargs["cache_length"] = P
+        if config.indexer is not None:
+            kwargs["past_index_keys"] = to_torch(index_buffer(inputs, buffers[0].shape[2], np.float64), dev).to(dtype)
+    selection = config.indexer is not None  # the indexer's selection is returned, to be judged
     with matmul_precision(precision), torch.no_grad():
         result = multi_head_attention(
             config, params, to_torch(inputs["query"], dev), inputs.get("key"), inputs.get("value"),
-            return_weights=return_weights, return_cache=return_cache, trace=entries, **kwargs,
+            return_weights=return_weights, return_cache=return_cache, trace=entries, return_selection=selection,
+            **kwargs,
         )
-    answer = split_result(result, return_weights, return_cache, to_numpy)
+    answer = split_result(result, return_weights, return_cache, to_numpy, return_selection=selection,
+                          index_cache=selection)
     if "cache_length" in kwargs and return_cache:  # the buffers, whole: the cache is their first P + S positions
         answer["present_key"], answer["present_value"] = (answer[name][:, :, :P + S] for name in
                                                           ("present_key", "present_value"))
+        if "present_index_keys" in answer:
+            answer["present_index_keys"] = answer["present_index_keys"][:, :P + S]
     if trace:
         answer["trace"] = [(e.stage, to_numpy(e.value)) for e in entries]
     return answer

@@ -42,6 +42,7 @@ from weights.contract import (
     Plan,
     check_bias_values,
     check_call,
+    check_indexer_call,
     check_position_values,
     check_topk_values,
     in_place_buffer_error,
@@ -74,6 +75,8 @@ class Call:
     past_value: torch.Tensor | None = None  # (B, K, P, V); with cache_length (B, K, C, V)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
     past_key_positions: torch.Tensor | None = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
+    selection: torch.Tensor | None = None  # config.indexer's selection (B, T, k) or (B, K, T, k) int64
+    present_index_keys: torch.Tensor | None = None  # (B, P+S, J); with cache_length the caller's buffer (B, C, J)
 
     @property
     def every_key_position(self) -> torch.Tensor | None:
@@ -176,10 +179,12 @@ def _check_position_values(config: AttentionConfig, positions: torch.Tensor | No
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, sdpa=False, past_key_positions=None, topk_indices=None) -> Call:
+            materializes_scores=True, sdpa=False, past_key_positions=None, topk_indices=None,
+            past_index_keys=None) -> Call:
     """Validate a call and cast everything to the storage dtype. sdpa: the
     core will run through SDPA; when SDPA's own is_causal can apply (the
-    Call's plain_causal), the (T, S) causal mask is not built at all."""
+    Call's plain_causal), the (T, S) causal mask is not built at all. With
+    config.indexer the indexer's selection joins the mask (run_indexer)."""
     stored = check_tensors(config, tensors)
     dtype = stored if dtype is None else torch_dtype(dtype)
     device = next(iter(tensors.values())).device  # where the weights live; every input follows them
@@ -220,6 +225,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     selection = given.get("topk_indices")
     if selection is not None and not torch.compiler.is_compiling():  # (a value read would break the graph)
         check_topk_values(selection.cpu().numpy(), shapes.P, shapes.S)
+    check_indexer_call(config, selection is not None, past_index_keys, shapes, cache_length)
     T, S_total = shapes.T, shapes.S_total
     in_place = shapes.capacity is not None
     if in_place:
@@ -239,7 +245,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     windowed = config.window_left >= 0 or config.window_right >= 0
     # ALiBi's bias and the local chunks go into SDPA's attn_mask, which its own is_causal cannot join
-    plain_causal = (sdpa and is_causal and mask_t is None and selection is None and bias_t is None and not windowed
+    plain_causal = (sdpa and is_causal and mask_t is None and selection is None and config.indexer is None
+                    and bias_t is None and not windowed
                     and not config.alibi and config.local_chunk is None
                     and segment_ids is None and (causal_alignment == "top_left" or T == S_total))
     positions_t = key_positions_t = past_key_positions_t = None
@@ -249,6 +256,18 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         if "past_key_positions" in given:
             past_key_positions_t = F.default_positions(given["past_key_positions"], 0, shapes.P, device)
     mask4 = None if mask_t is None else mask_t.reshape(shapes.mask_shape)
+    index = None
+    if config.indexer is not None:  # impl_numpy.attention.run_indexer: the keys every other mask shows, any head's
+        every_key = None if key_positions_t is None else F.all_key_positions(key_positions_t, shapes.P,
+                                                                              past_key_positions_t)
+        index_allowed = F.allowed_mask(mask4, T, S_total, is_causal, causal_alignment,
+                                       window_left=config.window_left, window_right=config.window_right,
+                                       segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+                                       local_chunk=config.local_chunk, positions=positions_t,
+                                       key_positions=every_key, device=device)
+        index = run_indexer(config, params, query.to(dtype), key.to(dtype), dtype, index_allowed, shapes,
+                            given.get("positions"), given.get("key_positions"), past_index_keys, in_place)
+        selection = index[0]
     if selection is not None:  # the selection joins the mask (impl_numpy.attention.prepare): (B, 1|N, T, S_total)
         selected = F.selection_mask(selection, config.num_heads, S_total)
         mask4 = selected if mask4 is None else mask4 & selected
@@ -265,12 +284,43 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     call = Call(shapes=shapes, params=params, query=query, key=key, value=value, allowed=allowed, bias4=bias_t,
                 keep=keep_t, dtype=dtype, plain_causal=plain_causal, positions=positions_t,
                 key_positions=key_positions_t, past_key_positions=past_key_positions_t)
+    if index is not None:
+        call.selection, call.present_index_keys = index
     if in_place:
         # the buffers themselves (their infinities are not checked: that would read the whole cache every token)
         call.past_key, call.past_value, call.cache_length = past_key, past_value, shapes.P
     elif "past_key" in given:
         call.past_key, call.past_value = given["past_key"].to(dtype), given["past_value"].to(dtype)
     return call
+
+
+def run_indexer(config: AttentionConfig, params, query, key, dtype, allowed, shapes: CallShapes, positions,
+                key_positions, past_index_keys, in_place: bool):
+    """impl_numpy.attention.run_indexer in torch: (selection, present_index_keys), under torch.no_grad() (the
+    selection is piecewise constant; the indexer's tensors get no gradient from the output). allowed: every
+    other mask (B|1, N|1, T|1, S_total|1) or None, any head's key offered to the selection. In place: the
+    new index keys written into the caller's buffer at P..P+S-1, the buffer returned whole."""
+    from .indexer import lightning_indexer
+
+    T, S, P = shapes.T, shapes.S, shapes.P
+    index_mask = None
+    if allowed is not None:
+        index_mask = allowed.any(dim=1, keepdim=True).expand(allowed.shape[0], 1, T, P + S)
+    buffer = past = past_index_keys
+    if in_place and past_index_keys is not None:
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != dtype or buffer.device != query.device:
+            raise in_place_buffer_error("past_index_keys", f"be a torch tensor of the storage dtype "
+                                        f"{dtype_name(dtype)} on {query.device}", f"a {type(buffer).__name__}")
+        past = buffer[:, :P]
+    with torch.no_grad():
+        result = lightning_indexer(config, {n: t.detach() for n, t in params.items()}, query.detach(), key.detach(),
+                                   positions=positions, key_positions=key_positions, past_index_keys=past,
+                                   mask=index_mask, is_causal=False, dtype=dtype_name(dtype), device=query.device)
+        present = result["present_index_keys"]
+        if in_place and buffer is not None:
+            buffer[:, P:P + S] = present[:, P:]
+            present = buffer
+    return result["topk_indices"], present
 
 
 def past_key_buffers(past_key, past_value, dtype: torch.dtype, device: torch.device):
@@ -467,7 +517,9 @@ def multi_head_attention(
     key_segment_ids: torch.Tensor | None = None,
     past_key_positions: torch.Tensor | None = None,
     topk_indices: torch.Tensor | None = None,
+    past_index_keys: torch.Tensor | None = None,
     return_weights: bool = False,
+    return_selection: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
     dtype: str | torch.dtype | None = None,
@@ -484,6 +536,10 @@ def multi_head_attention(
     0..P-1), as impl_numpy's, on every path (the in-place cache included).
     topk_indices (B, T, k) or (B, K, T, k): the keys each query may see, as
     impl_numpy's; it joins the boolean mask, SDPA's attn_mask included.
+    With config.indexer: the indexer's selection, past_index_keys,
+    return_selection and present_index_keys as impl_numpy's (results
+    (output[, weights][, selection][, present_key, present_value[,
+    present_index_keys]])); the selection is made under torch.no_grad().
 
     tensors: the canonical tensors (impl_numpy's names and layouts) as torch
     tensors on one device; inputs, masks, bias, ids and the cache are moved
@@ -513,7 +569,10 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype, materializes_scores=not will_use_sdpa,
         sdpa=will_use_sdpa, past_key_positions=past_key_positions, topk_indices=topk_indices,
+        past_index_keys=past_index_keys,
     )
+    if return_selection and call.selection is None:
+        raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params
     # A latent layer runs the absorbed form on SDPA and on an in-place cache (never expanding the cache), the
@@ -552,8 +611,11 @@ def multi_head_attention(
         ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
     ctx = rec("merge_heads", F.merge_heads(ctx))  # (B, T, N*V)
     out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
-    if not (return_weights or return_cache):
+    if not (return_weights or return_cache or return_selection):
         return out
     if call.cache_length is not None:
         present_key, present_value = call.past_key, call.past_value  # the buffers, whole
-    return (out,) + ((w,) if return_weights else ()) + ((present_key, present_value) if return_cache else ())
+    result = (out,) + ((w,) if return_weights else ()) + ((call.selection,) if return_selection else ())
+    if return_cache:
+        result += (present_key, present_value) + ((call.present_index_keys,) if config.indexer is not None else ())
+    return result

@@ -67,12 +67,18 @@ def _topk(x, k, bug):
     return np.where(chosen > -np.inf, order, -1)
 
 
-def port(config, tensors, x, bug=None):
-    """config: AttentionConfig with an indexer; x (B, T, D) the query input (self-attention, no cache)."""
+def port(config, tensors, x, bug=None, *, key=None, past_index_keys=None):
+    """config: AttentionConfig with an indexer; x (B, T, D) the query input; key (B, S, Dk) the new keys' input
+    (default x: self-attention); past_index_keys (B, P, J) the cache's index keys (default none). The queries
+    are the last T of the P + S tokens (positions P + S - T ..., bottom-right), the new keys at P .. P+S-1.
+    Also returns "present_index_keys" (B, P+S, J)."""
     ix = config.indexer
     t = {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
     x = np.asarray(x, dtype=np.float32)
+    key = x if key is None else np.asarray(key, dtype=np.float32)
     B, T, _ = x.shape
+    P = 0 if past_index_keys is None else np.shape(past_index_keys)[1]
+    n = P + key.shape[1]  # every key
     I, J = ix.heads, ix.head_dim
     src = x
     if ix.query_source == "latent":
@@ -82,12 +88,14 @@ def port(config, tensors, x, bug=None):
     if ix.query_norm is not None:
         q = _norm(q, t["indexer.query.norm.scale"], t.get("indexer.query.norm.bias"), ix.query_norm.type,
                   ix.query_norm.eps)
-    k = x @ t["indexer.key.kernel"]  # (B, T, J)
+    k = key @ t["indexer.key.kernel"]  # (B, S, J)
     k = _norm(k, t["indexer.key.norm.scale"], t.get("indexer.key.norm.bias"), ix.key_norm.type, ix.key_norm.eps)
-    pos = np.arange(T)
+    pos = np.arange(n - T, n)  # the queries: the last T tokens
     r = ix.rope
     q = _rope(q, pos, r.rotary_dim, r.interleaved, r.theta, ix.rope_end == "first", bug)
-    k = _rope(k, pos, r.rotary_dim, r.interleaved, r.theta, ix.rope_end == "first", bug)
+    k = _rope(k, np.arange(P, n), r.rotary_dim, r.interleaved, r.theta, ix.rope_end == "first", bug)
+    if past_index_keys is not None:
+        k = np.concatenate([np.asarray(past_index_keys, dtype=np.float32), k], axis=1)  # (B, P+S, J)
     dots = np.einsum("bitj,bsj->bits", q, k) * np.float32(ix.effective_score_scale)
     if ix.relu and bug != "relu_dropped":
         dots = np.maximum(dots, 0)
@@ -100,24 +108,25 @@ def port(config, tensors, x, bug=None):
         scores = dots
     else:
         scores = np.broadcast_to(dots.sum(1, keepdims=True), dots.shape) if ix.per_kv_head else dots.sum(1, keepdims=True)
-    future = np.arange(T)[None, :] > np.arange(T)[:, None]
+    future = np.arange(n)[None, :] > np.arange(n - T, n)[:, None]
     masked = np.where(future, -np.inf, scores)
-    out = {"index_scores": masked}
+    out = {"index_scores": masked, "present_index_keys": k}
     if ix.block_size is None:
         if bug == "causal_after_topk":
-            sel = _topk(scores, min(ix.topk, T), bug)
+            sel = _topk(scores, min(ix.topk, n), bug)
             sel = np.where(np.take_along_axis(np.broadcast_to(future, scores.shape), sel, -1), -1, sel)
         else:
-            sel = _topk(masked, min(ix.topk, T), bug)
+            sel = _topk(masked, min(ix.topk, n), bug)
         out["topk_indices"] = sel if ix.per_kv_head else sel[:, 0]
         return out
     bs = ix.block_size
-    nb = -(-T // bs)
-    blocks = np.stack([masked[..., j * bs:(j + 1) * bs].max(-1) for j in range(nb)], -1)  # (B, G, T, nb)
+    nb = -(-n // bs)
+    pooled = scores if bug == "causal_after_topk" else masked
+    blocks = np.stack([pooled[..., j * bs:(j + 1) * bs].max(-1) for j in range(nb)], -1)  # (B, G, T, nb)
     if bug != "local_block_dropped":
         for t_ in range(T):
             for back in range(ix.local_blocks):
-                blocks[..., t_, max(t_ // bs - back, 0)] = np.inf
+                blocks[..., t_, max((n - T + t_) // bs - back, 0)] = np.inf
     out["topk_blocks"] = _topk(blocks, min(ix.topk, nb), bug)
     out["block_scores"] = blocks
     return out

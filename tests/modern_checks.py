@@ -187,3 +187,25 @@ def decode_causal_masks_built(monkeypatch, functional, attention, compare) -> di
             compare(f"decode T={T} {name}", np.asarray(g), w, T)
         counts[T] = len(built) - before
     return counts
+
+
+def indexer_refusals() -> dict[str, tuple[dict, str]]:
+    """(id: (changes to the indexer_dsa_decode case's inputs, None removing one; the message's start)): a layer
+    with an indexer refuses these alike in every mirror (weights.contract.check_indexer_call)."""
+    B, P, J = 2, 8, 8
+    return {
+        "past_index_keys_missing": ({"past_index_keys": None}, "past_index_keys is missing: a call with a cache of P=8"),
+        "past_index_keys_shape": ({"past_index_keys": np.zeros((B, P - 1, J))},
+                                  r"past_index_keys must have shape \(B, P, J\) = \(2, 8, 8\)"),
+        "topk_indices_with_indexer": ({"topk_indices": np.zeros((B, 1, 2), dtype=np.int64)},
+                                      "topk_indices is given but config.indexer selects the keys itself"),
+    }
+
+
+def indexer_call(changes: dict) -> tuple:
+    """(config, tensors, inputs, options) of the indexer_dsa_decode case in float32 with `changes`."""
+    from conformance.suite.cases import CASES, make_inputs, make_tensors
+
+    case = CASES["indexer_dsa_decode"]
+    inputs = {name: x for name, x in (make_inputs(case) | changes).items() if x is not None}
+    return case.config, make_tensors(case), inputs, case.options("float32")

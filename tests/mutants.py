@@ -22,6 +22,46 @@ def _tf32(x):
 
 
 def port(config, tensors, inputs, options, bug=None):
+    index = None
+    if config.get("indexer"):  # the lightning indexer's selection, then attention over it (as topk_indices)
+        index = _indexer(config, tensors, inputs, bug)
+        if bug != "indexer_ignored":
+            inputs = {**inputs, "topk_indices": index["selection"]}
+    result = _port(config, tensors, inputs, options, bug)
+    if index is not None:
+        result["selection"] = index["selection"]
+        if options.get("return_cache") and options["dtype"] != "float64":
+            result["present_index_keys"] = index["present_index_keys"].astype(result["output"].dtype)
+        elif options.get("return_cache"):  # verify reads the reason; check judges what is returned
+            result["not_returned"] = {"present_index_keys": "the hand indexer port computes in float32"}
+    return result
+
+
+def _indexer(config, tensors, inputs, bug):
+    """The selection of tests/indexer_mutants.py's hand port (float32), blocks expanded to their keys that are
+    not in the future (as a port scatters a block mask and ANDs the causal mask): (B, T, k) or (B, K, T, k)."""
+    import indexer_mutants
+
+    from weights import AttentionConfig
+
+    cfg = AttentionConfig.from_dict(config)
+    ix = cfg.indexer
+    found = indexer_mutants.port(cfg, tensors, inputs["query"], "causal_after_topk" if bug == "indexer_causal_after_topk"
+                                 else None, key=inputs["key"], past_index_keys=inputs.get("past_index_keys"))
+    if ix.block_size is None:
+        return {"selection": found["topk_indices"], "present_index_keys": found["present_index_keys"]}
+    blocks = found["topk_blocks"]  # (B, G, T, kb)
+    n, T, bs = found["present_index_keys"].shape[1], blocks.shape[2], ix.block_size
+    keys = np.full(blocks.shape[:3] + (blocks.shape[3] * bs,), -1, dtype=np.int64)
+    for (b, g, t, slot), block in np.ndenumerate(blocks):
+        for i in range(bs):
+            j = block * bs + i
+            if block >= 0 and j < n and j <= n - T + t:
+                keys[b, g, t, slot * bs + i] = j
+    return {"selection": keys if ix.per_kv_head else keys[:, 0], "present_index_keys": found["present_index_keys"]}
+
+
+def _port(config, tensors, inputs, options, bug=None):
     dtype = np.dtype(DTYPES[options["dtype"]])
     ct = np.float64 if dtype == np.float64 else np.float32
     N, K = config["num_heads"], config["num_kv_heads"]
@@ -483,6 +523,15 @@ TOPK_MUTANTS = {
     "topk_kv_heads_tiled": ("a per-kv-head selection tiled over the query heads (head n reads kv head n % K) "
                             "instead of each kv head's repeated for its G query heads (n // G)",
                             "topk_per_kv_head_window"),
+}
+
+
+# The lightning indexer in the call (config.indexer), each bug with the grid case it targets (tests/test_indexer_call.py)
+INDEXER_MUTANTS = {
+    "indexer_ignored": ("the indexer ignored: dense attention over every key the other masks show",
+                        "indexer_dsa_prefill"),
+    "indexer_causal_after_topk": ("the causal mask applied after the indexer's top-k, not before: future keys take "
+                                  "slots, and a query attends to fewer than k keys", "indexer_dsa_prefill"),
 }
 
 

@@ -51,7 +51,7 @@ from conformance.suite.cases import (  # noqa: E402
 )
 from conformance.suite.compare import case_policy, expected_for  # noqa: E402
 from conformance.suite.tolerance import compare, max_finite_abs, policy_for  # noqa: E402
-from weights.call import OPTIONAL_STAGES  # noqa: E402
+from weights.call import OPTIONAL_STAGES, result_names  # noqa: E402
 
 pytestmark = pytest.mark.jax
 
@@ -123,8 +123,8 @@ def test_case_matches_reference(name, dtype):
     assert_case_conforms(case, dtype, "jax", recorder)
     want = weights.dtype_from_name(dtype)
     fwd, back = recorder.forward_answer, recorder.vjp_answer
-    keys = ["output"] + (["weights"] if case.return_weights else []) + (
-        ["present_key", "present_value"] if case.return_cache else [])
+    index = case.config.indexer is not None  # the indexer's selection (and its cache) are answered too
+    keys = result_names(case.return_weights, case.return_cache, index, index)
     assert list(fwd) == keys, (
         f"forward answered keys {list(fwd)} with return_weights={case.return_weights}, "
         f"return_cache={case.return_cache}")

@@ -30,6 +30,8 @@ from mirrors import case_named, layer_cases  # noqa: E402
 from modern_checks import (  # noqa: E402
     cfg,
     decode_causal_masks_built,
+    indexer_call,
+    indexer_refusals,
 )
 from reference_checks import assert_case_conforms, error_of  # noqa: E402
 from test_jax import ChunkedAdapter  # noqa: E402
@@ -518,3 +520,11 @@ def test_cache_not_returned_is_not_concatenated(config_name):
         want = impl_numpy.multi_head_attention(config, tensors, x, trace=[], **options)
         assert_close(f"{config_name} T={T} {sorted(extra)}", got, want, config=config, dtype="float64",
                      quantity="output", B=2, T=T, S=P + T)
+
+
+@pytest.mark.parametrize("name", list(indexer_refusals()))
+def test_indexer_refusals_in_the_contracts_words(name):
+    """A layer with an indexer: its cache's index keys required and sized, topk_indices refused beside it."""
+    changes, message = indexer_refusals()[name]
+    with pytest.raises(ValueError, match=message):
+        jax_adapter.forward(*indexer_call(changes))

@@ -23,7 +23,7 @@ from conformance.suite.cases import CASES, Case, make_inputs, make_tensors, rand
 from conformance.suite.compare import case_policy, expected_for
 from conformance.suite.tolerance import UNIT_ROUNDOFF, compare, policy_for
 from impl_numpy import multi_head_attention
-from impl_numpy.adapter import OPTIONAL_INPUTS
+from impl_numpy.adapter import INDEXER_INPUTS, OPTIONAL_INPUTS
 from impl_numpy.magnitudes import forward_magnitudes
 
 RANDOM_SEEDS = range(930000, 930200)
@@ -33,7 +33,7 @@ NORMED_CANCELLATION = 912288  # head_dim 1, RMS QK-norm: a key projection of -8e
 
 
 def _call_args(case: Case, tensors, inputs):
-    kwargs = {name: inputs.get(name) for name in OPTIONAL_INPUTS}
+    kwargs = {name: inputs.get(name) for name in OPTIONAL_INPUTS + INDEXER_INPUTS}
     kwargs.update(is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training)
     return (case.config, tensors, inputs["query"], inputs["key"], inputs["value"]), kwargs
 
@@ -42,7 +42,7 @@ def _reference(case: Case, tensors, inputs) -> dict[str, np.ndarray]:
     """The float64 reference's trace stages, plus its returned cache."""
     args, kwargs = _call_args(case, tensors, inputs)
     entries: list = []
-    _, _, present_key, present_value = multi_head_attention(
+    _, _, present_key, present_value, *_ = multi_head_attention(  # (an indexer's present_index_keys last)
         *args, **kwargs, return_weights=True, return_cache=True, trace=entries, dtype="float64")
     stages = {e.stage: np.asarray(e.value) for e in entries}
     assert len(stages) == len(entries), "a stage traced twice"

@@ -36,6 +36,8 @@ from modern_checks import (  # noqa: E402
     decode_causal_masks_built,
     decode_in_place,
     decode_reference,
+    indexer_call,
+    indexer_refusals,
 )
 from reference_checks import assert_case_conforms, error_of  # noqa: E402
 
@@ -554,3 +556,11 @@ def test_an_in_place_cache_refuses_a_buffer_it_cannot_write():
             "cache_length writes past_key/past_value in place, which no gradient passes through: got a call under "
             "a recording GradientTape (an in-place cache is for inference)")
     assert not good.numpy().any(), "a refused call wrote into the buffer"
+
+
+@pytest.mark.parametrize("name", list(indexer_refusals()))
+def test_indexer_refusals_in_the_contracts_words(name):
+    """A layer with an indexer: its cache's index keys required and sized, topk_indices refused beside it."""
+    changes, message = indexer_refusals()[name]
+    with pytest.raises(ValueError, match=message):
+        tf_adapter.forward(*indexer_call(changes))

@@ -17,6 +17,8 @@ torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install 
 
 from modern_checks import (  # noqa: E402
     cfg,
+    indexer_call,
+    indexer_refusals,
 )
 
 import impl_numpy  # noqa: E402
@@ -302,3 +304,11 @@ def test_decode_step_present_cache_in_numpy_memory(use_sdpa, monkeypatch):
     (out.sum() + present_key.sum()).backward()
     assert past_key.grad is not None and bool(torch.isfinite(past_key.grad).all()), "no gradient reached past_key"
     assert float((past_key.grad - 1).abs().sum()) > 0, "the gradient through the output is missing"
+
+
+@pytest.mark.parametrize("name", list(indexer_refusals()))
+def test_indexer_refusals_in_the_contracts_words(name):
+    """A layer with an indexer: its cache's index keys required and sized, topk_indices refused beside it."""
+    changes, message = indexer_refusals()[name]
+    with pytest.raises(ValueError, match=message):
+        torch_adapter.forward(*indexer_call(changes))

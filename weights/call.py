@@ -17,6 +17,9 @@ import numpy as np
 # signatures take them; every adapter passes them through by these names.
 OPTIONAL_INPUTS = ("mask", "bias", "dropout_mask", "positions", "key_positions", "past_key", "past_value",
                    "segment_ids", "key_segment_ids", "past_key_positions", "topk_indices")
+# The lightning indexer's cache (a config with `indexer`: docs/sparse-attention.md), apart from OPTIONAL_INPUTS
+# so that a mirror without the indexer (impl_mlx) is called as before; the mirrors with it take it by this name.
+INDEXER_INPUTS = ("past_index_keys",)
 
 # The traced stages, in order (docs/spec.md); a call records the ones it runs (clip, norms, rope, temperature,
 # softcap, alibi and the gate only when configured; query.norm and key.norm after the rope stages where the
@@ -82,10 +85,20 @@ def record(trace: list | None, stage: str, value):
     return value
 
 
+def result_names(return_weights: bool, return_cache: bool, return_selection: bool = False,
+                 index_cache: bool = False) -> list[str]:
+    """The names of multi_head_attention's results, in order: output[, weights][, selection][, present_key,
+    present_value[, present_index_keys]] (present_index_keys where the config has an indexer: index_cache)."""
+    return (["output"] + (["weights"] if return_weights else []) + (["selection"] if return_selection else [])
+            + (["present_key", "present_value"] + (["present_index_keys"] if index_cache else [])
+               if return_cache else []))
+
+
 def split_result(result, return_weights: bool, return_cache: bool,
-                 to_array: Callable[[Any], np.ndarray] = np.asarray) -> dict:
-    """multi_head_attention's (output[, weights][, present_key, present_value]) as a dict of NumPy arrays."""
-    parts = list(result) if (return_weights or return_cache) else [result]
-    names = ["output"] + (["weights"] if return_weights else []) + (["present_key", "present_value"]
-                                                                     if return_cache else [])
+                 to_array: Callable[[Any], np.ndarray] = np.asarray, *, return_selection: bool = False,
+                 index_cache: bool = False) -> dict:
+    """multi_head_attention's (output[, weights][, selection][, present_key, present_value[,
+    present_index_keys]]) as a dict of NumPy arrays."""
+    names = result_names(return_weights, return_cache, return_selection, index_cache)
+    parts = list(result) if len(names) > 1 else [result]
     return {name: to_array(value) for name, value in zip(names, parts, strict=True)}

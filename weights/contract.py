@@ -186,6 +186,34 @@ class Plan:
 PATHS = ("stages", "fused", "sdpa", "chunked")
 
 
+def check_indexer_call(config, topk_given: bool, past_index_keys, shapes: CallShapes,
+                       cache_length) -> None:
+    """A layer with an indexer selects its keys itself: topk_indices with it is refused (a layer that takes
+    another's selection, GLM-5's shared layers, has no indexer), and its cache is past_index_keys (B, P, J),
+    or with cache_length the caller's buffer (B, C, J) whose first P positions are the cache."""
+    if config.indexer is None:
+        if past_index_keys is not None:
+            raise ValueError("past_index_keys is given but config.indexer is null (no indexer, no index cache)")
+        return
+    if topk_given:
+        raise ValueError("topk_indices is given but config.indexer selects the keys itself: pass one of them (a layer "
+                         "that reuses another's selection, GLM-5's shared layers, has no indexer)")
+    B, P, J = shapes.B, shapes.P, config.indexer.head_dim
+    if past_index_keys is None:
+        if P:
+            raise ValueError(f"past_index_keys is missing: a call with a cache of P={P} keys and config.indexer "
+                             f"needs the index keys of those P tokens, (B, P, J) = ({B}, {P}, {J})")
+        return
+    shape = tuple(np.shape(past_index_keys))
+    if cache_length is None:
+        if shape != (B, P, J):
+            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, {P}, {J}) (P: past_key's length): "
+                             f"got {shape}")
+    elif len(shape) != 3 or shape[0] != B or shape[2] != J or shape[1] < P + shapes.S:
+        raise ValueError(f"past_index_keys must be a buffer of shape (B, C, J) = ({B}, C, {J}) with C >= "
+                         f"cache_length + S = {P + shapes.S} (an in-place cache): got {shape}")
+
+
 def in_place_buffer_error(name: str, must: str, got: str) -> ValueError:
     """The one wording every implementation gives for a past_key/past_value
     it cannot write in place (cache_length=): `must` says what the

@@ -56,6 +56,19 @@ def new_keys(inputs: dict) -> int:
     return np.shape(inputs["query"] if inputs.get("key") is None else inputs["key"])[1]
 
 
+def index_buffer(inputs: dict, capacity: int, dtype) -> np.ndarray:
+    """The indexer's cache (past_index_keys (B, P, J), or none with P = 0) copied into the first P positions of
+    a zeroed (B, capacity, J) buffer of `dtype`, beside in_place_buffers' (config.indexer's in-place cache)."""
+    past = inputs.get("past_index_keys")
+    B = np.shape(inputs["query"])[0]
+    if past is None:
+        raise ValueError("past_index_keys is missing: an in-place cache with config.indexer needs it")
+    past = np.asarray(past)
+    buffer = np.zeros((B, capacity, past.shape[2]), dtype)
+    buffer[:, :past.shape[1]] = past
+    return buffer
+
+
 def in_place_buffers(inputs: dict, dtype) -> tuple[np.ndarray, np.ndarray, int]:
     """The call's cache copied into the first P positions of zeroed NumPy buffers of capacity P + S + SPARE,
     in `dtype` (the storage dtype, as the contract asks of buffers written in place): (past_key, past_value,

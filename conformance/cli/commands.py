@@ -115,6 +115,10 @@ def cmd_run(args) -> int:
         arrays["weights"] = result["weights"]
     if args.return_cache:  # the cache for the next call: feed them back as past_key / past_value
         arrays["present_key"], arrays["present_value"] = result["present_key"], result["present_value"]
+        if "present_index_keys" in result:  # a config with indexer: fed back as past_index_keys
+            arrays["present_index_keys"] = result["present_index_keys"]
+    if "selection" in result:  # a config with indexer: the keys each query attended to (topk_indices format)
+        arrays["selection"] = result["selection"]
     write_arrays(args.out, arrays, overwrite=args.overwrite,
                  metadata={"backend": args.backend, "device": args.device, "dtype": str(result["output"].dtype)})
     shape = "x".join(map(str, result["output"].shape))
@@ -221,7 +225,7 @@ def _add_call_arguments(p, *, write: bool) -> None:
 
     p.add_argument("--backend", default="numpy", choices=list(REGISTRY), help="implementation to run (default numpy)")
     p.add_argument("--weights", required=True, help="weight file (mha-weights safetensors)")
-    p.add_argument("--inputs", required=True, help="inputs safetensors: query [key value mask bias dropout_mask positions key_positions past_key past_value segment_ids key_segment_ids past_key_positions topk_indices]")
+    p.add_argument("--inputs", required=True, help="inputs safetensors: query [key value mask bias dropout_mask positions key_positions past_key past_value segment_ids key_segment_ids past_key_positions topk_indices past_index_keys]")
     p.add_argument("--causal", action="store_true", help="apply a causal mask")
     p.add_argument("--causal-alignment", default="top_left", choices=["top_left", "bottom_right"])
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (default: the weights' dtype)")

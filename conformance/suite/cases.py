@@ -109,7 +109,7 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
-    ] + _modern_grid() + _topk_grid() + _long_grid()
+    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid()
 
 
 def _modern_grid() -> list[Case]:
@@ -305,6 +305,30 @@ def _topk_grid() -> list[Case]:
     ]
 
 
+def _indexer_grid() -> list[Case]:
+    """The lightning indexer in the call (config.indexer, issue 39): the attention sees the indexer's selection.
+    DeepSeek V3.2's on a latent (MLA) layer, per query from the normed query latent (half-split RoPE on 4 of 8
+    features, a LayerNorm on the key, head weights, ReLU): a causal prefill of 9 tokens keeping k = 3 (every
+    query past the third drops keys), and a decode step of one token over a cache of 8 with its index keys
+    (past_index_keys; the absorbed form on the fused paths and the in-place cache). MiniMax M3's per kv head
+    on a GQA layer: blocks of 2 keys, 2 kept, the query's own block always (local_blocks 1), per-head RMS
+    norms, no weights, no ReLU, score scale 1, 10 tokens. Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    latent = {"query_rank": 6, "kv_rank": 6, "rope_dim": 4}
+    dsa = {"heads": 4, "head_dim": 8, "topk": 3, "key_norm": {"type": "layer", "eps": 1e-6},
+           "rope": {"rotary_dim": 4, "theta": 500.0}}
+    mla = dict(num_heads=4, head_dim=8, use_value_bias=False, rope={"rotary_dim": 4}, latent=latent, indexer=dsa)
+    m3 = {"heads": 2, "head_dim": 8, "topk": 2, "query_source": "input", "query_norm": {"type": "rms"},
+          "key_norm": {"type": "rms"}, "rope": {"rotary_dim": 4}, "head_weights": False, "relu": False,
+          "score_scale": 1.0, "per_kv_head": True, "block_size": 2, "local_blocks": 1}
+    return [
+        Case("indexer_dsa_prefill", _cfg(**mla), T=9, S=9, is_causal=True),
+        Case("indexer_dsa_decode", _cfg(**mla), T=1, S=1, P=8, return_weights=False, **decode),
+        Case("indexer_m3_blocks", _cfg(num_heads=4, num_kv_heads=2, head_dim=8, rope={"rotary_dim": 4}, indexer=m3),
+             T=10, S=10, is_causal=True),
+    ]
+
+
 def _long_cfg(**kw) -> AttentionConfig:
     """A realistic length's shape, kept cheap: 4 heads of 8 features over 16 input features, 8 outputs."""
     return _cfg(**{"num_heads": 4, "head_dim": 8, "query_dim": 16, "out_dim": 8, **kw})
@@ -357,7 +381,8 @@ PROFILE_DTYPES: dict[str, tuple[str, ...]] = {"default": DTYPE_NAMES, "long": ("
 # float64 float32 float16 bfloat16` runs them all. Measured back to back (2026-11-29, 2-core AMD EPYC VM, a day
 # whose grid before these nine cases took 52.8 s cold / 22.6 s warm): all four dtypes of the nine cases took a
 # plain check to about 60 s cold / 40 s warm, float32 and bfloat16 to 54 / 30.4 s, float32 alone to 56.8 / 26.2 s.
-CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid(), *_topk_grid(), *_long_grid()))
+CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid(), *_topk_grid(), *_indexer_grid(),
+                                                                   *_long_grid()))
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"
@@ -512,6 +537,8 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
         inputs["key_positions"] = P + np.arange(S) - pads  # (B, S)
     elif case.positions is not None:
         raise ValueError(f"case {case.name}: unknown positions kind {case.positions!r}")
+    if P and c.indexer is not None:  # the indexer's cache: one key of J features per cached token (its own rng)
+        inputs["past_index_keys"] = np.random.default_rng(case.seed + 7).standard_normal((B, P, c.indexer.head_dim))
     return inputs
 
 

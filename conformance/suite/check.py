@@ -329,7 +329,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
                    help="default: every device present for each backend")
     p.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPE_NAMES),
-                   help="default: the profile's (default: all four, the edge and top-k cases and the realistic lengths "
+                   help="default: the profile's (default: all four, the edge, top-k and indexer cases and the realistic lengths "
                         "float32 alone; long: float32 bfloat16); given, every selected case runs in each")
     p.add_argument("--profile", default="default", choices=list(PROFILES),
                    help="which grid: default (the shipped grid, its vectors), or long (T and S in the hundreds to "

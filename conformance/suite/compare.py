@@ -27,6 +27,7 @@ from conformance.suite.tolerance import Comparison, compare, comparison_status, 
 from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
 from impl_numpy.magnitudes import forward_magnitudes
+from weights.call import INDEXER_INPUTS
 
 STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
 # The path of a result whose backend has one (the native layers, a user's function) or that was run with the
@@ -122,41 +123,68 @@ def release_compiled_programs() -> None:
         programs.clear()
 
 
-def expected_for(case: Case, dtype: str) -> dict:
+def expected_for(case: Case, dtype: str, selection: np.ndarray | None = None) -> dict:
     """float64 reference evaluated on the inputs and weights rounded to `dtype`
     (the exact answer for what the backend actually receives), plus the error
-    of the NumPy reference run in `dtype` itself (for the low-precision rule)."""
-    key = (case, dtype)
+    of the NumPy reference run in `dtype` itself (for the low-precision rule).
+
+    selection: a backend's own (admissible) selection of a case with config.indexer: the reference computed
+    attending to it (its config without the indexer, the selection as topk_indices), the indexer's tensors'
+    gradients zero as the call gives them, the index cache the case's own."""
+    key = (case, dtype) if selection is None else (case, dtype, np.asarray(selection).shape,
+                                                   np.asarray(selection).tobytes())
     if key in _EXPECTED_CACHE:
         return _EXPECTED_CACHE[key]
     tensors = cast_tensors(make_tensors(case), dtype)
     inputs = cast_inputs(make_inputs(case), dtype)
-    t64, i64 = cast_tensors(tensors, "float64"), cast_inputs(inputs, "float64")
+    config, run_tensors, run_inputs = case.config, tensors, inputs
+    if selection is not None:
+        config = dataclasses.replace(config, indexer=None)
+        run_tensors = {name: t for name, t in tensors.items() if not name.startswith("indexer.")}
+        run_inputs = {name: x for name, x in inputs.items() if name != "past_index_keys"} | {
+            "topk_indices": np.asarray(selection, dtype=np.int64)}
+    t64, i64 = cast_tensors(run_tensors, "float64"), cast_inputs(run_inputs, "float64")
     d_out = output_cotangent(case)
     # the weights always, and the present cache wherever there is a cache (the in-place path returns it)
     options64 = case.options("float64") | {"return_weights": True, "return_cache": case.return_cache or case.P > 0}
-    fwd = reference.forward(case.config, t64, i64, options64, trace=True)
-    grads, magnitudes = _reference_grads(case, t64, i64, d_out)
+    fwd = reference.forward(config, t64, i64, options64, trace=True)
+    grads, magnitudes = _reference_grads(case, t64, i64, d_out, config)
     # what each forward value is summed from: the tolerance's elementwise floor, and its logit scale z
     terms, logit_errors = forward_magnitudes(
-        case.config, t64, i64["query"], i64["key"], i64["value"],
-        **{name: i64.get(name) for name in reference.OPTIONAL_INPUTS}, is_causal=case.is_causal,
+        config, t64, i64["query"], i64["key"], i64["value"],
+        **{name: i64.get(name) for name in reference.OPTIONAL_INPUTS + INDEXER_INPUTS}, is_causal=case.is_causal,
         causal_alignment=case.causal_alignment, training=case.training, logit_errors=True)
     expected = {"output": fwd["output"], "weights": fwd["weights"], "grads": grads, "magnitudes": magnitudes,
                 "forward_magnitudes": terms, "logit_errors": logit_errors, "trace": fwd["trace"],
                 "logits": dict(fwd["trace"])["logits"], "tensors": tensors, "inputs": inputs, "d_output": d_out,
-                "same_precision": {}, "max_position": max_position(case, inputs)}
-    cache = [name for name in ("present_key", "present_value") if name in fwd]
+                "same_precision": {}, "max_position": max_position(case, inputs), "selection": fwd.get("selection")}
+    cache = [name for name in ("present_key", "present_value", "present_index_keys") if name in fwd]
     expected.update({name: fwd[name] for name in cache})
+    if selection is not None:
+        own = expected_for(case, dtype)
+        expected["selection"] = np.asarray(selection)
+        if "present_index_keys" in own:
+            expected["present_index_keys"] = own["present_index_keys"]
+        for name in tensors:  # the indexer's tensors: zero gradients (the selection is a constant)
+            if name.startswith("indexer."):
+                grads[name] = own["grads"][name]
+                magnitudes[name] = own["magnitudes"][name]
     if dtype in ("float16", "bfloat16"):
-        low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {
+        if config.indexer is not None:  # the same-dtype reference attends to float64's selection: its rounding alone
+            config = dataclasses.replace(config, indexer=None)
+            run_tensors = {name: t for name, t in tensors.items() if not name.startswith("indexer.")}
+            run_inputs = {name: x for name, x in inputs.items() if name != "past_index_keys"} | {
+                "topk_indices": fwd["selection"]}
+        low = reference.forward(config, run_tensors, run_inputs, case.options(dtype) | {
             "return_weights": True, "return_cache": options64["return_cache"]})
-        low_grads = reference.vjp(case.config, tensors, inputs, case.options(dtype), d_out.astype(tensors["query.kernel"].dtype))["grads"]
-        same = {name: _max_err(low[name], fwd[name]) for name in ("output", "weights", *cache)}
-        same.update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
+        low_grads = reference.vjp(config, run_tensors, run_inputs, case.options(dtype),
+                                  d_out.astype(tensors["query.kernel"].dtype))["grads"]
+        same = {name: _max_err(low[name], fwd[name]) for name in ("output", "weights", *cache) if name in low}
+        same.update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads if name in low_grads})
         expected["same_precision"] = same
-        nan = {name: _nan_only_in(low[name], fwd[name]) for name in ("output", "weights", *cache)}
-        nan.update({f"grad {name}": _nan_only_in(low_grads[name], grads[name]) for name in grads})
+        nan = {name: _nan_only_in(low[name], fwd[name]) for name in ("output", "weights", *cache) if name in low}
+        nan.update({f"grad {name}": _nan_only_in(low_grads[name], grads[name]) for name in grads
+                    if name in low_grads})
         expected["same_precision_nan"] = {name: where for name, where in nan.items() if where is not None}
     if len(_EXPECTED_CACHE) > 512:  # sweeps make thousands of cases
         _EXPECTED_CACHE.clear()
@@ -170,11 +198,11 @@ def max_position(case: Case, inputs) -> int:
     return int(max(given, default=case.P + max(case.T, case.S)))
 
 
-def _reference_grads(case: Case, tensors, inputs, d_out):
+def _reference_grads(case: Case, tensors, inputs, d_out, config=None):
     """float64 gradients and their term magnitudes (impl_numpy.backward)."""
     _, grads, magnitudes = multi_head_attention_vjp(
-        case.config, tensors, inputs["query"], inputs["key"], inputs["value"], d_output=d_out,
-        **{name: inputs.get(name) for name in reference.OPTIONAL_INPUTS},
+        case.config if config is None else config, tensors, inputs["query"], inputs["key"], inputs["value"],
+        d_output=d_out, **{name: inputs.get(name) for name in reference.OPTIONAL_INPUTS + INDEXER_INPUTS},
         is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training,
         gradient_magnitudes=True,
     )
@@ -206,34 +234,68 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
     exp = expected_for(case, dtype)
     options = case.options(dtype) if options is None else options
     comparisons = []
+    own = None  # the backend's own admissible selection, where it differs from the reference's
+    if case.config.indexer is not None and result.get("selection") is not None:
+        verdict, own = judge_selection(case, dtype, result["selection"], options)
+        comparisons.append(verdict)
+        exp = expected_for(case, dtype, own) if own is not None else exp
 
     def check(name, quantity, actual, expected):
         comparisons.append(compare(name, actual, expected, case_policy(case, dtype, name, quantity, expected,
-                                                                        precision=precision)))
+                                                                        precision=precision, selection=own)))
 
     check("output", "output", result["output"], exp["output"])
     if options.get("return_weights"):
         if "weights" not in result:
             raise ValueError("backend returned no weights although return_weights was requested")
         check("weights", "weights", result["weights"], exp["weights"])
-    for name in ("present_key", "present_value") if options.get("return_cache") else ():
+    index_cache = ("present_index_keys",) if case.config.indexer is not None and "present_index_keys" in result else ()
+    for name in ("present_key", "present_value", *index_cache) if options.get("return_cache") else ():
         if name not in result:
             raise ValueError(f"backend returned no {name} although return_cache was requested")
         check(name, "output", result[name], exp[name])
     if grads is not None:
-        comparisons += judge_gradients(case, dtype, grads, precision=precision)
+        comparisons += judge_gradients(case, dtype, grads, precision=precision, selection=own)
     return comparisons
 
 
+def judge_selection(case: Case, dtype: str, selection, options: dict) -> tuple[Comparison, np.ndarray | None]:
+    """A backend's selection (config.indexer) against the float64 reference's: the same keys per query (the
+    order of the slots is not judged), or keys swapped within the score allowance of the k-th score
+    (conformance.suite.selection.judge_indexer). -> (the comparison, with the query and keys named when it
+    fails; the backend's selection where it differs and is admissible, for the reference to attend to, else
+    None)."""
+    from conformance.suite.selection import judge_call_selection
+    from conformance.suite.tolerance import Tolerance
+
+    exp = expected_for(case, dtype)
+    got = np.asarray(selection)
+    if got.shape[:-1] == exp["selection"].shape[:-1] and _as_sets(got) == _as_sets(exp["selection"]):
+        tol = Tolerance(0.0, 0.0, "the reference's keys for every query")
+        return Comparison(True, "selection", 0.0, None, None, None, 0.0, tol), None
+    verdict = judge_call_selection(case.config, exp["tensors"], exp["inputs"], options, got, dtype=dtype)
+    reason = (f"{verdict.describe()} (judge_indexer; the output then judged against the float64 reference "
+              "attending to this selection)")
+    comparison = Comparison(verdict.ok, "selection", math.nan, None, None, None, verdict.margin,
+                            Tolerance(0.0, 0.0, reason))
+    return comparison, (got if verdict.ok else None)
+
+
+def _as_sets(selection) -> list:
+    """Each query's selected keys as a set (-1 padding dropped): the attention takes a selection as a set."""
+    sel = np.asarray(selection)
+    return [frozenset(int(j) for j in sel[row] if j >= 0) for row in np.ndindex(*sel.shape[:-1])]
+
+
 def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, precision: str = "highest",
-                scale_floor: float = 0.0, logits: bool = True):
+                scale_floor: float = 0.0, logits: bool = True, selection=None):
     """The policy's Tolerance for one quantity of a case (its S is every key, the cache's included): z from the
     logits' magnitudes, and a forward quantity's elementwise floor from its own (output, present_key,
     present_value and every traced stage; the weights are nonnegative, their own magnitude), and a gradient's
     from impl_numpy.backward's gradient magnitudes, element by element. Downstream of
     the softmax (weights, output, the softmax to output stages) the logit term follows the keys that carry
     weight: impl_numpy.magnitudes' logit errors (tolerance.policy_for's logit_error)."""
-    exp = expected_for(case, dtype)
+    exp = expected_for(case, dtype, selection)
     terms = exp["forward_magnitudes"]
     logit_terms = terms["alibi"] if "alibi" in terms else terms["logits"]  # ALiBi's bias is part of the logits' size
     # downstream of the softmax z comes from the keys that carry weight (magnitudes' logit errors); the weights
@@ -258,17 +320,19 @@ def case_policy(case: Case, dtype: str, name: str, quantity: str, reference, *, 
         f"({int(nan_allowed.sum())} elements: a gate rounding decides, see compare._nan_only_in)"))
 
 
-def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "highest") -> list[Comparison]:
+def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "highest",
+                    selection=None) -> list[Comparison]:
     """Compare gradients (query, key, value, every canonical tensor, past_key
     and past_value with a cache) under the policy: each element allowed at
-    least the rounding of the terms it is summed from (case_policy)."""
-    exp = expected_for(case, dtype)
+    least the rounding of the terms it is summed from (case_policy). selection: the backend's own admissible
+    selection (expected_for)."""
+    exp = expected_for(case, dtype, selection)
     comparisons = []
     for name, expected in exp["grads"].items():
         if name not in grads:
             raise ValueError(f"backend returned no gradient for {name}")
         key = f"grad {name}"
-        tol = case_policy(case, dtype, key, "grad", expected, precision=precision)
+        tol = case_policy(case, dtype, key, "grad", expected, precision=precision, selection=selection)
         comparisons.append(compare(key, grads[name], expected, tol))
     return comparisons
 
@@ -318,6 +382,9 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
     result = CaseResult(case.name, backend_id, device, dtype, precision, STATUS_PASS, path=path)
     try:
         adapter = adapter or backends.load(backend_id)
+        reason = backends.not_yet(backend_id, case.config)
+        if reason:
+            raise NotImplementedError(reason)
         exp = expected_for(case, dtype)
         options = path_options(adapter, path, case, dtype)
         if options is None:

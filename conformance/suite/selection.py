@@ -196,3 +196,58 @@ def judge_indexer(config, tensors, inputs: dict, result: dict, *, dtype: str = "
         out.append(compare_selection("topk_blocks", result["topk_blocks"], ref["topk_blocks"], bs,
                                      np.where(np.isfinite(ballow), ballow, 0.0)))
     return out
+
+
+def call_selection_inputs(config, tensors, inputs: dict, options: dict) -> dict:
+    """judge_indexer's inputs for one attention call (case inputs, call options): the query, key, positions,
+    past_index_keys the call gives, in float64, and the index mask the call's other masks make
+    (impl_numpy.attention.index_mask: causal in the call's alignment, the mask, windows, segments, any head)."""
+    from impl_numpy.adapter import _kwargs
+    from impl_numpy.attention import index_mask, prepare
+    from weights.dtypes import is_float
+
+    def f64(x):
+        x = np.asarray(x)
+        return x.astype(np.float64) if is_float(x.dtype) else x
+
+    import dataclasses
+
+    arrays = {name: f64(x) for name, x in inputs.items() if x is not None}
+    # the call without its indexer (whose selection prepare would join to the mask): the other masks alone
+    plain = dataclasses.replace(config, indexer=None)
+    t64 = {name: np.asarray(t).astype(np.float64) for name, t in tensors.items() if not name.startswith("indexer.")}
+    kwargs = _kwargs({n: x for n, x in arrays.items() if n != "past_index_keys"}, options | {"dtype": "float64"})
+    call = prepare(plain, t64, arrays["query"], arrays.get("key"), arrays.get("value"), return_weights=False,
+                   **kwargs)
+    given = {"query": arrays["query"], "key": arrays["key"] if "key" in arrays else arrays["query"]}
+    given.update({name: arrays[name] for name in ("positions", "key_positions", "past_index_keys") if name in arrays})
+    mask = index_mask(plain, call, kwargs["is_causal"], kwargs["causal_alignment"])
+    if mask is not None:
+        given["mask"] = np.ascontiguousarray(mask)
+    return given
+
+
+def blocks_of(selection, block_size: int, width: int) -> np.ndarray:
+    """The blocks a selection of keys (..., k) covers, (..., width) ascending, -1 after: a block selection
+    expanded to its keys (the attention's topk_indices) read back as blocks, for compare_selection."""
+    sel = np.asarray(selection)
+    out = np.full((*sel.shape[:-1], width), -1, dtype=np.int64)
+    for row in np.ndindex(*sel.shape[:-1]):
+        blocks = np.unique(sel[row][sel[row] >= 0] // block_size)[:width]
+        out[row][:blocks.size] = blocks
+    return out
+
+
+def judge_call_selection(config, tensors, inputs: dict, options: dict, selection, *, dtype: str):
+    """A port's selection from one attention call (config.indexer; the attention's `selection` result, in the
+    topk_indices format) judged by judge_indexer against the float64 reference's. -> SelectionComparison."""
+    given = call_selection_inputs(config, tensors, inputs, options)
+    ix = config.indexer
+    result = {"topk_indices": np.asarray(selection)}
+    if ix.block_size is not None:  # the expanded keys, read back as blocks
+        n = np.asarray(given.get("past_index_keys", np.zeros((1, 0)))).shape[1] + np.shape(given["key"])[1]
+        width = min(ix.topk, -(-n // ix.block_size))
+        keys = result["topk_indices"] if ix.per_kv_head else result["topk_indices"][:, None]
+        result["topk_blocks"] = blocks_of(keys, ix.block_size, width)
+    tensors64 = {name: np.asarray(t).astype(np.float64) for name, t in tensors.items()}
+    return judge_indexer(config, tensors64, given, result, dtype=dtype)[-1]

@@ -88,7 +88,10 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
     if case.return_weights:
         arrays["expected.weights"] = exp["weights"]
         tol("weights", "weights", exp["weights"])
-    for name in ("present_key", "present_value") if case.return_cache else ():
+    if exp.get("selection") is not None:  # the indexer's selection (int64, -1 padding): verify judges a returned one
+        arrays["expected.selection"] = np.asarray(exp["selection"], dtype=np.int64)
+    cache = ("present_key", "present_value") + (("present_index_keys",) if "present_index_keys" in exp else ())
+    for name in cache if case.return_cache else ():
         arrays[f"expected.{name}"] = exp[name]
         tol(name, "output", exp[name])
     for name, grad in exp["grads"].items():

@@ -160,8 +160,67 @@ def verify_vector(fn, vector: Vector, *, require_gradients: bool = False) -> Ver
     return result
 
 
+def _not_yet(fn, config) -> str | None:
+    """A core backend's own function (impl_<backend>.adapter:attention) on a config field that backend does not
+    take yet: conformance.suite.backends.NOT_YET's reason, or None."""
+    module = getattr(fn, "__module__", "") or ""
+    if not module.startswith("impl_"):
+        return None
+    from conformance.suite import backends
+
+    return backends.not_yet(module.split(".")[0].removeprefix("impl_"), config)
+
+
+def selection_verdict(vector: Vector, answer: dict) -> tuple[Comparison | None, dict]:
+    """A returned selection (a config with `indexer`: the answer's "selection", topk_indices format) judged
+    against the float64 reference's (the vector's expected.selection) by conformance.suite.selection: the same
+    keys per query, or swaps within the score allowance. -> (the comparison, or None where nothing was
+    returned; the expected values to judge the rest by: the vector's own, or, for an admissible selection of
+    its own, the float64 reference attending to it (impl_numpy, computed here)."""
+    expected = dict(vector.expected)
+    if vector.config.indexer is None or answer.get("selection") is None or "selection" not in vector.expected:
+        return None, expected
+    from conformance.suite.compare import _as_sets
+    from conformance.suite.selection import judge_call_selection
+
+    got = np.asarray(answer["selection"])
+    want = vector.expected["selection"]
+    if got.shape[:-1] == want.shape[:-1] and _as_sets(got) == _as_sets(want):
+        return Comparison(True, "selection", 0.0, None, None, None, 0.0,
+                          Tolerance(0.0, 0.0, "the reference's keys for every query")), expected
+    verdict = judge_call_selection(vector.config, vector.tensors, vector.inputs, vector.options, got,
+                                   dtype=vector.dtype)
+    comparison = Comparison(verdict.ok, "selection", float("nan"), None, None, None, verdict.margin,
+                            Tolerance(0.0, 0.0, verdict.describe()))
+    if verdict.ok:
+        expected.update(reference_with_selection(vector, got))
+    return comparison, expected
+
+
+def reference_with_selection(vector: Vector, selection) -> dict[str, np.ndarray]:
+    """The float64 reference (impl_numpy) on the vector's inputs attending to `selection` (its config without
+    the indexer, the selection as topk_indices): output, weights, present_key / present_value and the
+    gradients the vector carries (the indexer's tensors' zero)."""
+    from impl_numpy import adapter as reference
+
+    config = dataclasses.replace(vector.config, indexer=None)
+    f64 = {n: np.asarray(t).astype(np.float64) for n, t in vector.tensors.items() if not n.startswith("indexer.")}
+    inputs = {n: (np.asarray(x).astype(np.float64) if is_float(np.asarray(x).dtype) else x)
+              for n, x in vector.inputs.items() if n != "past_index_keys"} | {"topk_indices": np.asarray(selection)}
+    options = dict(vector.options) | {"dtype": "float64", "return_cache": bool(vector.options.get("return_cache"))}
+    fwd = reference.forward(config, f64, inputs, options)
+    found = {name: fwd[name] for name in ("output", "weights", "present_key", "present_value") if name in fwd}
+    if vector.cotangent is not None:
+        grads = reference.vjp(config, f64, inputs, options, vector.cotangent)["grads"]
+        found.update({f"grad.{name}": g for name, g in grads.items()})
+    return found
+
+
 def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
     name = vector.name
+    reason = _not_yet(fn, vector.config)
+    if reason:
+        return VerifyResult(name, STATUS_UNSUPPORTED, reason)
     try:
         answer = _call(fn, vector)
     except NotImplementedError as err:
@@ -177,6 +236,12 @@ def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
                             "quantity -> reason")
     unchecked: dict[str, str] = {}
     comparisons: list[Comparison] = []
+    try:
+        chosen, expected = selection_verdict(vector, answer)
+    except ValueError as err:  # a selection of the wrong shape
+        return VerifyResult(name, STATUS_FAIL, f"selection: {err}")
+    if chosen is not None:
+        comparisons.append(chosen)
     for q in forward_quantities(vector):
         if q not in answer and q != "output" and q in not_returned:
             unchecked[q] = str(not_returned[q])
@@ -192,7 +257,7 @@ def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
         if q not in vector.expected:
             return VerifyResult(name, STATUS_ERROR, f"vector {vector.path}: tolerance names {q!r} but there is no "
                                 f"expected.{q}")
-        comparisons.append(compare(q, actual, vector.expected[q], _tolerance(vector, q)))
+        comparisons.append(compare(q, actual, expected[q], _tolerance(vector, q)))
 
     wanted = gradient_names(vector)
     grads = answer.get("grads")
@@ -218,7 +283,7 @@ def _verify(fn, vector: Vector, require_gradients: bool) -> VerifyResult:
                     actual = np.asarray(grads[g])
                 except Exception as err:
                     return VerifyResult(name, STATUS_ERROR, f"grads[{g!r}] is not an array: {type(err).__name__}: {err}")
-                comparisons.append(compare(f"grad {g}", actual, vector.expected[f"grad.{g}"],
+                comparisons.append(compare(f"grad {g}", actual, expected[f"grad.{g}"],
                                            _tolerance(vector, GRAD_PREFIX + g)))
 
     judged = [c for c in comparisons if c.judged or not c.ok]  # a not-judged comparison's margin says nothing

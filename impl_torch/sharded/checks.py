@@ -62,7 +62,8 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
                                       ("qk_norm.after_rope", qk is not None and qk.after_rope),
                                       ("rope.scaling longrope", config.rope is not None and config.rope.scaling
                                        is not None and config.rope.scaling.type == "longrope"),
-                                      ("latent", config.latent is not None)) if on]
+                                      ("latent", config.latent is not None),
+                                      ("indexer", config.indexer is not None)) if on]
     if frontier:
         return (f"the sharded engines do not compute the frontier fields yet (docs/spec-frontier.md): "
                 f"{', '.join(frontier)}")

@@ -54,6 +54,7 @@ import numpy as np
 from ..config import AttentionConfig
 from ..format import WeightsFormatError, validate_tensors
 from .hf_rope import _hf_rope
+from .indexer import indexer_field, indexer_layers, indexer_tensors
 from .locate import _locate
 from .read import _array_problem
 from .table import (
@@ -74,7 +75,13 @@ from .table import (
 from .write import _behaviour_differences
 
 OWN_CONVERTER = True  # registry.py: this module converts its layouts (to_canonical, from_canonical, ...)
-HF_DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
+HF_DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm_moe_dsa")
+# the types with a lightning indexer (DSA): their full layers read self_attn.indexer.* (attn.indexer.* in deepseek)
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# the indexer's keys under the attention scope (transformers' DeepseekV32Indexer / GlmMoeDsaIndexer and DeepSeek's
+# own Indexer name them alike: DeepSeek-V3.2-Exp inference/model.py:441-444, convert.py:30-33)
+INDEXER_KEYS = ("indexer.wq_b.weight", "indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
+                "indexer.weights_proj.weight")
 LATENT_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default eps, which q_a_layernorm and kv_a_layernorm keep
 
 # -- config files ----------------------------------------------------------------------------
@@ -106,8 +113,11 @@ def _latent_eps(cfg: Mapping[str, Any]) -> float:
 
 
 def _interleaved(model_type: str, cfg: Mapping[str, Any]) -> bool:
-    if model_type == "deepseek_v2":
-        return True  # complex multiplication of consecutive pairs
+    if model_type in ("deepseek_v2",) + DSA_TYPES:
+        # V2: complex multiplication of consecutive pairs; V3.2 and GLM-5's attention call
+        # apply_rotary_pos_emb_interleave whatever the config says (modeling_deepseek_v32.py:424,
+        # modeling_glm_moe_dsa.py:392)
+        return True
     return bool(cfg.get("rope_interleave", True))  # DeepseekV3Config's default
 
 
@@ -118,7 +128,7 @@ def _text_config(cfg: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
         if not isinstance(text, Mapping):
             raise ValueError("hf_config: a kimi_k25 config.json needs text_config (its DeepSeek V3 language model)")
         cfg, model_type = text, text.get("model_type", "deepseek_v3")
-    if model_type not in HF_DEEPSEEK_TYPES[:3]:
+    if model_type not in HF_DEEPSEEK_TYPES or model_type == "kimi_k25":
         raise ValueError(f"hf_config: model_type must be one of {', '.join(HF_DEEPSEEK_TYPES)} for hf-deepseek: "
                          f"got {model_type!r}")
     return ("deepseek_v3" if model_type == "kimi_k2" else model_type), cfg
@@ -139,24 +149,53 @@ def _hf_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     head_dim = nope + rope_dim
     bias = bool(cfg.get("attention_bias", False))
     query_rank = cfg.get("q_lora_rank")
+    rope = _hf_rope(cfg, None, rope_dim, interleaved=_interleaved(model_type, cfg))
+    kind, indexer = _dsa_layer(model_type, cfg, layer, rope, query_rank)
     return {
         "model_type": model_type,
+        "indexer_kind": kind,
         "fields": {
             "num_heads": int(cfg["num_attention_heads"]), "query_dim": int(cfg["hidden_size"]), "head_dim": head_dim,
             "value_head_dim": int(cfg["v_head_dim"]), "use_query_bias": bias and query_rank is not None,
             "use_key_bias": bias, "use_value_bias": False, "use_output_bias": bias,
             "dropout": float(cfg.get("attention_dropout") or 0.0),
             "scale": _mla_scale(_rope_params(cfg), head_dim),
-            "rope": _hf_rope(cfg, None, rope_dim, interleaved=_interleaved(model_type, cfg)),
+            "rope": rope,
             "latent": {"query_rank": query_rank, "kv_rank": int(cfg["kv_lora_rank"]), "rope_dim": rope_dim,
                        "eps": _latent_eps(cfg)},
+            "indexer": indexer,
         },
     }
+
+
+def _dsa_layer(model_type: str, cfg: Mapping[str, Any], layer: int | None, rope, query_rank,
+               interleaved: bool | None = None) -> tuple[str | None, dict | None]:
+    """(what block `layer` does, its indexer field): ("full", the field) for a layer with its own indexer,
+    ("shared", None) for GLM-5's shared layer (no indexer: the previous full layer's selection is its
+    topk_indices input), (None, None) for a model without an indexer. interleaved: the indexer's RoPE
+    pairing when the reader knows it (deepseek); None: indexer_field's rule for model_type."""
+    if model_type not in DSA_TYPES:
+        return None, None
+    if query_rank is None:
+        raise ValueError(f"hf_config: {model_type} needs q_lora_rank (its indexer reads the normed query latent): "
+                         "got none")
+    kinds = indexer_layers(model_type, cfg)
+    index = 0 if layer is None else layer
+    if not 0 <= index < len(kinds):
+        raise ValueError(f"layer must be in [0, {len(kinds)}) (num_hidden_layers): got {layer}")
+    if kinds[index] != "full":
+        return kinds[index], None
+    field = indexer_field(model_type, cfg, rope)
+    if interleaved is not None:
+        field["rope"]["interleaved"] = interleaved
+    return "full", field
 
 
 # DeepSeek-V3's inference/model.py ModelArgs defaults for the fields its config files may leave out
 _ARGS_DEFAULTS = {"q_lora_rank": 0, "rope_theta": 10000.0, "max_seq_len": 4096 * 4, "original_seq_len": 4096,
                   "rope_factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0}
+# DeepSeek-V3.2-Exp's ModelArgs indexer fields and their defaults (inference/model.py:89-91)
+_INDEX_ARGS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 
 
 def _deepseek_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
@@ -176,16 +215,24 @@ def _deepseek_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any
                    "attention_factor": 1.0}  # its cos and sin are not scaled
         scale = head_dim ** -0.5 * _yarn_mscale(factor, mscale) ** 2
     query_rank = int(args["q_lora_rank"]) or None
+    rope = {"theta": float(args["rope_theta"]), "rotary_dim": rope_dim, "interleaved": True, "scaling": scaling}
+    kind, indexer = None, None
+    if any(key in cfg for key in _INDEX_ARGS):  # V3.2's ModelArgs (V3's JSON names no index_* field)
+        index_args = {**_INDEX_ARGS, **cfg}
+        hf_like = {"num_hidden_layers": 1, "qk_rope_head_dim": rope_dim, **{k: index_args[k] for k in _INDEX_ARGS}}
+        kind, indexer = _dsa_layer("deepseek_v32", hf_like, None, rope, query_rank,
+                                   interleaved=bool(cfg.get("indexer_rope_interleave", False)))
     return {
         "model_type": "deepseek",
+        "indexer_kind": kind,
         "fields": {
             "num_heads": int(args["n_heads"]), "query_dim": int(args["dim"]), "head_dim": head_dim,
             "value_head_dim": int(args["v_head_dim"]), "use_query_bias": False, "use_key_bias": False,
             "use_value_bias": False, "use_output_bias": False, "scale": scale,
-            "rope": {"theta": float(args["rope_theta"]), "rotary_dim": rope_dim, "interleaved": True,
-                     "scaling": scaling},
+            "rope": rope,
             "latent": {"query_rank": query_rank, "kv_rank": int(args["kv_lora_rank"]), "rope_dim": rope_dim,
                        "eps": LATENT_EPS},
+            "indexer": indexer,
         },
     }
 
@@ -293,6 +340,15 @@ def _state_of(config: AttentionConfig, tensors: Mapping[str, np.ndarray], keys: 
     put("out", "weight", tensors["output.kernel"].reshape(N * V, -1).T, "output.kernel")  # (O, N*V)
     if "output.bias" in tensors:
         put("out", "bias", tensors["output.bias"], "output.bias")
+    if config.indexer is not None:  # nn.Linear weights (out, in); the LayerNorm's scale and bias as they are
+        I_, J_ = config.indexer.heads, config.indexer.head_dim
+        for key, array, name in (
+                ("indexer.wq_b.weight", tensors["indexer.query.kernel"].reshape(-1, I_ * J_).T, "indexer.query.kernel"),
+                ("indexer.wk.weight", tensors["indexer.key.kernel"].T, "indexer.key.kernel"),
+                ("indexer.k_norm.weight", tensors["indexer.key.norm.scale"], "indexer.key.norm.scale"),
+                ("indexer.k_norm.bias", tensors["indexer.key.norm.bias"], "indexer.key.norm.bias"),
+                ("indexer.weights_proj.weight", tensors["indexer.weights.kernel"].T, "indexer.weights.kernel")):
+            out[f"{base}{key}"] = (np.ascontiguousarray(array), (name,))
     return out
 
 
@@ -320,6 +376,9 @@ def _gather(config: AttentionConfig, arrays: Mapping[str, np.ndarray]) -> dict[s
     t["output.kernel"] = arrays["out.weight"].T.reshape(N, V, -1)  # (N, V, O)
     if "out.bias" in arrays:
         t["output.bias"] = arrays["out.bias"]
+    if config.indexer is not None:
+        state = {key[len("indexer."):]: arrays[key] for key in INDEXER_KEYS}
+        t.update(indexer_tensors("deepseek_v32", state, heads=config.indexer.heads))
     shapes = config.tensor_shapes()
     return {name: np.array(t[name], order="C", copy=True) for name in shapes if name in t}
 
@@ -363,8 +422,10 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
         problems.append(f"missing {', '.join(missing)}")
     unexpected = sorted(k for k in visible if k.startswith(base) and k not in expected)
     if unexpected:
+        kind = facts.get("indexer_kind")
+        shown = f", this layer's indexer: {kind}" if kind else ""
         problems.append(f"unexpected {', '.join(unexpected)} (config file: q_lora_rank="
-                        f"{config.latent.query_rank}, biases {config.use_key_bias})")
+                        f"{config.latent.query_rank}, biases {config.use_key_bias}{shown})")
     dtypes: dict[str, list[str]] = {}
     for key, shape in expected.items():
         if key not in visible:
@@ -382,6 +443,7 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
     if problems:
         raise WeightsFormatError(f"{lay.id}: " + "; ".join(problems))
     role_of = {f"{base}{key}.{suffix}": f"{role}.{suffix}" for role, key in keys.items() for suffix in ("weight", "bias")}
+    role_of.update({f"{base}{key}": key for key in INDEXER_KEYS})
     tensors = _gather(config, {role_of[key]: visible[key] for key in expected})
     validate_tensors(config, tensors, source=lay.id)  # internal invariant: every tensor read
     return config, tensors
@@ -414,6 +476,28 @@ def cannot_express(catalogue: Catalogue, layout: str, config: AttentionConfig, /
                       ("output_gate", config.output_gate is not None)):
         if on:
             problems.append(f"{field}={getattr(config, field)!r} ({lay.id} holds no such tensor)")
+    if config.indexer is not None:
+        problems += _indexer_problems(config)
+    return problems
+
+
+def _indexer_problems(config: AttentionConfig) -> list[str]:
+    """Why a DSA indexer.{wq_b,wk,k_norm,weights_proj} cannot hold config.indexer (DeepSeek V3.2's and GLM-5's
+    indexer: from the normed query latent, a LayerNorm on the key, RoPE on the first features, head weights,
+    ReLU, one selection of keys per query)."""
+    ix, problems = config.indexer, []
+    wanted = (("query_source", "latent", "wq_b reads the normed query latent"),
+              ("query_norm", None, "no norm on the index query"),
+              ("rope_end", "first", "the rotary features come first"),
+              ("head_weights", True, "weights_proj gives the head weights"), ("relu", True, "a ReLU per head"),
+              ("per_kv_head", False, "one selection per query"), ("block_size", None, "keys, not blocks"))
+    for field, want, why in wanted:
+        if getattr(ix, field) != want:
+            problems.append(f"indexer.{field}={getattr(ix, field)!r} (needs {want!r}: {why})")
+    if ix.key_norm is None or ix.key_norm.type != "layer":
+        problems.append(f"indexer.key_norm={ix.key_norm!r} (needs a layer norm: k_norm is a LayerNorm with a bias)")
+    if config.latent.query_rank is None:
+        problems.append("latent.query_rank=None (the indexer reads the query latent: q_lora_rank is needed)")
     return problems
 
 

@@ -30,7 +30,7 @@ def sparse_call(backend: str, config, tensors, x, positions, *, cache=None, sele
                 indexer_causal: bool = True):
     """One causal call of a block on `backend`: x (B, T, D), positions (T,) int; cache: the previous call's
     {"past_key", "past_value", "past_index_keys"} (None: a prefill); selection: a shared layer's topk_indices
-    (the previous full layer's, from its own call). indexer_causal False: the causal-after-top-k mutant.
+    (the previous full layer's, from its own call); neither: a dense layer. indexer_causal False: the causal-after-top-k mutant.
 
     -> {"output", "cache" (for the next call), "topk_indices" (the keys this call attended to)}."""
     cache = cache or {}
@@ -40,10 +40,9 @@ def sparse_call(backend: str, config, tensors, x, positions, *, cache=None, sele
         index = lightning_indexer(config, tensors, x, positions=positions, past_index_keys=cache.get("past_index_keys"),
                                   is_causal=indexer_causal)
         selection = _array(index["topk_indices"])
-    if selection is None:
-        raise ValueError("selection is None: a layer without an indexer (GLM-5's shared layer) takes the previous "
-                         "full layer's topk_indices")
-    inputs = {"query": x, "positions": positions, "topk_indices": selection}
+    inputs = {"query": x, "positions": positions}
+    if selection is not None:  # None: a dense layer (MiniMax M3's full_attention layers)
+        inputs["topk_indices"] = selection
     inputs.update({k: cache[k] for k in ("past_key", "past_value") if k in cache})
     options = {"is_causal": True, "return_cache": True}
     if cache:

@@ -31,6 +31,13 @@ kimi_k25 (its `text_config`). Facts, from transformers 5.23's modeling_deepseek_
 - Biases: q_a_proj, kv_a_proj_with_mqa and o_proj carry one when attention_bias; q_proj, q_b_proj and
   kv_b_proj never. kv_b_proj expands the latent to num_attention_heads heads (num_key_value_heads is unused).
 
+Sparse attention (DSA): deepseek_v32 (DeepSeek V3.2) and glm_moe_dsa (GLM-5) are V3's attention, RoPE always
+interleaved (modeling_deepseek_v32.py:424, modeling_glm_moe_dsa.py:393), q_lora_rank required, plus a lightning
+indexer on each "full" layer: self_attn.indexer.{wq_b,wk,k_norm,weights_proj} -> indexer.* (weights.layouts.indexer:
+the field, the tensors; V3.2's indexer RoPE half-split, GLM-5's interleaved). GLM-5's "shared" layers
+(indexer_types) hold no indexer: they convert without one and take the previous full layer's selection as their
+topk_indices input.
+
 deepseek: DeepSeek-V3's inference/convert.py renames transformers' keys (model. dropped, self_attn -> attn,
 q_a_proj -> wq_a, q_a_layernorm -> q_norm, q_b_proj -> wq_b, q_proj -> wq, kv_a_proj_with_mqa -> wkv_a,
 kv_a_layernorm -> kv_norm, kv_b_proj -> wkv_b, o_proj -> wo); its inference/model.py (MLA) holds no biases,
@@ -38,7 +45,10 @@ norms of eps 1e-6, and rotates interleaved pairs (torch.view_as_complex). Its co
 (inference/configs/config_*.json: dim, n_heads, q_lora_rank (0: none), kv_lora_rank, qk_nope_head_dim,
 qk_rope_head_dim, v_head_dim, rope_theta, and YaRN when max_seq_len > original_seq_len: rope_factor, beta_fast,
 beta_slow, mscale; softmax scale times (0.1 mscale ln rope_factor + 1)^2); a transformers config.json of the
-same model reads as hf-deepseek's.
+same model reads as hf-deepseek's. DeepSeek-V3.2-Exp's ModelArgs adds index_n_heads, index_head_dim, index_topk
+(inference/model.py:89-91) and its MLA an Indexer under attn.indexer.{wq_b,wk,k_norm,weights_proj} (:431-444,
+convert.py:30-33); the indexer's RoPE is read half-split (DeepSeek's fix after release; the release's code rotated
+interleaved pairs: "indexer_rope_interleave": true in the config selects that).
 """
 
 from __future__ import annotations
@@ -116,7 +126,7 @@ def _interleaved(model_type: str, cfg: Mapping[str, Any]) -> bool:
     if model_type in ("deepseek_v2",) + DSA_TYPES:
         # V2: complex multiplication of consecutive pairs; V3.2 and GLM-5's attention call
         # apply_rotary_pos_emb_interleave whatever the config says (modeling_deepseek_v32.py:424,
-        # modeling_glm_moe_dsa.py:392)
+        # modeling_glm_moe_dsa.py:393)
         return True
     return bool(cfg.get("rope_interleave", True))  # DeepseekV3Config's default
 
@@ -274,15 +284,18 @@ def _tables(keys: Mapping[str, str], biases: bool) -> tuple[Table, ...]:
 FAMILY = (
     Layout(
         "hf-deepseek", "transformers' DeepSeek V2 / V3 latent attention (deepseek_v2, deepseek_v3, Kimi K2's "
-        "kimi_k2, kimi_k25's text_config): [prefix]layers.{L}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj,"
-        "kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj}; config.json gives rope, scale, biases; causal",
+        "kimi_k2, kimi_k25's text_config) and their sparse successors (deepseek_v32, glm_moe_dsa: plus "
+        "indexer.{wq_b,wk,k_norm,weights_proj} on layers with an indexer): [prefix]layers.{L}.self_attn.{q_a_proj,"
+        "q_a_layernorm,q_b_proj | q_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj}; config.json gives rope, "
+        "scale, biases, the indexer; causal",
         sep=".", scope="layers.{layer}.self_attn.", select=True, hf=_hf_config, needs_hf_config=True,
         tables=_tables(_KEYS["hf-deepseek"], biases=True),
     ),
     Layout(
         "deepseek", "DeepSeek's own inference checkpoint (DeepSeek-V3 inference/convert.py names): "
-        "[prefix]layers.{L}.attn.{wq_a,q_norm,wq_b | wq,wkv_a,kv_norm,wkv_b,wo}.weight; its ModelArgs config.json "
-        "beside it; interleaved RoPE pairs; no biases; causal",
+        "[prefix]layers.{L}.attn.{wq_a,q_norm,wq_b | wq,wkv_a,kv_norm,wkv_b,wo}.weight (V3.2: and "
+        "indexer.{wq_b,wk,k_norm,weights_proj}); its ModelArgs config.json beside it; interleaved RoPE pairs; no "
+        "biases; causal",
         sep=".", scope="layers.{layer}.attn.", select=True, hf=_deepseek_config, needs_hf_config=True,
         pairing="interleaved", tables=_tables(_KEYS["deepseek"], biases=False),
     ),

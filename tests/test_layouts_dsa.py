@@ -18,6 +18,7 @@ keeps the selection) the index scores. About 4 s in all (the `all` env).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -307,3 +308,36 @@ def test_deepseek_own_names_read_the_same_block(converted):
     read_config, read = layouts.to_canonical("deepseek", own, hf_config=args, layer=0)
     assert read_config == config, (read_config, config)
     assert sorted(read) == sorted(tensors) and all(np.array_equal(read[k], tensors[k]) for k in read)
+
+
+def test_refusals_name_the_layer_and_the_field(converted):
+    """A shared GLM-5 layer holding indexer keys, a layer past num_hidden_layers, an M3-shaped indexer written
+    as a DSA one, and a model type the reader does not know: each refused with what it got."""
+    model_type, blocks, _seen, state, hf_config, _folder = converted
+    from weights.format import WeightsFormatError
+    with pytest.raises(ValueError, match="layer must be in \\[0, 2\\).*got 5"):
+        layouts.to_canonical("hf-deepseek", state, hf_config=hf_config, layer=5)
+    config, tensors = blocks[0]
+    m3 = config.replace(indexer=dataclasses.replace(config.indexer, per_kv_head=True, relu=False, head_weights=False))
+    problems = layouts.cannot_express("hf-deepseek", m3)
+    assert any("indexer.per_kv_head=True" in p for p in problems) and any("indexer.relu=False" in p for p in problems)
+    with pytest.raises(ValueError, match="model_type must be one of .*deepseek_v32, glm_moe_dsa"):
+        layouts.to_canonical("hf-deepseek", state, hf_config={**hf_config, "model_type": "minimax_m3_vl"}, layer=0)
+    if model_type == "glm_moe_dsa":
+        stray = {**state, **{k.replace("layers.0.", "layers.1."): v for k, v in state.items()
+                             if k.startswith("model.layers.0.self_attn.indexer.")}}
+        with pytest.raises(WeightsFormatError, match="unexpected model.layers.1.self_attn.indexer.*indexer: shared"):
+            layouts.to_canonical("hf-deepseek", stray, hf_config=hf_config, layer=1)
+
+
+def test_deepseek_reads_the_release_pairing_when_asked(converted):
+    """ModelArgs without index_* fields is V3 (no indexer); "indexer_rope_interleave": true reads the V3.2
+    release's interleaved indexer RoPE (DeepSeek's code before its fix), the default the fixed half-split."""
+    from weights.layouts.deepseek import _deepseek_config
+    args = {"dim": 16, "n_heads": 4, "q_lora_rank": 5, "kv_lora_rank": 6, "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 4, "v_head_dim": 3}
+    assert _deepseek_config(args, 0)["fields"]["indexer"] is None
+    fixed = _deepseek_config({**args, "index_topk": 3}, 0)["fields"]["indexer"]
+    release = _deepseek_config({**args, "index_topk": 3, "indexer_rope_interleave": True}, 0)["fields"]["indexer"]
+    assert (fixed["heads"], fixed["head_dim"], fixed["topk"]) == (64, 128, 3), fixed  # ModelArgs' defaults
+    assert fixed["rope"]["interleaved"] is False and release["rope"]["interleaved"] is True

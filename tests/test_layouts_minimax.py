@@ -198,3 +198,20 @@ def test_the_vl_folder_reads_the_same_blocks(converted, tmp_path):
             exact = "norm" not in key.rsplit(".", 2)[-2]
             assert np.array_equal(value, state[key]) if exact else \
                 np.allclose(value, state[key], rtol=0, atol=np.finfo(np.float32).eps), key
+
+
+def test_refusals_name_the_field(converted, tmp_path):
+    """A layer past num_hidden_layers, a VL config.json without its text_config, a bias or an interleaved RoPE
+    written as M3: each refused with what it got."""
+    model, (config, tensors) = converted["model"], converted["blocks"][0]
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    hf_config = json.loads((converted["folder"] / "config.json").read_text())
+    with pytest.raises(ValueError, match="layer must be in \\[0, 2\\).*got 3"):
+        layouts.to_canonical("hf-minimax", state, hf_config=hf_config, layer=3)
+    with pytest.raises(ValueError, match="minimax_m3_vl config.json needs text_config"):
+        layouts.to_canonical("hf-minimax", state, hf_config={"model_type": "minimax_m3_vl"}, layer=0)
+    assert layouts.cannot_express("hf-minimax", config.replace(use_query_bias=True)) == [
+        "use_query_bias=True (MiniMax M3's projections have no bias)"]
+    with pytest.raises(ValueError, match="rope.interleaved=True"):
+        layouts.from_canonical("hf-minimax", config.replace(rope={**config.rope.to_dict(), "interleaved": True}),
+                               tensors)

@@ -22,7 +22,9 @@ def _script() -> str:
     return found[0]
 
 
-@pytest.mark.torch
+@pytest.mark.torch  # torch, tf and jax: the `all` env (the one with the hf extra), as the layout tests
+@pytest.mark.tf
+@pytest.mark.jax
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
                     reason="needs torch and transformers: pip install -c constraints/cpu.txt '.[torch,hf]'")
 def test_the_worked_deepseek_v32_port_runs_as_written(tmp_path, monkeypatch, capsys):

@@ -293,9 +293,10 @@ def test_round_trip_is_bit_exact(converted):
             assert np.array_equal(value, state[key]), key
 
 
-def test_deepseek_own_names_read_the_same_block(converted):
+def test_deepseek_own_names_read_the_same_block(converted, tmp_path):
     """The V3.2 block under DeepSeek's own names (layers.L.attn.*, indexer.*) and its ModelArgs config reads the
-    same config and tensors hf-deepseek read."""
+    same config and tensors hf-deepseek read (so the reproduction above holds for it), by the API and by
+    `mha convert --from deepseek`."""
     model_type, blocks, _seen, state, hf_config, _folder = converted
     if model_type != "deepseek_v32":
         pytest.skip("DeepSeek's own names hold V3.2 only")
@@ -308,6 +309,14 @@ def test_deepseek_own_names_read_the_same_block(converted):
     read_config, read = layouts.to_canonical("deepseek", own, hf_config=args, layer=0)
     assert read_config == config, (read_config, config)
     assert sorted(read) == sorted(tensors) and all(np.array_equal(read[k], tensors[k]) for k in read)
+    # through the CLI, the ModelArgs JSON beside the weights as config.json
+    from safetensors.numpy import save_file
+    save_file(own, tmp_path / "model0.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(args))
+    assert mha(["convert", "--from", "deepseek", "--to", "canonical", str(tmp_path / "model0.safetensors"),
+                str(tmp_path / "block.safetensors"), "--layer", "0"]) == 0
+    cli_config, cli = load(tmp_path / "block.safetensors")
+    assert cli_config == config and all(np.array_equal(cli[k], tensors[k]) for k in tensors)
 
 
 def test_refusals_name_the_layer_and_the_field(converted):

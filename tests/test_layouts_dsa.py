@@ -350,3 +350,34 @@ def test_deepseek_reads_the_release_pairing_when_asked(converted):
     release = _deepseek_config({**args, "index_topk": 3, "indexer_rope_interleave": True}, 0)["fields"]["indexer"]
     assert (fixed["heads"], fixed["head_dim"], fixed["topk"]) == (64, 128, 3), fixed  # ModelArgs' defaults
     assert fixed["rope"]["interleaved"] is False and release["rope"]["interleaved"] is True
+
+
+def test_writing_in_the_other_pairing_keeps_the_index_scores(converted):
+    """GLM-5's indexer (interleaved) written as DeepSeek's own names (read back half-split), and V3.2's
+    (half-split) written under a GLM-5 config.json (read back interleaved): the rotary features permuted, the
+    float64 index scores the same (a permutation of each dot product's terms: summation-order rounding only,
+    a few float64 ulps of the scores' magnitudes), the attention's tensors untouched."""
+    model_type, blocks, seen, _state, hf_config, _folder = converted
+    config, tensors = blocks[0]
+    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
+    x = seen[0]["x"].astype(np.float64)
+    if model_type == "glm_moe_dsa":
+        args = {"dim": 16, "n_heads": 4, "q_lora_rank": 5, "kv_lora_rank": 6, "qk_nope_head_dim": 4,
+                "qk_rope_head_dim": 4, "v_head_dim": 3, "rope_theta": hf_config["rope_parameters"]["rope_theta"],
+                "max_seq_len": 64, "original_seq_len": 64, "index_n_heads": 4, "index_head_dim": 8, "index_topk": K_TOP}
+        written = layouts.from_canonical("deepseek", config, wide, layer=0)
+        other, read = layouts.to_canonical("deepseek", written, hf_config=args, layer=0)
+    else:
+        glm = {**hf_config, "model_type": "glm_moe_dsa", "indexer_types": ["full", "full"]}
+        written = layouts.from_canonical("hf-deepseek", config, wide, hf_config=glm, layer=0)
+        other, read = layouts.to_canonical("hf-deepseek", written, hf_config=glm, layer=0)
+    assert other.indexer.rope.interleaved is not config.indexer.rope.interleaved, other.indexer.rope
+    assert not np.array_equal(read["indexer.key.kernel"], wide["indexer.key.kernel"]), "nothing was permuted"
+    for name in ("query.kernel", "key.kernel", "value.kernel", "output.kernel"):
+        assert np.array_equal(read[name], wide[name]), name
+    before = lightning_indexer(config, wide, x, return_scores=True)
+    after = lightning_indexer(other, read, x, return_scores=True)
+    finite = np.isfinite(before["index_scores"])
+    rounding = 64 * np.finfo(np.float64).eps * before["index_score_magnitudes"][finite]
+    assert np.all(np.abs(after["index_scores"][finite] - before["index_scores"][finite]) <= rounding)
+    assert np.array_equal(after["topk_indices"], before["topk_indices"])

@@ -321,6 +321,27 @@ def _repair_latent_pairing(config: AttentionConfig, tensors: Mapping[str, np.nda
     return config.replace(rope=dataclasses.replace(config.rope, interleaved=interleaved)), out
 
 
+def _repair_indexer_pairing(config: AttentionConfig, tensors: Mapping[str, np.ndarray], interleaved: bool):
+    """(config, tensors) whose indexer rotates in pairing `interleaved`, computing the same index scores: the
+    first R features of every index query head, of the index key and of its LayerNorm's scale and bias
+    permuted alike (the norm is taken over all J features, so a permutation of them commutes with it)."""
+    ix = config.indexer
+    if ix is None or ix.rope is None or ix.rope.interleaved == interleaved:
+        return config, dict(tensors)
+    if ix.rope_end != "first":
+        raise ValueError(f"indexer.rope_end={ix.rope_end!r}: a DSA indexer turns its first features")
+    R_ = ix.rope.rotary_dim
+    half = np.concatenate([np.arange(0, R_, 2), np.arange(1, R_, 2)])  # interleaved -> half-split
+    perm = np.argsort(half) if interleaved else half
+    out = dict(tensors)
+    for name in ("indexer.query.kernel", "indexer.key.kernel", "indexer.key.norm.scale", "indexer.key.norm.bias"):
+        array = np.array(out[name], copy=True)
+        array[..., :R_] = array[..., :R_][..., perm]
+        out[name] = np.ascontiguousarray(array)
+    rope = dataclasses.replace(ix.rope, interleaved=interleaved)
+    return config.replace(indexer=dataclasses.replace(ix, rope=rope)), out
+
+
 # -- canonical <-> state -----------------------------------------------------------------------
 
 
@@ -518,7 +539,8 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
                    **hints: Any) -> dict[str, np.ndarray]:
     """weights.layouts.from_canonical for hf-deepseek and deepseek. The rotary rows are written in the
     destination's pairing: deepseek's interleaved; hf-deepseek's from hf_config when given (V2: interleaved;
-    V3: rope_interleave), else config's own. With hf_config the block is read back under it and must mean
+    V3: rope_interleave), else config's own. The indexer's likewise: deepseek's half-split (DeepSeek's fixed
+    V3.2), hf-deepseek's the model type's (V3.2 half-split, GLM-5 interleaved) when hf_config is given. With hf_config the block is read back under it and must mean
     what config says."""
     lay = catalogue.get(layout)
     _check_hints("from_canonical", lay, hints, FROM_HINTS)
@@ -542,6 +564,14 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
     else:
         target = config.rope.interleaved
     config, tensors = _repair_latent_pairing(config, tensors, target)
+    if config.indexer is not None:  # the indexer's pairing: the destination's rule (deepseek: DeepSeek's fixed,
+        # half-split form unless its config says otherwise; hf-deepseek: the model type's), else config's own
+        if cfg is not None:
+            index_rope = lay.hf(cfg, layer)["fields"]["indexer"]
+            index_target = config.indexer.rope.interleaved if index_rope is None else index_rope["rope"]["interleaved"]
+        else:
+            index_target = False if lay.id == "deepseek" else config.indexer.rope.interleaved
+        config, tensors = _repair_indexer_pairing(config, tensors, index_target)
     base = prefix + lay.scope.format(layer=layer)
     state = {key: array for key, (array, _) in _state_of(config, tensors, _KEYS[lay.id], base).items()}
     if cfg is not None:

@@ -2,7 +2,7 @@
 eager, float32, batch 2; layer 0 sparse: 2 index heads = kv heads, blocks of 2 keys, 3 blocks kept, 1 local
 block; layer 1 dense; per-head Gemma QK-norm, RoPE on half of each head) saved with save_pretrained, each
 block converted with `mha convert --from hf-minimax`, and reproduced: the causal prefill of T = 16 tokens (8
-blocks, so the selection drops keys), then a prefill of 12 and a decode token by token from the returned
+blocks, so the selection drops keys), then a prefill of 14 and a decode token by token from the returned
 caches, on the float64 reference first, then torch / jax / tf in float32 (the indexer, then the attention
 over its per-kv-head selection: tests/dsa_checkpoints.py's sparse_call). The released VL model's folder
 (MiniMaxM3SparseForConditionalGeneration holding the same text weights: language_model.model.layers.{L}.
@@ -38,7 +38,7 @@ needs_transformers = [pytest.mark.torch, pytest.mark.tf, pytest.mark.jax,
                                          "pip install -c constraints/cpu.txt '.[torch,hf]'")]
 pytestmark = needs_transformers
 
-B, T, PREFIX, N, K, H = 2, 16, 12, 4, 2, 8
+B, T, PREFIX, N, K, H = 2, 16, 14, 4, 2, 8
 TEXT = dict(hidden_size=16, num_attention_heads=N, num_key_value_heads=K, head_dim=H, index_n_heads=K,
             index_head_dim=8, index_block_size=2, index_topk_blocks=3, index_local_blocks=1, num_hidden_layers=2,
             layer_types=["minimax_m3_sparse", "full_attention"], vocab_size=64, rms_norm_eps=1e-6,
@@ -112,11 +112,13 @@ def _call(backend, config, tensors, x, positions, cache, bug):
     return out
 
 
-def _reproduce(backend, blocks, seen, *, bug=None, dtype=np.float32):
+def _reproduce(backend, blocks, seen, *, bug=None, dtype=np.float32, full=True):
+    """full False: without the prefill of all T tokens (the mirrors: the prefill of PREFIX tokens already
+    drops keys, and each new shape costs JAX's indexer a compilation of about 4 s on a 2-core VM)."""
     got = {}
     positions = np.arange(T, dtype=np.int64)
     caches: dict = {}
-    for part, (start, stop) in [("prefill", (0, T)), ("prefix", (0, PREFIX))] + [
+    for part, (start, stop) in [("prefill", (0, T))] * full + [("prefix", (0, PREFIX))] + [
             (f"decode {t}", (t, t + 1)) for t in range(PREFIX, T)]:
         for layer, (config, tensors) in blocks.items():
             t = {k: v.astype(dtype) for k, v in tensors.items()}
@@ -159,7 +161,7 @@ def test_backends_reproduce_the_blocks(converted):
     for backend_name, _ in _installed():
         if backend_name == "mlx":  # no indexer mirror
             continue
-        m, f = _judge(f"minimax_m3 {backend_name}", blocks, _reproduce(backend_name, blocks, seen))
+        m, f = _judge(f"minimax_m3 {backend_name}", blocks, _reproduce(backend_name, blocks, seen, full=False))
         report[backend_name] = max(m.values())
         failed += f
     assert not failed, "\n".join(failed)

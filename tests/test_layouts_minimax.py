@@ -188,6 +188,7 @@ def test_the_vl_folder_reads_the_same_blocks(converted, tmp_path):
     vl.save_pretrained(tmp_path)
     state, hf_config = load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
     assert "language_model.model.layers.0.self_attn.index_q_proj.weight" in state, sorted(state)[:8]
+    assert layouts.layers("hf-minimax", state) == [0, 1]  # the vision tower's attention (no q_norm) not counted
     for layer, (config, tensors) in blocks.items():
         read_config, read = layouts.to_canonical("hf-minimax", state, hf_config=hf_config, layer=layer)
         assert read_config == config, (read_config, config)

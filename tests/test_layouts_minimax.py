@@ -218,3 +218,20 @@ def test_refusals_name_the_field(converted, tmp_path):
     with pytest.raises(ValueError, match="rope.interleaved=True"):
         layouts.from_canonical("hf-minimax", config.replace(rope={**config.rope.to_dict(), "interleaved": True}),
                                tensors)
+
+
+def test_no_block_near_a_tie(converted):
+    """The premise of the row-by-row reproduction: on every query and kv head of the full prefill, the k-th and
+    (k+1)-th float64 block scores (max-pooled, the local block at +inf) differ by more than twice the
+    float32 allowance, so no float32 port (transformers' included, on any CPU) can pick other blocks."""
+    from test_layouts_dsa import _boundary_gap
+
+    from conformance.suite.selection import index_length, score_allowance
+    from impl_numpy.indexer import block_scores, lightning_indexer
+    config, tensors = converted["blocks"][0]
+    ours = lightning_indexer(config, {k: v.astype(np.float64) for k, v in tensors.items()},
+                             converted["seen"][0]["x"].astype(np.float64), return_scores=True)
+    magnitudes = block_scores(ours["index_score_magnitudes"], config.indexer.block_size)
+    allowance = score_allowance("float32", magnitudes, length=index_length(config, T))
+    gap = _boundary_gap(ours["block_scores"], allowance, config.indexer.topk)
+    assert 2 < gap < np.inf, f"a k-th and (k+1)-th block score within {gap:.3g} allowances"

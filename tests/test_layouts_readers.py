@@ -30,6 +30,7 @@ from weights.layouts.gptj import _gptj_config
 from weights.layouts.llama import _llama_config
 from weights.layouts.meta import IGNORED as META_IGNORED
 from weights.layouts.meta import _meta_config
+from weights.layouts.minimax import _hf_config as _hf_minimax_config
 from weights.layouts.neox import _neox_config
 
 try:
@@ -97,6 +98,19 @@ FAMILY_IGNORED = {
                     "rms_norm_eps": "q_a_layernorm and kv_a_layernorm keep DeepseekV3RMSNorm's default eps 1e-6",
                     "qk_head_dim": "derived: qk_nope_head_dim + qk_rope_head_dim (read)",
                     "head_dim": "derived: qk_rope_head_dim (read)"},
+    **{family: {"num_key_value_heads": "MLA: keys and values come from the latent, one per query head",
+                "rms_norm_eps": "q_a_layernorm and kv_a_layernorm keep their RMSNorm's default eps 1e-6",
+                "qk_head_dim": "derived: qk_nope_head_dim + qk_rope_head_dim (read)",
+                "head_dim": "derived: qk_rope_head_dim (read)",
+                "layer_types": "every layer 'indexed_attention'; the modeling file reads it nowhere (which layers "
+                               "run their own indexer: indexer_types, read)",
+                "mlp_layer_types": "which layers' MLP is a mixture of experts"} for family in ("deepseek_v32",
+                                                                                              "glm_moe_dsa")},
+    "minimax_m3_vl_text": {"rotary_dim": "transformers reads partial_rotary_factor, not rotary_dim "
+                                         "(MiniMaxM3VLRotaryEmbedding, modeling_minimax_m3_vl.py:296-298)",
+                           "mlp_layer_types": "which layers' MLP is a mixture of experts",
+                           "dense_intermediate_size": "the dense MLP's size", "shared_intermediate_size":
+                           "the shared expert's size"},
     "falcon": {"max_position_embeddings": "Falcon's default RoPE reads no length"},
     "gpt_neox": {"max_position_embeddings": "GPT-NeoX's default RoPE reads no length"},
     "bert": {"max_position_embeddings": "absolute position embeddings, added before the blocks"},
@@ -130,6 +144,13 @@ FAMILIES = {
     "qwen3_5_text": ("Qwen3_5TextConfig", _llama_config, ()),
     "gemma4_text": ("Gemma4TextConfig", _llama_config, ({"attention_k_eq_v": True},)),
     "deepseek_v3": ("DeepseekV3Config", _hf_deepseek_config, ()),
+    "deepseek_v32": ("DeepseekV32Config", _hf_deepseek_config, ()),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", _hf_deepseek_config, ({"indexer_types": None, "index_topk_pattern": "FS" * 15,
+                                                             "num_hidden_layers": 30},
+                                                            {"indexer_types": None, "index_topk_freq": 2})),
+    # M3's defaults hold no sparse layer: a variant with every one sparse shows the indexer's keys read
+    "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", _hf_minimax_config, ({"layer_types": ["minimax_m3_sparse"] * 60},
+                                                                       {"layer_types": None})),
     "bloom": ("BloomConfig", _bloom_config, ()),
     "mpt": ("MptConfig", _mpt_config, ()),
     "falcon": ("FalconConfig", _falcon_config, ({"new_decoder_architecture": True, "num_kv_heads": 71},
@@ -261,7 +282,11 @@ DEEPSEEK_IGNORED = {
         "n_activated_experts", "n_expert_groups", "n_limited_groups", "score_func", "route_scale")},
     "max_batch_size": "the size of the preallocated cache", "vocab_size": "the embeddings",
     "n_layers": "the number of blocks", "dtype": "how the checkpoint's weights are stored (fp8 or bf16)",
+    "scale_fmt": "the fp8 scales' format: the indexer's scoring precision, a call option (precision, "
+                 "fp8_scale_format), not the weights'",
 }
+# DeepSeek-V3.2-Exp's ModelArgs adds these (inference/model.py:89-91, config_671B_v3.2.json)
+DEEPSEEK_V32_ARGS = {**DEEPSEEK_ARGS, "scale_fmt": "ue8m0", "index_n_heads": 4, "index_head_dim": 8, "index_topk": 16}
 
 
 def test_meta_params_json_every_key_read_or_refused():
@@ -274,7 +299,8 @@ def test_meta_params_json_every_key_read_or_refused():
 
 
 def test_deepseek_model_args_every_key_read():
-    dropped = [key for key in silent_keys(_deepseek_config, [DEEPSEEK_ARGS]) if key not in DEEPSEEK_IGNORED]
+    dropped = [key for key in silent_keys(_deepseek_config, [DEEPSEEK_ARGS, DEEPSEEK_V32_ARGS])
+               if key not in DEEPSEEK_IGNORED]
     assert not dropped, f"deepseek drops {dropped} in silence"
 
 

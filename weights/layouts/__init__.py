@@ -17,6 +17,9 @@ write.py      canonical -> state (from_canonical, cannot_express, mapping); RoPE
 hf_rope.py    config.json's RoPE fields -> the canonical rope (hf-llama, hf-gpt-neox)
 canonical.py, torch.py, keras.py, flax.py, bert.py, gpt2.py, llama.py, neox.py, gptj.py, meta.py:
               one family each: its layouts' tables, what they cannot express, its config-file reader
+deepseek.py, minimax.py: families that convert themselves (latent attention, the lightning indexer's tensors:
+              hf-deepseek, deepseek, hf-minimax)
+indexer.py    the lightning indexer's field and tensors from transformers' Indexer modules (their readers call it)
 registry.py   the families in LAYOUT_LIST order, LAYOUTS, ROLES, and the functions taking a layout id
 """
 

@@ -31,6 +31,13 @@ kimi_k25 (its `text_config`). Facts, from transformers 5.23's modeling_deepseek_
 - Biases: q_a_proj, kv_a_proj_with_mqa and o_proj carry one when attention_bias; q_proj, q_b_proj and
   kv_b_proj never. kv_b_proj expands the latent to num_attention_heads heads (num_key_value_heads is unused).
 
+Sparse attention (DSA): deepseek_v32 (DeepSeek V3.2) and glm_moe_dsa (GLM-5) are V3's attention, RoPE always
+interleaved (modeling_deepseek_v32.py:424, modeling_glm_moe_dsa.py:393), q_lora_rank required, plus a lightning
+indexer on each "full" layer: self_attn.indexer.{wq_b,wk,k_norm,weights_proj} -> indexer.* (weights.layouts.indexer:
+the field, the tensors; V3.2's indexer RoPE half-split, GLM-5's interleaved). GLM-5's "shared" layers
+(indexer_types) hold no indexer: they convert without one and take the previous full layer's selection as their
+topk_indices input.
+
 deepseek: DeepSeek-V3's inference/convert.py renames transformers' keys (model. dropped, self_attn -> attn,
 q_a_proj -> wq_a, q_a_layernorm -> q_norm, q_b_proj -> wq_b, q_proj -> wq, kv_a_proj_with_mqa -> wkv_a,
 kv_a_layernorm -> kv_norm, kv_b_proj -> wkv_b, o_proj -> wo); its inference/model.py (MLA) holds no biases,
@@ -38,7 +45,10 @@ norms of eps 1e-6, and rotates interleaved pairs (torch.view_as_complex). Its co
 (inference/configs/config_*.json: dim, n_heads, q_lora_rank (0: none), kv_lora_rank, qk_nope_head_dim,
 qk_rope_head_dim, v_head_dim, rope_theta, and YaRN when max_seq_len > original_seq_len: rope_factor, beta_fast,
 beta_slow, mscale; softmax scale times (0.1 mscale ln rope_factor + 1)^2); a transformers config.json of the
-same model reads as hf-deepseek's.
+same model reads as hf-deepseek's. DeepSeek-V3.2-Exp's ModelArgs adds index_n_heads, index_head_dim, index_topk
+(inference/model.py:89-91) and its MLA an Indexer under attn.indexer.{wq_b,wk,k_norm,weights_proj} (:431-444,
+convert.py:30-33); the indexer's RoPE is read half-split (DeepSeek's fix after release; the release's code rotated
+interleaved pairs: "indexer_rope_interleave": true in the config selects that).
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import numpy as np
 from ..config import AttentionConfig
 from ..format import WeightsFormatError, validate_tensors
 from .hf_rope import _hf_rope
+from .indexer import indexer_field, indexer_layers, indexer_tensors
 from .locate import _locate
 from .read import _array_problem
 from .table import (
@@ -74,7 +85,13 @@ from .table import (
 from .write import _behaviour_differences
 
 OWN_CONVERTER = True  # registry.py: this module converts its layouts (to_canonical, from_canonical, ...)
-HF_DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
+HF_DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm_moe_dsa")
+# the types with a lightning indexer (DSA): their full layers read self_attn.indexer.* (attn.indexer.* in deepseek)
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# the indexer's keys under the attention scope (transformers' DeepseekV32Indexer / GlmMoeDsaIndexer and DeepSeek's
+# own Indexer name them alike: DeepSeek-V3.2-Exp inference/model.py:441-444, convert.py:30-33)
+INDEXER_KEYS = ("indexer.wq_b.weight", "indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
+                "indexer.weights_proj.weight")
 LATENT_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default eps, which q_a_layernorm and kv_a_layernorm keep
 
 # -- config files ----------------------------------------------------------------------------
@@ -106,8 +123,11 @@ def _latent_eps(cfg: Mapping[str, Any]) -> float:
 
 
 def _interleaved(model_type: str, cfg: Mapping[str, Any]) -> bool:
-    if model_type == "deepseek_v2":
-        return True  # complex multiplication of consecutive pairs
+    if model_type in ("deepseek_v2",) + DSA_TYPES:
+        # V2: complex multiplication of consecutive pairs; V3.2 and GLM-5's attention call
+        # apply_rotary_pos_emb_interleave whatever the config says (modeling_deepseek_v32.py:424,
+        # modeling_glm_moe_dsa.py:393)
+        return True
     return bool(cfg.get("rope_interleave", True))  # DeepseekV3Config's default
 
 
@@ -118,7 +138,7 @@ def _text_config(cfg: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
         if not isinstance(text, Mapping):
             raise ValueError("hf_config: a kimi_k25 config.json needs text_config (its DeepSeek V3 language model)")
         cfg, model_type = text, text.get("model_type", "deepseek_v3")
-    if model_type not in HF_DEEPSEEK_TYPES[:3]:
+    if model_type not in HF_DEEPSEEK_TYPES or model_type == "kimi_k25":
         raise ValueError(f"hf_config: model_type must be one of {', '.join(HF_DEEPSEEK_TYPES)} for hf-deepseek: "
                          f"got {model_type!r}")
     return ("deepseek_v3" if model_type == "kimi_k2" else model_type), cfg
@@ -139,24 +159,53 @@ def _hf_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     head_dim = nope + rope_dim
     bias = bool(cfg.get("attention_bias", False))
     query_rank = cfg.get("q_lora_rank")
+    rope = _hf_rope(cfg, None, rope_dim, interleaved=_interleaved(model_type, cfg))
+    kind, indexer = _dsa_layer(model_type, cfg, layer, rope, query_rank)
     return {
         "model_type": model_type,
+        "indexer_kind": kind,
         "fields": {
             "num_heads": int(cfg["num_attention_heads"]), "query_dim": int(cfg["hidden_size"]), "head_dim": head_dim,
             "value_head_dim": int(cfg["v_head_dim"]), "use_query_bias": bias and query_rank is not None,
             "use_key_bias": bias, "use_value_bias": False, "use_output_bias": bias,
             "dropout": float(cfg.get("attention_dropout") or 0.0),
             "scale": _mla_scale(_rope_params(cfg), head_dim),
-            "rope": _hf_rope(cfg, None, rope_dim, interleaved=_interleaved(model_type, cfg)),
+            "rope": rope,
             "latent": {"query_rank": query_rank, "kv_rank": int(cfg["kv_lora_rank"]), "rope_dim": rope_dim,
                        "eps": _latent_eps(cfg)},
+            "indexer": indexer,
         },
     }
+
+
+def _dsa_layer(model_type: str, cfg: Mapping[str, Any], layer: int | None, rope, query_rank,
+               interleaved: bool | None = None) -> tuple[str | None, dict | None]:
+    """(what block `layer` does, its indexer field): ("full", the field) for a layer with its own indexer,
+    ("shared", None) for GLM-5's shared layer (no indexer: the previous full layer's selection is its
+    topk_indices input), (None, None) for a model without an indexer. interleaved: the indexer's RoPE
+    pairing when the reader knows it (deepseek); None: indexer_field's rule for model_type."""
+    if model_type not in DSA_TYPES:
+        return None, None
+    if query_rank is None:
+        raise ValueError(f"hf_config: {model_type} needs q_lora_rank (its indexer reads the normed query latent): "
+                         "got none")
+    kinds = indexer_layers(model_type, cfg)
+    index = 0 if layer is None else layer
+    if not 0 <= index < len(kinds):
+        raise ValueError(f"layer must be in [0, {len(kinds)}) (num_hidden_layers): got {layer}")
+    if kinds[index] != "full":
+        return kinds[index], None
+    field = indexer_field(model_type, cfg, rope)
+    if interleaved is not None:
+        field["rope"]["interleaved"] = interleaved
+    return "full", field
 
 
 # DeepSeek-V3's inference/model.py ModelArgs defaults for the fields its config files may leave out
 _ARGS_DEFAULTS = {"q_lora_rank": 0, "rope_theta": 10000.0, "max_seq_len": 4096 * 4, "original_seq_len": 4096,
                   "rope_factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0}
+# DeepSeek-V3.2-Exp's ModelArgs indexer fields and their defaults (inference/model.py:89-91)
+_INDEX_ARGS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 
 
 def _deepseek_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
@@ -176,16 +225,24 @@ def _deepseek_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any
                    "attention_factor": 1.0}  # its cos and sin are not scaled
         scale = head_dim ** -0.5 * _yarn_mscale(factor, mscale) ** 2
     query_rank = int(args["q_lora_rank"]) or None
+    rope = {"theta": float(args["rope_theta"]), "rotary_dim": rope_dim, "interleaved": True, "scaling": scaling}
+    kind, indexer = None, None
+    if any(key in cfg for key in _INDEX_ARGS):  # V3.2's ModelArgs (V3's JSON names no index_* field)
+        index_args = {**_INDEX_ARGS, **cfg}
+        hf_like = {"num_hidden_layers": 1, "qk_rope_head_dim": rope_dim, **{k: index_args[k] for k in _INDEX_ARGS}}
+        kind, indexer = _dsa_layer("deepseek_v32", hf_like, None, rope, query_rank,
+                                   interleaved=bool(cfg.get("indexer_rope_interleave", False)))
     return {
         "model_type": "deepseek",
+        "indexer_kind": kind,
         "fields": {
             "num_heads": int(args["n_heads"]), "query_dim": int(args["dim"]), "head_dim": head_dim,
             "value_head_dim": int(args["v_head_dim"]), "use_query_bias": False, "use_key_bias": False,
             "use_value_bias": False, "use_output_bias": False, "scale": scale,
-            "rope": {"theta": float(args["rope_theta"]), "rotary_dim": rope_dim, "interleaved": True,
-                     "scaling": scaling},
+            "rope": rope,
             "latent": {"query_rank": query_rank, "kv_rank": int(args["kv_lora_rank"]), "rope_dim": rope_dim,
                        "eps": LATENT_EPS},
+            "indexer": indexer,
         },
     }
 
@@ -227,15 +284,18 @@ def _tables(keys: Mapping[str, str], biases: bool) -> tuple[Table, ...]:
 FAMILY = (
     Layout(
         "hf-deepseek", "transformers' DeepSeek V2 / V3 latent attention (deepseek_v2, deepseek_v3, Kimi K2's "
-        "kimi_k2, kimi_k25's text_config): [prefix]layers.{L}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj,"
-        "kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj}; config.json gives rope, scale, biases; causal",
+        "kimi_k2, kimi_k25's text_config) and their sparse successors (deepseek_v32, glm_moe_dsa: plus "
+        "indexer.{wq_b,wk,k_norm,weights_proj} on layers with an indexer): [prefix]layers.{L}.self_attn.{q_a_proj,"
+        "q_a_layernorm,q_b_proj | q_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj}; config.json gives rope, "
+        "scale, biases, the indexer; causal",
         sep=".", scope="layers.{layer}.self_attn.", select=True, hf=_hf_config, needs_hf_config=True,
         tables=_tables(_KEYS["hf-deepseek"], biases=True),
     ),
     Layout(
         "deepseek", "DeepSeek's own inference checkpoint (DeepSeek-V3 inference/convert.py names): "
-        "[prefix]layers.{L}.attn.{wq_a,q_norm,wq_b | wq,wkv_a,kv_norm,wkv_b,wo}.weight; its ModelArgs config.json "
-        "beside it; interleaved RoPE pairs; no biases; causal",
+        "[prefix]layers.{L}.attn.{wq_a,q_norm,wq_b | wq,wkv_a,kv_norm,wkv_b,wo}.weight (V3.2: and "
+        "indexer.{wq_b,wk,k_norm,weights_proj}); its ModelArgs config.json beside it; interleaved RoPE pairs; no "
+        "biases; causal",
         sep=".", scope="layers.{layer}.attn.", select=True, hf=_deepseek_config, needs_hf_config=True,
         pairing="interleaved", tables=_tables(_KEYS["deepseek"], biases=False),
     ),
@@ -259,6 +319,27 @@ def _repair_latent_pairing(config: AttentionConfig, tensors: Mapping[str, np.nda
             array[..., -R_:] = array[..., -R_:][..., perm]
             out[name] = np.ascontiguousarray(array)
     return config.replace(rope=dataclasses.replace(config.rope, interleaved=interleaved)), out
+
+
+def _repair_indexer_pairing(config: AttentionConfig, tensors: Mapping[str, np.ndarray], interleaved: bool):
+    """(config, tensors) whose indexer rotates in pairing `interleaved`, computing the same index scores: the
+    first R features of every index query head, of the index key and of its LayerNorm's scale and bias
+    permuted alike (the norm is taken over all J features, so a permutation of them commutes with it)."""
+    ix = config.indexer
+    if ix is None or ix.rope is None or ix.rope.interleaved == interleaved:
+        return config, dict(tensors)
+    if ix.rope_end != "first":
+        raise ValueError(f"indexer.rope_end={ix.rope_end!r}: a DSA indexer turns its first features")
+    R_ = ix.rope.rotary_dim
+    half = np.concatenate([np.arange(0, R_, 2), np.arange(1, R_, 2)])  # interleaved -> half-split
+    perm = np.argsort(half) if interleaved else half
+    out = dict(tensors)
+    for name in ("indexer.query.kernel", "indexer.key.kernel", "indexer.key.norm.scale", "indexer.key.norm.bias"):
+        array = np.array(out[name], copy=True)
+        array[..., :R_] = array[..., :R_][..., perm]
+        out[name] = np.ascontiguousarray(array)
+    rope = dataclasses.replace(ix.rope, interleaved=interleaved)
+    return config.replace(indexer=dataclasses.replace(ix, rope=rope)), out
 
 
 # -- canonical <-> state -----------------------------------------------------------------------
@@ -293,6 +374,15 @@ def _state_of(config: AttentionConfig, tensors: Mapping[str, np.ndarray], keys: 
     put("out", "weight", tensors["output.kernel"].reshape(N * V, -1).T, "output.kernel")  # (O, N*V)
     if "output.bias" in tensors:
         put("out", "bias", tensors["output.bias"], "output.bias")
+    if config.indexer is not None:  # nn.Linear weights (out, in); the LayerNorm's scale and bias as they are
+        I_, J_ = config.indexer.heads, config.indexer.head_dim
+        for key, array, name in (
+                ("indexer.wq_b.weight", tensors["indexer.query.kernel"].reshape(-1, I_ * J_).T, "indexer.query.kernel"),
+                ("indexer.wk.weight", tensors["indexer.key.kernel"].T, "indexer.key.kernel"),
+                ("indexer.k_norm.weight", tensors["indexer.key.norm.scale"], "indexer.key.norm.scale"),
+                ("indexer.k_norm.bias", tensors["indexer.key.norm.bias"], "indexer.key.norm.bias"),
+                ("indexer.weights_proj.weight", tensors["indexer.weights.kernel"].T, "indexer.weights.kernel")):
+            out[f"{base}{key}"] = (np.ascontiguousarray(array), (name,))
     return out
 
 
@@ -320,6 +410,9 @@ def _gather(config: AttentionConfig, arrays: Mapping[str, np.ndarray]) -> dict[s
     t["output.kernel"] = arrays["out.weight"].T.reshape(N, V, -1)  # (N, V, O)
     if "out.bias" in arrays:
         t["output.bias"] = arrays["out.bias"]
+    if config.indexer is not None:
+        state = {key[len("indexer."):]: arrays[key] for key in INDEXER_KEYS}
+        t.update(indexer_tensors("deepseek_v32", state, heads=config.indexer.heads))
     shapes = config.tensor_shapes()
     return {name: np.array(t[name], order="C", copy=True) for name in shapes if name in t}
 
@@ -363,8 +456,10 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
         problems.append(f"missing {', '.join(missing)}")
     unexpected = sorted(k for k in visible if k.startswith(base) and k not in expected)
     if unexpected:
+        kind = facts.get("indexer_kind")
+        shown = f", this layer's indexer: {kind}" if kind else ""
         problems.append(f"unexpected {', '.join(unexpected)} (config file: q_lora_rank="
-                        f"{config.latent.query_rank}, biases {config.use_key_bias})")
+                        f"{config.latent.query_rank}, biases {config.use_key_bias}{shown})")
     dtypes: dict[str, list[str]] = {}
     for key, shape in expected.items():
         if key not in visible:
@@ -382,6 +477,7 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
     if problems:
         raise WeightsFormatError(f"{lay.id}: " + "; ".join(problems))
     role_of = {f"{base}{key}.{suffix}": f"{role}.{suffix}" for role, key in keys.items() for suffix in ("weight", "bias")}
+    role_of.update({f"{base}{key}": key for key in INDEXER_KEYS})
     tensors = _gather(config, {role_of[key]: visible[key] for key in expected})
     validate_tensors(config, tensors, source=lay.id)  # internal invariant: every tensor read
     return config, tensors
@@ -414,6 +510,28 @@ def cannot_express(catalogue: Catalogue, layout: str, config: AttentionConfig, /
                       ("output_gate", config.output_gate is not None)):
         if on:
             problems.append(f"{field}={getattr(config, field)!r} ({lay.id} holds no such tensor)")
+    if config.indexer is not None:
+        problems += _indexer_problems(config)
+    return problems
+
+
+def _indexer_problems(config: AttentionConfig) -> list[str]:
+    """Why a DSA indexer.{wq_b,wk,k_norm,weights_proj} cannot hold config.indexer (DeepSeek V3.2's and GLM-5's
+    indexer: from the normed query latent, a LayerNorm on the key, RoPE on the first features, head weights,
+    ReLU, one selection of keys per query)."""
+    ix, problems = config.indexer, []
+    wanted = (("query_source", "latent", "wq_b reads the normed query latent"),
+              ("query_norm", None, "no norm on the index query"),
+              ("rope_end", "first", "the rotary features come first"),
+              ("head_weights", True, "weights_proj gives the head weights"), ("relu", True, "a ReLU per head"),
+              ("per_kv_head", False, "one selection per query"), ("block_size", None, "keys, not blocks"))
+    for field, want, why in wanted:
+        if getattr(ix, field) != want:
+            problems.append(f"indexer.{field}={getattr(ix, field)!r} (needs {want!r}: {why})")
+    if ix.key_norm is None or ix.key_norm.type != "layer":
+        problems.append(f"indexer.key_norm={ix.key_norm!r} (needs a layer norm: k_norm is a LayerNorm with a bias)")
+    if config.latent.query_rank is None:
+        problems.append("latent.query_rank=None (the indexer reads the query latent: q_lora_rank is needed)")
     return problems
 
 
@@ -421,7 +539,8 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
                    **hints: Any) -> dict[str, np.ndarray]:
     """weights.layouts.from_canonical for hf-deepseek and deepseek. The rotary rows are written in the
     destination's pairing: deepseek's interleaved; hf-deepseek's from hf_config when given (V2: interleaved;
-    V3: rope_interleave), else config's own. With hf_config the block is read back under it and must mean
+    V3: rope_interleave), else config's own. The indexer's likewise: deepseek's half-split (DeepSeek's fixed
+    V3.2), hf-deepseek's the model type's (V3.2 half-split, GLM-5 interleaved) when hf_config is given. With hf_config the block is read back under it and must mean
     what config says."""
     lay = catalogue.get(layout)
     _check_hints("from_canonical", lay, hints, FROM_HINTS)
@@ -445,6 +564,14 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
     else:
         target = config.rope.interleaved
     config, tensors = _repair_latent_pairing(config, tensors, target)
+    if config.indexer is not None:  # the indexer's pairing: the destination's rule (deepseek: DeepSeek's fixed,
+        # half-split form unless its config says otherwise; hf-deepseek: the model type's), else config's own
+        if cfg is not None:
+            index_rope = lay.hf(cfg, layer)["fields"]["indexer"]
+            index_target = config.indexer.rope.interleaved if index_rope is None else index_rope["rope"]["interleaved"]
+        else:
+            index_target = False if lay.id == "deepseek" else config.indexer.rope.interleaved
+        config, tensors = _repair_indexer_pairing(config, tensors, index_target)
     base = prefix + lay.scope.format(layer=layer)
     state = {key: array for key, (array, _) in _state_of(config, tensors, _KEYS[lay.id], base).items()}
     if cfg is not None:

@@ -56,6 +56,9 @@ def indexer_layers(model_type: str, hf: Mapping[str, Any]) -> list[str | None]:
         if types is None:
             pattern = hf.get("index_topk_pattern")
             if pattern is not None:
+                if isinstance(pattern, str) and set(pattern) - set("FS"):
+                    raise ValueError(f"index_topk_pattern must be a string of F (full) and S (shared), one a layer: "
+                                     f"got {_shown(pattern)}")
                 types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
             else:
                 freq, offset = max(int(hf.get("index_topk_freq", 1)), 1), int(hf.get("index_skip_topk_offset", 2))

@@ -28,6 +28,7 @@ from . import (
     llama,
     locate,
     meta,
+    minimax,
     neox,
     read,
     torch,
@@ -37,14 +38,14 @@ from .table import Catalogue, Layout, Table, _self_check
 from .table import describe as _describe
 
 # The families, one module each (its FAMILY: its layouts), in LAYOUT_LIST's order
-FAMILIES = (canonical, torch, keras, flax, bert, gpt2, llama, neox, gptj, meta, alibi_models, deepseek)
+FAMILIES = (canonical, torch, keras, flax, bert, gpt2, llama, neox, gptj, meta, alibi_models, deepseek, minimax)
 
 LAYOUT_LIST = tuple(layout for family in FAMILIES for layout in family.FAMILY)
 
 # detect_layout tries these in order: the first whose kernel keys all exist under one prefix
 # (hf-falcon has hf-bloom's keys: a state alone answers hf-bloom; config.json's model_type tells them apart)
 DETECT_ORDER = ("hf-bert", "hf-gpt2", "hf-llama", "hf-gpt-neox", "hf-gptj", "meta-llama", "hf-bloom", "hf-mpt",
-                "hf-deepseek", "deepseek",
+                "hf-deepseek", "deepseek", "hf-minimax",
                 "torch-mha", "torch-per-head", "torch-fused-qkv", "torch-linears", "keras-split-heads", "keras-mha",
                 "flax-linen-mha", "canonical")
 

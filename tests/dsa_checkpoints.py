@@ -4,9 +4,9 @@ DeepSeek V3.2 / GLM-5 checkpoint makes (each a change to what the reader hands t
 
 `sparse_call` composes the two stages the contract defines: the layer's indexer (`lightning_indexer` of the
 backend's own mirror) picks the keys, then the attention runs over them through its `topk_indices` input. A
-shared layer (GLM-5) runs no indexer: it takes the previous full layer's selection as it is. When the
-attention call runs the indexer itself (a config with `indexer`: the wired call), the body below becomes the
-one line marked WIRED.
+shared layer (GLM-5) runs no indexer: it takes the previous full layer's selection as it is. A layer with
+an indexer goes through the wired call (the attention call runs its own indexer and returns its selection);
+only the causal-after-top-k mutant, a call the contract cannot be asked to make, composes the two by hand.
 """
 
 from __future__ import annotations
@@ -34,23 +34,27 @@ def sparse_call(backend: str, config, tensors, x, positions, *, cache=None, sele
 
     -> {"output", "cache" (for the next call), "topk_indices" (the keys this call attended to)}."""
     cache = cache or {}
+    options = {"is_causal": True, "return_cache": True}
+    if cache:
+        options["causal_alignment"] = "bottom_right"
+    inputs = {"query": x, "positions": positions, **{k: cache[k] for k in ("past_key", "past_value") if k in cache}}
+    if config.indexer is not None and indexer_causal:  # the wired call: the layer runs its own indexer
+        if "past_index_keys" in cache:
+            inputs["past_index_keys"] = cache["past_index_keys"]
+        result = backends.load(backend).forward(config, tensors, inputs, options)
+        present = {name: _array(result[f"present_{name[5:]}"]) for name in ("past_key", "past_value",
+                                                                             "past_index_keys")}
+        return {"output": _array(result["output"]), "cache": present, "topk_indices": _array(result["selection"])}
+    # The causal-after-top-k mutant (a call the contract cannot be asked to make): the indexer run on its own,
+    # then the attention over its selection, the block without its indexer.
     index = {}
     if config.indexer is not None:
         lightning_indexer = importlib.import_module(INDEXER_MODULES[backend]).lightning_indexer
         index = lightning_indexer(config, tensors, x, positions=positions, past_index_keys=cache.get("past_index_keys"),
                                   is_causal=indexer_causal)
         selection = _array(index["topk_indices"])
-    inputs = {"query": x, "positions": positions}
     if selection is not None:  # None: a dense layer (MiniMax M3's full_attention layers)
         inputs["topk_indices"] = selection
-    inputs.update({k: cache[k] for k in ("past_key", "past_value") if k in cache})
-    options = {"is_causal": True, "return_cache": True}
-    if cache:
-        options["causal_alignment"] = "bottom_right"
-    # WIRED: once the attention call runs the indexer itself, the lines from `index = {}` to here become
-    #   result = backends.load(backend).forward(config, tensors, {**inputs, "past_index_keys": ...}, options)
-    # (topk_indices only for a shared layer), and the cache and selection are read from `result`.
-    # the attention over the selection: the block without its indexer (the selection already made)
     attention = config.replace(indexer=None)
     plain = {name: t for name, t in tensors.items() if not name.startswith("indexer.")}
     result = backends.load(backend).forward(attention, plain, inputs, options)

@@ -135,7 +135,8 @@ def _policy(config, expected, logits_scale, keys):
 def _logits(config, tensors, x, selection):
     """The float64 reference's logits for the policy's scale (the selection's attention)."""
     from conformance.suite import backends
-    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
+    wide = {k: v.astype(np.float64) for k, v in tensors.items() if not k.startswith("indexer.")}
+    config = config.replace(indexer=None)  # the attention over the given selection (a layer picks or is given)
     ref = backends.load("numpy").forward(config, wide, {"query": x.astype(np.float64), "positions": np.arange(T),
                                                         "topk_indices": selection}, {"is_causal": True}, trace=True)
     return dict(ref["trace"])["logits"]

@@ -444,6 +444,27 @@ def test_the_indexer_through_the_layer_and_an_in_place_cache():
         lightning_indexer(case.config, tensors, inputs["query"], precision="fp8_e4m3")
 
 
+def test_the_indexers_top_k_keeps_the_tie_rule():
+    """impl_mlx.indexer's select_topk and expand_blocks against the spec's (impl_numpy.indexer) on scores full of
+    ties and -inf (integers 0..2, a third masked; blocks of 3 with local blocks): equal scores in ascending key
+    index (the contract's tie rule: mx.argsort's stable order, as its docstring states from MLX 0.32)."""
+    from impl_mlx import indexer as mlx_indexer
+    from impl_numpy import indexer as spec
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 3, (2, 2, 6, 13)).astype(np.float32)
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    for k in (1, 4, 13, 20):
+        np.testing.assert_array_equal(np.array(mlx_indexer.select_topk(mx.array(x), k)), spec.select_topk(x, k))
+    allowed = np.isfinite(x[:, :1])  # (B, 1, T, S)
+    bx = spec.keep_local_blocks(spec.block_scores(x, 3), np.arange(6) + 7, 3, 2)
+    mx_bx = mlx_indexer.keep_local_blocks(mlx_indexer.block_scores(mx.array(x), 3), np.arange(6) + 7, 3, 2)
+    np.testing.assert_array_equal(np.array(mx_bx), bx)  # exact: maxima of the same values, no arithmetic
+    blocks = spec.select_topk(bx, 2)
+    np.testing.assert_array_equal(np.array(mlx_indexer.expand_blocks(mx.array(blocks), 3, mx.array(allowed), 13)),
+                                  spec.expand_blocks(blocks, 3, allowed, 13))
+
+
 @pytest.mark.parametrize("name", list(indexer_refusals()))
 def test_indexer_refusals_in_the_contracts_words(name):
     """A layer with an indexer: its cache's index keys required and sized, topk_indices refused beside it."""

@@ -3,9 +3,9 @@ mlx.core ops only). Shape letters as there: I index heads, J index head_dim, G s
 
 Runs eagerly, as the rest of impl_mlx. The fp8 simulation (precision "fp8_e4m3": DeepSeek's Hadamard
 transform, then float8 e4m3 blocks) is refused: MLX 0.32 has no float8 type to round through (_float8 says
-so), so hadamard and quantize_fp8 are not ported. The top-k is an exact stable order (select_topk): MLX's
-argsort promises no order among equal scores, so equal scores are ranked by their key index through a
-second argsort of unique integer keys.
+so), so hadamard and quantize_fp8 are not ported. The top-k is mx.argsort of the negated scores: its order
+is stable (equal scores keep ascending key index, the contract's tie rule), as its docstring states from
+MLX 0.32 (std::stable_sort on the CPU, a merge sort on Metal: ml-explore/mlx issue 2057).
 """
 
 from __future__ import annotations
@@ -77,20 +77,9 @@ def keep_local_blocks(x, query_slots: np.ndarray, block_size: int, local_blocks:
     return mx.where(mx.array(local) & (x > -np.inf), scalar(np.inf, x.dtype), x)
 
 
-def _stable_argsort(x):
-    """np.argsort(x, axis=-1, kind="stable") in MLX: argsort, then equal values (consecutive once sorted) ranked
-    by their index through an argsort of unique integers (group * width + index)."""
-    W = x.shape[-1]
-    order = mx.argsort(x, axis=-1)
-    ranked = mx.take_along_axis(x, order, axis=-1)
-    new = mx.concatenate([mx.zeros((*x.shape[:-1], 1), mx.bool_), ranked[..., 1:] != ranked[..., :-1]], axis=-1)
-    group = mx.cumsum(new.astype(mx.int64), axis=-1)  # equal values, one group
-    return mx.take_along_axis(order, mx.argsort(group * W + order.astype(mx.int64), axis=-1), axis=-1)
-
-
 def select_topk(x, k: int):
     width = min(k, x.shape[-1])
-    order = _stable_argsort(-x)[..., :width]  # stable: ties keep ascending index
+    order = mx.argsort(-x, axis=-1)[..., :width]  # stable: ties keep ascending index
     chosen = mx.take_along_axis(x, order, axis=-1)
     return mx.where(chosen > -np.inf, order.astype(mx.int64), -1)
 
@@ -101,7 +90,7 @@ def expand_blocks(blocks, block_size: int, allowed, S: int):
     valid = mx.broadcast_to(blocks[..., None] >= 0, (B, G, T, kb, block_size)).reshape(keys.shape) & (keys < S)
     seen = mx.broadcast_to(allowed, (B, G, T, S))
     valid = valid & mx.take_along_axis(seen, mx.clip(keys, 0, S - 1), axis=-1)
-    order = _stable_argsort((~valid).astype(mx.int32))[..., :min(kb * block_size, S)]
+    order = mx.argsort((~valid).astype(mx.int32), axis=-1)[..., :min(kb * block_size, S)]  # stable
     packed = mx.take_along_axis(keys, order, axis=-1)
     return mx.where(mx.take_along_axis(valid, order, axis=-1), packed, -1)
 

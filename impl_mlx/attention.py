@@ -15,7 +15,7 @@ tests/test_mlx.py); those take the stages. Every path honours every
 feature of the config and the call: the projections, clip, QK-norm, RoPE,
 temperature and the cache run as the stages (heads.qkv_heads) before
 either core; ALiBi, windows, local chunks, segments, the selection
-(topk_indices, in the mask: call.prepare), bias and sinks are part of
+(topk_indices, or the lightning indexer's: in the mask, call.prepare), bias and sinks are part of
 both; the output gate runs after. A latent layer (MLA, latent.py)
 runs its expanded form on the stages and its absorbed form on the fused and
 chunked cores and the in-place cache, as impl_numpy does.

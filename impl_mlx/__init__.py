@@ -6,7 +6,8 @@
 
 Modules: functional.py the stages alone (mirrors impl_numpy/functional.py); attention.py the call (plan:
 the choice of path, and the stages run in order); call.py its validation and the validated Call; heads.py
-the stages up to the keys (mirrors impl_numpy/heads.py); latent.py MLA's; fused.py the fused core
+the stages up to the keys (mirrors impl_numpy/heads.py); latent.py MLA's; indexer.py the lightning indexer
+(mirrors impl_numpy/indexer.py; call.py runs it for a config with `indexer`); fused.py the fused core
 (mx.fast.scaled_dot_product_attention); chunked.py the chunked core; masks.py, layer.py, adapter.py
 (conformance), convert.py (dtypes and arrays at the edges).
 

@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 
 import weights
-from weights.call import OPTIONAL_INPUTS, split_result
-from weights.paths import common_path_options, in_place_buffers, new_keys
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
+from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
 from .convert import to_mx, to_numpy
@@ -62,15 +62,17 @@ def _kwargs(options) -> dict:
                 chunk_size=options.get("chunk_size"))
 
 
-def _arrays(inputs, options, tensors):
+def _arrays(config, inputs, options, tensors):
     """The call's arrays as mx.arrays (ids and positions as given), and an in-place cache's buffers."""
-    arrays = {name: to_mx(inputs[name]) for name in ("query", "key", "value", *OPTIONAL_INPUTS)
+    arrays = {name: to_mx(inputs[name]) for name in ("query", "key", "value", *OPTIONAL_INPUTS, *INDEXER_INPUTS)
               if inputs.get(name) is not None}
     extra = {}
     if options.get("in_place"):  # the cache in zeroed buffers of capacity P + S + SPARE, written in place
         dtype = weights.dtype_from_name(options.get("dtype") or next(iter(tensors.values())).dtype.name)
         past_key, past_value, P = in_place_buffers(inputs, dtype)
         arrays["past_key"], arrays["past_value"] = to_mx(past_key), to_mx(past_value)
+        if config.indexer is not None:  # the indexer's cache in a buffer of the same capacity, written in place
+            arrays["past_index_keys"] = to_mx(index_buffer(inputs, past_key.shape[2], dtype))
         extra["cache_length"] = P
     return arrays, extra
 
@@ -78,17 +80,23 @@ def _arrays(inputs, options, tensors):
 def _call(config, params, arrays, options, extra, *, trace=None):
     return_weights, return_cache = bool(options.get("return_weights")), bool(options.get("return_cache"))
     return multi_head_attention(config, params, arrays["query"], arrays.get("key"), arrays.get("value"),
-                                **{name: arrays.get(name) for name in OPTIONAL_INPUTS}, **_kwargs(options), **extra,
-                                return_weights=return_weights, return_cache=return_cache, trace=trace)
+                                **{name: arrays.get(name) for name in OPTIONAL_INPUTS + INDEXER_INPUTS},
+                                **_kwargs(options), **extra, return_weights=return_weights, return_cache=return_cache,
+                                return_selection=config.indexer is not None, trace=trace)
 
 
-def _answer(inputs, options, result, entries=None) -> dict:
+def _answer(config, inputs, options, result, entries=None) -> dict:
+    """The answer as NumPy: output, the weights and the present cache where asked, and with config.indexer its
+    selection (always, to be judged) and present_index_keys (with the cache)."""
     return_weights, return_cache = bool(options.get("return_weights")), bool(options.get("return_cache"))
-    answer = split_result(result, return_weights, return_cache, to_numpy)
+    index = config.indexer is not None
+    answer = split_result(result, return_weights, return_cache, to_numpy, return_selection=index, index_cache=index)
     if options.get("in_place") and return_cache:  # the buffers, whole: the cache is their first P + S positions
         S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs)
         answer["present_key"], answer["present_value"] = (answer[n][:, :, :S_total] for n in
                                                           ("present_key", "present_value"))
+        if index:
+            answer["present_index_keys"] = answer["present_index_keys"][:, :S_total]
     if entries is not None:
         answer["trace"] = [(e.stage, to_numpy(e.value)) for e in entries]
     return answer
@@ -100,9 +108,9 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     entries = [] if trace else None
     with mx.stream(dev):
         params = {name: to_mx(t) for name, t in tensors.items()}
-        arrays, extra = _arrays(inputs, options, tensors)
+        arrays, extra = _arrays(config, inputs, options, tensors)
         result = _call(config, params, arrays, options, extra, trace=entries)
-        return _answer(inputs, options, result, entries)
+        return _answer(config, inputs, options, result, entries)
 
 
 def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
@@ -112,7 +120,7 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
     weights.validate_tensors(config, tensors)
     with mx.stream(dev):
         params = {name: to_mx(t) for name, t in tensors.items()}
-        arrays, extra = _arrays(inputs, options, tensors)
+        arrays, extra = _arrays(config, inputs, options, tensors)
         differentiable = [name for name in _DIFFERENTIABLE if name in arrays]
         names = differentiable + list(params)
         others = {name: a for name, a in arrays.items() if name not in differentiable}
@@ -131,7 +139,7 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
                              f"{tuple(d_out.shape)}")
         cotangents = [d_out] + [mx.zeros_like(x) for x in out_shape[1:]]
         outputs, grads = mx.vjp(f, primals, cotangents)
-        answer = _answer(inputs, options, outputs[0] if len(outputs) == 1 else tuple(outputs))
+        answer = _answer(config, inputs, options, outputs[0] if len(outputs) == 1 else tuple(outputs))
         by_name = dict(zip(names, grads))
         order = [n for n in ("query", "key", "value") if n in by_name]
         if "past_key" in by_name and np.shape(inputs["past_key"])[2] > 0:

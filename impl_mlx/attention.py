@@ -15,7 +15,7 @@ tests/test_mlx.py); those take the stages. Every path honours every
 feature of the config and the call: the projections, clip, QK-norm, RoPE,
 temperature and the cache run as the stages (heads.qkv_heads) before
 either core; ALiBi, windows, local chunks, segments, the selection
-(topk_indices, in the mask: call.prepare), bias and sinks are part of
+(topk_indices, or the lightning indexer's: in the mask, call.prepare), bias and sinks are part of
 both; the output gate runs after. A latent layer (MLA, latent.py)
 runs its expanded form on the stages and its absorbed form on the fused and
 chunked cores and the in-place cache, as impl_numpy does.
@@ -89,7 +89,9 @@ def multi_head_attention(
     key_segment_ids=None,
     past_key_positions=None,
     topk_indices=None,
+    past_index_keys=None,
     return_weights: bool = False,
+    return_selection: bool = False,
     return_cache: bool = False,
     cache_length: int | None = None,
     dtype: str | None = None,
@@ -103,6 +105,10 @@ def multi_head_attention(
     topk_indices (B, T, k) or (B, K, T, k), integer: the keys each query may see, as impl_numpy's (indexed
     over the cache's keys then the new ones, -1 an unused slot); it joins the mask on every path (the fused
     kernel's bool mask, the chunked core's blocks, which skips the key blocks nothing selects).
+    With config.indexer: its selection (impl_mlx.indexer, under mx.stop_gradient) joins the mask instead;
+    past_index_keys (B, P, J) (with cache_length the caller's buffer (B, C, J), written in place),
+    return_selection and present_index_keys as impl_numpy's: (output[, weights][, selection][, present_key,
+    present_value[, present_index_keys]]).
     cache_length: an in-place cache (see the module docstring); inference and gradients alike (MLX's
     slice assignment is differentiable), the buffers written whatever the transform.
     chunk_size: exact online softmax over blocks of this size (chunked.py). Not with return_weights or trace.
@@ -115,8 +121,10 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
-        topk_indices=topk_indices,
+        topk_indices=topk_indices, past_index_keys=past_index_keys,
     )
+    if return_selection and call.selection is None:
+        raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")
     chunk_size = check_chunk_size(chunk_size, return_weights=return_weights, traced=trace is not None)
     path = plan(config, return_weights=return_weights, traced=trace is not None, chunk_size=chunk_size,
                 dropout=call.keep is not None, dtype=call.dtype).path
@@ -162,7 +170,9 @@ def multi_head_attention(
         out = rec("output", F.output(ctx, p["output.kernel"], p.get("output.bias")))  # (B, T, O)
     if call.cache_length is not None:
         present_key, present_value = call.past_key, call.past_value  # the buffers, whole
-    result = (out,) + ((w,) if return_weights else ()) + ((present_key, present_value) if return_cache else ())
+    result = (out,) + ((w,) if return_weights else ()) + ((call.selection,) if return_selection else ())
+    if return_cache:
+        result += (present_key, present_value) + ((call.present_index_keys,) if config.indexer is not None else ())
     return result[0] if len(result) == 1 else result
 
 

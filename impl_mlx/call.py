@@ -20,6 +20,7 @@ from weights.contract import (
     CallShapes,
     check_bias_values,
     check_call,
+    check_indexer_call,
     check_input_values,
     check_position_values,
     check_topk_values,
@@ -30,6 +31,7 @@ from weights.rope import rope_tables
 
 from . import functional as F
 from .convert import dtype_name, np_dtype, to_mx, to_mx_dtype, to_numpy
+from .indexer import lightning_indexer
 
 
 def _np_dtype_of(x) -> np.dtype:
@@ -75,7 +77,9 @@ class Call:
     key_segment_ids: Any  # (S_total,) or (B, S_total)
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions, or None
-    selected: bool = False  # topk_indices was given: mask4 holds the selection (the chunked core skips unselected blocks)
+    selected: bool = False  # topk_indices or config.indexer: mask4 holds the selection (the chunked core skips unselected blocks)
+    selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k) int64, joined to mask4, or None
+    present_index_keys: Any = None  # (B, P+S, J); with cache_length the caller's buffer (B, C, J)
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND local chunks AND segments over every key (rank 4), or None."""
@@ -130,9 +134,10 @@ def _ids(x):
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None, topk_indices=None) -> Call:
+            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None) -> Call:
     """Validate a call in the reference's order and words and cast everything to the storage dtype. topk_indices
-    joins the mask (mask4 = mask AND functional.selection_mask), as impl_numpy's: every path reads it there."""
+    joins the mask (mask4 = mask AND functional.selection_mask), as impl_numpy's: every path reads it there; with
+    config.indexer its selection does (run_indexer)."""
     stored = check_params(config, params)
     np_storage = stored if dtype is None else dtype_from_name(dtype)
     query = _as_array(query)
@@ -164,6 +169,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
     selection = optional["topk_indices"]
     if selection is not None:
         check_topk_values(to_numpy(selection), shapes.P, shapes.S)
+    check_indexer_call(config, selection is not None, past_index_keys, shapes, cache_length)
     in_place = shapes.capacity is not None
     if in_place:
         past_key, past_value = past_key_buffers(optional["past_key"], optional["past_value"], np_storage)
@@ -193,7 +199,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
     if segment_ids is not None and key_segment_ids is None:
         key_segment_ids = segment_ids  # self-attention without a cache: the keys are the queries (check_call)
     positioned = config.reads_positions  # RoPE, ALiBi, local chunks and the temperature read the positions
-    return Call(
+    call = Call(
         shapes=shapes, params=cast, query=to_mx(query, np_storage), key=to_mx(key, np_storage),
         value=to_mx(value, np_storage), mask4=mask4, bias4=bias4, keep=keep, dtype=to_mx_dtype(np_storage),
         positions=F.default_positions(_ids(optional["positions"]), shapes.P, shapes.T) if positioned else None,
@@ -202,8 +208,47 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         cache_length=shapes.P if in_place else None,
         past_key_positions=F.default_positions(_ids(optional["past_key_positions"]), 0, shapes.P)
         if positioned and optional["past_key_positions"] is not None else None,
-        selected=selection is not None,
+        selected=selection is not None or config.indexer is not None,
     )
+    if config.indexer is not None:
+        run_indexer(config, call, is_causal, causal_alignment, optional["positions"], optional["key_positions"],
+                    past_index_keys)
+    return call
+
+
+def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
+                key_positions, past_index_keys) -> None:
+    """impl_numpy.attention.run_indexer in MLX: the indexer's selection (impl_mlx.indexer) over the keys every
+    other mask shows (call.allowed before the selection joins it, any head's), joined to call.mask4;
+    call.selection and call.present_index_keys set (an in-place cache: the new index keys written into the
+    caller's buffer at P..P+S-1 by slice assignment, the buffer whole). Under mx.stop_gradient: the selection is
+    piecewise constant, and the indexer's tensors get no gradient from the output (zeros)."""
+    T, S, P = call.shapes.T, call.shapes.S, call.shapes.P
+    allowed = call.allowed(config, is_causal, causal_alignment)
+    mask = None if allowed is None else mx.broadcast_to(mx.any(allowed, axis=1, keepdims=True),
+                                                        (allowed.shape[0], 1, T, P + S))
+    buffer = None
+    past = None if past_index_keys is None else _as_array(past_index_keys)
+    if past is not None and call.cache_length is not None:
+        buffer = past
+        if not isinstance(buffer, mx.array) or buffer.dtype != call.dtype:
+            what = (f"a {type(buffer).__name__}" if not isinstance(buffer, mx.array) else
+                    f"dtype {dtype_name(buffer)}")
+            raise in_place_buffer_error("past_index_keys", f"be an mx.array of the storage dtype "
+                                        f"{np_dtype(call.dtype).name}", what)
+        past = buffer[:, :P]
+    sg = mx.stop_gradient
+    result = lightning_indexer(config, {n: sg(t) for n, t in call.params.items()}, sg(call.query), sg(call.key),
+                               positions=positions, key_positions=key_positions,
+                               past_index_keys=None if past is None else sg(to_mx(past)), mask=mask,
+                               is_causal=False, dtype=np_dtype(call.dtype).name)
+    present = result["present_index_keys"]
+    if buffer is not None:
+        buffer[:, P:P + S] = present[:, P:]  # the caller's array, written in place
+        present = buffer
+    call.selection, call.present_index_keys = result["topk_indices"], present
+    selected = F.selection_mask(call.selection, config.num_heads, call.shapes.S_total)
+    call.mask4 = selected if call.mask4 is None else call.mask4 & selected
 
 
 def past_key_buffers(past_key, past_value, dtype: np.dtype):

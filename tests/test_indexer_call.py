@@ -4,7 +4,7 @@ returned caches equals the prefill's last query, the refusals, and the suite's j
 (conformance.suite.compare.judge_selection): an admissible selection of its own is judged against the float64
 reference attending to it, an inadmissible one fails naming the query and the keys, and the two porting bugs
 of tests/mutants.py's INDEXER_MUTANTS fail their grid case. The mirrors run the grid's indexer cases in their
-own grid tests (tests/test_torch.py, test_tf.py, test_jax.py)."""
+own grid tests (tests/test_torch.py, test_tf.py, test_jax.py, test_mlx.py)."""
 
 from __future__ import annotations
 

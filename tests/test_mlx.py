@@ -15,7 +15,8 @@ import sys
 
 import numpy as np
 import pytest
-from mutants import TOPK_MUTANTS
+from modern_checks import indexer_call, indexer_refusals
+from mutants import INDEXER_MUTANTS, TOPK_MUTANTS
 
 from conformance.suite import backends, check
 from conformance.suite.cases import CASES, cast_inputs, cast_tensors, make_inputs, make_tensors
@@ -30,13 +31,15 @@ from impl_mlx import functional as F  # noqa: E402
 # Cases that reach every feature the contract has (masks, bias, causal of both alignments, GQA, masked rows
 # of each policy, dropout, RoPE and its scalings, the cache, windows, softcap, norms, sinks, packed rows,
 # ALiBi, local chunks, the temperature, the clip, gates, LongRoPE, MLA with its decode, past_key_positions,
-# and every topk_indices case: shared over a cache, per kv head, the latent decode, a row left empty).
+# every topk_indices case: shared over a cache, per kv head, the latent decode, a row left empty; and every
+# lightning indexer case: DSA's prefill and decode over a latent layer, MiniMax M3's blocks per kv head).
 TOPK_CASES = tuple(name for name, case in CASES.items() if case.selection is not None)
+INDEXER_CASES = tuple(name for name, case in CASES.items() if case.config.indexer is not None)
 GRID = ("mask_and_bias_causal", "causal_bottom_right_long_query", "gqa", "masked_rows_nan", "sinks_masked_rows",
         "dropout_train", "decode_cache", "cache_window_gqa", "segments_packed_cache", "modern_everything",
         "frontier_everything", "alibi_chunk_decode", "rope_longrope_long", "latent_mla", "latent_decode",
         "norm_after_rope_chunked", "edge_alibi_decode_positions", "output_gate_head", "qk_norm_per_head_layer",
-        *TOPK_CASES)
+        *TOPK_CASES, *INDEXER_CASES)
 
 
 def _rng_array(shape, seed=0, scale=1.0):
@@ -353,6 +356,121 @@ def test_a_topk_porting_bug_planted_in_the_mlx_paths_fails(bug, monkeypatch):
     assert caught == set(paths), (f"{bug}: caught on {sorted(caught)} of {paths}: "
                                   + "; ".join(f"{r.path} {r.status} {r.message}" for r in results if r is not None))
     print(f"{bug} on {name}: " + ", ".join(f"{r.path} margin {r.margin:.3g}" for r in results))
+
+
+# The lightning indexer's porting bugs (tests/mutants.py INDEXER_MUTANTS), planted where impl_mlx's call runs the
+# indexer (call.run_indexer, call.lightning_indexer): each fails its grid case on every path
+def _plant_indexer(bug: str, monkeypatch) -> None:
+    from impl_mlx import call as mlx_call
+
+    if bug == "indexer_ignored":  # the selection made and returned, but never joined to the mask: dense attention
+        def run_indexer(config, call, *args, _original=mlx_call.run_indexer):
+            mask4 = call.mask4
+            _original(config, call, *args)
+            call.mask4 = mask4
+
+        monkeypatch.setattr(mlx_call, "run_indexer", run_indexer)
+        return
+    assert bug == "indexer_causal_after_topk", bug
+
+    def lightning_indexer(config, tensors, query, key=None, *, mask=None, _original=mlx_call.lightning_indexer, **kw):
+        result = _original(config, tensors, query, key, **kw)  # top-k over every key, the future's included
+        sel, T = result["topk_indices"], query.shape[1]
+        S_total = result["present_index_keys"].shape[1]
+        future = sel > (mx.arange(T)[:, None] + S_total - T)  # then the causal mask: future slots dropped
+        result["topk_indices"] = mx.where(future, -1, sel)
+        return result
+
+    monkeypatch.setattr(mlx_call, "lightning_indexer", lightning_indexer)
+
+
+@pytest.mark.parametrize("bug", list(INDEXER_MUTANTS))
+def test_an_indexer_porting_bug_planted_in_the_mlx_paths_fails(bug, monkeypatch):
+    runs = [(INDEXER_MUTANTS[bug][1], path) for path in ("stages", "fused", "chunked")]
+    if bug == "indexer_ignored":  # and the in-place cache, on the decode case (a decode step has no future key)
+        runs.append(("indexer_dsa_decode", "in_place"))
+    adapter = backends.load("mlx")
+    _plant_indexer(bug, monkeypatch)
+    results = [run_case(CASES[name], "mlx", dtype="float32", adapter=adapter, gradients=False, path=path)
+               for name, path in runs]
+    caught = [(r.case, r.path) for r in results if r is not None and r.status == STATUS_FAIL]
+    assert caught == runs, (f"{bug}: caught on {caught} of {runs}: "
+                            + "; ".join(f"{r.case}/{r.path} {r.status} {r.message}" for r in results if r is not None))
+    print(f"{bug}: " + ", ".join(f"{r.case}/{r.path} margin {r.margin:.3g} ({r.worst.name})" for r in results))
+
+
+def test_the_indexer_through_the_layer_and_an_in_place_cache():
+    """The layer takes return_selection= and past_index_keys=; an in-place cache writes the caller's index-key
+    buffer (mx.array) at P..P+S-1 and returns it whole; the fp8 scoring is refused by name (MLX has no float8)."""
+    import impl_numpy
+    from impl_mlx import MultiHeadAttention, multi_head_attention
+    from impl_mlx.indexer import lightning_indexer
+
+    case = CASES["indexer_dsa_decode"]
+    tensors, inputs = make_tensors(case), make_inputs(case)  # float64
+    P, S = inputs["past_key"].shape[2], inputs["query"].shape[1]
+    kw = dict(is_causal=True, causal_alignment="bottom_right")
+    want, want_sel, *_, want_pik = impl_numpy.multi_head_attention(
+        case.config, tensors, inputs["query"], inputs["key"], inputs["value"], past_key=inputs["past_key"],
+        past_value=inputs["past_value"], past_index_keys=inputs["past_index_keys"], return_selection=True,
+        return_cache=True, **kw)
+    layer = MultiHeadAttention(case.config, tensors)
+    out, sel = layer(inputs["query"], inputs["key"], inputs["value"], past_key=inputs["past_key"],
+                     past_value=inputs["past_value"], past_index_keys=inputs["past_index_keys"], return_selection=True,
+                     **kw)
+    np.testing.assert_array_equal(np.array(sel), want_sel)  # the reference's keys (no near tie: test_indexer_call)
+    # 1e-12: float64 both, the same stages in another order of rounding (float64's unit 1.1e-16: 10^4 of them),
+    # where attending to another selection is off by ~1e-2 (the case's dense output differs by more than 1e-3)
+    assert np.abs(np.array(out) - want).max() < 1e-12
+    buffers = []
+    for name, axis in (("past_key", 2), ("past_value", 2), ("past_index_keys", 1)):
+        shape = list(inputs[name].shape)
+        shape[axis] = P + S + 2
+        buffer = np.zeros(shape)
+        buffer[(slice(None),) * axis + (slice(0, P),)] = inputs[name]
+        buffers.append(mx.array(buffer, dtype=mx.float64))
+    out, _, _, pik = multi_head_attention(case.config, tensors, inputs["query"], inputs["key"], inputs["value"],
+                                          past_key=buffers[0], past_value=buffers[1], past_index_keys=buffers[2],
+                                          cache_length=P, return_cache=True, **kw)
+    assert pik is buffers[2]  # the caller's own array, written
+    assert np.abs(np.array(pik)[:, :P + S] - want_pik).max() < 1e-12 and not np.array(pik)[:, P + S:].any()
+    assert np.abs(np.array(out) - want).max() < 1e-12
+    with pytest.raises(ValueError, match="past_index_keys with cache_length is written in place: it must be an "
+                                         "mx.array of the storage dtype float64: got a ndarray"):
+        multi_head_attention(case.config, tensors, inputs["query"], inputs["key"], inputs["value"],
+                             past_key=buffers[0], past_value=buffers[1], past_index_keys=np.array(buffers[2]),
+                             cache_length=P, **kw)
+    with pytest.raises(ValueError, match=r"precision fp8_e4m3 needs a float8 e4m3 type \(mx.float8_e4m3fn\), which MLX"):
+        lightning_indexer(case.config, tensors, inputs["query"], precision="fp8_e4m3")
+
+
+def test_the_indexers_top_k_keeps_the_tie_rule():
+    """impl_mlx.indexer's select_topk and expand_blocks against the spec's (impl_numpy.indexer) on scores full of
+    ties and -inf (integers 0..2, a third masked; blocks of 3 with local blocks): equal scores in ascending key
+    index (the contract's tie rule: mx.argsort's stable order, as its docstring states from MLX 0.32)."""
+    from impl_mlx import indexer as mlx_indexer
+    from impl_numpy import indexer as spec
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 3, (2, 2, 6, 13)).astype(np.float32)
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    for k in (1, 4, 13, 20):
+        np.testing.assert_array_equal(np.array(mlx_indexer.select_topk(mx.array(x), k)), spec.select_topk(x, k))
+    allowed = np.isfinite(x[:, :1])  # (B, 1, T, S)
+    bx = spec.keep_local_blocks(spec.block_scores(x, 3), np.arange(6) + 7, 3, 2)
+    mx_bx = mlx_indexer.keep_local_blocks(mlx_indexer.block_scores(mx.array(x), 3), np.arange(6) + 7, 3, 2)
+    np.testing.assert_array_equal(np.array(mx_bx), bx)  # exact: maxima of the same values, no arithmetic
+    blocks = spec.select_topk(bx, 2)
+    np.testing.assert_array_equal(np.array(mlx_indexer.expand_blocks(mx.array(blocks), 3, mx.array(allowed), 13)),
+                                  spec.expand_blocks(blocks, 3, allowed, 13))
+
+
+@pytest.mark.parametrize("name", list(indexer_refusals()))
+def test_indexer_refusals_in_the_contracts_words(name):
+    """A layer with an indexer: its cache's index keys required and sized, topk_indices refused beside it."""
+    changes, message = indexer_refusals()[name]
+    with pytest.raises(ValueError, match=message):
+        backends.load("mlx").forward(*indexer_call(changes))
 
 
 # -- mha bench ---------------------------------------------------------------------------------------------

@@ -82,7 +82,6 @@ REGISTRY: dict[str, Backend] = {
 # (the one place that decides it: run_case and the backend's `mha verify` function read not_yet). Remove the
 # entry when the backend gains the field.
 NOT_YET: dict[str, dict[str, str]] = {
-    "mlx": {"indexer": "indexer: not yet in impl_mlx"},
     # impl_tf/indexer.py is written in TensorFlow (its float8 scoring too); the Keras-ops form is not written
     "keras-jax": {"indexer": "indexer: impl_tf's indexer stage is TensorFlow-only (impl_tf/indexer.py)"},
     "keras-torch": {"indexer": "indexer: impl_tf's indexer stage is TensorFlow-only (impl_tf/indexer.py)"},

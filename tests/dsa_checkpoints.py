@@ -19,7 +19,7 @@ import numpy as np
 from conformance.suite import backends
 
 INDEXER_MODULES = {"numpy": "impl_numpy.indexer", "torch": "impl_torch.indexer", "jax": "impl_jax.indexer",
-                   "tf": "impl_tf.indexer"}
+                   "tf": "impl_tf.indexer", "mlx": "impl_mlx.indexer"}
 
 
 def _array(x):

@@ -266,8 +266,6 @@ def test_backends_reproduce_the_blocks(converted):
     margins, failed = _judge(f"{model_type} float64", blocks, seen, got)
     report = {"float64": max(margins.values())}
     for backend_name, _backend in _installed():
-        if backend_name == "mlx":  # no indexer mirror (impl_numpy, torch, jax, tf hold one)
-            continue
         got, selections = _reproduce(backend_name, blocks, seen, full=False)  # the reference ran the full one
         for key, sel in selections.items():
             assert np.array_equal(np.sort(np.where(sel < 0, 10 ** 6, sel), -1),

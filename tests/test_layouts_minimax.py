@@ -159,8 +159,6 @@ def test_backends_reproduce_the_blocks(converted):
     margins, failed = _judge("minimax_m3 float64", blocks, _reproduce("numpy", blocks, seen, dtype=np.float64))
     report = {"float64": max(margins.values())}
     for backend_name, _ in _installed():
-        if backend_name == "mlx":  # no indexer mirror
-            continue
         m, f = _judge(f"minimax_m3 {backend_name}", blocks, _reproduce(backend_name, blocks, seen, full=False))
         report[backend_name] = max(m.values())
         failed += f

@@ -16,6 +16,8 @@ that one module runs on Keras's tensorflow, jax and torch backends.
     to_tensor(x)               ops.convert_to_tensor (NumPy bfloat16 included, on torch too)
     is_symbolic(x)             x is traced (a Keras symbolic tensor, a tf.function or jax.jit tracer):
                                its values cannot be read
+    argsort_stable(x)          ascending over the last axis, ties in ascending index (the indexer's
+                               top-k rule): keras.ops.argsort promises no order among ties
 """
 
 from __future__ import annotations
@@ -102,7 +104,22 @@ else:
     def mean(x, axis, keepdims=False):
         return ops.sum(x, axis=axis, keepdims=keepdims) / x.shape[axis]
 
-__all__ = ["constant", "cos", "einsum", "floor", "is_symbolic", "matmul", "matmul_nt", "maximum", "mean", "same_dtype", "sin",
+
+
+def argsort_stable(x):
+    """Indices sorting x ascending over the last axis, equal values in ascending index: each framework's
+    stable sort (keras.ops.argsort calls tf.argsort and torch.argsort unstable; only jnp.argsort is stable
+    by default). The indexer's top-k (higher score first, then lower key index) sorts the negated scores."""
+    if TENSORFLOW:
+        import tensorflow as tf
+
+        return tf.argsort(x, axis=-1, stable=True)
+    if BACKEND == "jax":
+        return jnp.argsort(x, axis=-1, stable=True)
+    return torch.argsort(x, dim=-1, stable=True)
+
+
+__all__ = ["argsort_stable", "constant", "cos", "einsum", "floor", "is_symbolic", "matmul", "matmul_nt", "maximum", "mean", "same_dtype", "sin",
            "softmax", "tanh", "to_tensor", "where"]
 
 

@@ -174,20 +174,7 @@ class Call:
         table by the call's largest position (its queries' and new keys'). Eagerly that position is read to
         the host (LongRoPE only); in a graph (tf.function, XLA, jax.jit) the table is selected by a where on
         max position + 1 > original_max_position_embeddings, nothing read to Python."""
-        rope = config.rope
-        scaling = rope.scaling
-        if scaling is None or scaling.type != "longrope":
-            return rope_tables(rope)
-        given = [x for x in (self.positions, self.key_positions) if x is not None]
-        if not any(_is_symbolic(x) for x in given):
-            values = [np.asarray(ops.convert_to_numpy(x)) for x in given]
-            largest = [int(x.max()) for x in values if x.size]
-            return rope_tables(rope, max(largest) if largest else None)
-        largest = ops.max(ops.stack([ops.max(ops.cast(x, "int64")) for x in given]))
-        long = largest + 1 > scaling.original_max_position_embeddings
-        inv_freq = ops.where(long, ops.convert_to_tensor(inverse_frequencies(rope, long=True), "float64"),
-                             ops.convert_to_tensor(inverse_frequencies(rope, long=False), "float64"))  # (R/2,)
-        return inv_freq, attention_factor(rope)
+        return rope_tables_of(config.rope, self.positions, self.key_positions)
 
     def alibi_bias(self, config: AttentionConfig):
         """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
@@ -198,6 +185,26 @@ class Call:
     def modern(self) -> bool:
         """Uses a cache or packed segments (the config's own features: config.is_modern)."""
         return self.past_key is not None or self.segment_ids is not None
+
+
+def rope_tables_of(rope, *positions):
+    """(inv_freq (R/2,), attention_factor) of a Rope config for a call at these positions (None skipped):
+    weights.rope.rope_tables, where LongRoPE picks its table by the largest position. Eagerly that position
+    is read to the host (LongRoPE only); traced, the table is selected by a where, nothing read to Python.
+    The call's RoPE (Call.rope_tables) and the indexer's (impl_tf.indexer) read it so."""
+    scaling = rope.scaling
+    if scaling is None or scaling.type != "longrope":
+        return rope_tables(rope)
+    given = [x for x in positions if x is not None]
+    if not any(_is_symbolic(x) for x in given):
+        values = [np.asarray(ops.convert_to_numpy(x)) for x in given]
+        largest = [int(x.max()) for x in values if x.size]
+        return rope_tables(rope, max(largest) if largest else None)
+    largest = ops.max(ops.stack([ops.max(ops.cast(x, "int64")) for x in given]))
+    long = largest + 1 > scaling.original_max_position_embeddings
+    inv_freq = ops.where(long, ops.convert_to_tensor(inverse_frequencies(rope, long=True), "float64"),
+                         ops.convert_to_tensor(inverse_frequencies(rope, long=False), "float64"))  # (R/2,)
+    return inv_freq, attention_factor(rope)
 
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
@@ -279,56 +286,42 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
                 key_positions, past_index_keys) -> None:
-    """impl_numpy.attention.run_indexer in TensorFlow: the indexer's selection (impl_tf.indexer) over the keys
+    """impl_numpy.attention.run_indexer in keras.ops: the indexer's selection (impl_tf.indexer) over the keys
     every other mask shows (call.allowed before the selection joins it, any head's), joined to call.mask4;
-    call.selection and call.present_index_keys set (an in-place cache: past_index_keys a tf.Variable (B, C,
-    J), the new index keys assigned at P..P+S-1, the variable returned). Eager only (impl_tf.indexer reads its
-    inputs as NumPy arrays): refused in a graph. No gradient flows through it (the selection is piecewise
-    constant; the indexer's variables get zeros)."""
-    if not TENSORFLOW:  # impl_tf/indexer.py is written in TensorFlow (its float8 scoring too)
-        raise NotImplementedError(INDEXER_UNSUPPORTED)
-    import tensorflow as tf
+    call.selection and call.present_index_keys set. On every Keras backend, traced too (jax.jit: the
+    keras-jax adapter's). An in-place cache (TensorFlow only, as cache_length): past_index_keys a tf.Variable
+    (B, C, J), the new index keys assigned at P..P+S-1, the variable returned. No gradient flows through it
+    (the selection is piecewise constant; the indexer's inputs are read through stop_gradient, so its
+    variables get zeros)."""
+    from .indexer import READS, lightning_indexer
 
-    from .indexer import lightning_indexer
-
-    if not tf.executing_eagerly():
-        raise ValueError("config.indexer runs eagerly in impl_tf (its indexer reads NumPy arrays): call the layer "
-                         "outside tf.function")
     T, S, P = call.shapes.T, call.shapes.S, call.shapes.P
     allowed = call.allowed(config, is_causal, causal_alignment)
     mask = None
-    if allowed is not None:
-        mask = np.broadcast_to(np.asarray(ops.convert_to_numpy(allowed)).any(axis=1, keepdims=True),
-                               (allowed.shape[0], 1, T, P + S))
+    if allowed is not None:  # any head's: (B|1, 1, T, P+S)
+        mask = ops.broadcast_to(ops.any(allowed, axis=1, keepdims=True), (allowed.shape[0], 1, T, P + S))
     in_place = call.cache_length is not None and past_index_keys is not None
-    if in_place and (not isinstance(past_index_keys, tf.Variable) or F.dtype_name(past_index_keys) != call.dtype):
+    if in_place and (not _is_variable(past_index_keys) or F.dtype_name(past_index_keys) != call.dtype):
         raise in_place_buffer_error("past_index_keys", f"be a tf.Variable of the storage dtype {call.dtype}",
                                     f"a {type(past_index_keys).__name__}")
     past = None
     if past_index_keys is not None:
-        past = ops.convert_to_numpy(past_index_keys[:, :P] if in_place else past_index_keys)
+        past = ops.stop_gradient(F._cast(to_tensor(past_index_keys[:, :P] if in_place else past_index_keys),
+                                         call.dtype))
 
-    def host(x):
-        return None if x is None else np.asarray(ops.convert_to_numpy(x))
+    def held(x):
+        return None if x is None else ops.stop_gradient(x)
 
-    result = lightning_indexer(config, {n: host(t) for n, t in call.params.items() if n.startswith(("indexer.",
-                                                                                                    "query.down."))},
-                               host(call.query), host(call.key), positions=host(positions),
-                               key_positions=host(key_positions), past_index_keys=past, mask=mask, is_causal=False,
-                               dtype=call.dtype)
+    result = lightning_indexer(config, {n: held(t) for n, t in call.params.items() if n.startswith(READS)},
+                               held(call.query), held(call.key), positions=positions, key_positions=key_positions,
+                               past_index_keys=past, mask=mask, is_causal=False, dtype=call.dtype)
     present = result["present_index_keys"]
     if in_place:
-        past_index_keys[:, P:P + S].assign(tf.cast(present[:, P:], call.dtype))
+        past_index_keys[:, P:P + S].assign(F._cast(present[:, P:], call.dtype))
         present = past_index_keys
     call.selection, call.present_index_keys = result["topk_indices"], present
     selected = F.selection_mask(call.selection, config.num_heads, call.S_total)
     call.mask4 = selected if call.mask4 is None else ops.logical_and(call.mask4, selected)
-
-
-# Why the indexer (config.indexer) runs on TensorFlow's backend alone (conformance.suite.backends.NOT_YET says
-# so for keras-jax and keras-torch).
-INDEXER_UNSUPPORTED = (f"config.indexer needs Keras's TensorFlow backend (keras runs on {BACKEND}): impl_tf's "
-                       "indexer stage (impl_tf/indexer.py) is written in TensorFlow; its keras.ops form is not written")
 
 
 # Why the in-place cache (cache_length=) is TensorFlow's alone: the new keys are written into the caller's

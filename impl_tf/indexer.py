@@ -1,10 +1,15 @@
-"""The lightning indexer in TensorFlow: mirrors impl_numpy/indexer.py (same stages, same names, same einsum
-strings; tf and keras.ops calls through impl_tf.functional's stages). Shape letters as there: I index heads,
-J index head_dim, G selection groups.
+"""The lightning indexer in keras.ops: mirrors impl_numpy/indexer.py (same stages, same names, same einsum
+strings; keras.ops and impl_tf.backend's primitives through impl_tf.functional's stages), so that it runs on
+Keras's tensorflow, jax and torch backends. Shape letters as there: I index heads, J index head_dim, G
+selection groups.
 
-Runs eagerly. The fp8 simulation rounds through tf.dtypes.experimental.float8_e4m3fn (round to nearest even,
-as ml_dtypes); the top-k is a stable argsort of the negated scores (tf.math.top_k's order among equal
-scores is not the contract's).
+Traceable (jax.jit, tf.function with static shapes): nothing is read to the host but a LongRoPE table's
+choice, eagerly (call.rope_tables_of; traced, a where). The top-k is a stable argsort of the negated scores
+(backend.argsort_stable: keras.ops.argsort and every framework's top_k promise no order among equal scores,
+and the contract's is higher score first, then lower key index). The fp8 simulation rounds through
+TensorFlow's float8_e4m3fn (round to nearest even, as ml_dtypes) and builds UE8M0 scales from float32 bits
+(tf_only.round_fp8, tf_only.ue8m0): keras.ops has no float8 cast every backend honours and no bitcast, so
+precision "fp8_e4m3" runs on Keras's TensorFlow backend alone (FP8_UNSUPPORTED on the others).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ import math
 import numpy as np
 
 from weights import AttentionConfig, dtype_from_name
-from weights.rope import rope_tables
 
+from . import backend as bk
 from . import functional as F
-from ._keras import tf
+from ._keras import BACKEND, TENSORFLOW, keras
+from .backend import check_dtype
 from .masks import causal_mask
+
+ops = keras.ops
 
 FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
@@ -28,14 +36,21 @@ PRECISIONS = (None, "fp8_e4m3")
 READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
 
+# Why the fp8 simulation (precision "fp8_e4m3") is TensorFlow's alone.
+FP8_UNSUPPORTED = (f"precision fp8_e4m3 needs Keras's TensorFlow backend (keras runs on {BACKEND}): impl_tf's "
+                   "fp8 simulation rounds through TensorFlow's float8_e4m3fn and reads float32 bits (tf.bitcast); "
+                   "keras.ops has neither")
 
-def _float8():
-    """TensorFlow's float8 e4m3 type, or a ValueError saying why the simulation cannot run."""
-    fp8 = getattr(tf.dtypes.experimental, "float8_e4m3fn", None)
-    if fp8 is None:
-        raise ValueError(f"precision fp8_e4m3 needs tf.dtypes.experimental.float8_e4m3fn, which TensorFlow "
-                         f"{tf.__version__} lacks")
-    return fp8
+
+def _fp8():
+    """The TensorFlow-only module holding the fp8 rounding (a NotImplementedError elsewhere; a ValueError where
+    TensorFlow lacks float8_e4m3fn)."""
+    if not TENSORFLOW:
+        raise NotImplementedError(FP8_UNSUPPORTED)
+    from . import tf_only
+
+    tf_only.float8_e4m3fn()
+    return tf_only
 
 
 # -- stages -----------------------------------------------------------------------------------------------
@@ -52,89 +67,97 @@ def hadamard(x):
     while h.shape[0] < J:
         h = np.block([[h, h], [h, -h]])
     ct = F.compute_dtype(x.dtype)
-    return tf.cast(tf.matmul(tf.cast(x, ct), tf.constant((h / math.sqrt(J)).astype(ct))), x.dtype)
+    return F._cast(bk.matmul(F._cast(x, ct), ops.convert_to_tensor((h / math.sqrt(J)).astype(ct))), F.dtype_name(x))
 
 
 def quantize_fp8(x, block: int, scale_format: str):
-    fp8 = _float8()
-    shape = list(x.shape)
-    xb = tf.reshape(tf.cast(x, tf.float64), [*shape[:-1], shape[-1] // block, block])  # (..., nblk, block)
-    amax = tf.cast(tf.maximum(tf.reduce_max(tf.abs(xb), axis=-1, keepdims=True), FP8_AMAX_FLOOR), tf.float32)
-    scale = amax * tf.constant(1 / FP8_MAX, tf.float32)  # float32, times the reciprocal
+    fp8 = _fp8()
+    shape = tuple(x.shape)
+    xb = ops.reshape(F._cast(x, "float64"), (*shape[:-1], shape[-1] // block, block))  # (..., nblk, block)
+    amax = ops.cast(ops.maximum(ops.max(ops.abs(xb), axis=-1, keepdims=True), FP8_AMAX_FLOOR), "float32")
+    scale = amax * bk.constant(1 / FP8_MAX, "float32")  # float32, times the reciprocal
     if scale_format == "ue8m0":  # 2^ceil(log2 scale), exactly: the float32 exponent, plus one unless a power of two
-        bits = tf.bitcast(scale, tf.int32)
-        exponent = tf.bitwise.right_shift(bits, 23) - 127 + tf.cast(tf.bitwise.bitwise_and(bits, (1 << 23) - 1) != 0,
-                                                                    tf.int32)
-        scale = tf.bitcast(tf.bitwise.left_shift(exponent + 127, 23), tf.float32)
-    scale = tf.cast(scale, tf.float64)
-    q = tf.cast(tf.cast(tf.clip_by_value(xb / scale, -FP8_MAX, FP8_MAX), fp8), tf.float64)
-    return tf.reshape(q, shape), scale[..., 0]
+        scale = fp8.ue8m0(scale)
+    scale = ops.cast(scale, "float64")
+    q = fp8.round_fp8(ops.clip(xb / scale, -FP8_MAX, FP8_MAX))
+    return ops.reshape(q, shape), scale[..., 0]
 
 
 def scores(q, k, weights, score_scale: float, relu: bool, per_kv_head: bool):
     ct = F.compute_dtype(q.dtype)
-    dots = tf.einsum("BITJ,BSJ->BITS", tf.cast(q, ct), tf.cast(k, ct)) * tf.constant(score_scale, ct)  # (B, I, T, S)
+    dots = bk.einsum("BITJ,BSJ->BITS", F._cast(q, ct), F._cast(k, ct)) * bk.constant(score_scale, ct)  # (B, I, T, S)
     if relu:
-        dots = tf.maximum(dots, tf.zeros((), ct))
+        dots = bk.maximum(dots, ops.zeros_like(dots))  # bk.maximum: ops.maximum rounds float64 on torch
     if per_kv_head:
         return dots
     if weights is None:
-        return tf.reduce_sum(dots, axis=1, keepdims=True)  # (B, 1, T, S)
-    return tf.einsum("BTI,BITS->BTS", tf.cast(weights, ct), dots)[:, None]  # (B, 1, T, S)
+        return ops.sum(dots, axis=1, keepdims=True)  # (B, 1, T, S)
+    return bk.einsum("BTI,BITS->BTS", F._cast(weights, ct), dots)[:, None]  # (B, 1, T, S)
 
 
 def mask_scores(x, allowed):
-    return tf.where(allowed, x, tf.constant(-math.inf, x.dtype))
+    return ops.where(allowed, x, ops.full_like(x, -math.inf))
 
 
 def block_scores(x, block_size: int):
     B, G, T, S = x.shape
     nb = -(-S // block_size)
-    padded = tf.pad(x, [[0, 0], [0, 0], [0, 0], [0, nb * block_size - S]], constant_values=-math.inf)
-    return tf.reduce_max(tf.reshape(padded, [B, G, T, nb, block_size]), axis=-1)  # (B, G, T, nb)
+    padded = ops.pad(x, [[0, 0], [0, 0], [0, 0], [0, nb * block_size - S]], constant_values=-math.inf)
+    return ops.max(ops.reshape(padded, (B, G, T, nb, block_size)), axis=-1)  # (B, G, T, nb)
 
 
 def keep_local_blocks(x, query_slots: np.ndarray, block_size: int, local_blocks: int):
     own = np.asarray(query_slots) // block_size  # (T,)
-    local = np.zeros(x.shape[-2:], dtype=bool)  # (T, nb)
+    local = np.zeros(tuple(x.shape[-2:]), dtype=bool)  # (T, nb)
     for back in range(local_blocks):
         b = own - back
         ok = b >= 0
         local[np.arange(len(own))[ok], b[ok]] = True
-    return tf.where(tf.constant(local) & (x > -math.inf), tf.constant(math.inf, x.dtype), x)
+    keep = ops.logical_and(ops.convert_to_tensor(local), x > -math.inf)
+    return ops.where(keep, ops.full_like(x, math.inf), x)
 
 
 def select_topk(x, k: int):
     width = min(k, x.shape[-1])
-    order = tf.argsort(-x, axis=-1, stable=True)[..., :width]  # stable: ties keep ascending index
-    chosen = tf.gather(x, order, batch_dims=len(x.shape) - 1)
-    return tf.where(chosen > -math.inf, tf.cast(order, tf.int64), tf.constant(-1, tf.int64))
+    order = ops.cast(bk.argsort_stable(-x)[..., :width], "int64")  # stable: ties keep ascending index
+    chosen = ops.take_along_axis(x, order, axis=-1)
+    return ops.where(chosen > -math.inf, order, ops.full_like(order, -1))
 
 
 def expand_blocks(blocks, block_size: int, allowed, S: int):
     B, G, T, kb = blocks.shape
-    keys = tf.reshape(blocks[..., None] * block_size + tf.range(block_size, dtype=blocks.dtype), [B, G, T, -1])
-    valid = tf.reshape(tf.broadcast_to(blocks[..., None] >= 0, [B, G, T, kb, block_size]), keys.shape) & (keys < S)
-    seen = tf.broadcast_to(allowed, [B, G, T, S])
-    valid = valid & tf.gather(seen, tf.clip_by_value(keys, 0, S - 1), batch_dims=3)
-    order = tf.argsort(tf.cast(~valid, tf.int32), axis=-1, stable=True)[..., :min(kb * block_size, S)]
-    packed = tf.gather(keys, order, batch_dims=3)
-    return tf.where(tf.gather(valid, order, batch_dims=3), packed, tf.constant(-1, keys.dtype))
+    keys = ops.reshape(blocks[..., None] * block_size + ops.arange(block_size, dtype=F.dtype_name(blocks)),
+                       (B, G, T, kb * block_size))
+    valid = ops.logical_and(ops.reshape(ops.broadcast_to(blocks[..., None] >= 0, (B, G, T, kb, block_size)),
+                                        (B, G, T, kb * block_size)), keys < S)
+    seen = ops.broadcast_to(allowed, (B, G, T, S))
+    valid = ops.logical_and(valid, ops.take_along_axis(seen, ops.clip(keys, 0, S - 1), axis=-1))
+    order = ops.cast(bk.argsort_stable(ops.cast(ops.logical_not(valid), "int32"))[..., :min(kb * block_size, S)],
+                     "int64")
+    packed = ops.take_along_axis(keys, order, axis=-1)
+    return ops.where(ops.take_along_axis(valid, order, axis=-1), packed, ops.full_like(packed, -1))
 
 
 # -- the call -----------------------------------------------------------------------------------------------
 
 def _allowed(mask, B: int, T: int, S: int, is_causal: bool):
-    allowed = tf.ones((1, 1, T, S), dtype=tf.bool)
+    allowed = ops.ones((1, 1, T, S), dtype="bool")
     if is_causal:
         allowed = causal_mask(T, S, "bottom_right")[None, None]
     if mask is not None:
-        m = np.asarray(mask, dtype=bool)
-        if m.ndim not in (2, 3, 4) or m.shape[-2:] != (T, S) or (m.ndim == 4 and m.shape[1] != 1):
+        m = ops.cast(mask if ops.is_tensor(mask) else ops.convert_to_tensor(np.asarray(mask, dtype=bool)), "bool")
+        shape = tuple(m.shape)
+        if len(shape) not in (2, 3, 4) or shape[-2:] != (T, S) or (len(shape) == 4 and shape[1] != 1):
             raise ValueError(f"index mask must have shape (T, S), (B, T, S) or (B, 1, T, S) with T={T}, "
-                             f"S={S} (every key, the cache's included): got {m.shape}")
-        allowed = allowed & tf.constant(m.reshape((1, 1, T, S) if m.ndim == 2 else (m.shape[0], 1, T, S)))
+                             f"S={S} (every key, the cache's included): got {shape}")
+        allowed = ops.logical_and(allowed, ops.reshape(m, (1, 1, T, S) if len(shape) == 2 else (shape[0], 1, T, S)))
     return allowed
+
+
+def _rope_tables(rope, positions):
+    from .call import rope_tables_of  # call imports this module inside run_indexer
+
+    return rope_tables_of(rope, positions)
 
 
 def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=lambda stage, value: value):
@@ -145,8 +168,8 @@ def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=
         k = rec("indexer.key.norm", F.norm(k, tensors.get("indexer.key.norm.scale"),
                                            tensors.get("indexer.key.norm.bias"), n.type, n.eps, 1, "head"))
     if ix.rope is not None:
-        inv_freq, factor = rope_tables(ix.rope, int(np.max(key_positions)) if key_positions.size else None)
-        k = index_rope(k[:, None], F.rope_angles(tf.constant(key_positions), inv_freq, dtype), ix.rope.rotary_dim,
+        inv_freq, factor = _rope_tables(ix.rope, key_positions)
+        k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
                        ix.rope.interleaved, factor, ix.rope_end)[:, 0]
         k = rec("indexer.key.rope", k)
     return k  # (B, S, J)
@@ -167,9 +190,9 @@ def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec
                                              tensors.get("indexer.query.norm.bias"), n.type, n.eps, ix.heads, "head"))
     q = F.split_heads(q, ix.heads)  # (B, I, T, J)
     if ix.rope is not None:
-        inv_freq, factor = rope_tables(ix.rope, int(np.max(positions)) if positions.size else None)
-        q = rec("indexer.query.rope", index_rope(q, F.rope_angles(tf.constant(positions), inv_freq, dtype),
-                                                 ix.rope.rotary_dim, ix.rope.interleaved, factor, ix.rope_end))
+        inv_freq, factor = _rope_tables(ix.rope, positions)
+        q = rec("indexer.query.rope", index_rope(q, F.rope_angles(positions, inv_freq, dtype), ix.rope.rotary_dim,
+                                                 ix.rope.interleaved, factor, ix.rope_end))
     return q  # (B, I, T, J)
 
 
@@ -177,7 +200,8 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
                       key_positions=None, past_index_keys=None, mask=None, is_causal: bool = True,
                       dtype: str | None = None, precision: str | None = None, fp8_scale_format: str = "float",
                       return_scores: bool = False, rec=lambda stage, value: value) -> dict:
-    """impl_numpy.indexer.lightning_indexer in TensorFlow: NumPy arrays in, tf tensors out."""
+    """impl_numpy.indexer.lightning_indexer in keras.ops: NumPy arrays or tensors of the backend in (traced
+    ones included), tensors of the backend out."""
     ix = config.indexer
     if ix is None:
         raise ValueError("config.indexer is null: this layer has no indexer")
@@ -187,15 +211,16 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {fp8_scale_format!r}")
     J = ix.head_dim
     if precision is not None:
-        _float8()
+        _fp8()
         if J & (J - 1) or J > FP8_BLOCK:
             raise ValueError(f"precision fp8_e4m3 needs indexer.head_dim a power of two <= {FP8_BLOCK} (DeepSeek's "
                              f"Hadamard transform and one quantisation block per head): got head_dim={J}")
-    query = np.asarray(query)
-    dt = dtype_from_name(dtype or query.dtype.name).name
+    dt = check_dtype(dtype_from_name(dtype or F.dtype_name(query)).name)
 
-    def tensor(x):
-        return tf.cast(tf.constant(np.asarray(x, dtype=np.float64)), dt)
+    def tensor(x):  # a tensor of the backend in dtype dt; NumPy arrays (bfloat16 included) through float64
+        if ops.is_tensor(x):
+            return F._cast(x, dt)
+        return ops.cast(ops.convert_to_tensor(np.asarray(x, dtype=np.float64)), dt)
 
     query = tensor(query)
     key = query if key is None else tensor(key)
@@ -208,23 +233,23 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
                              f"got {tuple(past_index_keys.shape)}")
         P = past_index_keys.shape[1]
     tensors = {name: tensor(t) for name, t in tensors.items() if name.startswith(READS)}
-    positions = np.asarray(F.default_positions(positions, P, T))
-    key_positions = np.asarray(F.default_positions(key_positions, P, S))
+    positions = F.default_positions(positions, P, T)  # (B|1, T)
+    key_positions = F.default_positions(key_positions, P, S)  # (B|1, S)
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else tf.concat([past_index_keys, k_new], axis=1)  # (B, P+S, J)
+    k = k_new if past_index_keys is None else ops.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J)
     weights = None
     if ix.head_weights:
         ct = F.compute_dtype(dt)
         w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
-        weights = rec("indexer.weights", tf.cast(tf.cast(w, ct) * tf.constant(ix.effective_weight_scale, ct), dt))
+        weights = rec("indexer.weights", F._cast(F._cast(w, ct) * bk.constant(ix.effective_weight_scale, ct), dt))
     qs, ks = q, k
     if precision == "fp8_e4m3":
         qs, q_scale = quantize_fp8(hadamard(q), J, fp8_scale_format)
         ks, k_scale = quantize_fp8(hadamard(k), J, fp8_scale_format)
-        qs = rec("indexer.query.fp8", qs * tf.repeat(q_scale, J, axis=-1))
-        ks = rec("indexer.key.fp8", ks * tf.repeat(k_scale, J, axis=-1))
+        qs = rec("indexer.query.fp8", qs * ops.repeat(q_scale, J, axis=-1))
+        ks = rec("indexer.key.fp8", ks * ops.repeat(k_scale, J, axis=-1))
     x = rec("indexer.scores", scores(qs, ks, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
     allowed = _allowed(mask, B, T, P + S, is_causal)  # (B|1, 1, T, P+S)
     x = rec("indexer.masked_scores", mask_scores(x, allowed))

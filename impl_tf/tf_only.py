@@ -8,6 +8,9 @@
 - The in-place cache: its tf.Variables checked (in_place_buffers) and written by XLA (write_cache).
 - XLA: the fused core compiled (xla), for large score arrays (attention.XLA_MIN_SCORES).
 - Devices and TF32 (placement, matmul_precision, gpus).
+- The indexer's fp8 simulation (indexer.quantize_fp8): TensorFlow's float8_e4m3fn type (round_fp8) and the
+  float32 bit pattern of a UE8M0 scale (ue8m0); keras.ops has neither a float8 cast every backend honours
+  nor a bitcast.
 The chunked path (tf.while_loop over key blocks, xla.dynamic_slice) is chunked.py, TensorFlow-only too.
 """
 
@@ -117,3 +120,27 @@ def matmul_precision(precision: str):
         yield
     finally:
         tf.config.experimental.enable_tensor_float_32_execution(before)
+
+
+# -- the indexer's fp8 simulation (impl_tf.indexer.quantize_fp8) ---------------------------------------------
+
+def float8_e4m3fn():
+    """TensorFlow's float8 e4m3 type, or a ValueError saying why the simulation cannot run."""
+    fp8 = getattr(tf.dtypes.experimental, "float8_e4m3fn", None)
+    if fp8 is None:
+        raise ValueError(f"precision fp8_e4m3 needs tf.dtypes.experimental.float8_e4m3fn, which TensorFlow "
+                         f"{tf.__version__} lacks")
+    return fp8
+
+
+def round_fp8(x):
+    """float64 x (already within +-448) rounded to float8 e4m3 (nearest even, as ml_dtypes) and back."""
+    return tf.cast(tf.cast(x, float8_e4m3fn()), tf.float64)
+
+
+def ue8m0(scale):
+    """2^ceil(log2 scale) of a positive float32 scale, exactly: its exponent, plus one unless a power of two."""
+    bits = tf.bitcast(scale, tf.int32)
+    exponent = tf.bitwise.right_shift(bits, 23) - 127 + tf.cast(tf.bitwise.bitwise_and(bits, (1 << 23) - 1) != 0,
+                                                                tf.int32)
+    return tf.bitcast(tf.bitwise.left_shift(exponent + 127, 23), tf.float32)

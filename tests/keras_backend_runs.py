@@ -5,11 +5,15 @@ Keras layer on that backend, judged by run_case on a few cases, with and without
     python tests/keras_backend_runs.py BACKEND_ID judge MUTANT[,MUTANT...] CASE[:DTYPE[:PATH]] ...
     python tests/keras_backend_runs.py BACKEND_ID round_trip DIR
     python tests/keras_backend_runs.py BACKEND_ID verify
+    python tests/keras_backend_runs.py BACKEND_ID indexer MUTANT[,MUTANT...]
 
 judge prints one JSON line, {mutant: [[case, dtype, path, status, message], ...]} (MUTANT: names joined by
 commas, each planted alone and undone after); "none" runs the layer as it is, the others (_plant) are porting bugs a Keras-on-jax or Keras-on-torch port makes, planted in that
 backend's run alone, that the keras-jax and keras-torch columns must catch. round_trip saves the layer and a
-functional Model holding it as .keras files in DIR, loads them, and prints what it compared.
+functional Model holding it as .keras files in DIR, loads them, and prints what it compared. indexer runs
+impl_tf.indexer.lightning_indexer itself in float64 on the indexer cases' inputs, judged (index scores and
+selection) by conformance.suite.selection.judge_indexer, with each mutant planted alone, then the layer on
+two indexer cases judged by run_case ("layer": judge's rows).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 
 def _plant(mutant: str) -> list:
     """Plant the bug; returns what undoes it ([(module, name, value before)])."""
-    from impl_tf import attention, backend, fused, masks
+    from impl_tf import attention, backend, fused, indexer, masks
     from impl_tf import functional as F
 
     ops = backend.ops
@@ -49,6 +53,9 @@ def _plant(mutant: str) -> list:
     elif mutant == "causal_top_left_only":  # the causal mask aligned top-left whatever the call asks
         original_mask = masks.causal_mask
         put(F, "causal_mask", lambda T, S, alignment="top_left": original_mask(T, S, "top_left"))
+    elif mutant == "keras_maximum":  # the indexer's ReLU as keras.ops.maximum cast back to the scores' dtype
+        # (torch: float64 computed in float32, the dtype restored, the digits float32's)
+        put(indexer, "bk", primitives(maximum=lambda a, b: ops.cast(ops.maximum(a, b), F.dtype_name(a))))
     elif mutant != "none":
         raise SystemExit(f"unknown mutant {mutant!r}")
     return undo
@@ -74,6 +81,37 @@ def judge(backend_id: str, mutant: str, specs: list[str]) -> list:
         for module, name, value in reversed(undo):
             setattr(module, name, value)
     return rows
+
+
+def judge_indexer_stage(backend_id: str, mutant: str, names: list[str]) -> dict:
+    """{case: [ok, [names of the failing comparisons]]}: impl_tf's lightning_indexer run directly on this
+    backend in float64 (eagerly, NumPy in) on the case's inputs, its index scores and selection judged against
+    the float64 reference by the tolerance policy, with the mutant planted, then undone."""
+    from conformance.suite import backends
+    from conformance.suite.cases import ALL_CASES, make_inputs, make_tensors
+    from conformance.suite.selection import judge_indexer
+    from impl_tf.indexer import lightning_indexer
+
+    backends.load(backend_id)  # the adapter's process set-up (jax: x64 mode)
+    import keras
+
+    undo = _plant(mutant)
+    seen = {}
+    try:
+        for name in names:
+            case = ALL_CASES[name]
+            tensors, inputs = make_tensors(case), make_inputs(case)
+            call = {n: inputs[n] for n in ("key", "past_index_keys") if inputs.get(n) is not None}
+            result = lightning_indexer(case.config, tensors, inputs["query"], dtype="float64", return_scores=True,
+                                       **call)
+            result = {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v in result.items()}
+            verdicts = judge_indexer(case.config, tensors, {"query": inputs["query"], **call}, result,
+                                     dtype="float64")
+            seen[name] = [all(c.ok for c in verdicts), [c.name for c in verdicts if not c.ok]]
+    finally:
+        for module, attr, value in reversed(undo):
+            setattr(module, attr, value)
+    return seen
 
 
 def round_trip(backend_id: str, folder: str) -> dict:
@@ -150,6 +188,13 @@ if __name__ == "__main__":
         print(json.dumps({mutant: judge(backend_id, mutant, rest[1:]) for mutant in rest[0].split(",")}))
     elif command == "verify":
         print(json.dumps(verify_keras_mha(backend_id)))
+    elif command == "indexer":  # indexer MUTANT[,MUTANT...]: {mutant: {case: [ok, failing]}, "layer": rows}
+        cases = ["indexer_dsa_decode", "indexer_m3_blocks"]
+        seen = {mutant: judge_indexer_stage(backend_id, mutant, cases) for mutant in rest[0].split(",")}
+        # and the layer's call (the adapter's: under jax.jit on keras-jax), the selection judged by run_case
+        seen["layer"] = judge(backend_id, "none", ["indexer_dsa_decode:float64:stages",
+                                                   "indexer_m3_blocks:float32:fused"])
+        print(json.dumps(seen))
     elif command == "round_trip":
         print(json.dumps(round_trip(backend_id, rest[0])))
     else:

@@ -97,6 +97,23 @@ def test_the_column_catches_the_porting_bugs_planted_in_it(backend_id):
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
+def test_the_indexer_runs_on_the_backend_and_catches_a_float64_relu(backend_id):
+    """impl_tf's lightning indexer (keras.ops) on the backend: run directly in float64, its index scores and
+    selection pass the tolerance policy against the float64 reference (DeepSeek's decode step, MiniMax M3's
+    blocks); its ReLU through keras.ops.maximum (float64 computed in float32 on torch, cast back) fails
+    DeepSeek's scores on torch alone (M3 has no ReLU; jax's maximum keeps float64). The layer with the indexer
+    passes run_case (on keras-jax under the adapter's jax.jit: the indexer traced)."""
+    _needs(backend_id)
+    seen = _run(backend_id, "indexer", "none,keras_maximum")
+    assert seen["none"] == {"indexer_dsa_decode": [True, []], "indexer_m3_blocks": [True, []]}, seen["none"]
+    caught = backend_id == "keras-torch"
+    assert seen["keras_maximum"]["indexer_dsa_decode"] == ([False, ["index_scores"]] if caught else [True, []]), seen
+    assert seen["keras_maximum"]["indexer_m3_blocks"] == [True, []], seen
+    for case, dtype, path, status, message in seen["layer"]:
+        assert status == STATUS_PASS, (case, dtype, path, status, message)
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
 def test_keras_file_round_trip(backend_id, tmp_path):
     """The layer (bfloat16) and a Model holding it (float32) saved and loaded as .keras on the backend."""
     _needs(backend_id)

@@ -81,11 +81,7 @@ REGISTRY: dict[str, Backend] = {
 # Config fields a core backend does not take yet, with the reason its cases are reported "unsupported" for
 # (the one place that decides it: run_case and the backend's `mha verify` function read not_yet). Remove the
 # entry when the backend gains the field.
-NOT_YET: dict[str, dict[str, str]] = {
-    # impl_tf/indexer.py is written in TensorFlow (its float8 scoring too); the Keras-ops form is not written
-    "keras-jax": {"indexer": "indexer: impl_tf's indexer stage is TensorFlow-only (impl_tf/indexer.py)"},
-    "keras-torch": {"indexer": "indexer: impl_tf's indexer stage is TensorFlow-only (impl_tf/indexer.py)"},
-}
+NOT_YET: dict[str, dict[str, str]] = {}
 
 
 def not_yet(backend_id: str, config) -> str | None:

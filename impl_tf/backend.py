@@ -17,7 +17,7 @@ that one module runs on Keras's tensorflow, jax and torch backends.
     is_symbolic(x)             x is traced (a Keras symbolic tensor, a tf.function or jax.jit tracer):
                                its values cannot be read
     argsort_stable(x)          ascending over the last axis, ties in ascending index (the indexer's
-                               top-k rule): keras.ops.argsort promises no order among ties
+                               top-k rule): keras.ops.argsort is unstable on TensorFlow
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ else:
 
 def argsort_stable(x):
     """Indices sorting x ascending over the last axis, equal values in ascending index: each framework's
-    stable sort (keras.ops.argsort calls tf.argsort and torch.argsort unstable; only jnp.argsort is stable
-    by default). The indexer's top-k (higher score first, then lower key index) sorts the negated scores."""
+    stable sort (Keras 3.15.1's ops.argsort calls tf.argsort without stable=True, keras/src/backend/
+    tensorflow/numpy.py; its jax and torch forms are stable but keras.ops documents no tie order). The
+    indexer's top-k (higher score first, then lower key index) sorts the negated scores."""
     if TENSORFLOW:
         import tensorflow as tf
 

@@ -5,8 +5,8 @@ selection groups.
 
 Traceable (jax.jit, tf.function with static shapes): nothing is read to the host but a LongRoPE table's
 choice, eagerly (call.rope_tables_of; traced, a where). The top-k is a stable argsort of the negated scores
-(backend.argsort_stable: keras.ops.argsort and every framework's top_k promise no order among equal scores,
-and the contract's is higher score first, then lower key index). The fp8 simulation rounds through
+(backend.argsort_stable: keras.ops.argsort is unstable on TensorFlow and no framework's top_k promises an
+order among equal scores; the contract's is higher score first, then lower key index). The fp8 simulation rounds through
 TensorFlow's float8_e4m3fn (round to nearest even, as ml_dtypes) and builds UE8M0 scales from float32 bits
 (tf_only.round_fp8, tf_only.ue8m0): keras.ops has no float8 cast every backend honours and no bitcast, so
 precision "fp8_e4m3" runs on Keras's TensorFlow backend alone (FP8_UNSUPPORTED on the others).

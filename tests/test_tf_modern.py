@@ -564,3 +564,26 @@ def test_indexer_refusals_in_the_contracts_words(name):
     changes, message = indexer_refusals()[name]
     with pytest.raises(ValueError, match=message):
         tf_adapter.forward(*indexer_call(changes))
+
+
+@pytest.mark.parametrize("name", ["indexer_dsa_decode", "indexer_m3_blocks"])
+def test_the_indexer_runs_inside_tf_function(name):
+    """impl_tf's indexer is keras.ops with nothing read to the host (static shapes): the layer with an indexer
+    called inside tf.function selects keys the tolerance policy accepts against the float64 reference's, and
+    its output is the reference's within the case's float32 tolerance."""
+    from conformance.suite.selection import judge_call_selection
+    from impl_tf.layer import MultiHeadAttention
+
+    case = CASES[name]
+    options = case.options("float32")
+    tensors, inputs = cast_tensors(make_tensors(case), "float32"), cast_inputs(make_inputs(case), "float32")
+    layer = MultiHeadAttention.from_tensors(case.config, tensors, dtype="float32")
+    kwargs = tf_adapter._kwargs(inputs, options)
+    q, k, v = (None if inputs.get(n) is None else tf.constant(inputs[n]) for n in ("query", "key", "value"))
+    output, selection = tf.function(lambda q, k, v: layer(q, k, v, return_selection=True, **kwargs))(q, k, v)
+    verdict = judge_call_selection(case.config, make_tensors(case), make_inputs(case), options, selection.numpy(),
+                                   dtype="float32")
+    assert verdict.ok, verdict
+    expected = expected_for(case, "float32")
+    assert_close("output", output.numpy(), expected["output"], config=case.config, dtype="float32",
+                 quantity="output", B=case.B, T=case.T, S=case.S_total, logits=expected["logits"])

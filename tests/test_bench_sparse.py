@@ -114,3 +114,56 @@ def test_sparse_max_below_the_first_length_is_one_line(capsys):
     code = main(["bench", "--shapes", "sparse", "--backends", "numpy", "--sparse-max", "100"])
     err = capsys.readouterr().err
     assert code == 2 and err.strip() == "mha: error: --sparse-max must be at least 8192: got 100", err
+
+
+def _two_rows():
+    """A latent layer, B 2, one new token over P 50 cached, each row its own 6 keys (row 1 with a -1 pad)."""
+    from conformance.bench import latent
+
+    d = latent.QUICK
+    config, tensors = latent.layer(d)
+    rng = np.random.default_rng(0)
+    P = 50
+    x = rng.standard_normal((2, 1, d.D)).astype(np.float32)
+    past = (rng.standard_normal((2, 1, P, d.C)).astype(np.float32), rng.standard_normal((2, 1, P, d.R)).astype(np.float32))
+    idx = np.stack([np.sort(rng.choice(P + 1, 6, replace=False)) for _ in range(2)])[:, None]  # (2, 1, 6)
+    idx[1, 0, 0] = -1
+    return config, tensors, x, past, idx, P
+
+
+def _gathered_against_stages(monkeypatch=None, mutant=None):
+    from impl_numpy.attention import multi_head_attention
+
+    config, tensors, x, (latent_, rotary), idx, P = _two_rows()
+    if mutant is not None:
+        import impl_numpy.chunked as chunked
+
+        monkeypatch.setattr(chunked, "_selected_columns", mutant)
+    options = dict(past_key=latent_, past_value=rotary, topk_indices=idx, is_causal=True,
+                   causal_alignment="bottom_right")
+    got = multi_head_attention(config, tensors, x, **options)  # the fused path: gathers the selected rows
+    trace = []
+    expected = np.asarray(multi_head_attention(config, tensors, x, dtype="float64", trace=trace, **options))  # stages
+    logits = next(e.value for e in trace if e.stage == "logits")
+    assert_close("gathered decode step", got, expected, config=config, dtype="float32", quantity="output", B=2, T=1,
+                  S=P + 1, logits=logits)
+
+
+def test_gathered_decode_step_over_two_rows_with_their_own_selections():
+    """impl_numpy's gather of the selected rows (a one-token latent call over a selection) gathers the union
+    of every row's keys and keeps each row's mask over it: the stages' float64 result (every key, masked)."""
+    _gathered_against_stages()
+
+
+def test_gather_that_reads_row_0s_selection_alone_is_caught(monkeypatch):
+    """A porting bug: the columns gathered from batch row 0's selection only (row 1's keys dropped)."""
+    import impl_numpy.chunked as chunked
+
+    right = chunked._selected_columns
+
+    def row_0_only(config, call, is_causal, causal_alignment):
+        cols = right(config, call, is_causal, causal_alignment)
+        return None if cols is None else np.flatnonzero(call.mask4[0].any(axis=(0, 1)))
+
+    with pytest.raises(AssertionError, match="FAIL"):
+        _gathered_against_stages(monkeypatch, row_0_only)

@@ -311,15 +311,22 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
     if config.latent is not None:  # the absorbed form (latent.py): one shared head of width C + R over the latent
         q, latent, rotary = latent_heads(config, call)  # (B, N, T, H), (B, 1, S_total, C), (B, 1, S_total, R)
         q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim)  # (B, N, T, C + R)
-        k, v = np.concatenate([latent, rotary], axis=-1), latent  # (B, 1, S_total, C + R), (B, 1, S_total, C)
         parts = False
+        cols = _selected_columns(config, call, is_causal, causal_alignment)
+        if cols is None:
+            k, v = np.concatenate([latent, rotary], axis=-1), latent  # (B, 1, S_total, C + R), (B, 1, S_total, C)
+        else:  # a decode step over a selection: the selected rows alone (a gather), not the whole cache masked
+            v = latent[:, :, cols]  # (B, 1, s, C)
+            k = np.concatenate([v, rotary[:, :, cols]], axis=-1)  # (B, 1, s, C + R)
+            mask = call.mask4[..., cols]
     else:
+        cols = None
         q, k, v = qkv_heads(config, call, append=not parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
     if parts:
         k, v = KeyParts((call.past_key, k)), KeyParts((call.past_value, v))  # (B, K, S_total, .) as parts
     q = q.astype(ct) * ct.type(config.effective_scale)
     positioned = config.alibi or config.local_chunk is not None
-    ctx = chunked_attention_core(config, q, k, v, mask=call.mask4, bias=call.bias4, keep=call.keep,
+    ctx = chunked_attention_core(config, q, k, v, mask=call.mask4 if cols is None else mask, bias=call.bias4, keep=call.keep,
                                  is_causal=is_causal, causal_alignment=causal_alignment, chunk_size=chunk_size,
                                  sinks=call.params.get("sinks"), segment_ids=call.segment_ids,
                                  key_segment_ids=call.key_segment_ids, alibi_slopes=call.params.get("alibi.slopes"),
@@ -335,6 +342,25 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
     if parts:
         k = v = None  # no present cache asked for
     return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), k, v
+
+
+def _selected_columns(config, call, is_causal, causal_alignment):
+    """The keys any query of a one-token call over a selection may see (np.ndarray of column indices into
+    S_total, ascending), or None where gathering them would change the result or not pay: more than one
+    query, no selection, or a per-key feature other than the mask (a window, local chunks, ALiBi, segments,
+    a bias, dropout, a top-left causal alignment, under which the one query sees key 0 alone). The core over
+    the gathered columns computes what it computes over every column with the others masked (a masked key's
+    weight is exactly 0), reading the s selected rows instead of the S_total of the cache."""
+    if (not call.selected or call.mask4 is None or call.shapes.T != 1 or call.bias4 is not None
+            or call.keep is not None or call.segment_ids is not None or config.alibi
+            or config.local_chunk is not None or config.window_left >= 0 or config.window_right >= 0
+            or (is_causal and causal_alignment != "bottom_right")):
+        return None
+    seen = call.mask4.any(axis=(0, 1, 2))  # (S_total,) or (1,): any batch row or head sees the key
+    if seen.shape[0] != call.shapes.S_total:
+        return None
+    cols = np.flatnonzero(seen)
+    return cols if 0 < cols.size < seen.shape[0] else None
 
 
 def _fused(config, p, query, key, value, *, mask, bias, keep, is_causal, causal_alignment, chunk_size, parts,

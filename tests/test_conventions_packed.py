@@ -272,7 +272,7 @@ def test_context_parallel_and_dtensor_heads_on_gloo():
     """One 2-process gloo start (seconds): what runs on CPU matches the
     reference, what does not is "unsupported" with torch's own words."""
     pytest.importorskip("torch", reason=TORCH)
-    rows = cp.measure(cp.APIS[2:])
+    rows = cp.measure(cp.APIS[2:4])  # context_parallel, DTensor heads
     for row in rows:
         _measured(row)
         cells = row["keys_visible"].split("; ")
@@ -310,3 +310,25 @@ def test_a_failed_group_is_started_once_per_run(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())  # as if torch were installed
     rows = cp.measure((cp.APIS[3],) * 2)
     assert [r["reason"] for r in rows] == ["OSError: no loopback"] * 2 and len(starts) == 1, (rows, starts)
+
+
+@pytest.mark.torch
+def test_flex_block_mask_from_the_indices_matches_and_skips_the_unselected_blocks():
+    """flex_attention's block mask from topk_indices: the reference's output, and it computes exactly the
+    key blocks that hold a selected key (counted here from the indices), none of the others."""
+    pytest.importorskip("torch", reason=TORCH)
+    from conformance.native.conventions import selection
+
+    row = cp.measure_row(next(a for a in cp.APIS if a.name == "torch flex_attention (top-k block mask)"))
+    assert row["keys_visible"].startswith("the selected keys alone: matches the reference"), row
+    idx = selection.inputs()["topk"]
+    holding = len(np.unique(idx[idx >= 0] // selection.BLOCK))
+    assert holding == len(selection.KEPT_BLOCKS) < selection.S // selection.BLOCK
+    assert row["evidence"]["kv_num_blocks"] == holding, row
+
+
+@pytest.mark.jax
+def test_jax_dense_mask_from_the_indices_matches():
+    pytest.importorskip("jax", reason="JAX not installed")
+    row = cp.measure_row(next(a for a in cp.APIS if a.name == "jax.nn.dot_product_attention (top-k mask)"))
+    assert row["keys_visible"].startswith("the selected keys alone: matches the reference"), row

@@ -63,7 +63,8 @@ against: speed and memory on the named shapes, the window and decode
 families' own), report (table and plots), sharded (the sequence-sharded
 family: torch's ring against one unsharded process, memory and bytes, and its
 two targets), latent (a latent layer's decode step, absorbed against expanded over a
-per-head cache, its cache bytes and its targets; the paths in frameworks/latent.py), command (`mha bench`
+per-head cache, its cache bytes and its targets; the paths in frameworks/latent.py), sparse (a DSA decode
+step's parts, each against its own bound: read bandwidth and matmul rate of the same run), command (`mha bench`
 itself); scripts holds the timing scripts
 behind docs/performance.md's profiles
 (`python -m conformance.bench.scripts.NAME`).

@@ -49,7 +49,7 @@ def add_parser(subparsers) -> None:
                    help=f"default: {' '.join(BACKENDS)}; {' '.join(OPTIONAL_BACKENDS)} when named (no target set for it)")
     p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, *FAMILIES],
                    help="shapes and families to time (default: the four shapes and the sweep; window, decode and "
-                        "sequence-sharded and latent only when named)")
+                        "sequence-sharded, latent and sparse only when named)")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the inputs, weights and caches (and the matmul the rates are measured against): float32, "
@@ -66,6 +66,8 @@ def add_parser(subparsers) -> None:
                    help="decode family: largest cache length P (default 65536)")
     p.add_argument("--latent-max", type=int, default=LATENT_LENGTHS[-1],
                    help="latent family: largest cache length P (default 65536)")
+    p.add_argument("--sparse-max", type=int, default=None,
+                   help="sparse family: largest cache length P (default 32768; 65536 and 131072 opt-in)")
     p.add_argument("--mem-limit", type=float, default=None,
                    help="GiB a path's (B, N, T, S) arrays may take (default: 40%% of MemAvailable)")
     p.add_argument("--json", metavar="FILE", help="write every raw number as JSON")
@@ -181,6 +183,14 @@ def run(args) -> int:
                                     max_seconds=args.max_seconds, mem_limit=mem_limit, matmul_n=spec["matmul_n"],
                                     device=args.device)
         data["targets"] += latent.targets(data["latent"])
+    if "sparse" in args.shapes:
+        from conformance.bench import sparse
+
+        largest = sparse.DEFAULT_MAX if args.sparse_max is None else args.sparse_max
+        data["sparse"] = sparse.run(args.backends, quick=quick, repeats=repeats, max_seconds=args.max_seconds,
+                                    lengths=sparse.QUICK_SPARSE_LENGTHS if quick else _upto(
+                                        sparse.SPARSE_LENGTHS, largest, "--sparse-max"),
+                                    matmul_n=spec["matmul_n"])
     data["machine"]["loadavg_end"] = os.getloadavg()
     data["total_s"] = time.perf_counter() - started
     if args.json:  # first: a problem in printing must not lose the numbers

@@ -87,6 +87,10 @@ def print_report(console, data: dict) -> None:
         from conformance.bench.latent import print_family as print_latent
 
         print_latent(console, data["latent"])
+    if "sparse" in data:
+        from conformance.bench.sparse import print_family as print_sparse
+
+        print_sparse(console, data["sparse"])
     families = ("window", "decode")
     ran = data["settings"].get("shapes")
     shape_targets = [e for e in data["targets"] if e["shape"] not in (*families, "sequence-sharded", "latent")]

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.native.conventions import modern
+from conformance.native.conventions import modern, selection
 from conformance.native.conventions.packed_labels import (
     CROSS_K_DOCS,
     CROSS_Q_DOCS,
@@ -68,7 +68,8 @@ from conformance.native.conventions.packed_sharded import _GROUP, _torch_context
 
 KEYS = ("argument", "keys_visible", "empty_row", "packing")
 COLUMNS = (("API", "api"), ("what it takes", "argument"), ("keys visible (measured)", "keys_visible"),
-           ("row with no visible key", "empty_row"), ("packed documents (segment ids)", "packing"))
+           ("row with no visible key", "empty_row"),
+           ("packed documents (segment ids); a top-k selection's key blocks", "packing"))
 SETUP = (f"lengths: T=S={LEN_T}, query_seq_lengths {Q_LENS}, key_value_seq_lengths {KV_LENS}; documents "
          f"{list(DOCS)}; sharded: {WORLD} gloo processes on CPU, (1, {SHARD_N}, {SHARD_T}, {SHARD_H}); "
          "float32 against the float64 reference")
@@ -162,12 +163,17 @@ def _torch_flex_documents() -> dict:
 
 TORCH_EXTRA = "pip install -c constraints/cpu.txt '.[torch]'"
 JAX_EXTRA = "pip install -c constraints/cpu.txt '.[jax]'"
+TF_EXTRA = "pip install -c constraints/cpu.txt '.[tf]'"
 
 APIS: tuple[PackedApi, ...] = (
     PackedApi("jax.nn.dot_product_attention (seq lengths)", "jax", ("jax",), JAX_EXTRA, _jax_lengths),
     PackedApi("torch flex_attention (document mask)", "torch", ("torch",), TORCH_EXTRA, _torch_flex_documents),
     PackedApi("torch context_parallel (experimental, CPU)", "torch", ("torch",), TORCH_EXTRA, _torch_context_parallel),
     PackedApi("torch DTensor heads Shard(1) (CPU)", "torch", ("torch",), TORCH_EXTRA, _torch_dtensor_heads),
+    # a top-k selection (topk_indices): conventions/selection.py says what each row measures
+    PackedApi("torch flex_attention (top-k block mask)", "torch", ("torch",), TORCH_EXTRA, selection.torch_flex),
+    PackedApi("jax.nn.dot_product_attention (top-k mask)", "jax", ("jax",), JAX_EXTRA, selection.jax_dense),
+    PackedApi("keras.ops.dot_product_attention (top-k mask)", "keras", ("keras",), TF_EXTRA, selection.keras_dense),
 )
 
 

@@ -13,11 +13,15 @@ converted block and transformers' own output, never mlx-lm's. Held here:
   ignoring the cache offset) passes prefill and is found at the first decode step's RoPE stage;
 - two of the findings docs/conventions.md publishes: Mistral's window is not applied (first stage: the
   mask, with the keys each query sees), gpt-oss's YaRN ramp is rounded against `truncate: false` (the
-  rotation at positions 4096+ matches truncate=True).
+  rotation at positions 4096+ matches truncate=True);
+- the lightning indexer's ports (deepseek_v32, glm_moe_dsa, minimax_m3_vl): outputs agree and mlx-lm's own
+  top-k keeps the spec's keys (blocks) under the suite's top-k rule; GLM-5's shared layer runs an indexer of
+  its own in mlx-lm (found at "indexer selection"); a planted bug, the index RoPE's pairing flipped, fails
+  the selection judgement and is named there.
 
 Marked `mlx` (they need mlx, mlx-lm, torch and transformers; skipped with the reason where one is
-missing): `tox -e all` runs them where its extras hold mlx-lm. About 15 s on a 2-core VM, most of it the
-imports of torch, transformers and mlx-lm.
+missing): `tox -e all` runs them where its extras hold mlx-lm. About 16 s on a 2-core VM (3.5 s of it the
+indexer rows), most of it the imports of torch, transformers and mlx-lm.
 """
 
 from __future__ import annotations

@@ -384,8 +384,10 @@ def load_mlx(folder: Path, cfg: dict) -> tuple[Any, str]:
     names), and a note: "" where the strict load took every key; else what it refused, after which the
     folder is loaded non-strict (the keys mlx-lm does not read are left at its own initialisation: a
     block whose attention keys it refused is then judged on random weights and differs)."""
+    import mlx.core as mx
     from mlx_lm.utils import load_model
 
+    mx.random.seed(0)  # what a non-strict load leaves at mlx-lm's initialisation: the same in every run
     (folder / "config.json").write_text(json.dumps(cfg))
     try:
         return load_model(folder)[0], ""

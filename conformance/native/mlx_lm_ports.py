@@ -2,7 +2,7 @@
 
 mlx-lm (Apple's MLX language-model package) ships its own attention for each model type, written by hand
 from transformers' code. For every model type whose attention block our layouts reproduce (weights/layouts:
-hf-llama, hf-deepseek, hf-gpt-neox, hf-gptj, hf-gpt2) that mlx-lm also ships, this module:
+hf-llama, hf-deepseek, hf-minimax, hf-gpt-neox, hf-gptj, hf-gpt2) that mlx-lm also ships, this module:
 
 1. builds a tiny randomly initialised transformers model (eager attention, float32; the features its
    family uses turned on: windows, softcap, QK-norm, sinks, partial or scaled RoPE, NoPE layers, chunks,
@@ -25,7 +25,11 @@ hf-llama, hf-deepseek, hf-gpt-neox, hf-gptj, hf-gpt2) that mlx-lm also ships, th
    tolerance (conformance.suite.compare.localise's rule); a decode that differs, step by step on mlx-lm's
    cache against the reference's row of each step (mlx_lm_stages.py);
 5. calls mlx-lm's rope module alone at positions FAR.. against the contract's rotation there (rope_far:
-   a frequency a little off hides under a T-token output's allowance and shows far out).
+   a frequency a little off hides under a T-token output's allowance and shows far out);
+6. for a model with a lightning indexer (deepseek_v32, glm_moe_dsa, minimax_m3_vl), captures the keys or
+   blocks mlx-lm's own top-k keeps in the prefill call and judges them against the reference's selection
+   under the policy's top-k rule (mlx_lm_selection.py; conformance/suite/selection.py); a block whose
+   selection differs names "indexer selection" as its first differing stage.
 
 Each model runs twice: with config.json as transformers 5 saves it, and in the Hub's (transformers 4.x)
 form that mlx-lm reads (hub_form, hub_weights); the port's verdict is the second's, the first a column.

@@ -189,11 +189,10 @@ PORTS: dict[str, Port] = {
     "glm_moe_dsa": Port("glm_moe_dsa", dict(_DEEPSEEK, **_INDEXER, mlp_layer_types=["dense", "dense"]),
                         layout="hf-deepseek", note="MLA + indexer (top-3 of 9, interleaved RoPE)"),
     # transformers' shared layers: layer 1 takes layer 0's selection (index_topk_pattern "FS")
-    # (index_n_heads 8: with 4 heads this model's layer 0 has an exact tie at the k-th score, both keys ReLU'd
-    # to 0 on every head, which mlx-lm's argpartition breaks the other way: an admissible swap that moves the
-    # output; 8 heads make such a tie rarer and this model has none)
-    "glm_moe_dsa shared": Port("glm_moe_dsa", dict(_DEEPSEEK, **{**_INDEXER, "index_n_heads": 8},
-                                                   index_topk_pattern="FS",
+    # (this model's layer 0 has an exact tie at the k-th score of one query, both keys ReLU'd to 0 on every
+    # index head, which mlx-lm's argpartition may break the other way: an admissible swap, after which the
+    # policy judges the output on mlx-lm's own selection, _own_selection_references)
+    "glm_moe_dsa shared": Port("glm_moe_dsa", dict(_DEEPSEEK, **_INDEXER, index_topk_pattern="FS",
                                                    mlp_layer_types=["dense", "dense"]), layout="hf-deepseek",
                                note="index_topk_pattern FS: layer 1 shares layer 0's selection"),
     # MiniMax M3's text model (model_type minimax_m3_vl_text), loaded as the released VL checkpoint
@@ -483,6 +482,7 @@ def measure_port(name: str, *, mutate=None) -> dict:
                 with _capturing(port) as records:
                     got = run_mlx(model, port, seen)
                 selections = _selections(model, port, records, blocks, seen, form)
+                owns = _own_selection_references(model, port, records, blocks, seen, selections)
             except Exception as err:  # noqa: BLE001 (a port that cannot load or run is this row's finding)
                 runs[form] = {"error": _short(err)}
                 continue
@@ -490,12 +490,13 @@ def measure_port(name: str, *, mutate=None) -> dict:
             for layer in port.layers:
                 config, ref, label = blocks[layer][0], refs[layer], f"{name}[{layer}] {form} config"
                 far = rope_far(model, port, layer, config)
+                own, theirs = owns.get(layer, ({"prefill": ref, "decode": ref}, seen[layer]["out"]))
                 results.append(BlockResult(
                     layer,
-                    judge(f"{label} mlx-lm prefill", got[layer]["prefill"], ref, config),
-                    judge(f"{label} mlx-lm decode", got[layer]["decode"], ref, config, rows=slice(P, T)),
-                    judge(f"{label} mlx-lm vs transformers", got[layer]["prefill"], ref, config,
-                          expected=seen[layer]["out"]),
+                    judge(f"{label} mlx-lm prefill", got[layer]["prefill"], own["prefill"], config),
+                    judge(f"{label} mlx-lm decode", got[layer]["decode"], own["decode"], config, rows=slice(P, T)),
+                    judge(f"{label} mlx-lm vs transformers", got[layer]["prefill"], own["prefill"], config,
+                          expected=theirs),
                     judge(f"{label} transformers", seen[layer]["out"], ref, config), far))
             runs[form] = {"results": results, "model": model, "note": note, "selections": selections}
     return summarise(port, runs, seen, blocks, refs)
@@ -532,6 +533,33 @@ def _selections(model, port: Port, records, blocks, seen, form: str) -> dict:
             continue
         out[layer] = mlx_lm_selection.judge(port.model_type, config, tensors, seen[layer]["x"], selection,
                                             name=f"{port.model_type}[{layer}] {form} config mlx-lm selection")
+    return out
+
+
+def _own_selection_references(model, port: Port, records, blocks, seen, selections) -> dict:
+    """{layer: (references on mlx-lm's own selections, transformers' output to judge against)} for each block
+    whose selection agrees with the spec's only up to admissible swaps (an exact tie at the k-th score broken
+    the other way: conformance/suite/selection.py): the policy judges such a port's output against the
+    reference computed with its own selection. transformers' output (its own tie-break) stands on the
+    queries where mlx-lm kept the spec's keys; on a swapped query the reference on mlx-lm's selection does."""
+    from conformance.native import mlx_lm_selection
+    from impl_numpy.indexer import lightning_indexer
+
+    ids = {layer: module for module, layer in mlx_lm_selection.selector_ids(model, port.model_type, port.layers).items()}
+    out = {}
+    for layer, c in selections.items():
+        if isinstance(c, str) or c is None or not c.ok or not c.swaps:
+            continue
+        config, tensors = blocks[layer]
+        x = seen[layer]["x"]
+        calls = [selection for module, selection in records if module == ids[layer]]
+        own = mlx_lm_selection.own_references(port.model_type, config, tensors, x, calls, T=T, P=P)
+        wide = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+        spec = lightning_indexer(config, wide, np.asarray(x, np.float64), positions=np.arange(T),
+                                 is_causal=True)["topk_indices"]
+        swapped = mlx_lm_selection.swapped_queries(own["prefill_keys"], spec if spec.ndim == 4 else spec[:, None])
+        theirs = np.where(swapped[..., None], own["prefill"]["output"], seen[layer]["out"])
+        out[layer] = (own, theirs)
     return out
 
 

@@ -100,3 +100,72 @@ def judge(model_type: str, config, tensors: dict, x: np.ndarray, selection: np.n
         return compare_selection(name, got, want, ours["index_scores"], allowance)
     want = ours["topk_indices"][:, None]  # (B, 1, T, k): one selection for every head
     return compare_selection(name, selection, want, ours["index_scores"], allowance)
+
+
+# -- a tie swapped: the output judged on mlx-lm's own selection -----------------------------------------
+
+def _as_keys(model_type: str, selection, rows: tuple[int, int], groups: int) -> np.ndarray:
+    """One call's selection as kept key indices (B, G, rows, w), -1 padding: DSA's indices as they are (G 1),
+    M3's kept-key mask per kv group; None (no top-k run: every key fits) as every key up to the call's last."""
+    start, stop = rows
+    if selection is None:
+        keys = np.arange(stop)
+        return np.broadcast_to(keys, (1, 1, stop - start, stop)).copy()
+    if model_type != "minimax_m3_vl_text":
+        return np.asarray(selection, np.int64)
+    keep = np.asarray(selection)[:, ::selection.shape[1] // groups]
+    out = -np.ones(keep.shape, np.int64)
+    for index in np.ndindex(*keep.shape[:-1]):
+        ids = np.flatnonzero(keep[index])
+        out[index][:len(ids)] = ids
+    return out
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """Calls' selections joined along the query rows, padded with -1 to the widest; batch and group axes
+    broadcast (a None call's (1, 1, ...))."""
+    B = max(p.shape[0] for p in parts)
+    G = max(p.shape[1] for p in parts)
+    width = max(p.shape[-1] for p in parts)
+    out = []
+    for p in parts:
+        p = np.broadcast_to(p, (B, G) + p.shape[2:])
+        pad = -np.ones((B, G, p.shape[2], width), np.int64)
+        pad[..., :p.shape[-1]] = p
+        out.append(pad)
+    return np.concatenate(out, axis=2)
+
+
+def own_references(model_type: str, config, tensors: dict, x: np.ndarray, calls: list, *, T: int, P: int) -> dict:
+    """The float64 reference of the block on mlx-lm's own selections (the policy's rule where the selections
+    agree only up to admissible swaps): calls, the selecting module's records in order (the prefill call,
+    the P-token prefix, then one per decode step). -> {"prefill": reference on the prefill call's selection,
+    "decode": on the prefix's and each step's, "prefill_keys": (B, G, T, w) the prefill call's kept keys}."""
+    from conformance.native.mlx_lm_harness import reference
+
+    groups = config.num_kv_heads if model_type == "minimax_m3_vl_text" else 1
+    plain = config.replace(indexer=None)
+    weights = {k: v for k, v in tensors.items() if not k.startswith("indexer.")}
+    prefill = _as_keys(model_type, calls[0], (0, T), groups)
+    decode = _joined([_as_keys(model_type, calls[1], (0, P), groups)] +
+                     [_as_keys(model_type, c, (t, t + 1), groups) for t, c in zip(range(P, T), calls[2:])])
+    B = x.shape[0]
+    prefill = _joined([prefill]) if prefill.shape[0] == B else np.broadcast_to(prefill, (B,) + prefill.shape[1:])
+
+    def squeeze(s):
+        return s[:, 0] if s.shape[1] == 1 else s
+    return {"prefill": reference(plain, weights, x, squeeze(prefill)),
+            "decode": reference(plain, weights, x, squeeze(np.broadcast_to(decode, (B,) + decode.shape[1:]))),
+            "prefill_keys": prefill}
+
+
+def swapped_queries(keys: np.ndarray, spec_keys: np.ndarray) -> np.ndarray:
+    """(B, T) bool: the queries whose kept visible key set differs between mlx-lm's (B, G, T, w) and the
+    spec's (B, G, T, k) (keys past the query's own position are padding in effect)."""
+    B, G, T = spec_keys.shape[:3]
+    out = np.zeros((B, T), bool)
+    for b, g, t in np.ndindex(B, G, T):
+        mine = {int(j) for j in keys[b, min(g, keys.shape[1] - 1), t] if 0 <= j <= t}
+        theirs = {int(j) for j in spec_keys[b, g, t] if 0 <= j <= t}
+        out[b, t] |= mine != theirs
+    return out

@@ -13,11 +13,15 @@ converted block and transformers' own output, never mlx-lm's. Held here:
   ignoring the cache offset) passes prefill and is found at the first decode step's RoPE stage;
 - two of the findings docs/conventions.md publishes: Mistral's window is not applied (first stage: the
   mask, with the keys each query sees), gpt-oss's YaRN ramp is rounded against `truncate: false` (the
-  rotation at positions 4096+ matches truncate=True).
+  rotation at positions 4096+ matches truncate=True);
+- the lightning indexer's ports (deepseek_v32, glm_moe_dsa, minimax_m3_vl): outputs agree and mlx-lm's own
+  top-k keeps the spec's keys (blocks) under the suite's top-k rule; GLM-5's shared layer runs an indexer of
+  its own in mlx-lm (found at "indexer selection"); a planted bug, the index RoPE's pairing flipped, fails
+  the selection judgement and is named there.
 
 Marked `mlx` (they need mlx, mlx-lm, torch and transformers; skipped with the reason where one is
-missing): `tox -e all` runs them where its extras hold mlx-lm. About 15 s on a 2-core VM, most of it the
-imports of torch, transformers and mlx-lm.
+missing): `tox -e all` runs them where its extras hold mlx-lm. About 16 s on a 2-core VM (3.5 s of it the
+indexer rows), most of it the imports of torch, transformers and mlx-lm.
 """
 
 from __future__ import annotations
@@ -168,3 +172,60 @@ def test_the_table_in_mha_check_conventions():
     conv.render_terminal(data, console=console)
     shown = console.export_text()
     assert "mlx-lm's ports judged" in shown and "mlx-lm qwen3" in shown, shown
+
+
+# -- the lightning indexer's ports: deepseek_v32, glm_moe_dsa, minimax_m3_vl --------------------------
+
+@needs_mlx_lm
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa", "minimax_m3_vl"])
+def test_indexer_ports_agree_and_select_the_spec_keys(name):
+    """docs/conventions.md: mlx-lm's DSA and MiniMax M3 ports reproduce the spec's sparse attention at
+    T = 9 (3 keys, or 2 blocks of 2, kept: late queries drop keys), prefill and decode, and their indexers
+    keep the keys (blocks) the float64 reference keeps, every query judged by the top-k policy."""
+    row = ports.measure_port(name)
+    ev = row["evidence"]
+    assert row["verdict"].startswith("agrees"), row
+    for field in ("prefill", "decode", "vs_transformers", "transformers"):
+        for layer, c in ev[field].items():
+            assert c["ok"] and c["margin"] <= 1, f"{name} block {layer} {field}: {c}"
+    selections = {layer: c for layer, c in ev["selection"].items() if isinstance(c, dict)}
+    assert selections and all(c["ok"] and c["rows"] >= 2 * ports.T for c in selections.values()), ev["selection"]
+
+
+@needs_mlx_lm
+def test_glm5_shared_layer_runs_an_indexer_of_its_own():
+    """docs/conventions.md: GLM-5's shared layers (index_topk_pattern S) take the previous full layer's
+    selection in transformers and the spec; mlx-lm's glm_moe_dsa builds an indexer in every layer, its
+    weights missing from the checkpoint, and block 1 attends to other keys. Block 0 agrees."""
+    row = ports.measure_port("glm_moe_dsa shared")
+    ev = row["evidence"]
+    assert row["verdict"].startswith("differs") and "Missing 5 parameters" in ev["hub"]["note"], row
+    assert ev["prefill"]["0"]["ok"] and not ev["prefill"]["1"]["ok"], ev["prefill"]
+    assert ev["decode"]["0"]["ok"] and ev["vs_transformers"]["0"]["ok"], ev
+    # block 0 holds an exact tie at the k-th score (ReLU zeros): a swap is admissible (margin 0), and the
+    # output is then judged on mlx-lm's own selection; without that rule the swapped query fails
+    assert ev["selection"]["0"]["ok"] and ev["selection"]["0"]["margin"] == 0, ev["selection"]
+    assert ev["transformers"]["1"]["ok"], "the spec's shared layer must reproduce transformers'"
+    assert ev["stage[1]"]["stage"] == "indexer selection", ev["stage[1]"]
+
+
+def _flip_indexer_pairing(model):
+    """The planted indexer bug: the index heads' RoPE rotates the other pairing (V3.2's half-split read as
+    GLM-5's interleaved); the attention's own RoPE is untouched."""
+    for layer in ports._mlx_layers(model):
+        attention = layer["self_attn"]
+        rope = attention["indexer"]["rope"] if "indexer" in attention else attention.get("index_rope")
+        if rope is not None:
+            rope.traditional = not rope.traditional
+
+
+@needs_mlx_lm
+@pytest.mark.parametrize("name", ["deepseek_v32", "minimax_m3_vl"])
+def test_planted_indexer_pairing_flip_is_found_at_the_selection(name):
+    row = ports.measure_port(name, mutate=_flip_indexer_pairing)
+    ev = row["evidence"]
+    assert row["verdict"].startswith("differs"), row
+    failed = [layer for layer, c in ev["selection"].items() if isinstance(c, dict) and not c["ok"]]
+    assert failed, f"the flipped indexer pairing kept the spec's keys: {ev['selection']}"
+    for layer in failed:
+        assert ev[f"stage[{layer}]"]["stage"] == "indexer selection", ev[f"stage[{layer}]"]

@@ -127,19 +127,21 @@ def run_mlx(model, port, seen: dict[int, dict], *, attribute: str | None = None,
     return out
 
 
-def reference(config, tensors: dict, x: np.ndarray) -> dict:
+def reference(config, tensors: dict, x: np.ndarray, selection=None) -> dict:
     """The float64 reference's causal call on x (B, T, D): its output, trace and the magnitudes the
-    policy takes its allowances from."""
+    policy takes its allowances from. selection: topk_indices for a layer that attends to another layer's
+    selection (GLM-5's shared layers: the previous full layer's)."""
     from conformance.suite import backends
     from impl_numpy.magnitudes import forward_magnitudes
 
     wide = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
     x64 = np.asarray(x, np.float64)
     positions = np.arange(x.shape[1], dtype=np.int64)
-    ref = backends.load("numpy").forward(config, wide, {"query": x64, "positions": positions},
+    extra = {} if selection is None else {"topk_indices": np.asarray(selection)}
+    ref = backends.load("numpy").forward(config, wide, {"query": x64, "positions": positions, **extra},
                                          {"is_causal": True}, trace=True)
     terms, logit_errors = forward_magnitudes(config, wide, x64, is_causal=True, positions=positions,
-                                             logit_errors=True)
+                                             logit_errors=True, **extra)
     return {"output": ref["output"], "trace": dict(ref["trace"]), "terms": terms, "logit_errors": logit_errors,
             "tensors": tensors}
 

@@ -2,7 +2,7 @@
 
 mlx-lm (Apple's MLX language-model package) ships its own attention for each model type, written by hand
 from transformers' code. For every model type whose attention block our layouts reproduce (weights/layouts:
-hf-llama, hf-deepseek, hf-gpt-neox, hf-gptj, hf-gpt2) that mlx-lm also ships, this module:
+hf-llama, hf-deepseek, hf-minimax, hf-gpt-neox, hf-gptj, hf-gpt2) that mlx-lm also ships, this module:
 
 1. builds a tiny randomly initialised transformers model (eager attention, float32; the features its
    family uses turned on: windows, softcap, QK-norm, sinks, partial or scaled RoPE, NoPE layers, chunks,
@@ -25,7 +25,11 @@ hf-llama, hf-deepseek, hf-gpt-neox, hf-gptj, hf-gpt2) that mlx-lm also ships, th
    tolerance (conformance.suite.compare.localise's rule); a decode that differs, step by step on mlx-lm's
    cache against the reference's row of each step (mlx_lm_stages.py);
 5. calls mlx-lm's rope module alone at positions FAR.. against the contract's rotation there (rope_far:
-   a frequency a little off hides under a T-token output's allowance and shows far out).
+   a frequency a little off hides under a T-token output's allowance and shows far out);
+6. for a model with a lightning indexer (deepseek_v32, glm_moe_dsa, minimax_m3_vl), captures the keys or
+   blocks mlx-lm's own top-k keeps in the prefill call and judges them against the reference's selection
+   under the policy's top-k rule (mlx_lm_selection.py; conformance/suite/selection.py); a block whose
+   selection differs names "indexer selection" as its first differing stage.
 
 Each model runs twice: with config.json as transformers 5 saves it, and in the Hub's (transformers 4.x)
 form that mlx-lm reads (hub_form, hub_weights); the port's verdict is the second's, the first a column.
@@ -71,6 +75,12 @@ _DEEPSEEK = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4, k
                  qk_rope_head_dim=4, v_head_dim=3, num_hidden_layers=2, first_k_dense_replace=2, intermediate_size=16,
                  moe_intermediate_size=8, n_routed_experts=2, num_experts_per_tok=1, vocab_size=64,
                  max_position_embeddings=64, rms_norm_eps=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_INDEXER = dict(q_lora_rank=5, index_n_heads=4, index_head_dim=8, index_topk=3)
+_MINIMAX = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8, index_n_heads=2,
+                index_head_dim=8, index_block_size=2, index_topk_blocks=2, index_local_blocks=1, num_hidden_layers=2,
+                layer_types=["minimax_m3_sparse", "full_attention"], vocab_size=64, rms_norm_eps=1e-6,
+                intermediate_size=16, eos_token_id=2, pad_token_id=0, bos_token_id=1, max_position_embeddings=64,
+                rotary_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5})
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
          "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32.0, "beta_slow": 1.0}
 
@@ -91,6 +101,7 @@ class Port:
     wrap_keys: tuple[str, str] = ("", "language_model.")
     hub_model_type: str | None = None  # the Hub form's model_type where the released configs say another
     note: str = ""  # what the variant turns on, for the table
+    hub_renames: tuple[tuple[str, str], ...] = ()  # the Hub form's key names: (transformers 5's part, the release's)
 
 
 # name -> Port. Each model type with the features its family uses turned on, at T tokens (longer than every
@@ -171,6 +182,25 @@ PORTS: dict[str, Port] = {
                         layers=(1,), note="MLA, YaRN"),
     "deepseek_v3": Port("deepseek_v3", dict(_DEEPSEEK, q_lora_rank=5, rope_interleave=True, rope_parameters=_YARN),
                         layout="hf-deepseek", layers=(1,), note="MLA, YaRN (mscale_all_dim 0.5)"),
+    # the lightning indexer (docs/sparse-attention.md): index_topk 3 of T = 9 keys, so late queries drop keys
+    "deepseek_v32": Port("deepseek_v32", dict(_DEEPSEEK, **_INDEXER), layout="hf-deepseek",
+                         layers=(0, 1), note="MLA + lightning indexer (top-3 of 9, half-split RoPE)"),
+    # GLM-5: every layer runs its indexer (config.json without index_topk_pattern / indexer_types)
+    "glm_moe_dsa": Port("glm_moe_dsa", dict(_DEEPSEEK, **_INDEXER, mlp_layer_types=["dense", "dense"]),
+                        layout="hf-deepseek", note="MLA + indexer (top-3 of 9, interleaved RoPE)"),
+    # transformers' shared layers: layer 1 takes layer 0's selection (index_topk_pattern "FS")
+    # (this model's layer 0 has an exact tie at the k-th score of one query, both keys ReLU'd to 0 on every
+    # index head, which mlx-lm's argpartition may break the other way: an admissible swap, after which the
+    # policy judges the output on mlx-lm's own selection, _own_selection_references)
+    "glm_moe_dsa shared": Port("glm_moe_dsa", dict(_DEEPSEEK, **_INDEXER, index_topk_pattern="FS",
+                                                   mlp_layer_types=["dense", "dense"]), layout="hf-deepseek",
+                               note="index_topk_pattern FS: layer 1 shares layer 0's selection"),
+    # MiniMax M3's text model (model_type minimax_m3_vl_text), loaded as the released VL checkpoint
+    # (mlx-lm's minimax_m3_vl.py: text_config, keys under language_model.): layer 0 sparse, blocks of 2
+    # keys, 2 blocks kept of 5 (one of them the query's local block), layer 1 dense
+    "minimax_m3_vl": Port("minimax_m3_vl_text", _MINIMAX, layout="hf-minimax", wrap="minimax_m3_vl",
+                          wrap_keys=("", "language_model."), hub_renames=(("self_attn.indexer.", "self_attn.index_"),),
+                          note="model_type minimax_m3_vl: layer 0 block-sparse (2 blocks of 2 kept, 1 local)"),
     # intermediate_size 4 * hidden_size: mlx-lm's GPT-NeoX MLP has that width whatever config.json says
     # Kimi K2's released config.json: model_type kimi_k2 (mlx-lm remaps it to deepseek_v3), YaRN with betas 1, 1
     "kimi_k2": Port("deepseek_v3", dict(_DEEPSEEK, q_lora_rank=5, rope_interleave=True, rope_parameters={
@@ -190,12 +220,13 @@ PORTS: dict[str, Port] = {
                  layout="hf-gpt2", blocks="transformer.h", attribute="attn", note="scale_attn_by_inverse_layer_idx"),
 }
 
-KEYS = ("transformers_config", "verdict", "prefill", "decode", "vs_transformers", "far", "first_stage")
+KEYS = ("transformers_config", "verdict", "prefill", "decode", "vs_transformers", "far", "selection", "first_stage")
 COLUMNS = (("model type", "api"), ("config.json as transformers 5 saves it", "transformers_config"),
            ("mlx-lm's port (config.json in the Hub's 4.x form)", "verdict"),
            ("prefill: max err (margin)", "prefill"), ("decode: max err (margin)", "decode"),
            ("vs transformers: max err (margin)", "vs_transformers"),
-           (f"RoPE alone at positions {FAR}+: max err (margin)", "far"), ("first stage that differs, and why", "first_stage"))
+           (f"RoPE alone at positions {FAR}+: max err (margin)", "far"),
+           ("indexer's prefill selection vs the spec's (top-k policy)", "selection"), ("first stage that differs, and why", "first_stage"))
 SETUP = (f"tiny random transformers models, B={B}, T={T}, decode: {P} tokens then {T - P} steps on mlx-lm's own "
          "cache; mlx-lm in float32 on transformers' attention input, against the float64 reference on our "
          "converted block and against transformers' output, float32 policy with allowances from magnitudes; "
@@ -251,7 +282,29 @@ def capture_hf(model, port: Port) -> dict[int, dict]:
     return seen
 
 
+def references(port: Port, blocks: dict, seen: dict) -> dict:
+    """{layer: the float64 reference of block `layer` on transformers' input}; a layer without an indexer of
+    its own in a model whose earlier layer has one (GLM-5's shared layers, index_topk_pattern S) attends to
+    that layer's selection, as transformers' model does (the reference's indexer on the earlier layer's input)."""
+    from impl_numpy.indexer import lightning_indexer
+
+    refs, selection = {}, None
+    for layer in sorted(port.layers):
+        config, tensors = blocks[layer]
+        x = seen[layer]["x"]
+        if config.indexer is not None:
+            wide = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+            selection = lightning_indexer(config, wide, np.asarray(x, np.float64), positions=np.arange(T),
+                                          is_causal=True)["topk_indices"]
+            refs[layer] = reference(config, tensors, x)
+        else:
+            shared = port.model_type == "glm_moe_dsa" and selection is not None
+            refs[layer] = reference(config, tensors, x, selection if shared else None)
+    return refs
+
+
 def convert(model, folder: Path, port: Port, layer: int):
+
     """(AttentionConfig, canonical tensors) of block `layer`, read by our layout from the model's state dict
     and the config.json save_pretrained wrote."""
     from weights import layouts
@@ -286,6 +339,10 @@ def hub_form(cfg: dict) -> dict:
     if cfg.get("model_type") == "gpt_neox":
         out.setdefault("rotary_pct", out.get("partial_rotary_factor", 1.0))
         out.setdefault("rotary_emb_base", out.get("rope_theta", 10000.0))
+    if cfg.get("model_type") == "glm_moe_dsa":  # fields mlx-lm's ModelArgs requires (the MoE router's: not attention)
+        out.setdefault("topk_method", "noaux_tc")
+        out.setdefault("scoring_func", "sigmoid")
+        out.setdefault("moe_layer_freq", 1)
     if cfg.get("model_type") == "gpt2":
         out.setdefault("n_ctx", cfg.get("n_positions", 1024))
     kinds = cfg.get("layer_types")
@@ -304,7 +361,8 @@ def hub_form(cfg: dict) -> dict:
     return out
 
 
-def hub_weights(folder: Path, prefix: tuple[str, str] | None = None) -> None:
+def hub_weights(folder: Path, prefix: tuple[str, str] | None = None,
+                rename: tuple[tuple[str, str], ...] = ()) -> None:
     """model.safetensors in the Hub's form. prefix None: GPT-2's (openai-community/gpt2: GPT2Model's keys,
     h.{L}..., no "transformer." prefix, which save_pretrained of GPT2LMHeadModel writes and mlx-lm's sanitize
     does not strip); else (old, new): every key's leading `old` replaced by `new` (a text model inside a
@@ -318,6 +376,8 @@ def hub_weights(folder: Path, prefix: tuple[str, str] | None = None) -> None:
     else:
         old, new = prefix
         state = {new + k.removeprefix(old): v for k, v in state.items()}
+    for part, released in rename:  # e.g. MiniMax M3's self_attn.indexer.q_proj -> self_attn.index_q_proj
+        state = {k.replace(part, released): v for k, v in state.items()}
     save_file(state, path, metadata={"format": "pt"})
 
 
@@ -327,8 +387,10 @@ def load_mlx(folder: Path, cfg: dict) -> tuple[Any, str]:
     names), and a note: "" where the strict load took every key; else what it refused, after which the
     folder is loaded non-strict (the keys mlx-lm does not read are left at its own initialisation: a
     block whose attention keys it refused is then judged on random weights and differs)."""
+    import mlx.core as mx
     from mlx_lm.utils import load_model
 
+    mx.random.seed(0)  # what a non-strict load leaves at mlx-lm's initialisation: the same in every run
     (folder / "config.json").write_text(json.dumps(cfg))
     try:
         return load_model(folder)[0], ""
@@ -402,7 +464,7 @@ def measure_port(name: str, *, mutate=None) -> dict:
         saved = json.loads((folder / "config.json").read_text())
         seen = capture_hf(hf, port)
         blocks = {layer: convert(hf, folder, port, layer) for layer in port.layers}
-        refs = {layer: reference(*blocks[layer], seen[layer]["x"]) for layer in port.layers}
+        refs = references(port, blocks, seen)
         runs = {}
         for form in FORMS:
             try:
@@ -410,14 +472,17 @@ def measure_port(name: str, *, mutate=None) -> dict:
                 if form == "hub" and port.model_type == "gpt2":
                     hub_weights(folder)
                 if form == "hub" and port.wrap:
-                    hub_weights(folder, prefix=port.wrap_keys)
+                    hub_weights(folder, prefix=port.wrap_keys, rename=port.hub_renames)
                     cfg = {"model_type": port.wrap, "text_config": cfg, "vocab_size": cfg.get("vocab_size")}
                 if form == "hub" and port.hub_model_type:
                     cfg = {**cfg, "model_type": port.hub_model_type}
                 model, note = load_mlx(folder, cfg)
                 if mutate is not None:
                     mutate(model)
-                got = run_mlx(model, port, seen)
+                with _capturing(port) as records:
+                    got = run_mlx(model, port, seen)
+                selections = _selections(model, port, records, blocks, seen, form)
+                owns = _own_selection_references(model, port, records, blocks, seen, selections)
             except Exception as err:  # noqa: BLE001 (a port that cannot load or run is this row's finding)
                 runs[form] = {"error": _short(err)}
                 continue
@@ -425,15 +490,102 @@ def measure_port(name: str, *, mutate=None) -> dict:
             for layer in port.layers:
                 config, ref, label = blocks[layer][0], refs[layer], f"{name}[{layer}] {form} config"
                 far = rope_far(model, port, layer, config)
+                own, theirs = owns.get(layer, ({"prefill": ref, "decode": ref}, seen[layer]["out"]))
                 results.append(BlockResult(
                     layer,
-                    judge(f"{label} mlx-lm prefill", got[layer]["prefill"], ref, config),
-                    judge(f"{label} mlx-lm decode", got[layer]["decode"], ref, config, rows=slice(P, T)),
-                    judge(f"{label} mlx-lm vs transformers", got[layer]["prefill"], ref, config,
-                          expected=seen[layer]["out"]),
+                    judge(f"{label} mlx-lm prefill", got[layer]["prefill"], own["prefill"], config),
+                    judge(f"{label} mlx-lm decode", got[layer]["decode"], own["decode"], config, rows=slice(P, T)),
+                    judge(f"{label} mlx-lm vs transformers", got[layer]["prefill"], own["prefill"], config,
+                          expected=theirs),
                     judge(f"{label} transformers", seen[layer]["out"], ref, config), far))
-            runs[form] = {"results": results, "model": model, "note": note}
+            runs[form] = {"results": results, "model": model, "note": note, "selections": selections}
     return summarise(port, runs, seen, blocks, refs)
+
+
+def _capturing(port: Port):
+    """mlx-lm's indexer selections recorded while its model runs (mlx_lm_selection), for a port with one."""
+    import contextlib
+
+    from conformance.native import mlx_lm_selection
+
+    if port.model_type not in mlx_lm_selection.HOOKS:
+        return contextlib.nullcontext([])
+    return mlx_lm_selection.capturing(port.model_type)
+
+
+def _selections(model, port: Port, records, blocks, seen, form: str) -> dict:
+    """{layer: SelectionComparison or None (no top-k run)} of the blocks whose selection mlx-lm computes
+    itself: the first (prefill) call of each selecting module."""
+    from conformance.native import mlx_lm_selection
+
+    if port.model_type not in mlx_lm_selection.HOOKS:
+        return {}
+    ids = mlx_lm_selection.selector_ids(model, port.model_type, port.layers)
+    first: dict[int, Any] = {}
+    for module, selection in records:
+        if module in ids and ids[module] not in first:
+            first[ids[module]] = selection
+    out = {}
+    for layer, selection in sorted(first.items()):
+        config, tensors = blocks[layer]
+        if config.indexer is None:  # a block the spec gives no indexer of its own (GLM-5's shared layers)
+            out[layer] = "runs an indexer the model does not have"
+            continue
+        out[layer] = mlx_lm_selection.judge(port.model_type, config, tensors, seen[layer]["x"], selection,
+                                            name=f"{port.model_type}[{layer}] {form} config mlx-lm selection")
+    return out
+
+
+def _own_selection_references(model, port: Port, records, blocks, seen, selections) -> dict:
+    """{layer: (references on mlx-lm's own selections, transformers' output to judge against)} for each block
+    whose selection agrees with the spec's only up to admissible swaps (an exact tie at the k-th score broken
+    the other way: conformance/suite/selection.py): the policy judges such a port's output against the
+    reference computed with its own selection. transformers' output (its own tie-break) stands on the
+    queries where mlx-lm kept the spec's keys; on a swapped query the reference on mlx-lm's selection does."""
+    from conformance.native import mlx_lm_selection
+    from impl_numpy.indexer import lightning_indexer
+
+    ids = {layer: module for module, layer in mlx_lm_selection.selector_ids(model, port.model_type, port.layers).items()}
+    out = {}
+    for layer, c in selections.items():
+        if isinstance(c, str) or c is None or not c.ok or not c.swaps:
+            continue
+        config, tensors = blocks[layer]
+        x = seen[layer]["x"]
+        calls = [selection for module, selection in records if module == ids[layer]]
+        own = mlx_lm_selection.own_references(port.model_type, config, tensors, x, calls, T=T, P=P)
+        wide = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+        spec = lightning_indexer(config, wide, np.asarray(x, np.float64), positions=np.arange(T),
+                                 is_causal=True)["topk_indices"]
+        swapped = mlx_lm_selection.swapped_queries(own["prefill_keys"], spec if spec.ndim == 4 else spec[:, None])
+        theirs = np.where(swapped[..., None], own["prefill"]["output"], seen[layer]["out"])
+        out[layer] = (own, theirs)
+    return out
+
+
+def _selection_differs(c) -> bool:
+    return isinstance(c, str) or (c is not None and not c.ok)
+
+
+def _selection_cell(selections: dict, port: Port, blocks: dict) -> tuple[str, dict]:
+    if not any(blocks[layer][0].indexer is not None for layer in port.layers) and not selections:
+        return "- (no indexer)", {}
+    parts, ev = [], {}
+    for layer in port.layers:
+        c = selections.get(layer)
+        if isinstance(c, str):
+            parts.append(f"block {layer} {c}")
+            ev[str(layer)] = c
+        elif c is None:
+            if blocks[layer][0].indexer is not None:
+                parts.append(f"block {layer}: no top-k run")
+                ev[str(layer)] = "no top-k run"
+        else:
+            parts.append(f"block {layer} {'agrees' if c.ok else 'differs'}: {c.rows} queries, {c.swaps} swaps "
+                         f"(margin {c.margin:.3g})")
+            ev[str(layer)] = {"ok": bool(c.ok), "rows": c.rows, "swaps": c.swaps, "margin": float(c.margin),
+                              "problems": list(c.problems)}
+    return "; ".join(parts) or "-", ev
 
 
 def _short(err: BaseException) -> str:
@@ -478,7 +630,7 @@ def summarise(port, runs, seen, blocks, refs) -> dict:
     hub = runs["hub"]
     if "error" in hub:
         row["verdict"] = f"fails: {hub['error']}"
-        for key in ("prefill", "decode", "vs_transformers", "far", "first_stage"):
+        for key in ("prefill", "decode", "vs_transformers", "far", "selection", "first_stage"):
             row[key] = "-"
         return row
     results = hub["results"]
@@ -493,6 +645,7 @@ def summarise(port, runs, seen, blocks, refs) -> dict:
         row["far"], row["evidence"]["far"] = cell, ev
     else:
         row["far"] = "- (no rope(x, offset) module)" if any(blocks[r.layer][0].rope for r in results) else "- (no RoPE)"
+    row["selection"], row["evidence"]["selection"] = _selection_cell(hub.get("selections", {}), port, blocks)
     agrees = all(r.ok for r in results)
     row["verdict"] = ("agrees" if agrees else "differs") + (f" ({port.note})" if port.note else "")
     if hub["note"]:
@@ -511,6 +664,14 @@ def summarise(port, runs, seen, blocks, refs) -> dict:
             where, stage = f"rope at {FAR}+", "query.rope, key.rope"
             why = f"err {r.far.max_abs_error:.1e}, margin {r.far.margin:.3g}; " + _far_why(hub["model"], port, r.layer,
                                                                                               config)
+        elif _selection_differs(hub.get("selections", {}).get(r.layer)):
+            where, stage = "prefill", "indexer selection"
+            picked = hub["selections"][r.layer]
+            why = (f"mlx-lm {picked}: its block builds an Indexer for every layer and, the checkpoint holding none "
+                   "for this layer, runs it on weights of its own initialisation (strict load: missing keys) "
+                   "instead of taking the previous full layer's selection" if isinstance(picked, str) else
+                   f"{picked.swaps} keys swapped across the k-th score, margin {picked.margin:.3g}: "
+                   + "; ".join(picked.problems[:2]))
         else:
             where = "prefill" if not (r.prefill.ok and r.vs_transformers.ok) else "decode"
             stage, why = localise(hub["model"], port, seen, r.layer, config, refs[r.layer], where)

@@ -16,6 +16,9 @@ computes it only in x64 mode.
 
 from __future__ import annotations
 
+import functools
+import re
+
 import numpy as np
 
 from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
@@ -38,6 +41,55 @@ if BACKEND == "jax":
     import jax
 
     jax.config.update("jax_enable_x64", True)
+
+# On jax, the XLA compile options of the CPU programs (each call is one: _jax_stateless): the same as
+# impl_jax.adapter.FAST_CPU_COMPILE (LLVM at -O0, XLA's classic fusion emitters, the LLVM module whole; XLA's
+# HLO passes as by default: what is computed is decided the same way, only the machine code differs; its
+# comment there has the measurements), not imported from impl_jax, which would import Flax into this worker.
+# With XLA's defaults the keras-jax column of a cold `mha check` took 126 s of CPU, with these 22 s (2-core
+# EPYC VM, 2026-11-29, under load; tests/test_keras_backends.py checks they are impl_jax's).
+# `mha check --xla-full-opt` compiles with XLA's defaults (set_cpu_compile("default")); GPU programs always do.
+FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
+                    "xla_cpu_parallel_codegen_split_count": 1}
+_CPU_COMPILE_MODES = ("fast", "default")
+_cpu_compile = "fast"
+
+
+def set_cpu_compile(mode: str) -> None:
+    """"fast" (FAST_CPU_COMPILE, the default) or "default" (XLA's own options) for the CPU programs compiled
+    from now on on Keras's jax backend; no effect on the other backends (nothing is compiled by XLA there)."""
+    global _cpu_compile
+    if mode not in _CPU_COMPILE_MODES:
+        raise ValueError(f"cpu compile mode must be one of {', '.join(_CPU_COMPILE_MODES)}: got {mode!r}")
+    _cpu_compile = mode
+
+
+def cpu_compile() -> str:
+    return _cpu_compile
+
+
+@functools.cache
+def cpu_compile_options() -> dict:
+    """FAST_CPU_COMPILE less the options this process's XLA does not know (as impl_jax.adapter's: found once
+    by compiling a one-line CPU program, each refusal naming its option)."""
+    options = dict(FAST_CPU_COMPILE)
+    x = jax.device_put(np.float32(0), jax.devices("cpu")[0])
+    while True:
+        try:
+            jax.jit(lambda a: a + 1, compiler_options=options).lower(x).compile()
+            return options
+        except Exception as err:
+            unknown = re.search(r"No such compile option: '([^']+)'", str(err))
+            if unknown is None or unknown.group(1) not in options:
+                raise
+            del options[unknown.group(1)]
+
+
+def _jit(fn, device):
+    """jax.jit(fn), compiled with cpu_compile_options() in the "fast" mode where the call runs on the CPU, the
+    only device here (with a GPU present, XLA's defaults: a CPU option would not reach a GPU compile)."""
+    fast = _cpu_compile == "fast" and check_device(device) in (None, "cpu") and not gpus()
+    return jax.jit(fn, compiler_options=cpu_compile_options() if fast else None)
 
 # The paths `mha check` judges (weights/paths.py): the stages, fused_attention (a call without weights or
 # trace), the chunked path (chunk_size=) and the in-place cache (cache_length=, tf.Variables); the last two
@@ -131,9 +183,9 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     selection = config.indexer is not None  # the indexer's selection is returned, to be judged
     query, key, value = (None if inputs.get(n) is None else to_tensor(inputs[n]) for n in ("query", "key", "value"))
     if BACKEND == "jax":  # one compiled program instead of an XLA compile per op and shape (_jax_stateless)
-        result = jax.jit(lambda q, k, v, trainable: _jax_stateless(layer, trainable)(
+        result = _jit(lambda q, k, v, trainable: _jax_stateless(layer, trainable)(
             q, k, v, return_weights=return_weights, return_cache=return_cache, return_selection=selection,
-            **kwargs))(query, key, value, [v.value for v in layer.trainable_variables])
+            **kwargs), device)(query, key, value, [v.value for v in layer.trainable_variables])
     else:
         result = layer(query, key, value, return_weights=return_weights, return_cache=return_cache,
                        return_selection=selection, **(kwargs | in_place))
@@ -177,7 +229,7 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
                   return_weights=return_weights, return_cache=return_cache, return_selection=selection,
                   **kwargs, **{n: inputs_now[n] for n in ("past_key", "past_value") if n in inputs_now})
 
-    result, found = _GRADIENTS[BACKEND](layer, call, given, list(variables.values()), d_out)
+    result, found = _GRADIENTS[BACKEND](layer, call, given, list(variables.values()), d_out, device)
     answer = split_result(result, return_weights, return_cache, _numpy, return_selection=selection,
                           index_cache=selection)
     dtype = answer["output"].dtype
@@ -193,7 +245,7 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
 
 # -- gradients, through each backend's own autodiff ---------------------------------------------
 # Each: (layer, call(inputs[, fn]) -> the layer's result, inputs {name: tensor}, variables [keras.Variable],
-# d_out ndarray (B, T, O)) -> (result, [gradient or None per input, then per variable]).
+# d_out ndarray (B, T, O), device) -> (result, [gradient or None per input, then per variable]).
 
 def _output(result):
     return result[0] if isinstance(result, (tuple, list)) else result  # the gradient is the output's
@@ -204,7 +256,7 @@ def _check_cotangent(out, d_out):
         raise ValueError(f"d_output must have shape (B, T, O) = {tuple(out.shape)}: got {d_out.shape}")
 
 
-def _tensorflow_gradients(layer, call, given, variables, d_out):
+def _tensorflow_gradients(layer, call, given, variables, d_out, device):
     import tensorflow as tf
 
     with tf.GradientTape() as tape:
@@ -230,9 +282,9 @@ def _jax_stateless(layer, trainable_values):
     return stateless
 
 
-def _jax_gradients(layer, call, given, variables, d_out):
+def _jax_gradients(layer, call, given, variables, d_out, device):
     """jax.vjp of the layer's stateless_call over the inputs and its trainable variables' values, compiled as
-    one program (jax.jit) with the output's cotangent."""
+    one program (_jit) with the output's cotangent."""
     trainable = layer.trainable_variables
     index = {id(v): i for i, v in enumerate(trainable)}
 
@@ -246,13 +298,12 @@ def _jax_gradients(layer, call, given, variables, d_out):
 
     query = given["query"]
     _check_cotangent(jax.ShapeDtypeStruct((*query.shape[:2], layer.config.out_dim), query.dtype), d_out)
-    result, (d_inputs, d_trainable) = jax.jit(both)(given, [v.value for v in trainable],
-                                                    jax.numpy.asarray(d_out.astype(np.float32)
-                                                                      if d_out.dtype.name == "bfloat16" else d_out))
+    cotangent = to_tensor(d_out.astype(np.float32) if d_out.dtype.name == "bfloat16" else d_out)  # no program
+    result, (d_inputs, d_trainable) = _jit(both, device)(given, [v.value for v in trainable], cotangent)
     return result, [*(d_inputs[n] for n in given), *(d_trainable[index[id(v)]] for v in variables)]
 
 
-def _torch_gradients(layer, call, given, variables, d_out):
+def _torch_gradients(layer, call, given, variables, d_out, device):
     """torch.autograd.grad of the output over the inputs (leaf tensors that require grad) and the
     variables' torch parameters."""
     import torch

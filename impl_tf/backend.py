@@ -53,7 +53,16 @@ else:
                 return ops.cast(ops.convert_to_tensor(x.astype("float32")), "bfloat16")
             return ops.convert_to_tensor(x)
     else:
-        to_tensor = ops.convert_to_tensor
+        import jax
+        import numpy as np
+
+        def to_tensor(x):
+            """ops.convert_to_tensor; a NumPy array through jax.device_put, which copies it to the device
+            as it is, where jnp.asarray (what Keras calls) compiles a small XLA program per shape and
+            dtype (jax 0.10: lax.stage)."""
+            if isinstance(x, np.ndarray) and not isinstance(x, np.generic):
+                return jax.device_put(x)
+            return ops.convert_to_tensor(x)
 
     def constant(value, dtype):
         return ops.convert_to_tensor(value, dtype)

@@ -62,6 +62,25 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+class _Given(keras.initializers.Initializer):
+    """A variable's first value given, in its dtype, as a canonical tensor (reshaped to the variable's
+    layout): from_tensors builds the layer with the tensors it holds, so no initializer draws values that
+    set_tensors would overwrite. On Keras's jax backend each random or constant initializer, and each
+    assign of a NumPy array, compiled a small XLA program per shape (about 140 of them in a cold
+    `mha check`'s keras-jax column)."""
+
+    def __init__(self, value: np.ndarray):
+        self.value = value
+
+    def __call__(self, shape, dtype=None):
+        return to_tensor(self.value.reshape(tuple(shape)))  # canonical -> Dense layout, as set_tensors
+
+
+# The Dense layers' names -> the canonical prefix of their kernel and bias (canonical_variables)
+_DENSE_PREFIX = {"wq": "query", "wk": "key", "wv": "value", "wo": "output", "wq_down": "query.down",
+                 "w_latent": "latent"}
+
+
 def _initializer(name: str, num_heads: int):
     """A fresh layer's value of a tensor beyond the Dense ones: the scales 1, ALiBi's slopes BLOOM's rule
     (weights.alibi), the gate's kernel as a Dense kernel (glorot uniform), biases and sinks 0."""
@@ -113,7 +132,9 @@ class MultiHeadAttention(keras.layers.Layer):
     """
 
     def __init__(self, config, *, device: str | None = None, precision: str = "highest", seed: int | None = None,
-                 chunk_size: int | None = None, **kwargs):
+                 chunk_size: int | None = None, _given: dict[str, np.ndarray] | None = None, **kwargs):
+        # _given (from_tensors): every canonical tensor, validated and in the layer's dtype: the variables'
+        # first values (_Given), instead of initializers'.
         # The stages cast for themselves (16-bit stored, float32 arithmetic),
         # and a float mask must reach the checks with its own dtype.
         kwargs.setdefault("autocast", False)
@@ -140,8 +161,11 @@ class MultiHeadAttention(keras.layers.Layer):
         N, K, H, V = c.num_heads, c.num_kv_heads, c.head_dim, c.value_head_dim
         L = c.latent
         with placement(self.device):
-            dense = lambda units, bias, name: keras.layers.Dense(  # noqa: E731
-                units, use_bias=bias, dtype=self.dtype_policy, name=name)
+            def dense(units, bias, name):
+                given = {} if _given is None else {
+                    "kernel_initializer": _Given(_given[f"{_DENSE_PREFIX[name]}.kernel"]),
+                    **({"bias_initializer": _Given(_given[f"{_DENSE_PREFIX[name]}.bias"])} if bias else {})}
+                return keras.layers.Dense(units, use_bias=bias, dtype=self.dtype_policy, name=name, **given)
             if L is None:
                 self.wq = dense(N * H, c.use_query_bias, "wq")
                 self.wk = dense(K * H, c.use_key_bias, "wk")
@@ -170,7 +194,8 @@ class MultiHeadAttention(keras.layers.Layer):
             for name, shape in c.tensor_shapes().items():
                 if (".norm." in name or name in ("sinks", "alibi.slopes", "gate.kernel", "gate.bias")
                         or name.startswith("indexer.")):  # the indexer's (no gradient reaches them from the output)
-                    self.extra_variables[name] = self.add_weight(shape=shape, initializer=_initializer(name, N),
+                    first = _initializer(name, N) if _given is None else _Given(_given[name])
+                    self.extra_variables[name] = self.add_weight(shape=shape, initializer=first,
                                                                  name=name.replace(".", "_"))
             self.seed_generator = None if seed is None else keras.random.SeedGenerator(self.seed)
         self.supports_masking = True
@@ -219,9 +244,8 @@ class MultiHeadAttention(keras.layers.Layer):
         """A layer holding these canonical tensors, in their dtype unless dtype says otherwise."""
         stored = weights.validate_tensors(config, tensors)
         dtype = stored if dtype is None else weights.dtype_from_name(dtype)
-        layer = cls(config, dtype=dtype.name, **kwargs)
-        layer.set_tensors(tensors)
-        return layer
+        given = {name: np.asarray(tensors[name]).astype(dtype) for name in config.tensor_shapes()}
+        return cls(config, dtype=dtype.name, _given=given, **kwargs)  # the variables start as the tensors
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **kwargs) -> MultiHeadAttention:

@@ -141,3 +141,20 @@ def test_the_keras_layer_adapter_takes_a_layer_on_the_backend(backend_id):
                                "value_head_dim.float32"], sorted(results)
     for name, (status, detail) in results.items():
         assert status == STATUS_PASS, (name, status, detail)
+
+
+@pytest.mark.tf
+@pytest.mark.jax
+def test_keras_jax_compiles_its_cpu_programs_with_impl_jax_options():
+    """keras-jax's CPU programs compile with impl_jax's FAST_CPU_COMPILE, which impl_tf copies (importing
+    impl_jax would bring Flax into the keras-jax worker): with XLA's defaults the column of a cold `mha
+    check` took 5x the CPU. The two must not drift apart; an unknown mode is refused."""
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("flax")
+    from impl_jax import adapter as jax_adapter
+    from impl_tf import adapter as tf_adapter
+
+    assert tf_adapter.FAST_CPU_COMPILE == jax_adapter.FAST_CPU_COMPILE
+    assert tf_adapter.cpu_compile() == "fast"
+    with pytest.raises(ValueError, match="cpu compile mode must be one of fast, default: got 'O3'"):
+        tf_adapter.set_cpu_compile("O3")

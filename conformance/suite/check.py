@@ -157,7 +157,7 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
     own_cache = hasattr(adapter, "set_program_cache")  # impl_jax keeps its own programs: see impl_jax/programs.py
     if compile_cache is not None and "jax" in backends.get(backend_id).framework and not own_cache:
         enable_jax_compile_cache(compile_cache)
-    if hasattr(adapter, "set_cpu_compile"):  # impl_jax: see FAST_CPU_COMPILE there
+    if hasattr(adapter, "set_cpu_compile"):  # impl_jax, impl_tf (on jax): see FAST_CPU_COMPILE there
         adapter.set_cpu_compile("default" if xla_full_opt else "fast")
     if own_cache:
         adapter.set_program_cache(None if compile_cache is None else Path(compile_cache) / "programs")
@@ -442,9 +442,10 @@ def run(args) -> int:
             console.print(line)
     env = environment.environment(sorted({r.backend for r in results}), sorted({r.device for r in results}), args.precision,
                              probes=probes or None)
-    if "jax" in {r.backend for r in results}:
+    if {"jax", "keras-jax"} & {r.backend for r in results}:
         env["precision"]["jax cpu compile"] = ("XLA defaults (--xla-full-opt)" if args.xla_full_opt else
-                                               "LLVM -O0, classic fusion emitters (impl_jax.adapter.FAST_CPU_COMPILE)")
+                                               "LLVM -O0, classic fusion emitters (impl_jax.adapter.FAST_CPU_COMPILE, "
+                                               "impl_tf.adapter's on keras-jax)")
     if args.report:
         paths = report.write_report(args.report, results, env, conventions=conventions)
         console.print(f"report: {', '.join(str(p) for p in paths.values())}")

@@ -24,7 +24,6 @@ from weights.contract import (
     check_topk_values,
     in_place_buffer_error,
 )
-from weights.rope import attention_factor, inverse_frequencies, rope_tables
 
 from . import functional as F
 from ._keras import BACKEND, TENSORFLOW, keras
@@ -174,7 +173,7 @@ class Call:
         table by the call's largest position (its queries' and new keys'). Eagerly that position is read to
         the host (LongRoPE only); in a graph (tf.function, XLA, jax.jit) the table is selected by a where on
         max position + 1 > original_max_position_embeddings, nothing read to Python."""
-        return rope_tables_of(config.rope, self.positions, self.key_positions)
+        return F.rope_tables_of(config.rope, self.positions, self.key_positions)
 
     def alibi_bias(self, config: AttentionConfig):
         """ALiBi's (B|1, N, T, P+S) bias in compute dtype (functional.alibi_bias)."""
@@ -185,26 +184,6 @@ class Call:
     def modern(self) -> bool:
         """Uses a cache or packed segments (the config's own features: config.is_modern)."""
         return self.past_key is not None or self.segment_ids is not None
-
-
-def rope_tables_of(rope, *positions):
-    """(inv_freq (R/2,), attention_factor) of a Rope config for a call at these positions (None skipped):
-    weights.rope.rope_tables, where LongRoPE picks its table by the largest position. Eagerly that position
-    is read to the host (LongRoPE only); traced, the table is selected by a where, nothing read to Python.
-    The call's RoPE (Call.rope_tables) and the indexer's (impl_tf.indexer) read it so."""
-    scaling = rope.scaling
-    if scaling is None or scaling.type != "longrope":
-        return rope_tables(rope)
-    given = [x for x in positions if x is not None]
-    if not any(_is_symbolic(x) for x in given):
-        values = [np.asarray(ops.convert_to_numpy(x)) for x in given]
-        largest = [int(x.max()) for x in values if x.size]
-        return rope_tables(rope, max(largest) if largest else None)
-    largest = ops.max(ops.stack([ops.max(ops.cast(x, "int64")) for x in given]))
-    long = largest + 1 > scaling.original_max_position_embeddings
-    inv_freq = ops.where(long, ops.convert_to_tensor(inverse_frequencies(rope, long=True), "float64"),
-                         ops.convert_to_tensor(inverse_frequencies(rope, long=False), "float64"))  # (R/2,)
-    return inv_freq, attention_factor(rope)
 
 
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,

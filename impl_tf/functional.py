@@ -450,3 +450,24 @@ def default_positions(positions, P, L):
     positions = ops.convert_to_tensor(positions)
     return positions[None] if len(positions.shape) == 1 else positions  # (B|1, L)
 
+
+def rope_tables_of(rope, *positions):
+    """(inv_freq (R/2,), attention_factor) of a Rope config for a call at these positions (None skipped):
+    weights.rope.rope_tables, where LongRoPE picks its table by the largest position. Eagerly that position
+    is read to the host (LongRoPE only); traced, the table is selected by a where, nothing read to Python.
+    The call's RoPE (call.Call.rope_tables) and the indexer's (impl_tf.indexer) read it so."""
+    from weights.rope import attention_factor, inverse_frequencies, rope_tables
+
+    scaling = rope.scaling
+    if scaling is None or scaling.type != "longrope":
+        return rope_tables(rope)
+    given = [x for x in positions if x is not None]
+    if not any(bk.is_symbolic(x) for x in given):
+        values = [np.asarray(keras.ops.convert_to_numpy(x)) for x in given]
+        largest = [int(x.max()) for x in values if x.size]
+        return rope_tables(rope, max(largest) if largest else None)
+    largest = keras.ops.max(keras.ops.stack([keras.ops.max(keras.ops.cast(x, "int64")) for x in given]))
+    long = largest + 1 > scaling.original_max_position_embeddings
+    inv_freq = keras.ops.where(long, keras.ops.convert_to_tensor(inverse_frequencies(rope, long=True), "float64"),
+                         keras.ops.convert_to_tensor(inverse_frequencies(rope, long=False), "float64"))  # (R/2,)
+    return inv_freq, attention_factor(rope)

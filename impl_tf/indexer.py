@@ -4,7 +4,7 @@ Keras's tensorflow, jax and torch backends. Shape letters as there: I index head
 selection groups.
 
 Traceable (jax.jit, tf.function with static shapes): nothing is read to the host but a LongRoPE table's
-choice, eagerly (call.rope_tables_of; traced, a where). The top-k is a stable argsort of the negated scores
+choice, eagerly (functional.rope_tables_of; traced, a where). The top-k is a stable argsort of the negated scores
 (backend.argsort_stable: keras.ops.argsort is unstable on TensorFlow and no framework's top_k promises an
 order among equal scores; the contract's is higher score first, then lower key index). The fp8 simulation rounds through
 TensorFlow's float8_e4m3fn (round to nearest even, as ml_dtypes) and builds UE8M0 scales from float32 bits
@@ -155,9 +155,7 @@ def _allowed(mask, B: int, T: int, S: int, is_causal: bool):
 
 
 def _rope_tables(rope, positions):
-    from .call import rope_tables_of  # call imports this module inside run_indexer
-
-    return rope_tables_of(rope, positions)
+    return F.rope_tables_of(rope, positions)
 
 
 def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=lambda stage, value: value):

@@ -78,3 +78,15 @@ def test_the_seeds_draw_the_sparse_features():
         "indexer on the latent": any(case.config.indexer.query_source == "latent" for case in index),
     }
     assert all(reached.values()), [name for name, ok in reached.items() if not ok]
+
+
+def test_a_saturated_softcap_gradient_is_judged_on_both_terms_of_its_slope():
+    """The 10,000-seed sweep's find (docs/conformance.md): softcap 1 on logits up to 190, float32. The slope
+    1 - tanh(x/c)^2 cancels near saturation, its rounding (about u) dwarfs it, and the gradient of the
+    per-head QK-norm scale (about 1e-8) came out twice the float64 one: margin 7.86 while the magnitude
+    counted the slope's value alone. Counted as 1 + t^2 (the two terms it is the difference of), it passes."""
+    from conformance.suite.cases import random_case
+    from conformance.suite.compare import run_case
+
+    result = run_case(random_case(981_596), "numpy", dtype="float32", path="stages")
+    assert result.status == "pass", result.message

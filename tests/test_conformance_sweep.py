@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.suite import backends
-from conformance.suite.cases import DTYPE_NAMES
+from conformance.suite.cases import DTYPE_NAMES, random_case
 from conformance.suite.check import DEFAULT_PATH_KINDS, PATH_KINDS
 from conformance.suite.sweep import sweep
 
@@ -53,3 +53,40 @@ def test_random_sweep(backend_id):
 def test_random_sweep_1000(backend_id):
     summary = sweep_or_skip(backend_id, range(FULL), PATH_KINDS)
     assert_clean(summary, PATH_KINDS)
+
+
+def test_the_seeds_draw_the_sparse_features():
+    """The 1000 seeds of the slow sweep (random_case, no backend run: milliseconds) reach every form of
+    attention over selected keys (issue 39): topk_indices of both shapes over a cache and ANDed with the other
+    masks, and the indexer per query and per kv head, on keys and blocks, local blocks, over a cache (its
+    past_index_keys), reading a latent layer's query latent."""
+    cases = [random_case(seed) for seed in range(FULL)]
+    topk = [case for case in cases if case.selection]
+    index = [case for case in cases if case.config.indexer is not None]
+    reached = {
+        "topk shared": any(case.selection == "shared" for case in topk),
+        "topk per kv head": any(case.selection == "per_kv_head" for case in topk),
+        "topk over a cache": any(case.P for case in topk),
+        "topk and a mask": any(case.mask for case in topk),
+        "topk and causal": any(case.is_causal for case in topk),
+        "topk and a window": any(case.config.window_left >= 0 for case in topk),
+        "indexer per query": any(not case.config.indexer.per_kv_head for case in index),
+        "indexer per kv head": any(case.config.indexer.per_kv_head for case in index),
+        "indexer blocks": any(case.config.indexer.block_size for case in index),
+        "indexer local blocks": any(case.config.indexer.local_blocks for case in index),
+        "indexer over a cache": any(case.P for case in index),
+        "indexer on the latent": any(case.config.indexer.query_source == "latent" for case in index),
+    }
+    assert all(reached.values()), [name for name, ok in reached.items() if not ok]
+
+
+def test_a_saturated_softcap_gradient_is_judged_on_both_terms_of_its_slope():
+    """The 10,000-seed sweep's find (docs/conformance.md): softcap 1 on logits up to 190, float32. The slope
+    1 - tanh(x/c)^2 cancels near saturation, its rounding (about u) dwarfs it, and the gradient of the
+    per-head QK-norm scale (about 1e-8) came out twice the float64 one: margin 7.86 while the magnitude
+    counted the slope's value alone. Counted as 1 + t^2 (the two terms it is the difference of), it passes."""
+    from conformance.suite.cases import random_case
+    from conformance.suite.compare import run_case
+
+    result = run_case(random_case(981_596), "numpy", dtype="float32", path="stages")
+    assert result.status == "pass", result.message

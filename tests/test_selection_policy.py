@@ -193,3 +193,23 @@ def test_a_framework_without_float8_refuses_the_fp8_simulation(mirror, monkeypat
     with pytest.raises(ValueError, match="precision fp8_e4m3 needs .*float8_e4m3fn, which .* lacks") as err:
         run(config, init(config, seed=0, dtype="float64"), np.zeros((1, 2, D)), precision="fp8_e4m3")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("is_causal, T, S", [(False, 4, 4), (True, 5, 3)])
+def test_the_call_judge_sees_the_keys_the_call_shows(is_causal, T, S):
+    """judge_call_selection rebuilds the indexer's keys from the call's own masks: a call that is not causal (or
+    causal top-left with T > S, where bottom-right would hide more) shows every query keys bottom-right causal
+    hides. The reference's own selection, judged key by key, must agree with itself (margin 0). Before the fix
+    the judge ANDed the indexer's default bottom-right causal on top and failed it: the false failure of the
+    10,000-seed sweep (random_981136, bfloat16: a swap elsewhere in the call sent it to this judge)."""
+    from conformance.suite.cases import Case, _cfg
+    from conformance.suite.compare import expected_for
+    from conformance.suite.selection import judge_call_selection
+
+    config = _cfg(num_heads=2, head_dim=4, indexer={"heads": 2, "head_dim": 4, "topk": 2, "query_source": "input"})
+    case = Case(f"judge_keys_{is_causal}_{T}_{S}", config, T=T, S=S, self_attention=False, is_causal=is_causal)
+    exp = expected_for(case, "float64")
+    verdict = judge_call_selection(config, exp["tensors"], exp["inputs"], case.options("float64"), exp["selection"],
+                                   dtype="float32")
+    assert verdict.ok and verdict.margin == 0.0, verdict.describe()

@@ -472,7 +472,7 @@ def _selection(case: Case, rng) -> np.ndarray:
     for b in range(B):
         for h in range(heads):
             for t in range(T):
-                aligned = min(t + offset, S - 1) if case.is_causal or c.window_left >= 0 else 0
+                aligned = min(max(t + offset, 0), S - 1) if case.is_causal or c.window_left >= 0 else 0
                 if (T - 1 - t) % 2:  # k slots, the last a repeat of the first
                     rest = rng.choice(np.delete(np.arange(S), aligned), size=k - 2, replace=False)
                     idx[b, h, t] = [aligned, *rest, aligned]
@@ -591,7 +591,10 @@ def random_case(seed: int) -> Case:
     # five the frontier ones, from a stream of their own (so the features drawn before they existed stay).
     case = _with_modern_features(case, rng, pick) if rng.random() < 0.5 else case
     frontier = np.random.default_rng([seed, 29])
-    return _with_frontier_features(case, frontier) if frontier.random() < 0.4 else case
+    case = _with_frontier_features(case, frontier) if frontier.random() < 0.4 else case
+    # Three in ten the sparse ones (issue 39): topk_indices or the lightning indexer, from a stream of their own
+    sparse = np.random.default_rng([seed, 39])
+    return _with_sparse_features(case, sparse) if sparse.random() < 0.3 else case
 
 
 def _with_modern_features(case: Case, rng, pick) -> Case:
@@ -661,3 +664,48 @@ def _with_frontier_features(case: Case, rng) -> Case:
                         head_dim=max(case.config.head_dim, R + 1), use_value_bias=False, qk_norm=None,
                         value_norm=None, qkv_clip=None)
     return dataclasses.replace(case, config=dataclasses.replace(case.config, **features)) if features else case
+
+
+def _with_sparse_features(case: Case, rng) -> Case:
+    """Attention over selected keys (issue 39), ANDed with every mask the case already draws: half the time a
+    caller's topk_indices ((B, T, k) or per kv head (B, K, T, k), -1 slots and a repeated key: _selection), half
+    the time config.indexer (per query with head weights and ReLU as DeepSeek V3.2 / GLM-5, or per kv head as
+    MiniMax M3; keys or blocks, local blocks; its query from the layer's query latent where the case is a latent
+    layer with a query rank, else from the query input). A cross-attention case without a cache draws one (P of
+    1-4, bottom-right: the selection's indices then count the cache's keys first) one time in two."""
+    pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
+    c = case.config
+    if not case.P and not case.self_attention and case.positions != "packed" and rng.random() < 0.5:
+        case = dataclasses.replace(case, P=int(rng.integers(1, 5)), causal_alignment="bottom_right",
+                                   return_cache=bool(rng.random() < 0.5))
+    if rng.random() < 0.5:
+        S = case.S_total
+        if S < 2:
+            return case
+        return dataclasses.replace(case, selection=pick(["shared", "per_kv_head"]),
+                                   top_k=int(rng.integers(2, min(S, 6) + 1)))
+    if rng.random() < 0.3 and (c.latent is None or c.latent.query_rank is None):  # MLA: the indexer reads the latent
+        c = dataclasses.replace(c, latent={"query_rank": int(rng.integers(1, 9)), "kv_rank": int(rng.integers(1, 9)),
+                                           "rope_dim": 2},
+                                rope={"interleaved": bool(rng.random() < 0.5), "theta": 10000.0},  # turns rope_dim
+                                head_dim=max(c.head_dim, 3), use_value_bias=False, qk_norm=None, value_norm=None,
+                                qkv_clip=None)
+    per_kv_head = bool(rng.random() < 0.4)
+    J = pick([2, 4, 8])
+    R = pick([0, 2, J])
+    block_size = pick([None, None, 1, 2, 3])
+    topk = int(rng.integers(1, 5))
+    indexer: dict[str, Any] = {
+        "heads": c.num_kv_heads if per_kv_head else int(rng.integers(1, 5)), "head_dim": J, "topk": topk,
+        "query_source": "latent" if c.latent is not None and c.latent.query_rank is not None and rng.random() < 0.8
+        else "input",
+        "query_norm": pick([None, {"type": "rms"}]), "key_norm": pick([None, {"type": "layer", "eps": 1e-6},
+                                                                       {"type": "rms"}]),
+        "rope": None if not R else {"rotary_dim": R, "interleaved": bool(rng.random() < 0.5),
+                                    "theta": pick([50.0, 10000.0])},
+        "rope_end": pick(["first", "last"]), "head_weights": not per_kv_head and bool(rng.random() < 0.8),
+        "weight_scale": pick([None, None, 0.5]), "score_scale": pick([None, None, 1.0]),
+        "relu": bool(rng.random() < 0.7), "per_kv_head": per_kv_head, "block_size": block_size,
+        "local_blocks": 0 if block_size is None else int(rng.integers(0, min(topk, 2) + 1)),
+    }
+    return dataclasses.replace(case, config=dataclasses.replace(c, indexer=indexer))

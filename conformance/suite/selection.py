@@ -150,15 +150,17 @@ def compare_selection(name: str, actual, expected, scores, allowance, *, shown: 
 def judge_indexer(config, tensors, inputs: dict, result: dict, *, dtype: str = "float32") -> list:
     """Judge one indexer call of a port: `result` holds its "topk_indices" (and, where the port returns them,
     "index_scores", (B, G, T, P+S)); `inputs` the call's query [, key, positions, key_positions,
-    past_index_keys, mask]. The float64 reference (impl_numpy.indexer) gives the scores, their magnitudes and
-    the selection; a 16-bit dtype adds the same-dtype reference's score error. -> [SelectionComparison,
-    and for the scores a tolerance.Comparison]: each .ok."""
+    past_index_keys, mask, is_causal (default True: bottom-right causal ANDed with the mask; an attention
+    call's (call_selection_inputs) is False, its causal mask in its own alignment being in mask)]. The float64
+    reference (impl_numpy.indexer) gives the scores, their magnitudes and the selection; a 16-bit dtype adds
+    the same-dtype reference's score error. -> [SelectionComparison, and for the scores a
+    tolerance.Comparison]: each .ok."""
     from impl_numpy.indexer import block_scores, lightning_indexer
 
     from .tolerance import Tolerance, compare
 
-    call = {name: inputs[name] for name in ("key", "positions", "key_positions", "past_index_keys", "mask")
-            if name in inputs}
+    call = {name: inputs[name] for name in ("key", "positions", "key_positions", "past_index_keys", "mask",
+                                            "is_causal") if name in inputs}
     query = np.asarray(inputs["query"], dtype=np.float64)
     ref = lightning_indexer(config, tensors, query, dtype="float64", return_scores=True, **call)
     s, m = ref["index_scores"], ref["index_score_magnitudes"]
@@ -224,6 +226,10 @@ def call_selection_inputs(config, tensors, inputs: dict, options: dict) -> dict:
     mask = index_mask(plain, call, kwargs["is_causal"], kwargs["causal_alignment"])
     if mask is not None:
         given["mask"] = np.ascontiguousarray(mask)
+    # causal is in that mask, in the call's alignment, as the call's own indexer sees it (run_indexer): the
+    # indexer's default (bottom-right causal on top) would hide keys a call that is not causal, or is causal
+    # top-left with T != P+S, shows; the 10,000-seed sweep found it (random_981136, docs/conformance.md)
+    given["is_causal"] = False
     return given
 
 

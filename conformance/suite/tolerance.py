@@ -95,7 +95,10 @@ The modern stages lengthen L (modern_length):
 * The cache: every key counts, S is S_total = P + S.
 * Softcap: c tanh(x / c) has slope <= 1, so it adds no error beyond one
   rounding; the logit scale z is taken before it (the larger value), the
-  conservative side.
+  conservative side. Its backward's slope 1 - t^2 (t = tanh(x / c)) is a
+  difference: the gradient magnitudes count it as 1 + t^2, since near
+  saturation the slope cancels and its rounding (about u) dwarfs its value
+  (random_case(981596), docs/conformance.md).
 * ALiBi: its bias is one rounded product, so z is taken from the alibi
   stage's magnitudes (|logits| + |bias|) where the case has one
   (conformance.suite.compare.case_policy).

@@ -131,7 +131,7 @@ def _two_rows():
     return config, tensors, x, past, idx, P
 
 
-def _gathered_against_stages(monkeypatch=None, mutant=None):
+def _assert_gathered_matches_stages(monkeypatch=None, mutant=None):
     from impl_numpy.attention import multi_head_attention
 
     config, tensors, x, (latent_, rotary), idx, P = _two_rows()
@@ -152,7 +152,7 @@ def _gathered_against_stages(monkeypatch=None, mutant=None):
 def test_gathered_decode_step_over_two_rows_with_their_own_selections():
     """impl_numpy's gather of the selected rows (a one-token latent call over a selection) gathers the union
     of every row's keys and keeps each row's mask over it: the stages' float64 result (every key, masked)."""
-    _gathered_against_stages()
+    _assert_gathered_matches_stages()
 
 
 def test_gather_that_reads_row_0s_selection_alone_is_caught(monkeypatch):
@@ -166,4 +166,4 @@ def test_gather_that_reads_row_0s_selection_alone_is_caught(monkeypatch):
         return None if cols is None else np.flatnonzero(call.mask4[0].any(axis=(0, 1)))
 
     with pytest.raises(AssertionError, match="FAIL"):
-        _gathered_against_stages(monkeypatch, row_0_only)
+        _assert_gathered_matches_stages(monkeypatch, row_0_only)

@@ -183,7 +183,10 @@ def test_bad_values_are_named(bad):
     assert error_of(impl_numpy.multi_head_attention, CONFIG, tensors, x, x, x, **call) == words
 
 
-def _mirror_values(framework, convert, fn, layer):
+def _mirror_values(framework, convert, fn, layer) -> int:
+    """Each bad selection through the mirror's functional call and its layer: each must raise the spec's
+    words. -> the number of refusals checked (two per bad selection)."""
+    checked = 0
     x, calls = _bad_values()
     tensors = weights.init(CONFIG, seed=0, dtype="float64")
     for bad, (call, words) in calls.items():
@@ -194,6 +197,8 @@ def _mirror_values(framework, convert, fn, layer):
             with pytest.raises(ValueError) as info:
                 f()
             assert str(info.value) == words, f"{framework} {label} {bad}: {info.value}"
+            checked += 1
+    return checked
 
 
 @pytest.mark.torch
@@ -202,7 +207,7 @@ def test_torch_names_bad_values():
     import impl_torch
     from impl_torch.convert import to_torch
 
-    _mirror_values("torch", to_torch, impl_torch.multi_head_attention, impl_torch.MultiHeadAttention.from_tensors)
+    assert _mirror_values("torch", to_torch, impl_torch.multi_head_attention, impl_torch.MultiHeadAttention.from_tensors) == 2 * len(_bad_values()[1])
 
 
 @pytest.mark.tf
@@ -210,7 +215,7 @@ def test_tf_names_bad_values():
     pytest.importorskip("tensorflow")
     import impl_tf
 
-    _mirror_values("tf", lambda a: a, impl_tf.multi_head_attention, impl_tf.MultiHeadAttention.from_tensors)
+    assert _mirror_values("tf", lambda a: a, impl_tf.multi_head_attention, impl_tf.MultiHeadAttention.from_tensors) == 2 * len(_bad_values()[1])
 
 
 @pytest.mark.jax
@@ -223,7 +228,7 @@ def test_jax_names_bad_values_and_traces_the_selection():
     import impl_jax
     import impl_jax.adapter  # noqa: F401  (switches JAX's x64 mode on, as tests/test_jax.py does)
 
-    _mirror_values("jax", lambda a: a, impl_jax.apply, impl_jax.MultiHeadAttention.from_tensors)
+    assert _mirror_values("jax", lambda a: a, impl_jax.apply, impl_jax.MultiHeadAttention.from_tensors) == 2 * len(_bad_values()[1])
     case, tensors, inputs, options = _call("topk_per_kv_head_window")
     traces = []
 
@@ -251,7 +256,7 @@ def test_mlx_names_bad_values_and_its_chunked_core_skips_the_blocks_nothing_sele
     import impl_mlx
     from impl_mlx.convert import to_mx, to_numpy
 
-    _mirror_values("mlx", to_mx, impl_mlx.multi_head_attention, impl_mlx.MultiHeadAttention.from_tensors)
+    assert _mirror_values("mlx", to_mx, impl_mlx.multi_head_attention, impl_mlx.MultiHeadAttention.from_tensors) == 2 * len(_bad_values()[1])
     config, tensors, call = _decode_over_nan()
     got = to_numpy(impl_mlx.multi_head_attention(config, tensors, **call, chunk_size=2))
     clean = dict(call, past_value=np.nan_to_num(call["past_value"], nan=0.0))

@@ -43,7 +43,7 @@ from ..format import WeightsFormatError, validate_tensors
 from .hf_rope import _hf_rope
 from .indexer import indexer_field, indexer_layers, indexer_tensors
 from .locate import _locate
-from .read import _array_problem
+from .read import shape_and_dtype_problems
 from .table import (
     FROM_HINTS,
     HEADS,
@@ -199,20 +199,7 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
     if unexpected:
         problems.append(f"unexpected {', '.join(unexpected)} (config file: this layer's indexer: "
                         f"{facts['indexer_kind'] or 'none (dense)'})")
-    dtypes: dict[str, list[str]] = {}
-    for key, shape in expected.items():
-        if key not in visible:
-            continue
-        issue = _array_problem(key, visible[key])
-        if issue is None and tuple(visible[key].shape) != shape:
-            issue = f"{key} has shape {tuple(visible[key].shape)}, expected {shape}"
-        if issue:
-            problems.append(issue)
-        else:
-            dtypes.setdefault(str(visible[key].dtype), []).append(key)
-    if len(dtypes) > 1:
-        problems.append("mixed dtypes (one dtype for all tensors): "
-                        + "; ".join(f"{d}: {', '.join(k)}" for d, k in dtypes.items()))
+    problems += shape_and_dtype_problems(expected, visible)
     if problems:
         raise WeightsFormatError(f"{lay.id}: " + "; ".join(problems))
     back = {v: k for k, v in INDEXER_NAMES.items()}

@@ -79,6 +79,27 @@ def _array_problem(key: str, array: Any) -> str | None:
     return None
 
 
+def shape_and_dtype_problems(expected: dict[str, tuple[int, ...]], visible) -> list[str]:
+    """Each present tensor of `expected` (key -> shape) checked as an array, then for its shape; and one
+    dtype for all of them. -> the problems, each a readable phrase (the readers that list their keys and
+    shapes themselves: deepseek, minimax)."""
+    problems, dtypes = [], {}
+    for key, shape in expected.items():
+        if key not in visible:
+            continue
+        issue = _array_problem(key, visible[key])
+        if issue is None and tuple(visible[key].shape) != shape:
+            issue = f"{key} has shape {tuple(visible[key].shape)}, expected {shape}"
+        if issue:
+            problems.append(issue)
+        else:
+            dtypes.setdefault(str(visible[key].dtype), []).append(key)
+    if len(dtypes) > 1:
+        problems.append("mixed dtypes (one dtype for all tensors): "
+                        + "; ".join(f"{d}: {', '.join(k)}" for d, k in dtypes.items()))
+    return problems
+
+
 def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
                  **hints: Any) -> tuple[AttentionConfig, dict[str, np.ndarray]]:
     """weights.layouts.to_canonical over `catalogue`'s layouts."""

@@ -348,13 +348,15 @@ def _selected_columns(config, call, is_causal, causal_alignment):
     """The keys any query of a one-token call over a selection may see (np.ndarray of column indices into
     S_total, ascending), or None where gathering them would change the result or not pay: more than one
     query, no selection, or a per-key feature other than the mask (a window, local chunks, ALiBi, segments,
-    a bias, dropout, a top-left causal alignment, under which the one query sees key 0 alone). The core over
+    a bias, dropout, a top-left causal alignment, under which the one query sees key 0 alone, or masked_row
+    "uniform", whose fully masked row weighs every key of S_total). The core over
     the gathered columns computes what it computes over every column with the others masked (a masked key's
     weight is exactly 0), reading the s selected rows instead of the S_total of the cache."""
     if (not call.selected or call.mask4 is None or call.shapes.T != 1 or call.bias4 is not None
             or call.keep is not None or call.segment_ids is not None or config.alibi
             or config.local_chunk is not None or config.window_left >= 0 or config.window_right >= 0
-            or (is_causal and causal_alignment != "bottom_right")):
+            or (is_causal and causal_alignment != "bottom_right")
+            or config.masked_row == "uniform"):  # a fully masked row's 1/S spreads over every key, not the gathered
         return None
     seen = call.mask4.any(axis=(0, 1, 2))  # (S_total,) or (1,): any batch row or head sees the key
     if seen.shape[0] != call.shapes.S_total:

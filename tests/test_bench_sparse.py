@@ -167,3 +167,17 @@ def test_gather_that_reads_row_0s_selection_alone_is_caught(monkeypatch):
 
     with pytest.raises(AssertionError, match="FAIL"):
         _assert_gathered_matches_stages(monkeypatch, row_0_only)
+
+
+def test_no_gather_where_a_masked_row_weighs_every_key():
+    """Found by the sweep (seed 991125, 2026-11-29; that seed is this test's now): a one-token latent call
+    whose indexer keeps 1 key, masked_row "uniform", a fully masked row. Its 1/S_total weights spread over
+    every key; gathering the selected columns spread them over those alone (fused and in-place paths off by
+    0.32, margin 1e12 in float64). Every path must now agree with the reference."""
+    from conformance.suite.cases import random_case
+    from conformance.suite.sweep import sweep
+
+    case = random_case(991125)
+    assert case.config.masked_row == "uniform" and case.T == 1 and case.config.indexer is not None
+    found = sweep("numpy", [991125], ("float64", "float32"))
+    assert found["runs"] > 0 and not found["failures"], found["failures"]

@@ -84,7 +84,7 @@ class Call:
     def every_key_position(self) -> np.ndarray | None:
         """(B|1, P+S): the cache's keys at past_key_positions (0..P-1 by default), then key_positions (where
         the config reads positions)."""
-        if self.key_positions is None or self.key_positions.ndim == 3:  # multimodal RoPE: RoPE alone reads them
+        if self.key_positions is None:
             return None
         return F.all_key_positions(self.key_positions, self.shapes.P, self.past_key_positions)
 
@@ -201,9 +201,10 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         selected=optional["topk_indices"] is not None or config.indexer is not None,
     )
     axes = None if config.rope is None else mrope_axes(config.rope)
-    if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2)
+    if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
         call.positions = F.mrope_positions(optional["positions"], shapes.P, shapes.T, axes)
         call.key_positions = F.mrope_positions(optional["key_positions"], shapes.P, shapes.S, axes)
+        call.past_key_positions = None
     selection = optional["topk_indices"]
     if config.indexer is not None:
         selection = run_indexer(config, call, is_causal, causal_alignment, optional["positions"],

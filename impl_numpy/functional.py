@@ -392,6 +392,8 @@ def selection_mask(topk_indices: np.ndarray, num_heads: int, S: int) -> np.ndarr
 def all_key_positions(key_positions: np.ndarray, P: int, past_key_positions: np.ndarray | None = None) -> np.ndarray:
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S)."""
+    if key_positions.ndim == 3:  # multimodal RoPE's, one per pair (mrope_positions): no stage but RoPE reads them
+        return None
     if not P:
         return key_positions
     cached = np.arange(P, dtype=np.int64)[None] if past_key_positions is None else past_key_positions  # (B|1, P)

@@ -109,7 +109,7 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
-    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid()
+    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _mrope_grid()
 
 
 def _modern_grid() -> list[Case]:
@@ -329,6 +329,49 @@ def _indexer_grid() -> list[Case]:
     ]
 
 
+def _mrope_grid() -> list[Case]:
+    """Multimodal RoPE (rope.mrope_section, issue 42): positions (3, B, T), one row per axis (temporal, height,
+    width), built as Qwen2-VL's get_rope_index builds them (_mrope_positions): text, a vision span, text.
+    Qwen2-VL's contiguous sections (2, 3, 3 of 8 pairs, t smaller as its 16, 24, 24) over an image of 1 x 2 x 3
+    patches in a causal prefill; Qwen3-VL's interleaved sections (4, 2, 2 as its 24, 20, 20) over a video of 2 x
+    2 x 2 in a decode of 5 tokens over a cache of 4. Unequal sections and grids: a port that swaps the
+    sections' order, or h and w, or does not interleave, turns some pair by another axis. Float32 alone in a
+    plain check (CHECK_ONE_DTYPE)."""
+    causal = dict(is_causal=True)
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    return [
+        Case("mrope_image", _cfg(num_heads=4, num_kv_heads=2, head_dim=16, rope={"mrope_section": [2, 3, 3]}),
+             T=8, S=8, positions="mrope_image", **causal),
+        Case("mrope_interleaved_video_decode",
+             _cfg(num_heads=4, num_kv_heads=2, head_dim=16,
+                  rope={"mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+             T=5, S=5, P=4, positions="mrope_video", **decode),
+    ]
+
+
+# The vision spans of the mrope cases: (temporal, height, width) patches after merging.
+MROPE_GRIDS = {"mrope_image": (1, 2, 3), "mrope_video": (2, 2, 2)}
+
+
+def _mrope_positions(B: int, L: int, start: int, grid: tuple[int, int, int]) -> np.ndarray:
+    """(3, B, L) int64 as Qwen2-VL's get_rope_index lays them out: row b holds 1 + b text tokens (one position,
+    the same on every axis), then a vision span of t x h x w patches at (s + t, s + h, s + w) from its first
+    position s, then text again from s + max(grid); start: the first token's position (the cache's length)."""
+    out = np.zeros((3, B, L), dtype=np.int64)
+    for b in range(B):
+        columns, nxt = [], start
+        for _ in range(1 + b):
+            columns.append((nxt, nxt, nxt))
+            nxt += 1
+        columns += [(nxt + t, nxt + h, nxt + w) for t in range(grid[0]) for h in range(grid[1]) for w in range(grid[2])]
+        nxt += max(grid)
+        while len(columns) < L:
+            columns.append((nxt, nxt, nxt))
+            nxt += 1
+        out[:, b] = np.asarray(columns[:L], dtype=np.int64).T  # (3, L)
+    return out
+
+
 def _long_cfg(**kw) -> AttentionConfig:
     """A realistic length's shape, kept cheap: 4 heads of 8 features over 16 input features, 8 outputs."""
     return _cfg(**{"num_heads": 4, "head_dim": 8, "query_dim": 16, "out_dim": 8, **kw})
@@ -383,6 +426,7 @@ PROFILE_DTYPES: dict[str, tuple[str, ...]] = {"default": DTYPE_NAMES, "long": ("
 # plain check to about 60 s cold / 40 s warm, float32 and bfloat16 to 54 / 30.4 s, float32 alone to 56.8 / 26.2 s.
 CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid(), *_topk_grid(), *_indexer_grid(),
                                                                    *_long_grid()))
+CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | frozenset(case.name for case in _mrope_grid())  # two cases, issue 42
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"
@@ -535,6 +579,11 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
         inputs["past_key_positions"] = np.maximum(np.arange(P) - pads, 0)  # (B, P)
         inputs["positions"] = P + np.arange(T) - pads  # (B, T)
         inputs["key_positions"] = P + np.arange(S) - pads  # (B, S)
+    elif case.positions in MROPE_GRIDS:  # multimodal RoPE: (3, B, L), the new keys at the queries' positions
+        if S != T:
+            raise ValueError(f"case {case.name}: mrope positions need S == T (the new keys are the queries' tokens)")
+        inputs["positions"] = _mrope_positions(B, T, P, MROPE_GRIDS[case.positions])  # (3, B, T)
+        inputs["key_positions"] = inputs["positions"].copy()  # (3, B, S)
     elif case.positions is not None:
         raise ValueError(f"case {case.name}: unknown positions kind {case.positions!r}")
     if P and c.indexer is not None:  # the indexer's cache: one key of J features per cached token (its own rng)

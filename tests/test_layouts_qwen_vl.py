@@ -213,3 +213,31 @@ def test_the_porting_bugs_fail_the_reproduction(block, bug):
     ok, margin, _ = _margin(f"{model_type} {bug}", got, expected, config, logits, positions)
     print(f"{model_type} {bug}: margin {margin:.3g}")
     assert not ok and margin > 10, f"{model_type}: {bug} passed the reproduction (margin {margin:.3g})"
+
+
+@pytest.mark.parametrize("hf_config,section,interleaved,theta", [
+    # Qwen2-VL-7B-Instruct's config.json as transformers 4.x wrote it: the text fields at the top level, rope_scaling
+    # of type "mrope" (transformers reads it as "default")
+    ({"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+      "num_hidden_layers": 28, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "use_sliding_window": False,
+      "sliding_window": 32768, "max_window_layers": 28, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+     (16, 24, 24), False, 1000000.0),
+    # Qwen3-VL's: the language model in text_config, rope_scaling with rope_type default and mrope_interleaved
+    ({"model_type": "qwen3_vl", "text_config": {
+        "model_type": "qwen3_vl_text", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "num_hidden_layers": 36, "rms_norm_eps": 1e-6, "rope_theta": 5000000,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}}},
+     (24, 20, 20), True, 5000000.0),
+    # a 5.x Qwen2.5-VL file without mrope_section: the modeling file's default (16, 24, 24) and default_theta
+    ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text", "hidden_size": 2048,
+                                                   "num_attention_heads": 16, "num_key_value_heads": 2,
+                                                   "num_hidden_layers": 36}},
+     (16, 24, 24), False, 1000000.0),
+])
+def test_released_config_files_are_read(hf_config, section, interleaved, theta):
+    """The sections, their layout and theta from the config.json forms the released checkpoints carry."""
+    from weights.layouts.llama import _llama_config
+
+    rope = _llama_config(hf_config, 0)["modern"]["rope"]
+    assert (tuple(rope["mrope_section"]), rope["mrope_interleaved"], rope["theta"]) == (section, interleaved, theta), rope
+    assert rope["scaling"] is None and not rope["interleaved"], rope

@@ -331,7 +331,7 @@ def _indexer_grid() -> list[Case]:
 
 def _mrope_grid() -> list[Case]:
     """Multimodal RoPE (rope.mrope_section, issue 42): positions (3, B, T), one row per axis (temporal, height,
-    width), built as Qwen2-VL's get_rope_index builds them (_mrope_positions): text, a vision span, text.
+    width), laid out as Qwen2-VL's get_rope_index lays them out (_mrope_positions): text, a vision span, text.
     Qwen2-VL's contiguous sections (2, 3, 3 of 8 pairs, t smaller as its 16, 24, 24) over an image of 1 x 2 x 3
     patches in a causal prefill; Qwen3-VL's interleaved sections (4, 2, 2 as its 24, 20, 20) over a video of 2 x
     2 x 2 in a decode of 5 tokens over a cache of 4. Unequal sections and grids: a port that swaps the
@@ -356,7 +356,8 @@ MROPE_GRIDS = {"mrope_image": (1, 2, 3), "mrope_video": (2, 2, 2)}
 def _mrope_positions(B: int, L: int, start: int, grid: tuple[int, int, int]) -> np.ndarray:
     """(3, B, L) int64 as Qwen2-VL's get_rope_index lays them out: row b holds 1 + b text tokens (one position,
     the same on every axis), then a vision span of t x h x w patches at (s + t, s + h, s + w) from its first
-    position s, then text again from s + max(grid); start: the first token's position (the cache's length)."""
+    position s, then text again from s + max(h, w) (transformers 5.23); start: the first token's position (the
+    cache's length)."""
     out = np.zeros((3, B, L), dtype=np.int64)
     for b in range(B):
         columns, nxt = [], start
@@ -364,7 +365,7 @@ def _mrope_positions(B: int, L: int, start: int, grid: tuple[int, int, int]) -> 
             columns.append((nxt, nxt, nxt))
             nxt += 1
         columns += [(nxt + t, nxt + h, nxt + w) for t in range(grid[0]) for h in range(grid[1]) for w in range(grid[2])]
-        nxt += max(grid)
+        nxt += max(grid[1:])
         while len(columns) < L:
             columns.append((nxt, nxt, nxt))
             nxt += 1

@@ -275,7 +275,8 @@ def check_call(
     """Validate one call; ValueError names the argument and the value received.
 
     positions (T,) or (B, T) and key_positions (S,) or (B, S): integer RoPE
-    positions of the queries and the new keys. past_key (B, K, P, H) and
+    positions of the queries and the new keys ((3, T) or (3, B, T), one row per
+    axis, with rope.mrope_section: check_mrope_ids). past_key (B, K, P, H) and
     past_value (B, K, P, V): the cache (both or neither). past_key_positions
     (P,) or (B, P): the cached keys' positions (default 0..P-1), integer, only
     with a cache; read wherever key positions are (ALiBi, local chunks; RoPE

@@ -644,7 +644,11 @@ def random_case(seed: int) -> Case:
     case = _with_frontier_features(case, frontier) if frontier.random() < 0.4 else case
     # Three in ten the sparse ones (issue 39): topk_indices or the lightning indexer, from a stream of their own
     sparse = np.random.default_rng([seed, 39])
-    return _with_sparse_features(case, sparse) if sparse.random() < 0.3 else case
+    case = _with_sparse_features(case, sparse) if sparse.random() < 0.3 else case
+    # Half the cases whose RoPE is the only stage reading positions turn it multimodal (issue 42), from a stream
+    # of their own
+    mrope = np.random.default_rng([seed, 42])
+    return _with_mrope_features(case, mrope) if mrope.random() < 0.5 else case
 
 
 def _with_modern_features(case: Case, rng, pick) -> Case:
@@ -714,6 +718,29 @@ def _with_frontier_features(case: Case, rng) -> Case:
                         head_dim=max(case.config.head_dim, R + 1), use_value_bias=False, qk_norm=None,
                         value_norm=None, qkv_clip=None)
     return dataclasses.replace(case, config=dataclasses.replace(case.config, **features)) if features else case
+
+
+def _with_mrope_features(case: Case, rng) -> Case:
+    """Multimodal RoPE (issue 42) on a case with RoPE whose other stages read no position (no ALiBi, local chunks,
+    temperature or indexer) and whose new keys are its queries' tokens (S == T; positions of the default kinds):
+    sections drawn at random over the rotary pairs (an empty one included), interleaved half the time where
+    they fit, positions (3, B, T) with an image or a video span (_mrope_positions)."""
+    c = case.config
+    if (c.rope is None or c.alibi or c.local_chunk is not None or c.query_temperature is not None
+            or c.indexer is not None or case.S != case.T or case.positions not in (None, "far", "per_batch",
+                                                                                   "explicit")):
+        return case
+    pairs = c.rope.rotary_dim // 2
+    interleaved = bool(rng.random() < 0.5)
+    if interleaved:  # h and w at most the pairs 1, 4, ... and 2, 5, ... below rotary_dim / 2
+        h, w = (int(rng.integers(0, len(range(axis, pairs, 3)) + 1)) for axis in (1, 2))
+        section = [pairs - h - w, h, w]
+    else:
+        cuts = np.sort(rng.integers(0, pairs + 1, 2))
+        section = [int(cuts[0]), int(cuts[1] - cuts[0]), int(pairs - cuts[1])]
+    rope = dataclasses.replace(c.rope, mrope_section=tuple(section), mrope_interleaved=interleaved)
+    return dataclasses.replace(case, config=c.replace(rope=rope),
+                               positions="mrope_image" if rng.random() < 0.5 else "mrope_video")
 
 
 def _with_sparse_features(case: Case, rng) -> Case:

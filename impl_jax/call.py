@@ -31,7 +31,7 @@ from weights.contract import (
     in_place_buffer_error,
 )
 from weights.dtypes import is_float, resolve_dtype
-from weights.rope import rope_tables
+from weights.rope import mrope_axes, rope_tables
 
 from . import functional as F
 from .functional import _precision
@@ -355,6 +355,11 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         past_key_positions=F.default_positions(_ids(past_key_positions), 0, shapes.P)
         if rope and past_key_positions is not None else None,
     )
+    axes = None if config.rope is None else mrope_axes(config.rope)
+    if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
+        call.positions = F.mrope_positions(_ids(positions), P, shapes.T, axes)
+        call.key_positions = F.mrope_positions(_ids(key_positions), P, shapes.S, axes)
+        call.past_key_positions = None
     if config.indexer is not None:
         run_indexer(config, call, is_causal, causal_alignment, positions, key_positions, past_index_keys)
     return call

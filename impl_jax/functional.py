@@ -136,11 +136,14 @@ def split_heads(x, num_heads: int):
 
 
 def rope_angles(positions, inv_freq: np.ndarray, dtype):
-    """position x frequency in compute dtype: positions (B|1, L) int (traced),
-    inv_freq (R/2,) float64 NumPy constants (weights.rope) -> (B|1, 1, L, R/2)."""
+    """position x frequency in compute dtype: positions (B|1, L) int (traced), or one per pair (B|1, L, R/2)
+    (multimodal RoPE: mrope_positions), inv_freq (R/2,) float64 NumPy constants (weights.rope) -> (B|1, 1,
+    L, R/2)."""
     ct = compute_dtype(dtype)
     freq = jnp.asarray(np.asarray(inv_freq).astype(ct))  # (R/2,): rounded once to the compute dtype, as the spec
-    return positions.astype(ct)[:, None, :, None] * freq  # (B|1, 1, L, R/2)
+    p = positions.astype(ct)
+    p = p[:, None, :, None] if p.ndim == 2 else p[:, None]  # (B|1, 1, L, 1|R/2)
+    return p * freq  # (B|1, 1, L, R/2)
 
 
 def rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float):
@@ -411,6 +414,8 @@ def all_key_positions(key_positions, P, capacity: int | None = None, past_key_po
     capacity) with P a Python int or traced (past_key_positions only with a Python int): slot j < P holds
     the cached key's position (j by default), P <= j < P+S key_positions[j - P], the slots after (hidden)
     position 0."""
+    if key_positions.ndim == 3:  # multimodal RoPE's, one per pair (mrope_positions): RoPE alone reads them
+        return None
     cached = None if past_key_positions is None else past_key_positions.astype(key_positions.dtype)  # (B|1, P)
     B = key_positions.shape[0] if cached is None else max(cached.shape[0], key_positions.shape[0])
     if capacity is None:
@@ -446,3 +451,14 @@ def default_positions(positions, P: int, L: int):
     positions = jnp.asarray(positions)
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
+
+def mrope_positions(positions, P, L: int, axes: np.ndarray):
+    """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) integer. positions (3, L) or (3, B, L):
+    the temporal, height and width rows (default: P + arange(L) on all three, a text token's; int32 as
+    default_positions); axes (R/2,) the axis that turns each pair (weights.rope.mrope_axes). P may be
+    traced (an in-place cache's length)."""
+    if positions is None:
+        positions = jnp.broadcast_to((P + jnp.arange(L, dtype=jnp.int32))[None, None], (3, 1, L))  # (3, 1, L)
+    positions = jnp.asarray(positions)
+    positions = positions[:, None] if positions.ndim == 2 else positions  # (3, B|1, L)
+    return positions[np.asarray(axes)].transpose(1, 2, 0)  # (B|1, L, R/2)

@@ -130,11 +130,14 @@ def frontier_refusal(config, kind: str) -> str | None:
     why = {"alibi": "no core adds ALiBi's bias", "output_gate": "no core gates the context",
            "local_chunk": "the ring compares no positions",
            "latent": "the cores take expanded heads, and the cache is the latent's",
-           "indexer": "no engine runs the lightning indexer's selection"}
+           "indexer": "no engine runs the lightning indexer's selection",
+           "rope.mrope_section": "the engines take one position per token, not multimodal RoPE's three"}
     used = [name for name, on in (("alibi", config.alibi), ("output_gate", config.output_gate is not None),
                                   ("local_chunk", kind == "sequence" and config.local_chunk is not None),
                                   ("latent", config.latent is not None),
-                                  ("indexer", getattr(config, "indexer", None) is not None)) if on]
+                                  ("indexer", getattr(config, "indexer", None) is not None),
+                                  ("rope.mrope_section", config.rope is not None
+                                   and config.rope.mrope_section is not None)) if on]
     if not used:
         return None
     return (f"{kind} sharding does not run {', '.join(used)} ({'; '.join(why[name] for name in used)}): run the "

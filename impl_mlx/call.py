@@ -27,7 +27,7 @@ from weights.contract import (
     in_place_buffer_error,
 )
 from weights.dtypes import is_float
-from weights.rope import rope_tables
+from weights.rope import mrope_axes, rope_tables
 
 from . import functional as F
 from .convert import dtype_name, np_dtype, to_mx, to_mx_dtype, to_numpy
@@ -210,6 +210,11 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         if positioned and optional["past_key_positions"] is not None else None,
         selected=selection is not None or config.indexer is not None,
     )
+    axes = None if config.rope is None else mrope_axes(config.rope)
+    if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
+        call.positions = F.mrope_positions(_ids(optional["positions"]), shapes.P, shapes.T, axes)
+        call.key_positions = F.mrope_positions(_ids(optional["key_positions"]), shapes.P, shapes.S, axes)
+        call.past_key_positions = None
     if config.indexer is not None:
         run_indexer(config, call, is_causal, causal_alignment, optional["positions"], optional["key_positions"],
                     past_index_keys)

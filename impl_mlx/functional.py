@@ -134,11 +134,14 @@ def split_heads(x: mx.array, num_heads: int) -> mx.array:
 
 
 def rope_angles(positions: mx.array, inv_freq: np.ndarray, dtype: mx.Dtype) -> mx.array:
-    """position x frequency in compute dtype: positions (B|1, L) int, inv_freq (R/2,) float64 NumPy
-    constants (weights.rope), rounded once to the compute dtype as the spec -> (B|1, 1, L, R/2)."""
+    """position x frequency in compute dtype: positions (B|1, L) int, or one per pair (B|1, L, R/2)
+    (multimodal RoPE: mrope_positions), inv_freq (R/2,) float64 NumPy constants (weights.rope), rounded once
+    to the compute dtype as the spec -> (B|1, 1, L, R/2)."""
     c = compute_of(dtype)
     freq = mx.array(np.asarray(inv_freq).astype(np_dtype(c)), dtype=c)  # (R/2,)
-    return positions.astype(c)[:, None, :, None] * freq  # (B|1, 1, L, R/2)
+    p = positions.astype(c)
+    p = p[:, None, :, None] if p.ndim == 2 else p[:, None]  # (B|1, 1, L, 1|R/2)
+    return p * freq  # (B|1, 1, L, R/2)
 
 
 def rope(x: mx.array, angles: mx.array, rotary_dim: int, interleaved: bool, attention_factor: float) -> mx.array:
@@ -398,6 +401,8 @@ def selection_mask(topk_indices, num_heads: int, S: int) -> mx.array:
 def all_key_positions(key_positions: mx.array, P: int, past_key_positions=None) -> mx.array:
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S)."""
+    if key_positions.ndim == 3:  # multimodal RoPE's, one per pair (mrope_positions): no stage but RoPE reads them
+        return None
     if not P:
         return key_positions
     cached = mx.arange(P, dtype=mx.int64)[None] if past_key_positions is None else past_key_positions  # (B|1, P)
@@ -419,3 +424,14 @@ def default_positions(positions, P: int, L: int) -> mx.array:
         return (P + mx.arange(L, dtype=mx.int64))[None]  # (1, L)
     positions = positions.astype(mx.int64)
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
+
+
+def mrope_positions(positions, P: int, L: int, axes: np.ndarray) -> mx.array:
+    """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) int64. positions (3, L) or (3, B, L):
+    the temporal, height and width rows (default: P + arange(L) on all three, a text token's); axes (R/2,)
+    the axis that turns each pair (weights.rope.mrope_axes)."""
+    if positions is None:
+        positions = mx.broadcast_to((P + mx.arange(L, dtype=mx.int64))[None, None], (3, 1, L))  # (3, 1, L)
+    positions = positions.astype(mx.int64)
+    positions = positions[:, None] if positions.ndim == 2 else positions  # (3, B|1, L)
+    return mx.take(positions, mx.array(np.asarray(axes)), axis=0).transpose(1, 2, 0)  # (B|1, L, R/2)

@@ -26,7 +26,7 @@ from weights.contract import (
     in_place_buffer_error,
 )
 from weights.dtypes import is_float
-from weights.rope import rope_tables
+from weights.rope import mrope_axes, rope_tables
 
 from . import functional as F
 from .heads import qkv_heads
@@ -200,6 +200,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         if positioned and optional["past_key_positions"] is not None else None,
         selected=optional["topk_indices"] is not None or config.indexer is not None,
     )
+    axes = None if config.rope is None else mrope_axes(config.rope)
+    if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
+        call.positions = F.mrope_positions(optional["positions"], shapes.P, shapes.T, axes)
+        call.key_positions = F.mrope_positions(optional["key_positions"], shapes.P, shapes.S, axes)
+        call.past_key_positions = None
     selection = optional["topk_indices"]
     if config.indexer is not None:
         selection = run_indexer(config, call, is_causal, causal_alignment, optional["positions"],

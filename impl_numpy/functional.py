@@ -127,10 +127,12 @@ def split_heads(x: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def rope_angles(positions: np.ndarray, inv_freq: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """position x frequency in compute dtype: positions (B|1, L) int, inv_freq
-    (R/2,) float64 (weights.rope) -> (B|1, 1, L, R/2)."""
+    """position x frequency in compute dtype: positions (B|1, L) int, or one per pair (B|1, L, R/2)
+    (multimodal RoPE: mrope_positions), inv_freq (R/2,) float64 (weights.rope) -> (B|1, 1, L, R/2)."""
     ct = compute_dtype(dtype)
-    return positions.astype(ct)[:, None, :, None] * inv_freq.astype(ct)  # (B|1, 1, L, R/2)
+    p = positions.astype(ct)
+    p = p[:, None, :, None] if p.ndim == 2 else p[:, None]  # (B|1, 1, L, 1|R/2)
+    return p * inv_freq.astype(ct)  # (B|1, 1, L, R/2)
 
 
 def rope(x: np.ndarray, angles: np.ndarray, rotary_dim: int, interleaved: bool, attention_factor: float) -> np.ndarray:
@@ -390,6 +392,8 @@ def selection_mask(topk_indices: np.ndarray, num_heads: int, S: int) -> np.ndarr
 def all_key_positions(key_positions: np.ndarray, P: int, past_key_positions: np.ndarray | None = None) -> np.ndarray:
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S)."""
+    if key_positions.ndim == 3:  # multimodal RoPE's, one per pair (mrope_positions): no stage but RoPE reads them
+        return None
     if not P:
         return key_positions
     cached = np.arange(P, dtype=np.int64)[None] if past_key_positions is None else past_key_positions  # (B|1, P)
@@ -413,3 +417,12 @@ def default_positions(positions, P: int, L: int) -> np.ndarray:
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
 
+def mrope_positions(positions, P: int, L: int, axes: np.ndarray) -> np.ndarray:
+    """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) int64. positions (3, L) or (3, B, L):
+    the temporal, height and width rows (default: P + arange(L) on all three, a text token's); axes (R/2,)
+    the axis that turns each pair (weights.rope.mrope_axes)."""
+    if positions is None:
+        positions = np.broadcast_to((P + np.arange(L, dtype=np.int64))[None, None], (3, 1, L))  # (3, 1, L)
+    positions = np.asarray(positions).astype(np.int64)
+    positions = positions[:, None] if positions.ndim == 2 else positions  # (3, B|1, L)
+    return positions[axes].transpose(1, 2, 0)  # (B|1, L, R/2)

@@ -24,6 +24,7 @@ from weights.contract import (
     check_topk_values,
     in_place_buffer_error,
 )
+from weights.rope import mrope_axes
 
 from . import functional as F
 from ._keras import BACKEND, TENSORFLOW, keras
@@ -257,6 +258,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         past_key_positions=F.default_positions(given["past_key_positions"], 0, P)
         if rope and "past_key_positions" in given else None,
     )
+    axes = None if config.rope is None else mrope_axes(config.rope)
+    if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
+        call.positions = F.mrope_positions(given.get("positions"), P, T, axes)
+        call.key_positions = F.mrope_positions(given.get("key_positions"), P, S, axes)
+        call.past_key_positions = None
     if config.indexer is not None:
         run_indexer(config, call, is_causal, causal_alignment, given.get("positions"), given.get("key_positions"),
                     past_index_keys)

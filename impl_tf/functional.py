@@ -148,10 +148,12 @@ def split_heads(x, num_heads: int):
 
 
 def rope_angles(positions, inv_freq, dtype):
-    """position x frequency in compute dtype: positions (B|1, L) int, inv_freq
-    (R/2,) float64 (weights.rope) -> (B|1, 1, L, R/2)."""
+    """position x frequency in compute dtype: positions (B|1, L) int, or one per pair (B|1, L, R/2)
+    (multimodal RoPE: mrope_positions), inv_freq (R/2,) float64 (weights.rope) -> (B|1, 1, L, R/2)."""
     ct = compute_dtype(dtype)
-    return _cast(positions, ct)[:, None, :, None] * _cast(inv_freq, ct)  # (B|1, 1, L, R/2)
+    p = _cast(positions, ct)
+    p = p[:, None, :, None] if len(p.shape) == 2 else p[:, None]  # (B|1, 1, L, 1|R/2)
+    return p * _cast(inv_freq, ct)  # (B|1, 1, L, R/2)
 
 
 def rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float):
@@ -422,6 +424,8 @@ def selection_mask(topk_indices, num_heads: int, S):
 def all_key_positions(key_positions, P, past_key_positions=None):
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S). P may be a traced scalar."""
+    if len(key_positions.shape) == 3:  # multimodal RoPE's, one per pair (mrope_positions): RoPE alone reads them
+        return None
     if isinstance(P, int) and not P:
         return key_positions
     key_positions = _cast(key_positions, "int64")
@@ -471,3 +475,15 @@ def rope_tables_of(rope, *positions):
     inv_freq = keras.ops.where(long, keras.ops.convert_to_tensor(inverse_frequencies(rope, long=True), "float64"),
                          keras.ops.convert_to_tensor(inverse_frequencies(rope, long=False), "float64"))  # (R/2,)
     return inv_freq, attention_factor(rope)
+
+
+def mrope_positions(positions, P, L, axes):
+    """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) int64. positions (3, L) or (3, B, L):
+    the temporal, height and width rows (default: P + arange(L) on all three, a text token's); axes (R/2,)
+    the axis that turns each pair (weights.rope.mrope_axes). P and L may be traced scalars."""
+    if positions is None:
+        positions = ops.broadcast_to((ops.arange(L, dtype="int64") + ops.cast(P, "int64"))[None, None],
+                                     (3, 1, L))  # (3, 1, L)
+    positions = _cast(positions, "int64")
+    positions = positions[:, None] if len(positions.shape) == 2 else positions  # (3, B|1, L)
+    return ops.transpose(ops.take(positions, ops.convert_to_tensor(axes), axis=0), (1, 2, 0))  # (B|1, L, R/2)

@@ -47,7 +47,7 @@ from weights.contract import (
     check_topk_values,
     in_place_buffer_error,
 )
-from weights.rope import rope_tables
+from weights.rope import mrope_axes, rope_tables
 
 from . import functional as F
 from .convert import TORCH_DTYPES, compute_dtype, dtype_name, to_torch, torch_dtype
@@ -255,6 +255,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         key_positions_t = F.default_positions(given.get("key_positions"), shapes.P, shapes.S, device)
         if "past_key_positions" in given:
             past_key_positions_t = F.default_positions(given["past_key_positions"], 0, shapes.P, device)
+    axes = None if config.rope is None else mrope_axes(config.rope)
+    if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
+        positions_t = F.mrope_positions(given.get("positions"), shapes.P, T, axes, device)
+        key_positions_t = F.mrope_positions(given.get("key_positions"), shapes.P, shapes.S, axes, device)
+        past_key_positions_t = None
     mask4 = None if mask_t is None else mask_t.reshape(shapes.mask_shape)
     index = None
     if config.indexer is not None:  # impl_numpy.attention.run_indexer: the keys every other mask shows, any head's

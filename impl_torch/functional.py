@@ -103,11 +103,13 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def rope_angles(positions: torch.Tensor, inv_freq, dtype: torch.dtype) -> torch.Tensor:
-    """position x frequency in compute dtype: positions (B|1, L) int, inv_freq
-    (R/2,) float64 (weights.rope, a NumPy array) -> (B|1, 1, L, R/2)."""
+    """position x frequency in compute dtype: positions (B|1, L) int, or one per pair (B|1, L, R/2)
+    (multimodal RoPE: mrope_positions), inv_freq (R/2,) float64 (weights.rope, a NumPy array) -> (B|1, 1, L, R/2)."""
     ct = compute_dtype(dtype)
     freq = torch.as_tensor(inv_freq, device=positions.device).to(ct)  # float64 rounded once, as the spec's astype
-    return positions.to(ct)[:, None, :, None] * freq  # (B|1, 1, L, R/2)
+    p = positions.to(ct)
+    p = p[:, None, :, None] if p.ndim == 2 else p[:, None]  # (B|1, 1, L, 1|R/2)
+    return p * freq  # (B|1, 1, L, R/2)
 
 
 def rope(x: torch.Tensor, angles: torch.Tensor, rotary_dim: int, interleaved: bool,
@@ -368,6 +370,8 @@ def all_key_positions(key_positions: torch.Tensor, P: int, past_key_positions: t
                       ) -> torch.Tensor:
     """Every key's position, (B|1, P+S): the cache's keys at past_key_positions (B|1, P) (default 0..P-1),
     then the new keys' key_positions (B|1, S)."""
+    if key_positions.ndim == 3:  # multimodal RoPE's, one per pair (mrope_positions): no stage but RoPE reads them
+        return None
     if not P:
         return key_positions
     cached = (torch.arange(P, dtype=torch.int64, device=key_positions.device)[None] if past_key_positions is None
@@ -393,3 +397,12 @@ def default_positions(positions: torch.Tensor | None, P: int, L: int, device=Non
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
 
+def mrope_positions(positions: torch.Tensor | None, P: int, L: int, axes, device=None) -> torch.Tensor:
+    """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) int64. positions (3, L) or (3, B, L):
+    the temporal, height and width rows (default: P + arange(L) on all three, a text token's); axes (R/2,)
+    the axis that turns each pair (weights.rope.mrope_axes, a NumPy array)."""
+    if positions is None:
+        positions = (P + torch.arange(L, dtype=torch.int64, device=device))[None, None].expand(3, 1, L)  # (3, 1, L)
+    positions = positions.to(device=device, dtype=torch.int64)
+    positions = positions[:, None] if positions.ndim == 2 else positions  # (3, B|1, L)
+    return positions[torch.as_tensor(axes, device=positions.device)].permute(1, 2, 0)  # (B|1, L, R/2)

@@ -332,6 +332,8 @@ def _rope(x, positions, config, H, bug, longest):
         if bug == "longrope_attention_factor_recomputed":  # the paper's rule from factor, the stored value unread
             factor = np.sqrt(1 + np.log(scaling["factor"]) / np.log(scaling["original_max_position_embeddings"]))
     angle = np.asarray(positions, np.float64).reshape(-1, 1, np.shape(positions)[-1], 1) * inv_freq  # (B|1, 1, L, R/2)
+    if rope.get("mrope_section"):
+        angle = _mrope_angles(positions, inv_freq, rope, bug)
     cos, sin = np.cos(angle) * factor, np.sin(angle) * factor
     interleaved = rope["interleaved"] != (bug == "rope_convention_swapped")
     head = x[..., :R]
@@ -339,6 +341,27 @@ def _rope(x, positions, config, H, bug, longest):
     y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     turned = np.stack([y1, y2], -1).reshape(head.shape) if interleaved else np.concatenate([y1, y2], -1)
     return np.concatenate([turned, x[..., R:]], -1).astype(x.dtype)
+
+
+def _mrope_angles(positions, inv_freq, rope, bug):
+    """Multimodal RoPE's angles (B|1, 1, L, R/2) as transformers' Qwen2-VL / Qwen3-VL rotary embeddings form
+    them, written out: every pair's angle on each of the three axes, (3, B|1, L, R/2), then recomposed: the
+    pairs split into the sections, chunk i taking axis i % 3 (Qwen2-VL, Qwen2.5-VL), or axis t overwritten by
+    h at pairs 1, 4, ... below 3 h and by w at pairs 2, 5, ... below 3 w (Qwen3-VL, mrope_interleaved)."""
+    pos = np.asarray(positions, np.float64)
+    pos = np.broadcast_to(pos, (3, *pos.shape)) if pos.ndim == 1 else pos  # the default: a text token's, (3, L)
+    freqs = pos.reshape(3, -1, pos.shape[-1], 1) * inv_freq  # (3, B|1, L, R/2)
+    if bug == "mrope_section_order_swapped":  # the height and width sections' positions exchanged
+        freqs = freqs[[0, 2, 1]]
+    section = list(rope["mrope_section"])
+    if rope["mrope_interleaved"] and bug != "mrope_not_interleaved":
+        chosen = freqs[0].copy()
+        for axis in (1, 2):
+            chosen[..., axis:3 * section[axis]:3] = freqs[axis][..., axis:3 * section[axis]:3]
+    else:
+        chunks = np.split(freqs, np.cumsum(section)[:-1], axis=-1)
+        chosen = np.concatenate([chunk[i % 3] for i, chunk in enumerate(chunks)], axis=-1)  # (B|1, L, R/2)
+    return chosen[:, None]  # (B|1, 1, L, R/2)
 
 
 def _latent(config, t, q_in, k_in, inputs, q_pos, new_key_pos, P, mm, bug):
@@ -457,6 +480,9 @@ MUTANTS = {
     "rope_on_value": "RoPE applied to the values too",
     "rope_positions_no_cache_offset": "RoPE's default positions start at 0 while decoding (cache offset forgotten)",
     "rope_freqs_bfloat16": "RoPE frequencies computed in bfloat16",
+    "mrope_section_order_swapped": "multimodal RoPE's sections taken in the order t, w, h (the height and width "
+                                   "positions exchanged)",
+    "mrope_not_interleaved": "Qwen3-VL's interleaved multimodal RoPE sections laid out contiguously, as Qwen2-VL's",
     "llama3_scaling_ignored": "Llama 3's frequency rescaling left out",
     "yarn_attention_factor_ignored": "YaRN's attention factor (on cos and sin) left out",
     "partial_rotary_whole_head": "partial rotary (rotary_dim < H) applied to the whole head",

@@ -90,3 +90,20 @@ def test_a_saturated_softcap_gradient_is_judged_on_both_terms_of_its_slope():
 
     result = run_case(random_case(981_596), "numpy", dtype="float32", path="stages")
     assert result.status == "pass", result.message
+
+
+def test_the_seeds_draw_multimodal_rope():
+    """The 1000 seeds of the slow sweep reach every form of multimodal RoPE (issue 42): contiguous and
+    interleaved sections, all three non-empty, an image and a video span, over a cache, on a latent layer."""
+    cases = [case for case in (random_case(seed) for seed in range(FULL))
+             if case.config.rope is not None and case.config.rope.mrope_section is not None]
+    reached = {
+        "contiguous": any(not case.config.rope.mrope_interleaved for case in cases),
+        "interleaved": any(case.config.rope.mrope_interleaved for case in cases),
+        "three sections": any(0 not in case.config.rope.mrope_section for case in cases),
+        "an image": any(case.positions == "mrope_image" for case in cases),
+        "a video": any(case.positions == "mrope_video" for case in cases),
+        "over a cache": any(case.P for case in cases),
+        "on a latent layer": any(case.config.latent is not None for case in cases),
+    }
+    assert all(reached.values()), [name for name, ok in reached.items() if not ok]

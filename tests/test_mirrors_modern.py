@@ -479,3 +479,18 @@ def test_gpu_modern_matches_reference(mirror, name, dtype, path):
         pytest.skip(reason)
     assert_case_conforms(mirror.path_case(mirror.case(name), path), dtype, mirror.name, mirror.path_adapter(path),
                          device="gpu")
+
+
+# -- multimodal RoPE (rope.mrope_section, issue 42) ------------------------------------------------------------
+
+MROPE_CASES = ("mrope_image", "mrope_interleaved_video_decode")
+
+
+@parametrize("name, path", lambda fw: grid(("path", "name"), ("name", "path"), path=PATHS[fw], name=list(MROPE_CASES)))
+def test_mrope_case_matches_reference_on_every_path(mirror, name, path):
+    """The grid's multimodal RoPE cases (positions (3, B, T): an image span, a video span over a cache) in
+    float32 on each of the mirror's paths, the chunked one included (the framework's own grid test runs every
+    dtype on its default path), judged against the float64 reference as `mha check` judges them."""
+    from conformance.suite.cases import CASES
+
+    assert_case_conforms(mirror.path_case(CASES[name], path), "float32", mirror.name, mirror.path_adapter(path))

@@ -196,3 +196,103 @@ def test_bad_longrope_and_proportional_are_one_line(scaling, words):
     with pytest.raises(ValueError) as info:
         AttentionConfig(num_heads=2, query_dim=8, head_dim=8, rope={"rotary_dim": 6, "scaling": scaling})
     assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+# -- multimodal RoPE (rope.mrope_section, issue 42) ---------------------------------------------------------------
+
+def _transformers_axes(model: str, section, pairs: int) -> np.ndarray:
+    """The axis transformers turns each pair by: its model's recomposition_frequencies applied to frequencies
+    whose value is the axis (0, 1, 2), read back on the first half (the second half repeats it)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if model == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding as Embedding
+    else:
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding as Embedding
+    embedding = Embedding.__new__(Embedding)  # only recomposition_frequencies is called: it reads mrope_section
+    embedding.mrope_section = list(section)
+    labels = torch.arange(3, dtype=torch.float64)[:, None, None, None].expand(3, 1, 1, pairs).clone()  # (3,B,L,R/2)
+    return embedding.recomposition_frequencies(labels)[0, 0, :pairs].numpy().astype(np.int64)
+
+
+@pytest.mark.parametrize("model,section,interleaved", [
+    ("qwen2_vl", (16, 24, 24), False), ("qwen2_vl", (2, 3, 3), False), ("qwen3_vl", (24, 20, 20), True),
+    ("qwen3_vl", (4, 2, 2), True), ("qwen3_vl", (3, 3, 2), True)])
+def test_mrope_axes_match_transformers(model, section, interleaved):
+    """weights.rope.mrope_axes against transformers 5.23's Qwen2-VL (contiguous sections: also Qwen2.5-VL's
+    rule, the same code) and Qwen3-VL (interleaved) frequency recomposition."""
+    from weights.rope import mrope_axes
+
+    pairs = sum(section)
+    config = AttentionConfig(num_heads=2, query_dim=8, head_dim=2 * pairs,
+                             rope={"mrope_section": list(section), "mrope_interleaved": interleaved})
+    got = mrope_axes(config.rope)
+    want = _transformers_axes(model, section, pairs)
+    assert np.array_equal(got, want), f"{model} {section}: axes {got.tolist()} != transformers' {want.tolist()}"
+
+
+@pytest.mark.parametrize("rope,words", [
+    ({"mrope_section": [2, 1, 0]}, "rope.mrope_section must sum to rotary_dim / 2 = 2"),
+    ({"mrope_section": [1, 1]}, "rope.mrope_section must be a list of 3 integers"),
+    ({"mrope_section": [1, -1, 2]}, "rope.mrope_section must be a list of 3 integers"),
+    ({"mrope_interleaved": True}, "rope.mrope_interleaved needs rope.mrope_section"),
+    ({"mrope_section": [0, 1, 1], "mrope_interleaved": True}, "width section must fit interleaved"),
+    ({"mrope_section": [1, 1, 0], "mrope_interleaved": 1}, "rope.mrope_interleaved must be true or false"),
+])
+def test_bad_mrope_config_is_one_line_naming_the_field(rope, words):
+    with pytest.raises(ValueError) as info:
+        AttentionConfig(num_heads=2, query_dim=8, head_dim=4, rope=rope)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("field,value", [("alibi", True), ("local_chunk", 2),
+                                         ("query_temperature", {"beta": 0.5, "floor": 3.0})])
+def test_mrope_refuses_the_stages_that_read_one_position(field, value):
+    with pytest.raises(ValueError, match=f"rope.mrope_section cannot be combined with {field}"):
+        AttentionConfig(num_heads=2, query_dim=8, head_dim=4, rope={"mrope_section": [1, 1, 0]}, **{field: value})
+
+
+def test_mrope_round_trips_and_a_plain_rope_file_is_unchanged():
+    config = AttentionConfig(num_heads=2, query_dim=8, head_dim=8,
+                             rope={"mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    assert AttentionConfig.from_json(config.to_json()) == config
+    plain = AttentionConfig(num_heads=2, query_dim=8, head_dim=8, rope={})
+    assert "mrope" not in plain.to_json() and set(plain.rope.to_dict()) == {"theta", "rotary_dim", "interleaved",
+                                                                             "scaling"}
+
+
+def test_mrope_positions_shapes_are_checked_naming_the_argument():
+    """With mrope_section: positions (3, L) or (3, B, L), one position per token refused; without it a rank-3
+    positions is refused naming the field."""
+    from weights.contract import check_call
+
+    mrope = AttentionConfig(num_heads=2, query_dim=8, head_dim=4, rope={"mrope_section": [1, 1, 0]})
+    plain = AttentionConfig(num_heads=2, query_dim=8, head_dim=4, rope={})
+    check_call(mrope, query_shape=(2, 5, 8), positions_shape=(3, 2, 5), positions_dtype="int64")
+    check_call(mrope, query_shape=(2, 5, 8), positions_shape=(3, 5), positions_dtype="int64")
+    for config, argument, shape, words in (
+            (mrope, "positions", (2, 5), "positions must be an integer array of shape (3, T) or (3, B, T)"),
+            (mrope, "key_positions", (3, 1, 5), "key_positions must be an integer array of shape (3, S)"),
+            (plain, "positions", (3, 2, 5), "need rope.mrope_section")):
+        with pytest.raises(ValueError) as info:
+            check_call(config, query_shape=(2, 5, 8), **{f"{argument}_shape": shape, f"{argument}_dtype": "int64"})
+        assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_mrope_of_text_positions_is_plain_rope():
+    """A text token's three positions are equal: multimodal RoPE then computes exactly what plain RoPE does
+    (the same products position x frequency), every path of the reference."""
+    import impl_numpy
+    import weights
+
+    plain = AttentionConfig(num_heads=2, query_dim=8, head_dim=8, rope={})
+    mrope = AttentionConfig(num_heads=2, query_dim=8, head_dim=8, rope={"mrope_section": [2, 1, 1]})
+    tensors = weights.init(plain, seed=3, dtype="float64")
+    x = np.random.default_rng(4).standard_normal((2, 5, 8))
+    positions = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 9]])
+    for chunk_size in (None, 2):
+        a = impl_numpy.multi_head_attention(plain, tensors, x, is_causal=True, positions=positions,
+                                            chunk_size=chunk_size)
+        b = impl_numpy.multi_head_attention(mrope, tensors, x, is_causal=True, chunk_size=chunk_size,
+                                            positions=np.stack([positions] * 3))
+        assert np.array_equal(a, b), f"chunk_size {chunk_size}: worst {np.abs(a - b).max()}"

@@ -190,21 +190,62 @@ class Rope:
     rotary_dim: int | None = None  # features rotated per head, from the first; None means H (resolved by the config)
     interleaved: bool = False  # False: i pairs with i + rotary_dim/2 (half-split); True: 2i with 2i+1
     scaling: RopeScaling | None = None
+    # Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): how many of the rotary_dim/2 pairs each of the three
+    # position axes (temporal, height, width) turns; positions then have shape (3, L) or (3, B, L). None: one
+    # position per token, as before. weights.rope.mrope_axes gives each pair's axis.
+    mrope_section: tuple[int, int, int] | None = None
+    # False: the sections are contiguous runs of pairs, t then h then w (Qwen2-VL, Qwen2.5-VL); True: pairs
+    # 1, 4, 7, ... below 3 * h turn by h, pairs 2, 5, 8, ... below 3 * w by w, the rest by t (Qwen3-VL).
+    mrope_interleaved: bool = False
 
     @classmethod
     def from_value(cls, value: Any) -> Rope | None:
         if value is None or isinstance(value, Rope):
             return value
-        data = _object("rope", value, ("theta", "rotary_dim", "interleaved", "scaling"))
+        data = _object("rope", value, ("theta", "rotary_dim", "interleaved", "scaling", "mrope_section",
+                                       "mrope_interleaved"))
         theta = _finite_number("rope.theta", data.get("theta", 10000.0), positive=True)
         interleaved = data.get("interleaved", False)
         _check_bool("rope.interleaved", interleaved)
+        section = data.get("mrope_section")
+        if section is not None:
+            if (not isinstance(section, (list, tuple)) or len(section) != 3
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in section)):
+                raise ValueError(f"rope.mrope_section must be a list of 3 integers >= 0 (rotary pairs turned by the "
+                                 f"temporal, height and width positions) or null: got {_shown(section)}")
+            section = tuple(section)
+        mrope_interleaved = data.get("mrope_interleaved", False)
+        _check_bool("rope.mrope_interleaved", mrope_interleaved)
+        if mrope_interleaved and section is None:
+            raise ValueError("rope.mrope_interleaved needs rope.mrope_section (the sections it interleaves): got "
+                             "mrope_interleaved true with mrope_section null")
         return cls(theta=theta, rotary_dim=data.get("rotary_dim"), interleaved=interleaved,
-                   scaling=RopeScaling.from_value(data.get("scaling")))
+                   scaling=RopeScaling.from_value(data.get("scaling")), mrope_section=section,
+                   mrope_interleaved=mrope_interleaved)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"theta": self.theta, "rotary_dim": self.rotary_dim, "interleaved": self.interleaved,
+        data = {"theta": self.theta, "rotary_dim": self.rotary_dim, "interleaved": self.interleaved,
                 "scaling": None if self.scaling is None else self.scaling.to_dict()}
+        if self.mrope_section is not None:  # only where set: a file without multimodal RoPE reads as before
+            data.update(mrope_section=list(self.mrope_section), mrope_interleaved=self.mrope_interleaved)
+        return data
+
+    def mrope_fits(self, rotary_dim: int) -> None:
+        """The sections count every rotating pair once (interleaved: each section's pairs all lie below
+        rotary_dim / 2); ValueError naming rope.mrope_section otherwise."""
+        section = self.mrope_section
+        if section is None:
+            return
+        pairs = rotary_dim // 2
+        if sum(section) != pairs:
+            raise ValueError(f"rope.mrope_section must sum to rotary_dim / 2 = {pairs} (the rotary pairs): got "
+                             f"{list(section)}, sum {sum(section)}")
+        if self.mrope_interleaved:
+            for axis, name in ((1, "height"), (2, "width")):
+                if len(range(axis, min(3 * section[axis], pairs), 3)) != section[axis]:
+                    raise ValueError(f"rope.mrope_section's {name} section must fit interleaved in rotary_dim / 2 = "
+                                     f"{pairs} pairs (pairs {axis}, {axis + 3}, ... below 3 x {section[axis]}): got "
+                                     f"{list(section)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -568,6 +609,7 @@ class AttentionConfig:
                                  f"head_dim={self.head_dim}")
             if rope.scaling is not None:
                 rope.scaling.factor_lists_fit(rotary_dim)
+            rope.mrope_fits(rotary_dim)
             rope = dataclasses.replace(rope, rotary_dim=rotary_dim)
         object.__setattr__(self, "rope", rope)
         if self.logit_softcap is not None:
@@ -601,6 +643,19 @@ class AttentionConfig:
         if indexer is not None:
             self._check_indexer(indexer)
         object.__setattr__(self, "indexer", indexer)
+        self._check_mrope()
+
+    def _check_mrope(self) -> None:
+        """Multimodal RoPE's positions (3, B, L) feed RoPE alone: the stages that read one position per token
+        (ALiBi, local chunks, the query temperature, the indexer's own RoPE) are refused beside it."""
+        if self.rope is None or self.rope.mrope_section is None:
+            return
+        for name, on in (("alibi", self.alibi), ("local_chunk", self.local_chunk is not None),
+                         ("query_temperature", self.query_temperature is not None),
+                         ("indexer", self.indexer is not None)):
+            if on:
+                raise ValueError(f"rope.mrope_section cannot be combined with {name} (it reads one position per "
+                                 f"token; multimodal positions have three): got {name} {_shown(getattr(self, name))}")
 
     def _check_indexer(self, indexer: Indexer) -> None:
         """What an indexer needs of the other fields (one line each, naming the field)."""

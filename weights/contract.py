@@ -79,8 +79,20 @@ def check_ids(argument: str, shape, dtype_name: str | None, B: int, L: int, lett
     """An integer array of shape (L,) or (B, L): positions and segment ids."""
     shape = _shape(shape)
     if not _is_integer(dtype_name) or shape not in ((L,), (B, L)):
+        extra = " (positions of shape (3, B, L) need rope.mrope_section)" if len(shape) == 3 else ""
         raise ValueError(f"{argument} must be an integer array of shape ({letter},) or (B, {letter}) = ({L},) or "
-                         f"({B}, {L}): got dtype {dtype_name} shape {shape}")
+                         f"({B}, {L}): got dtype {dtype_name} shape {shape}{extra}")
+
+
+def check_mrope_ids(argument: str, shape, dtype_name: str | None, B: int, L: int, letter: str) -> None:
+    """Multimodal RoPE's positions (rope.mrope_section): integer, (3, L) or (3, B, L), one row per axis
+    (temporal, height, width). One position per token ((L,) or (B, L)) is refused, naming the field, as a
+    rank-3 array is without it (check_ids)."""
+    shape = _shape(shape)
+    if not _is_integer(dtype_name) or shape not in ((3, L), (3, B, L)):
+        raise ValueError(f"{argument} must be an integer array of shape (3, {letter}) or (3, B, {letter}) = (3, {L}) "
+                         f"or (3, {B}, {L}) with rope.mrope_section (temporal, height, width rows): got dtype "
+                         f"{dtype_name} shape {shape}")
 
 
 def check_topk_indices(shape, dtype_name: str | None, B: int, K: int, T: int) -> None:
@@ -263,7 +275,8 @@ def check_call(
     """Validate one call; ValueError names the argument and the value received.
 
     positions (T,) or (B, T) and key_positions (S,) or (B, S): integer RoPE
-    positions of the queries and the new keys. past_key (B, K, P, H) and
+    positions of the queries and the new keys ((3, T) or (3, B, T), one row per
+    axis, with rope.mrope_section: check_mrope_ids). past_key (B, K, P, H) and
     past_value (B, K, P, V): the cache (both or neither). past_key_positions
     (P,) or (B, P): the cached keys' positions (default 0..P-1), integer, only
     with a cache; read wherever key positions are (ALiBi, local chunks; RoPE
@@ -322,15 +335,16 @@ def check_call(
         if bias_dtype is None or "float" not in bias_dtype:
             raise ValueError(f"bias must be a float array: got dtype {bias_dtype}")
         bias4 = broadcast_shape("bias", _shape(bias_shape), B, N, T, S_total)
+    ids = check_mrope_ids if config.rope is not None and config.rope.mrope_section is not None else check_ids
     if positions_shape is not None:
-        check_ids("positions", positions_shape, positions_dtype, B, T, "T")
+        ids("positions", positions_shape, positions_dtype, B, T, "T")
     if key_positions_shape is not None:
-        check_ids("key_positions", key_positions_shape, key_positions_dtype, B, S, "S")
+        ids("key_positions", key_positions_shape, key_positions_dtype, B, S, "S")
     if past_key_positions_shape is not None:
         if past_key_shape is None:
             raise ValueError("past_key_positions was given without past_key/past_value (the cache whose keys it "
                              "places)")
-        check_ids("past_key_positions", past_key_positions_shape, past_key_positions_dtype, B, P, "P")
+        ids("past_key_positions", past_key_positions_shape, past_key_positions_dtype, B, P, "P")
     if segment_ids_shape is not None:
         check_ids("segment_ids", segment_ids_shape, segment_ids_dtype, B, T, "T")
         if key_segment_ids_shape is None and keys_given:

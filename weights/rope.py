@@ -117,3 +117,26 @@ def rope_tables(rope: Rope, max_position: int | None = None) -> tuple[np.ndarray
 @functools.lru_cache(maxsize=64)
 def _tables(rope: Rope, long: bool) -> tuple[np.ndarray, float]:
     return inverse_frequencies(rope, long=long), attention_factor(rope)
+
+
+def mrope_axes(rope: Rope) -> np.ndarray | None:
+    """Multimodal RoPE: (rotary_dim/2,) int64, the position axis (0 temporal, 1 height, 2 width) that turns
+    each rotating pair; None without rope.mrope_section. Contiguous sections (Qwen2-VL, Qwen2.5-VL:
+    transformers' recomposition_frequencies splits the pairs by mrope_section and takes axis i % 3 of
+    chunk i): pairs [0, t) by t, [t, t + h) by h, the rest by w. Interleaved (Qwen3-VL's
+    recomposition_frequencies): pair i by h where i % 3 == 1 and i < 3 h, by w where i % 3 == 2 and
+    i < 3 w, else by t. The config has checked that the sections count rotary_dim/2 pairs."""
+    if rope.mrope_section is None:
+        return None
+    return _axes(rope.mrope_section, rope.mrope_interleaved).copy()
+
+
+@functools.lru_cache(maxsize=64)
+def _axes(section: tuple[int, int, int], interleaved: bool) -> np.ndarray:
+    pairs = np.arange(sum(section))
+    if not interleaved:
+        return np.repeat(np.arange(3, dtype=np.int64), section)  # (R/2,)
+    axes = np.zeros(len(pairs), dtype=np.int64)
+    for axis in (1, 2):
+        axes[(pairs % 3 == axis) & (pairs < 3 * section[axis])] = axis
+    return axes  # (R/2,)

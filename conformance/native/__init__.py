@@ -435,6 +435,8 @@ def modern_features(config: AttentionConfig, inputs, options) -> list[str]:
     scaling = None if config.rope is None else config.rope.scaling
     if scaling is not None and scaling.type in ("longrope", "proportional"):
         used.append(f"rope.scaling {scaling.type}")
+    if config.rope is not None and config.rope.mrope_section is not None:  # three positions per token
+        used.append("rope.mrope_section")
     used += [field for field in MODERN_INPUTS if inputs.get(field) is not None]
     used += ["return_cache"] if options.get("return_cache") else []
     return used

@@ -109,7 +109,7 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
-    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid()
+    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _mrope_grid()
 
 
 def _modern_grid() -> list[Case]:
@@ -329,6 +329,50 @@ def _indexer_grid() -> list[Case]:
     ]
 
 
+def _mrope_grid() -> list[Case]:
+    """Multimodal RoPE (rope.mrope_section, issue 42): positions (3, B, T), one row per axis (temporal, height,
+    width), laid out as Qwen2-VL's get_rope_index lays them out (_mrope_positions): text, a vision span, text.
+    Qwen2-VL's contiguous sections (2, 3, 3 of 8 pairs, t smaller as its 16, 24, 24) over an image of 1 x 2 x 3
+    patches in a causal prefill; Qwen3-VL's interleaved sections (4, 2, 2 as its 24, 20, 20) over a video of 2 x
+    2 x 2 in a decode of 5 tokens over a cache of 4. Unequal sections and grids: a port that swaps the
+    sections' order, or h and w, or does not interleave, turns some pair by another axis. Float32 alone in a
+    plain check (CHECK_ONE_DTYPE)."""
+    causal = dict(is_causal=True)
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    return [
+        Case("mrope_image", _cfg(num_heads=4, num_kv_heads=2, head_dim=16, rope={"mrope_section": [2, 3, 3]}),
+             T=8, S=8, positions="mrope_image", **causal),
+        Case("mrope_interleaved_video_decode",
+             _cfg(num_heads=4, num_kv_heads=2, head_dim=16,
+                  rope={"mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+             T=5, S=5, P=4, positions="mrope_video", **decode),
+    ]
+
+
+# The vision spans of the mrope cases: (temporal, height, width) patches after merging.
+MROPE_GRIDS = {"mrope_image": (1, 2, 3), "mrope_video": (2, 2, 2)}
+
+
+def _mrope_positions(B: int, L: int, start: int, grid: tuple[int, int, int]) -> np.ndarray:
+    """(3, B, L) int64 as Qwen2-VL's get_rope_index lays them out: row b holds 1 + b text tokens (one position,
+    the same on every axis), then a vision span of t x h x w patches at (s + t, s + h, s + w) from its first
+    position s, then text again from s + max(h, w) (transformers 5.23); start: the first token's position (the
+    cache's length)."""
+    out = np.zeros((3, B, L), dtype=np.int64)
+    for b in range(B):
+        columns, nxt = [], start
+        for _ in range(1 + b):
+            columns.append((nxt, nxt, nxt))
+            nxt += 1
+        columns += [(nxt + t, nxt + h, nxt + w) for t in range(grid[0]) for h in range(grid[1]) for w in range(grid[2])]
+        nxt += max(grid[1:])
+        while len(columns) < L:
+            columns.append((nxt, nxt, nxt))
+            nxt += 1
+        out[:, b] = np.asarray(columns[:L], dtype=np.int64).T  # (3, L)
+    return out
+
+
 def _long_cfg(**kw) -> AttentionConfig:
     """A realistic length's shape, kept cheap: 4 heads of 8 features over 16 input features, 8 outputs."""
     return _cfg(**{"num_heads": 4, "head_dim": 8, "query_dim": 16, "out_dim": 8, **kw})
@@ -383,6 +427,7 @@ PROFILE_DTYPES: dict[str, tuple[str, ...]] = {"default": DTYPE_NAMES, "long": ("
 # plain check to about 60 s cold / 40 s warm, float32 and bfloat16 to 54 / 30.4 s, float32 alone to 56.8 / 26.2 s.
 CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid(), *_topk_grid(), *_indexer_grid(),
                                                                    *_long_grid()))
+CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | frozenset(case.name for case in _mrope_grid())  # two cases, issue 42
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"
@@ -535,6 +580,11 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
         inputs["past_key_positions"] = np.maximum(np.arange(P) - pads, 0)  # (B, P)
         inputs["positions"] = P + np.arange(T) - pads  # (B, T)
         inputs["key_positions"] = P + np.arange(S) - pads  # (B, S)
+    elif case.positions in MROPE_GRIDS:  # multimodal RoPE: (3, B, L), the new keys at the queries' positions
+        if S != T:
+            raise ValueError(f"case {case.name}: mrope positions need S == T (the new keys are the queries' tokens)")
+        inputs["positions"] = _mrope_positions(B, T, P, MROPE_GRIDS[case.positions])  # (3, B, T)
+        inputs["key_positions"] = inputs["positions"].copy()  # (3, B, S)
     elif case.positions is not None:
         raise ValueError(f"case {case.name}: unknown positions kind {case.positions!r}")
     if P and c.indexer is not None:  # the indexer's cache: one key of J features per cached token (its own rng)
@@ -594,7 +644,11 @@ def random_case(seed: int) -> Case:
     case = _with_frontier_features(case, frontier) if frontier.random() < 0.4 else case
     # Three in ten the sparse ones (issue 39): topk_indices or the lightning indexer, from a stream of their own
     sparse = np.random.default_rng([seed, 39])
-    return _with_sparse_features(case, sparse) if sparse.random() < 0.3 else case
+    case = _with_sparse_features(case, sparse) if sparse.random() < 0.3 else case
+    # Half the cases whose RoPE is the only stage reading positions turn it multimodal (issue 42), from a stream
+    # of their own
+    mrope = np.random.default_rng([seed, 42])
+    return _with_mrope_features(case, mrope) if mrope.random() < 0.5 else case
 
 
 def _with_modern_features(case: Case, rng, pick) -> Case:
@@ -664,6 +718,29 @@ def _with_frontier_features(case: Case, rng) -> Case:
                         head_dim=max(case.config.head_dim, R + 1), use_value_bias=False, qk_norm=None,
                         value_norm=None, qkv_clip=None)
     return dataclasses.replace(case, config=dataclasses.replace(case.config, **features)) if features else case
+
+
+def _with_mrope_features(case: Case, rng) -> Case:
+    """Multimodal RoPE (issue 42) on a case with RoPE whose other stages read no position (no ALiBi, local chunks,
+    temperature or indexer) and whose new keys are its queries' tokens (S == T; positions of the default kinds):
+    sections drawn at random over the rotary pairs (an empty one included), interleaved half the time where
+    they fit, positions (3, B, T) with an image or a video span (_mrope_positions)."""
+    c = case.config
+    if (c.rope is None or c.alibi or c.local_chunk is not None or c.query_temperature is not None
+            or c.indexer is not None or case.S != case.T or case.positions not in (None, "far", "per_batch",
+                                                                                   "explicit")):
+        return case
+    pairs = c.rope.rotary_dim // 2
+    interleaved = bool(rng.random() < 0.5)
+    if interleaved:  # h and w at most the pairs 1, 4, ... and 2, 5, ... below rotary_dim / 2
+        h, w = (int(rng.integers(0, len(range(axis, pairs, 3)) + 1)) for axis in (1, 2))
+        section = [pairs - h - w, h, w]
+    else:
+        cuts = np.sort(rng.integers(0, pairs + 1, 2))
+        section = [int(cuts[0]), int(cuts[1] - cuts[0]), int(pairs - cuts[1])]
+    rope = dataclasses.replace(c.rope, mrope_section=tuple(section), mrope_interleaved=interleaved)
+    return dataclasses.replace(case, config=c.replace(rope=rope),
+                               positions="mrope_image" if rng.random() < 0.5 else "mrope_video")
 
 
 def _with_sparse_features(case: Case, rng) -> Case:

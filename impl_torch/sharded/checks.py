@@ -63,7 +63,9 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
                                       ("rope.scaling longrope", config.rope is not None and config.rope.scaling
                                        is not None and config.rope.scaling.type == "longrope"),
                                       ("latent", config.latent is not None),
-                                      ("indexer", config.indexer is not None)) if on]
+                                      ("indexer", config.indexer is not None),
+                                      ("rope.mrope_section", config.rope is not None
+                                       and config.rope.mrope_section is not None)) if on]
     if frontier:
         return (f"the sharded engines do not compute the frontier fields yet (docs/spec-frontier.md): "
                 f"{', '.join(frontier)}")

@@ -7,6 +7,7 @@
 |                   | q_norm.weight, k_norm.weight (H,) or (N*H,), sinks| query/key.norm.scale, sinks| 1-D    |
 |   (cohere)        | q_norm.weight (N, H), k_norm.weight (K, H)        | query/key.norm.scale       | 2-D    |
 |   (qwen3_next, qwen3_5, gemma4: a gated q_proj, k = v: llama_gated.py's rows)                               |
+|   (qwen2_vl, qwen2_5_vl, qwen3_vl: qwen2's / qwen3's rows, multimodal RoPE from config.json: qwen_vl.py)      |
 
 A decoder: its config file is required (write.py says what that brings);
 half-split RoPE pairs, except llama4, cohere, cohere2 (interleaved: config.json's model_type says which,
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import llama_gated
+from . import llama_gated, qwen_vl
 from .hf_rope import _hf_rope
 from .table import LINEAR, Extra, Layout, R, Table, Tie
 
@@ -45,7 +46,7 @@ _SLIDING_RULES: dict[str, Callable[[Mapping[str, Any], int], bool]] = {
 }
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "olmo2", "gpt_oss",
                   "phi3", "llama4", "llama4_text", "smollm3", "ministral3", "granite", "cohere", "cohere2",
-                  *llama_gated.TYPES)
+                  *llama_gated.TYPES, *qwen_vl.TYPES)
 
 
 def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
@@ -64,6 +65,8 @@ def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
         model_type = "gemma3_text"
     if model_type == "llama4" and isinstance(cfg.get("text_config"), Mapping):
         cfg, model_type = {**cfg["text_config"], "model_type": "llama4_text"}, "llama4_text"
+    if model_type in qwen_vl.TYPES:  # Qwen2-VL, Qwen2.5-VL, Qwen3-VL: qwen2 / qwen3 with multimodal RoPE
+        return qwen_vl.layer_facts(cfg, layer, _llama_config)
     if model_type not in HF_LLAMA_TYPES:
         raise ValueError(f"hf_config: model_type must be one of {', '.join(HF_LLAMA_TYPES)} for hf-llama: "
                          f"got {model_type!r}")
@@ -192,7 +195,8 @@ _GATED_TABLES = llama_gated.tables(_DECODER_TIES)
 FAMILY = (
     Layout(
         "hf-llama", "a Llama-family decoder's attention (llama, mistral, qwen2, qwen3, gemma2, gemma3, olmo2, "
-        "gpt_oss, phi3, llama4, smollm3, ministral3, granite, cohere, cohere2, qwen3_next, qwen3_5, gemma4): "
+        "gpt_oss, phi3, llama4, smollm3, ministral3, granite, cohere, cohere2, qwen3_next, qwen3_5, gemma4, "
+        "qwen2_vl, qwen2_5_vl, qwen3_vl): "
         "[prefix]layers.{L}.self_attn."
         "{q,k,v,o}_proj (phi3: fused qkv_proj), q_norm/k_norm, sinks; config.json gives rope (its pairing: "
         "interleaved for llama4 and cohere), windows, chunks, norms, temperature; causal",

@@ -34,6 +34,12 @@ STAGES = (
 # The stages a call records only where its config turns them on (a plain layer's trace: STAGES less these).
 OPTIONAL_STAGES = frozenset({"query.clip", "key.clip", "value.clip", "query.norm", "key.norm", "value.norm",
                              "query.rope", "key.rope", "query.temperature", "softcap", "alibi", "gate.project", "gate"})
+# Differential attention's stages (config.differential): value.pair before the logits (each kv head's value
+# joined with its pair's: (B, K, S_total, 2V)), differential after attend ((B, N/2, T, 2V): the halves subtracted
+# with lambda, normed and scaled); recorded only there.
+STAGES = (*STAGES[:STAGES.index("logits")], "value.pair", *STAGES[STAGES.index("logits"):STAGES.index("gate.project")],
+          "differential", *STAGES[STAGES.index("gate.project"):])
+OPTIONAL_STAGES = OPTIONAL_STAGES | {"value.pair", "differential"}
 
 # A latent layer's (weights.config.Latent) stages before the logits, in order (impl_numpy/latent.py's expanded
 # form); from the logits on, STAGES' own.

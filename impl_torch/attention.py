@@ -587,6 +587,8 @@ def multi_head_attention(
     else:
         q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
         present_key, present_value = k, v
+    if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+        v = rec("value.pair", F.value_pair(v))  # (B, K, S_total, 2V)
     w = None
     if will_use_sdpa:
         bias4 = call.bias4
@@ -606,6 +608,8 @@ def multi_head_attention(
         ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
     if absorbed:  # the attended latent (B, N, T, C) through each head's value up-projection
         ctx = F.expand_values(ctx, p["value.kernel"])  # (B, N, T, V)
+    if config.differential is not None:  # the halves subtracted with lambda, normed, scaled
+        ctx = rec("differential", F.differential_stage(config, p, ctx))  # (B, N/2, T, 2V)
     if config.output_gate is not None:
         g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
         ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)

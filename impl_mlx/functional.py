@@ -339,6 +339,46 @@ def gate(ctx: mx.array, gate_logits: mx.array, num_heads: int) -> mx.array:
     return (ctx.astype(c) * g).astype(ctx.dtype)
 
 
+# -- differential attention (config.differential: diffllama) ------------------------
+
+def value_pair(v: mx.array) -> mx.array:
+    """VALUE.PAIR: v (B, K, S, V) -> (B, K, S, 2V), kv head g's value joined with its pair's: [v_g' | v_{g'+K/2}],
+    g' = g mod K/2."""
+    half = v.shape[1] // 2
+    joined = mx.concatenate([v[:, :half], v[:, half:]], axis=-1)  # (B, K/2, S, 2V)
+    return mx.concatenate([joined, joined], axis=1)  # (B, K, S, 2V)
+
+
+def differential_lambda(lq1: mx.array, lk1: mx.array, lq2: mx.array, lk2: mx.array, lambda_init: float,
+                        dtype) -> mx.array:
+    """lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init: a 0-d array in compute
+    dtype (exp: this module's, float64-accurate in float64)."""
+    c = compute_of(dtype)
+    one = exp((lq1.astype(c) * lk1.astype(c)).sum())
+    two = exp((lq2.astype(c) * lk2.astype(c)).sum())
+    return one - two + scalar(lambda_init, c)
+
+
+def differential(ctx: mx.array, lam: mx.array, lambda_init: float, eps: float) -> mx.array:
+    """DIFFERENTIAL: ctx (B, N, T, 2V) -> (B, N/2, T, 2V): head n's minus lambda times head n + N/2's, an RMS norm
+    over the 2V features (no weight, eps inside the root), times (1 - lambda_init); in compute dtype, stored."""
+    c = compute_of(ctx.dtype)
+    half = ctx.shape[1] // 2
+    x = ctx.astype(c)
+    d = x[:, :half] - lam.astype(c) * x[:, half:]  # (B, N/2, T, 2V)
+    y = d / mx.sqrt((d * d).mean(axis=-1, keepdims=True) + scalar(eps, c)) * scalar(1 - lambda_init, c)
+    return y.astype(ctx.dtype)
+
+
+def differential_stage(config, params: dict, ctx: mx.array) -> mx.array:
+    """The differential stage of a call: differential_lambda from params' differential.lambda_* and the config's
+    lambda_init, then differential."""
+    d = config.differential
+    lam = differential_lambda(*(params[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")), d.lambda_init,
+                              ctx.dtype)
+    return differential(ctx, lam, d.lambda_init, d.eps)
+
+
 def merge_heads(x: mx.array) -> mx.array:
     """(B, N, T, V) -> (B, T, N*V)."""
     B, N, T, V = x.shape

@@ -25,8 +25,7 @@ import numpy as np
 from safetensors.numpy import save as _safetensors_bytes
 
 from .atomic import write_bytes_atomic
-from .config import AttentionConfig
-from .config import DIFFERENTIAL_TENSORS
+from .config import DIFFERENTIAL_TENSORS, AttentionConfig
 from .dtypes import DTYPES, dtype_from_name, extremes_finite, for_value_checks, resolve_dtype
 from .strict_json import _HeaderProblem, _parse_header, _parse_json_text, _short, _show_name, show_names  # noqa: F401
 

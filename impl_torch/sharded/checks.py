@@ -64,6 +64,8 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
                                        is not None and config.rope.scaling.type == "longrope"),
                                       ("latent", config.latent is not None),
                                       ("indexer", config.indexer is not None)) if on]
+    if getattr(config, "differential", None) is not None:  # differential attention (no core subtracts the halves)
+        frontier.append("differential")
     if frontier:
         return (f"the sharded engines do not compute the frontier fields yet (docs/spec-frontier.md): "
                 f"{', '.join(frontier)}")

@@ -166,16 +166,9 @@ def gated(config: AttentionConfig, call: Call, ctx):
 
 def differenced(config: AttentionConfig, call: Call, ctx):
     """The context (B, N, T, 2V) through the differential stage (B, N/2, T, 2V) where the config has one, as the
-    stages run it after attend: the fused cores leave it to this."""
+    stages run it after attend: the fused and chunked cores leave it to this (the chunked one's merged heads
+    split again)."""
     return ctx if config.differential is None else F.differential_stage(config, call.params, ctx)
-
-
-# Why the chunked path refuses differential attention (config.differential), in the words its NotImplementedError
-# carries: the chunked core merges the heads (and gates them) block by block, and the differential stage needs
-# both halves of the heads' context whole (the stages and the fused paths take it).
-DIFFERENTIAL_CHUNKED = ("differential attention is not wired into the chunked core (it merges heads per block; "
-                        "the differential stage needs both halves of the heads): the stages and the fused path "
-                        "take it")
 
 
 def absorbed_heads(config: AttentionConfig, call: Call, *, append: bool = True):
@@ -328,8 +321,6 @@ def multi_head_attention(
             parts += (k, v) + ((call.present_index_keys,) if config.indexer is not None else ())
         return parts[0] if len(parts) == 1 else parts
 
-    if path == "chunked" and config.differential is not None:
-        raise NotImplementedError(DIFFERENTIAL_CHUNKED)
     if path == "chunked":
         if config.latent is not None:  # the absorbed form: one shared head [latent | rotary key], the latent as values
             _, latent, rotary = latent_heads(config, call, query=False)  # (B, 1, S_total, C), (B, 1, S_total, R)
@@ -338,6 +329,8 @@ def multi_head_attention(
         else:
             _, k, v = qkv_heads(config, call, query=False)  # (B, K, S_total, H), (B, K, S_total, V)
             present = (k, v)
+            if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+                v = F.value_pair(v)  # (B, K, S_total, 2V)
         if not return_cache:
             present = (None, None)  # released (eagerly) with k and v before the output projection
         ctx = chunked_attention(
@@ -349,6 +342,8 @@ def multi_head_attention(
             temperature_positions=None if config.query_temperature is None else call.temperature_positions(config),
         )  # (B, T, N*V): the queries are projected (and gated) block by block
         k = v = None
+        if config.differential is not None:  # the merged heads split again, through the differential stage
+            ctx = F.merge_heads(differenced(config, call, F.split_heads(ctx, config.num_heads)))  # (B, T, N*V)
         return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, *present)  # (B, T, O)
     if path == "fused" and call.cache_length is not None:
         return result(in_place_fused(config, call, is_causal, causal_alignment), None, None, None)

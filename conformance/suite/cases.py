@@ -615,6 +615,21 @@ def random_case(seed: int) -> Case:
     return _with_sparse_features(case, sparse) if sparse.random() < 0.3 else case
 
 
+def random_differential_case(seed: int) -> Case:
+    """random_case(seed) made a differential layer (issue 42), for its own sweeps (name random_differential_<seed>):
+    the heads doubled (N and K even), and what differential refuses or replaces dropped (dropout, the output
+    gate, a latent layer, the indexer); lambda_init of a layer drawn in 0..31 and eps from a stream of their
+    own. random_case's own draws are untouched."""
+    case = random_case(seed)
+    rng = np.random.default_rng([seed, 42])
+    c = case.config
+    layer = int(rng.integers(0, 32))
+    config = c.replace(num_heads=2 * c.num_heads, num_kv_heads=2 * c.num_kv_heads, dropout=0.0, output_gate=None,
+                       latent=None, indexer=None, differential={"lambda_init": 0.8 - 0.6 * math.exp(-0.3 * layer),
+                                                                 "eps": float(rng.choice([1e-5, 1e-6]))})
+    return dataclasses.replace(case, name=f"random_differential_{seed}", config=config, training=False)
+
+
 def _with_modern_features(case: Case, rng, pick) -> Case:
     H = case.config.head_dim
     features: dict[str, Any] = {}

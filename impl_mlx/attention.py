@@ -48,6 +48,13 @@ FLOAT64_REFUSAL = ("float64 storage: mx.fast.scaled_dot_product_attention comput
                    "inputs' dtype (its float64 results carry float32's error)")
 
 
+# Why a differential layer whose fully masked rows are NaN (masked_row "nan") takes the stages: the NaN row's
+# cotangent (the differential norm's backward of a NaN context) reaches the fused kernel's backward, which multiplies
+# the masked keys' zero weights by it; the stages' select (functional.select) drops it, as the spec's backward does.
+DIFFERENTIAL_NAN_ROWS = ("masked_row nan with differential: a NaN row's cotangent reaches the fused kernel's "
+                         "backward, which multiplies the masked keys' zero weights by it (the stages drop it)")
+
+
 def plan(config: AttentionConfig, *, return_weights: bool, traced: bool, chunk_size: int | None, dropout: bool,
          dtype) -> Plan:
     """The path of a call: the chunked core when chunk_size is given; the stages when the weights or the trace
@@ -64,6 +71,8 @@ def plan(config: AttentionConfig, *, return_weights: bool, traced: bool, chunk_s
         return Plan("stages", "a logit softcap has no counterpart in mx.fast.scaled_dot_product_attention")
     if dtype == np.float64:
         return Plan("stages", FLOAT64_REFUSAL)
+    if config.differential is not None and config.masked_row == "nan":
+        return Plan("stages", DIFFERENTIAL_NAN_ROWS)
     return Plan("fused", "no weights, no trace, no dropout, no softcap, 32- or 16-bit storage")
 
 

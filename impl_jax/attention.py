@@ -206,6 +206,8 @@ def apply(
         raise ValueError(f"a traced cache_length attends over the whole buffer and cannot take {given} (sized "
                          "by P + S, unknown at trace time): pass cache_length as a Python int (static)")
     p, pr, dtype = call.params, precision, call.dtype
+    if chunk_size is not None and config.differential is not None:
+        raise NotImplementedError(DIFFERENTIAL_CHUNKED)
     if chunk_size is not None:
         common = dict(mask=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal,
                       causal_alignment=causal_alignment, chunk_size=chunk_size, precision=precision)
@@ -234,6 +236,7 @@ def apply(
     # two parts (at P 32768 under jax.jit, 2 x 128 MiB: attention on the cache alone 67-71 ms,
     # concatenate then attention 133-163 ms, on the 2-core Xeon VM, 2026-11-25).
     parts = fused and call.past_key is not None and not return_cache and config.latent is None
+    parts = parts and config.differential is None  # differential: value_pair reads every value (the cache's too)
     in_place = call.cache_length is not None
     # An in-place cache on the fused path is read whole, the positions past P+S hidden (fused_attention's
     # key_count): XLA CPU writes a slice [:P+S] of the written buffer out before the dot, and then copies
@@ -253,6 +256,8 @@ def apply(
     else:
         q, k, v = qkv_heads(config, call, pr, rec, append=not parts, whole=whole)
         cache = k, v
+        if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+            v = rec("value.pair", F.value_pair(v))  # (B, K, S_total, 2V)
     allowed = call.allowed(config, is_causal, causal_alignment, tail=not fused)
     if fused:
         # nothing asks for the stages between: logits .. attend as one expression (the same
@@ -276,6 +281,8 @@ def apply(
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
         ctx = rec("attend", F.attend(wd, v, pr))  # (B, N, T, V)
+    if config.differential is not None:  # the halves subtracted with lambda, normed, scaled
+        ctx = rec("differential", F.differential_stage(config, p, ctx))  # (B, N/2, T, 2V)
     if config.output_gate is not None:
         g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias"), pr))
         ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
@@ -285,6 +292,14 @@ def apply(
     if call.cache_length is not None:
         k, v = call.past_key, call.past_value  # the written buffers, whole
     return result(out, w if return_weights else None, k, v)
+
+
+# Why the chunked path refuses differential attention (config.differential), in the words its NotImplementedError
+# carries: the chunked core merges the heads and projects the output block by block, and the differential stage
+# needs both halves of the heads' context whole (the stages and the fused path take it).
+DIFFERENTIAL_CHUNKED = ("differential attention is not wired into the chunked core (it merges heads and projects "
+                        "the output per block; the differential stage needs both halves of the heads): the stages "
+                        "and the fused path take it")
 
 
 # The spec's name for the whole call.

@@ -346,6 +346,45 @@ def gate(ctx, gate_logits, num_heads: int):
     return (ctx.astype(ct) * jax.nn.sigmoid(g)).astype(ctx.dtype)
 
 
+# -- differential attention (config.differential: diffllama) ------------------------
+
+def value_pair(v):
+    """VALUE.PAIR: v (B, K, S, V) -> (B, K, S, 2V), kv head g's value joined with its pair's: [v_g' | v_{g'+K/2}],
+    g' = g mod K/2."""
+    half = v.shape[1] // 2
+    joined = jnp.concatenate([v[:, :half], v[:, half:]], axis=-1)  # (B, K/2, S, 2V)
+    return jnp.concatenate([joined, joined], axis=1)  # (B, K, S, 2V)
+
+
+def differential_lambda(lq1, lk1, lq2, lk2, lambda_init: float, dtype):
+    """lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init: a 0-d array in compute
+    dtype."""
+    ct = compute_dtype(dtype)
+    one = jnp.exp(jnp.sum(lq1.astype(ct) * lk1.astype(ct)))
+    two = jnp.exp(jnp.sum(lq2.astype(ct) * lk2.astype(ct)))
+    return one - two + lambda_init
+
+
+def differential(ctx, lam, lambda_init: float, eps: float):
+    """DIFFERENTIAL: ctx (B, N, T, 2V) -> (B, N/2, T, 2V): head n's minus lambda times head n + N/2's, an RMS norm
+    over the 2V features (no weight, eps inside the root), times (1 - lambda_init); in compute dtype, stored."""
+    ct = compute_dtype(ctx.dtype)
+    half = ctx.shape[1] // 2
+    c = ctx.astype(ct)
+    d = c[:, :half] - lam.astype(ct) * c[:, half:]  # (B, N/2, T, 2V)
+    y = d / jnp.sqrt(jnp.mean(d * d, axis=-1, keepdims=True) + eps) * (1 - lambda_init)
+    return y.astype(ctx.dtype)
+
+
+def differential_stage(config, params: dict, ctx):
+    """The differential stage of a call: differential_lambda from params' differential.lambda_* and the config's
+    lambda_init, then differential."""
+    d = config.differential
+    lam = differential_lambda(*(params[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")), d.lambda_init,
+                              ctx.dtype)
+    return differential(ctx, lam, d.lambda_init, d.eps)
+
+
 def merge_heads(x):
     """(B, N, T, V) -> (B, T, N*V)."""
     B, N, T, V = x.shape

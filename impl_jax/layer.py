@@ -75,6 +75,15 @@ class Alibi(nnx.Module):
         self.slopes = nnx.Param(slopes)
 
 
+class Differential(nnx.Module):
+    """Differential attention's lambda vectors (H,) each: a submodule so that the state paths ("differential",
+    "lambda_q1"), ... are the canonical names."""
+
+    def __init__(self, lambda_q1: jax.Array, lambda_k1: jax.Array, lambda_q2: jax.Array, lambda_k2: jax.Array):
+        self.lambda_q1, self.lambda_k1 = nnx.Param(lambda_q1), nnx.Param(lambda_k1)
+        self.lambda_q2, self.lambda_k2 = nnx.Param(lambda_q2), nnx.Param(lambda_k2)
+
+
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention on the common weight format.
 
@@ -123,6 +132,8 @@ class MultiHeadAttention(nnx.Module):
             self.alibi = Alibi(placed["alibi.slopes"])  # (N,)
         if "gate.kernel" in placed:  # (query_dim, N, V) or (query_dim, N), and (N, V) or (N,)
             self.gate = Projection(placed["gate.kernel"], placed.get("gate.bias"))
+        if "differential.lambda_q1" in placed:  # (H,) each
+            self.differential = Differential(*(placed[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")))
 
     @classmethod
     def from_tensors(cls, config: AttentionConfig, tensors: dict[str, np.ndarray], *,

@@ -127,6 +127,9 @@ def mesh(devices: int) -> Mesh:
 def frontier_refusal(config, kind: str) -> str | None:
     """Why this engine cannot take the config's frontier fields, or None: neither core adds ALiBi's bias,
     gates the context or runs a latent layer (MLA), and the ring compares no positions for local chunks."""
+    if getattr(config, "differential", None) is not None:  # differential attention: its own refusal
+        return (f"{kind} sharding does not run differential (no core subtracts one half of the heads' context from "
+                "the other): run the unsharded call")
     why = {"alibi": "no core adds ALiBi's bias", "output_gate": "no core gates the context",
            "local_chunk": "the ring compares no positions",
            "latent": "the cores take expanded heads, and the cache is the latent's",

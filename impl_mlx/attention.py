@@ -48,6 +48,13 @@ FLOAT64_REFUSAL = ("float64 storage: mx.fast.scaled_dot_product_attention comput
                    "inputs' dtype (its float64 results carry float32's error)")
 
 
+# Why a differential layer whose fully masked rows are NaN (masked_row "nan") takes the stages: the NaN row's
+# cotangent (the differential norm's backward of a NaN context) reaches the fused kernel's backward, which multiplies
+# the masked keys' zero weights by it; the stages' select (functional.select) drops it, as the spec's backward does.
+DIFFERENTIAL_NAN_ROWS = ("masked_row nan with differential: a NaN row's cotangent reaches the fused kernel's "
+                         "backward, which multiplies the masked keys' zero weights by it (the stages drop it)")
+
+
 def plan(config: AttentionConfig, *, return_weights: bool, traced: bool, chunk_size: int | None, dropout: bool,
          dtype) -> Plan:
     """The path of a call: the chunked core when chunk_size is given; the stages when the weights or the trace
@@ -64,6 +71,8 @@ def plan(config: AttentionConfig, *, return_weights: bool, traced: bool, chunk_s
         return Plan("stages", "a logit softcap has no counterpart in mx.fast.scaled_dot_product_attention")
     if dtype == np.float64:
         return Plan("stages", FLOAT64_REFUSAL)
+    if config.differential is not None and config.masked_row == "nan":
+        return Plan("stages", DIFFERENTIAL_NAN_ROWS)
     return Plan("fused", "no weights, no trace, no dropout, no softcap, 32- or 16-bit storage")
 
 
@@ -130,6 +139,8 @@ def multi_head_attention(
                 dropout=call.keep is not None, dtype=call.dtype).path
     p = call.params
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
+    if path == "chunked" and config.differential is not None:
+        raise NotImplementedError(DIFFERENTIAL_CHUNKED)
     if path in ("chunked", "fused"):
         values_up = None
         if config.latent is not None:  # the absorbed form: one shared head of width C + R over the latent
@@ -140,6 +151,8 @@ def multi_head_attention(
         else:
             q, k, v = qkv_heads(config, call)
             cache = k, v
+            if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+                v = F.value_pair(v)  # (B, K, S_total, 2V)
         if path == "chunked":
             out = chunked_attention(config, call, q, k, v, is_causal=is_causal, causal_alignment=causal_alignment,
                                     chunk_size=chunk_size, values_up=values_up)
@@ -153,6 +166,8 @@ def multi_head_attention(
         else:
             q, k, v = qkv_heads(config, call, rec)
             present_key, present_value = k, v
+            if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+                v = rec("value.pair", F.value_pair(v))  # (B, K, S_total, 2V)
         allowed = call.allowed(config, is_causal, causal_alignment)
         x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
         if config.logit_softcap is not None:
@@ -163,6 +178,8 @@ def multi_head_attention(
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
         ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+        if config.differential is not None:  # the halves subtracted with lambda, normed, scaled
+            ctx = rec("differential", F.differential_stage(config, p, ctx))  # (B, N/2, T, 2V)
         if config.output_gate is not None:
             g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
             ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)
@@ -174,6 +191,13 @@ def multi_head_attention(
     if return_cache:
         result += (present_key, present_value) + ((call.present_index_keys,) if config.indexer is not None else ())
     return result[0] if len(result) == 1 else result
+
+
+# Why the chunked path refuses differential attention (config.differential), in the words its NotImplementedError
+# carries (impl_jax's reason: the core merges heads and projects per block).
+DIFFERENTIAL_CHUNKED = ("differential attention is not wired into the chunked core (it merges heads and projects "
+                        "the output per block; the differential stage needs both halves of the heads): the stages "
+                        "and the fused path take it")
 
 
 def _fused(config, call, q, k, v, is_causal: bool, causal_alignment: str, values_up):
@@ -195,6 +219,8 @@ def _fused(config, call, q, k, v, is_causal: bool, causal_alignment: str, values
                       bottom_right_causal=only_causal)  # (B, N, T, V|C)
     if values_up is not None:  # the attended latent through each head's value up-projection
         ctx = F.expand_values(ctx, values_up)  # (B, N, T, V)
+    if config.differential is not None:  # the halves subtracted with lambda, normed, scaled: (B, N/2, T, 2V)
+        ctx = F.differential_stage(config, p, ctx)
     if config.output_gate is not None:
         ctx = F.gate(ctx, F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")), config.num_heads)
     return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)

@@ -84,7 +84,7 @@ def clip(x: mx.array, c: float) -> mx.array:
     c rounded to the storage dtype first (clip_bound). Two selects, so that the gradient passes where
     |x| <= the bound, bounds included; a NaN passes as NaN, as np.clip gives it."""
     bound = scalar(float(clip_bound(c, np_dtype(x.dtype))), x.dtype)
-    return mx.where(x > bound, bound, mx.where(x < -bound, -bound, x))
+    return select(x > bound, bound, select(x < -bound, -bound, x))  # select: a NaN cotangent stops at the bound
 
 
 def clip_bound(c: float, dtype) -> np.generic:
@@ -269,6 +269,33 @@ def alibi(x: mx.array, bias: mx.array) -> mx.array:
     return (x.astype(bias.dtype) + bias).astype(x.dtype)
 
 
+# -- a select whose gradient is a select -----------------------------------------------------------------
+
+@mx.custom_function
+def select(c: mx.array, a: mx.array, b: mx.array) -> mx.array:
+    """mx.where(c, a, b) whose VJP selects the cotangent (where(c, g, 0), where(c, 0, g)) as torch's and JAX's do.
+    MLX 0.32's own where multiplies it by the condition instead, so a NaN cotangent reaches the branch not taken
+    (0 * NaN: measured, mx.vjp of where(c, 0, x) with cotangent [nan, 1] at c [True, False] gives [nan, 1]).
+    A NaN cotangent arrives where a differential layer's fully masked row is NaN (masked_row "nan"): its norm's
+    backward is NaN on that row, and the spec's backward drops it at the masked keys."""
+    return mx.where(c, a, b)
+
+
+@select.vjp
+def _select_vjp(primals, cotangent, output):
+    c, a, b = primals
+    zero = mx.zeros_like(cotangent)
+    return mx.zeros_like(c), _fit(mx.where(c, cotangent, zero), a), _fit(mx.where(c, zero, cotangent), b)
+
+
+def _fit(g: mx.array, x: mx.array) -> mx.array:
+    """A broadcast operand's gradient: g summed over the axes x was broadcast along."""
+    if g.ndim > x.ndim:
+        g = g.sum(axis=tuple(range(g.ndim - x.ndim)))
+    axes = tuple(i for i, n in enumerate(x.shape) if n == 1 and g.shape[i] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
 def mask(x: mx.array, allowed, bias) -> mx.array:
     """Add bias, then set disallowed positions to -inf. allowed and bias are
     rank-4 and broadcast to (B, N, T, S). A -inf in bias is a mask, the same
@@ -279,7 +306,7 @@ def mask(x: mx.array, allowed, bias) -> mx.array:
         finite = bias > -mx.inf  # (B|1, N|1, T|1, S|1)
         allowed = finite if allowed is None else allowed & finite
     if allowed is not None:
-        x = mx.where(allowed, x, scalar(-np.inf, x.dtype))
+        x = select(allowed, x, scalar(-np.inf, x.dtype))
     return x
 
 
@@ -304,10 +331,10 @@ def softmax(x: mx.array, masked_row: str, sinks=None) -> mx.array:
     total = w.sum(axis=-1, keepdims=True)
     if sink is not None:
         total = total + exp(sink - row_max)
-    total = mx.where(empty, scalar(1, c), total)
+    total = select(empty, scalar(1, c), total)
     w = w / total
     fill = {"zero": 0.0, "uniform": 1.0 / x.shape[-1], "nan": np.nan}[masked_row]
-    w = mx.where(empty, scalar(fill, c), w)
+    w = select(empty, scalar(fill, c), w)
     return w.astype(x.dtype)
 
 
@@ -340,6 +367,46 @@ def gate(ctx: mx.array, gate_logits: mx.array, num_heads: int) -> mx.array:
     g = gate_logits.astype(c).reshape(B, T, num_heads, -1).transpose(0, 2, 1, 3)  # (B, N, T, V|1)
     g = 1 / (1 + exp(-g))
     return (ctx.astype(c) * g).astype(ctx.dtype)
+
+
+# -- differential attention (config.differential: diffllama) ------------------------
+
+def value_pair(v: mx.array) -> mx.array:
+    """VALUE.PAIR: v (B, K, S, V) -> (B, K, S, 2V), kv head g's value joined with its pair's: [v_g' | v_{g'+K/2}],
+    g' = g mod K/2."""
+    half = v.shape[1] // 2
+    joined = mx.concatenate([v[:, :half], v[:, half:]], axis=-1)  # (B, K/2, S, 2V)
+    return mx.concatenate([joined, joined], axis=1)  # (B, K, S, 2V)
+
+
+def differential_lambda(lq1: mx.array, lk1: mx.array, lq2: mx.array, lk2: mx.array, lambda_init: float,
+                        dtype) -> mx.array:
+    """lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init: a 0-d array in compute
+    dtype (exp: this module's, float64-accurate in float64)."""
+    c = compute_of(dtype)
+    one = exp((lq1.astype(c) * lk1.astype(c)).sum())
+    two = exp((lq2.astype(c) * lk2.astype(c)).sum())
+    return one - two + scalar(lambda_init, c)
+
+
+def differential(ctx: mx.array, lam: mx.array, lambda_init: float, eps: float) -> mx.array:
+    """DIFFERENTIAL: ctx (B, N, T, 2V) -> (B, N/2, T, 2V): head n's minus lambda times head n + N/2's, an RMS norm
+    over the 2V features (no weight, eps inside the root), times (1 - lambda_init); in compute dtype, stored."""
+    c = compute_of(ctx.dtype)
+    half = ctx.shape[1] // 2
+    x = ctx.astype(c)
+    d = x[:, :half] - lam.astype(c) * x[:, half:]  # (B, N/2, T, 2V)
+    y = d / mx.sqrt((d * d).mean(axis=-1, keepdims=True) + scalar(eps, c)) * scalar(1 - lambda_init, c)
+    return y.astype(ctx.dtype)
+
+
+def differential_stage(config, params: dict, ctx: mx.array) -> mx.array:
+    """The differential stage of a call: differential_lambda from params' differential.lambda_* and the config's
+    lambda_init, then differential."""
+    d = config.differential
+    lam = differential_lambda(*(params[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")), d.lambda_init,
+                              ctx.dtype)
+    return differential(ctx, lam, d.lambda_init, d.eps)
 
 
 def merge_heads(x: mx.array) -> mx.array:

@@ -88,6 +88,8 @@ def trace_stages(config: AttentionConfig) -> tuple[str, ...]:
         off.add("alibi")
     if config.output_gate is None:
         off |= {"gate.project", "gate"}
+    if config.differential is None:
+        off |= {"value.pair", "differential"}
     latent = getattr(config, "latent", None)
     if latent is not None:
         if latent.query_rank is None:

@@ -369,6 +369,8 @@ def multi_head_attention(
     else:
         q, k, v = qkv_heads(config, call, rec)
         present_key, present_value = k, v
+    if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+        v = rec("value.pair", F.value_pair(v))  # (B, K, S_total, 2V)
     allowed = call.allowed(config, is_causal, causal_alignment)
     x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
     if config.logit_softcap is not None:
@@ -379,6 +381,8 @@ def multi_head_attention(
     w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
     wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
     ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    if config.differential is not None:  # the halves subtracted with lambda, normed, scaled
+        ctx = rec("differential", F.differential_stage(config, p, ctx))  # (B, N/2, T, 2V)
     if config.output_gate is not None:
         g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
         ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)

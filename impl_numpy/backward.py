@@ -214,7 +214,13 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         wd = F.dropout(w, call.keep, config.dropout)
         kept.update(x0=x0, x=x, w=w, wd=wd)
     x0, x, w, wd = kept["x0"], kept["x"], kept["w"], kept["wd"]
+    dif = config.differential
+    if dif is not None:  # value.pair: each kv head's value joined with its pair's (undone after attend's backward)
+        v = F.value_pair(v)  # (B, K, S_total, 2V)
     ctx_heads = F.attend(wd, v)  # (B, N, T, V)
+    if dif is not None:  # differential: its pieces kept (the true forward's in magnitude mode)
+        ctx_pre = ctx_heads  # (B, N, T, 2V)
+        ctx_heads = _differential_forward(config, p, ctx_pre, kept, magnitude, ct)  # (B, N/2, T, 2V)
     gate_cfg = config.output_gate
     if gate_cfg is not None:  # the gate: sigmoid(x_q Wg + bg), the true forward's in magnitude mode
         if not magnitude:
@@ -235,7 +241,11 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         grads["output.bias"] = ew(d_out.astype(ct).sum(axis=(0, 1)))
     d_ctx = mm(d_out, Wo.T)  # (B, T, N*V)
     # merge_heads
-    d_ctx = d_ctx.reshape(B, T, N, V).transpose(0, 2, 1, 3)  # (B, N, T, V)
+    if dif is not None:  # merge_heads of (B, N/2, T, 2V), then differential undone: (B, N, T, 2V)
+        d_ctx = _differential_back(config, p, d_ctx.reshape(B, T, N // 2, 2 * V).transpose(0, 2, 1, 3), ctx_pre,
+                                   kept, magnitude, ct, grads)
+    else:
+        d_ctx = d_ctx.reshape(B, T, N, V).transpose(0, 2, 1, 3)  # (B, N, T, V)
     d_gate_input = None
     if gate_cfg is not None:
         # gate: ctx = ctx_pre * g, g = sigmoid(l): d ctx_pre = d ctx * g; d l = sum_V(d ctx * ctx_pre) * g (1 - g)
@@ -253,6 +263,8 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     # attend: ctx = wd @ v (grouped)
     d_wd = mm(_grouped(d_ctx, K), v.swapaxes(-1, -2)).reshape(B, N, T, S_total)
     d_v = mm(_grouped(wd, K).swapaxes(-1, -2), _grouped(d_ctx, K))  # (B, K, S_total, V)
+    if dif is not None:  # value.pair undone: each half of a pair's gradient to its own kv head, both copies summed
+        d_v = _value_pair_back(d_v, ct, dtype)  # (B, K, S_total, V)
     # dropout
     keep = call.keep
     d_w = d_wd if keep is None else ew(np.where(keep, d_wd.astype(ct) / ct.type(1.0 - config.dropout), 0))
@@ -392,6 +404,60 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     if d_gate_input is not None:  # the gate reads the query input too
         grads["query"] = ew(grads["query"].astype(ct) + d_gate_input.astype(ct))
     return out, kept, grads
+
+
+# -- differential attention (config.differential) ----------------------------------
+
+def _differential_forward(config, p, ctx, kept, magnitude, ct):
+    """functional.differential on ctx (B, N, T, 2V), its pieces kept: e1 = exp(q1 . k1), e2 = exp(q2 . k2),
+    lambda, xhat = d r, r = 1 / sqrt(mean(d^2) + eps) of d = ctx_1 - lambda ctx_2. Magnitude mode (ctx the
+    attended magnitudes): |s| r (m_1 + |lambda| m_2), the true forward's r and lambda (a norm divides upstream
+    error by the RMS it divides by, as functional.norm's rule)."""
+    dif, half = config.differential, ctx.shape[1] // 2
+    s = ct.type(1 - dif.lambda_init)
+    c = ctx.astype(ct)
+    if magnitude:
+        _, _, lam, _, r = kept["differential"]
+        return ((c[:, :half] + np.abs(lam) * c[:, half:]) * r * np.abs(s)).astype(ctx.dtype)
+    e1, e2 = (np.exp((p[f"differential.lambda_q{i}"].astype(ct) * p[f"differential.lambda_k{i}"].astype(ct)).sum())
+              for i in (1, 2))
+    lam = F.differential_lambda(*(p[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")),
+                                dif.lambda_init, ctx.dtype)
+    d = c[:, :half] - lam * c[:, half:]  # (B, N/2, T, 2V)
+    r = 1 / np.sqrt((d * d).mean(axis=-1, keepdims=True) + ct.type(dif.eps))
+    kept["differential"] = (e1, e2, lam, d * r, r)
+    return F.differential(ctx, lam, dif.lambda_init, dif.eps)
+
+
+def _differential_back(config, p, d_y, ctx, kept, magnitude, ct, grads):
+    """differential undone: d_y (B, N/2, T, 2V) -> d ctx (B, N, T, 2V); grads of the four lambda vectors.
+    y = s xhat, xhat = d r: dd = r (s dy - xhat mean(s dy xhat)); d ctx_1 = dd, d ctx_2 = -lambda dd;
+    d lambda = -sum(dd ctx_2); lambda = e1 - e2 + lambda_init: d q1 = d lambda e1 k1, d k1 = d lambda e1 q1,
+    d q2 = -d lambda e2 k2, d k2 = -d lambda e2 q2. Magnitude mode: every difference a sum."""
+    e1, e2, lam, xhat, r = kept["differential"]
+    half = ctx.shape[1] // 2
+    s = ct.type(1 - config.differential.lambda_init)
+    if magnitude:
+        xhat, s, lam = np.abs(xhat), np.abs(s), np.abs(lam)
+    dxh = d_y.astype(ct) * s
+    inner = xhat * (dxh * xhat).mean(axis=-1, keepdims=True)
+    dd = r * (dxh + inner if magnitude else dxh - inner)  # (B, N/2, T, 2V)
+    d_lam = (dd * ctx[:, half:].astype(ct)).sum()
+    sign = 1 if magnitude else -1
+    d_lam = sign * d_lam
+    for i, e, sg in ((1, e1, 1), (2, e2, sign)):
+        q, k = p[f"differential.lambda_q{i}"].astype(ct), p[f"differential.lambda_k{i}"].astype(ct)
+        grads[f"differential.lambda_q{i}"] = (sg * d_lam * e * k).astype(ctx.dtype)
+        grads[f"differential.lambda_k{i}"] = (sg * d_lam * e * q).astype(ctx.dtype)
+    return np.concatenate([dd, sign * lam * dd], axis=1).astype(ctx.dtype)  # (B, N, T, 2V)
+
+
+def _value_pair_back(d_pair, ct, dtype):
+    """functional.value_pair undone: d_pair (B, K, S, 2V) -> (B, K, S, V); kv head j < K/2 gets the first V
+    features of both copies of its pair, j + K/2 the last V."""
+    half, V = d_pair.shape[1] // 2, d_pair.shape[-1] // 2
+    both = d_pair[:, :half].astype(ct) + d_pair[:, half:].astype(ct)  # (B, K/2, S, 2V)
+    return np.concatenate([both[..., :V], both[..., V:]], axis=1).astype(dtype)
 
 
 def _fold(config, grads, key_given, value_given, dtype):

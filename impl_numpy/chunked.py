@@ -307,6 +307,7 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
     # A cache nobody asks back is never concatenated (a copy of the whole cache per step): the core
     # reads it and the new keys as parts.
     parts = call.past_key is not None and not return_cache and call.cache_length is None
+    parts = parts and config.differential is None  # differential: value_pair reads every value (the cache's too)
     ct = compute_dtype(call.dtype)
     if config.latent is not None:  # the absorbed form (latent.py): one shared head of width C + R over the latent
         q, latent, rotary = latent_heads(config, call)  # (B, N, T, H), (B, 1, S_total, C), (B, 1, S_total, R)
@@ -324,6 +325,9 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
         q, k, v = qkv_heads(config, call, append=not parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
     if parts:
         k, v = KeyParts((call.past_key, k)), KeyParts((call.past_value, v))  # (B, K, S_total, .) as parts
+    present_value = v
+    if config.differential is not None:  # each kv head's value joined with its pair's: (B, K, S_total, 2V)
+        v = F.value_pair(v)
     q = q.astype(ct) * ct.type(config.effective_scale)
     positioned = config.alibi or config.local_chunk is not None
     ctx = chunked_attention_core(config, q, k, v, mask=call.mask4 if cols is None else mask, bias=call.bias4, keep=call.keep,
@@ -337,6 +341,8 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
     if config.latent is not None:  # the attended latent through each head's value up-projection; the present cache
         ctx = F.expand_values(ctx, p["value.kernel"])  # (B, N, T, V)
         k, v = latent, rotary
+    if config.differential is not None:  # the halves subtracted with lambda, normed, scaled: (B, N/2, T, 2V)
+        ctx, v = F.differential_stage(config, p, ctx), present_value
     if config.output_gate is not None:
         ctx = F.gate(ctx, F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")), config.num_heads)
     if parts:

@@ -340,6 +340,48 @@ def output(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray | None, out: np.n
     return _product_plus_bias(y, bias, x.dtype)
 
 
+# -- differential attention (config.differential: diffllama) ------------------------
+
+def value_pair(v: np.ndarray) -> np.ndarray:
+    """VALUE.PAIR: v (B, K, S, V) -> (B, K, S, 2V), kv head g's value joined with its pair's: [v_g' | v_{g'+K/2}],
+    g' = g mod K/2 (diffllama's value halves, each repeated over the two halves of the kv heads). Query heads n
+    and n + N/2 then read the same 2V-wide value (n // G and n // G + K/2 pair to the same g')."""
+    half = v.shape[1] // 2
+    joined = np.concatenate([v[:, :half], v[:, half:]], axis=-1)  # (B, K/2, S, 2V)
+    return np.concatenate([joined, joined], axis=1)  # (B, K, S, 2V)
+
+
+def differential_lambda(lq1: np.ndarray, lk1: np.ndarray, lq2: np.ndarray, lk2: np.ndarray, lambda_init: float,
+                        dtype) -> np.ndarray:
+    """lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init: a 0-d array in compute
+    dtype (diffllama sums the products in float32 whatever the model's dtype)."""
+    ct = compute_dtype(dtype)
+    one = np.exp((lq1.astype(ct) * lk1.astype(ct)).sum())
+    two = np.exp((lq2.astype(ct) * lk2.astype(ct)).sum())
+    return np.asarray(one - two + ct.type(lambda_init), dtype=ct)
+
+
+def differential(ctx: np.ndarray, lam: np.ndarray, lambda_init: float, eps: float) -> np.ndarray:
+    """DIFFERENTIAL: the context of every query head, ctx (B, N, T, 2V) -> (B, N/2, T, 2V): head n's minus lambda
+    times head n + N/2's ((w_n - lambda w_{n+N/2}) @ the pair's value), an RMS norm over the 2V features (no
+    weight, eps inside the root), times (1 - lambda_init); in compute dtype, stored."""
+    ct = compute_dtype(ctx.dtype)
+    half = ctx.shape[1] // 2
+    c = ctx.astype(ct)
+    d = c[:, :half] - lam.astype(ct) * c[:, half:]  # (B, N/2, T, 2V)
+    y = d / np.sqrt((d * d).mean(axis=-1, keepdims=True) + ct.type(eps)) * ct.type(1 - lambda_init)
+    return y.astype(ctx.dtype)
+
+
+def differential_stage(config, params: dict, ctx: np.ndarray) -> np.ndarray:
+    """The differential stage of a call: differential_lambda from params' differential.lambda_* and the config's
+    lambda_init, then differential."""
+    d = config.differential
+    lam = differential_lambda(*(params[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")), d.lambda_init,
+                              ctx.dtype)
+    return differential(ctx, lam, d.lambda_init, d.eps)
+
+
 # `mask` is both a stage and an argument name; callers use this alias.
 mask_stage = mask
 

@@ -82,6 +82,25 @@ from .backward import _norm_parts, _rope_join, _rope_pair
 CACHE_NAMES = ("present_key", "present_value")
 
 
+def _differential_magnitude(config, p, true_ctx, mag_ctx):
+    """|1 - lambda_init| r (m_1 + |lambda| m_2) for mag_ctx (B, N, T, 2V) -> (B, N/2, T, 2V): r the true
+    differential's 1 / sqrt(mean(d^2) + eps), d = ctx_1 - lambda ctx_2 of the true attended context; lambda
+    the true one (p: the call's own tensors, not their magnitudes)."""
+    dif, half = config.differential, true_ctx.shape[1] // 2
+    lam = F.differential_lambda(*(p[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")),
+                                dif.lambda_init, np.float64)
+    d = true_ctx[:, :half] - lam * true_ctx[:, half:]
+    r = 1 / np.sqrt((d * d).mean(axis=-1, keepdims=True) + dif.eps)
+    # Twice that: the context is stored (rounded) before the subtraction, and the norm turns a rounding of the
+    # context's size into one of d's unit RMS. Two correct 16-bit paths round it at different places (the stages
+    # round the weights and the context, the fused and chunked cores the context alone), up to 3.5 roundings of
+    # the pair's magnitude apart at the output (weights, both contexts, both normed results, both outputs), where
+    # the 16-bit policy grants two (2u relative); elsewhere the same-precision reference's error covers that, but
+    # not where r is large (the sweep of differential seeds 993100-993599: random_differential_993253, chunked
+    # float16 margin 1.05 with the pair's magnitude once)
+    return 2 * abs(1 - dif.lambda_init) * r * (mag_ctx[:, :half] + abs(lam) * mag_ctx[:, half:])
+
+
 def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
                        causal_alignment="top_left", training=False, dropout_mask=None, seed=None, positions=None,
                        key_positions=None, past_key=None, past_value=None, segment_ids=None,
@@ -224,6 +243,9 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
             k = np.concatenate([np.abs(call.past_key), k], axis=2)  # (B, K, P+S, H)
             v = np.concatenate([np.abs(call.past_value), v], axis=2)  # (B, K, P+S, V)
         mags["present_key"], mags["present_value"] = k, v
+    # value.pair (differential): the same join of each kv head's value magnitudes with its pair's
+    if config.differential is not None:
+        v = rec("value.pair", F.value_pair(v))  # (B, K, P+S, 2V)
     # logits: |scale| * mag_q @ mag_k^T, query head n reading key head n // G
     x = rec("logits", F.logits(q, k, abs(config.effective_scale)))  # (B, N, T, P+S)
     # softcap: c tanh(x / c) has slope <= 1, so |softcap(x)| <= |x|: the magnitude passes through
@@ -258,6 +280,15 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
             errs["dropout"] = errs["softmax"] * keep
             err_ctx = F.attend(wm * keep, v) + zbar * np.nan_to_num(np.abs(true["attend"]))
         errs["attend"] = err_ctx
+    # differential: d = ctx_1 - lambda ctx_2 has magnitude m_1 + |lambda| m_2; the RMS norm divides it by the TRUE
+    # d's RMS (1 / r, as the norm rule) and (1 - lambda_init) scales it: |1 - lambda_init| r (m_1 + |lambda| m_2),
+    # counted twice (_differential_magnitude says why).
+    # lambda's own rounding (a dot product of H terms and two exps) rides on |lambda| m_2. The logit error the
+    # same way (the norm's own rounding, a few ulps of r, is of y's size, covered by the magnitude)
+    if config.differential is not None:
+        ctx = rec("differential", _differential_magnitude(config, call.params, true["attend"], ctx))
+        if logit_errors:
+            err_ctx = errs["differential"] = _differential_magnitude(config, call.params, true["attend"], err_ctx)
     # gate: |x| @ |Wg| + |bg| for its logits; the gated context g * mag(ctx) plus the gate's own error carried
     # by the context: |ctx| g (1 - g) mag(logits) (sigmoid's slope g (1 - g), g the TRUE gate)
     if config.output_gate is not None:

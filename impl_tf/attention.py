@@ -164,6 +164,13 @@ def gated(config: AttentionConfig, call: Call, ctx):
     return F.gate(ctx, F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")), config.num_heads)
 
 
+def differenced(config: AttentionConfig, call: Call, ctx):
+    """The context (B, N, T, 2V) through the differential stage (B, N/2, T, 2V) where the config has one, as the
+    stages run it after attend: the fused and chunked cores leave it to this (the chunked one's merged heads
+    split again)."""
+    return ctx if config.differential is None else F.differential_stage(config, call.params, ctx)
+
+
 def absorbed_heads(config: AttentionConfig, call: Call, *, append: bool = True):
     """A latent layer's absorbed form (impl_numpy/chunked.py's _fused_modern): the query through key.kernel,
     q (B, N, T, C + R); the keys [latent | rotary key] (B, 1, S_total, C + R) as one shared head, the
@@ -200,6 +207,8 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
     else:  # writes the new keys and values at P .. P+S-1
         q, _, _ = qkv_heads(config, call, append=False)
         keys, values = ops.convert_to_tensor(call.past_key), ops.convert_to_tensor(call.past_value)
+        if config.differential is not None:  # each kv head's value joined with its pair's, over the capacity
+            values = F.value_pair(values)  # (B, K, C, 2V)
     S_total, C = call.S_total, call.past_key.shape[2]
     # one bottom-right query (a decode step) sees every key: no causal mask to build
     decode_step = causal_alignment == "bottom_right" and isinstance(call.T, int) and call.T == 1
@@ -217,7 +226,7 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
         is_causal=False, causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
         masked_row=config.masked_row, key_length=ops.convert_to_tensor(S_total, "int32"), **options,
     )  # (B, N, T, V), or the attended latent (B, N, T, C)
-    ctx = gated(config, call, expanded(config, call, ctx))
+    ctx = gated(config, call, differenced(config, call, expanded(config, call, ctx)))
     return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
 
 
@@ -320,6 +329,8 @@ def multi_head_attention(
         else:
             _, k, v = qkv_heads(config, call, query=False)  # (B, K, S_total, H), (B, K, S_total, V)
             present = (k, v)
+            if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+                v = F.value_pair(v)  # (B, K, S_total, 2V)
         if not return_cache:
             present = (None, None)  # released (eagerly) with k and v before the output projection
         ctx = chunked_attention(
@@ -331,17 +342,22 @@ def multi_head_attention(
             temperature_positions=None if config.query_temperature is None else call.temperature_positions(config),
         )  # (B, T, N*V): the queries are projected (and gated) block by block
         k = v = None
+        if config.differential is not None:  # the merged heads split again, through the differential stage
+            ctx = F.merge_heads(differenced(config, call, F.split_heads(ctx, config.num_heads)))  # (B, T, N*V)
         return result(F.output(ctx, p["output.kernel"], p.get("output.bias")), None, *present)  # (B, T, O)
     if path == "fused" and call.cache_length is not None:
         return result(in_place_fused(config, call, is_causal, causal_alignment), None, None, None)
     if path == "fused":
         # a cache nobody asks back is never concatenated: fused_attention takes it and the new keys as parts
         cache_parts = call.past_key is not None and not return_cache and config.latent is None
+        cache_parts = cache_parts and config.differential is None  # value_pair reads every value
         if config.latent is not None:  # the absorbed form: q (B, N, T, C+R) over one shared head (B, 1, S_total, .)
             q, k, v, present = absorbed_heads(config, call)
         else:
             q, k, v = qkv_heads(config, call, append=not cache_parts)  # (B, N, T, H), (B, K, S_total|S, H), (.., V)
             present = (k, v)
+            if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+                v = F.value_pair(v)  # (B, K, S_total, 2V)
         if cache_parts:
             k, v = (call.past_key, k), (call.past_value, v)
         # one bottom-right query (a decode step) sees every key: no causal mask to build and select by
@@ -351,7 +367,7 @@ def multi_head_attention(
             causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
             masked_row=config.masked_row, **_modern_core_options(config, call),
         )  # (B, N, T, V), or the attended latent (B, N, T, C)
-        ctx = gated(config, call, expanded(config, call, ctx))
+        ctx = gated(config, call, differenced(config, call, expanded(config, call, ctx)))
         return result(F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")), None, *present)
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     if config.latent is not None:  # the expanded form: the present cache is the latent and the rotary key
@@ -360,6 +376,8 @@ def multi_head_attention(
     else:
         q, k, v = qkv_heads(config, call, rec)
         present_key, present_value = k, v
+    if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+        v = rec("value.pair", F.value_pair(v))  # (B, K, S_total, 2V)
     allowed = call.allowed(config, is_causal, causal_alignment)
     x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
     if config.logit_softcap is not None:
@@ -370,6 +388,8 @@ def multi_head_attention(
     w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
     wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
     ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+    if config.differential is not None:  # the halves subtracted with lambda, normed, scaled
+        ctx = rec("differential", F.differential_stage(config, p, ctx))  # (B, N/2, T, 2V)
     if config.output_gate is not None:
         g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
         ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)

@@ -356,6 +356,45 @@ def gate(ctx, gate_logits, num_heads: int):
     return _cast(_cast(ctx, ct) * g, ctx.dtype)
 
 
+# -- differential attention (config.differential: diffllama) ------------------------
+
+def value_pair(v):
+    """VALUE.PAIR: v (B, K, S, V) -> (B, K, S, 2V), kv head g's value joined with its pair's: [v_g' | v_{g'+K/2}],
+    g' = g mod K/2."""
+    half = v.shape[1] // 2
+    joined = ops.concatenate([v[:, :half], v[:, half:]], axis=-1)  # (B, K/2, S, 2V)
+    return ops.concatenate([joined, joined], axis=1)  # (B, K, S, 2V)
+
+
+def differential_lambda(lq1, lk1, lq2, lk2, lambda_init: float, dtype):
+    """lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init: a 0-d tensor in compute
+    dtype."""
+    ct = compute_dtype(dtype)
+    one = ops.exp(ops.sum(_cast(lq1, ct) * _cast(lk1, ct)))
+    two = ops.exp(ops.sum(_cast(lq2, ct) * _cast(lk2, ct)))
+    return one - two + constant(lambda_init, ct)
+
+
+def differential(ctx, lam, lambda_init: float, eps: float):
+    """DIFFERENTIAL: ctx (B, N, T, 2V) -> (B, N/2, T, 2V): head n's minus lambda times head n + N/2's, an RMS norm
+    over the 2V features (no weight, eps inside the root), times (1 - lambda_init); in compute dtype, stored."""
+    ct = compute_dtype(ctx.dtype)
+    half = ctx.shape[1] // 2
+    c = _cast(ctx, ct)
+    d = c[:, :half] - _cast(lam, ct) * c[:, half:]  # (B, N/2, T, 2V)
+    y = d / ops.sqrt(bk.mean(d * d, axis=-1, keepdims=True) + constant(eps, ct)) * constant(1 - lambda_init, ct)
+    return _cast(y, ctx.dtype)
+
+
+def differential_stage(config, params: dict, ctx):
+    """The differential stage of a call: differential_lambda from params' differential.lambda_* and the config's
+    lambda_init, then differential."""
+    d = config.differential
+    lam = differential_lambda(*(params[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")), d.lambda_init,
+                              ctx.dtype)
+    return differential(ctx, lam, d.lambda_init, d.eps)
+
+
 def merge_heads(x):
     """(B, N, T, V) -> (B, T, N*V)."""
     B, N, T, V = ops.shape(x)

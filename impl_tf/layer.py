@@ -88,6 +88,8 @@ def _initializer(name: str, num_heads: int):
         return "ones"
     if name == "alibi.slopes":
         return keras.initializers.Constant(bloom_slopes(num_heads))
+    if name.startswith("differential."):  # the lambda vectors: diffllama's N(0, lambda_std_dev 0.1)
+        return keras.initializers.RandomNormal(stddev=0.1)
     if name == "gate.kernel" or (name.startswith("indexer.") and name.endswith(".kernel")):
         return "glorot_uniform"
     return "zeros"
@@ -193,7 +195,8 @@ class MultiHeadAttention(keras.layers.Layer):
             self.extra_variables = {}
             for name, shape in c.tensor_shapes().items():
                 if (".norm." in name or name in ("sinks", "alibi.slopes", "gate.kernel", "gate.bias")
-                        or name.startswith("indexer.")):  # the indexer's (no gradient reaches them from the output)
+                        or name.startswith("indexer.")  # the indexer's (no gradient reaches them from the output)
+                        or name.startswith("differential.")):  # differential attention's lambda vectors
                     first = _initializer(name, N) if _given is None else _Given(_given[name])
                     self.extra_variables[name] = self.add_weight(shape=shape, initializer=first,
                                                                  name=name.replace(".", "_"))

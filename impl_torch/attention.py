@@ -97,6 +97,14 @@ class Call:
                             config.alibi_bias_dtype)
 
 
+# Why a differential layer whose fully masked rows are NaN (masked_row "nan") takes the stages: the NaN row's context
+# reaches the differential norm's backward, whose cotangent for that row is NaN, and SDPA's backward multiplies the
+# masked keys' zero weights by it (0 * NaN: NaN key gradients, random_differential_993172); the stages' selects
+# drop it, as the spec's backward does.
+DIFFERENTIAL_NAN_ROWS = ("masked_row nan with differential: a NaN row's cotangent reaches the fused kernel's "
+                         "backward, which multiplies the masked keys' zero weights by it (the stages drop it)")
+
+
 def plan(config: AttentionConfig, *, use_sdpa: bool, return_weights: bool, traced: bool, dropout: bool) -> Plan:
     """The path of a call: SDPA (sdpa.py) where the caller asks for it and it
     computes the same thing; the stages otherwise, each predicate named.
@@ -111,6 +119,8 @@ def plan(config: AttentionConfig, *, use_sdpa: bool, return_weights: bool, trace
         return Plan("stages", "a logit softcap has no SDPA counterpart")
     if config.use_sinks:
         return Plan("stages", "attention sinks have no SDPA counterpart")
+    if config.differential is not None and config.masked_row == "nan":
+        return Plan("stages", DIFFERENTIAL_NAN_ROWS)
     return Plan("sdpa", "use_sdpa, and nothing SDPA cannot compute")
 
 
@@ -592,6 +602,8 @@ def multi_head_attention(
     else:
         q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
         present_key, present_value = k, v
+    if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
+        v = rec("value.pair", F.value_pair(v))  # (B, K, S_total, 2V)
     w = None
     if will_use_sdpa:
         bias4 = call.bias4
@@ -611,6 +623,8 @@ def multi_head_attention(
         ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
     if absorbed:  # the attended latent (B, N, T, C) through each head's value up-projection
         ctx = F.expand_values(ctx, p["value.kernel"])  # (B, N, T, V)
+    if config.differential is not None:  # the halves subtracted with lambda, normed, scaled
+        ctx = rec("differential", F.differential_stage(config, p, ctx))  # (B, N/2, T, 2V)
     if config.output_gate is not None:
         g = rec("gate.project", F.gate_project(call.query, p["gate.kernel"], p.get("gate.bias")))
         ctx = rec("gate", F.gate(ctx, g, config.num_heads))  # (B, N, T, V)

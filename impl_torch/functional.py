@@ -303,6 +303,46 @@ def gate(ctx: torch.Tensor, gate_logits: torch.Tensor, num_heads: int) -> torch.
     return (ctx.to(ct) * torch.sigmoid(g)).to(ctx.dtype)
 
 
+# -- differential attention (config.differential: diffllama) ------------------------
+
+def value_pair(v: torch.Tensor) -> torch.Tensor:
+    """VALUE.PAIR: v (B, K, S, V) -> (B, K, S, 2V), kv head g's value joined with its pair's: [v_g' | v_{g'+K/2}],
+    g' = g mod K/2."""
+    half = v.shape[1] // 2
+    joined = torch.cat([v[:, :half], v[:, half:]], dim=-1)  # (B, K/2, S, 2V)
+    return torch.cat([joined, joined], dim=1)  # (B, K, S, 2V)
+
+
+def differential_lambda(lq1: torch.Tensor, lk1: torch.Tensor, lq2: torch.Tensor, lk2: torch.Tensor,
+                        lambda_init: float, dtype: torch.dtype) -> torch.Tensor:
+    """lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init: a 0-d tensor in compute
+    dtype."""
+    ct = compute_dtype(dtype)
+    one = torch.exp((lq1.to(ct) * lk1.to(ct)).sum())
+    two = torch.exp((lq2.to(ct) * lk2.to(ct)).sum())
+    return one - two + lambda_init
+
+
+def differential(ctx: torch.Tensor, lam: torch.Tensor, lambda_init: float, eps: float) -> torch.Tensor:
+    """DIFFERENTIAL: ctx (B, N, T, 2V) -> (B, N/2, T, 2V): head n's minus lambda times head n + N/2's, an RMS norm
+    over the 2V features (no weight, eps inside the root), times (1 - lambda_init); in compute dtype, stored."""
+    ct = compute_dtype(ctx.dtype)
+    half = ctx.shape[1] // 2
+    c = ctx.to(ct)
+    d = c[:, :half] - lam.to(ct) * c[:, half:]  # (B, N/2, T, 2V)
+    y = d / torch.sqrt((d * d).mean(dim=-1, keepdim=True) + eps) * (1 - lambda_init)
+    return y.to(ctx.dtype)
+
+
+def differential_stage(config, params: dict, ctx: torch.Tensor) -> torch.Tensor:
+    """The differential stage of a call: differential_lambda from params' differential.lambda_* and the config's
+    lambda_init, then differential."""
+    d = config.differential
+    lam = differential_lambda(*(params[f"differential.lambda_{n}"] for n in ("q1", "k1", "q2", "k2")), d.lambda_init,
+                              ctx.dtype)
+    return differential(ctx, lam, d.lambda_init, d.eps)
+
+
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """(B, N, T, V) -> (B, T, N*V)."""
     B, N, T, V = x.shape

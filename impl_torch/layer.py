@@ -79,7 +79,8 @@ def _layout(config: AttentionConfig) -> dict[str, tuple[str, str, tuple[int, ...
     out = {}
     for name, shape in config.tensor_shapes().items():
         *owner, last = name.split(".")
-        if name in ("sinks", "alibi.slopes"):  # sinks, alibi.slopes -> alibi_slopes: parameters of the layer itself
+        if name in ("sinks", "alibi.slopes") or name.startswith("differential."):  # sinks, alibi.slopes ->
+            # alibi_slopes, differential.lambda_q1 -> differential_lambda_q1: parameters of the layer itself
             out[name] = ("", name.replace(".", "_"), shape)
         else:  # query.kernel -> query.weight (transposed), query.norm.scale -> query_norm.weight,
             # query.down.kernel -> query_down.weight, query.down.norm.scale -> query_down_norm.weight, ...
@@ -159,6 +160,9 @@ class MultiHeadAttention(nn.Module):
         if c.output_gate is not None:  # gate.kernel (D, N, V) or (D, N) as one nn.Linear from the query input
             per_head = c.value_head_dim if c.output_gate.scope == "element" else 1
             self.gate = nn.Linear(c.query_dim, c.num_heads * per_head, bias=c.output_gate.bias, **kw)
+        if c.differential is not None:  # the lambda vectors (H,): diffllama's N(0, lambda_std_dev 0.1)
+            for n in ("q1", "k1", "q2", "k2"):
+                setattr(self, f"differential_lambda_{n}", nn.Parameter(0.1 * torch.randn(c.head_dim, **kw)))
 
     def _build_latent(self, kw) -> None:
         """A latent layer's modules (DeepSeek V3's q_a_proj, q_a_layernorm, q_b_proj / q_proj,

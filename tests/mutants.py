@@ -241,6 +241,8 @@ def _port(config, tensors, inputs, options, bug=None):
         if bug == "weights_after_dropout":
             weights_out = w
     ctx = mm(w, v)  # (B, N, T, V)
+    if config.get("differential"):  # the paper's form: the weights subtracted first, then the pair's value
+        ctx = _differential(config["differential"], t, w, v, mm, bug)  # (B, N/2, T, 2V)
     gate = config.get("output_gate")
     if gate:  # sigmoid of the query input's own projection, per feature of each head or per head
         g = mm(q_in, t["gate.kernel"].reshape(q_in.shape[-1], -1)) + (t["gate.bias"].reshape(-1) if "gate.bias" in t
@@ -260,6 +262,21 @@ def _port(config, tensors, inputs, options, bug=None):
     if options.get("return_cache"):
         result["present_key"], result["present_value"] = (x.astype(dtype) for x in present)
     return result
+
+
+def _differential(dif, t, w, v, mm, bug):
+    """Differential attention written the paper's way (Ye et al. 2024), not the spec's: head n's weights minus
+    lambda times head n + N/2's, (B, N/2, T, S), over the value pair [v_g | v_{g+K/2}] (v here (B, N, S, V),
+    already repeated per query head: query head n + N/2 reads kv head g + K/2), then the RMS norm and the
+    (1 - lambda_init) scale. lambda = exp(q1 . k1) - exp(q2 . k2) + lambda_init."""
+    half = w.shape[1] // 2
+    lambda_init = 0.8 - 0.6 * np.exp(-0.3 * 0) if bug == "differential_lambda_init_layer0" else dif["lambda_init"]
+    lam = (np.exp(t["differential.lambda_q1"] @ t["differential.lambda_k1"])
+           - np.exp(t["differential.lambda_q2"] @ t["differential.lambda_k2"]) + lambda_init)
+    pair = np.concatenate([v[:, :half], v[:, half:]], axis=-1)  # (B, N/2, S, 2V)
+    ctx = mm(w[:, :half] - lam * w[:, half:], pair)  # (B, N/2, T, 2V)
+    ctx = ctx / np.sqrt((ctx * ctx).mean(axis=-1, keepdims=True) + dif["eps"])
+    return ctx if bug == "differential_scale_dropped" else ctx * (1 - lambda_init)
 
 
 def _qk_norm(y, t, name, heads, H, norm, bug):
@@ -558,6 +575,16 @@ INDEXER_MUTANTS = {
                         "indexer_dsa_prefill"),
     "indexer_causal_after_topk": ("the causal mask applied after the indexer's top-k, not before: future keys take "
                                   "slots, and a query attends to fewer than k keys", "indexer_dsa_prefill"),
+}
+
+
+# Differential attention (config.differential), each bug with the grid case it targets (tests/test_mutants.py runs
+# them on their case, as the topk ones: the whole short grid per mutant would cost tox for bugs only these cases show)
+DIFFERENTIAL_MUTANTS = {
+    "differential_lambda_init_layer0": ("lambda_init of layer 0 (0.8 - 0.6 = 0.2) for every layer, in lambda and in "
+                                        "the (1 - lambda_init) scale: the layer index not passed on",
+                                        "differential_gqa"),
+    "differential_scale_dropped": ("the differential norm's (1 - lambda_init) scale dropped", "differential_decode"),
 }
 
 

@@ -4,7 +4,7 @@ comparison and `mha verify`, and passes the same port without the bug."""
 from __future__ import annotations
 
 import pytest
-from mutants import MUTANTS, MutantAdapter
+from mutants import DIFFERENTIAL_MUTANTS, MUTANTS, MutantAdapter
 
 from conformance.suite.cases import CASES, LONG_GRID
 from conformance.suite.compare import STATUS_FAIL, STATUS_PASS, run_case
@@ -55,3 +55,14 @@ def test_tf32_is_caught_in_float32_itself():
     assert len(failed) >= len(results) // 2, f"TF32 caught in only {len(failed)}/{len(results)} float32 cases"
     least = min(r.margin for r in failed)
     print(f"tf32 in float32: {len(failed)}/{len(results)} cases fail, smallest failing margin {least:.3g}")
+
+
+@pytest.mark.parametrize("bug", list(DIFFERENTIAL_MUTANTS), ids=list(DIFFERENTIAL_MUTANTS))
+def test_differential_mutant_is_caught(bug):
+    """Differential attention's porting bugs fail `mha check`'s comparison on their grid case, in every dtype judged
+    (the same port without the bug passes there: test_the_port_without_bugs_conforms)."""
+    what, name = DIFFERENTIAL_MUTANTS[bug]
+    results = check_results(MutantAdapter(bug), dtypes=("float64", "float32", "bfloat16"), names=[name])
+    missed = [f"{r.dtype}: {r.status} (margin {r.margin:.3g})" for r in results if r.status != STATUS_FAIL]
+    assert not missed, f"mha check missed {bug} ({what}) on {name}: {missed}"
+    print(f"{bug}: {name} fails in {', '.join(f'{r.dtype} (margin {r.margin:.3g})' for r in results)}")

@@ -218,7 +218,12 @@ def test_trace_names_every_stage_in_order():
                             logit_softcap=5.0, use_sinks=True, window_left=1, alibi=True, local_chunk=2,
                             query_temperature={"beta": 0.1, "floor": 2.0}, qkv_clip=1.0,
                             output_gate={"scope": "head"}, value_norm={"type": "rms", "weight": False})
-    for config, expected in ((plain, tuple(s for s in STAGES if s not in optional)), (every, STAGES)):
+    # differential attention (value.pair, differential) takes no output gate: its stages in a config of their own
+    differential = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, differential={"lambda_init": 0.2})
+    with_differential = ("value.pair", "differential")
+    for config, expected in ((plain, tuple(s for s in STAGES if s not in optional)),
+                             (every, tuple(s for s in STAGES if s not in with_differential)),
+                             (differential, tuple(s for s in STAGES if s not in optional or s in with_differential))):
         trace = []
         multi_head_attention(config, weights.init(config, seed=0), np.ones((1, 2, 4), np.float32), trace=trace)
         assert tuple(e.stage for e in trace) == expected, (config, [e.stage for e in trace])

@@ -23,6 +23,7 @@ def test_config_json_round_trip(config):
     # every size resolves; the optional fields (scale, and the modern ones: null = off) may stay None
     nullable = {"scale", "rope", "logit_softcap", "qk_norm", "local_chunk", "query_temperature", "qkv_clip",
                 "output_gate", "value_norm", "latent", "alibi_bias_dtype", "indexer"}
+    nullable |= {"differential"}
     assert all(v is not None for k, v in config.to_dict().items() if k not in nullable), config.to_dict()
 
 

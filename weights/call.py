@@ -42,6 +42,13 @@ LATENT_STAGES = (
     "query.rope", "key.rope", "query.temperature", "key.project", "value.project", "key.split_heads",
     "value.split_heads", "key.join",
 ) + STAGES[STAGES.index("logits"):]
+# Differential attention's stages (config.differential): value.pair before the logits (each kv head's value
+# joined with its pair's: (B, K, S_total, 2V)), differential after attend ((B, N/2, T, 2V): the halves subtracted
+# with lambda, normed and scaled); recorded only there (set after LATENT_STAGES: a latent layer has neither).
+STAGES = (*STAGES[:STAGES.index("logits")], "value.pair", *STAGES[STAGES.index("logits"):STAGES.index("gate.project")],
+          "differential", *STAGES[STAGES.index("gate.project"):])
+OPTIONAL_STAGES = OPTIONAL_STAGES | {"value.pair", "differential"}
+
 
 def stage_order(config) -> tuple[str, ...]:
     """The order a config's trace follows: LATENT_STAGES for a latent layer; else STAGES, with query.norm and

@@ -499,16 +499,51 @@ class Indexer:
         return data
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Differential:
+    """Differential attention (Ye et al. 2024, "Differential Transformer"; transformers' diffllama): the query
+    heads in two halves, n and n + N/2 (n < N/2) one differential head; its value the kv head pair (g, g + K/2),
+    g = n // G, features joined (2V wide); its context (w_n - lambda w_{n+N/2}) @ [v_g | v_{g+K/2}], then an RMS
+    norm over those 2V features (no weight, eps inside the root) times (1 - lambda_init). lambda = exp(lambda_q1 .
+    lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init, the four vectors tensors differential.lambda_* (H,).
+    lambda_init is a number of the layer (a reader computes it from the layer index: diffllama's 0.8 - 0.6
+    exp(-0.3 layer)), never derived here."""
+
+    lambda_init: float  # added to lambda and in the (1 - lambda_init) scale after the norm
+    eps: float = 1e-5  # the RMS norm's, inside the root (diffllama: rms_norm_eps)
+
+    @classmethod
+    def from_value(cls, value: Any) -> Differential | None:
+        if value is None or isinstance(value, Differential):
+            return value
+        data = _object("differential", value, ("lambda_init", "eps"))
+        if "lambda_init" not in data:
+            raise ValueError("differential is missing lambda_init (a number of the layer: diffllama's 0.8 - 0.6 "
+                             "exp(-0.3 layer_index))")
+        return cls(lambda_init=_finite_number("differential.lambda_init", data["lambda_init"]),
+                   eps=_finite_number("differential.eps", data.get("eps", 1e-5), positive=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lambda_init": self.lambda_init, "eps": self.eps}
+
+
+# The differential attention's tensors, each (H,): lambda = exp(q1 . k1) - exp(q2 . k2) + lambda_init.
+DIFFERENTIAL_TENSORS = ("differential.lambda_q1", "differential.lambda_k1", "differential.lambda_q2",
+                        "differential.lambda_k2")
+
+
 # The modern fields and their defaults: `to_json` leaves a field out while it holds its default.
 MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1,
                                    "qk_norm": None, "use_sinks": False, "alibi": False, "local_chunk": None,
                                    "query_temperature": None, "qkv_clip": None, "output_gate": None,
                                    "value_norm": None, "latent": None, "alibi_bias_dtype": None,
                                    "indexer": None}
+MODERN_DEFAULTS["differential"] = None  # differential attention (its own line: merged beside other new fields)
 # The dtypes alibi_bias_dtype may name: Falcon-RW builds its bias in bfloat16 whatever the model's dtype.
 ALIBI_BIAS_DTYPES = ("bfloat16", "float16", "float32")
 # The fields that are objects (a dict converts; to_dict gives their dict form).
 _OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate", "value_norm", "latent", "indexer")
+_OBJECT_FIELDS += ("differential",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -551,6 +586,9 @@ class AttentionConfig:
     # A lightning indexer (DeepSeek V3.2, GLM-5, MiniMax M3; a dict converts): its tensors and its selection of
     # keys (impl_numpy.indexer), fed to the attention as topk_indices; see Indexer and docs/sparse-attention.md
     indexer: Indexer | None = None
+    # Differential attention (diffllama; a dict converts): two softmaxes per output head subtracted with a learned
+    # lambda, an RMS norm per head and the (1 - lambda_init) scale; see Differential and docs/differential-attention.md
+    differential: Differential | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -643,6 +681,7 @@ class AttentionConfig:
         if indexer is not None:
             self._check_indexer(indexer)
         object.__setattr__(self, "indexer", indexer)
+        self._resolve_differential()
         self._check_mrope()
 
     def _check_mrope(self) -> None:
@@ -656,6 +695,24 @@ class AttentionConfig:
             if on:
                 raise ValueError(f"rope.mrope_section cannot be combined with {name} (it reads one position per "
                                  f"token; multimodal positions have three): got {name} {_shown(getattr(self, name))}")
+
+    def _resolve_differential(self) -> None:
+        """differential: a dict converts; what it needs of the other fields (one line each, naming the field)."""
+        differential = Differential.from_value(self.differential)
+        object.__setattr__(self, "differential", differential)
+        if differential is None:
+            return
+        for name, heads in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads)):
+            if heads % 2:
+                raise ValueError(f"{name} must be even with differential (its heads pair as n and n + {name} / 2): "
+                                 f"got {name}={heads}")
+        if self.dropout:
+            raise ValueError(f"dropout must be 0 with differential (two softmaxes subtracted have no one dropout; "
+                             f"diffllama refuses it too): got dropout={self.dropout}")
+        for name in ("output_gate", "latent"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} must be null with differential (the differential head is 2V wide): got "
+                                 f"{_shown(getattr(self, name).to_dict())}")
 
     def _check_indexer(self, indexer: Indexer) -> None:
         """What an indexer needs of the other fields (one line each, naming the field)."""
@@ -723,7 +780,12 @@ class AttentionConfig:
         shapes.update(self._norm_shapes("value", K))
         shapes.update(self._after_attention_shapes())
         shapes.update(self._indexer_shapes())
+        shapes.update(self._differential_shapes())
         return shapes
+
+    def _differential_shapes(self) -> dict[str, tuple[int, ...]]:
+        """differential.lambda_q1, _k1, _q2, _k2: (H,) each (diffllama's lambda vectors)."""
+        return {} if self.differential is None else {name: (self.head_dim,) for name in DIFFERENTIAL_TENSORS}
 
     @property
     def indexer_query_width(self) -> int:

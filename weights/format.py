@@ -25,7 +25,7 @@ import numpy as np
 from safetensors.numpy import save as _safetensors_bytes
 
 from .atomic import write_bytes_atomic
-from .config import AttentionConfig
+from .config import DIFFERENTIAL_TENSORS, AttentionConfig
 from .dtypes import DTYPES, dtype_from_name, extremes_finite, for_value_checks, resolve_dtype
 from .strict_json import _HeaderProblem, _parse_header, _parse_json_text, _short, _show_name, show_names  # noqa: F401
 
@@ -379,6 +379,9 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
         "gate": config.query_dim,
     }
     ranges = {"norm.scale": (0.5, 1.5), "norm.bias": (-0.5, 0.5), "sinks": (-1.0, 1.0), "alibi.slopes": (1 / 16, 0.5)}
+    # differential's lambda vectors in [-0.5, 0.5]: their dot products of H terms move lambda away from lambda_init
+    # by tenths (diffllama draws N(0, 0.1)), so a lambda read wrong shows
+    ranges.update({name: (-0.5, 0.5) for name in DIFFERENTIAL_TENSORS})
     tensors = {}
     latent = config.latent
     if latent is not None:  # the up-projections read the latent (or the query's low-rank latent)

@@ -8,6 +8,7 @@ so every backend, test and vector file sees the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from typing import Any
 
@@ -109,7 +110,7 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
-    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _mrope_grid()
+    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _mrope_grid() + _differential_grid()
 
 
 def _modern_grid() -> list[Case]:
@@ -373,6 +374,22 @@ def _mrope_positions(B: int, L: int, start: int, grid: tuple[int, int, int]) -> 
     return out
 
 
+def _differential_grid() -> list[Case]:
+    """Differential attention (config.differential: diffllama, issue 42): 8 query heads over 4 kv heads (GQA, so
+    that a port pairing kv heads (2g, 2g+1) instead of (g, g + K/2) shows), RoPE, a causal prefill with padding,
+    lambda_init of layer 2 (0.8 - 0.6 exp(-0.6)); a decode step of one token over a cache of 5 (every path's
+    cache, the in-place one included), lambda_init of layer 5. Neither is layer 0's 0.2 (tests/mutants.py).
+    Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    diff = dict(num_heads=8, num_kv_heads=4, query_dim=16, rope={})
+    return [
+        Case("differential_gqa", _cfg(**diff, differential={"lambda_init": 0.8 - 0.6 * math.exp(-0.3 * 2)}), T=6,
+             S=6, mask="padding", is_causal=True),
+        Case("differential_decode", _cfg(**diff, value_head_dim=3, differential={"lambda_init": 0.8 - 0.6 * math.exp(
+            -0.3 * 5), "eps": 1e-6}), T=1, S=1, P=5, return_weights=False, **decode),
+    ]
+
+
 def _long_cfg(**kw) -> AttentionConfig:
     """A realistic length's shape, kept cheap: 4 heads of 8 features over 16 input features, 8 outputs."""
     return _cfg(**{"num_heads": 4, "head_dim": 8, "query_dim": 16, "out_dim": 8, **kw})
@@ -428,6 +445,7 @@ PROFILE_DTYPES: dict[str, tuple[str, ...]] = {"default": DTYPE_NAMES, "long": ("
 CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid(), *_topk_grid(), *_indexer_grid(),
                                                                    *_long_grid()))
 CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | frozenset(case.name for case in _mrope_grid())  # two cases, issue 42
+CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | {case.name for case in _differential_grid()}
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"
@@ -649,6 +667,21 @@ def random_case(seed: int) -> Case:
     # of their own
     mrope = np.random.default_rng([seed, 42])
     return _with_mrope_features(case, mrope) if mrope.random() < 0.5 else case
+
+
+def random_differential_case(seed: int) -> Case:
+    """random_case(seed) made a differential layer (issue 42), for its own sweeps (name random_differential_<seed>):
+    the heads doubled (N and K even), and what differential refuses or replaces dropped (dropout, the output
+    gate, a latent layer, the indexer); lambda_init of a layer drawn in 0..31 and eps from a stream of their
+    own. random_case's own draws are untouched."""
+    case = random_case(seed)
+    rng = np.random.default_rng([seed, 42])
+    c = case.config
+    layer = int(rng.integers(0, 32))
+    config = c.replace(num_heads=2 * c.num_heads, num_kv_heads=2 * c.num_kv_heads, dropout=0.0, output_gate=None,
+                       latent=None, indexer=None, differential={"lambda_init": 0.8 - 0.6 * math.exp(-0.3 * layer),
+                                                                 "eps": float(rng.choice([1e-5, 1e-6]))})
+    return dataclasses.replace(case, name=f"random_differential_{seed}", config=config, training=False)
 
 
 def _with_modern_features(case: Case, rng, pick) -> Case:

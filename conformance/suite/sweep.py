@@ -17,12 +17,13 @@ import sys
 import time
 
 from conformance.suite import backends
-from conformance.suite.cases import DTYPE_NAMES, random_case
+from conformance.suite.cases import DTYPE_NAMES, random_case, random_differential_case
 from conformance.suite.check import DEFAULT_PATH_KINDS, PATH_KINDS, paths_of
 from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case
 
 
-def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KINDS, *, progress=None) -> dict:
+def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KINDS, *, progress=None,
+          make_case=random_case) -> dict:
     """{"runs", "failures": [descriptions], "worst": {"path dtype": (margin, case, quantity)}, "unsupported"}.
     progress(done, runs, failures, summary) after each seed; summary() is the summary of the seeds done."""
     adapter = backends.load(backend_id)
@@ -37,7 +38,7 @@ def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KI
                 "unsupported": dict(unsupported)}
 
     for i, seed in enumerate(seeds):
-        case = random_case(seed)
+        case = make_case(seed)
         for dtype in dtypes:
             for path in paths:
                 r = run_case(case, backend_id, dtype=dtype, adapter=adapter, path=path)
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
     p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATH_KINDS), choices=[*PATH_KINDS, "all"])
     p.add_argument("--json", metavar="FILE", help="write the summary here")
+    p.add_argument("--differential", action="store_true",
+                   help="cases.random_differential_case instead of random_case (differential attention's sweep)")
     args = p.parse_args(argv)
     kinds = PATH_KINDS if "all" in args.paths else tuple(args.paths)
     started = time.perf_counter()
@@ -89,7 +92,8 @@ def main(argv=None) -> int:
             print(f"{args.backend}: {done} seeds, {runs} runs, {failed} failures, "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
-    summary = sweep(args.backend, range(*args.seeds), args.dtypes, kinds, progress=progress)
+    summary = sweep(args.backend, range(*args.seeds), args.dtypes, kinds, progress=progress,
+                    make_case=random_differential_case if args.differential else random_case)
     print(write(summary))
     return 0 if not summary["failures"] else 1
 

@@ -66,6 +66,8 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
                                       ("indexer", config.indexer is not None),
                                       ("rope.mrope_section", config.rope is not None
                                        and config.rope.mrope_section is not None)) if on]
+    if getattr(config, "differential", None) is not None:  # differential attention (no core subtracts the halves)
+        frontier.append("differential")
     if frontier:
         return (f"the sharded engines do not compute the frontier fields yet (docs/spec-frontier.md): "
                 f"{', '.join(frontier)}")

@@ -18,6 +18,7 @@ rounding, not bit-exact).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ _SLIDING_RULES: dict[str, Callable[[Mapping[str, Any], int], bool]] = {
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "olmo2", "gpt_oss",
                   "phi3", "llama4", "llama4_text", "smollm3", "ministral3", "granite", "cohere", "cohere2",
                   *llama_gated.TYPES, *qwen_vl.TYPES)
+HF_LLAMA_TYPES += ("diffllama",)  # differential attention (its reader: _diffllama below)
 
 
 def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
@@ -112,7 +114,27 @@ def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     }
     if model_type in _FRONTIER_TYPES:
         _frontier(cfg, model_type, layer, layer_type, facts)
+    if model_type == "diffllama":
+        _diffllama(cfg, layer, facts)
     return facts
+
+
+# -- diffllama: differential attention ------------------------------------------------------------
+
+def diffllama_lambda_init(layer: int) -> float:
+    """modeling_diffllama.py's lambda_init_fn (transformers 5.23): 0.8 - 0.6 exp(-0.3 layer_idx), the layer
+    index counted from 0. The contract stores the number (config.differential.lambda_init), never the index."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer)
+
+
+def _diffllama(cfg: Mapping[str, Any], layer: int, facts: dict[str, Any]) -> None:
+    """DiffLlamaAttention (modeling_diffllama.py, 5.23): a Llama block (q/k/v/o_proj, RoPE, no window) whose
+    heads pair as n and n + N/2 with lambda_q1, lambda_k1, lambda_q2, lambda_k2 (head_dim,) each, lambda_init
+    of its layer, a weightless RMSNorm(2 head_dim, eps=rms_norm_eps) and the (1 - lambda_init) scale."""
+    facts["modern"]["differential"] = {"lambda_init": diffllama_lambda_init(layer),
+                                       "eps": float(cfg.get("rms_norm_eps", 1e-5))}  # DiffLlamaConfig's default
+
+
 
 
 # -- the frontier model types: NoPE layers, local chunks, the query temperature, Cohere's norm and pairing ---
@@ -203,7 +225,8 @@ FAMILY = (
         sep=".", scope="layers.{layer}.self_attn.", select=True, hf=_llama_config, pairing="half",
         needs_hf_config=True,
         extras=(Extra("q_norm.weight", "query.norm.scale"), Extra("k_norm.weight", "key.norm.scale"),
-                Extra("sinks", "sinks")),
+                Extra("sinks", "sinks"),
+                *(Extra(f"lambda_{n}", f"differential.lambda_{n}") for n in ("q1", "k1", "q2", "k2"))),
         derived=("query.norm.bias", "key.norm.bias"),  # Cohere's LayerNorm has none: zeros
         tables=(
             Table((

@@ -121,6 +121,9 @@ def cannot_express(catalogue: Catalogue, layout: str, config: AttentionConfig, /
             shown = ", ".join(f"{BIAS_FLAG.get(p, p)}={has[p]}" for p in row.parts)
             problems.append(f"{shown} ({row.key} holds the {' and '.join(p.split('.')[0] for p in row.parts)} "
                             "biases together)")
+    if config.differential is not None and "differential.lambda_q1" not in held | extras:
+        problems.append(f"differential={config.differential.to_dict()} ({lay.id} holds no differential.lambda_* "
+                        "tensors; hf-llama does, for diffllama)")
     if config.indexer is not None and not any(part.startswith("indexer.") for part in held | extras):
         problems.append(f"indexer ({lay.id} holds no indexer.* tensors; weights.layouts.indexer converts "
                         "transformers' Indexer modules, and a weights file holds them)")

@@ -446,3 +446,11 @@ def default_positions(positions, P: int, L: int):
     positions = jnp.asarray(positions)
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
+
+
+# -- issue 42: the key multiplier and the value scale (mirrors impl_numpy/functional.py) ---------------
+
+def multiply(x, factor: float):
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F) times a config number, in compute dtype."""
+    ct = compute_dtype(x.dtype)
+    return (x.astype(ct) * jnp.asarray(factor, ct)).astype(x.dtype)

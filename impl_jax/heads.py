@@ -42,6 +42,10 @@ def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", r
         vn = config.value_norm
         v = rec("value.norm", F.norm(v, p.get("value.norm.scale"), p.get("value.norm.bias"), vn.type, vn.eps, K,
                                      vn.scope))
+    if config.key_multiplier != 1.0:
+        k = rec("key.multiplier", F.multiply(k, config.key_multiplier))  # (B, S, K*H)
+    if config.value_scale != 1.0:
+        v = rec("value.scale", F.multiply(v, config.value_scale))  # (B, S, K*V)
     q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
@@ -99,6 +103,10 @@ def trace_stages(config: AttentionConfig) -> tuple[str, ...]:
         off |= {"query.norm", "key.norm"}
     if config.value_norm is None:
         off.add("value.norm")
+    if config.key_multiplier == 1.0:
+        off.add("key.multiplier")
+    if config.value_scale == 1.0:
+        off.add("value.scale")
     if config.rope is None:
         off |= {"query.rope", "key.rope"}
     if config.query_temperature is None:

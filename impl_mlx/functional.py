@@ -419,3 +419,11 @@ def default_positions(positions, P: int, L: int) -> mx.array:
         return (P + mx.arange(L, dtype=mx.int64))[None]  # (1, L)
     positions = positions.astype(mx.int64)
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
+
+
+# -- issue 42: the key multiplier and the value scale (mirrors impl_numpy/functional.py) ---------------
+
+def multiply(x: mx.array, factor: float) -> mx.array:
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F) times a config number, in compute dtype."""
+    c = compute_of(x.dtype)
+    return (x.astype(c) * scalar(factor, c)).astype(x.dtype)

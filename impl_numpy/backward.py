@@ -179,6 +179,11 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
             qn, kn = norm_forward("query", qp, N, norm_cfg), norm_forward("key", kp, K, norm_cfg)
         if config.value_norm is not None:
             vp = norm_forward("value", vp, K, config.value_norm)
+        km, vs = config.key_multiplier, config.value_scale  # functional.multiply (magnitudes: |factor|)
+        if km != 1.0:
+            kn = F.multiply(kn, abs(km) if magnitude else km)
+        if vs != 1.0:
+            vp = F.multiply(vp, abs(vs) if magnitude else vs)
         q, k_new, v_new = F.split_heads(qn, N), F.split_heads(kn, K), F.split_heads(vp, K)
         if rope_cfg is not None:
             R, inter = rope_cfg.rotary_dim, rope_cfg.interleaved
@@ -375,6 +380,11 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         if rope_cfg is not None:
             d_q, d_k = rope_back(d_q, kept["query.rope"]), rope_back(d_k, kept["key.rope"])
         d_q, d_k, d_v = _merge(d_q), _merge(d_k), _merge(d_v)  # (B, L, F): split_heads undone
+        km, vs = config.key_multiplier, config.value_scale  # y = x c: dx = dy c (magnitudes: |c|)
+        if km != 1.0:
+            d_k = F.multiply(d_k, abs(km) if magnitude else km)
+        if vs != 1.0:
+            d_v = F.multiply(d_v, abs(vs) if magnitude else vs)
         # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
         # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
         if norm_cfg is not None and not norm_cfg.after_rope:

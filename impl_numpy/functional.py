@@ -413,3 +413,13 @@ def default_positions(positions, P: int, L: int) -> np.ndarray:
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
 
+
+
+# -- issue 42: the key multiplier and the value scale ---------------------------
+
+def multiply(x: np.ndarray, factor: float) -> np.ndarray:
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F), after its clip and norm, times a config number
+    (Falcon-H1's key_multiplier on k, MiMo-V2's attention_value_scale on v), in compute dtype and stored in
+    the storage dtype (as torch multiplies a 16-bit tensor by a Python float: in float32, rounded once)."""
+    ct = compute_dtype(x.dtype)
+    return (x.astype(ct) * ct.type(factor)).astype(x.dtype)

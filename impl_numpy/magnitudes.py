@@ -204,6 +204,11 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
             k = rec("key.norm", norm("key", k, K, n, true["key" + upstream]))
         if config.value_norm is not None:
             v = rec("value.norm", norm("value", v, K, config.value_norm, true["value" + upstream]))
+        # the key multiplier and the value scale: a product by |c| (one rounding, no sum)
+        if config.key_multiplier != 1.0:
+            k = rec("key.multiplier", F.multiply(k, abs(config.key_multiplier)))
+        if config.value_scale != 1.0:
+            v = rec("value.scale", F.multiply(v, abs(config.value_scale)))
         # split_heads: the same reshape
         q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
         k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)

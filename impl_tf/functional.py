@@ -471,3 +471,11 @@ def rope_tables_of(rope, *positions):
     inv_freq = keras.ops.where(long, keras.ops.convert_to_tensor(inverse_frequencies(rope, long=True), "float64"),
                          keras.ops.convert_to_tensor(inverse_frequencies(rope, long=False), "float64"))  # (R/2,)
     return inv_freq, attention_factor(rope)
+
+
+# -- issue 42: the key multiplier and the value scale (mirrors impl_numpy/functional.py) ---------------
+
+def multiply(x, factor: float):
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F) times a config number, in compute dtype."""
+    ct = compute_dtype(x.dtype)
+    return _cast(_cast(x, ct) * constant(factor, ct), x.dtype)

@@ -393,3 +393,11 @@ def default_positions(positions: torch.Tensor | None, P: int, L: int, device=Non
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
 
+
+
+# -- issue 42: the key multiplier and the value scale (mirrors impl_numpy/functional.py) ---------------
+
+def multiply(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F) times a config number, in compute dtype."""
+    ct = compute_dtype(x.dtype)
+    return (x.to(ct) * factor).to(x.dtype)

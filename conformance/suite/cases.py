@@ -109,7 +109,7 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
-    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid()
+    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _sharing_grid()
 
 
 def _modern_grid() -> list[Case]:
@@ -329,6 +329,19 @@ def _indexer_grid() -> list[Case]:
     ]
 
 
+def _sharing_grid() -> list[Case]:
+    """Issue 42's knobs: MiMo-V2-Flash's value scale and Falcon-H1's key multiplier, together, on a MiMo-shaped
+    layer (V != H, partial RoPE, sinks, GQA) decoding over a cache (the present cache holds the multiplied keys
+    and scaled values, as both models store them). The multipliers are not powers of two, so a port that drops
+    one is off by more than rounding. Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    mimo = dict(num_heads=4, num_kv_heads=2, head_dim=6, value_head_dim=4, rope={"rotary_dim": 2}, use_sinks=True)
+    return [
+        Case("knobs_value_scale_key_multiplier", _cfg(**mimo, key_multiplier=2.7, value_scale=0.61), T=2, S=2, P=3,
+             **decode),
+    ]
+
+
 def _long_cfg(**kw) -> AttentionConfig:
     """A realistic length's shape, kept cheap: 4 heads of 8 features over 16 input features, 8 outputs."""
     return _cfg(**{"num_heads": 4, "head_dim": 8, "query_dim": 16, "out_dim": 8, **kw})
@@ -383,6 +396,7 @@ PROFILE_DTYPES: dict[str, tuple[str, ...]] = {"default": DTYPE_NAMES, "long": ("
 # plain check to about 60 s cold / 40 s warm, float32 and bfloat16 to 54 / 30.4 s, float32 alone to 56.8 / 26.2 s.
 CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid(), *_topk_grid(), *_indexer_grid(),
                                                                    *_long_grid()))
+CHECK_ONE_DTYPE |= frozenset(case.name for case in _sharing_grid())  # issue 42's cases
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"

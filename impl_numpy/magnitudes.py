@@ -188,6 +188,21 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
         k, v = rec("key.split_heads", F.split_heads(k, K)), rec("value.split_heads", F.split_heads(v, K))
         k = rec("key.join", F.join_keys(k, r_new))  # (B, K, P+S, H)
         mags["present_key"], mags["present_value"] = c_all, r_new
+    elif config.kv_shared:  # issue 42: the query's stages by the rules above; k and v the given cache's |values|
+        q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+        n = config.qk_norm
+        if n is not None:
+            q = rec("query.norm", norm("query", q, N, n, true["query.project"]))
+        q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+        if config.rope is not None:
+            q = rec("query.rope", rope(q, call.positions))
+        temperature()
+        if call.cache_length is not None:  # in place: the buffers' first P + S positions
+            k, v = (np.abs(x[:, :, :call.shapes.S_total]) for x in (call.past_key, call.past_value))
+        else:  # the cache before the shared entries, then them: the given cache whole
+            k = np.abs(np.concatenate([call.past_key, call.shared_key], axis=2))  # (B, K, P+S, H)
+            v = np.abs(np.concatenate([call.past_value, call.shared_value], axis=2))  # (B, K, P+S, V)
+        mags["present_key"], mags["present_value"] = k, v  # (B, K, P+S, H|V)
     else:
         q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
         k = rec("key.project", F.project(xk, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)

@@ -627,10 +627,13 @@ class AttentionConfig:
             if getattr(self, name) != 1.0:
                 raise ValueError(f"{name} must be 1 with kv_shared (the layer makes no keys or values of its own; "
                                  f"the layer whose cache it reads applies it): got {getattr(self, name)}")
-        for name in ("latent", "indexer", "value_norm"):
+        for name in ("latent", "indexer", "value_norm", "qkv_clip"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} must be null with kv_shared (the layer has no key or value projection): "
                                  f"got {_shown(getattr(self, name))}")
+        if self.qk_norm is not None and self.qk_norm.after_rope:
+            raise ValueError("qk_norm.after_rope must be false with kv_shared (the shared keys were normed by the "
+                             "layer that made them; the query's norm runs before RoPE, as Gemma 3n's q_norm)")
 
     def _check_indexer(self, indexer: Indexer) -> None:
         """What an indexer needs of the other fields (one line each, naming the field)."""

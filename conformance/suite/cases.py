@@ -339,6 +339,10 @@ def _sharing_grid() -> list[Case]:
     return [
         Case("knobs_value_scale_key_multiplier", _cfg(**mimo, key_multiplier=2.7, value_scale=0.61), T=2, S=2, P=3,
              **decode),
+        # Gemma 3n's shared-KV layer decoding two tokens: no key or value projection, the query's norm and RoPE,
+        # scale 1, a window; the cache (7 entries, the queries' own two last) read and given back unchanged
+        Case("kv_shared_decode", _cfg(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm={"type": "rms"}, rope={},
+                                      scale=1.0, window_left=4, kv_shared=True), T=2, S=0, P=7, **decode),
     ]
 
 
@@ -429,6 +433,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         key = rng.standard_normal((B, case.S, c.key_dim)) * case.input_scale
         value = rng.standard_normal((B, case.S, c.value_dim)) * case.input_scale
     inputs: dict[str, np.ndarray] = {"query": query, "key": key.copy(), "value": value.copy()}
+    if c.kv_shared:  # no key or value input: the keys and values are the cache (issue 42)
+        del inputs["key"], inputs["value"]
 
     def with_one_allowed(m: np.ndarray) -> np.ndarray:
         m = m.copy()

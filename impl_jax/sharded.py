@@ -135,6 +135,9 @@ def frontier_refusal(config, kind: str) -> str | None:
                                   ("local_chunk", kind == "sequence" and config.local_chunk is not None),
                                   ("latent", config.latent is not None),
                                   ("indexer", getattr(config, "indexer", None) is not None)) if on]
+    if getattr(config, "kv_shared", False):  # issue 42
+        why["kv_shared"] = "no engine reads the shared keys from the given cache"
+        used.append("kv_shared")
     if not used:
         return None
     return (f"{kind} sharding does not run {', '.join(used)} ({'; '.join(why[name] for name in used)}): run the "

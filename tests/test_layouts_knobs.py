@@ -168,3 +168,144 @@ def test_mutant_reader_fails_the_policy(mutant, tmp_path_factory, monkeypatch):
     result = compare(f"{model_type}[{layer}] read by {mutant}", ref["output"], seen["out"], tol)
     assert not result.ok, f"{mutant} still passes: {result.describe()}"
     print(result.describe())
+
+
+# -- Gemma 3n: a reuse layer (kv_shared) reads the cache its storing layer made -------------------------------
+
+# layers 0 (sliding, window 4) and 1 (full) store; 2 (sliding) and 3 (full) reuse them: kv_sharing_modes
+GEMMA3N = dict(**TEXT, num_key_value_heads=2, head_dim=8, num_hidden_layers=4, num_kv_shared_layers=2,
+               layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4, laurel_rank=4,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, activation_sparsity_pattern=[0.0] * 4)
+GEMMA3N_PAIRS = ((0, 2), (1, 3))  # (storing layer, reuse layer)
+
+
+def _marks(test):
+    for mark in needs_transformers:
+        test = mark(test)
+    return test
+
+
+@pytest.fixture(scope="module")
+def gemma3n(tmp_path_factory):
+    """({layer: (config, tensors)}, {layer: captured input, output (and a reuse layer's stored keys and values)},
+    config.json)."""
+    if transformers is None:
+        pytest.skip("needs torch and transformers (extra hf)")
+    config = transformers.AutoConfig.for_model("gemma3n_text", **GEMMA3N)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 if "norm" in name else 0.2)
+    model.eval()
+    seen: dict[int, dict] = {}
+    hooks = []
+    for index in range(4):
+        def hook(module, args, kwargs, output, index=index):
+            seen[index] = {"x": kwargs["hidden_states"].detach().numpy().copy(),
+                           "out": output[0].detach().numpy().copy()}
+            if module.is_kv_shared_layer:  # what it attends to: the storing layer's keys and values (B, K, T, H)
+                k, v = kwargs["shared_kv_states"][module.layer_type]
+                seen[index].update(k=k.detach().numpy().copy(), v=v.detach().numpy().copy())
+        hooks.append(model.model.layers[index].self_attn.register_forward_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 3 + T).reshape(1, T), use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    folder = tmp_path_factory.mktemp("gemma3n")
+    model.save_pretrained(folder)
+    blocks = {}
+    for layer in range(4):
+        target = folder / f"block{layer}.safetensors"
+        rc = mha(["convert", "--from", "hf-llama", "--to", "canonical", str(folder), str(target), "--layer", str(layer)])
+        assert rc == 0, f"mha convert of gemma3n_text block {layer} returned {rc}"
+        blocks[layer] = load(target)
+    return blocks, seen, json.loads((folder / "config.json").read_text())
+
+
+@_marks
+def test_gemma3n_config_read(gemma3n):
+    """A reuse layer is kv_shared, with no key or value tensors; the storing layers have their own, the weightless
+    value norm, scale 1; shared_cache_layer names each reuse layer's storing layer."""
+    blocks, _seen, hf_config = gemma3n
+    for store, reuse in GEMMA3N_PAIRS:
+        (stored, stored_tensors), (shared, shared_tensors) = blocks[store], blocks[reuse]
+        assert not stored.kv_shared and stored.value_norm is not None and "key.kernel" in stored_tensors, stored
+        assert shared.kv_shared and shared.value_norm is None, shared
+        assert sorted(shared_tensors) == ["output.kernel", "query.kernel", "query.norm.scale"], sorted(shared_tensors)
+        assert stored.effective_scale == shared.effective_scale == 1.0
+        assert stored.window_left == shared.window_left == (3 if store == 0 else -1), (stored, shared)
+        assert llama_knobs.shared_cache_layer(hf_config, reuse) == store
+        assert llama_knobs.shared_cache_layer(hf_config, store) is None
+
+
+@_marks
+def test_gemma3n_storing_layers_reproduce(gemma3n):
+    """The storing layers (their own k_proj, v_proj, k_norm, weightless v_norm): every core backend, prefill and
+    decode, against the model's own output."""
+    blocks, seen, _ = gemma3n
+    for store, _reuse in GEMMA3N_PAIRS:
+        check_block_reproduced(f"gemma3n[{store}]", *blocks[store], seen[store]["x"], seen[store]["out"])
+
+
+@_marks
+def test_gemma3n_reuse_layer_reads_the_storing_layers_cache(gemma3n):
+    """On every core backend: the storing layer's returned cache is what the model stored (within the policy), and
+    the reuse layer given that cache reproduces the model's own output, prefill (the whole cache) and decode (the
+    prefix's cache, the storing layer's decode step appended, the reuse layer's last query)."""
+    from test_layouts_modern import _check, _installed
+
+    blocks, seen, _ = gemma3n
+    positions = np.arange(T, dtype=np.int64)
+    for store, reuse in GEMMA3N_PAIRS:
+        (stored, stored_tensors), (shared, shared_tensors) = blocks[store], blocks[reuse]
+        x0, x, expected = seen[store]["x"], seen[reuse]["x"], seen[reuse]["out"]
+        cache = {"past_key": seen[reuse]["k"].astype(np.float64), "past_value": seen[reuse]["v"].astype(np.float64)}
+        wide = {k: v.astype(np.float64) for k, v in shared_tensors.items()}
+        ref = backends.load("numpy").forward(shared, wide, {"query": x.astype(np.float64), "positions": positions,
+                                                            **cache}, {"is_causal": True}, trace=True)
+        check = dict(S=T, logits=dict(ref["trace"])["logits"], max_position=T)
+        margins = {"float64": _check(f"gemma3n[{reuse}] float64", ref["output"], expected, shared, **check)}
+        for name, backend in _installed():
+            made = backend.forward(stored, stored_tensors, {"query": x0, "positions": positions},
+                                   {"is_causal": True, "return_cache": True})
+            for part in ("key", "value"):  # the storing layer's cache is the model's (its last stage's tolerance)
+                np.testing.assert_allclose(made[f"present_{part}"], seen[reuse][part[0]], rtol=1e-5, atol=1e-5,
+                                           err_msg=f"gemma3n[{store}] {name} present_{part}")
+            full = backend.forward(shared, shared_tensors, {"query": x, "past_key": made["present_key"],
+                                                            "past_value": made["present_value"]}, {"is_causal": True})
+            margins[name] = _check(f"gemma3n[{reuse}] {name}", full["output"], expected, shared, **check)
+            first = backend.forward(stored, stored_tensors, {"query": x0[:, :-1], "positions": positions[:-1]},
+                                    {"is_causal": True, "return_cache": True})
+            step = backend.forward(stored, stored_tensors, {"query": x0[:, -1:], "positions": positions[-1:],
+                                                            "past_key": first["present_key"],
+                                                            "past_value": first["present_value"]},
+                                   {"is_causal": True, "causal_alignment": "bottom_right", "return_cache": True})
+            last = backend.forward(shared, shared_tensors, {"query": x[:, -1:], "past_key": step["present_key"],
+                                                            "past_value": step["present_value"]},
+                                   {"is_causal": True, "causal_alignment": "bottom_right"})
+            margins[f"{name} decode"] = _check(f"gemma3n[{reuse}] {name} decode", last["output"], expected[:, -1:],
+                                               shared, S=T, logits=check["logits"][..., -1:, :], max_position=T)
+        print(f"gemma3n[{reuse}]: worst margins " + ", ".join(f"{k} {v:.3g}" for k, v in margins.items()))
+
+
+@_marks
+def test_gemma3n_mutant_appending_fails(gemma3n):
+    """A reuse layer that appends the keys it reads to the cache it was given (tests/mutants.py's
+    kv_shared_appends_own_keys, here on the model): its prefill attends to every token twice and places its
+    queries after them; the model's output is missed."""
+    from mutants import MutantAdapter
+
+    blocks, seen, _ = gemma3n
+    store, reuse = GEMMA3N_PAIRS[0]
+    shared, tensors = blocks[reuse]
+    inputs = {"query": seen[reuse]["x"], "past_key": seen[reuse]["k"], "past_value": seen[reuse]["v"]}
+    options = {"is_causal": True, "causal_alignment": "bottom_right", "return_weights": False, "dtype": "float32",
+               "training": False}
+    right = MutantAdapter(None)(shared.to_dict(), tensors, inputs, options)["output"]
+    wrong = MutantAdapter("kv_shared_appends_own_keys")(shared.to_dict(), tensors, inputs, options)["output"]
+    tol = policy_for(shared, dtype="float32", quantity="output", B=1, T=T, S=T, reference=seen[reuse]["out"])
+    assert compare("the hand port", right, seen[reuse]["out"], tol).ok
+    result = compare("the appending port", wrong, seen[reuse]["out"], tol)
+    assert not result.ok, result.describe()
+    print(result.describe())

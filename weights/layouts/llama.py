@@ -218,7 +218,7 @@ FAMILY = (
                 R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),
             ), ties=_DECODER_TIES, note="phi3: fused qkv_proj = [q; k; v]"),
             *_GATED_TABLES.values(),  # picked by config.json (their q_proj is table 0's key)
-            *_KNOB_TABLES.values(),  # mimo_v2_flash's v_head_dim (llama_knobs.py)
+            *_KNOB_TABLES.values(),  # mimo_v2_flash's v_head_dim, gemma3n's kv_shared layers (llama_knobs.py)
         ),
     ),
 )

@@ -1,6 +1,7 @@
-"""hf-llama's decoders with issue 42's knobs: MiMo-V2-Flash (a value scale, value heads narrower than the
-query/key heads, partial RoPE, sinks and twice the kv heads on its sliding layers) and Falcon-H1's attention
-layers (a key multiplier): their config.json reader and table row. llama.py dispatches these model types here.
+"""hf-llama's decoders with issue 42's knobs and cross-layer KV sharing: MiMo-V2-Flash (a value scale, value
+heads narrower than the query/key heads, partial RoPE, sinks and twice the kv heads on its sliding layers),
+Falcon-H1's attention layers (a key multiplier) and Gemma 3n (its last num_kv_shared_layers layers have no
+k_proj, v_proj: kv_shared): their config.json reader and table rows. llama.py dispatches these model types here.
 
 | model_type    | foreign key (layers.{L}.self_attn.) | canonical                           | form   |
 |---------------|-------------------------------------|-------------------------------------|--------|
@@ -8,6 +9,8 @@ layers (a key multiplier): their config.json reader and table row. llama.py disp
 |               | o_proj.weight (D, N*V)               | output.kernel                      | linear |
 |               | attention_sink_bias (N,), sliding    | sinks                              | as is  |
 | falcon_h1     | hf-llama's rows                      | hf-llama's                         | linear |
+| gemma3n, a    | q_proj, o_proj (and q_norm) alone    | query.*, output.* (kv_shared: no   | linear |
+| reuse layer   |                                      | key or value tensors)              |        |
 
 What the models compute (transformers 5.23):
 - modeling_mimo_v2_flash.py:378: value_states = v_proj(x) * v_scale, v_scale = attention_value_scale (None: 1),
@@ -18,6 +21,12 @@ What the models compute (transformers 5.23):
   key_multiplier. :924 and :932 multiply the attention block's input by attention_in_multiplier and its
   output by attention_out_multiplier in the decoder layer, outside self_attn: they are not the block's (a
   caller folds them into the hidden states, or into q/k/v_proj and o_proj).
+- modeling_gemma3n.py:1176-1177, configuration_gemma3n.py:207-232: kv_sharing_modes: the last
+  num_kv_shared_layers layers "reuse", the last earlier layer of each layer type "store"s its keys and values
+  (after k_norm, RoPE and v_norm, the cache's update included: :1232-1235); a reuse layer has no k_proj, v_proj,
+  k_norm, v_norm (:1185) and attends to the stored ones without updating any cache (:1220-1232): kv_shared, its
+  cache the storing layer's present cache. scaling = 1.0 (:1172); Gemma3nRMSNorm multiplies by w itself (:146);
+  v_norm has no scale (:1193).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from typing import Any
 from .hf_rope import _hf_rope
 from .table import LINEAR, R, Table, Tie
 
-TYPES = ("mimo_v2_flash", "falcon_h1")
+TYPES = ("mimo_v2_flash", "falcon_h1", "gemma3n", "gemma3n_text")
 
 # What transformers reads when config.json leaves a field out (configuration_mimo_v2_flash.py,
 # configuration_falcon_h1.py, 5.23).
@@ -38,6 +47,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                       "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0},
                                           "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     "falcon_h1": {"num_key_value_heads": 8, "key_multiplier": 1.0, "attention_bias": False},
+    "gemma3n_text": {"head_dim": 256, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "sliding_window": 512,
+                     "num_kv_shared_layers": 15, "attention_bias": False,
+                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}},
 }
 _MIMO_PARTIAL_ROTARY = 0.334  # MiMoV2FlashRotaryEmbedding's default partial_rotary_factor
 
@@ -52,19 +65,30 @@ def tables(ties: tuple[Tie, ...]) -> dict[str, Table]:
         R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),
     ), ties=tuple(t for t in ties if t.field != "value_head_dim"), when=lambda c: c.value_head_dim != c.head_dim,
         note="mimo_v2_flash: v_proj and o_proj in heads of v_head_dim")
-    return {"v_head_dim": narrow}
+    shared = Table((
+        R("q_proj.weight", "query.kernel", LINEAR), R("q_proj.bias", "query.bias", LINEAR),
+        R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),
+    ), ties=ties, when=lambda c: c.kv_shared, note="gemma3n reuse layer: no k_proj, v_proj (kv_shared)")
+    return {"v_head_dim": narrow, "kv_shared": shared}
 
 
 def layer_facts(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     """config.json of a MiMo-V2-Flash / Falcon-H1 decoder -> block `layer`'s facts, as llama.py's reader
     answers them ("table": None for hf-llama's plain table, else a name of tables())."""
     model_type = cfg.get("model_type")
+    if model_type == "gemma3n":  # the multimodal wrapper: its language model's config is text_config
+        if not isinstance(cfg.get("text_config"), Mapping):
+            raise ValueError(f"hf_config: model_type 'gemma3n' keeps its language model in text_config: got "
+                             f"text_config={cfg.get('text_config')!r}")
+        model_type, cfg = "gemma3n_text", {**cfg["text_config"], "model_type": "gemma3n_text"}
     cfg = {**_DEFAULTS[model_type], **{k: v for k, v in cfg.items() if v is not None}}
     layer = 0 if layer is None else layer
     for name in ("num_attention_heads", "hidden_size"):
         if not isinstance(cfg.get(name), int):
             raise ValueError(f"hf_config: {model_type} needs {name}: got {cfg.get(name)!r}")
     heads = cfg["num_attention_heads"]
+    if model_type == "gemma3n_text":
+        return _gemma3n(cfg, layer)
     if model_type == "falcon_h1":
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         modern = {"rope": _hf_rope(cfg, None, head_dim), "key_multiplier": float(cfg["key_multiplier"])}
@@ -88,6 +112,49 @@ def layer_facts(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     # the checkpoint's name for the sinks (transformers' conversion_mapping.py:2263 renames it to sinks on load)
     facts["extra_keys"] = {"sinks": "attention_sink_bias"}
     return facts
+
+
+def _gemma3n(cfg: Mapping[str, Any], layer: int) -> dict[str, Any]:
+    """Gemma3nTextAttention of block `layer`; a reuse layer (kv_sharing_modes) is kv_shared."""
+    total = cfg.get("num_hidden_layers")
+    if not isinstance(total, int):
+        raise ValueError(f"hf_config: gemma3n_text needs num_hidden_layers: got {total!r}")
+    layer_types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                                             for i in range(total)]  # Gemma3nTextConfig's rule
+    if layer >= len(layer_types):
+        raise ValueError(f"layer={layer} is past config.json's {len(layer_types)} layer_types")
+    layer_type = layer_types[layer]
+    shared = layer >= total - int(cfg["num_kv_shared_layers"] or 0)  # kv_sharing_modes: "reuse"
+    head_dim, eps = cfg["head_dim"], float(cfg["rms_norm_eps"])
+    window = cfg["sliding_window"] if layer_type == "sliding_attention" else None
+    modern: dict[str, Any] = {
+        "rope": _hf_rope(cfg, layer_type, head_dim),
+        "window_left": int(window) - 1 if window else -1,  # W keys with the query itself, as llama.py's
+        "qk_norm": {"type": "rms", "eps": eps, "scope": "head"},
+    }
+    if shared:
+        modern["kv_shared"] = True
+    else:
+        modern["value_norm"] = {"type": "rms", "eps": eps, "scope": "head", "weight": False}
+    facts = _facts(cfg, "gemma3n_text", head_dim, cfg["num_key_value_heads"], modern,
+                   table="kv_shared" if shared else None)
+    facts["scale"] = 1.0  # Gemma3nTextAttention: scaling = 1.0 (the query norm sets the logits' size)
+    return facts
+
+
+def shared_cache_layer(cfg: Mapping[str, Any], layer: int) -> int | None:
+    """Gemma 3n: the layer whose stored keys and values a reuse layer reads (the last layer of its type before
+    the shared ones: Gemma3nTextConfig.kv_sharing_modes' "store"); None for a layer with its own."""
+    if cfg.get("model_type") == "gemma3n":
+        cfg = cfg["text_config"]
+    cfg = {**_DEFAULTS["gemma3n_text"], **{k: v for k, v in cfg.items() if v is not None}}
+    total = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                                             for i in range(total)]
+    first = total - int(cfg["num_kv_shared_layers"] or 0)
+    if layer < first:
+        return None
+    return max(i for i in range(first) if layer_types[i] == layer_types[layer])
 
 
 def _mimo_layer_type(cfg: Mapping[str, Any], layer: int) -> str:

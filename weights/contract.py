@@ -317,6 +317,8 @@ def check_call(
         ("key", k, config.key_dim, "key_dim"),
         ("value", v, config.value_dim, "value_dim"),
     ):
+        if name != "query" and getattr(config, "kv_shared", False) and not keys_given:
+            continue  # a kv_shared layer reads no key or value input: the query stands in (check_shared_call)
         if len(shape) != 3:
             raise ValueError(f"{name} must have shape (B, L, {dim_name}) = (B, L, {dim}): got rank {len(shape)} shape {shape}")
         if shape[2] != dim:

@@ -188,7 +188,7 @@ def _marks(test):
 @pytest.fixture(scope="module")
 def gemma3n(tmp_path_factory):
     """({layer: (config, tensors)}, {layer: captured input, output (and a reuse layer's stored keys and values)},
-    config.json)."""
+    config.json, the checkpoint's state)."""
     if transformers is None:
         pytest.skip("needs torch and transformers (extra hf)")
     config = transformers.AutoConfig.for_model("gemma3n_text", **GEMMA3N)
@@ -220,14 +220,18 @@ def gemma3n(tmp_path_factory):
         rc = mha(["convert", "--from", "hf-llama", "--to", "canonical", str(folder), str(target), "--layer", str(layer)])
         assert rc == 0, f"mha convert of gemma3n_text block {layer} returned {rc}"
         blocks[layer] = load(target)
-    return blocks, seen, json.loads((folder / "config.json").read_text())
+    state = {}  # the checkpoint's own tensors
+    for file in sorted(folder.glob("*.safetensors")):
+        if not file.name.startswith("block"):
+            state.update(safetensors.numpy.load_file(file))
+    return blocks, seen, json.loads((folder / "config.json").read_text()), state
 
 
 @_marks
 def test_gemma3n_config_read(gemma3n):
     """A reuse layer is kv_shared, with no key or value tensors; the storing layers have their own, the weightless
     value norm, scale 1; shared_cache_layer names each reuse layer's storing layer."""
-    blocks, _seen, hf_config = gemma3n
+    blocks, _seen, hf_config, _ = gemma3n
     for store, reuse in GEMMA3N_PAIRS:
         (stored, stored_tensors), (shared, shared_tensors) = blocks[store], blocks[reuse]
         assert not stored.kv_shared and stored.value_norm is not None and "key.kernel" in stored_tensors, stored
@@ -243,7 +247,7 @@ def test_gemma3n_config_read(gemma3n):
 def test_gemma3n_storing_layers_reproduce(gemma3n):
     """The storing layers (their own k_proj, v_proj, k_norm, weightless v_norm): every core backend, prefill and
     decode, against the model's own output."""
-    blocks, seen, _ = gemma3n
+    blocks, seen, *_ = gemma3n
     for store, _reuse in GEMMA3N_PAIRS:
         check_block_reproduced(f"gemma3n[{store}]", *blocks[store], seen[store]["x"], seen[store]["out"])
 
@@ -255,7 +259,7 @@ def test_gemma3n_reuse_layer_reads_the_storing_layers_cache(gemma3n):
     prefix's cache, the storing layer's decode step appended, the reuse layer's last query)."""
     from test_layouts_modern import _check, _installed
 
-    blocks, seen, _ = gemma3n
+    blocks, seen, *_ = gemma3n
     positions = np.arange(T, dtype=np.int64)
     for store, reuse in GEMMA3N_PAIRS:
         (stored, stored_tensors), (shared, shared_tensors) = blocks[store], blocks[reuse]
@@ -296,7 +300,7 @@ def test_gemma3n_mutant_appending_fails(gemma3n):
     queries after them; the model's output is missed."""
     from mutants import MutantAdapter
 
-    blocks, seen, _ = gemma3n
+    blocks, seen, *_ = gemma3n
     store, reuse = GEMMA3N_PAIRS[0]
     shared, tensors = blocks[reuse]
     inputs = {"query": seen[reuse]["x"], "past_key": seen[reuse]["k"], "past_value": seen[reuse]["v"]}
@@ -309,3 +313,24 @@ def test_gemma3n_mutant_appending_fails(gemma3n):
     result = compare("the appending port", wrong, seen[reuse]["out"], tol)
     assert not result.ok, result.describe()
     print(result.describe())
+
+
+@_marks
+def test_round_trip_is_bit_exact(converted, gemma3n):
+    """canonical -> hf-llama under the model's config.json -> canonical gives the same bits, and the written
+    tensors are the checkpoint's own keys and values (MiMo's sinks as attention_sink_bias, no k_proj or v_proj on
+    a Gemma 3n reuse layer)."""
+    model_type, blocks, state, hf_config = converted
+    cases = [(hf_config, state, layer, config, tensors) for layer, (config, tensors, _) in blocks.items()]
+    if model_type == "mimo_v2_flash":  # Gemma 3n once, beside the first model
+        g_blocks, _seen, g_config, g_state = gemma3n
+        cases += [(g_config, g_state, layer, *g_blocks[layer]) for layer in g_blocks]
+    for config_json, own_state, layer, config, tensors in cases:
+        written = layouts.from_canonical("hf-llama", config, tensors, hf_config=config_json, layer=layer,
+                                         prefix="model.")
+        own = {k: v for k, v in own_state.items() if k.startswith(f"model.layers.{layer}.self_attn.")}
+        assert sorted(written) == sorted(own), (sorted(written), sorted(own))
+        assert all(np.array_equal(written[k], own[k]) for k in written), layer
+        again_config, again = layouts.to_canonical("hf-llama", written, hf_config=config_json, layer=layer)
+        assert again_config == config and sorted(again) == sorted(tensors), (again_config, config)
+        assert all(np.array_equal(again[n], tensors[n]) for n in tensors), layer

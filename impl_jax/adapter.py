@@ -267,7 +267,7 @@ def _answer(config, inputs, options, out, w, cache, stages) -> dict:
         if len(cache) > 2:
             answer["present_index_keys"] = np.asarray(cache[2])
         if options.get("in_place"):  # the buffers, whole: the cache is their first P + S positions
-            S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs)
+            S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs, config)
             answer["present_key"], answer["present_value"] = (answer[name][:, :, :S_total] for name in
                                                               ("present_key", "present_value"))
             if "present_index_keys" in answer:

@@ -119,6 +119,9 @@ def check(config, params, query, key=None, value=None, *, mask=None, bias=None, 
     for name, x in optional.items():
         meta.update(_meta(name, None if x is None else _as_array(x)))
     traced = is_traced_length(cache_length)
+    if traced and config.kv_shared:
+        raise ValueError("config.kv_shared needs a static cache_length (a Python int): the shared keys are the "
+                         "cache's last T entries, sliced at cache_length - T")
     if traced:  # before check_call, which would judge these inputs' shapes against P = 0
         check_traced_length(config, dict(mask=mask, bias=bias, dropout_mask=dropout_mask, segment_ids=segment_ids,
                                          key_segment_ids=key_segment_ids, return_weights=return_weights,
@@ -232,6 +235,9 @@ class Call:
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
     selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k), or None
     present_index_keys: Any = None  # (B, P+S, J); with cache_length the written buffer (B, C, J)
+    # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
+    shared_key: Any = None
+    shared_value: Any = None
 
     @property
     def traced_length(self) -> bool:
@@ -362,7 +368,19 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         call.past_key_positions = None
     if config.indexer is not None:
         run_indexer(config, call, is_causal, causal_alignment, positions, key_positions, past_index_keys)
+    if config.kv_shared:
+        share_cache(call)
     return call
+
+
+def share_cache(call: Call) -> None:
+    """kv_shared (issue 42; impl_numpy.attention.share_cache): the given cache's last S = T entries become
+    call.shared_key / shared_value, read, never written; the cache before them is call.past_key / past_value (an
+    in-place cache's buffers stay whole; its P is static: check refuses a traced one)."""
+    P, S = call.shapes.P, call.shapes.S
+    call.shared_key, call.shared_value = call.past_key[:, :, P:P + S], call.past_value[:, :, P:P + S]
+    if call.cache_length is None:
+        call.past_key, call.past_value = call.past_key[:, :, :P], call.past_value[:, :, :P]
 
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,

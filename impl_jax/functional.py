@@ -491,6 +491,15 @@ def default_positions(positions, P: int, L: int):
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
 
+
+# -- issue 42: the key multiplier and the value scale (mirrors impl_numpy/functional.py) ---------------
+
+def multiply(x, factor: float):
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F) times a config number, in compute dtype."""
+    ct = compute_dtype(x.dtype)
+    return (x.astype(ct) * jnp.asarray(factor, ct)).astype(x.dtype)
+
+
 def mrope_positions(positions, P, L: int, axes: np.ndarray):
     """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) integer. positions (3, L) or (3, B, L):
     the temporal, height and width rows (default: P + arange(L) on all three, a text token's; int32 as

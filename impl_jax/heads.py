@@ -25,6 +25,8 @@ def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", r
     appended]: q (B, N, T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the present cache).
     append=False: k and v are the new keys' alone (B, K, S, .). An in-place cache (call.cache_length):
     see present (whole: the buffers whole)."""
+    if config.kv_shared:
+        return shared_heads(config, call, precision, rec, append=append, whole=whole)
     p, N, K, pr = call.params, config.num_heads, config.num_kv_heads, precision
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"), pr))  # (B, T, N*H)
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias"), pr))  # (B, S, K*H)
@@ -42,6 +44,10 @@ def qkv_heads(config: AttentionConfig, call: Call, precision: str = "highest", r
         vn = config.value_norm
         v = rec("value.norm", F.norm(v, p.get("value.norm.scale"), p.get("value.norm.bias"), vn.type, vn.eps, K,
                                      vn.scope))
+    if config.key_multiplier != 1.0:
+        k = rec("key.multiplier", F.multiply(k, config.key_multiplier))  # (B, S, K*H)
+    if config.value_scale != 1.0:
+        v = rec("value.scale", F.multiply(v, config.value_scale))  # (B, S, K*V)
     q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
@@ -99,6 +105,13 @@ def trace_stages(config: AttentionConfig) -> tuple[str, ...]:
         off |= {"query.norm", "key.norm"}
     if config.value_norm is None:
         off.add("value.norm")
+    if config.kv_shared:  # issue 42: the query's stages alone before the logits
+        off |= {"key.project", "value.project", "key.clip", "value.clip", "key.norm", "value.norm",
+                "key.split_heads", "value.split_heads", "key.rope"}
+    if config.key_multiplier == 1.0:
+        off.add("key.multiplier")
+    if config.value_scale == 1.0:
+        off.add("value.scale")
     if config.rope is None:
         off |= {"query.rope", "key.rope"}
     if config.query_temperature is None:
@@ -123,3 +136,37 @@ def trace_stages(config: AttentionConfig) -> tuple[str, ...]:
         at = stages.index(last) + 1
         stages[at:at] = ["query.norm", "key.norm"]
     return tuple(stages)
+
+
+# -- issue 42: a kv_shared layer (mirrors impl_numpy.heads.shared_heads) ----------------------------
+
+def shared_heads(config: AttentionConfig, call: Call, precision: str = "highest", rec=lambda stage, value: value, *,
+                 append: bool = True, whole: bool = False):
+    """qkv_heads of a kv_shared layer: the query's stages alone (project -> [norm] -> split_heads -> [rope] ->
+    [temperature]); k and v the given cache (call.shared_key / shared_value its last S entries: call.share_cache),
+    nothing projected, normed, turned or written."""
+    p, N, pr = call.params, config.num_heads, precision
+    q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"), pr))  # (B, T, N*H)
+    n = config.qk_norm
+    if n is not None:  # before RoPE (config: after_rope is refused with kv_shared)
+        q = rec("query.norm", F.norm(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps, N,
+                                     n.scope))
+    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+    if config.rope is not None:
+        _, factor = rope_tables(config.rope)
+        R, interleaved = config.rope.rotary_dim, config.rope.interleaved
+        q = rec("query.rope", F.rope(q, call.rope_angles(config, call.positions), R, interleaved, factor))
+    if config.query_temperature is not None:
+        t = config.query_temperature
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
+    k, v = call.shared_key, call.shared_value  # (B, K, S, H), (B, K, S, V)
+    if call.cache_length is not None:  # in place: the buffers as given (whole), or their first P + S positions
+        if whole:
+            return q, call.past_key, call.past_value
+        n = call.cache_length + k.shape[2]
+        return q, call.past_key[:, :, :n], call.past_value[:, :, :n]
+    if call.past_key is not None and append:
+        k = jnp.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H): the cache given, whole
+        v = jnp.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
+    return q, k, v

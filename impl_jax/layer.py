@@ -116,6 +116,8 @@ class MultiHeadAttention(nnx.Module):
         self.device = device
         placed = jax.device_put({name: np.asarray(t) for name, t in tensors.items()}, target)
         for name in ("query", "key", "value", "output"):
+            if f"{name}.kernel" not in placed:  # issue 42: a kv_shared layer has no key or value projection
+                continue
             norm = None
             if f"{name}.norm.scale" in placed:
                 norm = Norm(placed[f"{name}.norm.scale"], placed.get(f"{name}.norm.bias"))

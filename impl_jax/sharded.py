@@ -141,6 +141,9 @@ def frontier_refusal(config, kind: str) -> str | None:
                                   ("indexer", getattr(config, "indexer", None) is not None),
                                   ("rope.mrope_section", config.rope is not None
                                    and config.rope.mrope_section is not None)) if on]
+    if getattr(config, "kv_shared", False):  # issue 42
+        why["kv_shared"] = "no engine reads the shared keys from the given cache"
+        used.append("kv_shared")
     if not used:
         return None
     return (f"{kind} sharding does not run {', '.join(used)} ({'; '.join(why[name] for name in used)}): run the "

@@ -92,7 +92,7 @@ def _answer(config, inputs, options, result, entries=None) -> dict:
     index = config.indexer is not None
     answer = split_result(result, return_weights, return_cache, to_numpy, return_selection=index, index_cache=index)
     if options.get("in_place") and return_cache:  # the buffers, whole: the cache is their first P + S positions
-        S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs)
+        S_total = np.shape(inputs["past_key"])[2] + new_keys(inputs, config)
         answer["present_key"], answer["present_value"] = (answer[n][:, :, :S_total] for n in
                                                           ("present_key", "present_value"))
         if index:

@@ -80,6 +80,9 @@ class Call:
     selected: bool = False  # topk_indices or config.indexer: mask4 holds the selection (the chunked core skips unselected blocks)
     selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k) int64, joined to mask4, or None
     present_index_keys: Any = None  # (B, P+S, J); with cache_length the caller's buffer (B, C, J)
+    # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
+    shared_key: Any = None
+    shared_value: Any = None
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND local chunks AND segments over every key (rank 4), or None."""
@@ -218,7 +221,19 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
     if config.indexer is not None:
         run_indexer(config, call, is_causal, causal_alignment, optional["positions"], optional["key_positions"],
                     past_index_keys)
+    if config.kv_shared:
+        share_cache(call)
     return call
+
+
+def share_cache(call: Call) -> None:
+    """kv_shared (issue 42; impl_numpy.attention.share_cache): the given cache's last S = T entries become
+    call.shared_key / shared_value, read, never written; the cache before them is call.past_key / past_value (an
+    in-place cache's buffers stay whole)."""
+    P, S = call.shapes.P, call.shapes.S
+    call.shared_key, call.shared_value = call.past_key[:, :, P:P + S], call.past_value[:, :, P:P + S]
+    if call.cache_length is None:
+        call.past_key, call.past_value = call.past_key[:, :, :P], call.past_value[:, :, :P]
 
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,

@@ -493,6 +493,14 @@ def default_positions(positions, P: int, L: int) -> mx.array:
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
 
+# -- issue 42: the key multiplier and the value scale (mirrors impl_numpy/functional.py) ---------------
+
+def multiply(x: mx.array, factor: float) -> mx.array:
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F) times a config number, in compute dtype."""
+    c = compute_of(x.dtype)
+    return (x.astype(c) * scalar(factor, c)).astype(x.dtype)
+
+
 def mrope_positions(positions, P: int, L: int, axes: np.ndarray) -> mx.array:
     """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) int64. positions (3, L) or (3, B, L):
     the temporal, height and width rows (default: P + arange(L) on all three, a text token's); axes (R/2,)

@@ -73,7 +73,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     )
     answer = split_result(result, return_weights, return_cache, return_selection=selection, index_cache=selection)
     if "cache_length" in kwargs and return_cache:  # the buffers, whole: the cache is their first P + S positions
-        S_total = kwargs["cache_length"] + new_keys(inputs)
+        S_total = kwargs["cache_length"] + new_keys(inputs, config)
         answer["present_key"], answer["present_value"] = (answer[n][:, :, :S_total] for n in
                                                           ("present_key", "present_value"))
         if "present_index_keys" in answer:

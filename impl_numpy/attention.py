@@ -61,6 +61,9 @@ class Call:
     selected: bool = False  # topk_indices was given: mask4 holds the selection (the fused core skips unselected blocks)
     selection: np.ndarray | None = None  # config.indexer's selection (B, T, k) or (B, K, T, k) int64, joined to mask4
     present_index_keys: np.ndarray | None = None  # (B, P+S, J); with cache_length the caller's buffer (B, C, J)
+    # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
+    shared_key: np.ndarray | None = None
+    shared_value: np.ndarray | None = None
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND segments over every key (rank 4), or None."""
@@ -200,6 +203,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         if positioned and optional["past_key_positions"] is not None else None,
         selected=optional["topk_indices"] is not None or config.indexer is not None,
     )
+    if config.kv_shared:
+        share_cache(call)
     axes = None if config.rope is None else mrope_axes(config.rope)
     if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
         call.positions = F.mrope_positions(optional["positions"], shapes.P, shapes.T, axes)
@@ -213,6 +218,16 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         selected = F.selection_mask(selection, config.num_heads, shapes.S_total)
         call.mask4 = selected if call.mask4 is None else call.mask4 & selected
     return call
+
+
+def share_cache(call: Call) -> None:
+    """kv_shared (issue 42): the given cache's last S = T entries become the call's new keys and values
+    (call.shared_key / shared_value), read, never written: the cache before them is call.past_key / past_value
+    (P = check_shared_call's P - T); an in-place cache's buffers stay whole, the shared entries views of them."""
+    P, S = call.shapes.P, call.shapes.S
+    call.shared_key, call.shared_value = call.past_key[:, :, P:P + S], call.past_value[:, :, P:P + S]
+    if call.cache_length is None:
+        call.past_key, call.past_value = call.past_key[:, :, :P], call.past_value[:, :, :P]
 
 
 def index_mask(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str) -> np.ndarray | None:

@@ -165,8 +165,12 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         k = F.join_keys(k_nope, r_all)  # (B, K, S_total, H)
     else:
         qp = F.project(xq, p["query.kernel"], p.get("query.bias"))  # (B, T, N*H)
-        kp = F.project(xk, p["key.kernel"], p.get("key.bias"))  # (B, S, K*H)
-        vp = F.project(xv, p["value.kernel"], p.get("value.bias"))  # (B, S, K*V)
+        shared = config.kv_shared  # issue 42: k and v are the cache's last S entries (attention.share_cache)
+        if shared:  # as (B, S, K*H|V), the form the stages below take; no clip, norm, rope or multiplier on them
+            kp, vp = (_merge(np.abs(x) if magnitude else x) for x in (call.shared_key, call.shared_value))
+        else:
+            kp = F.project(xk, p["key.kernel"], p.get("key.bias"))  # (B, S, K*H)
+            vp = F.project(xv, p["value.kernel"], p.get("value.bias"))  # (B, S, K*V)
         clip = config.qkv_clip
         if clip is not None:  # clip: the values inside [-c, c] pass (and their gradient); the rest are c
             if not magnitude:
@@ -176,9 +180,14 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
                 qp, kp, vp = (ew(np.where(inside, y, ct.type(clip))) for y, inside in zip((qp, kp, vp), kept["clip"]))
         qn, kn = qp, kp
         if norm_cfg is not None and not norm_cfg.after_rope:
-            qn, kn = norm_forward("query", qp, N, norm_cfg), norm_forward("key", kp, K, norm_cfg)
+            qn, kn = norm_forward("query", qp, N, norm_cfg), kp if shared else norm_forward("key", kp, K, norm_cfg)
         if config.value_norm is not None:
             vp = norm_forward("value", vp, K, config.value_norm)
+        km, vs = config.key_multiplier, config.value_scale  # functional.multiply (magnitudes: |factor|)
+        if km != 1.0:
+            kn = F.multiply(kn, abs(km) if magnitude else km)
+        if vs != 1.0:
+            vp = F.multiply(vp, abs(vs) if magnitude else vs)
         q, k_new, v_new = F.split_heads(qn, N), F.split_heads(kn, K), F.split_heads(vp, K)
         if rope_cfg is not None:
             R, inter = rope_cfg.rotary_dim, rope_cfg.interleaved
@@ -187,10 +196,11 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
                 for name, positions in (("query", call.positions), ("key", call.key_positions)):
                     angles = F.rope_angles(positions, inv_freq, dtype)
                     kept[name + ".rope"] = (np.cos(angles) * ct.type(factor), np.sin(angles) * ct.type(factor))
-                q, k_new = (F.rope(x, F.rope_angles(pos, inv_freq, dtype), R, inter, factor)
-                            for x, pos in ((q, call.positions), (k_new, call.key_positions)))
+                q, k_new = (F.rope(x, F.rope_angles(pos, inv_freq, dtype), R, inter, factor) if x is q or not shared
+                            else x for x, pos in ((q, call.positions), (k_new, call.key_positions)))
             else:
-                q, k_new = rope_abs(q, kept["query.rope"]), rope_abs(k_new, kept["key.rope"])
+                q = rope_abs(q, kept["query.rope"])
+                k_new = k_new if shared else rope_abs(k_new, kept["key.rope"])
         if norm_cfg is not None and norm_cfg.after_rope:  # the norm of the turned q and k (functional.norm_heads)
             q = F.split_heads(norm_forward("query", _merge(q), N, norm_cfg), N)
             k_new = F.split_heads(norm_forward("key", _merge(k_new), K, norm_cfg), K)
@@ -384,13 +394,24 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         if norm_cfg is not None and norm_cfg.after_rope:  # the norm after rope, undone before rope is
             d_q = F.split_heads(norm_back("query", _merge(d_q), norm_cfg), N)
             d_k = F.split_heads(norm_back("key", _merge(d_k), norm_cfg), K)
+        if config.kv_shared:  # the new keys are the cache's last S entries: their gradients are the cache's
+            grads["past_key"] = d_k if not P else np.concatenate([grads["past_key"], d_k], axis=2)
+            grads["past_value"] = d_v if not P else np.concatenate([grads["past_value"], d_v], axis=2)
+            d_k, d_v = np.zeros_like(d_k), np.zeros_like(d_v)  # no key or value input: no projection reads them
         if rope_cfg is not None:
-            d_q, d_k = rope_back(d_q, kept["query.rope"]), rope_back(d_k, kept["key.rope"])
+            d_q = rope_back(d_q, kept["query.rope"])
+            d_k = d_k if config.kv_shared else rope_back(d_k, kept["key.rope"])
         d_q, d_k, d_v = _merge(d_q), _merge(d_k), _merge(d_v)  # (B, L, F): split_heads undone
+        km, vs = config.key_multiplier, config.value_scale  # y = x c: dx = dy c (magnitudes: |c|)
+        if km != 1.0:
+            d_k = F.multiply(d_k, abs(km) if magnitude else km)
+        if vs != 1.0:
+            d_v = F.multiply(d_v, abs(vs) if magnitude else vs)
         # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
         # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
         if norm_cfg is not None and not norm_cfg.after_rope:
-            d_q, d_k = norm_back("query", d_q, norm_cfg), norm_back("key", d_k, norm_cfg)
+            d_q = norm_back("query", d_q, norm_cfg)
+            d_k = d_k if config.kv_shared else norm_back("key", d_k, norm_cfg)
         if config.value_norm is not None:
             d_v = norm_back("value", d_v, config.value_norm)
 
@@ -399,8 +420,11 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
             d_q, d_k, d_v = (ew(np.where(inside, d, 0)) for d, inside in zip((d_q, d_k, d_v), kept["clip"]))
 
         grads["query"] = project_back("query", xq, d_q)
-        grads["key"] = project_back("key", xk, d_k)
-        grads["value"] = project_back("value", xv, d_v)
+        if config.kv_shared:  # no key or value input (check_shared_call): xk and xv are the query, read by nothing
+            grads["key"], grads["value"] = ew(np.zeros_like(xk)), ew(np.zeros_like(xv))
+        else:
+            grads["key"] = project_back("key", xk, d_k)
+            grads["value"] = project_back("value", xv, d_v)
     if d_gate_input is not None:  # the gate reads the query input too
         grads["query"] = ew(grads["query"].astype(ct) + d_gate_input.astype(ct))
     return out, kept, grads

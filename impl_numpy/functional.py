@@ -459,6 +459,18 @@ def default_positions(positions, P: int, L: int) -> np.ndarray:
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
 
+
+
+# -- issue 42: the key multiplier and the value scale ---------------------------
+
+def multiply(x: np.ndarray, factor: float) -> np.ndarray:
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F), after its clip and norm, times a config number
+    (Falcon-H1's key_multiplier on k, MiMo-V2's attention_value_scale on v), in compute dtype and stored in
+    the storage dtype (as torch multiplies a 16-bit tensor by a Python float: in float32, rounded once)."""
+    ct = compute_dtype(x.dtype)
+    return (x.astype(ct) * ct.type(factor)).astype(x.dtype)
+
+
 def mrope_positions(positions, P: int, L: int, axes: np.ndarray) -> np.ndarray:
     """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) int64. positions (3, L) or (3, B, L):
     the temporal, height and width rows (default: P + arange(L) on all three, a text token's); axes (R/2,)

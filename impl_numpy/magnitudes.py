@@ -207,6 +207,21 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
         k, v = rec("key.split_heads", F.split_heads(k, K)), rec("value.split_heads", F.split_heads(v, K))
         k = rec("key.join", F.join_keys(k, r_new))  # (B, K, P+S, H)
         mags["present_key"], mags["present_value"] = c_all, r_new
+    elif config.kv_shared:  # issue 42: the query's stages by the rules above; k and v the given cache's |values|
+        q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+        n = config.qk_norm
+        if n is not None:
+            q = rec("query.norm", norm("query", q, N, n, true["query.project"]))
+        q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+        if config.rope is not None:
+            q = rec("query.rope", rope(q, call.positions))
+        temperature()
+        if call.cache_length is not None:  # in place: the buffers' first P + S positions
+            k, v = (np.abs(x[:, :, :call.shapes.S_total]) for x in (call.past_key, call.past_value))
+        else:  # the cache before the shared entries, then them: the given cache whole
+            k = np.abs(np.concatenate([call.past_key, call.shared_key], axis=2))  # (B, K, P+S, H)
+            v = np.abs(np.concatenate([call.past_value, call.shared_value], axis=2))  # (B, K, P+S, V)
+        mags["present_key"], mags["present_value"] = k, v  # (B, K, P+S, H|V)
     else:
         q = rec("query.project", F.project(xq, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
         k = rec("key.project", F.project(xk, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
@@ -223,6 +238,11 @@ def forward_magnitudes(config, tensors, query, key=None, value=None, *, mask=Non
             k = rec("key.norm", norm("key", k, K, n, true["key" + upstream]))
         if config.value_norm is not None:
             v = rec("value.norm", norm("value", v, K, config.value_norm, true["value" + upstream]))
+        # the key multiplier and the value scale: a product by |c| (one rounding, no sum)
+        if config.key_multiplier != 1.0:
+            k = rec("key.multiplier", F.multiply(k, abs(config.key_multiplier)))
+        if config.value_scale != 1.0:
+            v = rec("value.scale", F.multiply(v, abs(config.value_scale)))
         # split_heads: the same reshape
         q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
         k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)

@@ -171,7 +171,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     if options.get("in_place"):  # the cache in zeroed tf.Variables of capacity P + S + SPARE, written in place
         dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
         *buffers, P = in_place_buffers(inputs, np.float64)
-        S = new_keys(inputs)
+        S = new_keys(inputs, config)
         import tensorflow as tf  # only TensorFlow has the in-place cache (path_options says so elsewhere)
 
         for name, buffer in zip(("past_key", "past_value"), buffers):

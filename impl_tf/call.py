@@ -148,6 +148,9 @@ class Call:
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
     selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k), or None
     present_index_keys: Any = None  # (B, P+S, J); with cache_length the caller's tf.Variable (B, C, J)
+    # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
+    shared_key: Any = None
+    shared_value: Any = None
 
     def allowed(self, config: AttentionConfig, is_causal: bool, causal_alignment: str):
         """mask AND causal AND window AND local chunks AND segments over every key (rank 4), or None."""
@@ -266,7 +269,20 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     if config.indexer is not None:
         run_indexer(config, call, is_causal, causal_alignment, given.get("positions"), given.get("key_positions"),
                     past_index_keys)
+    if config.kv_shared:
+        share_cache(call)
     return call
+
+
+def share_cache(call: Call) -> None:
+    """kv_shared (issue 42; impl_numpy.attention.share_cache): the given cache's last S = T entries become
+    call.shared_key / shared_value, read, never written; the cache before them is call.past_key / past_value (an
+    in-place cache's tf.Variables stay whole)."""
+    P, S = call.shapes.P, call.shapes.S
+    past_key, past_value = (keras.ops.convert_to_tensor(x) for x in (call.past_key, call.past_value))
+    call.shared_key, call.shared_value = past_key[:, :, P:P + S], past_value[:, :, P:P + S]
+    if call.cache_length is None:
+        call.past_key, call.past_value = past_key[:, :, :P], past_value[:, :, :P]
 
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,

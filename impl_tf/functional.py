@@ -516,6 +516,14 @@ def rope_tables_of(rope, *positions):
     return inv_freq, attention_factor(rope)
 
 
+# -- issue 42: the key multiplier and the value scale (mirrors impl_numpy/functional.py) ---------------
+
+def multiply(x, factor: float):
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F) times a config number, in compute dtype."""
+    ct = compute_dtype(x.dtype)
+    return _cast(_cast(x, ct) * constant(factor, ct), x.dtype)
+
+
 def mrope_positions(positions, P, L, axes):
     """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) int64. positions (3, L) or (3, B, L):
     the temporal, height and width rows (default: P + arange(L) on all three, a text token's); axes (R/2,)

@@ -35,6 +35,8 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = Tr
     S_total, V) (k and v: the present cache). rec(stage, value) records a stage.
     append=False: k and v are the new keys' alone (B, K, S, .)."""
     rec = rec or _keep
+    if config.kv_shared:
+        return shared_heads(config, call, rec, query=query, append=append)
     p, N, K = call.params, config.num_heads, config.num_kv_heads
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias"))) if query else None
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
@@ -54,6 +56,10 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = Tr
         vn = config.value_norm
         v = rec("value.norm", F.norm(v, p.get("value.norm.scale"), p.get("value.norm.bias"), vn.type, vn.eps, K,
                                      vn.scope))
+    if config.key_multiplier != 1.0:
+        k = rec("key.multiplier", F.multiply(k, config.key_multiplier))  # (B, S, K*H)
+    if config.value_scale != 1.0:
+        v = rec("value.scale", F.multiply(v, config.value_scale))  # (B, S, K*V)
     if query:
         q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
@@ -163,3 +169,40 @@ def expand_latent(config: AttentionConfig, call: Call, latent, rotary, rec=None)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S_total, H-R)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S_total, V)
     return rec("key.join", F.join_keys(k, rotary)), v
+
+
+# -- issue 42: a kv_shared layer (mirrors impl_numpy.heads.shared_heads) ----------------------------
+
+def shared_heads(config: AttentionConfig, call: Call, rec=None, *, query: bool = True, append: bool = True):
+    """qkv_heads of a kv_shared layer: the query's stages alone (project -> [norm] -> split_heads -> [rope] ->
+    [temperature]); k and v the given cache (call.shared_key / shared_value its last S entries: call.share_cache),
+    nothing projected, normed, turned or written."""
+    rec = rec or _keep
+    p, N = call.params, config.num_heads
+    q = None
+    if query:
+        q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+        n = config.qk_norm
+        if n is not None:  # before RoPE (config: after_rope is refused with kv_shared)
+            q = rec("query.norm", F.norm(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps, N,
+                                         n.scope))
+        q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+        if config.rope is not None:
+            inv_freq, factor = call.rope_tables(config)
+            R, interleaved = config.rope.rotary_dim, config.rope.interleaved
+            q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved,
+                                         factor))
+        if config.query_temperature is not None:
+            t = config.query_temperature
+            factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+            q = rec("query.temperature", F.temperature(q, factor))
+    k, v = call.shared_key, call.shared_value  # (B, K, S, H), (B, K, S, V)
+    if not append:
+        return q, k, v
+    if call.cache_length is not None:  # in place: the buffers' first P + S positions, as given
+        n = call.cache_length + k.shape[2]
+        return q, ops.convert_to_tensor(call.past_key)[:, :, :n], ops.convert_to_tensor(call.past_value)[:, :, :n]
+    if call.past_key is not None:
+        k = ops.concatenate([call.past_key, k], axis=2)  # (B, K, P+S, H): the cache given, whole
+        v = ops.concatenate([call.past_value, v], axis=2)  # (B, K, P+S, V)
+    return q, k, v

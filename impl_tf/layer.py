@@ -170,11 +170,12 @@ class MultiHeadAttention(keras.layers.Layer):
                 return keras.layers.Dense(units, use_bias=bias, dtype=self.dtype_policy, name=name, **given)
             if L is None:
                 self.wq = dense(N * H, c.use_query_bias, "wq")
-                self.wk = dense(K * H, c.use_key_bias, "wk")
-                self.wv = dense(K * V, c.use_value_bias, "wv")
                 self.wq.build((None, c.query_dim))
-                self.wk.build((None, c.key_dim))
-                self.wv.build((None, c.value_dim))
+                if not c.kv_shared:  # issue 42: a kv_shared layer has no key or value projection
+                    self.wk = dense(K * H, c.use_key_bias, "wk")
+                    self.wv = dense(K * V, c.use_value_bias, "wv")
+                    self.wk.build((None, c.key_dim))
+                    self.wv.build((None, c.value_dim))
             else:  # latent attention (MLA): the query's and the latent's down-projections, the up-projections
                 if L.query_rank is not None:
                     self.wq_down = dense(L.query_rank, c.use_query_bias, "wq_down")  # query.down.*
@@ -208,9 +209,10 @@ class MultiHeadAttention(keras.layers.Layer):
     def canonical_variables(self) -> dict[str, keras.Variable]:
         """Canonical tensor name -> the Dense variable holding it (Keras layout)."""
         found = {}
-        layers = [("query", self.wq), ("key", self.wk), ("value", self.wv), ("output", self.wo)]
+        layers = [("query", self.wq), ("output", self.wo)]
         layers += [(prefix, getattr(self, name)) for prefix, name in (("query.down", "wq_down"),
-                                                                      ("latent", "w_latent")) if hasattr(self, name)]
+                                                                      ("latent", "w_latent"), ("key", "wk"),
+                                                                      ("value", "wv")) if hasattr(self, name)]
         for prefix, dense in layers:
             found[f"{prefix}.kernel"] = dense.kernel
             if dense.use_bias:

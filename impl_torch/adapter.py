@@ -84,7 +84,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     if options.get("in_place"):  # the cache in zeroed buffers of capacity P + S + SPARE on the device, written in place
         dtype = torch_dtype(options.get("dtype")) if options.get("dtype") else next(iter(params.values())).dtype
         *buffers, P = in_place_buffers(inputs, np.float64)
-        S = new_keys(inputs)
+        S = new_keys(inputs, config)
         for name, buffer in zip(CACHE, buffers):
             kwargs[name] = to_torch(buffer, dev).to(dtype)
         kwargs["cache_length"] = P

@@ -77,6 +77,9 @@ class Call:
     past_key_positions: torch.Tensor | None = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
     selection: torch.Tensor | None = None  # config.indexer's selection (B, T, k) or (B, K, T, k) int64
     present_index_keys: torch.Tensor | None = None  # (B, P+S, J); with cache_length the caller's buffer (B, C, J)
+    # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
+    shared_key: torch.Tensor | None = None
+    shared_value: torch.Tensor | None = None
 
     @property
     def every_key_position(self) -> torch.Tensor | None:
@@ -306,6 +309,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         call.past_key, call.past_value, call.cache_length = past_key, past_value, shapes.P
     elif "past_key" in given:
         call.past_key, call.past_value = given["past_key"].to(dtype), given["past_value"].to(dtype)
+    if config.kv_shared:
+        share_cache(call)
     return call
 
 
@@ -370,6 +375,8 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
     """project -> [clip] -> [norm] -> split_heads -> [rope] -> [norm after rope] -> [query temperature] -> [cache
     appended]: q (B, N, T, H), k (B, K, S_total, H), v (B, K, S_total, V) (k and v: the
     present cache)."""
+    if config.kv_shared:
+        return shared_heads(config, call, rec)
     p, N, K = call.params, config.num_heads, config.num_kv_heads
     q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
     k = rec("key.project", F.project(call.key, p["key.kernel"], p.get("key.bias")))  # (B, S, K*H)
@@ -387,6 +394,10 @@ def qkv_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: valu
         vn = config.value_norm
         v = rec("value.norm", F.norm(v, p.get("value.norm.scale"), p.get("value.norm.bias"), vn.type, vn.eps, K,
                                      vn.scope))
+    if config.key_multiplier != 1.0:
+        k = rec("key.multiplier", F.multiply(k, config.key_multiplier))  # (B, S, K*H)
+    if config.value_scale != 1.0:
+        v = rec("value.scale", F.multiply(v, config.value_scale))  # (B, S, K*V)
     q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
     k = rec("key.split_heads", F.split_heads(k, K))  # (B, K, S, H)
     v = rec("value.split_heads", F.split_heads(v, K))  # (B, K, S, V)
@@ -638,3 +649,42 @@ def multi_head_attention(
     if return_cache:
         result += (present_key, present_value) + ((call.present_index_keys,) if config.indexer is not None else ())
     return result
+
+
+# -- issue 42: a kv_shared layer (mirrors impl_numpy.attention.share_cache and impl_numpy.heads.shared_heads) --
+
+def share_cache(call: Call) -> None:
+    """kv_shared: the given cache's last S = T entries become call.shared_key / shared_value, read, never
+    written; the cache before them is call.past_key / past_value (an in-place cache's buffers stay whole)."""
+    P, S = call.shapes.P, call.shapes.S
+    call.shared_key, call.shared_value = call.past_key[:, :, P:P + S], call.past_value[:, :, P:P + S]
+    if call.cache_length is None:
+        call.past_key, call.past_value = call.past_key[:, :, :P], call.past_value[:, :, :P]
+
+
+def shared_heads(config: AttentionConfig, call: Call, rec=lambda stage, value: value):
+    """qkv_heads of a kv_shared layer: the query's stages alone (project -> [norm] -> split_heads -> [rope] ->
+    [temperature]); k and v the given cache, nothing projected, normed, turned or written."""
+    p, N = call.params, config.num_heads
+    q = rec("query.project", F.project(call.query, p["query.kernel"], p.get("query.bias")))  # (B, T, N*H)
+    n = config.qk_norm
+    if n is not None:  # before RoPE (config: after_rope is refused with kv_shared)
+        q = rec("query.norm", F.norm(q, p.get("query.norm.scale"), p.get("query.norm.bias"), n.type, n.eps, N,
+                                     n.scope))
+    q = rec("query.split_heads", F.split_heads(q, N))  # (B, N, T, H)
+    if config.rope is not None:
+        inv_freq, factor = rope_tables(config.rope, _longrope_max_position(config, call))
+        R, interleaved = config.rope.rotary_dim, config.rope.interleaved
+        q = rec("query.rope", F.rope(q, F.rope_angles(call.positions, inv_freq, call.dtype), R, interleaved, factor))
+    if config.query_temperature is not None:
+        t = config.query_temperature
+        factor = F.temperature_factor(call.temperature_positions(config), t.beta, t.floor, t.offset, call.dtype)
+        q = rec("query.temperature", F.temperature(q, factor))
+    k, v = call.shared_key, call.shared_value  # (B, K, S, H), (B, K, S, V)
+    if call.cache_length is not None:  # in place: the buffers' first P + S positions, as given
+        P, S = call.cache_length, k.shape[2]
+        return q, call.past_key[:, :, :P + S], call.past_value[:, :, :P + S]  # (B, K, P+S, .) views
+    if call.past_key is not None:
+        k = _append(call.past_key, k)  # (B, K, P+S, H): the cache given, whole
+        v = _append(call.past_value, v)  # (B, K, P+S, V)
+    return q, k, v

@@ -437,6 +437,16 @@ def default_positions(positions: torch.Tensor | None, P: int, L: int, device=Non
     return positions[None] if positions.ndim == 1 else positions  # (B|1, L)
 
 
+
+
+# -- issue 42: the key multiplier and the value scale (mirrors impl_numpy/functional.py) ---------------
+
+def multiply(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """KEY MULTIPLIER / VALUE SCALE: a projection (B, L, F) times a config number, in compute dtype."""
+    ct = compute_dtype(x.dtype)
+    return (x.to(ct) * factor).to(x.dtype)
+
+
 def mrope_positions(positions: torch.Tensor | None, P: int, L: int, axes, device=None) -> torch.Tensor:
     """Multimodal RoPE: each rotating pair's position, (B|1, L, R/2) int64. positions (3, L) or (3, B, L):
     the temporal, height and width rows (default: P + arange(L) on all three, a text token's); axes (R/2,)

@@ -145,12 +145,14 @@ class MultiHeadAttention(nn.Module):
             self._build_latent(kw)
         else:
             self.query = nn.Linear(c.query_dim, c.num_heads * c.head_dim, bias=c.use_query_bias, **kw)
-            self.key = nn.Linear(c.key_dim, c.num_kv_heads * c.head_dim, bias=c.use_key_bias, **kw)
-            self.value = nn.Linear(c.value_dim, c.num_kv_heads * c.value_head_dim, bias=c.use_value_bias, **kw)
+            if not c.kv_shared:  # issue 42: a kv_shared layer has no key or value projection
+                self.key = nn.Linear(c.key_dim, c.num_kv_heads * c.head_dim, bias=c.use_key_bias, **kw)
+                self.value = nn.Linear(c.value_dim, c.num_kv_heads * c.value_head_dim, bias=c.use_value_bias, **kw)
         self.output = nn.Linear(c.num_heads * c.value_head_dim, c.out_dim, bias=c.use_output_bias, **kw)
         if c.qk_norm is not None and c.qk_norm.weight:
             self.query_norm = _norm_module(c.qk_norm, c.num_heads, c.head_dim, kw)
-            self.key_norm = _norm_module(c.qk_norm, c.num_kv_heads, c.head_dim, kw)
+            if not c.kv_shared:
+                self.key_norm = _norm_module(c.qk_norm, c.num_kv_heads, c.head_dim, kw)
         if c.value_norm is not None and c.value_norm.weight:
             self.value_norm = _norm_module(c.value_norm, c.num_kv_heads, c.value_head_dim, kw)
         if c.use_sinks:

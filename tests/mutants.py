@@ -68,6 +68,9 @@ def _port(config, tensors, inputs, options, bug=None):
     H, V = config["head_dim"], config["value_head_dim"]
     G = N // K
     t = {k: v.astype(ct) for k, v in tensors.items()}
+    shared = _shared_cache(config, inputs, bug)  # kv_shared (issue 42): the cache's tail, the inputs without it
+    if shared is not None:
+        inputs, shared = shared
     q_in, k_in, v_in = (inputs[n].astype(ct) for n in ("query", "key", "value"))
     if bug == "key_value_swapped":
         k_in, v_in = v_in, k_in
@@ -110,6 +113,7 @@ def _port(config, tensors, inputs, options, bug=None):
         after_rope = norm and norm.get("after_rope") and bug != "norm_before_rope"
         if norm and not after_rope and not (name == "value" and bug == "value_norm_ignored"):
             y = _qk_norm(y, t, name, heads, width, norm, bug)
+        y = _knob(y, name, config, bug)  # issue 42's key multiplier and value scale, after the norm
         if bug == "heads_split_wrong_order":
             return y.reshape(x.shape[0], x.shape[1], width, heads).transpose(0, 3, 1, 2)  # (B, heads, L, width)
         return y.reshape(x.shape[0], x.shape[1], heads, width).transpose(0, 2, 1, 3)  # (B, heads, L, width)
@@ -119,7 +123,9 @@ def _port(config, tensors, inputs, options, bug=None):
         if temperature:
             q = q * temperature_factor()
     else:
-        q, k, v = proj(q_in, "query", N, H), proj(k_in, "key", K, H), proj(v_in, "value", K, V)
+        q = proj(q_in, "query", N, H)
+        k, v = (proj(k_in, "key", K, H), proj(v_in, "value", K, V)) if shared is None else (
+            x.astype(ct) for x in shared)  # a kv_shared layer's keys: the cache's, as given
     if config.get("latent"):
         pass
     elif config.get("rope"):
@@ -132,7 +138,8 @@ def _port(config, tensors, inputs, options, bug=None):
         longest = max(int(np.max(positions)), int(np.max(key_positions)))  # longrope's choice of table
         if bug == "longrope_table_by_length":  # the call's length where its largest position decides
             longest = max(T, k.shape[2]) - 1
-        q, k = _rope(q, positions, config, H, bug, longest), _rope(k, key_positions, config, H, bug, longest)
+        q = _rope(q, positions, config, H, bug, longest)
+        k = k if shared is not None else _rope(k, key_positions, config, H, bug, longest)  # shared: turned already
         if bug == "rope_on_value" and V == H:
             v = _rope(v, key_positions, config, H, bug, longest)
     norm = config.get("qk_norm")
@@ -586,6 +593,42 @@ DIFFERENTIAL_MUTANTS = {
                                         "differential_gqa"),
     "differential_scale_dropped": ("the differential norm's (1 - lambda_init) scale dropped", "differential_decode"),
 }
+
+
+# Issue 42's cross-layer KV sharing and small knobs, each bug with the grid case it targets (tests/test_mutants.py
+# runs them on their case alone, as the top-k ones)
+SHARING_MUTANTS = {
+    "kv_shared_appends_own_keys": ("a shared-KV layer that appends the keys it reads to the cache it was given, as a "
+                                   "layer with its own projections does (the queries' tokens twice, the queries "
+                                   "placed after them)", "kv_shared_decode"),
+    "key_multiplier_ignored": ("Falcon-H1's key multiplier left out", "knobs_value_scale_key_multiplier"),
+    "value_scale_ignored": ("MiMo-V2's attention_value_scale left out", "knobs_value_scale_key_multiplier"),
+}
+
+
+def _knob(y, name, config, bug):
+    """The key multiplier on the key projection, the value scale on the value's (after their norms)."""
+    if name == "key" and bug != "key_multiplier_ignored":
+        return y * config.get("key_multiplier", 1.0)
+    if name == "value" and bug != "value_scale_ignored":
+        return y * config.get("value_scale", 1.0)
+    return y
+
+
+def _shared_cache(config, inputs, bug):
+    """A kv_shared layer (Gemma 3n): None for any other. Its cache's last T entries are the queries' own keys and
+    values (the layer that made them appended them): (inputs with the cache before them as past_key / past_value
+    and the query standing in for key and value (their lengths: T), (shared keys, shared values)). The bug
+    appends what it reads: the cache whole as past, its tail again as new keys."""
+    if not config.get("kv_shared"):
+        return None
+    T, P = inputs["query"].shape[1], inputs["past_key"].shape[2]
+    keep = P if bug == "kv_shared_appends_own_keys" else P - T
+    given = {**inputs, "key": inputs["query"], "value": inputs["query"]}
+    given.update(past_key=inputs["past_key"][:, :, :keep], past_value=inputs["past_value"][:, :, :keep])
+    if not keep:
+        del given["past_key"], given["past_value"]
+    return given, (inputs["past_key"][:, :, P - T:], inputs["past_value"][:, :, P - T:])
 
 
 class MutantAdapter:

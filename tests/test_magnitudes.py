@@ -35,7 +35,7 @@ NORMED_CANCELLATION = 912288  # head_dim 1, RMS QK-norm: a key projection of -8e
 def _call_args(case: Case, tensors, inputs):
     kwargs = {name: inputs.get(name) for name in OPTIONAL_INPUTS + INDEXER_INPUTS}
     kwargs.update(is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training)
-    return (case.config, tensors, inputs["query"], inputs["key"], inputs["value"]), kwargs
+    return (case.config, tensors, inputs["query"], inputs.get("key"), inputs.get("value")), kwargs  # kv_shared: none
 
 
 def _reference(case: Case, tensors, inputs) -> dict[str, np.ndarray]:

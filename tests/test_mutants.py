@@ -4,7 +4,7 @@ comparison and `mha verify`, and passes the same port without the bug."""
 from __future__ import annotations
 
 import pytest
-from mutants import DIFFERENTIAL_MUTANTS, MUTANTS, MutantAdapter
+from mutants import DIFFERENTIAL_MUTANTS, MUTANTS, SHARING_MUTANTS, MutantAdapter
 
 from conformance.suite.cases import CASES, LONG_GRID
 from conformance.suite.compare import STATUS_FAIL, STATUS_PASS, run_case
@@ -19,6 +19,8 @@ DTYPES = ("float64", "float32", "bfloat16")
 # without them, and the four cases in every mutant's run took this file from 29 to 35 s of CPU.
 SHORT = [name for name in CASES if name not in LONG_GRID and CASES[name].selection is None
          and CASES[name].config.indexer is None]  # the indexer cases' own bugs: tests/test_indexer_call.py
+# issue 42's cases run their own bugs (SHARING_MUTANTS, test_sharing_mutant_is_caught), not every mutant
+SHORT = [name for name in SHORT if name not in {case for _, case in SHARING_MUTANTS.values()}]
 
 
 def check_results(adapter, dtypes=DTYPES, names=SHORT):
@@ -66,3 +68,19 @@ def test_differential_mutant_is_caught(bug):
     missed = [f"{r.dtype}: {r.status} (margin {r.margin:.3g})" for r in results if r.status != STATUS_FAIL]
     assert not missed, f"mha check missed {bug} ({what}) on {name}: {missed}"
     print(f"{bug}: {name} fails in {', '.join(f'{r.dtype} (margin {r.margin:.3g})' for r in results)}")
+
+
+@pytest.mark.parametrize("bug", list(SHARING_MUTANTS), ids=list(SHARING_MUTANTS))
+def test_sharing_mutant_is_caught(bug):
+    """Issue 42's bugs (a shared-KV layer appending what it reads, a key multiplier or value scale left out) fail
+    their case's comparison in every dtype, and its shipped vectors."""
+    what, case = SHARING_MUTANTS[bug]
+    adapter = MutantAdapter(bug)
+    results = check_results(adapter, names=[case])
+    caught = [r for r in results if r.status == STATUS_FAIL]
+    assert len(caught) == len(results), f"mha check missed {bug} ({what}) on {case}: " + ", ".join(
+        f"{r.dtype} {r.status} margin {r.margin:.3g}" for r in results)
+    failed = [r for r in verify(adapter, only=[case]) if r.status == "fail"]
+    assert failed, f"mha verify missed {bug} ({what}) on {case}'s vectors"
+    print(f"{bug}: check fails {len(caught)}/{len(results)} runs on {case} (smallest margin "
+          f"{min(r.margin for r in caught):.3g}); verify fails {len(failed)} vectors")

@@ -50,7 +50,7 @@ def test_case_grid_gradients(name):
     case = CASES[name]
     inputs = make_inputs(case)
     tensors = make_tensors(case)
-    call = {k: inputs[k] for k in ("query", "key", "value")}
+    call = {k: inputs[k] for k in ("query", "key", "value") if k in inputs}  # kv_shared: no key, value
     call.update({k: inputs[k] for k in ("past_key", "past_value") if k in inputs})  # differentiated too
     options = {k: v for k, v in inputs.items() if k not in call}  # masks, bias, positions, segment ids
     options.update(is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training)

@@ -217,7 +217,8 @@ def test_trace_names_every_stage_in_order():
     every = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, rope={}, qk_norm={"type": "rms"},
                             logit_softcap=5.0, use_sinks=True, window_left=1, alibi=True, local_chunk=2,
                             query_temperature={"beta": 0.1, "floor": 2.0}, qkv_clip=1.0,
-                            output_gate={"scope": "head"}, value_norm={"type": "rms", "weight": False})
+                            output_gate={"scope": "head"}, value_norm={"type": "rms", "weight": False},
+                            key_multiplier=0.5, value_scale=2.0)
     # differential attention (value.pair, differential) takes no output gate: its stages in a config of their own
     differential = AttentionConfig(num_heads=2, query_dim=4, head_dim=2, differential={"lambda_init": 0.2})
     with_differential = ("value.pair", "differential")

@@ -172,14 +172,17 @@ def test_one_vector_per_case_and_dtype_with_everything_inside():
         case = CASES[v.name.rsplit(".", 1)[0]]
         assert v.config == case.config
         assert set(v.tensors) == set(case.config.tensor_shapes())
-        assert {"query", "key", "value"} <= set(v.inputs)
+        # a kv_shared layer (issue 42) takes no key or value: its keys and values are the cache
+        assert ({"query", "past_key", "past_value"} if case.config.kv_shared else {"query", "key", "value"}) <= set(
+            v.inputs) and not (case.config.kv_shared and {"key", "value"} & set(v.inputs))
         assert v.cotangent.shape == (case.B, case.T, case.config.out_dim)
         assert ("weights" in v.expected) == case.return_weights
         assert ("present_key" in v.expected) == ("present_value" in v.expected) == case.return_cache
         assert v.options.get("return_cache", False) == case.return_cache
         grads = {k for k in v.expected if k.startswith("grad.")}
         cache = ["past_key", "past_value"] if case.P else []
-        assert grads == {f"grad.{n}" for n in ["query", "key", "value", *cache, *case.config.tensor_shapes()]}
+        qkv = ["query"] if case.config.kv_shared else ["query", "key", "value"]
+        assert grads == {f"grad.{n}" for n in [*qkv, *cache, *case.config.tensor_shapes()]}
         for name in ("positions", "key_positions", "segment_ids"):
             assert name not in v.inputs or v.inputs[name].dtype == np.int64, (v.name, name)
         assert set(v.tolerance) >= {"output"} and all(t["rtol"] > 0 and t["atol"] > 0 for t in v.tolerance.values())

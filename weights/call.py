@@ -26,14 +26,15 @@ INDEXER_INPUTS = ("past_index_keys",)
 # norm runs after RoPE).
 STAGES = (
     "query.project", "key.project", "value.project", "query.clip", "key.clip", "value.clip", "query.norm",
-    "key.norm", "value.norm", "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
+    "key.norm", "value.norm", "key.multiplier", "value.scale", "query.split_heads", "key.split_heads", "value.split_heads", "query.rope", "key.rope",
     "query.temperature", "logits", "softcap", "alibi", "mask", "softmax", "dropout", "attend", "gate.project",
     "gate", "merge_heads", "output",
 )
 
 # The stages a call records only where its config turns them on (a plain layer's trace: STAGES less these).
 OPTIONAL_STAGES = frozenset({"query.clip", "key.clip", "value.clip", "query.norm", "key.norm", "value.norm",
-                             "query.rope", "key.rope", "query.temperature", "softcap", "alibi", "gate.project", "gate"})
+                             "query.rope", "key.rope", "query.temperature", "softcap", "alibi", "gate.project", "gate",
+                             "key.multiplier", "value.scale"})
 
 # A latent layer's (weights.config.Latent) stages before the logits, in order (impl_numpy/latent.py's expanded
 # form); from the logits on, STAGES' own.

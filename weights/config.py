@@ -539,6 +539,8 @@ MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_
                                    "value_norm": None, "latent": None, "alibi_bias_dtype": None,
                                    "indexer": None}
 MODERN_DEFAULTS["differential"] = None  # differential attention (its own line: merged beside other new fields)
+# Issue 42's fields (kept apart so the issue's other parts merge beside them).
+MODERN_DEFAULTS.update(key_multiplier=1.0, value_scale=1.0, kv_shared=False)
 # The dtypes alibi_bias_dtype may name: Falcon-RW builds its bias in bfloat16 whatever the model's dtype.
 ALIBI_BIAS_DTYPES = ("bfloat16", "float16", "float32")
 # The fields that are objects (a dict converts; to_dict gives their dict form).
@@ -589,6 +591,12 @@ class AttentionConfig:
     # Differential attention (diffllama; a dict converts): two softmaxes per output head subtracted with a learned
     # lambda, an RMS norm per head and the (1 - lambda_init) scale; see Differential and docs/differential-attention.md
     differential: Differential | None = None
+    # Issue 42's cross-layer KV sharing and small knobs (docs/spec-frontier.md#cross-layer-kv-sharing-and-two-multipliers):
+    key_multiplier: float = 1.0  # multiplies k after its projection and norm, before RoPE (Falcon-H1's key_multiplier)
+    value_scale: float = 1.0  # multiplies v after its projection and norm (MiMo-V2's attention_value_scale)
+    # The layer has no key or value projection: it attends to the cache it is given (past_key / past_value: another
+    # layer's keys and values after their norm and RoPE) and appends nothing to it (Gemma 3n's num_kv_shared_layers)
+    kv_shared: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -682,6 +690,7 @@ class AttentionConfig:
             self._check_indexer(indexer)
         object.__setattr__(self, "indexer", indexer)
         self._resolve_differential()
+        self._resolve_sharing_and_knobs()
         self._check_mrope()
 
     def _check_mrope(self) -> None:
@@ -713,6 +722,30 @@ class AttentionConfig:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} must be null with differential (the differential head is 2V wide): got "
                                  f"{_shown(getattr(self, name).to_dict())}")
+
+    def _resolve_sharing_and_knobs(self) -> None:
+        """key_multiplier, value_scale and kv_shared (issue 42): one line each, naming the field."""
+        for name in ("key_multiplier", "value_scale"):
+            object.__setattr__(self, name, _finite_number(name, getattr(self, name)))
+        _check_bool("kv_shared", self.kv_shared)
+        if self.latent is not None:
+            for name in ("key_multiplier", "value_scale"):
+                if getattr(self, name) != 1.0:
+                    raise ValueError(f"{name} must be 1 with latent (the latent's keys and values come from its "
+                                     f"up-projections): got {getattr(self, name)}")
+        if not self.kv_shared:
+            return
+        for name in ("key_multiplier", "value_scale"):
+            if getattr(self, name) != 1.0:
+                raise ValueError(f"{name} must be 1 with kv_shared (the layer makes no keys or values of its own; "
+                                 f"the layer whose cache it reads applies it): got {getattr(self, name)}")
+        for name in ("latent", "indexer", "value_norm", "qkv_clip", "differential"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} must be null with kv_shared (the layer has no key or value projection): "
+                                 f"got {_shown(getattr(self, name))}")
+        if self.qk_norm is not None and self.qk_norm.after_rope:
+            raise ValueError("qk_norm.after_rope must be false with kv_shared (the shared keys were normed by the "
+                             "layer that made them; the query's norm runs before RoPE, as Gemma 3n's q_norm)")
 
     def _check_indexer(self, indexer: Indexer) -> None:
         """What an indexer needs of the other fields (one line each, naming the field)."""
@@ -770,6 +803,9 @@ class AttentionConfig:
         if self.use_query_bias:
             shapes["query.bias"] = (N, H)
         shapes.update(self._norm_shapes("query", N))
+        if self.kv_shared:  # no key or value tensors: the keys and values are another layer's cache
+            shapes.update(self._after_attention_shapes())
+            return shapes
         shapes["key.kernel"] = (self.key_dim, K, H)
         if self.use_key_bias:
             shapes["key.bias"] = (K, H)

@@ -168,6 +168,29 @@ def check_cache_length(cache_length, capacity: int | None, S: int) -> int:
     return int(cache_length)
 
 
+def check_shared_call(keys_given: bool, past_key_shape, P: int, T: int, key_positions_shape,
+                      past_key_positions_shape) -> int:
+    """A kv_shared layer's call (issue 42: Gemma 3n's num_kv_shared_layers): no key or value input (the layer has
+    no projection for them), a cache of at least T entries (another layer's keys and values after their norm and
+    RoPE, the queries' own T tokens last, as that layer appended them), which the call reads and never appends
+    to. Returns the cache's length before the queries' tokens, P - T: the call runs as one whose new keys are the
+    cache's last T entries (S = T, S_total = P), so the queries sit at P - T .. P - 1 by default."""
+    if keys_given:
+        raise ValueError("key and value must not be given with kv_shared (the layer has no key or value "
+                         "projection: its keys and values are past_key/past_value, another layer's cache)")
+    if past_key_shape is None:
+        raise ValueError("kv_shared needs past_key and past_value (the cache of the layer whose keys and values "
+                         "this one reads): got none")
+    if P < T:
+        raise ValueError(f"kv_shared needs a cache of at least the queries' T = {T} tokens (the sharing layer "
+                         f"appended them last): got a cache of {P}")
+    for name, shape in (("key_positions", key_positions_shape), ("past_key_positions", past_key_positions_shape)):
+        if shape is not None:
+            raise ValueError(f"{name} is not taken with kv_shared (the cache's keys were turned by the layer that "
+                             f"made them): got shape {_shape(shape)}")
+    return P - T
+
+
 def check_cache_alignment(config: AttentionConfig, P: int | None, is_causal, causal_alignment: str) -> None:
     """A cache of P > 0 keys puts the queries after them, so is_causal and a
     window need causal_alignment='bottom_right'. P None: a length known only
@@ -307,6 +330,8 @@ def check_call(
         ("key", k, config.key_dim, "key_dim"),
         ("value", v, config.value_dim, "value_dim"),
     ):
+        if name != "query" and getattr(config, "kv_shared", False) and not keys_given:
+            continue  # a kv_shared layer reads no key or value input: the query stands in (check_shared_call)
         if len(shape) != 3:
             raise ValueError(f"{name} must have shape (B, L, {dim_name}) = (B, L, {dim}): got rank {len(shape)} shape {shape}")
         if shape[2] != dim:
@@ -323,7 +348,9 @@ def check_call(
     capacity = None
     if cache_length is not None:
         capacity = P if past_key_shape is not None else None
-        P = check_cache_length(cache_length, capacity, S)
+        P = check_cache_length(cache_length, capacity, 0 if getattr(config, "kv_shared", False) else S)
+    if getattr(config, "kv_shared", False):  # the cache's last T entries are the queries' own keys (issue 42)
+        P = check_shared_call(keys_given, past_key_shape, P, T, key_positions_shape, past_key_positions_shape)
     S_total = P + S  # the keys masks, bias, causal, windows and the weights see
     mask4 = bias4 = None
     if mask_shape is not None:

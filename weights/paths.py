@@ -51,8 +51,11 @@ def chunk_size(inputs: dict) -> int:
     return max(CHUNK, longest // BLOCKS_PER_AXIS)
 
 
-def new_keys(inputs: dict) -> int:
-    """S: the new keys of a call (the query's length when no key is passed)."""
+def new_keys(inputs: dict, config=None) -> int:
+    """S: the new keys of a call (the query's length when no key is passed; 0 for a kv_shared config's, which
+    appends nothing: issue 42)."""
+    if getattr(config, "kv_shared", False):
+        return 0
     return np.shape(inputs["query"] if inputs.get("key") is None else inputs["key"])[1]
 
 

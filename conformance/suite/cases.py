@@ -110,7 +110,7 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
-    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _mrope_grid() + _differential_grid()
+    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _mrope_grid() + _differential_grid() + _sharing_grid()
 
 
 def _modern_grid() -> list[Case]:
@@ -390,6 +390,23 @@ def _differential_grid() -> list[Case]:
     ]
 
 
+def _sharing_grid() -> list[Case]:
+    """Issue 42's knobs: MiMo-V2-Flash's value scale and Falcon-H1's key multiplier, together, on a MiMo-shaped
+    layer (V != H, partial RoPE, sinks, GQA) decoding over a cache (the present cache holds the multiplied keys
+    and scaled values, as both models store them). The multipliers are not powers of two, so a port that drops
+    one is off by more than rounding. Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
+    decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
+    mimo = dict(num_heads=4, num_kv_heads=2, head_dim=6, value_head_dim=4, rope={"rotary_dim": 2}, use_sinks=True)
+    return [
+        Case("knobs_value_scale_key_multiplier", _cfg(**mimo, key_multiplier=2.7, value_scale=0.61), T=2, S=2, P=3,
+             **decode),
+        # Gemma 3n's shared-KV layer decoding two tokens: no key or value projection, the query's norm and RoPE,
+        # scale 1, a window; the cache (7 entries, the queries' own two last) read and given back unchanged
+        Case("kv_shared_decode", _cfg(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm={"type": "rms"}, rope={},
+                                      scale=1.0, window_left=4, kv_shared=True), T=2, S=0, P=7, **decode),
+    ]
+
+
 def _long_cfg(**kw) -> AttentionConfig:
     """A realistic length's shape, kept cheap: 4 heads of 8 features over 16 input features, 8 outputs."""
     return _cfg(**{"num_heads": 4, "head_dim": 8, "query_dim": 16, "out_dim": 8, **kw})
@@ -446,6 +463,7 @@ CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid()
                                                                    *_long_grid()))
 CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | frozenset(case.name for case in _mrope_grid())  # two cases, issue 42
 CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | {case.name for case in _differential_grid()}
+CHECK_ONE_DTYPE |= frozenset(case.name for case in _sharing_grid())  # issue 42's cases
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"
@@ -478,6 +496,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         key = rng.standard_normal((B, case.S, c.key_dim)) * case.input_scale
         value = rng.standard_normal((B, case.S, c.value_dim)) * case.input_scale
     inputs: dict[str, np.ndarray] = {"query": query, "key": key.copy(), "value": value.copy()}
+    if c.kv_shared:  # no key or value input: the keys and values are the cache (issue 42)
+        del inputs["key"], inputs["value"]
 
     def with_one_allowed(m: np.ndarray) -> np.ndarray:
         m = m.copy()

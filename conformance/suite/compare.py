@@ -151,7 +151,7 @@ def expected_for(case: Case, dtype: str, selection: np.ndarray | None = None) ->
     grads, magnitudes = _reference_grads(case, t64, i64, d_out, config)
     # what each forward value is summed from: the tolerance's elementwise floor, and its logit scale z
     terms, logit_errors = forward_magnitudes(
-        config, t64, i64["query"], i64["key"], i64["value"],
+        config, t64, i64["query"], i64.get("key"), i64.get("value"),
         **{name: i64.get(name) for name in reference.OPTIONAL_INPUTS + INDEXER_INPUTS}, is_causal=case.is_causal,
         causal_alignment=case.causal_alignment, training=case.training, logit_errors=True)
     expected = {"output": fwd["output"], "weights": fwd["weights"], "grads": grads, "magnitudes": magnitudes,
@@ -201,7 +201,7 @@ def max_position(case: Case, inputs) -> int:
 def _reference_grads(case: Case, tensors, inputs, d_out, config=None):
     """float64 gradients and their term magnitudes (impl_numpy.backward)."""
     _, grads, magnitudes = multi_head_attention_vjp(
-        case.config if config is None else config, tensors, inputs["query"], inputs["key"], inputs["value"],
+        case.config if config is None else config, tensors, inputs["query"], inputs.get("key"), inputs.get("value"),
         d_output=d_out, **{name: inputs.get(name) for name in reference.OPTIONAL_INPUTS + INDEXER_INPUTS},
         is_causal=case.is_causal, causal_alignment=case.causal_alignment, training=case.training,
         gradient_magnitudes=True,

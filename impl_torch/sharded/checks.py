@@ -68,6 +68,9 @@ def refusal(config, inputs, options, *, kind, devices, trace=False) -> str | Non
                                        and config.rope.mrope_section is not None)) if on]
     if getattr(config, "differential", None) is not None:  # differential attention (no core subtracts the halves)
         frontier.append("differential")
+    frontier += [name for name, on in (("key_multiplier", config.key_multiplier != 1.0),  # issue 42's fields
+                                       ("value_scale", config.value_scale != 1.0),
+                                       ("kv_shared", config.kv_shared)) if on]
     if frontier:
         return (f"the sharded engines do not compute the frontier fields yet (docs/spec-frontier.md): "
                 f"{', '.join(frontier)}")

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import llama_gated, qwen_vl
+from . import llama_gated, llama_knobs, qwen_vl
 from .hf_rope import _hf_rope
 from .table import LINEAR, Extra, Layout, R, Table, Tie
 
@@ -47,7 +47,7 @@ _SLIDING_RULES: dict[str, Callable[[Mapping[str, Any], int], bool]] = {
 }
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "olmo2", "gpt_oss",
                   "phi3", "llama4", "llama4_text", "smollm3", "ministral3", "granite", "cohere", "cohere2",
-                  *llama_gated.TYPES, *qwen_vl.TYPES)
+                  *llama_gated.TYPES, *qwen_vl.TYPES, *llama_knobs.TYPES)
 HF_LLAMA_TYPES += ("diffllama",)  # differential attention (its reader: _diffllama below)
 
 
@@ -62,6 +62,9 @@ def _llama_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     if model_type in llama_gated.TYPES:  # Qwen3-Next, Qwen3.5, Gemma 4: gates, k = v (llama_gated.py)
         facts = llama_gated.layer_facts(cfg, layer)
         return {**facts, "table": FAMILY[0].tables.index(_GATED_TABLES[facts["table"]]) if facts["table"] else 0}
+    if model_type in llama_knobs.TYPES:  # MiMo-V2-Flash, Falcon-H1: issue 42's knobs (llama_knobs.py)
+        facts = llama_knobs.layer_facts(cfg, layer)
+        return {**facts, "table": FAMILY[0].tables.index(_KNOB_TABLES[facts["table"]]) if facts["table"] else 0}
     if model_type == "gemma3" and isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg["text_config"], "model_type": "gemma3_text"}  # the multimodal wrapper's language model
         model_type = "gemma3_text"
@@ -212,6 +215,7 @@ _DECODER_TIES = (
     Tie("out_dim", "query_dim", "o_proj maps back to hidden_size"),
 )
 _GATED_TABLES = llama_gated.tables(_DECODER_TIES)
+_KNOB_TABLES = llama_knobs.tables(_DECODER_TIES)
 
 
 FAMILY = (
@@ -241,6 +245,7 @@ FAMILY = (
                 R("o_proj.weight", "output.kernel", LINEAR), R("o_proj.bias", "output.bias", LINEAR),
             ), ties=_DECODER_TIES, note="phi3: fused qkv_proj = [q; k; v]"),
             *_GATED_TABLES.values(),  # picked by config.json (their q_proj is table 0's key)
+            *_KNOB_TABLES.values(),  # mimo_v2_flash's v_head_dim, gemma3n's kv_shared layers (llama_knobs.py)
         ),
     ),
 )

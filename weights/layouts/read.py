@@ -292,7 +292,7 @@ def _read_extras(lay: Layout, config: AttentionConfig, visible: Mapping[str, Any
     shapes = config.tensor_shapes()
     out: dict[str, np.ndarray] = {}
     for extra in lay.extras:
-        key = base + extra.key
+        key = base + hf.get("extra_keys", {}).get(extra.canonical, extra.key)  # a model's own name (llama_knobs)
         if extra.canonical not in shapes:
             if key in visible:
                 problems.append(f"unexpected {key}: config.json (model_type {hf.get('model_type')!r}) uses no "

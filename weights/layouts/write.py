@@ -179,7 +179,8 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
             value = value if _per_head_norm(config, extra.canonical) else value.reshape(-1)
             if hf.get("norm_offset") and ".norm." in extra.canonical:
                 value = value - value.dtype.type(hf["norm_offset"])  # Gemma stores w of its (1 + w)
-            state[place.base(lay) + extra.key] = np.array(value, order="C", copy=True)
+            key = (hf.get("extra_keys") or {}).get(extra.canonical, extra.key)  # a model's own name (llama_knobs)
+            state[place.base(lay) + key] = np.array(value, order="C", copy=True)
     derived = [name for name in lay.derived if name in tensors]
     if derived and hf_config is None:
         raise ValueError(f"hf_config: {lay.id} stores no {', '.join(derived)} (config.json's rule gives them): "

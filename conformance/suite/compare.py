@@ -28,6 +28,7 @@ from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
 from impl_numpy.magnitudes import forward_magnitudes
 from weights.call import INDEXER_INPUTS
+from weights.paths import chunk_size
 
 STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
 # The path of a result whose backend has one (the native layers, a user's function) or that was run with the
@@ -193,22 +194,25 @@ def expected_for(case: Case, dtype: str, selection: np.ndarray | None = None) ->
     return expected
 
 
-def chunked_same_precision(case: Case, dtype: str, exp: dict, chunk_size: int) -> float:
-    """The same-dtype error of the output on a chunked path: the larger of the NumPy stages' (exp's
-    same_precision) and the NumPy chunked core's own, run in `dtype` on the same call with the same blocks.
+def chunked_same_precision(case: Case, dtype: str, exp: dict, block: int) -> float:
+    """The same-dtype error of the output on a chunked path or a fused kernel: the larger of the NumPy stages'
+    (exp's same_precision) and the NumPy chunked core's own, run in `dtype` on the same call with the same
+    blocks (a fused kernel: the conformance block size, weights.paths.chunk_size).
     The chunked core keeps the softmax's numerators in the compute dtype where the stages store the weights
     in 16 bits, so the context it stores rounds other values: an element one 16-bit step apart on a context
     of 2 moves an output that cancels (terms of 5 summing to 0.05) by 16 of its own steps, and the stages'
     error is one sample of that noise, not its size (random_982380 bfloat16: the stages' 2.0e-4, NumPy's
     chunked core's, bit for bit MLX's, 1.2e-3; docs/conformance.md). A chunked core is judged against a careful
-    chunked implementation in its dtype as well as against the stages."""
+    chunked implementation in its dtype as well as against the stages; so is a fused kernel, which keeps the
+    numerators in float32 too (random_997082, MLX's mx.fast.scaled_dot_product_attention, bfloat16: 6.1e-4
+    against the stages' 1.4e-4 and the chunked core's 3.7e-4)."""
     found = exp.setdefault("same_precision_chunked", {})
-    if chunk_size not in found:
+    if block not in found:
         config, tensors, inputs, return_cache = exp["low_call"]
         low = reference.forward(config, tensors, inputs, case.options(dtype) | {
-            "return_weights": False, "return_cache": return_cache, "chunk_size": chunk_size})
-        found[chunk_size] = _max_err(low["output"], exp["output"])
-    return max(exp["same_precision"]["output"], found[chunk_size])
+            "return_weights": False, "return_cache": return_cache, "chunk_size": block})
+        found[block] = _max_err(low["output"], exp["output"])
+    return max(exp["same_precision"]["output"], found[block])
 
 
 def max_position(case: Case, inputs) -> int:
@@ -247,9 +251,11 @@ def _max_err(a, b) -> float:
 
 
 def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision: str,
-          options: dict | None = None) -> list[Comparison]:
+          options: dict | None = None, kernel: bool = False) -> list[Comparison]:
     """Compare a backend's forward result (and gradients) under the policy. options: the call's (default:
-    the case's), which say whether weights and the present cache were asked for."""
+    the case's), which say whether weights and the present cache were asked for. kernel: the call ran a
+    chunked core or the backend's fused kernel (its FAST_PATH), which keep the softmax's numerators in the
+    compute dtype: a 16-bit output is judged against a chunked reference too (chunked_same_precision)."""
     exp = expected_for(case, dtype)
     options = case.options(dtype) if options is None else options
     comparisons = []
@@ -264,9 +270,9 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
             case, dtype, name, quantity, expected, precision=precision, selection=own,
             same_precision_error=same_precision_error)))
 
-    chunked = options.get("chunk_size") is not None and "low_call" in exp  # a chunked core, in 16 bits
-    check("output", "output", result["output"], exp["output"],
-          chunked_same_precision(case, dtype, exp, options["chunk_size"]) if chunked else None)
+    chunked = (kernel or options.get("chunk_size") is not None) and "low_call" in exp  # a kernel, in 16 bits
+    check("output", "output", result["output"], exp["output"], chunked_same_precision(
+        case, dtype, exp, options.get("chunk_size") or chunk_size(exp["inputs"])) if chunked else None)
     if options.get("return_weights"):
         if "weights" not in result:
             raise ValueError("backend returned no weights although return_weights was requested")
@@ -433,7 +439,8 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
                                     precision=precision)["grads"]
             except NotImplementedError as err:
                 result.message = f"gradients unsupported: {err}"
-        result.comparisons = judge(case, dtype, forward, grads, precision=precision, options=options)
+        result.comparisons = judge(case, dtype, forward, grads, precision=precision, options=options,
+                                   kernel=path in ("chunked", getattr(adapter, "FAST_PATH", None)))
         got_dtype = np.asarray(forward["output"]).dtype
         if got_dtype.name != dtype:
             result.comparisons.append(Comparison(False, f"output dtype {got_dtype.name}, expected {dtype}", math.inf,

@@ -123,6 +123,23 @@ def test_mlx_where_lets_a_nan_cotangent_into_the_branch_not_taken_and_the_stages
     assert all(n.shape == o.shape and np.array_equal(n, o) for n, o in zip(native, ours, strict=True)), (native, ours)
 
 
+def test_a_clip_gate_that_16_bits_open_counts_its_terms():
+    """The MLX sweep's find (docs/conformance.md, tolerance policy): random_996499, bfloat16, a key projection
+    of 0.20025 in float64 rounds onto the clip's bound (0.2002) in 16 bits, where the gradient passes; the
+    chunked core's float32 noise of an exact cancellation (S = 1), 1e-8, reached grad key.bias there, and the
+    float64 reference's magnitude, with its gate closed, was 0 (margin 6e299). The magnitudes count the
+    16-bit gates' terms too: every path passes."""
+    from conformance.suite.cases import random_case
+    from conformance.suite.compare import expected_for
+    from conformance.suite.sweep import sweep
+
+    exp = expected_for(random_case(996499), "bfloat16")
+    assert exp["magnitudes"]["key.bias"].ravel()[6] > 1, exp["magnitudes"]["key.bias"]  # the gate 16 bits open
+    found = sweep("mlx", [996499], ("bfloat16",), check.PATH_KINDS)
+    assert "chunked bfloat16" in found["worst"], found["worst"]
+    assert found["runs"] > 0 and not found["failures"], "\n".join(found["failures"])
+
+
 def test_the_fused_kernel_in_16_bits_is_judged_against_a_chunked_reference_too():
     """The MLX sweep's find (seeds 993000-1002999; docs/conformance.md, tolerance policy): random_997082,
     bfloat16, mx.fast.scaled_dot_product_attention keeps the softmax numerators in float32 as a chunked core

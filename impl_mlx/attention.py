@@ -50,7 +50,7 @@ FLOAT64_REFUSAL = ("float64 storage: mx.fast.scaled_dot_product_attention comput
 
 # Why a differential layer whose fully masked rows are NaN (masked_row "nan") takes the stages: the NaN row's
 # cotangent (the differential norm's backward of a NaN context) reaches the fused kernel's backward, which multiplies
-# the masked keys' zero weights by it; the stages' select (functional.select) drops it, as the spec's backward does.
+# the masked keys' zero weights by it; the stages' select (functional.where) drops it, as the spec's backward does.
 DIFFERENTIAL_NAN_ROWS = ("masked_row nan with differential: a NaN row's cotangent reaches the fused kernel's "
                          "backward, which multiplies the masked keys' zero weights by it (the stages drop it)")
 

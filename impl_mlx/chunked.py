@@ -124,25 +124,27 @@ def chunked_attention(config: AttentionConfig, call, q, k, v, *, is_causal: bool
             e = F.exp(x - m_safe)  # masked -> exactly 0
             l_sum = l_sum * correction + e.sum(axis=-1, keepdims=True)
             if keep is not None:
-                e = mx.where(keep[:, :, t0:t1, s0:s1], e / rate, scalar(0, c))
+                e = F.where(keep[:, :, t0:t1, s0:s1], e / rate, scalar(0, c))
             vb = v[:, :, s0:s1].astype(c)  # (B, K, Ck, V)
             contrib = mx.einsum("bkgts,bksv->bkgtv", e.reshape(B, K, G, Cq, s1 - s0), vb).reshape(B, N, Cq, V)
             acc = acc * correction + contrib
             m = m_new
         empty = l_sum == 0  # no allowed key in the row (l >= 1 otherwise: its max contributes exp(0))
-        ctx = acc / mx.where(empty, scalar(1, c), l_sum)  # "zero": an empty row's acc, 0 x V, as it is
-        if fill is not None:  # the policy's weight on every key of an empty row (kept or dropped key by key)
+        ctx = acc / F.where(empty, scalar(1, c), l_sum)  # "zero": an empty row's acc, 0 x V, as it is
+        if fill is not None:  # the policy's weight on every key of an empty row (kept or dropped key by key),
+            # 0 on the other rows, so that no NaN reaches their gradients (0 x NaN is NaN), as impl_jax's
+            factor = mx.where(empty, scalar(fill, c), scalar(0, c))  # (B, N, Cq, 1): a constant
             if keep is None:
                 v_sum = v.astype(c).sum(axis=2, keepdims=True)  # (B, K, 1, V)
-                filled = scalar(fill, c) * (mx.repeat(v_sum, G, axis=1) if G > 1 else v_sum)  # (B, N, 1, V)
+                filled = factor * (mx.repeat(v_sum, G, axis=1) if G > 1 else v_sum)  # (B, N, Cq, V)
             else:
                 filled = mx.zeros_like(acc)
                 for s0, s1 in ((s, min(s + chunk_size, S)) for s in range(0, S, chunk_size)):
-                    w = mx.where(keep[:, :, t0:t1, s0:s1], scalar(fill, c) / rate, scalar(0, c))
+                    w = mx.where(keep[:, :, t0:t1, s0:s1], factor / rate, scalar(0, c))  # (B, N, Cq, Ck)
                     vb = v[:, :, s0:s1].astype(c)
                     filled = filled + mx.einsum("bkgts,bksv->bkgtv", w.reshape(B, K, G, Cq, s1 - s0),
                                                 vb).reshape(B, N, Cq, V)
-            ctx = mx.where(empty, filled, ctx)
+            ctx = F.where(empty, filled, ctx)
         ctx = ctx.astype(dtype)  # (B, N, Cq, V): the core's context, stored
         if values_up is not None:  # the attended latent (B, N, Cq, C) through each head's value up-projection
             ctx = F.expand_values(ctx, values_up)  # (B, N, Cq, V)

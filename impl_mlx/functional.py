@@ -58,6 +58,39 @@ def exp(x: mx.array) -> mx.array:
     return mx.exp(x)
 
 
+# MLX 0.32.4's VJP of mx.where multiplies the cotangent by the condition cast to a float (mlx/primitives.cpp,
+# Select::vjp), so a NaN cotangent reaches the branch not taken as NaN x 0 = NaN, where the spec's backward
+# (np.where in impl_numpy/backward.py), torch.where's and jnp.where's select it away: a masked_row "nan" row's
+# NaN value gradient came through the value clip's untaken branch into value and value.kernel (random_982308,
+# docs/conformance.md). The stages select with `where`, whose VJP selects too.
+def _unbroadcast(g: mx.array, shape) -> mx.array:
+    """A cotangent of a broadcast result summed back to an operand's shape."""
+    if g.ndim > len(shape):
+        g = g.sum(axis=tuple(range(g.ndim - len(shape))))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+@mx.custom_function
+def _select(condition: mx.array, x: mx.array, y: mx.array) -> mx.array:
+    return mx.where(condition, x, y)
+
+
+@_select.vjp
+def _select_vjp(primals, cotangent, output):
+    condition, x, y = primals
+    zero = mx.zeros_like(cotangent)
+    return (mx.zeros_like(condition), _unbroadcast(mx.where(condition, cotangent, zero), x.shape).astype(x.dtype),
+            _unbroadcast(mx.where(condition, zero, cotangent), y.shape).astype(y.dtype))
+
+
+def where(condition: mx.array, x: mx.array, y: mx.array) -> mx.array:
+    """mx.where, its gradient a select as the spec's (above): x's cotangent where condition, y's elsewhere,
+    0 in the other, whatever the cotangent holds. Arrays only (scalar() for a constant)."""
+    assert all(isinstance(a, mx.array) for a in (condition, x, y)), "where takes arrays (scalar() for a number)"
+    return _select(condition, x, y)
+
+
 def cos_sin(angles: mx.array) -> tuple[mx.array, mx.array]:
     """cos and sin of RoPE's angles (no gradient flows through them), float64-accurate in float64."""
     if angles.dtype == mx.float64:
@@ -82,9 +115,10 @@ def project(x: mx.array, kernel: mx.array, bias: mx.array | None) -> mx.array:
 def clip(x: mx.array, c: float) -> mx.array:
     """QKV clip: a projection clamped to [-c, c] (MPT's and OLMo's clip_qkv, after the projection's bias),
     c rounded to the storage dtype first (clip_bound). Two selects, so that the gradient passes where
-    |x| <= the bound, bounds included; a NaN passes as NaN, as np.clip gives it."""
+    |x| <= the bound, bounds included, and is 0 elsewhere even where it is NaN (`where`); a NaN passes as
+    NaN, as np.clip gives it."""
     bound = scalar(float(clip_bound(c, np_dtype(x.dtype))), x.dtype)
-    return select(x > bound, bound, select(x < -bound, -bound, x))  # select: a NaN cotangent stops at the bound
+    return where(x > bound, bound, where(x < -bound, -bound, x))
 
 
 def clip_bound(c: float, dtype) -> np.generic:
@@ -269,33 +303,6 @@ def alibi(x: mx.array, bias: mx.array) -> mx.array:
     return (x.astype(bias.dtype) + bias).astype(x.dtype)
 
 
-# -- a select whose gradient is a select -----------------------------------------------------------------
-
-@mx.custom_function
-def select(c: mx.array, a: mx.array, b: mx.array) -> mx.array:
-    """mx.where(c, a, b) whose VJP selects the cotangent (where(c, g, 0), where(c, 0, g)) as torch's and JAX's do.
-    MLX 0.32's own where multiplies it by the condition instead, so a NaN cotangent reaches the branch not taken
-    (0 * NaN: measured, mx.vjp of where(c, 0, x) with cotangent [nan, 1] at c [True, False] gives [nan, 1]).
-    A NaN cotangent arrives where a differential layer's fully masked row is NaN (masked_row "nan"): its norm's
-    backward is NaN on that row, and the spec's backward drops it at the masked keys."""
-    return mx.where(c, a, b)
-
-
-@select.vjp
-def _select_vjp(primals, cotangent, output):
-    c, a, b = primals
-    zero = mx.zeros_like(cotangent)
-    return mx.zeros_like(c), _fit(mx.where(c, cotangent, zero), a), _fit(mx.where(c, zero, cotangent), b)
-
-
-def _fit(g: mx.array, x: mx.array) -> mx.array:
-    """A broadcast operand's gradient: g summed over the axes x was broadcast along."""
-    if g.ndim > x.ndim:
-        g = g.sum(axis=tuple(range(g.ndim - x.ndim)))
-    axes = tuple(i for i, n in enumerate(x.shape) if n == 1 and g.shape[i] != 1)
-    return g.sum(axis=axes, keepdims=True) if axes else g
-
-
 def mask(x: mx.array, allowed, bias) -> mx.array:
     """Add bias, then set disallowed positions to -inf. allowed and bias are
     rank-4 and broadcast to (B, N, T, S). A -inf in bias is a mask, the same
@@ -306,7 +313,7 @@ def mask(x: mx.array, allowed, bias) -> mx.array:
         finite = bias > -mx.inf  # (B|1, N|1, T|1, S|1)
         allowed = finite if allowed is None else allowed & finite
     if allowed is not None:
-        x = select(allowed, x, scalar(-np.inf, x.dtype))
+        x = where(allowed, x, scalar(-np.inf, x.dtype))
     return x
 
 
@@ -331,10 +338,10 @@ def softmax(x: mx.array, masked_row: str, sinks=None) -> mx.array:
     total = w.sum(axis=-1, keepdims=True)
     if sink is not None:
         total = total + exp(sink - row_max)
-    total = select(empty, scalar(1, c), total)
+    total = where(empty, scalar(1, c), total)
     w = w / total
     fill = {"zero": 0.0, "uniform": 1.0 / x.shape[-1], "nan": np.nan}[masked_row]
-    w = select(empty, scalar(fill, c), w)
+    w = where(empty, scalar(fill, c), w)
     return w.astype(x.dtype)
 
 
@@ -343,7 +350,7 @@ def dropout(w: mx.array, keep, rate: float) -> mx.array:
     if keep is None:
         return w
     c = compute_of(w.dtype)
-    return mx.where(keep, w.astype(c) / scalar(1.0 - rate, c), scalar(0, c)).astype(w.dtype)
+    return where(keep, w.astype(c) / scalar(1.0 - rate, c), scalar(0, c)).astype(w.dtype)
 
 
 def attend(w: mx.array, v: mx.array) -> mx.array:

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from weights import AttentionConfig
 
+from . import functional as F
 from .convert import ct as compute_of
 from .convert import scalar
 
@@ -66,4 +67,4 @@ def sdpa_attend(config: AttentionConfig, q, k, v, *, allowed, bias, sinks=None, 
     G = q.shape[1] // v.shape[1]
     v_sum = v.astype(c).sum(axis=2, keepdims=True)  # (B, K, 1, V)
     v_sum = mx.repeat(v_sum, G, axis=1) if G > 1 else v_sum  # (B, N, 1, V): query head n reads value head n // G
-    return mx.where(empty, (factor * v_sum).astype(dtype), ctx)
+    return F.where(empty, (factor * v_sum).astype(dtype), ctx)  # a select in the gradient too (functional.where)

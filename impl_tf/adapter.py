@@ -243,6 +243,22 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
     return answer, grads
 
 
+def attention(config, tensors, inputs, options) -> dict:
+    """`mha verify`'s and the pytest plugin's function (conformance/suite/verify.py): the whole contract through
+    impl_tf's layer on the Keras backend Keras runs on (KERAS_BACKEND: the backend NAME, tf, keras-jax or
+    keras-torch, as `mha check` names the column), gradients by that backend's autodiff when the vector gives
+    a cotangent. `KERAS_BACKEND=jax mha verify --impl impl_tf.adapter:attention --require-gradients`."""
+    from weights import AttentionConfig
+
+    config = AttentionConfig.from_dict(config) if isinstance(config, dict) else config
+    options = dict(options)
+    cotangent = options.pop("cotangent", None)
+    if cotangent is None:
+        return forward(config, tensors, inputs, options)
+    answer, grads = forward_and_vjp(config, tensors, inputs, options, cotangent)
+    return answer | {"grads": grads}
+
+
 # -- gradients, through each backend's own autodiff ---------------------------------------------
 # Each: (layer, call(inputs[, fn]) -> the layer's result, inputs {name: tensor}, variables [keras.Variable],
 # d_out ndarray (B, T, O), device) -> (result, [gradient or None per input, then per variable]).

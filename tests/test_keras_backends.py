@@ -143,6 +143,24 @@ def test_the_keras_layer_adapter_takes_a_layer_on_the_backend(backend_id):
         assert status == STATUS_PASS, (name, status, detail)
 
 
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax"))
+def test_mha_verify_names_the_keras_backend_of_impl_tf(backend_id, tmp_path):
+    """`mha verify --impl impl_tf.adapter:attention` under KERAS_BACKEND=jax runs as keras-jax, the column `mha
+    check` names (its line, its JSON and the NOT_YET it reads: tests/test_verify.py), not tf."""
+    _needs(backend_id)
+    env = {**os.environ, "KERAS_BACKEND": FRAMEWORK[backend_id], "TF_CPP_MIN_LOG_LEVEL": "2"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    out = tmp_path / "verify.json"
+    done = subprocess.run([sys.executable, "-m", "conformance", "verify", "--impl", "impl_tf.adapter:attention",
+                           "--cases", "self_basic", "--dtypes", "float32", "--require-gradients", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"impl_tf.adapter:attention (backend {backend_id}): 1 vectors: 1 pass" in done.stdout, done.stdout
+    payload = json.loads(out.read_text())
+    assert payload["backend"] == backend_id and payload["results"][0]["status"] == STATUS_PASS, payload
+
+
 @pytest.mark.tf
 @pytest.mark.jax
 def test_keras_jax_compiles_its_cpu_programs_with_impl_jax_options():

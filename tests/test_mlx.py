@@ -101,6 +101,77 @@ def test_sdpa_causal_aligns_bottom_right_and_gives_an_empty_row_the_mean_of_v():
     assert np.allclose(causal[0, 0, :2], np.array(v).mean(axis=2)[0, 0], rtol=1e-5, atol=1e-6), causal[0, 0, :2]
 
 
+def test_mlx_where_lets_a_nan_cotangent_into_the_branch_not_taken_and_the_stages_where_does_not():
+    """MLX 0.32.4's VJP of mx.where multiplies the cotangent by the condition (NaN x 0 = NaN in the branch not
+    taken); np.where in the spec's backward, torch.where and jnp.where select it away: functional.where's VJP
+    selects too. If MLX's own stops leaking, functional.where can go."""
+    condition = mx.array([True, False, True])
+    cotangent = mx.array([np.nan, np.nan, 2.0])
+    x, y = mx.array([1.0, 2.0, 3.0]), mx.array([4.0, 5.0, 6.0])
+    native = [np.array(g) for g in mx.vjp(lambda a, b: mx.where(condition, a, b), [x, y], [cotangent])[1]]
+    ours = [np.array(g) for g in mx.vjp(lambda a, b: F.where(condition, a, b), [x, y], [cotangent])[1]]
+    print(f"cotangent {np.array(cotangent)}, condition {np.array(condition)}: mx.where's VJP {native}, "
+          f"functional.where's {ours}")
+    assert np.isnan(native[0][1]) and np.isnan(native[1][0]), native  # the branch not taken gets NaN
+    np.testing.assert_array_equal(ours[0], [np.nan, 0.0, 2.0])
+    np.testing.assert_array_equal(ours[1], [0.0, np.nan, 0.0])
+    # broadcast operands get the sum over the broadcast axes, as mx.where's own VJP gives them
+    b = mx.array([[0.5], [1.5]])
+    g = mx.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    native = [np.array(t) for t in mx.vjp(lambda a, c: mx.where(condition, a, c), [mx.array(0.0), b], [g])[1]]
+    ours = [np.array(t) for t in mx.vjp(lambda a, c: F.where(condition, a, c), [mx.array(0.0), b], [g])[1]]
+    assert all(n.shape == o.shape and np.array_equal(n, o) for n, o in zip(native, ours, strict=True)), (native, ours)
+
+
+def test_a_clip_gate_that_16_bits_open_counts_its_terms():
+    """The MLX sweep's find (docs/conformance.md, tolerance policy): random_996499, bfloat16, a key projection
+    of 0.20025 in float64 rounds onto the clip's bound (0.2002) in 16 bits, where the gradient passes; the
+    chunked core's float32 noise of an exact cancellation (S = 1), 1e-8, reached grad key.bias there, and the
+    float64 reference's magnitude, with its gate closed, was 0 (margin 6e299). The magnitudes count the
+    16-bit gates' terms too: every path passes."""
+    from conformance.suite.cases import random_case
+    from conformance.suite.compare import expected_for
+    from conformance.suite.sweep import sweep
+
+    exp = expected_for(random_case(996499), "bfloat16")
+    assert exp["magnitudes"]["key.bias"].ravel()[6] > 1, exp["magnitudes"]["key.bias"]  # the gate 16 bits open
+    found = sweep("mlx", [996499], ("bfloat16",), check.PATH_KINDS)
+    assert "chunked bfloat16" in found["worst"], found["worst"]
+    assert found["runs"] > 0 and not found["failures"], "\n".join(found["failures"])
+
+
+def test_the_fused_kernel_in_16_bits_is_judged_against_a_chunked_reference_too():
+    """The MLX sweep's find (seeds 993000-1002999; docs/conformance.md, tolerance policy): random_997082,
+    bfloat16, mx.fast.scaled_dot_product_attention keeps the softmax numerators in float32 as a chunked core
+    does: its output error 6.1e-4 against the stages' 1.4e-4 (margin 1.26 against 3x that), the NumPy chunked
+    core's 3.7e-4. Judged against the larger of the two, every path passes."""
+    from conformance.suite.sweep import sweep
+
+    found = sweep("mlx", [997082], ("bfloat16",), check.PATH_KINDS)
+    assert "fused bfloat16" in found["worst"], found["worst"]
+    assert found["runs"] > 0 and not found["failures"], "\n".join(found["failures"])
+
+
+@pytest.mark.parametrize("seed", [982308, 981036])
+def test_a_nan_row_policy_reaches_the_value_gradient_only_where_the_spec_has_it(seed):
+    """Found by sweeps (2026-11-29; the seeds are this test's now), both from MLX's where VJP (above):
+    random_982308 (masked_row "nan", a fully masked row, the value clip): the NaN value gradient of the empty
+    row came through the clip's branch not taken into value and value.kernel where the float64 reference has 0,
+    on every path; random_981036 (masked_row "nan", no row empty): the chunked path's fill, NaN x V on every
+    row, gave every row's value gradient NaN (0 x NaN) through its select. Every path and dtype must agree."""
+    from conformance.suite.cases import random_case
+    from conformance.suite.compare import expected_for
+    from conformance.suite.sweep import sweep
+
+    case = random_case(seed)
+    assert case.config.masked_row == "nan", case.config.masked_row
+    empty_rows = np.isnan(expected_for(case, "float64")["output"]).any()
+    assert (empty_rows, case.config.qkv_clip is not None) == ((True, True) if seed == 982308 else (False, False))
+    found = sweep("mlx", [seed], ("float64", "float32", "bfloat16"), check.PATH_KINDS)
+    assert {key.split()[0] for key in found["worst"]} >= {"stages", "chunked"}, found["worst"]
+    assert found["runs"] > 0 and not found["failures"], "\n".join(found["failures"])
+
+
 # -- the grid on every path and dtype ---------------------------------------------------------------------
 
 def test_the_grid_passes_on_every_path_or_says_why_not():

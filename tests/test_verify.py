@@ -239,6 +239,35 @@ def test_crashes_and_unsupported_vectors_are_reported_not_raised():
     assert wrong.status == V.STATUS_ERROR and "expected a dict with 'output'" in wrong.detail
 
 
+def test_a_core_backends_own_function_is_judged_as_the_column_it_runs_as(monkeypatch):
+    """impl_tf's function runs as tf, keras-jax or keras-torch by the Keras backend Keras runs on (its adapter's
+    NAME): `mha verify` reads that column's NOT_YET, as `mha check` does, not tf's whatever the Keras backend
+    (the package name alone said tf). The adapter stands in here (no Keras needed): tests/test_keras_backends.py
+    runs the real one on Keras's jax backend."""
+    import types
+
+    from conformance.suite import backends
+
+    vector = VECTORS["gqa.float32"]
+
+    def keras_port(config, tensors, inputs, options):
+        raise AssertionError("a backend's NOT_YET config is never called")
+
+    keras_port.__module__ = "impl_tf.adapter"
+    monkeypatch.setitem(sys.modules, "impl_tf.adapter", types.SimpleNamespace(NAME="keras-jax"))
+    monkeypatch.setattr(backends, "NOT_YET", {"keras-jax": {"num_kv_heads": "GQA: not yet on keras-jax"},
+                                              "tf": {}})
+    assert V.core_backend(keras_port) == "keras-jax"
+    refused = V.verify_vector(keras_port, vector)
+    assert (refused.status, refused.detail) == (V.STATUS_UNSUPPORTED, "GQA: not yet on keras-jax"), refused
+    monkeypatch.setitem(sys.modules, "impl_tf.adapter", types.SimpleNamespace(NAME="tf"))
+    monkeypatch.setattr(backends, "NOT_YET", {"keras-jax": {}, "tf": {"num_kv_heads": "GQA: not yet on tf"}})
+    assert V.verify_vector(keras_port, vector).detail == "GQA: not yet on tf"
+    monkeypatch.setitem(sys.modules, "impl_mlx.adapter", types.ModuleType("impl_mlx.adapter"))  # no NAME
+    keras_port.__module__ = "impl_mlx.adapter"
+    assert V.core_backend(keras_port) == "mlx" and V.core_backend(attention) is None  # a user's: no column
+
+
 # -- the command line ------------------------------------------------------------------
 
 @pytest.fixture

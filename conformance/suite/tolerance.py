@@ -67,7 +67,11 @@ carry absolute errors of 0.23); it is used only where no same-precision
 error is known (stage localisation). The float32 formula is the floor, for
 quantities the 16-bit reference happens to get exactly, and rtol is at least
 one 16-bit step (2u): results stored in 16 bits that straddle a rounding
-boundary differ by one step whatever the reference's own error.
+boundary differ by one step whatever the reference's own error. A chunked
+core's or a fused kernel's output is judged against the larger of the
+stages' and the NumPy chunked core's same-dtype error
+(compare.chunked_same_precision: it rounds other intermediates than the
+stages).
 
 16-bit gradients: atol = max(REFERENCE_FACTOR x the same-dtype reference's
 error, the float32 formula on max|reference|), and each element is allowed at

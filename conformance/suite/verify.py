@@ -160,15 +160,30 @@ def verify_vector(fn, vector: Vector, *, require_gradients: bool = False) -> Ver
     return result
 
 
-def _not_yet(fn, config) -> str | None:
-    """A core backend's own function (impl_<backend>.adapter:attention) on a config field that backend does not
-    take yet: conformance.suite.backends.NOT_YET's reason, or None."""
+def core_backend(fn) -> str | None:
+    """The core backend (backends.CORE) a function of an impl_<backend> package runs as, named as `mha check` names
+    its column: its adapter's NAME where it has one (impl_tf's: the Keras backend Keras runs on, tf, keras-jax or
+    keras-torch), else the package's (impl_mlx: mlx); None for a function of no impl_ package (a user's)."""
     module = getattr(fn, "__module__", "") or ""
     if not module.startswith("impl_"):
         return None
+    package = module.split(".")[0]
+    try:
+        adapter = importlib.import_module(f"{package}.adapter")  # imported already where fn is its own
+    except ImportError:
+        adapter = None
+    return getattr(adapter, "NAME", None) or package.removeprefix("impl_")
+
+
+def _not_yet(fn, config) -> str | None:
+    """A core backend's own function (impl_<backend>.adapter:attention) on a config field that backend does not
+    take yet: conformance.suite.backends.NOT_YET's reason for the backend it runs as (core_backend), or None."""
+    backend_id = core_backend(fn)
+    if backend_id is None:
+        return None
     from conformance.suite import backends
 
-    return backends.not_yet(module.split(".")[0].removeprefix("impl_"), config)
+    return backends.not_yet(backend_id, config)
 
 
 def selection_verdict(vector: Vector, answer: dict) -> tuple[Comparison | None, dict]:
@@ -566,11 +581,14 @@ def run(args) -> int:
     if sharding:
         platform = mesh.devices.flat[0].platform
         where = f" ({sharding['engine']} {sharding['kind']}:{sharding['devices']}, {sharding['devices']} {platform} devices)"
+    backend_id = core_backend(fn)  # a core backend's own function: the column it is (keras-jax, not tf)
+    if backend_id is not None:
+        where = f" (backend {backend_id}){where}"
     console.print(Text(f"{args.impl}{where}: {summary(results)}; {elapsed:.1f} s"))
     if args.json:
         from weights.atomic import write_bytes_atomic
 
-        payload = {"impl": args.impl, "sharding": sharding, "summary": summary(results), "seconds": round(elapsed, 3),
+        payload = {"impl": args.impl, "backend": backend_id, "sharding": sharding, "summary": summary(results), "seconds": round(elapsed, 3),
                    "results": [r.to_json() for r in results]}
         write_bytes_atomic(args.json, json.dumps(payload, indent=1).encode(), overwrite=True)
         console.print(Text(f"json: {args.json}"))

@@ -329,8 +329,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", nargs="+", default=None, choices=list(backends.DEVICES),
                    help="default: every device present for each backend")
     p.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPE_NAMES),
-                   help="default: the profile's (default: all four, the edge, top-k and indexer cases and the realistic lengths "
-                        "float32 alone; long: float32 bfloat16); given, every selected case runs in each")
+                   help="default: the profile's (default: all four, the edge, top-k and indexer cases, multimodal RoPE, "
+                        "differential attention, the shared-KV and multiplier cases and the realistic lengths float32 alone; long: float32 bfloat16); given, every selected case runs in each")
     p.add_argument("--profile", default="default", choices=list(PROFILES),
                    help="which grid: default (the shipped grid, its vectors), or long (T and S in the hundreds to "
                         "thousands: ALiBi, windows, local chunks, LongRoPE, a latent decode step; every path by "

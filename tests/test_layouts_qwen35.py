@@ -3,8 +3,8 @@
 transformers 5.23's Qwen3_5TextRotaryEmbedding reads rope_parameters.get("mrope_section", [11, 11, 10]) and
 recomposes the pairs as Qwen3-VL's does (interleaved, mrope_interleaved not read); only the full-attention
 layers take the rotation (the linear-attention ones, Gated DeltaNet, get no position embeddings). A tiny randomly
-initialised qwen3_5 (one full-attention layer, eager, float32; a one-block vision tower that is never run) is
-saved and its block converted with `mha convert --from hf-llama --to canonical`. The 3-D positions are the model's
+initialised qwen3_5 and qwen3_5_moe (one full-attention layer, eager, float32; a one-block vision tower that is
+never run; the MoE's attention is the same code) is each saved and its block converted with `mha convert --from hf-llama --to canonical`. The 3-D positions are the model's
 own get_rope_index over text, an image span, text, a video span (a timestamp token between its two frames) and
 text. The language model runs on random embeddings at those positions, and every installed core backend reproduces
 the block's own output (a forward hook), for the causal prefill and for a decode of the last tokens over the cache
@@ -49,12 +49,14 @@ TEXT = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_d
             linear_key_head_dim=8, linear_value_head_dim=8,
             rope_parameters={"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.5,
                              "mrope_section": SECTION})
+MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4,
               num_position_embeddings=16)  # spatial_merge_size 2 (the default): 2 x 2 patches per token
 
 
-def _model():
-    config = transformers.AutoConfig.for_model("qwen3_5", text_config=TEXT, vision_config=VISION,
+def _model(model_type: str):
+    text = {**TEXT, **MOE} if model_type == "qwen3_5_moe" else TEXT
+    config = transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=VISION,
                                                image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=62,
                                                vision_end_token_id=63)
     torch.manual_seed(0)
@@ -81,11 +83,11 @@ def _positions(model) -> np.ndarray:
     return positions.numpy().astype(np.int64)
 
 
-@pytest.fixture(scope="module")
-def block(tmp_path_factory):
-    """(config, tensors, x (1, L, D), positions (3, 1, L), the block's own output (1, L, D))."""
-    model = _model()
-    folder = tmp_path_factory.mktemp("qwen3_5")
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def block(request, tmp_path_factory):
+    """(model_type, config, tensors, x (1, L, D), positions (3, 1, L), the block's own output (1, L, D))."""
+    model = _model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     positions = _positions(model)
     x = torch.from_numpy(np.random.default_rng(7).standard_normal((1, positions.shape[-1], 32)).astype(np.float32))
@@ -103,11 +105,11 @@ def block(tmp_path_factory):
     assert mha(["convert", "--from", "hf-llama", "--to", "canonical", str(folder), str(target), "--layer", "0"]) == 0
     assert "mrope_section" in json.loads((folder / "config.json").read_text())["text_config"]["rope_parameters"]
     config, tensors = load(target)
-    return config, tensors, seen["x"], positions, seen["out"]
+    return request.param, config, tensors, seen["x"], positions, seen["out"]
 
 
 def test_config_read_from_the_checkpoint(block):
-    config, *_ = block
+    _, config, *_ = block
     assert config.rope.mrope_section == tuple(SECTION) and config.rope.mrope_interleaved, config.rope
     assert config.rope.rotary_dim == 16 and config.rope.theta == 10.0 and not config.rope.interleaved, config.rope
     assert config.output_gate is not None and config.output_gate.scope == "element", config.output_gate
@@ -116,21 +118,21 @@ def test_config_read_from_the_checkpoint(block):
 def test_backends_reproduce_the_block_at_the_models_positions(block):
     """Prefill and decode at the model's 3-D positions: the float64 reference, then every installed core
     backend, against the model's own attention output."""
-    config, tensors, x, positions, expected = block
+    model_type, config, tensors, x, positions, expected = block
     assert not (positions[0] == positions[1]).all() and not (positions[1] == positions[2]).all(), positions
     ref, logits = _logits(config, tensors, x, positions)
     margins, failures = {}, []
-    ok, margins["float64"], text = _margin("qwen3_5 float64", ref, expected, config, logits, positions)
+    ok, margins["float64"], text = _margin(f"{model_type} float64", ref, expected, config, logits, positions)
     failures += [] if ok else [text]
     for name, backend in _installed():
         for decode in (False, True):
             label = f"{name} decode" if decode else name
             got = _reproduce(config, tensors, x, positions, backend, decode=decode)
             want = expected[:, -DECODE:] if decode else expected
-            ok, margins[label], text = _margin(f"qwen3_5 {label}", got, want, config,
+            ok, margins[label], text = _margin(f"{model_type} {label}", got, want, config,
                                                logits[..., -DECODE:, :] if decode else logits, positions)
             failures += [] if ok else [text]
-    print("qwen3_5: margins " + ", ".join(f"{k} {v:.3g}" for k, v in margins.items()))
+    print(f"{model_type}: margins " + ", ".join(f"{k} {v:.3g}" for k, v in margins.items()))
     assert not failures, "\n".join(failures)
 
 
@@ -139,7 +141,7 @@ def test_misread_sections_fail_the_reproduction(block, bug):
     """The float64 reference on the converted block with the misreading planted fails the model's own output:
     plain RoPE by the temporal row (what llama_gated.py read before), the sections contiguous, the default
     sections (11, 11, 10, which reach 3, 3, 2 here) in place of config.json's."""
-    config, tensors, x, positions, expected = block
+    model_type, config, tensors, x, positions, expected = block
     rope = config.rope
     if bug == "sections_ignored":
         planted, at = dataclasses.replace(rope, mrope_section=None, mrope_interleaved=False), positions[0]
@@ -148,18 +150,19 @@ def test_misread_sections_fail_the_reproduction(block, bug):
     else:
         planted, at = dataclasses.replace(rope, mrope_section=(3, 3, 2)), positions
     got, logits = _logits(dataclasses.replace(config, rope=planted), tensors, x, at)
-    ok, margin, _ = _margin(f"qwen3_5 {bug}", got, expected, config, logits, positions)
-    print(f"qwen3_5 {bug}: margin {margin:.3g}")
-    assert not ok and margin > 10, f"{bug} passed the reproduction (margin {margin:.3g})"
+    ok, margin, _ = _margin(f"{model_type} {bug}", got, expected, config, logits, positions)
+    print(f"{model_type} {bug}: margin {margin:.3g}")
+    assert not ok and margin > 10, f"{model_type}: {bug} passed the reproduction (margin {margin:.3g})"
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("head_dim,factor,section", [
     (256, 0.25, None),  # Qwen3.5's own: 32 pairs, the default 11, 11, 10
     (32, 0.5, SECTION),  # the model above
     (16, 0.25, None),  # test_layouts_gated.py's: the default on 2 pairs
     (32, 0.5, [0, 5, 1]),  # height past the pairs, temporal 0 (never read)
 ])
-def test_sections_give_each_pair_the_models_axis(head_dim, factor, section):
+def test_sections_give_each_pair_the_models_axis(model_type, head_dim, factor, section):
     """The reader's sections, through weights.rope.mrope_axes, against Qwen3_5TextRotaryEmbedding itself: at
     one token whose temporal, height and width positions are 0, 1, 2, each pair's cosine tells its axis (theta 2:
     every frequency lies in [1/2, 1], so cos 0, cos f and cos 2f differ by more than 0.1)."""
@@ -169,10 +172,13 @@ def test_sections_give_each_pair_the_models_axis(head_dim, factor, section):
     if section is not None:
         params["mrope_section"] = section
     text = dict(TEXT, head_dim=head_dim, rope_parameters=params)
-    rope = _llama_config({"model_type": "qwen3_5", "text_config": text}, 0)["modern"]["rope"]
+    rope = _llama_config({"model_type": model_type, "text_config": text}, 0)["modern"]["rope"]
     assert rope["mrope_interleaved"] and rope["rotary_dim"] == int(head_dim * factor), rope
-    cfg = transformers.AutoConfig.for_model("qwen3_5_text", **text)
-    embedding = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(cfg)
+    cfg = transformers.AutoConfig.for_model(f"{model_type}_text", **text)
+    if model_type == "qwen3_5":
+        embedding = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(cfg)
+    else:
+        embedding = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding(cfg)
     cos, _ = embedding(torch.zeros(1, dtype=torch.float32), torch.arange(3).reshape(3, 1, 1))
     pairs = rope["rotary_dim"] // 2
     cos = cos.numpy()[0, 0, :pairs]  # (pairs,): the second half repeats the first

@@ -1,15 +1,15 @@
-"""hf-llama's gated and k = v decoders: Qwen3-Next and Qwen3.5 (an output gate packed in q_proj), Gemma 4
+"""hf-llama's gated and k = v decoders: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (an output gate packed in q_proj), Gemma 4
 (keys and values from one projection on its global layers, a weightless value norm, proportional RoPE,
 per-layer head sizes): their config.json reader and table rows. llama.py dispatches these model types here.
 
 | model_type           | foreign key (layers.{L}.self_attn.)  | canonical                          | form   |
 |----------------------|--------------------------------------|------------------------------------|--------|
-| qwen3_next, qwen3_5  | q_proj.weight (N*2H, D): per head    | query.kernel + gate.kernel, head   | linear |
-|                      | [query | gate]; q_proj.bias likewise | by head; query.bias + gate.bias    |        |
+| qwen3_next, qwen3_5, | q_proj.weight (N*2H, D): per head    | query.kernel + gate.kernel, head   | linear |
+| qwen3_5_moe          | [query | gate]; q_proj.bias likewise | by head; query.bias + gate.bias    |        |
 | gemma4, global layer | k_proj.weight (K*H, D), no v_proj    | key.kernel, and value.kernel as    | linear |
 | with attention_k_eq_v|                                      | its copy (biases likewise)         |        |
 
-Qwen3.5's full-attention layers turn by multimodal RoPE: rope.mrope_section from its rope_parameters (default
+Qwen3.5's (and Qwen3.5-MoE's) full-attention layers turn by multimodal RoPE: rope.mrope_section from its rope_parameters (default
 11, 11, 10), always interleaved, as Qwen3-VL's (_qwen3_5_sections); Qwen3-Next's by plain RoPE.
 
 The other rows are hf-llama's (k_proj, v_proj, o_proj, q_norm, k_norm). Qwen's norms multiply by (1 + w)
@@ -27,16 +27,19 @@ from typing import Any
 from .hf_rope import _hf_rope
 from .table import LINEAR, R, Table, Tie
 
-TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "gemma4", "gemma4_text")
-_WRAPPERS = {"qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}  # multimodal config -> its text_config's type
+TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma4", "gemma4_text")
+_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}  # multimodal config -> its text_config's type
 
 # What transformers reads when config.json leaves a field out: the config classes' defaults
-# (configuration_qwen3_next.py, configuration_qwen3_5.py, configuration_gemma4.py, 5.23).
+# (configuration_qwen3_next.py, configuration_qwen3_5.py, configuration_qwen3_5_moe.py, configuration_gemma4.py,
+# 5.23).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_next": {"head_dim": 256, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "attention_bias": False,
                    "partial_rotary_factor": 0.25},
     "qwen3_5_text": {"head_dim": 256, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "attention_bias": False,
                      "partial_rotary_factor": 0.25},
+    "qwen3_5_moe_text": {"head_dim": 256, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "attention_bias": False,
+                         "partial_rotary_factor": 0.25},
     "gemma4_text": {"head_dim": 256, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "attention_bias": False,
                     "sliding_window": 512, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -87,7 +90,7 @@ def layer_facts(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
                          "hf-llama converts its full_attention layers")
     head_dim, eps = cfg["head_dim"], float(cfg["rms_norm_eps"])
     rope = _hf_rope(cfg, layer_type, head_dim)
-    if model_type == "qwen3_5_text":  # Qwen3_5TextRotaryEmbedding: multimodal RoPE, interleaved
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # Qwen3_5(Moe)TextRotaryEmbedding: multimodal, interleaved
         rope = {**rope, "mrope_section": _qwen3_5_sections(cfg, rope["rotary_dim"]), "mrope_interleaved": True}
     modern = {
         "rope": rope,

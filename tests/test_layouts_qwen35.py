@@ -8,15 +8,14 @@ never run; the MoE's attention is the same code) is each saved and its block con
 own get_rope_index over text, an image span, text, a video span (a timestamp token between its two frames) and
 text. The language model runs on random embeddings at those positions, and every installed core backend reproduces
 the block's own output (a forward hook), for the causal prefill and for a decode of the last tokens over the cache
-a first call returned. A reader that ignores the sections (plain RoPE by the temporal row), lays them out
-contiguously, or takes the default sections instead of config.json's fails the reproduction. The sections the
+a first call returned. A mutant of the reader that ignores the sections (plain RoPE by the temporal row), lays them
+out contiguously, or takes the default sections instead of config.json's fails the reproduction. The sections the
 reader writes give each pair the axis Qwen3_5TextRotaryEmbedding gives it, also where config.json's sections do
 not fit rotary_dim / 2 (the default 11, 11, 10 on a small head).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -25,8 +24,9 @@ from test_layouts_modern import _installed, needs_transformers
 from test_layouts_qwen_vl import DECODE, IMAGE, IMAGE_GRID, VIDEO, VIDEO_GRID, _logits, _margin, _reproduce
 
 from conformance.cli.commands import main as mha
-from weights import load
+from weights import layouts, load
 from weights.config import Rope
+from weights.layouts import llama_gated
 from weights.rope import mrope_axes
 
 try:
@@ -85,7 +85,8 @@ def _positions(model) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
 def block(request, tmp_path_factory):
-    """(model_type, config, tensors, x (1, L, D), positions (3, 1, L), the block's own output (1, L, D))."""
+    """(model_type, config, tensors, x (1, L, D), positions (3, 1, L), the block's own output (1, L, D),
+    (config.json, the state dict))."""
     model = _model(request.param)
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
@@ -105,7 +106,9 @@ def block(request, tmp_path_factory):
     assert mha(["convert", "--from", "hf-llama", "--to", "canonical", str(folder), str(target), "--layer", "0"]) == 0
     assert "mrope_section" in json.loads((folder / "config.json").read_text())["text_config"]["rope_parameters"]
     config, tensors = load(target)
-    return request.param, config, tensors, seen["x"], positions, seen["out"]
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    hf_config = json.loads((folder / "config.json").read_text())
+    return request.param, config, tensors, seen["x"], positions, seen["out"], (hf_config, state)
 
 
 def test_config_read_from_the_checkpoint(block):
@@ -118,7 +121,7 @@ def test_config_read_from_the_checkpoint(block):
 def test_backends_reproduce_the_block_at_the_models_positions(block):
     """Prefill and decode at the model's 3-D positions: the float64 reference, then every installed core
     backend, against the model's own attention output."""
-    model_type, config, tensors, x, positions, expected = block
+    model_type, config, tensors, x, positions, expected, _ = block
     assert not (positions[0] == positions[1]).all() and not (positions[1] == positions[2]).all(), positions
     ref, logits = _logits(config, tensors, x, positions)
     margins, failures = {}, []
@@ -136,20 +139,38 @@ def test_backends_reproduce_the_block_at_the_models_positions(block):
     assert not failures, "\n".join(failures)
 
 
+def _ignoring_sections(facts):  # llama_gated.py before it read them: plain RoPE
+    facts["modern"]["rope"] = {k: v for k, v in facts["modern"]["rope"].items() if not k.startswith("mrope_")}
+
+
+def _not_interleaved(facts):  # the sections laid out contiguously, as Qwen2-VL's
+    facts["modern"]["rope"]["mrope_interleaved"] = False
+
+
 @pytest.mark.parametrize("bug", ["sections_ignored", "not_interleaved", "default_sections"])
-def test_misread_sections_fail_the_reproduction(block, bug):
-    """The float64 reference on the converted block with the misreading planted fails the model's own output:
-    plain RoPE by the temporal row (what llama_gated.py read before), the sections contiguous, the default
-    sections (11, 11, 10, which reach 3, 3, 2 here) in place of config.json's."""
-    model_type, config, tensors, x, positions, expected = block
-    rope = config.rope
-    if bug == "sections_ignored":
-        planted, at = dataclasses.replace(rope, mrope_section=None, mrope_interleaved=False), positions[0]
-    elif bug == "not_interleaved":
-        planted, at = dataclasses.replace(rope, mrope_interleaved=False), positions
+def test_misread_sections_fail_the_reproduction(block, bug, monkeypatch):
+    """A mutant of the reader converts the checkpoint, and the float64 reference on what it read fails the
+    model's own output: plain RoPE (what llama_gated.py read before; the caller's positions are then the
+    temporal row), the sections contiguous, the default sections (11, 11, 10, which reach 3, 3, 2 here) in
+    place of config.json's."""
+    model_type, config, tensors, x, positions, expected, (hf_config, state) = block
+    if bug == "default_sections":
+        sections = llama_gated._qwen3_5_sections
+        monkeypatch.setattr(llama_gated, "_qwen3_5_sections", lambda cfg, rotary_dim: sections(
+            {**cfg, "rope_parameters": {k: v for k, v in cfg["rope_parameters"].items() if k != "mrope_section"}},
+            rotary_dim))
     else:
-        planted, at = dataclasses.replace(rope, mrope_section=(3, 3, 2)), positions
-    got, logits = _logits(dataclasses.replace(config, rope=planted), tensors, x, at)
+        read, plant = llama_gated.layer_facts, _ignoring_sections if bug == "sections_ignored" else _not_interleaved
+
+        def mutant(cfg, layer):
+            facts = read(cfg, layer)
+            plant(facts)
+            return facts
+
+        monkeypatch.setattr(llama_gated, "layer_facts", mutant)
+    misread, _ = layouts.to_canonical("hf-llama", state, hf_config=hf_config, layer=0)
+    assert misread.rope != config.rope, misread.rope
+    got, logits = _logits(misread, tensors, x, positions[0] if bug == "sections_ignored" else positions)
     ok, margin, _ = _margin(f"{model_type} {bug}", got, expected, config, logits, positions)
     print(f"{model_type} {bug}: margin {margin:.3g}")
     assert not ok and margin > 10, f"{model_type}: {bug} passed the reproduction (margin {margin:.3g})"

@@ -209,3 +209,31 @@ def test_sections_give_each_pair_the_models_axis(model_type, head_dim, factor, s
     checked.mrope_fits(checked.rotary_dim)  # the written sections count the pairs, each within them
     ours = mrope_axes(checked)
     assert ours.tolist() == axis.tolist(), (rope["mrope_section"], ours, axis)
+
+
+_QWEN3_5_0_8B = {  # Qwen3.5-0.8B's text_config (its config.json on the hub, as public code quotes it)
+    "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "num_hidden_layers": 24,
+    "full_attention_interval": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                        "rope_theta": 10000000, "rope_type": "default"}}
+_YARN = {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "yarn", "rope_theta": 10000000,
+         "partial_rotary_factor": 0.25, "factor": 4.0, "original_max_position_embeddings": 262144}
+
+
+@pytest.mark.parametrize("hf_config,scaling", [
+    ({"model_type": "qwen3_5", "text_config": _QWEN3_5_0_8B}, None),  # the multimodal wrapper, 5.x
+    ({**_QWEN3_5_0_8B, "model_type": "qwen3_5_text"}, None),  # the text model alone: the fields at the top level
+    # the YaRN override Qwen3.5's model cards give for 1M tokens: the sections kept beside the scaling
+    ({"model_type": "qwen3_5_moe", "text_config": {**_QWEN3_5_0_8B, "rope_parameters": _YARN}}, "yarn"),
+])
+def test_released_config_files_are_read(hf_config, scaling):
+    """Layer 3 (full attention): 64 rotary features of 256, 32 pairs in sections 11, 11, 10, interleaved."""
+    from weights.layouts.llama import _llama_config
+
+    rope = _llama_config(hf_config, 3)["modern"]["rope"]
+    assert (rope["mrope_section"], rope["mrope_interleaved"], rope["rotary_dim"], rope["theta"]) == (
+        [11, 11, 10], True, 64, 1e7), rope
+    assert (rope["scaling"] or {}).get("type") == scaling and not rope["interleaved"], rope
+    Rope.from_value(rope).mrope_fits(64)  # the canonical config takes it (sections and scaling together)
+    with pytest.raises(ValueError, match="linear_attention"):
+        _llama_config(hf_config, 2)

@@ -139,6 +139,8 @@ def check_block_reproduced(name: str, config, tensors, x, expected, *, decode=No
     (on the backends named in `decode`; None: every one). -> each check's margin (printed too)."""
     tokens = x.shape[1]
     positions = np.arange(tokens, dtype=np.int64)
+    if config.rope is not None and config.rope.mrope_section is not None:  # multimodal RoPE: a text token's
+        positions = np.stack([positions] * 3)  # three equal rows (temporal, height, width)
     wide = {k: v.astype(np.float64) for k, v in tensors.items()}
     ref = backends.load("numpy").forward(config, wide, {"query": x.astype(np.float64), "positions": positions},
                                          {"is_causal": True}, trace=True)
@@ -150,10 +152,10 @@ def check_block_reproduced(name: str, config, tensors, x, expected, *, decode=No
         margins[backend_name] = _check(f"{name} {backend_name}", full["output"], expected, config, **check)
         if decode is not None and backend_name not in decode:
             continue
-        first = backend.forward(config, tensors, {"query": x[:, :-1], "positions": positions[:-1]},
+        first = backend.forward(config, tensors, {"query": x[:, :-1], "positions": positions[..., :-1]},
                                 {"is_causal": True, "return_cache": True})
         step = backend.forward(
-            config, tensors, {"query": x[:, -1:], "positions": positions[-1:], "past_key": first["present_key"],
+            config, tensors, {"query": x[:, -1:], "positions": positions[..., -1:], "past_key": first["present_key"],
                               "past_value": first["present_value"]},
             {"is_causal": True, "causal_alignment": "bottom_right"})
         margins[f"{backend_name} decode"] = _check(f"{name} {backend_name} decode", step["output"], expected[:, -1:],

@@ -88,7 +88,7 @@ FAMILY_IGNORED = {
     "phi3": {"original_max_position_embeddings": "read by longrope only (tests/test_layouts_llama_frontier.py)"},
     **{family: {key: "the linear-attention (Gated DeltaNet) layers: refused by layer" for key in (
         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-        "linear_num_value_heads")} for family in ("qwen3_next", "qwen3_5_text")},
+        "linear_num_value_heads")} for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
     "mpt": {"attn_config.attn_impl": "which kernel computes the same attention (torch, flash, triton)",
             "attn_config.model_type": "the name of transformers' MptAttentionConfig class"},
     "ministral3": {"rope_parameters.type": "4.x's name of rope_type, which 5.x writes beside it and wins",
@@ -142,6 +142,7 @@ FAMILIES = {
     "cohere2": ("Cohere2Config", _llama_config, (_WITHOUT_TYPES,)),
     "qwen3_next": ("Qwen3NextConfig", _llama_config, ()),
     "qwen3_5_text": ("Qwen3_5TextConfig", _llama_config, ()),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", _llama_config, ()),
     "gemma4_text": ("Gemma4TextConfig", _llama_config, ({"attention_k_eq_v": True},)),
     "deepseek_v3": ("DeepseekV3Config", _hf_deepseek_config, ()),
     "deepseek_v32": ("DeepseekV32Config", _hf_deepseek_config, ()),

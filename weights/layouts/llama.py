@@ -6,7 +6,7 @@
 |   (phi3)          | [P]layers.{L}.self_attn.qkv_proj.weight           | query+key+value            | linear |
 |                   | q_norm.weight, k_norm.weight (H,) or (N*H,), sinks| query/key.norm.scale, sinks| 1-D    |
 |   (cohere)        | q_norm.weight (N, H), k_norm.weight (K, H)        | query/key.norm.scale       | 2-D    |
-|   (qwen3_next, qwen3_5, gemma4: a gated q_proj, k = v: llama_gated.py's rows)                               |
+|   (qwen3_next, qwen3_5, qwen3_5_moe, gemma4: a gated q_proj, k = v: llama_gated.py's rows)                    |
 |   (qwen2_vl, qwen2_5_vl, qwen3_vl: qwen2's / qwen3's rows, multimodal RoPE from config.json: qwen_vl.py)      |
 
 A decoder: its config file is required (write.py says what that brings);
@@ -221,7 +221,8 @@ _KNOB_TABLES = llama_knobs.tables(_DECODER_TIES)
 FAMILY = (
     Layout(
         "hf-llama", "a Llama-family decoder's attention (llama, mistral, qwen2, qwen3, gemma2, gemma3, olmo2, "
-        "gpt_oss, phi3, llama4, smollm3, ministral3, granite, cohere, cohere2, qwen3_next, qwen3_5, gemma4, "
+        "gpt_oss, phi3, llama4, smollm3, ministral3, granite, cohere, cohere2, qwen3_next, qwen3_5, qwen3_5_moe, "
+        "gemma4, "
         "qwen2_vl, qwen2_5_vl, qwen3_vl): "
         "[prefix]layers.{L}.self_attn."
         "{q,k,v,o}_proj (phi3: fused qkv_proj), q_norm/k_norm, sinks; config.json gives rope (its pairing: "

@@ -1,13 +1,16 @@
-"""hf-llama's gated and k = v decoders: Qwen3-Next and Qwen3.5 (an output gate packed in q_proj), Gemma 4
+"""hf-llama's gated and k = v decoders: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (an output gate packed in q_proj), Gemma 4
 (keys and values from one projection on its global layers, a weightless value norm, proportional RoPE,
 per-layer head sizes): their config.json reader and table rows. llama.py dispatches these model types here.
 
 | model_type           | foreign key (layers.{L}.self_attn.)  | canonical                          | form   |
 |----------------------|--------------------------------------|------------------------------------|--------|
-| qwen3_next, qwen3_5  | q_proj.weight (N*2H, D): per head    | query.kernel + gate.kernel, head   | linear |
-|                      | [query | gate]; q_proj.bias likewise | by head; query.bias + gate.bias    |        |
+| qwen3_next, qwen3_5, | q_proj.weight (N*2H, D): per head    | query.kernel + gate.kernel, head   | linear |
+| qwen3_5_moe          | [query | gate]; q_proj.bias likewise | by head; query.bias + gate.bias    |        |
 | gemma4, global layer | k_proj.weight (K*H, D), no v_proj    | key.kernel, and value.kernel as    | linear |
 | with attention_k_eq_v|                                      | its copy (biases likewise)         |        |
+
+Qwen3.5's (and Qwen3.5-MoE's) full-attention layers turn by multimodal RoPE: rope.mrope_section from its rope_parameters (default
+11, 11, 10), always interleaved, as Qwen3-VL's (_qwen3_5_sections); Qwen3-Next's by plain RoPE.
 
 The other rows are hf-llama's (k_proj, v_proj, o_proj, q_norm, k_norm). Qwen's norms multiply by (1 + w)
 (Gemma's norm_offset); Gemma 4's multiply by w itself. Qwen's linear-attention layers (Gated DeltaNet)
@@ -24,16 +27,19 @@ from typing import Any
 from .hf_rope import _hf_rope
 from .table import LINEAR, R, Table, Tie
 
-TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "gemma4", "gemma4_text")
-_WRAPPERS = {"qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}  # multimodal config -> its text_config's type
+TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma4", "gemma4_text")
+_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}  # multimodal config -> its text_config's type
 
 # What transformers reads when config.json leaves a field out: the config classes' defaults
-# (configuration_qwen3_next.py, configuration_qwen3_5.py, configuration_gemma4.py, 5.23).
+# (configuration_qwen3_next.py, configuration_qwen3_5.py, configuration_qwen3_5_moe.py, configuration_gemma4.py,
+# 5.23).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_next": {"head_dim": 256, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "attention_bias": False,
                    "partial_rotary_factor": 0.25},
     "qwen3_5_text": {"head_dim": 256, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "attention_bias": False,
                      "partial_rotary_factor": 0.25},
+    "qwen3_5_moe_text": {"head_dim": 256, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "attention_bias": False,
+                         "partial_rotary_factor": 0.25},
     "gemma4_text": {"head_dim": 256, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "attention_bias": False,
                     "sliding_window": 512, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -83,14 +89,37 @@ def layer_facts(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
         raise ValueError(f"hf_config: layer {layer} of {model_type} is {layer_type!r} (not softmax attention): "
                          "hf-llama converts its full_attention layers")
     head_dim, eps = cfg["head_dim"], float(cfg["rms_norm_eps"])
+    rope = _hf_rope(cfg, layer_type, head_dim)
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # Qwen3_5(Moe)TextRotaryEmbedding: multimodal, interleaved
+        rope = {**rope, "mrope_section": _qwen3_5_sections(cfg, rope["rotary_dim"]), "mrope_interleaved": True}
     modern = {
-        "rope": _hf_rope(cfg, layer_type, head_dim),
+        "rope": rope,
         "qk_norm": {"type": "rms", "eps": eps, "scope": "head"},
         # modeling_qwen3_next.py: attn_output * sigmoid(gate), the gate from q_proj (its bias included)
         "output_gate": {"scope": "element", "bias": bool(cfg["attention_bias"])},
     }
     return _facts(cfg, model_type, head_dim, cfg["num_key_value_heads"], modern, scale=None, norm_offset=1.0,
                   table="gated")  # Qwen3NextRMSNorm multiplies by (1 + weight)
+
+
+def _qwen3_5_sections(cfg: Mapping[str, Any], rotary_dim: int) -> list[int]:
+    """Qwen3.5's mrope_section as the sections its rotary embedding reaches over rotary_dim / 2 pairs.
+    Qwen3_5TextRotaryEmbedding (modeling_qwen3_5.py, 5.23) reads rope_parameters.get("mrope_section",
+    [11, 11, 10]) and always interleaves (mrope_interleaved is not read): pair i turns by the height position
+    where i % 3 == 1 and i < 3 h, by the width where i % 3 == 2 and i < 3 w, by the temporal one otherwise.
+    The temporal section itself is never read, and pairs past rotary_dim / 2 do not exist, so the sections
+    written are (the rest, the height pairs, the width pairs) that this rule turns: [11, 11, 10] on 32 pairs
+    (Qwen3.5's head_dim 256 x 0.25) as written, [1, 1, 0] on 2 pairs."""
+    params = cfg.get("rope_parameters")
+    params = params if isinstance(params, Mapping) else (cfg.get("rope_scaling") or {})  # the older name, as _hf_rope
+    section = params.get("mrope_section", [11, 11, 10])
+    if (not isinstance(section, Sequence) or isinstance(section, str) or len(section) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)):
+        raise ValueError(f"hf_config: qwen3_5 mrope_section must be 3 integers >= 0: got {section!r}")
+    pairs = rotary_dim // 2
+    height = len(range(1, min(3 * section[1], pairs), 3))
+    width = len(range(2, min(3 * section[2], pairs), 3))
+    return [pairs - height - width, height, width]
 
 
 def _layer_type(cfg: Mapping[str, Any], model_type: str, layer: int) -> str:

@@ -206,8 +206,6 @@ def apply(
         raise ValueError(f"a traced cache_length attends over the whole buffer and cannot take {given} (sized "
                          "by P + S, unknown at trace time): pass cache_length as a Python int (static)")
     p, pr, dtype = call.params, precision, call.dtype
-    if chunk_size is not None and config.differential is not None:
-        raise NotImplementedError(DIFFERENTIAL_CHUNKED)
     if chunk_size is not None:
         common = dict(mask=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal,
                       causal_alignment=causal_alignment, chunk_size=chunk_size, precision=precision)
@@ -220,7 +218,8 @@ def apply(
             heads, values_up = absorbed(config, call, q, k, v, pr), p["value.kernel"]
         else:
             q, k, v = qkv_heads(config, call, pr)
-            heads = (q, k, v)
+            # differential: each kv head's value joined with its pair's, (B, K, S_total, 2V) (the cache stays v)
+            heads = (q, k, v if config.differential is None else F.value_pair(v))
         positioned = config.alibi or config.local_chunk is not None  # the core reads every key's position
         out = chunked_attention(config, p, None, None, None, heads=heads, segment_ids=call.segment_ids,
                                 key_segment_ids=call.key_segment_ids, gate_input=call.query, values_up=values_up,
@@ -292,14 +291,6 @@ def apply(
     if call.cache_length is not None:
         k, v = call.past_key, call.past_value  # the written buffers, whole
     return result(out, w if return_weights else None, k, v)
-
-
-# Why the chunked path refuses differential attention (config.differential), in the words its NotImplementedError
-# carries: the chunked core merges the heads and projects the output block by block, and the differential stage
-# needs both halves of the heads' context whole (the stages and the fused path take it).
-DIFFERENTIAL_CHUNKED = ("differential attention is not wired into the chunked core (it merges heads and projects "
-                        "the output per block; the differential stage needs both halves of the heads): the stages "
-                        "and the fused path take it")
 
 
 # The spec's name for the whole call.

@@ -55,7 +55,10 @@ are computed block by block from the positions (no (T, S) array); sinks
 start each row's running max at its sink and its running sum at 1. The
 QKV clip and the query temperature run among the stages before the core;
 the output gate runs on each query block's context before its output
-projection.
+projection. A differential layer's values come in paired (value.pair: 2V
+wide, as the spec's chunked core takes them) and the differential stage
+runs on each query block's stored context before the gate (it mixes heads,
+not rows: a block's rows are the whole call's).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from .functional import (
     _precision,
     alibi,
     alibi_bias,
+    differential_stage,
     expand_values,
     gate,
     gate_project,
@@ -343,6 +347,8 @@ def chunked_attention(config, p, query, key, value, *, mask, bias, keep, is_caus
         ctx = ctx.astype(dtype)  # (B, N, Cq, V): the core's context, stored
         if values_up is not None:  # the attended latent (B, N, Cq, C) through each head's value up-projection
             ctx = expand_values(ctx, values_up, precision)  # (B, N, Cq, V)
+        if config.differential is not None:  # the halves subtracted with lambda, normed, scaled: (B, N/2, Cq, 2V)
+            ctx = differential_stage(config, p, ctx)  # row by row: a query block's rows are the whole rows'
         if config.output_gate is not None:  # the gate's stages on this block's rows of the query input
             xb = lax.dynamic_slice_in_dim(gate_input, t0, Cq, axis=1)  # (B, Cq, query_dim)
             ctx = gate(ctx, gate_project(xb, p["gate.kernel"], p.get("gate.bias"), precision), N)

@@ -139,8 +139,6 @@ def multi_head_attention(
                 dropout=call.keep is not None, dtype=call.dtype).path
     p = call.params
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
-    if path == "chunked" and config.differential is not None:
-        raise NotImplementedError(DIFFERENTIAL_CHUNKED)
     if path in ("chunked", "fused"):
         values_up = None
         if config.latent is not None:  # the absorbed form: one shared head of width C + R over the latent
@@ -191,13 +189,6 @@ def multi_head_attention(
     if return_cache:
         result += (present_key, present_value) + ((call.present_index_keys,) if config.indexer is not None else ())
     return result[0] if len(result) == 1 else result
-
-
-# Why the chunked path refuses differential attention (config.differential), in the words its NotImplementedError
-# carries (impl_jax's reason: the core merges heads and projects per block).
-DIFFERENTIAL_CHUNKED = ("differential attention is not wired into the chunked core (it merges heads and projects "
-                        "the output per block; the differential stage needs both halves of the heads): the stages "
-                        "and the fused path take it")
 
 
 def _fused(config, call, q, k, v, is_causal: bool, causal_alignment: str, values_up):

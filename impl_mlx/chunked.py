@@ -14,8 +14,10 @@ The stages run on each block as the plain path runs them on the whole (logits, s
 in 16 bits those round as the stages do; softmax, dropout and attend, merged into the running recurrence,
 stay in the compute dtype until the context is stored (as the other mirrors' chunked cores). The heads
 come in after the stages up to the present keys (heads.qkv_heads: project, clip, norm, rope, temperature,
-the cache appended) or a latent layer's absorbed heads (values_up: its value up-projection applied to each
-query block's attended latent). Masks are formed block by block from what the call holds: the mask's and
+the cache appended; a differential layer's values paired by value.pair, 2V wide, as the spec's chunked core
+takes them) or a latent layer's absorbed heads (values_up: its value up-projection applied to each query
+block's attended latent). The differential stage runs on each query block's stored context (its rows are
+the whole call's rows: the stage mixes heads, not rows), before the gate. Masks are formed block by block from what the call holds: the mask's and
 the bias's columns, causality and windows from the indices, local chunks and ALiBi from the positions,
 segments from the ids. Sinks start each row's running max at its sink and its running sum at 1. The
 output gate runs on each query block's context before its output projection.
@@ -148,6 +150,8 @@ def chunked_attention(config: AttentionConfig, call, q, k, v, *, is_causal: bool
         ctx = ctx.astype(dtype)  # (B, N, Cq, V): the core's context, stored
         if values_up is not None:  # the attended latent (B, N, Cq, C) through each head's value up-projection
             ctx = F.expand_values(ctx, values_up)  # (B, N, Cq, V)
+        if config.differential is not None:  # the halves subtracted with lambda, normed, scaled: (B, N/2, Cq, 2V)
+            ctx = F.differential_stage(config, p, ctx)  # row by row: a query block's rows are the whole rows'
         if config.output_gate is not None:  # the gate's stages on this block's rows of the query input
             ctx = F.gate(ctx, F.gate_project(call.query[:, t0:t1], p["gate.kernel"], p.get("gate.bias")), N)
         outputs.append(F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias")))  # (B, Cq, O)

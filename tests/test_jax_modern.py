@@ -72,9 +72,11 @@ def _no_weights(case: Case) -> Case:
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4])
-@pytest.mark.parametrize("name", ["modern_everything", "jax_window_long_query_bottom_right", "window_left_causal"])
+@pytest.mark.parametrize("name", ["modern_everything", "jax_window_long_query_bottom_right", "window_left_causal",
+                                  "differential_gqa"])
 def test_chunked_modern_block_sizes(name, chunk_size):
-    """Blocks of one key, blocks that overlap the end, blocks that hold the whole cache."""
+    """Blocks of one key, blocks that overlap the end, blocks that hold the whole cache. differential_gqa: the
+    differential stage on each query block's context, the overlapping block's rows computed twice included."""
     assert_case_conforms(_no_weights(_case(name)), "float32", "jax", ChunkedAdapter(chunk_size))
 
 

@@ -39,7 +39,7 @@ GRID = ("mask_and_bias_causal", "causal_bottom_right_long_query", "gqa", "masked
         "dropout_train", "decode_cache", "cache_window_gqa", "segments_packed_cache", "modern_everything",
         "frontier_everything", "alibi_chunk_decode", "rope_longrope_long", "latent_mla", "latent_decode",
         "norm_after_rope_chunked", "edge_alibi_decode_positions", "output_gate_head", "qk_norm_per_head_layer",
-        *TOPK_CASES, *INDEXER_CASES)
+        "differential_gqa", "differential_decode", *TOPK_CASES, *INDEXER_CASES)
 
 
 def _rng_array(shape, seed=0, scale=1.0):

@@ -20,8 +20,16 @@ import json
 
 import numpy as np
 import pytest
-from test_layouts_modern import _installed, needs_transformers
-from test_layouts_qwen_vl import DECODE, IMAGE, IMAGE_GRID, VIDEO, VIDEO_GRID, _logits, _margin, _reproduce
+from test_layouts_modern import needs_transformers
+from test_layouts_qwen_vl import (
+    IMAGE,
+    IMAGE_GRID,
+    VIDEO,
+    VIDEO_GRID,
+    _logits,
+    _margin,
+    assert_block_reproduced,
+)
 
 from conformance.cli.commands import main as mha
 from weights import layouts, load
@@ -123,20 +131,7 @@ def test_backends_reproduce_the_block_at_the_models_positions(block):
     backend, against the model's own attention output."""
     model_type, config, tensors, x, positions, expected, _ = block
     assert not (positions[0] == positions[1]).all() and not (positions[1] == positions[2]).all(), positions
-    ref, logits = _logits(config, tensors, x, positions)
-    margins, failures = {}, []
-    ok, margins["float64"], text = _margin(f"{model_type} float64", ref, expected, config, logits, positions)
-    failures += [] if ok else [text]
-    for name, backend in _installed():
-        for decode in (False, True):
-            label = f"{name} decode" if decode else name
-            got = _reproduce(config, tensors, x, positions, backend, decode=decode)
-            want = expected[:, -DECODE:] if decode else expected
-            ok, margins[label], text = _margin(f"{model_type} {label}", got, want, config,
-                                               logits[..., -DECODE:, :] if decode else logits, positions)
-            failures += [] if ok else [text]
-    print(f"{model_type}: margins " + ", ".join(f"{k} {v:.3g}" for k, v in margins.items()))
-    assert not failures, "\n".join(failures)
+    assert_block_reproduced(model_type, config, tensors, x, positions, expected)
 
 
 def _ignoring_sections(facts):  # llama_gated.py before it read them: plain RoPE

@@ -180,6 +180,12 @@ def test_backends_reproduce_the_block_at_the_models_positions(block):
     backend, against the model's own attention output."""
     model_type, config, tensors, x, positions, expected, _ = block
     assert not (positions[0] == positions[1]).all(), "the sequence must hold a vision span (h != t somewhere)"
+    assert_block_reproduced(model_type, config, tensors, x, positions, expected)
+
+
+def assert_block_reproduced(model_type, config, tensors, x, positions, expected):
+    """The float64 reference, then every installed core backend (prefill, and a decode of the last DECODE
+    tokens over the prefix's cache), each within its margin of the model's own attention output."""
     ref, logits = _logits(config, tensors, x, positions)
     margins, failures = {}, []
     ok, margins["float64"], text = _margin(f"{model_type} float64", ref, expected, config, logits, positions)

@@ -43,7 +43,10 @@ from weights.atomic import write_bytes_atomic
 
 _directory: Path | None = None
 _loaded: dict[str, object] = {}  # key -> compiled program, this process
-_source_digest: bytes | None = None
+_source_digests: dict[tuple[str, ...], bytes] = {}
+# What a program's trace runs, by default: impl_jax's and weights' sources (impl_tf's Keras programs on jax
+# name their own: impl_tf.adapter)
+TRACED_PACKAGES = ("impl_jax", "weights")
 _cpu_targets: dict[int, str] = {}  # id(device) -> _cpu_target(device)
 
 
@@ -64,16 +67,17 @@ def clear() -> None:
     _loaded.clear()
 
 
-def _sources() -> bytes:
-    """A digest of impl_jax's and weights' source files: what tracing runs."""
-    global _source_digest
-    if _source_digest is None:
+def _sources(packages: tuple[str, ...] = TRACED_PACKAGES) -> bytes:
+    """A digest of these top-level packages' source files (impl_jax's and weights' by default): what tracing
+    runs."""
+    if packages not in _source_digests:
+        root = Path(__file__).parent.parent
         h = hashlib.sha256()
-        for package in (Path(__file__).parent, Path(__file__).parent.parent / "weights"):
+        for package in (root / name for name in packages):
             for path in sorted(package.rglob("*.py")):
-                h.update(path.relative_to(package.parent).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-        _source_digest = h.digest()
-    return _source_digest
+                h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        _source_digests[packages] = h.digest()
+    return _source_digests[packages]
 
 
 def _cpu_target(device) -> str:
@@ -99,13 +103,13 @@ def _cpu_target(device) -> str:
     return _cpu_targets[id(device)]
 
 
-def _key(name: str, device, static: tuple, dynamic: tuple) -> str:
+def _key(name: str, device, static: tuple, dynamic: tuple, packages: tuple[str, ...] = TRACED_PACKAGES) -> str:
     import jaxlib
 
     config = sorted((k, repr(v)) for k, v in jax.config.values.items()
                     if "compilation_cache" not in k and "persistent_cache" not in k)
     leaves, tree = jax.tree.flatten(dynamic)
-    h = hashlib.sha256(_sources())
+    h = hashlib.sha256(_sources(packages))
     for part in (jax.__version__, jaxlib.__version__, np.__version__, os.environ.get("XLA_FLAGS", ""), config,
                  device.platform, device.device_kind, _cpu_target(device), name, static, tree,
                  [(tuple(x.shape), str(x.dtype)) for x in leaves]):
@@ -113,12 +117,14 @@ def _key(name: str, device, static: tuple, dynamic: tuple) -> str:
     return h.hexdigest()
 
 
-def run(name: str, program, device, static_args: tuple, static_kwargs: dict, dynamic: tuple):
+def run(name: str, program, device, static_args: tuple, static_kwargs: dict, dynamic: tuple, *,
+        packages: tuple[str, ...] = TRACED_PACKAGES):
     """program(*static_args, *dynamic, **static_kwargs), its compiled form found by key where the directory
-    is set and the device is a CPU; `name` says which compile options `program` carries (their repr)."""
+    is set and the device is a CPU; `name` says which compile options `program` carries (their repr) and
+    anything else that decides the program outside these modules; `packages`, whose sources its trace runs."""
     if _directory is None or device.platform != "cpu":
         return program(*static_args, *dynamic, **static_kwargs)
-    key = _key(name, device, (static_args, tuple(sorted(static_kwargs.items()))), dynamic)
+    key = _key(name, device, (static_args, tuple(sorted(static_kwargs.items()))), dynamic, packages)
     compiled = _loaded.get(key) or _load(key, device)
     if compiled is None:
         compiled = program.lower(*static_args, *dynamic, **static_kwargs).compile()

@@ -16,6 +16,7 @@ computes it only in x64 mode.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -45,7 +46,8 @@ if BACKEND == "jax":
 # On jax, the XLA compile options of the CPU programs (each call is one: _jax_stateless): the same as
 # impl_jax.adapter.FAST_CPU_COMPILE (LLVM at -O0, XLA's classic fusion emitters, the LLVM module whole; XLA's
 # HLO passes as by default: what is computed is decided the same way, only the machine code differs; its
-# comment there has the measurements), not imported from impl_jax, which would import Flax into this worker.
+# comment there has the measurements), copied rather than imported: impl_jax.adapter is the jax column's entry
+# point, with its own set-up (the Keras worker imports impl_jax's program cache alone: _jax_run).
 # With XLA's defaults the keras-jax column of a cold `mha check` took 126 s of CPU, with these 22 s (2-core
 # EPYC VM, 2026-11-29, under load; tests/test_keras_backends.py checks they are impl_jax's).
 # `mha check --xla-full-opt` compiles with XLA's defaults (set_cpu_compile("default")); GPU programs always do.
@@ -84,12 +86,6 @@ def cpu_compile_options() -> dict:
                 raise
             del options[unknown.group(1)]
 
-
-def _jit(fn, device):
-    """jax.jit(fn), compiled with cpu_compile_options() in the "fast" mode where the call runs on the CPU, the
-    only device here (with a GPU present, XLA's defaults: a CPU option would not reach a GPU compile)."""
-    fast = _cpu_compile == "fast" and check_device(device) in (None, "cpu") and not gpus()
-    return jax.jit(fn, compiler_options=cpu_compile_options() if fast else None)
 
 # The paths `mha check` judges (weights/paths.py): the stages, fused_attention (a call without weights or
 # trace), the chunked path (chunk_size=) and the in-place cache (cache_length=, tf.Variables); the last two
@@ -182,10 +178,11 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
                                                                dtype))
     selection = config.indexer is not None  # the indexer's selection is returned, to be judged
     query, key, value = (None if inputs.get(n) is None else to_tensor(inputs[n]) for n in ("query", "key", "value"))
-    if BACKEND == "jax":  # one compiled program instead of an XLA compile per op and shape (_jax_stateless)
-        result = _jit(lambda q, k, v, trainable: _jax_stateless(layer, trainable)(
-            q, k, v, return_weights=return_weights, return_cache=return_cache, return_selection=selection,
-            **kwargs), device)(query, key, value, [v.value for v in layer.trainable_variables])
+    if BACKEND == "jax":  # one compiled program instead of an XLA compile per op and shape (_jax_run)
+        given = {n: x for n, x in (("query", query), ("key", key), ("value", value)) if x is not None}
+        given |= {n: kwargs.pop(n) for n in ("past_key", "past_value") if kwargs.get(n) is not None}
+        result = _jax_run(layer, given, kwargs, None, device, return_weights=return_weights,
+                          return_cache=return_cache, return_selection=selection)
     else:
         result = layer(query, key, value, return_weights=return_weights, return_cache=return_cache,
                        return_selection=selection, **(kwargs | in_place))
@@ -229,7 +226,12 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
                   return_weights=return_weights, return_cache=return_cache, return_selection=selection,
                   **kwargs, **{n: inputs_now[n] for n in ("past_key", "past_value") if n in inputs_now})
 
-    result, found = _GRADIENTS[BACKEND](layer, call, given, list(variables.values()), d_out, device)
+    if BACKEND == "jax":  # one compiled program: the call and its vjp (_jax_run)
+        result, found = _jax_gradients(layer, given, kwargs, list(variables.values()), d_out, device,
+                                       return_weights=return_weights, return_cache=return_cache,
+                                       return_selection=selection)
+    else:
+        result, found = _GRADIENTS[BACKEND](layer, call, given, list(variables.values()), d_out, device)
     answer = split_result(result, return_weights, return_cache, _numpy, return_selection=selection,
                           index_cache=selection)
     dtype = answer["output"].dtype
@@ -284,38 +286,100 @@ def _tensorflow_gradients(layer, call, given, variables, d_out, device):
     return result, found
 
 
-def _jax_stateless(layer, trainable_values):
-    """The layer as a pure function of its trainable variables' values (stateless_call, as Keras's own jax
-    trainer calls a layer), for jax.jit and jax.vjp. The conformance calls run it compiled, one program per
-    call: eagerly, JAX compiles every op for every new shape, and the grid's cases ran about 5x the CPU
-    time (measured: ten cases in four dtypes, 110 s eagerly against 22 s compiled; impl_jax's own programs
-    14 s)."""
-    other_values = [v.value for v in layer.non_trainable_variables]
+# -- Keras's jax backend: each call one compiled program ------------------------------------------
+# Eagerly, JAX compiles every op for every new shape: the grid's cases ran about 5x the CPU time of one
+# program per call (ten cases in four dtypes, 110 s eagerly against 22 s compiled; impl_jax's own programs
+# 14 s). The program is the layer's stateless_call (as Keras's own jax trainer calls a layer) and, with a
+# cotangent, its jax.vjp over the inputs and the trainable variables' values. Every array is an argument of
+# the program, never a constant of its trace, so a program is decided by _JaxCall and the arrays' shapes
+# and dtypes alone: with a directory set (set_program_cache: `mha check`) it is kept on disk and found again
+# before any tracing (impl_jax/programs.py; tracing and lowering were 21 of this column's 27 s of CPU in a
+# warm check, measured 2026-11-29 on the 2-core EPYC VM under cProfile).
 
-    def stateless(*args, **kwargs):
-        return layer.stateless_call(trainable_values, other_values, *args, **kwargs)[0]
+@dataclasses.dataclass(frozen=True)
+class _JaxCall:
+    """What decides a program besides its arrays: the layer's structure (config, dtype, device, precision),
+    the call's non-array options, what it returns."""
 
-    return stateless
+    config: object
+    dtype: str
+    device: str | None
+    precision: str
+    options: tuple  # ((name, value), ...): the call's options that are not arrays
+    return_weights: bool
+    return_cache: bool
+    return_selection: bool
 
 
-def _jax_gradients(layer, call, given, variables, d_out, device):
-    """jax.vjp of the layer's stateless_call over the inputs and its trainable variables' values, compiled as
-    one program (_jit) with the output's cotangent."""
-    trainable = layer.trainable_variables
-    index = {id(v): i for i, v in enumerate(trainable)}
+_ARRAY_KWARGS = OPTIONAL_INPUTS + INDEXER_INPUTS  # the call's options that are arrays: the program's arguments
+_tracing: dict = {}  # the last _JaxCall -> its layer, for a trace (the layer's values come as arguments)
 
-    def run(inputs_now, trainable_values):
-        result = call(inputs_now, _jax_stateless(layer, trainable_values))
+
+def _jax_apply(call: _JaxCall, given, arrays, trainable, other):
+    layer = _tracing[call]
+    result = layer.stateless_call(trainable, other, given["query"], given.get("key"), given.get("value"),
+                                  return_weights=call.return_weights, return_cache=call.return_cache,
+                                  return_selection=call.return_selection, **arrays, **dict(call.options),
+                                  **{n: given[n] for n in ("past_key", "past_value") if n in given})
+    return result[0]
+
+
+def _jax_apply_and_vjp(call: _JaxCall, given, arrays, trainable, other, cotangent):
+    def run(given_now, trainable_now):
+        result = _jax_apply(call, given_now, arrays, trainable_now, other)
         return _output(result), result
 
-    def both(inputs_now, trainable_values, cotangent):
-        out, pullback, result = jax.vjp(run, inputs_now, trainable_values, has_aux=True)
-        return result, pullback(cotangent.astype(out.dtype))
+    out, pullback, result = jax.vjp(run, given, trainable, has_aux=True)
+    return result, pullback(cotangent.astype(out.dtype))
 
+
+@functools.cache
+def _program(with_vjp: bool, fast: bool):
+    return jax.jit(_jax_apply_and_vjp if with_vjp else _jax_apply, static_argnums=0,
+                   compiler_options=cpu_compile_options() if fast else None)
+
+
+_program_directory = None
+
+
+def set_program_cache(directory) -> None:
+    """Keep the compiled CPU programs of Keras's jax backend under this directory, found without tracing
+    (impl_jax/programs.py, keyed by impl_tf's and weights' sources and Keras's version and configuration);
+    None: jax.jit's own caches only. No effect on the other Keras backends."""
+    global _program_directory
+    _program_directory = None if directory is None else directory
+
+
+def _jax_run(layer, given, kwargs, cotangent, device, **returns):
+    """The layer's call on these inputs ({name: tensor}: query, key, value, the past cache) and options (the
+    other arrays and the call's settings), compiled; with a cotangent, (result, (d_given, d_trainable))."""
+    from impl_jax import programs  # the same on-disk programs as impl_jax's (its CPU-keyed cache)
+
+    arrays = {n: x for n, x in kwargs.items() if n in _ARRAY_KWARGS and x is not None}
+    options = tuple(sorted((n, x) for n, x in kwargs.items() if n not in _ARRAY_KWARGS))
+    call = _JaxCall(layer.config, layer.dtype_policy.name, layer.device, layer.precision, options, **returns)
+    _tracing.clear()
+    _tracing[call] = layer
+    on_cpu = check_device(device) in (None, "cpu") and not gpus()
+    fast = _cpu_compile == "fast" and on_cpu
+    dynamic = (given, arrays, [v.value for v in layer.trainable_variables],
+               [v.value for v in layer.non_trainable_variables]) + (() if cotangent is None else (cotangent,))
+    programs.set_directory(_program_directory)
+    name = (f"keras {keras.__version__} {keras.config.floatx()} {keras.config.epsilon()} "
+            f"{cpu_compile_options() if fast else 'default'}" + (" vjp" if cotangent is not None else ""))
+    return programs.run(name, _program(cotangent is not None, fast), jax.devices("cpu" if on_cpu else None)[0],
+                        (call,), {}, dynamic, packages=("impl_tf", "weights"))
+
+
+def _jax_gradients(layer, given, kwargs, variables, d_out, device, **returns):
+    """jax.vjp of the layer's stateless_call over the inputs and its trainable variables' values, with the
+    output's cotangent: one program (_jax_run)."""
+    trainable = layer.trainable_variables
+    index = {id(v): i for i, v in enumerate(trainable)}
     query = given["query"]
     _check_cotangent(jax.ShapeDtypeStruct((*query.shape[:2], layer.config.out_dim), query.dtype), d_out)
     cotangent = to_tensor(d_out.astype(np.float32) if d_out.dtype.name == "bfloat16" else d_out)  # no program
-    result, (d_inputs, d_trainable) = _jit(both, device)(given, [v.value for v in trainable], cotangent)
+    result, (d_inputs, d_trainable) = _jax_run(layer, given, kwargs, cotangent, device, **returns)
     return result, [*(d_inputs[n] for n in given), *(d_trainable[index[id(v)]] for v in variables)]
 
 
@@ -334,4 +398,4 @@ def _torch_gradients(layer, call, given, variables, d_out, device):
     return result, list(found)
 
 
-_GRADIENTS = {"tensorflow": _tensorflow_gradients, "jax": _jax_gradients, "torch": _torch_gradients}
+_GRADIENTS = {"tensorflow": _tensorflow_gradients, "torch": _torch_gradients}  # jax: _jax_gradients

@@ -6,6 +6,7 @@ Keras layer on that backend, judged by run_case on a few cases, with and without
     python tests/keras_backend_runs.py BACKEND_ID round_trip DIR
     python tests/keras_backend_runs.py BACKEND_ID verify
     python tests/keras_backend_runs.py BACKEND_ID indexer MUTANT[,MUTANT...]
+    python tests/keras_backend_runs.py keras-jax programs DIR
 
 judge prints one JSON line, {mutant: [[case, dtype, path, status, message], ...]} (MUTANT: names joined by
 commas, each planted alone and undone after); "none" runs the layer as it is, the others (_plant) are porting bugs a Keras-on-jax or Keras-on-torch port makes, planted in that
@@ -13,7 +14,9 @@ backend's run alone, that the keras-jax and keras-torch columns must catch. roun
 functional Model holding it as .keras files in DIR, loads them, and prints what it compared. indexer runs
 impl_tf.indexer.lightning_indexer itself in float64 on the indexer cases' inputs, judged (index scores and
 selection) by conformance.suite.selection.judge_indexer, with each mutant planted alone, then the layer on
-two indexer cases judged by run_case ("layer": judge's rows).
+two indexer cases judged by run_case ("layer": judge's rows). programs (keras-jax) runs a few cases' forward
+and vjp by jax.jit, then through the on-disk program cache in DIR (compiled and stored, then loaded as a new
+process would), then again with other values of the same shapes, and prints what it compared.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def judge(backend_id: str, mutant: str, specs: list[str]) -> list:
 
     adapter = backends.load(backend_id)
     undo = _plant(mutant)
+    _forget_programs()
     rows = []
     try:
         for spec in specs:
@@ -80,7 +84,15 @@ def judge(backend_id: str, mutant: str, specs: list[str]) -> list:
     finally:
         for module, name, value in reversed(undo):
             setattr(module, name, value)
+        _forget_programs()
     return rows
+
+
+def _forget_programs() -> None:
+    """On keras-jax, drop the programs traced so far: jax.jit keeps a call's program for the next call of the
+    same structure and shapes, and would not trace the planted (or the undone) code again."""
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
 
 
 def judge_indexer_stage(backend_id: str, mutant: str, names: list[str]) -> dict:
@@ -182,6 +194,61 @@ def verify_keras_mha(backend_id: str) -> dict:
     return {r.name: [r.status, r.detail] for r in results}
 
 
+def _bits(answer) -> list:
+    """(forward, grads) as a flat list of (name, array) in a fixed order."""
+    forward, grads = answer
+    return sorted((f"forward.{n}", np.asarray(x)) for n, x in forward.items()) + sorted(
+        (f"grad.{n}", np.asarray(x)) for n, x in grads.items())
+
+
+def _same_bits(a, b) -> bool:
+    a, b = _bits(a), _bits(b)
+    return [n for n, _ in a] == [n for n, _ in b] and all(
+        x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes() for (_, x), (_, y) in zip(a, b))
+
+
+def program_cache(backend_id: str, folder: str) -> dict:
+    """{case: {...}}: the adapter's forward_and_vjp by jax.jit alone, then with the program cache in `folder`
+    (compiled and stored, then loaded after the process's programs are dropped); then, through the cache,
+    the case's twin (another name: other inputs, weights, masks and bias of the same shapes, so the same
+    program) judged by run_case against the float64 reference: a stored program must give jax.jit's bits,
+    and take every array as an argument (a mask or bias kept in a program as a constant of its first trace
+    would answer the twin with the case's)."""
+    import dataclasses
+
+    from conformance.suite import backends
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import expected_for, run_case
+    from impl_jax import programs
+
+    adapter = backends.load(backend_id)
+    folder = Path(folder)
+    seen = {}
+    for name in ("mask_and_bias_causal", "decode_cache", "dropout_train"):
+        case = CASES[name]
+        exp = expected_for(case, "float32")
+        options = case.options("float32")
+        d_out = exp["d_output"].astype(np.float32)
+
+        def call(case=case, exp=exp, options=options, d_out=d_out):
+            return adapter.forward_and_vjp(case.config, exp["tensors"], exp["inputs"], options, d_out)
+
+        adapter.set_program_cache(None)
+        by_jit = call()
+        adapter.set_program_cache(folder)
+        before = set(folder.iterdir()) if folder.exists() else set()
+        compiled = call()
+        stored = set(folder.iterdir()) - before
+        programs.clear()  # as a new process: only the files remain
+        loaded = call()
+        twin = run_case(dataclasses.replace(case, name=f"{name}_twin"), backend_id, adapter=adapter)
+        adapter.set_program_cache(None)
+        seen[name] = {"stored": len(stored), "written_again": len(set(folder.iterdir()) - before - stored),
+                      "same_compiled": _same_bits(by_jit, compiled), "same_loaded": _same_bits(by_jit, loaded),
+                      "twin": [twin.status, twin.message]}
+    return seen
+
+
 if __name__ == "__main__":
     backend_id, command, *rest = sys.argv[1:]
     if command == "judge":  # judge MUTANT[,MUTANT...] SPEC ...: {mutant: rows}
@@ -197,5 +264,7 @@ if __name__ == "__main__":
         print(json.dumps(seen))
     elif command == "round_trip":
         print(json.dumps(round_trip(backend_id, rest[0])))
+    elif command == "programs":
+        print(json.dumps(program_cache(backend_id, rest[0])))
     else:
         raise SystemExit(f"unknown command {command!r}")

@@ -144,6 +144,21 @@ def test_the_keras_layer_adapter_takes_a_layer_on_the_backend(backend_id):
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax"))
+def test_keras_jax_programs_kept_on_disk_give_the_bits_jit_gives(backend_id, tmp_path):
+    """keras-jax's programs through impl_jax's on-disk cache (what a warm `mha check` runs): a program loaded
+    from a file gives jax.jit's bits, a loaded program is not compiled and written again, and the case's twin
+    (other inputs, weights, masks and bias of the same shapes: the same program) passes against the float64
+    reference through the cache: every array is an argument, none a constant of a stored trace."""
+    _needs(backend_id)
+    seen = _run(backend_id, "programs", str(tmp_path / "programs"))
+    assert sorted(seen) == ["decode_cache", "dropout_train", "mask_and_bias_causal"], seen
+    for name, found in seen.items():
+        assert found["stored"] >= 1 and found["written_again"] == 0, (name, found)
+        assert found["same_compiled"] and found["same_loaded"], (name, found)
+        assert found["twin"][0] == STATUS_PASS, (name, found)
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax"))
 def test_mha_verify_names_the_keras_backend_of_impl_tf(backend_id, tmp_path):
     """`mha verify --impl impl_tf.adapter:attention` under KERAS_BACKEND=jax runs as keras-jax, the column `mha
     check` names (its line, its JSON and the NOT_YET it reads: tests/test_verify.py), not tf."""
@@ -164,8 +179,8 @@ def test_mha_verify_names_the_keras_backend_of_impl_tf(backend_id, tmp_path):
 @pytest.mark.tf
 @pytest.mark.jax
 def test_keras_jax_compiles_its_cpu_programs_with_impl_jax_options():
-    """keras-jax's CPU programs compile with impl_jax's FAST_CPU_COMPILE, which impl_tf copies (importing
-    impl_jax would bring Flax into the keras-jax worker): with XLA's defaults the column of a cold `mha
+    """keras-jax's CPU programs compile with impl_jax's FAST_CPU_COMPILE, which impl_tf copies (impl_jax.adapter
+    is the jax column's entry point, with its own set-up): with XLA's defaults the column of a cold `mha
     check` took 5x the CPU. The two must not drift apart; an unknown mode is refused."""
     pytest.importorskip("tensorflow")
     pytest.importorskip("flax")

@@ -319,3 +319,22 @@ def test_a_plain_check_runs_the_edge_and_long_cases_in_float32_and_given_dtypes_
         for result in json.loads(out.read_text())["results"]:
             ran.setdefault(result["case"], set()).add(result["dtype"])
         assert ran == expected, (given, ran)
+
+
+def test_the_check_workers_each_import_their_own_frameworks():
+    """check.worker_groups: a framework's backends run in one worker (it alone imports that framework), the
+    core columns on two cores as TensorFlow's worker and the rest; processes beyond the families share the
+    heaviest family's chunks, never more than it has."""
+    from conformance.suite.check import worker_groups
+
+    core = ["numpy", "torch", "tf", "jax", "mlx"]
+    assert worker_groups(core, 2) == [(["tf"], 1), (["torch", "jax", "mlx", "numpy"], 1)]
+    natives = ["tf", "keras-native-mha", "torch", "torch-sdpa", "jax", "jax-dpa", "numpy"]
+    families = [set(group) for group, _ in worker_groups(natives, 3)]
+    for together in ({"tf", "keras-native-mha"}, {"torch", "torch-sdpa"}, {"jax", "jax-dpa"}):
+        assert any(together <= group for group in families), families
+    assert worker_groups(["jax"], 2) == [(["jax"], 2)]  # one family: its dtypes in parallel, as before
+    assert worker_groups(["jax"], 8, {"jax": 2}) == [(["jax"], 2)]
+    many = worker_groups(core, 16, {"jax": 2})
+    assert sorted(b for group, _ in many for b in group) == sorted(core)
+    assert sum(n for _, n in many) <= 16 and all(n <= (2 if group == ["jax"] else 4) for group, n in many), many

@@ -179,6 +179,47 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
 # (JAX compiles one program per case and dtype).
 _COST_ORDER = {"keras-jax": -1, "keras-torch": -1, "jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "tf": 2, "keras-native-mha": 2}
 
+# The workers of the backends that share a process (all but keras-jax and keras-torch) each import the
+# frameworks of their own backends alone: a backend's chunks all go to one worker, and the backends that
+# import the same framework to the same one. Importing TensorFlow takes 4.3 s of CPU, torch 1.7, JAX and
+# Flax 1.1 (2-core EPYC VM, 2026-11-29); when every worker imported every framework, a warm `mha check`
+# spent about 7 s of its CPU importing them twice. The families go to the workers largest first, each to
+# the least loaded, by their columns' CPU time in a warm check (FAMILY_SECONDS, the same machine and day:
+# numpy 2.4, torch 9, tf 23, jax 7, mlx 4 s, imports included); with two workers, TensorFlow's worker
+# runs tf and the other the rest. The Keras workers of their own run beside them, and the operating
+# system shares the cores among all of them.
+IMPORT_FAMILY = {"tf": "tensorflow", "keras-native-mha": "tensorflow", "keras-hub": "tensorflow",
+                 "torch": "torch", "torch-native-mha": "torch", "torch-sdpa": "torch", "torch-flex": "torch",
+                 "torchtune": "torch",
+                 "jax": "jax", "flax-linen-mha": "jax", "flax-nnx-mha": "jax", "jax-dpa": "jax"}
+FAMILY_SECONDS = {"tensorflow": 23.0, "torch": 9.0, "jax": 7.0, "mlx": 4.0, "numpy": 2.4}
+
+
+def worker_groups(backend_ids, workers: int, chunks: dict[str, int] | None = None) -> list[tuple[list[str], int]]:
+    """The backends in groups, each with its worker processes (`workers` in all): a framework's backends in
+    one group (IMPORT_FAMILY), the families spread over at most `workers` groups by FAMILY_SECONDS, largest
+    first onto the least loaded group; processes left over (fewer families than workers) go one by one to
+    the group with the most seconds per process, whose chunks they share (each importing its frameworks),
+    never more processes than the group has chunks (chunks: {backend: its chunks}, one per dtype by default)."""
+    families: dict[str, list[str]] = {}
+    for backend_id in backend_ids:
+        families.setdefault(IMPORT_FAMILY.get(backend_id, backend_id), []).append(backend_id)
+    groups: list[list[str]] = [[] for _ in range(max(1, min(workers, len(families))))]
+    load = [0.0] * len(groups)
+    for family in sorted(families, key=lambda f: -FAMILY_SECONDS.get(f, 1.0)):
+        least = load.index(min(load))
+        groups[least] += families[family]
+        load[least] += FAMILY_SECONDS.get(family, 1.0)
+    processes = [1] * len(groups)
+    most = [sum((chunks or {}).get(b, len(DTYPE_NAMES)) for b in group) for group in groups]
+    for _ in range(max(0, workers - len(groups))):
+        open_groups = [g for g in range(len(groups)) if processes[g] < most[g]]
+        if not open_groups:
+            break
+        busiest = max(open_groups, key=lambda g: load[g] / processes[g])
+        processes[busiest] += 1
+    return [(group, n) for group, n in zip(groups, processes) if group]
+
 
 # Each worker's frameworks on one compute thread where the workers are as many as the cores: the grid's
 # calls are tiny, and every framework's own thread pool (OpenBLAS under the NumPy reference, torch's
@@ -253,8 +294,7 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
     jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), max(1, len(shared)) * len(dtypes)))
     results: list[CaseResult] = []
     with contextlib.ExitStack() as stack:
-        pool = None
-        own_pools: dict = {}
+        pools: dict = {}  # backend -> the pool of the worker(s) that run its chunks
         if jobs > 1 or own:
             import concurrent.futures
             import multiprocessing
@@ -265,24 +305,27 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
             stack.enter_context(_one_thread_per_worker(jobs + len(own)))
             spawn = multiprocessing.get_context("spawn")
-            if jobs > 1 and shared:
-                pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                    jobs, mp_context=spawn, initializer=_start_worker))
+            warming = []
             for backend_id in own:
-                own_pools[backend_id] = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                pools[backend_id] = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
                     1, mp_context=spawn, initializer=_start_keras_worker,
                     initargs=(backends.get(backend_id).keras_backend,)))
-            warming = [own_pools[b].submit(_warm, [b]) for b in own]
-            if pool is not None:
-                warming += [pool.submit(_warm, list(shared)) for _ in range(jobs)]  # one per idle worker, as a rule
+                warming.append(pools[backend_id].submit(_warm, [backend_id]))
+            chunk_counts = {b: len([t for t in dtypes if t in (backend_dtypes or {}).get(b, dtypes)]) for b in shared}
+            for group, processes in (worker_groups(shared, jobs, chunk_counts) if jobs > 1 else []):
+                pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                    processes, mp_context=spawn, initializer=_start_worker))
+                pools.update(dict.fromkeys(group, pool))
+                # each worker imports its own group's frameworks alone (one _warm per idle worker, as a rule)
+                warming += [pool.submit(_warm, group) for _ in range(processes)]
             found = {}
             for future in warming:
                 answer, probed = future.result()
                 found.update(answer)
                 if probes is not None:
                     probes.update(probed)
-            pairs, skipped = _plan_from(own if pool is None else backend_ids, devices, found)
-            if pool is None:  # jobs 1: the shared backends in this process
+            pairs, skipped = _plan_from([b for b in backend_ids if b in pools], devices, found)
+            if jobs == 1:  # the shared backends in this process
                 shared_pairs, shared_skipped = plan(shared, devices, console)
                 pairs, skipped = shared_pairs + pairs, shared_skipped + skipped
         else:
@@ -293,13 +336,12 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not progress, transient=True) as bar:
             task = bar.add_task("mha check", total=sum(len(names_for(t)) for _, _, t in chunks))
-            # slowest chunks first: the two workers share JAX's, then the rest; a Keras backend's own worker
-            # runs its chunks in turn
-            futures = {(own_pools.get(b) or pool).submit(
+            # each pool runs its chunks in turn, the slowest first
+            futures = {pools[b].submit(
                 _run_chunk, b, d, t, names_for(t), precision, gradients, compile_cache, xla_full_opt, path_kinds): t
-                for b, d, t in chunks if own_pools.get(b) or pool}
+                for b, d, t in chunks if b in pools}
             for backend_id, device, dtype in chunks:
-                if own_pools.get(backend_id) or pool:
+                if backend_id in pools:
                     continue
                 bar.update(task, description=f"{backend_id}/{device}/{dtype}")
                 results += _run_chunk(backend_id, device, dtype, names_for(dtype), precision, gradients,

@@ -463,6 +463,19 @@ def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
     return adapter.path_options(path, case.config, expected_for(case, dtype)["inputs"], options)
 
 
+def _fused_in_place(adapter, case: Case, dtype: str, options: dict) -> bool:
+    """Whether an in-place call may run the backend's fused kernel: no weights asked for, and the backend has a
+    fused path that takes this call (MLX's in-place call runs mx.fast.scaled_dot_product_attention; NumPy's, in
+    16 bits, the stages, its fused path not existing there). Its 16-bit result is then judged as a kernel's."""
+    fast = getattr(adapter, "FAST_PATH", None)
+    if options.get("return_weights") or fast is None:
+        return False
+    try:
+        return path_options(adapter, fast, case, dtype) is not None
+    except NotImplementedError:
+        return False
+
+
 def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "float32", precision: str = "highest",
              gradients: bool = True, adapter=None, keep_arrays: bool = False,
              path: str = DEFAULT_PATH) -> CaseResult | None:
@@ -501,7 +514,7 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
                 result.message = f"gradients unsupported: {err}"
         result.comparisons = judge(case, dtype, forward, grads, precision=precision, options=options,
                                    kernel=path in ("chunked", getattr(adapter, "FAST_PATH", None))
-                                   or (path == "in_place" and not options.get("return_weights")))
+                                   or (path == "in_place" and _fused_in_place(adapter, case, dtype, options)))
         got_dtype = np.asarray(forward["output"]).dtype
         if got_dtype.name != dtype:
             result.comparisons.append(Comparison(False, f"output dtype {got_dtype.name}, expected {dtype}", math.inf,

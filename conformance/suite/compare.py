@@ -303,8 +303,8 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
           options: dict | None = None, kernel: bool = False) -> list[Comparison]:
     """Compare a backend's forward result (and gradients) under the policy. options: the call's (default:
     the case's), which say whether weights and the present cache were asked for. kernel: the call ran a
-    chunked core or the backend's fused kernel (its FAST_PATH, or the in-place path without the weights, which a
-    backend may run through its fused kernel: MLX's does), which keep the softmax's numerators in the
+    chunked core or the backend's fused kernel (its FAST_PATH, or the in-place path where the backend has a fused path for
+    the call: _fused_in_place), which keep the softmax's numerators in the
     compute dtype: a 16-bit output is judged against a chunked reference too (chunked_same_precision)."""
     exp = expected_for(case, dtype)
     options = case.options(dtype) if options is None else options

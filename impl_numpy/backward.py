@@ -74,9 +74,21 @@ def _rope_join(y1, y2, rest, interleaved):
     return np.concatenate([turned, rest], axis=-1)
 
 
-def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=False, true_forward=None):
+def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=False, true_forward=None,
+              chunked_core=False, fold_scale=False):
     """The forward pass kept for backward, then the backward pass. Returns
     (out, w, wd, kept, grads).
+
+    chunked_core=True: the chunked core's precision (chunked.py, and the mirrors' chunked cores that autodiff
+    differentiates): the logits round as the stages' do, but the softmax's weights, dropout, the attend's
+    product and its cotangent stay in the compute dtype; the context is stored, and the logits' cotangent
+    as the mask stage's. In float32/float64 it is the stages' pass.
+
+    fold_scale=True: the scale folded into the query before the logits' product, both stored in the storage
+    dtype (q_s = round(q * round(scale)), logits = q_s k^T), as a fused kernel computing in the inputs' dtype
+    does (MLX's mx.fast.scaled_dot_product_attention on CPU: mlx/fast.cpp's fallback multiplies q by
+    array(scale, q.dtype()) first): one more 16-bit rounding of every logit's terms. With chunked_core and
+    fold_scale false it is the stages' pass; neither changes a float32/float64 result by more than round-off.
 
     magnitude=True: inputs, tensors and d_out are replaced by their absolute
     values, every difference in the backward by a sum, and the nonlinear
@@ -215,12 +227,18 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         q = F.temperature(q, np.abs(factor) if magnitude else factor)
     if not magnitude:
         allowed = call.allowed(config, is_causal, causal_alignment)
-        x0 = F.logits(q, k, scale)  # (B, N, T, S_total)
+        if fold_scale:  # the scale (rounded) folded into the stored query, the product unscaled
+            folded = ct.type(dtype.type(scale))
+            kept["q_scaled"] = ew(q.astype(ct) * folded)
+            x0 = F.logits(kept["q_scaled"], k, 1.0)
+        else:
+            x0 = F.logits(q, k, scale)  # (B, N, T, S_total)
         xc = F.softcap(x0, cap) if cap is not None else x0
         if config.alibi:
             xc = F.alibi(xc, call.alibi_bias(config))
         x = F.mask(xc, allowed, call.bias4)
-        w = F.softmax(x, config.masked_row, p.get("sinks"))  # (B, N, T, S_total)
+        # (chunked_core: the softmax of the stored logits, kept in compute dtype)
+        w = F.softmax(x.astype(ct) if chunked_core else x, config.masked_row, p.get("sinks"))  # (B, N, T, S_total)
         wd = F.dropout(w, call.keep, config.dropout)
         kept.update(x0=x0, x=x, w=w, wd=wd)
     x0, x, w, wd = kept["x0"], kept["x"], kept["w"], kept["wd"]
@@ -228,6 +246,8 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     if dif is not None:  # value.pair: each kv head's value joined with its pair's (undone after attend's backward)
         v = F.value_pair(v)  # (B, K, S_total, 2V)
     ctx_heads = F.attend(wd, v)  # (B, N, T, V)
+    if chunked_core:  # attend in compute dtype (wd is), the context stored
+        ctx_heads = ew(ctx_heads)
     if dif is not None:  # differential: its pieces kept (the true forward's in magnitude mode)
         ctx_pre = ctx_heads  # (B, N, T, 2V)
         ctx_heads = _differential_forward(config, p, ctx_pre, kept, magnitude, ct)  # (B, N/2, T, 2V)
@@ -271,13 +291,17 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         d_gate_input = mm(d_l, Wg.reshape(Wg.shape[0], -1).T)  # (B, T, D): the query input's share
         d_ctx = ew(dc * g)
     # attend: ctx = wd @ v (grouped)
-    d_wd = mm(_grouped(d_ctx, K), v.swapaxes(-1, -2)).reshape(B, N, T, S_total)
+    if chunked_core:  # the weights' cotangent in compute dtype, not stored
+        d_wd = np.matmul(_grouped(d_ctx, K).astype(ct), v.swapaxes(-1, -2).astype(ct)).reshape(B, N, T, S_total)
+    else:
+        d_wd = mm(_grouped(d_ctx, K), v.swapaxes(-1, -2)).reshape(B, N, T, S_total)
     d_v = mm(_grouped(wd, K).swapaxes(-1, -2), _grouped(d_ctx, K))  # (B, K, S_total, V)
     if dif is not None:  # value.pair undone: each half of a pair's gradient to its own kv head, both copies summed
         d_v = _value_pair_back(d_v, ct, dtype)  # (B, K, S_total, V)
     # dropout
     keep = call.keep
-    d_w = d_wd if keep is None else ew(np.where(keep, d_wd.astype(ct) / ct.type(1.0 - config.dropout), 0))
+    d_w = d_wd if keep is None else np.where(keep, d_wd.astype(ct) / ct.type(1.0 - config.dropout), 0)
+    d_w = d_w if chunked_core else ew(d_w)
     # softmax: dx = w * (dw - sum(dw * w)), in compute dtype like the forward.
     # A fully masked row's weights do not depend on its logits under "zero" and
     # "uniform" (gradient 0); under "nan" they are NaN (see the mask stage).
@@ -316,9 +340,14 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         t = np.tanh(x0.astype(ct) / ct.type(cap))
         d_x = ew(d_x.astype(ct) * ((1 + t * t) if magnitude else (1 - t * t)))
     # logits: x = scale * q k^T (grouped)
-    d_s = _grouped(ew(d_x.astype(ct) * ct.type(scale)), K)  # (B, K, G*T, S_total)
-    d_q = mm(d_s, k).reshape(B, N, T, H)
-    d_k = mm(d_s.swapaxes(-1, -2), q.reshape(B, K, -1, H))  # (B, K, S_total, H)
+    if fold_scale and not magnitude:  # logits = q_s k^T, q_s = q * scale: d q_s = d_x k, d q = scale d q_s
+        d_s = _grouped(d_x, K)  # (B, K, G*T, S_total)
+        d_q = ew(mm(d_s, k).astype(ct) * ct.type(dtype.type(scale))).reshape(B, N, T, H)
+        d_k = mm(d_s.swapaxes(-1, -2), kept["q_scaled"].reshape(B, K, -1, H))  # (B, K, S_total, H)
+    else:
+        d_s = _grouped(ew(d_x.astype(ct) * ct.type(scale)), K)  # (B, K, G*T, S_total)
+        d_q = mm(d_s, k).reshape(B, N, T, H)
+        d_k = mm(d_s.swapaxes(-1, -2), q.reshape(B, K, -1, H))  # (B, K, S_total, H)
     # norm: y = xhat g + b, xhat = (x - mean) r (layer) or x r (rms), r = 1 / sqrt(mean(.^2) + eps):
     # dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), without the mean(dxhat) term for rms.
     def norm_back(name, dy, cfg):
@@ -508,10 +537,13 @@ def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_
                              is_causal=False, causal_alignment="top_left", training=False, dropout_mask=None,
                              seed=None, dtype=None, positions=None, key_positions=None, past_key=None,
                              past_value=None, segment_ids=None, key_segment_ids=None, gradient_magnitudes=False,
-                             past_key_positions=None, topk_indices=None, past_index_keys=None):
+                             past_key_positions=None, topk_indices=None, past_index_keys=None, chunked_core=False,
+                             fold_scale=False):
     """Returns (output, grads), or (output, grads, magnitudes) with
     gradient_magnitudes=True (see the module docstring). With config.indexer the selection is a constant
-    (attention.run_indexer): the indexer's tensors get zero gradients."""
+    (attention.run_indexer): the indexer's tensors get zero gradients. chunked_core, fold_scale: other 16-bit
+    formulations' rounding (_backward), which the tolerance policy counts beside the stages' for a chunked
+    path's or a fused kernel's 16-bit results (conformance.suite.compare.kernel_same_precision)."""
     call = prepare(config, tensors, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask,
                    is_causal=is_causal, causal_alignment=causal_alignment, training=training, seed=seed,
                    return_weights=False, dtype=dtype, positions=positions, key_positions=key_positions,
@@ -523,7 +555,8 @@ def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_
     B, T, O = call.shapes.B, call.shapes.T, config.out_dim
     if d_out.shape != (B, T, O):
         raise ValueError(f"d_output must have shape (B, T, O) = {(B, T, O)}: got {d_out.shape}")
-    out, kept, raw = _backward(config, call, d_out, is_causal, causal_alignment)
+    out, kept, raw = _backward(config, call, d_out, is_causal, causal_alignment, chunked_core=chunked_core,
+                               fold_scale=fold_scale)
     grads = _fold(config, raw, key is not None, value is not None, dtype)
     if not gradient_magnitudes:
         return out.astype(dtype), grads

@@ -71,7 +71,12 @@ boundary differ by one step whatever the reference's own error. A chunked
 core's or a fused kernel's output is judged against the larger of the
 stages' and the NumPy chunked core's same-dtype error
 (compare.chunked_same_precision: it rounds other intermediates than the
-stages).
+stages), and of a kernel formulation's (compare.kernel_same_precision:
+NumPy's backward with the chunked core's precision, a fused kernel's also
+with the scale folded into the stored query, the order MLX's CPU kernel
+takes); so are such a path's 16-bit gradients (the stages' and the kernel
+formulation's errors, the larger): each is one sample of its order's
+rounding noise, not its size (issues 40 and 42, docs/conformance.md).
 
 16-bit gradients: atol = max(REFERENCE_FACTOR x the same-dtype reference's
 error, the float32 formula on max|reference|), and each element is allowed at

@@ -77,9 +77,9 @@ def check_compressed_call(config: AttentionConfig, x: np.ndarray, positions, pas
     given = {name: np.shape(past.get(name)) if past.get(name) is not None else None for name in expected}
     unknown = sorted(set(past) - set(expected))
     if unknown or any(given[n] != expected[n] for n in expected):
-        bad = unknown or [n for n in expected if given[n] != expected[n]]
-        raise ValueError(f"past must hold the cache of the p0={p0} tokens before the call ({expected}): got "
-                         f"{ {n: given.get(n) for n in bad} }")
+        bad = "; ".join([f"{n} unknown" for n in unknown] + [f"{n} {given[n]}, expected {expected[n]}"
+                                                            for n in expected if given[n] != expected[n]])
+        raise ValueError(f"past must hold the cache of the p0={p0} tokens before the call (cache_shapes): got {bad}")
     return p0
 
 
@@ -161,8 +161,8 @@ def select(config: AttentionConfig, params, x, q_latent, positions, entries, vis
     q = rec("indexer.query", turn(q, positions, config))
     dots = np.einsum("bitj,bej->btie", q, entries)  # (B, T, I, E)
     w = rec("indexer.weights", (x @ params["indexer.weights.kernel"]) * I ** -0.5)  # (B, T, I)
-    score = rec("indexer.score", (np.maximum(dots, 0) * J ** -0.5 * w[..., None]).sum(axis=2))  # (B, T, E)
-    score = np.where(visible[None], score, -np.inf)
+    score = (np.maximum(dots, 0) * J ** -0.5 * w[..., None]).sum(axis=2)  # (B, T, E)
+    score = rec("indexer.score", np.where(visible[None], score, -np.inf))  # an entry not visible: -inf
     k = min(c.index_topk, score.shape[-1])
     order = np.argsort(-score, axis=-1, kind="stable")[..., :k]
     chosen = np.take_along_axis(visible[None].repeat(x.shape[0], 0), order, axis=-1)

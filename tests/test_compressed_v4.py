@@ -224,3 +224,34 @@ def test_transformers_deepseek_v4_is_reproduced_prefill_and_decode():
             assert err.max(initial=0) <= HF_BOUND * np.abs(expected).max(), (kind, positions[0], err.max())
             checked += rows.sum()
     assert checked == 3 * 2 * (T + T) - excluded and excluded <= 12, (checked, excluded)
+
+
+@pytest.mark.reference
+def test_equal_index_scores_go_to_the_earlier_entry():
+    """The spec's tie rule (docs/spec-frontier.md#deepseek-v4): with every head weight 0 every score is 0, and
+    each query keeps its first index_topk visible entries."""
+    config, t = _layer("csa")
+    t = {**t, "indexer.weights.kernel": np.zeros_like(t["indexer.weights.kernel"])}
+    _, selection = compressed_attention(config, t, _x(), np.arange(T), return_selection=True)
+    visible = (np.arange(T) + 1) // 4
+    expected = np.where(np.arange(2)[None] < np.minimum(visible, 2)[:, None], np.arange(2)[None], -1)
+    np.testing.assert_array_equal(selection, np.broadcast_to(expected, selection.shape))
+
+
+@pytest.mark.reference
+def test_the_reader_refuses_what_transformers_computes_otherwise():
+    from weights.layouts.deepseek_v4 import v4_config
+
+    hf = {"model_type": "deepseek_v4", "layer_types": ["heavily_compressed_attention"], "head_dim": 16,
+          "partial_rotary_factor": 0.5, "q_lora_rank": 12, "o_groups": 2, "o_lora_rank": 8, "rms_norm_eps": 1e-6,
+          "compress_rates": {"heavily_compressed_attention": 8}, "num_attention_heads": 4, "hidden_size": D,
+          "sliding_window": 6, "rope_parameters": {
+              "main": {"rope_type": "default", "rope_theta": 10000.0},
+              "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 16, "attention_factor": 1.0, "truncate": False}}}
+    with pytest.raises(ValueError, match=r"rope_parameters.compress.truncate must be true or absent: transformers"):
+        v4_config(hf, 0)
+    del hf["rope_parameters"]["compress"]["truncate"]
+    assert v4_config(hf, 0).rope.scaling.truncate is True
+    with pytest.raises(ValueError, match=r"attention_bias must be false for deepseek_v4"):
+        v4_config({**hf, "attention_bias": True}, 0)

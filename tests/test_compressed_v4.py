@@ -17,6 +17,7 @@ from conformance.suite import backends
 from impl_numpy import multi_head_attention
 from impl_numpy.compressed import cache_names, compressed_attention
 from weights import AttentionConfig, init
+from weights.format import WeightsFormatError
 
 D, T = 32, 21  # T: five CSA windows of 4 close, two HCA windows of 8; the window of 6 keys hides most keys
 BASE = dict(num_heads=4, query_dim=D, head_dim=16, num_kv_heads=1, use_query_bias=False, use_key_bias=False,
@@ -196,7 +197,7 @@ def test_transformers_deepseek_v4_is_reproduced_prefill_and_decode():
     transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install '.[hf]'")
     if not hasattr(transformers, "DeepseekV4Config"):
         pytest.skip(f"transformers {transformers.__version__} has no deepseek_v4")
-    from weights.layouts.deepseek_v4 import v4_config, v4_tensors
+    from weights import layouts
 
     cfg, model, seen = _hf_model(torch, transformers)
     ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(3))
@@ -206,10 +207,12 @@ def test_transformers_deepseek_v4_is_reproduced_prefill_and_decode():
         for s in range(P, T):
             out = model(ids[:, s:s + 1], past_key_values=out.past_key_values, use_cache=True)
     state, checked, excluded = model.state_dict(), 0, 0
+    gap = {k: v for k, v in state.items() if k != "model.layers.1.self_attn.compressor.indexer.position_bias"}
+    with pytest.raises(WeightsFormatError, match=r"hf-deepseek: missing model.layers.1.self_attn.compressor.indexer"):
+        layouts.to_canonical("hf-deepseek", gap, hf_config=cfg.to_dict(), layer=1)
     for i, kind in enumerate(("sliding", "csa", "hca")):
-        config = v4_config(cfg.to_dict(), i)
+        config, t = layouts.to_canonical("hf-deepseek", state, hf_config=cfg.to_dict(), layer=i)
         assert config.compressed.kind == kind
-        t = v4_tensors(config, state, f"model.layers.{i}.self_attn.")
         calls = [(seen[i][0], np.arange(T), False)] + [(seen[i][1], np.arange(P), True)]
         calls += [(seen[i][2 + s - P], np.array([s]), True) for s in range(P, T)]
         past = None

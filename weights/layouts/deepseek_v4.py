@@ -1,8 +1,9 @@
 """DeepSeek V4's attention (transformers' deepseek_v4, 5.23.0) read into the contract's config.compressed layer.
 
 v4_config(hf_config, layer) gives one layer's AttentionConfig; v4_tensors(config, state, prefix) its canonical
-tensors from a state dict (the layer's `self_attn.` module names). Not yet wired into the hf-deepseek layout's
-catalogue (issue 41: a later step); docs/spec-frontier.md#deepseek-v4 names each source line.
+tensors from a state dict (the layer's `self_attn.` module names); read_v4 is the hf-deepseek layout's reader of a
+deepseek_v4 checkpoint (weights.layouts.to_canonical("hf-deepseek", state, hf_config=..., layer=...)). Writing
+one back (from_canonical) is not done yet (issue 41); docs/spec-frontier.md#deepseek-v4 names each source line.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from weights.config import AttentionConfig
+from weights.format import WeightsFormatError, validate_tensors
 
 # transformers' layer_types -> Compressed.kind (configuration_deepseek_v4.py:21-25)
 V4_KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
@@ -102,3 +104,43 @@ def v4_tensors(config: AttentionConfig, state: Mapping[str, Any], prefix: str = 
                                                                                       c.index_head_dim)
         t["indexer.weights.kernel"] = get("compressor.indexer.scorer.weights_proj.weight").T
     return {name: np.ascontiguousarray(value) for name, value in t.items()}
+
+
+def v4_keys(config: AttentionConfig) -> list[str]:
+    """The module keys (under the layer's self_attn.) that v4_tensors reads for this config."""
+    keys = ["q_a_proj.weight", "q_a_norm.weight", "q_b_proj.weight", "kv_proj.weight", "kv_norm.weight",
+            "o_a_proj.weight", "o_b_proj.weight", "sinks"]
+    kind = config.compressed.kind
+    scopes = [] if kind == "sliding" else ["compressor."] + (["compressor.indexer."] if kind == "csa" else [])
+    for scope in scopes:
+        keys += [f"{scope}{name}" for name in ("kv_proj.weight", "gate_proj.weight", "position_bias",
+                                                "kv_norm.weight")]
+    if kind == "csa":
+        keys += ["compressor.indexer.q_b_proj.weight", "compressor.indexer.scorer.weights_proj.weight"]
+    return keys
+
+
+def read_v4(layout: str, cfg: Mapping[str, Any], state: Mapping[str, Any], base: str, layer: int):
+    """(config, canonical tensors) of layer `layer` whose keys start with `base`; one WeightsFormatError lists
+    every missing or unexpected key (and validate_tensors every mis-shaped one)."""
+    try:
+        config = v4_config(cfg, layer)
+    except (KeyError, IndexError, TypeError) as err:
+        raise ValueError(f"hf_config: deepseek_v4 needs {err} for layer {layer}") from None
+    expected = [base + key for key in v4_keys(config)]
+    problems = []
+    missing = [key for key in expected if key not in state]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    unexpected = sorted(k for k in state if k.startswith(base) and k not in expected)
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected)} (config file: layer {layer} is "
+                        f"{cfg['layer_types'][layer]})")
+    if problems:
+        raise WeightsFormatError(f"{layout}: " + "; ".join(problems))
+    try:
+        tensors = v4_tensors(config, state, base)
+    except ValueError as err:  # a reshape of a mis-shaped weight
+        raise WeightsFormatError(f"{layout}: {err}") from None
+    validate_tensors(config, tensors, source=layout)
+    return config, tensors

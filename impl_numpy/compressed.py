@@ -59,7 +59,7 @@ def check_compressed_call(config: AttentionConfig, x: np.ndarray, positions, pas
     if config.compressed is None:
         raise ValueError("config.compressed must be set for compressed_attention (a DeepSeek V4 layer): got null")
     if x.ndim != 3 or x.shape[-1] != config.query_dim:
-        raise ValueError(f"x must have shape (B, T, {config.query_dim}): got {x.shape}")
+        raise ValueError(f"x must have shape (B, T, {config.query_dim}): got {tuple(x.shape)}")
     positions = np.asarray(positions)
     if positions.shape != (x.shape[1],) or positions.dtype.kind not in "iu":
         raise ValueError(f"positions must be an integer array of shape (T,) = ({x.shape[1]},): got "
@@ -74,7 +74,7 @@ def check_compressed_call(config: AttentionConfig, x: np.ndarray, positions, pas
                              f"p0 tokens before are unknown, and windows are aligned to position 0): got p0={p0}")
         return p0
     expected = cache_shapes(config, x.shape[0], p0)
-    given = {name: np.shape(past.get(name)) if past.get(name) is not None else None for name in expected}
+    given = {name: None if past.get(name) is None else tuple(past[name].shape) for name in expected}
     unknown = sorted(set(past) - set(expected))
     if unknown or any(given[n] != expected[n] for n in expected):
         bad = "; ".join([f"{n} unknown" for n in unknown] + [f"{n} {given[n]}, expected {expected[n]}"

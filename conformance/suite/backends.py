@@ -82,10 +82,13 @@ REGISTRY: dict[str, Backend] = {
 # (the one place that decides it: run_case and the backend's `mha verify` function read not_yet). Remove the
 # entry when the backend gains the field.
 NOT_YET: dict[str, dict[str, str]] = {}
-# Issue 41: DeepSeek V4's layer is in the NumPy reference only (impl_numpy.compressed); every mirror refuses it.
+# Issue 41: DeepSeek V4's layer runs through its own call (impl_numpy.compressed, impl_torch.compressed), not
+# multi_head_attention, and the suite runs no such case yet; every mirror column reports it unsupported.
 for _backend in ("torch", "tf", "keras-jax", "keras-torch", "jax", "mlx"):
-    NOT_YET.setdefault(_backend, {})["compressed"] = ("DeepSeek V4's compressed attention (config.compressed) is "
-                                                      "not mirrored yet (issue 41)")
+    NOT_YET.setdefault(_backend, {})["compressed"] = (
+        "DeepSeek V4's compressed attention (config.compressed) " + (
+            "runs through impl_torch.compressed, which the suite does not run yet (issue 41)" if _backend == "torch"
+            else "is not mirrored yet (issue 41)"))
 
 
 def not_yet(backend_id: str, config) -> str | None:

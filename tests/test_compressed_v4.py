@@ -28,14 +28,21 @@ KINDS = {"sliding": {"kind": "sliding", **LOW_RANK},
          "csa": {"kind": "csa", **LOW_RANK, "ratio": 4, "overlap": True, "index_heads": 2, "index_head_dim": 8,
                  "index_topk": 2},
          "hca": {"kind": "hca", **LOW_RANK, "ratio": 8}}
+# csa and hca turn by the compress table: YaRN as V4's (factor 4 over 16 positions, attention factor forced to 1)
+COMPRESS_ROPE = {"theta": 160000.0, "rotary_dim": 8, "interleaved": True, "scaling": {
+    "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.0}}
 # Which kinds each bug touches (a bug in a stage a kind lacks changes nothing there).
-BUG_KINDS = {"entries_one_token_early": ("csa", "hca"), "hca_gate_mean": ("hca",), "csa_overlap_dropped": ("csa",)}
+BUG_KINDS = {"entries_one_token_early": ("csa", "hca"), "hca_gate_mean": ("hca",), "csa_overlap_dropped": ("csa",),
+             "entry_positions_one_window_late": ("csa", "hca"), "entries_one_token_late": ("csa", "hca"),
+             "yarn_dropped": ("csa", "hca"), "yarn_attention_factor_applied": ("csa", "hca"),
+             "indexer_pairing_swapped": ("csa",)}
 # The hand port and the reference compute the same float64 sums in other orders: a few ulps of the output's size.
 PORT_BOUND = 1e-12
 
 
 def _layer(kind, seed=1):
-    config = AttentionConfig(**BASE, compressed=KINDS[kind])
+    rope = BASE["rope"] if kind == "sliding" else COMPRESS_ROPE
+    config = AttentionConfig(**{**BASE, "rope": rope}, compressed=KINDS[kind])
     return config, init(config, seed=seed, dtype="float64")
 
 

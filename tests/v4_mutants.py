@@ -22,6 +22,12 @@ MUTANTS = {
     "derotation_missing": "the context's rotary features not turned back by the query's position",
     "window_one_too_wide": "the sliding window one key too wide (W + 1 keys)",
     "query_norm_missing": "the weightless RMS norm of each query head (after q_b) left out",
+    "derotation_plus_t": "the context's rotary features turned by +t instead of back by -t",
+    "entry_positions_one_window_late": "an entry turned by RoPE at its window's end (w + 1) m, not its start w m",
+    "entries_one_token_late": "an entry visible one token after its window's last token (w < t // m)",
+    "yarn_dropped": "the compress table's YaRN left out (csa / hca turned by plain frequencies: the wrong table)",
+    "yarn_attention_factor_applied": "YaRN's attention factor 0.1 ln(factor) + 1 applied (V4 forces 1)",
+    "indexer_pairing_swapped": "the indexer's RoPE pairs half-split (i, i + R/2) instead of interleaved",
 }
 
 
@@ -30,11 +36,19 @@ def _rms(x, scale, eps):
     return y if scale is None else y * scale
 
 
-def _turn(v, position, config):
+def _turn(v, position, config, bug=None, half_split=False):
     """Interleaved RoPE on v's last rotary_dim features at one position, through complex numbers."""
     inv_freq, factor = rope_tables(config.rope)
     R = config.rope.rotary_dim
+    scaling = config.rope.scaling
+    if bug == "yarn_dropped" and scaling is not None:
+        inv_freq = config.rope.theta ** (-np.arange(0, R, 2) / R)
+    if bug == "yarn_attention_factor_applied" and scaling is not None:
+        factor = 0.1 * np.log(scaling.factor) + 1
     head, tail = v[..., :-R], v[..., -R:]
+    if half_split:
+        z = (tail[..., :R // 2] + 1j * tail[..., R // 2:]) * np.exp(1j * position * inv_freq) * factor
+        return np.concatenate([head, z.real, z.imag], -1)
     z = (tail[..., 0::2] + 1j * tail[..., 1::2]) * np.exp(1j * position * inv_freq) * factor
     return np.concatenate([head, np.stack([z.real, z.imag], -1).reshape(tail.shape)], -1)
 
@@ -63,7 +77,9 @@ def _entries(config, p, prefix, xs, bug):
         else:
             e = np.exp(slot_gate - slot_gate.max(0))
             pooled = (e / e.sum(0) * slot_kv).sum(0)
-        out.append(_turn(_rms(pooled, p[f"{prefix}.norm.scale"], c.eps), w * m, config))
+        start = (w + 1) * m if bug == "entry_positions_one_window_late" else w * m
+        half = bug == "indexer_pairing_swapped" and prefix.startswith("indexer")
+        out.append(_turn(_rms(pooled, p[f"{prefix}.norm.scale"], c.eps), start, config, bug, half))
     return np.array(out).reshape(-1, width)
 
 
@@ -75,20 +91,21 @@ def port(config, tensors, x, bug=None):
     out = np.zeros((B, T, config.out_dim))
     for b in range(B):
         q_lat = _rms(x[b] @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps)  # (T, Qr)
-        keys = np.array([_turn(_rms(x[b, s] @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps), s, config)
+        keys = np.array([_turn(_rms(x[b, s] @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps), s, config, bug)
                          for s in range(T)])  # (T, H)
         for t in range(T):
             q = np.einsum("r,rnh->nh", q_lat[t], p["query.kernel"])
             if bug != "query_norm_missing":
                 q = _rms(q, None, c.eps)
-            q = _turn(q, t, config)
+            q = _turn(q, t, config, bug)
             seen = keys[max(0, t - W + 1):t + 1]
             if c.kind != "sliding":
-                prefix_len = t + 2 if bug == "entries_one_token_early" else t + 1
+                prefix_len = t + 1 + {"entries_one_token_early": 1, "entries_one_token_late": -1}.get(bug, 0)
                 entries = _entries(config, p, "compressor", x[b, :prefix_len], bug)
                 if c.kind == "csa" and len(entries):
                     index = _entries(config, p, "indexer.compressor", x[b, :prefix_len], bug)
-                    iq = _turn(np.einsum("r,rij->ij", q_lat[t], p["indexer.query.kernel"]), t, config)
+                    iq = _turn(np.einsum("r,rij->ij", q_lat[t], p["indexer.query.kernel"]), t, config, bug,
+                               bug == "indexer_pairing_swapped")
                     w = x[b, t] @ p["indexer.weights.kernel"] * c.index_heads ** -0.5
                     score = (np.maximum(iq @ index.T, 0) * c.index_head_dim ** -0.5 * w[:, None]).sum(0)
                     kept = sorted(range(len(entries)), key=lambda e: (-score[e], e))[:c.index_topk]
@@ -100,7 +117,7 @@ def port(config, tensors, x, bug=None):
             e, s = np.exp(logits - top), np.exp(sink - top)
             ctx = (e / (e.sum(-1, keepdims=True) + s)) @ seen  # (N, H)
             if bug != "derotation_missing":
-                ctx = _turn(ctx, -t, config)
+                ctx = _turn(ctx, t if bug == "derotation_plus_t" else -t, config, bug)
             G = c.output_groups
             grouped = np.einsum("gf,gfr->gr", ctx.reshape(G, N * H // G), p["output.group.kernel"])
             out[b, t] = grouped.reshape(-1) @ p["output.kernel"]

@@ -28,7 +28,10 @@ MUTANTS = {
     "yarn_dropped": "the compress table's YaRN left out (csa / hca turned by plain frequencies: the wrong table)",
     "yarn_attention_factor_applied": "YaRN's attention factor 0.1 ln(factor) + 1 applied (V4 forces 1)",
     "indexer_pairing_swapped": "the indexer's RoPE pairs half-split (i, i + R/2) instead of interleaved",
+    "decode_drops_buffer": "a decode step that closes a window pools only the new token, not the open window's "
+                           "buffered ones (the rows from DECODE_FROM on: a prefill of DECODE_FROM, then one at a time)",
 }
+DECODE_FROM = 13  # decode_drops_buffer: the tokens before came in one prefill call
 
 
 def _rms(x, scale, eps):
@@ -58,17 +61,18 @@ def _entries(config, p, prefix, xs, bug):
     c = config.compressed
     m, width = c.ratio, p[f"{prefix}.norm.scale"].shape[0]
     kv, gate = xs @ p[f"{prefix}.kernel"], xs @ p[f"{prefix}.gate.kernel"]
-    bias = p[f"{prefix}.position_bias"]
     out = []
     for w in range(len(xs) // m):
-        rows = slice(w * m, w * m + m)
+        rows, bias = slice(w * m, w * m + m), p[f"{prefix}.position_bias"]
+        if bug == "decode_drops_buffer" and w * m + m - 1 >= DECODE_FROM:  # closed by a one-token call: its last
+            rows, bias = slice(w * m + m - 1, w * m + m), bias[-1:]  # token alone (the buffered ones are lost)
         if c.overlap:
             slot_kv = [kv[rows, width:]]
             slot_gate = [gate[rows, width:] + bias[:, width:]]
             if w > 0 and bug != "csa_overlap_dropped":
                 before = slice(w * m - m, w * m)
                 slot_kv.insert(0, kv[before, :width])
-                slot_gate.insert(0, gate[before, :width] + bias[:, :width])
+                slot_gate.insert(0, gate[before, :width] + p[f"{prefix}.position_bias"][:, :width])
             slot_kv, slot_gate = np.concatenate(slot_kv), np.concatenate(slot_gate)
         else:
             slot_kv, slot_gate = kv[rows], gate[rows] + bias

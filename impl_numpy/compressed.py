@@ -173,9 +173,13 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
                          return_cache: bool = False, return_selection: bool = False, trace: list | None = None):
     """The layer's output (B, T, O); with return_selection also csa's selection (B, T, k); with return_cache
     also the present cache (a dict: cache_names)."""
-    validate_tensors(config, tensors)
+    dtype = validate_tensors(config, tensors)  # every array computes in the tensors' dtype
     x = np.asarray(x)
+    if x.dtype.kind != "f":
+        raise ValueError(f"x must be a float array: got dtype {x.dtype}")
     p0 = check_compressed_call(config, x, positions, past)
+    x = x.astype(dtype, copy=False)
+    past = None if past is None else {name: np.asarray(a).astype(dtype, copy=False) for name, a in past.items()}
     positions = np.arange(p0, p0 + x.shape[1])
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     c, p, N, H = config.compressed, tensors, config.num_heads, config.head_dim

@@ -87,8 +87,8 @@ NOT_YET: dict[str, dict[str, str]] = {}
 for _backend in ("torch", "tf", "keras-jax", "keras-torch", "jax", "mlx"):
     NOT_YET.setdefault(_backend, {})["compressed"] = (
         "DeepSeek V4's compressed attention (config.compressed) " + (
-            "runs through impl_torch.compressed, which the suite does not run yet (issue 41)" if _backend == "torch"
-            else "is not mirrored yet (issue 41)"))
+            f"runs through impl_{_backend}.compressed, which the suite does not run yet (issue 41)"
+            if _backend in ("torch", "jax") else "is not mirrored yet (issue 41)"))
 
 
 def not_yet(backend_id: str, config) -> str | None:

@@ -88,7 +88,7 @@ for _backend in ("torch", "tf", "keras-jax", "keras-torch", "jax", "mlx"):
     NOT_YET.setdefault(_backend, {})["compressed"] = (
         "DeepSeek V4's compressed attention (config.compressed) " + (
             f"runs through impl_{_backend}.compressed, which the suite does not run yet (issue 41)"
-            if _backend in ("torch", "jax") else "is not mirrored yet (issue 41)"))
+            if _backend in ("torch", "jax", "mlx") else "is not mirrored yet (issue 41)"))
 
 
 def not_yet(backend_id: str, config) -> str | None:

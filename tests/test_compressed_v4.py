@@ -265,3 +265,15 @@ def test_the_reader_refuses_what_transformers_computes_otherwise():
     assert v4_config(hf, 0).rope.scaling.truncate is True
     with pytest.raises(ValueError, match=r"attention_bias must be false for deepseek_v4"):
         v4_config({**hf, "attention_bias": True}, 0)
+
+
+@pytest.mark.reference
+def test_a_weight_file_round_trips(tmp_path):
+    """The config in the safetensors metadata (to_json) and every V4 tensor come back as saved."""
+    from weights import load, save
+
+    config, t = _layer("csa")
+    save(tmp_path / "v4.safetensors", config, t)
+    again, tensors = load(tmp_path / "v4.safetensors")
+    assert again == config and sorted(tensors) == sorted(t)
+    assert all(np.array_equal(tensors[name], t[name]) for name in t)

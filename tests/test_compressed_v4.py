@@ -157,7 +157,21 @@ HF_BOUND = 64 * float(np.finfo(np.float32).eps)
 P = 13  # decode from 13 to 20: csa's windows close at 15 and 19, hca's at 15, the window of 6 keys slides on
 
 
+_MODEL: dict = {}
+
+
 def _hf_model(torch, transformers):
+    """(config, model, seen): the tiny model, built once for the module's tests; seen[layer] lists the
+    (input, output) of each call of that layer's attention since this call (emptied here)."""
+    if not _MODEL:
+        _MODEL["built"] = _build_hf_model(torch, transformers)
+    cfg, model, seen = _MODEL["built"]
+    for calls in seen.values():
+        calls.clear()
+    return cfg, model, seen
+
+
+def _build_hf_model(torch, transformers):
     cfg = transformers.DeepseekV4Config(
         vocab_size=64, hidden_size=D, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=4,
         head_dim=16, q_lora_rank=12, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
@@ -277,3 +291,42 @@ def test_a_weight_file_round_trips(tmp_path):
     again, tensors = load(tmp_path / "v4.safetensors")
     assert again == config and sorted(tensors) == sorted(t)
     assert all(np.array_equal(tensors[name], t[name]) for name in t)
+
+
+def test_what_transformers_leaves_ill_defined_is_as_the_spec_says():
+    """docs/spec-frontier.md#deepseek-v4's first and third points, shown on transformers itself: (1) without a
+    cache, windows start at the call's first token while visibility reads position_ids: a call at positions
+    2..13 pools positions 2..9 into hca's entry 0, which the row at position 7 sees, so the token at position 9
+    changes that earlier row; (3) YaRN's truncate is read from the top-level rope_parameters: the compress
+    table's truncate false changes nothing in transformers' frequencies, where the contract's differ."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install '.[hf]'")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no deepseek_v4")
+    from weights.config import Rope
+    from weights.rope import inverse_frequencies
+
+    cfg, model, seen = _hf_model(torch, transformers)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    later = ids.clone()
+    later[0, 7] = (ids[0, 7] + 1) % 64  # the token at position 2 + 7 = 9
+    with torch.no_grad():
+        for tokens in (ids, later):
+            model(tokens, position_ids=torch.arange(2, 14)[None], use_cache=False)
+    (_, before), (_, after) = seen[2]  # hca's outputs, rows at positions 2..13
+    assert np.abs(after[0, 5] - before[0, 5]).max() > 1e-3  # position 7's row moved with position 9's token
+    assert np.abs(after[0, :5] - before[0, :5]).max() == 0  # (the rows before it see no entry: unchanged)
+
+    # a table where truncating moves the ramp's ends (theta 1e4, 2048 original positions: ends 1.01 and 2.51)
+    table = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "rope_theta": 10000.0,
+             "partial_rotary_factor": 0.5, "attention_factor": 1.0}
+    rotary = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4RotaryEmbedding
+    theirs = [rotary(transformers.DeepseekV4Config(**{**cfg.to_dict(), "max_position_embeddings": 8192,
+                                                      "rope_parameters": {"main": cfg.rope_parameters["main"],
+                                                                          "compress": {**table, "truncate": flag}}}))
+              .compress_inv_freq.numpy() for flag in (True, False)]
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "attention_factor": 1.0}
+    ours = [inverse_frequencies(Rope.from_value({"theta": 10000.0, "rotary_dim": 8, "interleaved": True,
+                                                 "scaling": {**yarn, "truncate": flag}})) for flag in (True, False)]
+    assert np.array_equal(theirs[0], theirs[1]) and not np.allclose(ours[0], ours[1], rtol=1e-3)
+    np.testing.assert_allclose(theirs[0], ours[0], rtol=1e-6)  # float32 frequencies: truncate true, as ours

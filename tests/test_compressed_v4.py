@@ -330,3 +330,41 @@ def test_what_transformers_leaves_ill_defined_is_as_the_spec_says():
                                                  "scaling": {**yarn, "truncate": flag}})) for flag in (True, False)]
     assert np.array_equal(theirs[0], theirs[1]) and not np.allclose(ours[0], ours[1], rtol=1e-3)
     np.testing.assert_allclose(theirs[0], ours[0], rtol=1e-6)  # float32 frequencies: truncate true, as ours
+
+
+def _random_layer(rng):
+    """A random small V4 layer: kind, window (1 to 7 keys), ratio (1 to 5), overlap, index sizes and top-k."""
+    kind = str(rng.choice(list(KINDS)))
+    compressed = {"kind": kind, "query_rank": int(rng.integers(2, 9)), "output_groups": int(rng.choice([1, 2, 4])),
+                  "output_rank": int(rng.integers(1, 6))}
+    if kind != "sliding":
+        compressed.update(ratio=int(rng.integers(1, 6)), overlap=bool(rng.integers(2)))
+    if kind == "csa":
+        compressed.update(index_heads=int(rng.integers(1, 4)), index_head_dim=int(rng.choice([4, 6])),
+                          index_topk=int(rng.integers(1, 5)))
+    rope = {**(BASE["rope"] if kind == "sliding" else COMPRESS_ROPE), "rotary_dim": 4}
+    config = AttentionConfig(**{**BASE, "num_heads": int(rng.choice([1, 2, 4])), "head_dim": 8, "rope": rope,
+                                "window_left": int(rng.integers(0, 7)), "use_sinks": bool(rng.integers(2))},
+                             compressed=compressed)
+    return config, init(config, seed=int(rng.integers(1 << 30)), dtype="float64")
+
+
+@pytest.mark.slow  # 300 random layers, ~3 s (2-core AMD EPYC VM, 2026-11-29): tox -e full
+@pytest.mark.reference
+def test_a_sweep_of_random_layers_agrees_with_the_hand_port_and_its_own_cache():
+    """Seeds 41000-41299 (unseen by the tests above): the hand port reproduces the reference's prefill, and calls
+    split at random points through the cache give the prefill's rows."""
+    for seed in range(41000, 41300):
+        rng = np.random.default_rng(seed)
+        config, t = _random_layer(rng)
+        B, length = int(rng.integers(1, 3)), int(rng.integers(1, 18))
+        x = rng.standard_normal((B, length, D))
+        whole = compressed_attention(config, t, x, np.arange(length))
+        bound = PORT_BOUND * max(np.abs(whole).max(), 1e-300)
+        assert np.abs(port(config, t, x) - whole).max() <= bound, (seed, config.compressed)
+        cuts = [0, *sorted(set(rng.integers(1, length, size=3).tolist()) if length > 1 else []), length]
+        past, rows = None, []
+        for a, b in zip(cuts, cuts[1:]):
+            out, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+            rows.append(out)
+        assert np.abs(np.concatenate(rows, axis=1) - whole).max() <= bound, (seed, cuts, config.compressed)

@@ -116,7 +116,7 @@ def port(config, tensors, x, bug=None):
                     entries = entries[sorted(kept)]
                 seen = np.concatenate([seen, entries])
             logits = q @ seen.T * config.effective_scale  # (N, S)
-            sink = p["sinks"][:, None] if bug != "sinks_dropped" else np.full((N, 1), -np.inf)
+            sink = p["sinks"][:, None] if "sinks" in p and bug != "sinks_dropped" else np.full((N, 1), -np.inf)
             top = np.maximum(logits.max(-1, keepdims=True), sink)
             e, s = np.exp(logits - top), np.exp(sink - top)
             ctx = (e / (e.sum(-1, keepdims=True) + s)) @ seen  # (N, H)

@@ -532,6 +532,85 @@ DIFFERENTIAL_TENSORS = ("differential.lambda_q1", "differential.lambda_k1", "dif
                         "differential.lambda_k2")
 
 
+# DeepSeek V4's layer kinds (issue 41; docs/spec-frontier.md#deepseek-v4).
+COMPRESSED_KINDS = ("sliding", "csa", "hca")
+# The cache of a V4 layer beyond past_key (the last W - 1 keys): the entries emitted so far, each compressor's
+# open window (its buffered projections and raw gates) and, with overlap, the last closed window's first half.
+# A call takes them as past_<name> and returns them as present_<name> (impl_numpy.compressed).
+COMPRESSED_CACHE = ("entries", "window_kv", "window_gate", "overlap_kv", "overlap_gate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Compressed:
+    """A DeepSeek V4 attention layer (transformers' deepseek_v4; docs/spec-frontier.md#deepseek-v4 states each
+    stage, impl_numpy/compressed.py is its executable form). One kv head read as key and as value (key.kernel,
+    key.norm.scale), a low-rank query (query.down.kernel, query.down.norm.scale, query.kernel) with a weightless
+    RMS norm per head, interleaved RoPE (config.rope) on the LAST rope.rotary_dim features, a sink per head, a
+    window of window_left + 1 keys, the context's rotary features turned back by the query's position, and a
+    grouped low-rank output projection (output.group.kernel (G, N*H/G, R), output.kernel (G*R, O)). kind "csa" and
+    "hca" add compressed entries: windows of `ratio` tokens aligned to position 0, each closed window one entry
+    (compressor.*); "csa" keeps the top index_topk visible entries per query by its own indexer (indexer.*)."""
+
+    kind: str  # "sliding" | "csa" (compressed sparse attention) | "hca" (heavily compressed attention)
+    query_rank: int  # Qr (q_lora_rank)
+    output_groups: int  # G (o_groups)
+    output_rank: int  # R (o_lora_rank): each group's width after output.group.kernel
+    ratio: int | None = None  # m: tokens per entry (compress_rates[kind]); csa, hca only
+    overlap: bool = False  # each entry also pools the previous window's first-half projections (2m slots; V4's csa)
+    index_heads: int | None = None  # I (index_n_heads); csa only
+    index_head_dim: int | None = None  # J (index_head_dim); csa only
+    index_topk: int | None = None  # k (index_topk): entries kept per query; csa only
+    eps: float = 1e-6  # of every RMS norm of the layer (rms_norm_eps)
+
+    @classmethod
+    def from_value(cls, value: Any) -> Compressed | None:
+        if value is None or isinstance(value, Compressed):
+            return value
+        fields = ("kind", "query_rank", "output_groups", "output_rank", "ratio", "overlap", "index_heads",
+                  "index_head_dim", "index_topk", "eps")
+        data = _object("compressed", value, fields)
+        kind = data.get("kind")
+        if kind not in COMPRESSED_KINDS:
+            raise ValueError(f"compressed.kind must be one of {', '.join(COMPRESSED_KINDS)}: got {_shown(kind)}")
+        for name in ("query_rank", "output_groups", "output_rank"):
+            _check_positive_int(f"compressed.{name}", data.get(name))
+        overlap = data.get("overlap", False)
+        _check_bool("compressed.overlap", overlap)
+        index = ("index_heads", "index_head_dim", "index_topk")
+        if kind == "sliding":
+            for name in ("ratio", *index):
+                if data.get(name) is not None:
+                    raise ValueError(f"compressed.{name} must be null with kind sliding (a sliding layer has no "
+                                     f"compressor): got {_shown(data[name])}")
+            if overlap:
+                raise ValueError("compressed.overlap must be false with kind sliding (a sliding layer has no "
+                                 "compressor): got true")
+        else:
+            _check_positive_int("compressed.ratio", data.get("ratio"))
+            for name in index:
+                if kind == "csa":
+                    _check_positive_int(f"compressed.{name}", data.get(name))
+                elif data.get(name) is not None:
+                    raise ValueError(f"compressed.{name} must be null with kind hca (HCA keeps every visible "
+                                     f"entry, it has no indexer): got {_shown(data[name])}")
+        return cls(kind=kind, query_rank=data["query_rank"], output_groups=data["output_groups"],
+                   output_rank=data["output_rank"], ratio=data.get("ratio"), overlap=overlap,
+                   index_heads=data.get("index_heads"), index_head_dim=data.get("index_head_dim"),
+                   index_topk=data.get("index_topk"),
+                   eps=_finite_number("compressed.eps", data.get("eps", 1e-6), positive=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "query_rank": self.query_rank, "output_groups": self.output_groups,
+                "output_rank": self.output_rank, "ratio": self.ratio, "overlap": self.overlap,
+                "index_heads": self.index_heads, "index_head_dim": self.index_head_dim,
+                "index_topk": self.index_topk, "eps": self.eps}
+
+    @property
+    def slots(self) -> int:
+        """c: each token's compressor projections hold c * H features (2 with overlap: both halves)."""
+        return 2 if self.overlap else 1
+
+
 # The modern fields and their defaults: `to_json` leaves a field out while it holds its default.
 MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -1,
                                    "qk_norm": None, "use_sinks": False, "alibi": False, "local_chunk": None,
@@ -541,11 +620,13 @@ MODERN_DEFAULTS: dict[str, Any] = {"rope": None, "logit_softcap": None, "window_
 MODERN_DEFAULTS["differential"] = None  # differential attention (its own line: merged beside other new fields)
 # Issue 42's fields (kept apart so the issue's other parts merge beside them).
 MODERN_DEFAULTS.update(key_multiplier=1.0, value_scale=1.0, kv_shared=False)
+MODERN_DEFAULTS["compressed"] = None  # issue 41: DeepSeek V4's layer (its own line)
 # The dtypes alibi_bias_dtype may name: Falcon-RW builds its bias in bfloat16 whatever the model's dtype.
 ALIBI_BIAS_DTYPES = ("bfloat16", "float16", "float32")
 # The fields that are objects (a dict converts; to_dict gives their dict form).
 _OBJECT_FIELDS = ("rope", "qk_norm", "query_temperature", "output_gate", "value_norm", "latent", "indexer")
 _OBJECT_FIELDS += ("differential",)
+_OBJECT_FIELDS += ("compressed",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -597,6 +678,9 @@ class AttentionConfig:
     # The layer has no key or value projection: it attends to the cache it is given (past_key / past_value: another
     # layer's keys and values after their norm and RoPE) and appends nothing to it (Gemma 3n's num_kv_shared_layers)
     kv_shared: bool = False
+    # Issue 41: a DeepSeek V4 layer (a dict converts; see Compressed and docs/spec-frontier.md#deepseek-v4). It runs
+    # through impl_numpy.compressed.compressed_attention; multi_head_attention refuses it (weights.contract).
+    compressed: Compressed | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("num_heads", self.num_heads)
@@ -692,6 +776,76 @@ class AttentionConfig:
         self._resolve_differential()
         self._resolve_sharing_and_knobs()
         self._check_mrope()
+        self._resolve_compressed()
+
+    def _resolve_compressed(self) -> None:
+        """compressed (issue 41): a dict converts; what a V4 layer needs of the other fields (one line each)."""
+        compressed = Compressed.from_value(self.compressed)
+        object.__setattr__(self, "compressed", compressed)
+        if compressed is None:
+            return
+        why = "(a DeepSeek V4 layer: impl_numpy.compressed)"
+        if self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads must be 1 with compressed (one kv head read as key and as value) {why}: "
+                             f"got {self.num_kv_heads}")
+        if self.value_head_dim != self.head_dim:
+            raise ValueError(f"value_head_dim must equal head_dim with compressed (the key is the value) {why}: got "
+                             f"value_head_dim={self.value_head_dim}, head_dim={self.head_dim}")
+        if len({self.query_dim, self.key_dim, self.value_dim}) != 1:
+            raise ValueError(f"key_dim and value_dim must equal query_dim with compressed (one input, the hidden "
+                             f"states) {why}: got query_dim={self.query_dim}, key_dim={self.key_dim}, "
+                             f"value_dim={self.value_dim}")
+        for name in ("use_query_bias", "use_key_bias", "use_value_bias", "use_output_bias"):
+            if getattr(self, name):
+                raise ValueError(f"{name} must be false with compressed (V4's projections have no bias) {why}: "
+                                 f"got true")
+        if self.rope is None or not self.rope.interleaved or self.rope.mrope_section is not None:
+            raise ValueError(f"rope must be set, interleaved, without mrope_section with compressed (V4 turns pairs "
+                             f"2i, 2i+1 of the last rotary_dim features) {why}: got "
+                             f"{_shown(None if self.rope is None else self.rope.to_dict())}")
+        if self.window_left < 0 or self.window_right != -1:
+            raise ValueError(f"window_left must be >= 0 and window_right -1 with compressed (a causal window of "
+                             f"window_left + 1 keys) {why}: got window_left={self.window_left}, "
+                             f"window_right={self.window_right}")
+        for name in ("logit_softcap", "qk_norm", "local_chunk", "query_temperature", "qkv_clip", "output_gate",
+                     "value_norm", "latent", "indexer", "differential", "alibi_bias_dtype"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} must be null with compressed (V4's layer has its own norms and indexer) "
+                                 f"{why}: got {_shown(getattr(self, name))}")
+        for name, on in (("alibi", self.alibi), ("kv_shared", self.kv_shared), ("dropout", self.dropout != 0),
+                         ("key_multiplier", self.key_multiplier != 1), ("value_scale", self.value_scale != 1)):
+            if on:
+                raise ValueError(f"{name} must keep its default with compressed {why}: got {getattr(self, name)}")
+        if (self.num_heads * self.head_dim) % compressed.output_groups:
+            raise ValueError(f"compressed.output_groups must divide num_heads * head_dim (each group projects its "
+                             f"share of the heads) {why}: got output_groups={compressed.output_groups}, "
+                             f"num_heads * head_dim={self.num_heads * self.head_dim}")
+        if compressed.kind == "csa" and compressed.index_head_dim < self.rope.rotary_dim:
+            raise ValueError(f"compressed.index_head_dim must be at least rope.rotary_dim (the indexer turns its last "
+                             f"rotary_dim features) {why}: got index_head_dim={compressed.index_head_dim}, "
+                             f"rotary_dim={self.rope.rotary_dim}")
+
+    def _compressed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A V4 layer's tensors (Compressed): the low-rank query, the one kv head's projection and norm, the sinks,
+        the grouped output, the compressor's (csa, hca) and the indexer's (csa)."""
+        N, H, D, O, c = self.num_heads, self.head_dim, self.query_dim, self.out_dim, self.compressed
+        G, R, Qr = c.output_groups, c.output_rank, c.query_rank
+        shapes: dict[str, tuple[int, ...]] = {
+            "query.down.kernel": (D, Qr), "query.down.norm.scale": (Qr,), "query.kernel": (Qr, N, H),
+            "key.kernel": (D, 1, H), "key.norm.scale": (H,),
+            "output.group.kernel": (G, N * H // G, R), "output.kernel": (G * R, O)}
+        if self.use_sinks:
+            shapes["sinks"] = (N,)
+        if c.kind == "sliding":
+            return shapes
+        widths = [("compressor", H)] + ([("indexer.compressor", c.index_head_dim)] if c.kind == "csa" else [])
+        for prefix, width in widths:
+            shapes.update({f"{prefix}.kernel": (D, c.slots * width), f"{prefix}.gate.kernel": (D, c.slots * width),
+                           f"{prefix}.position_bias": (c.ratio, c.slots * width), f"{prefix}.norm.scale": (width,)})
+        if c.kind == "csa":
+            shapes["indexer.query.kernel"] = (Qr, c.index_heads, c.index_head_dim)
+            shapes["indexer.weights.kernel"] = (D, c.index_heads)
+        return shapes
 
     def _check_mrope(self) -> None:
         """Multimodal RoPE's positions (3, B, L) feed RoPE alone: the stages that read one position per token
@@ -797,6 +951,8 @@ class AttentionConfig:
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """The canonical tensors this config has, name -> shape."""
         N, K, H, V = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        if self.compressed is not None:
+            return self._compressed_shapes()
         if self.latent is not None:
             return {**self._latent_shapes(), **self._indexer_shapes()}
         shapes: dict[str, tuple[int, ...]] = {"query.kernel": (self.query_dim, N, H)}

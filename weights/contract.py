@@ -256,6 +256,12 @@ def in_place_buffer_error(name: str, must: str, got: str) -> ValueError:
     return ValueError(f"{name} with cache_length is written in place: it must {must}: got {got}")
 
 
+# Issue 41: no backend's multi_head_attention takes a DeepSeek V4 layer yet; the NumPy reference runs it through its
+# own call (the cache has entries and open windows, the call absolute positions).
+COMPRESSED_REFUSAL = ("config.compressed (a DeepSeek V4 layer) is not taken by multi_head_attention: it runs "
+                      "through impl_numpy.compressed.compressed_attention (the mirrors do not have it yet)")
+
+
 def check_call(
     config: AttentionConfig,
     *,
@@ -322,6 +328,8 @@ def check_call(
     materializes_scores: the call will hold (B, N, T, S_total) arrays (every
     path but the chunked ones); it is refused up front when they cannot fit
     in the memory available, instead of ending in an out-of-memory kill."""
+    if getattr(config, "compressed", None) is not None:
+        raise ValueError(COMPRESSED_REFUSAL)
     q = _shape(query_shape)
     k = q if key_shape is None else _shape(key_shape)
     v = k if value_shape is None else _shape(value_shape)

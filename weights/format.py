@@ -392,9 +392,17 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
     if config.indexer is not None:
         indexer_fan_in = {"indexer.query.": config.indexer_query_width, "indexer.key.": config.key_dim,
                           "indexer.weights.": config.query_dim}
+    compressed = config.compressed
+    if compressed is not None:  # issue 41: DeepSeek V4's projections, each from its own input
+        G, R = compressed.output_groups, compressed.output_rank
+        fan_in.update(query=compressed.query_rank, compressor=config.query_dim, output=G * R)
+        indexer_fan_in = {"indexer.query.": compressed.query_rank, "indexer.": config.query_dim}
+        ranges["position_bias"] = (-1.0, 1.0)  # a gate bias per slot of the size of the gates
     for name, shape in config.tensor_shapes().items():
         kind = next((k for k in ranges if name.endswith(k)), None)
-        if kind is None and name.startswith("indexer."):
+        if compressed is not None and name == "output.group.kernel":
+            low, high = -(G / (config.num_heads * config.head_dim)) ** 0.5, (G / (config.num_heads * config.head_dim)) ** 0.5
+        elif kind is None and name.startswith("indexer."):
             bound = 1.0 / np.sqrt(next(v for k, v in indexer_fan_in.items() if name.startswith(k)))
             low, high = -bound, bound
         elif kind is None:

@@ -31,6 +31,7 @@ OFF = {"rope": None, "logit_softcap": None, "window_left": -1, "window_right": -
        "value_norm": None, "latent": None, "alibi_bias_dtype": None, "indexer": None}
 OFF["differential"] = None  # differential attention (docs/differential-attention.md)
 OFF.update(key_multiplier=1.0, value_scale=1.0, kv_shared=False)  # issue 42's fields
+OFF["compressed"] = None  # DeepSeek V4's layer (issue 41)
 
 
 def _rank4(x):  # (T, S) | (B, T, S) | (B, N, T, S) -> rank 4, broadcastable to (B, N, T, S)

@@ -15,6 +15,9 @@ The table engine (read.py, write.py) knows the plain projections only, so this f
 to_canonical / from_canonical (registry.py hands them these layouts); the tables below serve locate.py
 (prefix, layer, detect_layout) and describe. Every conversion is transposes, reshapes and slicing: bit-exact.
 
+DeepSeek V4 (deepseek_v4, issue 41): hf-deepseek reads its attention into config.compressed
+(weights.layouts.deepseek_v4.read_v4; writing one back is not done yet).
+
 hf-deepseek reads config.json (transformers 4.x `rope_scaling` + `rope_theta` or 5.x `rope_parameters`) of
 model types deepseek_v2, deepseek_v3, kimi_k2 (Kimi K2's released config: DeepSeek V3's architecture) and
 kimi_k25 (its `text_config`). Facts, from transformers 5.23's modeling_deepseek_v2.py / modeling_deepseek_v3.py:
@@ -436,6 +439,10 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
     visible = {k: v for k, v in state.items()
                if isinstance(k, str) and not any(fnmatch.fnmatchcase(k, p) for p in ignore)}
     place = _locate(lay, visible, None, hints.get("prefix"), hints.get("layer"))
+    if lay.id == "hf-deepseek" and cfg.get("model_type") == "deepseek_v4":  # issue 41: its own reader
+        from .deepseek_v4 import read_v4
+
+        return read_v4(lay.id, cfg, visible, place.base(lay), place.layer)
     facts = lay.hf(cfg, place.layer)
     fields = dict(facts["fields"])
     heads = hints.get("num_heads")

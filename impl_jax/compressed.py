@@ -1,0 +1,157 @@
+"""DeepSeek V4's attention layer (config.compressed, issue 41) in JAX: impl_numpy/compressed.py stage by stage, the
+same stage names, the same call and cache (docs/spec-frontier.md#deepseek-v4).
+
+compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=): x
+(B, T, D) an array (float32; float64 with JAX's x64 mode on), positions (T,), past / present dicts of arrays named
+as impl_numpy.compressed.cache_names. Eager (not jitted: the number of windows a call closes is a Python int),
+every product at HIGHEST precision. The call is validated by the reference's own check
+(impl_numpy.compressed.check_compressed_call, on shapes). Inference only; the mirror of multi_head_attention
+refuses config.compressed (weights.contract.check_call).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from impl_numpy.compressed import check_compressed_call
+from weights import AttentionConfig, validate_tensors
+from weights.call import record
+from weights.rope import rope_tables
+
+from . import functional as F
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
+def _es(spec, a, b):
+    return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
+def rms(x, scale, eps: float):
+    y = x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if scale is None else y * scale
+
+
+def turn(x, positions, config: AttentionConfig):
+    inv_freq, factor = rope_tables(config.rope)
+    angles = F.rope_angles(positions[None], inv_freq, x.dtype)  # (1, 1, L, R/2)
+    return F.rope_last(x, angles, config.rope.rotary_dim, True, factor)
+
+
+def compress(config, params, prefix: str, x, p0: int, past, rec):
+    c = config.compressed
+    m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
+    width = params[f"{prefix}.norm.scale"].shape[0]
+    B = x.shape[0]
+    kv = rec(f"{prefix}.project", _mm(x, params[f"{prefix}.kernel"]))
+    gate = rec(f"{prefix}.gate", _mm(x, params[f"{prefix}.gate.kernel"]))
+    if past is not None:
+        kv = jnp.concatenate([past[f"{cache}window_kv"], kv], axis=1)
+        gate = jnp.concatenate([past[f"{cache}window_gate"], gate], axis=1)
+    first = p0 - (p0 % m)
+    n = kv.shape[1] // m
+    present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
+    win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]) + params[f"{prefix}.position_bias"]
+    if c.overlap:
+        bias = params[f"{prefix}.position_bias"][:, :width]
+        if past is not None and past[f"{cache}overlap_kv"].shape[1]:
+            prev_kv, prev_gate = past[f"{cache}overlap_kv"][:, None], past[f"{cache}overlap_gate"][:, None] + bias
+        else:
+            prev_kv = jnp.zeros((B, 1, m, width), x.dtype)
+            prev_gate = jnp.full((B, 1, m, width), -jnp.inf, x.dtype)
+        before_kv = jnp.concatenate([prev_kv, win_kv[:, :-1, :, :width]], axis=1)[:, :n]
+        before_gate = jnp.concatenate([prev_gate, win_gate[:, :-1, :, :width]], axis=1)[:, :n]
+        slots_kv = jnp.concatenate([before_kv, win_kv[..., width:]], axis=2)
+        slots_gate = jnp.concatenate([before_gate, win_gate[..., width:]], axis=2)
+        if n:
+            present[f"{cache}overlap_kv"] = win_kv[:, -1, :, :width]
+            present[f"{cache}overlap_gate"] = gate[:, (n - 1) * m:n * m, :width]
+        else:
+            empty = jnp.zeros((B, 0, width), x.dtype)
+            present[f"{cache}overlap_kv"] = empty if past is None else past[f"{cache}overlap_kv"]
+            present[f"{cache}overlap_gate"] = empty if past is None else past[f"{cache}overlap_gate"]
+    else:
+        slots_kv, slots_gate = win_kv, win_gate
+    weights = rec(f"{prefix}.weights", jax.nn.softmax(slots_gate, axis=2))  # per feature over the slots
+    pooled = rec(f"{prefix}.pool", (weights * slots_kv).sum(axis=2))
+    normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
+    starts = first + m * jnp.arange(n)
+    new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])
+    old = jnp.zeros((B, 0, width), x.dtype) if past is None else past[f"{cache}entries"]
+    present[f"{cache}entries"] = jnp.concatenate([old, new], axis=1)
+    return present
+
+
+def select(config, params, x, q_latent, positions, entries, visible, rec):
+    c = config.compressed
+    I, J = c.index_heads, c.index_head_dim
+    q = _es("btr,rij->bitj", q_latent, params["indexer.query.kernel"])
+    q = rec("indexer.query", turn(q, positions, config))
+    dots = _es("bitj,bej->btie", q, entries)
+    w = rec("indexer.weights", _mm(x, params["indexer.weights.kernel"]) * I ** -0.5)
+    score = (jax.nn.relu(dots) * J ** -0.5 * w[..., None]).sum(axis=2)
+    score = rec("indexer.score", jnp.where(visible[None], score, -jnp.inf))
+    k = min(c.index_topk, score.shape[-1])
+    order = jnp.argsort(-score, axis=-1, stable=True)[..., :k]  # ties: the earlier entry
+    chosen = jnp.take_along_axis(jnp.broadcast_to(visible[None], score.shape), order, axis=-1)
+    return rec("indexer.selection", jnp.where(chosen, order, -1))
+
+
+def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
+                         return_selection: bool = False, trace: list | None = None):
+    """impl_numpy.compressed.compressed_attention in JAX."""
+    validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
+    x = jnp.asarray(x)
+    if x.dtype not in (jnp.float32, jnp.float64):
+        raise ValueError(f"x must be float32, or float64 with JAX's x64 mode on: got {x.dtype}")
+    p0 = check_compressed_call(config, x, np.asarray(positions), past)
+    dtype = x.dtype
+    p = {k: jnp.asarray(np.asarray(v)).astype(dtype) for k, v in tensors.items()}
+    positions = jnp.arange(p0, p0 + x.shape[1])
+    rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
+    c, N, H = config.compressed, config.num_heads, config.head_dim
+    B, T, _ = x.shape
+    W = config.window_left + 1
+    q_latent = rec("query.down", rms(_mm(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))
+    q = rec("query", _es("btr,rnh->bnth", q_latent, p["query.kernel"]))
+    q = rec("query.norm", rms(q, None, c.eps))
+    q = rec("query.rope", turn(q, positions, config))
+    k = rec("key", rms(_mm(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
+    k = rec("key.rope", turn(k, positions, config))
+    keys = k if past is None else jnp.concatenate([past["key"], k], axis=2)
+    key_pos = jnp.arange(p0 + T - keys.shape[2], p0 + T)
+    in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+    present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
+    selection = None
+    allowed = jnp.broadcast_to(in_window[None], (B,) + in_window.shape)
+    if c.kind != "sliding":
+        present.update(compress(config, p, "compressor", x, p0, past, rec))
+        entries = present["entries"]
+        E = entries.shape[1]
+        visible = jnp.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]
+        shown = jnp.broadcast_to(visible[None], (B, T, E))
+        if c.kind == "csa":
+            present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
+            selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            shown = F.selection_mask(selection, 1, E)[:, 0]
+        keys = jnp.concatenate([keys, jnp.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
+        allowed = jnp.concatenate([allowed, shown], axis=2)
+    logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    masked = rec("mask", F.mask(logits, allowed[:, None], None))
+    w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
+    ctx = rec("attend", F.attend(w, keys))
+    ctx = rec("derotate", turn(ctx, -positions, config))
+    G = c.output_groups
+    grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
+    grouped = rec("output.group", _es("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
+    out = rec("output", _mm(grouped.reshape(B, T, -1), p["output.kernel"]))
+    result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
+    return result[0] if len(result) == 1 else result

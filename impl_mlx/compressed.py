@@ -1,0 +1,153 @@
+"""DeepSeek V4's attention layer (config.compressed, issue 41) in MLX: impl_numpy/compressed.py stage by stage, the
+same stage names, the same call and cache (docs/spec-frontier.md#deepseek-v4).
+
+compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=): x
+(B, T, D) an mx.array or NumPy array (float32, or float64 on the CPU device), positions (T,), past / present
+dicts of mx.arrays named as impl_numpy.compressed.cache_names. exp through functional.exp and RoPE's cos / sin
+through functional.rope (float64-accurate in float64), selects through functional.where. The call is validated
+by the reference's own check (impl_numpy.compressed.check_compressed_call, on shapes). Inference only; the
+mirror of multi_head_attention refuses config.compressed (weights.contract.check_call).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from impl_numpy.compressed import check_compressed_call
+from weights import AttentionConfig, validate_tensors
+from weights.call import record
+from weights.rope import rope_tables
+
+from . import functional as F
+from .convert import scalar, to_mx
+
+
+def rms(x: mx.array, scale, eps: float) -> mx.array:
+    y = x / mx.sqrt((x * x).mean(axis=-1, keepdims=True) + scalar(eps, x.dtype))
+    return y if scale is None else y * scale
+
+
+def turn(x: mx.array, positions: mx.array, config: AttentionConfig) -> mx.array:
+    inv_freq, factor = rope_tables(config.rope)
+    angles = F.rope_angles(positions[None], inv_freq, x.dtype)  # (1, 1, L, R/2)
+    return F.rope_last(x, angles, config.rope.rotary_dim, True, factor)
+
+
+def _slot_softmax(g: mx.array) -> mx.array:
+    """Softmax over the slots (axis 2), exp float64-accurate (functional.exp)."""
+    e = F.exp(g - g.max(axis=2, keepdims=True))
+    return e / e.sum(axis=2, keepdims=True)
+
+
+def compress(config, params, prefix: str, x: mx.array, p0: int, past, rec):
+    c = config.compressed
+    m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
+    width = params[f"{prefix}.norm.scale"].shape[0]
+    B = x.shape[0]
+    kv = rec(f"{prefix}.project", x @ params[f"{prefix}.kernel"])
+    gate = rec(f"{prefix}.gate", x @ params[f"{prefix}.gate.kernel"])
+    if past is not None:
+        kv = mx.concatenate([past[f"{cache}window_kv"], kv], axis=1)
+        gate = mx.concatenate([past[f"{cache}window_gate"], gate], axis=1)
+    first = p0 - (p0 % m)
+    n = kv.shape[1] // m
+    present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
+    win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]) + params[f"{prefix}.position_bias"]
+    if c.overlap:
+        bias = params[f"{prefix}.position_bias"][:, :width]
+        if past is not None and past[f"{cache}overlap_kv"].shape[1]:
+            prev_kv, prev_gate = past[f"{cache}overlap_kv"][:, None], past[f"{cache}overlap_gate"][:, None] + bias
+        else:
+            prev_kv = mx.zeros((B, 1, m, width), dtype=x.dtype)
+            prev_gate = mx.full((B, 1, m, width), -mx.inf, dtype=x.dtype)
+        before_kv = mx.concatenate([prev_kv, win_kv[:, :-1, :, :width]], axis=1)[:, :n]
+        before_gate = mx.concatenate([prev_gate, win_gate[:, :-1, :, :width]], axis=1)[:, :n]
+        slots_kv = mx.concatenate([before_kv, win_kv[..., width:]], axis=2)
+        slots_gate = mx.concatenate([before_gate, win_gate[..., width:]], axis=2)
+        if n:
+            present[f"{cache}overlap_kv"] = win_kv[:, -1, :, :width]
+            present[f"{cache}overlap_gate"] = gate[:, (n - 1) * m:n * m, :width]
+        else:
+            empty = mx.zeros((B, 0, width), dtype=x.dtype)
+            present[f"{cache}overlap_kv"] = empty if past is None else past[f"{cache}overlap_kv"]
+            present[f"{cache}overlap_gate"] = empty if past is None else past[f"{cache}overlap_gate"]
+    else:
+        slots_kv, slots_gate = win_kv, win_gate
+    weights = rec(f"{prefix}.weights", _slot_softmax(slots_gate) if n else slots_gate)
+    pooled = rec(f"{prefix}.pool", (weights * slots_kv).sum(axis=2))
+    normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
+    starts = first + m * mx.arange(n)
+    new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])
+    old = mx.zeros((B, 0, width), dtype=x.dtype) if past is None else past[f"{cache}entries"]
+    present[f"{cache}entries"] = mx.concatenate([old, new], axis=1)
+    return present
+
+
+def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.array:
+    c = config.compressed
+    I, J = c.index_heads, c.index_head_dim
+    q = mx.einsum("btr,rij->bitj", q_latent, params["indexer.query.kernel"])
+    q = rec("indexer.query", turn(q, positions, config))
+    dots = mx.einsum("bitj,bej->btie", q, entries)
+    w = rec("indexer.weights", (x @ params["indexer.weights.kernel"]) * scalar(I ** -0.5, x.dtype))
+    score = (mx.maximum(dots, scalar(0, x.dtype)) * scalar(J ** -0.5, x.dtype) * w[..., None]).sum(axis=2)
+    score = rec("indexer.score", F.where(mx.broadcast_to(visible[None], score.shape), score,
+                                         mx.full(score.shape, -mx.inf, dtype=score.dtype)))
+    k = min(c.index_topk, score.shape[-1])
+    order = mx.argsort(-score, axis=-1)[..., :k].astype(mx.int64)  # stable from 0.32 (impl_mlx/indexer.py): ties, the earlier
+    chosen = mx.take_along_axis(mx.broadcast_to(visible[None], score.shape), order, axis=-1)
+    return rec("indexer.selection", mx.where(chosen, order, mx.array(-1, dtype=mx.int64)))
+
+
+def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
+                         return_selection: bool = False, trace: list | None = None):
+    """impl_numpy.compressed.compressed_attention in MLX."""
+    validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
+    x = x if isinstance(x, mx.array) else to_mx(np.asarray(x))
+    if x.dtype not in (mx.float32, mx.float64):
+        raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {x.dtype}")
+    p0 = check_compressed_call(config, x, np.asarray(positions), past)
+    dtype = x.dtype
+    p = {k: to_mx(np.asarray(v)).astype(dtype) for k, v in tensors.items()}
+    positions = mx.arange(p0, p0 + x.shape[1])
+    rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
+    c, N, H = config.compressed, config.num_heads, config.head_dim
+    B, T, _ = x.shape
+    W = config.window_left + 1
+    q_latent = rec("query.down", rms(x @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps))
+    q = rec("query", mx.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))
+    q = rec("query.norm", rms(q, None, c.eps))
+    q = rec("query.rope", turn(q, positions, config))
+    k = rec("key", rms(x @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps)[:, None])
+    k = rec("key.rope", turn(k, positions, config))
+    keys = k if past is None else mx.concatenate([past["key"], k], axis=2)
+    key_pos = mx.arange(p0 + T - keys.shape[2], p0 + T)
+    in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+    present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
+    selection = None
+    allowed = mx.broadcast_to(in_window[None], (B,) + tuple(in_window.shape))
+    if c.kind != "sliding":
+        present.update(compress(config, p, "compressor", x, p0, past, rec))
+        entries = present["entries"]
+        E = entries.shape[1]
+        visible = mx.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]
+        shown = mx.broadcast_to(visible[None], (B, T, E))
+        if c.kind == "csa":
+            present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
+            selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            shown = F.selection_mask(selection, 1, E)[:, 0]
+        keys = mx.concatenate([keys, mx.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
+        allowed = mx.concatenate([allowed, shown], axis=2)
+    logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    masked = rec("mask", F.mask(logits, allowed[:, None], None))
+    w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
+    ctx = rec("attend", F.attend(w, keys))
+    ctx = rec("derotate", turn(ctx, -positions, config))
+    G = c.output_groups
+    grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
+    grouped = rec("output.group", mx.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
+    out = rec("output", grouped.reshape(B, T, -1) @ p["output.kernel"])
+    result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
+    return result[0] if len(result) == 1 else result

@@ -1,0 +1,225 @@
+"""DeepSeek V4's attention layer (issue 41): the executable spec of config.compressed.
+
+docs/spec-frontier.md#deepseek-v4 states each stage and the decisions on what transformers' deepseek_v4 leaves
+ill-defined; this module is its executable form, stage by stage with trace names. One call:
+
+    compressed_attention(config, tensors, x, positions, past=None, return_cache=False, ...)
+
+x (B, T, D): the layer's input (hidden states). positions (T,) int: the call's absolute positions, which must be
+p0, p0 + 1, ..., p0 + T - 1 with p0 the number of tokens before the call (a cache of W - 1 keys no longer says
+it): p0 = 0 without a cache, and with one the cache must hold exactly what p0 tokens leave (cache_shapes).
+
+The cache (past / present, a dict of arrays, names in cache_names(config); a call returns present_<name> for
+past_<name> of the next): `key` (B, 1, min(p, W - 1), H): the last W - 1 keys after norm and RoPE, read as
+key and as value; and for csa / hca: `entries` (B, p // m, H): the entries emitted so far; `window_kv` and
+`window_gate` (B, p % m, cH): the open window's projections and raw gates (c = 2 with overlap, else 1);
+with overlap `overlap_kv` and `overlap_gate` (B, m or 0, H): the last closed window's first-half
+projections and raw gates (0 rows before a window has closed); csa repeats them with the prefix `index_` for
+its indexer's compressor (width J). Every array in the tensors' dtype (float64 is the spec's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from weights import AttentionConfig, validate_tensors
+from weights.call import record
+from weights.config import COMPRESSED_CACHE
+from weights.rope import rope_tables
+
+from . import functional as F
+
+
+def cache_names(config: AttentionConfig) -> list[str]:
+    """The cache's names for this layer (past_<name> in, present_<name> out)."""
+    c = config.compressed
+    if c.kind == "sliding":
+        return ["key"]
+    own = [n for n in COMPRESSED_CACHE if c.overlap or not n.startswith("overlap")]
+    return ["key", *own, *([f"index_{n}" for n in own] if c.kind == "csa" else [])]
+
+
+def cache_shapes(config: AttentionConfig, batch: int, p: int) -> dict[str, tuple[int, ...]]:
+    """What the cache holds after p tokens: name -> shape."""
+    c, H, W = config.compressed, config.head_dim, config.window_left + 1
+    shapes = {"key": (batch, 1, min(p, W - 1), H)}
+    if c.kind == "sliding":
+        return shapes
+    m = c.ratio
+    for prefix, width in [("", H)] + ([("index_", c.index_head_dim)] if c.kind == "csa" else []):
+        shapes[f"{prefix}entries"] = (batch, p // m, width)
+        shapes[f"{prefix}window_kv"] = shapes[f"{prefix}window_gate"] = (batch, p % m, c.slots * width)
+        if c.overlap:
+            shapes[f"{prefix}overlap_kv"] = shapes[f"{prefix}overlap_gate"] = (batch, m if p >= m else 0, width)
+    return shapes
+
+
+def check_compressed_call(config: AttentionConfig, x: np.ndarray, positions, past) -> int:
+    """Validate a call; returns p0. ValueError names the argument and the value received."""
+    if config.compressed is None:
+        raise ValueError("config.compressed must be set for compressed_attention (a DeepSeek V4 layer): got null")
+    if x.ndim != 3 or x.shape[-1] != config.query_dim:
+        raise ValueError(f"x must have shape (B, T, {config.query_dim}): got {tuple(x.shape)}")
+    positions = np.asarray(positions)
+    if positions.shape != (x.shape[1],) or positions.dtype.kind not in "iu":
+        raise ValueError(f"positions must be an integer array of shape (T,) = ({x.shape[1]},): got "
+                         f"{positions.dtype} {positions.shape}")
+    p0 = int(positions[0]) if positions.size else 0
+    if positions.size and not np.array_equal(positions, np.arange(p0, p0 + positions.size)):
+        raise ValueError(f"positions must be consecutive (p0, p0 + 1, ...: windows are aligned to position 0 and "
+                         f"every token's projections enter one): got {positions.tolist()}")
+    if past is None:
+        if p0 != 0:
+            raise ValueError(f"positions must start at 0 without a cache (the entries and the open window of the "
+                             f"p0 tokens before are unknown, and windows are aligned to position 0): got p0={p0}")
+        return p0
+    expected = cache_shapes(config, x.shape[0], p0)
+    given = {name: None if past.get(name) is None else tuple(past[name].shape) for name in expected}
+    unknown = sorted(set(past) - set(expected))
+    if unknown or any(given[n] != expected[n] for n in expected):
+        bad = "; ".join([f"{n} unknown" for n in unknown] + [f"{n} {given[n]}, expected {expected[n]}"
+                                                            for n in expected if given[n] != expected[n]])
+        raise ValueError(f"past must hold the cache of the p0={p0} tokens before the call (cache_shapes): got {bad}")
+    return p0
+
+
+def rms(x: np.ndarray, scale: np.ndarray | None, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) over the last axis, times scale (None: weightless)."""
+    y = x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps)
+    return y if scale is None else y * scale
+
+
+def turn(x: np.ndarray, positions: np.ndarray, config: AttentionConfig) -> np.ndarray:
+    """Interleaved RoPE (config.rope's table) on the last rotary_dim features of x (B, heads, L, W) at
+    positions (L,) (negative: turned back)."""
+    inv_freq, factor = rope_tables(config.rope)
+    angles = F.rope_angles(np.asarray(positions)[None], inv_freq, x.dtype)  # (1, 1, L, R/2)
+    return F.rope_last(x, angles, config.rope.rotary_dim, True, factor)
+
+
+def compress(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: int, past, rec):
+    """One compressor (prefix "compressor" or "indexer.compressor"): the entries of the windows that close in
+    this call, (B, n, width), and the compressor's new cache. Window w holds tokens w*m .. w*m + m - 1 and
+    closes when its last token arrives; its entry is a softmax gate per feature over its slots (the window's
+    m tokens; with overlap also the previous window's m tokens' first halves: 2m slots) times the slots'
+    projections, RMS-normed, then turned by RoPE at the window's first position w*m."""
+    c = config.compressed
+    m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
+    width = params[f"{prefix}.norm.scale"].shape[0]
+    B = x.shape[0]
+    kv = rec(f"{prefix}.project", x @ params[f"{prefix}.kernel"])  # (B, T, c*width)
+    gate = rec(f"{prefix}.gate", x @ params[f"{prefix}.gate.kernel"])  # (B, T, c*width), raw
+    if past is not None:  # the open window's buffered tokens come first
+        kv = np.concatenate([past[f"{cache}window_kv"], kv], axis=1)
+        gate = np.concatenate([past[f"{cache}window_gate"], gate], axis=1)
+    first = p0 - (p0 % m)  # the position of the first buffered token: the open window's start
+    n = kv.shape[1] // m  # windows that close in this call
+    present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
+    win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]) + params[f"{prefix}.position_bias"]  # slot j's bias
+    if c.overlap:  # halves: [:width] enters the next window's entry, [width:] this window's
+        if past is not None and past[f"{cache}overlap_kv"].shape[1]:
+            prev_kv = past[f"{cache}overlap_kv"][:, None]  # (B, 1, m, width)
+            prev_gate = past[f"{cache}overlap_gate"][:, None] + params[f"{prefix}.position_bias"][:, :width]
+        else:  # window 0 has no previous window: its slots weigh 0
+            prev_kv = np.zeros((B, 1, m, width), x.dtype)
+            prev_gate = np.full((B, 1, m, width), -np.inf, x.dtype)
+        before_kv = np.concatenate([prev_kv, win_kv[:, :-1, :, :width]], axis=1)[:, :n]
+        before_gate = np.concatenate([prev_gate, win_gate[:, :-1, :, :width]], axis=1)[:, :n]
+        slots_kv = np.concatenate([before_kv, win_kv[..., width:]], axis=2)  # (B, n, 2m, width)
+        slots_gate = np.concatenate([before_gate, win_gate[..., width:]], axis=2)
+        if n:
+            present[f"{cache}overlap_kv"] = win_kv[:, -1, :, :width]
+            present[f"{cache}overlap_gate"] = gate[:, (n - 1) * m:n * m, :width]  # raw, as the buffer
+        else:
+            present[f"{cache}overlap_kv"] = (np.zeros((B, 0, width), x.dtype) if past is None
+                                             else past[f"{cache}overlap_kv"])
+            present[f"{cache}overlap_gate"] = (np.zeros((B, 0, width), x.dtype) if past is None
+                                               else past[f"{cache}overlap_gate"])
+    else:
+        slots_kv, slots_gate = win_kv, win_gate
+    top = slots_gate.max(axis=2, keepdims=True) if n else slots_gate
+    weights = np.exp(slots_gate - top)
+    weights = rec(f"{prefix}.weights", weights / weights.sum(axis=2, keepdims=True))  # (B, n, slots, width)
+    pooled = rec(f"{prefix}.pool", (weights * slots_kv).sum(axis=2))  # (B, n, width)
+    normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
+    starts = first + m * np.arange(n)
+    new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])  # (B, n, width)
+    old = np.zeros((B, 0, width), x.dtype) if past is None else past[f"{cache}entries"]
+    present[f"{cache}entries"] = np.concatenate([old, new], axis=1)
+    return present
+
+
+def select(config: AttentionConfig, params, x, q_latent, positions, entries, visible, rec) -> np.ndarray:
+    """csa's indexer: per query, the top index_topk visible entries by sum_i w_i(x) relu(q_i . K_e) / sqrt(J),
+    w = x @ indexer.weights.kernel / sqrt(I), q from the query latent turned by RoPE at the query's position.
+    Ties go to the earlier entry (a stable sort); an invisible entry never takes a slot. (B, T, k) int64, -1
+    pads a slot a query has no visible entry for."""
+    c = config.compressed
+    I, J = c.index_heads, c.index_head_dim
+    q = np.einsum("btr,rij->bitj", q_latent, params["indexer.query.kernel"])  # (B, I, T, J)
+    q = rec("indexer.query", turn(q, positions, config))
+    dots = np.einsum("bitj,bej->btie", q, entries)  # (B, T, I, E)
+    w = rec("indexer.weights", (x @ params["indexer.weights.kernel"]) * I ** -0.5)  # (B, T, I)
+    score = (np.maximum(dots, 0) * J ** -0.5 * w[..., None]).sum(axis=2)  # (B, T, E)
+    score = rec("indexer.score", np.where(visible[None], score, -np.inf))  # an entry not visible: -inf
+    k = min(c.index_topk, score.shape[-1])
+    order = np.argsort(-score, axis=-1, kind="stable")[..., :k]
+    chosen = np.take_along_axis(visible[None].repeat(x.shape[0], 0), order, axis=-1)
+    return rec("indexer.selection", np.where(chosen, order, -1).astype(np.int64))
+
+
+def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray], x, positions, past=None, *,
+                         return_cache: bool = False, return_selection: bool = False, trace: list | None = None):
+    """The layer's output (B, T, O); with return_selection also csa's selection (B, T, k); with return_cache
+    also the present cache (a dict: cache_names)."""
+    dtype = validate_tensors(config, tensors)  # every array computes in the tensors' dtype
+    x = np.asarray(x)
+    if x.dtype.kind != "f":
+        raise ValueError(f"x must be a float array: got dtype {x.dtype}")
+    p0 = check_compressed_call(config, x, positions, past)
+    x = x.astype(dtype, copy=False)
+    past = None if past is None else {name: np.asarray(a).astype(dtype, copy=False) for name, a in past.items()}
+    positions = np.arange(p0, p0 + x.shape[1])
+    rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
+    c, p, N, H = config.compressed, tensors, config.num_heads, config.head_dim
+    B, T, _ = x.shape
+    W = config.window_left + 1
+    # the low-rank query, a weightless RMS norm per head, RoPE on the last rotary_dim features
+    q_latent = rec("query.down", rms(x @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps))  # (B, T, Qr)
+    q = rec("query", np.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))  # (B, N, T, H)
+    q = rec("query.norm", rms(q, None, c.eps))
+    q = rec("query.rope", turn(q, positions, config))
+    # one kv head, RMS-normed with its scale and turned: the key and the value
+    k = rec("key", rms(x @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps)[:, None])  # (B, 1, T, H)
+    k = rec("key.rope", turn(k, positions, config))
+    keys = k if past is None else np.concatenate([past["key"], k], axis=2)  # (B, 1, Pw + T, H)
+    key_pos = np.arange(p0 + T - keys.shape[2], p0 + T)
+    in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)  # (T, Pw + T)
+    present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
+    selection = None
+    if c.kind != "sliding":
+        present.update(compress(config, p, "compressor", x, p0, past, rec))
+        entries = present["entries"]  # (B, E, H)
+        E = entries.shape[1]
+        visible = np.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]  # (T, E): entry w iff w < (t+1) // m
+        allowed = np.broadcast_to(visible[None], (B, T, E))
+        if c.kind == "csa":
+            present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
+            selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            allowed = F.selection_mask(selection, 1, E)[:, 0]  # (B, T, E)
+        keys = np.concatenate([keys, np.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
+        allowed = np.concatenate([np.broadcast_to(in_window[None], (B, T, in_window.shape[1])), allowed], axis=2)
+    else:
+        allowed = np.broadcast_to(in_window[None], (B, T, in_window.shape[1]))
+    logits = rec("logits", F.logits(q, keys, config.effective_scale))  # (B, N, T, S)
+    x_masked = rec("mask", F.mask_stage(logits, allowed[:, None], None))
+    w = rec("softmax", F.softmax(x_masked, config.masked_row, p.get("sinks")))
+    ctx = rec("attend", F.attend(w, keys))  # (B, N, T, H): the keys are the values
+    ctx = rec("derotate", turn(ctx, -positions, config))  # the rotary features turned back by the query's position
+    G = c.output_groups
+    grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
+    grouped = rec("output.group", np.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
+    out = rec("output", grouped.reshape(B, T, -1) @ p["output.kernel"])  # (B, T, O)
+    result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
+    return result[0] if len(result) == 1 else result

@@ -1,0 +1,150 @@
+"""DeepSeek V4's attention layer (config.compressed, issue 41) in PyTorch: impl_numpy/compressed.py stage by stage,
+the same stage names, the same call and cache (docs/spec-frontier.md#deepseek-v4).
+
+compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=):
+tensors a dict of the canonical tensors (NumPy arrays or torch tensors), x (B, T, D) a tensor, positions (T,),
+past / present dicts of tensors named as impl_numpy.compressed.cache_names. The call is validated by the
+reference's own check (impl_numpy.compressed.check_compressed_call, on shapes). Inference only, float32 and
+float64 (what the reference computes in); the mirror of multi_head_attention refuses config.compressed
+(weights.contract.check_call).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from impl_numpy.compressed import check_compressed_call
+from weights import AttentionConfig, validate_tensors
+from weights.call import record
+from weights.rope import rope_tables
+
+from . import functional as F
+
+
+def _tensor(x, dtype, device):
+    return torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x, device=device).to(dtype)
+
+
+def rms(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
+    return y if scale is None else y * scale
+
+
+def turn(x: torch.Tensor, positions: torch.Tensor, config: AttentionConfig) -> torch.Tensor:
+    inv_freq, factor = rope_tables(config.rope)
+    angles = F.rope_angles(positions[None], inv_freq, x.dtype)  # (1, 1, L, R/2)
+    return F.rope_last(x, angles, config.rope.rotary_dim, True, factor)
+
+
+def compress(config, params, prefix: str, x: torch.Tensor, p0: int, past, rec):
+    c = config.compressed
+    m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
+    width = params[f"{prefix}.norm.scale"].shape[0]
+    B = x.shape[0]
+    kv = rec(f"{prefix}.project", x @ params[f"{prefix}.kernel"])
+    gate = rec(f"{prefix}.gate", x @ params[f"{prefix}.gate.kernel"])
+    if past is not None:
+        kv = torch.cat([past[f"{cache}window_kv"], kv], dim=1)
+        gate = torch.cat([past[f"{cache}window_gate"], gate], dim=1)
+    first = p0 - (p0 % m)
+    n = kv.shape[1] // m
+    present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
+    win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]) + params[f"{prefix}.position_bias"]
+    if c.overlap:
+        bias = params[f"{prefix}.position_bias"][:, :width]
+        if past is not None and past[f"{cache}overlap_kv"].shape[1]:
+            prev_kv, prev_gate = past[f"{cache}overlap_kv"][:, None], past[f"{cache}overlap_gate"][:, None] + bias
+        else:
+            prev_kv = x.new_zeros((B, 1, m, width))
+            prev_gate = x.new_full((B, 1, m, width), float("-inf"))
+        before_kv = torch.cat([prev_kv, win_kv[:, :-1, :, :width]], dim=1)[:, :n]
+        before_gate = torch.cat([prev_gate, win_gate[:, :-1, :, :width]], dim=1)[:, :n]
+        slots_kv = torch.cat([before_kv, win_kv[..., width:]], dim=2)
+        slots_gate = torch.cat([before_gate, win_gate[..., width:]], dim=2)
+        if n:
+            present[f"{cache}overlap_kv"] = win_kv[:, -1, :, :width]
+            present[f"{cache}overlap_gate"] = gate[:, (n - 1) * m:n * m, :width]
+        else:
+            empty = x.new_zeros((B, 0, width))
+            present[f"{cache}overlap_kv"] = empty if past is None else past[f"{cache}overlap_kv"]
+            present[f"{cache}overlap_gate"] = empty if past is None else past[f"{cache}overlap_gate"]
+    else:
+        slots_kv, slots_gate = win_kv, win_gate
+    weights = rec(f"{prefix}.weights", torch.softmax(slots_gate, dim=2))  # per feature over the slots
+    pooled = rec(f"{prefix}.pool", (weights * slots_kv).sum(dim=2))
+    normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
+    starts = first + m * torch.arange(n, device=x.device)
+    new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])
+    old = x.new_zeros((B, 0, width)) if past is None else past[f"{cache}entries"]
+    present[f"{cache}entries"] = torch.cat([old, new], dim=1)
+    return present
+
+
+def select(config, params, x, q_latent, positions, entries, visible, rec) -> torch.Tensor:
+    c = config.compressed
+    I, J = c.index_heads, c.index_head_dim
+    q = torch.einsum("btr,rij->bitj", q_latent, params["indexer.query.kernel"])
+    q = rec("indexer.query", turn(q, positions, config))
+    dots = torch.einsum("bitj,bej->btie", q, entries)
+    w = rec("indexer.weights", (x @ params["indexer.weights.kernel"]) * I ** -0.5)
+    score = (torch.relu(dots) * J ** -0.5 * w[..., None]).sum(dim=2)
+    score = rec("indexer.score", score.masked_fill(~visible[None], float("-inf")))
+    k = min(c.index_topk, score.shape[-1])
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]  # ties: the earlier entry
+    chosen = torch.gather(visible[None].expand(x.shape[0], -1, -1), -1, order)
+    return rec("indexer.selection", torch.where(chosen, order, -1))
+
+
+def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
+                         return_selection: bool = False, trace: list | None = None):
+    """impl_numpy.compressed.compressed_attention in PyTorch."""
+    validate_tensors(config, {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+                              for k, v in tensors.items()})  # names, shapes, one dtype, finite values
+    x = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {x.dtype}")
+    p0 = check_compressed_call(config, x, np.asarray(positions), past)
+    dtype, device = x.dtype, x.device
+    p = {k: _tensor(v, dtype, device) for k, v in tensors.items()}
+    positions = torch.arange(p0, p0 + x.shape[1], device=device)
+    rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
+    c, N, H = config.compressed, config.num_heads, config.head_dim
+    B, T, _ = x.shape
+    W = config.window_left + 1
+    q_latent = rec("query.down", rms(x @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps))
+    q = rec("query", torch.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))
+    q = rec("query.norm", rms(q, None, c.eps))
+    q = rec("query.rope", turn(q, positions, config))
+    k = rec("key", rms(x @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps)[:, None])
+    k = rec("key.rope", turn(k, positions, config))
+    keys = k if past is None else torch.cat([past["key"], k], dim=2)
+    key_pos = torch.arange(p0 + T - keys.shape[2], p0 + T, device=device)
+    in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+    present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
+    selection = None
+    allowed = in_window[None].expand(B, -1, -1)
+    if c.kind != "sliding":
+        present.update(compress(config, p, "compressor", x, p0, past, rec))
+        entries = present["entries"]
+        E = entries.shape[1]
+        visible = torch.arange(E, device=device)[None] < ((positions + 1) // c.ratio)[:, None]
+        shown = visible[None].expand(B, -1, -1)
+        if c.kind == "csa":
+            present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
+            selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            shown = F.selection_mask(selection, 1, E)[:, 0]
+        keys = torch.cat([keys, entries[:, None].expand(B, 1, E, H)], dim=2)
+        allowed = torch.cat([allowed, shown], dim=2)
+    logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    masked = rec("mask", F.mask(logits, allowed[:, None], None))
+    w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
+    ctx = rec("attend", F.attend(w, keys))
+    ctx = rec("derotate", turn(ctx, -positions, config))
+    G = c.output_groups
+    grouped = ctx.transpose(1, 2).reshape(B, T, G, N * H // G)
+    grouped = rec("output.group", torch.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
+    out = rec("output", grouped.reshape(B, T, -1) @ p["output.kernel"])
+    result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
+    return result[0] if len(result) == 1 else result

@@ -1,0 +1,370 @@
+"""DeepSeek V4's attention (config.compressed, issue 41): the NumPy reference (impl_numpy/compressed.py) against
+a hand port written apart from it (tests/v4_mutants.py: one query at a time from its own prefix), its cache
+(a prefill split anywhere, and token by token, gives the prefill's rows), its refusals, the port's bugs caught,
+and transformers' own deepseek_v4 (a tiny random model, one layer of each kind) reproduced, prefill and decode.
+
+float64 throughout. The reference tests are marked `reference` (the numpy env, about 1 s in all); the
+transformers test is unmarked (the `all` env, where the hf extra installs transformers; about 2 s after
+transformers' import), as tests/test_indexer_transformers.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from v4_mutants import MUTANTS, port
+
+from conformance.suite import backends
+from impl_numpy import multi_head_attention
+from impl_numpy.compressed import cache_names, compressed_attention
+from weights import AttentionConfig, init
+from weights.format import WeightsFormatError
+
+D, T = 32, 21  # T: five CSA windows of 4 close, two HCA windows of 8; the window of 6 keys hides most keys
+BASE = dict(num_heads=4, query_dim=D, head_dim=16, num_kv_heads=1, use_query_bias=False, use_key_bias=False,
+            use_value_bias=False, use_output_bias=False, use_sinks=True, window_left=5,
+            rope={"theta": 10000.0, "rotary_dim": 8, "interleaved": True})
+LOW_RANK = {"query_rank": 12, "output_groups": 2, "output_rank": 8}
+KINDS = {"sliding": {"kind": "sliding", **LOW_RANK},
+         "csa": {"kind": "csa", **LOW_RANK, "ratio": 4, "overlap": True, "index_heads": 2, "index_head_dim": 8,
+                 "index_topk": 2},
+         "hca": {"kind": "hca", **LOW_RANK, "ratio": 8}}
+# csa and hca turn by the compress table: YaRN as V4's (factor 4 over 16 positions, attention factor forced to 1)
+COMPRESS_ROPE = {"theta": 160000.0, "rotary_dim": 8, "interleaved": True, "scaling": {
+    "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.0}}
+# Which kinds each bug touches (a bug in a stage a kind lacks changes nothing there).
+BUG_KINDS = {"entries_one_token_early": ("csa", "hca"), "hca_gate_mean": ("hca",), "csa_overlap_dropped": ("csa",),
+             "entry_positions_one_window_late": ("csa", "hca"), "entries_one_token_late": ("csa", "hca"),
+             "yarn_dropped": ("csa", "hca"), "yarn_attention_factor_applied": ("csa", "hca"),
+             "indexer_pairing_swapped": ("csa",), "decode_drops_buffer": ("csa", "hca")}
+# The hand port and the reference compute the same float64 sums in other orders: a few ulps of the output's size.
+PORT_BOUND = 1e-12
+
+
+def _layer(kind, seed=1):
+    rope = BASE["rope"] if kind == "sliding" else COMPRESS_ROPE
+    config = AttentionConfig(**{**BASE, "rope": rope}, compressed=KINDS[kind])
+    return config, init(config, seed=seed, dtype="float64")
+
+
+def _x(seed=0, length=T):
+    return np.random.default_rng(seed).standard_normal((2, length, D))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_hand_port_reproduces_the_reference(kind):
+    config, t = _layer(kind)
+    x = _x()
+    out = compressed_attention(config, t, x, np.arange(T))
+    assert np.abs(port(config, t, x) - out).max() <= PORT_BOUND * np.abs(out).max()
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind,bug", [(k, b) for b in MUTANTS for k in BUG_KINDS.get(b, KINDS)])
+def test_each_port_bug_fails_the_reproduction(kind, bug):
+    config, t = _layer(kind)
+    x = _x()
+    out = compressed_attention(config, t, x, np.arange(T))
+    wrong = np.abs(port(config, t, x, bug) - out).max()
+    assert wrong > 1e3 * PORT_BOUND * np.abs(out).max(), f"{bug} ({MUTANTS[bug]}) not caught on {kind}"
+
+
+@pytest.mark.reference
+def test_the_csa_selection_drops_entries():
+    """The prefill exercises the top-k: queries that see more entries than index_topk keep index_topk."""
+    config, t = _layer("csa")
+    _, selection = compressed_attention(config, t, _x(), np.arange(T), return_selection=True)
+    visible = (np.arange(T) + 1) // 4
+    assert (visible > 2).sum() >= 8 and ((selection >= 0).sum(-1) == np.minimum(visible, 2)).all()
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_cache_gives_the_prefill_rows(kind):
+    """Calls of 5, 1, 7 and 8 tokens, then 21 calls of one, through present_* -> past_*: the one prefill's rows
+    (the open windows, csa's overlap half and the last W - 1 keys carried across every boundary)."""
+    config, t = _layer(kind)
+    x = _x()
+    whole = compressed_attention(config, t, x, np.arange(T))
+    for cuts in ([0, 5, 6, 13, T], list(range(T + 1))):
+        past, rows = None, []
+        for a, b in zip(cuts, cuts[1:]):
+            out, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+            rows.append(out)
+        assert sorted(past) == sorted(cache_names(config))
+        np.testing.assert_allclose(np.concatenate(rows, axis=1), whole, rtol=0, atol=PORT_BOUND)
+
+
+@pytest.mark.reference
+def test_calls_that_cannot_be_computed_are_refused():
+    config, t = _layer("csa")
+    x = _x(length=3)
+    with pytest.raises(ValueError, match=r"positions must start at 0 without a cache .* got p0=4"):
+        compressed_attention(config, t, x, np.arange(4, 7))
+    with pytest.raises(ValueError, match=r"positions must be consecutive"):
+        compressed_attention(config, t, x, np.array([0, 2, 3]))
+    _, past = compressed_attention(config, t, x, np.arange(3), return_cache=True)
+    with pytest.raises(ValueError, match=r"past must hold the cache of the p0=4 tokens"):
+        compressed_attention(config, t, x[:, :1], np.array([4]), past)  # the cache holds 3 tokens
+    with pytest.raises(ValueError, match=r"past must hold .*: got window_kv \(2, 1, 32\), expected \(2, 3, 32\)"):
+        compressed_attention(config, t, x[:, :1], np.array([3]), {**past, "window_kv": past["window_kv"][:, :1]})
+
+
+@pytest.mark.reference
+def test_every_multi_head_attention_refuses_the_layer_until_mirrored():
+    """The reference's own multi_head_attention (weights.contract.check_call, which every mirror calls) refuses
+    config.compressed with the reason, and NOT_YET names it for every mirror column."""
+    config, t = _layer("hca")
+    with pytest.raises(ValueError, match=r"config.compressed \(a DeepSeek V4 layer\) is not taken"):
+        multi_head_attention(config, t, _x(length=2))
+    for column in ("torch", "tf", "keras-jax", "keras-torch", "jax", "mlx"):
+        assert "issue 41" in backends.not_yet(column, config)
+    assert backends.not_yet("numpy", config) is None
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("change,message", [
+    ({"compressed": {**KINDS["hca"], "index_topk": 2}}, r"compressed.index_topk must be null with kind hca"),
+    ({"compressed": {**KINDS["sliding"], "ratio": 4}}, r"compressed.ratio must be null with kind sliding"),
+    ({"compressed": {**KINDS["csa"], "ratio": 0}}, r"compressed.ratio must be a positive integer: got 0"),
+    ({"compressed": {**KINDS["csa"], "kind": "dense"}}, r"compressed.kind must be one of sliding, csa, hca"),
+    ({"num_kv_heads": 2}, r"num_kv_heads must be 1 with compressed .* got 2"),
+    ({"window_left": -1}, r"window_left must be >= 0 .* got window_left=-1"),
+    ({"rope": {"rotary_dim": 8}}, r"rope must be set, interleaved"),
+    ({"compressed": {**KINDS["csa"], "index_head_dim": 4}}, r"compressed.index_head_dim must be at least rope"),
+])
+def test_config_errors_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionConfig(**{**BASE, "compressed": KINDS["csa"], **change})
+
+
+@pytest.mark.reference
+def test_the_config_round_trips():
+    config, _ = _layer("csa")
+    assert AttentionConfig.from_json(config.to_json()) == config
+    assert "compressed" not in AttentionConfig(num_heads=2, query_dim=4, head_dim=2).to_json()
+
+
+# -- transformers' deepseek_v4 ----------------------------------------------------------------------------
+
+# transformers computes in float32 inside a float64 model: the RoPE angles (`position_ids.float()`,
+# modeling_deepseek_v4.py:150), every RMS norm (`.to(torch.float32)`, :56, :72) and the compressors' gate
+# softmax (dtype=torch.float32, :685): each output is off by some float32 roundings, carried through
+# softmaxes of logits of size ~10. 64 float32 ulps of the output's size; measured 1.6e-6 of 13, 1.2e-7
+# relative (2-core AMD EPYC VM, 2026-11-29), so the bound holds with a margin of ~60 and every port bug above
+# moves outputs by tenths.
+HF_BOUND = 64 * float(np.finfo(np.float32).eps)
+P = 13  # decode from 13 to 20: csa's windows close at 15 and 19, hca's at 15, the window of 6 keys slides on
+
+
+_MODEL: dict = {}
+
+
+def _hf_model(torch, transformers):
+    """(config, model, seen): the tiny model, built once for the module's tests; seen[layer] lists the
+    (input, output) of each call of that layer's attention since this call (emptied here)."""
+    if not _MODEL:
+        _MODEL["built"] = _build_hf_model(torch, transformers)
+    cfg, model, seen = _MODEL["built"]
+    for calls in seen.values():
+        calls.clear()
+    return cfg, model, seen
+
+
+def _build_hf_model(torch, transformers):
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=64, hidden_size=D, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=4,
+        head_dim=16, q_lora_rank=12, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+        partial_rotary_factor=0.5, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                "heavily_compressed_attention"],
+        mlp_layer_types=["moe"] * 3, compress_rates={"compressed_sparse_attention": 4,
+                                                     "heavily_compressed_attention": 8},
+        sliding_window=6, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=2, hc_mult=2,
+        max_position_embeddings=64, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 16},
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(cfg).double().eval()
+    with torch.no_grad():  # the init's zeros (sinks, position biases) and 0.02 would hide bugs: draw everything
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.4 * torch.randn_like(p))
+
+    class NoMLP(torch.nn.Module):  # the attention's input is recorded: the MoE (float64-less grouped_mm) is not needed
+        def forward(self, h, input_ids=None):
+            return torch.zeros_like(h)
+
+    seen = {i: [] for i in range(3)}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp = NoMLP()
+        layer.self_attn.register_forward_hook(
+            lambda mod, args, kwargs, out, i=i: seen[i].append(
+                ((args[0] if args else kwargs["hidden_states"]).numpy().copy(), out[0].numpy().copy())),
+            with_kwargs=True)
+    return cfg, model, seen
+
+
+def _tied(trace, k):
+    """(B, T) rows whose top-k boundary is a tie (equal k-th and k+1-th visible scores: ReLU's exact zeros),
+    where transformers' torch.topk picks either entry and the spec the earlier one."""
+    score = next(e.value for e in trace if e.stage == "indexer.score")  # (B, T, E), -inf where not visible
+    ranked = -np.sort(-score, axis=-1)
+    if ranked.shape[-1] <= k:
+        return np.zeros(score.shape[:2], bool)
+    return np.isfinite(ranked[..., k]) & (ranked[..., k - 1] == ranked[..., k])
+
+
+def test_transformers_deepseek_v4_is_reproduced_prefill_and_decode():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install '.[hf]'")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no deepseek_v4")
+    from weights import layouts
+
+    cfg, model, seen = _hf_model(torch, transformers)
+    ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, use_cache=False)  # causal prefill of T
+        out = model(ids[:, :P], use_cache=True)  # a prefill of P, then one token at a time across window ends
+        for s in range(P, T):
+            out = model(ids[:, s:s + 1], past_key_values=out.past_key_values, use_cache=True)
+    state, checked, excluded = model.state_dict(), 0, 0
+    gap = {k: v for k, v in state.items() if k != "model.layers.1.self_attn.compressor.indexer.position_bias"}
+    with pytest.raises(WeightsFormatError, match=r"hf-deepseek: missing model.layers.1.self_attn.compressor.indexer"):
+        layouts.to_canonical("hf-deepseek", gap, hf_config=cfg.to_dict(), layer=1)
+    for i, kind in enumerate(("sliding", "csa", "hca")):
+        config, t = layouts.to_canonical("hf-deepseek", state, hf_config=cfg.to_dict(), layer=i)
+        assert config.compressed.kind == kind
+        calls = [(seen[i][0], np.arange(T), False)] + [(seen[i][1], np.arange(P), True)]
+        calls += [(seen[i][2 + s - P], np.array([s]), True) for s in range(P, T)]
+        past = None
+        for (x, expected), positions, cached in calls:
+            trace = []
+            got, present = compressed_attention(config, t, x, positions, past if cached else None, return_cache=True,
+                                                trace=trace)
+            past = present if cached else past
+            rows = np.ones(got.shape[:2], bool) if kind != "csa" else ~_tied(trace, config.compressed.index_topk)
+            excluded += (~rows).sum()
+            err = np.abs(got - expected).max(-1)[rows]
+            assert err.max(initial=0) <= HF_BOUND * np.abs(expected).max(), (kind, positions[0], err.max())
+            checked += rows.sum()
+    assert checked == 3 * 2 * (T + T) - excluded and excluded <= 12, (checked, excluded)
+
+
+@pytest.mark.reference
+def test_equal_index_scores_go_to_the_earlier_entry():
+    """The spec's tie rule (docs/spec-frontier.md#deepseek-v4): with every head weight 0 every score is 0, and
+    each query keeps its first index_topk visible entries."""
+    config, t = _layer("csa")
+    t = {**t, "indexer.weights.kernel": np.zeros_like(t["indexer.weights.kernel"])}
+    _, selection = compressed_attention(config, t, _x(), np.arange(T), return_selection=True)
+    visible = (np.arange(T) + 1) // 4
+    expected = np.where(np.arange(2)[None] < np.minimum(visible, 2)[:, None], np.arange(2)[None], -1)
+    np.testing.assert_array_equal(selection, np.broadcast_to(expected, selection.shape))
+
+
+@pytest.mark.reference
+def test_the_reader_refuses_what_transformers_computes_otherwise():
+    from weights.layouts.deepseek_v4 import v4_config
+
+    hf = {"model_type": "deepseek_v4", "layer_types": ["heavily_compressed_attention"], "head_dim": 16,
+          "partial_rotary_factor": 0.5, "q_lora_rank": 12, "o_groups": 2, "o_lora_rank": 8, "rms_norm_eps": 1e-6,
+          "compress_rates": {"heavily_compressed_attention": 8}, "num_attention_heads": 4, "hidden_size": D,
+          "sliding_window": 6, "rope_parameters": {
+              "main": {"rope_type": "default", "rope_theta": 10000.0},
+              "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 16, "attention_factor": 1.0, "truncate": False}}}
+    with pytest.raises(ValueError, match=r"rope_parameters.compress.truncate must be true or absent: transformers"):
+        v4_config(hf, 0)
+    del hf["rope_parameters"]["compress"]["truncate"]
+    assert v4_config(hf, 0).rope.scaling.truncate is True
+    with pytest.raises(ValueError, match=r"attention_bias must be false for deepseek_v4"):
+        v4_config({**hf, "attention_bias": True}, 0)
+
+
+@pytest.mark.reference
+def test_a_weight_file_round_trips(tmp_path):
+    """The config in the safetensors metadata (to_json) and every V4 tensor come back as saved."""
+    from weights import load, save
+
+    config, t = _layer("csa")
+    save(tmp_path / "v4.safetensors", config, t)
+    again, tensors = load(tmp_path / "v4.safetensors")
+    assert again == config and sorted(tensors) == sorted(t)
+    assert all(np.array_equal(tensors[name], t[name]) for name in t)
+
+
+def test_what_transformers_leaves_ill_defined_is_as_the_spec_says():
+    """docs/spec-frontier.md#deepseek-v4's first and third points, shown on transformers itself: (1) without a
+    cache, windows start at the call's first token while visibility reads position_ids: a call at positions
+    2..13 pools positions 2..9 into hca's entry 0, which the row at position 7 sees, so the token at position 9
+    changes that earlier row; (3) YaRN's truncate is read from the top-level rope_parameters: the compress
+    table's truncate false changes nothing in transformers' frequencies, where the contract's differ."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install '.[hf]'")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no deepseek_v4")
+    from weights.config import Rope
+    from weights.rope import inverse_frequencies
+
+    cfg, model, seen = _hf_model(torch, transformers)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    later = ids.clone()
+    later[0, 7] = (ids[0, 7] + 1) % 64  # the token at position 2 + 7 = 9
+    with torch.no_grad():
+        for tokens in (ids, later):
+            model(tokens, position_ids=torch.arange(2, 14)[None], use_cache=False)
+    (_, before), (_, after) = seen[2]  # hca's outputs, rows at positions 2..13
+    assert np.abs(after[0, 5] - before[0, 5]).max() > 1e-3  # position 7's row moved with position 9's token
+    assert np.abs(after[0, :5] - before[0, :5]).max() == 0  # (the rows before it see no entry: unchanged)
+
+    # a table where truncating moves the ramp's ends (theta 1e4, 2048 original positions: ends 1.01 and 2.51)
+    table = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "rope_theta": 10000.0,
+             "partial_rotary_factor": 0.5, "attention_factor": 1.0}
+    rotary = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4RotaryEmbedding
+    theirs = [rotary(transformers.DeepseekV4Config(**{**cfg.to_dict(), "max_position_embeddings": 8192,
+                                                      "rope_parameters": {"main": cfg.rope_parameters["main"],
+                                                                          "compress": {**table, "truncate": flag}}}))
+              .compress_inv_freq.numpy() for flag in (True, False)]
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "attention_factor": 1.0}
+    ours = [inverse_frequencies(Rope.from_value({"theta": 10000.0, "rotary_dim": 8, "interleaved": True,
+                                                 "scaling": {**yarn, "truncate": flag}})) for flag in (True, False)]
+    assert np.array_equal(theirs[0], theirs[1]) and not np.allclose(ours[0], ours[1], rtol=1e-3)
+    np.testing.assert_allclose(theirs[0], ours[0], rtol=1e-6)  # float32 frequencies: truncate true, as ours
+
+
+def _random_layer(rng):
+    """A random small V4 layer: kind, window (1 to 7 keys), ratio (1 to 5), overlap, index sizes and top-k."""
+    kind = str(rng.choice(list(KINDS)))
+    compressed = {"kind": kind, "query_rank": int(rng.integers(2, 9)), "output_groups": int(rng.choice([1, 2, 4])),
+                  "output_rank": int(rng.integers(1, 6))}
+    if kind != "sliding":
+        compressed.update(ratio=int(rng.integers(1, 6)), overlap=bool(rng.integers(2)))
+    if kind == "csa":
+        compressed.update(index_heads=int(rng.integers(1, 4)), index_head_dim=int(rng.choice([4, 6])),
+                          index_topk=int(rng.integers(1, 5)))
+    rope = {**(BASE["rope"] if kind == "sliding" else COMPRESS_ROPE), "rotary_dim": 4}
+    config = AttentionConfig(**{**BASE, "num_heads": int(rng.choice([1, 2, 4])), "head_dim": 8, "rope": rope,
+                                "window_left": int(rng.integers(0, 7)), "use_sinks": bool(rng.integers(2))},
+                             compressed=compressed)
+    return config, init(config, seed=int(rng.integers(1 << 30)), dtype="float64")
+
+
+@pytest.mark.slow  # 300 random layers, ~3 s (2-core AMD EPYC VM, 2026-11-29): tox -e full
+@pytest.mark.reference
+def test_a_sweep_of_random_layers_agrees_with_the_hand_port_and_its_own_cache():
+    """Seeds 41000-41299 (unseen by the tests above): the hand port reproduces the reference's prefill, and calls
+    split at random points through the cache give the prefill's rows."""
+    for seed in range(41000, 41300):
+        rng = np.random.default_rng(seed)
+        config, t = _random_layer(rng)
+        B, length = int(rng.integers(1, 3)), int(rng.integers(1, 18))
+        x = rng.standard_normal((B, length, D))
+        whole = compressed_attention(config, t, x, np.arange(length))
+        bound = PORT_BOUND * max(np.abs(whole).max(), 1e-300)
+        assert np.abs(port(config, t, x) - whole).max() <= bound, (seed, config.compressed)
+        cuts = [0, *sorted(set(rng.integers(1, length, size=3).tolist()) if length > 1 else []), length]
+        past, rows = None, []
+        for a, b in zip(cuts, cuts[1:]):
+            out, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+            rows.append(out)
+        assert np.abs(np.concatenate(rows, axis=1) - whole).max() <= bound, (seed, cuts, config.compressed)

@@ -1,0 +1,57 @@
+"""impl_jax/compressed.py (DeepSeek V4's layer in JAX) against the NumPy reference, the three kinds, batch 2: a
+causal prefill in float64 (x64 mode, which impl_jax.adapter switches on) and float32, the trace's stage names
+the reference's; and (slow) a prefill then one token at a time through the cache (present_* fed back as
+past_*), float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_compressed_v4 import KINDS, T, _layer, _x
+
+from impl_numpy.compressed import compressed_attention as reference
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import impl_jax.adapter  # noqa: E402, F401  (switches x64 on)
+from impl_jax.compressed import compressed_attention  # noqa: E402
+
+# slow: eager JAX compiles each op for each new shape, 2-7 s a prefill test and ~10 s a decode test on the 2-core
+# VM (2026-11-29); the jax env has no room left in tox's budget, so `tox -e full` runs them.
+pytestmark = [pytest.mark.jax, pytest.mark.slow]
+
+# As tests/test_compressed_v4_torch.py: float64, the same sums in other orders; float32, every stage rounded to
+# float32 against the float64 reference, 256 float32 ulps of the output's size (the selection is the same: its
+# smallest gap at the top-k boundary is 0.014).
+BOUND = {"float64": 1e-12, "float32": 256 * float(np.finfo(np.float32).eps)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_jax_reproduces_the_reference_prefill(kind, dtype):
+    config, t = _layer(kind)
+    x = _x()
+    trace, jax_trace = [], []
+    want = reference(config, t, x, np.arange(T), trace=trace)
+    got = compressed_attention(config, t, jnp.asarray(x, dtype), np.arange(T), trace=jax_trace)
+    assert [e.stage for e in jax_trace] == [e.stage for e in trace]
+    if kind == "csa":
+        chosen = {e.stage: e.value for e in trace}["indexer.selection"]
+        np.testing.assert_array_equal(np.asarray({e.stage: e.value for e in jax_trace}["indexer.selection"]), chosen)
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= BOUND[dtype] * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_jax_reproduces_the_reference_decode(kind):
+    """A prefill of 13, then one token at a time to 20 (csa's windows close at 15 and 19, hca's at 15)."""
+    config, t = _layer(kind)
+    x = _x()
+    want = reference(config, t, x, np.arange(T))
+    out, past = compressed_attention(config, t, jnp.asarray(x[:, :13]), np.arange(13), return_cache=True)
+    rows = [np.asarray(out)]
+    for s in range(13, T):
+        out, past = compressed_attention(config, t, jnp.asarray(x[:, s:s + 1]), np.array([s]), past,
+                                         return_cache=True)
+        rows.append(np.asarray(out))
+    assert np.abs(np.concatenate(rows, axis=1) - want).max() <= BOUND["float64"] * np.abs(want).max()

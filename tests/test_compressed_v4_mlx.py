@@ -1,0 +1,45 @@
+"""impl_mlx/compressed.py (DeepSeek V4's layer in MLX) against the NumPy reference, the three kinds, batch 2: a
+causal prefill and the same rows through the cache token by token (present_* fed back as past_*), float64 (the
+CPU device) and float32; the trace's stage names are the reference's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_compressed_v4 import KINDS, T, _layer, _x
+
+from impl_numpy.compressed import compressed_attention as reference
+
+mx = pytest.importorskip("mlx.core")
+from impl_mlx.compressed import compressed_attention  # noqa: E402
+
+pytestmark = pytest.mark.mlx
+
+# float64: MLX's float64 matmuls, sqrt and (through functional.exp / cos_sin) exp, cos and sin are
+# float64-accurate, so the same sums in other orders: 1e-12 of the output's size. float32: every stage rounded to
+# float32 against the float64 reference, 256 float32 ulps of the output's size (the csa selection is the same:
+# its smallest gap at the top-k boundary is 0.014, scores of size 0.7).
+BOUND = {"float64": 1e-12, "float32": 256 * float(np.finfo(np.float32).eps)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", list(BOUND))
+def test_mlx_reproduces_the_reference_prefill_and_decode(kind, dtype):
+    config, t = _layer(kind)
+    x = _x()
+    mx_dtype = {"float64": mx.float64, "float32": mx.float32}[dtype]
+    trace, mlx_trace = [], []
+    want = reference(config, t, x, np.arange(T), trace=trace)
+    got = compressed_attention(config, t, mx.array(x.astype(dtype), dtype=mx_dtype), np.arange(T), trace=mlx_trace)
+    assert [e.stage for e in mlx_trace] == [e.stage for e in trace]
+    if kind == "csa":
+        chosen = {e.stage: e.value for e in trace}["indexer.selection"]
+        np.testing.assert_array_equal(np.array({e.stage: e.value for e in mlx_trace}["indexer.selection"]), chosen)
+    scale = np.abs(want).max()
+    assert np.abs(np.array(got).astype(np.float64) - want).max() <= BOUND[dtype] * scale
+    past, rows = None, []
+    for s in range(T):
+        out, past = compressed_attention(config, t, mx.array(x[:, s:s + 1].astype(dtype), dtype=mx_dtype),
+                                         np.array([s]), past, return_cache=True)
+        rows.append(np.array(out).astype(np.float64))
+    assert np.abs(np.concatenate(rows, axis=1) - want).max() <= BOUND[dtype] * scale

@@ -1,0 +1,49 @@
+"""impl_tf/compressed.py (DeepSeek V4's layer in keras.ops) on Keras's TensorFlow backend against the NumPy
+reference, the three kinds, batch 2: a causal prefill in float64 and float32, and in float64 the same rows
+through the cache token by token (present_* fed back as past_*); the trace's stage names are the reference's. (Keras's jax and
+torch backends: not run by a test yet.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_compressed_v4 import KINDS, T, _layer, _x
+
+from impl_numpy.compressed import compressed_attention as reference
+
+pytest.importorskip("tensorflow")
+from impl_tf._keras import keras  # noqa: E402
+from impl_tf.compressed import compressed_attention  # noqa: E402
+
+pytestmark = pytest.mark.tf
+
+# float64: the same sums in other orders, 1e-12 of the output's size. float32: every stage rounded to float32
+# against the float64 reference, 256 float32 ulps of the output's size (the csa selection is the same: its
+# smallest gap at the top-k boundary is 0.014, scores of size 0.7).
+BOUND = {"float64": 1e-12, "float32": 256 * float(np.finfo(np.float32).eps)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", list(BOUND))
+def test_keras_reproduces_the_reference_prefill_and_decode(kind, dtype):
+    ops = keras.ops
+    config, t = _layer(kind)
+    x = _x()
+    trace, keras_trace = [], []
+    want = reference(config, t, x, np.arange(T), trace=trace)
+    got = compressed_attention(config, t, x.astype(dtype), np.arange(T), trace=keras_trace)
+    assert [e.stage for e in keras_trace] == [e.stage for e in trace]
+    if kind == "csa":
+        chosen = {e.stage: e.value for e in trace}["indexer.selection"]
+        np.testing.assert_array_equal(ops.convert_to_numpy({e.stage: e.value for e in keras_trace}["indexer.selection"]),
+                                      chosen)
+    scale = np.abs(want).max()
+    assert np.abs(ops.convert_to_numpy(got).astype(np.float64) - want).max() <= BOUND[dtype] * scale
+    if dtype == "float32":  # the decode in float64 alone: the same roundings as the prefill's, ~2 s saved
+        return
+    past, rows = None, []
+    for s in range(T):
+        out, past = compressed_attention(config, t, x[:, s:s + 1].astype(dtype), np.array([s]), past,
+                                         return_cache=True)
+        rows.append(ops.convert_to_numpy(out).astype(np.float64))
+    assert np.abs(np.concatenate(rows, axis=1) - want).max() <= BOUND[dtype] * scale

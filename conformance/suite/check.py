@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from conformance.suite import backends
+from conformance.suite import backends, reference_cache
 from conformance.suite.cases import (
     ALL_CASES,
     CASES,
@@ -28,6 +28,7 @@ from conformance.suite.compare import (
     STATUS_FAIL,
     STATUS_PASS,
     CaseResult,
+    flush_references,
     release_compiled_programs,
     run_case,
 )
@@ -166,11 +167,14 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
         adapter.set_cpu_compile("default" if xla_full_opt else "fast")
     if own_cache:
         adapter.set_program_cache(None if compile_cache is None else Path(compile_cache) / "programs")
+    # the float64 references too (conformance/suite/reference_cache.py), beside the programs
+    reference_cache.set_directory(None if compile_cache is None else Path(compile_cache) / "references")
     # a case on each path in turn: the case's reference and the adapter's prepared layer serve every path
     runs = (run_case(ALL_CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
                      adapter=adapter, keep_arrays=True, path=path)
             for name in case_names for path in paths_of(adapter, path_kinds))
     results = [result for result in runs if result is not None]  # None: the path does not exist for the case
+    flush_references()
     release_compiled_programs()  # a worker runs many chunks: keep its memory mappings bounded
     return results
 
@@ -400,9 +404,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="worker processes (default: one per CPU core; 1 runs everything in this process)")
     p.add_argument("--no-compile-cache", action="store_true",
-                   help="compile every JAX program afresh instead of loading it from the compile caches "
-                        "(impl_jax's programs and JAX's persistent cache; default location: $MHA_CACHE_DIR or "
-                        "~/.cache/mha, under jax/)")
+                   help="compile every JAX program and compute every reference afresh instead of loading them "
+                        "from the caches (impl_jax's and keras-jax's programs, JAX's persistent cache, the float64 "
+                        "references; default location: $MHA_CACHE_DIR or ~/.cache/mha, under jax/)")
     p.add_argument("--xla-full-opt", action="store_true",
                    help="compile impl_jax's CPU programs with XLA's default optimisation (about 4x slower to compile) "
                         "instead of LLVM -O0 and XLA's classic fusion emitters; the HLO optimisation is the same")

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.suite import backends
+from conformance.suite import backends, reference_cache
 from conformance.suite.cases import Case, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
 from conformance.suite.tolerance import Comparison, compare, comparison_status, policy_for
 from impl_numpy import adapter as reference
@@ -103,12 +103,20 @@ def _finite_or_str(x: float):
 
 # (case, dtype) -> what expected_for computed; cases are frozen dataclasses.
 _EXPECTED_CACHE: dict[tuple[Case, str], dict] = {}
+_DISK_KEYS: dict[tuple[Case, str], str] = {}  # (case, dtype) -> its reference_cache key, where one is kept
 
 
 def clear_cache() -> None:
     """Drop the cached references, and JAX's compiled programs."""
     _EXPECTED_CACHE.clear()
+    _DISK_KEYS.clear()
     release_compiled_programs()
+
+
+def flush_references() -> None:
+    """Write this process's references to the on-disk cache (reference_cache), where one is set: those
+    computed here, and those that gained a lazily computed error since they were read."""
+    reference_cache.flush({disk: _EXPECTED_CACHE[key] for key, disk in _DISK_KEYS.items() if key in _EXPECTED_CACHE})
 
 
 def release_compiled_programs() -> None:
@@ -136,6 +144,11 @@ def expected_for(case: Case, dtype: str, selection: np.ndarray | None = None) ->
                                                    np.asarray(selection).tobytes())
     if key in _EXPECTED_CACHE:
         return _EXPECTED_CACHE[key]
+    disk = None if selection is not None or reference_cache.directory() is None else reference_cache.key(case, dtype)
+    if disk is not None:
+        found = reference_cache.load(disk)
+        if found is not None:
+            return _remember(key, found, disk)
     tensors = cast_tensors(make_tensors(case), dtype)
     inputs = cast_inputs(make_inputs(case), dtype)
     config, run_tensors, run_inputs = case.config, tensors, inputs
@@ -199,9 +212,17 @@ def expected_for(case: Case, dtype: str, selection: np.ndarray | None = None) ->
             for name, m in low_magnitudes.items():
                 if name in magnitudes:
                     magnitudes[name] = np.maximum(magnitudes[name], np.asarray(m, np.float64))
+    return _remember(key, expected, disk)
+
+
+def _remember(key, expected: dict, disk: str | None) -> dict:
     if len(_EXPECTED_CACHE) > 512:  # sweeps make thousands of cases
+        flush_references()
         _EXPECTED_CACHE.clear()
+        _DISK_KEYS.clear()
     _EXPECTED_CACHE[key] = expected
+    if disk is not None:
+        _DISK_KEYS[key] = disk
     return expected
 
 

@@ -91,6 +91,7 @@ def test_16384_runs_in_bounded_memory():
     assert peak < 6 * (x.nbytes + out.nbytes) + 8 * block
 
 
+@pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, not `tox -e all` again
 def test_chunked_matches_plain_at_moderate_length_float64(softmax_way):
     config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8, masked_row="uniform")
     tensors = weights.init(config, seed=1, dtype="float64")

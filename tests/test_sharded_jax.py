@@ -124,6 +124,10 @@ PICKS = [
 ]
 
 
+# slow (`tox -e full`): each of these runs, judged by the same run_case, is in the whole sharded grid that `tox`
+# runs in its `all` env (tests/test_sharded_grid.py: every case x kind x devices x dtype, forward and gradients);
+# the jax env keeps the engine's forward and gradients at 4 devices in the mutants' clean run below.
+@pytest.mark.slow
 @pytest.mark.jax
 @needs_jax
 def test_sharded_cases_pass_forward_and_gradients():

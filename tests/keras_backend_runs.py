@@ -6,6 +6,7 @@ Keras layer on that backend, judged by run_case on a few cases, with and without
     python tests/keras_backend_runs.py BACKEND_ID round_trip DIR
     python tests/keras_backend_runs.py BACKEND_ID verify
     python tests/keras_backend_runs.py BACKEND_ID indexer MUTANT[,MUTANT...]
+    python tests/keras_backend_runs.py BACKEND_ID batch '{"NAME": ["COMMAND", "ARG", ...], ...}'
     python tests/keras_backend_runs.py keras-jax programs DIR
 
 judge prints one JSON line, {mutant: [[case, dtype, path, status, message], ...]} (MUTANT: names joined by
@@ -16,7 +17,9 @@ impl_tf.indexer.lightning_indexer itself in float64 on the indexer cases' inputs
 selection) by conformance.suite.selection.judge_indexer, with each mutant planted alone, then the layer on
 two indexer cases judged by run_case ("layer": judge's rows). programs (keras-jax) runs a few cases' forward
 and vjp by jax.jit, then through the on-disk program cache in DIR (compiled and stored, then loaded as a new
-process would), then again with other values of the same shapes, and prints what it compared.
+process would), then the cases' twins (same shapes, other values) through the cache, judged by run_case, and
+prints what it compared. batch runs several of these one after another in one process (the framework imported
+once) and prints {NAME: {"result": what the command prints} or {"error": its traceback}}.
 """
 
 from __future__ import annotations
@@ -249,22 +252,44 @@ def program_cache(backend_id: str, folder: str) -> dict:
     return seen
 
 
-if __name__ == "__main__":
-    backend_id, command, *rest = sys.argv[1:]
+def run_command(backend_id: str, command: str, rest: list[str]):
+    """One command's answer (what it prints as JSON)."""
     if command == "judge":  # judge MUTANT[,MUTANT...] SPEC ...: {mutant: rows}
-        print(json.dumps({mutant: judge(backend_id, mutant, rest[1:]) for mutant in rest[0].split(",")}))
-    elif command == "verify":
-        print(json.dumps(verify_keras_mha(backend_id)))
-    elif command == "indexer":  # indexer MUTANT[,MUTANT...]: {mutant: {case: [ok, failing]}, "layer": rows}
+        return {mutant: judge(backend_id, mutant, rest[1:]) for mutant in rest[0].split(",")}
+    if command == "verify":
+        return verify_keras_mha(backend_id)
+    if command == "indexer":  # indexer MUTANT[,MUTANT...]: {mutant: {case: [ok, failing]}, "layer": rows}
         cases = ["indexer_dsa_decode", "indexer_m3_blocks"]
         seen = {mutant: judge_indexer_stage(backend_id, mutant, cases) for mutant in rest[0].split(",")}
         # and the layer's call (the adapter's: under jax.jit on keras-jax), the selection judged by run_case
         seen["layer"] = judge(backend_id, "none", ["indexer_dsa_decode:float64:stages",
                                                    "indexer_m3_blocks:float32:fused"])
-        print(json.dumps(seen))
-    elif command == "round_trip":
-        print(json.dumps(round_trip(backend_id, rest[0])))
-    elif command == "programs":
-        print(json.dumps(program_cache(backend_id, rest[0])))
+        return seen
+    if command == "round_trip":
+        return round_trip(backend_id, rest[0])
+    if command == "programs":
+        return program_cache(backend_id, rest[0])
+    raise SystemExit(f"unknown command {command!r}")
+
+
+def batch(backend_id: str, commands: dict) -> dict:
+    """{name: {"result": answer} or {"error": traceback}} for {name: [command, *args]}, one after another in
+    this process: the backend's framework and Keras imported once for all of them (each start costs seconds of
+    CPU). A command that raises is reported, the next ones still run."""
+    import traceback
+
+    answers = {}
+    for name, (command, *rest) in commands.items():
+        try:
+            answers[name] = {"result": run_command(backend_id, command, rest)}
+        except (Exception, SystemExit):  # noqa: BLE001 - reported to the test that reads this command's answer
+            answers[name] = {"error": traceback.format_exc()}
+    return answers
+
+
+if __name__ == "__main__":
+    backend_id, command, *rest = sys.argv[1:]
+    if command == "batch":  # batch JSON ({name: [command, *args]}): {name: {"result" | "error": ...}}
+        print(json.dumps(batch(backend_id, json.loads(rest[0]))))
     else:
-        raise SystemExit(f"unknown command {command!r}")
+        print(json.dumps(run_command(backend_id, command, rest)))

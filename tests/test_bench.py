@@ -35,6 +35,11 @@ IMPORTS = {"numpy": ("numpy", "impl_numpy"), "torch": ("torch", "impl_torch.func
            "tf": ("tensorflow", "keras", "impl_tf.functional"), "jax": ("jax", "flax.nnx", "impl_jax.functional")}
 
 
+# numpy's rows are NumPy's alone (no framework looked for): the numpy env runs them, `tox -e all` (every test not
+# marked with one framework) would time the same again; the frameworks' rows run there.
+BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.reference) if b == "numpy" else b for b in shapes.BACKENDS]
+
+
 def _unavailable(backend: str) -> str | None:
     for module in IMPORTS[backend]:
         try:
@@ -61,7 +66,7 @@ def _finite_positive(row: dict, field: str) -> None:
         "expected a finite positive number")
 
 
-@pytest.mark.parametrize("backend", shapes.BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_quick_run_writes_every_field(backend, tmp_path, capsys):
     why = _unavailable(backend)
     if why:
@@ -290,7 +295,7 @@ def test_report_and_plots_survive_failed_and_skipped_rows(tmp_path):
 # --- the window and decode families ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", shapes.BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_quick_window_and_decode_run_every_length(backend, tmp_path, capsys):
     """`mha bench --quick --shapes window decode`: every length of both families measured (torch's
     window rows skipped with the reason: it has no chunked path), the output checked against impl_numpy,

@@ -16,6 +16,8 @@ from conformance.bench import sparse
 from conformance.cli.commands import main
 from conformance.suite.tolerance import assert_close
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, not `all`
+
 
 def _counted(d, ix, tensors, data, P):
     """The bounds counted from the arrays and the matmuls' shapes (no formula of sparse.bounds)."""

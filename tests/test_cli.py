@@ -232,6 +232,7 @@ def test_piped_into_head_says_nothing_on_stderr():
     assert proc.stdout == "{\n" and proc.stderr == "", proc
 
 
+@pytest.mark.reference  # NumPy only (`mha trace`, `mha check --backends numpy`): the numpy env runs it, not `all`
 def test_a_wide_table_reaches_a_file_whole(tmp_path):
     """rich would fold the values column at 80 columns; a file gets each stage on one line."""
     path = tmp_path / "trace.txt"
@@ -300,6 +301,7 @@ def test_vectors_generate_to_a_directory_replaces_only_with_overwrite(tmp_path, 
     assert code == 0 and path.read_bytes() != b"stale", err
 
 
+@pytest.mark.reference  # NumPy only (`mha trace`, `mha check --backends numpy`): the numpy env runs it, not `all`
 def test_a_plain_check_runs_the_edge_and_long_cases_in_float32_and_given_dtypes_in_each(tmp_path):
     """conformance.suite.cases.CHECK_ONE_DTYPE: without --dtypes an edge case runs in float32 alone and a grid
     case in all four; --dtypes runs every selected case in each."""

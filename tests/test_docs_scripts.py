@@ -65,6 +65,7 @@ def run_tiny(name: str, args, monkeypatch, capsys, **settings) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, not `tox -e all` again
 def test_numpy_parts_prints_every_part_and_counts_the_logits_the_core_computes(monkeypatch, capsys):
     from impl_numpy import chunked
 
@@ -81,6 +82,7 @@ def test_numpy_parts_prints_every_part_and_counts_the_logits_the_core_computes(m
     assert len(re.findall(r"^  projections \+ core: [\d.]+ matmul-times, at most [\d.]+%", out, re.M)) == 2, out
 
 
+@pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, not `tox -e all` again
 def test_projection_bound_numpy_prints_each_shape(monkeypatch, capsys):
     out = run_tiny("projection_bound", ["numpy"], monkeypatch, capsys)
     for name in ("bert-base", "vit-b16", "gpt2"):

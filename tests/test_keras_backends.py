@@ -49,6 +49,51 @@ def _run(backend_id, *args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _commands(folder: Path, backend_id: str) -> dict:
+    """What the tests below read, as keras_backend_runs.py's batch runs it: one process per backend."""
+    commands = {"judge": ["judge", ",".join(["none", *MUTANTS]), *sorted({spec for spec, _ in MUTANTS.values()})],
+                "indexer": ["indexer", "none,keras_maximum"],
+                "round_trip": ["round_trip", str(folder)],
+                "verify": ["verify"]}
+    if backend_id == "keras-jax":
+        commands["programs"] = ["programs", str(folder / "programs")]
+    return commands
+
+
+def _batch(backend_id, tmp_path_factory) -> dict:
+    """The batch's answers. Under pytest-xdist the first worker to ask runs it and writes them where every
+    worker of the session finds them (the session's temp directory, behind a file lock); the others read them."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return _run(backend_id, "batch", json.dumps(_commands(tmp_path_factory.mktemp(backend_id), backend_id)))
+    from filelock import FileLock  # tox's own dependency (the dev extra), and torch's
+
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwN/
+    done = shared / f"keras-backend-runs-{backend_id}.json"
+    with FileLock(f"{done}.lock"):
+        if not done.exists():
+            answers = _run(backend_id, "batch", json.dumps(_commands(tmp_path_factory.mktemp(backend_id), backend_id)))
+            done.write_text(json.dumps(answers))
+        return json.loads(done.read_text())
+
+
+@pytest.fixture(scope="session")
+def keras_runs(tmp_path_factory):
+    """keras_runs(backend_id, command): that command's answer from tests/keras_backend_runs.py on the backend.
+    The four commands the tests below read run in one process per backend and session, not one each: every
+    start imports Keras, TensorFlow and the framework (measured in docs/testing.md). A command that raised
+    fails the test that reads it, with its traceback."""
+    answers = {}
+
+    def answer(backend_id, command):
+        if backend_id not in answers:
+            answers[backend_id] = _batch(backend_id, tmp_path_factory)
+        got = answers[backend_id][command]
+        assert "error" not in got, f"{backend_id} {command} raised:\n{got['error'][-3000:]}"
+        return got["result"]
+
+    return answer
+
+
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
 def test_the_column_passes_every_path_and_dtype_in_a_worker_of_its_own(backend_id):
     """mha check's column on two cases, every path and dtype: the stages and the fused path pass (forward and
@@ -84,10 +129,9 @@ MUTANTS = {
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
-def test_the_column_catches_the_porting_bugs_planted_in_it(backend_id):
+def test_the_column_catches_the_porting_bugs_planted_in_it(backend_id, keras_runs):
     _needs(backend_id)
-    specs = sorted({spec for spec, _ in MUTANTS.values()})
-    judged = _run(backend_id, "judge", ",".join(["none", *MUTANTS]), *specs)
+    judged = keras_runs(backend_id, "judge")
     clean = {row[0] + ":" + row[1] + ":" + row[2]: row[3] for row in judged["none"]}
     assert set(clean.values()) == {STATUS_PASS}, f"the layer as it is must pass every case first: {clean}"
     for mutant, (spec, caught_on) in MUTANTS.items():
@@ -97,14 +141,14 @@ def test_the_column_catches_the_porting_bugs_planted_in_it(backend_id):
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
-def test_the_indexer_runs_on_the_backend_and_catches_a_float64_relu(backend_id):
+def test_the_indexer_runs_on_the_backend_and_catches_a_float64_relu(backend_id, keras_runs):
     """impl_tf's lightning indexer (keras.ops) on the backend: run directly in float64, its index scores and
     selection pass the tolerance policy against the float64 reference (DeepSeek's decode step, MiniMax M3's
     blocks); its ReLU through keras.ops.maximum (float64 computed in float32 on torch, cast back) fails
     DeepSeek's scores on torch alone (M3 has no ReLU; jax's maximum keeps float64). The layer with the indexer
     passes run_case (on keras-jax under the adapter's jax.jit: the indexer traced)."""
     _needs(backend_id)
-    seen = _run(backend_id, "indexer", "none,keras_maximum")
+    seen = keras_runs(backend_id, "indexer")
     assert seen["none"] == {"indexer_dsa_decode": [True, []], "indexer_m3_blocks": [True, []]}, seen["none"]
     caught = backend_id == "keras-torch"
     assert seen["keras_maximum"]["indexer_dsa_decode"] == ([False, ["index_scores"]] if caught else [True, []]), seen
@@ -114,10 +158,10 @@ def test_the_indexer_runs_on_the_backend_and_catches_a_float64_relu(backend_id):
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
-def test_keras_file_round_trip(backend_id, tmp_path):
+def test_keras_file_round_trip(backend_id, keras_runs):
     """The layer (bfloat16) and a Model holding it (float32) saved and loaded as .keras on the backend."""
     _needs(backend_id)
-    seen = _run(backend_id, "round_trip", str(tmp_path))
+    seen = keras_runs(backend_id, "round_trip")
     assert seen["class"] == "MultiHeadAttention" and seen["policy"] == "bfloat16" and seen["same_config"], seen
     assert seen["same_bytes"], "the weights changed in the .keras round trip"
     assert seen["same_outputs"] and seen["model_same_predict"], "the loaded layer computes otherwise"
@@ -132,11 +176,11 @@ def test_keras_file_round_trip(backend_id, tmp_path):
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
-def test_the_keras_layer_adapter_takes_a_layer_on_the_backend(backend_id):
+def test_the_keras_layer_adapter_takes_a_layer_on_the_backend(backend_id, keras_runs):
     """mha verify's keras_layer adapter (the pytest plugin's, for a live Keras layer) on
     keras.layers.MultiHeadAttention, gradients required: through jax.vjp or torch.autograd."""
     _needs(backend_id)
-    results = _run(backend_id, "verify")
+    results = keras_runs(backend_id, "verify")
     assert sorted(results) == ["cross_basic.bfloat16", "cross_basic.float32", "value_head_dim.bfloat16",
                                "value_head_dim.float32"], sorted(results)
     for name, (status, detail) in results.items():
@@ -144,13 +188,13 @@ def test_the_keras_layer_adapter_takes_a_layer_on_the_backend(backend_id):
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax"))
-def test_keras_jax_programs_kept_on_disk_give_the_bits_jit_gives(backend_id, tmp_path):
+def test_keras_jax_programs_kept_on_disk_give_the_bits_jit_gives(backend_id, keras_runs):
     """keras-jax's programs through impl_jax's on-disk cache (what a warm `mha check` runs): a program loaded
     from a file gives jax.jit's bits, a loaded program is not compiled and written again, and the case's twin
     (other inputs, weights, masks and bias of the same shapes: the same program) passes against the float64
     reference through the cache: every array is an argument, none a constant of a stored trace."""
     _needs(backend_id)
-    seen = _run(backend_id, "programs", str(tmp_path / "programs"))
+    seen = keras_runs(backend_id, "programs")
     assert sorted(seen) == ["decode_cache", "dropout_train", "mask_and_bias_causal"], seen
     for name, found in seen.items():
         assert found["stored"] >= 1 and found["written_again"] == 0, (name, found)

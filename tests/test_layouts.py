@@ -20,6 +20,8 @@ from weights import DTYPES, AttentionConfig, WeightsFormatError, init, layouts
 from weights.dtypes import resolve_dtype
 from weights.layouts import registry
 
+pytestmark = pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, not `all`
+
 STRUCTURAL = ("num_heads", "num_kv_heads", "head_dim", "value_head_dim", "query_dim", "key_dim", "value_dim",
               "out_dim", "use_query_bias", "use_key_bias", "use_value_bias", "use_output_bias")
 BIASES = ("use_query_bias", "use_key_bias", "use_value_bias", "use_output_bias")

@@ -91,6 +91,7 @@ def test_16384_runs_in_bounded_memory():
     assert peak < 6 * (x.nbytes + out.nbytes) + 8 * block
 
 
+@pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, not `tox -e all` again
 def test_chunked_matches_plain_at_moderate_length_float64(softmax_way):
     config = weights.AttentionConfig(num_heads=4, num_kv_heads=2, query_dim=16, head_dim=8, masked_row="uniform")
     tensors = weights.init(config, seed=1, dtype="float64")
@@ -108,6 +109,7 @@ def test_chunked_matches_plain_at_moderate_length_float64(softmax_way):
             assert err <= 1e-13, f"{alignment} chunk {chunk}: max abs difference {err:.3g}"
 
 
+@pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, not `tox -e all` again
 @pytest.mark.parametrize("alignment, T, S", [("top_left", 300, 300), ("bottom_right", 200, 330), ("bottom_right", 330, 200)])
 @pytest.mark.parametrize("dtype, chunk", [("float32", 64), ("float32", None), ("float16", 64), ("bfloat16", 96)])
 def test_blocks_meet_the_tolerance_policy(alignment, T, S, dtype, chunk, softmax_way):

@@ -106,6 +106,7 @@ def test_one_item_per_vector_named_by_it_after_the_users_tests(user_repo):
     assert len(items) - 1 == len(VECTORS) >= 128
 
 
+@pytest.mark.reference  # the user's NumPy port, no framework: the numpy env runs it, not `tox -e all` again
 def test_a_correct_function_passes_every_vector_it_supports(user_repo):
     reprec = user_repo.inline_run(*PLUGIN, "--mha-impl", "user_attention:attention", "--mha-require-gradients")
     got = outcomes(reprec)
@@ -117,6 +118,7 @@ def test_a_correct_function_passes_every_vector_it_supports(user_repo):
             assert "unsupported: this port does not implement" in str(rep.longrepr)
 
 
+@pytest.mark.reference  # the user's NumPy port, no framework: the numpy env runs it, not `tox -e all` again
 def test_a_porting_bug_fails_exactly_the_vectors_it_touches(user_repo):
     assert len(TOUCHED) >= 12
     got = outcomes(user_repo.inline_run(*PLUGIN, "--mha-impl", "user_buggy:alignment_swapped"))
@@ -137,6 +139,7 @@ def test_a_porting_bug_fails_exactly_the_vectors_it_touches(user_repo):
     assert expected in text, text
 
 
+@pytest.mark.reference  # the user's NumPy port, no framework: the numpy env runs it, not `tox -e all` again
 def test_xdist_runs_the_items_in_two_workers(user_repo):
     pytest.importorskip("xdist")
     result = user_repo.runpytest_subprocess(*PLUGIN, "--mha-impl", "user_buggy:alignment_swapped", "-n", "2",

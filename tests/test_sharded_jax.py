@@ -124,6 +124,10 @@ PICKS = [
 ]
 
 
+# slow (`tox -e full`): each of these runs, judged by the same run_case, is in the whole sharded grid that `tox`
+# runs in its `all` env (tests/test_sharded_grid.py: every case x kind x devices x dtype, forward and gradients);
+# the jax env keeps the engine's forward and gradients at 4 devices in the mutants' clean run below.
+@pytest.mark.slow
 @pytest.mark.jax
 @needs_jax
 def test_sharded_cases_pass_forward_and_gradients():
@@ -182,27 +186,11 @@ def _write_run_files(tmp_path):
 @pytest.mark.jax
 @needs_jax
 def test_mha_run_shard_gives_the_unsharded_output(tmp_path):
-    from safetensors.numpy import load_file
+    """heads:4 and sequence:2 on packed documents, heads:2 and sequence:4 on a cache (present key and value
+    written): tests/sharded_runs.py, as test_sharded_torch.py runs it for torch."""
+    from sharded_runs import assert_run_shard_gives_the_unsharded_output
 
-    from conformance.suite.tolerance import assert_close
-    from impl_numpy.adapter import forward
-
-    config, tensors, inputs = _write_run_files(tmp_path)
-    t64 = {n: t.astype(np.float64) for n, t in tensors.items()}
-    i64 = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a) for n, a in inputs.items()}
-    expected = forward(config, t64, i64, {"is_causal": True})["output"]
-    for shard in ("heads:2", "sequence:4"):
-        out = tmp_path / f"{shard.replace(':', '_')}.safetensors"
-        done = subprocess.run([*MHA, "run", "--backend", "jax", "--shard", shard, "--weights",
-                               str(tmp_path / "w.safetensors"), "--inputs", str(tmp_path / "in.safetensors"),
-                               "--causal", "--out", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr
-        assert f"(jax, {shard})" in done.stdout, done.stdout
-        got = load_file(out)["output"]
-        assert got.dtype == np.float32, got.dtype
-        assert_close(f"output {shard}", got, expected, config=config, dtype="float32", quantity="output", B=2,
-                     T=11, S=11)
+    assert_run_shard_gives_the_unsharded_output(tmp_path, "jax")
 
 
 @pytest.mark.jax
@@ -314,35 +302,3 @@ def test_two_processes_of_two_devices_make_one_mesh(tmp_path):
     for i in range(2):
         assert_close(f"output of process {i}", load_file(tmp_path / f"out{i}.safetensors")["output"], expected,
                      config=config, dtype="float32", quantity="output", B=2, T=11, S=11)
-
-
-@pytest.mark.jax
-@needs_jax
-def test_mha_run_shard_decodes_with_a_cache(tmp_path):
-    """An inputs file with a cache (bottom-right causal, as decoding runs): the sequence-sharded run writes the
-    reference's output and present cache."""
-    from safetensors.numpy import load_file
-
-    from conformance.io import write_arrays
-    from conformance.suite.tolerance import assert_close
-    from impl_numpy.adapter import forward
-
-    config, tensors, _ = _write_run_files(tmp_path)
-    rng = np.random.default_rng(7)
-    inputs = {"query": rng.standard_normal((2, 3, 8)).astype(np.float32),
-              "past_key": rng.standard_normal((2, 2, 6, 4)).astype(np.float32),
-              "past_value": rng.standard_normal((2, 2, 6, 4)).astype(np.float32)}
-    write_arrays(tmp_path / "cache.safetensors", inputs)
-    out = tmp_path / "out.safetensors"
-    done = subprocess.run([*MHA, "run", "--backend", "jax", "--shard", "sequence:2", "--weights",
-                           str(tmp_path / "w.safetensors"), "--inputs", str(tmp_path / "cache.safetensors"), "--causal",
-                           "--causal-alignment", "bottom_right", "--return-cache", "--out", str(out)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    got = load_file(out)
-    t64 = {n: t.astype(np.float64) for n, t in tensors.items()}
-    i64 = {n: a.astype(np.float64) for n, a in inputs.items()}
-    expected = forward(config, t64, i64, {"is_causal": True, "causal_alignment": "bottom_right", "return_cache": True})
-    for name in ("output", "present_key", "present_value"):
-        assert_close(name, got[name], expected[name], config=config, dtype="float32", quantity="output", B=2, T=3,
-                     S=9)

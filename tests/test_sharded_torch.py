@@ -243,3 +243,12 @@ def test_run_in_group_leaves_a_group_it_did_not_start_running(tmp_path, monkeypa
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_mha_run_shard_gives_the_unsharded_output(tmp_path):
+    """`mha run --backend torch --shard`: heads:4 and sequence:2 on packed documents, heads:2 and sequence:4 on a
+    cache (present key and value written), as a user runs it: tests/sharded_runs.py, as test_sharded_jax.py
+    runs it for jax."""
+    from sharded_runs import assert_run_shard_gives_the_unsharded_output
+
+    assert_run_shard_gives_the_unsharded_output(tmp_path, "torch")

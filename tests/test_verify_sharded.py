@@ -132,6 +132,7 @@ def test_sharded_refusals_are_one_line():
     assert "4 devices asked for, 2 cpu device(s) present" in line, line
 
 
+@pytest.mark.reference  # needs no framework: the numpy env runs it, not `tox -e all` again
 def test_shard_arguments_without_jax_are_one_line():
     """What needs no framework: a malformed --shard, the torch engine (not built), --shard-engine alone."""
     line = _one_line_error(_mha("--impl", f"{RING}:attention", "--shard", "rows:2"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from weights import dtype_from_name
-from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, compressed_call, split_result
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
@@ -56,26 +56,6 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device must be cpu for the numpy backend: got {device!r}")
 
 
-def compressed_forward(config, tensors, inputs, options, *, trace=False):
-    """DeepSeek V4's layer (config.compressed) through compressed.compressed_attention: inputs["query"] is the
-    layer's input x, inputs["positions"] its absolute positions, past_<name> the cache (compressed.cache_names);
-    csa's selection is returned, and with options["return_cache"] present_<name> for every name of the cache."""
-    entries = [] if trace else None
-    past = {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
-    csa, return_cache = config.compressed.kind == "csa", bool(options.get("return_cache", False))
-    result = compressed_attention(config, tensors, inputs["query"], inputs["positions"], past,
-                                  return_cache=return_cache, return_selection=csa, trace=entries)
-    result = result if isinstance(result, tuple) else (result,)
-    answer = {"output": result[0]}
-    if csa:
-        answer["selection"] = result[1]
-    if return_cache:
-        answer.update({f"present_{name}": a for name, a in result[-1].items()})
-    if trace:
-        answer["trace"] = [(e.stage, np.asarray(e.value)) for e in entries]
-    return answer
-
-
 # The V4 layer's reference is forward only: run_case judges its forward alone with this reason (compare.py).
 COMPRESSED_FORWARD_ONLY = ("the NumPy reference has no backward pass for DeepSeek V4's layer (config.compressed): "
                            "its forward alone is judged")
@@ -84,7 +64,7 @@ COMPRESSED_FORWARD_ONLY = ("the NumPy reference has no backward pass for DeepSee
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     _check_device(device)
     if config.compressed is not None:
-        return compressed_forward(config, tensors, inputs, options, trace=trace)
+        return compressed_call(compressed_attention, config, tensors, inputs, options, trace=trace)
     entries = [] if trace else None
     return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     kwargs = _kwargs(inputs, options)

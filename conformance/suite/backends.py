@@ -84,7 +84,7 @@ REGISTRY: dict[str, Backend] = {
 NOT_YET: dict[str, dict[str, str]] = {}
 # Issue 41: DeepSeek V4's layer runs through its own call (each impl_*/compressed.py), not multi_head_attention,
 # and the suite runs no such case yet; every mirror column reports it unsupported with that reason.
-for _backend, _module in (("torch", "impl_torch"), ("tf", "impl_tf"), ("keras-jax", "impl_tf"),
+for _backend, _module in (("tf", "impl_tf"), ("keras-jax", "impl_tf"),
                           ("keras-torch", "impl_tf"), ("jax", "impl_jax"), ("mlx", "impl_mlx")):
     NOT_YET.setdefault(_backend, {})["compressed"] = (
         f"DeepSeek V4's compressed attention (config.compressed) runs through {_module}.compressed, which the "

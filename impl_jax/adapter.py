@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 import weights
-from weights.call import COMPRESSED_MIRROR_DTYPES, INDEXER_INPUTS, OPTIONAL_INPUTS, compressed_call
+from weights.call import COMPRESSED_MIRROR_DTYPES, INDEXER_INPUTS, OPTIONAL_INPUTS, as_compressed, compressed_call
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
@@ -246,9 +246,9 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    if config.compressed is not None:  # DeepSeek V4's layer: impl_jax.compressed, eager, HIGHEST precision
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_jax.compressed (eager, HIGHEST)
         resolve_device(device)
-        return compressed_call(compressed_attention, config, tensors, inputs, options, trace=trace,
+        return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace,
                                dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     out, w, cache, stages, _, _ = _run(config, tensors, inputs, options, None, device=device, precision=precision,
                                        with_trace=bool(trace))
@@ -258,7 +258,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     """forward()'s answer and vjp()'s gradients from one run of the call's program (it computes both: see
     _forward_and_vjp); `mha check` asks for both."""
-    if config.compressed is not None:
+    if as_compressed(config) is not None:
         raise NotImplementedError(COMPRESSED_GRADIENTS)
     out, w, cache, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
                                                 precision=precision, with_trace=False)
@@ -294,7 +294,7 @@ def _answer(config, inputs, options, out, w, cache, stages) -> dict:
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     """Gradients of query, key, value (those given), past_key and past_value
     (with a cache of P > 0 positions, as the reference) and every tensor."""
-    if config.compressed is not None:
+    if as_compressed(config) is not None:
         raise NotImplementedError(COMPRESSED_GRADIENTS)
     out, _, _, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
                                             precision=precision, with_trace=False)

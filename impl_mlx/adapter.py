@@ -11,7 +11,14 @@ import mlx.core as mx
 import numpy as np
 
 import weights
-from weights.call import COMPRESSED_MIRROR_DTYPES, INDEXER_INPUTS, OPTIONAL_INPUTS, compressed_call, split_result
+from weights.call import (
+    COMPRESSED_MIRROR_DTYPES,
+    INDEXER_INPUTS,
+    OPTIONAL_INPUTS,
+    as_compressed,
+    compressed_call,
+    split_result,
+)
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
@@ -110,9 +117,9 @@ def _answer(config, inputs, options, result, entries=None) -> dict:
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     dev = _check(device, precision, options)
-    if config.compressed is not None:  # DeepSeek V4's layer: impl_mlx.compressed
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_mlx.compressed
         with mx.stream(dev):
-            return compressed_call(compressed_attention, config, tensors, inputs, options, trace=trace,
+            return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace,
                                    convert=to_mx, to_numpy=to_numpy, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
     entries = [] if trace else None
@@ -126,7 +133,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     """forward()'s answer and the gradients from one mx.vjp of the call: the weights and the present cache
     ride along as outputs with zero cotangents."""
-    if config.compressed is not None:
+    if as_compressed(config) is not None:
         raise NotImplementedError(COMPRESSED_GRADIENTS)
     dev = _check(device, precision, options)
     weights.validate_tensors(config, tensors)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from weights import dtype_from_name
-from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, compressed_call, split_result
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, as_compressed, compressed_call, split_result
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
@@ -63,8 +63,8 @@ COMPRESSED_FORWARD_ONLY = ("the NumPy reference has no backward pass for DeepSee
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     _check_device(device)
-    if config.compressed is not None:
-        return compressed_call(compressed_attention, config, tensors, inputs, options, trace=trace)
+    if (v4 := as_compressed(config)) is not None:
+        return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace)
     entries = [] if trace else None
     return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     kwargs = _kwargs(inputs, options)
@@ -93,7 +93,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     _check_device(device)
-    if config.compressed is not None:
+    if as_compressed(config) is not None:
         raise NotImplementedError(COMPRESSED_FORWARD_ONLY)
     out, grads = multi_head_attention_vjp(
         config, tensors, inputs["query"], inputs.get("key"), inputs.get("value"), d_output=d_output,

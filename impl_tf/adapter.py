@@ -22,7 +22,14 @@ import re
 
 import numpy as np
 
-from weights.call import COMPRESSED_MIRROR_DTYPES, INDEXER_INPUTS, OPTIONAL_INPUTS, compressed_call, split_result
+from weights.call import (
+    COMPRESSED_MIRROR_DTYPES,
+    INDEXER_INPUTS,
+    OPTIONAL_INPUTS,
+    as_compressed,
+    compressed_call,
+    split_result,
+)
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
@@ -165,9 +172,9 @@ def _check_values(inputs):
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    if config.compressed is not None:  # DeepSeek V4's layer: impl_tf.compressed, in keras.ops on every Keras backend
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_tf.compressed (keras.ops)
         check_device(device), check_precision(precision)
-        return compressed_call(compressed_attention, config, tensors, inputs, options, trace=trace,
+        return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace,
                                convert=to_tensor, to_numpy=_numpy, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
@@ -218,7 +225,7 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
     """forward()'s answer and vjp()'s gradients of one call, from one recorded pass: `mha check` asks for
     both, and the eager Keras pass is most of this backend's time there. (forward's weights and present
     cache are the same call's; an in-place cache, inference only, goes through forward alone.)"""
-    if config.compressed is not None:
+    if as_compressed(config) is not None:
         raise NotImplementedError(COMPRESSED_GRADIENTS)
     if options.get("in_place"):
         raise ValueError("forward_and_vjp: an in-place cache is inference only (refused under a recording tape)")

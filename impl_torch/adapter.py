@@ -12,7 +12,14 @@ import numpy as np
 import torch
 
 import weights
-from weights.call import COMPRESSED_MIRROR_DTYPES, INDEXER_INPUTS, OPTIONAL_INPUTS, compressed_call, split_result
+from weights.call import (
+    COMPRESSED_MIRROR_DTYPES,
+    INDEXER_INPUTS,
+    OPTIONAL_INPUTS,
+    as_compressed,
+    compressed_call,
+    split_result,
+)
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
@@ -76,10 +83,10 @@ def _tensors(config, tensors, device, *, requires_grad=False):
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    if config.compressed is not None:  # DeepSeek V4's layer: impl_torch.compressed (forward only: the reference's)
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_torch.compressed
         dev = resolve_device(device)
         with matmul_precision(precision), torch.no_grad():
-            return compressed_call(compressed_attention, config, tensors, inputs, options, trace=trace,
+            return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace,
                                    convert=lambda a: to_torch(a, dev), to_numpy=to_numpy,
                                    dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     _check_values(inputs)
@@ -117,7 +124,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
-    if config.compressed is not None:
+    if as_compressed(config) is not None:
         raise NotImplementedError("DeepSeek V4's layer (config.compressed) is judged forward only: the NumPy "
                                   "reference has no backward pass for it")
     _check_values(inputs)

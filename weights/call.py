@@ -149,3 +149,15 @@ def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options
     if trace:
         answer["trace"] = [(e.stage, to_numpy(e.value)) for e in entries]
     return answer
+
+
+def as_compressed(config):
+    """The AttentionConfig of a DeepSeek V4 layer (config.compressed set), from a config or its dict (`mha verify`
+    passes config.to_dict()); None for any other layer."""
+    if isinstance(config, dict):
+        if config.get("compressed") is None:
+            return None
+        from weights import AttentionConfig
+
+        return AttentionConfig.from_dict(config)
+    return config if getattr(config, "compressed", None) is not None else None

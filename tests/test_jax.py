@@ -803,7 +803,7 @@ CHUNKED_FAST = {
 
 @pytest.mark.parametrize(("name", "dtype"), [
     pytest.param(name, dtype, marks=() if name in CHUNKED_FAST[dtype] else pytest.mark.slow)
-    for dtype in DTYPE_NAMES for name in CASES])
+    for dtype in DTYPE_NAMES for name in MHA_CASES])
 def test_chunked_case_matches_reference(name, dtype):
     """Every case of the grid (masks, bias, -inf bias, both causal alignments,
     fully masked rows under each policy, GQA/MQA, dropout mask, T or S = 1)

@@ -248,7 +248,7 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_jax.compressed (eager, HIGHEST)
         resolve_device(device)
-        return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace,
+        return compressed_call(functools.partial(compressed_attention, jit=True), v4, tensors, inputs, options, trace=trace,
                                dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     out, w, cache, stages, _, _ = _run(config, tensors, inputs, options, None, device=device, precision=precision,
                                        with_trace=bool(trace))

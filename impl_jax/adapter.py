@@ -246,10 +246,11 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_jax.compressed (eager, HIGHEST)
-        resolve_device(device)
-        return compressed_call(functools.partial(compressed_attention, jit=True), v4, tensors, inputs, options, trace=trace,
-                               dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_jax.compressed, one program
+        dev = resolve_device(device)
+        jit = compile_options(_cpu_compile if dev.platform == "cpu" else "default")  # as the layer's programs
+        return compressed_call(functools.partial(compressed_attention, jit=jit), v4, tensors, inputs, options,
+                               trace=trace, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     out, w, cache, stages, _, _ = _run(config, tensors, inputs, options, None, device=device, precision=precision,
                                        with_trace=bool(trace))
     return _answer(config, inputs, options, out, w, cache, stages if trace else None)

@@ -174,8 +174,9 @@ def _check_values(inputs):
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_tf.compressed (keras.ops)
         check_device(device), check_precision(precision)
-        return compressed_call(functools.partial(compressed_attention, jit=True), v4, tensors, inputs, options, trace=trace,
-                               convert=to_tensor, to_numpy=_numpy, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
+        jit = (cpu_compile_options() if _cpu_compile == "fast" else {}) if BACKEND == "jax" else None
+        return compressed_call(functools.partial(compressed_attention, jit=jit), v4, tensors, inputs, options,
+                               trace=trace, convert=to_tensor, to_numpy=_numpy, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
     return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))

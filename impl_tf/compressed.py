@@ -111,9 +111,10 @@ def select(config, params, x, q_latent, positions, entries, visible, rec):
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None, jit: bool = False):
-    """impl_numpy.compressed.compressed_attention in keras.ops. jit: on Keras's jax backend, run the layer as one
-    jax.jit program (not with trace); elsewhere, and with trace, eagerly."""
+                         return_selection: bool = False, trace: list | None = None, jit: dict | None = None):
+    """impl_numpy.compressed.compressed_attention in keras.ops. jit: on Keras's jax backend, XLA compiler options
+    ({}: XLA's own) to run the layer with as one jax.jit program (not with trace); None, other backends and a
+    trace: eagerly."""
     validate_tensors(config, {k: np.asarray(ops.convert_to_numpy(v)) if ops.is_tensor(v) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = x if ops.is_tensor(x) else bk.to_tensor(np.asarray(x))
@@ -122,11 +123,11 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
         raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     p = {k: ops.cast(bk.to_tensor(np.asarray(v)) if not ops.is_tensor(v) else v, dtype) for k, v in tensors.items()}
-    if jit and trace is None and BACKEND == "jax":  # one compiled program (eager jax compiles every op per shape)
+    if jit is not None and trace is None and BACKEND == "jax":  # one compiled program (eager jax compiles every op per shape)
         import jax
 
         run = jax.jit(functools.partial(layer, config, p0=p0, return_cache=return_cache,
-                                        return_selection=return_selection))
+                                        return_selection=return_selection), compiler_options=jit or None)
         return run(p, x, past)
     return layer(config, p, x, past, p0=p0, return_cache=return_cache, return_selection=return_selection,
                  trace=trace)

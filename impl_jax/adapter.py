@@ -21,19 +21,25 @@ import jax
 import numpy as np
 
 import weights
-from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS
+from weights.call import COMPRESSED_MIRROR_DTYPES, INDEXER_INPUTS, OPTIONAL_INPUTS, as_compressed, compressed_call
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from . import programs
 from .attention import apply, plan
 from .call import check
+from .compressed import compressed_attention
 from .heads import trace_stages
 from .layer import gpu_available, resolve_device
 
 jax.config.update("jax_enable_x64", True)
 
 NAME = "jax"
+
+# DeepSeek V4's layer (config.compressed) runs through this backend's compressed module, forward only: the NumPy
+# reference has no backward pass for it (the suite judges its forward alone).
+COMPRESSED_GRADIENTS = ("DeepSeek V4's layer (config.compressed) is judged forward only: the NumPy reference has "
+                        "no backward pass for it")
 
 # The paths `mha check` judges (weights/paths.py): the stages, fused_attention (float32 and float64 storage
 # without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
@@ -240,6 +246,11 @@ def _run(config, tensors, inputs, options, d_output, *, device, precision, with_
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_jax.compressed, one program
+        dev = resolve_device(device)
+        jit = compile_options(_cpu_compile if dev.platform == "cpu" else "default")  # as the layer's programs
+        return compressed_call(functools.partial(compressed_attention, jit=jit), v4, tensors, inputs, options,
+                               trace=trace, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     out, w, cache, stages, _, _ = _run(config, tensors, inputs, options, None, device=device, precision=precision,
                                        with_trace=bool(trace))
     return _answer(config, inputs, options, out, w, cache, stages if trace else None)
@@ -248,6 +259,8 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     """forward()'s answer and vjp()'s gradients from one run of the call's program (it computes both: see
     _forward_and_vjp); `mha check` asks for both."""
+    if as_compressed(config) is not None:
+        raise NotImplementedError(COMPRESSED_GRADIENTS)
     out, w, cache, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
                                                 precision=precision, with_trace=False)
     return _answer(config, inputs, options, out, w, cache, None), _grads(config, inputs, d_params, d_inputs)
@@ -282,6 +295,8 @@ def _answer(config, inputs, options, out, w, cache, stages) -> dict:
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     """Gradients of query, key, value (those given), past_key and past_value
     (with a cache of P > 0 positions, as the reference) and every tensor."""
+    if as_compressed(config) is not None:
+        raise NotImplementedError(COMPRESSED_GRADIENTS)
     out, _, _, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
                                             precision=precision, with_trace=False)
     return {"output": np.asarray(out), "grads": _grads(config, inputs, d_params, d_inputs)}

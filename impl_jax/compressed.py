@@ -11,6 +11,8 @@ refuses config.compressed (weights.contract.check_call).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,8 +108,9 @@ def select(config, params, x, q_latent, positions, entries, visible, rec):
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None):
-    """impl_numpy.compressed.compressed_attention in JAX."""
+                         return_selection: bool = False, trace: list | None = None, jit: dict | None = None):
+    """impl_numpy.compressed.compressed_attention in JAX. jit: XLA compiler options ({}: XLA's own) to run the
+    layer with as one jax.jit program (not with trace); None: eagerly, op by op."""
     validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = jnp.asarray(x)
     if x.dtype not in (jnp.float32, jnp.float64):
@@ -115,6 +118,18 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype = x.dtype
     p = {k: jnp.asarray(np.asarray(v)).astype(dtype) for k, v in tensors.items()}
+    past = None if past is None else {k: jnp.asarray(v).astype(dtype) for k, v in past.items()}
+    if trace is None and jit is not None:  # one compiled program (eager JAX compiles every op for every new shape)
+        run = jax.jit(functools.partial(layer, config, p0=p0, return_cache=return_cache,
+                                        return_selection=return_selection), compiler_options=jit or None)
+        return run(p, x, past)
+    return layer(config, p, x, past, p0=p0, return_cache=return_cache, return_selection=return_selection,
+                 trace=trace)
+
+
+def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, return_selection: bool,
+          trace: list | None = None):
+    """compressed_attention's computation on checked arrays (jax.jit-able: shapes and p0 decide every branch)."""
     positions = jnp.arange(p0, p0 + x.shape[1])
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     c, N, H = config.compressed, config.num_heads, config.head_dim

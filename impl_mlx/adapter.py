@@ -11,14 +11,27 @@ import mlx.core as mx
 import numpy as np
 
 import weights
-from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
+from weights.call import (
+    COMPRESSED_MIRROR_DTYPES,
+    INDEXER_INPUTS,
+    OPTIONAL_INPUTS,
+    as_compressed,
+    compressed_call,
+    split_result,
+)
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
+from .compressed import compressed_attention
 from .convert import to_mx, to_numpy
 from .layer import gpu_available, resolve_device
 
 NAME = "mlx"
+
+# DeepSeek V4's layer (config.compressed) runs through this backend's compressed module, forward only: the NumPy
+# reference has no backward pass for it (the suite judges its forward alone).
+COMPRESSED_GRADIENTS = ("DeepSeek V4's layer (config.compressed) is judged forward only: the NumPy reference has "
+                        "no backward pass for it")
 
 # The paths `mha check` judges (weights/paths.py): the stages, the fused kernel
 # (mx.fast.scaled_dot_product_attention), the chunked core (chunk_size=) and the in-place cache (cache_length=).
@@ -104,6 +117,10 @@ def _answer(config, inputs, options, result, entries=None) -> dict:
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     dev = _check(device, precision, options)
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_mlx.compressed
+        with mx.stream(dev):
+            return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace,
+                                   convert=to_mx, to_numpy=to_numpy, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
     entries = [] if trace else None
     with mx.stream(dev):
@@ -116,6 +133,8 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     """forward()'s answer and the gradients from one mx.vjp of the call: the weights and the present cache
     ride along as outputs with zero cotangents."""
+    if as_compressed(config) is not None:
+        raise NotImplementedError(COMPRESSED_GRADIENTS)
     dev = _check(device, precision, options)
     weights.validate_tensors(config, tensors)
     with mx.stream(dev):

@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from weights import dtype_from_name
-from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
+from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, as_compressed, compressed_call, split_result
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
 from .backward import multi_head_attention_vjp
+from .compressed import compressed_attention
 
 NAME = "numpy"
 
@@ -55,8 +56,15 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device must be cpu for the numpy backend: got {device!r}")
 
 
+# The V4 layer's reference is forward only: run_case judges its forward alone with this reason (compare.py).
+COMPRESSED_FORWARD_ONLY = ("the NumPy reference has no backward pass for DeepSeek V4's layer (config.compressed): "
+                           "its forward alone is judged")
+
+
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     _check_device(device)
+    if (v4 := as_compressed(config)) is not None:
+        return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace)
     entries = [] if trace else None
     return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
     kwargs = _kwargs(inputs, options)
@@ -85,6 +93,8 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     _check_device(device)
+    if as_compressed(config) is not None:
+        raise NotImplementedError(COMPRESSED_FORWARD_ONLY)
     out, grads = multi_head_attention_vjp(
         config, tensors, inputs["query"], inputs.get("key"), inputs.get("value"), d_output=d_output,
         **_kwargs(inputs, options),

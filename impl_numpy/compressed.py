@@ -25,6 +25,7 @@ import numpy as np
 from weights import AttentionConfig, validate_tensors
 from weights.call import record
 from weights.config import COMPRESSED_CACHE
+from weights.dtypes import is_float
 from weights.rope import rope_tables
 
 from . import functional as F
@@ -175,7 +176,7 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
     also the present cache (a dict: cache_names)."""
     dtype = validate_tensors(config, tensors)  # every array computes in the tensors' dtype
     x = np.asarray(x)
-    if x.dtype.kind != "f":
+    if not is_float(x.dtype):  # bfloat16 (ml_dtypes) included
         raise ValueError(f"x must be a float array: got dtype {x.dtype}")
     p0 = check_compressed_call(config, x, positions, past)
     x = x.astype(dtype, copy=False)
@@ -220,6 +221,7 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
     grouped = rec("output.group", np.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
-    out = rec("output", grouped.reshape(B, T, -1) @ p["output.kernel"])  # (B, T, O)
+    # (B, T, O), in the storage dtype (16-bit storage computes some stages in float32: functional's compute dtype)
+    out = rec("output", (grouped.reshape(B, T, -1) @ p["output.kernel"]).astype(dtype, copy=False))
     result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
     return result[0] if len(result) == 1 else result

@@ -22,7 +22,14 @@ import re
 
 import numpy as np
 
-from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
+from weights.call import (
+    COMPRESSED_MIRROR_DTYPES,
+    INDEXER_INPUTS,
+    OPTIONAL_INPUTS,
+    as_compressed,
+    compressed_call,
+    split_result,
+)
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
@@ -30,6 +37,7 @@ from ._keras import BACKEND, TENSORFLOW, keras
 from .attention import CHUNKED_UNSUPPORTED
 from .backend import gpus, to_tensor
 from .call import IN_PLACE_UNSUPPORTED
+from .compressed import compressed_attention
 from .layer import MultiHeadAttention, check_device, check_precision
 
 ops = keras.ops
@@ -37,6 +45,11 @@ ops = keras.ops
 # The conformance backend this module is, by the Keras backend it runs on.
 NAMES = {"tensorflow": "tf", "jax": "keras-jax", "torch": "keras-torch"}
 NAME = NAMES[BACKEND]
+
+# DeepSeek V4's layer (config.compressed) runs through this backend's compressed module, forward only: the NumPy
+# reference has no backward pass for it (the suite judges its forward alone).
+COMPRESSED_GRADIENTS = ("DeepSeek V4's layer (config.compressed) is judged forward only: the NumPy reference has "
+                        "no backward pass for it")
 
 if BACKEND == "jax":
     import jax
@@ -159,6 +172,11 @@ def _check_values(inputs):
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_tf.compressed (keras.ops)
+        check_device(device), check_precision(precision)
+        jit = (cpu_compile_options() if _cpu_compile == "fast" else {}) if BACKEND == "jax" else None
+        return compressed_call(functools.partial(compressed_attention, jit=jit), v4, tensors, inputs, options,
+                               trace=trace, convert=to_tensor, to_numpy=_numpy, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
     return_weights, return_cache = bool(options.get("return_weights", False)), bool(options.get("return_cache", False))
@@ -208,6 +226,8 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
     """forward()'s answer and vjp()'s gradients of one call, from one recorded pass: `mha check` asks for
     both, and the eager Keras pass is most of this backend's time there. (forward's weights and present
     cache are the same call's; an in-place cache, inference only, goes through forward alone.)"""
+    if as_compressed(config) is not None:
+        raise NotImplementedError(COMPRESSED_GRADIENTS)
     if options.get("in_place"):
         raise ValueError("forward_and_vjp: an in-place cache is inference only (refused under a recording tape)")
     _check_values(inputs)

@@ -12,6 +12,7 @@ refuses config.compressed (weights.contract.check_call).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -23,7 +24,7 @@ from weights.rope import rope_tables
 
 from . import backend as bk
 from . import functional as F
-from ._keras import keras
+from ._keras import BACKEND, keras
 
 ops = keras.ops
 
@@ -110,8 +111,10 @@ def select(config, params, x, q_latent, positions, entries, visible, rec):
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None):
-    """impl_numpy.compressed.compressed_attention in keras.ops."""
+                         return_selection: bool = False, trace: list | None = None, jit: dict | None = None):
+    """impl_numpy.compressed.compressed_attention in keras.ops. jit: on Keras's jax backend, XLA compiler options
+    ({}: XLA's own) to run the layer with as one jax.jit program (not with trace); None, other backends and a
+    trace: eagerly."""
     validate_tensors(config, {k: np.asarray(ops.convert_to_numpy(v)) if ops.is_tensor(v) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = x if ops.is_tensor(x) else bk.to_tensor(np.asarray(x))
@@ -120,6 +123,20 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
         raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     p = {k: ops.cast(bk.to_tensor(np.asarray(v)) if not ops.is_tensor(v) else v, dtype) for k, v in tensors.items()}
+    if jit is not None and trace is None and BACKEND == "jax":  # one compiled program (eager jax compiles every op per shape)
+        import jax
+
+        run = jax.jit(functools.partial(layer, config, p0=p0, return_cache=return_cache,
+                                        return_selection=return_selection), compiler_options=jit or None)
+        return run(p, x, past)
+    return layer(config, p, x, past, p0=p0, return_cache=return_cache, return_selection=return_selection,
+                 trace=trace)
+
+
+def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, return_selection: bool,
+          trace: list | None = None):
+    """compressed_attention's computation on checked tensors (jax.jit-able on Keras's jax backend: shapes and p0
+    decide every branch)."""
     B, T, _ = x.shape
     positions_np = np.arange(p0, p0 + T)
     positions = bk.to_tensor(positions_np)

@@ -12,11 +12,19 @@ import numpy as np
 import torch
 
 import weights
-from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, split_result
+from weights.call import (
+    COMPRESSED_MIRROR_DTYPES,
+    INDEXER_INPUTS,
+    OPTIONAL_INPUTS,
+    as_compressed,
+    compressed_call,
+    split_result,
+)
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
+from .compressed import compressed_attention
 from .convert import to_numpy, to_torch, torch_dtype
 from .device import devices as _devices
 from .device import matmul_precision, resolve_device
@@ -75,6 +83,12 @@ def _tensors(config, tensors, device, *, requires_grad=False):
 
 
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_torch.compressed
+        dev = resolve_device(device)
+        with matmul_precision(precision), torch.no_grad():
+            return compressed_call(compressed_attention, v4, tensors, inputs, options, trace=trace,
+                                   convert=lambda a: to_torch(a, dev), to_numpy=to_numpy,
+                                   dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     _check_values(inputs)
     dev = resolve_device(device)
     params = _tensors(config, tensors, dev)
@@ -110,6 +124,9 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    if as_compressed(config) is not None:
+        raise NotImplementedError("DeepSeek V4's layer (config.compressed) is judged forward only: the NumPy "
+                                  "reference has no backward pass for it")
     _check_values(inputs)
     dev = resolve_device(device)
     params = _tensors(config, tensors, dev, requires_grad=True)

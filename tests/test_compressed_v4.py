@@ -111,15 +111,40 @@ def test_calls_that_cannot_be_computed_are_refused():
 
 
 @pytest.mark.reference
-def test_every_multi_head_attention_refuses_the_layer_until_mirrored():
+def test_multi_head_attention_refuses_the_layer_and_every_column_judges_it():
     """The reference's own multi_head_attention (weights.contract.check_call, which every mirror calls) refuses
-    config.compressed with the reason, and NOT_YET names it for every mirror column."""
+    config.compressed with the reason; the suite runs the layer through each adapter's compressed_call instead,
+    so no column's NOT_YET names it."""
     config, t = _layer("hca")
     with pytest.raises(ValueError, match=r"config.compressed \(a DeepSeek V4 layer\) is not taken"):
         multi_head_attention(config, t, _x(length=2))
-    for column in ("torch", "tf", "keras-jax", "keras-torch", "jax", "mlx"):
-        assert "issue 41" in backends.not_yet(column, config)
-    assert backends.not_yet("numpy", config) is None
+    for column in ("numpy", "torch", "tf", "keras-jax", "keras-torch", "jax", "mlx"):
+        assert backends.not_yet(column, config) is None
+
+
+class _PortAdapter:
+    """A backend whose forward is tests/v4_mutants.py's hand port (no cache: prefill cases), with a bug or not."""
+
+    def __init__(self, bug):
+        self.bug = bug
+
+    def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+        out = port(config, tensors, inputs["query"], self.bug)
+        return {"output": out.astype(next(iter(tensors.values())).dtype)}
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("bug", [None, "sinks_dropped", "csa_overlap_dropped", "indexer_pairing_swapped",
+                                 "entries_one_token_late"])
+def test_a_port_bug_fails_the_grid_case_through_run_case(bug):
+    """`mha check`'s own judgement (run_case, float32, the policy's bar) passes the hand port on the grid's csa
+    prefill and fails each of these port bugs there."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(CASES["v4_csa_prefill"], "v4-port", dtype="float32", adapter=_PortAdapter(bug))
+    assert result.status == ("pass" if bug is None else "fail"), (bug, result.status, result.message,
+                                                                  [c.margin for c in result.comparisons])
 
 
 @pytest.mark.reference

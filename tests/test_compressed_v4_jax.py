@@ -55,3 +55,13 @@ def test_jax_reproduces_the_reference_decode(kind):
                                          return_cache=True)
         rows.append(np.asarray(out))
     assert np.abs(np.concatenate(rows, axis=1) - want).max() <= BOUND["float64"] * np.abs(want).max()
+
+
+@pytest.mark.parametrize("name", ["v4_csa_prefill", "v4_hca_decode"])
+def test_the_jax_column_passes_the_grid_cases(name):
+    """`mha check`'s judgement (run_case through the adapter, float32, forward only) of the grid's V4 cases."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(CASES[name], "jax", dtype="float32")
+    assert result.status == "pass" and result.message.startswith("forward only"), (result.status, result.message)

@@ -43,6 +43,7 @@ import weights  # noqa: E402
 from conformance.suite.cases import (  # noqa: E402
     CASES,
     DTYPE_NAMES,
+    MHA_CASES,
     cast_inputs,
     cast_tensors,
     make_inputs,
@@ -115,7 +116,7 @@ class Recorder:
 # -- forward, weights, gradients over every case and dtype --------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(MHA_CASES))
 def test_case_matches_reference(name, dtype):
     """Output, weights and every gradient (jax.vjp), judged exactly as `mha check` does."""
     case = CASES[name]
@@ -802,7 +803,7 @@ CHUNKED_FAST = {
 
 @pytest.mark.parametrize(("name", "dtype"), [
     pytest.param(name, dtype, marks=() if name in CHUNKED_FAST[dtype] else pytest.mark.slow)
-    for dtype in DTYPE_NAMES for name in CASES])
+    for dtype in DTYPE_NAMES for name in MHA_CASES])
 def test_chunked_case_matches_reference(name, dtype):
     """Every case of the grid (masks, bias, -inf bias, both causal alignments,
     fully masked rows under each policy, GQA/MQA, dropout mask, T or S = 1)
@@ -1026,7 +1027,7 @@ def test_chunked_refusals_match_reference(extra, monkeypatch):
 FAST_FLOAT64 = ["mqa", "causal_bottom_right_long_query", "mask_and_bias_causal", "masked_rows_nan"]
 
 
-@pytest.mark.parametrize(("name", "dtype"), [*((name, "float32") for name in CASES),
+@pytest.mark.parametrize(("name", "dtype"), [*((name, "float32") for name in MHA_CASES),
                                              *((name, "float64") for name in FAST_FLOAT64)])
 def test_fast_path_case_matches_reference(name, dtype):
     """The grid without weights: float32 and float64 calls take functional.fused_attention

@@ -110,3 +110,54 @@ def split_result(result, return_weights: bool, return_cache: bool,
     names = result_names(return_weights, return_cache, return_selection, index_cache)
     parts = list(result) if len(names) > 1 else [result]
     return {name: to_array(value) for name, value in zip(names, parts, strict=True)}
+
+
+# The dtypes every mirror's DeepSeek V4 layer (impl_*/compressed.py) computes in; 16-bit storage is the NumPy
+# reference's alone (its stages in functional's compute dtype), and a mirror's adapter reports it unsupported.
+COMPRESSED_MIRROR_DTYPES = ("float32", "float64")
+
+
+def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options: dict, *, convert=lambda a: a,
+                    to_numpy=np.asarray, trace: bool = False, dtypes=None, backend: str = "") -> dict:
+    """An adapter's forward of DeepSeek V4's layer (config.compressed) through its module's
+    compressed_attention (`call`): inputs["query"] is the layer's input x (B, T, D), inputs["positions"] its
+    absolute positions (T,), past_<name> the cache (impl_numpy.compressed.cache_names). Arrays are cast to
+    options["dtype"] (else the tensors') and handed to `call` through `convert`. The answer, as NumPy: output,
+    csa's selection, with options["return_cache"] present_<name> for every name of the cache, and the trace.
+    dtypes: those the backend's layer computes in (None: any); another raises NotImplementedError."""
+    dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
+    if dtypes is not None and dtype not in dtypes:
+        raise NotImplementedError(f"{backend}'s DeepSeek V4 layer (config.compressed) computes in "
+                                  f"{' or '.join(dtypes)}: got {dtype}")
+    from weights import dtype_from_name
+
+    dt = dtype_from_name(dtype)
+    params = {name: convert(np.asarray(t).astype(dt, copy=False)) for name, t in tensors.items()}
+    past = {name.removeprefix("past_"): convert(np.asarray(a).astype(dt, copy=False))
+            for name, a in inputs.items() if name.startswith("past_")} or None
+    csa, return_cache = config.compressed.kind == "csa", bool(options.get("return_cache", False))
+    entries = [] if trace else None
+    result = call(config, params, convert(np.asarray(inputs["query"]).astype(dt, copy=False)),
+                  np.asarray(inputs["positions"]), past, return_cache=return_cache, return_selection=csa,
+                  trace=entries)
+    result = result if isinstance(result, tuple) else (result,)
+    answer = {"output": to_numpy(result[0])}
+    if csa:
+        answer["selection"] = np.asarray(to_numpy(result[1])).astype(np.int64)
+    if return_cache:
+        answer.update({f"present_{name}": to_numpy(a) for name, a in result[-1].items()})
+    if trace:
+        answer["trace"] = [(e.stage, to_numpy(e.value)) for e in entries]
+    return answer
+
+
+def as_compressed(config):
+    """The AttentionConfig of a DeepSeek V4 layer (config.compressed set), from a config or its dict (`mha verify`
+    passes config.to_dict()); None for any other layer."""
+    if isinstance(config, dict):
+        if config.get("compressed") is None:
+            return None
+        from weights import AttentionConfig
+
+        return AttentionConfig.from_dict(config)
+    return config if getattr(config, "compressed", None) is not None else None

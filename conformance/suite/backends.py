@@ -82,13 +82,8 @@ REGISTRY: dict[str, Backend] = {
 # (the one place that decides it: run_case and the backend's `mha verify` function read not_yet). Remove the
 # entry when the backend gains the field.
 NOT_YET: dict[str, dict[str, str]] = {}
-# Issue 41: DeepSeek V4's layer runs through its own call (each impl_*/compressed.py), not multi_head_attention,
-# and the suite runs no such case yet; every mirror column reports it unsupported with that reason.
-for _backend, _module in (("torch", "impl_torch"), ("tf", "impl_tf"), ("keras-jax", "impl_tf"),
-                          ("keras-torch", "impl_tf"), ("jax", "impl_jax"), ("mlx", "impl_mlx")):
-    NOT_YET.setdefault(_backend, {})["compressed"] = (
-        f"DeepSeek V4's compressed attention (config.compressed) runs through {_module}.compressed, which the "
-        f"suite does not run yet (issue 41)")
+# (Issue 41's DeepSeek V4 layer, config.compressed, runs on every mirror column through its adapter's
+# compressed_call: no entry.)
 
 
 def not_yet(backend_id: str, config) -> str | None:

@@ -110,7 +110,7 @@ def _grid() -> list[Case]:
         Case("large_logits", _cfg(scale=1.0), input_scale=6.0),
         Case("dropout_train", _cfg(dropout=0.25), training=True, **cross),
         Case("no_weights", _cfg(), return_weights=False, mask="padding", **cross),
-    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _mrope_grid() + _differential_grid() + _sharing_grid()
+    ] + _modern_grid() + _topk_grid() + _indexer_grid() + _long_grid() + _mrope_grid() + _differential_grid() + _sharing_grid() + _v4_grid()
 
 
 def _modern_grid() -> list[Case]:
@@ -407,6 +407,46 @@ def _sharing_grid() -> list[Case]:
     ]
 
 
+def _v4_grid() -> list[Case]:
+    """DeepSeek V4's compressed attention (config.compressed, issue 41), run through each backend's
+    impl_*/compressed.py: a csa prefill of 12 tokens (windows of 2 with overlap close at every odd position, the
+    indexer's top-2 drops entries from position 5 on, the sliding window of 4 keys hides most keys, YaRN on the
+    compress table as V4's) and an hca decode of 3 tokens at positions 9..11 over the cache of 9 earlier ones
+    (two windows of 4 closed, one buffered token; the window 8..11 closes in the call). The layer's input is
+    `query` (B, T, D), its absolute positions `positions` (T,), the cache past_<name> (impl_numpy.compressed's
+    cache_names): the float64 reference's own cache of the P earlier tokens. Forward only (the reference has no
+    backward for the layer). Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
+    base = dict(num_heads=2, query_dim=16, head_dim=8, num_kv_heads=1, use_query_bias=False, use_key_bias=False,
+                use_value_bias=False, use_output_bias=False, use_sinks=True, window_left=3)
+    low_rank = {"query_rank": 6, "output_groups": 2, "output_rank": 4}
+    yarn = {"theta": 160000.0, "rotary_dim": 4, "interleaved": True, "scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "attention_factor": 1.0}}
+    csa = {"kind": "csa", **low_rank, "ratio": 2, "overlap": True, "index_heads": 2, "index_head_dim": 4,
+           "index_topk": 2}
+    hca = {"kind": "hca", **low_rank, "ratio": 4}
+    v4 = dict(is_causal=True, return_weights=False, self_attention=False)
+    return [
+        Case("v4_csa_prefill", _cfg(**base, rope=yarn, compressed=csa), T=12, S=12, **v4),
+        Case("v4_hca_decode", _cfg(**base, rope={"theta": 10000.0, "rotary_dim": 4, "interleaved": True},
+                                   compressed=hca), T=3, S=3, P=9, **v4),
+    ]
+
+
+def _compressed_inputs(case: Case) -> dict[str, np.ndarray]:
+    """A V4 case's call (config.compressed): `query` the layer's input x (B, T, D), `positions` (T,) int64 the
+    absolute positions P..P+T-1, and with P > 0 past_<name>: the float64 reference's cache after the P earlier
+    tokens (drawn with x from the same stream), which a call at positions P.. must carry."""
+    from impl_numpy.compressed import compressed_attention
+
+    B, T, P = case.B, case.T, case.P
+    x = np.random.default_rng(case.seed + 1).standard_normal((B, P + T, case.config.query_dim)) * case.input_scale
+    inputs = {"query": x[:, P:], "positions": np.arange(P, P + T, dtype=np.int64)}
+    if P:
+        _, present = compressed_attention(case.config, make_tensors(case), x[:, :P], np.arange(P), return_cache=True)
+        inputs.update({f"past_{name}": np.ascontiguousarray(a) for name, a in present.items()})
+    return inputs
+
+
 def _long_cfg(**kw) -> AttentionConfig:
     """A realistic length's shape, kept cheap: 4 heads of 8 features over 16 input features, 8 outputs."""
     return _cfg(**{"num_heads": 4, "head_dim": 8, "query_dim": 16, "out_dim": 8, **kw})
@@ -464,8 +504,12 @@ CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid()
 CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | frozenset(case.name for case in _mrope_grid())  # two cases, issue 42
 CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | {case.name for case in _differential_grid()}
 CHECK_ONE_DTYPE |= frozenset(case.name for case in _sharing_grid())  # issue 42's cases
+CHECK_ONE_DTYPE |= frozenset(case.name for case in _v4_grid())  # issue 41's two cases
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
+# The grid's cases that multi_head_attention takes: all but DeepSeek V4's (config.compressed), which run through
+# each backend's impl_*/compressed.py (one path, forward only); the mirrors' grid tests run these.
+MHA_CASES: dict[str, Case] = {name: case for name, case in CASES.items() if case.config.compressed is None}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"
 
 
@@ -484,6 +528,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     every key, the cache's included (S_total = P + S).
     """
     c = case.config
+    if c.compressed is not None:  # DeepSeek V4's layer: its own call (x, positions, its cache)
+        return _compressed_inputs(case)
     rng = np.random.default_rng(case.seed + 1)
     B, T, N = case.B, case.T, c.num_heads
     S = case.S_total  # from here on: every key

@@ -149,6 +149,8 @@ def expected_for(case: Case, dtype: str, selection: np.ndarray | None = None) ->
         found = reference_cache.load(disk)
         if found is not None:
             return _remember(key, found, disk)
+    if case.config.compressed is not None:
+        return _remember(key, _expected_compressed(case, dtype), disk)
     tensors = cast_tensors(make_tensors(case), dtype)
     inputs = cast_inputs(make_inputs(case), dtype)
     config, run_tensors, run_inputs = case.config, tensors, inputs
@@ -223,6 +225,31 @@ def _remember(key, expected: dict, disk: str | None) -> dict:
     _EXPECTED_CACHE[key] = expected
     if disk is not None:
         _DISK_KEYS[key] = disk
+    return expected
+
+
+def _expected_compressed(case: Case, dtype: str) -> dict:
+    """expected_for of a DeepSeek V4 case (config.compressed): impl_numpy.compressed's float64 forward on the
+    inputs and weights rounded to `dtype`, with its trace, csa's selection and, with a cache, the present one.
+    No gradients (the reference has no backward for the layer: run_case judges the forward alone) and no
+    elementwise magnitudes (impl_numpy.magnitudes does not know the layer): the output is judged by the policy's
+    tensor-wide bar, the reference's own size, with z from the logits' sizes, S every key the case has (P + S:
+    more than the window and the entries any query sees, so the bar is the looser for it) and, in 16 bits, the
+    reference's own error run in `dtype`."""
+    tensors = cast_tensors(make_tensors(case), dtype)
+    inputs = cast_inputs(make_inputs(case), dtype)
+    t64, i64 = cast_tensors(tensors, "float64"), cast_inputs(inputs, "float64")
+    options64 = case.options("float64") | {"return_cache": case.return_cache}
+    fwd = reference.forward(case.config, t64, i64, options64, trace=True)
+    logits = dict(fwd["trace"])["logits"]
+    expected = {"output": fwd["output"], "weights": None, "grads": {}, "magnitudes": {},
+                "forward_magnitudes": {"logits": np.abs(logits)}, "logit_errors": {}, "trace": fwd["trace"],
+                "logits": logits, "tensors": tensors, "inputs": inputs, "d_output": output_cotangent(case),
+                "same_precision": {}, "max_position": case.P + case.T, "selection": fwd.get("selection")}
+    expected.update({name: a for name, a in fwd.items() if name.startswith("present_")})
+    if dtype in ("float16", "bfloat16"):  # the reference's own rounding in `dtype` (the low-precision rule)
+        low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_cache": False})
+        expected["same_precision"] = {"output": _max_err(low["output"], fwd["output"])}
     return expected
 
 
@@ -479,6 +506,9 @@ def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
     cache, a fused core that 16-bit storage never takes). Raises NotImplementedError with the reason where
     the path exists but cannot take this call (SDPA and a softcap)."""
     options = case.options(dtype)
+    if case.config.compressed is not None:  # DeepSeek V4's layer: one path per backend (its compressed module)
+        return options | {"forward_only": reference.COMPRESSED_FORWARD_ONLY} if path in (DEFAULT_PATH, "stages") \
+            else None
     if path == DEFAULT_PATH:
         return options
     if path not in getattr(adapter, "PATHS", ()):

@@ -340,3 +340,35 @@ def test_the_check_workers_each_import_their_own_frameworks():
     many = worker_groups(core, 16, {"jax": 2})
     assert sorted(b for group, _ in many for b in group) == sorted(core)
     assert sum(n for _, n in many) <= 16 and all(n <= (2 if group == ["jax"] else 4) for group, n in many), many
+
+
+def test_a_worker_out_of_its_own_chunks_takes_another_family_only_where_it_pays():
+    """check.ChunkQueue: a worker runs its own backends' chunks first, slowest first; out of them, it takes the
+    last queued chunk of the family with the most seconds left when that family's own worker would still be
+    busy longer than the chunk plus the import costs this one (torch's chunks from the JAX worker's queue),
+    and not a last TensorFlow chunk, whose import costs what the chunk does."""
+    from conformance.suite.check import ChunkQueue, ChunkWorker
+
+    dtypes = ["float64", "float32", "float16", "bfloat16"]
+    chunks = ([("jax", "cpu", "float32"), ("jax", "cpu", "bfloat16")] + [("tf", "cpu", t) for t in dtypes]
+              + [(b, "cpu", t) for b in ("torch", "mlx", "numpy") for t in dtypes])
+    tf_worker, other = ChunkWorker(None, {"tf"}), ChunkWorker(None, {"torch", "jax", "mlx", "numpy"})
+    queue = ChunkQueue(chunks, [tf_worker, other])
+    assert queue.next_for(other) == ("jax", "cpu", "float32")
+    assert [queue.next_for(tf_worker) for _ in dtypes] == [("tf", "cpu", t) for t in dtypes]
+    # TensorFlow's worker is done while JAX's still runs: torch's last chunk, then torch's others as its own
+    assert queue.next_for(tf_worker) == ("torch", "cpu", "bfloat16")
+    assert queue.next_for(tf_worker) == ("torch", "cpu", "float64")
+    assert queue.next_for(other) == ("jax", "cpu", "bfloat16")
+    taken = [queue.next_for(tf_worker) for _ in range(3)]
+    assert ("torch", "cpu", "float32") in taken and all(c is not None for c in taken), taken
+
+    # a warm check: the other worker is done with two TensorFlow chunks still queued: it leaves them
+    queue = ChunkQueue([("tf", "cpu", t) for t in dtypes] + [("numpy", "cpu", "float32")],
+                       [tf_worker := ChunkWorker(None, {"tf"}), other := ChunkWorker(None, {"numpy"})])
+    assert queue.next_for(tf_worker) == ("tf", "cpu", "float64") and queue.next_for(tf_worker)[2] == "float32"
+    assert queue.next_for(other) == ("numpy", "cpu", "float32")
+    assert queue.next_for(other) is None, "two chunks left: importing TensorFlow for one does not pay"
+    assert "tf" not in other.backends
+    assert queue.next_for(tf_worker)[2] == "float16" and queue.next_for(tf_worker)[2] == "bfloat16"
+    assert queue.next_for(tf_worker) is None

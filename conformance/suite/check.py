@@ -6,6 +6,7 @@ terminal, optionally a report and JSON; exit 0 only if everything conforms.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -267,6 +268,64 @@ def _one_thread_per_worker(jobs: int):
             os.environ.pop(key, None)
 
 
+# What importing a family's frameworks costs a worker, CPU seconds (2-core EPYC VM, 2026-11-29): a worker
+# takes another family's chunk only where the other worker would still be busy longer than that costs it.
+IMPORT_SECONDS = {"tensorflow": 4.3, "torch": 1.7, "jax": 1.1, "mlx": 0.2, "numpy": 0.0}
+
+
+@dataclasses.dataclass
+class ChunkWorker:
+    """A shared worker process: its one-process pool and the backends whose frameworks it has imported."""
+
+    executor: object
+    backends: set
+
+
+class ChunkQueue:
+    """The shared backends' chunks, handed to their workers one at a time. A worker takes its own backends'
+    chunks first, the slowest first (the order given). With none left it takes the last chunk of the family
+    with the most estimated seconds still queued, when that family would keep its own worker busy longer
+    than the chunk and the import cost this one: on two cores, a cold check's JAX chunks outlast
+    TensorFlow's worker, which then takes torch's, MLX's and NumPy's; a warm one's TensorFlow chunks
+    outlast the other worker, which does not import TensorFlow for the last one (the import costs what the
+    chunk does). Estimates: FAMILY_SECONDS spread over the family's chunks, IMPORT_SECONDS."""
+
+    def __init__(self, chunks, workers):
+        self.chunks = list(chunks)
+        self.workers = workers
+        counts: dict[str, int] = {}
+        for backend_id, _, _ in self.chunks:
+            counts[_family(backend_id)] = counts.get(_family(backend_id), 0) + 1
+        self.seconds = {f: FAMILY_SECONDS.get(f, 1.0) / n for f, n in counts.items()}
+
+    def _estimate(self, chunk) -> float:
+        return self.seconds[_family(chunk[0])]
+
+    def next_for(self, worker: ChunkWorker):
+        own = [c for c in self.chunks if c[0] in worker.backends]
+        if own:
+            self.chunks.remove(own[0])
+            return own[0]
+        queued: dict[str, list] = {}
+        for chunk in self.chunks:
+            queued.setdefault(_family(chunk[0]), []).append(chunk)
+        if not queued:
+            return None
+        family = max(queued, key=lambda f: sum(map(self._estimate, queued[f])))
+        chunk = queued[family][-1]
+        known = {_family(b) for b in worker.backends}
+        cost = self._estimate(chunk) + (0.0 if family in known else IMPORT_SECONDS.get(family, 1.0))
+        if sum(map(self._estimate, queued[family])) - self._estimate(chunk) < cost:
+            return None  # its own workers finish it sooner than this one would
+        self.chunks.remove(chunk)
+        worker.backends.add(chunk[0])
+        return chunk
+
+
+def _family(backend_id: str) -> str:
+    return IMPORT_FAMILY.get(backend_id, backend_id)
+
+
 def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
               gradients=True, console=None, progress=True, jobs=None, compile_cache=None, xla_full_opt=False,
               path_kinds=DEFAULT_PATH_KINDS, probes: dict | None = None, skip=None, backend_dtypes=None):
@@ -298,7 +357,8 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
     jobs = max(1, min(jobs if jobs is not None else (os.cpu_count() or 1), max(1, len(shared)) * len(dtypes)))
     results: list[CaseResult] = []
     with contextlib.ExitStack() as stack:
-        pools: dict = {}  # backend -> the pool of the worker(s) that run its chunks
+        pools: dict = {}  # a Keras backend of its own -> its worker's pool
+        workers: list[ChunkWorker] = []  # the shared backends' workers
         if jobs > 1 or own:
             import concurrent.futures
             import multiprocessing
@@ -317,18 +377,19 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
                 warming.append(pools[backend_id].submit(_warm, [backend_id]))
             chunk_counts = {b: len([t for t in dtypes if t in (backend_dtypes or {}).get(b, dtypes)]) for b in shared}
             for group, processes in (worker_groups(shared, jobs, chunk_counts) if jobs > 1 else []):
-                pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                    processes, mp_context=spawn, initializer=_start_worker))
-                pools.update(dict.fromkeys(group, pool))
-                # each worker imports its own group's frameworks alone (one _warm per idle worker, as a rule)
-                warming += [pool.submit(_warm, group) for _ in range(processes)]
+                for _ in range(processes):  # each worker imports its own group's frameworks alone
+                    worker = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                        1, mp_context=spawn, initializer=_start_worker))
+                    workers.append(ChunkWorker(worker, set(group)))
+                    warming.append(worker.submit(_warm, group))
             found = {}
             for future in warming:
                 answer, probed = future.result()
                 found.update(answer)
                 if probes is not None:
                     probes.update(probed)
-            pairs, skipped = _plan_from([b for b in backend_ids if b in pools], devices, found)
+            pairs, skipped = _plan_from([b for b in backend_ids if b in pools or (workers and b in shared)],
+                                        devices, found)
             if jobs == 1:  # the shared backends in this process
                 shared_pairs, shared_skipped = plan(shared, devices, console)
                 pairs, skipped = shared_pairs + pairs, shared_skipped + skipped
@@ -340,21 +401,36 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not progress, transient=True) as bar:
             task = bar.add_task("mha check", total=sum(len(names_for(t)) for _, _, t in chunks))
-            # each pool runs its chunks in turn, the slowest first
-            futures = {pools[b].submit(
-                _run_chunk, b, d, t, names_for(t), precision, gradients, compile_cache, xla_full_opt, path_kinds): t
-                for b, d, t in chunks if b in pools}
-            for backend_id, device, dtype in chunks:
-                if backend_id in pools:
+            def submit(executor, chunk):
+                b, d, t = chunk
+                return executor.submit(_run_chunk, b, d, t, names_for(t), precision, gradients, compile_cache,
+                                       xla_full_opt, path_kinds)
+
+            # a Keras backend's own worker runs its chunks in turn; the shared workers take theirs one at a time
+            # (ChunkQueue: their own families' first, the slowest first, then what is worth taking from another's)
+            pending = {submit(pools[c[0]], c): (c, None) for c in chunks if c[0] in pools}
+            queue = ChunkQueue([c for c in chunks if c[0] in shared], workers) if workers else None
+            for worker in workers:
+                chunk = queue.next_for(worker)
+                if chunk is not None:
+                    pending[submit(worker.executor, chunk)] = (chunk, worker)
+            for chunk in chunks:
+                if chunk[0] in pools or workers:
                     continue
+                backend_id, device, dtype = chunk
                 bar.update(task, description=f"{backend_id}/{device}/{dtype}")
                 results += _run_chunk(backend_id, device, dtype, names_for(dtype), precision, gradients,
                                       compile_cache, xla_full_opt, path_kinds)
                 bar.advance(task, len(names_for(dtype)))
-            if futures:
-                for future in concurrent.futures.as_completed(futures):
+            while pending:
+                done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    (_, _, dtype), worker = pending.pop(future)
                     results += future.result()
-                    bar.advance(task, len(names_for(futures[future])))
+                    bar.advance(task, len(names_for(dtype)))
+                    chunk = None if worker is None else queue.next_for(worker)
+                    if chunk is not None:
+                        pending[submit(worker.executor, chunk)] = (chunk, worker)
     order = {chunk: i for i, chunk in enumerate((b, d, t) for b, d, _ in pairs for t in dtypes)}
     results.sort(key=lambda r: order[(r.backend, r.device, r.dtype)])  # stable: each chunk keeps its path order
     results.extend(cross_device(results))

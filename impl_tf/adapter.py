@@ -56,7 +56,7 @@ if BACKEND == "jax":
 
     jax.config.update("jax_enable_x64", True)
 
-# On jax, the XLA compile options of the CPU programs (each call is one: _jax_stateless): the same as
+# On jax, the XLA compile options of the CPU programs (each call is one: _jax_run): the same as
 # impl_jax.adapter.FAST_CPU_COMPILE (LLVM at -O0, XLA's classic fusion emitters, the LLVM module whole; XLA's
 # HLO passes as by default: what is computed is decided the same way, only the machine code differs; its
 # comment there has the measurements), copied rather than imported: impl_jax.adapter is the jax column's entry
@@ -367,7 +367,7 @@ def set_program_cache(directory) -> None:
     (impl_jax/programs.py, keyed by impl_tf's and weights' sources and Keras's version and configuration);
     None: jax.jit's own caches only. No effect on the other Keras backends."""
     global _program_directory
-    _program_directory = None if directory is None else directory
+    _program_directory = directory
 
 
 def _jax_run(layer, given, kwargs, cotangent, device, **returns):

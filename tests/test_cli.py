@@ -353,7 +353,7 @@ def test_a_worker_out_of_its_own_chunks_takes_another_family_only_where_it_pays(
     chunks = ([("jax", "cpu", "float32"), ("jax", "cpu", "bfloat16")] + [("tf", "cpu", t) for t in dtypes]
               + [(b, "cpu", t) for b in ("torch", "mlx", "numpy") for t in dtypes])
     tf_worker, other = ChunkWorker(None, {"tf"}), ChunkWorker(None, {"torch", "jax", "mlx", "numpy"})
-    queue = ChunkQueue(chunks, [tf_worker, other])
+    queue = ChunkQueue(chunks)
     assert queue.next_for(other) == ("jax", "cpu", "float32")
     assert [queue.next_for(tf_worker) for _ in dtypes] == [("tf", "cpu", t) for t in dtypes]
     # TensorFlow's worker is done while JAX's still runs: torch's last chunk, then torch's others as its own
@@ -364,8 +364,8 @@ def test_a_worker_out_of_its_own_chunks_takes_another_family_only_where_it_pays(
     assert ("torch", "cpu", "float32") in taken and all(c is not None for c in taken), taken
 
     # a warm check: the other worker is done with two TensorFlow chunks still queued: it leaves them
-    queue = ChunkQueue([("tf", "cpu", t) for t in dtypes] + [("numpy", "cpu", "float32")],
-                       [tf_worker := ChunkWorker(None, {"tf"}), other := ChunkWorker(None, {"numpy"})])
+    queue = ChunkQueue([("tf", "cpu", t) for t in dtypes] + [("numpy", "cpu", "float32")])
+    tf_worker, other = ChunkWorker(None, {"tf"}), ChunkWorker(None, {"numpy"})
     assert queue.next_for(tf_worker) == ("tf", "cpu", "float64") and queue.next_for(tf_worker)[2] == "float32"
     assert queue.next_for(other) == ("numpy", "cpu", "float32")
     assert queue.next_for(other) is None, "two chunks left: importing TensorFlow for one does not pay"

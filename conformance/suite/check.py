@@ -185,8 +185,8 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
 _COST_ORDER = {"keras-jax": -1, "keras-torch": -1, "jax": 0, "flax-nnx-mha": 1, "flax-linen-mha": 1, "jax-dpa": 1, "tf": 2, "keras-native-mha": 2}
 
 # The workers of the backends that share a process (all but keras-jax and keras-torch) each import the
-# frameworks of their own backends alone: a backend's chunks all go to one worker, and the backends that
-# import the same framework to the same one. Importing TensorFlow takes 4.3 s of CPU, torch 1.7, JAX and
+# frameworks of their own backends alone: a backend's chunks go to one worker, and the backends that import
+# the same framework to the same one (until a worker out of its own takes another's: ChunkQueue). Importing TensorFlow takes 4.3 s of CPU, torch 1.7, JAX and
 # Flax 1.1 (2-core EPYC VM, 2026-11-29); when every worker imported every framework, a warm `mha check`
 # spent about 7 s of its CPU importing them twice. The families go to the workers largest first, each to
 # the least loaded, by their columns' CPU time in a warm check (FAMILY_SECONDS, the same machine and day:
@@ -200,6 +200,10 @@ IMPORT_FAMILY = {"tf": "tensorflow", "keras-native-mha": "tensorflow", "keras-hu
 FAMILY_SECONDS = {"tensorflow": 23.0, "torch": 9.0, "jax": 7.0, "mlx": 4.0, "numpy": 2.4}
 
 
+def _family(backend_id: str) -> str:
+    return IMPORT_FAMILY.get(backend_id, backend_id)
+
+
 def worker_groups(backend_ids, workers: int, chunks: dict[str, int] | None = None) -> list[tuple[list[str], int]]:
     """The backends in groups, each with its worker processes (`workers` in all): a framework's backends in
     one group (IMPORT_FAMILY), the families spread over at most `workers` groups by FAMILY_SECONDS, largest
@@ -208,7 +212,7 @@ def worker_groups(backend_ids, workers: int, chunks: dict[str, int] | None = Non
     never more processes than the group has chunks (chunks: {backend: its chunks}, one per dtype by default)."""
     families: dict[str, list[str]] = {}
     for backend_id in backend_ids:
-        families.setdefault(IMPORT_FAMILY.get(backend_id, backend_id), []).append(backend_id)
+        families.setdefault(_family(backend_id), []).append(backend_id)
     groups: list[list[str]] = [[] for _ in range(max(1, min(workers, len(families))))]
     load = [0.0] * len(groups)
     for family in sorted(families, key=lambda f: -FAMILY_SECONDS.get(f, 1.0)):
@@ -290,9 +294,8 @@ class ChunkQueue:
     outlast the other worker, which does not import TensorFlow for the last one (the import costs what the
     chunk does). Estimates: FAMILY_SECONDS spread over the family's chunks, IMPORT_SECONDS."""
 
-    def __init__(self, chunks, workers):
+    def __init__(self, chunks):
         self.chunks = list(chunks)
-        self.workers = workers
         counts: dict[str, int] = {}
         for backend_id, _, _ in self.chunks:
             counts[_family(backend_id)] = counts.get(_family(backend_id), 0) + 1
@@ -321,9 +324,6 @@ class ChunkQueue:
         worker.backends.add(chunk[0])
         return chunk
 
-
-def _family(backend_id: str) -> str:
-    return IMPORT_FAMILY.get(backend_id, backend_id)
 
 
 def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_names=None, *, precision="highest",
@@ -409,7 +409,7 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
             # a Keras backend's own worker runs its chunks in turn; the shared workers take theirs one at a time
             # (ChunkQueue: their own families' first, the slowest first, then what is worth taking from another's)
             pending = {submit(pools[c[0]], c): (c, None) for c in chunks if c[0] in pools}
-            queue = ChunkQueue([c for c in chunks if c[0] in shared], workers) if workers else None
+            queue = ChunkQueue([c for c in chunks if c[0] in shared]) if workers else None
             for worker in workers:
                 chunk = queue.next_for(worker)
                 if chunk is not None:

@@ -40,10 +40,10 @@ import jax
 import numpy as np
 
 from weights.atomic import write_bytes_atomic
+from weights.fingerprint import cpu_flags, source_digest
 
 _directory: Path | None = None
 _loaded: dict[str, object] = {}  # key -> compiled program, this process
-_source_digests: dict[tuple[str, ...], bytes] = {}
 # What a program's trace runs, by default: impl_jax's and weights' sources (impl_tf's Keras programs on jax
 # name their own: impl_tf.adapter)
 TRACED_PACKAGES = ("impl_jax", "weights")
@@ -67,19 +67,6 @@ def clear() -> None:
     _loaded.clear()
 
 
-def _sources(packages: tuple[str, ...] = TRACED_PACKAGES) -> bytes:
-    """A digest of these top-level packages' source files (impl_jax's and weights' by default): what tracing
-    runs."""
-    if packages not in _source_digests:
-        root = Path(__file__).parent.parent
-        h = hashlib.sha256()
-        for package in (root / name for name in packages):
-            for path in sorted(package.rglob("*.py")):
-                h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-        _source_digests[packages] = h.digest()
-    return _source_digests[packages]
-
-
 def _cpu_target(device) -> str:
     """What XLA compiles this device's programs for: the fingerprint of XLA's topology of the device (the one JAX's
     own compilation cache hashes; it follows the instruction set XLA targets: with XLA_FLAGS
@@ -93,12 +80,7 @@ def _cpu_target(device) -> str:
             parts.append(str(xla_client.get_topology_for_devices([device]).fingerprint()))
         except Exception as error:  # a jaxlib without it: keyed by the flags below alone
             parts.append(f"no topology: {type(error).__name__}")
-        try:
-            with open("/proc/cpuinfo") as cpuinfo:  # x86: "flags", ARM: "Features"; the first core's line
-                parts.append(next((line for line in cpuinfo if line.split(":")[0].strip() in ("flags", "Features")),
-                                  ""))
-        except OSError:
-            parts.append(platform.processor())
+        parts.append(cpu_flags())
         _cpu_targets[id(device)] = "\0".join(parts)
     return _cpu_targets[id(device)]
 
@@ -109,7 +91,7 @@ def _key(name: str, device, static: tuple, dynamic: tuple, packages: tuple[str, 
     config = sorted((k, repr(v)) for k, v in jax.config.values.items()
                     if "compilation_cache" not in k and "persistent_cache" not in k)
     leaves, tree = jax.tree.flatten(dynamic)
-    h = hashlib.sha256(_sources(packages))
+    h = hashlib.sha256(source_digest(packages))
     for part in (jax.__version__, jaxlib.__version__, np.__version__, os.environ.get("XLA_FLAGS", ""), config,
                  device.platform, device.device_kind, _cpu_target(device), name, static, tree,
                  [(tuple(x.shape), str(x.dtype)) for x in leaves]):

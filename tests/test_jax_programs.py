@@ -108,7 +108,7 @@ def test_the_key_changes_with_what_changes_the_program(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
     changed["XLA_FLAGS"] = _key()
     monkeypatch.delenv("XLA_FLAGS")
-    monkeypatch.setitem(programs._source_digests, programs.TRACED_PACKAGES, b"edited source")
+    monkeypatch.setattr(programs, "source_digest", lambda packages: b"edited source")
     changed["the source"] = _key()
     monkeypatch.undo()
     monkeypatch.setitem(programs._cpu_targets, id(jax.devices("cpu")[0]), "another CPU's instruction set")

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from weights.atomic import write_bytes_atomic
+from weights.fingerprint import cpu_flags, source_digest
 
 # Environment variables that choose NumPy's BLAS kernels or their threads (a sum's order)
 BLAS_ENVIRONMENT = ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -37,7 +38,6 @@ BLAS_ENVIRONMENT = ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREAD
 SOURCE_PACKAGES = ("impl_numpy", "weights", "conformance")
 
 _directory: Path | None = None
-_source_digest: bytes | None = None
 _written: dict[str, tuple] = {}  # key -> the shape (_shape) of what the file holds
 
 
@@ -53,31 +53,11 @@ def directory() -> Path | None:
     return _directory
 
 
-def _sources() -> bytes:
-    global _source_digest
-    if _source_digest is None:
-        root = Path(__file__).resolve().parents[2]
-        h = hashlib.sha256()
-        for package in SOURCE_PACKAGES:
-            for path in sorted((root / package).rglob("*.py")):
-                h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-        _source_digest = h.digest()
-    return _source_digest
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:  # x86: "flags", ARM: "Features"; the first core's line
-            return next((line for line in cpuinfo if line.split(":")[0].strip() in ("flags", "Features")), "")
-    except OSError:
-        return platform.processor()
-
-
 def key(case, dtype: str) -> str:
     import ml_dtypes
 
-    h = hashlib.sha256(_sources())
-    for part in (np.__version__, ml_dtypes.__version__, platform.machine(), _cpu(),
+    h = hashlib.sha256(source_digest(SOURCE_PACKAGES))
+    for part in (np.__version__, ml_dtypes.__version__, platform.machine(), cpu_flags(),
                  [(name, os.environ.get(name)) for name in BLAS_ENVIRONMENT], repr(case), dtype):
         h.update(repr(part).encode() + b"\0")
     return h.hexdigest()

@@ -238,6 +238,8 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
     core backend's paths (PATH_KINDS). probes: a dict to fill with the
     workers' environment.framework_probes (left empty when jobs is 1). skip: (case, dtype) pairs not to run.
     backend_dtypes: {backend: dtypes} runs those backends in those of `dtypes` alone (DEFAULT_BACKEND_DTYPES)."""
+    import concurrent.futures
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -286,7 +288,6 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
         pending: dict = {}  # future of a chunk -> (the chunk, its ChunkWorker or None)
         queue, idle, queued_groups = schedule.ChunkQueue(), [], set()
         if jobs > 1 or own:
-            import concurrent.futures
             import multiprocessing
 
             # spawn: TensorFlow and JAX hold threads that a fork would copy half-alive.
@@ -295,6 +296,7 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
             stack.enter_context(_one_thread_per_worker(jobs + len(own)))
             spawn = multiprocessing.get_context("spawn")
+
             def load(backend_id):
                 return schedule.case_seconds(backend_id, warm) * sum(len(names_for(t)) for t in dtypes_of(backend_id))
             groups = []
@@ -327,8 +329,6 @@ def run_check(backend_ids=CORE_BACKENDS, devices=None, dtypes=DTYPE_NAMES, case_
 
         def service(block: bool):
             """Plan what warmed workers found and start their chunks; collect finished chunks."""
-            import concurrent.futures
-
             done, _ = concurrent.futures.wait([*warming, *pending], timeout=None if block else 0,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:

@@ -134,15 +134,16 @@ class _PortAdapter:
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("bug", [None, "sinks_dropped", "csa_overlap_dropped", "indexer_pairing_swapped",
-                                 "entries_one_token_late"])
-def test_a_port_bug_fails_the_grid_case_through_run_case(bug):
+@pytest.mark.parametrize("case,bug", [(case, bug) for case, bugs in (
+    ("v4_csa_prefill", ("sinks_dropped", "csa_overlap_dropped", "indexer_pairing_swapped", "entries_one_token_late")),
+    ("v4_sliding_prefill", ("sinks_dropped", "window_one_too_wide"))) for bug in (None, *bugs)])
+def test_a_port_bug_fails_the_grid_case_through_run_case(case, bug):
     """`mha check`'s own judgement (run_case, float32, the policy's bar) passes the hand port on the grid's csa
-    prefill and fails each of these port bugs there."""
+    and sliding prefills and fails each of these port bugs there."""
     from conformance.suite.cases import CASES
     from conformance.suite.compare import run_case
 
-    result = run_case(CASES["v4_csa_prefill"], "v4-port", dtype="float32", adapter=_PortAdapter(bug))
+    result = run_case(CASES[case], "v4-port", dtype="float32", adapter=_PortAdapter(bug))
     assert result.status == ("pass" if bug is None else "fail"), (bug, result.status, result.message,
                                                                   [c.margin for c in result.comparisons])
 

@@ -276,6 +276,41 @@ def test_transformers_deepseek_v4_is_reproduced_prefill_and_decode():
     assert checked == 3 * 2 * (T + T) - excluded and excluded <= 12, (checked, excluded)
 
 
+def test_a_v4_layer_written_back_is_what_transformers_loads_and_computes():
+    """from_canonical("hf-deepseek") of layers drawn by weights.init (not the model's own), loaded into the tiny
+    model by its own load_state_dict (every written key taken, none left over): its attention reproduces the
+    reference on those tensors, every kind, a causal prefill of T, under the bound above."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install '.[hf]'")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no deepseek_v4")
+    from weights import layouts
+
+    cfg, model, seen = _hf_model(torch, transformers)
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    drawn, written = {}, {}
+    for i in range(3):
+        config, _ = layouts.to_canonical("hf-deepseek", own, hf_config=cfg.to_dict(), layer=i)
+        drawn[i] = (config, init(config, seed=40 + i, dtype="float64"))
+        written.update(layouts.from_canonical("hf-deepseek", *drawn[i], hf_config=cfg.to_dict(), layer=i,
+                                              prefix="model."))
+    ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(7))
+    try:
+        result = model.load_state_dict({k: torch.from_numpy(v) for k, v in written.items()}, strict=False)
+        assert not result.unexpected_keys and not set(written) & set(result.missing_keys), result
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        model.load_state_dict(own)
+    for i, (config, t) in drawn.items():
+        (x, expected), = seen[i]
+        trace = []
+        got = compressed_attention(config, t, x, np.arange(T), trace=trace)
+        rows = ~_tied(trace, config.compressed.index_topk) if config.compressed.kind == "csa" else slice(None)
+        err = np.abs(got - expected).max(-1)[rows]
+        assert err.max() <= HF_BOUND * np.abs(expected).max(), (config.compressed.kind, err.max())
+
+
 @pytest.mark.reference
 def test_equal_index_scores_go_to_the_earlier_entry():
     """The spec's tie rule (docs/spec-frontier.md#deepseek-v4): with every head weight 0 every score is 0, and

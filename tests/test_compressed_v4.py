@@ -276,15 +276,32 @@ def test_transformers_deepseek_v4_is_reproduced_prefill_and_decode():
     assert checked == 3 * 2 * (T + T) - excluded and excluded <= 12, (checked, excluded)
 
 
-def test_a_v4_layer_written_back_is_what_transformers_loads_and_computes():
+def _o_a_blocks_untransposed(name, value):
+    """A writer's port bug: o_a_proj's G blocks (R, N*H/G) written as the canonical (G, N*H/G, R) reshaped, each
+    block's rows and columns not swapped (the same shape, so transformers loads it)."""
+    from weights.layouts import deepseek_v4
+
+    if name == "output.group.kernel":
+        return value.reshape(value.shape[0] * value.shape[2], value.shape[1])
+    return deepseek_v4._right_from_canonical(name, value)
+
+
+@pytest.mark.parametrize("bug", [None, "o_a_blocks_untransposed"])
+def test_a_v4_layer_written_back_is_what_transformers_loads_and_computes(bug, monkeypatch):
     """from_canonical("hf-deepseek") of layers drawn by weights.init (not the model's own), loaded into the tiny
     model by its own load_state_dict (every written key taken, none left over): its attention reproduces the
-    reference on those tensors, every kind, a causal prefill of T, under the bound above."""
+    reference on those tensors, every kind, a causal prefill of T, under the bound above; a writer that does
+    not turn o_a_proj's blocks fails every kind."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install '.[hf]'")
     if not hasattr(transformers, "DeepseekV4Config"):
         pytest.skip(f"transformers {transformers.__version__} has no deepseek_v4")
     from weights import layouts
+    from weights.layouts import deepseek_v4
+
+    if bug:
+        monkeypatch.setattr(deepseek_v4, "_right_from_canonical", deepseek_v4._from_canonical, raising=False)
+        monkeypatch.setattr(deepseek_v4, "_from_canonical", _o_a_blocks_untransposed)
 
     cfg, model, seen = _hf_model(torch, transformers)
     own = {k: v.clone() for k, v in model.state_dict().items()}
@@ -308,7 +325,7 @@ def test_a_v4_layer_written_back_is_what_transformers_loads_and_computes():
         got = compressed_attention(config, t, x, np.arange(T), trace=trace)
         rows = ~_tied(trace, config.compressed.index_topk) if config.compressed.kind == "csa" else slice(None)
         err = np.abs(got - expected).max(-1)[rows]
-        assert err.max() <= HF_BOUND * np.abs(expected).max(), (config.compressed.kind, err.max())
+        assert (err.max() <= HF_BOUND * np.abs(expected).max()) == (bug is None), (config.compressed.kind, err.max())
 
 
 @pytest.mark.reference

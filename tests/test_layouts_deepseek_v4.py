@@ -130,21 +130,47 @@ def test_modelargs_and_config_json_give_one_config(layer):
     assert no_yarn.rope.scaling is None and no_yarn.rope.theta == 160000.0
 
 
+# Port bugs of the ModelArgs reader: each makes it disagree with transformers' reading of the same model
+ARGS_MUTANTS = {
+    "window_size_as_window_left": lambda c, a, layer: c.replace(window_left=a["window_size"]),
+    "yarn_on_the_sliding_layer": lambda c, a, layer: c if layer else c.replace(rope={
+        **c.rope.to_dict(), "scaling": {"type": "yarn", "factor": a["rope_factor"], "attention_factor": 1.0,
+                                        "original_max_position_embeddings": a["original_seq_len"]}}),
+    "rope_theta_on_compressed_layers": lambda c, a, layer: c if not layer else c.replace(
+        rope={**c.rope.to_dict(), "theta": a["rope_theta"]}),
+    "hca_overlapping": lambda c, a, layer: c if layer != 2 else c.replace(
+        compressed={**c.compressed.to_dict(), "overlap": True}),
+}
+
+
 @pytest.mark.reference
-@pytest.mark.parametrize("change,message", [
-    ({"compressed": {"kind": "csa", "query_rank": QR, "output_groups": G, "output_rank": R, "ratio": 4,
-                     "overlap": False, "index_heads": I, "index_head_dim": J, "index_topk": 2}},
+@pytest.mark.parametrize("bug", ARGS_MUTANTS)
+def test_a_modelargs_reader_bug_is_caught(bug):
+    """Each bug, planted on top of v4_args_config, breaks the agreement the test above holds on some layer."""
+    wrong = [layer for layer in range(3)
+             if ARGS_MUTANTS[bug](v4_args_config(ARGS, layer), ARGS, layer) != v4_config(HF, layer)]
+    assert wrong, f"{bug} not caught"
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("layout,layer,change,message", [
+    ("hf-deepseek", 1, {"compressed": {"kind": "csa", "query_rank": QR, "output_groups": G, "output_rank": R,
+                                       "ratio": 4, "overlap": False, "index_heads": I, "index_head_dim": J,
+                                       "index_topk": 2}},
      r"hf-deepseek cannot express compressed.overlap=False with kind csa"),
-    ({"use_sinks": False}, r"hf-deepseek cannot express use_sinks=False"),
-    ({"out_dim": 8}, r"hf-deepseek cannot express out_dim=8 \(needs out_dim == query_dim=32"),
+    ("hf-deepseek", 1, {"use_sinks": False}, r"hf-deepseek cannot express use_sinks=False"),
+    ("hf-deepseek", 1, {"out_dim": 8}, r"hf-deepseek cannot express out_dim=8 \(needs out_dim == query_dim=32"),
+    ("deepseek", 2, {"compressed": {"kind": "hca", "query_rank": QR, "output_groups": G, "output_rank": R,
+                                    "ratio": 4}},
+     r"deepseek cannot express compressed.ratio=4 with kind hca \(DeepSeek's ModelArgs names"),
 ])
-def test_what_a_v4_layout_cannot_hold_is_refused(change, message):
+def test_what_a_v4_layout_cannot_hold_is_refused(layout, layer, change, message):
     from weights import init
 
-    config = v4_config(HF, 1).replace(**change)
+    config = v4_config(HF, layer).replace(**change)
     with pytest.raises(ValueError, match=message):
-        layouts.from_canonical("hf-deepseek", config, init(config, seed=0))
-    assert layouts.cannot_express("hf-deepseek", config)
+        layouts.from_canonical(layout, config, init(config, seed=0))
+    assert layouts.cannot_express(layout, config)
 
 
 @pytest.mark.reference

@@ -134,15 +134,16 @@ class _PortAdapter:
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("bug", [None, "sinks_dropped", "csa_overlap_dropped", "indexer_pairing_swapped",
-                                 "entries_one_token_late"])
-def test_a_port_bug_fails_the_grid_case_through_run_case(bug):
+@pytest.mark.parametrize("case,bug", [(case, bug) for case, bugs in (
+    ("v4_csa_prefill", ("sinks_dropped", "csa_overlap_dropped", "indexer_pairing_swapped", "entries_one_token_late")),
+    ("v4_sliding_prefill", ("sinks_dropped", "window_one_too_wide"))) for bug in (None, *bugs)])
+def test_a_port_bug_fails_the_grid_case_through_run_case(case, bug):
     """`mha check`'s own judgement (run_case, float32, the policy's bar) passes the hand port on the grid's csa
-    prefill and fails each of these port bugs there."""
+    and sliding prefills and fails each of these port bugs there."""
     from conformance.suite.cases import CASES
     from conformance.suite.compare import run_case
 
-    result = run_case(CASES["v4_csa_prefill"], "v4-port", dtype="float32", adapter=_PortAdapter(bug))
+    result = run_case(CASES[case], "v4-port", dtype="float32", adapter=_PortAdapter(bug))
     assert result.status == ("pass" if bug is None else "fail"), (bug, result.status, result.message,
                                                                   [c.margin for c in result.comparisons])
 
@@ -273,6 +274,58 @@ def test_transformers_deepseek_v4_is_reproduced_prefill_and_decode():
             assert err.max(initial=0) <= HF_BOUND * np.abs(expected).max(), (kind, positions[0], err.max())
             checked += rows.sum()
     assert checked == 3 * 2 * (T + T) - excluded and excluded <= 12, (checked, excluded)
+
+
+def _o_a_blocks_untransposed(name, value):
+    """A writer's port bug: o_a_proj's G blocks (R, N*H/G) written as the canonical (G, N*H/G, R) reshaped, each
+    block's rows and columns not swapped (the same shape, so transformers loads it)."""
+    from weights.layouts import deepseek_v4
+
+    if name == "output.group.kernel":
+        return value.reshape(value.shape[0] * value.shape[2], value.shape[1])
+    return deepseek_v4._right_from_canonical(name, value)
+
+
+@pytest.mark.parametrize("bug", [None, "o_a_blocks_untransposed"])
+def test_a_v4_layer_written_back_is_what_transformers_loads_and_computes(bug, monkeypatch):
+    """from_canonical("hf-deepseek") of layers drawn by weights.init (not the model's own), loaded into the tiny
+    model by its own load_state_dict (every written key taken, none left over): its attention reproduces the
+    reference on those tensors, every kind, a causal prefill of T, under the bound above; a writer that does
+    not turn o_a_proj's blocks fails every kind."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install '.[hf]'")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no deepseek_v4")
+    from weights import layouts
+    from weights.layouts import deepseek_v4
+
+    if bug:
+        monkeypatch.setattr(deepseek_v4, "_right_from_canonical", deepseek_v4._from_canonical, raising=False)
+        monkeypatch.setattr(deepseek_v4, "_from_canonical", _o_a_blocks_untransposed)
+
+    cfg, model, seen = _hf_model(torch, transformers)
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    drawn, written = {}, {}
+    for i in range(3):
+        config, _ = layouts.to_canonical("hf-deepseek", own, hf_config=cfg.to_dict(), layer=i)
+        drawn[i] = (config, init(config, seed=40 + i, dtype="float64"))
+        written.update(layouts.from_canonical("hf-deepseek", *drawn[i], hf_config=cfg.to_dict(), layer=i,
+                                              prefix="model."))
+    ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(7))
+    try:
+        result = model.load_state_dict({k: torch.from_numpy(v) for k, v in written.items()}, strict=False)
+        assert not result.unexpected_keys and not set(written) & set(result.missing_keys), result
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        model.load_state_dict(own)
+    for i, (config, t) in drawn.items():
+        (x, expected), = seen[i]
+        trace = []
+        got = compressed_attention(config, t, x, np.arange(T), trace=trace)
+        rows = ~_tied(trace, config.compressed.index_topk) if config.compressed.kind == "csa" else slice(None)
+        err = np.abs(got - expected).max(-1)[rows]
+        assert (err.max() <= HF_BOUND * np.abs(expected).max()) == (bug is None), (config.compressed.kind, err.max())
 
 
 @pytest.mark.reference

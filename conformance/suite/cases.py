@@ -411,9 +411,10 @@ def _v4_grid() -> list[Case]:
     """DeepSeek V4's compressed attention (config.compressed, issue 41), run through each backend's
     impl_*/compressed.py: a csa prefill of 12 tokens (windows of 2 with overlap close at every odd position, the
     indexer's top-2 drops entries from position 5 on, the sliding window of 4 keys hides most keys, YaRN on the
-    compress table as V4's) and an hca decode of 3 tokens at positions 9..11 over the cache of 9 earlier ones
-    (two windows of 4 closed, one buffered token; the window 8..11 closes in the call). The layer's input is
-    `query` (B, T, D), its absolute positions `positions` (T,), the cache past_<name> (impl_numpy.compressed's
+    compress table as V4's), an hca decode of 3 tokens at positions 9..11 over the cache of 9 earlier ones
+    (two windows of 4 closed, one buffered token; the window 8..11 closes in the call) and a sliding prefill of 10
+    tokens (no entries: the window of 4 keys and the sinks; the window drops keys from position 4 on). The layer's
+    input is `query` (B, T, D), its absolute positions `positions` (T,), the cache past_<name> (impl_numpy.compressed's
     cache_names): the float64 reference's own cache of the P earlier tokens. Forward only (the reference has no
     backward for the layer). Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
     base = dict(num_heads=2, query_dim=16, head_dim=8, num_kv_heads=1, use_query_bias=False, use_key_bias=False,
@@ -424,11 +425,15 @@ def _v4_grid() -> list[Case]:
     csa = {"kind": "csa", **low_rank, "ratio": 2, "overlap": True, "index_heads": 2, "index_head_dim": 4,
            "index_topk": 2}
     hca = {"kind": "hca", **low_rank, "ratio": 4}
+    main = {"theta": 10000.0, "rotary_dim": 4, "interleaved": True}  # V4's sliding layers: the plain "main" table
     v4 = dict(is_causal=True, return_weights=False, self_attention=False)
     return [
         Case("v4_csa_prefill", _cfg(**base, rope=yarn, compressed=csa), T=12, S=12, **v4),
-        Case("v4_hca_decode", _cfg(**base, rope={"theta": 10000.0, "rotary_dim": 4, "interleaved": True},
-                                   compressed=hca), T=3, S=3, P=9, **v4),
+        Case("v4_hca_decode", _cfg(**base, rope=main, compressed=hca), T=3, S=3, P=9, **v4),
+        # the sliding kind: no compressor, the window of 4 keys and the sinks alone; from position 4 on the window
+        # drops keys (rows 4..9 see 4 of their 5..10 causal keys)
+        Case("v4_sliding_prefill", _cfg(**base, rope=main, compressed={"kind": "sliding", **low_rank}), T=10, S=10,
+             **v4),
     ]
 
 
@@ -504,7 +509,7 @@ CHECK_ONE_DTYPE: frozenset[str] = frozenset(case.name for case in (*_edge_grid()
 CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | frozenset(case.name for case in _mrope_grid())  # two cases, issue 42
 CHECK_ONE_DTYPE = CHECK_ONE_DTYPE | {case.name for case in _differential_grid()}
 CHECK_ONE_DTYPE |= frozenset(case.name for case in _sharing_grid())  # issue 42's cases
-CHECK_ONE_DTYPE |= frozenset(case.name for case in _v4_grid())  # issue 41's two cases
+CHECK_ONE_DTYPE |= frozenset(case.name for case in _v4_grid())  # issue 41's three cases
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 # The grid's cases that multi_head_attention takes: all but DeepSeek V4's (config.compressed), which run through

@@ -15,8 +15,8 @@ The table engine (read.py, write.py) knows the plain projections only, so this f
 to_canonical / from_canonical (registry.py hands them these layouts); the tables below serve locate.py
 (prefix, layer, detect_layout) and describe. Every conversion is transposes, reshapes and slicing: bit-exact.
 
-DeepSeek V4 (deepseek_v4, issue 41): hf-deepseek reads its attention into config.compressed
-(weights.layouts.deepseek_v4.read_v4; writing one back is not done yet).
+DeepSeek V4 (deepseek_v4, issue 41): hf-deepseek (transformers' names) and deepseek (DeepSeek's own, with its
+ModelArgs JSON) read and write its attention as config.compressed (weights.layouts.deepseek_v4: the names of both).
 
 hf-deepseek reads config.json (transformers 4.x `rope_scaling` + `rope_theta` or 5.x `rope_parameters`) of
 model types deepseek_v2, deepseek_v3, kimi_k2 (Kimi K2's released config: DeepSeek V3's architecture) and
@@ -66,6 +66,7 @@ import numpy as np
 
 from ..config import AttentionConfig
 from ..format import WeightsFormatError, validate_tensors
+from .deepseek_v4 import is_v4_config, read_v4, v4_cannot_express, v4_names, write_v4
 from .hf_rope import _hf_rope
 from .indexer import indexer_field, indexer_layers, indexer_tensors
 from .locate import _locate
@@ -290,15 +291,16 @@ FAMILY = (
         "kimi_k2, kimi_k25's text_config) and their sparse successors (deepseek_v32, glm_moe_dsa: plus "
         "indexer.{wq_b,wk,k_norm,weights_proj} on layers with an indexer): [prefix]layers.{L}.self_attn.{q_a_proj,"
         "q_a_layernorm,q_b_proj | q_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj}; config.json gives rope, "
-        "scale, biases, the indexer; causal",
+        "scale, biases, the indexer; causal. DeepSeek V4 (deepseek_v4): its sliding, csa and hca layers "
+        "(config.compressed: q_a_proj,q_a_norm,q_b_proj,kv_proj,kv_norm,o_a_proj,o_b_proj,sinks,compressor.*)",
         sep=".", scope="layers.{layer}.self_attn.", select=True, hf=_hf_config, needs_hf_config=True,
         tables=_tables(_KEYS["hf-deepseek"], biases=True),
     ),
     Layout(
         "deepseek", "DeepSeek's own inference checkpoint (DeepSeek-V3 inference/convert.py names): "
         "[prefix]layers.{L}.attn.{wq_a,q_norm,wq_b | wq,wkv_a,kv_norm,wkv_b,wo}.weight (V3.2: and "
-        "indexer.{wq_b,wk,k_norm,weights_proj}); its ModelArgs config.json beside it; interleaved RoPE pairs; no "
-        "biases; causal",
+        "indexer.{wq_b,wk,k_norm,weights_proj}; V4: wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b,attn_sink,compressor.*,"
+        "indexer.*); its ModelArgs config.json beside it; interleaved RoPE pairs; no biases; causal",
         sep=".", scope="layers.{layer}.attn.", select=True, hf=_deepseek_config, needs_hf_config=True,
         pairing="interleaved", tables=_tables(_KEYS["deepseek"], biases=False),
     ),
@@ -439,10 +441,9 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
     visible = {k: v for k, v in state.items()
                if isinstance(k, str) and not any(fnmatch.fnmatchcase(k, p) for p in ignore)}
     place = _locate(lay, visible, None, hints.get("prefix"), hints.get("layer"))
-    if lay.id == "hf-deepseek" and cfg.get("model_type") == "deepseek_v4":  # issue 41: its own reader
-        from .deepseek_v4 import read_v4
-
-        return read_v4(lay.id, cfg, visible, place.base(lay), place.layer)
+    if is_v4_config(cfg):  # issue 41: DeepSeek V4's layer, its own reader (transformers' or DeepSeek's names)
+        return read_v4(lay.id, cfg, visible, place.base(lay), place.layer,
+                       names="deepseek" if lay.id == "deepseek" else "hf")
     facts = lay.hf(cfg, place.layer)
     fields = dict(facts["fields"])
     heads = hints.get("num_heads")
@@ -480,8 +481,10 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
 def cannot_express(catalogue: Catalogue, layout: str, config: AttentionConfig, /, *, table=None) -> list[str]:
     """Why the layout cannot hold config's tensors, one line per field (behaviour fields never refuse)."""
     lay = catalogue.get(layout)
+    if config.compressed is not None:
+        return v4_cannot_express(lay.id, config)
     if config.latent is None:
-        return [f"latent=None ({lay.id} holds latent attention (MLA) only)"]
+        return [f"latent=None ({lay.id} holds latent attention (MLA) or DeepSeek V4's layer (compressed) only)"]
     problems = []
     for field, equals, why in (("num_kv_heads", "num_heads", "kv_b_proj expands the latent to every query head"),
                                ("key_dim", "query_dim", "the latent is projected from the hidden states"),
@@ -542,15 +545,17 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
     if not isinstance(config, AttentionConfig):
         raise ValueError(f"config must be an AttentionConfig: got {type(config).__name__}")
     _names_hint(catalogue, lay, hints.get("names"))
-    problems = cannot_express(catalogue, lay.id, config)
-    if problems:
-        raise ValueError(f"{lay.id} cannot express " + "; ".join(problems))
-    validate_tensors(config, tensors, source="canonical tensors")
     prefix = hints.get("prefix") or ""
     if not isinstance(prefix, str):
         raise ValueError(f"prefix must be a string: got {prefix!r}")
     layer = _check_int("layer", hints.get("layer", 0))
     cfg = _load_hf_config(hints.get("hf_config"))
+    if config.compressed is not None:  # issue 41: DeepSeek V4's layer
+        return write_v4(catalogue, lay, config, tensors, prefix, layer, cfg)
+    problems = cannot_express(catalogue, lay.id, config)
+    if problems:
+        raise ValueError(f"{lay.id} cannot express " + "; ".join(problems))
+    validate_tensors(config, tensors, source="canonical tensors")
     if lay.pairing:
         target = lay.pairing == "interleaved"
     elif cfg is not None:
@@ -582,6 +587,9 @@ def mapping(catalogue: Catalogue, layout: str, config: AttentionConfig, /, **hin
     state = from_canonical(catalogue, layout, config, _zeros(config), **hints)
     hints = {k: v for k, v in hints.items() if v is not None}
     base = (hints.get("prefix") or "") + lay.scope.format(layer=hints.get("layer", 0))
+    if config.compressed is not None:
+        names = "deepseek" if lay.id == "deepseek" else "hf"
+        return {base + key: (name,) for name, key in v4_names(config, names).items()}
     held = _state_of(config, _zeros(config), _KEYS[lay.id], base)
     return {key: held[key][1] for key in state}
 

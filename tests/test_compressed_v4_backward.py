@@ -126,6 +126,59 @@ def test_a_backward_bug_fails_the_finite_differences(bug, monkeypatch):
     assert expected <= names, (bug, sorted(names))
 
 
+class _MutantAdapter:
+    """impl_numpy's adapter, its V4 gradients from the backward with `bug` (the forward the reference's)."""
+
+    def __init__(self, bug, monkeypatch):
+        self.bug, self.monkeypatch = bug, monkeypatch
+
+    def forward(self, config, tensors, inputs, options, **kwargs):
+        from impl_numpy import adapter
+
+        return adapter.forward(config, tensors, inputs, options, **kwargs)
+
+    def vjp(self, config, tensors, inputs, options, d_output, **kwargs):
+        from impl_numpy import adapter
+
+        with self.monkeypatch.context() as m:
+            if self.bug is not None:
+                _mutate(m, self.bug)
+            return adapter.vjp(config, tensors, inputs, options, d_output, **kwargs)
+
+
+def _mutate(m, bug):
+    if bug == "gate_softmax_no_diagonal":
+        real_compress_back = compressed_backward._Pass.compress_back
+
+        def compress_back(self, prefix, d):
+            self.softmax_back = _no_diagonal.__get__(self)
+            return real_compress_back(self, prefix, d)
+        m.setattr(compressed_backward._Pass, "compress_back", compress_back)
+    else:
+        real = compressed_backward._Pass.run
+
+        def run(self, d_out):
+            out = real(self, d_out)
+            self.grads["sinks"] = np.zeros_like(self.grads["sinks"])
+            return out
+        m.setattr(compressed_backward._Pass, "run", run)
+
+
+@pytest.mark.parametrize("bug", [None, "gate_softmax_no_diagonal", "sinks_dropped"])
+@pytest.mark.parametrize("case", ["v4_csa_prefill", "v4_hca_decode"])
+def test_a_backward_bug_fails_the_grid_case_through_run_case(case, bug, monkeypatch):
+    """`mha check`'s own judgement (run_case, float32, the policy's bar on every gradient) passes the reference's
+    backward and fails each bug on both V4 grid cases."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(CASES[case], "v4-backward", dtype="float32", adapter=_MutantAdapter(bug, monkeypatch))
+    failed = sorted(c.name for c in result.comparisons if not c.ok)
+    assert result.status == ("pass" if bug is None else "fail"), (bug, result.status, result.message, failed)
+    if bug is not None:
+        assert ("grad sinks" in failed) == (bug == "sinks_dropped"), failed
+
+
 def test_a_bad_cotangent_is_refused():
     config, tensors, x, positions, past, d_out = _call("sliding", False)
     with pytest.raises(ValueError, match=r"d_output must have shape \(B, T, O\)"):

@@ -21,14 +21,22 @@ import jax
 import numpy as np
 
 import weights
-from weights.call import COMPRESSED_MIRROR_DTYPES, INDEXER_INPUTS, OPTIONAL_INPUTS, as_compressed, compressed_call
+from weights.call import (
+    COMPRESSED_MIRROR_DTYPES,
+    INDEXER_INPUTS,
+    OPTIONAL_INPUTS,
+    as_compressed,
+    compressed_call,
+    compressed_vjp_call,
+)
 from weights.contract import check_input_values
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from . import programs
 from .attention import apply, plan
 from .call import check
-from .compressed import compressed_attention
+from .compressed import check_compressed_call, compressed_attention
+from .compressed import layer as compressed_layer
 from .heads import trace_stages
 from .layer import gpu_available, resolve_device
 
@@ -36,10 +44,8 @@ jax.config.update("jax_enable_x64", True)
 
 NAME = "jax"
 
-# DeepSeek V4's layer (config.compressed) runs through this backend's compressed module, forward only: the NumPy
-# reference has no backward pass for it (the suite judges its forward alone).
-COMPRESSED_GRADIENTS = ("DeepSeek V4's layer (config.compressed) is judged forward only: the NumPy reference has "
-                        "no backward pass for it")
+# DeepSeek V4's layer (config.compressed) runs through this backend's compressed module (impl_jax.compressed),
+# its gradients by jax.vjp of its layer(): _compressed_gradients.
 
 # The paths `mha check` judges (weights/paths.py): the stages, fused_attention (float32 and float64 storage
 # without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
@@ -259,11 +265,33 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     """forward()'s answer and vjp()'s gradients from one run of the call's program (it computes both: see
     _forward_and_vjp); `mha check` asks for both."""
-    if as_compressed(config) is not None:
-        raise NotImplementedError(COMPRESSED_GRADIENTS)
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: jax.vjp of impl_jax.compressed's layer
+        dev = resolve_device(device)
+        jit = compile_options(_cpu_compile if dev.platform == "cpu" else "default")
+        return compressed_vjp_call(functools.partial(_compressed_gradients, jit=jit, device=dev), v4, tensors,
+                                   inputs, options, d_output, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     out, w, cache, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
                                                 precision=precision, with_trace=False)
     return _answer(config, inputs, options, out, w, cache, None), _grads(config, inputs, d_params, d_inputs)
+
+
+def _compressed_gradients(config, params, x, positions, past, d_out, *, jit, device, return_selection, return_cache):
+    """DeepSeek V4's layer and jax.vjp of its output over x, every tensor and the cache: one jax.jit program
+    (XLA's options `jit`, as the forward's). The indexer's tensors, read only by its top-k, get zeros."""
+    p0 = check_compressed_call(config, np.asarray(x), np.asarray(positions), past)
+
+    def run(p, x, past, d_out):
+        def f(p, x, past):
+            result = compressed_layer(config, p, x, past, p0=p0, return_cache=return_cache,
+                                      return_selection=return_selection)
+            result = result if isinstance(result, tuple) else (result,)
+            return result[0], result
+        _, pullback, result = jax.vjp(f, p, x, past, has_aux=True)
+        return result, pullback(d_out)
+
+    arrays = jax.device_put((params, x, past, d_out), device)
+    result, (d_p, d_x, d_past) = jax.jit(run, compiler_options=jit or None)(*arrays)
+    return result, {"query": d_x, **d_p, **{f"past_{name}": g for name, g in (d_past or {}).items()}}
 
 
 def _answer(config, inputs, options, out, w, cache, stages) -> dict:
@@ -296,7 +324,9 @@ def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="
     """Gradients of query, key, value (those given), past_key and past_value
     (with a cache of P > 0 positions, as the reference) and every tensor."""
     if as_compressed(config) is not None:
-        raise NotImplementedError(COMPRESSED_GRADIENTS)
+        answer, grads = forward_and_vjp(config, tensors, inputs, options, d_output, device=device,
+                                        precision=precision)
+        return {"output": answer["output"], "grads": grads}
     out, _, _, _, d_params, d_inputs = _run(config, tensors, inputs, options, d_output, device=device,
                                             precision=precision, with_trace=False)
     return {"output": np.asarray(out), "grads": _grads(config, inputs, d_params, d_inputs)}

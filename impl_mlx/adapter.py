@@ -17,6 +17,7 @@ from weights.call import (
     OPTIONAL_INPUTS,
     as_compressed,
     compressed_call,
+    compressed_vjp_call,
     split_result,
 )
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
@@ -28,10 +29,8 @@ from .layer import gpu_available, resolve_device
 
 NAME = "mlx"
 
-# DeepSeek V4's layer (config.compressed) runs through this backend's compressed module, forward only: the NumPy
-# reference has no backward pass for it (the suite judges its forward alone).
-COMPRESSED_GRADIENTS = ("DeepSeek V4's layer (config.compressed) is judged forward only: the NumPy reference has "
-                        "no backward pass for it")
+# DeepSeek V4's layer (config.compressed) runs through this backend's compressed module (impl_mlx.compressed),
+# its gradients by mx.vjp: _compressed_gradients.
 
 # The paths `mha check` judges (weights/paths.py): the stages, the fused kernel
 # (mx.fast.scaled_dot_product_attention), the chunked core (chunk_size=) and the in-place cache (cache_length=).
@@ -130,11 +129,41 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
         return _answer(config, inputs, options, result, entries)
 
 
+def _compressed_gradients(config, params, x, positions, past, d_out, **returns):
+    """DeepSeek V4's layer and mx.vjp of its output over x, every tensor and the cache (the selection and the
+    present cache ride along with zero cotangents; the indexer's tensors, read only by its top-k, get zeros)."""
+    past = past or {}
+    names = ["query", *params, *(f"past_{name}" for name in past)]
+    present_names = []  # the present cache's names, in the order f returns its arrays
+
+    def f(*primals):
+        given = dict(zip(names, primals))
+        result = compressed_attention(config, {n: given[n] for n in params}, given["query"], positions,
+                                      {n: given[f"past_{n}"] for n in past} or None, **returns)
+        result = result if isinstance(result, tuple) else (result,)
+        present = result[-1] if returns.get("return_cache") else {}
+        present_names[:] = list(present)
+        return [*(result[:-1] if present else result), *present.values()]
+
+    primals = [x, *params.values(), *past.values()]
+    outputs = f(*primals)
+    cotangents = [d_out.astype(outputs[0].dtype)] + [mx.zeros_like(a) for a in outputs[1:]]
+    outputs, grads = mx.vjp(f, primals, cotangents)
+    result = (outputs[0],) + ((outputs[1],) if returns.get("return_selection") else ())
+    if returns.get("return_cache"):
+        kept = outputs[len(result):]
+        result += (dict(zip(present_names, kept)),)
+    return result, dict(zip(names, grads))
+
+
 def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     """forward()'s answer and the gradients from one mx.vjp of the call: the weights and the present cache
     ride along as outputs with zero cotangents."""
-    if as_compressed(config) is not None:
-        raise NotImplementedError(COMPRESSED_GRADIENTS)
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: mx.vjp of impl_mlx.compressed
+        dev = _check(device, precision, options)
+        with mx.stream(dev):
+            return compressed_vjp_call(_compressed_gradients, v4, tensors, inputs, options, d_output, convert=to_mx,
+                                       to_numpy=to_numpy, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     dev = _check(device, precision, options)
     weights.validate_tensors(config, tensors)
     with mx.stream(dev):

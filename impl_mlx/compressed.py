@@ -98,7 +98,8 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.
     k = min(c.index_topk, score.shape[-1])
     order = mx.argsort(-score, axis=-1)[..., :k].astype(mx.int64)  # stable from 0.32 (impl_mlx/indexer.py): ties, the earlier
     chosen = mx.take_along_axis(mx.broadcast_to(visible[None], score.shape), order, axis=-1)
-    return rec("indexer.selection", mx.where(chosen, order, mx.array(-1, dtype=mx.int64)))
+    # a constant of the backward (the spec's: no gradient through the top-k); mx.vjp refuses indices in its graph
+    return rec("indexer.selection", mx.stop_gradient(mx.where(chosen, order, mx.array(-1, dtype=mx.int64))))
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
@@ -110,7 +111,8 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
         raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {x.dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype = x.dtype
-    p = {k: to_mx(np.asarray(v)).astype(dtype) for k, v in tensors.items()}
+    # mx.arrays kept as given (through NumPy they would leave the graph mx.vjp differentiates: the adapter's gradients)
+    p = {k: (v if isinstance(v, mx.array) else to_mx(np.asarray(v))).astype(dtype) for k, v in tensors.items()}
     positions = mx.arange(p0, p0 + x.shape[1])
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     c, N, H = config.compressed, config.num_heads, config.head_dim

@@ -9,12 +9,21 @@ from __future__ import annotations
 import numpy as np
 
 from weights import dtype_from_name
-from weights.call import INDEXER_INPUTS, OPTIONAL_INPUTS, as_compressed, compressed_call, split_result
+from weights.call import (
+    COMPRESSED_MIRROR_DTYPES,
+    INDEXER_INPUTS,
+    OPTIONAL_INPUTS,
+    as_compressed,
+    compressed_call,
+    compressed_vjp_call,
+    split_result,
+)
 from weights.paths import common_path_options, in_place_buffers, index_buffer, new_keys
 
 from .attention import multi_head_attention, plan
 from .backward import multi_head_attention_vjp
 from .compressed import compressed_attention
+from .compressed_backward import compressed_attention_vjp
 
 NAME = "numpy"
 
@@ -56,11 +65,6 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device must be cpu for the numpy backend: got {device!r}")
 
 
-# The V4 layer's reference is forward only: run_case judges its forward alone with this reason (compare.py).
-COMPRESSED_FORWARD_ONLY = ("the NumPy reference has no backward pass for DeepSeek V4's layer (config.compressed): "
-                           "its forward alone is judged")
-
-
 def forward(config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
     _check_device(device)
     if (v4 := as_compressed(config)) is not None:
@@ -93,8 +97,14 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     _check_device(device)
-    if as_compressed(config) is not None:
-        raise NotImplementedError(COMPRESSED_FORWARD_ONLY)
+    if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_numpy.compressed_backward
+        def run(config, params, x, positions, past, d_out, **returns):  # float32 / float64, as the mirrors
+            _, grads = compressed_attention_vjp(config, params, x, positions, past, d_output=d_out)
+            return compressed_attention(config, params, x, positions, past, **returns), grads
+
+        answer, grads = compressed_vjp_call(run, v4, tensors, inputs, options, d_output,
+                                            dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
+        return {"output": answer["output"], "grads": grads}
     out, grads = multi_head_attention_vjp(
         config, tensors, inputs["query"], inputs.get("key"), inputs.get("value"), d_output=d_output,
         **_kwargs(inputs, options),

@@ -18,6 +18,7 @@ from weights.call import (
     OPTIONAL_INPUTS,
     as_compressed,
     compressed_call,
+    compressed_vjp_call,
     split_result,
 )
 from weights.contract import check_input_values
@@ -123,10 +124,35 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     return answer
 
 
+def _compressed_gradients(config, params, x, positions, past, d_out, **returns):
+    """DeepSeek V4's layer (impl_torch.compressed) and torch.autograd.grad of its output over x, every tensor and
+    the cache (leaves that require grad; the indexer's tensors, read only by its top-k, come back None)."""
+    leaves = {"query": x, **params, **{f"past_{name}": a for name, a in (past or {}).items()}}
+    for leaf in leaves.values():
+        leaf.requires_grad_(True)
+    result = compressed_attention(config, params, x, positions, past, **returns)
+    out = result[0] if isinstance(result, tuple) else result
+    found = torch.autograd.grad(out, list(leaves.values()), grad_outputs=d_out, allow_unused=True)
+    return result, dict(zip(leaves, found))
+
+
+def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
+    """DeepSeek V4's layer only (config.compressed): forward()'s answer and the gradients of one autograd pass;
+    any other layer: NotImplementedError (run_case then calls forward and vjp)."""
+    if (v4 := as_compressed(config)) is None:
+        raise NotImplementedError("forward_and_vjp: DeepSeek V4's layer only (forward, then vjp, for the others)")
+    dev = resolve_device(device)
+    with matmul_precision(precision):
+        return compressed_vjp_call(_compressed_gradients, v4, tensors, inputs, options, d_output,
+                                   convert=lambda a: to_torch(a, dev), to_numpy=to_numpy,
+                                   dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
+
+
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     if as_compressed(config) is not None:
-        raise NotImplementedError("DeepSeek V4's layer (config.compressed) is judged forward only: the NumPy "
-                                  "reference has no backward pass for it")
+        answer, grads = forward_and_vjp(config, tensors, inputs, options, d_output, device=device,
+                                        precision=precision)
+        return {"output": answer["output"], "grads": grads}
     _check_values(inputs)
     dev = resolve_device(device)
     params = _tensors(config, tensors, dev, requires_grad=True)

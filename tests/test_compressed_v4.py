@@ -143,7 +143,8 @@ def test_a_port_bug_fails_the_grid_case_through_run_case(case, bug):
     from conformance.suite.cases import CASES
     from conformance.suite.compare import run_case
 
-    result = run_case(CASES[case], "v4-port", dtype="float32", adapter=_PortAdapter(bug))
+    result = run_case(CASES[case], "v4-port", dtype="float32", adapter=_PortAdapter(bug),
+                      gradients=False)  # the port is a forward: its backward's bugs, test_compressed_v4_backward
     assert result.status == ("pass" if bug is None else "fail"), (bug, result.status, result.message,
                                                                   [c.margin for c in result.comparisons])
 

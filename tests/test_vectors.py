@@ -190,11 +190,15 @@ def test_one_vector_per_case_and_dtype_with_everything_inside():
         case = CASES[v.name.rsplit(".", 1)[0]]
         assert v.config == case.config
         assert set(v.tensors) == set(case.config.tensor_shapes())
-        if case.config.compressed is not None:  # DeepSeek V4 (issue 41): x, its positions, its cache; forward only
+        if case.config.compressed is not None:  # DeepSeek V4 (issue 41): x, its positions, its cache; the gradients
+            # of x, every tensor and the cache (impl_numpy.compressed_backward)
             past = {f"past_{name}" for name in cache_names(case.config)} if case.P else set()
             assert set(v.inputs) == {"query", "positions", *past}, (v.name, sorted(v.inputs))
-            assert not any(k.startswith("grad.") for k in v.expected) and "weights" not in v.expected
-            assert set(v.tolerance) == {"output"} and v.tensors["query.kernel"].dtype.name == v.dtype
+            grads = {"query", *case.config.tensor_shapes(), *past}
+            assert {k for k in v.expected if k.startswith("grad.")} == {f"grad.{n}" for n in grads}, v.name
+            assert "weights" not in v.expected and v.cotangent.shape == (case.B, case.T, case.config.out_dim)
+            assert set(v.tolerance) == {"output", *(f"grad {n}" for n in grads)}, v.name
+            assert v.tensors["query.kernel"].dtype.name == v.dtype
             continue
         # a kv_shared layer (issue 42) takes no key or value: its keys and values are the cache
         assert ({"query", "past_key", "past_value"} if case.config.kv_shared else {"query", "key", "value"}) <= set(

@@ -151,6 +151,48 @@ def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options
     return answer
 
 
+def compressed_vjp_call(run: Callable, config, tensors: dict, inputs: dict, options: dict, d_output, *,
+                        convert=lambda a: a, to_numpy=np.asarray, dtypes=None, backend: str = "") -> tuple[dict, dict]:
+    """An adapter's forward_and_vjp of DeepSeek V4's layer (config.compressed): compressed_call's arrays, cast and
+    converted alike, and the output's cotangent d_output (B, T, O), handed to
+    run(config, params, x, positions, past, d_out, return_selection=, return_cache=) -> (the layer's result as
+    compressed_attention returns it, {name: gradient or None}) under the names of impl_numpy.compressed_backward:
+    "query" (the layer's input x), every canonical tensor, past_<name> of the cache; None (not read: the
+    indexer's, whose top-k passes no gradient) is zero. -> (compressed_call's answer, the gradients as NumPy in
+    the call's dtype)."""
+    dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
+    if dtypes is not None and dtype not in dtypes:
+        raise NotImplementedError(f"{backend}'s DeepSeek V4 layer (config.compressed) computes in "
+                                  f"{' or '.join(dtypes)}: got {dtype}")
+    from weights import dtype_from_name, validate_tensors
+
+    dt = dtype_from_name(dtype)
+    host = {name: np.asarray(t).astype(dt, copy=False) for name, t in tensors.items()}
+    validate_tensors(config, host)  # names, shapes, one dtype, finite values: in NumPy, before any tape
+    x = np.asarray(inputs["query"]).astype(dt, copy=False)
+    d_out = np.asarray(d_output).astype(dt, copy=False)
+    if d_out.shape != (*x.shape[:2], config.out_dim):
+        raise ValueError(f"d_output must have shape (B, T, O) = {(*x.shape[:2], config.out_dim)}: got {d_out.shape}")
+    past_host = {name.removeprefix("past_"): np.asarray(a).astype(dt, copy=False)
+                 for name, a in inputs.items() if name.startswith("past_")} or None
+    csa, return_cache = config.compressed.kind == "csa", bool(options.get("return_cache", False))
+    result, found = run(config, {name: convert(t) for name, t in host.items()}, convert(x),
+                        np.asarray(inputs["positions"]),
+                        None if past_host is None else {name: convert(a) for name, a in past_host.items()},
+                        convert(d_out), return_selection=csa, return_cache=return_cache)
+    result = result if isinstance(result, tuple) else (result,)
+    answer = {"output": to_numpy(result[0])}
+    if csa:
+        answer["selection"] = np.asarray(to_numpy(result[1])).astype(np.int64)
+    if return_cache:
+        answer.update({f"present_{name}": to_numpy(a) for name, a in result[-1].items()})
+    shapes = {"query": x.shape, **config.tensor_shapes(),
+              **{f"past_{name}": a.shape for name, a in (past_host or {}).items()}}
+    grads = {name: np.zeros(shape, dt) if found.get(name) is None else
+             np.asarray(to_numpy(found[name])).astype(dt, copy=False).reshape(shape) for name, shape in shapes.items()}
+    return answer, grads
+
+
 def as_compressed(config):
     """The AttentionConfig of a DeepSeek V4 layer (config.compressed set), from a config or its dict (`mha verify`
     passes config.to_dict()); None for any other layer."""

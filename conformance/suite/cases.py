@@ -415,8 +415,8 @@ def _v4_grid() -> list[Case]:
     (two windows of 4 closed, one buffered token; the window 8..11 closes in the call) and a sliding prefill of 10
     tokens (no entries: the window of 4 keys and the sinks; the window drops keys from position 4 on). The layer's
     input is `query` (B, T, D), its absolute positions `positions` (T,), the cache past_<name> (impl_numpy.compressed's
-    cache_names): the float64 reference's own cache of the P earlier tokens. Forward only (the reference has no
-    backward for the layer). Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
+    cache_names): the float64 reference's own cache of the P earlier tokens. Forward and gradients (of x, every
+    tensor and the cache: impl_numpy.compressed_backward). Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
     base = dict(num_heads=2, query_dim=16, head_dim=8, num_kv_heads=1, use_query_bias=False, use_key_bias=False,
                 use_value_bias=False, use_output_bias=False, use_sinks=True, window_left=3)
     low_rank = {"query_rank": 6, "output_groups": 2, "output_rank": 4}
@@ -513,7 +513,7 @@ CHECK_ONE_DTYPE |= frozenset(case.name for case in _v4_grid())  # issue 41's thr
 ONE_DTYPE = "float32"
 ALL_CASES: dict[str, Case] = {**CASES, **LONG_CASES}
 # The grid's cases that multi_head_attention takes: all but DeepSeek V4's (config.compressed), which run through
-# each backend's impl_*/compressed.py (one path, forward only); the mirrors' grid tests run these.
+# each backend's impl_*/compressed.py (one path); the mirrors' grid tests run these.
 MHA_CASES: dict[str, Case] = {name: case for name, case in CASES.items() if case.config.compressed is None}
 assert len(ALL_CASES) == len(CASES) + len(LONG_CASES), "case names must be unique across the profiles"
 

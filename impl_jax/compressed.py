@@ -5,7 +5,8 @@ compressed_attention(config, tensors, x, positions, past=None, return_cache=, re
 (B, T, D) an array (float32; float64 with JAX's x64 mode on), positions (T,), past / present dicts of arrays named
 as impl_numpy.compressed.cache_names. Eager (not jitted: the number of windows a call closes is a Python int),
 every product at HIGHEST precision. The call is validated by the reference's own check
-(impl_numpy.compressed.check_compressed_call, on shapes). Inference only; the mirror of multi_head_attention
+(impl_numpy.compressed.check_compressed_call, on shapes). Differentiable (jax.vjp: the
+selection a constant, as impl_numpy/compressed_backward.py has it); the mirror of multi_head_attention
 refuses config.compressed (weights.contract.check_call).
 """
 

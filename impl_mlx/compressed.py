@@ -1,13 +1,13 @@
 """DeepSeek V4's attention layer (config.compressed, issue 41) in MLX: impl_numpy/compressed.py stage by stage, the
 same stage names, the same call and cache (docs/spec-frontier.md#deepseek-v4).
 
-compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=): x
-(B, T, D) an mx.array or NumPy array (float32, or float64 on the CPU device), positions (T,), past / present
-dicts of mx.arrays named as impl_numpy.compressed.cache_names. exp through functional.exp and RoPE's cos / sin
-through functional.rope (float64-accurate in float64), selects through functional.where. The call is validated
-by the reference's own check (impl_numpy.compressed.check_compressed_call, on shapes). Inference only; the
-mirror of multi_head_attention refuses config.compressed (weights.contract.check_call).
-"""
+compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=): x (B, T,
+D) an mx.array or NumPy array (float32, or float64 on the CPU device), positions (T,), past / present dicts of
+mx.arrays named as impl_numpy.compressed.cache_names. exp through functional.exp and RoPE's cos / sin through
+functional.rope (float64-accurate in float64), selects through functional.where. The call is validated by the
+reference's own check (impl_numpy.compressed.check_compressed_call, on shapes). Differentiable (mx.vjp; the
+selection a constant, as impl_numpy/compressed_backward.py has it); the mirror of multi_head_attention refuses
+config.compressed (weights.contract.check_call)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ matmul, mean, maximum).
 compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=): x
 (B, T, D) a tensor or NumPy array (float32 or float64), positions (T,), past / present dicts of tensors named
 as impl_numpy.compressed.cache_names. Eager; validated by the reference's own check
-(impl_numpy.compressed.check_compressed_call, on shapes). Inference only; the mirror of multi_head_attention
+(impl_numpy.compressed.check_compressed_call, on shapes). Differentiable by each Keras
+backend's autodiff (the selection a constant, as impl_numpy/compressed_backward.py has it); the mirror of
+multi_head_attention
 refuses config.compressed (weights.contract.check_call).
 """
 

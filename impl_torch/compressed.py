@@ -1,13 +1,12 @@
 """DeepSeek V4's attention layer (config.compressed, issue 41) in PyTorch: impl_numpy/compressed.py stage by stage,
 the same stage names, the same call and cache (docs/spec-frontier.md#deepseek-v4).
 
-compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=):
-tensors a dict of the canonical tensors (NumPy arrays or torch tensors), x (B, T, D) a tensor, positions (T,),
-past / present dicts of tensors named as impl_numpy.compressed.cache_names. The call is validated by the
-reference's own check (impl_numpy.compressed.check_compressed_call, on shapes). Inference only, float32 and
-float64 (what the reference computes in); the mirror of multi_head_attention refuses config.compressed
-(weights.contract.check_call).
-"""
+compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=): tensors a
+dict of the canonical tensors (NumPy arrays or torch tensors), x (B, T, D) a tensor, positions (T,), past / present
+dicts of tensors named as impl_numpy.compressed.cache_names. The call is validated by the reference's own check
+(impl_numpy.compressed.check_compressed_call, on shapes). Differentiable by autograd (the selection a constant, as
+impl_numpy/compressed_backward.py has it), float32 and float64 (what the reference computes in); the mirror of
+multi_head_attention refuses config.compressed (weights.contract.check_call)."""
 
 from __future__ import annotations
 

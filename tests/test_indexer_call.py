@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from mutants import INDEXER_MUTANTS, MutantAdapter
+from mutants import INDEXER_MUTANTS, TRACED_INDEXER_MUTANTS, MutantAdapter, TracedIndexerMutant
 
 import impl_numpy
 import impl_numpy.adapter as numpy_adapter
@@ -172,6 +172,32 @@ def test_indexer_mutant_fails_its_case(bug):
     result = run_case(CASES[name], "mutant", dtype="float32", adapter=MutantAdapter(bug), gradients=False)
     assert result.status == STATUS_FAIL, f"{bug} ({what}) passed {name}"
     print(f"{bug}: {name} float32 fails, margin {result.margin:.3g} ({result.worst.name})")
+
+
+@pytest.mark.parametrize("bug", list(TRACED_INDEXER_MUTANTS))
+def test_an_indexer_bug_is_named_at_the_indexers_first_differing_stage(bug):
+    """A port whose indexer differs fails its case and the failure names the indexer's stage where it starts
+    (compare.localise over the call's trace, the indexer's stages first), not the attention's output: the RoPE
+    pairing at indexer.query.rope, the ReLU at indexer.scores, a clear swap at indexer.selection with the query
+    and both keys. float32: in bfloat16 this case's score allowance (3x the bfloat16 reference's own score error
+    on the row) admits the swap (docs/conformance.md, "Top-k selections")."""
+    what, name, stage = TRACED_INDEXER_MUTANTS[bug]
+    result = run_case(CASES[name], "mutant", dtype="float32", adapter=TracedIndexerMutant(bug), gradients=False)
+    assert result.status == STATUS_FAIL, f"{bug} ({what}) passed {name}"
+    assert result.divergence is not None and result.divergence.stage == stage, (
+        f"{bug}: {result.divergence.describe() if result.divergence else 'no divergence'}, expected {stage}")
+    if stage == "indexer.selection":
+        assert "query [0, 0, 8]" in result.divergence.describe(), result.divergence.describe()
+    print(f"{bug}: {result.divergence.describe()[:160]}")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_the_reference_as_a_port_has_no_divergent_indexer_stage(dtype):
+    """compare.localise on the NumPy reference itself (in `dtype`) over every indexer case: no stage, the
+    indexer's included, is beyond its tolerance, so a divergence named there is the port's."""
+    for name in INDEXER_CASES:
+        divergence = compare.localise(CASES[name], dtype, numpy_adapter, device="cpu", precision="highest")
+        assert divergence is None, f"{name} {dtype}: {divergence.describe()}"
 
 
 def test_the_grid_cases_have_no_near_tie_at_the_kth_place():

@@ -43,8 +43,11 @@ class Divergence:
     actual: float | None
     expected: float | None
     margin: float
+    detail: str | None = None  # what differs where no element does (the indexer's selection: queries and keys)
 
     def describe(self) -> str:
+        if self.detail is not None:
+            return f"first divergent stage: {self.stage} ({self.detail})"
         return (f"first divergent stage: {self.stage} (worst at {list(self.index) if self.index else '-'}: "
                 f"backend {self.actual!r}, reference {self.expected!r}, margin {self.margin:.3g})")
 
@@ -479,21 +482,35 @@ def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "hi
 
 
 def localise(case: Case, dtype: str, adapter, *, device: str, precision: str) -> Divergence | None:
-    """Re-run with the trace and name the first stage beyond tolerance."""
+    """Re-run with the trace and name the first stage beyond tolerance. A layer with an indexer records its
+    stages first (weights.call.INDEXER_STAGES): each numeric one judged as any stage, its selection
+    (indexer.selection) by the top-k rule (judge_selection: keys swapped within the score allowance agree; the
+    blocks are judged through the keys they expand to), and after an admissible selection of the port's own the
+    attention's stages against the float64 reference attending to it (a swap there is no divergence)."""
     exp = expected_for(case, dtype)
+    options = case.options(dtype)
     try:
-        traced = adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype), device=device,
+        traced = adapter.forward(case.config, exp["tensors"], exp["inputs"], options, device=device,
                                  precision=precision, trace=True)
     except NotImplementedError:
         return None
     ref_stages = dict(exp["trace"])
     seen_logits = False
+    own = None  # the port's own admissible selection, where it differs from the reference's
     for stage, value in traced.get("trace", []):
-        if stage not in ref_stages:
+        if stage == "indexer.selection":
+            verdict, own = judge_selection(case, dtype, value, options)
+            if not verdict.ok:
+                return Divergence(stage, None, None, None, verdict.margin, detail=verdict.tolerance.reason)
+            if own is not None:
+                ref_stages = {**ref_stages, **dict(expected_for(case, dtype, own)["trace"])}
+            continue
+        if stage not in ref_stages or stage == "indexer.blocks":
             continue
         seen_logits = seen_logits or stage == "logits"
         expected = ref_stages[stage]
-        tol = case_policy(case, dtype, stage, "stage", expected, precision=precision, logits=seen_logits)
+        tol = case_policy(case, dtype, stage, "stage", expected, precision=precision, logits=seen_logits,
+                          selection=own)
         c = compare(stage, value, expected, tol)
         if not c.ok:
             return Divergence(stage, c.index, c.actual, c.expected, c.margin)

@@ -77,6 +77,32 @@ def test_trace_prints_every_stage(capsys):
     assert code == 0 and "merge_heads" in out and "softmax" in out
 
 
+@pytest.mark.reference  # NumPy only (`mha trace`): the numpy env runs it, not `all`
+def test_trace_shows_the_indexers_stages_first(tmp_path, capsys):
+    """A layer with an indexer (the grid's DeepSeek V3.2 decode step over a cache): `mha trace` lists the
+    indexer's stages (weights.call.indexer_stages) before the attention's, its selection the call's own."""
+    from conformance.suite.cases import CASES, make_inputs, make_tensors
+    from weights.call import indexer_stages
+
+    case = CASES["indexer_dsa_decode"]
+    inputs = make_inputs(case)
+    weights.save(tmp_path / "w.safetensors", case.config, make_tensors(case))
+    write_arrays(tmp_path / "in.safetensors", {n: x for n, x in inputs.items() if x is not None})
+    code, out, err = run_cli("trace", "--weights", tmp_path / "w.safetensors", "--inputs", tmp_path / "in.safetensors",
+                             "--causal", "--causal-alignment", "bottom_right", "--json", "--values", 3, capsys=capsys)
+    assert code == 0, err
+    stages = json.loads(out)["stages"]
+    names = [s["stage"] for s in stages]
+    first = indexer_stages(case.config)
+    assert tuple(names[:len(first)]) == first and "indexer.selection" in first and "logits" in names, names
+    _, selection = multi_head_attention(case.config, make_tensors(case), inputs["query"], inputs["key"],
+                                        inputs["value"], past_key=inputs["past_key"], past_value=inputs["past_value"],
+                                        past_index_keys=inputs["past_index_keys"], is_causal=True,
+                                        causal_alignment="bottom_right", return_selection=True)
+    chosen = next(s for s in stages if s["stage"] == "indexer.selection")
+    assert chosen["shape"] == list(selection.shape) and chosen["first"] == selection.ravel()[:3].tolist(), chosen
+
+
 def test_example_inputs_are_what_the_script_writes(tmp_path):
     inputs = read_inputs(EXAMPLE / "inputs.safetensors")
     assert inputs["query"].shape == (2, 4, 3)

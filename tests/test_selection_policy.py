@@ -218,8 +218,8 @@ def test_the_call_judge_sees_the_keys_the_call_shows(is_causal, T, S):
 # The grid's case built with near-ties at the k-th place (conformance.suite.cases: indexer_ties_near)
 NEAR_TIES_CASE = "indexer_ties_near"
 # The mirrors' rows in `tox -e full` (slow): their grid tests (tests/test_torch.py, test_jax.py, test_tf.py,
-# test_mlx.py) already pass the case in every dtype with gradients; these rows add the swaps counted, at about
-# 2 s (torch), 5.5 s (jax: four forward programs compiled), 1.5 s (tf) of test time each
+# test_mlx.py) already pass the case in every dtype with gradients; these rows add the swaps counted, at
+# 1.5-2.2 s (torch), 1.4-5.5 s (jax: four forward programs compiled), 0.6-1.5 s (tf) of test time each
 GRID_BACKENDS = [pytest.param("numpy", marks=pytest.mark.reference),
                  *(pytest.param(*p.values, marks=(*p.marks, pytest.mark.slow)) for p in MIRRORS),
                  pytest.param("mlx", marks=(pytest.mark.mlx, pytest.mark.slow))]

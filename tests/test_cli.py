@@ -103,6 +103,30 @@ def test_trace_shows_the_indexers_stages_first(tmp_path, capsys):
     assert chosen["shape"] == list(selection.shape) and chosen["first"] == selection.ravel()[:3].tolist(), chosen
 
 
+@pytest.mark.torch
+def test_trace_against_the_reference_names_a_torch_ports_indexer_stage(tmp_path, capsys, monkeypatch):
+    """`mha trace --backend torch --against-reference` on DeepSeek V3.2's prefill (float32): the torch mirror
+    is within every stage's tolerance (exit 0); with its indexer's RoPE pairing swapped (interleaved for
+    V3.2's half-split) the first divergent stage is indexer.query.rope (exit 1), not the attention's output."""
+    pytest.importorskip("torch")
+    import impl_torch.indexer
+    from conformance.suite.cases import CASES, cast_inputs, cast_tensors, make_inputs, make_tensors
+
+    case = CASES["indexer_dsa_prefill"]
+    weights.save(tmp_path / "w.safetensors", case.config, cast_tensors(make_tensors(case), "float32"))
+    write_arrays(tmp_path / "in.safetensors", cast_inputs(make_inputs(case), "float32"))
+    argv = ("trace", "--backend", "torch", "--weights", tmp_path / "w.safetensors", "--inputs",
+            tmp_path / "in.safetensors", "--causal", "--against-reference", "--json")
+    code, out, err = run_cli(*argv, capsys=capsys)
+    assert code == 0 and json.loads(out)["against_reference"].startswith("every stage within"), (code, out[-300:], err)
+    rope = impl_torch.indexer.index_rope
+    monkeypatch.setattr(impl_torch.indexer, "index_rope", lambda x, angles, rotary_dim, interleaved, *rest:
+                        rope(x, angles, rotary_dim, not interleaved, *rest))
+    code, out, err = run_cli(*argv, capsys=capsys)
+    verdict = json.loads(out)["against_reference"]
+    assert code == 1 and verdict.startswith("first divergent stage: indexer.query.rope "), (code, verdict, err)
+
+
 def test_example_inputs_are_what_the_script_writes(tmp_path):
     inputs = read_inputs(EXAMPLE / "inputs.safetensors")
     assert inputs["query"].shape == (2, 4, 3)

@@ -517,6 +517,50 @@ def localise(case: Case, dtype: str, adapter, *, device: str, precision: str) ->
     return None
 
 
+def localise_call(config, tensors: dict, inputs: dict, options: dict, traced, *,
+                  precision: str = "highest") -> Divergence | None:
+    """localise for one call outside the grid (`mha trace --against-reference`): `traced`, a backend's trace of
+    the call ([(stage, array)], run with these tensors, inputs and options: options["dtype"], else the tensors'
+    dtype), against the float64 reference's trace of the same values rounded to that dtype, stage by stage
+    under the policy (tensor-wide: a grid case's elementwise magnitudes are not computed here); the indexer's
+    selection by the top-k rule, and after an admissible selection of the port's own the attention's stages
+    against the reference attending to it. -> the first stage beyond its tolerance, or None."""
+    from conformance.suite.selection import judge_call_selection
+
+    dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
+    t64 = cast_tensors(cast_tensors(tensors, dtype), "float64")
+    i64 = cast_inputs(cast_inputs(inputs, dtype), "float64")
+    plain = {k: v for k, v in options.items() if k not in ("return_weights", "return_cache")} | {"dtype": "float64"}
+    ref = dict(reference.forward(config, t64, i64, plain, trace=True)["trace"])
+    B, T = np.shape(inputs["query"])[:2]
+    S_total = ref["logits"].shape[-1] if "logits" in ref else T
+    given = [np.abs(inputs[name]).max() for name in ("positions", "key_positions") if name in inputs]
+    last = int(max(given, default=S_total))
+    seen_logits = False
+    for stage, value in traced:
+        if stage == "indexer.selection":
+            verdict = judge_call_selection(config, t64, i64, options, value, dtype=dtype)
+            if not verdict.ok:
+                return Divergence(stage, None, None, None, verdict.margin, detail=verdict.describe())
+            if _as_sets(value) != _as_sets(ref[stage]):  # the attention given the port's own (admissible) keys
+                own = dataclasses.replace(config, indexer=None)
+                t_own = {n: t for n, t in t64.items() if not n.startswith("indexer.")}
+                i_own = {n: x for n, x in i64.items() if n != "past_index_keys"} | {
+                    "topk_indices": np.asarray(value, dtype=np.int64)}
+                ref |= dict(reference.forward(own, t_own, i_own, plain, trace=True)["trace"])
+            continue
+        if stage not in ref or stage == "indexer.blocks":
+            continue
+        seen_logits = seen_logits or stage == "logits"
+        expected = ref[stage]
+        tol = policy_for(config, dtype=dtype, quantity="stage", B=B, T=T, S=S_total, reference=expected,
+                         logits=ref["logits"] if seen_logits else None, precision=precision, max_position=last)
+        c = compare(stage, value, expected, tol)
+        if not c.ok:
+            return Divergence(stage, c.index, c.actual, c.expected, c.margin)
+    return None
+
+
 def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
     """The call options that run `path` of the adapter on the case (its path_options), the case's own for
     DEFAULT_PATH; None where the path does not exist for this case and dtype (an in-place cache without a

@@ -189,7 +189,7 @@ def apply(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype, precision=precision,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
-        topk_indices=topk_indices, past_index_keys=past_index_keys,
+        topk_indices=topk_indices, past_index_keys=past_index_keys, trace=trace,
     )
     if return_selection and call.selection is None:
         raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from weights import DTYPES, AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
+from weights.call import record
 from weights.contract import (
     CallShapes,
     check_bias_values,
@@ -316,9 +317,10 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
             training, seed, rng, return_weights, dtype, precision, positions=None, key_positions=None,
             past_key=None, past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False,
             cache_length=None, materializes_scores=True, past_key_positions=None, topk_indices=None,
-            past_index_keys=None) -> Call:
+            past_index_keys=None, trace: list | None = None) -> Call:
     """Validate a call (`check`) and cast everything to the storage dtype. topk_indices joins the mask (mask4 =
-    mask AND F.selection_mask), as impl_numpy's; with config.indexer its selection does (run_indexer)."""
+    mask AND F.selection_mask), as impl_numpy's; with config.indexer its selection does (run_indexer), a trace
+    receiving its stages first."""
     shapes, dtype = check(
         config, params, query, key, value, mask=mask, bias=bias, dropout_mask=dropout_mask, is_causal=is_causal,
         causal_alignment=causal_alignment, training=training, seed=seed, rng=rng, positions=positions,
@@ -367,7 +369,8 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         call.key_positions = F.mrope_positions(_ids(key_positions), P, shapes.S, axes)
         call.past_key_positions = None
     if config.indexer is not None:
-        run_indexer(config, call, is_causal, causal_alignment, positions, key_positions, past_index_keys)
+        run_indexer(config, call, is_causal, causal_alignment, positions, key_positions, past_index_keys,
+                    rec=lambda stage, value: record(trace, stage, value))
     if config.kv_shared:
         share_cache(call)
     return call
@@ -384,7 +387,7 @@ def share_cache(call: Call) -> None:
 
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
-                key_positions, past_index_keys) -> None:
+                key_positions, past_index_keys, rec=lambda stage, value: value) -> None:
     """impl_numpy.attention.run_indexer in JAX: the indexer's selection (impl_jax.indexer) over the keys every
     other mask shows (call.allowed before the selection joins it, any head's), joined to call.mask4;
     call.selection and call.present_index_keys set (an in-place cache: the new index keys written into the
@@ -404,7 +407,7 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
                                positions=None if positions is None else _ids(positions),
                                key_positions=None if key_positions is None else _ids(key_positions),
                                past_index_keys=None if past is None else sg(past), mask=mask, is_causal=False,
-                               dtype=np.dtype(call.dtype).name)
+                               dtype=np.dtype(call.dtype).name, rec=rec)
     present = result["present_index_keys"]
     if buffer is not None and call.cache_length is not None:
         present = jax.lax.dynamic_update_slice(_cast(buffer, call.dtype), present[:, P:], (0, P, 0))

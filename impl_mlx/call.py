@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from weights import DTYPES, AttentionConfig, compute_dtype, dtype_from_name, validate_tensors
+from weights.call import record
 from weights.contract import (
     CallShapes,
     check_bias_values,
@@ -137,10 +138,11 @@ def _ids(x):
 def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None) -> Call:
+            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None,
+            trace: list | None = None) -> Call:
     """Validate a call in the reference's order and words and cast everything to the storage dtype. topk_indices
     joins the mask (mask4 = mask AND functional.selection_mask), as impl_numpy's: every path reads it there; with
-    config.indexer its selection does (run_indexer)."""
+    config.indexer its selection does (run_indexer), a trace receiving its stages first."""
     stored = check_params(config, params)
     np_storage = stored if dtype is None else dtype_from_name(dtype)
     query = _as_array(query)
@@ -220,7 +222,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         call.past_key_positions = None
     if config.indexer is not None:
         run_indexer(config, call, is_causal, causal_alignment, optional["positions"], optional["key_positions"],
-                    past_index_keys)
+                    past_index_keys, rec=lambda stage, value: record(trace, stage, value))
     if config.kv_shared:
         share_cache(call)
     return call
@@ -237,7 +239,7 @@ def share_cache(call: Call) -> None:
 
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
-                key_positions, past_index_keys) -> None:
+                key_positions, past_index_keys, rec=lambda stage, value: value) -> None:
     """impl_numpy.attention.run_indexer in MLX: the indexer's selection (impl_mlx.indexer) over the keys every
     other mask shows (call.allowed before the selection joins it, any head's), joined to call.mask4;
     call.selection and call.present_index_keys set (an in-place cache: the new index keys written into the
@@ -261,7 +263,7 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
     result = lightning_indexer(config, {n: sg(t) for n, t in call.params.items()}, sg(call.query), sg(call.key),
                                positions=positions, key_positions=key_positions,
                                past_index_keys=None if past is None else sg(to_mx(past)), mask=mask,
-                               is_causal=False, dtype=np_dtype(call.dtype).name)
+                               is_causal=False, dtype=np_dtype(call.dtype).name, rec=rec)
     present = result["present_index_keys"]
     if buffer is not None:
         buffer[:, P:P + S] = present[:, P:]  # the caller's array, written in place

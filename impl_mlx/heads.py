@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from weights import AttentionConfig
-from weights.call import LATENT_STAGES, STAGES
+from weights.call import LATENT_STAGES, STAGES, indexer_stages
 
 from . import functional as F
 
@@ -107,14 +107,14 @@ def trace_stages(config: AttentionConfig) -> tuple[str, ...]:
     if latent is not None:
         if latent.query_rank is None:
             off |= {"query.down", "query.down_norm"}
-        return tuple(stage for stage in LATENT_STAGES if stage not in off)
+        return indexer_stages(config) + tuple(stage for stage in LATENT_STAGES if stage not in off)
     stages = [stage for stage in STAGES if stage not in off]
     if config.qk_norm is not None and config.qk_norm.after_rope:
         stages = [stage for stage in stages if stage not in ("query.norm", "key.norm")]
         last = "key.rope" if config.rope is not None else "value.split_heads"
         at = stages.index(last) + 1
         stages[at:at] = ["query.norm", "key.norm"]
-    return tuple(stages)
+    return indexer_stages(config) + tuple(stages)
 
 
 # -- issue 42: a kv_shared layer (mirrors impl_numpy.heads.shared_heads) ----------------------------

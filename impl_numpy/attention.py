@@ -133,10 +133,12 @@ def _meta(x, name):  # check_call's shape and dtype arguments of one optional in
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None) -> Call:
+            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None,
+            trace: list | None = None) -> Call:
     """Validate a call and cast everything to the storage dtype. topk_indices joins the mask (mask4 = mask AND
     functional.selection_mask): every path, the backward and the magnitudes read the selection there. With
-    config.indexer the indexer makes that selection here (run_indexer), so every path attends to it."""
+    config.indexer the indexer makes that selection here (run_indexer), so every path attends to it; a trace
+    receives its stages (weights.call.INDEXER_STAGES), the first of the call's."""
     stored = validate_tensors(config, tensors)
     dtype = stored if dtype is None else dtype_from_name(dtype)
     query = np.asarray(query)
@@ -213,7 +215,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     selection = optional["topk_indices"]
     if config.indexer is not None:
         selection = run_indexer(config, call, is_causal, causal_alignment, optional["positions"],
-                                optional["key_positions"], past_index_keys)
+                                optional["key_positions"], past_index_keys,
+                                rec=lambda stage, value: record(trace, stage, value))
     if selection is not None:  # the selection joins the mask: (B, 1|N, T, S_total)
         selected = F.selection_mask(selection, config.num_heads, shapes.S_total)
         call.mask4 = selected if call.mask4 is None else call.mask4 & selected
@@ -241,14 +244,14 @@ def index_mask(config: AttentionConfig, call: Call, is_causal: bool, causal_alig
 
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
-                key_positions, past_index_keys) -> np.ndarray:
+                key_positions, past_index_keys, rec=lambda stage, value: value) -> np.ndarray:
     """config.indexer's selection for this call (impl_numpy.indexer.lightning_indexer), its index cache kept
     in call.present_index_keys (with cache_length written into the caller's buffer at P..P+S-1, the buffer
     whole). The keys it may choose from are those every other mask of the call shows the query (causal in
     the call's alignment, the mask, windows, local chunks, segments: call.allowed), any head's: a hidden key
     never takes a slot. The selection is piecewise constant in every input: no gradient flows through it,
     and the indexer's own tensors get none from the attention's output (DeepSeek trains them apart, with a
-    KL loss against the attention's scores)."""
+    KL loss against the attention's scores). rec: the call's trace recorder, handed to lightning_indexer."""
     from .indexer import lightning_indexer
 
     S, P = call.shapes.S, call.shapes.P
@@ -263,7 +266,7 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
         past = buffer[:, :P]
     result = lightning_indexer(config, call.params, call.query, call.key, positions=positions,
                                key_positions=key_positions, past_index_keys=past, mask=mask, is_causal=False,
-                               dtype=call.dtype.name)
+                               dtype=call.dtype.name, rec=rec)
     call.present_index_keys = result["present_index_keys"]
     if buffer is not None:
         buffer[:, P:P + S] = call.present_index_keys[:, P:]
@@ -360,7 +363,7 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype,
         materializes_scores=chunk_size is None or return_weights, past_key_positions=past_key_positions,
-        topk_indices=topk_indices, past_index_keys=past_index_keys,
+        topk_indices=topk_indices, past_index_keys=past_index_keys, trace=trace,
     )
     if return_selection and call.selection is None:
         raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")

@@ -211,8 +211,9 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
                                                           ("present_key", "present_value"))
         if "present_index_keys" in answer:
             answer["present_index_keys"] = answer["present_index_keys"][:, :P + S]
-    if trace:
-        _, entries = layer.trace(query, key, value, **kwargs)
+    if trace:  # (on jax the cache went to the program as `given`: the trace takes it back)
+        past = {n: given[n] for n in ("past_key", "past_value") if n in given} if BACKEND == "jax" else {}
+        _, entries = layer.trace(query, key, value, **kwargs, **past)
         answer["trace"] = [(e.stage, _numpy(e.value)) for e in entries]
     return answer
 

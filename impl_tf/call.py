@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from weights import DTYPES, AttentionConfig, dtype_from_name, validate_tensors
-from weights.call import OPTIONAL_INPUTS
+from weights.call import OPTIONAL_INPUTS, record
 from weights.contract import (
     CallShapes,
     check_bias_values,
@@ -193,10 +193,11 @@ class Call:
 def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_causal, causal_alignment,
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
-            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None) -> Call:
+            materializes_scores=True, past_key_positions=None, topk_indices=None, past_index_keys=None,
+            trace: list | None = None) -> Call:
     """Validate a call and cast everything to the storage dtype (an in-place
     cache's buffers excepted: they are the caller's variables, kept as given).
-    With config.indexer its selection joins the mask (run_indexer)."""
+    With config.indexer its selection joins the mask (run_indexer), a trace receiving its stages first."""
     stored = check_tensors(config, tensors)
     dtype = check_dtype(stored if dtype is None else dtype_from_name(dtype).name)
     training = bool(training)
@@ -268,7 +269,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         call.past_key_positions = None
     if config.indexer is not None:
         run_indexer(config, call, is_causal, causal_alignment, given.get("positions"), given.get("key_positions"),
-                    past_index_keys)
+                    past_index_keys, rec=lambda stage, value: record(trace, stage, value))
     if config.kv_shared:
         share_cache(call)
     return call
@@ -286,7 +287,7 @@ def share_cache(call: Call) -> None:
 
 
 def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, positions,
-                key_positions, past_index_keys) -> None:
+                key_positions, past_index_keys, rec=lambda stage, value: value) -> None:
     """impl_numpy.attention.run_indexer in keras.ops: the indexer's selection (impl_tf.indexer) over the keys
     every other mask shows (call.allowed before the selection joins it, any head's), joined to call.mask4;
     call.selection and call.present_index_keys set. On every Keras backend, traced too (jax.jit: the
@@ -315,7 +316,7 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
 
     result = lightning_indexer(config, {n: held(t) for n, t in call.params.items() if n.startswith(READS)},
                                held(call.query), held(call.key), positions=positions, key_positions=key_positions,
-                               past_index_keys=past, mask=mask, is_causal=False, dtype=call.dtype)
+                               past_index_keys=past, mask=mask, is_causal=False, dtype=call.dtype, rec=rec)
     present = result["present_index_keys"]
     if in_place:
         past_index_keys[:, P:P + S].assign(F._cast(present[:, P:], call.dtype))

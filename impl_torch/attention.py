@@ -193,11 +193,11 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
             training, seed, return_weights, dtype, positions=None, key_positions=None, past_key=None,
             past_value=None, segment_ids=None, key_segment_ids=None, return_cache=False, cache_length=None,
             materializes_scores=True, sdpa=False, past_key_positions=None, topk_indices=None,
-            past_index_keys=None) -> Call:
+            past_index_keys=None, trace: list | None = None) -> Call:
     """Validate a call and cast everything to the storage dtype. sdpa: the
     core will run through SDPA; when SDPA's own is_causal can apply (the
     Call's plain_causal), the (T, S) causal mask is not built at all. With
-    config.indexer the indexer's selection joins the mask (run_indexer)."""
+    config.indexer the indexer's selection joins the mask (run_indexer); a trace receives its stages first."""
     stored = check_tensors(config, tensors)
     dtype = stored if dtype is None else torch_dtype(dtype)
     device = next(iter(tensors.values())).device  # where the weights live; every input follows them
@@ -284,7 +284,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
                                        local_chunk=config.local_chunk, positions=positions_t,
                                        key_positions=every_key, device=device)
         index = run_indexer(config, params, query.to(dtype), key.to(dtype), dtype, index_allowed, shapes,
-                            given.get("positions"), given.get("key_positions"), past_index_keys, in_place)
+                            given.get("positions"), given.get("key_positions"), past_index_keys, in_place,
+                            rec=lambda stage, value: record(trace, stage, value))
         selection = index[0]
     if selection is not None:  # the selection joins the mask (impl_numpy.attention.prepare): (B, 1|N, T, S_total)
         selected = F.selection_mask(selection, config.num_heads, S_total)
@@ -315,7 +316,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
 
 
 def run_indexer(config: AttentionConfig, params, query, key, dtype, allowed, shapes: CallShapes, positions,
-                key_positions, past_index_keys, in_place: bool):
+                key_positions, past_index_keys, in_place: bool, rec=lambda stage, value: value):
     """impl_numpy.attention.run_indexer in torch: (selection, present_index_keys), under torch.no_grad() (the
     selection is piecewise constant; the indexer's tensors get no gradient from the output). allowed: every
     other mask (B|1, N|1, T|1, S_total|1) or None, any head's key offered to the selection. In place: the
@@ -335,7 +336,8 @@ def run_indexer(config: AttentionConfig, params, query, key, dtype, allowed, sha
     with torch.no_grad():
         result = lightning_indexer(config, {n: t.detach() for n, t in params.items()}, query.detach(), key.detach(),
                                    positions=positions, key_positions=key_positions, past_index_keys=past,
-                                   mask=index_mask, is_causal=False, dtype=dtype_name(dtype), device=query.device)
+                                   mask=index_mask, is_causal=False, dtype=dtype_name(dtype), device=query.device,
+                                   rec=rec)
         present = result["present_index_keys"]
         if in_place and buffer is not None:
             buffer[:, P:P + S] = present[:, P:]
@@ -595,7 +597,7 @@ def multi_head_attention(
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, return_weights=return_weights,
         return_cache=return_cache, cache_length=cache_length, dtype=dtype, materializes_scores=not will_use_sdpa,
         sdpa=will_use_sdpa, past_key_positions=past_key_positions, topk_indices=topk_indices,
-        past_index_keys=past_index_keys,
+        past_index_keys=past_index_keys, trace=trace,
     )
     if return_selection and call.selection is None:
         raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")

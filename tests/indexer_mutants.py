@@ -92,8 +92,9 @@ def port(config, tensors, x, bug=None, *, key=None, past_index_keys=None):
     k = _norm(k, t["indexer.key.norm.scale"], t.get("indexer.key.norm.bias"), ix.key_norm.type, ix.key_norm.eps)
     pos = np.arange(n - T, n)  # the queries: the last T tokens
     r = ix.rope
-    q = _rope(q, pos, r.rotary_dim, r.interleaved, r.theta, ix.rope_end == "first", bug)
-    k = _rope(k, np.arange(P, n), r.rotary_dim, r.interleaved, r.theta, ix.rope_end == "first", bug)
+    if r is not None:  # (an indexer without RoPE: the grid's near-tie case)
+        q = _rope(q, pos, r.rotary_dim, r.interleaved, r.theta, ix.rope_end == "first", bug)
+        k = _rope(k, np.arange(P, n), r.rotary_dim, r.interleaved, r.theta, ix.rope_end == "first", bug)
     if past_index_keys is not None:
         k = np.concatenate([np.asarray(past_index_keys, dtype=np.float32), k], axis=1)  # (B, P+S, J)
     dots = np.einsum("bitj,bsj->bits", q, k) * np.float32(ix.effective_score_scale)

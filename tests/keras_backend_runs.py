@@ -262,8 +262,11 @@ def run_command(backend_id: str, command: str, rest: list[str]):
         cases = ["indexer_dsa_decode", "indexer_m3_blocks"]
         seen = {mutant: judge_indexer_stage(backend_id, mutant, cases) for mutant in rest[0].split(",")}
         # and the layer's call (the adapter's: under jax.jit on keras-jax), the selection judged by run_case
+        # and the grid's near-tie case in every dtype (16-bit selections keep the other key of some ties)
         seen["layer"] = judge(backend_id, "none", ["indexer_dsa_decode:float64:stages",
-                                                   "indexer_m3_blocks:float32:fused"])
+                                                   "indexer_m3_blocks:float32:fused",
+                                                   *(f"indexer_ties_near:{dtype}:stages" for dtype in
+                                                     ("float64", "float32", "float16", "bfloat16"))])
         return seen
     if command == "round_trip":
         return round_trip(backend_id, rest[0])

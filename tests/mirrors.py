@@ -155,7 +155,10 @@ PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"), "jax
 GPU_PATHS = {"torch": ("stages", "sdpa"), "tf": ("stages", "fused", "chunked"), "jax": ("stages", "fused"),
              "mlx": ("stages", "fused", "chunked")}
 TRACE_DTYPES = {"torch": ("float64",), "tf": ("float64",), "jax": ("float64", "float32"), "mlx": ("float64",)}
-FRONTIER_TRACE_CASES = ["frontier_everything", "latent_mla", "norm_after_rope_chunked", "value_norm"]
+# (the two indexer cases: the indexer's stages first, in weights.call.INDEXER_STAGES' names and order: DeepSeek
+# V3.2's on a latent layer, MiniMax M3's blocks per kv head)
+FRONTIER_TRACE_CASES = ["frontier_everything", "latent_mla", "norm_after_rope_chunked", "value_norm",
+                        "indexer_dsa_prefill", "indexer_m3_blocks"]
 TRACE_CASES = {
     "torch": [*FRONTIER_TRACE_CASES, "modern_everything", "qk_norm_layer_all", "qk_norm_rms_head", "softcap",
               "rope_partial", "rope_yarn",

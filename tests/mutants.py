@@ -585,6 +585,69 @@ INDEXER_MUTANTS = {
 }
 
 
+# The lightning indexer's porting bugs that `mha check` names at the indexer's own stage (its trace, first in the
+# call's: compare.localise), each with the grid case it runs on and that stage (tests/test_indexer_call.py): run
+# by TracedIndexerMutant, the NumPy reference with that one indexer stage replaced
+TRACED_INDEXER_MUTANTS = {
+    "indexer_rope_pairing_swapped": ("the indexer's RoPE pairing swapped (interleaved for DeepSeek V3.2's half-split: "
+                                     "GLM-5's pairing on a V3.2 checkpoint)", "indexer_dsa_prefill",
+                                     "indexer.query.rope"),
+    "indexer_relu_dropped": ("the ReLU after each index head's scores dropped", "indexer_dsa_prefill",
+                             "indexer.scores"),
+    "indexer_best_for_worst": ("the last query's best index key swapped for its worst visible dropped one (a top-k "
+                               "that sorts the wrong way for one row)", "indexer_dsa_prefill", "indexer.selection"),
+}
+
+
+class TracedIndexerMutant:
+    """impl_numpy's adapter (trace included) with one stage of its indexer replaced by `bug` of
+    TRACED_INDEXER_MUTANTS while the port's own call runs (the float64 reference, computed outside it, keeps
+    the spec's)."""
+
+    def __init__(self, bug):
+        if bug not in TRACED_INDEXER_MUTANTS:
+            raise ValueError(f"bug must be one of {', '.join(TRACED_INDEXER_MUTANTS)}: got {bug!r}")
+        self.bug = bug
+
+    def devices(self):
+        return ["cpu"]
+
+    def _replacement(self, ix):
+        if self.bug == "indexer_rope_pairing_swapped":
+            rope = ix.index_rope
+            return "index_rope", lambda x, angles, rotary_dim, interleaved, *rest: rope(x, angles, rotary_dim,
+                                                                                        not interleaved, *rest)
+        if self.bug == "indexer_relu_dropped":
+            scores = ix.scores
+            return "scores", lambda q, k, w, scale, relu, per_kv_head: scores(q, k, w, scale, False, per_kv_head)
+        select = ix.select_topk
+
+        def best_for_worst(x, k):
+            chosen = select(x, k)  # (B, G, T, k')
+            row = x[0, 0, -1]
+            visible = [j for j in range(row.shape[-1]) if np.isfinite(row[j]) and j not in chosen[0, 0, -1]]
+            if visible:
+                chosen[0, 0, -1, 0] = min(visible, key=lambda j: row[j])
+            return chosen
+
+        return "select_topk", best_for_worst
+
+    def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+        import impl_numpy.adapter
+        import impl_numpy.indexer as ix
+
+        name, replacement = self._replacement(ix)
+        original = getattr(ix, name)
+        setattr(ix, name, replacement)
+        try:
+            return impl_numpy.adapter.forward(config, tensors, inputs, options, device=device, trace=trace)
+        finally:
+            setattr(ix, name, original)
+
+    def vjp(self, *args, **kwargs):
+        raise NotImplementedError("the traced indexer mutant is judged on its forward pass")
+
+
 # Differential attention (config.differential), each bug with the grid case it targets (tests/test_mutants.py runs
 # them on their case, as the topk ones: the whole short grid per mutant would cost tox for bugs only these cases show)
 DIFFERENTIAL_MUTANTS = {

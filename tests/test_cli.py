@@ -77,6 +77,56 @@ def test_trace_prints_every_stage(capsys):
     assert code == 0 and "merge_heads" in out and "softmax" in out
 
 
+@pytest.mark.reference  # NumPy only (`mha trace`): the numpy env runs it, not `all`
+def test_trace_shows_the_indexers_stages_first(tmp_path, capsys):
+    """A layer with an indexer (the grid's DeepSeek V3.2 decode step over a cache): `mha trace` lists the
+    indexer's stages (weights.call.indexer_stages) before the attention's, its selection the call's own."""
+    from conformance.suite.cases import CASES, make_inputs, make_tensors
+    from weights.call import indexer_stages
+
+    case = CASES["indexer_dsa_decode"]
+    inputs = make_inputs(case)
+    weights.save(tmp_path / "w.safetensors", case.config, make_tensors(case))
+    write_arrays(tmp_path / "in.safetensors", {n: x for n, x in inputs.items() if x is not None})
+    code, out, err = run_cli("trace", "--weights", tmp_path / "w.safetensors", "--inputs", tmp_path / "in.safetensors",
+                             "--causal", "--causal-alignment", "bottom_right", "--json", "--values", 3, capsys=capsys)
+    assert code == 0, err
+    stages = json.loads(out)["stages"]
+    names = [s["stage"] for s in stages]
+    first = indexer_stages(case.config)
+    assert tuple(names[:len(first)]) == first and "indexer.selection" in first and "logits" in names, names
+    _, selection = multi_head_attention(case.config, make_tensors(case), inputs["query"], inputs["key"],
+                                        inputs["value"], past_key=inputs["past_key"], past_value=inputs["past_value"],
+                                        past_index_keys=inputs["past_index_keys"], is_causal=True,
+                                        causal_alignment="bottom_right", return_selection=True)
+    chosen = next(s for s in stages if s["stage"] == "indexer.selection")
+    assert chosen["shape"] == list(selection.shape) and chosen["first"] == selection.ravel()[:3].tolist(), chosen
+
+
+@pytest.mark.torch
+def test_trace_against_the_reference_names_a_torch_ports_indexer_stage(tmp_path, capsys, monkeypatch):
+    """`mha trace --backend torch --against-reference` on DeepSeek V3.2's prefill (float32): the torch mirror
+    is within every stage's tolerance (exit 0); with its indexer's RoPE pairing swapped (interleaved for
+    V3.2's half-split) the first divergent stage is indexer.query.rope (exit 1), not the attention's output."""
+    pytest.importorskip("torch")
+    import impl_torch.indexer
+    from conformance.suite.cases import CASES, cast_inputs, cast_tensors, make_inputs, make_tensors
+
+    case = CASES["indexer_dsa_prefill"]
+    weights.save(tmp_path / "w.safetensors", case.config, cast_tensors(make_tensors(case), "float32"))
+    write_arrays(tmp_path / "in.safetensors", cast_inputs(make_inputs(case), "float32"))
+    argv = ("trace", "--backend", "torch", "--weights", tmp_path / "w.safetensors", "--inputs",
+            tmp_path / "in.safetensors", "--causal", "--against-reference", "--json")
+    code, out, err = run_cli(*argv, capsys=capsys)
+    assert code == 0 and json.loads(out)["against_reference"].startswith("every stage within"), (code, out[-300:], err)
+    rope = impl_torch.indexer.index_rope
+    monkeypatch.setattr(impl_torch.indexer, "index_rope", lambda x, angles, rotary_dim, interleaved, *rest:
+                        rope(x, angles, rotary_dim, not interleaved, *rest))
+    code, out, err = run_cli(*argv, capsys=capsys)
+    verdict = json.loads(out)["against_reference"]
+    assert code == 1 and verdict.startswith("first divergent stage: indexer.query.rope "), (code, verdict, err)
+
+
 def test_example_inputs_are_what_the_script_writes(tmp_path):
     inputs = read_inputs(EXAMPLE / "inputs.safetensors")
     assert inputs["query"].shape == (2, 4, 3)

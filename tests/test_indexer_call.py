@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from mutants import INDEXER_MUTANTS, MutantAdapter
+from mutants import INDEXER_MUTANTS, TRACED_INDEXER_MUTANTS, MutantAdapter, TracedIndexerMutant
 
 import impl_numpy
 import impl_numpy.adapter as numpy_adapter
@@ -174,24 +174,58 @@ def test_indexer_mutant_fails_its_case(bug):
     print(f"{bug}: {name} float32 fails, margin {result.margin:.3g} ({result.worst.name})")
 
 
+@pytest.mark.parametrize("bug", list(TRACED_INDEXER_MUTANTS))
+def test_an_indexer_bug_is_named_at_the_indexers_first_differing_stage(bug):
+    """A port whose indexer differs fails its case and the failure names the indexer's stage where it starts
+    (compare.localise over the call's trace, the indexer's stages first), not the attention's output: the RoPE
+    pairing at indexer.query.rope, the ReLU at indexer.scores, a clear swap at indexer.selection with the query
+    and both keys. float32: in bfloat16 this case's score allowance (3x the bfloat16 reference's own score error
+    on the row) admits the swap (docs/conformance.md, "Top-k selections")."""
+    what, name, stage = TRACED_INDEXER_MUTANTS[bug]
+    result = run_case(CASES[name], "mutant", dtype="float32", adapter=TracedIndexerMutant(bug), gradients=False)
+    assert result.status == STATUS_FAIL, f"{bug} ({what}) passed {name}"
+    assert result.divergence is not None and result.divergence.stage == stage, (
+        f"{bug}: {result.divergence.describe() if result.divergence else 'no divergence'}, expected {stage}")
+    if stage == "indexer.selection":
+        assert "query [0, 0, 8]" in result.divergence.describe(), result.divergence.describe()
+    print(f"{bug}: {result.divergence.describe()[:160]}")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_the_reference_as_a_port_has_no_divergent_indexer_stage(dtype):
+    """compare.localise on the NumPy reference itself (in `dtype`) over every indexer case: no stage, the
+    indexer's included, is beyond its tolerance, so a divergence named there is the port's."""
+    for name in INDEXER_CASES:
+        divergence = compare.localise(CASES[name], dtype, numpy_adapter, device="cpu", precision="highest")
+        assert divergence is None, f"{name} {dtype}: {divergence.describe()}"
+
+
 def test_the_grid_cases_have_no_near_tie_at_the_kth_place():
     """The shipped vectors' expected.selection is compared exactly on regeneration (tests/test_vectors.py): in
-    every indexer case the k-th kept score (or block score) and the best dropped one differ by more than 1e-6 of
-    the scores' size, a million times a float64 rounding, so no machine's BLAS picks other keys."""
+    every indexer case and every dtype's vector (the float64 reference on the inputs and weights rounded to that
+    dtype) the k-th kept score (or block score) and the best dropped one differ by more than 1e-6 of the
+    scores' size, a million times a float64 rounding, so no machine's BLAS picks other keys. (The near-tie case,
+    indexer_ties_near, is near for 16-bit arithmetic, ~1e-4, not for float64's.)"""
     for name in INDEXER_CASES:
         case = CASES[name]
-        tensors, inputs = make_tensors(case), make_inputs(case)
-        index = lightning_indexer(case.config, tensors, inputs["query"], inputs["key"],
-                                  past_index_keys=inputs.get("past_index_keys"), is_causal=True, return_scores=True)
-        s = index["block_scores"] if "block_scores" in index else index["index_scores"]
-        s = np.sort(np.where(np.isfinite(s), s, np.nan), axis=-1)[..., ::-1]  # NaN (masked, +inf local) first
-        k = case.config.indexer.topk
-        gaps = []
-        for row in np.ndindex(*s.shape[:-1]):
-            finite = s[row][~np.isnan(s[row])]
-            kept = k - int(np.isinf(index.get("block_scores", index["index_scores"])[row]).sum() -
-                           np.isneginf(index.get("block_scores", index["index_scores"])[row]).sum())
-            if 0 < kept < len(finite):
-                gaps.append(abs(finite[kept - 1] - finite[kept]) / max(np.abs(finite).max(), 1e-300))
-        assert min(gaps) > 1e-6, (name, min(gaps))
-        print(f"{name}: smallest relative gap at the k-th place {min(gaps):.3g}")
+        smallest = {}
+        for dtype in ("float64", "float32", "float16", "bfloat16"):
+            exp = compare.expected_for(case, dtype)
+            tensors = {n: t.astype(np.float64) for n, t in exp["tensors"].items()}
+            inputs = {n: (x.astype(np.float64) if x.dtype.kind == "f" else x) for n, x in exp["inputs"].items()}
+            index = lightning_indexer(case.config, tensors, inputs["query"], inputs["key"],
+                                      past_index_keys=inputs.get("past_index_keys"), is_causal=True,
+                                      return_scores=True)
+            s = index["block_scores"] if "block_scores" in index else index["index_scores"]
+            s = np.sort(np.where(np.isfinite(s), s, np.nan), axis=-1)[..., ::-1]  # NaN (masked, +inf local) first
+            k = case.config.indexer.topk
+            gaps = []
+            for row in np.ndindex(*s.shape[:-1]):
+                finite = s[row][~np.isnan(s[row])]
+                kept = k - int(np.isinf(index.get("block_scores", index["index_scores"])[row]).sum() -
+                               np.isneginf(index.get("block_scores", index["index_scores"])[row]).sum())
+                if 0 < kept < len(finite):
+                    gaps.append(abs(finite[kept - 1] - finite[kept]) / max(np.abs(finite).max(), 1e-300))
+            smallest[dtype] = min(gaps)
+        assert min(smallest.values()) > 1e-6, (name, smallest)
+        print(f"{name}: smallest relative gap at the k-th place " + ", ".join(f"{d} {g:.3g}" for d, g in smallest.items()))

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from conformance.suite import check
+from conformance.suite.cases import DTYPE_NAMES
 from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, expected_for
 from conformance.suite.tolerance import compare, policy_for
 
@@ -146,13 +147,15 @@ def test_the_indexer_runs_on_the_backend_and_catches_a_float64_relu(backend_id, 
     selection pass the tolerance policy against the float64 reference (DeepSeek's decode step, MiniMax M3's
     blocks); its ReLU through keras.ops.maximum (float64 computed in float32 on torch, cast back) fails
     DeepSeek's scores on torch alone (M3 has no ReLU; jax's maximum keeps float64). The layer with the indexer
-    passes run_case (on keras-jax under the adapter's jax.jit: the indexer traced)."""
+    passes run_case (on keras-jax under the adapter's jax.jit: the indexer traced), the grid's near-tie case
+    (indexer_ties_near) in every dtype."""
     _needs(backend_id)
     seen = keras_runs(backend_id, "indexer")
     assert seen["none"] == {"indexer_dsa_decode": [True, []], "indexer_m3_blocks": [True, []]}, seen["none"]
     caught = backend_id == "keras-torch"
     assert seen["keras_maximum"]["indexer_dsa_decode"] == ([False, ["index_scores"]] if caught else [True, []]), seen
     assert seen["keras_maximum"]["indexer_m3_blocks"] == [True, []], seen
+    assert {dtype for case, dtype, *_ in seen["layer"] if case == "indexer_ties_near"} == set(DTYPE_NAMES), seen
     for case, dtype, path, status, message in seen["layer"]:
         assert status == STATUS_PASS, (case, dtype, path, status, message)
 

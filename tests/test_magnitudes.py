@@ -44,8 +44,10 @@ def _reference(case: Case, tensors, inputs) -> dict[str, np.ndarray]:
     entries: list = []
     _, _, present_key, present_value, *_ = multi_head_attention(  # (an indexer's present_index_keys last)
         *args, **kwargs, return_weights=True, return_cache=True, trace=entries, dtype="float64")
-    stages = {e.stage: np.asarray(e.value) for e in entries}
-    assert len(stages) == len(entries), "a stage traced twice"
+    assert len({e.stage for e in entries}) == len(entries), "a stage traced twice"
+    # (the indexer's stages, first in the trace, have no magnitude bound: a trace comparison judges them by their
+    # own size and the selection by the top-k rule, impl_numpy/magnitudes.py)
+    stages = {e.stage: np.asarray(e.value) for e in entries if not e.stage.startswith("indexer.")}
     return stages | {"present_key": present_key, "present_value": present_value}
 
 

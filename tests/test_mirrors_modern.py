@@ -49,7 +49,7 @@ import weights
 from conformance.suite.cases import DTYPE_NAMES, cast_inputs, cast_tensors, make_inputs, make_tensors, output_cotangent
 from conformance.suite.compare import expected_for
 from conformance.suite.tolerance import assert_close
-from weights.call import LATENT_STAGES, stage_order
+from weights.call import INDEXER_STAGES, LATENT_STAGES, stage_order
 
 FRAMEWORKS = ("torch", "tf", "jax", "mlx")
 
@@ -160,7 +160,8 @@ def test_modern_trace_matches_reference_stage_by_stage(mirror, name, dtype):
     got_names, want_names = [s for s, _ in got], [s for s, _ in exp["trace"]]
     assert got_names == want_names, f"stages {got_names} != reference {want_names}"
     assert got_names == [s for s in stage_order(case.config) if s in got_names], f"{got_names} out of order"
-    assert set(got_names) <= set(mirror.module.STAGES) | set(LATENT_STAGES), "a stage no mirror names"
+    assert set(got_names) <= set(mirror.module.STAGES) | set(LATENT_STAGES) | set(INDEXER_STAGES), \
+        "a stage no mirror names"
     if mirror.trace_stages is not None:
         assert tuple(got_names) == mirror.trace_stages(case.config), (
             f"{got_names} != {mirror.trace_stages(case.config)}")

@@ -486,9 +486,9 @@ def _plant_indexer(bug: str, monkeypatch) -> None:
     from impl_mlx import call as mlx_call
 
     if bug == "indexer_ignored":  # the selection made and returned, but never joined to the mask: dense attention
-        def run_indexer(config, call, *args, _original=mlx_call.run_indexer):
+        def run_indexer(config, call, *args, _original=mlx_call.run_indexer, **kwargs):
             mask4 = call.mask4
-            _original(config, call, *args)
+            _original(config, call, *args, **kwargs)
             call.mask4 = mask4
 
         monkeypatch.setattr(mlx_call, "run_indexer", run_indexer)

@@ -53,15 +53,17 @@ OPTIONAL_STAGES = OPTIONAL_STAGES | {"value.pair", "differential"}
 
 def stage_order(config) -> tuple[str, ...]:
     """The order a config's trace follows: LATENT_STAGES for a latent layer; else STAGES, with query.norm and
-    key.norm after the rope stages where the QK-norm runs after RoPE. A call records the ones it runs."""
+    key.norm after the rope stages where the QK-norm runs after RoPE; a layer with an indexer's INDEXER_STAGES
+    first (it selects the keys before the attention's stages run). A call records the ones it runs."""
+    first = INDEXER_STAGES if getattr(config, "indexer", None) is not None else ()
     if getattr(config, "latent", None) is not None:
-        return LATENT_STAGES
+        return first + LATENT_STAGES
     norm = getattr(config, "qk_norm", None)
     if norm is None or not norm.after_rope:
-        return STAGES
+        return first + STAGES
     rest = [s for s in STAGES if s not in ("query.norm", "key.norm")]
     at = rest.index("key.rope") + 1
-    return (*rest[:at], "query.norm", "key.norm", *rest[at:])
+    return (*first, *rest[:at], "query.norm", "key.norm", *rest[at:])
 
 
 # The contractions, as einsum strings the mirrors share (B batch, L/T/S lengths, D input features, F = heads x
@@ -73,6 +75,29 @@ INDEXER_STAGES = ("indexer.query.latent", "indexer.query.project", "indexer.quer
                   "indexer.key.project", "indexer.key.norm", "indexer.key.rope", "indexer.weights",
                   "indexer.query.fp8", "indexer.key.fp8", "indexer.scores", "indexer.masked_scores", "indexer.blocks",
                   "indexer.selection")
+
+
+def indexer_stages(config) -> tuple[str, ...]:
+    """The indexer stages an attention call of `config` records, in order, before its own (INDEXER_STAGES less
+    those its config does not turn on; the call scores in the plain precision: no fp8 stage); () without an
+    indexer. The mirrors whose trace is named after the program ran (impl_jax, impl_mlx) prepend these."""
+    ix = getattr(config, "indexer", None)
+    if ix is None:
+        return ()
+    off = {"indexer.query.fp8", "indexer.key.fp8"}
+    if ix.query_source != "latent":
+        off.add("indexer.query.latent")
+    if ix.query_norm is None:
+        off.add("indexer.query.norm")
+    if ix.key_norm is None:
+        off.add("indexer.key.norm")
+    if ix.rope is None:
+        off |= {"indexer.query.rope", "indexer.key.rope"}
+    if not ix.head_weights:
+        off.add("indexer.weights")
+    if ix.block_size is None:
+        off.add("indexer.blocks")
+    return tuple(s for s in INDEXER_STAGES if s not in off)
 
 PROJECT = "BLD,DF->BLF"
 LOGITS = "BKGTH,BKSH->BKGTS"

@@ -189,9 +189,18 @@ def cmd_trace(args) -> int:
         {"stage": stage, "shape": list(value.shape), "dtype": str(value.dtype), **_summary(value, args.values)}
         for stage, value in result["trace"]
     ]
+    verdict = divergence = None
+    if args.against_reference:  # the first stage beyond its tolerance of the float64 reference's, or none
+        from conformance.suite.compare import localise_call
+
+        divergence = localise_call(config, tensors, inputs, options, result["trace"], precision=args.precision)
+        verdict = ("every stage within its tolerance of the float64 reference" if divergence is None
+                   else divergence.describe())
+    code = EXIT_FAIL if divergence is not None else EXIT_OK
     if args.json:
-        print(json.dumps({"config": config.to_dict(), "options": options, "backend": args.backend, "stages": stages}, indent=1))
-        return EXIT_OK
+        print(json.dumps({"config": config.to_dict(), "options": options, "backend": args.backend, "stages": stages}
+                         | ({} if verdict is None else {"against_reference": verdict}), indent=1))
+        return code
     from rich.console import Console
     from rich.table import Table
 
@@ -216,7 +225,9 @@ def cmd_trace(args) -> int:
             hi += f" ({s['nonfinite']} non-finite)"
         table.add_row(str(i), s["stage"], "x".join(map(str, s["shape"])), s["dtype"], first, lo, hi)
     console.print(table)
-    return EXIT_OK
+    if verdict is not None:
+        console.print(f"against the float64 reference: {verdict}", markup=False)
+    return code
 
 
 def _add_call_arguments(p, *, write: bool) -> None:
@@ -271,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_call_arguments(p, write=False)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--values", type=int, default=4, help="values shown per stage (default 4)")
+    p.add_argument("--against-reference", action="store_true",
+                   help="also run the float64 NumPy reference on the same values (rounded to the dtype) and name "
+                        "the first stage beyond its tolerance (the indexer's selection by the top-k rule); exit 1 "
+                        "if there is one")
     p.set_defaults(func=cmd_trace)
 
     for module_name in EXTERNAL_COMMANDS:

@@ -48,6 +48,9 @@ class Case:
     # "empty_row" (shared, query 0 of row 0 selecting only keys the other masks hide); top_k: k
     selection: str | None = None
     top_k: int = 0
+    # near-ties (issue 39 item 3): tokens 4, 6, 8, ... repeat token 2 up to this relative perturbation, so with
+    # no RoPE on the index key their index scores tie up to about it for every query; 0: none
+    near_ties: float = 0.0
 
     @property
     def seed(self) -> int:
@@ -313,7 +316,8 @@ def _indexer_grid() -> list[Case]:
     query past the third drops keys), and a decode step of one token over a cache of 8 with its index keys
     (past_index_keys; the absorbed form on the fused paths and the in-place cache). MiniMax M3's per kv head
     on a GQA layer: blocks of 2 keys, 2 kept, the query's own block always (local_blocks 1), per-head RMS
-    norms, no weights, no ReLU, score scale 1, 10 tokens. Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
+    norms, no weights, no ReLU, score scale 1, 10 tokens. A DSA indexer on the query input, without RoPE, over
+    tokens built with near-ties at the k-th place. Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
     decode = dict(is_causal=True, causal_alignment="bottom_right", return_cache=True, self_attention=False)
     latent = {"query_rank": 6, "kv_rank": 6, "rope_dim": 4}
     dsa = {"heads": 4, "head_dim": 8, "topk": 3, "key_norm": {"type": "layer", "eps": 1e-6},
@@ -327,6 +331,15 @@ def _indexer_grid() -> list[Case]:
         Case("indexer_dsa_decode", _cfg(**mla), T=1, S=1, P=8, return_weights=False, **decode),
         Case("indexer_m3_blocks", _cfg(num_heads=4, num_kv_heads=2, head_dim=8, rope={"rotary_dim": 4}, indexer=m3),
              T=10, S=10, is_causal=True),
+        # near-ties at the k-th place (issue 39 item 3): tokens 4, 6, 8, 10 repeat token 2 up to a relative 5e-3
+        # (near_ties), a few bfloat16 steps, so they survive every dtype's rounding of the inputs, and with no
+        # RoPE on the index key their scores tie for each query up to ~1e-4 of the scores' size: far above a
+        # float64 (or float32) rounding, so the reference's selection is the same on every machine
+        # (tests/test_indexer_call.py), and below a 16-bit one, so 16-bit backends keep the other key of a tie
+        # (measured: NumPy 1 swap in float16, 5 in bfloat16), admissible under the top-k rule.
+        Case("indexer_ties_near", _cfg(num_heads=4, head_dim=8, rope={"rotary_dim": 4},
+                                       indexer={**dsa, "query_source": "input", "rope": None}),
+             T=12, S=12, is_causal=True, near_ties=5e-3),
     ]
 
 
@@ -539,6 +552,10 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     B, T, N = case.B, case.T, c.num_heads
     S = case.S_total  # from here on: every key
     query = rng.standard_normal((B, T, c.query_dim)) * case.input_scale
+    if case.near_ties:  # (a stream of their own: the draws after it stay)
+        tie = np.random.default_rng(case.seed + 13)
+        for j in range(4, T, 2):
+            query[:, j] = query[:, 2] * (1 + case.near_ties * tie.standard_normal(c.query_dim))
     if case.self_attention:
         if not (T == case.S and case.P == 0 and c.query_dim == c.key_dim == c.value_dim):
             raise ValueError(f"case {case.name}: self attention needs T == S, no cache and equal input dims")

@@ -43,8 +43,11 @@ class Divergence:
     actual: float | None
     expected: float | None
     margin: float
+    detail: str | None = None  # what differs where no element does (the indexer's selection: queries and keys)
 
     def describe(self) -> str:
+        if self.detail is not None:
+            return f"first divergent stage: {self.stage} ({self.detail})"
         return (f"first divergent stage: {self.stage} (worst at {list(self.index) if self.index else '-'}: "
                 f"backend {self.actual!r}, reference {self.expected!r}, margin {self.margin:.3g})")
 
@@ -487,21 +490,79 @@ def judge_gradients(case: Case, dtype: str, grads: dict, *, precision: str = "hi
 
 
 def localise(case: Case, dtype: str, adapter, *, device: str, precision: str) -> Divergence | None:
-    """Re-run with the trace and name the first stage beyond tolerance."""
+    """Re-run with the trace and name the first stage beyond tolerance. A layer with an indexer records its
+    stages first (weights.call.INDEXER_STAGES): each numeric one judged as any stage, its selection
+    (indexer.selection) by the top-k rule (judge_selection: keys swapped within the score allowance agree; the
+    blocks are judged through the keys they expand to), and after an admissible selection of the port's own the
+    attention's stages against the float64 reference attending to it (a swap there is no divergence)."""
     exp = expected_for(case, dtype)
+    options = case.options(dtype)
     try:
-        traced = adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype), device=device,
+        traced = adapter.forward(case.config, exp["tensors"], exp["inputs"], options, device=device,
                                  precision=precision, trace=True)
     except NotImplementedError:
         return None
     ref_stages = dict(exp["trace"])
     seen_logits = False
+    own = None  # the port's own admissible selection, where it differs from the reference's
     for stage, value in traced.get("trace", []):
-        if stage not in ref_stages:
+        if stage == "indexer.selection":
+            verdict, own = judge_selection(case, dtype, value, options)
+            if not verdict.ok:
+                return Divergence(stage, None, None, None, verdict.margin, detail=verdict.tolerance.reason)
+            if own is not None:
+                ref_stages = {**ref_stages, **dict(expected_for(case, dtype, own)["trace"])}
+            continue
+        if stage not in ref_stages or stage == "indexer.blocks":
             continue
         seen_logits = seen_logits or stage == "logits"
         expected = ref_stages[stage]
-        tol = case_policy(case, dtype, stage, "stage", expected, precision=precision, logits=seen_logits)
+        tol = case_policy(case, dtype, stage, "stage", expected, precision=precision, logits=seen_logits,
+                          selection=own)
+        c = compare(stage, value, expected, tol)
+        if not c.ok:
+            return Divergence(stage, c.index, c.actual, c.expected, c.margin)
+    return None
+
+
+def localise_call(config, tensors: dict, inputs: dict, options: dict, traced, *,
+                  precision: str = "highest") -> Divergence | None:
+    """localise for one call outside the grid (`mha trace --against-reference`): `traced`, a backend's trace of
+    the call ([(stage, array)], run with these tensors, inputs and options: options["dtype"], else the tensors'
+    dtype), against the float64 reference's trace of the same values rounded to that dtype, stage by stage
+    under the policy (tensor-wide: a grid case's elementwise magnitudes are not computed here); the indexer's
+    selection by the top-k rule, and after an admissible selection of the port's own the attention's stages
+    against the reference attending to it. -> the first stage beyond its tolerance, or None."""
+    from conformance.suite.selection import judge_call_selection
+
+    dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
+    t64 = cast_tensors(cast_tensors(tensors, dtype), "float64")
+    i64 = cast_inputs(cast_inputs(inputs, dtype), "float64")
+    plain = {k: v for k, v in options.items() if k not in ("return_weights", "return_cache")} | {"dtype": "float64"}
+    ref = dict(reference.forward(config, t64, i64, plain, trace=True)["trace"])
+    B, T = np.shape(inputs["query"])[:2]
+    S_total = ref["logits"].shape[-1] if "logits" in ref else T
+    given = [np.abs(inputs[name]).max() for name in ("positions", "key_positions") if name in inputs]
+    last = int(max(given, default=S_total))
+    seen_logits = False
+    for stage, value in traced:
+        if stage == "indexer.selection":
+            verdict = judge_call_selection(config, t64, i64, options, value, dtype=dtype)
+            if not verdict.ok:
+                return Divergence(stage, None, None, None, verdict.margin, detail=verdict.describe())
+            if _as_sets(value) != _as_sets(ref[stage]):  # the attention given the port's own (admissible) keys
+                own = dataclasses.replace(config, indexer=None)
+                t_own = {n: t for n, t in t64.items() if not n.startswith("indexer.")}
+                i_own = {n: x for n, x in i64.items() if n != "past_index_keys"} | {
+                    "topk_indices": np.asarray(value, dtype=np.int64)}
+                ref |= dict(reference.forward(own, t_own, i_own, plain, trace=True)["trace"])
+            continue
+        if stage not in ref or stage == "indexer.blocks":
+            continue
+        seen_logits = seen_logits or stage == "logits"
+        expected = ref[stage]
+        tol = policy_for(config, dtype=dtype, quantity="stage", B=B, T=T, S=S_total, reference=expected,
+                         logits=ref["logits"] if seen_logits else None, precision=precision, max_position=last)
         c = compare(stage, value, expected, tol)
         if not c.ok:
             return Divergence(stage, c.index, c.actual, c.expected, c.margin)

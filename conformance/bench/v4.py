@@ -98,19 +98,27 @@ def dims(quick: bool) -> Dims:
     return QUICK if quick else FULL
 
 
+def configs(d: Dims) -> dict:
+    """kind -> AttentionConfig: csa, hca and sliding read from d.hf_config() by the hf-deepseek reader; dense the
+    sliding layer with a window of DENSE_WINDOW keys."""
+    from weights.layouts.deepseek_v4 import v4_config
+
+    hf = d.hf_config()
+    out = {"csa": v4_config(hf, 1), "hca": v4_config(hf, 2), "sliding": v4_config(hf, 0)}
+    out["dense"] = out["sliding"].replace(window_left=DENSE_WINDOW - 1)
+    return out
+
+
 def layers(d: Dims) -> dict:
     """kind -> (config, tensors float32). csa's tensors are drawn (seed 0); hca takes csa's shared tensors and
     draws its own compressor's (seed 1); sliding and dense take the shared ones: one copy of the common weights."""
     import weights
-    from weights.layouts.deepseek_v4 import v4_config
 
-    hf = d.hf_config()
-    configs = {"sliding": v4_config(hf, 0), "csa": v4_config(hf, 1), "hca": v4_config(hf, 2)}
-    configs["dense"] = configs["sliding"].replace(window_left=DENSE_WINDOW - 1)
-    csa = weights.init(configs["csa"], seed=0, dtype="float32")
-    hca_own = weights.init(configs["hca"], seed=1, dtype="float32")
+    by_kind = configs(d)
+    csa = weights.init(by_kind["csa"], seed=0, dtype="float32")
+    hca_own = weights.init(by_kind["hca"], seed=1, dtype="float32")
     out = {}
-    for kind, config in configs.items():
+    for kind, config in by_kind.items():
         names = config.tensor_shapes()
         out[kind] = (config, {n: (hca_own[n] if kind == "hca" and n.startswith("compressor.") else csa[n])
                               for n in names})

@@ -312,8 +312,8 @@ def tf_paths(layer, data, P):
 
     paths = {kind: step(kind) for kind in layer}
     arrays = dense_arrays + list(held.values())
-    read = tf.function(lambda: [tf.reduce_sum(a) for a in arrays])
-    paths["read"] = read
+    sums = tf.function(lambda arrays: [tf.reduce_sum(a) for a in arrays])  # arguments: captured constants would fold
+    paths["read"] = lambda: sums(arrays)
     return paths
 
 

@@ -5,7 +5,8 @@ sizes per its docstring checkpoint: D 4096, N 64 query heads, one kv head of H 5
 on the last 64 features, q_lora_rank 1024, o_groups 8, o_lora_rank 1024, a window of 128 keys, csa m 4 with
 overlap and an indexer of I 64 heads of J 128 keeping k 512 entries, hca m 128), float32, B 1, read through the
 project's own hf-deepseek reader (weights.layouts.deepseek_v4.v4_config), so every field is the contract's. Not
-scaled: the largest worker (csa and the dense step at P 131072) stays under 2 GB (docs/performance.md#v4).
+scaled down: a worker holds 481 + 16 MiB of weights (one copy of the shared tensors) and the caches, a few GB at
+most at P 131072 (measured figures: docs/performance.md, the DeepSeek V4 decode section).
 One new token at position P after a history of P tokens, P 8192 ... 131072 (64k and 128k opt-in: --v4-max).
 Per P and backend, in a worker process of its own, each step the backend's call returning its present cache:
 

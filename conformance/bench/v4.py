@@ -459,8 +459,8 @@ def print_family(console, record: dict) -> None:
 
     d = record["dims"]
     title = (f"{FAMILY}: DeepSeek V4 decode step (N {d['N']}, one kv head of H {d['H']}, W {d['W']}; csa m "
-             f"{d['csa_m']} k {d['k']}, hca m {d['hca_m']}) against dense MQA over the same history, float32: ms / "
-             "x dense / x its bound (r: read-bound, f: flops-bound), paired" + (" --quick" if record["quick"] else ""))
+             f"{d['csa_m']} k {d['k']}, hca m {d['hca_m']}) against dense MQA over the same history, float32: ms median "
+             "(min) / x dense / x its bound (r: read-bound, f: flops-bound), paired" + (" --quick" if record["quick"] else ""))
     table = Table(title=title)
     for col in ("backend", "P", *KINDS, "read GB/s", "matmul GFLOP/s"):
         table.add_column(col, justify="right")
@@ -476,7 +476,7 @@ def print_family(console, record: dict) -> None:
                 if r is None or r["status"] != "ok":
                     cells.append("-" if r is None else r["status"].split(":")[0])
                     continue
-                parts = [f"{r['median_s'] * 1e3:.3g}"]
+                parts = [f"{r['median_s'] * 1e3:.3g} ({r['min_s'] * 1e3:.3g})"]
                 if name != "dense":
                     parts.append(f"{r['x_dense']:.2f}x" if "x_dense" in r else "-")
                 if "x_bound" in r:

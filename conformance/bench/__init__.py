@@ -64,7 +64,9 @@ families' own), report (table and plots), sharded (the sequence-sharded
 family: torch's ring against one unsharded process, memory and bytes, and its
 two targets), latent (a latent layer's decode step, absorbed against expanded over a
 per-head cache, its cache bytes and its targets; the paths in frameworks/latent.py), sparse (a DSA decode
-step's parts, each against its own bound: read bandwidth and matmul rate of the same run), command (`mha bench`
+step's parts, each against its own bound: read bandwidth and matmul rate of the same run), v4 (a DeepSeek V4
+decode step of each layer kind against a dense MQA step over the same history: cache bytes per token, time, x
+its bound), command (`mha bench`
 itself); scripts holds the timing scripts
 behind docs/performance.md's profiles
 (`python -m conformance.bench.scripts.NAME`).

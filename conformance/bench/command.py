@@ -49,7 +49,7 @@ def add_parser(subparsers) -> None:
                    help=f"default: {' '.join(BACKENDS)}; {' '.join(OPTIONAL_BACKENDS)} when named (no target set for it)")
     p.add_argument("--shapes", nargs="+", default=[*SHAPES, "sweep"], choices=[*SHAPES, *FAMILIES],
                    help="shapes and families to time (default: the four shapes and the sweep; window, decode and "
-                        "sequence-sharded, latent and sparse only when named)")
+                        "sequence-sharded, latent, sparse and v4 only when named)")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the inputs, weights and caches (and the matmul the rates are measured against): float32, "
@@ -68,6 +68,8 @@ def add_parser(subparsers) -> None:
                    help="latent family: largest cache length P (default 65536)")
     p.add_argument("--sparse-max", type=int, default=None,
                    help="sparse family: largest cache length P (default 32768; 65536 and 131072 opt-in)")
+    p.add_argument("--v4-max", type=int, default=None,
+                   help="v4 family: largest history P (default 32768; 65536 and 131072 opt-in)")
     p.add_argument("--mem-limit", type=float, default=None,
                    help="GiB a path's (B, N, T, S) arrays may take (default: 40%% of MemAvailable)")
     p.add_argument("--json", metavar="FILE", help="write every raw number as JSON")
@@ -191,6 +193,13 @@ def run(args) -> int:
                                     lengths=sparse.QUICK_SPARSE_LENGTHS if quick else _upto(
                                         sparse.SPARSE_LENGTHS, largest, "--sparse-max"),
                                     matmul_n=spec["matmul_n"])
+    if "v4" in args.shapes:
+        from conformance.bench import v4
+
+        largest = v4.DEFAULT_MAX if args.v4_max is None else args.v4_max
+        data["v4"] = v4.run(args.backends, quick=quick, repeats=repeats, max_seconds=args.max_seconds,
+                            lengths=v4.QUICK_V4_LENGTHS if quick else _upto(v4.V4_LENGTHS, largest, "--v4-max"),
+                            matmul_n=spec["matmul_n"])
     data["machine"]["loadavg_end"] = os.getloadavg()
     data["total_s"] = time.perf_counter() - started
     if args.json:  # first: a problem in printing must not lose the numbers

@@ -91,6 +91,10 @@ def print_report(console, data: dict) -> None:
         from conformance.bench.sparse import print_family as print_sparse
 
         print_sparse(console, data["sparse"])
+    if "v4" in data:
+        from conformance.bench.v4 import print_family as print_v4
+
+        print_v4(console, data["v4"])
     families = ("window", "decode")
     ran = data["settings"].get("shapes")
     shape_targets = [e for e in data["targets"] if e["shape"] not in (*families, "sequence-sharded", "latent")]

@@ -132,8 +132,9 @@ def sweep_shapes(lengths) -> list[Shape]:
 # Families of shapes picked by name in --shapes, each a list of points (window and decode; sequence-sharded,
 # one point measured by conformance/bench/sharded.py in processes of its own; latent, a latent layer's decode
 # step in its two forms, measured by conformance/bench/latent.py; sparse, a DSA decode step's parts against
-# their bounds, conformance/bench/sparse.py), each with targets of its own (sparse: ratios, no target).
-FAMILIES = ("sweep", "window", "decode", "sequence-sharded", "latent", "sparse")
+# their bounds, conformance/bench/sparse.py; v4, a DeepSeek V4 decode step against a dense MQA step,
+# conformance/bench/v4.py), each with targets of its own (sparse, v4: ratios, no target).
+FAMILIES = ("sweep", "window", "decode", "sequence-sharded", "latent", "sparse", "v4")
 
 # latent: one new token after a cache of P tokens (conformance/bench/latent.py says the layer).
 LATENT_LENGTHS = (4096, 8192, 16384, 32768, 65536)

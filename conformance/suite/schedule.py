@@ -27,7 +27,7 @@ IMPORT_FAMILY = {"tf": "tensorflow", "keras-native-mha": "tensorflow", "keras-hu
 
 # CPU seconds per case of one dtype, (warm, cold), imports apart: each backend alone in one process on its
 # default dtypes over the default grid (92 cases in float32, 68 in the others), one compute thread (2-core
-# AMD EPYC VM, 2026-11-29 17:20 UTC). Chunk CPU, warm / cold: tf 18.8 / 21.6 s over 296 cases, jax 7.2 /
+# AMD EPYC VM, 2026-11-29 17:18 UTC). Chunk CPU, warm / cold: tf 18.8 / 21.6 s over 296 cases, jax 7.2 /
 # 42.7 over 160 (float32 and bfloat16), keras-jax 5.0 / 23.9 over 92 (float32), keras-torch 5.2 / 7.4,
 # torch 2.9 / 4.5, mlx 2.7 / 3.6, numpy 1.1 / 1.9 over 296. A family not measured counts as TensorFlow's
 # warm figure.
@@ -40,7 +40,7 @@ IMPORT_SECONDS = {"tensorflow": 3.3, "keras-torch": 2.9, "keras-jax": 1.2, "torc
                   "numpy": 0.2}
 # A column is cut into chunks of about this many estimated seconds at most, so that the last ones can go to
 # whichever worker is free: a cold JAX float32 column is about 25 s of CPU, and as one chunk it kept one core
-# busy for 11 s after the other had finished (63.5 s cold, 2026-11-29 17:35 UTC).
+# busy for 11 s after the other had finished (63.5 s cold, 2026-11-29 17:25 UTC).
 CHUNK_SECONDS = 6.0
 # A worker takes another family's chunk when the chunk and the import cost it at most this share of the
 # family's queued seconds (ChunkQueue.next_for).
@@ -53,7 +53,7 @@ STEAL_MARGIN = 0.75
 # 54.6 s of CPU: 27.3 s if no core waited); with the others at nice 3 it runs first and they fill in
 # (29.5 and 28.6 s). Not in a cold one: there the busiest are the JAX worker and TensorFlow's (which takes
 # JAX's last chunks), beside Keras-on-JAX's worker (25 s of CPU, its programs compiled, in one process),
-# which at nice 3 ended 5 s after the others (58.7 s; 2-core EPYC VM, 2026-11-29 18:30 UTC).
+# which at nice 3 ended 5 s after the others (58.7 s; 2-core EPYC VM, 2026-11-29 17:33 UTC).
 NICE = 3
 NICE_BELOW = 0.75
 

@@ -35,7 +35,8 @@ COMPRESS_ROPE = {"theta": 160000.0, "rotary_dim": 8, "interleaved": True, "scali
 BUG_KINDS = {"entries_one_token_early": ("csa", "hca"), "hca_gate_mean": ("hca",), "csa_overlap_dropped": ("csa",),
              "entry_positions_one_window_late": ("csa", "hca"), "entries_one_token_late": ("csa", "hca"),
              "yarn_dropped": ("csa", "hca"), "yarn_attention_factor_applied": ("csa", "hca"),
-             "indexer_pairing_swapped": ("csa",), "decode_drops_buffer": ("csa", "hca")}
+             "indexer_pairing_swapped": ("csa",), "decode_drops_buffer": ("csa", "hca"), "topk_lowest": ("csa",),
+             "topk_one_rank_late": ("csa",)}
 # The hand port and the reference compute the same float64 sums in other orders: a few ulps of the output's size.
 PORT_BOUND = 1e-12
 
@@ -123,14 +124,23 @@ def test_multi_head_attention_refuses_the_layer_and_every_column_judges_it():
 
 
 class _PortAdapter:
-    """A backend whose forward is tests/v4_mutants.py's hand port (no cache: prefill cases), with a bug or not."""
+    """A backend whose forward is tests/v4_mutants.py's hand port (no cache: prefill cases run without
+    return_cache, _no_cache), with a bug or not; csa's selection returned as compressed_call returns it."""
 
     def __init__(self, bug):
         self.bug = bug
 
     def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-        out = port(config, tensors, inputs["query"], self.bug)
-        return {"output": out.astype(next(iter(tensors.values())).dtype)}
+        out, selection = port(config, tensors, inputs["query"], self.bug, return_selection=True)
+        answer = {"output": out.astype(next(iter(tensors.values())).dtype)}
+        return answer | ({"selection": selection} if config.compressed.kind == "csa" else {})
+
+
+def _no_cache(case):
+    """The grid case without its present cache (the hand port has none; the same inputs: the seed is the name's)."""
+    import dataclasses
+
+    return dataclasses.replace(case, return_cache=False)
 
 
 @pytest.mark.reference
@@ -143,10 +153,30 @@ def test_a_port_bug_fails_the_grid_case_through_run_case(case, bug):
     from conformance.suite.cases import CASES
     from conformance.suite.compare import run_case
 
-    result = run_case(CASES[case], "v4-port", dtype="float32", adapter=_PortAdapter(bug),
+    result = run_case(_no_cache(CASES[case]), "v4-port", dtype="float32", adapter=_PortAdapter(bug),
                       gradients=False)  # the port is a forward: its backward's bugs, test_compressed_v4_backward
     assert result.status == ("pass" if bug is None else "fail"), (bug, result.status, result.message,
                                                                   [c.margin for c in result.comparisons])
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("bug", [None, "topk_lowest", "topk_one_rank_late"])
+def test_a_wrong_csa_selection_fails_at_the_selection(bug):
+    """run_case judges csa's selection as a comparison of its own (the top-k rule over the float64 index scores,
+    conformance.suite.selection.judge_compressed_selection): the hand port's own selection passes it at margin 0
+    on the grid's csa prefill, and a top-k that keeps the lowest scores, or skips the best entry, fails there,
+    named "selection", with the failing queries in its reason."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(_no_cache(CASES["v4_csa_prefill"]), "v4-port", dtype="float32", adapter=_PortAdapter(bug),
+                      gradients=False)
+    verdict = {c.name: c for c in result.comparisons}["selection"]
+    if bug is None:
+        assert result.status == "pass" and verdict.ok and verdict.margin == 0, (result.status, verdict.describe())
+        return
+    assert result.status == "fail" and not verdict.ok and verdict.margin > 1, (bug, verdict.describe())
+    assert "query [" in verdict.tolerance.reason, verdict.tolerance.reason
 
 
 @pytest.mark.reference

@@ -376,10 +376,15 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
         verdict, own = judge_selection(case, dtype, result["selection"], options)
         comparisons.append(verdict)
         exp = expected_for(case, dtype, own) if own is not None else exp
+    if case.config.compressed is not None and case.config.compressed.kind == "csa":
+        if result.get("selection") is None:
+            raise ValueError("backend returned no selection for a csa layer (compressed_attention's "
+                             "return_selection)")
+        comparisons.append(judge_compressed_selection(case, dtype, result["selection"]))
 
-    def check(name, quantity, actual, expected, same_precision_error=None):
+    def check(name, quantity, actual, expected, same_precision_error=None, logits=True):
         comparisons.append(compare(name, actual, expected, case_policy(
-            case, dtype, name, quantity, expected, precision=precision, selection=own,
+            case, dtype, name, quantity, expected, precision=precision, selection=own, logits=logits,
             same_precision_error=same_precision_error)))
 
     chunked = (kernel or options.get("chunk_size") is not None) and "low_call" in exp  # a kernel, in 16 bits
@@ -392,10 +397,19 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
             raise ValueError("backend returned no weights although return_weights was requested")
         check("weights", "weights", result["weights"], exp["weights"])
     index_cache = ("present_index_keys",) if case.config.indexer is not None and "present_index_keys" in result else ()
-    for name in ("present_key", "present_value", *index_cache) if options.get("return_cache") else ():
+    cache = ("present_key", "present_value", *index_cache)
+    v4 = case.config.compressed is not None
+    if v4:  # DeepSeek V4's cache: the window's keys, the entries, each compressor's open window and overlap half
+        from impl_numpy.compressed import cache_names
+
+        cache = tuple(f"present_{name}" for name in cache_names(case.config))
+    for name in cache if options.get("return_cache") else ():
         if name not in result:
             raise ValueError(f"backend returned no {name} although return_cache was requested")
-        check(name, "output", result[name], exp[name])
+        # V4's cache is computed before the logits (the keys, the compressors' stages): the bar of the stages
+        # before the logits (localise), no logit scale z; the other layers' present_key / present_value have
+        # their elementwise magnitudes, this layer's none (impl_numpy.magnitudes does not know it)
+        check(name, "output", result[name], exp[name], logits=not v4)
     if grads is not None:
         comparisons += judge_gradients(case, dtype, grads, precision=precision, selection=own,
                                        kernel=chunked, fused=fused)
@@ -422,6 +436,31 @@ def judge_selection(case: Case, dtype: str, selection, options: dict) -> tuple[C
     comparison = Comparison(verdict.ok, "selection", math.nan, None, None, None, verdict.margin,
                             Tolerance(0.0, 0.0, reason))
     return comparison, (got if verdict.ok else None)
+
+
+def judge_compressed_selection(case: Case, dtype: str, selection) -> Comparison:
+    """A V4 csa layer's selection (config.compressed, (B, T, k) entry indices) against the float64 reference's by
+    the top-k rule (conformance.suite.selection.judge_compressed_selection: the same entries per query, or entries
+    swapped within the score allowance of the k-th score; ties go to the earlier entry, the spec's). A comparison
+    of its own, named "selection", so a port that selects wrong entries is named there. An admissible swap passes
+    it, but the output is still judged against the reference's own selection (the V4 reference takes no given
+    selection yet: docs/spec-frontier.md, "Not done yet")."""
+    from conformance.suite.selection import judge_compressed_selection as judge_entries
+    from conformance.suite.tolerance import Tolerance
+
+    exp = expected_for(case, dtype)
+    got = np.asarray(selection)
+    if got.shape == exp["selection"].shape and _as_sets(got) == _as_sets(exp["selection"]):
+        tol = Tolerance(0.0, 0.0, "the reference's entries for every query")
+        return Comparison(True, "selection", 0.0, None, None, None, 0.0, tol)
+    if got.shape != exp["selection"].shape:
+        tol = Tolerance(0.0, 0.0, f"a selection of shape {exp['selection'].shape} (B, T, index_topk)")
+        return Comparison(False, f"selection (shape {got.shape} != {exp['selection'].shape})", math.inf,
+                          None, None, None, math.inf, tol)
+    verdict = judge_entries(case.config, exp["tensors"], exp["inputs"], got, dtype=dtype)
+    reason = f"{verdict.describe()} (the top-k rule over the csa index scores: selection.judge_compressed_selection)"
+    return Comparison(verdict.ok, "selection", math.nan, None, None, None, verdict.margin,
+                      Tolerance(0.0, 0.0, reason))
 
 
 def _as_sets(selection) -> list:

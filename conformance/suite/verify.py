@@ -193,6 +193,8 @@ def selection_verdict(vector: Vector, answer: dict) -> tuple[Comparison | None, 
     returned; the expected values to judge the rest by: the vector's own, or, for an admissible selection of
     its own, the float64 reference attending to it (impl_numpy, computed here)."""
     expected = dict(vector.expected)
+    if answer.get("selection") is not None and "selection" in vector.expected and vector.config.compressed is not None:
+        return compressed_selection_verdict(vector, answer["selection"]), expected
     if vector.config.indexer is None or answer.get("selection") is None or "selection" not in vector.expected:
         return None, expected
     from conformance.suite.compare import _as_sets
@@ -210,6 +212,27 @@ def selection_verdict(vector: Vector, answer: dict) -> tuple[Comparison | None, 
     if verdict.ok:
         expected.update(reference_with_selection(vector, got))
     return comparison, expected
+
+
+def compressed_selection_verdict(vector: Vector, selection) -> Comparison:
+    """A DeepSeek V4 csa layer's returned selection (config.compressed; (B, T, k) entry indices) judged against
+    the vector's expected.selection by the top-k rule (conformance.suite.selection.judge_compressed_selection),
+    as run_case judges it (compare.judge_compressed_selection). The rest is judged against the vector's own
+    expected values: the V4 reference takes no given selection yet."""
+    from conformance.suite.compare import _as_sets
+    from conformance.suite.selection import judge_compressed_selection
+
+    got = np.asarray(selection)
+    want = vector.expected["selection"]
+    if got.shape == want.shape and _as_sets(got) == _as_sets(want):
+        return Comparison(True, "selection", 0.0, None, None, None, 0.0,
+                          Tolerance(0.0, 0.0, "the reference's entries for every query"))
+    if got.shape != want.shape:
+        return Comparison(False, f"selection (shape {got.shape} != {want.shape})", float("inf"), None, None, None,
+                          float("inf"), Tolerance(0.0, 0.0, f"a selection of shape {want.shape} (B, T, index_topk)"))
+    verdict = judge_compressed_selection(vector.config, vector.tensors, vector.inputs, got, dtype=vector.dtype)
+    return Comparison(verdict.ok, "selection", float("nan"), None, None, None, verdict.margin,
+                      Tolerance(0.0, 0.0, verdict.describe()))
 
 
 def reference_with_selection(vector: Vector, selection) -> dict[str, np.ndarray]:

@@ -477,3 +477,37 @@ def test_a_sweep_of_random_layers_agrees_with_the_hand_port_and_its_own_cache():
             out, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
             rows.append(out)
         assert np.abs(np.concatenate(rows, axis=1) - whole).max() <= bound, (seed, cuts, config.compressed)
+
+
+class _CacheBugAdapter:
+    """NumPy's own V4 call with one port bug in its present cache: the open window's (or, with overlap, the
+    last closed window's) gates stored with compressor.position_bias already added, where the cache holds raw
+    gates (the next call adds the bias again: impl_numpy.compressed.compress)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+        from impl_numpy import adapter
+
+        answer = adapter.forward(config, tensors, inputs, options, trace=trace)
+        if trace:
+            return answer
+        gate = answer[self.name]
+        bias = np.asarray(tensors["compressor.position_bias"])[:gate.shape[1], :gate.shape[2]]
+        return answer | {self.name: (gate + bias).astype(gate.dtype)}
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case,name", [("v4_hca_decode", "present_window_gate"),
+                                       ("v4_csa_prefill", "present_overlap_gate")])
+def test_a_cache_bug_fails_at_its_cache_comparison(case, name):
+    """run_case judges every array of the present cache (cache_names) as a comparison of its own: gates stored
+    with their position bias fail at that array alone, the output (which the call computed right) passing."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(CASES[case], "v4-cache-bug", dtype="float32", adapter=_CacheBugAdapter(name),
+                      gradients=False)
+    failed = [c.name for c in result.comparisons if not c.ok]
+    assert result.status == "fail" and failed == [name], (failed, result.message)

@@ -89,9 +89,11 @@ def _entries(config, p, prefix, xs, bug):
     return np.array(out).reshape(-1, width)
 
 
-def port(config, tensors, x, bug=None, *, return_selection=False):
+def port(config, tensors, x, bug=None, *, return_selection=False, ties="earlier"):
     """-> output (B, T, O); with return_selection also csa's selection (B, T, k) in the contract's format: the
-    kept entries, best first, -1 after (k = min(index_topk, the call's entries); sliding / hca: (B, T, 0))."""
+    kept entries, best first, -1 after (k = min(index_topk, the call's entries); sliding / hca: (B, T, 0)).
+    ties: which of equal index scores csa's top-k keeps, "earlier" (the spec's) or "later" (not a bug under
+    the top-k rule: a port whose top-k orders equal values otherwise, as torch.topk may)."""
     c, p = config.compressed, tensors
     N, H = config.num_heads, config.head_dim
     B, T, _ = x.shape
@@ -118,7 +120,7 @@ def port(config, tensors, x, bug=None, *, return_selection=False):
                                bug == "indexer_pairing_swapped")
                     w = x[b, t] @ p["indexer.weights.kernel"] * c.index_heads ** -0.5
                     score = (np.maximum(iq @ index.T, 0) * c.index_head_dim ** -0.5 * w[:, None]).sum(0)
-                    ranked = sorted(range(len(entries)), key=lambda e: (-score[e], e))
+                    ranked = sorted(range(len(entries)), key=lambda e: (-score[e], e if ties == "earlier" else -e))
                     if bug == "topk_lowest":
                         ranked = sorted(range(len(entries)), key=lambda e: (score[e], e))
                     kept = ranked[1:c.index_topk + 1] if bug == "topk_one_rank_late" else ranked[:c.index_topk]

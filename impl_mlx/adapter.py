@@ -130,11 +130,15 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 
 
 def _compressed_gradients(config, params, x, positions, past, d_out, **returns):
-    """DeepSeek V4's layer and mx.vjp of its output over x, every tensor and the cache (the selection and the
-    present cache ride along with zero cotangents; the indexer's tensors, read only by its top-k, get zeros)."""
+    """DeepSeek V4's layer and mx.vjp of its output over x, every tensor and the cache (the present cache rides
+    along with zero cotangents; the indexer's tensors, read only by its top-k, get zeros). The selection is not an
+    output of the vjp's function: an output under mx.stop_gradient (as the selection is) shifts mx.vjp's pairing
+    of the outputs after it with their cotangents (mlx 0.32.4: "[vjp] Output shape (2,1,3,8) does not match
+    cotangent shape (2,12,2)" with the present cache asked for); it comes from the plain call before."""
     past = past or {}
     names = ["query", *params, *(f"past_{name}" for name in past)]
     present_names = []  # the present cache's names, in the order f returns its arrays
+    selection = []  # the plain call's selection (csa)
 
     def f(*primals):
         given = dict(zip(names, primals))
@@ -143,16 +147,17 @@ def _compressed_gradients(config, params, x, positions, past, d_out, **returns):
         result = result if isinstance(result, tuple) else (result,)
         present = result[-1] if returns.get("return_cache") else {}
         present_names[:] = list(present)
-        return [*(result[:-1] if present else result), *present.values()]
+        if returns.get("return_selection") and not selection:
+            selection.append(result[1])
+        return [result[0], *present.values()]
 
     primals = [x, *params.values(), *past.values()]
     outputs = f(*primals)
     cotangents = [d_out.astype(outputs[0].dtype)] + [mx.zeros_like(a) for a in outputs[1:]]
     outputs, grads = mx.vjp(f, primals, cotangents)
-    result = (outputs[0],) + ((outputs[1],) if returns.get("return_selection") else ())
+    result = (outputs[0],) + ((selection[0],) if returns.get("return_selection") else ())
     if returns.get("return_cache"):
-        kept = outputs[len(result):]
-        result += (dict(zip(present_names, kept)),)
+        result += (dict(zip(present_names, outputs[1:])),)
     return result, dict(zip(names, grads))
 
 

@@ -170,10 +170,28 @@ def select(config: AttentionConfig, params, x, q_latent, positions, entries, vis
     return rec("indexer.selection", np.where(chosen, order, -1).astype(np.int64))
 
 
+def _given_selection(topk_indices, visible: np.ndarray, B: int, T: int, E: int) -> np.ndarray:
+    """A given csa selection, checked: (B, T, k) integers in [-1, E); an entry the query cannot see (visible,
+    (T, E)) is padding (-1), as the top-k rule counts it."""
+    sel = np.asarray(topk_indices)
+    if sel.ndim != 3 or sel.shape[:2] != (B, T) or sel.dtype.kind not in "iu" or (
+            sel.size and (sel.min() < -1 or sel.max() >= E)):
+        raise ValueError(f"topk_indices must be integers of shape (B, T, k) = ({B}, {T}, k) in [-1, {E}) (the "
+                         f"entries after the call): got {sel.dtype} {sel.shape}")
+    sel = sel.astype(np.int64)
+    if E == 0:
+        return np.full(sel.shape, -1, np.int64)
+    seen = np.take_along_axis(np.broadcast_to(visible[None], (B, T, E)), np.maximum(sel, 0), axis=-1) & (sel >= 0)
+    return np.where(seen, sel, -1)
+
+
 def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray], x, positions, past=None, *,
-                         return_cache: bool = False, return_selection: bool = False, trace: list | None = None):
+                         return_cache: bool = False, return_selection: bool = False, trace: list | None = None,
+                         topk_indices=None):
     """The layer's output (B, T, O); with return_selection also csa's selection (B, T, k); with return_cache
-    also the present cache (a dict: cache_names)."""
+    also the present cache (a dict: cache_names). topk_indices (csa only; (B, T, k) int, -1 padding): the entries
+    each query attends to, in place of its indexer's top-k (which still runs: its cache and trace); the suite's
+    reference for a port's own selection where it differs from this one's within the top-k rule."""
     dtype = validate_tensors(config, tensors)  # every array computes in the tensors' dtype
     x = np.asarray(x)
     if not is_float(x.dtype):  # bfloat16 (ml_dtypes) included
@@ -186,6 +204,9 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
     c, p, N, H = config.compressed, tensors, config.num_heads, config.head_dim
     B, T, _ = x.shape
     W = config.window_left + 1
+    if topk_indices is not None and c.kind != "csa":
+        raise ValueError(f"topk_indices must be None for a compressed layer of kind {c.kind} (only csa selects "
+                         f"entries): got an array of shape {np.shape(topk_indices)}")
     # the low-rank query, a weightless RMS norm per head, RoPE on the last rotary_dim features
     q_latent = rec("query.down", rms(x @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps))  # (B, T, Qr)
     q = rec("query", np.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))  # (B, N, T, H)
@@ -208,6 +229,8 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
         if c.kind == "csa":
             present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
             selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            if topk_indices is not None:
+                selection = _given_selection(topk_indices, visible, B, T, E)
             allowed = F.selection_mask(selection, 1, E)[:, 0]  # (B, T, E)
         keys = np.concatenate([keys, np.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
         allowed = np.concatenate([np.broadcast_to(in_window[None], (B, T, in_window.shape[1])), allowed], axis=2)

@@ -274,11 +274,11 @@ class _Pass:
 
 
 def compressed_attention_vjp(config, tensors: dict[str, np.ndarray], x, positions, past=None, *, d_output,
-                             gradient_magnitudes: bool = False):
+                             gradient_magnitudes: bool = False, topk_indices=None):
     """(output, grads[, magnitudes]) of compressed_attention at (x, positions, past) for the cotangent d_output
     (B, T, O). grads: "query" (the layer's input x), every canonical tensor (the indexer's zero: its selection
     is a constant), and with a cache past_<name> for every name of it (the index_* cache's zero). Everything in
-    the tensors' dtype."""
+    the tensors' dtype. topk_indices: csa's selection given (compressed_attention's), else the forward's own."""
     dtype = validate_tensors(config, tensors)
     x = np.asarray(x)
     p0 = check_compressed_call(config, x, positions, past)
@@ -290,7 +290,8 @@ def compressed_attention_vjp(config, tensors: dict[str, np.ndarray], x, position
         raise ValueError(f"d_output must have shape (B, T, O) = {(B, T, config.out_dim)}: got {d_out.shape}")
     selection = None
     if config.compressed.kind == "csa":  # the forward's own selection: a constant of the backward
-        _, selection = compressed_attention(config, tensors, x, positions, past, return_selection=True)
+        _, selection = compressed_attention(config, tensors, x, positions, past, return_selection=True,
+                                            topk_indices=topk_indices)
     positions = np.arange(p0, p0 + T)
     p = {name: np.asarray(t).astype(dtype, copy=False) for name, t in tensors.items()}
     true = _Pass(config, p, x, past, positions, p0, selection)

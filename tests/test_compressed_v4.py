@@ -35,7 +35,8 @@ COMPRESS_ROPE = {"theta": 160000.0, "rotary_dim": 8, "interleaved": True, "scali
 BUG_KINDS = {"entries_one_token_early": ("csa", "hca"), "hca_gate_mean": ("hca",), "csa_overlap_dropped": ("csa",),
              "entry_positions_one_window_late": ("csa", "hca"), "entries_one_token_late": ("csa", "hca"),
              "yarn_dropped": ("csa", "hca"), "yarn_attention_factor_applied": ("csa", "hca"),
-             "indexer_pairing_swapped": ("csa",), "decode_drops_buffer": ("csa", "hca")}
+             "indexer_pairing_swapped": ("csa",), "decode_drops_buffer": ("csa", "hca"), "topk_lowest": ("csa",),
+             "topk_one_rank_late": ("csa",)}
 # The hand port and the reference compute the same float64 sums in other orders: a few ulps of the output's size.
 PORT_BOUND = 1e-12
 
@@ -123,14 +124,23 @@ def test_multi_head_attention_refuses_the_layer_and_every_column_judges_it():
 
 
 class _PortAdapter:
-    """A backend whose forward is tests/v4_mutants.py's hand port (no cache: prefill cases), with a bug or not."""
+    """A backend whose forward is tests/v4_mutants.py's hand port (no cache: prefill cases run without
+    return_cache, _no_cache), with a bug or not; csa's selection returned as compressed_call returns it."""
 
-    def __init__(self, bug):
-        self.bug = bug
+    def __init__(self, bug, ties="earlier"):
+        self.bug, self.ties = bug, ties
 
     def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
-        out = port(config, tensors, inputs["query"], self.bug)
-        return {"output": out.astype(next(iter(tensors.values())).dtype)}
+        out, selection = port(config, tensors, inputs["query"], self.bug, return_selection=True, ties=self.ties)
+        answer = {"output": out.astype(next(iter(tensors.values())).dtype)}
+        return answer | ({"selection": selection} if config.compressed.kind == "csa" else {})
+
+
+def _no_cache(case):
+    """The grid case without its present cache (the hand port has none; the same inputs: the seed is the name's)."""
+    import dataclasses
+
+    return dataclasses.replace(case, return_cache=False)
 
 
 @pytest.mark.reference
@@ -143,10 +153,30 @@ def test_a_port_bug_fails_the_grid_case_through_run_case(case, bug):
     from conformance.suite.cases import CASES
     from conformance.suite.compare import run_case
 
-    result = run_case(CASES[case], "v4-port", dtype="float32", adapter=_PortAdapter(bug),
+    result = run_case(_no_cache(CASES[case]), "v4-port", dtype="float32", adapter=_PortAdapter(bug),
                       gradients=False)  # the port is a forward: its backward's bugs, test_compressed_v4_backward
     assert result.status == ("pass" if bug is None else "fail"), (bug, result.status, result.message,
                                                                   [c.margin for c in result.comparisons])
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("bug", [None, "topk_lowest", "topk_one_rank_late"])
+def test_a_wrong_csa_selection_fails_at_the_selection(bug):
+    """run_case judges csa's selection as a comparison of its own (the top-k rule over the float64 index scores,
+    conformance.suite.selection.judge_compressed_selection): the hand port's own selection passes it at margin 0
+    on the grid's csa prefill, and a top-k that keeps the lowest scores, or skips the best entry, fails there,
+    named "selection", with the failing queries in its reason."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(_no_cache(CASES["v4_csa_prefill"]), "v4-port", dtype="float32", adapter=_PortAdapter(bug),
+                      gradients=False)
+    verdict = {c.name: c for c in result.comparisons}["selection"]
+    if bug is None:
+        assert result.status == "pass" and verdict.ok and verdict.margin == 0, (result.status, verdict.describe())
+        return
+    assert result.status == "fail" and not verdict.ok and verdict.margin > 1, (bug, verdict.describe())
+    assert "query [" in verdict.tolerance.reason, verdict.tolerance.reason
 
 
 @pytest.mark.reference
@@ -447,3 +477,107 @@ def test_a_sweep_of_random_layers_agrees_with_the_hand_port_and_its_own_cache():
             out, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
             rows.append(out)
         assert np.abs(np.concatenate(rows, axis=1) - whole).max() <= bound, (seed, cuts, config.compressed)
+
+
+@pytest.mark.reference
+def test_a_selection_that_breaks_exact_ties_otherwise_is_judged_by_its_own_entries():
+    """v4_csa_prefill has exact ties at the k-th place (two entries whose index scores are both exactly 0: rows
+    (0, 11) and (1, 9)). A port that keeps the later of them passes `selection` by the top-k rule (a swap at
+    distance 0) and its output is judged against the float64 reference attending to its own selection (compare's
+    expected_for with the selection, impl_numpy.compressed's topk_indices): it passes. Against the reference's own
+    selection that output fails, so the re-referencing is what passes it."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import case_policy, expected_for, run_case
+    from conformance.suite.tolerance import compare
+
+    case = _no_cache(CASES["v4_csa_prefill"])
+    adapter = _PortAdapter(None, ties="later")
+    result = run_case(case, "v4-port", dtype="float32", adapter=adapter, gradients=False)
+    verdict = {c.name: c for c in result.comparisons}["selection"]
+    assert result.status == "pass" and verdict.ok and "admissible swaps" in verdict.tolerance.reason, (
+        result.status, [c.describe() for c in result.comparisons])
+    exp = expected_for(case, "float32")
+    got = adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options("float32"))
+    assert not np.array_equal(got["selection"], exp["selection"])
+    plain = compare("output", got["output"], exp["output"],
+                    case_policy(case, "float32", "output", "output", exp["output"]))
+    assert not plain.ok, plain.describe()
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("ties,bug,status", [("later", None, "pass"), ("earlier", "topk_lowest", "fail")])
+def test_verify_judges_a_returned_v4_selection(ties, bug, status):
+    """`mha verify` on the shipped v4_csa_prefill.float32 vector: the hand port's selection judged by the top-k
+    rule (verify.compressed_selection_verdict); one that breaks the exact ties the other way passes, its output
+    judged against the reference attending to its selection; one that keeps the lowest scores fails at it."""
+    from conformance.suite.vectors import DEFAULT_DIR, Vector
+    from conformance.suite.verify import verify_vector
+    from weights import AttentionConfig
+
+    def fn(config, tensors, inputs, options):
+        config = AttentionConfig.from_dict(config)
+        out, selection = port(config, tensors, inputs["query"], bug, return_selection=True, ties=ties)
+        return {"output": out, "selection": selection,
+                "not_returned": {f"present_{n}": "the hand port has no cache" for n in cache_names(config)}}
+
+    result = verify_vector(fn, Vector(DEFAULT_DIR / "v4_csa_prefill.float32.safetensors"))
+    verdict = {c.name: c for c in result.comparisons}["selection"]
+    assert result.status == status and verdict.ok == (status == "pass"), (result.status, result.message)
+
+
+class _CacheBugAdapter:
+    """NumPy's own V4 call with one port bug in its present cache: the open window's (or, with overlap, the
+    last closed window's) gates stored with compressor.position_bias already added, where the cache holds raw
+    gates (the next call adds the bias again: impl_numpy.compressed.compress)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
+        from impl_numpy import adapter
+
+        answer = adapter.forward(config, tensors, inputs, options, trace=trace)
+        if trace:
+            return answer
+        gate = answer[self.name]
+        bias = np.asarray(tensors["compressor.position_bias"])[:gate.shape[1], :gate.shape[2]]
+        return answer | {self.name: (gate + bias).astype(gate.dtype)}
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case,name", [("v4_hca_decode", "present_window_gate"),
+                                       ("v4_csa_prefill", "present_overlap_gate")])
+def test_a_cache_bug_fails_at_its_cache_comparison(case, name):
+    """run_case judges every array of the present cache (cache_names) as a comparison of its own: gates stored
+    with their position bias fail at that array alone, the output (which the call computed right) passing."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(CASES[case], "v4-cache-bug", dtype="float32", adapter=_CacheBugAdapter(name),
+                      gradients=False)
+    failed = [c.name for c in result.comparisons if not c.ok]
+    assert result.status == "fail" and failed == [name], (failed, result.message)
+
+
+@pytest.mark.reference
+def test_a_given_selection():
+    """compressed_attention's topk_indices (the suite's reference for a port's own selection): its own selection
+    given back reproduces the call, an entry the query cannot see counts as padding, and a wrong array or kind
+    is refused naming the argument."""
+    config, t = _layer("csa")
+    x = _x()
+    out, selection = compressed_attention(config, t, x, np.arange(T), return_selection=True)
+    again, same = compressed_attention(config, t, x, np.arange(T), return_selection=True, topk_indices=selection)
+    np.testing.assert_array_equal(again, out)
+    np.testing.assert_array_equal(same, selection)
+    m = config.compressed.ratio
+    last = T // m - 1  # the last entry (tokens 16..19): visible from row 19 on (last < (t + 1) // m)
+    future = np.full_like(selection, last)
+    _, cleaned = compressed_attention(config, t, x, np.arange(T), return_selection=True, topk_indices=future)
+    seen = last < (np.arange(T) + 1) // m
+    assert (cleaned[:, ~seen] == -1).all() and (cleaned[:, seen] == last).all() and seen.sum() == 2
+    with pytest.raises(ValueError, match=r"topk_indices must be integers of shape \(B, T, k\) = \(2, 21, k\)"):
+        compressed_attention(config, t, x, np.arange(T), topk_indices=selection[:, :3])
+    hca, th = _layer("hca")
+    with pytest.raises(ValueError, match=r"topk_indices must be None for a compressed layer of kind hca"):
+        compressed_attention(hca, th, x, np.arange(T), topk_indices=selection)

@@ -65,6 +65,9 @@ def _scales(case, dtype) -> dict[str, float]:
         forward["weights"] = (exp["weights"], terms["softmax"])
     forward.update({name: (exp[name], terms.get(name, exp[name])) for name in
                     ("present_key", "present_value", "present_index_keys") if name in exp})
+    if case.config.compressed is not None:  # V4's present cache (cache_names): its own size (its bar has no z; the
+        # (1 + z) below makes the drift bound the looser for it)
+        forward.update({name: (exp[name], exp[name]) for name in exp if name.startswith("present_")})
     grads = {f"grad {name}": (g, exp["magnitudes"][name]) for name, g in exp["grads"].items()}
     return {q: (1 + z) * max(max_finite_abs(value), max_finite_abs(magnitude))
             for q, (value, magnitude) in (forward | grads).items()}
@@ -197,7 +200,11 @@ def test_one_vector_per_case_and_dtype_with_everything_inside():
             grads = {"query", *case.config.tensor_shapes(), *past}
             assert {k for k in v.expected if k.startswith("grad.")} == {f"grad.{n}" for n in grads}, v.name
             assert "weights" not in v.expected and v.cotangent.shape == (case.B, case.T, case.config.out_dim)
-            assert set(v.tolerance) == {"output", *(f"grad {n}" for n in grads)}, v.name
+            # the present cache, every array of it (verify judges each), and csa's selection
+            present = {f"present_{name}" for name in cache_names(case.config)} if case.return_cache else set()
+            assert {k for k in v.expected if k.startswith("present_")} == present, v.name
+            assert ("selection" in v.expected) == (case.config.compressed.kind == "csa"), v.name
+            assert set(v.tolerance) == {"output", *present, *(f"grad {n}" for n in grads)}, v.name
             assert v.tensors["query.kernel"].dtype.name == v.dtype
             continue
         # a kv_shared layer (issue 42) takes no key or value: its keys and values are the cache

@@ -30,6 +30,8 @@ MUTANTS = {
     "indexer_pairing_swapped": "the indexer's RoPE pairs half-split (i, i + R/2) instead of interleaved",
     "decode_drops_buffer": "a decode step that closes a window pools only the new token, not the open window's "
                            "buffered ones (the rows from DECODE_FROM on: a prefill of DECODE_FROM, then one at a time)",
+    "topk_lowest": "csa's top-k keeps the lowest index scores (an ascending sort where a descending one was meant)",
+    "topk_one_rank_late": "csa's top-k keeps ranks 2 .. k + 1 (the best entry skipped: a slice off by one)",
 }
 DECODE_FROM = 13  # decode_drops_buffer: the tokens before came in one prefill call
 
@@ -87,12 +89,18 @@ def _entries(config, p, prefix, xs, bug):
     return np.array(out).reshape(-1, width)
 
 
-def port(config, tensors, x, bug=None):
+def port(config, tensors, x, bug=None, *, return_selection=False, ties="earlier"):
+    """-> output (B, T, O); with return_selection also csa's selection (B, T, k) in the contract's format: the
+    kept entries, best first, -1 after (k = min(index_topk, the call's entries); sliding / hca: (B, T, 0)).
+    ties: which of equal index scores csa's top-k keeps, "earlier" (the spec's) or "later" (not a bug under
+    the top-k rule: a port whose top-k orders equal values otherwise, as torch.topk may)."""
     c, p = config.compressed, tensors
     N, H = config.num_heads, config.head_dim
     B, T, _ = x.shape
     W = config.window_left + 1 + (bug == "window_one_too_wide")
     out = np.zeros((B, T, config.out_dim))
+    width = min(c.index_topk, T // c.ratio) if c.kind == "csa" else 0
+    selection = np.full((B, T, width), -1, dtype=np.int64)
     for b in range(B):
         q_lat = _rms(x[b] @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps)  # (T, Qr)
         keys = np.array([_turn(_rms(x[b, s] @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps), s, config, bug)
@@ -112,7 +120,11 @@ def port(config, tensors, x, bug=None):
                                bug == "indexer_pairing_swapped")
                     w = x[b, t] @ p["indexer.weights.kernel"] * c.index_heads ** -0.5
                     score = (np.maximum(iq @ index.T, 0) * c.index_head_dim ** -0.5 * w[:, None]).sum(0)
-                    kept = sorted(range(len(entries)), key=lambda e: (-score[e], e))[:c.index_topk]
+                    ranked = sorted(range(len(entries)), key=lambda e: (-score[e], e if ties == "earlier" else -e))
+                    if bug == "topk_lowest":
+                        ranked = sorted(range(len(entries)), key=lambda e: (score[e], e))
+                    kept = ranked[1:c.index_topk + 1] if bug == "topk_one_rank_late" else ranked[:c.index_topk]
+                    selection[b, t, :len(kept)] = kept
                     entries = entries[sorted(kept)]
                 seen = np.concatenate([seen, entries])
             logits = q @ seen.T * config.effective_scale  # (N, S)
@@ -125,4 +137,4 @@ def port(config, tensors, x, bug=None):
             G = c.output_groups
             grouped = np.einsum("gf,gfr->gr", ctx.reshape(G, N * H // G), p["output.group.kernel"])
             out[b, t] = grouped.reshape(-1) @ p["output.kernel"]
-    return out
+    return (out, selection) if return_selection else out

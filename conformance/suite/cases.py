@@ -424,12 +424,14 @@ def _v4_grid() -> list[Case]:
     """DeepSeek V4's compressed attention (config.compressed, issue 41), run through each backend's
     impl_*/compressed.py: a csa prefill of 12 tokens (windows of 2 with overlap close at every odd position, the
     indexer's top-2 drops entries from position 5 on, the sliding window of 4 keys hides most keys, YaRN on the
-    compress table as V4's), an hca decode of 3 tokens at positions 9..11 over the cache of 9 earlier ones
-    (two windows of 4 closed, one buffered token; the window 8..11 closes in the call) and a sliding prefill of 10
+    compress table as V4's), an hca decode of 4 tokens at positions 9..12 over the cache of 9 earlier ones
+    (two windows of 4 closed, one buffered token; the window 8..11 closes in the call and token 12 opens the
+    next, so the present cache holds a buffered token too) and a sliding prefill of 10
     tokens (no entries: the window of 4 keys and the sinks; the window drops keys from position 4 on). The layer's
     input is `query` (B, T, D), its absolute positions `positions` (T,), the cache past_<name> (impl_numpy.compressed's
     cache_names): the float64 reference's own cache of the P earlier tokens. Forward and gradients (of x, every
-    tensor and the cache: impl_numpy.compressed_backward). Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
+    tensor and the cache: impl_numpy.compressed_backward), the present cache (every array of cache_names) and csa's
+    selection (the top-k rule). Float32 alone in a plain check (CHECK_ONE_DTYPE)."""
     base = dict(num_heads=2, query_dim=16, head_dim=8, num_kv_heads=1, use_query_bias=False, use_key_bias=False,
                 use_value_bias=False, use_output_bias=False, use_sinks=True, window_left=3)
     low_rank = {"query_rank": 6, "output_groups": 2, "output_rank": 4}
@@ -439,10 +441,11 @@ def _v4_grid() -> list[Case]:
            "index_topk": 2}
     hca = {"kind": "hca", **low_rank, "ratio": 4}
     main = {"theta": 10000.0, "rotary_dim": 4, "interleaved": True}  # V4's sliding layers: the plain "main" table
-    v4 = dict(is_causal=True, return_weights=False, self_attention=False)
+    # every case returns its present cache (judged per array: the cache is a by-product of the same call)
+    v4 = dict(is_causal=True, return_weights=False, self_attention=False, return_cache=True)
     return [
         Case("v4_csa_prefill", _cfg(**base, rope=yarn, compressed=csa), T=12, S=12, **v4),
-        Case("v4_hca_decode", _cfg(**base, rope=main, compressed=hca), T=3, S=3, P=9, **v4),
+        Case("v4_hca_decode", _cfg(**base, rope=main, compressed=hca), T=4, S=4, P=9, **v4),
         # the sliding kind: no compressor, the window of 4 keys and the sinks alone; from position 4 on the window
         # drops keys (rows 4..9 see 4 of their 5..10 causal keys)
         Case("v4_sliding_prefill", _cfg(**base, rope=main, compressed={"kind": "sliding", **low_rank}), T=10, S=10,

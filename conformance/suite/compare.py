@@ -153,7 +153,7 @@ def expected_for(case: Case, dtype: str, selection: np.ndarray | None = None) ->
         if found is not None:
             return _remember(key, found, disk)
     if case.config.compressed is not None:
-        return _remember(key, _expected_compressed(case, dtype), disk)
+        return _remember(key, _expected_compressed(case, dtype, selection), disk)
     tensors = cast_tensors(make_tensors(case), dtype)
     inputs = cast_inputs(make_inputs(case), dtype)
     config, run_tensors, run_inputs = case.config, tensors, inputs
@@ -231,7 +231,7 @@ def _remember(key, expected: dict, disk: str | None) -> dict:
     return expected
 
 
-def _expected_compressed(case: Case, dtype: str) -> dict:
+def _expected_compressed(case: Case, dtype: str, selection=None) -> dict:
     """expected_for of a DeepSeek V4 case (config.compressed): impl_numpy.compressed's float64 forward on the
     inputs and weights rounded to `dtype`, with its trace, csa's selection and, with a cache, the present one; the
     float64 gradients (impl_numpy.compressed_backward: the layer's input "query", every tensor, the indexer's
@@ -240,18 +240,24 @@ def _expected_compressed(case: Case, dtype: str) -> dict:
     the policy's tensor-wide bar, the reference's own size, with z from the logits' sizes, S every key the case
     has (P + S: more than the window and the entries any query sees, so the bar is the looser for it) and, in
     16 bits, the reference's own error run in `dtype` (its gradients are float32 and float64's: in 16 bits the
-    mirrors refuse the layer and NumPy's column judges the forward alone)."""
+    mirrors refuse the layer and NumPy's column judges the forward alone).
+    selection: a csa port's own admissible selection (judge_compressed_selection): the reference attends to it
+    (compressed_attention's topk_indices), forward and gradients; its selection is then that one."""
     from impl_numpy.compressed_backward import compressed_attention_vjp
 
     tensors = cast_tensors(make_tensors(case), dtype)
     inputs = cast_inputs(make_inputs(case), dtype)
     t64, i64 = cast_tensors(tensors, "float64"), cast_inputs(inputs, "float64")
     options64 = case.options("float64") | {"return_cache": case.return_cache}
-    fwd = reference.forward(case.config, t64, i64, options64, trace=True)
+    given = {} if selection is None else {"topk_indices": np.asarray(selection, dtype=np.int64)}
+    if given:  # the reference attending to the given selection (the adapter's call has no such input)
+        fwd = _compressed_forward(case.config, t64, i64, case.return_cache, given["topk_indices"])
+    else:
+        fwd = reference.forward(case.config, t64, i64, options64, trace=True)
     d_out = output_cotangent(case)
     past = {name.removeprefix("past_"): a for name, a in i64.items() if name.startswith("past_")} or None
     _, grads, magnitudes = compressed_attention_vjp(case.config, t64, i64["query"], i64["positions"], past,
-                                                    d_output=d_out, gradient_magnitudes=True)
+                                                    d_output=d_out, gradient_magnitudes=True, **given)
     logits = dict(fwd["trace"])["logits"]
     expected = {"output": fwd["output"], "weights": None, "grads": grads, "magnitudes": magnitudes,
                 "forward_magnitudes": {"logits": np.abs(logits)}, "logit_errors": {}, "trace": fwd["trace"],
@@ -262,6 +268,21 @@ def _expected_compressed(case: Case, dtype: str) -> dict:
         low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_cache": False})
         expected["same_precision"] = {"output": _max_err(low["output"], fwd["output"])}
     return expected
+
+
+def _compressed_forward(config, tensors: dict, inputs: dict, return_cache: bool, topk_indices) -> dict:
+    """impl_numpy.compressed's forward (float64 arrays) attending to a given csa selection, as the adapter's
+    answer: output, selection, trace, present_<name>."""
+    from impl_numpy.compressed import compressed_attention
+
+    past = {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
+    trace: list = []
+    out, sel, *present = compressed_attention(config, tensors, inputs["query"], inputs["positions"], past,
+                                              return_selection=True, return_cache=return_cache, trace=trace,
+                                              topk_indices=topk_indices)
+    answer = {"output": out, "selection": sel, "trace": [(e.stage, e.value) for e in trace]}
+    answer.update({f"present_{name}": a for name, a in (present[0] if present else {}).items()})
+    return answer
 
 
 def chunked_same_precision(case: Case, dtype: str, exp: dict, block: int) -> float:
@@ -376,10 +397,17 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
         verdict, own = judge_selection(case, dtype, result["selection"], options)
         comparisons.append(verdict)
         exp = expected_for(case, dtype, own) if own is not None else exp
+    if case.config.compressed is not None and case.config.compressed.kind == "csa":
+        if result.get("selection") is None:
+            raise ValueError("backend returned no selection for a csa layer (compressed_attention's "
+                             "return_selection)")
+        verdict, own = judge_compressed_selection(case, dtype, result["selection"])
+        comparisons.append(verdict)
+        exp = expected_for(case, dtype, own) if own is not None else exp
 
-    def check(name, quantity, actual, expected, same_precision_error=None):
+    def check(name, quantity, actual, expected, same_precision_error=None, logits=True):
         comparisons.append(compare(name, actual, expected, case_policy(
-            case, dtype, name, quantity, expected, precision=precision, selection=own,
+            case, dtype, name, quantity, expected, precision=precision, selection=own, logits=logits,
             same_precision_error=same_precision_error)))
 
     chunked = (kernel or options.get("chunk_size") is not None) and "low_call" in exp  # a kernel, in 16 bits
@@ -392,10 +420,19 @@ def judge(case: Case, dtype: str, result: dict, grads: dict | None, *, precision
             raise ValueError("backend returned no weights although return_weights was requested")
         check("weights", "weights", result["weights"], exp["weights"])
     index_cache = ("present_index_keys",) if case.config.indexer is not None and "present_index_keys" in result else ()
-    for name in ("present_key", "present_value", *index_cache) if options.get("return_cache") else ():
+    cache = ("present_key", "present_value", *index_cache)
+    v4 = case.config.compressed is not None
+    if v4:  # DeepSeek V4's cache: the window's keys, the entries, each compressor's open window and overlap half
+        from impl_numpy.compressed import cache_names
+
+        cache = tuple(f"present_{name}" for name in cache_names(case.config))
+    for name in cache if options.get("return_cache") else ():
         if name not in result:
             raise ValueError(f"backend returned no {name} although return_cache was requested")
-        check(name, "output", result[name], exp[name])
+        # V4's cache is computed before the logits (the keys, the compressors' stages): the bar of the stages
+        # before the logits (localise), no logit scale z; the other layers' present_key / present_value have
+        # their elementwise magnitudes, this layer's none (impl_numpy.magnitudes does not know it)
+        check(name, "output", result[name], exp[name], logits=not v4)
     if grads is not None:
         comparisons += judge_gradients(case, dtype, grads, precision=precision, selection=own,
                                        kernel=chunked, fused=fused)
@@ -422,6 +459,33 @@ def judge_selection(case: Case, dtype: str, selection, options: dict) -> tuple[C
     comparison = Comparison(verdict.ok, "selection", math.nan, None, None, None, verdict.margin,
                             Tolerance(0.0, 0.0, reason))
     return comparison, (got if verdict.ok else None)
+
+
+def judge_compressed_selection(case: Case, dtype: str, selection) -> tuple[Comparison, np.ndarray | None]:
+    """A V4 csa layer's selection (config.compressed, (B, T, k) entry indices) against the float64 reference's by
+    the top-k rule (conformance.suite.selection.judge_compressed_selection: the same entries per query, or entries
+    swapped within the score allowance of the k-th score; ties go to the earlier entry, the spec's). A comparison
+    of its own, named "selection", so a port that selects wrong entries is named there. -> (the comparison; the
+    backend's selection where it differs and is admissible, for the reference to attend to (expected_for), else
+    None), as judge_selection."""
+    from conformance.suite.selection import judge_compressed_selection as judge_entries
+    from conformance.suite.tolerance import Tolerance
+
+    exp = expected_for(case, dtype)
+    got = np.asarray(selection)
+    if got.shape == exp["selection"].shape and _as_sets(got) == _as_sets(exp["selection"]):
+        tol = Tolerance(0.0, 0.0, "the reference's entries for every query")
+        return Comparison(True, "selection", 0.0, None, None, None, 0.0, tol), None
+    if got.shape != exp["selection"].shape:
+        tol = Tolerance(0.0, 0.0, f"a selection of shape {exp['selection'].shape} (B, T, index_topk)")
+        return Comparison(False, f"selection (shape {got.shape} != {exp['selection'].shape})", math.inf,
+                          None, None, None, math.inf, tol), None
+    verdict = judge_entries(case.config, exp["tensors"], exp["inputs"], got, dtype=dtype)
+    reason = (f"{verdict.describe()} (the top-k rule over the csa index scores: selection.judge_compressed_selection;"
+              " the output then judged against the float64 reference attending to this selection)")
+    comparison = Comparison(verdict.ok, "selection", math.nan, None, None, None, verdict.margin,
+                            Tolerance(0.0, 0.0, reason))
+    return comparison, (got.astype(np.int64) if verdict.ok else None)
 
 
 def _as_sets(selection) -> list:

@@ -257,3 +257,68 @@ def judge_call_selection(config, tensors, inputs: dict, options: dict, selection
         result["topk_blocks"] = blocks_of(keys, ix.block_size, width)
     tensors64 = {name: np.asarray(t).astype(np.float64) for name, t in tensors.items()}
     return judge_indexer(config, tensors64, given, result, dtype=dtype)[-1]
+
+
+def compressed_index_length(config, max_position: int = 0) -> int:
+    """L of a DeepSeek V4 csa index score (config.compressed): the query latent's projection (D) and RMS norm (Qr),
+    the index query's projection (Qr); the index entry's projection (D), its gate's softmax and pool over the
+    slots (m, 2m with overlap) and RMS norm (J); the dot product (J), the sum over index heads (I) and the head
+    weights' projection (D); RoPE (on both) adds theta_max^2, as index_length."""
+    c = config.compressed
+    D, J = config.query_dim, c.index_head_dim
+    length = (D + 2 * c.query_rank) + (D + 2 * c.ratio * c.slots + J) + J + c.index_heads + D
+    if max_position:
+        from weights.rope import rope_tables
+
+        inv_freq, _ = rope_tables(config.rope, max_position)
+        length += int(math.ceil((max_position * float(np.max(inv_freq))) ** 2))
+    return length
+
+
+def compressed_index_scores(config, tensors, inputs: dict, *, dtype: str = "float64"):
+    """A V4 csa call's index scores as impl_numpy.compressed computes them in `dtype` (float64: the spec's),
+    (B, T, E) with -inf where an entry is not visible, its selection (B, T, k) and, in float64, each score's
+    magnitude: the same sum on |w|, |q|, |K| (sum_i |w_i| |q_i|.|K_e| / sqrt(J)). inputs: the case's (query,
+    positions, past_<name>)."""
+    from impl_numpy.compressed import compressed_attention
+    from weights import dtype_from_name
+    from weights.dtypes import is_float
+
+    dt = dtype_from_name(dtype)
+
+    def cast(a):
+        a = np.asarray(a)
+        return a.astype(dt) if is_float(a.dtype) else a
+
+    past = {name.removeprefix("past_"): cast(a) for name, a in inputs.items() if name.startswith("past_")} or None
+    trace: list = []
+    _, selection, present = compressed_attention(
+        config, {name: cast(t) for name, t in tensors.items()}, cast(inputs["query"]), inputs["positions"], past,
+        return_selection=True, return_cache=True, trace=trace)
+    stages = {e.stage: np.asarray(e.value, dtype=np.float64) for e in trace}
+    scores = stages["indexer.score"]
+    q, w = np.abs(stages["indexer.query"]), np.abs(stages["indexer.weights"])  # (B, I, T, J), (B, T, I)
+    keys = np.abs(np.asarray(present["index_entries"], dtype=np.float64))  # (B, E, J): the cache's and this call's
+    magnitudes = np.einsum("bitj,bej,bti->bte", q, keys, w) * config.compressed.index_head_dim ** -0.5
+    return scores, np.asarray(selection), magnitudes
+
+
+def judge_compressed_selection(config, tensors, inputs: dict, selection, *, dtype: str = "float32"
+                               ) -> SelectionComparison:
+    """A port's csa selection (config.compressed kind csa; (B, T, k) entry indices, -1 padding) judged by the top-k
+    rule against the float64 reference's (impl_numpy.compressed.select: the top index_topk visible entries, ties
+    to the earlier entry): the same entries per query, or entries swapped within the score allowance of the k-th
+    score (compare_selection; an invisible entry counts as padding). The allowance: score_allowance with L
+    compressed_index_length; 16-bit: at least REFERENCE_FACTOR x the same-dtype reference's own score error per
+    query. tensors, inputs: as the port received them (rounded to `dtype`), evaluated in float64."""
+    scores, expected, magnitudes = compressed_index_scores(config, tensors, inputs)
+    same = None
+    if dtype in ("float16", "bfloat16"):
+        low = compressed_index_scores(config, tensors, inputs, dtype=dtype)[0]
+        finite = np.isfinite(scores)
+        same = np.abs(np.subtract(low, scores, where=finite, out=np.zeros(scores.shape)))
+        same = same.max(axis=-1, keepdims=True)
+    positions = np.asarray(inputs["positions"])
+    length = compressed_index_length(config, int(positions.max()) + 1 if positions.size else 0)
+    allowance = score_allowance(dtype, magnitudes, length=length, same_precision_error=same)
+    return compare_selection("selection", np.asarray(selection), expected, scores, allowance)

@@ -16,7 +16,10 @@ File `<case>.<dtype>.safetensors`:
   expected.output            float64
   expected.weights           float64, (B, N, T, P+S) (when the case asks for them)
   expected.present_key|present_value
-                             float64 (when options.return_cache)
+                             float64 (when options.return_cache; a DeepSeek V4 layer, config.compressed:
+                             expected.present_<name> for every name of impl_numpy.compressed.cache_names)
+  expected.selection         int64, -1 padding (a layer with an indexer, a DeepSeek V4 csa layer: the float64
+                             reference's selection; verify judges a returned one by the top-k rule)
   expected.grad.<name>       float64 gradients of sum(output * cotangent)
   allowance.<quantity>       float64, the shape of expected.<quantity> (output, present_key,
                              present_value): each element's absolute allowance where it is
@@ -75,8 +78,8 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
     arrays["expected.output"] = exp["output"]
     tolerance = {}
 
-    def tol(name, quantity, reference, floor=0.0):
-        t = case_policy(case, dtype, name, quantity, reference, scale_floor=floor)
+    def tol(name, quantity, reference, floor=0.0, logits=True):
+        t = case_policy(case, dtype, name, quantity, reference, scale_floor=floor, logits=logits)
         tolerance[name] = {"rtol": t.rtol, "atol": t.atol, "reason": t.reason}
         why = not_judged_reason(t, reference)
         if why is not None:  # an allowance not well below the quantity: verify reports it "not judged"
@@ -91,9 +94,13 @@ def build_vector(case: Case, dtype: str) -> tuple[dict[str, np.ndarray], dict[st
     if exp.get("selection") is not None:  # the indexer's selection (int64, -1 padding): verify judges a returned one
         arrays["expected.selection"] = np.asarray(exp["selection"], dtype=np.int64)
     cache = ("present_key", "present_value") + (("present_index_keys",) if "present_index_keys" in exp else ())
+    if case.config.compressed is not None:  # DeepSeek V4's cache: every array of impl_numpy.compressed.cache_names
+        from impl_numpy.compressed import cache_names
+
+        cache = tuple(f"present_{name}" for name in cache_names(case.config))
     for name in cache if case.return_cache else ():
         arrays[f"expected.{name}"] = exp[name]
-        tol(name, "output", exp[name])
+        tol(name, "output", exp[name], logits=case.config.compressed is None)  # V4's: before the logits (judge)
     for name, grad in exp["grads"].items():
         arrays[f"expected.grad.{name}"] = grad
         tol(f"grad {name}", "grad", grad)

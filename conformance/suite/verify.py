@@ -193,6 +193,8 @@ def selection_verdict(vector: Vector, answer: dict) -> tuple[Comparison | None, 
     returned; the expected values to judge the rest by: the vector's own, or, for an admissible selection of
     its own, the float64 reference attending to it (impl_numpy, computed here)."""
     expected = dict(vector.expected)
+    if answer.get("selection") is not None and "selection" in vector.expected and vector.config.compressed is not None:
+        return compressed_selection_verdict(vector, answer["selection"], expected)
     if vector.config.indexer is None or answer.get("selection") is None or "selection" not in vector.expected:
         return None, expected
     from conformance.suite.compare import _as_sets
@@ -210,6 +212,53 @@ def selection_verdict(vector: Vector, answer: dict) -> tuple[Comparison | None, 
     if verdict.ok:
         expected.update(reference_with_selection(vector, got))
     return comparison, expected
+
+
+def compressed_selection_verdict(vector: Vector, selection, expected: dict) -> tuple[Comparison, dict]:
+    """A DeepSeek V4 csa layer's returned selection (config.compressed; (B, T, k) entry indices) judged against
+    the vector's expected.selection by the top-k rule (conformance.suite.selection.judge_compressed_selection),
+    as run_case judges it (compare.judge_compressed_selection). -> (the comparison; the expected values to judge
+    the rest by: the vector's own, or, for an admissible selection of its own, the float64 reference attending to
+    it: output, present cache and the gradients the vector carries, computed here)."""
+    from conformance.suite.compare import _as_sets
+    from conformance.suite.selection import judge_compressed_selection
+
+    got = np.asarray(selection)
+    want = vector.expected["selection"]
+    if got.shape == want.shape and _as_sets(got) == _as_sets(want):
+        return Comparison(True, "selection", 0.0, None, None, None, 0.0,
+                          Tolerance(0.0, 0.0, "the reference's entries for every query")), expected
+    if got.shape != want.shape:
+        return Comparison(False, f"selection (shape {got.shape} != {want.shape})", float("inf"), None, None, None,
+                          float("inf"), Tolerance(0.0, 0.0, f"a selection of shape {want.shape} (B, T, index_topk)")
+                          ), expected
+    verdict = judge_compressed_selection(vector.config, vector.tensors, vector.inputs, got, dtype=vector.dtype)
+    comparison = Comparison(verdict.ok, "selection", float("nan"), None, None, None, verdict.margin,
+                            Tolerance(0.0, 0.0, verdict.describe()))
+    if verdict.ok:
+        expected = expected | compressed_reference_with_selection(vector, got)
+    return comparison, expected
+
+
+def compressed_reference_with_selection(vector: Vector, selection) -> dict[str, np.ndarray]:
+    """The float64 V4 reference (impl_numpy.compressed) on the vector's inputs attending to a csa `selection`
+    (compressed_attention's topk_indices): output, present_<name> and the gradients the vector carries."""
+    from impl_numpy.compressed import compressed_attention
+    from impl_numpy.compressed_backward import compressed_attention_vjp
+
+    t64 = {n: np.asarray(t).astype(np.float64) for n, t in vector.tensors.items()}
+    i64 = {n: (np.asarray(x).astype(np.float64) if is_float(np.asarray(x).dtype) else np.asarray(x))
+           for n, x in vector.inputs.items()}
+    past = {n.removeprefix("past_"): a for n, a in i64.items() if n.startswith("past_")} or None
+    sel = np.asarray(selection, dtype=np.int64)
+    out, present = compressed_attention(vector.config, t64, i64["query"], i64["positions"], past, return_cache=True,
+                                        topk_indices=sel)
+    found = {"output": out, **{f"present_{n}": a for n, a in present.items()}}
+    if vector.cotangent is not None:
+        _, grads = compressed_attention_vjp(vector.config, t64, i64["query"], i64["positions"], past,
+                                            d_output=vector.cotangent, topk_indices=sel)
+        found.update({f"grad.{n}": g for n, g in grads.items()})
+    return found
 
 
 def reference_with_selection(vector: Vector, selection) -> dict[str, np.ndarray]:

@@ -114,8 +114,6 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     layer with as one jax.jit program (not with trace); None: eagerly, op by op."""
     validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = jnp.asarray(x)
-    if x.dtype not in (jnp.float32, jnp.float64):
-        raise ValueError(f"x must be float32, or float64 with JAX's x64 mode on: got {x.dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype = x.dtype
     p = {k: jnp.asarray(np.asarray(v)).astype(dtype) for k, v in tensors.items()}

@@ -20,7 +20,7 @@ from weights.call import record
 from weights.rope import rope_tables
 
 from . import functional as F
-from .convert import scalar, to_mx
+from .convert import scalar, to_mx, to_numpy
 
 
 def rms(x: mx.array, scale, eps: float) -> mx.array:
@@ -105,10 +105,9 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
                          return_selection: bool = False, trace: list | None = None):
     """impl_numpy.compressed.compressed_attention in MLX."""
-    validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
+    validate_tensors(config, {k: to_numpy(v) if isinstance(v, mx.array) else np.asarray(v)
+                              for k, v in tensors.items()})  # names, shapes, one dtype, finite values
     x = x if isinstance(x, mx.array) else to_mx(np.asarray(x))
-    if x.dtype not in (mx.float32, mx.float64):
-        raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {x.dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype = x.dtype
     # mx.arrays kept as given (through NumPy they would leave the graph mx.vjp differentiates: the adapter's gradients)

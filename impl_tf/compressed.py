@@ -121,8 +121,6 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = x if ops.is_tensor(x) else bk.to_tensor(np.asarray(x))
     dtype = F.dtype_name(x)
-    if dtype not in ("float32", "float64"):
-        raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     p = {k: ops.cast(bk.to_tensor(np.asarray(v)) if not ops.is_tensor(v) else v, dtype) for k, v in tensors.items()}
     if jit is not None and trace is None and BACKEND == "jax":  # one compiled program (eager jax compiles every op per shape)

@@ -139,7 +139,7 @@ def split_result(result, return_weights: bool, return_cache: bool,
 
 # The dtypes every mirror's DeepSeek V4 layer (impl_*/compressed.py) computes in; 16-bit storage is the NumPy
 # reference's alone (its stages in functional's compute dtype), and a mirror's adapter reports it unsupported.
-COMPRESSED_MIRROR_DTYPES = ("float32", "float64")
+COMPRESSED_MIRROR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options: dict, *, convert=lambda a: a,

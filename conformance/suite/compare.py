@@ -239,8 +239,8 @@ def _expected_compressed(case: Case, dtype: str) -> dict:
     No elementwise forward magnitudes (impl_numpy.magnitudes does not know the layer): the output is judged by
     the policy's tensor-wide bar, the reference's own size, with z from the logits' sizes, S every key the case
     has (P + S: more than the window and the entries any query sees, so the bar is the looser for it) and, in
-    16 bits, the reference's own error run in `dtype` (its gradients are float32 and float64's: in 16 bits the
-    mirrors refuse the layer and NumPy's column judges the forward alone)."""
+    16 bits, the reference's own error run in `dtype`, the output's and each gradient's (compressed_attention_vjp
+    in `dtype`: its stages in float32, stored values and cotangents rounded to `dtype`), as for the ordinary layer."""
     from impl_numpy.compressed_backward import compressed_attention_vjp
 
     tensors = cast_tensors(make_tensors(case), dtype)
@@ -261,6 +261,10 @@ def _expected_compressed(case: Case, dtype: str) -> dict:
     if dtype in ("float16", "bfloat16"):  # the reference's own rounding in `dtype` (the low-precision rule)
         low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_cache": False})
         expected["same_precision"] = {"output": _max_err(low["output"], fwd["output"])}
+        low_past = {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
+        _, low_grads = compressed_attention_vjp(case.config, tensors, inputs["query"], inputs["positions"], low_past,
+                                                d_output=d_out.astype(tensors["query.kernel"].dtype))
+        expected["same_precision"].update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
     return expected
 
 

@@ -136,11 +136,11 @@ def compress(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: in
     present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
     win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
     bias = params[f"{prefix}.position_bias"].astype(ct, copy=False)
-    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]).astype(ct) + bias  # slot j's bias, compute dtype
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]).astype(ct, copy=False) + bias  # slot j's bias, compute dtype
     if c.overlap:  # halves: [:width] enters the next window's entry, [width:] this window's
         if past is not None and past[f"{cache}overlap_kv"].shape[1]:
             prev_kv = past[f"{cache}overlap_kv"][:, None]  # (B, 1, m, width)
-            prev_gate = past[f"{cache}overlap_gate"][:, None].astype(ct) + bias[:, :width]
+            prev_gate = past[f"{cache}overlap_gate"][:, None].astype(ct, copy=False) + bias[:, :width]
         else:  # window 0 has no previous window: its slots weigh 0
             prev_kv = np.zeros((B, 1, m, width), x.dtype)
             prev_gate = np.full((B, 1, m, width), -np.inf, ct)
@@ -179,13 +179,13 @@ def select(config: AttentionConfig, params, x, q_latent, positions, entries, vis
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
     ct = compute_dtype(x.dtype)
-    q = np.einsum("btr,rij->bitj", q_latent.astype(ct), params["indexer.query.kernel"].astype(ct))  # (B, I, T, J)
+    q = np.einsum("btr,rij->bitj", q_latent.astype(ct, copy=False), params["indexer.query.kernel"].astype(ct, copy=False))  # (B, I, T, J)
     q = rec("indexer.query", turn(q.astype(x.dtype, copy=False), positions, config))
-    dots = np.einsum("bitj,bej->btie", q.astype(ct), entries.astype(ct))  # (B, T, I, E), compute dtype
-    w = (x.astype(ct) @ params["indexer.weights.kernel"].astype(ct)) * ct.type(I ** -0.5)
+    dots = np.einsum("bitj,bej->btie", q.astype(ct, copy=False), entries.astype(ct, copy=False))  # (B, T, I, E), compute dtype
+    w = (x.astype(ct, copy=False) @ params["indexer.weights.kernel"].astype(ct, copy=False)) * ct.type(I ** -0.5)
     w = rec("indexer.weights", w.astype(x.dtype, copy=False))  # (B, T, I)
     # the scores stay in the compute dtype (impl_numpy.indexer's): (B, T, E)
-    score = (np.maximum(dots, ct.type(0)) * ct.type(J ** -0.5) * w.astype(ct)[..., None]).sum(axis=2)
+    score = (np.maximum(dots, ct.type(0)) * ct.type(J ** -0.5) * w.astype(ct, copy=False)[..., None]).sum(axis=2)
     score = rec("indexer.score", np.where(visible[None], score, -np.inf))  # an entry not visible: -inf
     k = min(c.index_topk, score.shape[-1])
     order = np.argsort(-score, axis=-1, kind="stable")[..., :k]
@@ -212,7 +212,7 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
     # the low-rank query, a weightless RMS norm per head, RoPE on the last rotary_dim features
     ct = compute_dtype(dtype)
     q_latent = rec("query.down", rms(matmul(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))  # (B, T, Qr)
-    q = np.einsum("btr,rnh->bnth", q_latent.astype(ct), p["query.kernel"].astype(ct))
+    q = np.einsum("btr,rnh->bnth", q_latent.astype(ct, copy=False), p["query.kernel"].astype(ct, copy=False))
     q = rec("query", q.astype(dtype, copy=False))  # (B, N, T, H)
     q = rec("query.norm", rms(q, None, c.eps))
     q = rec("query.rope", turn(q, positions, config))
@@ -245,7 +245,7 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
     ctx = rec("derotate", turn(ctx, -positions, config))  # the rotary features turned back by the query's position
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
-    grouped = np.einsum("btgf,gfr->btgr", grouped.astype(ct), p["output.group.kernel"].astype(ct))
+    grouped = np.einsum("btgf,gfr->btgr", grouped.astype(ct, copy=False), p["output.group.kernel"].astype(ct, copy=False))
     grouped = rec("output.group", grouped.astype(dtype, copy=False))  # (B, T, G, R)
     out = rec("output", matmul(grouped.reshape(B, T, -1), p["output.kernel"]))  # (B, T, O)
     result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())

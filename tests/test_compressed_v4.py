@@ -447,3 +447,20 @@ def test_a_sweep_of_random_layers_agrees_with_the_hand_port_and_its_own_cache():
             out, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
             rows.append(out)
         assert np.abs(np.concatenate(rows, axis=1) - whole).max() <= bound, (seed, cuts, config.compressed)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_reference_stores_each_stage_in_16_bits(kind, dtype):
+    """The 16-bit precision rule (impl_numpy/compressed.py's docstring): every traced stage stored in the storage
+    dtype, except the index scores (float32, the compute dtype, as impl_numpy.indexer's) and the selection."""
+    from weights import dtype_from_name
+
+    config, t = _layer(kind)
+    dt = dtype_from_name(dtype)
+    trace = []
+    compressed_attention(config, {name: a.astype(dt) for name, a in t.items()}, _x().astype(dt), np.arange(T),
+                         trace=trace)
+    kept = {"indexer.score": "float32", "indexer.selection": "int64"}
+    assert [(e.stage, e.value.dtype.name) for e in trace] == [(e.stage, kept.get(e.stage, dtype)) for e in trace]

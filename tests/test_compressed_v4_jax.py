@@ -1,7 +1,8 @@
 """impl_jax/compressed.py (DeepSeek V4's layer in JAX) against the NumPy reference, the three kinds, batch 2: a
 causal prefill in float64 (x64 mode, which impl_jax.adapter switches on) and float32, the trace's stage names
 the reference's; and (slow) a prefill then one token at a time through the cache (present_* fed back as
-past_*), float64."""
+past_*), float64. In float16 and bfloat16: run_case on the three grid cases (3.4 s) and each traced stage's
+dtype the reference's (eager: 6.5 s), slow as the file (2-core AMD EPYC VM, 2026-11-29)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ compressed_attention(config, tensors, x, positions, past=None, return_cache=, re
 as impl_numpy.compressed.cache_names. Eager (not jitted: the number of windows a call closes is a Python int),
 every product at HIGHEST precision. The call is validated by the reference's own check
 (impl_numpy.compressed.check_compressed_call, on shapes). Differentiable (jax.vjp: the
-selection a constant, as impl_numpy/compressed_backward.py has it); the mirror of multi_head_attention
+selection a constant, as impl_numpy/compressed_backward.py has it). float16 / bfloat16 by the reference's rule: each
+stage computed in float32 and stored in 16 bits, at the reference's boundaries. The mirror of multi_head_attention
 refuses config.compressed (weights.contract.check_call).
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from impl_numpy.compressed import check_compressed_call
-from weights import AttentionConfig, validate_tensors
+from weights import AttentionConfig, compute_dtype, validate_tensors
 from weights.call import record
 from weights.rope import rope_tables
 
@@ -37,9 +38,20 @@ def _es(spec, a, b):
     return jnp.einsum(spec, a, b, precision=HIGHEST)
 
 
+def _ct(dtype):
+    return compute_dtype(np.dtype(dtype))
+
+
+def matmul(x, kernel):
+    """x @ kernel in the compute dtype, stored in x's dtype."""
+    ct = _ct(x.dtype)
+    return _mm(x.astype(ct), kernel.astype(ct)).astype(x.dtype)
+
+
 def rms(x, scale, eps: float):
-    y = x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return y if scale is None else y * scale
+    xc = x.astype(_ct(x.dtype))
+    y = xc / jnp.sqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+    return (y if scale is None else y * scale.astype(y.dtype)).astype(x.dtype)
 
 
 def turn(x, positions, config: AttentionConfig):
@@ -53,8 +65,9 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B = x.shape[0]
-    kv = rec(f"{prefix}.project", _mm(x, params[f"{prefix}.kernel"]))
-    gate = rec(f"{prefix}.gate", _mm(x, params[f"{prefix}.gate.kernel"]))
+    ct = _ct(x.dtype)
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
+    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
     if past is not None:
         kv = jnp.concatenate([past[f"{cache}window_kv"], kv], axis=1)
         gate = jnp.concatenate([past[f"{cache}window_gate"], gate], axis=1)
@@ -62,14 +75,15 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
     n = kv.shape[1] // m
     present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
     win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
-    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]) + params[f"{prefix}.position_bias"]
+    bias = params[f"{prefix}.position_bias"].astype(ct)
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]).astype(ct) + bias  # compute dtype
     if c.overlap:
-        bias = params[f"{prefix}.position_bias"][:, :width]
         if past is not None and past[f"{cache}overlap_kv"].shape[1]:
-            prev_kv, prev_gate = past[f"{cache}overlap_kv"][:, None], past[f"{cache}overlap_gate"][:, None] + bias
+            prev_kv = past[f"{cache}overlap_kv"][:, None]
+            prev_gate = past[f"{cache}overlap_gate"][:, None].astype(ct) + bias[:, :width]
         else:
             prev_kv = jnp.zeros((B, 1, m, width), x.dtype)
-            prev_gate = jnp.full((B, 1, m, width), -jnp.inf, x.dtype)
+            prev_gate = jnp.full((B, 1, m, width), -jnp.inf, ct)
         before_kv = jnp.concatenate([prev_kv, win_kv[:, :-1, :, :width]], axis=1)[:, :n]
         before_gate = jnp.concatenate([prev_gate, win_gate[:, :-1, :, :width]], axis=1)[:, :n]
         slots_kv = jnp.concatenate([before_kv, win_kv[..., width:]], axis=2)
@@ -83,8 +97,8 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
             present[f"{cache}overlap_gate"] = empty if past is None else past[f"{cache}overlap_gate"]
     else:
         slots_kv, slots_gate = win_kv, win_gate
-    weights = rec(f"{prefix}.weights", jax.nn.softmax(slots_gate, axis=2))  # per feature over the slots
-    pooled = rec(f"{prefix}.pool", (weights * slots_kv).sum(axis=2))
+    weights = rec(f"{prefix}.weights", jax.nn.softmax(slots_gate, axis=2).astype(x.dtype))  # over the slots
+    pooled = rec(f"{prefix}.pool", (weights.astype(ct) * slots_kv.astype(ct)).sum(axis=2).astype(x.dtype))
     normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
     starts = first + m * jnp.arange(n)
     new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])
@@ -96,11 +110,13 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
 def select(config, params, x, q_latent, positions, entries, visible, rec):
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
-    q = _es("btr,rij->bitj", q_latent, params["indexer.query.kernel"])
-    q = rec("indexer.query", turn(q, positions, config))
-    dots = _es("bitj,bej->btie", q, entries)
-    w = rec("indexer.weights", _mm(x, params["indexer.weights.kernel"]) * I ** -0.5)
-    score = (jax.nn.relu(dots) * J ** -0.5 * w[..., None]).sum(axis=2)
+    ct = _ct(x.dtype)
+    q = _es("btr,rij->bitj", q_latent.astype(ct), params["indexer.query.kernel"].astype(ct))
+    q = rec("indexer.query", turn(q.astype(x.dtype), positions, config))
+    dots = _es("bitj,bej->btie", q.astype(ct), entries.astype(ct))
+    w = rec("indexer.weights", (_mm(x.astype(ct), params["indexer.weights.kernel"].astype(ct)) * I ** -0.5
+                                ).astype(x.dtype))
+    score = (jax.nn.relu(dots) * J ** -0.5 * w.astype(ct)[..., None]).sum(axis=2)  # compute dtype
     score = rec("indexer.score", jnp.where(visible[None], score, -jnp.inf))
     k = min(c.index_topk, score.shape[-1])
     order = jnp.argsort(-score, axis=-1, stable=True)[..., :k]  # ties: the earlier entry
@@ -114,8 +130,6 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     layer with as one jax.jit program (not with trace); None: eagerly, op by op."""
     validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = jnp.asarray(x)
-    if x.dtype not in (jnp.float32, jnp.float64):
-        raise ValueError(f"x must be float32, or float64 with JAX's x64 mode on: got {x.dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype = x.dtype
     p = {k: jnp.asarray(np.asarray(v)).astype(dtype) for k, v in tensors.items()}
@@ -136,11 +150,12 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
     c, N, H = config.compressed, config.num_heads, config.head_dim
     B, T, _ = x.shape
     W = config.window_left + 1
-    q_latent = rec("query.down", rms(_mm(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))
-    q = rec("query", _es("btr,rnh->bnth", q_latent, p["query.kernel"]))
+    dtype, ct = x.dtype, _ct(x.dtype)
+    q_latent = rec("query.down", rms(matmul(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))
+    q = rec("query", _es("btr,rnh->bnth", q_latent.astype(ct), p["query.kernel"].astype(ct)).astype(dtype))
     q = rec("query.norm", rms(q, None, c.eps))
     q = rec("query.rope", turn(q, positions, config))
-    k = rec("key", rms(_mm(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
+    k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
     k = rec("key.rope", turn(k, positions, config))
     keys = k if past is None else jnp.concatenate([past["key"], k], axis=2)
     key_pos = jnp.arange(p0 + T - keys.shape[2], p0 + T)
@@ -167,7 +182,8 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
-    grouped = rec("output.group", _es("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
-    out = rec("output", _mm(grouped.reshape(B, T, -1), p["output.kernel"]))
+    grouped = _es("btgf,gfr->btgr", grouped.astype(ct), p["output.group.kernel"].astype(ct))
+    grouped = rec("output.group", grouped.astype(dtype))
+    out = rec("output", matmul(grouped.reshape(B, T, -1), p["output.kernel"]))
     result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
     return result[0] if len(result) == 1 else result

@@ -6,8 +6,9 @@ D) an mx.array or NumPy array (float32, or float64 on the CPU device), positions
 mx.arrays named as impl_numpy.compressed.cache_names. exp through functional.exp and RoPE's cos / sin through
 functional.rope (float64-accurate in float64), selects through functional.where. The call is validated by the
 reference's own check (impl_numpy.compressed.check_compressed_call, on shapes). Differentiable (mx.vjp; the
-selection a constant, as impl_numpy/compressed_backward.py has it); the mirror of multi_head_attention refuses
-config.compressed (weights.contract.check_call)."""
+selection a constant, as impl_numpy/compressed_backward.py has it). float16 / bfloat16 by the reference's rule: each
+stage computed in float32 and stored in 16 bits, at the reference's boundaries. The mirror of multi_head_attention
+refuses config.compressed (weights.contract.check_call)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,20 @@ from weights.call import record
 from weights.rope import rope_tables
 
 from . import functional as F
-from .convert import scalar, to_mx
+from .convert import ct as compute_of
+from .convert import scalar, to_mx, to_numpy
+
+
+def matmul(x: mx.array, kernel: mx.array) -> mx.array:
+    ct = compute_of(x.dtype)
+    return (x.astype(ct) @ kernel.astype(ct)).astype(x.dtype)
 
 
 def rms(x: mx.array, scale, eps: float) -> mx.array:
-    y = x / mx.sqrt((x * x).mean(axis=-1, keepdims=True) + scalar(eps, x.dtype))
-    return y if scale is None else y * scale
+    ct = compute_of(x.dtype)
+    xc = x.astype(ct)
+    y = xc / mx.sqrt((xc * xc).mean(axis=-1, keepdims=True) + scalar(eps, ct))
+    return (y if scale is None else y * scale.astype(ct)).astype(x.dtype)
 
 
 def turn(x: mx.array, positions: mx.array, config: AttentionConfig) -> mx.array:
@@ -45,8 +54,9 @@ def compress(config, params, prefix: str, x: mx.array, p0: int, past, rec):
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B = x.shape[0]
-    kv = rec(f"{prefix}.project", x @ params[f"{prefix}.kernel"])
-    gate = rec(f"{prefix}.gate", x @ params[f"{prefix}.gate.kernel"])
+    ct = compute_of(x.dtype)
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
+    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
     if past is not None:
         kv = mx.concatenate([past[f"{cache}window_kv"], kv], axis=1)
         gate = mx.concatenate([past[f"{cache}window_gate"], gate], axis=1)
@@ -54,14 +64,15 @@ def compress(config, params, prefix: str, x: mx.array, p0: int, past, rec):
     n = kv.shape[1] // m
     present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
     win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
-    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]) + params[f"{prefix}.position_bias"]
+    bias = params[f"{prefix}.position_bias"].astype(ct)
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]).astype(ct) + bias  # compute dtype
     if c.overlap:
-        bias = params[f"{prefix}.position_bias"][:, :width]
         if past is not None and past[f"{cache}overlap_kv"].shape[1]:
-            prev_kv, prev_gate = past[f"{cache}overlap_kv"][:, None], past[f"{cache}overlap_gate"][:, None] + bias
+            prev_kv = past[f"{cache}overlap_kv"][:, None]
+            prev_gate = past[f"{cache}overlap_gate"][:, None].astype(ct) + bias[:, :width]
         else:
             prev_kv = mx.zeros((B, 1, m, width), dtype=x.dtype)
-            prev_gate = mx.full((B, 1, m, width), -mx.inf, dtype=x.dtype)
+            prev_gate = mx.full((B, 1, m, width), -mx.inf, dtype=ct)
         before_kv = mx.concatenate([prev_kv, win_kv[:, :-1, :, :width]], axis=1)[:, :n]
         before_gate = mx.concatenate([prev_gate, win_gate[:, :-1, :, :width]], axis=1)[:, :n]
         slots_kv = mx.concatenate([before_kv, win_kv[..., width:]], axis=2)
@@ -75,8 +86,8 @@ def compress(config, params, prefix: str, x: mx.array, p0: int, past, rec):
             present[f"{cache}overlap_gate"] = empty if past is None else past[f"{cache}overlap_gate"]
     else:
         slots_kv, slots_gate = win_kv, win_gate
-    weights = rec(f"{prefix}.weights", _slot_softmax(slots_gate) if n else slots_gate)
-    pooled = rec(f"{prefix}.pool", (weights * slots_kv).sum(axis=2))
+    weights = rec(f"{prefix}.weights", (_slot_softmax(slots_gate) if n else slots_gate).astype(x.dtype))
+    pooled = rec(f"{prefix}.pool", (weights.astype(ct) * slots_kv.astype(ct)).sum(axis=2).astype(x.dtype))
     normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
     starts = first + m * mx.arange(n)
     new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])
@@ -88,11 +99,13 @@ def compress(config, params, prefix: str, x: mx.array, p0: int, past, rec):
 def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.array:
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
-    q = mx.einsum("btr,rij->bitj", q_latent, params["indexer.query.kernel"])
-    q = rec("indexer.query", turn(q, positions, config))
-    dots = mx.einsum("bitj,bej->btie", q, entries)
-    w = rec("indexer.weights", (x @ params["indexer.weights.kernel"]) * scalar(I ** -0.5, x.dtype))
-    score = (mx.maximum(dots, scalar(0, x.dtype)) * scalar(J ** -0.5, x.dtype) * w[..., None]).sum(axis=2)
+    ct = compute_of(x.dtype)
+    q = mx.einsum("btr,rij->bitj", q_latent.astype(ct), params["indexer.query.kernel"].astype(ct))
+    q = rec("indexer.query", turn(q.astype(x.dtype), positions, config))
+    dots = mx.einsum("bitj,bej->btie", q.astype(ct), entries.astype(ct))
+    w = (x.astype(ct) @ params["indexer.weights.kernel"].astype(ct)) * scalar(I ** -0.5, ct)
+    w = rec("indexer.weights", w.astype(x.dtype))
+    score = (mx.maximum(dots, scalar(0, ct)) * scalar(J ** -0.5, ct) * w.astype(ct)[..., None]).sum(axis=2)
     score = rec("indexer.score", F.where(mx.broadcast_to(visible[None], score.shape), score,
                                          mx.full(score.shape, -mx.inf, dtype=score.dtype)))
     k = min(c.index_topk, score.shape[-1])
@@ -105,10 +118,9 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
                          return_selection: bool = False, trace: list | None = None):
     """impl_numpy.compressed.compressed_attention in MLX."""
-    validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
+    validate_tensors(config, {k: to_numpy(v) if isinstance(v, mx.array) else np.asarray(v)
+                              for k, v in tensors.items()})  # names, shapes, one dtype, finite values
     x = x if isinstance(x, mx.array) else to_mx(np.asarray(x))
-    if x.dtype not in (mx.float32, mx.float64):
-        raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {x.dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype = x.dtype
     # mx.arrays kept as given (through NumPy they would leave the graph mx.vjp differentiates: the adapter's gradients)
@@ -118,11 +130,12 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     c, N, H = config.compressed, config.num_heads, config.head_dim
     B, T, _ = x.shape
     W = config.window_left + 1
-    q_latent = rec("query.down", rms(x @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps))
-    q = rec("query", mx.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))
+    ct = compute_of(dtype)
+    q_latent = rec("query.down", rms(matmul(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))
+    q = rec("query", mx.einsum("btr,rnh->bnth", q_latent.astype(ct), p["query.kernel"].astype(ct)).astype(dtype))
     q = rec("query.norm", rms(q, None, c.eps))
     q = rec("query.rope", turn(q, positions, config))
-    k = rec("key", rms(x @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps)[:, None])
+    k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
     k = rec("key.rope", turn(k, positions, config))
     keys = k if past is None else mx.concatenate([past["key"], k], axis=2)
     key_pos = mx.arange(p0 + T - keys.shape[2], p0 + T)
@@ -149,7 +162,8 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
-    grouped = rec("output.group", mx.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
-    out = rec("output", grouped.reshape(B, T, -1) @ p["output.kernel"])
+    grouped = mx.einsum("btgf,gfr->btgr", grouped.astype(ct), p["output.group.kernel"].astype(ct))
+    grouped = rec("output.group", grouped.astype(dtype))
+    out = rec("output", matmul(grouped.reshape(B, T, -1), p["output.kernel"]))
     result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
     return result[0] if len(result) == 1 else result

@@ -98,7 +98,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
 def vjp(config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
     _check_device(device)
     if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_numpy.compressed_backward
-        def run(config, params, x, positions, past, d_out, **returns):  # float32 / float64, as the mirrors
+        def run(config, params, x, positions, past, d_out, **returns):
             _, grads = compressed_attention_vjp(config, params, x, positions, past, d_output=d_out)
             return compressed_attention(config, params, x, positions, past, **returns), grads
 

@@ -16,13 +16,21 @@ key and as value; and for csa / hca: `entries` (B, p // m, H): the entries emitt
 with overlap `overlap_kv` and `overlap_gate` (B, m or 0, H): the last closed window's first-half
 projections and raw gates (0 rows before a window has closed); csa repeats them with the prefix `index_` for
 its indexer's compressor (width J). Every array in the tensors' dtype (float64 is the spec's).
+
+16 bits (float16, bfloat16) follow the project's precision rule (functional.py): every stage's result is stored in
+the storage dtype, its arithmetic (products and their sums, the norms' mean and root, the gates' softmax, the
+pool, RoPE) runs in the compute dtype, float32. Rounded to storage: each projection (x @ kernel, the query's and
+the indexer's up-projections, output.group, output), each norm's result, the compressor's gate weights, its pool
+and its entries, RoPE's result, the index weights, the logits, the softmax's weights, the context; not rounded:
+the gate plus its position bias (inside the gates' softmax) and the index scores (compute dtype, as
+impl_numpy.indexer's). In float32 and float64 the compute dtype is the dtype: every rounding is the identity.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from weights import AttentionConfig, validate_tensors
+from weights import AttentionConfig, compute_dtype, validate_tensors
 from weights.call import record
 from weights.config import COMPRESSED_CACHE
 from weights.dtypes import is_float
@@ -84,10 +92,19 @@ def check_compressed_call(config: AttentionConfig, x: np.ndarray, positions, pas
     return p0
 
 
+def matmul(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """x @ kernel in the compute dtype, stored in x's dtype."""
+    ct = compute_dtype(x.dtype)
+    return (x.astype(ct, copy=False) @ kernel.astype(ct, copy=False)).astype(x.dtype, copy=False)
+
+
 def rms(x: np.ndarray, scale: np.ndarray | None, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) over the last axis, times scale (None: weightless)."""
-    y = x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps)
-    return y if scale is None else y * scale
+    """x / sqrt(mean(x^2) + eps) over the last axis, times scale (None: weightless), in the compute dtype, stored
+    in x's dtype."""
+    ct = compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    y = xc / np.sqrt(np.mean(np.square(xc), axis=-1, keepdims=True) + ct.type(eps))
+    return (y if scale is None else y * scale.astype(ct, copy=False)).astype(x.dtype, copy=False)
 
 
 def turn(x: np.ndarray, positions: np.ndarray, config: AttentionConfig) -> np.ndarray:
@@ -108,8 +125,9 @@ def compress(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: in
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B = x.shape[0]
-    kv = rec(f"{prefix}.project", x @ params[f"{prefix}.kernel"])  # (B, T, c*width)
-    gate = rec(f"{prefix}.gate", x @ params[f"{prefix}.gate.kernel"])  # (B, T, c*width), raw
+    ct = compute_dtype(x.dtype)
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))  # (B, T, c*width)
+    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))  # (B, T, c*width), raw
     if past is not None:  # the open window's buffered tokens come first
         kv = np.concatenate([past[f"{cache}window_kv"], kv], axis=1)
         gate = np.concatenate([past[f"{cache}window_gate"], gate], axis=1)
@@ -117,14 +135,15 @@ def compress(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: in
     n = kv.shape[1] // m  # windows that close in this call
     present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
     win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
-    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]) + params[f"{prefix}.position_bias"]  # slot j's bias
+    bias = params[f"{prefix}.position_bias"].astype(ct, copy=False)
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]).astype(ct, copy=False) + bias  # slot j's bias, compute dtype
     if c.overlap:  # halves: [:width] enters the next window's entry, [width:] this window's
         if past is not None and past[f"{cache}overlap_kv"].shape[1]:
             prev_kv = past[f"{cache}overlap_kv"][:, None]  # (B, 1, m, width)
-            prev_gate = past[f"{cache}overlap_gate"][:, None] + params[f"{prefix}.position_bias"][:, :width]
+            prev_gate = past[f"{cache}overlap_gate"][:, None].astype(ct, copy=False) + bias[:, :width]
         else:  # window 0 has no previous window: its slots weigh 0
             prev_kv = np.zeros((B, 1, m, width), x.dtype)
-            prev_gate = np.full((B, 1, m, width), -np.inf, x.dtype)
+            prev_gate = np.full((B, 1, m, width), -np.inf, ct)
         before_kv = np.concatenate([prev_kv, win_kv[:, :-1, :, :width]], axis=1)[:, :n]
         before_gate = np.concatenate([prev_gate, win_gate[:, :-1, :, :width]], axis=1)[:, :n]
         slots_kv = np.concatenate([before_kv, win_kv[..., width:]], axis=2)  # (B, n, 2m, width)
@@ -141,8 +160,9 @@ def compress(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: in
         slots_kv, slots_gate = win_kv, win_gate
     top = slots_gate.max(axis=2, keepdims=True) if n else slots_gate
     weights = np.exp(slots_gate - top)
-    weights = rec(f"{prefix}.weights", weights / weights.sum(axis=2, keepdims=True))  # (B, n, slots, width)
-    pooled = rec(f"{prefix}.pool", (weights * slots_kv).sum(axis=2))  # (B, n, width)
+    weights = rec(f"{prefix}.weights", (weights / weights.sum(axis=2, keepdims=True)).astype(x.dtype, copy=False))
+    pooled = (weights.astype(ct, copy=False) * slots_kv.astype(ct, copy=False)).sum(axis=2)
+    pooled = rec(f"{prefix}.pool", pooled.astype(x.dtype, copy=False))  # (B, n, width)
     normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
     starts = first + m * np.arange(n)
     new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])  # (B, n, width)
@@ -158,11 +178,14 @@ def select(config: AttentionConfig, params, x, q_latent, positions, entries, vis
     pads a slot a query has no visible entry for."""
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
-    q = np.einsum("btr,rij->bitj", q_latent, params["indexer.query.kernel"])  # (B, I, T, J)
-    q = rec("indexer.query", turn(q, positions, config))
-    dots = np.einsum("bitj,bej->btie", q, entries)  # (B, T, I, E)
-    w = rec("indexer.weights", (x @ params["indexer.weights.kernel"]) * I ** -0.5)  # (B, T, I)
-    score = (np.maximum(dots, 0) * J ** -0.5 * w[..., None]).sum(axis=2)  # (B, T, E)
+    ct = compute_dtype(x.dtype)
+    q = np.einsum("btr,rij->bitj", q_latent.astype(ct, copy=False), params["indexer.query.kernel"].astype(ct, copy=False))  # (B, I, T, J)
+    q = rec("indexer.query", turn(q.astype(x.dtype, copy=False), positions, config))
+    dots = np.einsum("bitj,bej->btie", q.astype(ct, copy=False), entries.astype(ct, copy=False))  # (B, T, I, E), compute dtype
+    w = (x.astype(ct, copy=False) @ params["indexer.weights.kernel"].astype(ct, copy=False)) * ct.type(I ** -0.5)
+    w = rec("indexer.weights", w.astype(x.dtype, copy=False))  # (B, T, I)
+    # the scores stay in the compute dtype (impl_numpy.indexer's): (B, T, E)
+    score = (np.maximum(dots, ct.type(0)) * ct.type(J ** -0.5) * w.astype(ct, copy=False)[..., None]).sum(axis=2)
     score = rec("indexer.score", np.where(visible[None], score, -np.inf))  # an entry not visible: -inf
     k = min(c.index_topk, score.shape[-1])
     order = np.argsort(-score, axis=-1, kind="stable")[..., :k]
@@ -208,12 +231,14 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
         raise ValueError(f"topk_indices must be None for a compressed layer of kind {c.kind} (only csa selects "
                          f"entries): got an array of shape {np.shape(topk_indices)}")
     # the low-rank query, a weightless RMS norm per head, RoPE on the last rotary_dim features
-    q_latent = rec("query.down", rms(x @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps))  # (B, T, Qr)
-    q = rec("query", np.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))  # (B, N, T, H)
+    ct = compute_dtype(dtype)
+    q_latent = rec("query.down", rms(matmul(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))  # (B, T, Qr)
+    q = np.einsum("btr,rnh->bnth", q_latent.astype(ct, copy=False), p["query.kernel"].astype(ct, copy=False))
+    q = rec("query", q.astype(dtype, copy=False))  # (B, N, T, H)
     q = rec("query.norm", rms(q, None, c.eps))
     q = rec("query.rope", turn(q, positions, config))
     # one kv head, RMS-normed with its scale and turned: the key and the value
-    k = rec("key", rms(x @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps)[:, None])  # (B, 1, T, H)
+    k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])  # (B, 1, T, H)
     k = rec("key.rope", turn(k, positions, config))
     keys = k if past is None else np.concatenate([past["key"], k], axis=2)  # (B, 1, Pw + T, H)
     key_pos = np.arange(p0 + T - keys.shape[2], p0 + T)
@@ -243,8 +268,8 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
     ctx = rec("derotate", turn(ctx, -positions, config))  # the rotary features turned back by the query's position
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
-    grouped = rec("output.group", np.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
-    # (B, T, O), in the storage dtype (16-bit storage computes some stages in float32: functional's compute dtype)
-    out = rec("output", (grouped.reshape(B, T, -1) @ p["output.kernel"]).astype(dtype, copy=False))
+    grouped = np.einsum("btgf,gfr->btgr", grouped.astype(ct, copy=False), p["output.group.kernel"].astype(ct, copy=False))
+    grouped = rec("output.group", grouped.astype(dtype, copy=False))  # (B, T, G, R)
+    out = rec("output", matmul(grouped.reshape(B, T, -1), p["output.kernel"]))  # (B, T, O)
     result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
     return result[0] if len(result) == 1 else result

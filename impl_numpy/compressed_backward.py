@@ -21,14 +21,18 @@ backward.gradient_magnitudes does for the ordinary layer): the same pass on abso
 difference in the backward turned into a sum, the nonlinear stages' factors (the norms' 1/rms and normalised
 x, the softmax weights, cos and sin) the true forward's. The tolerance policy scales by it.
 
-Computed in the tensors' dtype (the spec's float64; the mirrors' float32 is judged against float64).
+Computed in the tensors' dtype (the spec's float64; the mirrors' float32 is judged against float64). In 16 bits
+(float16, bfloat16: the suite's same-dtype reference, compare._expected_compressed) by the precision rule of
+compressed.py: the arithmetic in float32, the forward's stored stages rounded to the dtype where compressed.py
+rounds them, and so is each stored value's cotangent and each gradient (an autodiff of the forward in 16 bits
+rounds a cotangent where the forward reads a stored 16-bit value in float32).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from weights import validate_tensors
+from weights import compute_dtype, validate_tensors
 from weights.rope import rope_tables
 
 from . import functional as F
@@ -41,8 +45,11 @@ class _Pass:
     (mag) the tensors, x, the cache and d_output are absolute values, every difference a sum, and the norms'
     xhat and 1/rms, the softmaxes' weights and the rope's cos and sin the true pass's (true_kept)."""
 
-    def __init__(self, config, p, x, past, positions, p0, selection, mag=False, true_kept=None):
+    def __init__(self, config, p, x, past, positions, p0, selection, mag=False, true_kept=None, storage=None):
         self.config, self.c, self.mag = config, config.compressed, mag
+        # s: a stored value's rounding to the storage dtype (16 bits), computed on in float32; else the identity
+        self.s = (lambda a: a) if storage is None or mag else (lambda a: np.asarray(a).astype(storage).astype(
+            np.float32))
         A = np.abs if mag else (lambda a: a)
         self.p = {name: A(t) for name, t in p.items()}
         self.x = A(x)
@@ -99,7 +106,8 @@ class _Pass:
         m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
         width = p[f"{prefix}.norm.scale"].shape[0]
         B = x.shape[0]
-        kv, gate = x @ p[f"{prefix}.kernel"], x @ p[f"{prefix}.gate.kernel"]  # (B, T, c*width)
+        s = self.s
+        kv, gate = s(x @ p[f"{prefix}.kernel"]), s(x @ p[f"{prefix}.gate.kernel"])  # (B, T, c*width)
         buffered = 0 if past is None else past[f"{cache}window_kv"].shape[1]
         if past is not None:  # the open window's buffered tokens come first
             kv = np.concatenate([past[f"{cache}window_kv"], kv], axis=1)
@@ -125,12 +133,12 @@ class _Pass:
         if not self.mag:  # the gate's softmax per feature over the slots (-inf slots weigh exactly 0)
             top = slots_gate.max(axis=2, keepdims=True) if n else slots_gate
             e = np.exp(slots_gate - top)
-            self.kept[f"{prefix}.weights"] = e / e.sum(axis=2, keepdims=True)  # (B, n, slots, width)
+            self.kept[f"{prefix}.weights"] = s(e / e.sum(axis=2, keepdims=True))  # (B, n, slots, width)
         weights = self.kept[f"{prefix}.weights"]
-        pooled = (weights * slots_kv).sum(axis=2)  # (B, n, width)
-        normed = self.rms(f"{prefix}.norm", pooled, p[f"{prefix}.norm.scale"])
+        pooled = s((weights * slots_kv).sum(axis=2))  # (B, n, width)
+        normed = s(self.rms(f"{prefix}.norm", pooled, p[f"{prefix}.norm.scale"]))
         starts = self.p0 - (self.p0 % m) + m * np.arange(n)
-        new = self.turn(normed[:, None], starts)[:, 0]  # (B, n, width)
+        new = s(self.turn(normed[:, None], starts)[:, 0])  # (B, n, width)
         old = np.zeros((B, 0, width), x.dtype) if past is None else past[f"{cache}entries"]
         self.kept[f"{prefix}.pieces"] = dict(slots_kv=slots_kv, starts=starts, n=n, buffered=buffered,
                                              from_past=from_past, old=old.shape[1], width=width, cache=cache)
@@ -142,16 +150,17 @@ class _Pass:
         c, p, x = self.c, self.p, self.x
         k = self.kept[f"{prefix}.pieces"]
         m, n, width, cache, B = c.ratio, k["n"], k["width"], k["cache"], x.shape[0]
-        g = self.grads
+        g, s = self.grads, self.s
         if self.past is not None:
             g[f"past_{cache}entries"] = d_entries[:, :k["old"]]
         # rope at the windows' first positions
-        d_normed = self.turn(d_entries[:, None, k["old"]:], -k["starts"])[:, 0]  # (B, n, width)
-        d_pooled = self.rms_back(f"{prefix}.norm", d_normed, p[f"{prefix}.norm.scale"], f"{prefix}.norm.scale")
+        d_normed = s(self.turn(d_entries[:, None, k["old"]:], -k["starts"])[:, 0])  # (B, n, width)
+        d_pooled = s(self.rms_back(f"{prefix}.norm", d_normed, p[f"{prefix}.norm.scale"], f"{prefix}.norm.scale"))
         # pool: pooled = sum over slots of weights * slots_kv
         weights = self.kept[f"{prefix}.weights"]
-        d_slots_kv = weights * d_pooled[:, :, None]  # (B, n, slots, width)
-        d_slots_gate, _ = self.softmax_back(weights, d_pooled[:, :, None] * k["slots_kv"], axis=2)
+        d_slots_kv = s(weights * d_pooled[:, :, None])  # (B, n, slots, width)
+        d_weights = s(d_pooled[:, :, None] * k["slots_kv"])
+        d_slots_gate, _ = self.softmax_back(weights, d_weights, axis=2)
         cw = p[f"{prefix}.kernel"].shape[1]
         d_win_kv = np.zeros((B, n, m, cw), x.dtype)
         d_win_gate = np.zeros((B, n, m, cw), x.dtype)
@@ -180,10 +189,10 @@ class _Pass:
         d_gate[:, :n * m] = d_win_gate.reshape(B, n * m, cw)
         if self.past is not None:
             g[f"past_{cache}window_kv"], g[f"past_{cache}window_gate"] = (d[:, :k["buffered"]] for d in (d_kv, d_gate))
-        d_kv, d_gate = d_kv[:, k["buffered"]:], d_gate[:, k["buffered"]:]  # (B, T, c*width)
-        g[f"{prefix}.kernel"] = np.einsum("btd,btf->df", x, d_kv)
-        g[f"{prefix}.gate.kernel"] = np.einsum("btd,btf->df", x, d_gate)
-        return d_kv @ p[f"{prefix}.kernel"].T + d_gate @ p[f"{prefix}.gate.kernel"].T
+        d_kv, d_gate = d_kv[:, k["buffered"]:], s(d_gate[:, k["buffered"]:])  # (B, T, c*width)
+        g[f"{prefix}.kernel"] = s(np.einsum("btd,btf->df", x, d_kv))
+        g[f"{prefix}.gate.kernel"] = s(np.einsum("btd,btf->df", x, d_gate))
+        return s(d_kv @ p[f"{prefix}.kernel"].T) + s(d_gate @ p[f"{prefix}.gate.kernel"].T)
 
     # -- the layer -----------------------------------------------------------------------------------------------
 
@@ -194,12 +203,13 @@ class _Pass:
         scale = abs(config.effective_scale) if self.mag else config.effective_scale
         d_out = np.abs(d_out) if self.mag else d_out
         # forward, the pieces kept
-        qd = x @ p["query.down.kernel"]  # (B, T, Qr)
-        q_latent = self.rms("query.down.norm", qd, p["query.down.norm.scale"])
-        q0 = np.einsum("btr,rnh->bnth", q_latent, p["query.kernel"])  # (B, N, T, H)
-        q = self.turn(self.rms("query.norm", q0, None), positions)
-        kp = x @ p["key.kernel"][:, 0]  # (B, T, H)
-        k = self.turn(self.rms("key.norm", kp, p["key.norm.scale"])[:, None], positions)  # (B, 1, T, H)
+        s = self.s
+        qd = s(x @ p["query.down.kernel"])  # (B, T, Qr)
+        q_latent = s(self.rms("query.down.norm", qd, p["query.down.norm.scale"]))
+        q0 = s(np.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))  # (B, N, T, H)
+        q = s(self.turn(s(self.rms("query.norm", q0, None)), positions))
+        kp = s(x @ p["key.kernel"][:, 0])  # (B, T, H)
+        k = s(self.turn(s(self.rms("key.norm", kp, p["key.norm.scale"]))[:, None], positions))  # (B, 1, T, H)
         keys = k if past is None else np.concatenate([past["key"], k], axis=2)  # (B, 1, Pw + T, H)
         Pw = keys.shape[2] - T
         key_pos = np.arange(self.p0 + T - keys.shape[2], self.p0 + T)
@@ -217,59 +227,59 @@ class _Pass:
             keys = np.concatenate([keys, np.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
             allowed = np.concatenate([allowed, shown], axis=2)
         if not self.mag:
-            logits = F.logits(q, keys, scale)
+            logits = s(F.logits(q, keys, scale))
             masked = F.mask_stage(logits, allowed[:, None], None)
-            self.kept["softmax"] = F.softmax(masked, config.masked_row, p.get("sinks"))  # (B, N, T, S)
+            self.kept["softmax"] = s(F.softmax(masked, config.masked_row, p.get("sinks")))  # (B, N, T, S)
             self.kept["sink"] = _sink_weight(masked, p["sinks"]) if "sinks" in p else None  # (B, N, T, 1)
             self.kept["allowed"] = allowed
         w = self.kept["softmax"]
-        ctx = self.turn(F.attend(w, keys), -positions)  # (B, N, T, H): derotate
+        ctx = s(self.turn(s(F.attend(w, keys)), -positions))  # (B, N, T, H): derotate
         G = c.output_groups
         grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)
-        og = np.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"])  # (B, T, G, R)
-        out = og.reshape(B, T, -1) @ p["output.kernel"]  # (B, T, O)
+        og = s(np.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))  # (B, T, G, R)
+        out = s(og.reshape(B, T, -1) @ p["output.kernel"])  # (B, T, O)
 
         g = self.grads
         # output: out = og @ Wo
-        g["output.kernel"] = np.einsum("btf,bto->fo", og.reshape(B, T, -1), d_out)
-        d_og = (d_out @ p["output.kernel"].T).reshape(og.shape)
+        g["output.kernel"] = s(np.einsum("btf,bto->fo", og.reshape(B, T, -1), d_out))
+        d_og = s(d_out @ p["output.kernel"].T).reshape(og.shape)
         # output.group: og[g] = grouped[g] @ Wog[g]
-        g["output.group.kernel"] = np.einsum("btgf,btgr->gfr", grouped, d_og)
-        d_grouped = np.einsum("btgr,gfr->btgf", d_og, p["output.group.kernel"])
+        g["output.group.kernel"] = s(np.einsum("btgf,btgr->gfr", grouped, d_og))
+        d_grouped = s(np.einsum("btgr,gfr->btgf", d_og, p["output.group.kernel"]))
         d_ctx = d_grouped.reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
         # derotate: turned back by -t, so its VJP turns by +t
-        d_ctx = self.turn(d_ctx, positions)
+        d_ctx = s(self.turn(d_ctx, positions))
         # attend: ctx = w @ keys (the keys are the values; one kv head for all N)
-        d_w = np.einsum("bnth,bsh->bnts", d_ctx, keys[:, 0])
-        d_keys = np.einsum("bnts,bnth->bsh", w, d_ctx)  # (B, S, H)
+        d_w = s(np.einsum("bnth,bsh->bnts", d_ctx, keys[:, 0]))
+        d_keys = s(np.einsum("bnts,bnth->bsh", w, d_ctx))  # (B, S, H)
         # softmax (and sinks): d logit = w (dw - sum(dw w)); the sink, one more logit attending to nothing:
         # d sink = -sum over rows of w_sink sum(dw w)
         d_logits, row = self.softmax_back(w, d_w, axis=-1)
         if "sinks" in p:
             d_sink = self.kept["sink"] * row
-            g["sinks"] = (d_sink if self.mag else -d_sink).sum(axis=(0, 2, 3))
+            g["sinks"] = s((d_sink if self.mag else -d_sink).sum(axis=(0, 2, 3)))
         # mask: a hidden key's logit is -inf, read by nothing
-        d_logits = np.where(self.kept["allowed"][:, None], d_logits, 0)
+        d_logits = s(np.where(self.kept["allowed"][:, None], d_logits, 0))
         # logits: scale q . keys
-        d_q = scale * np.einsum("bnts,bsh->bnth", d_logits, keys[:, 0])
-        d_keys = d_keys + scale * np.einsum("bnts,bnth->bsh", d_logits, q)
+        d_q = s(scale * np.einsum("bnts,bsh->bnth", d_logits, keys[:, 0]))
+        d_keys = s(d_keys + s(scale * np.einsum("bnts,bnth->bsh", d_logits, q)))
         # the keys' split: the window's keys (the cache's, then this call's), then the entries
         d_x = np.zeros_like(x)
         if E:
             d_x = d_x + self.compress_back("compressor", d_keys[:, Pw + T:])
         if past is not None:
             g["past_key"] = d_keys[:, None, :Pw]
-        d_k = self.turn(d_keys[:, None, Pw:Pw + T], -positions)[:, 0]  # key.rope undone (B, T, H)
-        d_kp = self.rms_back("key.norm", d_k, p["key.norm.scale"], "key.norm.scale")
-        g["key.kernel"] = np.einsum("btd,bth->dh", x, d_kp)[:, None]  # (D, 1, H)
-        d_x = d_x + d_kp @ p["key.kernel"][:, 0].T
+        d_k = s(self.turn(d_keys[:, None, Pw:Pw + T], -positions)[:, 0])  # key.rope undone (B, T, H)
+        d_kp = s(self.rms_back("key.norm", d_k, p["key.norm.scale"], "key.norm.scale"))
+        g["key.kernel"] = s(np.einsum("btd,bth->dh", x, d_kp)[:, None])  # (D, 1, H)
+        d_x = s(d_x + s(d_kp @ p["key.kernel"][:, 0].T))
         # query: rope, the weightless norm per head, the up-projection, the latent's norm, the down-projection
-        d_q0 = self.rms_back("query.norm", self.turn(d_q, -positions), None)  # (B, N, T, H)
-        g["query.kernel"] = np.einsum("btr,bnth->rnh", q_latent, d_q0)
-        d_latent = np.einsum("bnth,rnh->btr", d_q0, p["query.kernel"])
-        d_qd = self.rms_back("query.down.norm", d_latent, p["query.down.norm.scale"], "query.down.norm.scale")
-        g["query.down.kernel"] = np.einsum("btd,btr->dr", x, d_qd)
-        g["query"] = d_x + d_qd @ p["query.down.kernel"].T
+        d_q0 = s(self.rms_back("query.norm", s(self.turn(d_q, -positions)), None))  # (B, N, T, H)
+        g["query.kernel"] = s(np.einsum("btr,bnth->rnh", q_latent, d_q0))
+        d_latent = s(np.einsum("bnth,rnh->btr", d_q0, p["query.kernel"]))
+        d_qd = s(self.rms_back("query.down.norm", d_latent, p["query.down.norm.scale"], "query.down.norm.scale"))
+        g["query.down.kernel"] = s(np.einsum("btd,btr->dr", x, d_qd))
+        g["query"] = s(d_x + s(d_qd @ p["query.down.kernel"].T))
         return out
 
 
@@ -285,6 +295,8 @@ def compressed_attention_vjp(config, tensors: dict[str, np.ndarray], x, position
     x = x.astype(dtype, copy=False)
     past = None if past is None else {name: np.asarray(a).astype(dtype, copy=False) for name, a in past.items()}
     d_out = np.asarray(d_output).astype(dtype, copy=False)
+    ct = compute_dtype(dtype)  # 16 bits: the pass in float32, stored values rounded to dtype (_Pass.s)
+    storage = dtype if ct != dtype else None
     B, T = x.shape[:2]
     if d_out.shape != (B, T, config.out_dim):
         raise ValueError(f"d_output must have shape (B, T, O) = {(B, T, config.out_dim)}: got {d_out.shape}")
@@ -293,9 +305,11 @@ def compressed_attention_vjp(config, tensors: dict[str, np.ndarray], x, position
         _, selection = compressed_attention(config, tensors, x, positions, past, return_selection=True,
                                             topk_indices=topk_indices)
     positions = np.arange(p0, p0 + T)
-    p = {name: np.asarray(t).astype(dtype, copy=False) for name, t in tensors.items()}
-    true = _Pass(config, p, x, past, positions, p0, selection)
-    out = true.run(d_out)
+    p = {name: np.asarray(t).astype(dtype, copy=False).astype(ct, copy=False) for name, t in tensors.items()}
+    x, d_out = x.astype(ct, copy=False), d_out.astype(ct, copy=False)
+    past = None if past is None else {name: a.astype(ct, copy=False) for name, a in past.items()}
+    true = _Pass(config, p, x, past, positions, p0, selection, storage=storage)
+    out = true.run(d_out).astype(dtype, copy=False)
     grads = _ordered(config, true.grads, past, dtype)
     if not gradient_magnitudes:
         return out, grads

@@ -4,8 +4,9 @@ tensorflow, jax and torch backends (backend.py's primitives where a keras.ops ca
 matmul, mean, maximum).
 
 compressed_attention(config, tensors, x, positions, past=None, return_cache=, return_selection=, trace=): x
-(B, T, D) a tensor or NumPy array (float32 or float64), positions (T,), past / present dicts of tensors named
-as impl_numpy.compressed.cache_names. Eager; validated by the reference's own check
+(B, T, D) a tensor or NumPy array (float32 or float64; float16 / bfloat16 by the reference's rule: each stage
+computed in float32 and stored in 16 bits at the reference's boundaries), positions (T,), past / present dicts of
+tensors named as impl_numpy.compressed.cache_names. Eager; validated by the reference's own check
 (impl_numpy.compressed.check_compressed_call, on shapes). Differentiable by each Keras
 backend's autodiff (the selection a constant, as impl_numpy/compressed_backward.py has it); the mirror of
 multi_head_attention
@@ -31,9 +32,21 @@ from ._keras import BACKEND, keras
 ops = keras.ops
 
 
+def _ct(x) -> str:
+    return F.compute_dtype(F.dtype_name(x))
+
+
+def matmul(x, kernel):
+    """x @ kernel in the compute dtype, stored in x's dtype."""
+    ct = _ct(x)
+    return ops.cast(bk.matmul(ops.cast(x, ct), ops.cast(kernel, ct)), F.dtype_name(x))
+
+
 def rms(x, scale, eps: float):
-    y = x / ops.sqrt(bk.mean(x * x, axis=-1, keepdims=True) + bk.constant(eps, F.dtype_name(x)))
-    return y if scale is None else y * scale
+    ct = _ct(x)
+    xc = ops.cast(x, ct)
+    y = xc / ops.sqrt(bk.mean(xc * xc, axis=-1, keepdims=True) + bk.constant(eps, ct))
+    return ops.cast(y if scale is None else y * ops.cast(scale, ct), F.dtype_name(x))
 
 
 def turn(x, positions, config: AttentionConfig):
@@ -53,8 +66,9 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B, dtype = x.shape[0], F.dtype_name(x)
-    kv = rec(f"{prefix}.project", bk.matmul(x, params[f"{prefix}.kernel"]))
-    gate = rec(f"{prefix}.gate", bk.matmul(x, params[f"{prefix}.gate.kernel"]))
+    ct = _ct(x)
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
+    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
     if past is not None:
         kv = ops.concatenate([past[f"{cache}window_kv"], kv], axis=1)
         gate = ops.concatenate([past[f"{cache}window_gate"], gate], axis=1)
@@ -62,15 +76,15 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
     n = kv.shape[1] // m
     present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
     win_kv = ops.reshape(kv[:, :n * m], (B, n, m, kv.shape[-1]))
-    win_gate = ops.reshape(gate[:, :n * m], (B, n, m, kv.shape[-1])) + params[f"{prefix}.position_bias"]
+    bias = ops.cast(params[f"{prefix}.position_bias"], ct)
+    win_gate = ops.cast(ops.reshape(gate[:, :n * m], (B, n, m, kv.shape[-1])), ct) + bias  # compute dtype
     if c.overlap:
-        bias = params[f"{prefix}.position_bias"][:, :width]
         if past is not None and past[f"{cache}overlap_kv"].shape[1]:
             prev_kv = past[f"{cache}overlap_kv"][:, None]
-            prev_gate = past[f"{cache}overlap_gate"][:, None] + bias
+            prev_gate = ops.cast(past[f"{cache}overlap_gate"][:, None], ct) + bias[:, :width]
         else:
             prev_kv = ops.zeros((B, 1, m, width), dtype)
-            prev_gate = ops.full((B, 1, m, width), -math.inf, dtype)
+            prev_gate = ops.full((B, 1, m, width), -math.inf, ct)
         before_kv = ops.concatenate([prev_kv, win_kv[:, :n - 1, :, :width]], axis=1)[:, :n]
         before_gate = ops.concatenate([prev_gate, win_gate[:, :n - 1, :, :width]], axis=1)[:, :n]
         slots_kv = ops.concatenate([before_kv, win_kv[..., width:]], axis=2)
@@ -84,8 +98,8 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
             present[f"{cache}overlap_gate"] = empty if past is None else past[f"{cache}overlap_gate"]
     else:
         slots_kv, slots_gate = win_kv, win_gate
-    weights = rec(f"{prefix}.weights", _slot_softmax(slots_gate) if n else slots_gate)
-    pooled = rec(f"{prefix}.pool", ops.sum(weights * slots_kv, axis=2))
+    weights = rec(f"{prefix}.weights", ops.cast(_slot_softmax(slots_gate) if n else slots_gate, dtype))
+    pooled = rec(f"{prefix}.pool", ops.cast(ops.sum(ops.cast(weights, ct) * ops.cast(slots_kv, ct), axis=2), dtype))
     normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
     starts = bk.to_tensor(np.asarray(first + m * np.arange(n), np.int64))
     new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])
@@ -97,15 +111,16 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
 def select(config, params, x, q_latent, positions, entries, visible, rec):
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
-    dtype = F.dtype_name(x)
-    q = rec("indexer.query", turn(bk.einsum("btr,rij->bitj", q_latent, params["indexer.query.kernel"]),
-                                  positions, config))
-    dots = bk.einsum("bitj,bej->btie", q, entries)
-    w = rec("indexer.weights", bk.matmul(x, params["indexer.weights.kernel"]) * bk.constant(I ** -0.5, dtype))
-    relu = bk.maximum(dots, bk.constant(0.0, dtype))
-    score = ops.sum(relu * bk.constant(J ** -0.5, dtype) * w[..., None], axis=2)
+    dtype, ct = F.dtype_name(x), _ct(x)
+    q = bk.einsum("btr,rij->bitj", ops.cast(q_latent, ct), ops.cast(params["indexer.query.kernel"], ct))
+    q = rec("indexer.query", turn(ops.cast(q, dtype), positions, config))
+    dots = bk.einsum("bitj,bej->btie", ops.cast(q, ct), ops.cast(entries, ct))
+    w = bk.matmul(ops.cast(x, ct), ops.cast(params["indexer.weights.kernel"], ct)) * bk.constant(I ** -0.5, ct)
+    w = rec("indexer.weights", ops.cast(w, dtype))
+    relu = bk.maximum(dots, bk.constant(0.0, ct))
+    score = ops.sum(relu * bk.constant(J ** -0.5, ct) * ops.cast(w, ct)[..., None], axis=2)  # compute dtype
     shown = ops.broadcast_to(visible[None], score.shape)
-    score = rec("indexer.score", bk.where(shown, score, bk.constant(-math.inf, dtype)))
+    score = rec("indexer.score", bk.where(shown, score, bk.constant(-math.inf, ct)))
     k = min(c.index_topk, score.shape[-1])
     order = ops.cast(bk.argsort_stable(-score)[..., :k], "int64")  # ties: the earlier entry
     chosen = ops.take_along_axis(shown, order, axis=-1)
@@ -121,8 +136,6 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = x if ops.is_tensor(x) else bk.to_tensor(np.asarray(x))
     dtype = F.dtype_name(x)
-    if dtype not in ("float32", "float64"):
-        raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {dtype}")
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     p = {k: ops.cast(bk.to_tensor(np.asarray(v)) if not ops.is_tensor(v) else v, dtype) for k, v in tensors.items()}
     if jit is not None and trace is None and BACKEND == "jax":  # one compiled program (eager jax compiles every op per shape)
@@ -145,11 +158,13 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     c, N, H = config.compressed, config.num_heads, config.head_dim
     W = config.window_left + 1
-    q_latent = rec("query.down", rms(bk.matmul(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))
-    q = rec("query", bk.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))
+    dtype, ct = F.dtype_name(x), _ct(x)
+    q_latent = rec("query.down", rms(matmul(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))
+    q = rec("query", ops.cast(bk.einsum("btr,rnh->bnth", ops.cast(q_latent, ct), ops.cast(p["query.kernel"], ct)),
+                              dtype))
     q = rec("query.norm", rms(q, None, c.eps))
     q = rec("query.rope", turn(q, positions, config))
-    k = rec("key", rms(bk.matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
+    k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
     k = rec("key.rope", turn(k, positions, config))
     keys = k if past is None else ops.concatenate([past["key"], k], axis=2)
     key_pos = np.arange(p0 + T - keys.shape[2], p0 + T)
@@ -178,7 +193,8 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
     ctx = rec("derotate", turn(ctx, bk.to_tensor(-positions_np), config))
     G = c.output_groups
     grouped = ops.reshape(ops.transpose(ctx, (0, 2, 1, 3)), (B, T, G, N * H // G))
-    grouped = rec("output.group", bk.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
-    out = rec("output", bk.matmul(ops.reshape(grouped, (B, T, -1)), p["output.kernel"]))
+    grouped = bk.einsum("btgf,gfr->btgr", ops.cast(grouped, ct), ops.cast(p["output.group.kernel"], ct))
+    grouped = rec("output.group", ops.cast(grouped, dtype))
+    out = rec("output", matmul(ops.reshape(grouped, (B, T, -1)), p["output.kernel"]))
     result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
     return result[0] if len(result) == 1 else result

@@ -5,7 +5,8 @@ compressed_attention(config, tensors, x, positions, past=None, return_cache=, re
 dict of the canonical tensors (NumPy arrays or torch tensors), x (B, T, D) a tensor, positions (T,), past / present
 dicts of tensors named as impl_numpy.compressed.cache_names. The call is validated by the reference's own check
 (impl_numpy.compressed.check_compressed_call, on shapes). Differentiable by autograd (the selection a constant, as
-impl_numpy/compressed_backward.py has it), float32 and float64 (what the reference computes in); the mirror of
+impl_numpy/compressed_backward.py has it), in float32, float64, and float16 / bfloat16 by the reference's rule
+(each stage computed in float32 and stored in 16 bits, at the reference's boundaries); the mirror of
 multi_head_attention refuses config.compressed (weights.contract.check_call)."""
 
 from __future__ import annotations
@@ -19,15 +20,22 @@ from weights.call import record
 from weights.rope import rope_tables
 
 from . import functional as F
+from .convert import compute_dtype, to_numpy, to_torch
 
 
 def _tensor(x, dtype, device):
-    return torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x, device=device).to(dtype)
+    return to_torch(x, device).to(dtype)
+
+
+def matmul(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    ct = compute_dtype(x.dtype)
+    return (x.to(ct) @ kernel.to(ct)).to(x.dtype)
 
 
 def rms(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
-    y = x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
-    return y if scale is None else y * scale
+    xc = x.to(compute_dtype(x.dtype))
+    y = xc / torch.sqrt(torch.mean(xc * xc, dim=-1, keepdim=True) + eps)
+    return (y if scale is None else y * scale.to(y.dtype)).to(x.dtype)
 
 
 def turn(x: torch.Tensor, positions: torch.Tensor, config: AttentionConfig) -> torch.Tensor:
@@ -41,8 +49,9 @@ def compress(config, params, prefix: str, x: torch.Tensor, p0: int, past, rec):
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B = x.shape[0]
-    kv = rec(f"{prefix}.project", x @ params[f"{prefix}.kernel"])
-    gate = rec(f"{prefix}.gate", x @ params[f"{prefix}.gate.kernel"])
+    ct = compute_dtype(x.dtype)
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
+    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
     if past is not None:
         kv = torch.cat([past[f"{cache}window_kv"], kv], dim=1)
         gate = torch.cat([past[f"{cache}window_gate"], gate], dim=1)
@@ -50,14 +59,15 @@ def compress(config, params, prefix: str, x: torch.Tensor, p0: int, past, rec):
     n = kv.shape[1] // m
     present = {f"{cache}window_kv": kv[:, n * m:], f"{cache}window_gate": gate[:, n * m:]}
     win_kv = kv[:, :n * m].reshape(B, n, m, kv.shape[-1])
-    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]) + params[f"{prefix}.position_bias"]
+    bias = params[f"{prefix}.position_bias"].to(ct)
+    win_gate = gate[:, :n * m].reshape(B, n, m, kv.shape[-1]).to(ct) + bias  # compute dtype
     if c.overlap:
-        bias = params[f"{prefix}.position_bias"][:, :width]
         if past is not None and past[f"{cache}overlap_kv"].shape[1]:
-            prev_kv, prev_gate = past[f"{cache}overlap_kv"][:, None], past[f"{cache}overlap_gate"][:, None] + bias
+            prev_kv = past[f"{cache}overlap_kv"][:, None]
+            prev_gate = past[f"{cache}overlap_gate"][:, None].to(ct) + bias[:, :width]
         else:
             prev_kv = x.new_zeros((B, 1, m, width))
-            prev_gate = x.new_full((B, 1, m, width), float("-inf"))
+            prev_gate = x.new_full((B, 1, m, width), float("-inf"), dtype=ct)
         before_kv = torch.cat([prev_kv, win_kv[:, :-1, :, :width]], dim=1)[:, :n]
         before_gate = torch.cat([prev_gate, win_gate[:, :-1, :, :width]], dim=1)[:, :n]
         slots_kv = torch.cat([before_kv, win_kv[..., width:]], dim=2)
@@ -71,8 +81,8 @@ def compress(config, params, prefix: str, x: torch.Tensor, p0: int, past, rec):
             present[f"{cache}overlap_gate"] = empty if past is None else past[f"{cache}overlap_gate"]
     else:
         slots_kv, slots_gate = win_kv, win_gate
-    weights = rec(f"{prefix}.weights", torch.softmax(slots_gate, dim=2))  # per feature over the slots
-    pooled = rec(f"{prefix}.pool", (weights * slots_kv).sum(dim=2))
+    weights = rec(f"{prefix}.weights", torch.softmax(slots_gate, dim=2).to(x.dtype))  # per feature over the slots
+    pooled = rec(f"{prefix}.pool", (weights.to(ct) * slots_kv.to(ct)).sum(dim=2).to(x.dtype))
     normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
     starts = first + m * torch.arange(n, device=x.device)
     new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])
@@ -84,11 +94,12 @@ def compress(config, params, prefix: str, x: torch.Tensor, p0: int, past, rec):
 def select(config, params, x, q_latent, positions, entries, visible, rec) -> torch.Tensor:
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
-    q = torch.einsum("btr,rij->bitj", q_latent, params["indexer.query.kernel"])
-    q = rec("indexer.query", turn(q, positions, config))
-    dots = torch.einsum("bitj,bej->btie", q, entries)
-    w = rec("indexer.weights", (x @ params["indexer.weights.kernel"]) * I ** -0.5)
-    score = (torch.relu(dots) * J ** -0.5 * w[..., None]).sum(dim=2)
+    ct = compute_dtype(x.dtype)
+    q = torch.einsum("btr,rij->bitj", q_latent.to(ct), params["indexer.query.kernel"].to(ct))
+    q = rec("indexer.query", turn(q.to(x.dtype), positions, config))
+    dots = torch.einsum("bitj,bej->btie", q.to(ct), entries.to(ct))
+    w = rec("indexer.weights", ((x.to(ct) @ params["indexer.weights.kernel"].to(ct)) * I ** -0.5).to(x.dtype))
+    score = (torch.relu(dots) * J ** -0.5 * w.to(ct)[..., None]).sum(dim=2)  # compute dtype
     score = rec("indexer.score", score.masked_fill(~visible[None], float("-inf")))
     k = min(c.index_topk, score.shape[-1])
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]  # ties: the earlier entry
@@ -99,11 +110,9 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> tor
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
                          return_selection: bool = False, trace: list | None = None):
     """impl_numpy.compressed.compressed_attention in PyTorch."""
-    validate_tensors(config, {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+    validate_tensors(config, {k: to_numpy(v.detach()) if isinstance(v, torch.Tensor) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite values
-    x = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"x must be float32 or float64 (what the reference computes in): got {x.dtype}")
+    x = x if isinstance(x, torch.Tensor) else to_torch(np.asarray(x))
     p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype, device = x.dtype, x.device
     p = {k: _tensor(v, dtype, device) for k, v in tensors.items()}
@@ -112,11 +121,12 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     c, N, H = config.compressed, config.num_heads, config.head_dim
     B, T, _ = x.shape
     W = config.window_left + 1
-    q_latent = rec("query.down", rms(x @ p["query.down.kernel"], p["query.down.norm.scale"], c.eps))
-    q = rec("query", torch.einsum("btr,rnh->bnth", q_latent, p["query.kernel"]))
+    ct = compute_dtype(dtype)
+    q_latent = rec("query.down", rms(matmul(x, p["query.down.kernel"]), p["query.down.norm.scale"], c.eps))
+    q = rec("query", torch.einsum("btr,rnh->bnth", q_latent.to(ct), p["query.kernel"].to(ct)).to(dtype))
     q = rec("query.norm", rms(q, None, c.eps))
     q = rec("query.rope", turn(q, positions, config))
-    k = rec("key", rms(x @ p["key.kernel"][:, 0], p["key.norm.scale"], c.eps)[:, None])
+    k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
     k = rec("key.rope", turn(k, positions, config))
     keys = k if past is None else torch.cat([past["key"], k], dim=2)
     key_pos = torch.arange(p0 + T - keys.shape[2], p0 + T, device=device)
@@ -143,7 +153,8 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(1, 2).reshape(B, T, G, N * H // G)
-    grouped = rec("output.group", torch.einsum("btgf,gfr->btgr", grouped, p["output.group.kernel"]))
-    out = rec("output", grouped.reshape(B, T, -1) @ p["output.kernel"])
+    grouped = torch.einsum("btgf,gfr->btgr", grouped.to(ct), p["output.group.kernel"].to(ct))
+    grouped = rec("output.group", grouped.to(dtype))
+    out = rec("output", matmul(grouped.reshape(B, T, -1), p["output.kernel"]))
     result = (out,) + ((selection,) if return_selection else ()) + ((present,) if return_cache else ())
     return result[0] if len(result) == 1 else result

@@ -581,3 +581,19 @@ def test_a_given_selection():
     hca, th = _layer("hca")
     with pytest.raises(ValueError, match=r"topk_indices must be None for a compressed layer of kind hca"):
         compressed_attention(hca, th, x, np.arange(T), topk_indices=selection)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_reference_stores_each_stage_in_16_bits(kind, dtype):
+    """The 16-bit precision rule (impl_numpy/compressed.py's docstring): every traced stage stored in the storage
+    dtype, except the index scores (float32, the compute dtype, as impl_numpy.indexer's) and the selection."""
+    from weights import dtype_from_name
+
+    config, t = _layer(kind)
+    dt = dtype_from_name(dtype)
+    trace = []
+    compressed_attention(config, {name: a.astype(dt) for name, a in t.items()}, _x().astype(dt), np.arange(T),
+                         trace=trace)
+    kept = {"indexer.score": "float32", "indexer.selection": "int64"}
+    assert [(e.stage, e.value.dtype.name) for e in trace] == [(e.stage, kept.get(e.stage, dtype)) for e in trace]

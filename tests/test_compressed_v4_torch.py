@@ -1,6 +1,9 @@
 """impl_torch/compressed.py (DeepSeek V4's layer in PyTorch) against the NumPy reference, the three kinds: a causal
 prefill and the same rows through the cache token by token (present_* fed back as past_*), batch 2, float64 and
-float32; the trace's stage names are the reference's. About half a second."""
+float32; the trace's stage names are the reference's. About half a second. In float16 and bfloat16: run_case on
+the three grid cases, each traced stage's dtype the reference's, and two precision bugs caught by the latter
+(about 0.2-2 s more: 0.2 s in a process that has run the float32 grid tests, 2 s alone; 2-core AMD EPYC VM,
+2026-11-29)."""
 
 from __future__ import annotations
 
@@ -62,3 +65,72 @@ def test_the_torch_column_passes_the_grid_cases(name):
     grads = {c.name for c in result.comparisons if c.name.startswith("grad ")}
     assert result.status == "pass" and not result.message, (result.status, result.message)
     assert {"grad query", "grad sinks", "grad compressor.gate.kernel"} <= grads, sorted(grads)
+
+
+@pytest.mark.parametrize("name", ["v4_csa_prefill", "v4_hca_decode", "v4_sliding_prefill"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_torch_column_passes_the_grid_cases_in_16_bits(name, dtype):
+    """run_case's judgement in float16 and bfloat16 (the stages in float32, stored in 16 bits where the reference
+    stores them): the output within 3x the 16-bit reference's own error, and every gradient against the 16-bit
+    reference's (impl_numpy.compressed_backward in the dtype); those whose allowance is not well below their
+    size are reported not judged, the output projection's gradient is judged."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(CASES[name], "torch", dtype=dtype)
+    judged = {c.name for c in result.comparisons if c.judged}
+    assert result.status == "pass" and not result.message, (result.status, result.message)
+    assert {"output", "grad output.kernel"} <= judged, sorted(judged)
+
+
+def _stage_dtypes(backend, dtype, adapter=None):
+    """[(stage, dtype name)] of the backend's trace of v4_csa_prefill in `dtype` (every stage kind: the query, the
+    key, both compressors, the indexer, the attention)."""
+    from conformance.suite import backends
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import expected_for
+
+    case = CASES["v4_csa_prefill"]
+    exp = expected_for(case, dtype)
+    adapter = adapter or backends.load(backend)
+    traced = adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype), trace=True)["trace"]
+    return [(stage, np.asarray(value).dtype.name) for stage, value in traced]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_torch_mirror_stores_each_stage_where_the_reference_does_in_16_bits(dtype):
+    """Each traced stage in the dtype the reference's 16-bit run stores it in (the storage dtype; the index
+    scores float32, the selection int64): a stage kept in float32 where the reference rounds, or rounded where
+    it keeps float32, shows here, where the 16-bit bar cannot see it (docs/spec-frontier.md, "What 16 bits
+    cannot catch")."""
+    assert _stage_dtypes("torch", dtype) == _stage_dtypes("numpy", dtype)
+
+
+# Two precision bugs of the torch mirror, one line each of impl_torch/compressed.py (the source with the line
+# replaced): the 16-bit bar passes both (margins 0.26-0.32, as the correct mirror's; docs/spec-frontier.md), the
+# stored dtypes do not.
+PRECISION_MUTANTS = {
+    # kept in float32 where the reference rounds: the gate weights enter the pool unrounded
+    "gate_weights_kept_float32": ("torch.softmax(slots_gate, dim=2).to(x.dtype))", "torch.softmax(slots_gate, dim=2))"),
+    # rounded where the reference keeps float32: the index scores stored in 16 bits (a rounding cast back to
+    # float32 at once would keep float32's dtype: this check sees where a mirror stores, not every rounding)
+    "index_scores_stored_16": (".sum(dim=2)  # compute dtype", ".sum(dim=2).to(x.dtype)"),
+}
+
+
+@pytest.mark.parametrize("bug", list(PRECISION_MUTANTS))
+def test_a_precision_bug_changes_the_stored_dtypes(bug, monkeypatch):
+    import types
+
+    import impl_torch.adapter
+    import impl_torch.compressed
+
+    old, new = PRECISION_MUTANTS[bug]
+    source = open(impl_torch.compressed.__file__).read()
+    assert source.count(old) == 1, f"{bug}: the line it replaces is not in impl_torch/compressed.py once"
+    mutant = types.ModuleType("impl_torch._v4_mutant")
+    mutant.__package__ = "impl_torch"
+    exec(compile(source.replace(old, new), impl_torch.compressed.__file__, "exec"), mutant.__dict__)
+    monkeypatch.setattr(impl_torch.adapter, "compressed_attention", mutant.compressed_attention)
+    got, want = _stage_dtypes("torch", "bfloat16"), _stage_dtypes("numpy", "bfloat16")
+    assert got != want, f"{bug}: every stage stored as the reference stores it"

@@ -137,9 +137,10 @@ def split_result(result, return_weights: bool, return_cache: bool,
     return {name: to_array(value) for name, value in zip(names, parts, strict=True)}
 
 
-# The dtypes every mirror's DeepSeek V4 layer (impl_*/compressed.py) computes in; 16-bit storage is the NumPy
-# reference's alone (its stages in functional's compute dtype), and a mirror's adapter reports it unsupported.
-COMPRESSED_MIRROR_DTYPES = ("float32", "float64")
+# The dtypes every mirror's DeepSeek V4 layer (impl_*/compressed.py) takes: 16-bit storage by the reference's rule
+# (impl_numpy/compressed.py: each stage in float32, stored in 16 bits at the reference's boundaries). A backend that
+# passes a narrower tuple to compressed_call reports the others unsupported.
+COMPRESSED_MIRROR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options: dict, *, convert=lambda a: a,

@@ -239,8 +239,8 @@ def _expected_compressed(case: Case, dtype: str, selection=None) -> dict:
     No elementwise forward magnitudes (impl_numpy.magnitudes does not know the layer): the output is judged by
     the policy's tensor-wide bar, the reference's own size, with z from the logits' sizes, S every key the case
     has (P + S: more than the window and the entries any query sees, so the bar is the looser for it) and, in
-    16 bits, the reference's own error run in `dtype` (its gradients are float32 and float64's: in 16 bits the
-    mirrors refuse the layer and NumPy's column judges the forward alone).
+    16 bits, the reference's own error run in `dtype`, the output's and each gradient's (compressed_attention_vjp
+    in `dtype`: its stages in float32, stored values and cotangents rounded to `dtype`), as for the ordinary layer.
     selection: a csa port's own admissible selection (judge_compressed_selection): the reference attends to it
     (compressed_attention's topk_indices), forward and gradients; its selection is then that one."""
     from impl_numpy.compressed_backward import compressed_attention_vjp
@@ -265,8 +265,18 @@ def _expected_compressed(case: Case, dtype: str, selection=None) -> dict:
                 "same_precision": {}, "max_position": case.P + case.T, "selection": fwd.get("selection")}
     expected.update({name: a for name, a in fwd.items() if name.startswith("present_")})
     if dtype in ("float16", "bfloat16"):  # the reference's own rounding in `dtype` (the low-precision rule)
-        low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_cache": False})
+        # attending to the float64 run's selection (csa), as the indexer layers' same-dtype reference does: the
+        # error of its rounding alone, not of a selection that 16-bit scores would make otherwise
+        chosen = {} if fwd.get("selection") is None else {"topk_indices": np.asarray(fwd["selection"], np.int64)}
+        if chosen:
+            low = _compressed_forward(case.config, tensors, inputs, False, chosen["topk_indices"])
+        else:
+            low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_cache": False})
         expected["same_precision"] = {"output": _max_err(low["output"], fwd["output"])}
+        low_past = {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
+        _, low_grads = compressed_attention_vjp(case.config, tensors, inputs["query"], inputs["positions"], low_past,
+                                                d_output=d_out.astype(tensors["query.kernel"].dtype), **chosen)
+        expected["same_precision"].update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
     return expected
 
 

@@ -160,10 +160,10 @@ class _Pass:
             d_win_gate[..., width:] = d_slots_gate[:, :, m:]
             d_win_kv[:, :n - 1, :, :width] = d_slots_kv[:, 1:, :m]
             d_win_gate[:, :n - 1, :, :width] = d_slots_gate[:, 1:, :m]
-            if k["from_past"]:  # window 0's first halves: the cache's overlap (and position_bias's first half)
+            if k["from_past"] and n:  # window 0's first halves: the cache's overlap (and position_bias's first half)
                 g[f"past_{cache}overlap_kv"] = d_slots_kv[:, 0, :m]
                 g[f"past_{cache}overlap_gate"] = d_slots_gate[:, 0, :m]
-            if self.past is not None and not k["from_past"]:
+            if self.past is not None and not (k["from_past"] and n):  # no window closes here: nothing reads it
                 g[f"past_{cache}overlap_kv"] = np.zeros_like(self.past[f"{cache}overlap_kv"])
                 g[f"past_{cache}overlap_gate"] = np.zeros_like(self.past[f"{cache}overlap_gate"])
         else:

@@ -5,7 +5,8 @@
 Every seed's case runs on each of the backend's paths of --paths (conformance.suite.check's kinds) in each
 dtype; a result that is not a pass is a finding, listed in full. The policy's constants were set on seeds
 the tests use; a sweep of seeds no test uses is the check that they hold (docs/conformance.md lists the
-runs). tests/test_conformance_sweep.py runs small sweeps of its own seeds.
+runs). tests/test_conformance_sweep.py runs small sweeps of its own seeds. --compressed sweeps DeepSeek V4's
+layers instead (cases.random_compressed_case, its own stream: random_case's seeds keep their cases).
 """
 
 from __future__ import annotations

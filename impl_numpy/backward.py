@@ -70,7 +70,7 @@ def _rope_pair(x, R, interleaved):
 
 
 def _rope_join(y1, y2, rest, interleaved):
-    turned = np.stack([y1, y2], axis=-1).reshape(*y1.shape[:-1], -1) if interleaved else np.concatenate([y1, y2], -1)
+    turned = np.stack([y1, y2], axis=-1).reshape(*y1.shape[:-1], 2 * y1.shape[-1]) if interleaved else np.concatenate([y1, y2], -1)
     return np.concatenate([turned, rest], axis=-1)
 
 

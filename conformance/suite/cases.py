@@ -775,6 +775,46 @@ def random_differential_case(seed: int) -> Case:
     return dataclasses.replace(case, name=f"random_differential_{seed}", config=config, training=False)
 
 
+def random_compressed_case(seed: int) -> Case:
+    """A random DeepSeek V4 layer (config.compressed, issue 41), for the sweep's --compressed runs (name
+    random_v4_<seed>), drawn from a stream of its own (default_rng([seed, 41])): random_case(seed) and every other
+    draw are untouched. V4's layer refuses nearly every other field (weights.config's _resolve_compressed), so it
+    is a case of its own, not a feature ANDed onto random_case's. Kind csa, hca or sliding; windows of m = 2-4
+    tokens, with overlap or not; csa's indexer of 1-3 heads keeping 1-3 entries (fewer than a long call's visible
+    ones: the top-k drops entries); a sliding window of 1-6 keys; sinks two times in three; RoPE on 2 or 4 of
+    H = 4 or 8 features, the plain table or YaRN (attention factor 1, as V4 forces it) on csa and hca. Half the
+    calls are a prefill from position 0 (T 1-12), half a decode of T 1-4 tokens at P 1-12 over the float64
+    reference's own prefill of the P earlier tokens (_compressed_inputs), so windows close inside the call or
+    stay open across it. No return_cache: compare.judge reads present_key / present_value alone (the V4 present
+    cache's judge is another branch's); the cache's gradients (of every past_<name>) are judged."""
+    rng = np.random.default_rng([seed, 41])
+    pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
+    kind = pick(["csa", "hca", "sliding"])
+    N, H = int(rng.integers(1, 4)), pick([4, 8])
+    R = pick([2, 4])
+    groups = pick([g for g in (1, 2, 4) if (N * H) % g == 0])
+    compressed: dict[str, Any] = {"kind": kind, "query_rank": int(rng.integers(2, 9)), "output_groups": groups,
+                                  "output_rank": int(rng.integers(1, 6))}
+    rope: dict[str, Any] = {"theta": pick([10000.0, 160000.0]), "rotary_dim": R, "interleaved": True}
+    if kind != "sliding":
+        compressed.update(ratio=int(rng.integers(2, 5)), overlap=bool(rng.random() < 0.5))
+        if rng.random() < 0.5:  # V4's "compress" table: YaRN with its attention factor forced to 1
+            rope["scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                               "attention_factor": 1.0}
+    if kind == "csa":
+        compressed.update(index_heads=int(rng.integers(1, 4)), index_head_dim=pick([R, 4, 8]),
+                          index_topk=int(rng.integers(1, 4)))
+    config = _cfg(num_heads=N, head_dim=H, query_dim=int(rng.integers(4, 17)), num_kv_heads=1, use_query_bias=False,
+                  use_key_bias=False, use_value_bias=False, use_output_bias=False,
+                  use_sinks=bool(rng.random() < 2 / 3), window_left=int(rng.integers(0, 6)), rope=rope,
+                  compressed=compressed)
+    decode = bool(rng.random() < 0.5)
+    T = int(rng.integers(1, 5)) if decode else int(rng.integers(1, 13))
+    P = int(rng.integers(1, 13)) if decode else 0
+    return Case(f"random_v4_{seed}", config, B=int(rng.integers(1, 3)), T=T, S=T, P=P, is_causal=True,
+                return_weights=False, self_attention=False, input_scale=pick([1.0, 1.0, 0.1, 3.0]))
+
+
 def _with_modern_features(case: Case, rng, pick) -> Case:
     H = case.config.head_dim
     features: dict[str, Any] = {}

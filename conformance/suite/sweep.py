@@ -5,7 +5,8 @@
 Every seed's case runs on each of the backend's paths of --paths (conformance.suite.check's kinds) in each
 dtype; a result that is not a pass is a finding, listed in full. The policy's constants were set on seeds
 the tests use; a sweep of seeds no test uses is the check that they hold (docs/conformance.md lists the
-runs). tests/test_conformance_sweep.py runs small sweeps of its own seeds.
+runs). tests/test_conformance_sweep.py runs small sweeps of its own seeds. --compressed sweeps DeepSeek V4's
+layers instead (cases.random_compressed_case, its own stream: random_case's seeds keep their cases).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 
 from conformance.suite import backends
-from conformance.suite.cases import DTYPE_NAMES, random_case, random_differential_case
+from conformance.suite.cases import DTYPE_NAMES, random_case, random_compressed_case, random_differential_case
 from conformance.suite.check import DEFAULT_PATH_KINDS, PATH_KINDS, paths_of
 from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case
 
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE", help="write the summary here")
     p.add_argument("--differential", action="store_true",
                    help="cases.random_differential_case instead of random_case (differential attention's sweep)")
+    p.add_argument("--compressed", action="store_true",
+                   help="cases.random_compressed_case instead of random_case (DeepSeek V4's layers, issue 41)")
     args = p.parse_args(argv)
     kinds = PATH_KINDS if "all" in args.paths else tuple(args.paths)
     started = time.perf_counter()
@@ -87,13 +90,15 @@ def main(argv=None) -> int:
         return text
 
     def progress(done, runs, failed, summary):
-        if done % 100 == 0:  # the summary so far, too: an interrupted sweep keeps what it measured
+        if done % 10 == 0:  # the summary so far: an interrupted sweep keeps what it measured
             write(summary())
+        if done % 100 == 0:
             print(f"{args.backend}: {done} seeds, {runs} runs, {failed} failures, "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     summary = sweep(args.backend, range(*args.seeds), args.dtypes, kinds, progress=progress,
-                    make_case=random_differential_case if args.differential else random_case)
+                    make_case=random_compressed_case if args.compressed
+                    else random_differential_case if args.differential else random_case)
     print(write(summary))
     return 0 if not summary["failures"] else 1
 

@@ -421,16 +421,18 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
         floor = rtol * np.minimum((1.0 + full) * terms, terms + weighted)
         return dataclasses.replace(tol, floor=floor, reason=tol.reason + (
             f" from the keys with weight (largest {full:.3g}); elementwise at least rtol*(magnitude + logit "
-            f"error) (up to {float(floor.max()):.3g})"))
+            f"error) (up to {float(floor.max(initial=0.0)):.3g})"))
     floor = rtol * (1.0 + logit_scale) * terms
     if quantity == "grad" and dtype_from_name(dtype).name in ("float16", "bfloat16") and same_precision_error is not None:
         # the 16-bit noise of each gradient element's own terms (tolerance(): quantity_is_gradient)
         floor = np.maximum(floor, UNIT_ROUNDOFF[dtype_from_name(dtype).name] * math.sqrt(max(length, 1)) * terms)
         return dataclasses.replace(tol, floor=floor, reason=tol.reason + (
             "; elementwise at least max(rtol*(1+z), u*sqrt(L))*magnitude, the 16-bit noise of the terms each "
-            f"element is summed from (up to {float(floor.max()):.3g})"))
+            f"element is summed from (up to {float(floor.max(initial=0.0)):.3g})"))
+    # (initial=0.0: an empty quantity has no largest floor, e.g. the gradient of a V4 cache of 0 entries)
     return dataclasses.replace(tol, floor=floor, reason=tol.reason + "; elementwise at least rtol*(1+z)*magnitude, "
-                               f"the size of the terms each element is summed from (up to {float(floor.max()):.3g})")
+                               "the size of the terms each element is summed from "
+                               f"(up to {float(floor.max(initial=0.0)):.3g})")
 
 
 def assert_close(name: str, actual, expected, *, config, dtype: str, quantity: str, B: int, T: int, S: int,

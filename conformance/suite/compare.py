@@ -259,7 +259,7 @@ def _expected_compressed(case: Case, dtype: str, selection=None) -> dict:
     else:
         fwd = reference.forward(case.config, t64, i64, options64, trace=True)
     d_out = output_cotangent(case)
-    past = {name.removeprefix("past_"): a for name, a in i64.items() if name.startswith("past_")} or None
+    past = _compressed_past(i64)
     _, grads, magnitudes, out_terms = compressed_attention_vjp(
         case.config, t64, i64["query"], i64["positions"], past, d_output=d_out, gradient_magnitudes=True,
         output_magnitude=True, **given)
@@ -279,11 +279,16 @@ def _expected_compressed(case: Case, dtype: str, selection=None) -> dict:
         else:
             low = reference.forward(case.config, tensors, inputs, case.options(dtype) | {"return_cache": False})
         expected["same_precision"] = {"output": _max_err(low["output"], fwd["output"])}
-        low_past = {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
+        low_past = _compressed_past(inputs)
         _, low_grads = compressed_attention_vjp(case.config, tensors, inputs["query"], inputs["positions"], low_past,
                                                 d_output=d_out.astype(tensors["query.kernel"].dtype), **chosen)
         expected["same_precision"].update({f"grad {name}": _max_err(low_grads[name], grads[name]) for name in grads})
     return expected
+
+
+def _compressed_past(inputs: dict) -> dict | None:
+    """A V4 call's cache as impl_numpy.compressed takes it: the past_<name> inputs by <name> (None: no cache)."""
+    return {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
 
 
 def _compressed_forward(config, tensors: dict, inputs: dict, return_cache: bool, topk_indices) -> dict:
@@ -291,7 +296,7 @@ def _compressed_forward(config, tensors: dict, inputs: dict, return_cache: bool,
     answer: output, selection, trace, present_<name>."""
     from impl_numpy.compressed import compressed_attention
 
-    past = {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
+    past = _compressed_past(inputs)
     trace: list = []
     out, sel, *present = compressed_attention(config, tensors, inputs["query"], inputs["positions"], past,
                                               return_selection=True, return_cache=return_cache, trace=trace,

@@ -138,7 +138,8 @@ def test_a_chunked_core_in_16_bits_is_judged_against_a_chunked_reference_too():
 def test_the_compressed_sweep_draws_v4_layers_and_they_pass():
     """`python -m conformance.suite.sweep --compressed` (cases.random_compressed_case, DeepSeek V4's layers,
     issue 41): 200 seeds (construction only, milliseconds) reach every kind, a prefill and a decode, a call in
-    which a window closes and one in which none does, csa's top-k dropping entries, overlap and sinks; three
+    which a window closes and one in which none does, csa's top-k dropping entries, overlap, sinks, and calls
+    that ask for their present cache (judged array by array) and calls that do not; three
     seeds the first V4 sweep failed on run clean on NumPy in float64 and float32 (forward and every gradient,
     compare.run_case): 1400000 (hca, a decode of 2 tokens in which no window closes: the magnitudes' RoPE of 0
     entries did not reshape), 1400001 (the gradient of a cache of 0 entries: the tolerance's largest floor of
@@ -157,8 +158,10 @@ def test_the_compressed_sweep_draws_v4_layers_and_they_pass():
                for case in windowed if case.config.compressed.kind == "csa")  # the top-k drops entries
     assert any(case.config.compressed.overlap for case in windowed) and any(case.config.use_sinks for case in cases)
     assert random_compressed_case(7) == random_compressed_case(7)
-    summary = sweep("numpy", [1_400_000, 1_400_001, 1_400_005], ("float64", "float32"), DEFAULT_PATH_KINDS,
-                    make_case=random_compressed_case)
+    assert any(case.return_cache for case in cases) and not all(case.return_cache for case in cases)
+    seeds = [1_400_000, 1_400_001, 1_400_005]
+    assert any(random_compressed_case(seed).return_cache for seed in seeds)  # its present cache judged too
+    summary = sweep("numpy", seeds, ("float64", "float32"), DEFAULT_PATH_KINDS, make_case=random_compressed_case)
     assert summary["runs"] == 6 and not summary["failures"], summary["failures"]
     assert all(value["margin"] <= 1 for value in summary["worst"].values()), summary["worst"]
 

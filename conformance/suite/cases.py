@@ -811,8 +811,11 @@ def random_compressed_case(seed: int) -> Case:
     decode = bool(rng.random() < 0.5)
     T = int(rng.integers(1, 5)) if decode else int(rng.integers(1, 13))
     P = int(rng.integers(1, 13)) if decode else 0
-    return Case(f"random_v4_{seed}", config, B=int(rng.integers(1, 3)), T=T, S=T, P=P, is_causal=True,
-                return_weights=False, self_attention=False, input_scale=pick([1.0, 1.0, 0.1, 3.0]))
+    B = int(rng.integers(1, 3))
+    input_scale = pick([1.0, 1.0, 0.1, 3.0])
+    return_cache = bool(rng.random() < 0.5)  # drawn last: every earlier draw of a seed stays what it was
+    return Case(f"random_v4_{seed}", config, B=B, T=T, S=T, P=P, is_causal=True, return_weights=False,
+                self_attention=False, input_scale=input_scale, return_cache=return_cache)
 
 
 def _with_modern_features(case: Case, rng, pick) -> Case:

@@ -597,3 +597,17 @@ def test_the_reference_stores_each_stage_in_16_bits(kind, dtype):
                          trace=trace)
     kept = {"indexer.score": "float32", "indexer.selection": "int64"}
     assert [(e.stage, e.value.dtype.name) for e in trace] == [(e.stage, kept.get(e.stage, dtype)) for e in trace]
+
+
+def stage_dtypes(backend, dtype, adapter=None):
+    """[(stage, dtype name)] of the backend's trace (the mirrors' V4 test files compare theirs with NumPy's) of v4_csa_prefill in `dtype` (every stage kind: the query, the
+    key, both compressors, the indexer, the attention)."""
+    from conformance.suite import backends
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import expected_for
+
+    case = CASES["v4_csa_prefill"]
+    exp = expected_for(case, dtype)
+    adapter = adapter or backends.load(backend)
+    traced = adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype), trace=True)["trace"]
+    return [(stage, np.asarray(value).dtype.name) for stage, value in traced]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_compressed_v4 import KINDS, T, _layer, _x
+from test_compressed_v4 import KINDS, T, _layer, _x, stage_dtypes
 
 from impl_numpy.compressed import compressed_attention as reference
 
@@ -83,27 +83,13 @@ def test_the_torch_column_passes_the_grid_cases_in_16_bits(name, dtype):
     assert {"output", "grad output.kernel"} <= judged, sorted(judged)
 
 
-def _stage_dtypes(backend, dtype, adapter=None):
-    """[(stage, dtype name)] of the backend's trace of v4_csa_prefill in `dtype` (every stage kind: the query, the
-    key, both compressors, the indexer, the attention)."""
-    from conformance.suite import backends
-    from conformance.suite.cases import CASES
-    from conformance.suite.compare import expected_for
-
-    case = CASES["v4_csa_prefill"]
-    exp = expected_for(case, dtype)
-    adapter = adapter or backends.load(backend)
-    traced = adapter.forward(case.config, exp["tensors"], exp["inputs"], case.options(dtype), trace=True)["trace"]
-    return [(stage, np.asarray(value).dtype.name) for stage, value in traced]
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_torch_mirror_stores_each_stage_where_the_reference_does_in_16_bits(dtype):
     """Each traced stage in the dtype the reference's 16-bit run stores it in (the storage dtype; the index
     scores float32, the selection int64): a stage kept in float32 where the reference rounds, or rounded where
     it keeps float32, shows here, where the 16-bit bar cannot see it (docs/spec-frontier.md, "What 16 bits
     cannot catch")."""
-    assert _stage_dtypes("torch", dtype) == _stage_dtypes("numpy", dtype)
+    assert stage_dtypes("torch", dtype) == stage_dtypes("numpy", dtype)
 
 
 # Two precision bugs of the torch mirror, one line each of impl_torch/compressed.py (the source with the line
@@ -132,5 +118,5 @@ def test_a_precision_bug_changes_the_stored_dtypes(bug, monkeypatch):
     mutant.__package__ = "impl_torch"
     exec(compile(source.replace(old, new), impl_torch.compressed.__file__, "exec"), mutant.__dict__)
     monkeypatch.setattr(impl_torch.adapter, "compressed_attention", mutant.compressed_attention)
-    got, want = _stage_dtypes("torch", "bfloat16"), _stage_dtypes("numpy", "bfloat16")
+    got, want = stage_dtypes("torch", "bfloat16"), stage_dtypes("numpy", "bfloat16")
     assert got != want, f"{bug}: every stage stored as the reference stores it"

@@ -8,12 +8,11 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from conformance.bench.child import run_worker_process
 from conformance.bench.measure import MIN_REPEATS, proc_kb
 from conformance.bench.report import print_report, write_plots
 from conformance.bench.shapes import (
@@ -97,20 +96,7 @@ def _machine() -> dict:
 
 def run_backend(backend: str, spec: dict) -> dict:
     """Run one backend's worker in a child process; its stderr (progress) passes through."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.setdefault("KERAS_BACKEND", "tensorflow")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with tempfile.TemporaryDirectory(prefix="mha-bench-") as tmp:
-        spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
-        spec_file.write_text(json.dumps({**spec, "backend": backend}))
-        proc = subprocess.run([sys.executable, "-m", "conformance.bench.worker", "--worker", str(spec_file),
-                               str(out_file)], env=env, stdout=subprocess.PIPE, stderr=None, text=True)
-        if proc.returncode != 0 or not out_file.exists():
-            why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-            tail = (proc.stdout or "").strip().splitlines()[-1:] or [""]
-            return {"backend": backend, "status": f"unavailable: worker died ({why}) {tail[0]}".strip()}
-        return json.loads(out_file.read_text())
+    return run_worker_process("conformance.bench.worker", backend, spec, with_stdout_tail=True)
 
 
 def _upto(lengths: tuple, largest: int, flag: str) -> tuple:

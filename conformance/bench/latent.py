@@ -37,16 +37,14 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
+from conformance.bench.child import run_worker_process
 from conformance.bench.shapes import LATENT_LENGTHS, QUICK_LATENT_LENGTHS  # noqa: F401 - the family's lengths
 
 FAMILY = "latent"
@@ -248,22 +246,6 @@ def _row(backend, P, path, status, name=None) -> dict:
             "flops": None}
 
 
-def _run_backend(backend: str, spec: dict) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.setdefault("KERAS_BACKEND", "tensorflow")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with tempfile.TemporaryDirectory(prefix="mha-bench-latent-") as tmp:
-        spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
-        spec_file.write_text(json.dumps({**spec, "backend": backend}))
-        proc = subprocess.run([sys.executable, "-m", "conformance.bench.latent", "--worker", str(spec_file),
-                               str(out_file)], env=env, stdout=subprocess.PIPE, stderr=None, text=True)
-        if proc.returncode != 0 or not out_file.exists():
-            why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-            return {"backend": backend, "status": f"unavailable: worker died ({why})"}
-        return json.loads(out_file.read_text())
-
-
 def run(backends, *, quick: bool, lengths, repeats: int, max_seconds: float, mem_limit: int, matmul_n: int,
         device: str = "cpu") -> dict:
     """Every backend's worker in turn; the family's record (rows, caches, matmuls, per backend status)."""
@@ -280,7 +262,7 @@ def run(backends, *, quick: bool, lengths, repeats: int, max_seconds: float, mem
               "backends": {}, "rows": [], "caches": [], "matmul": []}
     for backend in backends:
         _log(f"{backend}: latent family, P {', '.join(map(str, lengths))} ...")
-        out = _run_backend(backend, spec)
+        out = run_worker_process("conformance.bench.latent", backend, spec)
         record["backends"][backend] = {k: out.get(k) for k in ("status", "info", "weight_bytes", "peak_rss_bytes",
                                                                "worker_s")}
         for key in ("rows", "caches", "matmul"):

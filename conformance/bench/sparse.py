@@ -33,15 +33,13 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from conformance.bench.child import run_worker_process
 from conformance.bench.latent import FULL as LATENT_FULL
 from conformance.bench.latent import QUICK as LATENT_QUICK
 from conformance.bench.latent import Dims
@@ -342,22 +340,6 @@ def run_worker(spec: dict) -> dict:
             "worker_s": time.perf_counter() - started}
 
 
-def _run_backend(backend: str, spec: dict) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.setdefault("KERAS_BACKEND", "tensorflow")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with tempfile.TemporaryDirectory(prefix="mha-bench-sparse-") as tmp:
-        spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
-        spec_file.write_text(json.dumps({**spec, "backend": backend}))
-        proc = subprocess.run([sys.executable, "-m", "conformance.bench.sparse", "--worker", str(spec_file),
-                               str(out_file)], env=env, stdout=subprocess.PIPE, stderr=None, text=True)
-        if proc.returncode != 0 or not out_file.exists():
-            why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-            return {"backend": backend, "status": f"unavailable: worker died ({why})"}
-        return json.loads(out_file.read_text())
-
-
 def judge(record: dict) -> None:
     """Every ok row of dense, sparse and indexer gets its bytes, flops and x_bound (from the read row and the
     matmul of the same backend and P)."""
@@ -386,7 +368,7 @@ def run(backends, *, quick: bool, lengths, repeats: int, max_seconds: float, mat
               "lengths": list(lengths), "matmul_n": matmul_n, "backends": {}, "rows": []}
     for backend in backends:
         _log(f"{backend}: sparse family, P {', '.join(map(str, lengths))} ...")
-        out = _run_backend(backend, spec) if backend in BUILDERS else {
+        out = run_worker_process("conformance.bench.sparse", backend, spec) if backend in BUILDERS else {
             "backend": backend, "status": f"unavailable: no sparse family runner for {backend}"}
         record["backends"][backend] = {k: out.get(k) for k in ("status", "info", "note", "worker_s")}
         record["rows"] += out.get("rows", [])

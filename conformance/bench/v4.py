@@ -36,15 +36,13 @@ import dataclasses
 import functools
 import gc
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from conformance.bench.child import run_worker_process
 from conformance.bench.sparse import x_bound
 
 FAMILY = "v4"
@@ -394,22 +392,6 @@ def run_worker(spec: dict) -> dict:
             "weight_bytes": weight_bytes, "kernel_elements": kernels, "worker_s": time.perf_counter() - started}
 
 
-def _run_backend(backend: str, spec: dict) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.setdefault("KERAS_BACKEND", "tensorflow")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with tempfile.TemporaryDirectory(prefix="mha-bench-v4-") as tmp:
-        spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
-        spec_file.write_text(json.dumps({**spec, "backend": backend}))
-        proc = subprocess.run([sys.executable, "-m", "conformance.bench.v4", "--worker", str(spec_file),
-                               str(out_file)], env=env, stdout=subprocess.PIPE, stderr=None, text=True)
-        if proc.returncode != 0 or not out_file.exists():
-            why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-            return {"backend": backend, "status": f"unavailable: worker died ({why})"}
-        return json.loads(out_file.read_text())
-
-
 def judge(record: dict) -> None:
     """Every ok step row gets its bytes, flops, x_bound (from the read row and the matmul of the same backend
     and P), its cache bytes per token of history and its ratio to the dense step (paired ratios)."""
@@ -443,7 +425,7 @@ def run(backends, *, quick: bool, lengths, repeats: int, max_seconds: float, mat
               "matmul_n": matmul_n, "backends": {}, "rows": []}
     for backend in backends:
         _log(f"{backend}: v4 family, P {', '.join(map(str, lengths))} ...")
-        out = _run_backend(backend, spec) if backend in BUILDERS else {
+        out = run_worker_process("conformance.bench.v4", backend, spec) if backend in BUILDERS else {
             "backend": backend, "status": f"unavailable: no v4 family runner for {backend}"}
         record["backends"][backend] = {k: out.get(k) for k in ("status", "info", "note", "worker_s", "weight_bytes",
                                                                "kernel_elements")}

@@ -12,6 +12,7 @@ that one module runs on Keras's tensorflow, jax and torch backends.
     softmax(x)                 over the last axis
     tanh, sin, cos, floor, maximum, mean   float64 kept (below)
     constant(value, dtype)     a scalar tensor
+    reshape(x, shape), shape(x)  keras.ops' (on TensorFlow without leaving its eager fast path)
     same_dtype(x, dtype)       x is a tensor of that dtype (the casts' fast path)
     to_tensor(x)               ops.convert_to_tensor (NumPy bfloat16 included, on torch too)
     is_symbolic(x)             x is traced (a Keras symbolic tensor, a tf.function or jax.jit tracer):
@@ -29,11 +30,13 @@ from ._keras import BACKEND, TENSORFLOW, keras
 ops = keras.ops
 
 if TENSORFLOW:
-    from .tf_only import constant, einsum, is_symbolic, matmul, matmul_nt, same_dtype, softmax, where
+    from .tf_only import constant, einsum, is_symbolic, matmul, matmul_nt, reshape, same_dtype, shape, softmax, where
     to_tensor = ops.convert_to_tensor
 else:
     einsum = ops.einsum
     where = ops.where
+    reshape = ops.reshape
+    shape = ops.shape
 
     def softmax(x):
         """keras.ops.softmax over the last axis, without its warning on an axis of size 1 (one key: the
@@ -129,8 +132,8 @@ def argsort_stable(x):
     return torch.argsort(x, dim=-1, stable=True)
 
 
-__all__ = ["argsort_stable", "constant", "cos", "einsum", "floor", "is_symbolic", "matmul", "matmul_nt", "maximum", "mean", "same_dtype", "sin",
-           "softmax", "tanh", "to_tensor", "where"]
+__all__ = ["argsort_stable", "constant", "cos", "einsum", "floor", "is_symbolic", "matmul", "matmul_nt", "maximum", "mean", "reshape",
+           "same_dtype", "shape", "sin", "softmax", "tanh", "to_tensor", "where"]
 
 
 X64_MESSAGE = (

@@ -26,6 +26,7 @@ from weights.contract import (
 )
 from weights.rope import mrope_axes
 
+from . import backend as bk
 from . import functional as F
 from ._keras import BACKEND, TENSORFLOW, keras
 from .backend import check_dtype, is_symbolic, to_tensor
@@ -52,7 +53,7 @@ def _rank4(x):
 
 
 def _size(static: int, x, axis: int):
-    return static if static >= 0 else ops.shape(x)[axis]
+    return static if static >= 0 else bk.shape(x)[axis]
 
 
 def check_tensors(config: AttentionConfig, tensors) -> str:

@@ -89,10 +89,10 @@ def _einsum(subscripts: str, a, b, dtype):
 def project(x, kernel, bias):
     """PROJECT: x (B, L, D) times kernel (D, heads, width) flattened -> (B, L, F)."""
     D = kernel.shape[0]
-    y = _einsum(PROJECT, x, ops.reshape(kernel, (D, -1)), x.dtype)  # (B, L, F)
+    y = _einsum(PROJECT, x, bk.reshape(kernel, (D, -1)), x.dtype)  # (B, L, F)
     if bias is not None:
         ct = compute_dtype(x.dtype)
-        y = _cast(_cast(y, ct) + _cast(ops.reshape(bias, (-1,)), ct), x.dtype)  # bias (F,); y (B, L, F)
+        y = _cast(_cast(y, ct) + _cast(bk.reshape(bias, (-1,)), ct), x.dtype)  # bias (F,); y (B, L, F)
     return y
 
 
@@ -114,14 +114,14 @@ def norm(x, scale, bias, kind: str, eps: float, heads: int, scope: str):
     inside), so its trace has one layout (a norm after RoPE: norm_heads). kind
     "rms": x / sqrt(mean(x^2) + eps) * scale; "layer": (x - mean) / sqrt(var +
     eps) * scale + bias (eps inside the root)."""
-    B, L = ops.shape(x)[0], ops.shape(x)[1]
+    B, L = bk.shape(x)[0], bk.shape(x)[1]
     F = x.shape[-1]
     ct = compute_dtype(x.dtype)
     width = F // heads if scope == "head" else F
-    y = ops.reshape(_cast(x, ct), (B, L, F // width, width))  # (B, L, heads|1, W|F)
+    y = bk.reshape(_cast(x, ct), (B, L, F // width, width))  # (B, L, heads|1, W|F)
 
     def per_feature(t):  # (W,) or (heads, W) on (B, L, heads, W); (heads, W) as (F,) on (B, L, 1, F)
-        return ops.reshape(_cast(t, ct), (-1,)) if scope == "all" else _cast(t, ct)
+        return bk.reshape(_cast(t, ct), (-1,)) if scope == "all" else _cast(t, ct)
 
     if kind == "layer":
         y = y - bk.mean(y, axis=-1, keepdims=True)
@@ -130,20 +130,20 @@ def norm(x, scale, bias, kind: str, eps: float, heads: int, scope: str):
         y = y * per_feature(scale)
     if bias is not None:
         y = y + per_feature(bias)
-    return _cast(ops.reshape(y, (B, L, F)), x.dtype)  # (B, L, F)
+    return _cast(bk.reshape(y, (B, L, F)), x.dtype)  # (B, L, F)
 
 
 def norm_heads(x, scale, bias, kind: str, eps: float, scope: str):
     """The norm of x (B, heads, L, W) after RoPE: norm() on its flat (B, L, heads*W) view -> (B, heads, L, W)."""
-    B, heads, L, W = ops.shape(x)[0], x.shape[1], ops.shape(x)[2], x.shape[3]
-    flat = ops.reshape(ops.transpose(x, (0, 2, 1, 3)), (B, L, heads * W))
+    B, heads, L, W = bk.shape(x)[0], x.shape[1], bk.shape(x)[2], x.shape[3]
+    flat = bk.reshape(ops.transpose(x, (0, 2, 1, 3)), (B, L, heads * W))
     return split_heads(norm(flat, scale, bias, kind, eps, heads, scope), heads)
 
 
 def split_heads(x, num_heads: int):
     """(B, L, heads*width) -> (B, heads, L, width), as seed 003's split_heads."""
-    B, L, F = ops.shape(x)
-    x = ops.reshape(x, (B, L, num_heads, F // num_heads))  # (B, L, heads, width)
+    B, L, F = bk.shape(x)
+    x = bk.reshape(x, (B, L, num_heads, F // num_heads))  # (B, L, heads, width)
     return ops.transpose(x, (0, 2, 1, 3))  # (B, heads, L, width)
 
 
@@ -173,7 +173,7 @@ def rope(x, angles, rotary_dim: int, interleaved: bool, attention_factor: float)
     y1 = x1 * cos - x2 * sin  # (B, heads, L, R/2)
     y2 = x2 * cos + x1 * sin
     if interleaved:
-        turned = ops.reshape(ops.stack([y1, y2], axis=-1), ops.shape(xr))  # (B, heads, L, R): pairs back in place
+        turned = bk.reshape(ops.stack([y1, y2], axis=-1), bk.shape(xr))  # (B, heads, L, R): pairs back in place
     else:
         turned = ops.concatenate([y1, y2], axis=-1)
     if R == x.shape[-1]:
@@ -192,7 +192,7 @@ def rope_last(x, angles, rotary_dim: int, interleaved: bool, attention_factor: f
 def join_keys(k_nope, k_rope):
     """KEY.JOIN (latent): each head's key features from the latent, k_nope (B, K, S, H - R), then the rotary
     key every head shares, k_rope (B, 1, S, R) -> (B, K, S, H)."""
-    B, K, S = ops.shape(k_nope)[:3]
+    B, K, S = bk.shape(k_nope)[:3]
     return ops.concatenate([k_nope, ops.broadcast_to(k_rope, (B, K, S, k_rope.shape[3]))], axis=-1)
 
 
@@ -201,22 +201,22 @@ def absorb_query(q, key_kernel, rope_dim: int):
     up-projection's transpose, q_nope W_uk^T (C features), then its rotary features: (B, N, T, H) with
     key.kernel (C, K, H - R) -> (B, N, T, C + R), in compute dtype, stored. Query head n reads key head
     n // G. Then q_abs . [latent | rotary key] = q . [latent W_uk | rotary key]: the expanded logits."""
-    B, N, T, H = ops.shape(q)[0], q.shape[1], ops.shape(q)[2], q.shape[3]
+    B, N, T, H = bk.shape(q)[0], q.shape[1], bk.shape(q)[2], q.shape[3]
     C, K = key_kernel.shape[0], key_kernel.shape[1]
     ct = compute_dtype(q.dtype)
-    q_nope = ops.reshape(_cast(q[..., : H - rope_dim], ct), (B, K, N // K, T, H - rope_dim))
-    q_latent = ops.reshape(einsum("bkgth,ckh->bkgtc", q_nope, _cast(key_kernel, ct)), (B, N, T, C))
+    q_nope = bk.reshape(_cast(q[..., : H - rope_dim], ct), (B, K, N // K, T, H - rope_dim))
+    q_latent = bk.reshape(einsum("bkgth,ckh->bkgtc", q_nope, _cast(key_kernel, ct)), (B, N, T, C))
     return ops.concatenate([_cast(q_latent, q.dtype), q[..., H - rope_dim:]], axis=-1)
 
 
 def expand_values(ctx_latent, value_kernel):
     """The absorbed form's context (latent): each head's attention over the latent, (B, N, T, C), through
     its value up-projection (C, K, V) -> (B, N, T, V) (sum_j w_j (c_j W_uv) = (sum_j w_j c_j) W_uv)."""
-    B, N, T, C = ops.shape(ctx_latent)[0], ctx_latent.shape[1], ops.shape(ctx_latent)[2], ctx_latent.shape[3]
+    B, N, T, C = bk.shape(ctx_latent)[0], ctx_latent.shape[1], bk.shape(ctx_latent)[2], ctx_latent.shape[3]
     K, V = value_kernel.shape[1], value_kernel.shape[2]
     ct = compute_dtype(ctx_latent.dtype)
-    grouped = ops.reshape(_cast(ctx_latent, ct), (B, K, N // K, T, C))
-    return _cast(ops.reshape(einsum("bkgtc,ckv->bkgtv", grouped, _cast(value_kernel, ct)), (B, N, T, V)),
+    grouped = bk.reshape(_cast(ctx_latent, ct), (B, K, N // K, T, C))
+    return _cast(bk.reshape(einsum("bkgtc,ckv->bkgtv", grouped, _cast(value_kernel, ct)), (B, N, T, V)),
                  ctx_latent.dtype)
 
 
@@ -238,12 +238,12 @@ def temperature(q, factor):
 def logits(q, k, scale: float):
     """LOGITS times scale: q (B, N, T, H), k (B, K, S, H) -> (B, N, T, S).
     Query head n reads key head n // G."""
-    B, N, T, H = ops.shape(q)
-    K, S = k.shape[1], ops.shape(k)[2]
-    qg = ops.reshape(q, (B, K, N // K, T, H))  # (B, K, G, T, H)
+    B, N, T, H = bk.shape(q)
+    K, S = k.shape[1], bk.shape(k)[2]
+    qg = bk.reshape(q, (B, K, N // K, T, H))  # (B, K, G, T, H)
     ct = compute_dtype(q.dtype)
     scores = einsum(LOGITS, _cast(qg, ct), _cast(k, ct))  # (B, K, G, T, S)
-    return _cast(ops.reshape(scores * scale, (B, N, T, S)), q.dtype)  # (B, N, T, S)
+    return _cast(bk.reshape(scores * scale, (B, N, T, S)), q.dtype)  # (B, N, T, S)
 
 
 def softcap(x, cap: float):
@@ -263,7 +263,7 @@ def alibi_bias(slopes, positions, key_positions, dtype, rounding=None):
     the roundings pass the gradient straight through (d slope_n = sum(d bias * round(pos_k)))."""
     ct = compute_dtype(dtype)
     if rounding is not None:
-        slope = ops.reshape(_cast(slopes, ct), (1, -1, 1, 1))  # (1, N, 1, 1)
+        slope = bk.reshape(_cast(slopes, ct), (1, -1, 1, 1))  # (1, N, 1, 1)
         key = _cast(_cast(_cast(key_positions, ct), rounding), ct)[:, None, None, :]  # (B|1, 1, 1, S)
         exact = slope * key  # (B|1, N, 1, S): carries the gradient
         rounded = _cast(_cast(_cast(_cast(ops.stop_gradient(slope), rounding), ct) * key, rounding), ct)
@@ -271,7 +271,7 @@ def alibi_bias(slopes, positions, key_positions, dtype, rounding=None):
         return exact + ops.stop_gradient(rounded - exact) + rows  # (B|1, N, T, S)
     q_pos, k_pos = _cast(positions, "int64"), _cast(key_positions, "int64")
     distance = _cast(ops.abs(q_pos[:, :, None] - k_pos[:, None, :]), ct)  # (B|1, T, S)
-    return -ops.reshape(_cast(slopes, ct), (1, -1, 1, 1)) * distance[:, None]  # (B|1, N, T, S)
+    return -bk.reshape(_cast(slopes, ct), (1, -1, 1, 1)) * distance[:, None]  # (B|1, N, T, S)
 
 
 def alibi(x, bias):
@@ -306,7 +306,7 @@ def softmax(x, masked_row: str, sinks=None):
     ct = compute_dtype(x.dtype)
     xc = _cast(x, ct)
     row_max = ops.max(xc, axis=-1, keepdims=True)  # (B, N, T, 1)
-    sink = None if sinks is None else ops.reshape(_cast(sinks, ct), (1, -1, 1, 1))  # (1, N, 1, 1)
+    sink = None if sinks is None else bk.reshape(_cast(sinks, ct), (1, -1, 1, 1))  # (1, N, 1, 1)
     if sink is not None:
         row_max = bk.maximum(row_max, sink)
     row_max = ops.stop_gradient(row_max)
@@ -318,7 +318,7 @@ def softmax(x, masked_row: str, sinks=None):
         total = total + ops.exp(sink - shift)  # never empty: the sink is finite
     w = e / ops.where(empty, ops.ones_like(total), total)  # an empty row is all 0 here
     if sink is None and masked_row == "uniform":
-        w = ops.where(empty, ops.ones_like(w) / _cast(ops.shape(x)[-1], ct), w)
+        w = ops.where(empty, ops.ones_like(w) / _cast(bk.shape(x)[-1], ct), w)
     elif sink is None and masked_row == "nan":
         # times NaN, not a NaN fill: the row's gradient is NaN too, as in the spec
         w = w * ops.where(empty, ops.full_like(total, math.nan), ops.ones_like(total))
@@ -335,10 +335,10 @@ def dropout(w, keep, rate: float):
 
 def attend(w, v):
     """ATTEND: weights (B, N, T, S), v (B, K, S, V) -> (B, N, T, V)."""
-    B, N, T, S = ops.shape(w)
+    B, N, T, S = bk.shape(w)
     K, V = v.shape[1], v.shape[-1]
-    wg = ops.reshape(w, (B, K, N // K, T, S))  # (B, K, G, T, S)
-    return ops.reshape(_einsum(ATTEND, wg, v, w.dtype), (B, N, T, V))  # (B, N, T, V)
+    wg = bk.reshape(w, (B, K, N // K, T, S))  # (B, K, G, T, S)
+    return bk.reshape(_einsum(ATTEND, wg, v, w.dtype), (B, N, T, V))  # (B, N, T, V)
 
 
 def gate_project(x, kernel, bias):
@@ -350,8 +350,8 @@ def gate(ctx, gate_logits, num_heads: int):
     """GATE: the context (B, N, T, V) times sigmoid of gate.project's logits, (B, T, N*V) per element or
     (B, T, N) per head; in compute dtype, stored. Autodiff of the sigmoid gives the spec's g (1 - g)."""
     ct = compute_dtype(ctx.dtype)
-    B, T = ops.shape(gate_logits)[0], ops.shape(gate_logits)[1]
-    g = ops.reshape(_cast(gate_logits, ct), (B, T, num_heads, -1))  # (B, T, N, V|1)
+    B, T = bk.shape(gate_logits)[0], bk.shape(gate_logits)[1]
+    g = bk.reshape(_cast(gate_logits, ct), (B, T, num_heads, -1))  # (B, T, N, V|1)
     g = ops.sigmoid(ops.transpose(g, (0, 2, 1, 3)))  # (B, N, T, V|1)
     return _cast(_cast(ctx, ct) * g, ctx.dtype)
 
@@ -397,14 +397,14 @@ def differential_stage(config, params: dict, ctx):
 
 def merge_heads(x):
     """(B, N, T, V) -> (B, T, N*V)."""
-    B, N, T, V = ops.shape(x)
+    B, N, T, V = bk.shape(x)
     x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, V)
-    return ops.reshape(x, (B, T, N * V))  # (B, T, N*V)
+    return bk.reshape(x, (B, T, N * V))  # (B, T, N*V)
 
 
 def output(x, kernel, bias):
     """OUTPUT: (B, T, N*V) times kernel (N, V, O) flattened -> (B, T, O)."""
-    y = _einsum(OUTPUT, x, ops.reshape(kernel, (-1, kernel.shape[-1])), x.dtype)  # (B, T, O)
+    y = _einsum(OUTPUT, x, bk.reshape(kernel, (-1, kernel.shape[-1])), x.dtype)  # (B, T, O)
     if bias is not None:
         ct = compute_dtype(x.dtype)
         y = _cast(_cast(y, ct) + _cast(bias, ct), x.dtype)
@@ -469,13 +469,13 @@ def all_key_positions(key_positions, P, past_key_positions=None):
         return key_positions
     key_positions = _cast(key_positions, "int64")
     if past_key_positions is None:
-        cached = ops.broadcast_to(ops.arange(P, dtype="int64")[None], (ops.shape(key_positions)[0], P))  # (B|1, P)
+        cached = ops.broadcast_to(ops.arange(P, dtype="int64")[None], (bk.shape(key_positions)[0], P))  # (B|1, P)
         return ops.concatenate([cached, key_positions], axis=1)  # (B|1, P+S)
     cached = _cast(past_key_positions, "int64")  # (B|1, P)
-    B1, B2 = ops.shape(cached)[0], ops.shape(key_positions)[0]
+    B1, B2 = bk.shape(cached)[0], bk.shape(key_positions)[0]
     B = max(B1, B2) if isinstance(B1, int) and isinstance(B2, int) else bk.maximum(B1, B2)
-    return ops.concatenate([ops.broadcast_to(cached, (B, ops.shape(cached)[1])),
-                            ops.broadcast_to(key_positions, (B, ops.shape(key_positions)[1]))], axis=1)  # (B, P+S)
+    return ops.concatenate([ops.broadcast_to(cached, (B, bk.shape(cached)[1])),
+                            ops.broadcast_to(key_positions, (B, bk.shape(key_positions)[1]))], axis=1)  # (B, P+S)
 
 
 def temperature_positions(positions, source: str, P, T):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from . import backend as bk
 from . import functional as F
 from ._keras import keras
 from .backend import constant, matmul, matmul_nt, maximum, softmax, tanh, where
@@ -71,14 +72,14 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
     # k and v may be tuples of parts along S (a cache and the new keys, not concatenated): their
     # logits are joined instead ((T, S) values where the keys are (S, H)), the context summed per part
     ks, vs = (k, v) if isinstance(k, (tuple, list)) else ((k,), (v,))
-    B, N, T, H = ops.shape(q)
+    B, N, T, H = bk.shape(q)
     K, V = ks[0].shape[1], vs[0].shape[-1]
-    S = ops.shape(ks[0])[2]
+    S = bk.shape(ks[0])[2]
     for part in ks[1:]:
-        S = S + ops.shape(part)[2]
+        S = S + bk.shape(part)[2]
     # LOGITS and ATTEND as matmuls on the grouped (B, K, G*T, .) queries, as impl_numpy computes
     # them: XLA runs these 1.3-1.7x faster than the 5-D einsum's dot.
-    qg = ops.reshape(F._cast(q, ct) * constant(scale, ct), (B, K, (N // K) * T, H))  # (B, K, G*T, H)
+    qg = bk.reshape(F._cast(q, ct) * constant(scale, ct), (B, K, (N // K) * T, H))  # (B, K, G*T, H)
     if key_length is not None:
         # an in-place cache (one part, T small beside S): the keys as the matmul's left operand, (S, H) x
         # (H, G*T), then the small (S, G*T) result transposed; XLA's CPU dot ran the (G*T, H) x (H, S)
@@ -86,7 +87,7 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
         x = [ops.transpose(matmul_nt(F._cast(ks[0], ct), qg), (0, 1, 3, 2))]  # (B, K, G*T, S)
     else:
         x = [matmul_nt(qg, F._cast(part, ct)) for part in ks]  # (B, K, G*T, S_part) each
-    x = ops.reshape(x[0] if len(x) == 1 else ops.concatenate(x, axis=-1), (B, N, T, S))  # (B, N, T, S), scaled
+    x = bk.reshape(x[0] if len(x) == 1 else ops.concatenate(x, axis=-1), (B, N, T, S))  # (B, N, T, S), scaled
     if softcap is not None:  # before mask and bias, as the spec's stage
         cap = constant(softcap, ct)
         x = tanh(x / cap) * cap
@@ -117,19 +118,19 @@ def fused_attention(q, k, v, *, mask4, bias, keep, is_causal: bool, causal_align
                              constant(0.0, ct))
             w = where(empty, fill, w)
     else:
-        sink = ops.reshape(F._cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
+        sink = bk.reshape(F._cast(sinks, ct), (1, N, 1, 1))  # (1, N, 1, 1)
         shift = ops.stop_gradient(maximum(ops.max(x, axis=-1, keepdims=True), sink))  # finite: the sink is
         e = ops.exp(x - shift)  # (B, N, T, S); masked -> exactly 0
         w = e / (ops.sum(e, axis=-1, keepdims=True) + ops.exp(sink - shift))
     if keep is not None:
         w = where(keep, w / constant(1.0 - rate, ct), constant(0.0, ct))
-    wg = ops.reshape(w, (B, K, (N // K) * T, S))  # (B, K, G*T, S)
+    wg = bk.reshape(w, (B, K, (N // K) * T, S))  # (B, K, G*T, S)
     if len(vs) == 1:
         ctx = matmul(wg, F._cast(vs[0], ct))  # (B, K, G*T, V)
     else:  # each part's weights times its values
         ctx, s0 = None, 0
         for part in vs:
-            s1 = s0 + ops.shape(part)[2]
+            s1 = s0 + bk.shape(part)[2]
             term = matmul(wg[..., s0:s1], F._cast(part, ct))  # (B, K, G*T, V)
             ctx, s0 = term if ctx is None else ctx + term, s1
-    return F._cast(ops.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)
+    return F._cast(bk.reshape(ctx, (B, N, T, V)), dtype)  # (B, N, T, V)

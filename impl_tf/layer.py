@@ -36,6 +36,7 @@ from weights.alibi import bloom_slopes
 from weights.contract import cache_widths, check_chunk_size
 
 from . import attention
+from . import backend as bk
 from ._keras import keras
 from .backend import GPU_MISSING, check_dtype, gpus, matmul_precision, placement, to_tensor
 
@@ -224,7 +225,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """The canonical tensors as (differentiable) reshapes of the variables."""
         shapes = self.config.tensor_shapes()
         # (D, N*H) -> (D, N, H), (N*H,) -> (N, H), (N*V, O) -> (N, V, O), ...: tensor_shapes()
-        return {name: ops.reshape(v, shapes[name]) for name, v in self.canonical_variables().items()}
+        return {name: bk.reshape(v, shapes[name]) for name, v in self.canonical_variables().items()}
 
     def set_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         """Assign canonical tensors (validated first), cast to the layer's dtype."""
@@ -296,9 +297,9 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.seed_generator is None:
             return None  # the contract's error follows
         source = query if key is None else key
-        P = (0 if past_key is None else ops.shape(past_key)[2]) if cache_length is None else cache_length
-        S_total = ops.shape(source)[1] + P
-        shape = (ops.shape(query)[0], self.config.num_heads, ops.shape(query)[1], S_total)
+        P = (0 if past_key is None else bk.shape(past_key)[2]) if cache_length is None else cache_length
+        S_total = bk.shape(source)[1] + P
+        shape = (bk.shape(query)[0], self.config.num_heads, bk.shape(query)[1], S_total)
         return keras.random.uniform(shape, seed=self.seed_generator) >= self.config.dropout
 
     def call(self, query, key=None, value=None, mask=None, bias=None, is_causal=False, causal_alignment="top_left",

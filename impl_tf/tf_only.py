@@ -4,7 +4,7 @@
   "BLD,DF->BLF" into a broadcasting 3-D matmul that TensorFlow runs about 1.3x slower than the einsum it
   came from), tf.matmul (transpose_b=True folded in), tf.where and tf.constant (keras.ops' forms resolve dtypes and
   convert their operands on every call: tens of microseconds each, eagerly, on the conformance grid's
-  tiny calls).
+  tiny calls); reshape and shape (below: keras.ops' forms leave TensorFlow's eager fast path).
 - The in-place cache: its tf.Variables checked (in_place_buffers) and written by XLA (write_cache).
 - XLA: the fused core compiled (xla), for large score arrays (attention.XLA_MIN_SCORES).
 - Devices and TF32 (placement, matmul_precision, gpus).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 
 from weights.contract import in_place_buffer_error
@@ -28,6 +29,31 @@ einsum = tf.einsum
 matmul = tf.matmul
 where = tf.where
 constant = tf.constant
+
+
+def reshape(x, shape):
+    """tf.reshape, the shape handed over as an int32 array where it is Python ints alone. TensorFlow's eager
+    fast path (TFE_Py_FastPathExecute) does not take a tuple or list for Reshape's shape and falls back to its
+    Python path: 133 against 39 us a call, measured (tf 2.x, 2-core EPYC VM, 2026-11-29); the grid's float32
+    column reshapes about 13,000 times. A Keras variable is read first (as keras.ops.reshape reads it), so
+    a GradientTape watching it sees the read."""
+    if keras.backend.is_keras_tensor(x):  # a symbolic (functional-model) input: Keras's own op
+        return keras.ops.reshape(x, shape)
+    if isinstance(x, keras.Variable):
+        x = x.value
+    if all(type(d) is int for d in shape):
+        shape = np.asarray(shape, np.int32)
+    return tf.reshape(x, shape)
+
+
+def shape(x):
+    """keras.ops.shape, without its tf.shape op where the static shape is whole: Keras's TensorFlow backend
+    runs tf.shape(x) on every call, eagerly too (13,700 ops a float32 column of the grid). Dimensions unknown
+    in a tf.function stay tensors, as keras.ops.shape gives them."""
+    static = getattr(x, "shape", None)
+    if isinstance(static, tf.TensorShape) and static.is_fully_defined():
+        return tuple(static.as_list())
+    return keras.ops.shape(x)
 
 
 def softmax(x):

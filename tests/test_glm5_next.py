@@ -32,7 +32,7 @@ try:
 except ImportError:
     torch = transformers = None
 
-pytestmark = [pytest.mark.torch, pytest.mark.skipif(
+pytestmark = [pytest.mark.torch, pytest.mark.tf, pytest.mark.jax, pytest.mark.skipif(
     transformers is None, reason="needs torch and transformers >= 5.23 (glm5_next): pip install '.[torch,hf]'")]
 
 B, D, KPOOL, TOPK = 2, 16, 2, 4  # index_topk 4 tokens = 2 pools of 2
@@ -102,8 +102,10 @@ def _mutated(config, bug):
     return config
 
 
-def _ours(config, tensors, x, monkeypatch=None, bug=None):
-    """The float64 reference's calls, as _run_model's: {(part, start): (output, selection)}, the index cache."""
+def _ours(config, tensors, x, monkeypatch=None, bug=None, backend="numpy", dtype=np.float64, full=True):
+    """One backend's calls (default: the float64 reference), as _run_model's: {(part, start): (output,
+    selection)}, the index cache. full False: without the prefill of all T tokens (the mirrors: the prefill
+    of PREFIX tokens already drops keys, and each new shape costs JAX a compilation)."""
     if bug == "pools_not_expanded":
         monkeypatch.setattr(numpy_indexer, "expand_blocks", lambda blocks, bs, allowed, S: blocks)
     if bug == "open_pools_selectable":
@@ -112,23 +114,29 @@ def _ours(config, tensors, x, monkeypatch=None, bug=None):
     config = _mutated(config, bug)
     if bug == "max_pooled":
         tensors = {k: v for k, v in tensors.items() if not k.startswith("indexer.pool.")}
-    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
-    numpy = backends.load("numpy")
+    wide = {k: v.astype(dtype) for k, v in tensors.items()}
+    run = backends.load(backend)
     got = {}
-    for part, spans in (("prefill", [(0, T)]), ("decode", [(0, PREFIX)] + [(t, t + 1) for t in range(PREFIX, T)])):
+    for part, spans in [("prefill", [(0, T)])] * full + [("decode", [(0, PREFIX)] + [(t, t + 1) for t in
+                                                                                    range(PREFIX, T)])]:
         cache = {}
         for start, stop in spans:
-            inputs = {"query": x[:, start:stop].astype(np.float64), "positions": np.arange(start, stop), **cache}
+            inputs = {"query": x[:, start:stop].astype(dtype), "positions": np.arange(start, stop), **cache}
             options = {"is_causal": True, "return_cache": True, "return_selection": True}
             if cache:
                 options["causal_alignment"] = "bottom_right"
-            r = numpy.forward(config, wide, inputs, options)
+            r = {name: _array(v) for name, v in run.forward(config, wide, inputs, options).items()
+                 if name in ("output", "selection", "present_key", "present_value", "present_index_keys")}
             cache = {"past_key": r["present_key"], "past_value": r["present_value"],
                      "past_index_keys": r["present_index_keys"]}
             got[(part, start)] = (np.asarray(r["output"]), np.asarray(r["selection"]))
         if part == "decode":
             got["index cache"] = cache["past_index_keys"]
     return got
+
+
+def _array(x):
+    return np.asarray(x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else x)
 
 
 def _judge(config, tensors, x, ours, theirs, name):
@@ -196,6 +204,34 @@ def test_no_near_tie_at_the_kth_pool(block):
             a, b = order[k - 1], order[k]
             worst = min(worst, (s[row][a] - s[row][b]) / max(allowance[row][a], allowance[row][b]))
     assert 2 < worst < np.inf, f"a k-th and (k+1)-th pool score within {worst:.3g} allowances (or none dropped)"
+
+
+def _mirrors():
+    out = []
+    for name in backends.CORE:
+        if name == "numpy":
+            continue
+        try:
+            backends.load(name)
+        except backends.BackendUnavailable:
+            continue
+        out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("backend", _mirrors())
+def test_mirrors_reproduce_prefill_and_decode(block, backend):
+    """Each installed mirror in float32 through its own multi_head_attention (the layer runs its indexer):
+    the model's outputs within the float32 policy, its selections, its index cache."""
+    config, tensors, x, theirs = block
+    ours = _ours(config, tensors, x, backend=backend, dtype=np.float32, full=False)
+    margins, failed = _judge(config, tensors, x, ours, theirs, f"glm5_next {backend}")
+    assert not failed, "\n".join(failed)
+    for key in ours:
+        if key != "index cache":
+            assert _keys(ours[key][1]) == _keys(theirs[key][1]), f"{backend} {key}: selections differ"
+    assert np.allclose(ours["index cache"], theirs["index cache"], rtol=1e-5, atol=1e-5), "the index caches differ"
+    print(f"glm5_next {backend}: worst margin {max(margins.values()):.3g}")
 
 
 @pytest.mark.parametrize("bug", list(MUTANTS))

@@ -203,6 +203,7 @@ def test_no_near_tie_at_the_kth_pool(block):
         if np.isfinite(s[row][order[k]]):
             a, b = order[k - 1], order[k]
             worst = min(worst, (s[row][a] - s[row][b]) / max(allowance[row][a], allowance[row][b]))
+    print(f"glm5_next: k-th and (k+1)-th pool scores at least {worst:.3g} allowances apart")
     assert 2 < worst < np.inf, f"a k-th and (k+1)-th pool score within {worst:.3g} allowances (or none dropped)"
 
 

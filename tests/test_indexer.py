@@ -326,6 +326,28 @@ def test_kpool_against_an_independent_formulation(open_block):
     assert {0, 1, 2} - want[-1] or {3, 4, 5} - want[-1] or {6, 7, 8} - want[-1], "the selection drops no block"
 
 
+def test_kpool_selections_are_judged():
+    """judge_indexer on a k-pool: the float32 reference's own selection passes; its open block dropped, its
+    pools max-pooled (M3's path) and its pools not expanded (pool numbers as keys) each fail."""
+    from conformance.suite.selection import judge_indexer
+
+    config = _kpool()
+    t = init(config, seed=9, dtype="float64")
+    x = np.random.default_rng(4).standard_normal((2, 11, D))
+    ok = lightning_indexer(config, t, x.astype(np.float32), dtype="float32")
+
+    def verdicts(selection):
+        return judge_indexer(config, t, {"query": x}, {"topk_indices": selection}, dtype="float32")
+
+    assert all(v.ok for v in verdicts(ok["topk_indices"])), [v.describe() for v in verdicts(ok["topk_indices"])]
+    no_tail = lightning_indexer(config.replace(indexer={**config.indexer.to_dict(), "open_block": False}), t, x)
+    maxed = lightning_indexer(config.replace(indexer={**config.indexer.to_dict(), "block_pool": "max",
+                                                      "open_block": False}), t, x)
+    for name, bad in (("open block dropped", no_tail["topk_indices"]), ("max-pooled", maxed["topk_indices"]),
+                      ("not expanded", ok["topk_blocks"][:, 0])):
+        assert not all(v.ok for v in verdicts(bad)), f"{name} passed the judge"
+
+
 def test_kpool_fields():
     config = _kpool()
     assert AttentionConfig.from_json(config.to_json()) == config

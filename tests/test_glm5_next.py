@@ -171,6 +171,27 @@ def test_config_read_from_the_checkpoint(block):
         "the NoPE heads' padded rotary features must be zero"
 
 
+def test_reader_finds_the_layer_in_a_full_checkpoint(block):
+    """The same layer as layer 3 of a glm5_next checkpoint's names (model.language_model.layers.3.self_attn.*,
+    its text_config nested, the default schedule: layers 0-2 linear_attention, 3 indexed): the same block;
+    a linear_attention layer refused, a missing key listed (one line each)."""
+    config, tensors, *_ = block
+    cfg, layer = _model()
+    text = {**cfg.to_dict(), "num_hidden_layers": 4, "layer_types": None, "indexer_types": None,
+            "mlp_layer_types": None}
+    full = {"model_type": "glm5_next", "text_config": text}
+    state = {f"model.language_model.layers.3.self_attn.{n}": p.detach().numpy() for n, p in layer.state_dict().items()}
+    again, t = layouts.to_canonical("hf-deepseek", state, hf_config=full, layer=3)
+    assert again == config and all(np.array_equal(t[n], tensors[n]) for n in tensors), "layer 3 read differently"
+    with pytest.raises(ValueError, match="layer 0 of glm5_next is a linear_attention layer") as err:
+        layouts.to_canonical("hf-deepseek", {k.replace(".3.", ".0."): v for k, v in state.items()}, hf_config=full,
+                             layer=0)
+    assert "\n" not in str(err.value)
+    gone = {k: v for k, v in state.items() if not k.endswith("index_kpool_compress_ape")}
+    with pytest.raises(ValueError, match="missing model.language_model.layers.3.self_attn.indexer.index_kpool_comp"):
+        layouts.to_canonical("hf-deepseek", gone, hf_config=full, layer=3)
+
+
 def test_reference_reproduces_prefill_and_decode(block):
     """Outputs within the float32 policy, the same keys on every row of every call, the same index cache."""
     config, tensors, x, theirs = block

@@ -38,8 +38,9 @@ from .tolerance import REFERENCE_FACTOR, SAFETY, UNIT_ROUNDOFF
 def index_length(config, max_position: int = 0) -> int:
     """L of an index score: the projection of its query source (the query latent's two reductions where the
     query comes from it), the key's projection (key_dim), the key norm's mean (J), the dot product (J), the
-    sum over heads (I) and the head weights' projection (query_dim); RoPE adds theta_max^2 (the rounding of
-    the angle, as the attention's policy: weights/rope.py frequencies, largest position)."""
+    sum over heads (I) and the head weights' projection (query_dim); a gated block pool its gates and pooling;
+    RoPE adds theta_max^2 (the rounding of the angle, as the attention's policy: weights/rope.py frequencies,
+    largest position)."""
     ix = config.indexer
     J, I = ix.head_dim, ix.heads
     length = config.key_dim + 2 * J + I
@@ -48,6 +49,9 @@ def index_length(config, max_position: int = 0) -> int:
         length += J
     if ix.head_weights:
         length += config.query_dim
+    if ix.block_pool == "gated":  # the k-pool: each gate logit's projection (key_dim), the softmax over the
+        # block's slots and the weighted sum of their keys (block_size each), as compressed_index_length's pool
+        length += config.key_dim + 2 * ix.block_size
     if ix.rope is not None and max_position:
         from weights.rope import rope_tables
 

@@ -375,6 +375,12 @@ def test_kpool_fields():
         lightning_indexer(config, t, _x(), past_index_keys=np.zeros((2, 3, 8)))
     with pytest.raises(ValueError, match="precision fp8_e4m3 needs indexer.block_pool max"):
         lightning_indexer(config, t, _x(), precision="fp8_e4m3")
+    from weights import layouts
+
+    m3_like = _m3().replace(indexer={**_m3().indexer.to_dict(), "local_blocks": 0, "block_pool": "gated"})
+    for layout in ("hf-minimax", "hf-deepseek"):  # neither holds the pool's gate and slot positions
+        problems = layouts.cannot_express(layout, m3_like if layout == "hf-minimax" else config)
+        assert any("indexer.block" in p for p in problems), (layout, problems)
 
 
 def test_a_weights_file_keeps_the_indexer_and_no_layout_drops_it_silently(tmp_path):

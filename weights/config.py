@@ -429,7 +429,7 @@ class Indexer:
     score_scale: float | None = None  # multiplies q.k before the ReLU; None: J ** -0.5 (DeepSeek); M3: 1
     relu: bool = True  # ReLU on each head's scaled q.k before the weighted sum (M3: none)
     per_kv_head: bool = False  # one selection per kv head (index head i selects for kv head i; M3) or one
-    block_size: int | None = None  # None: keys are selected; an int: blocks of block_size keys (max-pooled)
+    block_size: int | None = None  # None: keys are selected; an int: blocks of block_size keys (block_pool)
     local_blocks: int = 0  # blocks always kept: the query's own and the local_blocks - 1 before it (M3: 1)
     block_pool: str = "max"  # a block's score: "max" of its keys' (M3) or "gated": one pooled key (GLM-5.3)
     open_block: bool = False  # gated: the query's own block, while not all visible, kept beyond the top-k (GLM-5.3)

@@ -25,6 +25,7 @@ FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
 FP8_BLOCK = 128
 PRECISIONS = (None, "fp8_e4m3")
+GATED = "gated"  # Indexer.block_pool of GLM-5.3-Flash's k-pool
 # The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
 READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
@@ -121,6 +122,44 @@ def expand_blocks(blocks, block_size: int, allowed, S: int):
     return jnp.where(jnp.take_along_axis(valid, order, axis=-1), packed, -1)
 
 
+def pooled_keys(k, gates, position, block_size: int):
+    B, S, J = k.shape
+    ct = compute_dtype(k.dtype)
+    nb = -(-S // block_size)
+    pad = ((0, 0), (0, nb * block_size - S), (0, 0))
+    logits = jnp.pad(gates.astype(ct), pad, constant_values=-jnp.inf)  # (B, nb * bs, J)
+    logits = logits.reshape(B, nb, block_size, J) + position.astype(ct)  # (B, nb, bs, J)
+    p = jnp.exp(logits - logits.max(axis=2, keepdims=True))
+    p = p / p.sum(axis=2, keepdims=True)  # (B, nb, bs, J): the gate over each block's slots, per feature
+    padded = jnp.pad(k.astype(ct), pad)
+    return jnp.einsum("BnbJ,BnbJ->BnJ", p, padded.reshape(B, nb, block_size, J), precision="highest")  # (B, nb, J)
+
+
+def complete_blocks(allowed, block_size: int):
+    *lead, S = allowed.shape
+    nb = -(-S // block_size)
+    padded = jnp.pad(allowed, [(0, 0)] * len(lead) + [(0, nb * block_size - S)])
+    return padded.reshape(*lead, nb, block_size).all(axis=-1)
+
+
+def open_block_keys(allowed, query_slots: np.ndarray, block_size: int):
+    *lead, T, S = allowed.shape
+    start = (np.asarray(query_slots) // block_size) * block_size  # (T,)
+    keys = jnp.asarray(start[:, None] + np.arange(block_size))  # (T, bs)
+    seen = jnp.take_along_axis(allowed, jnp.broadcast_to(jnp.clip(keys, 0, S - 1), (*lead, T, block_size)),
+                               axis=-1) & (keys < S)
+    is_open = ~seen.all(axis=-1, keepdims=True)  # (B|1, 1, T, 1)
+    valid = seen & is_open
+    order = jnp.argsort(~valid, axis=-1, stable=True)[..., :block_size - 1]  # visible first, in order
+    packed = jnp.take_along_axis(jnp.broadcast_to(keys, valid.shape), order, axis=-1)
+    return jnp.where(jnp.take_along_axis(valid, order, axis=-1), packed, -1)
+
+
+def left_pack(keys, width: int):
+    order = jnp.argsort(keys < 0, axis=-1, stable=True)[..., :width]
+    return jnp.take_along_axis(keys, order, axis=-1)
+
+
 # -- the call -----------------------------------------------------------------------------------------------
 
 def _allowed(mask, B: int, T: int, S: int, is_causal: bool):
@@ -156,7 +195,10 @@ def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=
         k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
                        ix.rope.interleaved, factor, ix.rope_end)[:, 0]
         k = rec("indexer.key.rope", k)
-    return k  # (B, S, J)
+    if ix.block_pool == GATED:  # the gate logits travel with the key in the cache: (B, S, 2J)
+        gates = rec("indexer.pool.gates", F.project(key, tensors["indexer.pool.gate.kernel"][:, None, :], None))
+        k = jnp.concatenate([k, gates], axis=-1)
+    return k  # (B, S, J), or (B, S, 2J) with block_pool gated
 
 
 def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec=lambda stage, value: value):
@@ -193,6 +235,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     if fp8_scale_format not in FP8_SCALE_FORMATS:
         raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {fp8_scale_format!r}")
     J = ix.head_dim
+    if precision is not None and ix.block_pool == GATED:
+        raise ValueError("precision fp8_e4m3 needs indexer.block_pool max (DeepSeek's fp8 scoring is of token keys; "
+                         "glm5_next scores its pooled keys in float32): got block_pool gated")
     if precision is not None:
         _float8()
     if precision is not None and (J & (J - 1) or J > FP8_BLOCK):
@@ -210,9 +255,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     P = 0
     if past_index_keys is not None:
         past_index_keys = jnp.asarray(past_index_keys).astype(dt)
-        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != J:
-            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {J}): "
-                             f"got {past_index_keys.shape}")
+        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.cache_width:
+            raise ValueError(f"past_index_keys must have shape (B, P, {'2J' if ix.block_pool == GATED else 'J'}) = "
+                             f"({B}, P, {ix.cache_width}): got {past_index_keys.shape}")
         P = past_index_keys.shape[1]
     tensors = {name: jnp.asarray(t).astype(dt) for name, t in tensors.items() if name.startswith(READS)}
     positions = F.default_positions(positions, P, T)
@@ -220,7 +265,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else jnp.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J)
+    k = k_new if past_index_keys is None else jnp.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    if ix.block_pool == GATED:
+        return _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
     weights = None
     if ix.head_weights:
         ct = compute_dtype(dt)
@@ -249,5 +296,35 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         if return_scores:
             result["block_scores"] = bx
         selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
+    result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
+    return result
+
+
+def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,
+                     is_causal: bool, return_scores: bool, rec) -> dict:
+    """impl_numpy.indexer._gated_selection in JAX."""
+    ix = config.indexer
+    J, bs = ix.head_dim, ix.block_size
+    k, gates = cache[..., :J], cache[..., J:]
+    pooled = rec("indexer.pool.keys", pooled_keys(k, gates, tensors["indexer.pool.position"], bs))  # (B, nb, J)
+    weights = None
+    if ix.head_weights:
+        ct = compute_dtype(query.dtype)
+        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        weights = rec("indexer.weights", (w.astype(ct) * ct.type(ix.effective_weight_scale)).astype(query.dtype))
+    x = rec("indexer.scores", scores(q, pooled, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
+    allowed = _allowed(mask, B, T, S, is_causal)  # (B|1, 1, T, S)
+    x = rec("indexer.masked_scores", mask_scores(x, complete_blocks(allowed, bs)))  # (B, G, T, nb)
+    result = {"present_index_keys": cache}
+    if return_scores:
+        result.update(index_scores=x, block_scores=x)
+    blocks = rec("indexer.blocks", select_topk(x, ix.topk))  # (B, G, T, kb')
+    result["topk_blocks"] = blocks
+    selection = expand_blocks(blocks, bs, allowed, S)  # (B, G, T, min(kb' * bs, S))
+    if ix.open_block:
+        tail = open_block_keys(allowed, np.arange(T) + S - T, bs)  # (B|1, 1, T, bs - 1)
+        tail = jnp.broadcast_to(tail, (*selection.shape[:-1], bs - 1))
+        width = min(selection.shape[-1] + bs - 1, S)
+        selection = left_pack(jnp.concatenate([selection, tail], axis=-1), width)
     result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
     return result

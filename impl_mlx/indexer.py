@@ -22,6 +22,7 @@ from .convert import np_dtype, scalar, to_mx, to_mx_dtype
 from .masks import causal_mask
 
 PRECISIONS = (None, "fp8_e4m3")
+GATED = "gated"  # Indexer.block_pool of GLM-5.3-Flash's k-pool
 # The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
 READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
@@ -95,6 +96,44 @@ def expand_blocks(blocks, block_size: int, allowed, S: int):
     return mx.where(mx.take_along_axis(valid, order, axis=-1), packed, -1)
 
 
+def pooled_keys(k, gates, position, block_size: int):
+    B, S, J = k.shape
+    c = compute_of(k.dtype)
+    nb = -(-S // block_size)
+    pad = [(0, 0), (0, nb * block_size - S), (0, 0)]
+    logits = mx.pad(gates.astype(c), pad, constant_values=-np.inf)  # (B, nb * bs, J)
+    logits = logits.reshape(B, nb, block_size, J) + position.astype(c)  # (B, nb, bs, J)
+    p = mx.exp(logits - logits.max(axis=2, keepdims=True))
+    p = p / p.sum(axis=2, keepdims=True)  # (B, nb, bs, J): the gate over each block's slots, per feature
+    padded = mx.pad(k.astype(c), pad)
+    return mx.einsum("bnsj,bnsj->bnj", p, padded.reshape(B, nb, block_size, J))  # (B, nb, J)
+
+
+def complete_blocks(allowed, block_size: int):
+    *lead, S = allowed.shape
+    nb = -(-S // block_size)
+    padded = mx.pad(allowed.astype(mx.int32), [(0, 0)] * len(lead) + [(0, nb * block_size - S)])
+    return padded.reshape(*lead, nb, block_size).min(axis=-1) > 0
+
+
+def open_block_keys(allowed, query_slots: np.ndarray, block_size: int):
+    *lead, T, S = allowed.shape
+    start = (np.asarray(query_slots) // block_size) * block_size  # (T,)
+    keys = mx.array(start[:, None] + np.arange(block_size), dtype=mx.int64)  # (T, bs)
+    seen = mx.take_along_axis(allowed, mx.broadcast_to(mx.clip(keys, 0, S - 1), (*lead, T, block_size)),
+                              axis=-1) & (keys < S)
+    is_open = seen.astype(mx.int32).min(axis=-1, keepdims=True) == 0  # (B|1, 1, T, 1)
+    valid = seen & is_open
+    order = mx.argsort((~valid).astype(mx.int32), axis=-1)[..., :block_size - 1]  # stable: visible first, in order
+    packed = mx.take_along_axis(mx.broadcast_to(keys, valid.shape), order, axis=-1)
+    return mx.where(mx.take_along_axis(valid, order, axis=-1), packed, -1)
+
+
+def left_pack(keys, width: int):
+    order = mx.argsort((keys < 0).astype(mx.int32), axis=-1)[..., :width]  # stable
+    return mx.take_along_axis(keys, order, axis=-1)
+
+
 # -- the call -----------------------------------------------------------------------------------------------
 
 def _allowed(mask, B: int, T: int, S: int, is_causal: bool):
@@ -127,7 +166,10 @@ def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=
         k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
                        ix.rope.interleaved, factor, ix.rope_end)[:, 0]
         k = rec("indexer.key.rope", k)
-    return k  # (B, S, J)
+    if ix.block_pool == GATED:  # the gate logits travel with the key in the cache: (B, S, 2J)
+        gates = rec("indexer.pool.gates", F.project(key, tensors["indexer.pool.gate.kernel"][:, None, :], None))
+        k = mx.concatenate([k, gates], axis=-1)
+    return k  # (B, S, J), or (B, S, 2J) with block_pool gated
 
 
 def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec=lambda stage, value: value):
@@ -163,7 +205,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}: got {precision!r}")
     if fp8_scale_format not in FP8_SCALE_FORMATS:
         raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {fp8_scale_format!r}")
-    J = ix.head_dim
+    if precision is not None and ix.block_pool == GATED:
+        raise ValueError("precision fp8_e4m3 needs indexer.block_pool max (DeepSeek's fp8 scoring is of token keys; "
+                         "glm5_next scores its pooled keys in float32): got block_pool gated")
     if precision is not None:
         _float8()
     query = query if isinstance(query, mx.array) else np.asarray(query)
@@ -177,9 +221,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     P = 0
     if past_index_keys is not None:
         past_index_keys = to_mx(past_index_keys, dt)
-        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != J:
-            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {J}): "
-                             f"got {tuple(past_index_keys.shape)}")
+        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.cache_width:
+            raise ValueError(f"past_index_keys must have shape (B, P, {'2J' if ix.block_pool == GATED else 'J'}) = "
+                             f"({B}, P, {ix.cache_width}): got {tuple(past_index_keys.shape)}")
         P = past_index_keys.shape[1]
     tensors = {name: to_mx(t, dt) for name, t in tensors.items() if name.startswith(READS)}
     positions = F.default_positions(None if positions is None else to_mx(positions), P, T)
@@ -187,7 +231,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
 
     q = index_queries(config, tensors, query, positions, mdt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, mdt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else mx.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J)
+    k = k_new if past_index_keys is None else mx.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    if ix.block_pool == GATED:
+        return _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
     weights = None
     if ix.head_weights:
         c = compute_of(mdt)
@@ -210,5 +256,35 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         if return_scores:
             result["block_scores"] = bx
         selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
+    result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
+    return result
+
+
+def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,
+                     is_causal: bool, return_scores: bool, rec) -> dict:
+    """impl_numpy.indexer._gated_selection in MLX."""
+    ix = config.indexer
+    J, bs = ix.head_dim, ix.block_size
+    k, gates = cache[..., :J], cache[..., J:]
+    pooled = rec("indexer.pool.keys", pooled_keys(k, gates, tensors["indexer.pool.position"], bs))  # (B, nb, J)
+    weights = None
+    if ix.head_weights:
+        c = compute_of(query.dtype)
+        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        weights = rec("indexer.weights", (w.astype(c) * scalar(ix.effective_weight_scale, c)).astype(query.dtype))
+    x = rec("indexer.scores", scores(q, pooled, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
+    allowed = _allowed(mask, B, T, S, is_causal)  # (B|1, 1, T, S)
+    x = rec("indexer.masked_scores", mask_scores(x, complete_blocks(allowed, bs)))  # (B, G, T, nb)
+    result = {"present_index_keys": cache}
+    if return_scores:
+        result.update(index_scores=x, block_scores=x)
+    blocks = rec("indexer.blocks", select_topk(x, ix.topk))  # (B, G, T, kb')
+    result["topk_blocks"] = blocks
+    selection = expand_blocks(blocks, bs, allowed, S)  # (B, G, T, min(kb' * bs, S))
+    if ix.open_block:
+        tail = open_block_keys(allowed, np.arange(T) + S - T, bs)  # (B|1, 1, T, bs - 1)
+        tail = mx.broadcast_to(tail, (*selection.shape[:-1], bs - 1))
+        width = min(selection.shape[-1] + bs - 1, S)
+        selection = left_pack(mx.concatenate([selection, tail], axis=-1), width)
     result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
     return result

@@ -12,6 +12,11 @@ index key: project -> [norm] -> [rope] -> [cache appended]
 -> scores: s * q.k per head -> [relu] -> [head weights w_i(x) * weight_scale, summed] (or per kv head)
 -> masked (causal AND the call's mask: -inf) -> [block max-pool, local blocks kept] -> top-k (the tie
 rule) -> -1 where fewer are visible -> [blocks expanded to their visible keys].
+With block_pool "gated" (GLM-5.3-Flash's k-pool, glm5_next) the blocks are scored by pooled keys instead:
+index key and gate logits (project: key input -> J) -> [cache appended] -> pooled keys (per block, per feature
+a softmax over its slots of gate logit + slot position, the keys weighted by it) -> scores against the pooled
+keys -> masked (a block is a candidate only when every one of its keys is visible) -> top-k -> expanded to
+their keys -> [the query's open block (its own, not all visible) appended: open_block].
 
 The selection is returned in the attention's `topk_indices` format: (B, T, k) or per kv head (B, K, T, k),
 int64, indexed over the cache's keys then the new ones, sorted by score (highest first, ties to the lower
@@ -37,6 +42,7 @@ FP8_AMAX_FLOOR = 1e-4
 # DeepSeek's quantisation block along the features (inference/model.py block_size = 128).
 FP8_BLOCK = 128
 PRECISIONS = (None, "fp8_e4m3")
+GATED = "gated"  # Indexer.block_pool of GLM-5.3-Flash's k-pool
 # The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
 READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
@@ -153,6 +159,58 @@ def expand_blocks(blocks: np.ndarray, block_size: int, allowed: np.ndarray, S: i
     return np.where(np.take_along_axis(valid, order, axis=-1), packed, -1).astype(np.int64)
 
 
+def pooled_keys(k: np.ndarray, gates: np.ndarray, position: np.ndarray, block_size: int) -> np.ndarray:
+    """POOLED KEYS (block_pool "gated"): k and gates (B, S, J) (every token's index key and gate logits, the
+    cache's included), position (block_size, J) -> (B, nb = ceil(S / block_size), J): per block and feature,
+    softmax over its slots of gates + position (the slots past S left out), the keys weighted by it and summed.
+    In compute dtype (float32 for 16-bit inputs: glm5_next's `.float()` logits)."""
+    B, S, J = k.shape
+    ct = compute_dtype(k.dtype)
+    nb = -(-S // block_size)
+    logits = np.full((B, nb * block_size, J), -np.inf, dtype=ct)
+    logits[:, :S] = gates.astype(ct)
+    logits = logits.reshape(B, nb, block_size, J) + position.astype(ct)  # (B, nb, bs, J)
+    p = np.exp(logits - logits.max(axis=2, keepdims=True))
+    p = p / p.sum(axis=2, keepdims=True)  # (B, nb, bs, J): the gate over each block's slots, per feature
+    padded = np.zeros((B, nb * block_size, J), dtype=ct)
+    padded[:, :S] = k.astype(ct)
+    return np.einsum("BnbJ,BnbJ->BnJ", p, padded.reshape(B, nb, block_size, J))  # (B, nb, J)
+
+
+def complete_blocks(allowed: np.ndarray, block_size: int) -> np.ndarray:
+    """allowed (B|1, 1, T, S) -> (B|1, 1, T, nb): True where every one of a block's block_size keys exists
+    and is visible (block_pool "gated": only such a block is a candidate; glm5_next's pool_valid and its
+    last token visible)."""
+    *lead, S = allowed.shape
+    nb = -(-S // block_size)
+    padded = np.zeros((*lead, nb * block_size), dtype=bool)
+    padded[..., :S] = allowed
+    return padded.reshape(*lead, nb, block_size).all(axis=-1)
+
+
+def open_block_keys(allowed: np.ndarray, query_slots: np.ndarray, block_size: int) -> np.ndarray:
+    """The query's open block (open_block): allowed (B|1, 1, T, S), query_slots (T,) (each query's index
+    among the keys) -> (B|1, 1, T, block_size - 1) int64: the visible keys of the query's own block when
+    not all of its keys are visible (else none), ascending, left-packed, -1 after them (glm5_next's tail:
+    the visible tokens after the last complete pool)."""
+    *lead, T, S = allowed.shape
+    start = (query_slots // block_size) * block_size  # (T,)
+    keys = start[:, None] + np.arange(block_size)  # (T, bs)
+    seen = np.take_along_axis(allowed, np.broadcast_to(np.clip(keys, 0, S - 1), (*lead, T, block_size)), axis=-1)
+    seen &= keys < S
+    is_open = ~seen.all(axis=-1, keepdims=True)  # (B|1, 1, T, 1)
+    valid = seen & is_open
+    order = np.argsort(~valid, axis=-1, kind="stable")[..., :block_size - 1]  # visible first, in order
+    packed = np.take_along_axis(np.broadcast_to(keys, valid.shape), order, axis=-1)
+    return np.where(np.take_along_axis(valid, order, axis=-1), packed, -1).astype(np.int64)
+
+
+def left_pack(keys: np.ndarray, width: int) -> np.ndarray:
+    """(..., n) key indices with -1 holes -> (..., width): the keys in their order, -1 after them."""
+    order = np.argsort(keys < 0, axis=-1, kind="stable")[..., :width]
+    return np.take_along_axis(keys, order, axis=-1)
+
+
 # -- the call -----------------------------------------------------------------------------------------------
 
 def _allowed(mask, B: int, T: int, S: int, is_causal: bool) -> np.ndarray:
@@ -173,7 +231,8 @@ def _allowed(mask, B: int, T: int, S: int, is_causal: bool) -> np.ndarray:
 
 def index_keys(config: AttentionConfig, tensors, key: np.ndarray, key_positions: np.ndarray, dtype,
                rec=lambda stage, value: value) -> np.ndarray:
-    """The new tokens' index keys (B, S, J): projected, normed, rotated (what the indexer's cache holds)."""
+    """The new tokens' index keys (B, S, J): projected, normed, rotated (what the indexer's cache holds); with
+    block_pool gated each token's gate logits after its key, (B, S, 2J)."""
     ix = config.indexer
     k = rec("indexer.key.project", F.project(key, tensors["indexer.key.kernel"][:, None, :], None))  # (B, S, J)
     if ix.key_norm is not None:
@@ -185,7 +244,10 @@ def index_keys(config: AttentionConfig, tensors, key: np.ndarray, key_positions:
         k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
                        ix.rope.interleaved, factor, ix.rope_end)[:, 0]
         k = rec("indexer.key.rope", k)
-    return k  # (B, S, J)
+    if ix.block_pool == GATED:  # the gate logits travel with the key in the cache: (B, S, 2J)
+        gates = rec("indexer.pool.gates", F.project(key, tensors["indexer.pool.gate.kernel"][:, None, :], None))
+        k = np.concatenate([k, gates], axis=-1)
+    return k  # (B, S, J), or (B, S, 2J) with block_pool gated
 
 
 def index_queries(config: AttentionConfig, tensors, query: np.ndarray, positions: np.ndarray, dtype,
@@ -219,6 +281,9 @@ def _check_fp8(config: AttentionConfig, precision, scale_format: str) -> None:
         raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {scale_format!r}")
     if precision is None:
         return
+    if config.indexer.block_pool == GATED:
+        raise ValueError("precision fp8_e4m3 needs indexer.block_pool max (DeepSeek's fp8 scoring is of token keys; "
+                         "glm5_next scores its pooled keys in float32): got block_pool gated")
     J = config.indexer.head_dim
     if J & (J - 1) or J > FP8_BLOCK:
         raise ValueError(f"precision fp8_e4m3 needs indexer.head_dim a power of two <= {FP8_BLOCK} (DeepSeek's "
@@ -259,9 +324,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     P = 0
     if past_index_keys is not None:
         past_index_keys = np.asarray(past_index_keys).astype(dt)
-        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.head_dim:
-            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {ix.head_dim}): "
-                             f"got {past_index_keys.shape}")
+        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.cache_width:
+            raise ValueError(f"past_index_keys must have shape (B, P, {'2J' if ix.block_pool == GATED else 'J'}) = "
+                             f"({B}, P, {ix.cache_width}): got {past_index_keys.shape}")
         P = past_index_keys.shape[1]
     tensors = {name: np.asarray(t).astype(dt) for name, t in tensors.items() if name.startswith(READS)}
     positions = F.default_positions(positions, P, T)
@@ -269,7 +334,10 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else np.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J)
+    k = k_new if past_index_keys is None else np.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    cache = k
+    if ix.block_pool == GATED:
+        return _gated_selection(config, tensors, query, q, cache, B, T, P + S, mask, is_causal, return_scores, rec)
     weights = None
     if ix.head_weights:
         ct = compute_dtype(dt)
@@ -304,5 +372,43 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         if return_scores:
             result["block_scores"] = bx
         selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
+    result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
+    return result
+
+
+def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,
+                     is_causal: bool, return_scores: bool, rec) -> dict:
+    """lightning_indexer's stages after the index keys for block_pool "gated" (GLM-5.3-Flash's k-pool): q (B,
+    I, T, J), cache (B, S, 2J) (keys | gate logits, every key's). -> lightning_indexer's result; index_scores
+    and index_score_magnitudes per block (B, G, T, nb)."""
+    ix = config.indexer
+    J, bs = ix.head_dim, ix.block_size
+    k, gates = cache[..., :J], cache[..., J:]
+    pooled = rec("indexer.pool.keys", pooled_keys(k, gates, tensors["indexer.pool.position"], bs))  # (B, nb, J)
+    weights = None
+    if ix.head_weights:
+        ct = compute_dtype(query.dtype)
+        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        weights = rec("indexer.weights", (w.astype(ct) * ct.type(ix.effective_weight_scale)).astype(query.dtype))
+    x = rec("indexer.scores", scores(q, pooled, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
+    allowed = _allowed(mask, B, T, S, is_causal)  # (B|1, 1, T, S)
+    x = rec("indexer.masked_scores", mask_scores(x, complete_blocks(allowed, bs)))  # (B, G, T, nb)
+    result = {"present_index_keys": cache}
+    if return_scores:
+        # the size of what each score sums: the gate's weights are in [0, 1], so |pooled| <= pool of |k|
+        aw = None if weights is None else np.abs(weights.astype(np.float64))
+        mag = scores(np.abs(q.astype(np.float64)), pooled_keys(np.abs(k.astype(np.float64)), gates.astype(np.float64),
+                                                                tensors["indexer.pool.position"].astype(np.float64), bs),
+                     aw, ix.effective_score_scale, False, ix.per_kv_head)
+        result.update(index_scores=x, block_scores=x,
+                      index_score_magnitudes=mask_scores(mag, complete_blocks(allowed, bs)))
+    blocks = rec("indexer.blocks", select_topk(x, ix.topk))  # (B, G, T, kb')
+    result["topk_blocks"] = blocks
+    selection = expand_blocks(blocks, bs, allowed, S)  # (B, G, T, min(kb' * bs, S))
+    if ix.open_block:
+        tail = open_block_keys(allowed, np.arange(T) + S - T, bs)  # (B|1, 1, T, bs - 1)
+        tail = np.broadcast_to(tail, (*selection.shape[:-1], bs - 1))
+        width = min(selection.shape[-1] + bs - 1, S)
+        selection = left_pack(np.concatenate([selection, tail], axis=-1), width)
     result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
     return result

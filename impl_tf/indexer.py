@@ -32,6 +32,7 @@ FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
 FP8_BLOCK = 128
 PRECISIONS = (None, "fp8_e4m3")
+GATED = "gated"  # Indexer.block_pool of GLM-5.3-Flash's k-pool
 # The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
 READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
@@ -138,6 +139,45 @@ def expand_blocks(blocks, block_size: int, allowed, S: int):
     return ops.where(ops.take_along_axis(valid, order, axis=-1), packed, ops.full_like(packed, -1))
 
 
+def pooled_keys(k, gates, position, block_size: int):
+    B, S, J = k.shape
+    ct = F.compute_dtype(k.dtype)
+    nb = -(-S // block_size)
+    pad = [[0, 0], [0, nb * block_size - S], [0, 0]]
+    logits = ops.pad(F._cast(gates, ct), pad, constant_values=-math.inf)  # (B, nb * bs, J)
+    logits = ops.reshape(logits, (B, nb, block_size, J)) + F._cast(position, ct)  # (B, nb, bs, J)
+    p = ops.exp(logits - ops.max(logits, axis=2, keepdims=True))
+    p = p / ops.sum(p, axis=2, keepdims=True)  # (B, nb, bs, J): the gate over each block's slots, per feature
+    padded = ops.pad(F._cast(k, ct), pad)
+    return bk.einsum("BnbJ,BnbJ->BnJ", p, ops.reshape(padded, (B, nb, block_size, J)))  # (B, nb, J)
+
+
+def complete_blocks(allowed, block_size: int):
+    *lead, S = allowed.shape
+    nb = -(-S // block_size)
+    padded = ops.pad(ops.cast(allowed, "int32"), [[0, 0]] * len(lead) + [[0, nb * block_size - S]])
+    return ops.min(ops.reshape(padded, (*lead, nb, block_size)), axis=-1) > 0
+
+
+def open_block_keys(allowed, query_slots: np.ndarray, block_size: int):
+    *lead, T, S = allowed.shape
+    start = (np.asarray(query_slots) // block_size) * block_size  # (T,)
+    keys_np = start[:, None] + np.arange(block_size)  # (T, bs)
+    keys = ops.convert_to_tensor(keys_np.astype(np.int64))
+    index = ops.convert_to_tensor(np.broadcast_to(np.clip(keys_np, 0, S - 1), (*lead, T, block_size)).astype(np.int64))
+    seen = ops.logical_and(ops.take_along_axis(allowed, index, axis=-1), ops.convert_to_tensor(keys_np < S))
+    is_open = ops.min(ops.cast(seen, "int32"), axis=-1, keepdims=True) == 0  # (B|1, 1, T, 1)
+    valid = ops.logical_and(seen, is_open)
+    order = ops.cast(bk.argsort_stable(ops.cast(ops.logical_not(valid), "int32"))[..., :block_size - 1], "int64")
+    packed = ops.take_along_axis(ops.broadcast_to(keys, tuple(valid.shape)), order, axis=-1)
+    return ops.where(ops.take_along_axis(valid, order, axis=-1), packed, ops.full_like(packed, -1))
+
+
+def left_pack(keys, width: int):
+    order = ops.cast(bk.argsort_stable(ops.cast(keys < 0, "int32"))[..., :width], "int64")
+    return ops.take_along_axis(keys, order, axis=-1)
+
+
 # -- the call -----------------------------------------------------------------------------------------------
 
 def _allowed(mask, B: int, T: int, S: int, is_causal: bool):
@@ -170,7 +210,10 @@ def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=
         k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
                        ix.rope.interleaved, factor, ix.rope_end)[:, 0]
         k = rec("indexer.key.rope", k)
-    return k  # (B, S, J)
+    if ix.block_pool == GATED:  # the gate logits travel with the key in the cache: (B, S, 2J)
+        gates = rec("indexer.pool.gates", F.project(key, tensors["indexer.pool.gate.kernel"][:, None, :], None))
+        k = ops.concatenate([k, gates], axis=-1)
+    return k  # (B, S, J), or (B, S, 2J) with block_pool gated
 
 
 def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec=lambda stage, value: value):
@@ -208,6 +251,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     if fp8_scale_format not in FP8_SCALE_FORMATS:
         raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {fp8_scale_format!r}")
     J = ix.head_dim
+    if precision is not None and ix.block_pool == GATED:
+        raise ValueError("precision fp8_e4m3 needs indexer.block_pool max (DeepSeek's fp8 scoring is of token keys; "
+                         "glm5_next scores its pooled keys in float32): got block_pool gated")
     if precision is not None:
         _fp8()
         if J & (J - 1) or J > FP8_BLOCK:
@@ -226,9 +272,10 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     P = 0
     if past_index_keys is not None:
         past_index_keys = tensor(past_index_keys)
-        if len(past_index_keys.shape) != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != J:
-            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {J}): "
-                             f"got {tuple(past_index_keys.shape)}")
+        if (len(past_index_keys.shape) != 3 or past_index_keys.shape[0] != B
+                or past_index_keys.shape[2] != ix.cache_width):
+            raise ValueError(f"past_index_keys must have shape (B, P, {'2J' if ix.block_pool == GATED else 'J'}) = "
+                             f"({B}, P, {ix.cache_width}): got {tuple(past_index_keys.shape)}")
         P = past_index_keys.shape[1]
     tensors = {name: tensor(t) for name, t in tensors.items() if name.startswith(READS)}
     positions = F.default_positions(positions, P, T)  # (B|1, T)
@@ -236,7 +283,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else ops.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J)
+    k = k_new if past_index_keys is None else ops.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    if ix.block_pool == GATED:
+        return _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
     weights = None
     if ix.head_weights:
         ct = F.compute_dtype(dt)
@@ -265,5 +314,36 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         if return_scores:
             result["block_scores"] = bx
         selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
+    result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
+    return result
+
+
+def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,
+                     is_causal: bool, return_scores: bool, rec) -> dict:
+    """impl_numpy.indexer._gated_selection in keras.ops."""
+    ix = config.indexer
+    J, bs = ix.head_dim, ix.block_size
+    k, gates = cache[..., :J], cache[..., J:]
+    pooled = rec("indexer.pool.keys", pooled_keys(k, gates, tensors["indexer.pool.position"], bs))  # (B, nb, J)
+    weights = None
+    if ix.head_weights:
+        dt = F.dtype_name(query)
+        ct = F.compute_dtype(dt)
+        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        weights = rec("indexer.weights", F._cast(F._cast(w, ct) * bk.constant(ix.effective_weight_scale, ct), dt))
+    x = rec("indexer.scores", scores(q, pooled, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
+    allowed = _allowed(mask, B, T, S, is_causal)  # (B|1, 1, T, S)
+    x = rec("indexer.masked_scores", mask_scores(x, complete_blocks(allowed, bs)))  # (B, G, T, nb)
+    result = {"present_index_keys": cache}
+    if return_scores:
+        result.update(index_scores=x, block_scores=x)
+    blocks = rec("indexer.blocks", select_topk(x, ix.topk))  # (B, G, T, kb')
+    result["topk_blocks"] = blocks
+    selection = expand_blocks(blocks, bs, allowed, S)  # (B, G, T, min(kb' * bs, S))
+    if ix.open_block:
+        tail = open_block_keys(allowed, np.arange(T) + S - T, bs)  # (B|1, 1, T, bs - 1)
+        tail = ops.broadcast_to(tail, (*tuple(selection.shape[:-1]), bs - 1))
+        width = min(selection.shape[-1] + bs - 1, S)
+        selection = left_pack(ops.concatenate([selection, tail], axis=-1), width)
     result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
     return result

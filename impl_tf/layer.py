@@ -361,7 +361,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if return_cache:  # (B, K, ., H) and (B, K, ., V); a latent layer's (B, 1, ., C) and (B, 1, ., R)
             parts += [keras.KerasTensor((B, heads, C, width), dtype=dtype) for heads, width, _ in cache_widths(c)]
             if c.indexer is not None:  # present_index_keys (B, ., J)
-                parts.append(keras.KerasTensor((B, C, c.indexer.head_dim), dtype=dtype))
+                parts.append(keras.KerasTensor((B, C, c.indexer.cache_width), dtype=dtype))
         return parts[0] if len(parts) == 1 else tuple(parts)
 
     # -- serialisation ---------------------------------------------------------------

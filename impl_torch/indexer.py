@@ -24,6 +24,7 @@ FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
 FP8_BLOCK = 128
 PRECISIONS = (None, "fp8_e4m3")
+GATED = "gated"  # Indexer.block_pool of GLM-5.3-Flash's k-pool
 # The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
 READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
@@ -121,6 +122,45 @@ def expand_blocks(blocks, block_size: int, allowed, S: int):
     return torch.where(torch.gather(valid, -1, order), packed, torch.full_like(packed, -1))
 
 
+def pooled_keys(k, gates, position, block_size: int):
+    B, S, J = k.shape
+    ct = compute_dtype(k.dtype)
+    nb = -(-S // block_size)
+    logits = torch.full((B, nb * block_size, J), -math.inf, dtype=ct, device=k.device)
+    logits[:, :S] = gates.to(ct)
+    logits = logits.reshape(B, nb, block_size, J) + position.to(ct)  # (B, nb, bs, J)
+    p = torch.exp(logits - logits.amax(dim=2, keepdim=True))
+    p = p / p.sum(dim=2, keepdim=True)  # (B, nb, bs, J): the gate over each block's slots, per feature
+    padded = torch.zeros((B, nb * block_size, J), dtype=ct, device=k.device)
+    padded[:, :S] = k.to(ct)
+    return torch.einsum("BnbJ,BnbJ->BnJ", p, padded.reshape(B, nb, block_size, J))  # (B, nb, J)
+
+
+def complete_blocks(allowed, block_size: int):
+    *lead, S = allowed.shape
+    nb = -(-S // block_size)
+    padded = torch.zeros((*lead, nb * block_size), dtype=torch.bool, device=allowed.device)
+    padded[..., :S] = allowed
+    return padded.reshape(*lead, nb, block_size).all(dim=-1)
+
+
+def open_block_keys(allowed, query_slots, block_size: int):
+    *lead, T, S = allowed.shape
+    start = (query_slots // block_size) * block_size  # (T,)
+    keys = start[:, None] + torch.arange(block_size, device=allowed.device)  # (T, bs)
+    seen = torch.gather(allowed, -1, keys.clamp(0, S - 1).expand(*lead, T, block_size)) & (keys < S)
+    is_open = ~seen.all(dim=-1, keepdim=True)  # (B|1, 1, T, 1)
+    valid = seen & is_open
+    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[..., :block_size - 1]
+    packed = torch.gather(keys.expand(valid.shape), -1, order)
+    return torch.where(torch.gather(valid, -1, order), packed, torch.full_like(packed, -1))
+
+
+def left_pack(keys, width: int):
+    order = torch.sort((keys < 0).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+    return torch.gather(keys, -1, order)
+
+
 # -- the call -----------------------------------------------------------------------------------------------
 
 def _allowed(mask, B: int, T: int, S: int, is_causal: bool, device):
@@ -148,7 +188,10 @@ def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=
         k = index_rope(k[:, None], F.rope_angles(key_positions, inv_freq, dtype), ix.rope.rotary_dim,
                        ix.rope.interleaved, factor, ix.rope_end)[:, 0]
         k = rec("indexer.key.rope", k)
-    return k  # (B, S, J)
+    if ix.block_pool == GATED:  # the gate logits travel with the key in the cache: (B, S, 2J)
+        gates = rec("indexer.pool.gates", F.project(key, tensors["indexer.pool.gate.kernel"][:, None, :], None))
+        k = torch.cat([k, gates], dim=-1)
+    return k  # (B, S, J), or (B, S, 2J) with block_pool gated
 
 
 def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec=lambda stage, value: value):
@@ -185,6 +228,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     if fp8_scale_format not in FP8_SCALE_FORMATS:
         raise ValueError(f"fp8_scale_format must be one of {', '.join(FP8_SCALE_FORMATS)}: got {fp8_scale_format!r}")
     J = ix.head_dim
+    if precision is not None and ix.block_pool == GATED:
+        raise ValueError("precision fp8_e4m3 needs indexer.block_pool max (DeepSeek's fp8 scoring is of token keys; "
+                         "glm5_next scores its pooled keys in float32): got block_pool gated")
     if precision is not None:
         _float8()
     if precision is not None and (J & (J - 1) or J > FP8_BLOCK):
@@ -203,9 +249,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     P = 0
     if past_index_keys is not None:
         past_index_keys = tensor(past_index_keys, dt)
-        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != J:
-            raise ValueError(f"past_index_keys must have shape (B, P, J) = ({B}, P, {J}): "
-                             f"got {tuple(past_index_keys.shape)}")
+        if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.cache_width:
+            raise ValueError(f"past_index_keys must have shape (B, P, {'2J' if ix.block_pool == GATED else 'J'}) = "
+                             f"({B}, P, {ix.cache_width}): got {tuple(past_index_keys.shape)}")
         P = past_index_keys.shape[1]
     tensors = {name: tensor(t, dt) for name, t in tensors.items() if name.startswith(READS)}
     positions = F.default_positions(None if positions is None else tensor(positions, torch.int64), P, T, query.device)
@@ -214,7 +260,9 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else torch.cat([past_index_keys, k_new], dim=1)  # (B, P+S, J)
+    k = k_new if past_index_keys is None else torch.cat([past_index_keys, k_new], dim=1)  # (B, P+S, J|2J)
+    if ix.block_pool == GATED:
+        return _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
     weights = None
     if ix.head_weights:
         ct = compute_dtype(dt)
@@ -244,5 +292,35 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         if return_scores:
             result["block_scores"] = bx
         selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
+    result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
+    return result
+
+
+def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,
+                     is_causal: bool, return_scores: bool, rec) -> dict:
+    """impl_numpy.indexer._gated_selection in torch."""
+    ix = config.indexer
+    J, bs = ix.head_dim, ix.block_size
+    k, gates = cache[..., :J], cache[..., J:]
+    pooled = rec("indexer.pool.keys", pooled_keys(k, gates, tensors["indexer.pool.position"], bs))  # (B, nb, J)
+    weights = None
+    if ix.head_weights:
+        ct = compute_dtype(query.dtype)
+        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        weights = rec("indexer.weights", (w.to(ct) * ix.effective_weight_scale).to(query.dtype))
+    x = rec("indexer.scores", scores(q, pooled, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
+    allowed = _allowed(mask, B, T, S, is_causal, query.device)  # (B|1, 1, T, S)
+    x = rec("indexer.masked_scores", mask_scores(x, complete_blocks(allowed, bs)))  # (B, G, T, nb)
+    result = {"present_index_keys": cache}
+    if return_scores:
+        result.update(index_scores=x, block_scores=x)
+    blocks = rec("indexer.blocks", select_topk(x, ix.topk))  # (B, G, T, kb')
+    result["topk_blocks"] = blocks
+    selection = expand_blocks(blocks, bs, allowed, S)  # (B, G, T, min(kb' * bs, S))
+    if ix.open_block:
+        tail = open_block_keys(allowed, torch.arange(T, device=query.device) + S - T, bs)  # (B|1, 1, T, bs - 1)
+        tail = tail.expand(*selection.shape[:-1], bs - 1)
+        width = min(selection.shape[-1] + bs - 1, S)
+        selection = left_pack(torch.cat([selection, tail], dim=-1), width)
     result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
     return result

@@ -70,9 +70,10 @@ def stage_order(config) -> tuple[str, ...]:
 # width, K key heads, G query heads per key head, H/V head widths, O output features).
 # The lightning indexer's trace (impl_*/indexer.py, `rec`), in order; each where its config turns it on
 # (query.latent: query_source "latent"; the norms, rope and weights where configured; fp8 with that precision;
-# blocks with block_size).
+# blocks with block_size; pool.gates and pool.keys with block_pool "gated", GLM-5.3-Flash's k-pool).
 INDEXER_STAGES = ("indexer.query.latent", "indexer.query.project", "indexer.query.norm", "indexer.query.rope",
-                  "indexer.key.project", "indexer.key.norm", "indexer.key.rope", "indexer.weights",
+                  "indexer.key.project", "indexer.key.norm", "indexer.key.rope", "indexer.pool.gates",
+                  "indexer.pool.keys", "indexer.weights",
                   "indexer.query.fp8", "indexer.key.fp8", "indexer.scores", "indexer.masked_scores", "indexer.blocks",
                   "indexer.selection")
 
@@ -97,6 +98,8 @@ def indexer_stages(config) -> tuple[str, ...]:
         off.add("indexer.weights")
     if ix.block_size is None:
         off.add("indexer.blocks")
+    if ix.block_pool != "gated":
+        off |= {"indexer.pool.gates", "indexer.pool.keys"}
     return tuple(s for s in INDEXER_STAGES if s not in off)
 
 PROJECT = "BLD,DF->BLF"

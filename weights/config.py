@@ -397,6 +397,9 @@ class Latent:
 # Where the indexer's query comes from (Indexer.query_source) and which end of its head RoPE turns.
 INDEXER_QUERY_SOURCES = ("latent", "input")
 INDEXER_ROPE_ENDS = ("first", "last")
+# How a block of keys is scored (Indexer.block_pool): "max", its keys' largest score (MiniMax M3); "gated", one
+# pooled key per block, a softmax gate per feature over the block's keys (GLM-5.3-Flash's k-pool, glm5_next).
+INDEXER_BLOCK_POOLS = ("max", "gated")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -407,9 +410,11 @@ class Indexer:
     head_dim. Tensors (AttentionConfig.tensor_shapes): indexer.query.kernel (Qsrc, I, J), Qsrc the query
     rank (query_source "latent": the layer's normed query latent, DeepSeek's `qr`) or query_dim ("input");
     indexer.query.norm.scale (J,) with query_norm; indexer.key.kernel (key_dim, J); indexer.key.norm.scale
-    (J,) and .bias (J,) (a "layer" norm); indexer.weights.kernel (query_dim, I) with head_weights. The
+    (J,) and .bias (J,) (a "layer" norm); indexer.weights.kernel (query_dim, I) with head_weights; with
+    block_pool "gated" indexer.pool.gate.kernel (key_dim, J) and indexer.pool.position (block_size, J). The
     indexer keeps its own cache: one key of J features per token after norm and RoPE (past_index_keys /
-    present_index_keys, (B, P, J))."""
+    present_index_keys, (B, P, J)); with block_pool "gated" each token's J gate logits after them (B, P, 2J):
+    cache_width."""
 
     heads: int  # I: index heads (index_n_heads)
     head_dim: int  # J: index head_dim (index_head_dim)
@@ -424,8 +429,10 @@ class Indexer:
     score_scale: float | None = None  # multiplies q.k before the ReLU; None: J ** -0.5 (DeepSeek); M3: 1
     relu: bool = True  # ReLU on each head's scaled q.k before the weighted sum (M3: none)
     per_kv_head: bool = False  # one selection per kv head (index head i selects for kv head i; M3) or one
-    block_size: int | None = None  # None: keys are selected; an int: blocks of block_size keys (max-pooled)
+    block_size: int | None = None  # None: keys are selected; an int: blocks of block_size keys (block_pool)
     local_blocks: int = 0  # blocks always kept: the query's own and the local_blocks - 1 before it (M3: 1)
+    block_pool: str = "max"  # a block's score: "max" of its keys' (M3) or "gated": one pooled key (GLM-5.3)
+    open_block: bool = False  # gated: the query's own block, while not all visible, kept beyond the top-k (GLM-5.3)
 
     @classmethod
     def from_value(cls, value: Any) -> Indexer | None:
@@ -460,6 +467,18 @@ class Indexer:
         if local_blocks > data["topk"]:
             raise ValueError(f"indexer.local_blocks must be at most indexer.topk (the local blocks take top-k "
                              f"slots): got local_blocks={local_blocks}, topk={data['topk']}")
+        block_pool = data.get("block_pool", "max")
+        if block_pool not in INDEXER_BLOCK_POOLS:
+            raise ValueError(f"indexer.block_pool must be one of {', '.join(INDEXER_BLOCK_POOLS)}: "
+                             f"got {_shown(block_pool)}")
+        _check_bool("indexer.open_block", data.get("open_block", False))
+        if block_pool == "gated" and (block_size is None or local_blocks):
+            raise ValueError(f"indexer.block_pool gated needs block_size and local_blocks 0 (its query keeps its "
+                             f"open block instead: open_block): got block_size={_shown(block_size)}, "
+                             f"local_blocks={local_blocks}")
+        if data.get("open_block", False) and block_pool != "gated":
+            raise ValueError(f"indexer.open_block needs block_pool gated (a max-pooled block is a candidate while "
+                             f"open): got block_pool={_shown(block_pool)}")
         norms = {key: QKNorm.from_value(data.get(key), f"indexer.{key}") for key in ("query_norm", "key_norm")}
         for key, norm in norms.items():
             if norm is not None and (norm.scope != "head" or norm.per_head or norm.after_rope):
@@ -481,7 +500,14 @@ class Indexer:
                    query_source=data.get("query_source", "latent"), rope=rope,
                    rope_end=data.get("rope_end", "first"), head_weights=data.get("head_weights", True),
                    relu=data.get("relu", True), per_kv_head=data.get("per_kv_head", False), block_size=block_size,
-                   local_blocks=local_blocks, **norms, **scales)
+                   local_blocks=local_blocks, block_pool=block_pool, open_block=data.get("open_block", False),
+                   **norms, **scales)
+
+    @property
+    def cache_width(self) -> int:
+        """The index cache's features per token: J, or 2J with block_pool "gated" (the key, then its gate
+        logits: a block's pooled key needs every one of its tokens' gates)."""
+        return 2 * self.head_dim if self.block_pool == "gated" else self.head_dim
 
     @property
     def effective_weight_scale(self) -> float:
@@ -493,6 +519,10 @@ class Indexer:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        # the k-pool's options only where set: every earlier config (and vector file) serialises as it did
+        for key, default in (("block_pool", "max"), ("open_block", False)):
+            if data[key] == default:
+                del data[key]
         for key in ("query_norm", "key_norm", "rope"):
             if data[key] is not None:
                 data[key] = data[key].to_dict()
@@ -1002,6 +1032,9 @@ class AttentionConfig:
                            (("scale", "bias") if ix.key_norm.type == "layer" else ("scale",))})
         if ix.head_weights:
             shapes["indexer.weights.kernel"] = (self.query_dim, I)
+        if ix.block_pool == "gated":
+            shapes["indexer.pool.gate.kernel"] = (self.key_dim, J)
+            shapes["indexer.pool.position"] = (ix.block_size, J)
         return shapes
 
     def _latent_shapes(self) -> dict[str, tuple[int, ...]]:

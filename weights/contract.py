@@ -225,7 +225,8 @@ def check_indexer_call(config, topk_given: bool, past_index_keys, shapes: CallSh
                        cache_length) -> None:
     """A layer with an indexer selects its keys itself: topk_indices with it is refused (a layer that takes
     another's selection, GLM-5's shared layers, has no indexer), and its cache is past_index_keys (B, P, J),
-    or with cache_length the caller's buffer (B, C, J) whose first P positions are the cache."""
+    or with cache_length the caller's buffer (B, C, J) whose first P positions are the cache (J: the index
+    cache's width, Indexer.cache_width: 2J with block_pool gated)."""
     if config.indexer is None:
         if past_index_keys is not None:
             raise ValueError("past_index_keys is given but config.indexer is null (no indexer, no index cache)")
@@ -233,7 +234,7 @@ def check_indexer_call(config, topk_given: bool, past_index_keys, shapes: CallSh
     if topk_given:
         raise ValueError("topk_indices is given but config.indexer selects the keys itself: pass one of them (a layer "
                          "that reuses another's selection, GLM-5's shared layers, has no indexer)")
-    B, P, J = shapes.B, shapes.P, config.indexer.head_dim
+    B, P, J = shapes.B, shapes.P, config.indexer.cache_width  # J, or 2J with block_pool gated
     if past_index_keys is None:
         if P:
             raise ValueError(f"past_index_keys is missing: a call with a cache of P={P} keys and config.indexer "

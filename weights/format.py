@@ -391,7 +391,8 @@ def init(config: AttentionConfig, *, seed: int, dtype: str | np.dtype = "float32
     indexer_fan_in = {}  # the indexer's projections (indexer.query / key / weights), from their own sources
     if config.indexer is not None:
         indexer_fan_in = {"indexer.query.": config.indexer_query_width, "indexer.key.": config.key_dim,
-                          "indexer.weights.": config.query_dim}
+                          "indexer.weights.": config.query_dim, "indexer.pool.gate.": config.key_dim}
+        ranges["pool.position"] = (-1.0, 1.0)  # the k-pool's gate bias per slot, of the size of the gate logits
     compressed = config.compressed
     if compressed is not None:  # issue 41: DeepSeek V4's projections, each from its own input
         G, R = compressed.output_groups, compressed.output_rank

@@ -697,7 +697,7 @@ def _modern_inputs(case: Case, rng) -> dict[str, np.ndarray]:
     elif case.positions is not None:
         raise ValueError(f"case {case.name}: unknown positions kind {case.positions!r}")
     if P and c.indexer is not None:  # the indexer's cache: one key of J features per cached token (its own rng)
-        inputs["past_index_keys"] = np.random.default_rng(case.seed + 7).standard_normal((B, P, c.indexer.head_dim))
+        inputs["past_index_keys"] = np.random.default_rng(case.seed + 7).standard_normal((B, P, c.indexer.cache_width))
     return inputs
 
 

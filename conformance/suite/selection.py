@@ -38,8 +38,9 @@ from .tolerance import REFERENCE_FACTOR, SAFETY, UNIT_ROUNDOFF
 def index_length(config, max_position: int = 0) -> int:
     """L of an index score: the projection of its query source (the query latent's two reductions where the
     query comes from it), the key's projection (key_dim), the key norm's mean (J), the dot product (J), the
-    sum over heads (I) and the head weights' projection (query_dim); RoPE adds theta_max^2 (the rounding of
-    the angle, as the attention's policy: weights/rope.py frequencies, largest position)."""
+    sum over heads (I) and the head weights' projection (query_dim); a gated block pool its gates and pooling;
+    RoPE adds theta_max^2 (the rounding of the angle, as the attention's policy: weights/rope.py frequencies,
+    largest position)."""
     ix = config.indexer
     J, I = ix.head_dim, ix.heads
     length = config.key_dim + 2 * J + I
@@ -48,6 +49,9 @@ def index_length(config, max_position: int = 0) -> int:
         length += J
     if ix.head_weights:
         length += config.query_dim
+    if ix.block_pool == "gated":  # the k-pool: each gate logit's projection (key_dim), the softmax over the
+        # block's slots and the weighted sum of their keys (block_size each), as compressed_index_length's pool
+        length += config.key_dim + 2 * ix.block_size
     if ix.rope is not None and max_position:
         from weights.rope import rope_tables
 
@@ -192,12 +196,53 @@ def judge_indexer(config, tensors, inputs: dict, result: dict, *, dtype: str = "
         actual = np.asarray(result["topk_indices"])
         actual = actual if ix.per_kv_head else actual[:, None]
         out.append(compare_selection("topk_indices", actual, expected, s, allowance))
+    elif ix.block_pool == "gated":  # the scores are per pooled block already, and so is their allowance
+        n = P + np.shape(call.get("key", query))[1]
+        keys = np.asarray(result["topk_indices"])
+        keys = keys if ix.per_kv_head else keys[:, None]
+        expected = ref["topk_indices"] if ix.per_kv_head else ref["topk_indices"][:, None]
+        blocks, open_check = _gated_blocks(ix, keys, expected, s, n)
+        if open_check is not None:
+            out.append(open_check)
+        out.append(compare_selection("topk_blocks", blocks, ref["topk_blocks"], s, np.where(np.isfinite(s), allowance,
+                                                                                            0.0)))
     else:
         bs = ref["block_scores"]
         ballow = block_scores(np.where(np.isfinite(s), allowance, -np.inf), ix.block_size)
         out.append(compare_selection("topk_blocks", result["topk_blocks"], ref["topk_blocks"], bs,
                                      np.where(np.isfinite(ballow), ballow, 0.0)))
     return out
+
+
+def _gated_blocks(ix, keys, expected, scores, n: int):
+    """A k-pool selection of keys (B, G, T, k) read back as blocks (B, G, T, min(topk, nb)), the query's open
+    block (its own, not a candidate: its reference score -inf) set apart; with open_block its keys must be
+    exactly the reference's (they are no choice: every visible key of that block). -> (blocks, the open
+    blocks' SelectionComparison or None)."""
+    bs, T, nb = ix.block_size, keys.shape[-2], scores.shape[-1]
+    own = (np.arange(T) + n - T) // bs
+    width = min(ix.topk, nb)
+    blocks = np.full((*keys.shape[:-1], width), -1, dtype=np.int64)
+    problems, failing = [], 0
+    for row in np.ndindex(*keys.shape[:-1]):
+        o = own[row[-1]]
+        got = keys[row][keys[row] >= 0]
+        is_open = o >= nb or not np.isfinite(scores[row][o])
+        rest = got[got // bs != o] if is_open else got
+        chosen = np.unique(rest // bs)[:width]
+        blocks[row][:chosen.size] = chosen
+        if ix.open_block and is_open:
+            want = expected[row][(expected[row] >= 0) & (expected[row] // bs == o)]
+            if set(got[got // bs == o].tolist()) != set(want.tolist()):
+                failing += 1
+                if len(problems) < 3:
+                    problems.append(f"query {list(row)}: open block {o} keys {sorted(got[got // bs == o].tolist())}, "
+                                    f"the reference's {sorted(want.tolist())}")
+    if not ix.open_block:
+        return blocks, None
+    rows = int(np.prod(keys.shape[:-1]))
+    return blocks, SelectionComparison(ok=failing == 0, name="open block", margin=0.0 if not failing else math.inf,
+                                       swaps=0, rows=rows, problems=tuple(problems), failing_rows=failing)
 
 
 def call_selection_inputs(config, tensors, inputs: dict, options: dict) -> dict:
@@ -250,13 +295,16 @@ def judge_call_selection(config, tensors, inputs: dict, options: dict, selection
     given = call_selection_inputs(config, tensors, inputs, options)
     ix = config.indexer
     result = {"topk_indices": np.asarray(selection)}
-    if ix.block_size is not None:  # the expanded keys, read back as blocks
+    if ix.block_size is not None and ix.block_pool != "gated":  # the expanded keys, read back as blocks (gated:
+        # judge_indexer reads them, its query's open block set apart)
         n = np.asarray(given.get("past_index_keys", np.zeros((1, 0)))).shape[1] + np.shape(given["key"])[1]
         width = min(ix.topk, -(-n // ix.block_size))
         keys = result["topk_indices"] if ix.per_kv_head else result["topk_indices"][:, None]
         result["topk_blocks"] = blocks_of(keys, ix.block_size, width)
     tensors64 = {name: np.asarray(t).astype(np.float64) for name, t in tensors.items()}
-    return judge_indexer(config, tensors64, given, result, dtype=dtype)[-1]
+    verdicts = judge_indexer(config, tensors64, given, result, dtype=dtype)
+    failed = [v for v in verdicts if not v.ok]  # a k-pool's open block is judged apart from its top-k blocks
+    return failed[0] if failed else verdicts[-1]
 
 
 def compressed_index_length(config, max_position: int = 0) -> int:

@@ -67,6 +67,7 @@ import numpy as np
 from ..config import AttentionConfig
 from ..format import WeightsFormatError, validate_tensors
 from .deepseek_v4 import is_v4_config, read_v4, v4_cannot_express, v4_names, write_v4
+from .glm5_next import is_glm5_next_config, read_glm5_next
 from .hf_rope import _hf_rope
 from .indexer import indexer_field, indexer_layers, indexer_tensors
 from .locate import _locate
@@ -92,6 +93,7 @@ OWN_CONVERTER = True  # registry.py: this module converts its layouts (to_canoni
 HF_DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm_moe_dsa")
 # the types with a lightning indexer (DSA): their full layers read self_attn.indexer.* (attn.indexer.* in deepseek)
 DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# glm5_next (GLM-5.3-Flash) reads through its own reader (weights.layouts.glm5_next), as V4 does
 # the indexer's keys under the attention scope (transformers' DeepseekV32Indexer / GlmMoeDsaIndexer and DeepSeek's
 # own Indexer name them alike: DeepSeek-V3.2-Exp inference/model.py:441-444, convert.py:30-33)
 INDEXER_KEYS = ("indexer.wq_b.weight", "indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
@@ -444,6 +446,8 @@ def to_canonical(catalogue: Catalogue, layout: str, state: Mapping[str, Any], /,
     if is_v4_config(cfg):  # issue 41: DeepSeek V4's layer, its own reader (transformers' or DeepSeek's names)
         return read_v4(lay.id, cfg, visible, place.base(lay), place.layer,
                        names="deepseek" if lay.id == "deepseek" else "hf")
+    if is_glm5_next_config(cfg) and lay.id == "hf-deepseek":  # GLM-5.3-Flash: NoPE MLA, k-pool indexer
+        return read_glm5_next(lay.id, cfg, visible, place.base(lay), place.layer or 0)
     facts = lay.hf(cfg, place.layer)
     fields = dict(facts["fields"])
     heads = hints.get("num_heads")

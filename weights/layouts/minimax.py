@@ -243,6 +243,8 @@ def cannot_express(catalogue: Catalogue, layout: str, config: AttentionConfig, /
                 problems.append(f"indexer.{field}={n!r} (needs an rms norm: index_{field[0]}_norm)")
         if ix.block_size is None:
             problems.append("indexer.block_size=None (MiniMax M3 selects blocks)")
+        if ix.block_pool != "max":  # no key holds GLM-5.3-Flash's pool gate and slot positions
+            problems.append(f"indexer.block_pool={ix.block_pool!r} (needs 'max': M3 scores a block by its best key)")
     return problems
 
 

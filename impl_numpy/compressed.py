@@ -445,7 +445,8 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
             present.update(compress(config, p, "compressor", x, p0, past, rec))
             entries = present["entries"]  # (B, E, H)
         else:
-            entries = buffers["entries"][:, :compress_in_place(config, p, "compressor", x, p0, buffers, rec)]
+            count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
+            entries = buffers["entries"][:, :count]
         E = entries.shape[1]
         visible = np.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]  # (T, E): entry w iff w < (t+1) // m
         allowed = np.broadcast_to(visible[None], (B, T, E))
@@ -454,8 +455,8 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
                 present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
                 index_entries = present["index_entries"]
             else:
-                index_entries = buffers["index_entries"][:, :compress_in_place(config, p, "indexer.compressor", x,
-                                                                               p0, buffers, rec)]
+                count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
+                index_entries = buffers["index_entries"][:, :count]
             selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
             if topk_indices is not None:
                 selection = _given_selection(topk_indices, visible, B, T, E)

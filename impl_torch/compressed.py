@@ -218,7 +218,8 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
             present.update(compress(config, p, "compressor", x, p0, past, rec))
             entries = present["entries"]
         else:
-            entries = buffers["entries"][:, :compress_in_place(config, p, "compressor", x, p0, buffers, rec)]
+            count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
+            entries = buffers["entries"][:, :count]
         E = entries.shape[1]
         visible = torch.arange(E, device=device)[None] < ((positions + 1) // c.ratio)[:, None]
         shown = visible[None].expand(B, -1, -1)
@@ -227,8 +228,8 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
                 present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
                 index_entries = present["index_entries"]
             else:
-                index_entries = buffers["index_entries"][:, :compress_in_place(config, p, "indexer.compressor", x,
-                                                                               p0, buffers, rec)]
+                count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
+                index_entries = buffers["index_entries"][:, :count]
             selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
             shown = F.selection_mask(selection, 1, E)[:, 0]
         if buffers is None:

@@ -116,8 +116,12 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None):
+                         return_selection: bool = False, trace: list | None = None,
+                         in_place: bool = False):
     """impl_numpy.compressed.compressed_attention in MLX."""
+    if in_place:  # docs/spec-frontier.md, "The in-place cache"
+        raise ValueError("in_place must be False in the MLX mirror of DeepSeek V4's layer (its "
+                         "in-place cache is not written there yet: numpy, torch and jax have it): got True")
     validate_tensors(config, {k: to_numpy(v) if isinstance(v, mx.array) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite values
     x = x if isinstance(x, mx.array) else to_mx(np.asarray(x))

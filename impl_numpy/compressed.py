@@ -85,13 +85,13 @@ def check_compressed_call(config: AttentionConfig, x: np.ndarray, positions, pas
 
 
 def buffer_shapes(config: AttentionConfig, batch: int, capacity: int) -> dict[str, tuple[int, ...]]:
-    """The in-place cache's buffers for up to `capacity` tokens: name -> shape. `key` (B, 1, W - 1, H) a ring
-    (the key at position t in slot t % (W - 1)); `entries` (B, capacity // m, H) (entry w in row w); `window_kv`
+    """The in-place cache's buffers for up to `capacity` tokens: name -> shape. `key` (B, 1, min(W - 1, capacity),
+    H) a ring (the key at position t in slot t % (W - 1); a capacity below the window never wraps); `entries` (B, capacity // m, H) (entry w in row w); `window_kv`
     / `window_gate` (B, m, cH) (token t of the open window in slot t % m); `overlap_kv` / `overlap_gate`
     (B, m, H) (the last closed window's first halves, valid once a window has closed); csa's `index_` the
     same at J. Only the entries grow with the capacity."""
     c, H, W = config.compressed, config.head_dim, config.window_left + 1
-    shapes = {"key": (batch, 1, W - 1, H)}
+    shapes = {"key": (batch, 1, min(W - 1, capacity), H)}
     if c.kind == "sliding":
         return shapes
     m = c.ratio
@@ -112,7 +112,8 @@ def check_in_place_call(config: AttentionConfig, x, positions, buffers) -> int:
         raise ValueError(f"past with in_place must be the dict of buffers (buffer_shapes) the call writes: got "
                          f"{type(buffers).__name__}")
     B, T, m = x.shape[0], x.shape[1], getattr(config.compressed, "ratio", None)
-    expected = buffer_shapes(config, B, 0)
+    W = config.window_left + 1
+    expected = buffer_shapes(config, B, W - 1 + T)  # every shape but the entries' rows and a short ring's
     unknown, missing = sorted(set(buffers) - set(expected)), sorted(set(expected) - set(buffers))
     if unknown or missing:
         raise ValueError(f"past with in_place must hold exactly the buffers {sorted(expected)}: got "
@@ -126,8 +127,12 @@ def check_in_place_call(config: AttentionConfig, x, positions, buffers) -> int:
                 raise ValueError(f"past[{name!r}] with in_place must have shape ({shape[0]}, >= {need}, {shape[2]}) "
                                  f"(room for the (p0 + T) // m = ({p0} + {T}) // {m} entries after the call): got "
                                  f"{got}")
+        elif name == "key" and len(got) == 4 and got[:2] + got[3:] == shape[:2] + shape[3:] and p0 + T <= got[2] < W - 1:
+            continue  # a ring shorter than the window: the buffers' capacity is below it, and it never wraps
         elif got != shape:
-            raise ValueError(f"past[{name!r}] with in_place must have shape {shape} (buffer_shapes): got {got}")
+            short = (f", or {shape[:2] + ('L',) + shape[3:]} with p0 + T = {p0 + T} <= L < W - 1 = {W - 1} (a "
+                     f"capacity below the window)" if name == "key" and p0 + T < W - 1 else "")
+            raise ValueError(f"past[{name!r}] with in_place must have shape {shape} (buffer_shapes){short}: got {got}")
     return p0
 
 

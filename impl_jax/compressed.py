@@ -142,14 +142,16 @@ def compress_in_place(config, params, prefix: str, x, p0: int, buffers: dict, re
     return E0 + n
 
 
-def attend_split(w, keys, entries):
-    """impl_numpy.compressed.attend_split: F.attend over the window's keys and the entries, summed."""
+def attend_blocks(w, blocks: list):
+    """impl_numpy.compressed.attend_blocks: F.attend over each block of keys, summed."""
     B, N, T, S = w.shape
     ct = _ct(w.dtype)
     wc = w.astype(ct).reshape(B, 1, N * T, S)
-    Sw = keys.shape[2]
-    ctx = _mm(wc[..., :Sw], keys.astype(ct)) + _mm(wc[..., Sw:], entries[:, None].astype(ct))
-    return ctx.astype(w.dtype).reshape(B, N, T, keys.shape[-1])
+    ctx, start = None, 0
+    for block in blocks:
+        part = _mm(wc[..., start:start + block.shape[2]], block.astype(ct))
+        ctx, start = part if ctx is None else ctx + part, start + block.shape[2]
+    return ctx.astype(w.dtype).reshape(B, N, T, blocks[0].shape[-1])
 
 
 def select(config, params, x, q_latent, positions, entries, visible, rec):
@@ -230,14 +232,11 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
         keys = k if past is None else jnp.concatenate([past["key"], k], axis=2)
         key_pos = jnp.arange(p0 + T - keys.shape[2], p0 + T)
         present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
-    else:  # the ring's held keys, then the call's; the ring written after the read
+    else:  # the ring's held keys, then the call's: blocks, never concatenated; the ring written once attended to
         buffers, past = dict(past), None
         ring = buffers["key"]
-        keys = jnp.concatenate([ring[:, :, :min(p0, W - 1)], k], axis=2)
+        blocks = [ring[:, :, :min(p0, W - 1)], k]
         key_pos = jnp.concatenate([jnp.asarray(ring_positions(p0, W)), positions])
-        if W > 1:
-            last = min(T, W - 1)
-            buffers["key"] = ring.at[:, :, np.arange(p0 + T - last, p0 + T) % (W - 1)].set(k[:, :, T - last:])
         present = buffers
     in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
     selection = entries = None
@@ -264,14 +263,20 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
         if buffers is None:
             keys = jnp.concatenate([keys, jnp.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
         allowed = jnp.concatenate([allowed, shown], axis=2)
-    if buffers is None or entries is None:
+    if buffers is None:
         logits = rec("logits", F.logits(q, keys, config.effective_scale))
-    else:  # in place: the entries' logits joined to the window's, the entries read from their buffer
-        logits = jnp.concatenate([F.logits(q, keys, config.effective_scale),
-                                  F.logits(q, entries[:, None], config.effective_scale)], axis=-1)
+    else:  # in place: each block's logits joined (the keys and the entries read from their buffers)
+        blocks += [] if entries is None else [entries[:, None]]
+        logits = jnp.concatenate([F.logits(q, b, config.effective_scale) for b in blocks], axis=-1)
     masked = rec("mask", F.mask(logits, allowed[:, None], None))
     w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
-    ctx = rec("attend", F.attend(w, keys)) if buffers is None or entries is None else attend_split(w, keys, entries)
+    if buffers is None:
+        ctx = rec("attend", F.attend(w, keys))
+    else:
+        ctx = attend_blocks(w, blocks)
+        if W > 1:  # now the ring may take the call's last W - 1 keys
+            last = min(T, W - 1)
+            buffers["key"] = ring.at[:, :, np.arange(p0 + T - last, p0 + T) % (W - 1)].set(k[:, :, T - last:])
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)

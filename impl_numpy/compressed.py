@@ -369,16 +369,17 @@ def _given_selection(topk_indices, visible: np.ndarray, B: int, T: int, E: int) 
     return np.where(seen, sel, -1)
 
 
-def attend_split(w: np.ndarray, keys: np.ndarray, entries: np.ndarray) -> np.ndarray:
-    """F.attend(w, concat(keys, entries)) without the concatenation: w (B, N, T, Sw + E), keys (B, 1, Sw, H),
-    entries (B, E, H); the two sums in the compute dtype, added, stored in w's dtype."""
+def attend_blocks(w: np.ndarray, blocks: list) -> np.ndarray:
+    """F.attend(w, concat(blocks)) without the concatenation: w (B, N, T, S), blocks (B, 1, S_i, H) with
+    sum S_i = S; each block's sum in the compute dtype, added, stored in w's dtype."""
     B, N, T, S = w.shape
     ct = compute_dtype(w.dtype)
     wc = w.astype(ct, copy=False).reshape(B, 1, N * T, S)
-    Sw = keys.shape[2]
-    ctx = np.matmul(wc[..., :Sw], keys.astype(ct, copy=False))
-    ctx += np.matmul(wc[..., Sw:], entries[:, None].astype(ct, copy=False))
-    return ctx.astype(w.dtype, copy=False).reshape(B, N, T, keys.shape[-1])
+    ctx, start = None, 0
+    for block in blocks:
+        part = np.matmul(wc[..., start:start + block.shape[2]], block.astype(ct, copy=False))
+        ctx, start = part if ctx is None else ctx + part, start + block.shape[2]
+    return ctx.astype(w.dtype, copy=False).reshape(B, N, T, blocks[0].shape[-1])
 
 
 def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray], x, positions, past=None, *,
@@ -435,13 +436,10 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
         keys = k if past is None else np.concatenate([past["key"], k], axis=2)  # (B, 1, Pw + T, H)
         key_pos = np.arange(p0 + T - keys.shape[2], p0 + T)
         present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
-    else:  # the ring's held keys in slot order (read before the call's keys overwrite them), then the call's
-        ring = buffers["key"]
-        keys = np.concatenate([ring[:, :, :min(p0, W - 1)], k], axis=2)  # (B, 1, Pw + T, H): W - 1 + T at most
+    else:  # the ring's held keys in slot order, then the call's: blocks, never concatenated (a dense ring is the
+        ring = buffers["key"]  # whole history); the call's keys are written into the ring once attended to
+        blocks = [ring[:, :, :min(p0, W - 1)], k]
         key_pos = np.concatenate([ring_positions(p0, W), positions])
-        if W > 1:
-            last = min(T, W - 1)
-            ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
         present = buffers
     in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)  # (T, Pw + T)
     selection = entries = None
@@ -471,17 +469,20 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
         allowed = np.concatenate([np.broadcast_to(in_window[None], (B, T, in_window.shape[1])), allowed], axis=2)
     else:
         allowed = np.broadcast_to(in_window[None], (B, T, in_window.shape[1]))
-    if buffers is None or entries is None:
+    if buffers is None:
         logits = rec("logits", F.logits(q, keys, config.effective_scale))  # (B, N, T, S)
-    else:  # in place: the entries stay in their buffer, their logits joined to the window's (no copy of them)
-        logits = np.concatenate([F.logits(q, keys, config.effective_scale),
-                                 F.logits(q, entries[:, None], config.effective_scale)], axis=-1)
+    else:  # in place: each block's logits joined (the keys and the entries stay in their buffers)
+        blocks += [] if entries is None else [entries[:, None]]
+        logits = np.concatenate([F.logits(q, b, config.effective_scale) for b in blocks], axis=-1)
     x_masked = rec("mask", F.mask_stage(logits, allowed[:, None], None))
     w = rec("softmax", F.softmax(x_masked, config.masked_row, p.get("sinks")))
-    if buffers is None or entries is None:
+    if buffers is None:
         ctx = rec("attend", F.attend(w, keys))  # (B, N, T, H): the keys are the values
     else:
-        ctx = attend_split(w, keys, entries)
+        ctx = attend_blocks(w, blocks)
+        if W > 1:  # now the ring may take the call's last W - 1 keys (a slot the query read is overwritten)
+            last = min(T, W - 1)
+            ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
     ctx = rec("derotate", turn(ctx, -positions, config))  # the rotary features turned back by the query's position
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)

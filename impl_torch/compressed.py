@@ -140,14 +140,16 @@ def in_place_buffers(buffers, x, tensors) -> None:
                              "requiring grad with gradients enabled")
 
 
-def attend_split(w: torch.Tensor, keys: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-    """impl_numpy.compressed.attend_split: F.attend over the window's keys and the entries, summed."""
+def attend_blocks(w: torch.Tensor, blocks: list) -> torch.Tensor:
+    """impl_numpy.compressed.attend_blocks: F.attend over each block of keys, summed."""
     B, N, T, S = w.shape
     ct = compute_dtype(w.dtype)
     wc = w.to(ct).reshape(B, 1, N * T, S)
-    Sw = keys.shape[2]
-    ctx = torch.matmul(wc[..., :Sw], keys.to(ct)) + torch.matmul(wc[..., Sw:], entries[:, None].to(ct))
-    return ctx.to(w.dtype).reshape(B, N, T, keys.shape[-1])
+    ctx, start = None, 0
+    for block in blocks:
+        part = torch.matmul(wc[..., start:start + block.shape[2]], block.to(ct))
+        ctx, start = part if ctx is None else ctx + part, start + block.shape[2]
+    return ctx.to(w.dtype).reshape(B, N, T, blocks[0].shape[-1])
 
 
 def select(config, params, x, q_latent, positions, entries, visible, rec) -> torch.Tensor:
@@ -202,13 +204,10 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
         keys = k if past is None else torch.cat([past["key"], k], dim=2)
         key_pos = torch.arange(p0 + T - keys.shape[2], p0 + T, device=device)
         present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
-    else:  # the ring's held keys (read before the call's overwrite them), then the call's
+    else:  # the ring's held keys, then the call's: blocks, never concatenated; the ring written once attended to
         ring = buffers["key"]
-        keys = torch.cat([ring[:, :, :min(p0, W - 1)], k], dim=2)
+        blocks = [ring[:, :, :min(p0, W - 1)], k]
         key_pos = torch.cat([torch.from_numpy(ring_positions(p0, W)).to(device), positions])
-        if W > 1:
-            last = min(T, W - 1)
-            ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
         present = buffers
     in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
     selection = entries = None
@@ -235,14 +234,20 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
         if buffers is None:
             keys = torch.cat([keys, entries[:, None].expand(B, 1, E, H)], dim=2)
         allowed = torch.cat([allowed, shown], dim=2)
-    if buffers is None or entries is None:
+    if buffers is None:
         logits = rec("logits", F.logits(q, keys, config.effective_scale))
-    else:  # in place: the entries stay in their buffer, their logits joined to the window's
-        logits = torch.cat([F.logits(q, keys, config.effective_scale),
-                            F.logits(q, entries[:, None], config.effective_scale)], dim=-1)
+    else:  # in place: each block's logits joined (the keys and the entries stay in their buffers)
+        blocks += [] if entries is None else [entries[:, None]]
+        logits = torch.cat([F.logits(q, b, config.effective_scale) for b in blocks], dim=-1)
     masked = rec("mask", F.mask(logits, allowed[:, None], None))
     w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
-    ctx = rec("attend", F.attend(w, keys)) if buffers is None or entries is None else attend_split(w, keys, entries)
+    if buffers is None:
+        ctx = rec("attend", F.attend(w, keys))
+    else:
+        ctx = attend_blocks(w, blocks)
+        if W > 1:  # now the ring may take the call's last W - 1 keys
+            last = min(T, W - 1)
+            ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(1, 2).reshape(B, T, G, N * H // G)

@@ -28,7 +28,7 @@ from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
 from impl_numpy.magnitudes import forward_magnitudes
 from weights.call import INDEXER_INPUTS
-from weights.paths import chunk_size
+from weights.paths import IN_PLACE_FORWARD_ONLY, chunk_size
 
 STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
 # The path of a result whose backend has one (the native layers, a user's function) or that was run with the
@@ -660,8 +660,15 @@ def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
     cache, a fused core that 16-bit storage never takes). Raises NotImplementedError with the reason where
     the path exists but cannot take this call (SDPA and a softcap)."""
     options = case.options(dtype)
-    if case.config.compressed is not None:  # DeepSeek V4's layer: one path per backend (its compressed module)
-        return options if path in (DEFAULT_PATH, "stages") else None
+    if case.config.compressed is not None:  # DeepSeek V4's layer: its compressed module, copying its cache ...
+        if path in (DEFAULT_PATH, "stages"):
+            return options
+        # ... and in place, on a case with a cache, where the adapter runs it in a plain check (COMPRESSED_IN_PLACE:
+        # numpy and torch; jax's would compile one more program per case, tests/test_compressed_v4_jax.py runs it)
+        if path == "in_place" and getattr(adapter, "COMPRESSED_IN_PLACE", False) and "past_key" in expected_for(
+                case, dtype)["inputs"]:
+            return options | {"in_place": True, "forward_only": IN_PLACE_FORWARD_ONLY}
+        return None
     if path == DEFAULT_PATH:
         return options
     if path not in getattr(adapter, "PATHS", ()):

@@ -171,6 +171,35 @@ def test_an_in_place_bug_fails_against_the_copying_cache(kind, bug, monkeypatch)
     assert wrong > 1e3 * PORT_BOUND, f"{bug.__name__} not caught on {kind}: {wrong}"
 
 
+def _reads_no_buffered_tokens(real):
+    """An in-place step that closes a window from the call's tokens alone: the open window's buffered rows are
+    never read (as zeros), as a port that keeps the open window in a buffer it forgets to pass on would."""
+    def step(config, params, prefix, x, p0, buffers, rec):
+        cache = "index_" if prefix.startswith("indexer") else ""
+        for n in ("window_kv", "window_gate"):
+            buffers[cache + n][:, :p0 % config.compressed.ratio] = 0
+        return real(config, params, prefix, x, p0, buffers, rec)
+    return step
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("bug", [None, _reads_no_buffered_tokens])
+def test_the_suite_judges_the_in_place_cache_on_its_path(bug, monkeypatch):
+    """`mha check`'s in_place row of v4_hca_decode (P 9: the open window's token 8 closes window 2 with the call's
+    9..11) runs the in-place call: it passes, and a bug in the in-place code alone fails it there."""
+    import impl_numpy.compressed as v4
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    if bug is not None:
+        monkeypatch.setattr(v4, "compress_in_place", bug(v4.compress_in_place))
+    result = run_case(CASES["v4_hca_decode"], "numpy", dtype="float32", path="in_place")
+    assert result.status == ("pass" if bug is None else "fail"), (result.status, result.message)
+    if bug is not None:
+        failed = {c.name for c in result.comparisons if not c.ok}
+        assert {"output", "present_entries"} <= failed, failed
+
+
 @pytest.mark.reference
 def test_in_place_calls_that_cannot_write_are_refused():
     config, t = _layer("csa")

@@ -130,7 +130,7 @@ def check_in_place_call(config: AttentionConfig, x, positions, buffers) -> int:
         elif name == "key" and len(got) == 4 and got[:2] + got[3:] == shape[:2] + shape[3:] and p0 + T <= got[2] < W - 1:
             continue  # a ring shorter than the window: the buffers' capacity is below it, and it never wraps
         elif got != shape:
-            short = (f", or {shape[:2] + ('L',) + shape[3:]} with p0 + T = {p0 + T} <= L < W - 1 = {W - 1} (a "
+            short = (f", or ({shape[0]}, 1, L, {shape[3]}) with p0 + T = {p0 + T} <= L < W - 1 = {W - 1} (a "
                      f"capacity below the window)" if name == "key" and p0 + T < W - 1 else "")
             raise ValueError(f"past[{name!r}] with in_place must have shape {shape} (buffer_shapes){short}: got {got}")
     return p0

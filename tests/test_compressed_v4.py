@@ -220,7 +220,7 @@ def test_in_place_calls_that_cannot_write_are_refused():
         compressed_attention(config, t, x[:, :1], np.array([7]), {**buffers, "index_entries": buffers[
             "index_entries"][:, :1]}, in_place=True)
     with pytest.raises(ValueError, match=r"past\['key'\] with in_place must have shape \(2, 1, 5, 16\) .*, or "
-                                         r"\(2, 1, 'L', 16\) with p0 \+ T = 4 <= L < W - 1 = 5 .*got \(2, 1, 3, 16\)"):
+                                         r"\(2, 1, L, 16\) with p0 \+ T = 4 <= L < W - 1 = 5 .*got \(2, 1, 3, 16\)"):
         call({**buffers, "key": buffers["key"][:, :, :3]})
     with pytest.raises(ValueError, match=r"exactly the buffers .*: got missing overlap_gate"):
         call({n: a for n, a in buffers.items() if n != "overlap_gate"})

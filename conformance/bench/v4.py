@@ -11,7 +11,7 @@ One new token at position P after a history of P tokens, P 8192 ... 131072 (64k 
 Per P and backend, in a worker process of its own, each step the backend's call returning its present cache; in
 numpy, torch and jax the in-place call (impl_numpy.compressed, in_place=True: buffers for P + 1 tokens that the step
 writes its token into, no copy of the cache; docs/spec-frontier.md, "The in-place cache"), in mlx and tf (Keras)
-the copying call (a new present cache every step: they have no in-place form yet):
+the copying call (a new present cache every step: Keras has no in-place form yet; MLX's is not benched yet):
 
   csa      the compressed sparse layer: the last W - 1 keys, P // 4 entries (every one in the logits: the
            reference masks the entries its indexer leaves out, it does not gather), the indexer over its P // 4
@@ -345,7 +345,7 @@ NOTES = {"numpy": "compressed_attention in place (the public call: validates the
          "torch": "compressed_attention in place under no_grad (validates the tensors every call); torch.sum",
          "jax": "compressed.layer in place under jax.jit (XLA's default options, the buffers donated), one program "
                 "per kind and P; jnp.sum jitted",
-         "mlx": "compressed_attention copying its cache (no in-place form in MLX yet), mx.eval (converts and validates "
+         "mlx": "compressed_attention copying its cache (its in-place form not benched yet), mx.eval (converts and validates "
                 "the tensors every call); mx.sum",
          "tf": "compressed.layer copying its cache (no in-place form in Keras yet) in tf.function (Keras on "
                "TensorFlow), one per kind and P; tf.reduce_sum"}

@@ -9,9 +9,9 @@ scaled down: a worker holds 481 + 16 MiB of weights (one copy of the shared tens
 most at P 131072 (measured figures: docs/performance.md, the DeepSeek V4 decode section).
 One new token at position P after a history of P tokens, P 8192 ... 131072 (64k and 128k opt-in: --v4-max).
 Per P and backend, in a worker process of its own, each step the backend's call returning its present cache; in
-numpy, torch and jax the in-place call (impl_numpy.compressed, in_place=True: buffers for P + 1 tokens that the step
-writes its token into, no copy of the cache; docs/spec-frontier.md, "The in-place cache"), in mlx and tf (Keras)
-the copying call (a new present cache every step: Keras has no in-place form yet; MLX's is not benched yet):
+numpy, torch, jax and mlx the in-place call (impl_numpy.compressed, in_place=True: buffers for P + 1 tokens that the
+step writes its token into, no copy of the cache; docs/spec-frontier.md, "The in-place cache"), in tf (Keras) the
+copying call (a new present cache every step: Keras has no in-place form yet):
 
   csa      the compressed sparse layer: the last W - 1 keys, P // 4 entries (every one in the logits: the
            reference masks the entries its indexer leaves out, it does not gather), the indexer over its P // 4
@@ -282,7 +282,7 @@ def jax_paths(layer, data, P, in_place=True):
     return paths
 
 
-def mlx_paths(layer, data, P):
+def mlx_paths(layer, data, P, in_place=True):
     """The public call, eager (lazy graph, evaluated): it converts its tensors on every call (np.asarray, then
     to_mx), a copy of the weights each way."""
     import mlx.core as mx
@@ -296,10 +296,10 @@ def mlx_paths(layer, data, P):
     def step(kind):
         config, tensors = layer[kind]
         t = {n: held[id(a)] for n, a in tensors.items()}
-        past = {n: to_mx(a) for n, a in data["past"][kind].items()}
+        past = {n: to_mx(a) for n, a in (buffers(layer, data, P, kind) if in_place else data["past"][kind]).items()}
 
         def call():
-            out = compressed_attention(config, t, x, at, past, return_cache=True)
+            out = compressed_attention(config, t, x, at, past, return_cache=True, in_place=in_place)
             mx.eval(out)
             return out
         return call
@@ -345,7 +345,7 @@ NOTES = {"numpy": "compressed_attention in place (the public call: validates the
          "torch": "compressed_attention in place under no_grad (validates the tensors every call); torch.sum",
          "jax": "compressed.layer in place under jax.jit (XLA's default options, the buffers donated), one program "
                 "per kind and P; jnp.sum jitted",
-         "mlx": "compressed_attention copying its cache (its in-place form not benched yet), mx.eval (converts and validates "
+         "mlx": "compressed_attention in place, mx.eval (converts and validates "
                 "the tensors every call); mx.sum",
          "tf": "compressed.layer copying its cache (no in-place form in Keras yet) in tf.function (Keras on "
                "TensorFlow), one per kind and P; tf.reduce_sum"}

@@ -163,14 +163,9 @@ def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options
             for name, a in inputs.items() if name.startswith("past_")} or None
     csa, return_cache = config.compressed.kind == "csa", bool(options.get("return_cache", False))
     entries = [] if trace else None
+    # options["in_place"]: the past_<name> inputs are the in-place cache's buffers (impl_numpy.compressed.buffer_shapes),
+    # written by the call and returned whole as present_<name> (the suite reads them back as a cache: logical_cache)
     in_place = bool(options.get("in_place", False))
-    if in_place:  # the in-place cache: buffers for the call's tokens holding the given cache, read back as one
-        from impl_numpy.compressed import logical_cache, to_buffers
-
-        p0, end = int(np.asarray(inputs["positions"])[0]), int(np.asarray(inputs["positions"])[-1]) + 1
-        host = {name.removeprefix("past_"): np.asarray(a).astype(dt) for name, a in inputs.items()
-                if name.startswith("past_")}
-        past = {name: convert(a) for name, a in to_buffers(config, host, p0, end).items()}
     result = call(config, params, convert(np.asarray(inputs["query"]).astype(dt, copy=False)),
                   np.asarray(inputs["positions"]), past, return_cache=return_cache or in_place, return_selection=csa,
                   trace=entries, **({"in_place": True} if in_place else {}))
@@ -178,10 +173,7 @@ def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options
     answer = {"output": to_numpy(result[0])}
     if csa:
         answer["selection"] = np.asarray(to_numpy(result[1])).astype(np.int64)
-    if in_place and return_cache:
-        written = logical_cache(config, {name: np.asarray(to_numpy(a)) for name, a in result[-1].items()}, end)
-        answer.update({f"present_{name}": a for name, a in written.items()})
-    elif return_cache:
+    if return_cache:
         answer.update({f"present_{name}": to_numpy(a) for name, a in result[-1].items()})
     if trace:
         answer["trace"] = [(e.stage, to_numpy(e.value)) for e in entries]

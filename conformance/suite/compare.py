@@ -291,6 +291,29 @@ def _compressed_past(inputs: dict) -> dict | None:
     return {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
 
 
+def _compressed_buffers(config, inputs: dict) -> dict:
+    """A V4 case's inputs with its cache (past_<name>) in the in-place cache's buffers for the call's tokens
+    (impl_numpy.compressed.to_buffers), under the same names."""
+    from impl_numpy.compressed import to_buffers
+
+    positions = np.asarray(inputs["positions"])
+    past = to_buffers(config, _compressed_past(inputs), int(positions[0]), int(positions[-1]) + 1)
+    return {name: a for name, a in inputs.items() if not name.startswith("past_")} | {
+        f"past_{name}": a for name, a in past.items()}
+
+
+def _compressed_read_back(config, inputs: dict, forward: dict) -> dict:
+    """An in-place V4 call's answer with its present_<name> buffers read back as the copying call's cache
+    (impl_numpy.compressed.logical_cache), which the judge holds to the reference's."""
+    from impl_numpy.compressed import cache_names, logical_cache
+
+    if "present_key" not in forward:
+        return forward
+    end = int(np.asarray(inputs["positions"])[-1]) + 1
+    held = logical_cache(config, {name: np.asarray(forward[f"present_{name}"]) for name in cache_names(config)}, end)
+    return forward | {f"present_{name}": a for name, a in held.items()}
+
+
 def _compressed_forward(config, tensors: dict, inputs: dict, return_cache: bool, topk_indices) -> dict:
     """impl_numpy.compressed's forward (float64 arrays) attending to a given csa selection, as the adapter's
     answer: output, selection, trace, present_<name>."""
@@ -707,17 +730,22 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
         if options is None:
             return None
         forward = grads = None
+        inputs, v4_in_place = exp["inputs"], case.config.compressed is not None and options.get("in_place")
+        if v4_in_place:  # V4's in-place cache: its buffers hold the case's cache, and are read back as one
+            inputs = _compressed_buffers(case.config, inputs)
         d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
         both = getattr(adapter, "forward_and_vjp", None)  # one pass for both, where the backend offers it
         if gradients and not options.get("forward_only") and both is not None:
             try:
-                forward, grads = both(case.config, exp["tensors"], exp["inputs"], options, d_out, device=device,
+                forward, grads = both(case.config, exp["tensors"], inputs, options, d_out, device=device,
                                       precision=precision)
             except NotImplementedError:
                 pass  # the forward alone, then the gradients' own refusal, below
         if forward is None:
-            forward = adapter.forward(case.config, exp["tensors"], exp["inputs"], options, device=device,
+            forward = adapter.forward(case.config, exp["tensors"], inputs, options, device=device,
                                       precision=precision)
+        if v4_in_place:
+            forward = _compressed_read_back(case.config, inputs, forward)
         if gradients and options.get("forward_only"):
             result.message = f"forward only: {options['forward_only']}"
         elif gradients and grads is None:

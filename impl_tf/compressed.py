@@ -134,8 +134,9 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     ({}: XLA's own) to run the layer with as one jax.jit program (not with trace); None, other backends and a
     trace: eagerly."""
     if in_place:  # docs/spec-frontier.md, "The in-place cache"
-        raise ValueError("in_place must be False in the Keras mirror of DeepSeek V4's layer (its "
-                         "in-place cache is not written there yet: numpy, torch and jax have it): got True")
+        raise ValueError("in_place must be False in the Keras mirror of DeepSeek V4's layer (keras.ops cannot write "
+                         "into a caller's tensor on its three backends: ops.slice_update returns a new one, the copy "
+                         "the in-place cache avoids; numpy, torch, jax and mlx have it): got True")
     validate_tensors(config, {k: np.asarray(ops.convert_to_numpy(v)) if ops.is_tensor(v) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = x if ops.is_tensor(x) else bk.to_tensor(np.asarray(x))

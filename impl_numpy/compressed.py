@@ -120,7 +120,7 @@ def check_in_place_call(config: AttentionConfig, x, positions, buffers) -> int:
                          f"{'unknown ' + ', '.join(unknown) if unknown else ''}"
                          f"{'; ' if unknown and missing else ''}{'missing ' + ', '.join(missing) if missing else ''}")
     for name, shape in expected.items():
-        got = tuple(buffers[name].shape)
+        got = tuple(getattr(buffers[name], "shape", ()))  # (not np.shape: it would convert a framework's array)
         if name.endswith("entries"):
             need = (p0 + T) // m
             if len(got) != 3 or got[0] != shape[0] or got[2] != shape[2] or got[1] < need:

@@ -15,7 +15,10 @@ key and as value; and for csa / hca: `entries` (B, p // m, H): the entries emitt
 `window_gate` (B, p % m, cH): the open window's projections and raw gates (c = 2 with overlap, else 1);
 with overlap `overlap_kv` and `overlap_gate` (B, m or 0, H): the last closed window's first-half
 projections and raw gates (0 rows before a window has closed); csa repeats them with the prefix `index_` for
-its indexer's compressor (width J). Every array in the tensors' dtype (float64 is the spec's).
+its indexer's compressor (width J). Every array in the tensors' dtype (float64 is the spec's). With in_place=True
+the cache is the caller's buffers instead (buffer_shapes: a ring of W - 1 keys, the entries with room, the open
+windows by slot), written by the call and returned as the present cache (docs/spec-frontier.md, "The in-place
+cache").
 
 16 bits (float16, bfloat16) follow the project's precision rule (functional.py): every stage's result is stored in
 the storage dtype, its arithmetic (products and their sums, the norms' mean and root, the gates' softmax, the

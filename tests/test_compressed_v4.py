@@ -182,6 +182,35 @@ def _reads_no_buffered_tokens(real):
     return step
 
 
+# The ring written before the attention (one line of impl_numpy/compressed.py, moved): the call's key lands in the
+# slot of the oldest key its query still sees (position p0 - W + 1), read then as that key.
+RING_WRITTEN_FIRST = ("        blocks = [ring[:, :, :min(p0, W - 1)], k]\n",
+                      "        ring[:, :, positions[-1:] % max(W - 1, 1)] = k[:, :, -1:]\n"
+                      "        blocks = [ring[:, :, :min(p0, W - 1)], k]\n")
+
+
+@pytest.mark.reference
+def test_a_ring_written_before_the_attention_fails_against_the_copying_cache():
+    import types
+
+    import impl_numpy.compressed as v4
+
+    old, new = RING_WRITTEN_FIRST
+    source = open(v4.__file__).read()
+    assert source.count(old) == 1, "the line the mutant moves is not in impl_numpy/compressed.py once"
+    mutant = types.ModuleType("impl_numpy._v4_ring_mutant")
+    mutant.__package__ = "impl_numpy"
+    exec(compile(source.replace(old, new), v4.__file__, "exec"), mutant.__dict__)
+    config, t = _layer("sliding")
+    x = _x()
+    buffers, past, wrong = mutant.cache_buffers(config, 2, T), None, 0.0
+    for a, b in zip(IN_PLACE_CUTS, IN_PLACE_CUTS[1:]):
+        want, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+        got = mutant.compressed_attention(config, t, x[:, a:b], np.arange(a, b), buffers, in_place=True)
+        wrong = max(wrong, np.abs(got - want).max() / np.abs(want).max())
+    assert wrong > 1e3 * PORT_BOUND, wrong
+
+
 @pytest.mark.reference
 @pytest.mark.parametrize("bug", [None, _reads_no_buffered_tokens])
 def test_the_suite_judges_the_in_place_cache_on_its_path(bug, monkeypatch):

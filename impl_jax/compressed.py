@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from impl_numpy.compressed import check_compressed_call
+from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, compute_dtype, validate_tensors
 from weights.call import record
 from weights.rope import rope_tables
@@ -60,14 +60,13 @@ def turn(x, positions, config: AttentionConfig):
     return F.rope_last(x, angles, config.rope.rotary_dim, True, factor)
 
 
-def compress(config, params, prefix: str, x, p0: int, past, rec):
+def compress(config, params, prefix: str, x, p0: int, past, rec, projected=None):
     c = config.compressed
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B = x.shape[0]
     ct = _ct(x.dtype)
-    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
-    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
+    kv, gate = project_compressor(params, prefix, x, rec) if projected is None else projected
     if past is not None:
         kv = jnp.concatenate([past[f"{cache}window_kv"], kv], axis=1)
         gate = jnp.concatenate([past[f"{cache}window_gate"], gate], axis=1)
@@ -107,6 +106,54 @@ def compress(config, params, prefix: str, x, p0: int, past, rec):
     return present
 
 
+def project_compressor(params, prefix: str, x, rec):
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
+    return kv, rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
+
+
+def compress_in_place(config, params, prefix: str, x, p0: int, buffers: dict, rec) -> int:
+    """impl_numpy.compressed.compress_in_place in JAX: each write an .at[].set of a static slice, the dict's
+    buffers replaced by the written ones (under jax.jit with the buffers donated XLA writes them in place)."""
+    c = config.compressed
+    m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
+    T, r0, E0 = x.shape[1], p0 % m, p0 // m
+    kv, gate = project_compressor(params, prefix, x, rec)
+    n = (r0 + T) // m
+    window_kv, window_gate = buffers[f"{cache}window_kv"], buffers[f"{cache}window_gate"]
+    if n:
+        width = params[f"{prefix}.norm.scale"].shape[0]
+        past = {f"{cache}window_kv": window_kv[:, :r0], f"{cache}window_gate": window_gate[:, :r0]}
+        if c.overlap:
+            held = m if p0 >= m else 0
+            past[f"{cache}overlap_kv"] = buffers[f"{cache}overlap_kv"][:, :held]
+            past[f"{cache}overlap_gate"] = buffers[f"{cache}overlap_gate"][:, :held]
+        past[f"{cache}entries"] = jnp.zeros((x.shape[0], 0, width), x.dtype)
+        present = compress(config, params, prefix, x, p0, past, rec, projected=(kv, gate))
+        name = f"{cache}entries"
+        buffers[name] = buffers[name].at[:, E0:E0 + n].set(present[name])
+        if c.overlap:
+            buffers[f"{cache}overlap_kv"] = present[f"{cache}overlap_kv"]
+            buffers[f"{cache}overlap_gate"] = present[f"{cache}overlap_gate"]
+    rest = r0 + T - n * m
+    new = min(rest, T)
+    if new:
+        buffers[f"{cache}window_kv"] = window_kv.at[:, rest - new:rest].set(kv[:, T - new:])
+        buffers[f"{cache}window_gate"] = window_gate.at[:, rest - new:rest].set(gate[:, T - new:])
+    return E0 + n
+
+
+def attend_blocks(w, blocks: list):
+    """impl_numpy.compressed.attend_blocks: F.attend over each block of keys, summed."""
+    B, N, T, S = w.shape
+    ct = _ct(w.dtype)
+    wc = w.astype(ct).reshape(B, 1, N * T, S)
+    ctx, start = None, 0
+    for block in blocks:
+        part = _mm(wc[..., start:start + block.shape[2]], block.astype(ct))
+        ctx, start = part if ctx is None else ctx + part, start + block.shape[2]
+    return ctx.astype(w.dtype).reshape(B, N, T, blocks[0].shape[-1])
+
+
 def select(config, params, x, q_latent, positions, entries, visible, rec):
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
@@ -125,26 +172,49 @@ def select(config, params, x, q_latent, positions, entries, visible, rec):
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None, jit: dict | None = None):
+                         return_selection: bool = False, trace: list | None = None, jit: dict | None = None,
+                         in_place: bool = False):
     """impl_numpy.compressed.compressed_attention in JAX. jit: XLA compiler options ({}: XLA's own) to run the
-    layer with as one jax.jit program (not with trace); None: eagerly, op by op."""
+    layer with as one jax.jit program (not with trace); None: eagerly, op by op.
+
+    in_place: past is the buffers (impl_numpy.compressed.buffer_shapes; JAX arrays of x's dtype). JAX arrays are
+    immutable, so it needs return_cache=True: the present cache is the written buffers (a new dict). With jit the
+    buffers are donated (donate_argnums: XLA writes them in place, and the given arrays are deleted: keep the
+    returned ones); eagerly each write is a new array (.at[].set), the copy the in-place form exists to avoid."""
     validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = jnp.asarray(x)
-    p0 = check_compressed_call(config, x, np.asarray(positions), past)
+    if in_place:
+        if trace is not None:
+            raise ValueError("trace must be None with in_place (the in-place call attends to its ring of keys in "
+                             "slot order, not the stages' order: trace the copying call): got a list")
+        if not return_cache:
+            raise ValueError("return_cache must be True with in_place in JAX (its arrays are immutable: the written "
+                             "buffers are returned as the present cache): got False")
+        p0 = check_in_place_call(config, x, np.asarray(positions), past)
+        for name, buffer in past.items():
+            if not isinstance(buffer, jax.Array) or buffer.dtype != x.dtype:
+                what = f"a {type(buffer).__name__}" if not isinstance(buffer, jax.Array) else f"dtype {buffer.dtype}"
+                raise ValueError(f"past[{name!r}] with in_place is written in place: it must be a jax array of the "
+                                 f"storage dtype {x.dtype}: got {what}")
+    else:
+        p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype = x.dtype
     p = {k: jnp.asarray(np.asarray(v)).astype(dtype) for k, v in tensors.items()}
-    past = None if past is None else {k: jnp.asarray(v).astype(dtype) for k, v in past.items()}
+    if not in_place:
+        past = None if past is None else {k: jnp.asarray(v).astype(dtype) for k, v in past.items()}
     if trace is None and jit is not None:  # one compiled program (eager JAX compiles every op for every new shape)
         run = jax.jit(functools.partial(layer, config, p0=p0, return_cache=return_cache,
-                                        return_selection=return_selection), compiler_options=jit or None)
+                                        return_selection=return_selection, in_place=in_place),
+                      compiler_options=jit or None, donate_argnums=(2,) if in_place else ())
         return run(p, x, past)
     return layer(config, p, x, past, p0=p0, return_cache=return_cache, return_selection=return_selection,
-                 trace=trace)
+                 trace=trace, in_place=in_place)
 
 
 def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, return_selection: bool,
-          trace: list | None = None):
-    """compressed_attention's computation on checked arrays (jax.jit-able: shapes and p0 decide every branch)."""
+          trace: list | None = None, in_place: bool = False):
+    """compressed_attention's computation on checked arrays (jax.jit-able: shapes and p0 decide every branch);
+    in_place: past is the buffers, returned written as the present cache."""
     positions = jnp.arange(p0, p0 + x.shape[1])
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     c, N, H = config.compressed, config.num_heads, config.head_dim
@@ -157,28 +227,56 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
     q = rec("query.rope", turn(q, positions, config))
     k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
     k = rec("key.rope", turn(k, positions, config))
-    keys = k if past is None else jnp.concatenate([past["key"], k], axis=2)
-    key_pos = jnp.arange(p0 + T - keys.shape[2], p0 + T)
+    buffers = None
+    if not in_place:
+        keys = k if past is None else jnp.concatenate([past["key"], k], axis=2)
+        key_pos = jnp.arange(p0 + T - keys.shape[2], p0 + T)
+        present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
+    else:  # the ring's held keys, then the call's: blocks, never concatenated; the ring written once attended to
+        buffers, past = dict(past), None
+        ring = buffers["key"]
+        blocks = [ring[:, :, :min(p0, W - 1)], k]
+        key_pos = jnp.concatenate([jnp.asarray(ring_positions(p0, W)), positions])
+        present = buffers
     in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
-    present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
-    selection = None
+    selection = entries = None
     allowed = jnp.broadcast_to(in_window[None], (B,) + in_window.shape)
     if c.kind != "sliding":
-        present.update(compress(config, p, "compressor", x, p0, past, rec))
-        entries = present["entries"]
+        if buffers is None:
+            present.update(compress(config, p, "compressor", x, p0, past, rec))
+            entries = present["entries"]
+        else:
+            count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
+            entries = buffers["entries"][:, :count]
         E = entries.shape[1]
         visible = jnp.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]
         shown = jnp.broadcast_to(visible[None], (B, T, E))
         if c.kind == "csa":
-            present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
-            selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            if buffers is None:
+                present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
+                index_entries = present["index_entries"]
+            else:
+                count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
+                index_entries = buffers["index_entries"][:, :count]
+            selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
             shown = F.selection_mask(selection, 1, E)[:, 0]
-        keys = jnp.concatenate([keys, jnp.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
+        if buffers is None:
+            keys = jnp.concatenate([keys, jnp.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
         allowed = jnp.concatenate([allowed, shown], axis=2)
-    logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    if buffers is None:
+        logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    else:  # in place: each block's logits joined (the keys and the entries read from their buffers)
+        blocks += [] if entries is None else [entries[:, None]]
+        logits = jnp.concatenate([F.logits(q, b, config.effective_scale) for b in blocks], axis=-1)
     masked = rec("mask", F.mask(logits, allowed[:, None], None))
     w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
-    ctx = rec("attend", F.attend(w, keys))
+    if buffers is None:
+        ctx = rec("attend", F.attend(w, keys))
+    else:
+        ctx = attend_blocks(w, blocks)
+        if W > 1:  # now the ring may take the call's last W - 1 keys
+            last = min(T, W - 1)
+            buffers["key"] = ring.at[:, :, np.arange(p0 + T - last, p0 + T) % (W - 1)].set(k[:, :, T - last:])
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)

@@ -36,6 +36,8 @@ NAME = "mlx"
 # (mx.fast.scaled_dot_product_attention), the chunked core (chunk_size=) and the in-place cache (cache_length=).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
+# DeepSeek V4 (config.compressed): its in-place cache runs on the in_place path (conformance.suite.compare.path_options)
+COMPRESSED_IN_PLACE = True
 PRECISIONS = ("highest", "tf32", "default")  # MLX has one float32 matmul: all three compute the same
 GPU_FLOAT64 = "float64 runs on MLX's CPU device only (Metal has no float64)"
 _DIFFERENTIABLE = ("query", "key", "value", "past_key", "past_value")

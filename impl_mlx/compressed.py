@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from impl_numpy.compressed import check_compressed_call
+from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, validate_tensors
 from weights.call import record
 from weights.rope import rope_tables
@@ -49,14 +49,13 @@ def _slot_softmax(g: mx.array) -> mx.array:
     return e / e.sum(axis=2, keepdims=True)
 
 
-def compress(config, params, prefix: str, x: mx.array, p0: int, past, rec):
+def compress(config, params, prefix: str, x: mx.array, p0: int, past, rec, projected=None):
     c = config.compressed
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B = x.shape[0]
     ct = compute_of(x.dtype)
-    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
-    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
+    kv, gate = project_compressor(params, prefix, x, rec) if projected is None else projected
     if past is not None:
         kv = mx.concatenate([past[f"{cache}window_kv"], kv], axis=1)
         gate = mx.concatenate([past[f"{cache}window_gate"], gate], axis=1)
@@ -96,6 +95,53 @@ def compress(config, params, prefix: str, x: mx.array, p0: int, past, rec):
     return present
 
 
+def project_compressor(params, prefix: str, x: mx.array, rec):
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
+    return kv, rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
+
+
+def compress_in_place(config, params, prefix: str, x: mx.array, p0: int, buffers, rec) -> int:
+    """impl_numpy.compressed.compress_in_place: the buffers written by slice assignment (MLX applies it to the
+    caller's array objects)."""
+    c = config.compressed
+    m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
+    T, r0, E0 = x.shape[1], p0 % m, p0 // m
+    kv, gate = project_compressor(params, prefix, x, rec)
+    n = (r0 + T) // m
+    window_kv, window_gate = buffers[f"{cache}window_kv"], buffers[f"{cache}window_gate"]
+    if n:
+        width = params[f"{prefix}.norm.scale"].shape[0]
+        past = {f"{cache}window_kv": window_kv[:, :r0], f"{cache}window_gate": window_gate[:, :r0]}
+        if c.overlap:
+            held = m if p0 >= m else 0
+            past[f"{cache}overlap_kv"] = buffers[f"{cache}overlap_kv"][:, :held]
+            past[f"{cache}overlap_gate"] = buffers[f"{cache}overlap_gate"][:, :held]
+        past[f"{cache}entries"] = mx.zeros((x.shape[0], 0, width), dtype=x.dtype)
+        present = compress(config, params, prefix, x, p0, past, rec, projected=(kv, gate))
+        buffers[f"{cache}entries"][:, E0:E0 + n] = present[f"{cache}entries"]
+        if c.overlap:
+            buffers[f"{cache}overlap_kv"][...] = present[f"{cache}overlap_kv"]
+            buffers[f"{cache}overlap_gate"][...] = present[f"{cache}overlap_gate"]
+    rest = r0 + T - n * m
+    new = min(rest, T)
+    if new:
+        window_kv[:, rest - new:rest] = kv[:, T - new:]
+        window_gate[:, rest - new:rest] = gate[:, T - new:]
+    return E0 + n
+
+
+def attend_blocks(w: mx.array, blocks: list) -> mx.array:
+    """impl_numpy.compressed.attend_blocks: F.attend over each block of keys, summed."""
+    B, N, T, S = w.shape
+    ct = compute_of(w.dtype)
+    wc = w.astype(ct).reshape(B, 1, N * T, S)
+    ctx, start = None, 0
+    for block in blocks:
+        part = wc[..., start:start + block.shape[2]] @ block.astype(ct)
+        ctx, start = part if ctx is None else ctx + part, start + block.shape[2]
+    return ctx.astype(w.dtype).reshape(B, N, T, blocks[0].shape[-1])
+
+
 def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.array:
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
@@ -116,12 +162,28 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None):
-    """impl_numpy.compressed.compressed_attention in MLX."""
+                         return_selection: bool = False, trace: list | None = None,
+                         in_place: bool = False):
+    """impl_numpy.compressed.compressed_attention in MLX; in_place: past is the caller's buffers (mx.arrays of
+    x's dtype, impl_numpy.compressed.buffer_shapes), written by slice assignment (MLX applies it to the caller's
+    array objects), returned as the present cache."""
     validate_tensors(config, {k: to_numpy(v) if isinstance(v, mx.array) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite values
     x = x if isinstance(x, mx.array) else to_mx(np.asarray(x))
-    p0 = check_compressed_call(config, x, np.asarray(positions), past)
+    buffers = None
+    if in_place:
+        if trace is not None:
+            raise ValueError("trace must be None with in_place (the in-place call attends to its ring of keys in "
+                             "slot order, not the stages' order: trace the copying call): got a list")
+        p0 = check_in_place_call(config, x, np.asarray(positions), past)
+        for name, buffer in past.items():
+            if not isinstance(buffer, mx.array) or buffer.dtype != x.dtype:
+                what = f"a {type(buffer).__name__}" if not isinstance(buffer, mx.array) else f"dtype {buffer.dtype}"
+                raise ValueError(f"past[{name!r}] with in_place is written in place: it must be an mx.array of the "
+                                 f"storage dtype {x.dtype}: got {what}")
+        buffers, past = past, None
+    else:
+        p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype = x.dtype
     # mx.arrays kept as given (through NumPy they would leave the graph mx.vjp differentiates: the adapter's gradients)
     p = {k: (v if isinstance(v, mx.array) else to_mx(np.asarray(v))).astype(dtype) for k, v in tensors.items()}
@@ -137,28 +199,55 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     q = rec("query.rope", turn(q, positions, config))
     k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
     k = rec("key.rope", turn(k, positions, config))
-    keys = k if past is None else mx.concatenate([past["key"], k], axis=2)
-    key_pos = mx.arange(p0 + T - keys.shape[2], p0 + T)
+    if buffers is None:
+        keys = k if past is None else mx.concatenate([past["key"], k], axis=2)
+        key_pos = mx.arange(p0 + T - keys.shape[2], p0 + T)
+        present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
+    else:  # the ring's held keys, then the call's: blocks, never concatenated; the ring written once attended to
+        ring = buffers["key"]
+        blocks = [ring[:, :, :min(p0, W - 1)], k]
+        key_pos = mx.concatenate([mx.array(ring_positions(p0, W)).astype(positions.dtype), positions])
+        present = buffers
     in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
-    present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
-    selection = None
+    selection = entries = None
     allowed = mx.broadcast_to(in_window[None], (B,) + tuple(in_window.shape))
     if c.kind != "sliding":
-        present.update(compress(config, p, "compressor", x, p0, past, rec))
-        entries = present["entries"]
+        if buffers is None:
+            present.update(compress(config, p, "compressor", x, p0, past, rec))
+            entries = present["entries"]
+        else:
+            count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
+            entries = buffers["entries"][:, :count]
         E = entries.shape[1]
         visible = mx.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]
         shown = mx.broadcast_to(visible[None], (B, T, E))
         if c.kind == "csa":
-            present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
-            selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            if buffers is None:
+                present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
+                index_entries = present["index_entries"]
+            else:
+                count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
+                index_entries = buffers["index_entries"][:, :count]
+            selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
             shown = F.selection_mask(selection, 1, E)[:, 0]
-        keys = mx.concatenate([keys, mx.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
+        if buffers is None:
+            keys = mx.concatenate([keys, mx.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
         allowed = mx.concatenate([allowed, shown], axis=2)
-    logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    if buffers is None:
+        logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    else:  # in place: each block's logits joined (the keys and the entries stay in their buffers)
+        blocks += [] if entries is None else [entries[:, None]]
+        logits = mx.concatenate([F.logits(q, b, config.effective_scale) for b in blocks], axis=-1)
     masked = rec("mask", F.mask(logits, allowed[:, None], None))
     w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
-    ctx = rec("attend", F.attend(w, keys))
+    if buffers is None:
+        ctx = rec("attend", F.attend(w, keys))
+    else:
+        ctx = attend_blocks(w, blocks)
+        if W > 1:  # now the ring may take the call's last W - 1 keys
+            last = min(T, W - 1)
+            slots = mx.array(np.arange(p0 + T - last, p0 + T) % (W - 1))
+            ring[:, :, slots] = k[:, :, T - last:]
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)

@@ -31,6 +31,8 @@ NAME = "numpy"
 # core a plain call takes, the chunked core (chunk_size=) and the in-place cache (cache_length=).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
+# DeepSeek V4 (config.compressed): its in-place cache runs on the in_place path (conformance.suite.compare.path_options)
+COMPRESSED_IN_PLACE = True
 ONE_BACKWARD = "impl_numpy has one backward pass (backward.py, the stages' VJP): its gradients are judged on the stages"
 
 

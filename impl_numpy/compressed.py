@@ -15,7 +15,10 @@ key and as value; and for csa / hca: `entries` (B, p // m, H): the entries emitt
 `window_gate` (B, p % m, cH): the open window's projections and raw gates (c = 2 with overlap, else 1);
 with overlap `overlap_kv` and `overlap_gate` (B, m or 0, H): the last closed window's first-half
 projections and raw gates (0 rows before a window has closed); csa repeats them with the prefix `index_` for
-its indexer's compressor (width J). Every array in the tensors' dtype (float64 is the spec's).
+its indexer's compressor (width J). Every array in the tensors' dtype (float64 is the spec's). With in_place=True
+the cache is the caller's buffers instead (buffer_shapes: a ring of W - 1 keys, the entries with room, the open
+windows by slot), written by the call and returned as the present cache (docs/spec-frontier.md, "The in-place
+cache").
 
 16 bits (float16, bfloat16) follow the project's precision rule (functional.py): every stage's result is stored in
 the storage dtype, its arithmetic (products and their sums, the norms' mean and root, the gates' softmax, the
@@ -65,18 +68,7 @@ def cache_shapes(config: AttentionConfig, batch: int, p: int) -> dict[str, tuple
 
 def check_compressed_call(config: AttentionConfig, x: np.ndarray, positions, past) -> int:
     """Validate a call; returns p0. ValueError names the argument and the value received."""
-    if config.compressed is None:
-        raise ValueError("config.compressed must be set for compressed_attention (a DeepSeek V4 layer): got null")
-    if x.ndim != 3 or x.shape[-1] != config.query_dim:
-        raise ValueError(f"x must have shape (B, T, {config.query_dim}): got {tuple(x.shape)}")
-    positions = np.asarray(positions)
-    if positions.shape != (x.shape[1],) or positions.dtype.kind not in "iu":
-        raise ValueError(f"positions must be an integer array of shape (T,) = ({x.shape[1]},): got "
-                         f"{positions.dtype} {positions.shape}")
-    p0 = int(positions[0]) if positions.size else 0
-    if positions.size and not np.array_equal(positions, np.arange(p0, p0 + positions.size)):
-        raise ValueError(f"positions must be consecutive (p0, p0 + 1, ...: windows are aligned to position 0 and "
-                         f"every token's projections enter one): got {positions.tolist()}")
+    p0 = _check_x_positions(config, x, positions)
     if past is None:
         if p0 != 0:
             raise ValueError(f"positions must start at 0 without a cache (the entries and the open window of the "
@@ -90,6 +82,130 @@ def check_compressed_call(config: AttentionConfig, x: np.ndarray, positions, pas
                                                             for n in expected if given[n] != expected[n]])
         raise ValueError(f"past must hold the cache of the p0={p0} tokens before the call (cache_shapes): got {bad}")
     return p0
+
+
+# --- the in-place cache (docs/spec-frontier.md, "The in-place cache") ----------------------------------------------
+
+
+def buffer_shapes(config: AttentionConfig, batch: int, capacity: int) -> dict[str, tuple[int, ...]]:
+    """The in-place cache's buffers for up to `capacity` tokens: name -> shape. `key` (B, 1, min(W - 1, capacity),
+    H) a ring (the key at position t in slot t % (W - 1); a capacity below the window never wraps); `entries` (B, capacity // m, H) (entry w in row w); `window_kv`
+    / `window_gate` (B, m, cH) (token t of the open window in slot t % m); `overlap_kv` / `overlap_gate`
+    (B, m, H) (the last closed window's first halves, valid once a window has closed); csa's `index_` the
+    same at J. Only the entries grow with the capacity."""
+    c, H, W = config.compressed, config.head_dim, config.window_left + 1
+    shapes = {"key": (batch, 1, min(W - 1, capacity), H)}
+    if c.kind == "sliding":
+        return shapes
+    m = c.ratio
+    for prefix, width in [("", H)] + ([("index_", c.index_head_dim)] if c.kind == "csa" else []):
+        shapes[f"{prefix}entries"] = (batch, capacity // m, width)
+        shapes[f"{prefix}window_kv"] = shapes[f"{prefix}window_gate"] = (batch, m, c.slots * width)
+        if c.overlap:
+            shapes[f"{prefix}overlap_kv"] = shapes[f"{prefix}overlap_gate"] = (batch, m, width)
+    return shapes
+
+
+def check_in_place_call(config: AttentionConfig, x, positions, buffers) -> int:
+    """Validate an in-place call's shapes (check_compressed_call's checks of x and positions, then the buffers
+    against buffer_shapes, the entries' rows at least the count after the call); returns p0. The backend checks
+    what it can write (its own types, dtype, writeable). ValueError names the argument and the value received."""
+    p0 = _check_x_positions(config, x, positions)
+    if not isinstance(buffers, dict):
+        raise ValueError(f"past with in_place must be the dict of buffers (buffer_shapes) the call writes: got "
+                         f"{type(buffers).__name__}")
+    B, T, m = x.shape[0], x.shape[1], getattr(config.compressed, "ratio", None)
+    W = config.window_left + 1
+    expected = buffer_shapes(config, B, W - 1 + T)  # every shape but the entries' rows and a short ring's
+    unknown, missing = sorted(set(buffers) - set(expected)), sorted(set(expected) - set(buffers))
+    if unknown or missing:
+        raise ValueError(f"past with in_place must hold exactly the buffers {sorted(expected)}: got "
+                         f"{'unknown ' + ', '.join(unknown) if unknown else ''}"
+                         f"{'; ' if unknown and missing else ''}{'missing ' + ', '.join(missing) if missing else ''}")
+    for name, shape in expected.items():
+        got = tuple(getattr(buffers[name], "shape", ()))  # (not np.shape: it would convert a framework's array)
+        if name.endswith("entries"):
+            need = (p0 + T) // m
+            if len(got) != 3 or got[0] != shape[0] or got[2] != shape[2] or got[1] < need:
+                raise ValueError(f"past[{name!r}] with in_place must have shape ({shape[0]}, >= {need}, {shape[2]}) "
+                                 f"(room for the (p0 + T) // m = ({p0} + {T}) // {m} entries after the call): got "
+                                 f"{got}")
+        elif name == "key" and len(got) == 4 and got[:2] + got[3:] == shape[:2] + shape[3:] and p0 + T <= got[2] < W - 1:
+            continue  # a ring shorter than the window: the buffers' capacity is below it, and it never wraps
+        elif got != shape:
+            short = (f", or ({shape[0]}, 1, L, {shape[3]}) with p0 + T = {p0 + T} <= L < W - 1 = {W - 1} (a "
+                     f"capacity below the window)" if name == "key" and p0 + T < W - 1 else "")
+            raise ValueError(f"past[{name!r}] with in_place must have shape {shape} (buffer_shapes){short}: got {got}")
+    return p0
+
+
+def _check_x_positions(config: AttentionConfig, x, positions) -> int:
+    """The layer, x and positions of a call; returns p0."""
+    if config.compressed is None:
+        raise ValueError("config.compressed must be set for compressed_attention (a DeepSeek V4 layer): got null")
+    if x.ndim != 3 or x.shape[-1] != config.query_dim:
+        raise ValueError(f"x must have shape (B, T, {config.query_dim}): got {tuple(x.shape)}")
+    positions = np.asarray(positions)
+    if positions.shape != (x.shape[1],) or positions.dtype.kind not in "iu":
+        raise ValueError(f"positions must be an integer array of shape (T,) = ({x.shape[1]},): got "
+                         f"{positions.dtype} {positions.shape}")
+    p0 = int(positions[0]) if positions.size else 0
+    if positions.size and not np.array_equal(positions, np.arange(p0, p0 + positions.size)):
+        raise ValueError(f"positions must be consecutive (p0, p0 + 1, ...: windows are aligned to position 0 and "
+                         f"every token's projections enter one): got {positions.tolist()}")
+    if p0 < 0:
+        raise ValueError(f"positions must start at p0 >= 0 (the number of tokens before the call): got p0={p0}")
+    return p0
+
+
+def ring_positions(p: int, W: int) -> np.ndarray:
+    """The positions the key ring's first min(p, W - 1) slots hold after p tokens (slot s: the latest t < p with
+    t % (W - 1) == s)."""
+    held = np.arange(min(p, W - 1))
+    return held if p <= W - 1 or W == 1 else p - 1 - (p - 1 - held) % (W - 1)
+
+
+def cache_buffers(config: AttentionConfig, batch: int, capacity: int, dtype=np.float64) -> dict[str, np.ndarray]:
+    """Zeroed buffers for an in-place cache of up to `capacity` tokens (buffer_shapes)."""
+    return {name: np.zeros(shape, dtype) for name, shape in buffer_shapes(config, batch, capacity).items()}
+
+
+def to_buffers(config: AttentionConfig, past: dict, p: int, capacity: int, dtype=None) -> dict[str, np.ndarray]:
+    """A copying call's cache of p tokens (cache_shapes) written into new buffers of `capacity` tokens."""
+    some = next(iter(past.values()))
+    out = cache_buffers(config, some.shape[0], capacity, some.dtype if dtype is None else dtype)
+    W = config.window_left + 1
+    for name, a in past.items():
+        a = np.asarray(a)
+        if name == "key":
+            if W > 1:  # the keys at p - held .. p - 1, in position order, into their slots
+                out[name][:, :, np.arange(p - a.shape[2], p) % (W - 1)] = a
+        else:  # entries, the open window's slots 0 .. p % m - 1, the overlap halves: their first rows
+            out[name][:, :a.shape[1]] = a
+    return out
+
+
+def logical_cache(config: AttentionConfig, buffers: dict, p: int) -> dict[str, np.ndarray]:
+    """What the buffers hold after p tokens, as the copying call's cache (cache_shapes): copies, in NumPy."""
+    W = config.window_left + 1
+    out = {}
+    for name, shape in cache_shapes(config, buffers["key"].shape[0], p).items():
+        a = np.asarray(buffers[name])
+        if name == "key":
+            pos = ring_positions(p, W)
+            out[name] = a[:, :, np.sort(pos) % (W - 1)] if W > 1 else a[:, :, :0]
+        else:
+            out[name] = a[:, :shape[1]].copy()
+    return out
+
+
+def write_buffer(buffer, name: str, dtype) -> None:
+    """A NumPy buffer the call can write: ValueError (weights.contract.in_place_buffer_error's wording) if not."""
+    if not isinstance(buffer, np.ndarray) or buffer.dtype != dtype or not buffer.flags.writeable:
+        what = (f"a {type(buffer).__name__}" if not isinstance(buffer, np.ndarray) else
+                f"a read-only {buffer.dtype} array" if not buffer.flags.writeable else f"dtype {buffer.dtype}")
+        raise ValueError(f"past[{name!r}] with in_place is written in place: it must be a writeable numpy array of "
+                         f"the storage dtype {np.dtype(dtype).name}: got {what}")
 
 
 def matmul(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
@@ -115,19 +231,19 @@ def turn(x: np.ndarray, positions: np.ndarray, config: AttentionConfig) -> np.nd
     return F.rope_last(x, angles, config.rope.rotary_dim, True, factor)
 
 
-def compress(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: int, past, rec):
+def compress(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: int, past, rec, projected=None):
     """One compressor (prefix "compressor" or "indexer.compressor"): the entries of the windows that close in
     this call, (B, n, width), and the compressor's new cache. Window w holds tokens w*m .. w*m + m - 1 and
     closes when its last token arrives; its entry is a softmax gate per feature over its slots (the window's
     m tokens; with overlap also the previous window's m tokens' first halves: 2m slots) times the slots'
-    projections, RMS-normed, then turned by RoPE at the window's first position w*m."""
+    projections, RMS-normed, then turned by RoPE at the window's first position w*m. projected: the call's
+    (kv, gate) when the caller has projected x already (the in-place form)."""
     c = config.compressed
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B = x.shape[0]
     ct = compute_dtype(x.dtype)
-    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))  # (B, T, c*width)
-    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))  # (B, T, c*width), raw
+    kv, gate = project_compressor(params, prefix, x, rec) if projected is None else projected  # (B, T, c*width)
     if past is not None:  # the open window's buffered tokens come first
         kv = np.concatenate([past[f"{cache}window_kv"], kv], axis=1)
         gate = np.concatenate([past[f"{cache}window_gate"], gate], axis=1)
@@ -158,17 +274,65 @@ def compress(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: in
                                                else past[f"{cache}overlap_gate"])
     else:
         slots_kv, slots_gate = win_kv, win_gate
-    top = slots_gate.max(axis=2, keepdims=True) if n else slots_gate
-    weights = np.exp(slots_gate - top)
-    weights = rec(f"{prefix}.weights", (weights / weights.sum(axis=2, keepdims=True)).astype(x.dtype, copy=False))
-    pooled = (weights.astype(ct, copy=False) * slots_kv.astype(ct, copy=False)).sum(axis=2)
-    pooled = rec(f"{prefix}.pool", pooled.astype(x.dtype, copy=False))  # (B, n, width)
-    normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
-    starts = first + m * np.arange(n)
-    new = rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])  # (B, n, width)
+    new = pool(config, params, prefix, slots_kv, slots_gate, first, x.dtype, rec)  # (B, n, width)
     old = np.zeros((B, 0, width), x.dtype) if past is None else past[f"{cache}entries"]
     present[f"{cache}entries"] = np.concatenate([old, new], axis=1)
     return present
+
+
+def project_compressor(params, prefix: str, x: np.ndarray, rec):
+    """A compressor's projections of the call's tokens: (kv, raw gate), each (B, T, c*width)."""
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
+    return kv, rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
+
+
+def pool(config: AttentionConfig, params, prefix: str, slots_kv, slots_gate, first: int, dtype, rec) -> np.ndarray:
+    """The entries of n closing windows from their slots (B, n, slots, width) and gates plus position bias
+    (compute dtype): a softmax per feature over the slots, the weighted sum, the RMS norm, RoPE at each window's
+    first position first + w*m. (B, n, width) in dtype."""
+    c = config.compressed
+    ct = compute_dtype(dtype)
+    n = slots_kv.shape[1]
+    top = slots_gate.max(axis=2, keepdims=True) if n else slots_gate
+    weights = np.exp(slots_gate - top)
+    weights = rec(f"{prefix}.weights", (weights / weights.sum(axis=2, keepdims=True)).astype(dtype, copy=False))
+    pooled = (weights.astype(ct, copy=False) * slots_kv.astype(ct, copy=False)).sum(axis=2)
+    pooled = rec(f"{prefix}.pool", pooled.astype(dtype, copy=False))  # (B, n, width)
+    normed = rec(f"{prefix}.norm", rms(pooled, params[f"{prefix}.norm.scale"], c.eps))
+    starts = first + c.ratio * np.arange(n)
+    return rec(f"{prefix}.rope", turn(normed[:, None], starts, config)[:, 0])  # (B, n, width)
+
+
+def compress_in_place(config: AttentionConfig, params, prefix: str, x: np.ndarray, p0: int, buffers, rec) -> int:
+    """compress() writing into the in-place buffers: the call's projections go to their open-window slots
+    (t % m); a window that closes reads its buffered tokens (and the overlap halves) first, then its entry is
+    written at row w of the entries and, with overlap, its first halves into the overlap buffers. Returns the
+    entries' count after the call, (p0 + T) // m. Moves nothing that is already there: a step that closes no
+    window writes its token's row and reads nothing."""
+    c = config.compressed
+    m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
+    T, r0, E0 = x.shape[1], p0 % m, p0 // m
+    kv, gate = project_compressor(params, prefix, x, rec)
+    n = (r0 + T) // m  # windows that close in this call
+    window_kv, window_gate = buffers[f"{cache}window_kv"], buffers[f"{cache}window_gate"]
+    if n:  # compress() on the open window's buffered tokens: its reads happen before any write below
+        width = params[f"{prefix}.norm.scale"].shape[0]
+        past = {f"{cache}window_kv": window_kv[:, :r0], f"{cache}window_gate": window_gate[:, :r0]}
+        if c.overlap:
+            held = m if p0 >= m else 0
+            past[f"{cache}overlap_kv"] = buffers[f"{cache}overlap_kv"][:, :held]
+            past[f"{cache}overlap_gate"] = buffers[f"{cache}overlap_gate"][:, :held]
+        past[f"{cache}entries"] = np.zeros((x.shape[0], 0, width), x.dtype)
+        present = compress(config, params, prefix, x, p0, past, rec, projected=(kv, gate))
+        buffers[f"{cache}entries"][:, E0:E0 + n] = present[f"{cache}entries"]
+        if c.overlap:
+            buffers[f"{cache}overlap_kv"][...] = present[f"{cache}overlap_kv"]
+            buffers[f"{cache}overlap_gate"][...] = present[f"{cache}overlap_gate"]
+    rest = r0 + T - n * m  # the open window's tokens after the call: the call's last `rest`, in slots 0 .. rest-1
+    new = min(rest, T)
+    window_kv[:, rest - new:rest] = kv[:, T - new:]
+    window_gate[:, rest - new:rest] = gate[:, T - new:]
+    return E0 + n
 
 
 def select(config: AttentionConfig, params, x, q_latent, positions, entries, visible, rec) -> np.ndarray:
@@ -208,18 +372,49 @@ def _given_selection(topk_indices, visible: np.ndarray, B: int, T: int, E: int) 
     return np.where(seen, sel, -1)
 
 
+def attend_blocks(w: np.ndarray, blocks: list) -> np.ndarray:
+    """F.attend(w, concat(blocks)) without the concatenation: w (B, N, T, S), blocks (B, 1, S_i, H) with
+    sum S_i = S; each block's sum in the compute dtype, added, stored in w's dtype."""
+    B, N, T, S = w.shape
+    ct = compute_dtype(w.dtype)
+    wc = w.astype(ct, copy=False).reshape(B, 1, N * T, S)
+    ctx, start = None, 0
+    for block in blocks:
+        part = np.matmul(wc[..., start:start + block.shape[2]], block.astype(ct, copy=False))
+        ctx, start = part if ctx is None else ctx + part, start + block.shape[2]
+    return ctx.astype(w.dtype, copy=False).reshape(B, N, T, blocks[0].shape[-1])
+
+
 def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray], x, positions, past=None, *,
                          return_cache: bool = False, return_selection: bool = False, trace: list | None = None,
-                         topk_indices=None):
+                         topk_indices=None, in_place: bool = False):
     """The layer's output (B, T, O); with return_selection also csa's selection (B, T, k); with return_cache
     also the present cache (a dict: cache_names). topk_indices (csa only; (B, T, k) int, -1 padding): the entries
     each query attends to, in place of its indexer's top-k (which still runs: its cache and trace); the suite's
-    reference for a port's own selection where it differs from this one's within the top-k rule."""
+    reference for a port's own selection where it differs from this one's within the top-k rule.
+
+    in_place: past is the caller's buffers (buffer_shapes: a ring of W - 1 keys, the entries with room for the
+    call's, the open windows and overlap halves by slot; writeable NumPy arrays of the storage dtype), holding
+    the p0 = positions[0] tokens before the call (cache_buffers, to_buffers); the call writes its keys, its
+    tokens' projections and the entries of the windows it closes into them, reads no more than it needs, and
+    gives the output of the copying call to round-off; with return_cache the present cache is the buffers
+    themselves (logical_cache reads them as cache_shapes'). Inference only (no trace: the ring's keys are in
+    slot order, not the stages' key order)."""
     dtype = validate_tensors(config, tensors)  # every array computes in the tensors' dtype
     x = np.asarray(x)
     if not is_float(x.dtype):  # bfloat16 (ml_dtypes) included
         raise ValueError(f"x must be a float array: got dtype {x.dtype}")
-    p0 = check_compressed_call(config, x, positions, past)
+    buffers = None
+    if in_place:
+        if trace is not None:
+            raise ValueError("trace must be None with in_place (the in-place call attends to its ring of keys in "
+                             "slot order, not the stages' order: trace the copying call): got a list")
+        p0 = check_in_place_call(config, x, positions, past)
+        for name, buffer in past.items():
+            write_buffer(buffer, name, dtype)
+        buffers, past = past, None
+    else:
+        p0 = check_compressed_call(config, x, positions, past)
     x = x.astype(dtype, copy=False)
     past = None if past is None else {name: np.asarray(a).astype(dtype, copy=False) for name, a in past.items()}
     positions = np.arange(p0, p0 + x.shape[1])
@@ -240,31 +435,57 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
     # one kv head, RMS-normed with its scale and turned: the key and the value
     k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])  # (B, 1, T, H)
     k = rec("key.rope", turn(k, positions, config))
-    keys = k if past is None else np.concatenate([past["key"], k], axis=2)  # (B, 1, Pw + T, H)
-    key_pos = np.arange(p0 + T - keys.shape[2], p0 + T)
+    if buffers is None:
+        keys = k if past is None else np.concatenate([past["key"], k], axis=2)  # (B, 1, Pw + T, H)
+        key_pos = np.arange(p0 + T - keys.shape[2], p0 + T)
+        present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
+    else:  # the ring's held keys in slot order, then the call's: blocks, never concatenated (a dense ring is the
+        ring = buffers["key"]  # whole history); the call's keys are written into the ring once attended to
+        blocks = [ring[:, :, :min(p0, W - 1)], k]
+        key_pos = np.concatenate([ring_positions(p0, W), positions])
+        present = buffers
     in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)  # (T, Pw + T)
-    present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
-    selection = None
+    selection = entries = None
     if c.kind != "sliding":
-        present.update(compress(config, p, "compressor", x, p0, past, rec))
-        entries = present["entries"]  # (B, E, H)
+        if buffers is None:
+            present.update(compress(config, p, "compressor", x, p0, past, rec))
+            entries = present["entries"]  # (B, E, H)
+        else:
+            count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
+            entries = buffers["entries"][:, :count]
         E = entries.shape[1]
         visible = np.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]  # (T, E): entry w iff w < (t+1) // m
         allowed = np.broadcast_to(visible[None], (B, T, E))
         if c.kind == "csa":
-            present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
-            selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            if buffers is None:
+                present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
+                index_entries = present["index_entries"]
+            else:
+                count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
+                index_entries = buffers["index_entries"][:, :count]
+            selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
             if topk_indices is not None:
                 selection = _given_selection(topk_indices, visible, B, T, E)
             allowed = F.selection_mask(selection, 1, E)[:, 0]  # (B, T, E)
-        keys = np.concatenate([keys, np.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
+        if buffers is None:
+            keys = np.concatenate([keys, np.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
         allowed = np.concatenate([np.broadcast_to(in_window[None], (B, T, in_window.shape[1])), allowed], axis=2)
     else:
         allowed = np.broadcast_to(in_window[None], (B, T, in_window.shape[1]))
-    logits = rec("logits", F.logits(q, keys, config.effective_scale))  # (B, N, T, S)
+    if buffers is None:
+        logits = rec("logits", F.logits(q, keys, config.effective_scale))  # (B, N, T, S)
+    else:  # in place: each block's logits joined (the keys and the entries stay in their buffers)
+        blocks += [] if entries is None else [entries[:, None]]
+        logits = np.concatenate([F.logits(q, b, config.effective_scale) for b in blocks], axis=-1)
     x_masked = rec("mask", F.mask_stage(logits, allowed[:, None], None))
     w = rec("softmax", F.softmax(x_masked, config.masked_row, p.get("sinks")))
-    ctx = rec("attend", F.attend(w, keys))  # (B, N, T, H): the keys are the values
+    if buffers is None:
+        ctx = rec("attend", F.attend(w, keys))  # (B, N, T, H): the keys are the values
+    else:
+        ctx = attend_blocks(w, blocks)
+        if W > 1:  # now the ring may take the call's last W - 1 keys (a slot the query read is overwritten)
+            last = min(T, W - 1)
+            ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
     ctx = rec("derotate", turn(ctx, -positions, config))  # the rotary features turned back by the query's position
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)

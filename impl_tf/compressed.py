@@ -128,10 +128,15 @@ def select(config, params, x, q_latent, positions, entries, visible, rec):
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None, jit: dict | None = None):
+                         return_selection: bool = False, trace: list | None = None, jit: dict | None = None,
+                         in_place: bool = False):
     """impl_numpy.compressed.compressed_attention in keras.ops. jit: on Keras's jax backend, XLA compiler options
     ({}: XLA's own) to run the layer with as one jax.jit program (not with trace); None, other backends and a
     trace: eagerly."""
+    if in_place:  # docs/spec-frontier.md, "The in-place cache"
+        raise ValueError("in_place must be False in the Keras mirror of DeepSeek V4's layer (keras.ops cannot write "
+                         "into a caller's tensor on its three backends: ops.slice_update returns a new one, the copy "
+                         "the in-place cache avoids; numpy, torch, jax and mlx have it): got True")
     validate_tensors(config, {k: np.asarray(ops.convert_to_numpy(v)) if ops.is_tensor(v) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite
     x = x if ops.is_tensor(x) else bk.to_tensor(np.asarray(x))

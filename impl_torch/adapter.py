@@ -36,6 +36,8 @@ NAME = "torch"
 # and the in-place cache (cache_length=). torch has no chunked path.
 PATHS = ("stages", "sdpa", "in_place")
 FAST_PATH = "sdpa"
+# DeepSeek V4 (config.compressed): its in-place cache runs on the in_place path (conformance.suite.compare.path_options)
+COMPRESSED_IN_PLACE = True
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:

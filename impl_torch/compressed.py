@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from impl_numpy.compressed import check_compressed_call
+from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, validate_tensors
 from weights.call import record
 from weights.rope import rope_tables
@@ -44,14 +44,13 @@ def turn(x: torch.Tensor, positions: torch.Tensor, config: AttentionConfig) -> t
     return F.rope_last(x, angles, config.rope.rotary_dim, True, factor)
 
 
-def compress(config, params, prefix: str, x: torch.Tensor, p0: int, past, rec):
+def compress(config, params, prefix: str, x: torch.Tensor, p0: int, past, rec, projected=None):
     c = config.compressed
     m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
     width = params[f"{prefix}.norm.scale"].shape[0]
     B = x.shape[0]
     ct = compute_dtype(x.dtype)
-    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
-    gate = rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
+    kv, gate = project_compressor(params, prefix, x, rec) if projected is None else projected
     if past is not None:
         kv = torch.cat([past[f"{cache}window_kv"], kv], dim=1)
         gate = torch.cat([past[f"{cache}window_gate"], gate], dim=1)
@@ -91,6 +90,68 @@ def compress(config, params, prefix: str, x: torch.Tensor, p0: int, past, rec):
     return present
 
 
+def project_compressor(params, prefix: str, x: torch.Tensor, rec):
+    kv = rec(f"{prefix}.project", matmul(x, params[f"{prefix}.kernel"]))
+    return kv, rec(f"{prefix}.gate", matmul(x, params[f"{prefix}.gate.kernel"]))
+
+
+def compress_in_place(config, params, prefix: str, x: torch.Tensor, p0: int, buffers, rec) -> int:
+    """impl_numpy.compressed.compress_in_place: the buffers written with Tensor.copy_ (index assignment)."""
+    c = config.compressed
+    m, cache = c.ratio, "index_" if prefix.startswith("indexer") else ""
+    T, r0, E0 = x.shape[1], p0 % m, p0 // m
+    kv, gate = project_compressor(params, prefix, x, rec)
+    n = (r0 + T) // m
+    window_kv, window_gate = buffers[f"{cache}window_kv"], buffers[f"{cache}window_gate"]
+    if n:
+        width = params[f"{prefix}.norm.scale"].shape[0]
+        past = {f"{cache}window_kv": window_kv[:, :r0], f"{cache}window_gate": window_gate[:, :r0]}
+        if c.overlap:
+            held = m if p0 >= m else 0
+            past[f"{cache}overlap_kv"] = buffers[f"{cache}overlap_kv"][:, :held]
+            past[f"{cache}overlap_gate"] = buffers[f"{cache}overlap_gate"][:, :held]
+        past[f"{cache}entries"] = x.new_zeros((x.shape[0], 0, width))
+        present = compress(config, params, prefix, x, p0, past, rec, projected=(kv, gate))
+        buffers[f"{cache}entries"][:, E0:E0 + n] = present[f"{cache}entries"]
+        if c.overlap:  # compress()'s overlap halves are views of its concatenated rows, not of the buffers
+            buffers[f"{cache}overlap_kv"].copy_(present[f"{cache}overlap_kv"])
+            buffers[f"{cache}overlap_gate"].copy_(present[f"{cache}overlap_gate"])
+    rest = r0 + T - n * m
+    new = min(rest, T)
+    window_kv[:, rest - new:rest] = kv[:, T - new:]
+    window_gate[:, rest - new:rest] = gate[:, T - new:]
+    return E0 + n
+
+
+def in_place_buffers(buffers, x, tensors) -> None:
+    """The buffers of an in-place call, as given: torch tensors of x's dtype on x's device (a cast, a NumPy array
+    or a transfer would write a copy the caller never sees), and no autograd (inference only)."""
+    for name, buffer in buffers.items():
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != x.dtype or buffer.device != x.device:
+            what = (f"a {type(buffer).__name__}" if not isinstance(buffer, torch.Tensor) else
+                    f"dtype {buffer.dtype}" if buffer.dtype != x.dtype else f"a tensor on {buffer.device}")
+            raise ValueError(f"past[{name!r}] with in_place is written in place: it must be a torch tensor of the "
+                             f"storage dtype {x.dtype} on {x.device}: got {what}")
+    if torch.is_grad_enabled():
+        asking = [n for n, t in {"x": x, **tensors, **buffers}.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        if asking:
+            raise ValueError("in_place writes the cache's buffers, for inference only: call it under torch.no_grad(), "
+                             f"or pass the cache as past without in_place to differentiate: got {', '.join(asking)} "
+                             "requiring grad with gradients enabled")
+
+
+def attend_blocks(w: torch.Tensor, blocks: list) -> torch.Tensor:
+    """impl_numpy.compressed.attend_blocks: F.attend over each block of keys, summed."""
+    B, N, T, S = w.shape
+    ct = compute_dtype(w.dtype)
+    wc = w.to(ct).reshape(B, 1, N * T, S)
+    ctx, start = None, 0
+    for block in blocks:
+        part = torch.matmul(wc[..., start:start + block.shape[2]], block.to(ct))
+        ctx, start = part if ctx is None else ctx + part, start + block.shape[2]
+    return ctx.to(w.dtype).reshape(B, N, T, blocks[0].shape[-1])
+
+
 def select(config, params, x, q_latent, positions, entries, visible, rec) -> torch.Tensor:
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
@@ -108,12 +169,23 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> tor
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None):
-    """impl_numpy.compressed.compressed_attention in PyTorch."""
+                         return_selection: bool = False, trace: list | None = None, in_place: bool = False):
+    """impl_numpy.compressed.compressed_attention in PyTorch; in_place: past is the caller's buffers (torch
+    tensors of x's dtype on its device, impl_numpy.compressed.buffer_shapes), written by the call, returned as
+    the present cache (inference only)."""
     validate_tensors(config, {k: to_numpy(v.detach()) if isinstance(v, torch.Tensor) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite values
     x = x if isinstance(x, torch.Tensor) else to_torch(np.asarray(x))
-    p0 = check_compressed_call(config, x, np.asarray(positions), past)
+    buffers = None
+    if in_place:
+        if trace is not None:
+            raise ValueError("trace must be None with in_place (the in-place call attends to its ring of keys in "
+                             "slot order, not the stages' order: trace the copying call): got a list")
+        p0 = check_in_place_call(config, x, np.asarray(positions), past)
+        in_place_buffers(past, x, tensors)
+        buffers, past = past, None
+    else:
+        p0 = check_compressed_call(config, x, np.asarray(positions), past)
     dtype, device = x.dtype, x.device
     p = {k: _tensor(v, dtype, device) for k, v in tensors.items()}
     positions = torch.arange(p0, p0 + x.shape[1], device=device)
@@ -128,28 +200,54 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     q = rec("query.rope", turn(q, positions, config))
     k = rec("key", rms(matmul(x, p["key.kernel"][:, 0]), p["key.norm.scale"], c.eps)[:, None])
     k = rec("key.rope", turn(k, positions, config))
-    keys = k if past is None else torch.cat([past["key"], k], dim=2)
-    key_pos = torch.arange(p0 + T - keys.shape[2], p0 + T, device=device)
+    if buffers is None:
+        keys = k if past is None else torch.cat([past["key"], k], dim=2)
+        key_pos = torch.arange(p0 + T - keys.shape[2], p0 + T, device=device)
+        present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
+    else:  # the ring's held keys, then the call's: blocks, never concatenated; the ring written once attended to
+        ring = buffers["key"]
+        blocks = [ring[:, :, :min(p0, W - 1)], k]
+        key_pos = torch.cat([torch.from_numpy(ring_positions(p0, W)).to(device), positions])
+        present = buffers
     in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
-    present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
-    selection = None
+    selection = entries = None
     allowed = in_window[None].expand(B, -1, -1)
     if c.kind != "sliding":
-        present.update(compress(config, p, "compressor", x, p0, past, rec))
-        entries = present["entries"]
+        if buffers is None:
+            present.update(compress(config, p, "compressor", x, p0, past, rec))
+            entries = present["entries"]
+        else:
+            count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
+            entries = buffers["entries"][:, :count]
         E = entries.shape[1]
         visible = torch.arange(E, device=device)[None] < ((positions + 1) // c.ratio)[:, None]
         shown = visible[None].expand(B, -1, -1)
         if c.kind == "csa":
-            present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
-            selection = select(config, p, x, q_latent, positions, present["index_entries"], visible, rec)
+            if buffers is None:
+                present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
+                index_entries = present["index_entries"]
+            else:
+                count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
+                index_entries = buffers["index_entries"][:, :count]
+            selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
             shown = F.selection_mask(selection, 1, E)[:, 0]
-        keys = torch.cat([keys, entries[:, None].expand(B, 1, E, H)], dim=2)
+        if buffers is None:
+            keys = torch.cat([keys, entries[:, None].expand(B, 1, E, H)], dim=2)
         allowed = torch.cat([allowed, shown], dim=2)
-    logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    if buffers is None:
+        logits = rec("logits", F.logits(q, keys, config.effective_scale))
+    else:  # in place: each block's logits joined (the keys and the entries stay in their buffers)
+        blocks += [] if entries is None else [entries[:, None]]
+        logits = torch.cat([F.logits(q, b, config.effective_scale) for b in blocks], dim=-1)
     masked = rec("mask", F.mask(logits, allowed[:, None], None))
     w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
-    ctx = rec("attend", F.attend(w, keys))
+    if buffers is None:
+        ctx = rec("attend", F.attend(w, keys))
+    else:
+        ctx = attend_blocks(w, blocks)
+        if W > 1:  # now the ring may take the call's last W - 1 keys
+            last = min(T, W - 1)
+            ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(1, 2).reshape(B, T, G, N * H // G)

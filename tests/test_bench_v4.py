@@ -18,7 +18,7 @@ import pytest
 
 from conformance.bench import v4
 from conformance.cli.commands import main
-from impl_numpy.compressed import cache_shapes, compressed_attention
+from impl_numpy.compressed import buffer_shapes, cache_shapes, compressed_attention, logical_cache
 
 # float32 steps against the float64 reference: every stage rounds to float32 through softmaxes of logits of size
 # ~1, as tests/test_compressed_v4_torch.py's layers (256 float32 ulps of the output's size; measured there 3.2e-7
@@ -56,7 +56,11 @@ def test_cache_bytes_are_the_count_from_the_config():
         calls = v4.numpy_paths(layer, data, P)
         for kind in v4.KINDS:
             assert v4.cache_bytes(data["past"][kind]) == _count(d, kind, P), (kind, P)
-            got = v4.cache_bytes(calls[kind]()[1])
+            config = layer[kind][0]
+            present = calls[kind]()[1]  # in place: the buffers (the open windows' m slots whatever P is)
+            slots = sum(4 * int(np.prod(shape)) for shape in buffer_shapes(config, d.B, P + 1).values())
+            assert v4.cache_bytes(present) == slots, (kind, P)
+            got = v4.cache_bytes(logical_cache(config, present, P + 1))
             assert got == _count(d, kind, P + 1), (kind, P, got, _count(d, kind, P + 1))
     full = v4.dims(False)
     for kind, config in v4.configs(full).items():  # the shapes v4.cache draws (cache_shapes), not drawn: 1 s saved
@@ -169,7 +173,8 @@ def test_quick_family_runs_in_numpy(tmp_path, capsys):
         assert r["status"] == "ok", r
         if path != "read":
             assert r["x_bound"] > 0 and r["bound"] in ("read", "flops"), r
-            assert r["cache_bytes"] == _count(d, path, P + 1), r
+            config = v4.configs(d)[path]  # in place: the buffers for P + 1 tokens
+            assert r["cache_bytes"] == sum(4 * int(np.prod(s)) for s in buffer_shapes(config, d.B, P + 1).values()), r
         if path in ("csa", "hca", "sliding"):
             assert r["x_dense"] > 0 and r["cache_x_dense"] == r["cache_bytes"] / rows[(P, "dense")]["cache_bytes"], r
     assert "v4: DeepSeek V4 decode step" in capsys.readouterr().out

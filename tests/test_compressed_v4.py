@@ -15,7 +15,7 @@ from v4_mutants import MUTANTS, port
 
 from conformance.suite import backends
 from impl_numpy import multi_head_attention
-from impl_numpy.compressed import cache_names, compressed_attention
+from impl_numpy.compressed import cache_buffers, cache_names, compressed_attention, logical_cache
 from weights import AttentionConfig, init
 from weights.format import WeightsFormatError
 
@@ -94,6 +94,169 @@ def test_the_cache_gives_the_prefill_rows(kind):
             rows.append(out)
         assert sorted(past) == sorted(cache_names(config))
         np.testing.assert_allclose(np.concatenate(rows, axis=1), whole, rtol=0, atol=PORT_BOUND)
+
+
+# The in-place cache's calls: a prefill of 5, then 1 and 7 tokens (a window closing inside a multi-token call), then
+# one token at a time from 13 across csa's (16, 20) and hca's (16) window boundaries.
+IN_PLACE_CUTS = [0, 5, 6, 13, *range(14, T + 1)]
+
+
+def _in_place_decode(kind, cuts=IN_PLACE_CUTS):
+    """Each call of `cuts` through the copying reference (present -> past) and in place (one set of buffers):
+    yields (copying output, in-place output, the copying cache, the buffers read as one, the present returned)."""
+    config, t = _layer(kind)
+    x = _x()
+    buffers, past = cache_buffers(config, 2, T), None
+    for a, b in zip(cuts, cuts[1:]):
+        want, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+        got, present = compressed_attention(config, t, x[:, a:b], np.arange(a, b), buffers, return_cache=True,
+                                            in_place=True)
+        yield want, got, past, logical_cache(config, buffers, b), present is buffers
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_in_place_cache_is_the_copying_cache(kind):
+    """Batch 2, every call of IN_PLACE_CUTS: the in-place output is the copying reference's and the buffers hold
+    its cache. Bound PORT_BOUND of the output's size: the in-place call sums the window's and the entries' shares
+    of the context in two products and reads the ring's keys in slot order (float64 round-off); the cache rows
+    are the same computations' values, moved."""
+    steps = 0
+    for want, got, past, held, same in _in_place_decode(kind):
+        assert same  # the present cache is the buffers themselves
+        np.testing.assert_allclose(got, want, rtol=0, atol=PORT_BOUND * np.abs(want).max())
+        assert sorted(held) == sorted(past)
+        for name in past:
+            assert held[name].shape == past[name].shape, name
+            np.testing.assert_allclose(held[name], past[name], rtol=0, atol=PORT_BOUND * (1 + np.abs(past[name]).max(
+                initial=0)), err_msg=name)
+        steps += 1
+    assert steps == len(IN_PLACE_CUTS) - 1
+
+
+def _drops_buffered_token(real):
+    """An in-place step that closes no window and forgets to write its token's projections into the open
+    window's slots (the window, when it closes, pools what the buffers held before)."""
+    def step(config, params, prefix, x, p0, buffers, rec):
+        cache = "index_" if prefix.startswith("indexer") else ""
+        kept = {n: buffers[cache + n].copy() for n in ("window_kv", "window_gate")}
+        count = real(config, params, prefix, x, p0, buffers, rec)
+        if (p0 % config.compressed.ratio + x.shape[1]) // config.compressed.ratio == 0:
+            for n, a in kept.items():
+                buffers[cache + n][...] = a
+        return count
+    return step
+
+
+def _overlap_not_written(real):
+    """An in-place step that closes a window but leaves the overlap halves of the window before it."""
+    def step(config, params, prefix, x, p0, buffers, rec):
+        cache = "index_" if prefix.startswith("indexer") else ""
+        kept = {n: buffers[cache + n].copy() for n in ("overlap_kv", "overlap_gate")}
+        count = real(config, params, prefix, x, p0, buffers, rec)
+        for n, a in kept.items():
+            buffers[cache + n][...] = a
+        return count
+    return step
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind,bug", [("csa", _drops_buffered_token), ("hca", _drops_buffered_token),
+                                      ("csa", _overlap_not_written)])
+def test_an_in_place_bug_fails_against_the_copying_cache(kind, bug, monkeypatch):
+    import impl_numpy.compressed as v4
+
+    monkeypatch.setattr(v4, "compress_in_place", bug(v4.compress_in_place))
+    wrong = max(np.abs(got - want).max() / np.abs(want).max() for want, got, *_ in _in_place_decode(kind))
+    assert wrong > 1e3 * PORT_BOUND, f"{bug.__name__} not caught on {kind}: {wrong}"
+
+
+def _reads_no_buffered_tokens(real):
+    """An in-place step that closes a window from the call's tokens alone: the open window's buffered rows are
+    never read (as zeros), as a port that keeps the open window in a buffer it forgets to pass on would."""
+    def step(config, params, prefix, x, p0, buffers, rec):
+        cache = "index_" if prefix.startswith("indexer") else ""
+        for n in ("window_kv", "window_gate"):
+            buffers[cache + n][:, :p0 % config.compressed.ratio] = 0
+        return real(config, params, prefix, x, p0, buffers, rec)
+    return step
+
+
+# The ring written before the attention (one line of impl_numpy/compressed.py, moved): the call's key lands in the
+# slot of the oldest key its query still sees (position p0 - W + 1), read then as that key.
+RING_WRITTEN_FIRST = ("        blocks = [ring[:, :, :min(p0, W - 1)], k]\n",
+                      "        ring[:, :, positions[-1:] % max(W - 1, 1)] = k[:, :, -1:]\n"
+                      "        blocks = [ring[:, :, :min(p0, W - 1)], k]\n")
+
+
+@pytest.mark.reference
+def test_a_ring_written_before_the_attention_fails_against_the_copying_cache():
+    import types
+
+    import impl_numpy.compressed as v4
+
+    old, new = RING_WRITTEN_FIRST
+    source = open(v4.__file__).read()
+    assert source.count(old) == 1, "the line the mutant moves is not in impl_numpy/compressed.py once"
+    mutant = types.ModuleType("impl_numpy._v4_ring_mutant")
+    mutant.__package__ = "impl_numpy"
+    exec(compile(source.replace(old, new), v4.__file__, "exec"), mutant.__dict__)
+    config, t = _layer("sliding")
+    x = _x()
+    buffers, past, wrong = mutant.cache_buffers(config, 2, T), None, 0.0
+    for a, b in zip(IN_PLACE_CUTS, IN_PLACE_CUTS[1:]):
+        want, past = compressed_attention(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+        got = mutant.compressed_attention(config, t, x[:, a:b], np.arange(a, b), buffers, in_place=True)
+        wrong = max(wrong, np.abs(got - want).max() / np.abs(want).max())
+    assert wrong > 1e3 * PORT_BOUND, wrong
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("bug", [None, _reads_no_buffered_tokens])
+def test_the_suite_judges_the_in_place_cache_on_its_path(bug, monkeypatch):
+    """`mha check`'s in_place row of v4_hca_decode (P 9: the open window's token 8 closes window 2 with the call's
+    9..11) runs the in-place call: it passes, and a bug in the in-place code alone fails it there."""
+    import impl_numpy.compressed as v4
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    if bug is not None:
+        monkeypatch.setattr(v4, "compress_in_place", bug(v4.compress_in_place))
+    result = run_case(CASES["v4_hca_decode"], "numpy", dtype="float32", path="in_place")
+    assert result.status == ("pass" if bug is None else "fail"), (result.status, result.message)
+    if bug is not None:
+        failed = {c.name for c in result.comparisons if not c.ok}
+        assert {"output", "present_entries"} <= failed, failed
+
+
+@pytest.mark.reference
+def test_in_place_calls_that_cannot_write_are_refused():
+    config, t = _layer("csa")
+    x = _x(length=3)
+    buffers = cache_buffers(config, 2, 8)
+
+    def call(given, **kw):
+        return compressed_attention(config, t, x[:, :1], np.array([3]), given, in_place=True, **kw)
+    with pytest.raises(ValueError, match=r"past\['entries'\] with in_place is written in place: it must be a "
+                                         r"writeable numpy array of the storage dtype float64: got dtype float32"):
+        call({**buffers, "entries": buffers["entries"].astype(np.float32)})
+    readonly = buffers["window_kv"].copy()
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match=r"past\['window_kv'\] .* got a read-only float64 array"):
+        call({**buffers, "window_kv": readonly})
+    with pytest.raises(ValueError, match=r"past\['index_entries'\] with in_place must have shape \(2, >= 2, 8\) "
+                                         r"\(room for the \(p0 \+ T\) // m = \(7 \+ 1\) // 4 entries"):
+        compressed_attention(config, t, x[:, :1], np.array([7]), {**buffers, "index_entries": buffers[
+            "index_entries"][:, :1]}, in_place=True)
+    with pytest.raises(ValueError, match=r"past\['key'\] with in_place must have shape \(2, 1, 5, 16\) .*, or "
+                                         r"\(2, 1, L, 16\) with p0 \+ T = 4 <= L < W - 1 = 5 .*got \(2, 1, 3, 16\)"):
+        call({**buffers, "key": buffers["key"][:, :, :3]})
+    with pytest.raises(ValueError, match=r"exactly the buffers .*: got missing overlap_gate"):
+        call({n: a for n, a in buffers.items() if n != "overlap_gate"})
+    with pytest.raises(ValueError, match=r"past with in_place must be the dict of buffers .*: got NoneType"):
+        call(None)
+    with pytest.raises(ValueError, match=r"trace must be None with in_place"):
+        call(buffers, trace=[])
 
 
 @pytest.mark.reference

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_compressed_v4 import KINDS, T, _layer, _x, stage_dtypes
+from test_compressed_v4 import IN_PLACE_CUTS, KINDS, T, _layer, _x, stage_dtypes
 
+from impl_numpy.compressed import cache_buffers, logical_cache
 from impl_numpy.compressed import compressed_attention as reference
 
 jax = pytest.importorskip("jax")
@@ -94,3 +95,38 @@ def test_the_jax_mirror_stores_each_stage_where_the_reference_does_in_16_bits(dt
     it keeps float32, shows here, where the 16-bit bar cannot see it (docs/spec-frontier.md, "What 16 bits
     cannot catch")."""
     assert stage_dtypes("jax", dtype) == stage_dtypes("numpy", dtype)
+
+
+@pytest.mark.parametrize("kind,jit", [(kind, {}) for kind in KINDS] + [("hca", None)],
+                         ids=[*KINDS, "hca-eager"])
+def test_jax_in_place_is_the_copying_reference(kind, jit):
+    """The in-place cache in JAX (each write an .at[].set; with jit the buffers donated, so the given ones are
+    deleted), float64, batch 2, over IN_PLACE_CUTS (eager: its first four calls; eager JAX compiles every op of
+    every new shape, 19 s for all 20): each call's output and the returned buffers read as a cache against the
+    copying float64 reference's, within BOUND (the cache's rows: BOUND of their size)."""
+    cuts = IN_PLACE_CUTS if jit is not None else IN_PLACE_CUTS[:5]
+    config, t = _layer(kind)
+    x = _x()
+    buffers = {n: jnp.asarray(a) for n, a in cache_buffers(config, 2, T).items()}
+    past = None
+    for a, b in zip(cuts, cuts[1:]):
+        want, past = reference(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+        given = buffers
+        got, buffers = compressed_attention(config, t, jnp.asarray(x[:, a:b]), np.arange(a, b), buffers,
+                                            return_cache=True, in_place=True, jit=jit)
+        assert given["key"].is_deleted() == (jit is not None)  # donated under jit: written in place
+        assert np.abs(np.asarray(got) - want).max() <= BOUND["float64"] * np.abs(want).max()
+        held = logical_cache(config, {n: np.asarray(v) for n, v in buffers.items()}, b)
+        for name, rows in past.items():
+            assert np.abs(held[name] - rows).max(initial=0) <= BOUND["float64"] * (1 + np.abs(rows).max(initial=0))
+
+
+def test_jax_in_place_needs_the_buffers_returned():
+    config, t = _layer("hca")
+    buffers = {n: jnp.asarray(a) for n, a in cache_buffers(config, 2, 8).items()}
+    with pytest.raises(ValueError, match=r"return_cache must be True with in_place in JAX .*: got False"):
+        compressed_attention(config, t, jnp.zeros((2, 1, 32)), np.array([0]), buffers, in_place=True)
+    with pytest.raises(ValueError, match=r"past\['entries'\] with in_place is written in place: it must be a jax "
+                                         r"array of the storage dtype float64: got a ndarray"):
+        compressed_attention(config, t, jnp.zeros((2, 1, 32)), np.array([0]), {**buffers, "entries": np.zeros(
+            (2, 1, 16))}, in_place=True, return_cache=True)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_compressed_v4 import KINDS, T, _layer, _x, stage_dtypes
+from test_compressed_v4 import IN_PLACE_CUTS, KINDS, T, _layer, _x, stage_dtypes
 
+from impl_numpy.compressed import cache_buffers, logical_cache
 from impl_numpy.compressed import compressed_attention as reference
 
 mx = pytest.importorskip("mlx.core")
@@ -83,3 +84,23 @@ def test_the_mlx_mirror_stores_each_stage_where_the_reference_does_in_16_bits(dt
     it keeps float32, shows here, where the 16-bit bar cannot see it (docs/spec-frontier.md, "What 16 bits
     cannot catch")."""
     assert stage_dtypes("mlx", dtype) == stage_dtypes("numpy", dtype)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_mlx_in_place_is_the_copying_reference(kind):
+    """The in-place cache in MLX (slice assignment onto the caller's mx.arrays), float64 on the CPU device, batch
+    2, over IN_PLACE_CUTS: each call's output and the buffers read back as a cache against the copying float64
+    reference's, within BOUND (the cache's rows: BOUND of their size)."""
+    config, t = _layer(kind)
+    x = _x()
+    buffers = {n: mx.array(a, dtype=mx.float64) for n, a in cache_buffers(config, 2, T).items()}
+    past = None
+    for a, b in zip(IN_PLACE_CUTS, IN_PLACE_CUTS[1:]):
+        want, past = reference(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+        got, present = compressed_attention(config, t, mx.array(x[:, a:b], dtype=mx.float64), np.arange(a, b),
+                                            buffers, return_cache=True, in_place=True)
+        assert present is buffers
+        assert np.abs(np.array(got) - want).max() <= BOUND["float64"] * np.abs(want).max()
+        held = logical_cache(config, {n: np.array(v) for n, v in buffers.items()}, b)
+        for name, rows in past.items():
+            assert np.abs(held[name] - rows).max(initial=0) <= BOUND["float64"] * (1 + np.abs(rows).max(initial=0))

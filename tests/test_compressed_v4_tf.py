@@ -86,3 +86,10 @@ def test_the_tf_mirror_stores_each_stage_where_the_reference_does_in_16_bits(dty
     it keeps float32, shows here, where the 16-bit bar cannot see it (docs/spec-frontier.md, "What 16 bits
     cannot catch")."""
     assert stage_dtypes("tf", dtype) == stage_dtypes("numpy", dtype)
+
+
+def test_the_keras_mirror_refuses_the_in_place_cache_with_the_reason():
+    config, t = _layer("hca")
+    with pytest.raises(ValueError, match=r"in_place must be False in the Keras mirror .*ops.slice_update returns a new "
+                                         r"one.*: got True"):
+        compressed_attention(config, t, np.zeros((2, 1, 32)), np.array([0]), None, in_place=True)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_compressed_v4 import KINDS, T, _layer, _x, stage_dtypes
+from test_compressed_v4 import IN_PLACE_CUTS, KINDS, T, _layer, _x, stage_dtypes
 
+from impl_numpy.compressed import cache_buffers, logical_cache
 from impl_numpy.compressed import compressed_attention as reference
 
 torch = pytest.importorskip("torch")
@@ -46,6 +47,40 @@ def test_torch_reproduces_the_reference_prefill_and_decode(kind, dtype):
                                          return_cache=True)
         rows.append(out.double().numpy())
     assert np.abs(np.concatenate(rows, axis=1) - want).max() <= BOUND[dtype] * scale
+
+
+@pytest.mark.parametrize("kind,dtype", [(kind, torch.float64) for kind in KINDS] + [("csa", torch.float32)],
+                         ids=[*KINDS, "csa-float32"])
+def test_torch_in_place_is_the_copying_reference(kind, dtype):
+    """The in-place cache in torch (buffers written by index assignment), batch 2, over IN_PLACE_CUTS (a prefill,
+    windows closing inside calls, then token by token across boundaries): each call's output and the buffers read
+    as a cache against the copying float64 reference's, within BOUND (the cache's rows: BOUND of their size)."""
+    config, t = _layer(kind)
+    x = _x()
+    buffers = {n: torch.from_numpy(a).to(dtype) for n, a in cache_buffers(config, 2, T).items()}
+    past = None
+    for a, b in zip(IN_PLACE_CUTS, IN_PLACE_CUTS[1:]):
+        want, past = reference(config, t, x[:, a:b], np.arange(a, b), past, return_cache=True)
+        with torch.no_grad():
+            got, present = compressed_attention(config, t, torch.as_tensor(x[:, a:b], dtype=dtype), np.arange(a, b),
+                                                buffers, return_cache=True, in_place=True)
+        assert present is buffers
+        assert np.abs(got.double().numpy() - want).max() <= BOUND[dtype] * np.abs(want).max()
+        held = logical_cache(config, {n: v.double().numpy() for n, v in buffers.items()}, b)
+        for name, rows in past.items():
+            assert np.abs(held[name] - rows).max(initial=0) <= BOUND[dtype] * (1 + np.abs(rows).max(initial=0)), name
+
+
+def test_torch_in_place_refuses_buffers_it_cannot_write():
+    config, t = _layer("hca")
+    buffers = {n: torch.from_numpy(a) for n, a in cache_buffers(config, 2, 8).items()}
+    x = torch.zeros(2, 1, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"past\['entries'\] with in_place is written in place: it must be a torch "
+                                         r"tensor of the storage dtype torch.float64 on cpu: got a ndarray"):
+        compressed_attention(config, t, x, np.array([0]), {**buffers, "entries": buffers["entries"].numpy()},
+                             in_place=True)
+    with pytest.raises(ValueError, match=r"in_place writes the cache's buffers, for inference only.*got x"):
+        compressed_attention(config, t, x.requires_grad_(), np.array([0]), buffers, in_place=True)
 
 
 def test_torch_refuses_what_the_reference_refuses():

@@ -162,7 +162,8 @@ def test_the_compressed_sweep_draws_v4_layers_and_they_pass():
     seeds = [1_400_000, 1_400_001, 1_400_005]
     assert any(random_compressed_case(seed).return_cache for seed in seeds)  # its present cache judged too
     summary = sweep("numpy", seeds, ("float64", "float32"), DEFAULT_PATH_KINDS, make_case=random_compressed_case)
-    assert summary["runs"] == 6 and not summary["failures"], summary["failures"]
+    # 3 seeds x 2 dtypes on the stages, and again in place (all three are decodes: numpy's in-place V4 cache)
+    assert summary["runs"] == 12 and not summary["failures"], summary["failures"]
     assert all(value["margin"] <= 1 for value in summary["worst"].values()), summary["worst"]
 
 

@@ -166,9 +166,12 @@ def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options
             for name, a in inputs.items() if name.startswith("past_")} or None
     csa, return_cache = config.compressed.kind == "csa", bool(options.get("return_cache", False))
     entries = [] if trace else None
+    # options["in_place"]: the past_<name> inputs are the in-place cache's buffers (impl_numpy.compressed.buffer_shapes),
+    # written by the call and returned whole as present_<name> (the suite reads them back as a cache: logical_cache)
+    in_place = bool(options.get("in_place", False))
     result = call(config, params, convert(np.asarray(inputs["query"]).astype(dt, copy=False)),
-                  np.asarray(inputs["positions"]), past, return_cache=return_cache, return_selection=csa,
-                  trace=entries)
+                  np.asarray(inputs["positions"]), past, return_cache=return_cache or in_place, return_selection=csa,
+                  trace=entries, **({"in_place": True} if in_place else {}))
     result = result if isinstance(result, tuple) else (result,)
     answer = {"output": to_numpy(result[0])}
     if csa:

@@ -8,7 +8,10 @@ project's own hf-deepseek reader (weights.layouts.deepseek_v4.v4_config), so eve
 scaled down: a worker holds 481 + 16 MiB of weights (one copy of the shared tensors) and the caches, a few GB at
 most at P 131072 (measured figures: docs/performance.md, the DeepSeek V4 decode section).
 One new token at position P after a history of P tokens, P 8192 ... 131072 (64k and 128k opt-in: --v4-max).
-Per P and backend, in a worker process of its own, each step the backend's call returning its present cache:
+Per P and backend, in a worker process of its own, each step the backend's call returning its present cache; in
+numpy, torch, jax and mlx the in-place call (impl_numpy.compressed, in_place=True: buffers for P + 1 tokens that the
+step writes its token into, no copy of the cache; docs/spec-frontier.md, "The in-place cache"), in tf (Keras) the
+copying call (a new present cache every step: Keras has no in-place form yet):
 
   csa      the compressed sparse layer: the last W - 1 keys, P // 4 entries (every one in the logits: the
            reference masks the entries its indexer leaves out, it does not gather), the indexer over its P // 4
@@ -23,7 +26,8 @@ Per P and backend, in a worker process of its own, each step the backend's call 
 The caches are drawn at random with the shapes impl_numpy.compressed.cache_shapes gives for P tokens (a step's
 cost does not depend on the values; a real prefill of 128k tokens cannot run here: it needs (P, P) logits per
 head); tests/test_bench_v4.py checks the steps against the float64 reference on a real prefill's cache at small
-P. Each row reports the cache bytes per token of history (the present cache the backend returned, over P + 1),
+P. Each row reports the cache bytes per token of history (the present cache the backend returned, over P + 1: in
+place, the buffers, whose open windows hold m slots whatever P is),
 the step's time (median, min) and its ratio to the dense step of the same backend and P (paired: each over the
 matmul just before it), and x bound: the time over max(bytes / read bandwidth, FLOPs / matmul rate) with bytes
 what the step must read and FLOPs its own (bounds()), as conformance/bench/sparse.py does.
@@ -192,12 +196,23 @@ def cache_bytes(present: dict) -> int:
 # --- each backend's calls: kind -> a callable running the step once, synchronised, returning (out, present) --------
 
 
-def numpy_paths(layer, data, P):
+def buffers(layer, data, P, kind) -> dict:
+    """kind's in-place buffers (impl_numpy.compressed.buffer_shapes) for P + 1 tokens, holding data's cache of P
+    (to_buffers): the step writes its token at P. Repeated steps write the same rows (the same token at the same
+    position) and read as many; only the ring's slot P % (W - 1), read as the key at P - W + 1, then holds the
+    key at P: the values change, not the step's work."""
+    from impl_numpy.compressed import to_buffers
+
+    return to_buffers(layer[kind][0], data["past"][kind], P, P + 1)
+
+
+def numpy_paths(layer, data, P, in_place=True):
     from impl_numpy.compressed import compressed_attention
 
     x, at = data["x"], np.array([P])
-    paths = {kind: functools.partial(compressed_attention, config, tensors, x, at, data["past"][kind],
-                                     return_cache=True) for kind, (config, tensors) in layer.items()}
+    paths = {kind: functools.partial(compressed_attention, config, tensors, x, at,
+                                     buffers(layer, data, P, kind) if in_place else data["past"][kind],
+                                     return_cache=True, in_place=in_place) for kind, (config, tensors) in layer.items()}
     arrays = [*data["past"]["dense"].values(), *layer["csa"][1].values(), *_own(layer, "hca")]
     paths["read"] = lambda: [np.sum(a) for a in arrays]
     return paths
@@ -208,7 +223,7 @@ def _own(layer, kind):
     return [t for n, t in layer[kind][1].items() if t is not layer["csa"][1].get(n)]
 
 
-def torch_paths(layer, data, P):
+def torch_paths(layer, data, P, in_place=True):
     import torch
 
     from impl_torch.compressed import compressed_attention
@@ -219,11 +234,12 @@ def torch_paths(layer, data, P):
     def step(kind):
         config, tensors = layer[kind]
         t = {n: held[id(a)] for n, a in tensors.items()}
-        past = {n: torch.from_numpy(a) for n, a in data["past"][kind].items()}
+        past = {n: torch.from_numpy(a) for n, a in (buffers(layer, data, P, kind) if in_place
+                                                     else data["past"][kind]).items()}
 
         def call():
             with torch.no_grad():
-                return compressed_attention(config, t, x, at, past, return_cache=True)
+                return compressed_attention(config, t, x, at, past, return_cache=True, in_place=in_place)
         return call
 
     paths = {kind: step(kind) for kind in layer}
@@ -232,9 +248,10 @@ def torch_paths(layer, data, P):
     return paths
 
 
-def jax_paths(layer, data, P):
+def jax_paths(layer, data, P, in_place=True):
     """layer() (the computation on checked arrays) under one jax.jit per kind and P, XLA's default options:
-    the public call's jit= builds a new program per call, eager compiles each op."""
+    the public call's jit= builds a new program per call, eager compiles each op. In place: the buffers donated
+    (XLA writes them in place), each step handed the buffers the last one returned."""
     import jax
     import jax.numpy as jnp
 
@@ -247,9 +264,16 @@ def jax_paths(layer, data, P):
     def step(kind):
         config, tensors = layer[kind]
         t = {n: held[id(a)] for n, a in tensors.items()}
-        past = jax.device_put(data["past"][kind], dev)
-        run = jax.jit(functools.partial(v4_layer, config, p0=P, return_cache=True, return_selection=False))
-        return lambda: jax.block_until_ready(run(t, x, past))
+        state = {"past": jax.device_put(buffers(layer, data, P, kind) if in_place else data["past"][kind], dev)}
+        run = jax.jit(functools.partial(v4_layer, config, p0=P, return_cache=True, return_selection=False,
+                                        in_place=in_place), donate_argnums=(2,) if in_place else ())
+
+        def call():
+            out = jax.block_until_ready(run(t, x, state["past"]))
+            if in_place:
+                state["past"] = out[1]
+            return out
+        return call
 
     paths = {kind: step(kind) for kind in layer}
     arrays = [jax.device_put(a, dev) for a in data["past"]["dense"].values()] + list(held.values())
@@ -258,7 +282,7 @@ def jax_paths(layer, data, P):
     return paths
 
 
-def mlx_paths(layer, data, P):
+def mlx_paths(layer, data, P, in_place=True):
     """The public call, eager (lazy graph, evaluated): it converts its tensors on every call (np.asarray, then
     to_mx), a copy of the weights each way."""
     import mlx.core as mx
@@ -272,10 +296,10 @@ def mlx_paths(layer, data, P):
     def step(kind):
         config, tensors = layer[kind]
         t = {n: held[id(a)] for n, a in tensors.items()}
-        past = {n: to_mx(a) for n, a in data["past"][kind].items()}
+        past = {n: to_mx(a) for n, a in (buffers(layer, data, P, kind) if in_place else data["past"][kind]).items()}
 
         def call():
-            out = compressed_attention(config, t, x, at, past, return_cache=True)
+            out = compressed_attention(config, t, x, at, past, return_cache=True, in_place=in_place)
             mx.eval(out)
             return out
         return call
@@ -317,11 +341,14 @@ def tf_paths(layer, data, P):
 
 
 BUILDERS = {"numpy": numpy_paths, "torch": torch_paths, "jax": jax_paths, "mlx": mlx_paths, "tf": tf_paths}
-NOTES = {"numpy": "compressed_attention (the public call: validates the tensors every call); np.sum",
-         "torch": "compressed_attention under no_grad (validates the tensors every call); torch.sum",
-         "jax": "compressed.layer under jax.jit (XLA's default options), one program per kind and P; jnp.sum jitted",
-         "mlx": "compressed_attention, mx.eval (converts and validates the tensors every call); mx.sum",
-         "tf": "compressed.layer in tf.function (Keras on TensorFlow), one per kind and P; tf.reduce_sum"}
+NOTES = {"numpy": "compressed_attention in place (the public call: validates the tensors every call); np.sum",
+         "torch": "compressed_attention in place under no_grad (validates the tensors every call); torch.sum",
+         "jax": "compressed.layer in place under jax.jit (XLA's default options, the buffers donated), one program "
+                "per kind and P; jnp.sum jitted",
+         "mlx": "compressed_attention in place, mx.eval (converts and validates "
+                "the tensors every call); mx.sum",
+         "tf": "compressed.layer copying its cache (no in-place form in Keras yet) in tf.function (Keras on "
+               "TensorFlow), one per kind and P; tf.reduce_sum"}
 
 
 # --- one backend, in a process of its own -------------------------------------------------------------------------

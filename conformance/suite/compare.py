@@ -28,7 +28,7 @@ from impl_numpy import adapter as reference
 from impl_numpy.backward import multi_head_attention_vjp
 from impl_numpy.magnitudes import forward_magnitudes
 from weights.call import INDEXER_INPUTS
-from weights.paths import chunk_size
+from weights.paths import IN_PLACE_FORWARD_ONLY, chunk_size
 
 STATUS_PASS, STATUS_FAIL, STATUS_UNSUPPORTED, STATUS_ERROR = "pass", "fail", "unsupported", "error"
 # The path of a result whose backend has one (the native layers, a user's function) or that was run with the
@@ -289,6 +289,29 @@ def _expected_compressed(case: Case, dtype: str, selection=None) -> dict:
 def _compressed_past(inputs: dict) -> dict | None:
     """A V4 call's cache as impl_numpy.compressed takes it: the past_<name> inputs by <name> (None: no cache)."""
     return {name.removeprefix("past_"): a for name, a in inputs.items() if name.startswith("past_")} or None
+
+
+def _compressed_buffers(config, inputs: dict) -> dict:
+    """A V4 case's inputs with its cache (past_<name>) in the in-place cache's buffers for the call's tokens
+    (impl_numpy.compressed.to_buffers), under the same names."""
+    from impl_numpy.compressed import to_buffers
+
+    positions = np.asarray(inputs["positions"])
+    past = to_buffers(config, _compressed_past(inputs), int(positions[0]), int(positions[-1]) + 1)
+    return {name: a for name, a in inputs.items() if not name.startswith("past_")} | {
+        f"past_{name}": a for name, a in past.items()}
+
+
+def _compressed_read_back(config, inputs: dict, forward: dict) -> dict:
+    """An in-place V4 call's answer with its present_<name> buffers read back as the copying call's cache
+    (impl_numpy.compressed.logical_cache), which the judge holds to the reference's."""
+    from impl_numpy.compressed import cache_names, logical_cache
+
+    if "present_key" not in forward:
+        return forward
+    end = int(np.asarray(inputs["positions"])[-1]) + 1
+    held = logical_cache(config, {name: np.asarray(forward[f"present_{name}"]) for name in cache_names(config)}, end)
+    return forward | {f"present_{name}": a for name, a in held.items()}
 
 
 def _compressed_forward(config, tensors: dict, inputs: dict, return_cache: bool, topk_indices) -> dict:
@@ -660,8 +683,15 @@ def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
     cache, a fused core that 16-bit storage never takes). Raises NotImplementedError with the reason where
     the path exists but cannot take this call (SDPA and a softcap)."""
     options = case.options(dtype)
-    if case.config.compressed is not None:  # DeepSeek V4's layer: one path per backend (its compressed module)
-        return options if path in (DEFAULT_PATH, "stages") else None
+    if case.config.compressed is not None:  # DeepSeek V4's layer: its compressed module, copying its cache ...
+        if path in (DEFAULT_PATH, "stages"):
+            return options
+        # ... and in place, on a case with a cache, where the adapter runs it in a plain check (COMPRESSED_IN_PLACE:
+        # numpy, torch, mlx; jax's would compile one more program per case, tests/test_compressed_v4_jax.py runs it)
+        if path == "in_place" and getattr(adapter, "COMPRESSED_IN_PLACE", False) and "past_key" in expected_for(
+                case, dtype)["inputs"]:
+            return options | {"in_place": True, "forward_only": IN_PLACE_FORWARD_ONLY}
+        return None
     if path == DEFAULT_PATH:
         return options
     if path not in getattr(adapter, "PATHS", ()):
@@ -700,17 +730,22 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
         if options is None:
             return None
         forward = grads = None
+        inputs, v4_in_place = exp["inputs"], case.config.compressed is not None and options.get("in_place")
+        if v4_in_place:  # V4's in-place cache: its buffers hold the case's cache, and are read back as one
+            inputs = _compressed_buffers(case.config, inputs)
         d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
         both = getattr(adapter, "forward_and_vjp", None)  # one pass for both, where the backend offers it
         if gradients and not options.get("forward_only") and both is not None:
             try:
-                forward, grads = both(case.config, exp["tensors"], exp["inputs"], options, d_out, device=device,
+                forward, grads = both(case.config, exp["tensors"], inputs, options, d_out, device=device,
                                       precision=precision)
             except NotImplementedError:
                 pass  # the forward alone, then the gradients' own refusal, below
         if forward is None:
-            forward = adapter.forward(case.config, exp["tensors"], exp["inputs"], options, device=device,
+            forward = adapter.forward(case.config, exp["tensors"], inputs, options, device=device,
                                       precision=precision)
+        if v4_in_place:
+            forward = _compressed_read_back(case.config, inputs, forward)
         if gradients and options.get("forward_only"):
             result.message = f"forward only: {options['forward_only']}"
         elif gradients and grads is None:

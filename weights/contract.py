@@ -257,10 +257,12 @@ def in_place_buffer_error(name: str, must: str, got: str) -> ValueError:
     return ValueError(f"{name} with cache_length is written in place: it must {must}: got {got}")
 
 
-# Issue 41: no backend's multi_head_attention takes a DeepSeek V4 layer yet; the NumPy reference runs it through its
-# own call (the cache has entries and open windows, the call absolute positions).
-COMPRESSED_REFUSAL = ("config.compressed (a DeepSeek V4 layer) is not taken by multi_head_attention: it runs "
-                      "through impl_numpy.compressed.compressed_attention (the mirrors do not have it yet)")
+# Issue 41: a DeepSeek V4 layer is a call of its own in every backend, not a multi_head_attention: it takes one
+# input and absolute positions (its cache of W - 1 keys no longer says how many tokens came before) and its cache is
+# a dict of windows, entries and open compressor windows, where multi_head_attention's is past_key/past_value.
+COMPRESSED_REFUSAL = ("config.compressed (a DeepSeek V4 layer) is not taken by multi_head_attention: call the "
+                      "backend's compressed_attention(config, tensors, x, positions, past) (impl_numpy.compressed, "
+                      "impl_torch.compressed, impl_jax.compressed, impl_mlx.compressed, impl_tf.compressed)")
 
 
 def check_call(

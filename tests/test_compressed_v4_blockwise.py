@@ -2,7 +2,7 @@
 the float64 stages of the same module: prefills long enough that whole key and entry blocks are skipped, a decode
 through the returned cache and through the in-place buffers, float64 and float32; what it computes (with blocks of
 one key, exactly the keys and entries each query sees); its refusals; and three porting bugs of a block-wise path
-caught. Marked `reference` (the numpy env), about 1 s in all (2-core AMD EPYC VM, 2026-11-29)."""
+caught. Marked `reference` (the numpy env), about 1.1 s in all (2-core AMD EPYC VM, 2026-11-29)."""
 
 from __future__ import annotations
 

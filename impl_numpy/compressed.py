@@ -36,10 +36,12 @@ import numpy as np
 from weights import AttentionConfig, compute_dtype, validate_tensors
 from weights.call import record
 from weights.config import COMPRESSED_CACHE
+from weights.contract import check_chunk_size
 from weights.dtypes import is_float
 from weights.rope import rope_tables
 
 from . import functional as F
+from .chunked import QUERY_ROWS, KeyParts
 
 
 def cache_names(config: AttentionConfig) -> list[str]:
@@ -385,9 +387,87 @@ def attend_blocks(w: np.ndarray, blocks: list) -> np.ndarray:
     return ctx.astype(w.dtype, copy=False).reshape(B, N, T, blocks[0].shape[-1])
 
 
+def attend_blockwise(config: AttentionConfig, q: np.ndarray, window_keys: list, key_pos: np.ndarray,
+                     positions: np.ndarray, entries: np.ndarray | None, selection: np.ndarray | None, sinks,
+                     chunk_size: int) -> np.ndarray:
+    """The stages from the logits to the context (logits, mask, softmax with the sinks, attend) block by block with
+    an online softmax, never a (T, W + E) array: q (B, N, T, H) turned; window_keys: the window's keys as parts
+    along S ((B, 1, S_i, H) each: the cache's, then the call's; read as one by chunked.KeyParts, never
+    concatenated), key_pos (S,) their positions (any order: the in-place ring's slot order too); entries
+    (B, E, H) or None (sliding); selection (B, T, k) csa's (-1 padding) or None (hca: every visible entry).
+    Returns the context (B, N, T, H) in q's dtype.
+
+    Queries in blocks of min(chunk_size, chunked.QUERY_ROWS, T) rows, keys in blocks of chunk_size. Skipped
+    entirely, neither read nor multiplied, for a query block at positions lo .. hi: a window key block none of
+    whose positions lies in [lo - W + 1, hi]; an entry block at or past (hi + 1) // m (no query of the block sees
+    it: entry w is visible to t iff w < (t + 1) // m); with a selection, an entry block none of the block's
+    queries selected. Within a block, what the stages' mask hides is -inf. The running max, sum and numerator
+    follow chunked.py's recurrence (Milakov & Gimelshein 2018): they start at the sink (max = sink, sum = 1,
+    numerator 0) as the stages' softmax puts the sink in every row's denominator. Each block's logits are
+    functional.logits' (the stage's rounding); the weights are never stored, so in 16 bits they are not rounded
+    as the stages round them (chunked.py's rule): the same result to round-off in float32 and float64. Every
+    row sees at least its own key (window_left >= 0), so no row is empty."""
+    B, N, T, H = q.shape
+    c, W = config.compressed, config.window_left + 1
+    dtype, ct = q.dtype, compute_dtype(q.dtype)
+    keys = KeyParts(window_keys) if len(window_keys) > 1 else window_keys[0]
+    S, E = keys.shape[2], 0 if entries is None else entries.shape[1]
+    ents = None if entries is None else entries[:, None]  # (B, 1, E, H): one kv head
+    sink = None if sinks is None else sinks.astype(ct).reshape(1, N, 1, 1)
+    rows = max(1, min(chunk_size, QUERY_ROWS, T))
+    context = np.empty((B, N, T, H), dtype)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        t, pos = t1 - t0, positions[t0:t1]
+        lo, hi = int(pos[0]), int(pos[-1])
+        qb = q[:, :, t0:t1]
+        if sink is None:
+            m = np.full((B, N, t, 1), -np.inf, ct)
+            l = np.zeros((B, N, t, 1), ct)
+        else:  # the sink joins every row first: max = sink, sum = exp(0) = 1, numerator 0
+            m, l = np.broadcast_to(sink, (B, N, t, 1)).copy(), np.ones((B, N, t, 1), ct)
+        acc = np.zeros((B, N, t, H), ct)
+
+        def step(kb, hidden, m, l, acc):
+            """One key block (B, 1, s, H), its hidden logits ((B|1, 1, t, s) bool or None): the running state."""
+            x = F.logits(qb, kb, config.effective_scale).astype(ct, copy=False)  # (B, N, t, s), the stage's
+            if hidden is not None:
+                x = np.where(hidden, ct.type(-np.inf), x)
+            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))
+            m_safe = np.where(m_new == -np.inf, ct.type(0), m_new)  # a row that has seen no key yet
+            e = np.exp(x - m_safe)  # hidden -> exactly 0
+            correction = np.exp(m - m_safe)  # 0 where m was -inf
+            pv = np.matmul(e.reshape(B, 1, N * t, -1), kb.astype(ct, copy=False)).reshape(B, N, t, H)
+            return m_new, l * correction + e.sum(axis=-1, keepdims=True), acc * correction + pv
+
+        # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
+        near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
+        for s0 in np.unique(near // chunk_size) * chunk_size:
+            s1 = min(S, s0 + chunk_size)
+            kp = key_pos[s0:s1]
+            hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
+            m, l, acc = step(keys[:, :, s0:s1], hidden[None, None] if hidden.any() else None, m, l, acc)
+        # the entries: those visible to the block's last query, by blocks of chunk_size
+        seen = min(E, (hi + 1) // c.ratio) if E else 0
+        chosen = None if selection is None else selection[:, t0:t1]  # (B, t, k)
+        for e0 in range(0, seen, chunk_size):
+            e1 = min(seen, e0 + chunk_size)
+            if chosen is not None:
+                picked = (chosen[..., None] == np.arange(e0, e1)).any(axis=2)  # (B, t, s): selected here
+                if not picked.any():
+                    continue  # no query of the block selected an entry of this block
+                hidden = ~picked[:, None]
+            else:
+                hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
+                hidden = hidden[None, None] if hidden.any() else None
+            m, l, acc = step(ents[:, :, e0:e1], hidden, m, l, acc)
+        context[:, :, t0:t1] = (acc / l).astype(dtype, copy=False)
+    return context
+
+
 def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray], x, positions, past=None, *,
                          return_cache: bool = False, return_selection: bool = False, trace: list | None = None,
-                         topk_indices=None, in_place: bool = False):
+                         topk_indices=None, in_place: bool = False, chunk_size: int | None = None):
     """The layer's output (B, T, O); with return_selection also csa's selection (B, T, k); with return_cache
     also the present cache (a dict: cache_names). topk_indices (csa only; (B, T, k) int, -1 padding): the entries
     each query attends to, in place of its indexer's top-k (which still runs: its cache and trace); the suite's
@@ -399,8 +479,15 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
     tokens' projections and the entries of the windows it closes into them, reads no more than it needs, and
     gives the output of the copying call to round-off; with return_cache the present cache is the buffers
     themselves (logical_cache reads them as cache_shapes'). Inference only (no trace: the ring's keys are in
-    slot order, not the stages' key order)."""
+    slot order, not the stages' key order).
+
+    chunk_size: the block-wise path (attend_blockwise): the window's keys and the entries attended in blocks of
+    chunk_size with an online softmax, what the window, the entries' visibility and csa's selection hide from a
+    whole query block skipped, no (T, W + E) array held (csa's indexer still scores every visible entry: its
+    top-k reads each query's whole row of E = p // m scores). The stages' result to round-off; no trace (the
+    stages' logits, mask and softmax are never whole). With in_place too."""
     dtype = validate_tensors(config, tensors)  # every array computes in the tensors' dtype
+    chunk_size = check_chunk_size(chunk_size, traced=trace is not None)
     x = np.asarray(x)
     if not is_float(x.dtype):  # bfloat16 (ml_dtypes) included
         raise ValueError(f"x must be a float array: got dtype {x.dtype}")
@@ -444,7 +531,10 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
         blocks = [ring[:, :, :min(p0, W - 1)], k]
         key_pos = np.concatenate([ring_positions(p0, W), positions])
         present = buffers
-    in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)  # (T, Pw + T)
+    blockwise = chunk_size is not None  # attend_blockwise: no (T, Pw + T) mask, no (T, E) one for hca
+    window_keys = [keys] if buffers is None else list(blocks)  # (the window's keys alone, before the entries)
+    if not blockwise:
+        in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)  # (T, Pw + T)
     selection = entries = None
     if c.kind != "sliding":
         if buffers is None:
@@ -454,8 +544,9 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
             count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
             entries = buffers["entries"][:, :count]
         E = entries.shape[1]
-        visible = np.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]  # (T, E): entry w iff w < (t+1) // m
-        allowed = np.broadcast_to(visible[None], (B, T, E))
+        if c.kind == "csa" or not blockwise:  # (the indexer's scores are (B, T, E) in any case)
+            visible = np.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]  # (T, E): entry w iff w < (t+1) // m
+            allowed = np.broadcast_to(visible[None], (B, T, E))
         if c.kind == "csa":
             if buffers is None:
                 present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
@@ -466,26 +557,29 @@ def compressed_attention(config: AttentionConfig, tensors: dict[str, np.ndarray]
             selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
             if topk_indices is not None:
                 selection = _given_selection(topk_indices, visible, B, T, E)
-            allowed = F.selection_mask(selection, 1, E)[:, 0]  # (B, T, E)
-        if buffers is None:
+            if not blockwise:
+                allowed = F.selection_mask(selection, 1, E)[:, 0]  # (B, T, E)
+        if buffers is None and not blockwise:
             keys = np.concatenate([keys, np.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
-        allowed = np.concatenate([np.broadcast_to(in_window[None], (B, T, in_window.shape[1])), allowed], axis=2)
-    else:
+        if not blockwise:
+            allowed = np.concatenate([np.broadcast_to(in_window[None], (B, T, in_window.shape[1])), allowed], axis=2)
+    elif not blockwise:
         allowed = np.broadcast_to(in_window[None], (B, T, in_window.shape[1]))
-    if buffers is None:
+    if blockwise:
+        ctx = attend_blockwise(config, q, window_keys, key_pos, positions, entries,
+                               selection if c.kind == "csa" else None, p.get("sinks"), chunk_size)
+    elif buffers is None:
         logits = rec("logits", F.logits(q, keys, config.effective_scale))  # (B, N, T, S)
     else:  # in place: each block's logits joined (the keys and the entries stay in their buffers)
         blocks += [] if entries is None else [entries[:, None]]
         logits = np.concatenate([F.logits(q, b, config.effective_scale) for b in blocks], axis=-1)
-    x_masked = rec("mask", F.mask_stage(logits, allowed[:, None], None))
-    w = rec("softmax", F.softmax(x_masked, config.masked_row, p.get("sinks")))
-    if buffers is None:
-        ctx = rec("attend", F.attend(w, keys))  # (B, N, T, H): the keys are the values
-    else:
-        ctx = attend_blocks(w, blocks)
-        if W > 1:  # now the ring may take the call's last W - 1 keys (a slot the query read is overwritten)
-            last = min(T, W - 1)
-            ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
+    if not blockwise:
+        x_masked = rec("mask", F.mask_stage(logits, allowed[:, None], None))
+        w = rec("softmax", F.softmax(x_masked, config.masked_row, p.get("sinks")))
+        ctx = rec("attend", F.attend(w, keys)) if buffers is None else attend_blocks(w, blocks)  # the keys are the values
+    if buffers is not None and W > 1:  # now the ring may take the call's last W - 1 keys (a slot the query read is
+        last = min(T, W - 1)  # overwritten)
+        ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
     ctx = rec("derotate", turn(ctx, -positions, config))  # the rotary features turned back by the query's position
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)

@@ -6,6 +6,7 @@ Keras layer on that backend, judged by run_case on a few cases, with and without
     python tests/keras_backend_runs.py BACKEND_ID round_trip DIR
     python tests/keras_backend_runs.py BACKEND_ID verify
     python tests/keras_backend_runs.py BACKEND_ID indexer MUTANT[,MUTANT...]
+    python tests/keras_backend_runs.py BACKEND_ID v4 PREFILL STOP
     python tests/keras_backend_runs.py BACKEND_ID batch '{"NAME": ["COMMAND", "ARG", ...], ...}'
     python tests/keras_backend_runs.py keras-jax programs DIR
 
@@ -15,7 +16,10 @@ backend's run alone, that the keras-jax and keras-torch columns must catch. roun
 functional Model holding it as .keras files in DIR, loads them, and prints what it compared. indexer runs
 impl_tf.indexer.lightning_indexer itself in float64 on the indexer cases' inputs, judged (index scores and
 selection) by conformance.suite.selection.judge_indexer, with each mutant planted alone, then the layer on
-two indexer cases judged by run_case ("layer": judge's rows). programs (keras-jax) runs a few cases' forward
+two indexer cases judged by run_case ("layer": judge's rows). v4 runs impl_tf.compressed (DeepSeek V4's layer)
+in float32 on tests/test_compressed_v4.py's three layers, batch 2: a prefill of PREFILL tokens returning its
+cache, then the tokens up to STOP one at a time from the returned cache, and prints the outputs (and csa's selection)
+for the test to judge against the float64 reference. programs (keras-jax) runs a few cases' forward
 and vjp by jax.jit, then through the on-disk program cache in DIR (compiled and stored, then loaded as a new
 process would), then the cases' twins (same shapes, other values) through the cache, judged by run_case, and
 prints what it compared. batch runs several of these one after another in one process (the framework imported
@@ -126,6 +130,42 @@ def judge_indexer_stage(backend_id: str, mutant: str, names: list[str]) -> dict:
     finally:
         for module, attr, value in reversed(undo):
             setattr(module, attr, value)
+    return seen
+
+
+def v4_calls(backend_id: str, prefill: int, stop: int) -> dict:
+    """{kind: {"output": (B, stop, O) as lists, "selection": csa's prefill selection or None}}: impl_tf.compressed
+    in float32 on tests/test_compressed_v4.py's layers (_layer, _x: batch 2, float64 weights cast by the mirror to
+    x's float32), a prefill of `prefill` tokens with return_cache, then each token up to `stop` alone from the
+    present cache fed back as past. The keras.ops code on this backend: on torch eagerly; on jax as the adapter
+    runs it, one jax.jit program per call with impl_tf's FAST_CPU_COMPILE (eager jax compiles every op per shape:
+    8.0 s of CPU for these calls of the three kinds against 1.6 s, 2-core AMD EPYC VM, 2026-11-29)."""
+    from test_compressed_v4 import KINDS, _layer, _x
+
+    from conformance.suite import backends
+    from impl_tf.adapter import FAST_CPU_COMPILE
+    from impl_tf.compressed import compressed_attention
+
+    backends.load(backend_id)  # the adapter's process set-up (jax: x64 mode)
+    import keras
+
+    def numpy(a):
+        return np.asarray(keras.ops.convert_to_numpy(a))
+
+    jit = FAST_CPU_COMPILE if backend_id == "keras-jax" else None
+    seen = {}
+    for kind in KINDS:
+        config, tensors = _layer(kind)
+        x = _x().astype(np.float32)
+        out, selection, past = compressed_attention(config, tensors, x[:, :prefill], np.arange(prefill),
+                                                    return_cache=True, return_selection=True, jit=jit)
+        rows = [numpy(out)]
+        for s in range(prefill, stop):
+            out, past = compressed_attention(config, tensors, x[:, s:s + 1], np.array([s]), past, return_cache=True,
+                                             jit=jit)
+            rows.append(numpy(out))
+        seen[kind] = {"output": np.concatenate(rows, axis=1).astype(np.float64).tolist(),
+                      "selection": None if selection is None else numpy(selection).tolist()}
     return seen
 
 
@@ -268,6 +308,8 @@ def run_command(backend_id: str, command: str, rest: list[str]):
                                                    *(f"indexer_ties_near:{dtype}:stages" for dtype in
                                                      ("float64", "float32", "float16", "bfloat16"))])
         return seen
+    if command == "v4":  # v4 PREFILL STOP: {kind: {"output", "selection"}}
+        return v4_calls(backend_id, int(rest[0]), int(rest[1]))
     if command == "round_trip":
         return round_trip(backend_id, rest[0])
     if command == "programs":

@@ -1,7 +1,7 @@
 """impl_tf/compressed.py (DeepSeek V4's layer in keras.ops) on Keras's TensorFlow backend against the NumPy
 reference, the three kinds, batch 2: a causal prefill in float64 and float32, and in float64 the same rows
 through the cache token by token (present_* fed back as past_*); the trace's stage names are the reference's. (Keras's jax and
-torch backends: not run by a test yet.) In float16 and bfloat16: run_case on the three grid cases and each
+torch backends: tests/test_keras_backends.py, float32 prefill and decode.) In float16 and bfloat16: run_case on the three grid cases and each
 traced stage's dtype the reference's (about 0.4-0.8 s more, 2-core AMD EPYC VM, 2026-11-29)."""
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def _commands(folder: Path, backend_id: str) -> dict:
     commands = {"judge": ["judge", ",".join(["none", *MUTANTS]), *sorted({spec for spec, _ in MUTANTS.values()})],
                 "indexer": ["indexer", "none,keras_maximum"],
                 "round_trip": ["round_trip", str(folder)],
-                "verify": ["verify"]}
+                "verify": ["verify"],
+                "v4": ["v4", str(V4_PREFILL), str(V4_STOP)]}
     if backend_id == "keras-jax":
         commands["programs"] = ["programs", str(folder / "programs")]
     return commands
@@ -158,6 +159,45 @@ def test_the_indexer_runs_on_the_backend_and_catches_a_float64_relu(backend_id, 
     assert {dtype for case, dtype, *_ in seen["layer"] if case == "indexer_ties_near"} == set(DTYPE_NAMES), seen
     for case, dtype, path, status, message in seen["layer"]:
         assert status == STATUS_PASS, (case, dtype, path, status, message)
+
+
+# DeepSeek V4's layer (impl_tf.compressed): a prefill of 14 of tests/test_compressed_v4.py's tokens, then 14, 15, 16
+# one at a time from the returned cache: the step at 15 closes csa's window 3 (of 4: tokens 12 and 13 buffered by the
+# prefill, 14 by a decode step) and hca's window 1 (of 8: 8 .. 13 from the prefill), with csa's overlap half and the
+# last 5 keys (the window of 6) carried in the cache; 16 opens the next window.
+V4_PREFILL, V4_STOP = 14, 17
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
+def test_the_keras_v4_layer_reproduces_the_reference_prefill_and_decode(backend_id, keras_runs):
+    """impl_tf.compressed in float32 on the backend (keras.ops on jax under jax.jit as the adapter runs it, on torch
+    eagerly), the three kinds, batch 2: the prefill's rows and the decode's from its cache judged against the
+    float64 reference's one prefill of the 17 tokens (impl_numpy.compressed) by the tolerance policy's float32 bar for an output (policy_for, the logits'
+    sizes giving z, S every key of the call), as the round trip's predict is; csa's selection is the reference's
+    (its smallest score gap at the top-k boundary is 0.014 of scores of size 0.7: float32 cannot swap it)."""
+    _needs(backend_id)
+    from test_compressed_v4 import KINDS, _layer, _x
+
+    from impl_numpy.compressed import compressed_attention
+
+    seen = keras_runs(backend_id, "v4")
+    assert sorted(seen) == sorted(KINDS), sorted(seen)
+    for kind, got in seen.items():
+        config, tensors = _layer(kind)
+        trace = []
+        T = V4_STOP
+        x = _x()[:, :T].astype(np.float32).astype(np.float64)  # the inputs the mirror had
+        want, selection = compressed_attention(config, tensors, x, np.arange(T), trace=trace, return_selection=True)
+        logits = dict((e.stage, e.value) for e in trace)["logits"]
+        tol = policy_for(config, dtype="float32", quantity="output", B=x.shape[0], T=T, S=logits.shape[-1],
+                         reference=want, logits=logits, max_position=T)
+        for rows, name in ((slice(0, V4_PREFILL), "prefill"), (slice(V4_PREFILL, T), "decode")):
+            c = compare(f"{kind} {name}", np.asarray(got["output"])[:, rows], want[:, rows], tol)
+            assert c.ok, c
+        if kind == "csa":
+            np.testing.assert_array_equal(np.asarray(got["selection"]), selection[:, :V4_PREFILL])
+        else:
+            assert got["selection"] is None, got["selection"]
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))

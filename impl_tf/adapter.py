@@ -237,28 +237,38 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
         raise ValueError("forward_and_vjp: an in-place cache is inference only (refused under a recording tape)")
     _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
-    differentiable = ("query", "key", "value", "past_key", "past_value")  # the float inputs, in the reference's order
-    given = {n: to_tensor(inputs[n]) for n in differentiable if inputs.get(n) is not None}
-    variables = layer.canonical_variables()
-    kwargs = {n: x for n, x in _kwargs(inputs, options).items() if n not in given}  # the cache: from `given`
-    return_weights = bool(options.get("return_weights", False))  # the weights run the stages (the stages path)
-    return_cache = bool(options.get("return_cache", False))
-    selection = config.indexer is not None  # the indexer's selection is returned, to be judged
+    given, variables, kwargs, returns = _vjp_call(layer, config, inputs, options)
     d_out = np.asarray(d_output)
 
     def call(inputs_now, fn=layer):  # fn: the layer, or a stateless form of it (jax)
-        return fn(inputs_now["query"], inputs_now.get("key"), inputs_now.get("value"),
-                  return_weights=return_weights, return_cache=return_cache, return_selection=selection,
+        return fn(inputs_now["query"], inputs_now.get("key"), inputs_now.get("value"), **returns,
                   **kwargs, **{n: inputs_now[n] for n in ("past_key", "past_value") if n in inputs_now})
 
     if BACKEND == "jax":  # one compiled program: the call and its vjp (_jax_run)
-        result, found = _jax_gradients(layer, given, kwargs, list(variables.values()), d_out, device,
-                                       return_weights=return_weights, return_cache=return_cache,
-                                       return_selection=selection)
+        result, found = _jax_gradients(layer, given, kwargs, list(variables.values()), d_out, device, **returns)
     else:
         result, found = _GRADIENTS[BACKEND](layer, call, given, list(variables.values()), d_out, device)
-    answer = split_result(result, return_weights, return_cache, _numpy, return_selection=selection,
-                          index_cache=selection)
+    return _answer_and_grads(config, result, found, given, variables, returns)
+
+
+def _vjp_call(layer, config, inputs, options):
+    """A call's differentiable inputs as tensors ({name: tensor}), the layer's canonical variables, its other
+    keyword arguments (the cache comes from the inputs) and what it returns (return_weights, return_cache,
+    return_selection)."""
+    differentiable = ("query", "key", "value", "past_key", "past_value")  # the float inputs, in the reference's order
+    given = {n: to_tensor(inputs[n]) for n in differentiable if inputs.get(n) is not None}
+    kwargs = {n: x for n, x in _kwargs(inputs, options).items() if n not in given}  # the cache: from `given`
+    returns = dict(return_weights=bool(options.get("return_weights", False)),  # the weights run the stages
+                   return_cache=bool(options.get("return_cache", False)),
+                   return_selection=config.indexer is not None)  # the indexer's selection, to be judged
+    return given, layer.canonical_variables(), kwargs, returns
+
+
+def _answer_and_grads(config, result, found, given, variables, returns):
+    """forward()'s answer and the gradients by canonical name, from a call's result and its gradients over
+    `given` then `variables` (None: not read, zeros)."""
+    answer = split_result(result, returns["return_weights"], returns["return_cache"], _numpy,
+                          return_selection=returns["return_selection"], index_cache=returns["return_selection"])
     dtype = answer["output"].dtype
     sources = [*given.values(), *variables.values()]
     shapes = config.tensor_shapes()
@@ -268,6 +278,47 @@ def forward_and_vjp(config, tensors, inputs, options, d_output, *, device="cpu",
         # latent layer's value)
         grads[name] = g.reshape(shapes[name]) if name in shapes else g  # Dense layout -> canonical shape
     return answer, grads
+
+
+if BACKEND == "jax":
+    def forward_and_vjp_paths(config, tensors, inputs, options_list, d_output, *, device="cpu", precision="highest"):
+        """forward_and_vjp() of several calls on the same inputs (one case's stages and fused path) from ONE
+        compiled program holding each call's forward and VJP side by side (as impl_jax.adapter's, whose
+        docstring has the why and the measurement): [(answer, grads), ...] in options_list's order. Keras's
+        jax backend alone; an in-place cache, V4's layer or calls whose other arguments differ: ValueError
+        (each runs alone)."""
+        if as_compressed(config) is not None or any(o.get("in_place") for o in options_list):
+            raise ValueError("forward_and_vjp_paths takes calls with a VJP and no in-place cache, of a layer "
+                             "that multi_head_attention runs")
+        if len({(o.get("dtype"), o.get("chunk_size")) for o in options_list}) != 1:
+            raise ValueError("forward_and_vjp_paths takes calls of one dtype and one chunk_size")
+        check_device(device), check_precision(precision)
+        _check_values(inputs)
+        layer = _layer(config, tensors, options_list[0], device, precision)
+        calls = [_vjp_call(layer, config, inputs, options) for options in options_list]
+        given, variables, kwargs, _ = calls[0]
+        if any(set(c[2]) != set(kwargs) or any(c[2][n] is not kwargs[n] and not _same_option(c[2][n], kwargs[n])
+                                               for n in kwargs) for c in calls[1:]):
+            raise ValueError("forward_and_vjp_paths takes calls whose arguments differ only in what they return")
+        d_out = np.asarray(d_output)
+        query = given["query"]
+        _check_cotangent(jax.ShapeDtypeStruct((*query.shape[:2], layer.config.out_dim), query.dtype), d_out)
+        cotangent = to_tensor(d_out.astype(np.float32) if d_out.dtype.name == "bfloat16" else d_out)
+        results = _jax_run(layer, given, kwargs, cotangent, device, paths=[c[3] for c in calls])
+        trainable = layer.trainable_variables
+        index = {id(v): i for i, v in enumerate(trainable)}
+        answers = []
+        for (_, _, _, returns), (result, (d_inputs, d_trainable)) in zip(calls, results):
+            found = [*(d_inputs[n] for n in given), *(d_trainable[index[id(v)]] for v in variables.values())]
+            answers.append(_answer_and_grads(config, result, found, given, variables, returns))
+        return answers
+
+
+def _same_option(a, b) -> bool:
+    """Two calls' values of one keyword argument are the same: equal Python values, or tensors of equal values."""
+    if a is None or b is None or isinstance(a, (bool, int, float, str)):
+        return a == b
+    return bool(np.array_equal(_numpy(a), _numpy(b)))
 
 
 def _compressed_gradients(config, params, x, positions, past, d_out, *, jit, **returns):
@@ -397,6 +448,15 @@ def _jax_apply_and_vjp(call: _JaxCall, given, arrays, trainable, other, cotangen
     return result, pullback(cotangent.astype(out.dtype))
 
 
+def _jax_paths_and_vjps(calls: tuple, given, arrays, trainable, other, cotangent):
+    return tuple(_jax_apply_and_vjp(call, given, arrays, trainable, other, cotangent) for call in calls)
+
+
+@functools.cache
+def _paths_program(fast: bool):
+    return jax.jit(_jax_paths_and_vjps, static_argnums=0, compiler_options=cpu_compile_options() if fast else None)
+
+
 @functools.cache
 def _program(with_vjp: bool, fast: bool):
     return jax.jit(_jax_apply_and_vjp if with_vjp else _jax_apply, static_argnums=0,
@@ -414,25 +474,30 @@ def set_program_cache(directory) -> None:
     _program_directory = directory
 
 
-def _jax_run(layer, given, kwargs, cotangent, device, **returns):
+def _jax_run(layer, given, kwargs, cotangent, device, paths=None, **returns):
     """The layer's call on these inputs ({name: tensor}: query, key, value, the past cache) and options (the
-    other arrays and the call's settings), compiled; with a cotangent, (result, (d_given, d_trainable))."""
+    other arrays and the call's settings), compiled; with a cotangent, (result, (d_given, d_trainable)).
+    paths (with a cotangent): several calls that differ only in what they return (a returns dict each), as one
+    program: their (result, (d_given, d_trainable)) in order."""
     from impl_jax import programs  # the same on-disk programs as impl_jax's (its CPU-keyed cache)
 
     arrays = {n: x for n, x in kwargs.items() if n in _ARRAY_KWARGS and x is not None}
     options = tuple(sorted((n, x) for n, x in kwargs.items() if n not in _ARRAY_KWARGS))
-    call = _JaxCall(layer.config, layer.dtype_policy.name, layer.device, layer.precision, options, **returns)
+    calls = tuple(_JaxCall(layer.config, layer.dtype_policy.name, layer.device, layer.precision, options, **r)
+                  for r in (paths or [returns]))
     _tracing.clear()
-    _tracing[call] = layer
+    _tracing.update((call, layer) for call in calls)
     on_cpu = check_device(device) in (None, "cpu") and not gpus()
     fast = _cpu_compile == "fast" and on_cpu
     dynamic = (given, arrays, [v.value for v in layer.trainable_variables],
                [v.value for v in layer.non_trainable_variables]) + (() if cotangent is None else (cotangent,))
     programs.set_directory(_program_directory)
     name = (f"keras {keras.__version__} {keras.config.floatx()} {keras.config.epsilon()} "
-            f"{cpu_compile_options() if fast else 'default'}" + (" vjp" if cotangent is not None else ""))
-    return programs.run(name, _program(cotangent is not None, fast), jax.devices("cpu" if on_cpu else None)[0],
-                        (call,), {}, dynamic, packages=("impl_tf", "weights"))
+            f"{cpu_compile_options() if fast else 'default'}" + (" vjp" if cotangent is not None else "")
+            + (" paths" if paths else ""))
+    program = _paths_program(fast) if paths else _program(cotangent is not None, fast)
+    return programs.run(name, program, jax.devices("cpu" if on_cpu else None)[0],
+                        (calls,) if paths else calls, {}, dynamic, packages=("impl_tf", "weights"))
 
 
 def _jax_gradients(layer, given, kwargs, variables, d_out, device, **returns):

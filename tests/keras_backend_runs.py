@@ -76,18 +76,25 @@ def judge(backend_id: str, mutant: str, specs: list[str]) -> list:
     then undone."""
     from conformance.suite import backends
     from conformance.suite.cases import ALL_CASES
-    from conformance.suite.compare import run_case
+    from conformance.suite.compare import run_case_paths
 
     adapter = backends.load(backend_id)
     undo = _plant(mutant)
     _forget_programs()
     rows = []
+    groups: dict = {}  # (case, dtype) -> its paths, run together as `mha check` runs them (run_case_paths: on
+    # keras-jax the stages and the fused path are one program)
+    for spec in specs:
+        name, dtype, path = (spec.split(":") + ["float32", "stages"][spec.count(":"):])[:3]
+        groups.setdefault((name, dtype), []).append(path)
     try:
-        for spec in specs:
-            name, dtype, path = (spec.split(":") + ["float32", "stages"][spec.count(":"):])[:3]
-            result = run_case(ALL_CASES[name], backend_id, dtype=dtype, adapter=adapter, path=path)
-            rows.append([name, dtype, path, None if result is None else result.status,
-                         None if result is None else result.message])
+        for (name, dtype), paths in groups.items():
+            results = {r.path: r for r in run_case_paths(ALL_CASES[name], backend_id, paths, dtype=dtype,
+                                                         adapter=adapter)}
+            for path in paths:
+                result = results.get(path)
+                rows.append([name, dtype, path, None if result is None else result.status,
+                             None if result is None else result.message])
     finally:
         for module, name, value in reversed(undo):
             setattr(module, name, value)

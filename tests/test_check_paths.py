@@ -190,3 +190,41 @@ def test_the_path_is_in_the_json_the_junit_and_the_table(tmp_path):
     assert not any(c.name.startswith("grad ") for c in fused.comparisons)
     assert any(c.name.startswith("grad ") for c in results[0].comparisons)
     assert np.isfinite(fused.margin)
+
+
+@pytest.mark.jax
+def test_jax_runs_a_cases_stages_and_fused_path_as_one_program_judged_as_apart(monkeypatch):
+    """run_case_paths (what `mha check` runs) hands impl_jax a case's stages and fused calls together
+    (forward_and_vjp_paths: one compiled program); each path is judged as run_case judges it alone, with the
+    same verdict and the same answer to round-off; the in-place path (forward only) runs alone; a joint run
+    that fails leaves each path to run alone."""
+    from conformance.suite.compare import run_case_paths
+
+    adapter = adapter_or_skip("jax")
+    alone_calls = []
+    alone = adapter.forward_and_vjp
+    monkeypatch.setattr(adapter, "forward_and_vjp", lambda *a, **kw: alone_calls.append(a[3]) or alone(*a, **kw))
+    paths = ["stages", "fused", "in_place"]
+    for name in ("mask_and_bias_causal", "decode_cache"):
+        case = CASES[name]
+        alone_calls.clear()
+        together = run_case_paths(case, "jax", paths, dtype="float32", adapter=adapter, keep_arrays=True)
+        assert not alone_calls, f"{name}: stages and fused should have run as one program"
+        apart = [run_case(case, "jax", dtype="float32", adapter=adapter, keep_arrays=True, path=p) for p in paths]
+        apart = [r for r in apart if r is not None]
+        assert [r.path for r in together] == [r.path for r in apart]
+        for joint, single in zip(together, apart):
+            assert joint.status == single.status == STATUS_PASS, (name, joint.path, joint.message, single.message)
+            a, b = joint.arrays["backend_output"], single.arrays["backend_output"]
+            size = float(np.max(np.abs(b))) or 1.0
+            assert np.max(np.abs(a - b)) <= 64 * np.finfo(np.float32).eps * size, (name, joint.path)
+            assert [c.name for c in joint.comparisons] == [c.name for c in single.comparisons]
+
+    def broken(*a, **kw):
+        raise RuntimeError("a joint program that cannot be built")
+
+    monkeypatch.setattr(adapter, "forward_and_vjp_paths", broken)
+    alone_calls.clear()
+    fallback = run_case_paths(CASES["gqa"], "jax", paths, dtype="float32", adapter=adapter)
+    assert [(r.path, r.status) for r in fallback] == [("stages", STATUS_PASS), ("fused", STATUS_PASS)]
+    assert len(alone_calls) == 2  # each path alone, as run_case runs it

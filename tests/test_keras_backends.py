@@ -52,7 +52,8 @@ def _run(backend_id, *args) -> dict:
 
 def _commands(folder: Path, backend_id: str) -> dict:
     """What the tests below read, as keras_backend_runs.py's batch runs it: one process per backend."""
-    commands = {"judge": ["judge", ",".join(["none", *MUTANTS]), *sorted({spec for spec, _ in MUTANTS.values()})],
+    commands = {"judge": ["judge", ",".join(["none", *MUTANTS]),
+                          *sorted({spec for spec, _ in MUTANTS.values()} | {FUSED_SCALE_STAGES})],
                 "indexer": ["indexer", "none,keras_maximum"],
                 "round_trip": ["round_trip", str(folder)],
                 "verify": ["verify"],
@@ -130,6 +131,11 @@ MUTANTS = {
 }
 
 
+# gqa's stages beside its fused path: on keras-jax the two run as one program (compare.run_case_paths, as `mha
+# check` runs a case's paths), and fused_scale must fail the fused path there and leave the stages passing.
+FUSED_SCALE_STAGES = "gqa:float32:stages"
+
+
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
 def test_the_column_catches_the_porting_bugs_planted_in_it(backend_id, keras_runs):
     _needs(backend_id)
@@ -140,6 +146,8 @@ def test_the_column_catches_the_porting_bugs_planted_in_it(backend_id, keras_run
         status = {row[0] + ":" + row[1] + ":" + row[2]: row[3] for row in judged[mutant]}[spec]
         want = "fail" if backend_id in caught_on else STATUS_PASS
         assert status == want, f"{mutant} on {backend_id}, {spec}: {status}, expected {want}"
+    beside = {row[0] + ":" + row[1] + ":" + row[2]: row[3] for row in judged["fused_scale"]}[FUSED_SCALE_STAGES]
+    assert beside == STATUS_PASS, f"fused_scale must leave {FUSED_SCALE_STAGES} passing: {beside}"
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))

@@ -30,7 +30,7 @@ from conformance.suite.compare import (
     CaseResult,
     flush_references,
     release_compiled_programs,
-    run_case,
+    run_case_paths,
 )
 from conformance.suite.tolerance import compare, policy_for
 
@@ -169,11 +169,13 @@ def _run_chunk(backend_id, device, dtype, case_names, precision, gradients, comp
         adapter.set_program_cache(None if compile_cache is None else Path(compile_cache) / "programs")
     # the float64 references too (conformance/suite/reference_cache.py), beside the programs
     reference_cache.set_directory(None if compile_cache is None else Path(compile_cache) / "references")
-    # a case on each path in turn: the case's reference and the adapter's prepared layer serve every path
-    runs = (run_case(ALL_CASES[name], backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
-                     adapter=adapter, keep_arrays=True, path=path)
-            for name in case_names for path in paths_of(adapter, path_kinds))
-    results = [result for result in runs if result is not None]  # None: the path does not exist for the case
+    # a case on each path in turn: the case's reference and the adapter's prepared layer serve every path (and
+    # impl_jax compiles the stages and the fused path as one program: compare.run_case_paths)
+    paths = paths_of(adapter, path_kinds)
+    results = [result for name in case_names
+               for result in run_case_paths(ALL_CASES[name], backend_id, paths, device=device, dtype=dtype,
+                                            precision=precision, gradients=gradients, adapter=adapter,
+                                            keep_arrays=True)]
     flush_references()
     release_compiled_programs()  # a worker runs many chunks: keep its memory mappings bounded
     return results

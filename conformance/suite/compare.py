@@ -713,11 +713,54 @@ def _fused_in_place(adapter, case: Case, dtype: str, options: dict) -> bool:
         return False
 
 
+def run_case_paths(case: Case, backend_id: str, paths, *, device: str = "cpu", dtype: str = "float32",
+                   precision: str = "highest", gradients: bool = True, adapter=None,
+                   keep_arrays: bool = False) -> list[CaseResult]:
+    """run_case on each of `paths` (those that exist for the case). Where the adapter runs several calls as one
+    program (forward_and_vjp_paths: impl_jax, whose cold cost is a compile per program), the paths that run
+    forward and VJP on the case's own inputs (not an in-place cache, not forward only) run together first and
+    are judged one by one as run_case judges them; anything that stops the joint run (a path that cannot take
+    the call, a crash) leaves each path to run alone, its refusal or error its own."""
+    computed: dict = {}
+    share = 0.0
+    together = getattr(adapter, "forward_and_vjp_paths", None)  # (an adapter not given: each path alone)
+    if together is not None and gradients and case.config.compressed is None \
+            and not backends.not_yet(backend_id, case.config):
+        chosen = {}
+        for path in paths:
+            try:
+                options = path_options(adapter, path, case, dtype)
+            except (NotImplementedError, ValueError):
+                continue
+            if options is not None and not options.get("forward_only") and not options.get("in_place"):
+                chosen[path] = options
+        if len(chosen) > 1:
+            exp = expected_for(case, dtype)
+            d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
+            started = time.perf_counter()
+            try:
+                answers = together(case.config, exp["tensors"], exp["inputs"], list(chosen.values()), d_out,
+                                   device=device, precision=precision)
+                computed = dict(zip(chosen, answers))
+            except Exception:  # noqa: BLE001 - each path runs alone below, and reports its own refusal or error
+                computed = {}
+            share = (time.perf_counter() - started) / len(chosen)  # each joined path's part of the joint run
+    results = []
+    for path in paths:
+        result = run_case(case, backend_id, device=device, dtype=dtype, precision=precision, gradients=gradients,
+                          adapter=adapter, keep_arrays=keep_arrays, path=path, computed=computed.get(path))
+        if result is not None:
+            result.seconds += share if path in computed else 0.0
+            results.append(result)
+    return results
+
+
 def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "float32", precision: str = "highest",
              gradients: bool = True, adapter=None, keep_arrays: bool = False,
-             path: str = DEFAULT_PATH) -> CaseResult | None:
+             path: str = DEFAULT_PATH, computed: tuple | None = None) -> CaseResult | None:
     """One (case, backend, device, dtype) on one of the backend's paths: forward (+ gradients), judged.
-    None where the path does not exist for this case (path_options)."""
+    None where the path does not exist for this case (path_options). computed: the path's (forward answer,
+    gradients), already run with the case's other paths (run_case_paths), judged here."""
     started = time.perf_counter()
     result = CaseResult(case.name, backend_id, device, dtype, precision, STATUS_PASS, path=path)
     try:
@@ -735,7 +778,9 @@ def run_case(case: Case, backend_id: str, *, device: str = "cpu", dtype: str = "
             inputs = _compressed_buffers(case.config, inputs)
         d_out = exp["d_output"].astype(exp["tensors"]["query.kernel"].dtype)
         both = getattr(adapter, "forward_and_vjp", None)  # one pass for both, where the backend offers it
-        if gradients and not options.get("forward_only") and both is not None:
+        if computed is not None:
+            forward, grads = computed
+        elif gradients and not options.get("forward_only") and both is not None:
             try:
                 forward, grads = both(case.config, exp["tensors"], inputs, options, d_out, device=device,
                                       precision=precision)

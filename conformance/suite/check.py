@@ -45,15 +45,16 @@ CORE_BACKENDS = backends.CORE
 PATH_KINDS = ("stages", "fast", "chunked", "in_place")
 DEFAULT_PATH_KINDS = ("stages", "fast", "in_place")
 
-# Without --dtypes, keras-jax runs float32 alone: each of its calls is one compiled program (Keras's layer
-# traced through stateless_call, jax.vjp and jax.jit: about 0.25 s of CPU a call, cold; eagerly, JAX compiled
-# every op for every shape, 5x that): float32 over the default grid 28 s of CPU cold (17 s warm), the four
-# dtypes 111 s cold (2-core EPYC VM, 2026-11-29), over `mha check`'s budget. --dtypes runs each dtype given.
+# Without --dtypes, keras-jax runs float32 alone: its calls are compiled programs (Keras's layer traced through
+# stateless_call, jax.vjp and jax.jit, a case's stages and fused call as one: compare.run_case_paths; eagerly,
+# JAX compiled every op for every shape, 5x that): float32 over the default grid 20.7 s of CPU cold (4.9 s
+# warm; the four dtypes were 111 s cold when each call was a program of its own, 2-core EPYC VM, 2026-11-29),
+# over `mha check`'s budget. --dtypes runs each dtype given.
 # jax (impl_jax) runs float32 and bfloat16: JAX's own default dtype (float64 needs x64 mode, which JAX leaves off)
-# and the 16-bit one JAX computes in on accelerators. Each result is a program of its own, and the column's cold
-# compile was about half of a cold check's CPU (73 of 138 s, seven columns): float64's 142 programs and
-# float16's 74 about 34 s of it (docs/conformance.md, "where a cold check's time goes"). The jax tests (tox -e jax)
-# run every dtype, and --dtypes brings them back here.
+# and the 16-bit one JAX computes in on accelerators. Its programs (a case's stages and fused call one, the
+# in-place call another) were about half of a cold check's CPU (73 of 138 s, seven columns, a program per
+# result): float64's 142 programs and float16's 74 about 34 s of it (docs/conformance.md, "where a cold check's
+# time goes"). The jax tests (tox -e jax) run every dtype, and --dtypes brings them back here.
 DEFAULT_BACKEND_DTYPES = {"keras-jax": ("float32",), "jax": ("float32", "bfloat16")}
 
 

@@ -26,17 +26,18 @@ IMPORT_FAMILY = {"tf": "tensorflow", "keras-native-mha": "tensorflow", "keras-hu
                  "jax": "jax", "flax-linen-mha": "jax", "flax-nnx-mha": "jax", "jax-dpa": "jax"}
 
 # CPU seconds per case of one dtype, (warm, cold), imports apart: each backend alone in one process on its
-# default dtypes over the default grid (92 cases in float32, 68 in the others), one compute thread (2-core
-# AMD EPYC VM, 2026-11-29 17:18 UTC). Chunk CPU, warm / cold: tf 18.8 / 21.6 s over 296 cases, jax 7.2 /
-# 42.7 over 160 (float32 and bfloat16), keras-jax 5.0 / 23.9 over 92 (float32), keras-torch 5.2 / 7.4,
-# torch 2.9 / 4.5, mlx 2.7 / 3.6, numpy 1.1 / 1.9 over 296. A family not measured counts as TensorFlow's
-# warm figure.
-CASE_SECONDS = {"tensorflow": (0.064, 0.073), "jax": (0.045, 0.27), "keras-jax": (0.055, 0.26),
-                "keras-torch": (0.0174, 0.025), "torch": (0.010, 0.015), "mlx": (0.0091, 0.0123),
-                "numpy": (0.0038, 0.0064)}
-_UNKNOWN_CASE_SECONDS = 0.064
+# default dtypes over the default grid (94 cases in float32, 68 in the others), one compute thread (2-core
+# AMD EPYC VM, 2026-11-29 21:13 UTC, after TensorFlow's reshapes took its fast path and jax's and keras-jax's
+# stages and fused path became one program a case). Chunk CPU, warm / cold: tf 16.8 / 17.8 s over 298
+# cases, jax 6.6 / 36.3 over 162 (float32 and bfloat16), keras-jax 4.9 / 20.7 over 94 (float32),
+# keras-torch 4.9 / 6.1, torch 2.8 / 3.9, mlx 2.3 / 3.1, numpy 1.1 / 1.9 over 298. A family not measured
+# counts as TensorFlow's warm figure.
+CASE_SECONDS = {"tensorflow": (0.056, 0.060), "jax": (0.041, 0.224), "keras-jax": (0.052, 0.221),
+                "keras-torch": (0.0166, 0.0205), "torch": (0.0095, 0.013), "mlx": (0.0078, 0.0104),
+                "numpy": (0.0037, 0.0062)}
+_UNKNOWN_CASE_SECONDS = 0.056
 # What importing a family's frameworks costs a worker, CPU seconds (same machine and day).
-IMPORT_SECONDS = {"tensorflow": 3.3, "keras-torch": 2.9, "keras-jax": 1.2, "torch": 1.1, "jax": 0.9, "mlx": 0.2,
+IMPORT_SECONDS = {"tensorflow": 3.0, "keras-torch": 2.7, "keras-jax": 1.2, "torch": 1.1, "jax": 0.8, "mlx": 0.2,
                   "numpy": 0.2}
 # A column is cut into chunks of about this many estimated seconds at most, so that the last ones can go to
 # whichever worker is free: a cold JAX float32 column is about 25 s of CPU, and as one chunk it kept one core

@@ -74,3 +74,58 @@ def absorbed(config: AttentionConfig, call: Call, q, latent, rotary, precision: 
     attended latent then goes through functional.expand_values."""
     q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim, precision)
     return q, jnp.concatenate([latent, rotary], axis=-1), latent
+
+
+def gathers_selection(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str) -> bool:
+    """impl_numpy.chunked._selected_columns's conditions in JAX: a one-token call over a selection (topk_indices
+    or the indexer's) whose keys may be gathered instead of masked, the core's result unchanged to round-off:
+    no window, local chunks, ALiBi, segments, bias or dropout, causal (if at all) bottom-right, a static P, k
+    below S_total (else nothing to drop), and masked_row "zero" (a fully masked row's "uniform" 1/S_total and
+    "nan" fill weigh every key of S_total, and the stages' gradient of either reaches every value)."""
+    idx = call.topk
+    return (idx is not None and call.shapes.T == 1 and idx.shape[-1] < call.shapes.S_total
+            and call.bias4 is None and call.keep is None and call.segment_ids is None and not config.alibi
+            and config.local_chunk is None and config.window_left < 0 and config.window_right < 0
+            and (not is_causal or causal_alignment == "bottom_right") and config.masked_row == "zero"
+            and not call.traced_length)
+
+
+def kept_slots(idx):
+    """A selection's slots (B, Ks, k) sorted, and which of them gather_selected keeps: those that select a key
+    (not -1), each key once (the first of its slots; equal keys are adjacent once sorted)."""
+    idx = jnp.sort(idx, axis=-1)  # -1 slots first
+    first = jnp.concatenate([jnp.ones((*idx.shape[:-1], 1), dtype=bool), idx[..., 1:] != idx[..., :-1]], axis=-1)
+    return idx, (idx >= 0) & first
+
+
+def gather_selected(config: AttentionConfig, call: Call, q, latent, rotary, allowed, precision: str = "highest"):
+    """The absorbed form over the selected keys alone (gathers_selection): each batch row's (and selection
+    head's) k selected rows of the latent and the rotary key, gathered by index, not the whole cache masked.
+    impl_numpy gathers the union of every row's selected columns (np.flatnonzero); under jax.jit a shape
+    cannot depend on values, so each row gathers its own k (static) instead, sorted, and a slot is kept
+    where it selects a key (-1 selects none), where it is the first of its key (a key selected twice is
+    selected once: the mask's meaning) and where `allowed` (the call's mask, the selection in it) shows the
+    key to the head. The core over them computes what it computes over every key with the others masked (a
+    masked key's weight is exactly 0).
+    q (B, N, 1, H), latent (B, 1, S_x, C), rotary (B, 1, S_x, R) (S_x: S_total, or an in-place buffer's
+    capacity: the selection indexes S_total alone), allowed (B|1, N|1, 1, S_x) or None
+    -> q (B, N, 1, C + R), keys (B, Ks, k, C + R), values (B, Ks, k, C), allowed (B, 1|N, 1, k), Ks the
+    selection's heads (1, or one per kv head: query head n reads n // G)."""
+    idx = call.topk
+    idx = (idx[:, None] if idx.ndim == 3 else idx)[:, :, 0]  # (B, Ks, k): the one query's selection
+    B, Ks, k = idx.shape
+    N = q.shape[1]
+    idx, keep = kept_slots(idx)  # (B, Ks, k) sorted, and the slots that select a key once
+    safe = jnp.maximum(idx, 0)  # a dropped slot reads key 0, weight 0 (keep)
+    rows = jnp.arange(B)[:, None, None]
+    lat, rot = latent[rows, 0, safe], rotary[rows, 0, safe]  # (B, Ks, k, C), (B, Ks, k, R)
+    if allowed is not None:
+        shown = jnp.broadcast_to(allowed[:, :, 0], (B, allowed.shape[1], allowed.shape[3]))  # (B, 1|N, S_x)
+        if shown.shape[1] == 1:
+            keep = keep & shown[rows, 0, safe]  # (B, Ks, k)
+            keep = keep if Ks == 1 else jnp.repeat(keep, N // Ks, axis=1)  # (B, 1|N, k)
+        else:  # per head: head n reads its kv head's selection n // G
+            G = N // Ks
+            keep = jnp.repeat(keep, G, axis=1) & shown[rows, jnp.arange(N)[None, :, None], jnp.repeat(safe, G, axis=1)]
+    q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim, precision)  # (B, N, 1, C + R)
+    return q, jnp.concatenate([lat, rot], axis=-1), lat, keep[:, :, None]

@@ -217,6 +217,36 @@ class KeyParts:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=2)
 
 
+class JoinedKeys:
+    """Keys held as two parts along their features, (B, K, S, H_1) and (B, K, S, H_2), read by the core as
+    one (B, K, S, H_1 + H_2) array: a latent layer's absorbed key [latent | rotary key] in a decode step, not
+    concatenated (a copy of the whole cache, P (C + R) values, per step). The core's logits matmul takes the
+    parts one by one (logits_into); slicing B, K or S slices both."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+        self.shape = (*first.shape[:3], first.shape[3] + second.shape[3])
+        self.dtype = first.dtype
+
+    def astype(self, dtype, copy=True):
+        return JoinedKeys(self.first.astype(dtype, copy=copy), self.second.astype(dtype, copy=copy))
+
+    def __getitem__(self, index):
+        return JoinedKeys(self.first[index], self.second[index])
+
+
+def logits_into(x, q, k):
+    """x = q k^T (the block's logits, already scaled: q carries the scale), q (B, K, G*t, H), k (B, K, s, H) a
+    block of keys or of JoinedKeys (then q's features split as k's: the first part's product, the second's
+    added)."""
+    if not isinstance(k, JoinedKeys):
+        return np.matmul(q, k.swapaxes(-1, -2), out=x)
+    width = k.first.shape[-1]
+    np.matmul(q[..., :width], k.first.swapaxes(-1, -2), out=x)
+    x += np.matmul(q[..., width:], k.second.swapaxes(-1, -2))
+    return x
+
+
 def logits_bounded(q, k, v, bias) -> bool:
     """True when every logit of this call lies within +-LOGIT_BOUND, known
     without computing one: |q_i . k_j| <= |q_i| |k_j| (Cauchy-Schwarz), taken
@@ -226,7 +256,7 @@ def logits_bounded(q, k, v, bias) -> bool:
     comparison, so NaN takes the running max too, whose NaN rules are the
     stages' (functional.py). Costs two passes over q and k that square and
     sum in one go (einsum), and two reductions of v: about 1 ms at bert-base."""
-    if bias is not None or isinstance(k, KeyParts):  # (parts: the running max, without the check's passes)
+    if bias is not None or isinstance(k, (KeyParts, JoinedKeys)):  # (parts: the running max, without the check's passes)
         return False
     B, N, T, H = q.shape
     K, S = k.shape[1], k.shape[2]
@@ -314,7 +344,9 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
         q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim)  # (B, N, T, C + R)
         parts = False
         cols = _selected_columns(config, call, is_causal, causal_alignment)
-        if cols is None:
+        if cols is None and call.shapes.T == 1:  # a decode step: the cache read in place, not joined into a copy
+            k, v = JoinedKeys(latent, rotary), latent  # (B, 1, S_total, C + R) as two parts, (B, 1, S_total, C)
+        elif cols is None:
             k, v = np.concatenate([latent, rotary], axis=-1), latent  # (B, 1, S_total, C + R), (B, 1, S_total, C)
         else:  # a decode step over a selection: the selected rows alone (a gather), not the whole cache masked
             v = latent[:, :, cols]  # (B, 1, s, C)
@@ -596,7 +628,7 @@ def _core(config, q, k, v, *, mask, bias, keep, is_causal, causal_alignment, chu
                     continue  # the mask (a selection) hides the block from every query of this one
                 # The stages of functional.py on one block (same rounding rule), in place in `scores`.
                 x = scores[: B * N * t * s].reshape(B, K, G * t, s)
-                np.matmul(qb, kc[:, :, s0:s1].swapaxes(-1, -2), out=x)  # logits, already scaled
+                logits_into(x, qb, kc[:, :, s0:s1])  # logits, already scaled
                 x = x.reshape(B, N, t, s)
                 if rounds:
                     x[...] = x.astype(dtype)

@@ -450,12 +450,23 @@ def allowed_mask(mask4, T, S, is_causal: bool, causal_alignment: str, *, window_
 
 def selection_mask(topk_indices, num_heads: int, S):
     """impl_numpy's selection_mask: topk_indices (B, T, k) or (B, K, T, k) -> bool (B, 1|N, T, S), -1 selecting
-    nothing (a one-hot in a spare column S, dropped), kv head K's selection for its G query heads. The one-hot
-    holds (B, K, T, k, S+1) bytes at once: a test's size, not a long cache's."""
+    nothing (scattered into a spare column S, dropped), kv head K's selection for its G query heads. Where
+    the shapes are known (ints), a scatter of a count per selected slot: (B, K, T, S+1) values written, k per
+    row. Else a one-hot, (B, K, T, k, S+1) bytes at once: a test's size, not a long cache's (at k 2048 and
+    S 65537, 134 MB per query, which made TensorFlow's sparse decode step cost 2-13x its dense one)."""
     idx = _cast(topk_indices, "int32")
     idx = idx[:, None] if len(idx.shape) == 3 else idx  # (B, K|1, T, k)
     idx = ops.where(idx < 0, S, idx)
-    selected = ops.max(ops.one_hot(idx, S + 1, dtype="uint8"), axis=-2)[..., :S] > 0  # (B, K|1, T, S)
+    shape = tuple(idx.shape)
+    if all(isinstance(n, int) for n in (*shape, S)):
+        B, K, T, k = shape
+        grid = ops.meshgrid(*(ops.arange(n, dtype="int32") for n in shape[:3]), ops.arange(k, dtype="int32"),
+                            indexing="ij")  # (B, K, T, k) each
+        at = ops.reshape(ops.stack([*grid[:3], idx], axis=-1), (B * K * T * k, 4))  # (b, kv head, t, key)
+        counts = ops.scatter(at, ops.ones((B * K * T * k,), dtype="int32"), (B, K, T, S + 1))  # (B, K|1, T, S+1)
+        selected = counts[..., :S] > 0  # a key selected twice counts 2: selected
+    else:
+        selected = ops.max(ops.one_hot(idx, S + 1, dtype="uint8"), axis=-2)[..., :S] > 0  # (B, K|1, T, S)
     K = idx.shape[1]
     return selected if K == 1 else ops.repeat(selected, num_heads // K, axis=1)  # (B, 1|N, T, S)
 

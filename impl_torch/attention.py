@@ -684,7 +684,7 @@ def _selected_columns(config: AttentionConfig, call: Call, is_causal: bool, caus
         return None
     if call.allowed.shape[-1] != call.shapes.S_total:
         return None
-    seen = call.allowed.any(dim=2).any(dim=1).any(dim=0)  # (S_total,): any batch row or head sees the key
+    seen = call.allowed.reshape(-1, call.shapes.S_total).any(dim=0)  # (S_total,): any batch row or head sees the key
     cols = torch.nonzero(seen).flatten()
     return cols if 0 < cols.numel() < seen.shape[0] else None
 

@@ -76,14 +76,21 @@ def absorbed(config: AttentionConfig, call: Call, q, latent, rotary, precision: 
     return q, jnp.concatenate([latent, rotary], axis=-1), latent
 
 
+# The gather runs where the call has at least this many keys (S_total). Below it the masked core reads a
+# few rows anyway, and the gather's program (a sort and the gathers) is one more to compile per case in a
+# cold `mha check`, whose selection cases have 7-12 keys (measured: +0.15-0.4 s of CPU on the jax column).
+GATHER_MIN_KEYS = 64
+
+
 def gathers_selection(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str) -> bool:
     """impl_numpy.chunked._selected_columns's conditions in JAX: a one-token call over a selection (topk_indices
     or the indexer's) whose keys may be gathered instead of masked, the core's result unchanged to round-off:
     no window, local chunks, ALiBi, segments, bias or dropout, causal (if at all) bottom-right, a static P, k
-    below S_total (else nothing to drop), and masked_row "zero" (a fully masked row's "uniform" 1/S_total and
+    below S_total (else nothing to drop), S_total at least GATHER_MIN_KEYS, and masked_row "zero" (a fully masked row's "uniform" 1/S_total and
     "nan" fill weigh every key of S_total, and the stages' gradient of either reaches every value)."""
     idx = call.topk
     return (idx is not None and call.shapes.T == 1 and idx.shape[-1] < call.shapes.S_total
+            and call.shapes.S_total >= GATHER_MIN_KEYS
             and call.bias4 is None and call.keep is None and call.segment_ids is None and not config.alibi
             and config.local_chunk is None and config.window_left < 0 and config.window_right < 0
             and (not is_causal or causal_alignment == "bottom_right") and config.masked_row == "zero"

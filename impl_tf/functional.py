@@ -448,17 +448,23 @@ def allowed_mask(mask4, T, S, is_causal: bool, causal_alignment: str, *, window_
     return allowed
 
 
+# selection_mask builds a one-hot of at most this many bytes; a larger selection (a long cache's) is scattered.
+ONE_HOT_MAX_BYTES = 2**20
+
+
 def selection_mask(topk_indices, num_heads: int, S):
     """impl_numpy's selection_mask: topk_indices (B, T, k) or (B, K, T, k) -> bool (B, 1|N, T, S), -1 selecting
-    nothing (scattered into a spare column S, dropped), kv head K's selection for its G query heads. Where
-    the shapes are known (ints), a scatter of a count per selected slot: (B, K, T, S+1) values written, k per
-    row. Else a one-hot, (B, K, T, k, S+1) bytes at once: a test's size, not a long cache's (at k 2048 and
-    S 65537, 134 MB per query, which made TensorFlow's sparse decode step cost 2-13x its dense one)."""
+    nothing (a spare column S, dropped), kv head K's selection for its G query heads. A one-hot, (B, K, T,
+    k, S+1) bytes at once, where that is at most ONE_HOT_MAX_BYTES or a shape is not known (traced); else
+    (a long cache: at k 2048 and S 65537 the one-hot is 134 MB per query, and made TensorFlow's sparse
+    decode step cost 2-13x its dense one) a scatter of one count per selected slot into (B, K, T, S+1).
+    The one-hot stays for small calls: the scatter's extra ops cost mha check's keras columns more to trace
+    and compile than the one-hot costs them to run."""
     idx = _cast(topk_indices, "int32")
     idx = idx[:, None] if len(idx.shape) == 3 else idx  # (B, K|1, T, k)
     idx = ops.where(idx < 0, S, idx)
     shape = tuple(idx.shape)
-    if all(isinstance(n, int) for n in (*shape, S)):
+    if all(isinstance(n, int) for n in (*shape, S)) and math.prod(shape) * (S + 1) > ONE_HOT_MAX_BYTES:
         B, K, T, k = shape
         grid = ops.meshgrid(*(ops.arange(n, dtype="int32") for n in shape[:3]), ops.arange(k, dtype="int32"),
                             indexing="ij")  # (B, K, T, k) each

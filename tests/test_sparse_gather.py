@@ -6,7 +6,8 @@ impl_jax.latent.gather_selected, each row's k by index, as jax.jit needs a stati
 Each mirror's gathering paths are held to impl_numpy's float64 stages (every key, the unselected masked) on a
 step of two batch rows with their own selections, one with a -1 pad, one naming a key twice, both naming key 0;
 each test first shows that the gather ran (so a pass is the gather's). The porting bugs a gather makes, a selected
-key dropped or one counted twice, are planted and must fail. (numpy's own: tests/test_bench_sparse.py.)"""
+key dropped or one counted twice, are planted and must fail. (numpy's own: tests/test_bench_sparse.py.) And
+impl_tf's selection mask by scatter (a long cache's) against impl_numpy's."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import pytest
 
 from conformance.suite.tolerance import assert_close
 
-P = 50
+P = 80  # S_total 81: past impl_jax.latent.GATHER_MIN_KEYS (64)
 
 
 def _step(per_kv_head=False):
-    """The latent family's quick layer (conformance/bench/latent.py), B 2, one new token over P 50 cached: each
+    """The latent family's quick layer (conformance/bench/latent.py), B 2, one new token over P 80 cached: each
     row selects 6 keys (row 0 key 0 and key 17 twice; row 1 key 0, a -1 pad and the new key P), or per kv head,
     each head its own draw. -> config, tensors, x, latent, rotary, topk_indices (int64)."""
     from conformance.bench import latent
@@ -179,3 +180,23 @@ def test_jax_gather_bugs_are_caught(monkeypatch, bug):
     _jax_spy(monkeypatch, bug)
     with pytest.raises(AssertionError, match="FAIL"):
         _judge(f"jax in_place ({bug})", _jax_in_place(*step), expected, logits, step[0])
+
+
+# --- tf -------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.tf
+def test_tf_selection_mask_by_scatter_is_numpys(monkeypatch):
+    """impl_tf.functional.selection_mask's scatter (the form a long cache takes: one-hot past ONE_HOT_MAX_BYTES,
+    forced here) against impl_numpy's, shared and per kv head, with -1 pads and a key named twice."""
+    import impl_numpy.functional as npF
+    import impl_tf.functional as tfF
+
+    monkeypatch.setattr(tfF, "ONE_HOT_MAX_BYTES", 0)
+    rng = np.random.default_rng(7)
+    for shape in ((2, 3, 4), (2, 2, 3, 4)):  # (B, T, k), (B, K, T, k)
+        idx = rng.integers(-1, 9, size=shape)
+        idx[..., 1] = idx[..., 0]  # a key (or a pad) named twice
+        got = np.asarray(tfF.keras.ops.convert_to_numpy(tfF.selection_mask(idx, 4, 9)))
+        expected = npF.selection_mask(idx, 4, 9)
+        assert got.shape == expected.shape and (got == expected).all(), (shape, np.argwhere(got != expected))

@@ -200,3 +200,49 @@ def test_tf_selection_mask_by_scatter_is_numpys(monkeypatch):
         got = np.asarray(tfF.keras.ops.convert_to_numpy(tfF.selection_mask(idx, 4, 9)))
         expected = npF.selection_mask(idx, 4, 9)
         assert got.shape == expected.shape and (got == expected).all(), (shape, np.argwhere(got != expected))
+
+
+def _tf_paths(config, tensors, x, lat, rot, idx):
+    """{path: output} of impl_tf's gathering paths on TensorFlow: the fused path over the given cache, and the
+    in-place cache (tf.Variables) in a tf.function, as the bench runs it."""
+    from impl_tf._keras import tf
+    from impl_tf.attention import multi_head_attention
+
+    t = {k: tf.constant(v) for k, v in tensors.items()}
+    common = dict(topk_indices=tf.constant(idx), is_causal=True, causal_alignment="bottom_right")
+    buffers = [np.zeros((2, 1, P + 4, a.shape[-1]), np.float32) for a in (lat, rot)]
+    buffers[0][:, :, :P], buffers[1][:, :, :P] = lat, rot
+    bk, bv = (tf.Variable(b) for b in buffers)
+    step = tf.function(lambda inp: multi_head_attention(config, t, inp, past_key=bk, past_value=bv, cache_length=P,
+                                                        **common))
+    return {"fused": multi_head_attention(config, t, tf.constant(x), past_key=tf.constant(lat),
+                                          past_value=tf.constant(rot), **common),
+            "in_place": step(tf.constant(x))}
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("bug", [None, "drops_key_0", "counts_a_key_twice"])
+def test_tf_gathers_the_selected_rows(monkeypatch, bug):
+    """impl_tf's gather (keras.ops on TensorFlow) against the float64 stages; its slots kept as a porting bug
+    would keep them must fail."""
+    import impl_tf.attention as attention
+
+    right, taken = attention.kept_slots, []
+
+    def spy(idx):
+        taken.append(tuple(idx.shape))
+        if bug is None:
+            return right(idx)
+        idx = attention.ops.sort(idx, axis=-1)
+        return idx, (idx > 0) if bug == "drops_key_0" else (idx >= 0)
+
+    monkeypatch.setattr(attention, "kept_slots", spy)
+    step = _step()
+    expected, logits = _expected(*step)
+    for path, got in _tf_paths(*step).items():
+        if bug is None:
+            _judge(f"tf {path}", np.asarray(got), expected, logits, step[0])
+        else:
+            with pytest.raises(AssertionError, match="FAIL"):
+                _judge(f"tf {path} ({bug})", np.asarray(got), expected, logits, step[0])
+    assert taken == [(2, 6), (2, 6)], taken  # both paths gathered (the tf.function traced once)

@@ -16,6 +16,7 @@ attention.py does.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from weights import AttentionConfig
@@ -97,6 +98,31 @@ def gathers_selection(config: AttentionConfig, call: Call, is_causal: bool, caus
             and not call.traced_length)
 
 
+# An in-place buffer's selected rows are gathered this many slots at a time, in a loop (_gather_in_loop).
+GATHER_BLOCK = 256
+
+
+def _gather_in_loop(x, safe):
+    """x[rows, 0, safe] -> (B, Ks, k, F), min(GATHER_BLOCK, k) slots per turn of a fori_loop (the last block
+    clamped back to end at k: its overlap is gathered twice, the same rows). Why a loop: XLA CPU fuses the
+    in-place write of the buffer (dynamic_update_slice) into a gather that reads it, and then copies the
+    buffer twice to keep the unwritten one for that fusion (compiled HLO, jax 0.10.2, P 65536: two (1, 1,
+    65537, 512) copies and two of the rotary buffer; the sparse step 81-98 ms of CPU). Inside a loop the
+    buffer is an operand the write cannot fuse into: no copy, 7.7 ms. (An optimisation barrier is dropped
+    by the CPU pipeline; gathering the cached rows before the write copied the buffers too.)"""
+    B, Ks, k = safe.shape
+    block = min(GATHER_BLOCK, k)
+    rows = jnp.arange(B)[:, None, None]
+    out = jnp.zeros((B, Ks, k, x.shape[-1]), x.dtype)
+
+    def body(i, out):
+        start = jnp.minimum(i * block, k - block)
+        at = jax.lax.dynamic_slice_in_dim(safe, start, block, axis=2)  # (B, Ks, block)
+        return jax.lax.dynamic_update_slice_in_dim(out, x[rows, 0, at], start, axis=2)
+
+    return jax.lax.fori_loop(0, -(-k // block), body, out)
+
+
 def kept_slots(idx):
     """A selection's slots (B, Ks, k) sorted, and which of them gather_selected keeps: those that select a key
     (not -1), each key once (the first of its slots; equal keys are adjacent once sorted)."""
@@ -125,7 +151,10 @@ def gather_selected(config: AttentionConfig, call: Call, q, latent, rotary, allo
     idx, keep = kept_slots(idx)  # (B, Ks, k) sorted, and the slots that select a key once
     safe = jnp.maximum(idx, 0)  # a dropped slot reads key 0, weight 0 (keep)
     rows = jnp.arange(B)[:, None, None]
-    lat, rot = latent[rows, 0, safe], rotary[rows, 0, safe]  # (B, Ks, k, C), (B, Ks, k, R)
+    if call.cache_length is not None:  # the written buffers, read in a loop (_gather_in_loop says why)
+        lat, rot = _gather_in_loop(latent, safe), _gather_in_loop(rotary, safe)
+    else:
+        lat, rot = latent[rows, 0, safe], rotary[rows, 0, safe]  # (B, Ks, k, C), (B, Ks, k, R)
     if allowed is not None:
         shown = jnp.broadcast_to(allowed[:, :, 0], (B, allowed.shape[1], allowed.shape[3]))  # (B, 1|N, S_x)
         if shown.shape[1] == 1:

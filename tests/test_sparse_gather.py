@@ -162,8 +162,13 @@ def _jax_spy(monkeypatch, bug=None):
 
 
 @pytest.mark.jax
-@pytest.mark.parametrize("per_kv_head", [False, True])
-def test_jax_gathers_the_selected_rows(monkeypatch, per_kv_head):
+@pytest.mark.parametrize("per_kv_head, block", [(False, 256), (True, 256), (False, 4)])
+def test_jax_gathers_the_selected_rows(monkeypatch, per_kv_head, block):
+    """block: the in-place gather's slots per loop turn (latent.GATHER_BLOCK); 4 of k 6: two turns, the second
+    clamped back over two slots of the first."""
+    import impl_jax.latent as latent
+
+    monkeypatch.setattr(latent, "GATHER_BLOCK", block)
     step = _step(per_kv_head)
     expected, logits = _expected(*step)
     taken = _jax_spy(monkeypatch)

@@ -18,7 +18,9 @@ cores; the output gate runs as its stages after either (the chunked core:
 per query block, before the output projection). A latent layer (MLA,
 latent.py) runs its expanded form on the stages and its absorbed form (one
 shared head over the latent, never expanded) on the fused and chunked cores
-and the in-place cache, as impl_numpy does.
+and the in-place cache, as impl_numpy does; a decode step over a selection
+on the fused path gathers the selected rows and attends to them alone
+(latent.gather_selected, impl_numpy's chunked._selected_columns).
 
 float64 needs JAX's x64 mode. This module never switches it on (that would
 change the default dtypes of every other JAX program in the process); a
@@ -74,7 +76,7 @@ from .call import (  # noqa: F401 - re-exported: attention.py was their home, an
 from .chunked import chunked_attention
 from .fused import fused_attention
 from .heads import qkv_heads, trace_stages  # noqa: F401 - trace_stages re-exported (impl_jax's public name)
-from .latent import absorbed, expand, latent_heads
+from .latent import absorbed, expand, gather_selected, gathers_selection, latent_heads
 
 # Arguments of `apply` that must be static under jax.jit (hashable Python values).
 STATIC_ARGNAMES = (
@@ -248,16 +250,21 @@ def apply(
         call.hides_tail = call.traced_length or call.shapes.P + call.shapes.S < call.shapes.capacity
         if call.hides_tail and not call.traced_length:
             pad_to_capacity(call)
+    gathered = None  # a decode step over a selection: the selected keys' own mask (latent.gather_selected)
     if config.latent is not None:  # k and v: the present cache (the latent and the rotary key) until expanded
         q, k, v = latent_heads(config, call, pr, rec, whole=whole)
         cache = k, v
-        q, k, v = absorbed(config, call, q, k, v, pr) if fused else (q, *expand(config, call, k, v, pr, rec))
+        if fused and gathers_selection(config, call, is_causal, causal_alignment):  # (impl_numpy's gather)
+            q, k, v, gathered = gather_selected(config, call, q, k, v, call.allowed(config, is_causal,
+                                                                                     causal_alignment, tail=False), pr)
+        else:
+            q, k, v = absorbed(config, call, q, k, v, pr) if fused else (q, *expand(config, call, k, v, pr, rec))
     else:
         q, k, v = qkv_heads(config, call, pr, rec, append=not parts, whole=whole)
         cache = k, v
         if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
             v = rec("value.pair", F.value_pair(v))  # (B, K, S_total, 2V)
-    allowed = call.allowed(config, is_causal, causal_alignment, tail=not fused)
+    allowed = call.allowed(config, is_causal, causal_alignment, tail=not fused) if gathered is None else gathered
     if fused:
         # nothing asks for the stages between: logits .. attend as one expression (the same
         # contractions; results equal to the stages' within the tolerance policy)
@@ -266,8 +273,9 @@ def apply(
         ctx = fused_attention(q, k, v, allowed, call.bias4, config.effective_scale, config.masked_row, pr,
                               softcap=config.logit_softcap, sinks=p.get("sinks"),
                               alibi=call.alibi_bias(config) if config.alibi else None,
-                              key_count=call.cache_length + call.shapes.S if call.hides_tail else None,
-                              attend_by_reduce=in_place and call.shapes.T == 1)
+                              key_count=call.cache_length + call.shapes.S if call.hides_tail and gathered is None
+                              else None,
+                              attend_by_reduce=in_place and call.shapes.T == 1 and gathered is None)
         if config.latent is not None:  # the attended latent through each head's value up-projection
             ctx = F.expand_values(ctx, p["value.kernel"], pr)  # (B, N, T, V)
     else:

@@ -235,6 +235,7 @@ class Call:
     hides_tail: bool = False  # the keys are an in-place cache's whole buffers: positions past P+S to be hidden
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
     selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k), or None
+    topk: Any = None  # the selection that joined mask4 (topk_indices, or the indexer's), or None
     present_index_keys: Any = None  # (B, P+S, J); with cache_length the written buffer (B, C, J)
     # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
     shared_key: Any = None
@@ -362,6 +363,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=cache_length,
         past_key_positions=F.default_positions(_ids(past_key_positions), 0, shapes.P)
         if rope and past_key_positions is not None else None,
+        topk=None if topk_indices is None else jnp.asarray(_as_array(topk_indices)),
     )
     axes = None if config.rope is None else mrope_axes(config.rope)
     if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
@@ -412,6 +414,7 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
     if buffer is not None and call.cache_length is not None:
         present = jax.lax.dynamic_update_slice(_cast(buffer, call.dtype), present[:, P:], (0, P, 0))
     call.selection, call.present_index_keys = result["topk_indices"], present
+    call.topk = call.selection
     selected = F.selection_mask(call.selection, config.num_heads, call.shapes.S_total)
     call.mask4 = selected if call.mask4 is None else call.mask4 & selected
 

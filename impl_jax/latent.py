@@ -16,6 +16,7 @@ attention.py does.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from weights import AttentionConfig
@@ -74,3 +75,93 @@ def absorbed(config: AttentionConfig, call: Call, q, latent, rotary, precision: 
     attended latent then goes through functional.expand_values."""
     q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim, precision)
     return q, jnp.concatenate([latent, rotary], axis=-1), latent
+
+
+# The gather runs where the call has at least this many keys (S_total). Below it the masked core reads a
+# few rows anyway, and the gather's program (a sort and the gathers) is one more to compile per case in a
+# cold `mha check`, whose selection cases have 7-12 keys (measured: +0.15-0.4 s of CPU on the jax column).
+GATHER_MIN_KEYS = 64
+
+
+def gathers_selection(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str) -> bool:
+    """impl_numpy.chunked._selected_columns's conditions in JAX: a one-token call over a selection (topk_indices
+    or the indexer's) whose keys may be gathered instead of masked, the core's result unchanged to round-off:
+    no window, local chunks, ALiBi, segments, bias or dropout, causal (if at all) bottom-right, a static P, k
+    below S_total (else nothing to drop), S_total at least GATHER_MIN_KEYS, and masked_row "zero" (a fully masked row's "uniform" 1/S_total and
+    "nan" fill weigh every key of S_total, and the stages' gradient of either reaches every value)."""
+    idx = call.topk
+    return (idx is not None and call.shapes.T == 1 and idx.shape[-1] < call.shapes.S_total
+            and call.shapes.S_total >= GATHER_MIN_KEYS
+            and call.bias4 is None and call.keep is None and call.segment_ids is None and not config.alibi
+            and config.local_chunk is None and config.window_left < 0 and config.window_right < 0
+            and (not is_causal or causal_alignment == "bottom_right") and config.masked_row == "zero"
+            and not call.traced_length)
+
+
+# An in-place buffer's selected rows are gathered this many slots at a time, in a loop (_gather_in_loop).
+GATHER_BLOCK = 256
+
+
+def _gather_in_loop(x, safe):
+    """x[rows, 0, safe] -> (B, Ks, k, F), min(GATHER_BLOCK, k) slots per turn of a fori_loop (the last block
+    clamped back to end at k: its overlap is gathered twice, the same rows). Why a loop: XLA CPU fuses the
+    in-place write of the buffer (dynamic_update_slice) into a gather that reads it, and then copies the
+    buffer twice to keep the unwritten one for that fusion (compiled HLO, jax 0.10.2, P 65536: two (1, 1,
+    65537, 512) copies and two of the rotary buffer; the sparse step 81-98 ms of CPU). Inside a loop the
+    buffer is an operand the write cannot fuse into: no copy, 7.7 ms. (An optimisation barrier is dropped
+    by the CPU pipeline; gathering the cached rows before the write copied the buffers too.)"""
+    B, Ks, k = safe.shape
+    block = min(GATHER_BLOCK, k)
+    rows = jnp.arange(B)[:, None, None]
+    out = jnp.zeros((B, Ks, k, x.shape[-1]), x.dtype)
+
+    def body(i, out):
+        start = jnp.minimum(i * block, k - block)
+        at = jax.lax.dynamic_slice_in_dim(safe, start, block, axis=2)  # (B, Ks, block)
+        return jax.lax.dynamic_update_slice_in_dim(out, x[rows, 0, at], start, axis=2)
+
+    return jax.lax.fori_loop(0, -(-k // block), body, out)
+
+
+def kept_slots(idx):
+    """A selection's slots (B, Ks, k) sorted, and which of them gather_selected keeps: those that select a key
+    (not -1), each key once (the first of its slots; equal keys are adjacent once sorted)."""
+    idx = jnp.sort(idx, axis=-1)  # -1 slots first
+    first = jnp.concatenate([jnp.ones((*idx.shape[:-1], 1), dtype=bool), idx[..., 1:] != idx[..., :-1]], axis=-1)
+    return idx, (idx >= 0) & first
+
+
+def gather_selected(config: AttentionConfig, call: Call, q, latent, rotary, allowed, precision: str = "highest"):
+    """The absorbed form over the selected keys alone (gathers_selection): each batch row's (and selection
+    head's) k selected rows of the latent and the rotary key, gathered by index, not the whole cache masked.
+    impl_numpy gathers the union of every row's selected columns (np.flatnonzero); under jax.jit a shape
+    cannot depend on values, so each row gathers its own k (static) instead, sorted, and a slot is kept
+    where it selects a key (-1 selects none), where it is the first of its key (a key selected twice is
+    selected once: the mask's meaning) and where `allowed` (the call's mask, the selection in it) shows the
+    key to the head. The core over them computes what it computes over every key with the others masked (a
+    masked key's weight is exactly 0).
+    q (B, N, 1, H), latent (B, 1, S_x, C), rotary (B, 1, S_x, R) (S_x: S_total, or an in-place buffer's
+    capacity: the selection indexes S_total alone), allowed (B|1, N|1, 1, S_x) or None
+    -> q (B, N, 1, C + R), keys (B, Ks, k, C + R), values (B, Ks, k, C), allowed (B, 1|N, 1, k), Ks the
+    selection's heads (1, or one per kv head: query head n reads n // G)."""
+    idx = call.topk
+    idx = (idx[:, None] if idx.ndim == 3 else idx)[:, :, 0]  # (B, Ks, k): the one query's selection
+    B, Ks, k = idx.shape
+    N = q.shape[1]
+    idx, keep = kept_slots(idx)  # (B, Ks, k) sorted, and the slots that select a key once
+    safe = jnp.maximum(idx, 0)  # a dropped slot reads key 0, weight 0 (keep)
+    rows = jnp.arange(B)[:, None, None]
+    if call.cache_length is not None:  # the written buffers, read in a loop (_gather_in_loop says why)
+        lat, rot = _gather_in_loop(latent, safe), _gather_in_loop(rotary, safe)
+    else:
+        lat, rot = latent[rows, 0, safe], rotary[rows, 0, safe]  # (B, Ks, k, C), (B, Ks, k, R)
+    if allowed is not None:
+        shown = jnp.broadcast_to(allowed[:, :, 0], (B, allowed.shape[1], allowed.shape[3]))  # (B, 1|N, S_x)
+        if shown.shape[1] == 1:
+            keep = keep & shown[rows, 0, safe]  # (B, Ks, k)
+            keep = keep if Ks == 1 else jnp.repeat(keep, N // Ks, axis=1)  # (B, 1|N, k)
+        else:  # per head: head n reads its kv head's selection n // G
+            G = N // Ks
+            keep = jnp.repeat(keep, G, axis=1) & shown[rows, jnp.arange(N)[None, :, None], jnp.repeat(safe, G, axis=1)]
+    q = F.absorb_query(q, call.params["key.kernel"], config.latent.rope_dim, precision)  # (B, N, 1, C + R)
+    return q, jnp.concatenate([lat, rot], axis=-1), lat, keep[:, :, None]

@@ -36,6 +36,23 @@ from .latent import latent_heads
 # The fused fast path's chunk_size: key blocks of 512 (query blocks of chunked.QUERY_ROWS).
 FUSED_BLOCK = 512
 
+# A one-query call (a decode step, T 1) takes its keys in one block where its (B, N, 1, S_total) logits fit in
+# this many bytes (else in the largest blocks that fit): one logits matmul, the softmax over every key, one
+# attend matmul, the core's own stages on that block (masks, sinks, softcap, masked_row: nothing else
+# changes). Its logits are N rows per batch row, not a (T, S) square, so one block costs N S itemsize bytes
+# (4 MiB at N 16, S 65537, float32). In 512-key blocks the same step ran 128 blocks of small BLAS calls
+# with an online-softmax rescale between them (docs/performance.md, "Sparse attention decode").
+DECODE_BLOCK_BYTES = 16 * 2**20
+
+
+def fused_block(config: AttentionConfig, shapes, dtype) -> int:
+    """The fused path's key block: FUSED_BLOCK, or for one query (T 1) every key that fits DECODE_BLOCK_BYTES
+    of logits (never fewer than FUSED_BLOCK)."""
+    if shapes.T != 1:
+        return FUSED_BLOCK
+    per_key = shapes.B * config.num_heads * np.dtype(compute_dtype(dtype)).itemsize
+    return max(FUSED_BLOCK, min(shapes.S_total, DECODE_BLOCK_BYTES // per_key))
+
 
 @dataclasses.dataclass
 class Call:
@@ -374,7 +391,8 @@ def multi_head_attention(
 
         out, present_key, present_value = fused_forward(
             config, call, is_causal=is_causal, causal_alignment=causal_alignment,
-            chunk_size=FUSED_BLOCK if chunk_size is None else chunk_size, return_cache=return_cache)  # (B, T, O)
+            chunk_size=fused_block(config, call.shapes, call.dtype) if chunk_size is None else chunk_size,
+            return_cache=return_cache)  # (B, T, O)
         if call.cache_length is not None:
             present_key, present_value = call.past_key, call.past_value  # the buffers, whole
         return _result(call, out, None, present_key, present_value, return_selection, return_cache)

@@ -98,14 +98,23 @@ def scores(q: np.ndarray, k: np.ndarray, weights: np.ndarray | None, score_scale
     (B, 1, T, S); per_kv_head: each head on its own -> (B, I, T, S); no weights: summed -> (B, 1, T, S).
     In compute dtype, kept there."""
     ct = compute_dtype(q.dtype)
-    dots = np.einsum("BITJ,BSJ->BITS", q.astype(ct), k.astype(ct)) * ct.type(score_scale)  # (B, I, T, S)
+    # The stage is einsum("BITJ,BSJ->BITS", q, k) then einsum("BTI,BITS->BTS", weights, dots): written as the
+    # same contractions in matmul form, the index heads and queries as the rows of one (I T, J) x (J, S)
+    # product per batch row, and the weighted sum as (1, I) x (I, S) per query, so that they run as BLAS
+    # matmuls (np.einsum sums these in its own loops: 131 of the 149 ms of CPU an indexer step took at P
+    # 65536, docs/performance.md). The same products and sums, in another order: equal to round-off.
+    B, I, T, J = q.shape
+    dots = np.matmul(q.astype(ct, copy=False).reshape(B, I * T, J), k.astype(ct, copy=False).swapaxes(1, 2))  # (B, I*T, S)
+    dots = dots.reshape(B, I, T, -1)  # (B, I, T, S)
+    dots *= ct.type(score_scale)
     if relu:
-        dots = np.maximum(dots, ct.type(0))
+        np.maximum(dots, ct.type(0), out=dots)
     if per_kv_head:
         return dots
     if weights is None:
         return dots.sum(axis=1, keepdims=True)  # (B, 1, T, S)
-    return np.einsum("BTI,BITS->BTS", weights.astype(ct), dots)[:, None]  # (B, 1, T, S)
+    w = weights.astype(ct)[:, :, None, :]  # (B, T, 1, I)
+    return np.matmul(w, dots.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # (B, T, 1, S) -> (B, 1, T, S)
 
 
 def mask_scores(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
@@ -315,20 +324,20 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     _check_fp8(config, precision, fp8_scale_format)
     query = np.asarray(query)
     dt = dtype_from_name(dtype or query.dtype.name)
-    query = query.astype(dt)
-    key = query if key is None else np.asarray(key).astype(dt)
+    query = query.astype(dt, copy=False)  # (no copy where the dtype is already dt: a step reads, never writes them)
+    key = query if key is None else np.asarray(key).astype(dt, copy=False)
     if query.ndim != 3 or key.ndim != 3 or key.shape[0] != query.shape[0]:
         raise ValueError(f"query must be (B, T, Dq) and key (B, S, Dk) with one B: got query {query.shape}, "
                          f"key {key.shape}")
     B, T, S = query.shape[0], query.shape[1], key.shape[1]
     P = 0
     if past_index_keys is not None:
-        past_index_keys = np.asarray(past_index_keys).astype(dt)
+        past_index_keys = np.asarray(past_index_keys).astype(dt, copy=False)  # (a copy of the index cache: only to cast)
         if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.cache_width:
             raise ValueError(f"past_index_keys must have shape (B, P, {'2J' if ix.block_pool == GATED else 'J'}) = "
                              f"({B}, P, {ix.cache_width}): got {past_index_keys.shape}")
         P = past_index_keys.shape[1]
-    tensors = {name: np.asarray(t).astype(dt) for name, t in tensors.items() if name.startswith(READS)}
+    tensors = {name: np.asarray(t).astype(dt, copy=False) for name, t in tensors.items() if name.startswith(READS)}
     positions = F.default_positions(positions, P, T)
     key_positions = F.default_positions(key_positions, P, S)
 

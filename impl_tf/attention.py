@@ -183,6 +183,57 @@ def absorbed_heads(config: AttentionConfig, call: Call, *, append: bool = True):
     return q, ops.concatenate([latent, rotary], axis=-1), latent, (latent, rotary)
 
 
+# The gather runs where the call has at least this many keys (impl_jax.latent.GATHER_MIN_KEYS says why).
+GATHER_MIN_KEYS = 64
+
+
+def gathers_selection(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str) -> bool:
+    """impl_numpy.chunked._selected_columns's conditions in keras.ops (impl_jax.latent.gathers_selection's): a
+    one-token latent call over one selection for every head, (B, 1, k), shapes known, at least GATHER_MIN_KEYS
+    keys and more than k, a mask (the selection in it) the same for every head, no window, local chunks,
+    ALiBi, segments, bias or dropout, causal (if at all) bottom-right, masked_row "zero"."""
+    idx = call.topk
+    shape = None if idx is None else tuple(idx.shape)
+    return (config.latent is not None and shape is not None and len(shape) == 3
+            and all(isinstance(n, int) for n in shape) and isinstance(call.T, int) and call.T == 1
+            and isinstance(call.S_total, int) and GATHER_MIN_KEYS <= call.S_total and shape[-1] < call.S_total
+            and call.mask4 is not None and call.mask4.shape[1] == 1 and call.mask4.shape[3] == call.S_total
+            and call.bias4 is None and call.keep is None and call.segment_ids is None and not config.alibi
+            and config.local_chunk is None and config.window_left < 0 and config.window_right < 0
+            and (not is_causal or causal_alignment == "bottom_right") and config.masked_row == "zero")
+
+
+def kept_slots(idx):
+    """A selection's slots (B, k) sorted, and which of them gather_selected keeps: those that select a key
+    (not -1), each key once (the first of its slots; equal keys are adjacent once sorted)."""
+    idx = ops.sort(idx, axis=-1)  # -1 slots first
+    first = ops.concatenate([ops.ones((idx.shape[0], 1), dtype="bool"), ops.not_equal(idx[:, 1:], idx[:, :-1])],
+                            axis=-1)
+    return idx, ops.logical_and(idx >= 0, first)
+
+
+def gather_selected(call: Call, latent, rotary):
+    """The absorbed form over the selected keys alone (gathers_selection; impl_jax.latent.gather_selected's
+    way: each batch row's k selected rows by index, a static width), not the whole cache masked. latent (B,
+    1, S_x, C), rotary (B, 1, S_x, R) (S_x: S_total, or an in-place buffer's capacity: the selection
+    indexes S_total alone) -> keys (B, 1, k, C + R), values (B, 1, k, C), mask4 (B, 1, 1, k): a slot is
+    kept where it selects a key, the first of its slots, and the call's mask shows that key."""
+    B, _, k = call.topk.shape
+    idx, keep = kept_slots(ops.reshape(F._cast(call.topk, "int32"), (B, k)))
+    safe = ops.maximum(idx, 0)  # a dropped slot reads key 0, weight 0 (keep)
+    rows = ops.arange(B, dtype="int32")[:, None]
+
+    def take(x):  # (B, 1, L, F) at each row's safe slots -> (B, 1, k, F)
+        L, width = x.shape[2], x.shape[3]
+        flat = ops.reshape(safe + rows * L, (B * k,))
+        return ops.reshape(ops.take(ops.reshape(x, (B * L, width)), flat, axis=0), (B, 1, k, width))
+
+    lat, rot = take(latent), take(rotary)
+    shown = ops.broadcast_to(call.mask4[:, :, :1], (B, 1, 1, call.S_total))  # (B, 1, 1, S_total)
+    keep = ops.logical_and(keep, ops.reshape(take(ops.reshape(shown, (B, 1, call.S_total, 1))), (B, k)))
+    return ops.concatenate([lat, rot], axis=-1), lat, ops.reshape(keep, (B, 1, 1, k))
+
+
 def expanded(config: AttentionConfig, call: Call, ctx):
     """The absorbed form's attended latent (B, N, T, C) through each head's value up-projection (B, N, T, V);
     any other layer's context unchanged."""
@@ -202,6 +253,16 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
     Reading C rather than P+S positions costs the spare capacity the caller
     chose; the masks over (T, C) are small beside the cache."""
     p = call.params
+    if gathers_selection(config, call, is_causal, causal_alignment):  # the selected rows alone, no mask over C
+        q, _, _, (latent, rotary) = absorbed_heads(config, call, append=False)
+        keys, values, allowed = gather_selected(call, latent, rotary)
+        options = {name: value for name, value in _modern_core_options(config, call).items()
+                   if name in ("softcap", "sinks")}
+        ctx = _attention(q, keys, values, mask4=allowed, bias=None, keep=None, is_causal=False,
+                         causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
+                         masked_row=config.masked_row, **options)  # the attended latent (B, N, 1, C)
+        ctx = gated(config, call, differenced(config, call, expanded(config, call, ctx)))
+        return F.output(F.merge_heads(ctx), p["output.kernel"], p.get("output.bias"))  # (B, T, O)
     if config.latent is not None:  # the absorbed form over the buffers (latent | rotary key), whole
         q, keys, values, _ = absorbed_heads(config, call, append=False)
     else:  # writes the new keys and values at P .. P+S-1
@@ -351,6 +412,7 @@ def multi_head_attention(
         # a cache nobody asks back is never concatenated: fused_attention takes it and the new keys as parts
         cache_parts = call.past_key is not None and not return_cache and config.latent is None
         cache_parts = cache_parts and config.differential is None  # value_pair reads every value
+        gather = gathers_selection(config, call, is_causal, causal_alignment)
         if config.latent is not None:  # the absorbed form: q (B, N, T, C+R) over one shared head (B, 1, S_total, .)
             q, k, v, present = absorbed_heads(config, call)
         else:
@@ -362,8 +424,11 @@ def multi_head_attention(
             k, v = (call.past_key, k), (call.past_value, v)
         # one bottom-right query (a decode step) sees every key: no causal mask to build and select by
         decode_step = causal_alignment == "bottom_right" and isinstance(call.T, int) and call.T == 1
+        mask4 = call.mask4
+        if gather:  # a decode step over a selection: the selected rows alone (impl_numpy's gather)
+            k, v, mask4 = gather_selected(call, *present)
         ctx = _attention(
-            q, k, v, mask4=call.mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal and not decode_step,
+            q, k, v, mask4=mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal and not decode_step,
             causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,
             masked_row=config.masked_row, **_modern_core_options(config, call),
         )  # (B, N, T, V), or the attended latent (B, N, T, C)

@@ -148,6 +148,7 @@ class Call:
     P: Any = 0  # the cache's length: int, or a traced scalar
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
     selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k), or None
+    topk: Any = None  # the selection that joined mask4 (topk_indices, or the indexer's), or None
     present_index_keys: Any = None  # (B, P+S, J); with cache_length the caller's tf.Variable (B, C, J)
     # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
     shared_key: Any = None
@@ -261,7 +262,7 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
         past_value=past_value if in_place or past_value is None else F._cast(past_value, dtype),
         segment_ids=segment_ids, key_segment_ids=key_segment_ids, cache_length=shapes.P if in_place else None, P=P,
         past_key_positions=F.default_positions(given["past_key_positions"], 0, P)
-        if rope and "past_key_positions" in given else None,
+        if rope and "past_key_positions" in given else None, topk=given.get("topk_indices"),
     )
     axes = None if config.rope is None else mrope_axes(config.rope)
     if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
@@ -323,6 +324,7 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
         past_index_keys[:, P:P + S].assign(F._cast(present[:, P:], call.dtype))
         present = past_index_keys
     call.selection, call.present_index_keys = result["topk_indices"], present
+    call.topk = call.selection
     selected = F.selection_mask(call.selection, config.num_heads, call.S_total)
     call.mask4 = selected if call.mask4 is None else ops.logical_and(call.mask4, selected)
 

@@ -448,14 +448,31 @@ def allowed_mask(mask4, T, S, is_causal: bool, causal_alignment: str, *, window_
     return allowed
 
 
+# selection_mask builds a one-hot of at most this many bytes; a larger selection (a long cache's) is scattered.
+ONE_HOT_MAX_BYTES = 2**20
+
+
 def selection_mask(topk_indices, num_heads: int, S):
     """impl_numpy's selection_mask: topk_indices (B, T, k) or (B, K, T, k) -> bool (B, 1|N, T, S), -1 selecting
-    nothing (a one-hot in a spare column S, dropped), kv head K's selection for its G query heads. The one-hot
-    holds (B, K, T, k, S+1) bytes at once: a test's size, not a long cache's."""
+    nothing (a spare column S, dropped), kv head K's selection for its G query heads. A one-hot, (B, K, T,
+    k, S+1) bytes at once, where that is at most ONE_HOT_MAX_BYTES or a shape is not known (traced); else
+    (a long cache: at k 2048 and S 65537 the one-hot is 134 MB per query, and made TensorFlow's sparse
+    decode step cost 2-13x its dense one) a scatter of one count per selected slot into (B, K, T, S+1).
+    The one-hot stays for small calls: the scatter's extra ops cost mha check's keras columns more to trace
+    and compile than the one-hot costs them to run."""
     idx = _cast(topk_indices, "int32")
     idx = idx[:, None] if len(idx.shape) == 3 else idx  # (B, K|1, T, k)
     idx = ops.where(idx < 0, S, idx)
-    selected = ops.max(ops.one_hot(idx, S + 1, dtype="uint8"), axis=-2)[..., :S] > 0  # (B, K|1, T, S)
+    shape = tuple(idx.shape)
+    if all(isinstance(n, int) for n in (*shape, S)) and math.prod(shape) * (S + 1) > ONE_HOT_MAX_BYTES:
+        B, K, T, k = shape
+        grid = ops.meshgrid(*(ops.arange(n, dtype="int32") for n in shape[:3]), ops.arange(k, dtype="int32"),
+                            indexing="ij")  # (B, K, T, k) each
+        at = ops.reshape(ops.stack([*grid[:3], idx], axis=-1), (B * K * T * k, 4))  # (b, kv head, t, key)
+        counts = ops.scatter(at, ops.ones((B * K * T * k,), dtype="int32"), (B, K, T, S + 1))  # (B, K|1, T, S+1)
+        selected = counts[..., :S] > 0  # a key selected twice counts 2: selected
+    else:
+        selected = ops.max(ops.one_hot(idx, S + 1, dtype="uint8"), axis=-2)[..., :S] > 0  # (B, K|1, T, S)
     K = idx.shape[1]
     return selected if K == 1 else ops.repeat(selected, num_heads // K, axis=1)  # (B, 1|N, T, S)
 

@@ -23,7 +23,9 @@ Which path honours which feature:
   C + R over [latent | rotary key], the latent as values, then
   functional.expand_values), through SDPA or, for softcap and sinks, the
   stage functions. The cache is the normed latent (B, 1, P+S, C) and the
-  rotated shared key (B, 1, P+S, R) on every path.
+  rotated shared key (B, 1, P+S, R) on every path. A decode step over a
+  selection (one query, topk_indices or the indexer's) gathers the selected
+  rows and attends to them alone (_selected_columns, impl_numpy's).
 torch has no chunked path (no chunk_size argument): SDPA's kernels already
 work blockwise.
 """
@@ -76,6 +78,7 @@ class Call:
     cache_length: int | None = None  # P of an in-place cache (past_key/past_value are buffers), else None
     past_key_positions: torch.Tensor | None = None  # (B|1, P) the cached keys' positions (default 0..P-1), or None
     selection: torch.Tensor | None = None  # config.indexer's selection (B, T, k) or (B, K, T, k) int64
+    selected: bool = False  # a selection (topk_indices or the indexer's) joined the mask (impl_numpy's Call.selected)
     present_index_keys: torch.Tensor | None = None  # (B, P+S, J); with cache_length the caller's buffer (B, C, J)
     # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
     shared_key: torch.Tensor | None = None
@@ -302,7 +305,8 @@ def prepare(config, tensors, query, key, value, *, mask, bias, dropout_mask, is_
     query, key, value = (x.to(dtype) for x in (query, key, value))
     call = Call(shapes=shapes, params=params, query=query, key=key, value=value, allowed=allowed, bias4=bias_t,
                 keep=keep_t, dtype=dtype, plain_causal=plain_causal, positions=positions_t,
-                key_positions=key_positions_t, past_key_positions=past_key_positions_t)
+                key_positions=key_positions_t, past_key_positions=past_key_positions_t,
+                selected=selection is not None)
     if index is not None:
         call.selection, call.present_index_keys = index
     if in_place:
@@ -603,12 +607,21 @@ def multi_head_attention(
         raise ValueError("return_selection needs config.indexer (a layer without one makes no selection)")
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     p = call.params
+    allowed = call.allowed  # (B|1, N|1, T, S_total), or over the gathered columns alone (_selected_columns)
     # A latent layer runs the absorbed form on SDPA and on an in-place cache (never expanding the cache), the
     # expanded form (the spec's stages, traced by their names) otherwise.
     absorbed = config.latent is not None and trace is None and (will_use_sdpa or call.cache_length is not None)
     if config.latent is not None:
         q, present_key, present_value = latent_heads(config, call, rec)  # (B, N, T, H), (B, 1, S_total, C|R)
-        if absorbed:
+        cols = None if not absorbed else _selected_columns(config, call, is_causal, causal_alignment,
+                                                           return_weights=return_weights,
+                                                           segmented=segment_ids is not None)
+        if cols is not None:  # a decode step over a selection: the selected rows alone (a gather), not the whole
+            # cache masked (impl_numpy.chunked._fused_modern); the keys gathered before they are joined
+            q, k, v = absorb_latent(config, call, q, present_key.index_select(2, cols),
+                                    present_value.index_select(2, cols))  # (.., C+R), (B, 1, s, C+R), (B, 1, s, C)
+            allowed = call.allowed.index_select(-1, cols)  # (B|1, N|1, 1, s)
+        elif absorbed:
             q, k, v = absorb_latent(config, call, q, present_key, present_value)  # (.., C+R), (.., C+R), (.., C)
         else:
             k, v = expand_latent(config, call, present_key, present_value, rec)  # (B, K, S_total, H|V)
@@ -622,7 +635,7 @@ def multi_head_attention(
         bias4 = call.bias4
         if config.alibi:  # ALiBi joins the call's bias in SDPA's float mask (a -inf there stays -inf)
             bias4 = call.alibi_bias(config) if bias4 is None else call.alibi_bias(config) + bias4
-        ctx = sdpa_attend(config, q, k, v, allowed=call.allowed, bias=bias4,
+        ctx = sdpa_attend(config, q, k, v, allowed=allowed, bias=bias4,
                           plain_causal=call.plain_causal)  # (B, N, T, V)
     else:
         x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
@@ -630,7 +643,7 @@ def multi_head_attention(
             x = rec("softcap", F.softcap(x, config.logit_softcap))
         if config.alibi:
             x = rec("alibi", F.alibi(x, call.alibi_bias(config)))
-        x = rec("mask", F.mask_stage(x, call.allowed, call.bias4))
+        x = rec("mask", F.mask_stage(x, allowed, call.bias4))
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
         ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
@@ -651,6 +664,29 @@ def multi_head_attention(
     if return_cache:
         result += (present_key, present_value) + ((call.present_index_keys,) if config.indexer is not None else ())
     return result
+
+
+def _selected_columns(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str, *,
+                      return_weights: bool, segmented: bool) -> torch.Tensor | None:
+    """impl_numpy.chunked._selected_columns in torch: the keys any query of a one-token call over a selection
+    may see (int64 column indices into S_total, ascending), or None where gathering them would change the
+    result or not pay: more than one query, no selection, or a per-key feature other than the mask (a window,
+    local chunks, ALiBi, segments, a bias, dropout, a top-left causal alignment, masked_row "uniform" or "nan",
+    whose fully masked row's fill weighs every key of S_total, and the stages' gradient of it reaches every
+    value), the weights asked for (they span S_total), or under
+    torch.compile (the count of columns is data). The core over the gathered columns computes what it
+    computes over every column with the others masked (a masked key's weight is exactly 0), reading the s
+    selected rows instead of the S_total of the cache."""
+    if (not call.selected or call.allowed is None or call.shapes.T != 1 or call.bias4 is not None
+            or call.keep is not None or segmented or config.alibi or config.local_chunk is not None
+            or config.window_left >= 0 or config.window_right >= 0 or (is_causal and causal_alignment != "bottom_right")
+            or config.masked_row != "zero" or return_weights or torch.compiler.is_compiling()):
+        return None
+    if call.allowed.shape[-1] != call.shapes.S_total:
+        return None
+    seen = call.allowed.reshape(-1, call.shapes.S_total).any(dim=0)  # (S_total,): any batch row or head sees the key
+    cols = torch.nonzero(seen).flatten()
+    return cols if 0 < cols.numel() < seen.shape[0] else None
 
 
 # -- issue 42: a kv_shared layer (mirrors impl_numpy.attention.share_cache and impl_numpy.heads.shared_heads) --

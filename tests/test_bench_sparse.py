@@ -183,3 +183,42 @@ def test_no_gather_where_a_masked_row_weighs_every_key():
     assert case.config.masked_row == "uniform" and case.T == 1 and case.config.indexer is not None
     found = sweep("numpy", [991125], ("float64", "float32"))
     assert found["runs"] > 0 and not found["failures"], found["failures"]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_dense_decode_step_is_one_block_over_the_cache_in_place(monkeypatch, in_place):
+    """A one-token latent call without a selection (the dense decode step) over P 700 cached keys: the fused
+    core takes every key in one block (attention.fused_block: 701 > FUSED_BLOCK), the key [latent | rotary]
+    read as JoinedKeys (no copy of the cache), and equals the float64 stages (B 2, sinks off, masked_row zero)."""
+    import impl_numpy.chunked as chunked
+    from conformance.bench import latent
+    from impl_numpy.attention import FUSED_BLOCK, multi_head_attention
+
+    d = latent.QUICK
+    config, tensors = latent.layer(d)
+    P = 700
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 1, d.D)).astype(np.float32)
+    lat, rot = (rng.standard_normal((2, 1, P, w)).astype(np.float32) for w in (d.C, d.R))
+    seen, right = [], chunked._core
+
+    def spy(config, q, k, v, **kwargs):
+        seen.append((kwargs["chunk_size"], type(k).__name__, k.shape[2]))
+        return right(config, q, k, v, **kwargs)
+
+    monkeypatch.setattr(chunked, "_core", spy)
+    options = dict(is_causal=True, causal_alignment="bottom_right")
+    if in_place:
+        buffers = [np.zeros((2, 1, P + 3, a.shape[-1]), np.float32) for a in (lat, rot)]
+        buffers[0][:, :, :P], buffers[1][:, :, :P] = lat, rot
+        got = multi_head_attention(config, tensors, x, past_key=buffers[0], past_value=buffers[1], cache_length=P,
+                                   **options)
+    else:
+        got = multi_head_attention(config, tensors, x, past_key=lat, past_value=rot, **options)
+    assert seen == [(P + 1, "JoinedKeys", P + 1)] and P + 1 > FUSED_BLOCK, seen
+    trace = []
+    expected = np.asarray(multi_head_attention(config, tensors, x, past_key=lat, past_value=rot, dtype="float64",
+                                               trace=trace, **options))
+    logits = next(e.value for e in trace if e.stage == "logits")
+    assert_close("dense decode step", got, expected, config=config, dtype="float32", quantity="output", B=2, T=1,
+                 S=P + 1, logits=logits)

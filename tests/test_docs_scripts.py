@@ -122,3 +122,13 @@ def test_tf_parts_prints_every_part(monkeypatch, capsys):
     assert re.search(r"^gpt2, blocks of 16: 10 of 16 block pairs computed", out, re.M), out
     assert re.search(r"^  projections \+ core, timed apart: [\d.]+ matmul-times \([\d.]+%\)", out, re.M), out
     assert re.search(r"^  projections \+ blocks, timed apart: [\d.]+ matmul-times \([\d.]+%\)", out, re.M), out
+
+
+@pytest.mark.reference  # NumPy only, no framework looked for: the numpy env runs it, not `tox -e all` again
+def test_sparse_cpu_prints_each_step_against_its_bound_in_cpu_time(capsys):
+    """conformance/bench/scripts/sparse_cpu.py on the quick sparse family (numpy, P 32, one round)."""
+    script = load("sparse_cpu")
+    r = script.measure("numpy", 32, quick=True, rounds=1, matmul_n=64)
+    for step in ("dense", "sparse", "indexer"):
+        assert r[step]["cpu_ms"] >= 0 and r[step]["bound_ms"] > 0 and r[step]["bound"] in ("read", "flops"), r
+        assert r[step]["x_bound"] == pytest.approx(r[step]["cpu_ms"] / r[step]["bound_ms"]), r

@@ -1,0 +1,253 @@
+"""The mirrors' gather of a decode step's selected keys (issue 39 item 5): a one-token latent (MLA) call over a
+selection attends to the selected rows of the cache alone instead of masking the whole cache (impl_numpy's
+chunked._selected_columns; impl_torch.attention._selected_columns, the union of every row's columns as NumPy's;
+impl_jax.latent.gather_selected, each row's k by index, as jax.jit needs a static width).
+
+Each mirror's gathering paths are held to impl_numpy's float64 stages (every key, the unselected masked) on a
+step of two batch rows with their own selections, one with a -1 pad, one naming a key twice, both naming key 0;
+each test first shows that the gather ran (so a pass is the gather's). The porting bugs a gather makes, a selected
+key dropped or one counted twice, are planted and must fail. (numpy's own: tests/test_bench_sparse.py.) And
+impl_tf's selection mask by scatter (a long cache's) against impl_numpy's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.suite.tolerance import assert_close
+
+P = 80  # S_total 81: past impl_jax.latent.GATHER_MIN_KEYS (64)
+
+
+def _step(per_kv_head=False):
+    """The latent family's quick layer (conformance/bench/latent.py), B 2, one new token over P 80 cached: each
+    row selects 6 keys (row 0 key 0 and key 17 twice; row 1 key 0, a -1 pad and the new key P), or per kv head,
+    each head its own draw. -> config, tensors, x, latent, rotary, topk_indices (int64)."""
+    from conformance.bench import latent
+
+    d = latent.QUICK
+    config, tensors = latent.layer(d)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 1, d.D)).astype(np.float32)
+    lat = rng.standard_normal((2, 1, P, d.C)).astype(np.float32)
+    rot = rng.standard_normal((2, 1, P, d.R)).astype(np.float32)
+    heads = config.num_kv_heads if per_kv_head else 1
+    idx = np.stack([[np.sort(rng.choice(np.arange(1, P + 1), 6, replace=False)) for _ in range(heads)]
+                    for _ in range(2)])  # (2, Ks, 6)
+    idx[:, :, 0] = 0  # key 0 selected (a gather that reads index 0 as a pad drops it)
+    idx[0, :, 2] = 17
+    idx[0, :, 3] = 17  # row 0 names key 17 twice: selected once
+    idx[1, :, 1] = -1  # row 1 pads a slot
+    idx[1, :, -1] = P  # and selects the new token
+    idx = idx[:, :, None] if per_kv_head else idx[:, 0, None]  # (2, Ks, 1, 6) or (2, 1, 6)
+    return config, tensors, x, lat, rot, idx
+
+
+def _expected(config, tensors, x, lat, rot, idx):
+    """impl_numpy's float64 stages (every key attended, the unselected masked) and their logits (the bar's size)."""
+    from impl_numpy.attention import multi_head_attention
+
+    trace = []
+    out = np.asarray(multi_head_attention(config, tensors, x, past_key=lat, past_value=rot, topk_indices=idx,
+                                          is_causal=True, causal_alignment="bottom_right", dtype="float64",
+                                          trace=trace))
+    return out, next(e.value for e in trace if e.stage == "logits")
+
+
+def _judge(name, got, expected, logits, config):
+    assert_close(name, np.asarray(got), expected, config=config, dtype="float32", quantity="output", B=2, T=1,
+                 S=P + 1, logits=logits)
+
+
+# --- torch ----------------------------------------------------------------------------------------------------------
+
+
+def _torch_paths(config, tensors, x, lat, rot, idx):
+    """{path: output} of impl_torch's gathering paths: SDPA over the given cache, and the in-place cache (stages)."""
+    import torch
+
+    from impl_torch.attention import multi_head_attention
+
+    t = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    common = dict(topk_indices=torch.from_numpy(idx), is_causal=True, causal_alignment="bottom_right")
+    buffers = [torch.zeros((2, 1, P + 4, a.shape[-1])) for a in (lat, rot)]
+    buffers[0][:, :, :P], buffers[1][:, :, :P] = torch.from_numpy(lat), torch.from_numpy(rot)
+    with torch.no_grad():
+        return {"sdpa": multi_head_attention(config, t, torch.from_numpy(x), past_key=torch.from_numpy(lat),
+                                             past_value=torch.from_numpy(rot), use_sdpa=True, **common),
+                "in_place": multi_head_attention(config, t, torch.from_numpy(x), past_key=buffers[0],
+                                                 past_value=buffers[1], cache_length=P, **common)}
+
+
+def _torch_spy(monkeypatch, change=None):
+    """impl_torch's _selected_columns, recorded (and changed by `change`, a planted bug)."""
+    import impl_torch.attention as attention
+
+    right, taken = attention._selected_columns, []
+
+    def spy(*args, **kwargs):
+        cols = right(*args, **kwargs)
+        taken.append(cols)
+        return cols if cols is None or change is None else change(cols)
+
+    monkeypatch.setattr(attention, "_selected_columns", spy)
+    return taken
+
+
+@pytest.mark.torch
+def test_torch_gathers_the_selected_rows(monkeypatch):
+    step = _step()
+    expected, logits = _expected(*step)
+    taken = _torch_spy(monkeypatch)
+    for path, got in _torch_paths(*step).items():
+        _judge(f"torch {path}", got.numpy(), expected, logits, step[0])
+    # both paths gathered: the union of the two rows' keys (-1 and row 0's repeat count once), not the 51
+    union = sorted({int(j) for j in step[-1].ravel() if j >= 0})
+    assert [c.tolist() for c in taken] == [union, union], (taken, union)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("bug", ["drops_a_key", "counts_a_key_twice"])
+def test_torch_gather_bugs_are_caught(monkeypatch, bug):
+    import torch
+
+    change = {"drops_a_key": lambda cols: cols[1:],
+              "counts_a_key_twice": lambda cols: torch.cat([cols, cols[:1]])}[bug]
+    step = _step()
+    expected, logits = _expected(*step)
+    _torch_spy(monkeypatch, change)
+    for path, got in _torch_paths(*step).items():
+        with pytest.raises(AssertionError, match="FAIL"):
+            _judge(f"torch {path} ({bug})", got.numpy(), expected, logits, step[0])
+
+
+# --- jax ------------------------------------------------------------------------------------------------------------
+
+
+def _jax_in_place(config, tensors, x, lat, rot, idx):
+    """impl_jax's in-place step under jax.jit (the bench's and mha check's form): the gathering fused path."""
+    import jax
+    import jax.numpy as jnp
+
+    from impl_jax.attention import apply
+
+    buffers = [jnp.zeros((2, 1, P + 4, a.shape[-1]), jnp.float32).at[:, :, :P].set(a) for a in (lat, rot)]
+    step = jax.jit(lambda p, inp, k, v, sel: apply(config, p, inp, past_key=k, past_value=v, cache_length=P,
+                                                   topk_indices=sel, return_cache=True, is_causal=True,
+                                                   causal_alignment="bottom_right")[0])
+    return step(tensors, x, *buffers, idx)
+
+
+def _jax_spy(monkeypatch, bug=None):
+    """impl_jax's gather, recorded; bug: its slots kept as a porting bug would keep them (latent.kept_slots):
+    index 0 read as a pad (key 0 dropped), or every slot that names a key (a key named twice counted twice)."""
+    import jax.numpy as jnp
+
+    import impl_jax.latent as latent
+
+    right, taken = latent.kept_slots, []
+
+    def spy(idx):
+        taken.append(idx.shape)
+        if bug == "drops_key_0":
+            idx = jnp.sort(idx, axis=-1)
+            return idx, idx > 0
+        if bug == "counts_a_key_twice":
+            idx = jnp.sort(idx, axis=-1)
+            return idx, idx >= 0
+        return right(idx)
+
+    monkeypatch.setattr(latent, "kept_slots", spy)
+    return taken
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("per_kv_head, block", [(False, 256), (True, 256), (False, 4)])
+def test_jax_gathers_the_selected_rows(monkeypatch, per_kv_head, block):
+    """block: the in-place gather's slots per loop turn (latent.GATHER_BLOCK); 4 of k 6: two turns, the second
+    clamped back over two slots of the first."""
+    import impl_jax.latent as latent
+
+    monkeypatch.setattr(latent, "GATHER_BLOCK", block)
+    step = _step(per_kv_head)
+    expected, logits = _expected(*step)
+    taken = _jax_spy(monkeypatch)
+    _judge("jax in_place", _jax_in_place(*step), expected, logits, step[0])
+    shape = step[-1].shape
+    assert taken == [(2, shape[1] if per_kv_head else 1, shape[-1])], taken  # the gather ran (once: one trace)
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("bug", ["drops_key_0", "counts_a_key_twice"])
+def test_jax_gather_bugs_are_caught(monkeypatch, bug):
+    step = _step()
+    expected, logits = _expected(*step)
+    _jax_spy(monkeypatch, bug)
+    with pytest.raises(AssertionError, match="FAIL"):
+        _judge(f"jax in_place ({bug})", _jax_in_place(*step), expected, logits, step[0])
+
+
+# --- tf -------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.tf
+def test_tf_selection_mask_by_scatter_is_numpys(monkeypatch):
+    """impl_tf.functional.selection_mask's scatter (the form a long cache takes: one-hot past ONE_HOT_MAX_BYTES,
+    forced here) against impl_numpy's, shared and per kv head, with -1 pads and a key named twice."""
+    import impl_numpy.functional as npF
+    import impl_tf.functional as tfF
+
+    monkeypatch.setattr(tfF, "ONE_HOT_MAX_BYTES", 0)
+    rng = np.random.default_rng(7)
+    for shape in ((2, 3, 4), (2, 2, 3, 4)):  # (B, T, k), (B, K, T, k)
+        idx = rng.integers(-1, 9, size=shape)
+        idx[..., 1] = idx[..., 0]  # a key (or a pad) named twice
+        got = np.asarray(tfF.keras.ops.convert_to_numpy(tfF.selection_mask(idx, 4, 9)))
+        expected = npF.selection_mask(idx, 4, 9)
+        assert got.shape == expected.shape and (got == expected).all(), (shape, np.argwhere(got != expected))
+
+
+def _tf_paths(config, tensors, x, lat, rot, idx):
+    """{path: output} of impl_tf's gathering paths on TensorFlow: the fused path over the given cache, and the
+    in-place cache (tf.Variables) in a tf.function, as the bench runs it."""
+    from impl_tf._keras import tf
+    from impl_tf.attention import multi_head_attention
+
+    t = {k: tf.constant(v) for k, v in tensors.items()}
+    common = dict(topk_indices=tf.constant(idx), is_causal=True, causal_alignment="bottom_right")
+    buffers = [np.zeros((2, 1, P + 4, a.shape[-1]), np.float32) for a in (lat, rot)]
+    buffers[0][:, :, :P], buffers[1][:, :, :P] = lat, rot
+    bk, bv = (tf.Variable(b) for b in buffers)
+    step = tf.function(lambda inp: multi_head_attention(config, t, inp, past_key=bk, past_value=bv, cache_length=P,
+                                                        **common))
+    return {"fused": multi_head_attention(config, t, tf.constant(x), past_key=tf.constant(lat),
+                                          past_value=tf.constant(rot), **common),
+            "in_place": step(tf.constant(x))}
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("bug", [None, "drops_key_0", "counts_a_key_twice"])
+def test_tf_gathers_the_selected_rows(monkeypatch, bug):
+    """impl_tf's gather (keras.ops on TensorFlow) against the float64 stages; its slots kept as a porting bug
+    would keep them must fail."""
+    import impl_tf.attention as attention
+
+    right, taken = attention.kept_slots, []
+
+    def spy(idx):
+        taken.append(tuple(idx.shape))
+        if bug is None:
+            return right(idx)
+        idx = attention.ops.sort(idx, axis=-1)
+        return idx, (idx > 0) if bug == "drops_key_0" else (idx >= 0)
+
+    monkeypatch.setattr(attention, "kept_slots", spy)
+    step = _step()
+    expected, logits = _expected(*step)
+    for path, got in _tf_paths(*step).items():
+        if bug is None:
+            _judge(f"tf {path}", np.asarray(got), expected, logits, step[0])
+        else:
+            with pytest.raises(AssertionError, match="FAIL"):
+                _judge(f"tf {path} ({bug})", np.asarray(got), expected, logits, step[0])
+    assert taken == [(2, 6), (2, 6)], taken  # both paths gathered (the tf.function traced once)

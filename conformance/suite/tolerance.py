@@ -416,13 +416,30 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
     float32_rtol = SAFETY * UNIT_ROUNDOFF["float32"] * math.sqrt(max(length, 1))  # the 16-bit bars' float32 floor
     rtol = float32_rtol if dtype_from_name(dtype).name in ("float16", "bfloat16") and same_precision_error is not None \
         else tol.rtol
+    # A 16-bit forward quantity: one 16-bit step of the size of its terms. The stages store intermediate sums in
+    # the 16-bit dtype (the attend result, the output projection before its bias), and two correct
+    # implementations whose float32 intermediates straddle a rounding boundary land one step of the
+    # intermediate's size apart, which a cancelling sum keeps: tf's fused bfloat16 output of random_1450113
+    # was 0.328 - 0.400 = -0.0723 where the stages' was 0.330 - 0.400 = -0.0703 (the same 0.4004 bias, the
+    # products one bfloat16 step of 0.33 apart), 1.3x a bar scaled by |-0.07|. An intermediate is at most the
+    # magnitude (the sum of |terms|), so 2u * magnitude covers one such step; where nothing cancels, the
+    # magnitude is the value and this is the bar's own 2u relative.
+    step = None
+    if dtype_from_name(dtype).name in ("float16", "bfloat16") and same_precision_error is not None \
+            and quantity != "grad":
+        step = 2 * UNIT_ROUNDOFF[dtype_from_name(dtype).name] * terms
     if weighted is not None:
         full = 0.0 if logits is None else max_finite_abs(logits)
         floor = rtol * np.minimum((1.0 + full) * terms, terms + weighted)
+        if step is not None:
+            floor = np.maximum(floor, step)
         return dataclasses.replace(tol, floor=floor, reason=tol.reason + (
             f" from the keys with weight (largest {full:.3g}); elementwise at least rtol*(magnitude + logit "
-            f"error) (up to {float(floor.max(initial=0.0)):.3g})"))
+            f"error){' and one 16-bit step of the magnitude (2u*magnitude)' if step is not None else ''} "
+            f"(up to {float(floor.max(initial=0.0)):.3g})"))
     floor = rtol * (1.0 + logit_scale) * terms
+    if step is not None:
+        floor = np.maximum(floor, step)
     if quantity == "grad" and dtype_from_name(dtype).name in ("float16", "bfloat16") and same_precision_error is not None:
         # the 16-bit noise of each gradient element's own terms (tolerance(): quantity_is_gradient)
         floor = np.maximum(floor, UNIT_ROUNDOFF[dtype_from_name(dtype).name] * math.sqrt(max(length, 1)) * terms)
@@ -430,8 +447,9 @@ def policy_for(config, *, dtype: str, quantity: str, B: int, T: int, S: int, ref
             "; elementwise at least max(rtol*(1+z), u*sqrt(L))*magnitude, the 16-bit noise of the terms each "
             f"element is summed from (up to {float(floor.max(initial=0.0)):.3g})"))
     # (initial=0.0: an empty quantity has no largest floor, e.g. the gradient of a V4 cache of 0 entries)
-    return dataclasses.replace(tol, floor=floor, reason=tol.reason + "; elementwise at least rtol*(1+z)*magnitude, "
-                               "the size of the terms each element is summed from "
+    return dataclasses.replace(tol, floor=floor, reason=tol.reason + "; elementwise at least rtol*(1+z)*magnitude"
+                               + (" and one 16-bit step of it (2u*magnitude)" if step is not None else "")
+                               + ", the size of the terms each element is summed from "
                                f"(up to {float(floor.max(initial=0.0)):.3g})")
 
 

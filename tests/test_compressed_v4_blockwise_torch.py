@@ -34,16 +34,19 @@ def _error(got, want):
     return np.abs(got.detach().double().numpy() - want).max() / np.abs(want).max()
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("kind,dtype", [(kind, torch.float64) for kind in KINDS] + [("csa", torch.float32)],
+                         ids=[*KINDS, "csa-float32"])
 def test_torch_blockwise_path_gives_the_reference_stages_prefill_and_decode(kind, dtype):
+    """A prefill in blocks of 8 (query blocks of 8 rows: most of the window's key blocks and the entry blocks past
+    a block's last visible entry skipped), then CUTS' calls in blocks of 4 through the copying cache and through
+    the in-place buffers (there a key block straddles the ring's part and the call's). float32 on csa alone: the
+    path is dtype-blind, and a torch test's many small ops are slow on a loaded 2-core VM (tox's two workers)."""
     config, t = _layer(kind)
     x = _x(length=L)
     want = reference(config, t, x, np.arange(L))  # the float64 NumPy stages
     xt = torch.as_tensor(x, dtype=dtype)
-    for chunk_size in (3, 64):  # 64: one block of window keys, one of entries, per query block
-        got = compressed_attention(config, t, xt, np.arange(L), chunk_size=chunk_size)
-        assert got.dtype == dtype and _error(got, want) <= BOUND[dtype], (chunk_size, _error(got, want))
+    got = compressed_attention(config, t, xt, np.arange(L), chunk_size=8)
+    assert got.dtype == dtype and _error(got, want) <= BOUND[dtype], _error(got, want)
     buffers = {n: torch.from_numpy(a).to(dtype) for n, a in cache_buffers(config, 2, L).items()}
     past, copied, in_place = None, [], []
     with torch.no_grad():
@@ -59,22 +62,23 @@ def test_torch_blockwise_path_gives_the_reference_stages_prefill_and_decode(kind
 
 @pytest.mark.parametrize("kind", ["hca", "csa"])
 def test_torch_blocks_of_one_key_compute_exactly_what_each_query_sees(kind, monkeypatch):
-    """chunk_size=1: the logits computed are the query's window keys (min(W, t + 1)) and its entries (hca: the
+    """chunk_size=1 over 40 tokens: the logits computed are the query's window keys (min(W, t + 1)) and its entries (hca: the
     (t + 1) // m visible; csa: the ones a batch row's top-k selected), each once: every other key and entry is
     skipped, not computed and masked. Counted from functional.logits' calls; the selection is NumPy's."""
+    n = 40
     config, t = _layer(kind)
-    x = _x(length=L)
-    _, selection = reference(config, t, x, np.arange(L), return_selection=True)
+    x = _x(length=n)
+    _, selection = reference(config, t, x, np.arange(n), return_selection=True)
     computed = []
     logits = F.logits
     monkeypatch.setattr(F, "logits", lambda q, k, scale: computed.append(q.shape[2] * k.shape[2]) or logits(q, k, scale))
-    compressed_attention(config, t, torch.as_tensor(x), np.arange(L), chunk_size=1)
-    W, pos = config.window_left + 1, np.arange(L)
+    compressed_attention(config, t, torch.as_tensor(x), np.arange(n), chunk_size=1)
+    W, pos = config.window_left + 1, np.arange(n)
     seen = np.minimum(W, pos + 1).sum()
     if kind == "hca":
         seen += ((pos + 1) // config.compressed.ratio).sum()
     if kind == "csa":  # a block is skipped only if neither batch row selected it
-        seen += sum(len(set(selection[:, i][selection[:, i] >= 0].tolist())) for i in range(L))
+        seen += sum(len(set(selection[:, i][selection[:, i] >= 0].tolist())) for i in range(n))
     assert sum(computed) == seen, (sum(computed), seen)
 
 

@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from impl_numpy.chunked import QUERY_ROWS
 from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, compute_dtype, validate_tensors
 from weights.call import record
+from weights.contract import check_chunk_size
 from weights.rope import rope_tables
 
 from . import functional as F
@@ -154,6 +156,88 @@ def attend_blocks(w, blocks: list):
     return ctx.astype(w.dtype).reshape(B, N, T, blocks[0].shape[-1])
 
 
+def _key_block(parts: list, s0: int, s1: int):
+    """Keys s0 .. s1 - 1 of the window's parts ((B, 1, S_i, H) each, read as one along S, as
+    impl_numpy.chunked.KeyParts reads them): a slice within one part, the few keys of a block that straddles two
+    joined."""
+    pieces, offset = [], 0
+    for part in parts:
+        end = offset + part.shape[2]
+        if s0 < end and s1 > offset:
+            pieces.append(part[:, :, max(s0 - offset, 0):min(s1, end) - offset])
+        offset = end
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=2)
+
+
+def attend_blockwise(config: AttentionConfig, q, window_keys: list, key_pos: np.ndarray, positions: np.ndarray,
+                     entries, selection, sinks, chunk_size: int):
+    """impl_numpy.compressed.attend_blockwise in JAX: the stages from the logits to the context block by block with
+    an online softmax started at the sink, never a (T, W + E) array; a Python loop over static blocks (key_pos and
+    positions are NumPy: p0 and T are static, under jax.jit too). The window's and the entries' skips are decided
+    on those static positions, so a skipped block is never traced (absent from a jitted program, as from an eager
+    run). csa's skip of an entry block no query selected depends on the selection's values: eagerly (a concrete
+    array) the block is skipped as NumPy skips it; under jax.jit (a tracer) it cannot be, so the block is computed
+    and every logit of it hidden (-inf: it adds exactly 0 to the running sum and numerator, the same result).
+    Returns the context (B, N, T, H) in q's dtype."""
+    B, N, T, H = q.shape
+    c, W = config.compressed, config.window_left + 1
+    dtype, ct = q.dtype, _ct(q.dtype)
+    S = sum(part.shape[2] for part in window_keys)
+    E = 0 if entries is None else entries.shape[1]
+    ents = None if entries is None else entries[:, None]  # (B, 1, E, H): one kv head
+    sink = None if sinks is None else sinks.astype(ct).reshape(1, N, 1, 1)
+    rows = max(1, min(chunk_size, QUERY_ROWS, T))
+    traced = isinstance(selection, jax.core.Tracer)
+    context = []
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        t, pos = t1 - t0, positions[t0:t1]
+        lo, hi = int(pos[0]), int(pos[-1])
+        qb = q[:, :, t0:t1]
+        if sink is None:
+            m = jnp.full((B, N, t, 1), -jnp.inf, ct)
+            l = jnp.zeros((B, N, t, 1), ct)
+        else:  # the sink joins every row first: max = sink, sum = exp(0) = 1, numerator 0
+            m, l = jnp.broadcast_to(sink, (B, N, t, 1)), jnp.ones((B, N, t, 1), ct)
+        acc = jnp.zeros((B, N, t, H), ct)
+
+        def step(kb, hidden, m, l, acc):
+            """One key block (B, 1, s, H), its hidden logits ((B|1, 1, t, s) bool or None): the running state."""
+            x = F.logits(qb, kb, config.effective_scale).astype(ct)  # (B, N, t, s), the stage's
+            if hidden is not None:
+                x = jnp.where(hidden, -jnp.inf, x)
+            m_new = jnp.maximum(m, x.max(axis=-1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)  # a row that has seen no key yet
+            e = jnp.exp(x - m_safe)  # hidden -> exactly 0
+            correction = jnp.exp(m - m_safe)  # 0 where m was -inf
+            pv = _mm(e.reshape(B, 1, N * t, -1), kb.astype(ct)).reshape(B, N, t, H)
+            return m_new, l * correction + e.sum(axis=-1, keepdims=True), acc * correction + pv
+
+        # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
+        near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
+        for s0 in (np.unique(near // chunk_size) * chunk_size).tolist():
+            s1 = min(S, s0 + chunk_size)
+            kp = key_pos[s0:s1]
+            hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
+            m, l, acc = step(_key_block(window_keys, s0, s1), hidden[None, None] if hidden.any() else None, m, l, acc)
+        # the entries: those visible to the block's last query, by blocks of chunk_size
+        seen = min(E, (hi + 1) // c.ratio) if E else 0
+        chosen = None if selection is None else selection[:, t0:t1]  # (B, t, k)
+        for e0 in range(0, seen, chunk_size):
+            e1 = min(seen, e0 + chunk_size)
+            if chosen is not None:
+                picked = (chosen[..., None] == jnp.arange(e0, e1)).any(axis=2)  # (B, t, s): selected here
+                if not traced and not bool(picked.any()):
+                    continue  # no query of the block selected an entry of this block
+                hidden = ~picked[:, None]
+            else:
+                hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
+                hidden = hidden[None, None] if hidden.any() else None
+            m, l, acc = step(ents[:, :, e0:e1], hidden, m, l, acc)
+        context.append((acc / l).astype(dtype))
+    return jnp.concatenate(context, axis=2)
+
+
 def select(config, params, x, q_latent, positions, entries, visible, rec):
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
@@ -173,15 +257,17 @@ def select(config, params, x, q_latent, positions, entries, visible, rec):
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
                          return_selection: bool = False, trace: list | None = None, jit: dict | None = None,
-                         in_place: bool = False):
+                         in_place: bool = False, chunk_size: int | None = None):
     """impl_numpy.compressed.compressed_attention in JAX. jit: XLA compiler options ({}: XLA's own) to run the
-    layer with as one jax.jit program (not with trace); None: eagerly, op by op.
+    layer with as one jax.jit program (not with trace); None: eagerly, op by op. chunk_size: the block-wise path
+    (attend_blockwise), eager or jitted, copying or in place; no trace.
 
     in_place: past is the buffers (impl_numpy.compressed.buffer_shapes; JAX arrays of x's dtype). JAX arrays are
     immutable, so it needs return_cache=True: the present cache is the written buffers (a new dict). With jit the
     buffers are donated (donate_argnums: XLA writes them in place, and the given arrays are deleted: keep the
     returned ones); eagerly each write is a new array (.at[].set), the copy the in-place form exists to avoid."""
     validate_tensors(config, {k: np.asarray(v) for k, v in tensors.items()})  # names, shapes, one dtype, finite
+    chunk_size = check_chunk_size(chunk_size, traced=trace is not None)
     x = jnp.asarray(x)
     if in_place:
         if trace is not None:
@@ -204,15 +290,16 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
         past = None if past is None else {k: jnp.asarray(v).astype(dtype) for k, v in past.items()}
     if trace is None and jit is not None:  # one compiled program (eager JAX compiles every op for every new shape)
         run = jax.jit(functools.partial(layer, config, p0=p0, return_cache=return_cache,
-                                        return_selection=return_selection, in_place=in_place),
+                                        return_selection=return_selection, in_place=in_place,
+                                        chunk_size=chunk_size),
                       compiler_options=jit or None, donate_argnums=(2,) if in_place else ())
         return run(p, x, past)
     return layer(config, p, x, past, p0=p0, return_cache=return_cache, return_selection=return_selection,
-                 trace=trace, in_place=in_place)
+                 trace=trace, in_place=in_place, chunk_size=chunk_size)
 
 
 def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, return_selection: bool,
-          trace: list | None = None, in_place: bool = False):
+          trace: list | None = None, in_place: bool = False, chunk_size: int | None = None):
     """compressed_attention's computation on checked arrays (jax.jit-able: shapes and p0 decide every branch);
     in_place: past is the buffers, returned written as the present cache."""
     positions = jnp.arange(p0, p0 + x.shape[1])
@@ -230,17 +317,21 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
     buffers = None
     if not in_place:
         keys = k if past is None else jnp.concatenate([past["key"], k], axis=2)
-        key_pos = jnp.arange(p0 + T - keys.shape[2], p0 + T)
+        key_pos_np = np.arange(p0 + T - keys.shape[2], p0 + T)
         present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
     else:  # the ring's held keys, then the call's: blocks, never concatenated; the ring written once attended to
         buffers, past = dict(past), None
         ring = buffers["key"]
         blocks = [ring[:, :, :min(p0, W - 1)], k]
-        key_pos = jnp.concatenate([jnp.asarray(ring_positions(p0, W)), positions])
+        key_pos_np = np.concatenate([ring_positions(p0, W), np.arange(p0, p0 + T)])
         present = buffers
-    in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+    blockwise = chunk_size is not None  # attend_blockwise: no (T, Pw + T) mask, no (T, E) one for hca
+    window_keys = [keys] if buffers is None else list(blocks)  # (the window's keys alone, before the entries)
+    if not blockwise:
+        key_pos = jnp.asarray(key_pos_np)
+        in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+        allowed = jnp.broadcast_to(in_window[None], (B,) + in_window.shape)
     selection = entries = None
-    allowed = jnp.broadcast_to(in_window[None], (B,) + in_window.shape)
     if c.kind != "sliding":
         if buffers is None:
             present.update(compress(config, p, "compressor", x, p0, past, rec))
@@ -249,8 +340,9 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
             count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
             entries = buffers["entries"][:, :count]
         E = entries.shape[1]
-        visible = jnp.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]
-        shown = jnp.broadcast_to(visible[None], (B, T, E))
+        if c.kind == "csa" or not blockwise:  # (the indexer's scores are (B, T, E) in any case)
+            visible = jnp.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]
+            shown = jnp.broadcast_to(visible[None], (B, T, E))
         if c.kind == "csa":
             if buffers is None:
                 present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
@@ -259,24 +351,27 @@ def layer(config: AttentionConfig, p, x, past, *, p0: int, return_cache: bool, r
                 count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
                 index_entries = buffers["index_entries"][:, :count]
             selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
-            shown = F.selection_mask(selection, 1, E)[:, 0]
-        if buffers is None:
+            if not blockwise:
+                shown = F.selection_mask(selection, 1, E)[:, 0]
+        if buffers is None and not blockwise:
             keys = jnp.concatenate([keys, jnp.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
-        allowed = jnp.concatenate([allowed, shown], axis=2)
-    if buffers is None:
+        if not blockwise:
+            allowed = jnp.concatenate([allowed, shown], axis=2)
+    if blockwise:
+        ctx = attend_blockwise(config, q, window_keys, key_pos_np, np.arange(p0, p0 + T), entries,
+                               selection if c.kind == "csa" else None, p.get("sinks"), chunk_size)
+    elif buffers is None:
         logits = rec("logits", F.logits(q, keys, config.effective_scale))
     else:  # in place: each block's logits joined (the keys and the entries read from their buffers)
         blocks += [] if entries is None else [entries[:, None]]
         logits = jnp.concatenate([F.logits(q, b, config.effective_scale) for b in blocks], axis=-1)
-    masked = rec("mask", F.mask(logits, allowed[:, None], None))
-    w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
-    if buffers is None:
-        ctx = rec("attend", F.attend(w, keys))
-    else:
-        ctx = attend_blocks(w, blocks)
-        if W > 1:  # now the ring may take the call's last W - 1 keys
-            last = min(T, W - 1)
-            buffers["key"] = ring.at[:, :, np.arange(p0 + T - last, p0 + T) % (W - 1)].set(k[:, :, T - last:])
+    if not blockwise:
+        masked = rec("mask", F.mask(logits, allowed[:, None], None))
+        w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
+        ctx = rec("attend", F.attend(w, keys)) if buffers is None else attend_blocks(w, blocks)
+    if buffers is not None and W > 1:  # now the ring may take the call's last W - 1 keys
+        last = min(T, W - 1)
+        buffers["key"] = ring.at[:, :, np.arange(p0 + T - last, p0 + T) % (W - 1)].set(k[:, :, T - last:])
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)

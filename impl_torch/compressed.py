@@ -14,9 +14,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from impl_numpy.chunked import QUERY_ROWS
 from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, validate_tensors
 from weights.call import record
+from weights.contract import check_chunk_size
 from weights.rope import rope_tables
 
 from . import functional as F
@@ -152,6 +154,89 @@ def attend_blocks(w: torch.Tensor, blocks: list) -> torch.Tensor:
     return ctx.to(w.dtype).reshape(B, N, T, blocks[0].shape[-1])
 
 
+def _key_block(parts: list, s0: int, s1: int) -> torch.Tensor:
+    """Keys s0 .. s1 - 1 of the window's parts ((B, 1, S_i, H) each, read as one along S, as
+    impl_numpy.chunked.KeyParts reads them): a view within one part, a copy of the few keys of a block that
+    straddles two."""
+    pieces, offset = [], 0
+    for part in parts:
+        end = offset + part.shape[2]
+        if s0 < end and s1 > offset:
+            pieces.append(part[:, :, max(s0 - offset, 0):min(s1, end) - offset])
+        offset = end
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+
+def attend_blockwise(config: AttentionConfig, q: torch.Tensor, window_keys: list, key_pos: np.ndarray,
+                     positions: np.ndarray, entries: torch.Tensor | None, selection: torch.Tensor | None, sinks,
+                     chunk_size: int) -> torch.Tensor:
+    """impl_numpy.compressed.attend_blockwise in PyTorch: the stages from the logits to the context block by block
+    with an online softmax started at the sink, never a (T, W + E) array. key_pos and positions are NumPy (the
+    positions are the call's, known before any tensor is read): which window and entry blocks a query block skips
+    is decided on them, on the host; csa's per-block test of its selection reads the selection tensor. The same
+    blocks, the same skips, the same recurrence; differentiable by autograd (torch.where keeps a hidden logit's
+    gradient 0). Returns the context (B, N, T, H) in q's dtype."""
+    B, N, T, H = q.shape
+    c, W = config.compressed, config.window_left + 1
+    dtype, ct, device = q.dtype, compute_dtype(q.dtype), q.device
+    S = sum(part.shape[2] for part in window_keys)
+    E = 0 if entries is None else entries.shape[1]
+    ents = None if entries is None else entries[:, None]  # (B, 1, E, H): one kv head
+    sink = None if sinks is None else sinks.to(ct).reshape(1, N, 1, 1)
+    rows = max(1, min(chunk_size, QUERY_ROWS, T))
+    minus_inf = torch.tensor(float("-inf"), dtype=ct, device=device)
+    zero = torch.tensor(0.0, dtype=ct, device=device)
+    context = []
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        t, pos = t1 - t0, positions[t0:t1]
+        lo, hi = int(pos[0]), int(pos[-1])
+        qb = q[:, :, t0:t1]
+        if sink is None:
+            m = torch.full((B, N, t, 1), float("-inf"), dtype=ct, device=device)
+            l = torch.zeros((B, N, t, 1), dtype=ct, device=device)
+        else:  # the sink joins every row first: max = sink, sum = exp(0) = 1, numerator 0
+            m, l = sink.expand(B, N, t, 1), torch.ones((B, N, t, 1), dtype=ct, device=device)
+        acc = torch.zeros((B, N, t, H), dtype=ct, device=device)
+
+        def step(kb, hidden, m, l, acc):
+            """One key block (B, 1, s, H), its hidden logits ((B|1, 1, t, s) bool or None): the running state."""
+            x = F.logits(qb, kb, config.effective_scale).to(ct)  # (B, N, t, s), the stage's
+            if hidden is not None:
+                x = torch.where(hidden, minus_inf, x)
+            m_new = torch.maximum(m, x.amax(dim=-1, keepdim=True))
+            m_safe = torch.where(m_new == float("-inf"), zero, m_new)  # a row that has seen no key yet
+            e = torch.exp(x - m_safe)  # hidden -> exactly 0
+            correction = torch.exp(m - m_safe)  # 0 where m was -inf
+            pv = torch.matmul(e.reshape(B, 1, N * t, -1), kb.to(ct)).reshape(B, N, t, H)
+            return m_new, l * correction + e.sum(dim=-1, keepdim=True), acc * correction + pv
+
+        # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
+        near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
+        for s0 in (np.unique(near // chunk_size) * chunk_size).tolist():
+            s1 = min(S, s0 + chunk_size)
+            kp = key_pos[s0:s1]
+            hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
+            hidden = torch.from_numpy(hidden).to(device)[None, None] if hidden.any() else None
+            m, l, acc = step(_key_block(window_keys, s0, s1), hidden, m, l, acc)
+        # the entries: those visible to the block's last query, by blocks of chunk_size
+        seen = min(E, (hi + 1) // c.ratio) if E else 0
+        chosen = None if selection is None else selection[:, t0:t1]  # (B, t, k)
+        for e0 in range(0, seen, chunk_size):
+            e1 = min(seen, e0 + chunk_size)
+            if chosen is not None:
+                picked = (chosen[..., None] == torch.arange(e0, e1, device=device)).any(dim=2)  # (B, t, s)
+                if not bool(picked.any()):
+                    continue  # no query of the block selected an entry of this block
+                hidden = ~picked[:, None]
+            else:
+                hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
+                hidden = torch.from_numpy(hidden).to(device)[None, None] if hidden.any() else None
+            m, l, acc = step(ents[:, :, e0:e1], hidden, m, l, acc)
+        context.append((acc / l).to(dtype))
+    return torch.cat(context, dim=2)
+
+
 def select(config, params, x, q_latent, positions, entries, visible, rec) -> torch.Tensor:
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
@@ -169,12 +254,15 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> tor
 
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
-                         return_selection: bool = False, trace: list | None = None, in_place: bool = False):
+                         return_selection: bool = False, trace: list | None = None, in_place: bool = False,
+                         chunk_size: int | None = None):
     """impl_numpy.compressed.compressed_attention in PyTorch; in_place: past is the caller's buffers (torch
     tensors of x's dtype on its device, impl_numpy.compressed.buffer_shapes), written by the call, returned as
-    the present cache (inference only)."""
+    the present cache (inference only). chunk_size: the block-wise path (attend_blockwise), with the copying
+    cache or in place; no trace."""
     validate_tensors(config, {k: to_numpy(v.detach()) if isinstance(v, torch.Tensor) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite values
+    chunk_size = check_chunk_size(chunk_size, traced=trace is not None)
     x = x if isinstance(x, torch.Tensor) else to_torch(np.asarray(x))
     buffers = None
     if in_place:
@@ -202,16 +290,20 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     k = rec("key.rope", turn(k, positions, config))
     if buffers is None:
         keys = k if past is None else torch.cat([past["key"], k], dim=2)
-        key_pos = torch.arange(p0 + T - keys.shape[2], p0 + T, device=device)
+        key_pos_np = np.arange(p0 + T - keys.shape[2], p0 + T)
         present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
     else:  # the ring's held keys, then the call's: blocks, never concatenated; the ring written once attended to
         ring = buffers["key"]
         blocks = [ring[:, :, :min(p0, W - 1)], k]
-        key_pos = torch.cat([torch.from_numpy(ring_positions(p0, W)).to(device), positions])
+        key_pos_np = np.concatenate([ring_positions(p0, W), np.arange(p0, p0 + T)])
         present = buffers
-    in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+    blockwise = chunk_size is not None  # attend_blockwise: no (T, Pw + T) mask, no (T, E) one for hca
+    window_keys = [keys] if buffers is None else list(blocks)  # (the window's keys alone, before the entries)
+    if not blockwise:
+        key_pos = torch.from_numpy(key_pos_np).to(device)
+        in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+        allowed = in_window[None].expand(B, -1, -1)
     selection = entries = None
-    allowed = in_window[None].expand(B, -1, -1)
     if c.kind != "sliding":
         if buffers is None:
             present.update(compress(config, p, "compressor", x, p0, past, rec))
@@ -220,8 +312,9 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
             count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
             entries = buffers["entries"][:, :count]
         E = entries.shape[1]
-        visible = torch.arange(E, device=device)[None] < ((positions + 1) // c.ratio)[:, None]
-        shown = visible[None].expand(B, -1, -1)
+        if c.kind == "csa" or not blockwise:  # (the indexer's scores are (B, T, E) in any case)
+            visible = torch.arange(E, device=device)[None] < ((positions + 1) // c.ratio)[:, None]
+            shown = visible[None].expand(B, -1, -1)
         if c.kind == "csa":
             if buffers is None:
                 present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
@@ -230,24 +323,27 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
                 count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
                 index_entries = buffers["index_entries"][:, :count]
             selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
-            shown = F.selection_mask(selection, 1, E)[:, 0]
-        if buffers is None:
+            if not blockwise:
+                shown = F.selection_mask(selection, 1, E)[:, 0]
+        if buffers is None and not blockwise:
             keys = torch.cat([keys, entries[:, None].expand(B, 1, E, H)], dim=2)
-        allowed = torch.cat([allowed, shown], dim=2)
-    if buffers is None:
+        if not blockwise:
+            allowed = torch.cat([allowed, shown], dim=2)
+    if blockwise:
+        ctx = attend_blockwise(config, q, window_keys, key_pos_np, np.arange(p0, p0 + T), entries,
+                               selection if c.kind == "csa" else None, p.get("sinks"), chunk_size)
+    elif buffers is None:
         logits = rec("logits", F.logits(q, keys, config.effective_scale))
     else:  # in place: each block's logits joined (the keys and the entries stay in their buffers)
         blocks += [] if entries is None else [entries[:, None]]
         logits = torch.cat([F.logits(q, b, config.effective_scale) for b in blocks], dim=-1)
-    masked = rec("mask", F.mask(logits, allowed[:, None], None))
-    w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
-    if buffers is None:
-        ctx = rec("attend", F.attend(w, keys))
-    else:
-        ctx = attend_blocks(w, blocks)
-        if W > 1:  # now the ring may take the call's last W - 1 keys
-            last = min(T, W - 1)
-            ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
+    if not blockwise:
+        masked = rec("mask", F.mask(logits, allowed[:, None], None))
+        w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
+        ctx = rec("attend", F.attend(w, keys)) if buffers is None else attend_blocks(w, blocks)
+    if buffers is not None and W > 1:  # now the ring may take the call's last W - 1 keys (a slot read is overwritten)
+        last = min(T, W - 1)
+        ring[:, :, positions[T - last:] % (W - 1)] = k[:, :, T - last:]
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(1, 2).reshape(B, T, G, N * H // G)

@@ -1,11 +1,11 @@
 """The indexer's scoring precision as a contract field (config.indexer.scoring_precision, fp8_scale_format;
 docs/sparse-attention.md "fp8 scoring"): the attention call hands it to its lightning_indexer, so a layer with
 the field attends to the keys lightning_indexer(precision="fp8_e4m3") selects. A DSA (MLA) decode call of 3
-tokens over 5 cached ones whose near-tied index scores fp8 rounding reorders (the test first shows that the plain,
-fp8 and fp8-ue8m0 selections are three sets of keys, so a call that dropped either field fails); each mirror's adapter (plain and
-in-place cache) against the NumPy reference's selection and output, in float64; MLX refuses (no float8 type);
-the suite's selection judge scores with the layer's precision. A few tokens per call (well under a second,
-JAX's compilations the most)."""
+tokens over 5 cached ones whose near-tied index scores fp8 rounding reorders (the test first shows that the
+plain, fp8 and fp8-ue8m0 selections are three sets of keys, so a call that dropped either field fails); each
+mirror's adapter (the call and the in-place cache) against the NumPy reference's selection and output, in
+float64; MLX refuses (no float8 type); the suite's selection judge scores with the layer's precision. A few
+tokens per call (well under a second, JAX's compilations the most)."""
 
 from __future__ import annotations
 

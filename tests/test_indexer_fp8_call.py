@@ -108,9 +108,10 @@ def test_the_reference_layer_attends_to_the_fp8_selection(scale_format):
                                                pytest.param("tf", "tensorflow", marks=pytest.mark.tf)])
 def test_each_mirror_attends_to_the_references_fp8_selection(backend_id, module):
     """Each mirror's adapter (the call, then the in-place cache) selects the reference's fp8 keys and equals its
-    output, in float64, with ue8m0 scales (the selection differs from the plain's and from float scales': a mirror that
-    dropped either field fails) (the mirrors' fp8 scores equal the spec's to 1e-12: docs/sparse-attention.md; this draw's
-    nearest fp8 tie is far above that)."""
+    output in float64, with ue8m0 scales (its selection unlike the plain's and the float scales': a mirror that
+    dropped either field fails); then, in float32, the suite's judge_call_selection passes its selection (the
+    mirrors' fp8 scores equal the spec's to 1e-12: docs/sparse-attention.md; this draw's nearest fp8 tie is far
+    above that)."""
     pytest.importorskip(module)  # the numpy env runs every file with no framework installed
     config, tensors, inputs, options, fp8, plain, want = _call("ue8m0")  # unlike both plain and "float"
     try:
@@ -125,6 +126,14 @@ def test_each_mirror_attends_to_the_references_fp8_selection(backend_id, module)
         np.testing.assert_array_equal(selection, fp8, err_msg=f"{backend_id} {path}")
         # float64, the same stages in another order of rounding: 1e-10 is round-off, another selection ~1e-2
         np.testing.assert_allclose(output, want, rtol=1e-10, atol=1e-10, err_msg=f"{backend_id} {path}")
+    # float32, as `mha check` runs it: the suite's judge (reference scored in fp8, same-dtype fp8 error allowed)
+    from conformance.suite.selection import judge_call_selection
+
+    f32 = {n: {k: v.astype(np.float32) for k, v in d.items()} for n, d in (("t", tensors), ("i", inputs))}
+    got = run.forward(config, f32["t"], f32["i"], options | {"dtype": "float32"})["selection"]
+    got = np.asarray(got.numpy() if hasattr(got, "numpy") else got)
+    verdict = judge_call_selection(config, tensors, inputs, options | {"dtype": "float32"}, got, dtype="float32")
+    assert verdict.ok, verdict.describe()
 
 
 @pytest.mark.mlx
@@ -134,7 +143,8 @@ def test_mlx_refuses_the_field():
     from impl_mlx import multi_head_attention
 
     config, tensors, inputs, *_ = _call()
-    with pytest.raises(ValueError, match=r"precision fp8_e4m3 needs a float8 e4m3 type \(mx.float8_e4m3fn\), which MLX"):
+    refused = r"precision fp8_e4m3 needs a float8 e4m3 type \(mx.float8_e4m3fn\), which MLX"
+    with pytest.raises(ValueError, match=refused):
         multi_head_attention(config, tensors, inputs["query"], past_key=inputs["past_key"],
                              past_value=inputs["past_value"], past_index_keys=inputs["past_index_keys"],
                              is_causal=True, causal_alignment="bottom_right")

@@ -409,7 +409,8 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
                                positions=None if positions is None else _ids(positions),
                                key_positions=None if key_positions is None else _ids(key_positions),
                                past_index_keys=None if past is None else sg(past), mask=mask, is_causal=False,
-                               dtype=np.dtype(call.dtype).name, rec=rec)
+                               dtype=np.dtype(call.dtype).name, precision=config.indexer.scoring_precision,
+                               fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
     present = result["present_index_keys"]
     if buffer is not None and call.cache_length is not None:
         present = jax.lax.dynamic_update_slice(_cast(buffer, call.dtype), present[:, P:], (0, P, 0))

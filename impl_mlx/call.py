@@ -263,7 +263,9 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
     result = lightning_indexer(config, {n: sg(t) for n, t in call.params.items()}, sg(call.query), sg(call.key),
                                positions=positions, key_positions=key_positions,
                                past_index_keys=None if past is None else sg(to_mx(past)), mask=mask,
-                               is_causal=False, dtype=np_dtype(call.dtype).name, rec=rec)
+                               is_causal=False, dtype=np_dtype(call.dtype).name,
+                               precision=config.indexer.scoring_precision,
+                               fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
     present = result["present_index_keys"]
     if buffer is not None:
         buffer[:, P:P + S] = present[:, P:]  # the caller's array, written in place

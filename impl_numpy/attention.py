@@ -283,7 +283,8 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
         past = buffer[:, :P]
     result = lightning_indexer(config, call.params, call.query, call.key, positions=positions,
                                key_positions=key_positions, past_index_keys=past, mask=mask, is_causal=False,
-                               dtype=call.dtype.name, rec=rec)
+                               dtype=call.dtype.name, precision=config.indexer.scoring_precision,
+                               fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
     call.present_index_keys = result["present_index_keys"]
     if buffer is not None:
         buffer[:, P:P + S] = call.present_index_keys[:, P:]

@@ -318,7 +318,9 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
 
     result = lightning_indexer(config, {n: held(t) for n, t in call.params.items() if n.startswith(READS)},
                                held(call.query), held(call.key), positions=positions, key_positions=key_positions,
-                               past_index_keys=past, mask=mask, is_causal=False, dtype=call.dtype, rec=rec)
+                               past_index_keys=past, mask=mask, is_causal=False, dtype=call.dtype,
+                               precision=config.indexer.scoring_precision,
+                               fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
     present = result["present_index_keys"]
     if in_place:
         past_index_keys[:, P:P + S].assign(F._cast(present[:, P:], call.dtype))

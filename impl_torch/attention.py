@@ -341,7 +341,8 @@ def run_indexer(config: AttentionConfig, params, query, key, dtype, allowed, sha
         result = lightning_indexer(config, {n: t.detach() for n, t in params.items()}, query.detach(), key.detach(),
                                    positions=positions, key_positions=key_positions, past_index_keys=past,
                                    mask=index_mask, is_causal=False, dtype=dtype_name(dtype), device=query.device,
-                                   rec=rec)
+                                   precision=config.indexer.scoring_precision,
+                                   fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
         present = result["present_index_keys"]
         if in_place and buffer is not None:
             buffer[:, P:P + S] = present[:, P:]

@@ -400,6 +400,12 @@ INDEXER_ROPE_ENDS = ("first", "last")
 # How a block of keys is scored (Indexer.block_pool): "max", its keys' largest score (MiniMax M3); "gated", one
 # pooled key per block, a softmax gate per feature over the block's keys (GLM-5.3-Flash's k-pool, glm5_next).
 INDEXER_BLOCK_POOLS = ("max", "gated")
+# The indexer's scoring precision (Indexer.scoring_precision): None, the storage dtype's; "fp8_e4m3", DeepSeek's
+# inference scoring (Hadamard, then e4m3 with one scale per head vector; docs/sparse-attention.md "fp8 scoring"),
+# its scales as computed ("float") or rounded up to a power of two ("ue8m0": DeepSeek's scale_fmt).
+INDEXER_SCORING_PRECISIONS = (None, "fp8_e4m3")
+INDEXER_FP8_SCALE_FORMATS = ("float", "ue8m0")
+INDEXER_FP8_BLOCK = 128  # DeepSeek's act_quant block: one scale per head vector needs head_dim <= it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -433,6 +439,8 @@ class Indexer:
     local_blocks: int = 0  # blocks always kept: the query's own and the local_blocks - 1 before it (M3: 1)
     block_pool: str = "max"  # a block's score: "max" of its keys' (M3) or "gated": one pooled key (GLM-5.3)
     open_block: bool = False  # gated: the query's own block, while not all visible, kept beyond the top-k (GLM-5.3)
+    scoring_precision: str | None = None  # None: scores in the storage dtype; "fp8_e4m3": DeepSeek's fp8 scoring
+    fp8_scale_format: str = "float"  # with fp8_e4m3: its scales "float" (amax / 448) or "ue8m0" (a power of two)
 
     @classmethod
     def from_value(cls, value: Any) -> Indexer | None:
@@ -479,6 +487,25 @@ class Indexer:
         if data.get("open_block", False) and block_pool != "gated":
             raise ValueError(f"indexer.open_block needs block_pool gated (a max-pooled block is a candidate while "
                              f"open): got block_pool={_shown(block_pool)}")
+        scoring_precision = data.get("scoring_precision")
+        if scoring_precision not in INDEXER_SCORING_PRECISIONS:
+            raise ValueError(f"indexer.scoring_precision must be null or fp8_e4m3: got {_shown(scoring_precision)}")
+        fp8_scale_format = data.get("fp8_scale_format", "float")
+        if fp8_scale_format not in INDEXER_FP8_SCALE_FORMATS:
+            raise ValueError(f"indexer.fp8_scale_format must be one of {', '.join(INDEXER_FP8_SCALE_FORMATS)}: "
+                             f"got {_shown(fp8_scale_format)}")
+        if fp8_scale_format != "float" and scoring_precision is None:
+            raise ValueError(f"indexer.fp8_scale_format needs scoring_precision fp8_e4m3 (it formats fp8 scales): "
+                             f"got fp8_scale_format={_shown(fp8_scale_format)} with scoring_precision null")
+        if scoring_precision is not None:
+            J = data["head_dim"]
+            if J & (J - 1) or J > INDEXER_FP8_BLOCK:
+                raise ValueError(f"indexer.scoring_precision fp8_e4m3 needs indexer.head_dim a power of two <= "
+                                 f"{INDEXER_FP8_BLOCK} (DeepSeek's Hadamard transform and one quantisation block "
+                                 f"per head): got head_dim={J}")
+            if block_pool != "max":
+                raise ValueError(f"indexer.scoring_precision fp8_e4m3 needs block_pool max (DeepSeek's fp8 scoring "
+                                 f"is of token keys): got block_pool={_shown(block_pool)}")
         norms = {key: QKNorm.from_value(data.get(key), f"indexer.{key}") for key in ("query_norm", "key_norm")}
         for key, norm in norms.items():
             if norm is not None and (norm.scope != "head" or norm.per_head or norm.after_rope):
@@ -501,7 +528,7 @@ class Indexer:
                    rope_end=data.get("rope_end", "first"), head_weights=data.get("head_weights", True),
                    relu=data.get("relu", True), per_kv_head=data.get("per_kv_head", False), block_size=block_size,
                    local_blocks=local_blocks, block_pool=block_pool, open_block=data.get("open_block", False),
-                   **norms, **scales)
+                   scoring_precision=scoring_precision, fp8_scale_format=fp8_scale_format, **norms, **scales)
 
     @property
     def cache_width(self) -> int:
@@ -519,8 +546,9 @@ class Indexer:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        # the k-pool's options only where set: every earlier config (and vector file) serialises as it did
-        for key, default in (("block_pool", "max"), ("open_block", False)):
+        # the k-pool's and the scoring precision's options only where set: every earlier config (and vector file) serialises as it did
+        for key, default in (("block_pool", "max"), ("open_block", False), ("scoring_precision", None),
+                             ("fp8_scale_format", "float")):
             if data[key] == default:
                 del data[key]
         for key in ("query_norm", "key_norm", "rope"):

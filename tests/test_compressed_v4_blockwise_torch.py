@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_compressed_v4 import KINDS, _layer, _x
+from test_compressed_v4_blockwise import BLOCK_BUGS as NUMPY_BLOCK_BUGS
 
 from impl_numpy.compressed import cache_buffers
 from impl_numpy.compressed import compressed_attention as reference
@@ -108,11 +109,9 @@ def test_torch_blockwise_path_refuses_a_trace_and_a_bad_chunk_size():
         compressed_attention(config, t, x, np.arange(8), chunk_size=4, trace=[])
 
 
-# Porting bugs of a block-wise path, planted in attend_blockwise's arguments: each must fail the stages' bound.
-BLOCK_BUGS = {
-    "sink_not_in_running_sum": ("hca", lambda a: {**a, "sinks": None}),  # the running sum starts at 0, not the sink
-    "selection_ignored_in_blocks": ("csa", lambda a: {**a, "selection": None}),  # every visible entry block attended
-}
+# Porting bugs of a block-wise path, planted in attend_blockwise's arguments (NumPy's test's, those that plant in
+# the arguments torch's path takes alike): each must fail the stages' bound.
+BLOCK_BUGS = {name: NUMPY_BLOCK_BUGS[name] for name in ("sink_not_in_running_sum", "selection_ignored_in_blocks")}
 
 
 @pytest.mark.parametrize("bug", list(BLOCK_BUGS))

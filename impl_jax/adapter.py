@@ -215,9 +215,9 @@ def set_program_cache(directory) -> None:
     programs.set_directory(directory)
 
 
-def _prepare(config, tensors, inputs, options, d_output, *, device, precision):
+def _prepare(config, tensors, inputs, options, d_output, *, device, precision, place: bool = True):
     """Validate one call on the host and place it on the device: (the call's static keyword arguments,
-    whether it runs the VJP, the device, its arrays (params, arrays, d_output) there)."""
+    whether it runs the VJP, the device, its arrays (params, arrays, d_output) there; None with place=False)."""
     weights.validate_tensors(config, tensors)  # values too, once, in NumPy: the reference's own check
     if options.get("in_place"):  # the cache in zeroed buffers of capacity P + S + SPARE (cache_length=P)
         past_key, past_value, P = in_place_buffers(inputs, np.asarray(inputs["past_key"]).dtype)
@@ -245,7 +245,7 @@ def _prepare(config, tensors, inputs, options, d_output, *, device, precision):
     if d_output.shape != want:
         raise ValueError(f"d_output must have shape (B, T, O) = {want}: got {d_output.shape}")
     dev = resolve_device(device)
-    arrays = jax.device_put((dict(tensors), host, d_output.astype(dtype)), dev)
+    arrays = jax.device_put((dict(tensors), host, d_output.astype(dtype)), dev) if place else None
     return dict(static=static, return_weights=return_weights, return_cache=return_cache), with_vjp, dev, arrays
 
 
@@ -294,8 +294,8 @@ def forward_and_vjp_paths(config, tensors, inputs, options_list, d_output, *, de
     if as_compressed(config) is not None or any(o.get("in_place") for o in options_list) or d_output is None:
         raise ValueError("forward_and_vjp_paths takes calls with a VJP and no in-place cache, of a layer that "
                          "multi_head_attention runs")
-    prepared = [_prepare(config, tensors, inputs, options, d_output, device=device, precision=precision)
-                for options in options_list]
+    prepared = [_prepare(config, tensors, inputs, options, d_output, device=device, precision=precision,
+                         place=i == 0) for i, options in enumerate(options_list)]  # one set of arrays serves all
     dev, arrays = prepared[0][2], prepared[0][3]
     statics = tuple((kwargs["static"], kwargs["return_weights"], kwargs["return_cache"])
                     for kwargs, _, _, _ in prepared)

@@ -258,10 +258,14 @@ def _vjp_call(layer, config, inputs, options):
     differentiable = ("query", "key", "value", "past_key", "past_value")  # the float inputs, in the reference's order
     given = {n: to_tensor(inputs[n]) for n in differentiable if inputs.get(n) is not None}
     kwargs = {n: x for n, x in _kwargs(inputs, options).items() if n not in given}  # the cache: from `given`
-    returns = dict(return_weights=bool(options.get("return_weights", False)),  # the weights run the stages
-                   return_cache=bool(options.get("return_cache", False)),
-                   return_selection=config.indexer is not None)  # the indexer's selection, to be judged
-    return given, layer.canonical_variables(), kwargs, returns
+    return given, layer.canonical_variables(), kwargs, _returns(config, options)
+
+
+def _returns(config, options) -> dict:
+    """What a call returns: return_weights (the weights run the stages), return_cache, return_selection (the
+    indexer's selection, to be judged)."""
+    return dict(return_weights=bool(options.get("return_weights", False)),
+                return_cache=bool(options.get("return_cache", False)), return_selection=config.indexer is not None)
 
 
 def _answer_and_grads(config, result, found, given, variables, returns):
@@ -290,35 +294,19 @@ if BACKEND == "jax":
         if as_compressed(config) is not None or any(o.get("in_place") for o in options_list):
             raise ValueError("forward_and_vjp_paths takes calls with a VJP and no in-place cache, of a layer "
                              "that multi_head_attention runs")
-        if len({(o.get("dtype"), o.get("chunk_size")) for o in options_list}) != 1:
-            raise ValueError("forward_and_vjp_paths takes calls of one dtype and one chunk_size")
+        differ = ("return_weights", "return_cache")  # what the calls may differ in: all else is one call's
+        if any({k: v for k, v in o.items() if k not in differ} != {k: v for k, v in options_list[0].items()
+                                                                 if k not in differ} for o in options_list[1:]):
+            raise ValueError("forward_and_vjp_paths takes calls whose options differ only in what they return")
         check_device(device), check_precision(precision)
         _check_values(inputs)
         layer = _layer(config, tensors, options_list[0], device, precision)
-        calls = [_vjp_call(layer, config, inputs, options) for options in options_list]
-        given, variables, kwargs, _ = calls[0]
-        if any(set(c[2]) != set(kwargs) or any(c[2][n] is not kwargs[n] and not _same_option(c[2][n], kwargs[n])
-                                               for n in kwargs) for c in calls[1:]):
-            raise ValueError("forward_and_vjp_paths takes calls whose arguments differ only in what they return")
-        d_out = np.asarray(d_output)
-        query = given["query"]
-        _check_cotangent(jax.ShapeDtypeStruct((*query.shape[:2], layer.config.out_dim), query.dtype), d_out)
-        cotangent = to_tensor(d_out.astype(np.float32) if d_out.dtype.name == "bfloat16" else d_out)
-        results = _jax_run(layer, given, kwargs, cotangent, device, paths=[c[3] for c in calls])
-        trainable = layer.trainable_variables
-        index = {id(v): i for i, v in enumerate(trainable)}
-        answers = []
-        for (_, _, _, returns), (result, (d_inputs, d_trainable)) in zip(calls, results):
-            found = [*(d_inputs[n] for n in given), *(d_trainable[index[id(v)]] for v in variables.values())]
-            answers.append(_answer_and_grads(config, result, found, given, variables, returns))
-        return answers
-
-
-def _same_option(a, b) -> bool:
-    """Two calls' values of one keyword argument are the same: equal Python values, or tensors of equal values."""
-    if a is None or b is None or isinstance(a, (bool, int, float, str)):
-        return a == b
-    return bool(np.array_equal(_numpy(a), _numpy(b)))
+        given, variables, kwargs, _ = _vjp_call(layer, config, inputs, options_list[0])
+        calls = [_returns(config, options) for options in options_list]
+        ran = _jax_gradients(layer, given, kwargs, list(variables.values()), np.asarray(d_output), device,
+                             paths=calls)
+        return [_answer_and_grads(config, result, found, given, variables, returns)
+                for returns, (result, found) in zip(calls, ran)]
 
 
 def _compressed_gradients(config, params, x, positions, past, d_out, *, jit, **returns):
@@ -500,16 +488,19 @@ def _jax_run(layer, given, kwargs, cotangent, device, paths=None, **returns):
                         (calls,) if paths else calls, {}, dynamic, packages=("impl_tf", "weights"))
 
 
-def _jax_gradients(layer, given, kwargs, variables, d_out, device, **returns):
+def _jax_gradients(layer, given, kwargs, variables, d_out, device, paths=None, **returns):
     """jax.vjp of the layer's stateless_call over the inputs and its trainable variables' values, with the
-    output's cotangent: one program (_jax_run)."""
+    output's cotangent: one program (_jax_run). paths (a returns dict each): several calls that differ only in
+    what they return, in that one program: [(result, gradients), ...]."""
     trainable = layer.trainable_variables
     index = {id(v): i for i, v in enumerate(trainable)}
     query = given["query"]
     _check_cotangent(jax.ShapeDtypeStruct((*query.shape[:2], layer.config.out_dim), query.dtype), d_out)
     cotangent = to_tensor(d_out.astype(np.float32) if d_out.dtype.name == "bfloat16" else d_out)  # no program
-    result, (d_inputs, d_trainable) = _jax_run(layer, given, kwargs, cotangent, device, **returns)
-    return result, [*(d_inputs[n] for n in given), *(d_trainable[index[id(v)]] for v in variables)]
+    ran = _jax_run(layer, given, kwargs, cotangent, device, paths=paths, **returns)
+    found = [(result, [*(d_inputs[n] for n in given), *(d_trainable[index[id(v)]] for v in variables)])
+             for result, (d_inputs, d_trainable) in (ran if paths else [ran])]
+    return found if paths else found[0]
 
 
 def _torch_gradients(layer, call, given, variables, d_out, device):

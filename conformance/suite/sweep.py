@@ -20,7 +20,7 @@ import time
 from conformance.suite import backends
 from conformance.suite.cases import DTYPE_NAMES, random_case, random_compressed_case, random_differential_case
 from conformance.suite.check import DEFAULT_PATH_KINDS, PATH_KINDS, paths_of
-from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case
+from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case_paths
 
 
 def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KINDS, *, progress=None,
@@ -41,12 +41,11 @@ def sweep(backend_id: str, seeds, dtypes=DTYPE_NAMES, path_kinds=DEFAULT_PATH_KI
     for i, seed in enumerate(seeds):
         case = make_case(seed)
         for dtype in dtypes:
-            for path in paths:
-                r = run_case(case, backend_id, dtype=dtype, adapter=adapter, path=path)
-                if r is None:
-                    continue
+            # a case's paths as `mha check` runs them: where the adapter compiles them as one program (JAX,
+            # Keras on JAX), one joint run judged path by path; each path alone where it cannot join
+            for r in run_case_paths(case, backend_id, paths, dtype=dtype, adapter=adapter):
                 runs += 1
-                key = f"{path} {dtype}"
+                key = f"{r.path} {dtype}"
                 if r.status == STATUS_PASS:
                     if r.worst is not None and r.margin > worst.get(key, (-1.0,))[0]:
                         worst[key] = (r.margin, case.name, r.worst.name)

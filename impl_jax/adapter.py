@@ -51,6 +51,9 @@ NAME = "jax"
 # without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
+# DeepSeek V4 (config.compressed): its in-place cache (buffers donated to a jitted call, written by .at[].set)
+# runs on the in_place path (conformance.suite.compare.path_options)
+COMPRESSED_IN_PLACE = True
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
@@ -262,8 +265,10 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_jax.compressed, one program
         dev = resolve_device(device)
         jit = compile_options(_cpu_compile if dev.platform == "cpu" else "default")  # as the layer's programs
+        # on the device as jax arrays: an in-place cache's buffers are donated to the call and written there
         return compressed_call(functools.partial(compressed_attention, jit=jit), v4, tensors, inputs, options,
-                               trace=trace, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
+                               convert=lambda a: jax.device_put(a, dev), trace=trace,
+                               dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     out, w, cache, stages, _, _ = _run(config, tensors, inputs, options, None, device=device, precision=precision,
                                        with_trace=bool(trace))
     return _answer(config, inputs, options, out, w, cache, stages if trace else None)

@@ -72,6 +72,18 @@ def test_the_jax_column_passes_the_grid_cases(name):
     assert {"grad query", "grad sinks", "grad compressor.gate.kernel"} <= grads, sorted(grads)
 
 
+def test_the_jax_column_judges_its_in_place_cache_on_the_grid_case():
+    """A plain `mha check` runs v4_hca_decode on JAX's in_place path (COMPRESSED_IN_PLACE): the case's cache
+    handed over in buffers, donated to the jitted call and written there, read back as the present cache."""
+    from conformance.suite.cases import CASES
+    from conformance.suite.compare import run_case
+
+    result = run_case(CASES["v4_hca_decode"], "jax", dtype="float32", path="in_place")
+    judged = {c.name for c in result.comparisons if c.judged}
+    assert result.status == "pass", (result.status, result.message)
+    assert {"output", "present_key", "present_entries", "present_window_kv"} <= judged, sorted(judged)
+
+
 @pytest.mark.parametrize("name", ["v4_csa_prefill", "v4_hca_decode", "v4_sliding_prefill"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_jax_column_passes_the_grid_cases_in_16_bits(name, dtype):

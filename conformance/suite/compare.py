@@ -687,7 +687,7 @@ def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
         if path in (DEFAULT_PATH, "stages"):
             return options
         # ... and in place, on a case with a cache, where the adapter runs it in a plain check (COMPRESSED_IN_PLACE:
-        # numpy, torch, mlx; jax's would compile one more program per case, tests/test_compressed_v4_jax.py runs it)
+        # numpy, torch, jax, mlx)
         if path == "in_place" and getattr(adapter, "COMPRESSED_IN_PLACE", False) and "past_key" in expected_for(
                 case, dtype)["inputs"]:
             return options | {"in_place": True, "forward_only": IN_PLACE_FORWARD_ONLY}

@@ -144,7 +144,7 @@ def test_reader_mutants_attend_to_other_keys(monkeypatch, mutant):
 
 
 def test_transformers_port_leaves_it_unset_and_the_option_sets_it(tmp_path):
-    """hf-deepseek (transformers' deepseek_v32 scores in float32: modeling_deepseek_v32.py:188-195, :225) and
+    """hf-deepseek (transformers' deepseek_v32 scores in float32: modeling_deepseek_v32.py:191-194, :227) and
     deepseek under a transformers config.json read no scoring precision (the plain selection);
     --indexer-scoring fp8_e4m3:ue8m0 on hf-deepseek gives what deepseek's ModelArgs reader gives (config and
     tensors); --indexer-scoring plain clears deepseek's."""

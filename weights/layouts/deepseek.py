@@ -55,8 +55,8 @@ interleaved pairs: "indexer_rope_interleave": true in the config selects that). 
 in fp8 (Hadamard, act_quant, fp8_index: model.py:465-473, whatever `dtype`), so the ModelArgs reader sets
 indexer.scoring_precision "fp8_e4m3", and fp8_scale_format "ue8m0" when `scale_fmt` is set (act_quant rounds its
 scales for any scale_fmt: kernel.py:109), "float" when null (_deepseek_scoring). transformers' ports (hf-deepseek,
-and deepseek with a transformers config.json) score in float32 without either (modeling_deepseek_v32.py:188-195,
-:225): the field is left unset; `mha convert --indexer-scoring` sets or clears it on any source.
+and deepseek with a transformers config.json) score in float32 without either (modeling_deepseek_v32.py:191-194,
+:227): the field is left unset; `mha convert --indexer-scoring` sets or clears it on any source.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from conformance.suite.selection import compare_selection, index_length, score_a
 from conformance.suite.tolerance import compare, policy_for
 from impl_numpy.indexer import lightning_indexer
 from weights import layouts, load
+from weights.layouts.indexer import with_indexer_scoring
 
 try:
     import torch
@@ -314,8 +315,9 @@ def test_round_trip_is_bit_exact(converted):
 
 def test_deepseek_own_names_read_the_same_block(converted, tmp_path):
     """The V3.2 block under DeepSeek's own names (layers.L.attn.*, indexer.*) and its ModelArgs config reads the
-    same config and tensors hf-deepseek read (so the reproduction above holds for it), by the API and by
-    `mha convert --from deepseek`."""
+    same tensors hf-deepseek read and the same config but for the indexer's scoring precision: fp8_e4m3, as
+    DeepSeek's own code scores (tests/test_layouts_deepseek_fp8.py); with it cleared (--indexer-scoring plain)
+    the reproduction above holds for it. By the API and by `mha convert --from deepseek`."""
     model_type, blocks, _seen, state, hf_config, _folder = converted
     if model_type != "deepseek_v32":
         pytest.skip("DeepSeek's own names hold V3.2 only")
@@ -326,14 +328,15 @@ def test_deepseek_own_names_read_the_same_block(converted, tmp_path):
             "v_head_dim": 3, "rope_theta": hf_config["rope_parameters"]["rope_theta"], "max_seq_len": 64,
             "original_seq_len": 64, "index_n_heads": 4, "index_head_dim": 8, "index_topk": K_TOP}
     read_config, read = layouts.to_canonical("deepseek", own, hf_config=args, layer=0)
-    assert read_config == config, (read_config, config)
+    assert read_config == with_indexer_scoring(config, "fp8_e4m3"), (read_config, config)
+    assert with_indexer_scoring(read_config, "plain") == config
     assert sorted(read) == sorted(tensors) and all(np.array_equal(read[k], tensors[k]) for k in read)
     # through the CLI, the ModelArgs JSON beside the weights as config.json
     from safetensors.numpy import save_file
     save_file(own, tmp_path / "model0.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(args))
     assert mha(["convert", "--from", "deepseek", "--to", "canonical", str(tmp_path / "model0.safetensors"),
-                str(tmp_path / "block.safetensors"), "--layer", "0"]) == 0
+                str(tmp_path / "block.safetensors"), "--layer", "0", "--indexer-scoring", "plain"]) == 0
     cli_config, cli = load(tmp_path / "block.safetensors")
     assert cli_config == config and all(np.array_equal(cli[k], tensors[k]) for k in tensors)
 

@@ -3,7 +3,7 @@
     mha convert --from LAYOUT --to LAYOUT SRC DST [--num-heads N] [--layer I|all]
                 [--names NAMES] [--to-names NAMES] [--prefix P] [--to-prefix P]
                 [--ignore PATTERN]... [--scale S] [--dropout P] [--masked-row R]
-                [--to-config FILE] [--overwrite]
+                [--to-config FILE] [--indexer-scoring plain|fp8_e4m3|fp8_e4m3:ue8m0] [--overwrite]
 
 Layouts: weights.layouts.LAYOUTS (`canonical`, `torch-mha`, `torch-linears`,
 `torch-fused-qkv`, `torch-per-head`, `keras-split-heads`, `keras-mha`,
@@ -44,6 +44,13 @@ Options:
                     under FILE and must mean what the weights do (RoPE, windows, scale...).
                     Between meta-llama and hf-llama the q and k rows are permuted
                     (interleaved <-> half-split RoPE pairs), so the numbers stay the same.
+  --indexer-scoring plain|fp8_e4m3|fp8_e4m3:ue8m0
+                    the lightning indexer's scoring precision (config.indexer.scoring_precision,
+                    fp8_scale_format) of every block read that has an indexer, replacing what the
+                    reader set: fp8_e4m3 scores as DeepSeek's own inference code does (Hadamard,
+                    e4m3; :ue8m0 its power-of-two scales), plain in the storage dtype as
+                    transformers' ports do. `deepseek` with DeepSeek's ModelArgs config reads
+                    fp8_e4m3 (:ue8m0 when scale_fmt is set); hf-deepseek reads plain.
   --overwrite       replace existing DST files (otherwise refused).
 
 Errors are ValueError / WeightsFormatError with one line naming the argument
@@ -58,6 +65,7 @@ from pathlib import Path
 import weights
 from weights import layouts
 from weights.format import WeightsFormatError
+from weights.layouts import indexer as indexer_layouts
 
 from . import files
 
@@ -100,6 +108,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="what a query row with no allowed key yields")
     parser.add_argument("--to-config", default=None, metavar="FILE",
                         help="--to hf-llama/meta-llama: the destination's config.json (params.json)")
+    parser.add_argument("--indexer-scoring", default=None, metavar="PRECISION",
+                        help="the indexer's scoring precision: plain, fp8_e4m3 or fp8_e4m3:ue8m0 (DeepSeek's)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing DST files")
     parser.set_defaults(func=run)
     return parser
@@ -180,6 +190,9 @@ def run(args) -> int:
         if dst_layout not in HF_LAYOUTS:
             raise ValueError(f"--to-config applies to --to {' or '.join(HF_LAYOUTS)}: got --to {dst_layout}")
         to_config = layouts.load_config_file(str(to_config))
+    scoring = getattr(args, "indexer_scoring", None)
+    if scoring is not None:  # a bad name is refused before anything is read
+        indexer_layouts.parse_indexer_scoring(scoring, "--indexer-scoring")
     if layer != "all" or "{layer}" in dst:  # DST names a file kind: check it before reading anything
         _check_dst_kind(Path(dst.replace("{layer}", "0")), dst_layout)
 
@@ -220,6 +233,13 @@ def run(args) -> int:
                 hint = f" (SRC looks like {guess})" if guess and guess != src_layout else ""
                 raise WeightsFormatError(f"SRC={src}: {err}{hint}") from None
             items.append((index if index is not None else (layer if isinstance(layer, int) else None), config, tensors))
+
+    if scoring is not None:  # every block with an indexer (GLM-5's shared layers have none: they take topk_indices)
+        if all(config.indexer is None for _, config, _ in items):
+            raise ValueError(f"--indexer-scoring applies to a block with an indexer (config.indexer): SRC={src} "
+                             f"has none")
+        items = [(index, indexer_layouts.with_indexer_scoring(config, scoring, "--indexer-scoring"), tensors)
+                 for index, config, tensors in items]
 
     # 2. Destinations: all checked before anything is written.
     paths = _destinations(dst, [item[0] for item in items], layer == "all")

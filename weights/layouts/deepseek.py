@@ -51,7 +51,12 @@ beta_slow, mscale; softmax scale times (0.1 mscale ln rope_factor + 1)^2); a tra
 same model reads as hf-deepseek's. DeepSeek-V3.2-Exp's ModelArgs adds index_n_heads, index_head_dim, index_topk
 (inference/model.py:89-91) and its MLA an Indexer under attn.indexer.{wq_b,wk,k_norm,weights_proj} (:431-444,
 convert.py:30-33); the indexer's RoPE is read half-split (DeepSeek's fix after release; the release's code rotated
-interleaved pairs: "indexer_rope_interleave": true in the config selects that).
+interleaved pairs: "indexer_rope_interleave": true in the config selects that). DeepSeek's Indexer always scores
+in fp8 (Hadamard, act_quant, fp8_index: model.py:465-473, whatever `dtype`), so the ModelArgs reader sets
+indexer.scoring_precision "fp8_e4m3", and fp8_scale_format "ue8m0" when `scale_fmt` is set (act_quant rounds its
+scales for any scale_fmt: kernel.py:109), "float" when null (_deepseek_scoring). transformers' ports (hf-deepseek,
+and deepseek with a transformers config.json) score in float32 without either (modeling_deepseek_v32.py:191-194,
+:227): the field is left unset; `mha convert --indexer-scoring` sets or clears it on any source.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ from ..format import WeightsFormatError, validate_tensors
 from .deepseek_v4 import is_v4_config, read_v4, v4_cannot_express, v4_names, write_v4
 from .glm5_next import is_glm5_next_config, read_glm5_next
 from .hf_rope import _hf_rope
-from .indexer import indexer_field, indexer_layers, indexer_tensors
+from .indexer import indexer_field, indexer_layers, indexer_tensors, scoring_name
 from .locate import _locate
 from .read import shape_and_dtype_problems
 from .table import (
@@ -214,6 +219,20 @@ _ARGS_DEFAULTS = {"q_lora_rank": 0, "rope_theta": 10000.0, "max_seq_len": 4096 *
 _INDEX_ARGS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 
 
+def _deepseek_scoring(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """The indexer's scoring precision under DeepSeek's own V3.2 code (DeepSeek-V3.2-Exp at 3b99a53): its
+    Indexer.forward quantises q and k with act_quant and scores them with fp8_index on every call
+    (inference/model.py:465-473), whatever ModelArgs' `dtype` says (`dtype` picks the Linear weights' storage
+    alone, model.py:865); `scale_fmt` is handed to act_quant (model.py:446, :467-468), which rounds its scales up
+    to a power of two for any scale_fmt set and keeps amax / 448 for null (inference/kernel.py:109:
+    round_scale=scale_fmt is not None). So: fp8_e4m3 always, ue8m0 for any scale_fmt string, float for null."""
+    fmt = cfg.get("scale_fmt")
+    if fmt is not None and not isinstance(fmt, str):
+        raise ValueError(f"hf_config: scale_fmt must be null or a string (DeepSeek's config_671B_v3.2.json: "
+                         f"\"ue8m0\"): got {fmt!r}")
+    return {"scoring_precision": "fp8_e4m3", "fp8_scale_format": "float" if fmt is None else "ue8m0"}
+
+
 def _deepseek_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     """DeepSeek's ModelArgs JSON (or a transformers config.json of the same model) -> the block's fields."""
     if "model_type" in cfg:
@@ -238,6 +257,7 @@ def _deepseek_config(cfg: Mapping[str, Any], layer: int | None) -> dict[str, Any
         hf_like = {"num_hidden_layers": 1, "qk_rope_head_dim": rope_dim, **{k: index_args[k] for k in _INDEX_ARGS}}
         kind, indexer = _dsa_layer("deepseek_v32", hf_like, None, rope, query_rank,
                                    interleaved=bool(cfg.get("indexer_rope_interleave", False)))
+        indexer = {**indexer, **_deepseek_scoring(cfg)}
     return {
         "model_type": "deepseek",
         "indexer_kind": kind,
@@ -581,8 +601,14 @@ def from_canonical(catalogue: Catalogue, layout: str, config: AttentionConfig, t
         read, _ = to_canonical(catalogue, lay.id, state, hf_config=cfg, layer=layer, prefix=prefix)
         differ = _behaviour_differences(config, read)
         if differ:
+            scoring = [(ix.scoring_precision, ix.fp8_scale_format) for ix in (config.indexer, read.indexer)
+                       if ix is not None]
+            if len(scoring) == 2 and scoring[0] != scoring[1]:  # DeepSeek's fp8 scoring vs transformers' plain one
+                differ.append(f"the indexer scores as {scoring_name(*scoring[0])}, the destination's code as "
+                              f"{scoring_name(*scoring[1])} (mha convert --indexer-scoring sets it)")
             raise ValueError(f"hf_config disagrees with config for {lay.id} block {layer}: " + "; ".join(differ))
     return state
+
 
 
 def mapping(catalogue: Catalogue, layout: str, config: AttentionConfig, /, **hints: Any) -> dict[str, tuple[str, ...]]:

@@ -10,6 +10,8 @@ transformers file:line it is read from: docs/sparse-attention.md.
     indexer_field(model_type, hf_config, rope) -> the config's `indexer` (a dict)
     indexer_tensors(model_type, state) -> {"indexer.query.kernel": ..., ...}
     index_keys_from_hf(model_type, keys, rotary_dim) -> the contract's present_index_keys
+    with_indexer_scoring(config, "plain" | "fp8_e4m3" | "fp8_e4m3:ue8m0") -> config with the indexer's scoring
+        precision set or cleared (`mha convert --indexer-scoring`)
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Rope
+from ..config import AttentionConfig, Rope
 
 DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# the indexer's scoring precisions by name (`mha convert --indexer-scoring`): (scoring_precision, fp8_scale_format)
+INDEXER_SCORINGS = {"plain": (None, "float"), "fp8_e4m3": ("fp8_e4m3", "float"),
+                    "fp8_e4m3:float": ("fp8_e4m3", "float"), "fp8_e4m3:ue8m0": ("fp8_e4m3", "ue8m0")}
 M3_TYPES = ("minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text")
 INDEXER_TYPES = DSA_TYPES + M3_TYPES
 
@@ -167,3 +172,33 @@ def index_keys_from_hf(model_type: str, keys, rotary_dim: int) -> np.ndarray:
     turned = np.empty_like(keys[..., :rotary_dim])
     turned[..., 0::2], turned[..., 1::2] = keys[..., :half], keys[..., half:rotary_dim]
     return np.concatenate([turned, keys[..., rotary_dim:]], axis=-1)
+
+
+def scoring_name(precision: str | None, scale_format: str = "float") -> str:
+    """The name (INDEXER_SCORINGS) of an indexer's scoring precision: plain, fp8_e4m3 or fp8_e4m3:ue8m0."""
+    if precision is None:
+        return "plain"
+    return precision if scale_format == "float" else f"{precision}:{scale_format}"
+
+
+def parse_indexer_scoring(value: str, argument: str = "indexer_scoring") -> tuple[str | None, str]:
+    """(scoring_precision, fp8_scale_format) of a name of INDEXER_SCORINGS; else a one-line ValueError."""
+    if not isinstance(value, str) or value not in INDEXER_SCORINGS:
+        raise ValueError(f"{argument} must be one of {', '.join(INDEXER_SCORINGS)}: got {value!r}")
+    return INDEXER_SCORINGS[value]
+
+
+def with_indexer_scoring(config: AttentionConfig, value: str, argument: str = "indexer_scoring") -> AttentionConfig:
+    """config with its indexer scoring as `value` says: "plain" (scoring_precision null: the storage dtype's,
+    transformers' ports), "fp8_e4m3" (DeepSeek's fp8 scoring, scales amax / 448) or "fp8_e4m3:ue8m0" (its
+    scales rounded up to a power of two: DeepSeek's scale_fmt). A config without an indexer comes back as it is.
+    A bad value, or an indexer the fp8 scoring cannot run (index head_dim not a power of two <= 128), is a
+    one-line ValueError naming `argument`."""
+    precision, scale_format = parse_indexer_scoring(value, argument)
+    if config.indexer is None:
+        return config
+    data = {**config.indexer.to_dict(), "scoring_precision": precision, "fp8_scale_format": scale_format}
+    try:
+        return config.replace(indexer=data)
+    except ValueError as err:
+        raise ValueError(f"{argument} {value}: {err}") from None

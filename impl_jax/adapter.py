@@ -51,6 +51,9 @@ NAME = "jax"
 # without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
+# DeepSeek V4: its block-wise path (compressed_attention's chunk_size=) on the chunked path, jitted, differentiated
+# by jax.vjp (conformance.suite.compare.path_options); no in-place rows (COMPRESSED_IN_PLACE unset: one more program)
+COMPRESSED_CHUNKED = True
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:
@@ -322,15 +325,17 @@ def _forward_and_vjp_paths(config, params, arrays, d_output, *, statics):
                                   return_cache=cache, with_trace=False) for static, weights_, cache in statics)
 
 
-def _compressed_gradients(config, params, x, positions, past, d_out, *, jit, device, return_selection, return_cache):
+def _compressed_gradients(config, params, x, positions, past, d_out, *, jit, device, return_selection, return_cache,
+                          chunk_size=None):
     """DeepSeek V4's layer and jax.vjp of its output over x, every tensor and the cache: one jax.jit program
-    (XLA's options `jit`, as the forward's). The indexer's tensors, read only by its top-k, get zeros."""
+    (XLA's options `jit`, as the forward's). The indexer's tensors, read only by its top-k, get zeros. chunk_size:
+    the block-wise path (attend_blockwise)."""
     p0 = check_compressed_call(config, np.asarray(x), np.asarray(positions), past)
 
     def run(p, x, past, d_out):
         def f(p, x, past):
             result = compressed_layer(config, p, x, past, p0=p0, return_cache=return_cache,
-                                      return_selection=return_selection)
+                                      return_selection=return_selection, chunk_size=chunk_size)
             result = result if isinstance(result, tuple) else (result,)
             return result[0], result
         _, pullback, result = jax.vjp(f, p, x, past, has_aux=True)

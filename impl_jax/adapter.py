@@ -46,14 +46,14 @@ NAME = "jax"
 
 # DeepSeek V4's layer (config.compressed) runs through this backend's compressed module (impl_jax.compressed),
 # its gradients by jax.vjp of its layer(): _compressed_gradients.
+# Its block-wise path (compressed_attention's chunk_size=) runs on the chunked path, jitted, differentiated by
+# jax.vjp (conformance.suite.compare.path_options).
+COMPRESSED_CHUNKED = True
 
 # The paths `mha check` judges (weights/paths.py): the stages, fused_attention (float32 and float64 storage
 # without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
 PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
-# DeepSeek V4: its block-wise path (compressed_attention's chunk_size=) on the chunked path, jitted, differentiated
-# by jax.vjp (conformance.suite.compare.path_options); no in-place rows (COMPRESSED_IN_PLACE unset: one more program)
-COMPRESSED_CHUNKED = True
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:

@@ -46,6 +46,9 @@ NAME = "jax"
 
 # DeepSeek V4's layer (config.compressed) runs through this backend's compressed module (impl_jax.compressed),
 # its gradients by jax.vjp of its layer(): _compressed_gradients.
+# Its block-wise path (compressed_attention's chunk_size=) runs on the chunked path, jitted, differentiated by
+# jax.vjp (conformance.suite.compare.path_options).
+COMPRESSED_CHUNKED = True
 
 # The paths `mha check` judges (weights/paths.py): the stages, fused_attention (float32 and float64 storage
 # without dropout), the chunked core (chunk_size=) and the in-place cache (cache_length=).
@@ -327,15 +330,17 @@ def _forward_and_vjp_paths(config, params, arrays, d_output, *, statics):
                                   return_cache=cache, with_trace=False) for static, weights_, cache in statics)
 
 
-def _compressed_gradients(config, params, x, positions, past, d_out, *, jit, device, return_selection, return_cache):
+def _compressed_gradients(config, params, x, positions, past, d_out, *, jit, device, return_selection, return_cache,
+                          chunk_size=None):
     """DeepSeek V4's layer and jax.vjp of its output over x, every tensor and the cache: one jax.jit program
-    (XLA's options `jit`, as the forward's). The indexer's tensors, read only by its top-k, get zeros."""
+    (XLA's options `jit`, as the forward's). The indexer's tensors, read only by its top-k, get zeros. chunk_size:
+    the block-wise path (attend_blockwise)."""
     p0 = check_compressed_call(config, np.asarray(x), np.asarray(positions), past)
 
     def run(p, x, past, d_out):
         def f(p, x, past):
             result = compressed_layer(config, p, x, past, p0=p0, return_cache=return_cache,
-                                      return_selection=return_selection)
+                                      return_selection=return_selection, chunk_size=chunk_size)
             result = result if isinstance(result, tuple) else (result,)
             return result[0], result
         _, pullback, result = jax.vjp(f, p, x, past, has_aux=True)

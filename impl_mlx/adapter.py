@@ -38,6 +38,8 @@ PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
 # DeepSeek V4 (config.compressed): its in-place cache runs on the in_place path (conformance.suite.compare.path_options)
 COMPRESSED_IN_PLACE = True
+# ... and its block-wise path (compressed_attention's chunk_size=) on the chunked path, differentiated by mx.vjp
+COMPRESSED_CHUNKED = True
 PRECISIONS = ("highest", "tf32", "default")  # MLX has one float32 matmul: all three compute the same
 GPU_FLOAT64 = "float64 runs on MLX's CPU device only (Metal has no float64)"
 _DIFFERENTIABLE = ("query", "key", "value", "past_key", "past_value")

@@ -7,17 +7,20 @@ mx.arrays named as impl_numpy.compressed.cache_names. exp through functional.exp
 functional.rope (float64-accurate in float64), selects through functional.where. The call is validated by the
 reference's own check (impl_numpy.compressed.check_compressed_call, on shapes). Differentiable (mx.vjp; the
 selection a constant, as impl_numpy/compressed_backward.py has it). float16 / bfloat16 by the reference's rule: each
-stage computed in float32 and stored in 16 bits, at the reference's boundaries. The mirror of multi_head_attention
-refuses config.compressed (weights.contract.check_call)."""
+stage computed in float32 and stored in 16 bits, at the reference's boundaries. chunk_size=: the block-wise path
+(attend_blockwise, impl_torch.compressed's blocks and skips), with the copying cache or in place, differentiable. The
+mirror of multi_head_attention refuses config.compressed (weights.contract.check_call)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
+from impl_numpy.chunked import QUERY_ROWS
 from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, validate_tensors
 from weights.call import record
+from weights.contract import check_chunk_size
 from weights.rope import rope_tables
 
 from . import functional as F
@@ -142,6 +145,94 @@ def attend_blocks(w: mx.array, blocks: list) -> mx.array:
     return ctx.astype(w.dtype).reshape(B, N, T, blocks[0].shape[-1])
 
 
+def _key_block(parts: list, s0: int, s1: int) -> mx.array:
+    """Keys s0 .. s1 - 1 of the window's parts ((B, 1, S_i, H) each, read as one along S, as
+    impl_numpy.chunked.KeyParts reads them): a slice within one part, a copy of the few keys of a block that
+    straddles two."""
+    pieces, offset = [], 0
+    for part in parts:
+        end = offset + part.shape[2]
+        if s0 < end and s1 > offset:
+            pieces.append(part[:, :, max(s0 - offset, 0):min(s1, end) - offset])
+        offset = end
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+
+
+def attend_blockwise(config: AttentionConfig, q: mx.array, window_keys: list, key_pos: np.ndarray,
+                     positions: np.ndarray, entries: mx.array | None, selection: mx.array | None, sinks,
+                     chunk_size: int) -> mx.array:
+    """impl_numpy.compressed.attend_blockwise in MLX (impl_torch.compressed.attend_blockwise's blocks and skips):
+    the stages from the logits to the context block by block with an online softmax started at the sink, never a
+    (T, W + E) array. key_pos and positions are NumPy (the call's, known before any array is read): which window
+    and entry blocks a query block skips is decided on them, on the host; csa's per-block test of its selection
+    reads the selection's values on the host once (a constant of the backward, as impl_mlx/chunked.py reads a
+    selection's mask). The same blocks, the same skips, the same recurrence. Differentiable by mx.vjp as
+    impl_mlx/chunked.py's core: a hidden logit selected by functional.where (its gradient 0), the running max a
+    constant (mx.stop_gradient: the result does not depend on it), the sink's gradient through its exp(sink -
+    max) term of the running sum. exp through functional.exp (float64-accurate in float64). Returns the context
+    (B, N, T, H) in q's dtype."""
+    B, N, T, H = q.shape
+    c, W = config.compressed, config.window_left + 1
+    dtype, ct = q.dtype, compute_of(q.dtype)
+    S = sum(part.shape[2] for part in window_keys)
+    E = 0 if entries is None else entries.shape[1]
+    ents = None if entries is None else entries[:, None]  # (B, 1, E, H): one kv head
+    sink = None if sinks is None else sinks.astype(ct).reshape(1, N, 1, 1)
+    chosen_all = None if selection is None else np.array(selection)  # (B, T, k) on the host: no gradient
+    rows = max(1, min(chunk_size, QUERY_ROWS, T))
+    minus_inf, zero = scalar(-np.inf, ct), scalar(0, ct)
+    context = []
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        t, pos = t1 - t0, positions[t0:t1]
+        lo, hi = int(pos[0]), int(pos[-1])
+        qb = q[:, :, t0:t1]
+        if sink is None:
+            m = mx.full((B, N, t, 1), -np.inf, dtype=ct)
+            l = mx.zeros((B, N, t, 1), dtype=ct)
+        else:  # the sink joins every row first: max = sink, sum = exp(sink - sink) = 1 (its gradient), numerator 0
+            m = mx.broadcast_to(mx.stop_gradient(sink), (B, N, t, 1))
+            l = mx.broadcast_to(F.exp(sink - mx.stop_gradient(sink)), (B, N, t, 1))
+        acc = mx.zeros((B, N, t, H), dtype=ct)
+
+        def step(kb, hidden, m, l, acc):
+            """One key block (B, 1, s, H), its hidden logits ((B|1, 1, t, s) bool or None): the running state."""
+            x = F.logits(qb, kb, config.effective_scale).astype(ct)  # (B, N, t, s), the stage's
+            if hidden is not None:
+                x = F.where(mx.broadcast_to(hidden, x.shape), mx.broadcast_to(minus_inf, x.shape), x)
+            m_new = mx.stop_gradient(mx.maximum(m, x.max(axis=-1, keepdims=True)))
+            m_safe = mx.where(m_new == -np.inf, zero, m_new)  # a row that has seen no key yet
+            e = F.exp(x - m_safe)  # hidden -> exactly 0
+            correction = F.exp(m - m_safe)  # 0 where m was -inf
+            pv = (e.reshape(B, 1, N * t, -1) @ kb.astype(ct)).reshape(B, N, t, H)
+            return m_new, l * correction + e.sum(axis=-1, keepdims=True), acc * correction + pv
+
+        # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
+        near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
+        for s0 in (np.unique(near // chunk_size) * chunk_size).tolist():
+            s1 = min(S, s0 + chunk_size)
+            kp = key_pos[s0:s1]
+            hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
+            hidden = mx.array(hidden)[None, None] if hidden.any() else None
+            m, l, acc = step(_key_block(window_keys, s0, s1), hidden, m, l, acc)
+        # the entries: those visible to the block's last query, by blocks of chunk_size
+        seen = min(E, (hi + 1) // c.ratio) if E else 0
+        chosen = None if chosen_all is None else chosen_all[:, t0:t1]  # (B, t, k)
+        for e0 in range(0, seen, chunk_size):
+            e1 = min(seen, e0 + chunk_size)
+            if chosen is not None:
+                picked = (chosen[..., None] == np.arange(e0, e1)).any(axis=2)  # (B, t, s): selected here
+                if not picked.any():
+                    continue  # no query of the block selected an entry of this block
+                hidden = mx.array(~picked)[:, None]
+            else:
+                hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
+                hidden = mx.array(hidden)[None, None] if hidden.any() else None
+            m, l, acc = step(ents[:, :, e0:e1], hidden, m, l, acc)
+        context.append((acc / l).astype(dtype))
+    return mx.concatenate(context, axis=2)
+
+
 def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.array:
     c = config.compressed
     I, J = c.index_heads, c.index_head_dim
@@ -163,12 +254,14 @@ def select(config, params, x, q_latent, positions, entries, visible, rec) -> mx.
 
 def compressed_attention(config: AttentionConfig, tensors, x, positions, past=None, *, return_cache: bool = False,
                          return_selection: bool = False, trace: list | None = None,
-                         in_place: bool = False):
+                         in_place: bool = False, chunk_size: int | None = None):
     """impl_numpy.compressed.compressed_attention in MLX; in_place: past is the caller's buffers (mx.arrays of
     x's dtype, impl_numpy.compressed.buffer_shapes), written by slice assignment (MLX applies it to the caller's
-    array objects), returned as the present cache."""
+    array objects), returned as the present cache. chunk_size: the block-wise path (attend_blockwise), with the
+    copying cache or in place; no trace."""
     validate_tensors(config, {k: to_numpy(v) if isinstance(v, mx.array) else np.asarray(v)
                               for k, v in tensors.items()})  # names, shapes, one dtype, finite values
+    chunk_size = check_chunk_size(chunk_size, traced=trace is not None)
     x = x if isinstance(x, mx.array) else to_mx(np.asarray(x))
     buffers = None
     if in_place:
@@ -201,16 +294,20 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
     k = rec("key.rope", turn(k, positions, config))
     if buffers is None:
         keys = k if past is None else mx.concatenate([past["key"], k], axis=2)
-        key_pos = mx.arange(p0 + T - keys.shape[2], p0 + T)
+        key_pos_np = np.arange(p0 + T - keys.shape[2], p0 + T)
         present = {"key": keys[:, :, max(keys.shape[2] - (W - 1), 0):] if W > 1 else keys[:, :, :0]}
     else:  # the ring's held keys, then the call's: blocks, never concatenated; the ring written once attended to
         ring = buffers["key"]
         blocks = [ring[:, :, :min(p0, W - 1)], k]
-        key_pos = mx.concatenate([mx.array(ring_positions(p0, W)).astype(positions.dtype), positions])
+        key_pos_np = np.concatenate([ring_positions(p0, W), np.arange(p0, p0 + T)])
         present = buffers
-    in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+    blockwise = chunk_size is not None  # attend_blockwise: no (T, Pw + T) mask, no (T, E) one for hca
+    window_keys = [keys] if buffers is None else list(blocks)  # (the window's keys alone, before the entries)
+    if not blockwise:
+        key_pos = mx.array(key_pos_np).astype(positions.dtype)
+        in_window = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - W)
+        allowed = mx.broadcast_to(in_window[None], (B,) + tuple(in_window.shape))
     selection = entries = None
-    allowed = mx.broadcast_to(in_window[None], (B,) + tuple(in_window.shape))
     if c.kind != "sliding":
         if buffers is None:
             present.update(compress(config, p, "compressor", x, p0, past, rec))
@@ -219,8 +316,9 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
             count = compress_in_place(config, p, "compressor", x, p0, buffers, rec)  # writes, then the read
             entries = buffers["entries"][:, :count]
         E = entries.shape[1]
-        visible = mx.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]
-        shown = mx.broadcast_to(visible[None], (B, T, E))
+        if c.kind == "csa" or not blockwise:  # (the indexer's scores are (B, T, E) in any case)
+            visible = mx.arange(E)[None] < ((positions + 1) // c.ratio)[:, None]
+            shown = mx.broadcast_to(visible[None], (B, T, E))
         if c.kind == "csa":
             if buffers is None:
                 present.update(compress(config, p, "indexer.compressor", x, p0, past, rec))
@@ -229,25 +327,28 @@ def compressed_attention(config: AttentionConfig, tensors, x, positions, past=No
                 count = compress_in_place(config, p, "indexer.compressor", x, p0, buffers, rec)
                 index_entries = buffers["index_entries"][:, :count]
             selection = select(config, p, x, q_latent, positions, index_entries, visible, rec)
-            shown = F.selection_mask(selection, 1, E)[:, 0]
-        if buffers is None:
+            if not blockwise:
+                shown = F.selection_mask(selection, 1, E)[:, 0]
+        if buffers is None and not blockwise:
             keys = mx.concatenate([keys, mx.broadcast_to(entries[:, None], (B, 1, E, H))], axis=2)
-        allowed = mx.concatenate([allowed, shown], axis=2)
-    if buffers is None:
+        if not blockwise:
+            allowed = mx.concatenate([allowed, shown], axis=2)
+    if blockwise:
+        ctx = attend_blockwise(config, q, window_keys, key_pos_np, np.arange(p0, p0 + T), entries,
+                               selection if c.kind == "csa" else None, p.get("sinks"), chunk_size)
+    elif buffers is None:
         logits = rec("logits", F.logits(q, keys, config.effective_scale))
     else:  # in place: each block's logits joined (the keys and the entries stay in their buffers)
         blocks += [] if entries is None else [entries[:, None]]
         logits = mx.concatenate([F.logits(q, b, config.effective_scale) for b in blocks], axis=-1)
-    masked = rec("mask", F.mask(logits, allowed[:, None], None))
-    w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
-    if buffers is None:
-        ctx = rec("attend", F.attend(w, keys))
-    else:
-        ctx = attend_blocks(w, blocks)
-        if W > 1:  # now the ring may take the call's last W - 1 keys
-            last = min(T, W - 1)
-            slots = mx.array(np.arange(p0 + T - last, p0 + T) % (W - 1))
-            ring[:, :, slots] = k[:, :, T - last:]
+    if not blockwise:
+        masked = rec("mask", F.mask(logits, allowed[:, None], None))
+        w = rec("softmax", F.softmax(masked, config.masked_row, p.get("sinks")))
+        ctx = rec("attend", F.attend(w, keys)) if buffers is None else attend_blocks(w, blocks)
+    if buffers is not None and W > 1:  # now the ring may take the call's last W - 1 keys (a slot read is overwritten)
+        last = min(T, W - 1)
+        slots = mx.array(np.arange(p0 + T - last, p0 + T) % (W - 1))
+        ring[:, :, slots] = k[:, :, T - last:]
     ctx = rec("derotate", turn(ctx, -positions, config))
     G = c.output_groups
     grouped = ctx.transpose(0, 2, 1, 3).reshape(B, T, G, N * H // G)

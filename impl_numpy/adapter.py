@@ -33,6 +33,11 @@ PATHS = ("stages", "fused", "chunked", "in_place")
 FAST_PATH = "fused"
 # DeepSeek V4 (config.compressed): its in-place cache runs on the in_place path (conformance.suite.compare.path_options)
 COMPRESSED_IN_PLACE = True
+# ... and its block-wise path (compressed_attention's chunk_size=) on the chunked path, forward only: the backward
+# (compressed_backward.py) is the stages' VJP, not the block-wise path's
+COMPRESSED_CHUNKED = True
+COMPRESSED_CHUNKED_FORWARD_ONLY = ("impl_numpy's DeepSeek V4 backward (compressed_backward.py) is the stages' VJP: its "
+                                   "gradients are judged on the stages")
 ONE_BACKWARD = "impl_numpy has one backward pass (backward.py, the stages' VJP): its gradients are judged on the stages"
 
 

@@ -38,6 +38,9 @@ PATHS = ("stages", "sdpa", "in_place")
 FAST_PATH = "sdpa"
 # DeepSeek V4 (config.compressed): its in-place cache runs on the in_place path (conformance.suite.compare.path_options)
 COMPRESSED_IN_PLACE = True
+# ... and its block-wise path (compressed_attention's chunk_size=) on the chunked path, differentiated by autograd:
+# torch's one chunked path (check.paths_of adds it; compare.path_options gives no row for any other layer)
+COMPRESSED_CHUNKED = True
 
 
 def path_options(path: str, config, inputs: dict, options: dict) -> dict | None:

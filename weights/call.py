@@ -146,6 +146,12 @@ def split_result(result, return_weights: bool, return_cache: bool,
 COMPRESSED_MIRROR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+def _chunk_size(options: dict) -> dict:
+    """{"chunk_size": n} where the options ask for the block-wise path of DeepSeek V4's layer, else {} (the call's
+    own default: the stages)."""
+    return {} if options.get("chunk_size") is None else {"chunk_size": options["chunk_size"]}
+
+
 def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options: dict, *, convert=lambda a: a,
                     to_numpy=np.asarray, trace: bool = False, dtypes=None, backend: str = "") -> dict:
     """An adapter's forward of DeepSeek V4's layer (config.compressed) through its module's
@@ -153,7 +159,8 @@ def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options
     absolute positions (T,), past_<name> the cache (impl_numpy.compressed.cache_names). Arrays are cast to
     options["dtype"] (else the tensors') and handed to `call` through `convert`. The answer, as NumPy: output,
     csa's selection, with options["return_cache"] present_<name> for every name of the cache, and the trace.
-    dtypes: those the backend's layer computes in (None: any); another raises NotImplementedError."""
+    dtypes: those the backend's layer computes in (None: any); another raises NotImplementedError. options["chunk_size"]:
+    the block-wise path (compressed_attention's chunk_size=), handed to `call` as chunk_size=."""
     dtype = options.get("dtype") or np.asarray(next(iter(tensors.values()))).dtype.name
     if dtypes is not None and dtype not in dtypes:
         raise NotImplementedError(f"{backend}'s DeepSeek V4 layer (config.compressed) computes in "
@@ -169,9 +176,11 @@ def compressed_call(call: Callable, config, tensors: dict, inputs: dict, options
     # options["in_place"]: the past_<name> inputs are the in-place cache's buffers (impl_numpy.compressed.buffer_shapes),
     # written by the call and returned whole as present_<name> (the suite reads them back as a cache: logical_cache)
     in_place = bool(options.get("in_place", False))
+    # options["chunk_size"]: the block-wise path (compressed_attention's chunk_size=, the `chunked` path of a check)
+    extra = ({"in_place": True} if in_place else {}) | _chunk_size(options)
     result = call(config, params, convert(np.asarray(inputs["query"]).astype(dt, copy=False)),
                   np.asarray(inputs["positions"]), past, return_cache=return_cache or in_place, return_selection=csa,
-                  trace=entries, **({"in_place": True} if in_place else {}))
+                  trace=entries, **extra)
     result = result if isinstance(result, tuple) else (result,)
     answer = {"output": to_numpy(result[0])}
     if csa:
@@ -187,7 +196,7 @@ def compressed_vjp_call(run: Callable, config, tensors: dict, inputs: dict, opti
                         convert=lambda a: a, to_numpy=np.asarray, dtypes=None, backend: str = "") -> tuple[dict, dict]:
     """An adapter's forward_and_vjp of DeepSeek V4's layer (config.compressed): compressed_call's arrays, cast and
     converted alike, and the output's cotangent d_output (B, T, O), handed to
-    run(config, params, x, positions, past, d_out, return_selection=, return_cache=) -> (the layer's result as
+    run(config, params, x, positions, past, d_out, return_selection=, return_cache=[, chunk_size=]) -> (the layer's result as
     compressed_attention returns it, {name: gradient or None}) under the names of impl_numpy.compressed_backward:
     "query" (the layer's input x), every canonical tensor, past_<name> of the cache; None (not read: the
     indexer's, whose top-k passes no gradient) is zero. -> (compressed_call's answer, the gradients as NumPy in
@@ -211,7 +220,7 @@ def compressed_vjp_call(run: Callable, config, tensors: dict, inputs: dict, opti
     result, found = run(config, {name: convert(t) for name, t in host.items()}, convert(x),
                         np.asarray(inputs["positions"]),
                         None if past_host is None else {name: convert(a) for name, a in past_host.items()},
-                        convert(d_out), return_selection=csa, return_cache=return_cache)
+                        convert(d_out), return_selection=csa, return_cache=return_cache, **_chunk_size(options))
     result = result if isinstance(result, tuple) else (result,)
     answer = {"output": to_numpy(result[0])}
     if csa:

@@ -63,6 +63,8 @@ def paths_of(adapter, kinds) -> list[str]:
     own = getattr(adapter, "PATHS", None)
     if not own:
         return [DEFAULT_PATH]
+    if getattr(adapter, "COMPRESSED_CHUNKED", False) and "chunked" not in own:  # torch: DeepSeek V4's block-wise
+        own = (*own, "chunked")  # path is its one chunked path (compare.path_options: no row for any other layer)
     wanted = {adapter.FAST_PATH if kind == "fast" else kind for kind in kinds}
     return [path for path in own if path in wanted]
 

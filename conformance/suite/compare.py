@@ -691,9 +691,21 @@ def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
         if path == "in_place" and getattr(adapter, "COMPRESSED_IN_PLACE", False) and "past_key" in expected_for(
                 case, dtype)["inputs"]:
             return options | {"in_place": True, "forward_only": IN_PLACE_FORWARD_ONLY}
+        # ... and block-wise (compressed_attention's chunk_size=: attend_blockwise) where the adapter has that path
+        # (COMPRESSED_CHUNKED: numpy, torch, jax, mlx), in the chunked path's blocks: weights.paths.chunk_size (2 on
+        # the grid's V4 cases: query blocks of 2 rows, the window's 4 keys and the entries in blocks of 2, so that
+        # blocks are skipped and the online softmax crosses blocks). Forward and gradients, by the backend's own
+        # autodiff through the block-wise path; forward only where the backend's backward is not of that path
+        # (COMPRESSED_CHUNKED_FORWARD_ONLY: NumPy's, compressed_backward.py, is the stages' VJP)
+        if path == "chunked" and getattr(adapter, "COMPRESSED_CHUNKED", False):
+            found = options | {"chunk_size": chunk_size(expected_for(case, dtype)["inputs"])}
+            reason = getattr(adapter, "COMPRESSED_CHUNKED_FORWARD_ONLY", None)
+            return found | ({"forward_only": reason} if reason else {})
         return None
     if path == DEFAULT_PATH:
         return options
+    if path == "chunked" and path not in getattr(adapter, "PATHS", ()) and getattr(adapter, "COMPRESSED_CHUNKED", False):
+        return None  # a backend whose chunked path is DeepSeek V4's block-wise one alone (torch): no row here
     if path not in getattr(adapter, "PATHS", ()):
         raise ValueError(f"path must be one of {', '.join(getattr(adapter, 'PATHS', ())) or DEFAULT_PATH}: "
                          f"got {path!r}")

@@ -7,7 +7,13 @@ Each mirror's gathering paths are held to impl_numpy's float64 stages (every key
 step of two batch rows with their own selections, one with a -1 pad, one naming a key twice, both naming key 0;
 each test first shows that the gather ran (so a pass is the gather's). The porting bugs a gather makes, a selected
 key dropped or one counted twice, are planted and must fail. (numpy's own: tests/test_bench_sparse.py.) And
-impl_tf's selection mask by scatter (a long cache's) against impl_numpy's."""
+impl_tf's selection mask by scatter (a long cache's) against impl_numpy's.
+
+impl_tf's and impl_mlx's gathers also take a selection per kv head (B, K, 1, k) (MiniMax M3's form): VARIANTS
+(shared and per kv head, a fully masked row under masked_row "zero", "uniform" and "nan": the last two stay with
+the masked core, as every mirror leaves them, and must still be right), each judged against the float64 stages,
+and a gather that reads another kv head's selection planted and failing. impl_tf's on Keras's jax and torch
+backends: tests/test_keras_backends.py (keras_backend_runs.py's `gather`, VARIANTS there too)."""
 
 from __future__ import annotations
 
@@ -19,14 +25,16 @@ from conformance.suite.tolerance import assert_close
 P = 80  # S_total 81: past impl_jax.latent.GATHER_MIN_KEYS (64)
 
 
-def _step(per_kv_head=False):
+def _step(per_kv_head=False, masked_row="zero", empty=False):
     """The latent family's quick layer (conformance/bench/latent.py), B 2, one new token over P 80 cached: each
     row selects 6 keys (row 0 key 0 and key 17 twice; row 1 key 0, a -1 pad and the new key P), or per kv head,
-    each head its own draw. -> config, tensors, x, latent, rotary, topk_indices (int64)."""
+    each head its own draw. empty: row 1's selection (per kv head: its kv head 0's) all -1, a fully masked row
+    that the config's masked_row fills. -> config, tensors, x, latent, rotary, topk_indices (int64)."""
     from conformance.bench import latent
 
     d = latent.QUICK
     config, tensors = latent.layer(d)
+    config = config.replace(masked_row=masked_row)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 1, d.D)).astype(np.float32)
     lat = rng.standard_normal((2, 1, P, d.C)).astype(np.float32)
@@ -39,6 +47,8 @@ def _step(per_kv_head=False):
     idx[0, :, 3] = 17  # row 0 names key 17 twice: selected once
     idx[1, :, 1] = -1  # row 1 pads a slot
     idx[1, :, -1] = P  # and selects the new token
+    if empty:
+        idx[1, 0] = -1  # row 1 (its kv head 0) selects nothing: a fully masked row
     idx = idx[:, :, None] if per_kv_head else idx[:, 0, None]  # (2, Ks, 1, 6) or (2, 1, 6)
     return config, tensors, x, lat, rot, idx
 
@@ -52,6 +62,16 @@ def _expected(config, tensors, x, lat, rot, idx):
                                           is_causal=True, causal_alignment="bottom_right", dtype="float64",
                                           trace=trace))
     return out, next(e.value for e in trace if e.stage == "logits")
+
+
+# name -> (per_kv_head, masked_row, empty): the gather runs where masked_row is "zero" (gathers_selection)
+VARIANTS = {"shared": (False, "zero", False), "shared_nan_empty": (False, "nan", True),
+            "per_kv_head_empty": (True, "zero", True), "per_kv_head_uniform_empty": (True, "uniform", True),
+            "per_kv_head_nan_empty": (True, "nan", True)}
+
+
+def gathers(variant: str) -> bool:
+    return VARIANTS[variant][1] == "zero"
 
 
 def _judge(name, got, expected, logits, config):
@@ -257,3 +277,99 @@ def test_tf_gathers_the_selected_rows(monkeypatch, bug):
             with pytest.raises(AssertionError, match="FAIL"):
                 _judge(f"tf {path} ({bug})", np.asarray(got), expected, logits, step[0])
     assert taken == [(2, 6), (2, 6)], taken  # both paths gathered (the tf.function traced once)
+
+
+def roll_kv_heads(rows, Ks: int, ops):
+    """The porting bug planted below: (B * Ks, k) selection rows, each batch row's kv heads taken one over (head h
+    reads head h + 1's selection: the heads' order lost between the indexer and the gather)."""
+    B, k = rows.shape[0] // Ks, rows.shape[-1]
+    heads = ops.reshape(rows, (B, Ks, k))
+    return ops.reshape(ops.concatenate([heads[:, 1:], heads[:, :1]], axis=1), (B * Ks, k))
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("variant, bug", [(v, None) for v in VARIANTS if v.startswith("per_kv_head")]
+                         + [("per_kv_head_empty", "wrong_kv_head")])  # shared: the test above (and mlx's, keras's)
+def test_tf_gathers_a_selection_per_kv_head(monkeypatch, variant, bug):
+    """impl_tf's gather of a selection per kv head (and a fully masked row, under each masked_row) on TensorFlow,
+    fused and in place, against the float64 stages; a gather reading another kv head's selection fails."""
+    pytest.importorskip("tensorflow")  # the numpy env runs every file with no framework installed
+    import impl_tf.attention as attention
+
+    right, taken = attention.selection_rows, []
+
+    def spy(topk):
+        rows, Ks = right(topk)
+        taken.append(tuple(rows.shape))
+        return (rows if bug is None else roll_kv_heads(rows, Ks, attention.ops)), Ks
+
+    monkeypatch.setattr(attention, "selection_rows", spy)
+    step = _step(*VARIANTS[variant])
+    expected, logits = _expected(*step)
+    for path, got in _tf_paths(*step).items():
+        if bug is None:
+            _judge(f"tf {path} {variant}", np.asarray(got), expected, logits, step[0])
+        else:
+            with pytest.raises(AssertionError, match="FAIL"):
+                _judge(f"tf {path} {variant} ({bug})", np.asarray(got), expected, logits, step[0])
+    rows = 2 * step[-1].shape[1] if VARIANTS[variant][0] else 2
+    assert taken == ([(rows, 6)] * 2 if gathers(variant) else []), taken  # "uniform" and "nan": the masked core
+
+
+# --- mlx ------------------------------------------------------------------------------------------------------------
+
+
+def _mlx_paths(config, tensors, x, lat, rot, idx):
+    """{path: output} of impl_mlx's gathering paths: the fused kernel over the given cache, and the in-place cache
+    (mx.arrays written by slice assignment)."""
+    import mlx.core as mx
+
+    from impl_mlx.attention import multi_head_attention
+
+    p = {k: mx.array(v) for k, v in tensors.items()}
+    common = dict(topk_indices=idx, is_causal=True, causal_alignment="bottom_right")
+    buffers = [mx.zeros((2, 1, P + 4, a.shape[-1])) for a in (lat, rot)]
+    buffers[0][:, :, :P], buffers[1][:, :, :P] = mx.array(lat), mx.array(rot)
+    return {"fused": np.array(multi_head_attention(config, p, x, past_key=lat, past_value=rot, **common)),
+            "in_place": np.array(multi_head_attention(config, p, x, past_key=buffers[0], past_value=buffers[1],
+                                                      cache_length=P, **common))}
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("variant, bug", [(v, None) for v in VARIANTS]
+                         + [("per_kv_head_empty", "wrong_kv_head"), ("shared", "drops_key_0"),
+                            ("shared", "counts_a_key_twice")])
+def test_mlx_gathers_the_selected_rows(monkeypatch, variant, bug):
+    """impl_mlx's gather (impl_mlx.latent.gather_selected), shared and per kv head, fused and in place, against the
+    float64 stages; the porting bugs a gather makes (another kv head's selection read, index 0 read as a pad, a
+    key named twice counted twice) planted and failing."""
+    pytest.importorskip("mlx.core")  # the numpy env runs every file with no framework installed
+    import mlx.core as mx
+
+    import impl_mlx.latent as latent
+
+    heads, slots, taken = latent.selection_heads, latent.kept_slots, []
+
+    def spy_heads(topk):
+        idx = heads(topk)
+        taken.append(tuple(idx.shape))
+        return mx.concatenate([idx[:, 1:], idx[:, :1]], axis=1) if bug == "wrong_kv_head" else idx
+
+    def spy_slots(idx):
+        if bug in ("drops_key_0", "counts_a_key_twice"):
+            idx = mx.sort(idx, axis=-1)
+            return idx, (idx > 0) if bug == "drops_key_0" else (idx >= 0)
+        return slots(idx)
+
+    monkeypatch.setattr(latent, "selection_heads", spy_heads)
+    monkeypatch.setattr(latent, "kept_slots", spy_slots)
+    step = _step(*VARIANTS[variant])
+    expected, logits = _expected(*step)
+    for path, got in _mlx_paths(*step).items():
+        if bug is None:
+            _judge(f"mlx {path} {variant}", got, expected, logits, step[0])
+        else:
+            with pytest.raises(AssertionError, match="FAIL"):
+                _judge(f"mlx {path} {variant} ({bug})", got, expected, logits, step[0])
+    heads_of = step[-1].shape[1] if VARIANTS[variant][0] else 1
+    assert taken == ([(2, heads_of, 6)] * 2 if gathers(variant) else []), taken  # "uniform", "nan": masked kernel

@@ -373,3 +373,32 @@ def test_mlx_gathers_the_selected_rows(monkeypatch, variant, bug):
                 _judge(f"mlx {path} {variant} ({bug})", got, expected, logits, step[0])
     heads_of = step[-1].shape[1] if VARIANTS[variant][0] else 1
     assert taken == ([(2, heads_of, 6)] * 2 if gathers(variant) else []), taken  # "uniform", "nan": masked kernel
+
+
+@pytest.mark.mlx
+def test_mlx_sparse_bench_steps_give_the_reference(monkeypatch):
+    """`mha bench --shapes sparse`'s mlx runner (conformance/bench/sparse.mlx_paths) on the quick layer at P 80:
+    its dense and sparse steps against impl_numpy's float64 calls (sparse.reference), the sparse one gathered
+    (twice: the in-place step writes its token again), the indexer's selection of k keys."""
+    pytest.importorskip("mlx.core")  # the numpy env runs every file with no framework installed
+    import impl_mlx.latent as latent
+    from conformance.bench import sparse
+    from impl_numpy.attention import multi_head_attention
+
+    right, taken = latent.selection_heads, []
+    monkeypatch.setattr(latent, "selection_heads", lambda topk: taken.append(tuple(topk.shape)) or right(topk))
+    d, ix = sparse.dims(True)
+    config, tensors = sparse.layer(d, ix)
+    data = sparse.inputs(d, ix, P)
+    calls = sparse.mlx_paths(config, tensors, data, P)
+    ac = sparse.attention_config(config)
+    for name, topk in (("dense", None), ("sparse", data["topk"]), ("sparse", data["topk"])):
+        trace = []
+        expected = np.asarray(multi_head_attention(ac, sparse._split(tensors)[0], data["x"], past_key=data["latent"],
+                                                   past_value=data["rotary"], topk_indices=topk, is_causal=True,
+                                                   causal_alignment="bottom_right", dtype="float64", trace=trace))
+        logits = next(e.value for e in trace if e.stage == "logits")
+        assert_close(f"mlx bench {name}", np.array(calls[name]()), expected, config=ac, dtype="float32",
+                     quantity="output", B=d.B, T=1, S=P + 1, logits=logits)
+    assert taken == [(d.B, 1, ix.k)] * 2, taken  # the sparse step gathered, the dense one did not
+    assert tuple(calls["indexer"]().shape) == (d.B, 1, ix.k)

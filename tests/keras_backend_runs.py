@@ -184,7 +184,7 @@ def gather_calls(backend_id: str, mutants: list[str]) -> dict:
     """{mutant: {variant: {"output": (2, 1, O) as lists, "rows": [the gather's selection rows' shape, ...]}}}:
     impl_tf's fused path (impl_tf.attention.gather_selected where it gathers) on this backend, eagerly on torch,
     under jax.jit on jax (as the adapter runs the layer: eager jax compiles every op per shape)."""
-    from test_sparse_gather import VARIANTS, _step, roll_kv_heads
+    from test_sparse_gather import VARIANTS, _variant, roll_kv_heads
 
     from conformance.suite import backends
     from impl_tf import attention
@@ -205,21 +205,21 @@ def gather_calls(backend_id: str, mutants: list[str]) -> dict:
         attention.selection_rows = spy
         seen[mutant] = {}
         try:
-            for variant, (per_kv_head, masked_row, empty) in VARIANTS.items():
-                if mutant != "none" and not (per_kv_head and masked_row == "zero"):
-                    continue  # a planted gather bug where the gather runs
-                config, tensors, x, lat, rot, idx = _step(per_kv_head, masked_row, empty)
+            for variant, (per_kv_head, masked_row, _, head_mask) in VARIANTS.items():
+                if mutant != "none" and not (per_kv_head and masked_row == "zero" and not head_mask):
+                    continue  # a planted gather bug, on the per-kv-head variant the gather runs on
+                (config, tensors, x, lat, rot, idx), mask = _variant(variant)
 
-                def call(t, x, lat, rot, idx, config=config):
+                def call(t, x, lat, rot, idx, mask, config=config):
                     return attention.multi_head_attention(config, t, x, past_key=lat, past_value=rot,
-                                                          topk_indices=idx, is_causal=True,
+                                                          topk_indices=idx, mask=mask, is_causal=True,
                                                           causal_alignment="bottom_right")
                 if backend_id == "keras-jax":
                     import jax
 
                     call = jax.jit(call)
                 del taken[:]
-                out = np.asarray(keras.ops.convert_to_numpy(call(tensors, x, lat, rot, idx)), np.float64)
+                out = np.asarray(keras.ops.convert_to_numpy(call(tensors, x, lat, rot, idx, mask)), np.float64)
                 seen[mutant][variant] = {"output": out.tolist(), "rows": list(taken)}
         finally:
             attention.selection_rows = right

@@ -212,17 +212,17 @@ def test_the_keras_v4_layer_reproduces_the_reference_prefill_and_decode(backend_
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
 def test_the_keras_gather_takes_a_selection_per_kv_head_on_the_backend(backend_id, keras_runs):
     """impl_tf's gather of a decode step's selected keys (impl_tf.attention.gather_selected) on the backend:
-    tests/test_sparse_gather.py's VARIANTS (shared and per kv head, a fully masked row under masked_row "zero",
-    "uniform" and "nan", batch 2) against the float64 stages, the gather run where masked_row is "zero" alone
+    tests/test_sparse_gather.py's VARIANTS (shared and per kv head, a mask per head, a fully masked row under
+    masked_row "zero", "uniform" and "nan", batch 2) against the float64 stages, the gather run where masked_row is "zero" alone
     (the others stay with the masked core); each kv head reading the next one's selection fails."""
     _needs(backend_id)
-    from test_sparse_gather import VARIANTS, _expected, _judge, _step, gathers
+    from test_sparse_gather import VARIANTS, _expected, _judge, _variant, gathers
 
     seen = keras_runs(backend_id, "gather")
     for mutant, variants in seen.items():
         for variant, got in variants.items():
-            step = _step(*VARIANTS[variant])
-            expected, logits = _expected(*step)
+            step, mask = _variant(variant)
+            expected, logits = _expected(*step, mask=mask)
             output = np.asarray(got["output"], np.float64)
             rows = 2 * (step[-1].shape[1] if VARIANTS[variant][0] else 1)
             assert got["rows"] == ([[rows, 6]] if gathers(variant) else []), (mutant, variant, got["rows"])

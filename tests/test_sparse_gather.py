@@ -10,8 +10,9 @@ key dropped or one counted twice, are planted and must fail. (numpy's own: tests
 impl_tf's selection mask by scatter (a long cache's) against impl_numpy's.
 
 impl_tf's and impl_mlx's gathers also take a selection per kv head (B, K, 1, k) (MiniMax M3's form): VARIANTS
-(shared and per kv head, a fully masked row under masked_row "zero", "uniform" and "nan": the last two stay with
-the masked core, as every mirror leaves them, and must still be right), each judged against the float64 stages,
+(shared and per kv head, a mask per head joined to a shared selection, a fully masked row under masked_row
+"zero", "uniform" and "nan": the last two stay with the masked core, as every mirror leaves them, and must
+still be right), each judged against the float64 stages,
 and a gather that reads another kv head's selection planted and failing. impl_tf's on Keras's jax and torch
 backends: tests/test_keras_backends.py (keras_backend_runs.py's `gather`, VARIANTS there too)."""
 
@@ -53,25 +54,39 @@ def _step(per_kv_head=False, masked_row="zero", empty=False):
     return config, tensors, x, lat, rot, idx
 
 
-def _expected(config, tensors, x, lat, rot, idx):
+def _expected(config, tensors, x, lat, rot, idx, mask=None):
     """impl_numpy's float64 stages (every key attended, the unselected masked) and their logits (the bar's size)."""
     from impl_numpy.attention import multi_head_attention
 
     trace = []
-    out = np.asarray(multi_head_attention(config, tensors, x, past_key=lat, past_value=rot, topk_indices=idx,
+    out = np.asarray(multi_head_attention(config, tensors, x, past_key=lat, past_value=rot, topk_indices=idx, mask=mask,
                                           is_causal=True, causal_alignment="bottom_right", dtype="float64",
                                           trace=trace))
     return out, next(e.value for e in trace if e.stage == "logits")
 
 
-# name -> (per_kv_head, masked_row, empty): the gather runs where masked_row is "zero" (gathers_selection)
-VARIANTS = {"shared": (False, "zero", False), "shared_nan_empty": (False, "nan", True),
-            "per_kv_head_empty": (True, "zero", True), "per_kv_head_uniform_empty": (True, "uniform", True),
-            "per_kv_head_nan_empty": (True, "nan", True)}
+# name -> (per_kv_head, masked_row, empty, head_mask): the gather runs where masked_row is "zero" (gathers_selection)
+VARIANTS = {"shared": (False, "zero", False, False), "shared_head_mask": (False, "zero", False, True),
+            "shared_nan_empty": (False, "nan", True, False), "per_kv_head_empty": (True, "zero", True, False),
+            "per_kv_head_uniform_empty": (True, "uniform", True, False), "per_kv_head_nan_empty": (True, "nan", True, False)}
 
 
 def gathers(variant: str) -> bool:
     return VARIANTS[variant][1] == "zero"
+
+
+def _variant(variant: str):
+    """-> the step (_step's tuple) and its mask: None, or with head_mask a mask per head (2, N 4, 1, P + 1) that
+    hides from row 0's head 1 the key it selects twice (17), from row 1's head 2 the new key it selects, and
+    every key from row 1's head 3 (a fully masked row): the selection and the mask joined per head."""
+    per_kv_head, masked_row, empty, head_mask = VARIANTS[variant]
+    step = _step(per_kv_head, masked_row, empty)
+    if not head_mask:
+        return step, None
+    mask = np.ones((2, step[0].num_heads, 1, P + 1), bool)
+    mask[0, 1, 0, 17] = mask[1, 2, 0, P] = False
+    mask[1, 3] = False
+    return step, mask
 
 
 def _judge(name, got, expected, logits, config):
@@ -232,14 +247,15 @@ def test_tf_selection_mask_by_scatter_is_numpys(monkeypatch):
         assert got.shape == expected.shape and (got == expected).all(), (shape, np.argwhere(got != expected))
 
 
-def _tf_paths(config, tensors, x, lat, rot, idx):
+def _tf_paths(config, tensors, x, lat, rot, idx, mask=None):
     """{path: output} of impl_tf's gathering paths on TensorFlow: the fused path over the given cache, and the
     in-place cache (tf.Variables) in a tf.function, as the bench runs it."""
     from impl_tf._keras import tf
     from impl_tf.attention import multi_head_attention
 
     t = {k: tf.constant(v) for k, v in tensors.items()}
-    common = dict(topk_indices=tf.constant(idx), is_causal=True, causal_alignment="bottom_right")
+    common = dict(topk_indices=tf.constant(idx), is_causal=True, causal_alignment="bottom_right",
+                  mask=None if mask is None else tf.constant(mask))
     buffers = [np.zeros((2, 1, P + 4, a.shape[-1]), np.float32) for a in (lat, rot)]
     buffers[0][:, :, :P], buffers[1][:, :, :P] = lat, rot
     bk, bv = (tf.Variable(b) for b in buffers)
@@ -288,7 +304,7 @@ def roll_kv_heads(rows, Ks: int, ops):
 
 
 @pytest.mark.tf
-@pytest.mark.parametrize("variant, bug", [(v, None) for v in VARIANTS if v.startswith("per_kv_head")]
+@pytest.mark.parametrize("variant, bug", [(v, None) for v in VARIANTS if v not in ("shared", "shared_nan_empty")]
                          + [("per_kv_head_empty", "wrong_kv_head")])  # shared: the test above (and mlx's, keras's)
 def test_tf_gathers_a_selection_per_kv_head(monkeypatch, variant, bug):
     """impl_tf's gather of a selection per kv head (and a fully masked row, under each masked_row) on TensorFlow,
@@ -304,9 +320,9 @@ def test_tf_gathers_a_selection_per_kv_head(monkeypatch, variant, bug):
         return (rows if bug is None else roll_kv_heads(rows, Ks, attention.ops)), Ks
 
     monkeypatch.setattr(attention, "selection_rows", spy)
-    step = _step(*VARIANTS[variant])
-    expected, logits = _expected(*step)
-    for path, got in _tf_paths(*step).items():
+    step, mask = _variant(variant)
+    expected, logits = _expected(*step, mask=mask)
+    for path, got in _tf_paths(*step, mask=mask).items():
         if bug is None:
             _judge(f"tf {path} {variant}", np.asarray(got), expected, logits, step[0])
         else:
@@ -319,7 +335,7 @@ def test_tf_gathers_a_selection_per_kv_head(monkeypatch, variant, bug):
 # --- mlx ------------------------------------------------------------------------------------------------------------
 
 
-def _mlx_paths(config, tensors, x, lat, rot, idx):
+def _mlx_paths(config, tensors, x, lat, rot, idx, mask=None):
     """{path: output} of impl_mlx's gathering paths: the fused kernel over the given cache, and the in-place cache
     (mx.arrays written by slice assignment)."""
     import mlx.core as mx
@@ -327,7 +343,7 @@ def _mlx_paths(config, tensors, x, lat, rot, idx):
     from impl_mlx.attention import multi_head_attention
 
     p = {k: mx.array(v) for k, v in tensors.items()}
-    common = dict(topk_indices=idx, is_causal=True, causal_alignment="bottom_right")
+    common = dict(topk_indices=idx, is_causal=True, causal_alignment="bottom_right", mask=mask)
     buffers = [mx.zeros((2, 1, P + 4, a.shape[-1])) for a in (lat, rot)]
     buffers[0][:, :, :P], buffers[1][:, :, :P] = mx.array(lat), mx.array(rot)
     return {"fused": np.array(multi_head_attention(config, p, x, past_key=lat, past_value=rot, **common)),
@@ -363,9 +379,9 @@ def test_mlx_gathers_the_selected_rows(monkeypatch, variant, bug):
 
     monkeypatch.setattr(latent, "selection_heads", spy_heads)
     monkeypatch.setattr(latent, "kept_slots", spy_slots)
-    step = _step(*VARIANTS[variant])
-    expected, logits = _expected(*step)
-    for path, got in _mlx_paths(*step).items():
+    step, mask = _variant(variant)
+    expected, logits = _expected(*step, mask=mask)
+    for path, got in _mlx_paths(*step, mask=mask).items():
         if bug is None:
             _judge(f"mlx {path} {variant}", got, expected, logits, step[0])
         else:

@@ -418,3 +418,42 @@ def test_mlx_sparse_bench_steps_give_the_reference(monkeypatch):
                      quantity="output", B=d.B, T=1, S=P + 1, logits=logits)
     assert taken == [(d.B, 1, ix.k)] * 2, taken  # the sparse step gathered, the dense one did not
     assert tuple(calls["indexer"]().shape) == (d.B, 1, ix.k)
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("variant", ["shared_head_mask", "per_kv_head_empty"])
+def test_mlx_gathered_step_gradients_are_the_references(monkeypatch, variant):
+    """mx.vjp through impl_mlx's gathered step (the fused path over the given cache: the gather's gradient a
+    scatter into the selected rows, a key named twice getting its gradient once) against impl_numpy's float64
+    VJP of the masked form: every parameter's, the query's and the cache's (past_key: the latent, past_value:
+    the rotary key) gradient, each judged with its terms' magnitude as the floor (assert_close's scale_floor)."""
+    pytest.importorskip("mlx.core")  # the numpy env runs every file with no framework installed
+    import mlx.core as mx
+
+    import impl_mlx.latent as latent
+    from impl_mlx.attention import multi_head_attention
+    from impl_numpy import multi_head_attention_vjp
+
+    right, taken = latent.selection_heads, []
+    monkeypatch.setattr(latent, "selection_heads", lambda topk: taken.append(tuple(topk.shape)) or right(topk))
+    (config, tensors, x, lat, rot, idx), mask = _variant(variant)
+    d_out = np.random.default_rng(2).standard_normal((2, 1, config.out_dim)).astype(np.float32)
+    common = dict(topk_indices=idx, mask=mask, is_causal=True, causal_alignment="bottom_right")
+    _, want, magnitudes = multi_head_attention_vjp(config, tensors, x, d_output=d_out, past_key=lat, past_value=rot,
+                                                   dtype="float64", gradient_magnitudes=True, **common)
+    names = list(tensors)
+
+    def f(*args):
+        *params, query, past_key, past_value = args
+        return [multi_head_attention(config, dict(zip(names, params)), query, past_key=past_key,
+                                     past_value=past_value, **common)]
+
+    arrays = [mx.array(tensors[n]) for n in names] + [mx.array(a) for a in (x, lat, rot)]
+    _, grads = mx.vjp(f, arrays, [mx.array(d_out)])
+    got = dict(zip([*names, "query", "past_key", "past_value"], (np.array(g) for g in grads)))
+    assert taken, "the gather did not run"
+    assert set(want) <= set(got), (sorted(want), sorted(got))
+    for name, expected in want.items():
+        assert_close(f"mlx grad {name} ({variant})", got[name], expected, config=config, dtype="float32",
+                     quantity="grad", B=2, T=1, S=P + 1,
+                     scale_floor=float(np.nanmax(np.abs(magnitudes[name]))))

@@ -457,3 +457,89 @@ def test_mlx_gathered_step_gradients_are_the_references(monkeypatch, variant):
         assert_close(f"mlx grad {name} ({variant})", got[name], expected, config=config, dtype="float32",
                      quantity="grad", B=2, T=1, S=P + 1,
                      scale_floor=float(np.nanmax(np.abs(magnitudes[name]))))
+
+
+def _random_step(seed: int):
+    """A random decode step for the gathers (slow sweep below): the quick latent layer, B 1-2, P 63-120 (the
+    gather from S_total 64 on), k 1-12, a selection shared or per kv head drawn over -1 .. P (pads and repeats
+    wherever they fall; a row all -1 one time in six), a mask none, per row or per head (each key shown with
+    probability 0.8; a head shown nothing now and then). -> (config, tensors, x, lat, rot, idx), mask, S_total."""
+    from conformance.bench import latent
+
+    rng = np.random.default_rng([seed, 39, 5])
+    d = latent.QUICK
+    config, tensors = latent.layer(d)
+    B, P_, k = int(rng.integers(1, 3)), int(rng.integers(63, 121)), int(rng.integers(1, 13))
+    S = P_ + 1
+    x = rng.standard_normal((B, 1, d.D)).astype(np.float32)
+    lat = rng.standard_normal((B, 1, P_, d.C)).astype(np.float32)
+    rot = rng.standard_normal((B, 1, P_, d.R)).astype(np.float32)
+    heads = config.num_kv_heads if rng.random() < 0.5 else 1
+    idx = rng.integers(-1, S, size=(B, heads, 1, k))
+    empty = rng.random((B, heads)) < 1 / 6
+    idx[empty] = -1
+    idx = idx if heads > 1 else idx[:, 0]
+    kind = rng.integers(3)
+    mask = None if kind == 0 else rng.random((B, 1 if kind == 1 else config.num_heads, 1, S)) < 0.8
+    return (config, tensors, x, lat, rot, idx), mask, S
+
+
+def _judge_random(name, got, step, mask, S):
+    config = step[0]
+    expected, logits = _expected(*step, mask=mask)
+    assert_close(name, np.asarray(got), expected, config=config, dtype="float32", quantity="output",
+                 B=expected.shape[0], T=1, S=S, logits=logits)
+
+
+SEEDS = 300  # the slow sweeps' seeds per backend
+
+
+@pytest.mark.mlx
+@pytest.mark.slow
+def test_mlx_gather_over_random_steps(monkeypatch):
+    """impl_mlx's gather (fused, in place) on SEEDS random decode steps (_random_step) against the float64 stages:
+    none may fail, and every step gathers."""
+    pytest.importorskip("mlx.core")  # the numpy env runs every file with no framework installed
+    import mlx.core as mx
+
+    import impl_mlx.latent as latent
+    from impl_mlx.attention import multi_head_attention
+
+    right, taken = latent.selection_heads, []
+    monkeypatch.setattr(latent, "selection_heads", lambda topk: taken.append(1) or right(topk))
+
+    for seed in range(SEEDS):
+        step, mask, S = _random_step(seed)
+        config, tensors, x, lat, rot, idx = step
+        p = {k: mx.array(v) for k, v in tensors.items()}
+        common = dict(topk_indices=idx, mask=mask, is_causal=True, causal_alignment="bottom_right")
+        buffers = [mx.zeros((x.shape[0], 1, S + 2, a.shape[-1])) for a in (lat, rot)]
+        buffers[0][:, :, :S - 1], buffers[1][:, :, :S - 1] = mx.array(lat), mx.array(rot)
+        _judge_random(f"mlx fused seed {seed}", np.array(multi_head_attention(config, p, x, past_key=lat,
+                                                                              past_value=rot, **common)),
+                      step, mask, S)
+        _judge_random(f"mlx in_place seed {seed}", np.array(multi_head_attention(
+            config, p, x, past_key=buffers[0], past_value=buffers[1], cache_length=S - 1, **common)), step, mask, S)
+    assert len(taken) == 2 * SEEDS, len(taken)  # every step gathered, on both paths
+
+
+@pytest.mark.tf
+@pytest.mark.slow
+def test_tf_gather_over_random_steps(monkeypatch):
+    """impl_tf's gather (fused path, TensorFlow eager) on SEEDS random decode steps against the float64 stages."""
+    pytest.importorskip("tensorflow")  # the numpy env runs every file with no framework installed
+    import impl_tf.attention as attention
+    from impl_tf._keras import tf
+
+    right, taken = attention.selection_rows, []
+    monkeypatch.setattr(attention, "selection_rows", lambda topk: taken.append(1) or right(topk))
+    for seed in range(SEEDS):
+        step, mask, S = _random_step(seed)
+        config, tensors, x, lat, rot, idx = step
+        got = attention.multi_head_attention(config, {k: tf.constant(v) for k, v in tensors.items()}, tf.constant(x),
+                                             past_key=tf.constant(lat), past_value=tf.constant(rot),
+                                             topk_indices=tf.constant(idx),
+                                             mask=None if mask is None else tf.constant(mask), is_causal=True,
+                                             causal_alignment="bottom_right")
+        _judge_random(f"tf fused seed {seed}", got, step, mask, S)
+    assert len(taken) == SEEDS, len(taken)  # every step gathered

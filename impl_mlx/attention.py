@@ -18,7 +18,9 @@ either core; ALiBi, windows, local chunks, segments, the selection
 (topk_indices, or the lightning indexer's: in the mask, call.prepare), bias and sinks are part of
 both; the output gate runs after. A latent layer (MLA, latent.py)
 runs its expanded form on the stages and its absorbed form on the fused and
-chunked cores and the in-place cache, as impl_numpy does.
+chunked cores and the in-place cache, as impl_numpy does; a one-token call of
+it over a selection gathers the selected rows on the fused path
+(latent.gather_selected) instead of masking the whole cache.
 
 In-place cache (cache_length=P): past_key (B, K, C, H) and past_value
 (B, K, C, V) are the caller's mx.arrays of the storage dtype; the call
@@ -42,7 +44,7 @@ from .chunked import chunked_attention
 from .convert import np_dtype
 from .fused import sdpa_attend
 from .heads import qkv_heads
-from .latent import absorbed, expand, latent_heads
+from .latent import absorbed, expand, gather_selected, gathers_selection, latent_heads
 
 FLOAT64_REFUSAL = ("float64 storage: mx.fast.scaled_dot_product_attention computes in float32 whatever its "
                    "inputs' dtype (its float64 results carry float32's error)")
@@ -140,10 +142,12 @@ def multi_head_attention(
     p = call.params
     rec = lambda stage, value: record(trace, stage, value)  # noqa: E731
     if path in ("chunked", "fused"):
-        values_up = None
+        values_up = gathered = None
         if config.latent is not None:  # the absorbed form: one shared head of width C + R over the latent
             q, k, v = latent_heads(config, call)
             cache = k, v
+            if path == "fused" and gathers_selection(config, call, is_causal, causal_alignment):
+                k, v, gathered = gather_selected(config, call, k, v)  # a decode step: the selected rows alone
             q, k, v = absorbed(config, call, q, k, v)
             values_up = p["value.kernel"]
         else:
@@ -155,7 +159,7 @@ def multi_head_attention(
             out = chunked_attention(config, call, q, k, v, is_causal=is_causal, causal_alignment=causal_alignment,
                                     chunk_size=chunk_size, values_up=values_up)
         else:
-            out = _fused(config, call, q, k, v, is_causal, causal_alignment, values_up)
+            out = _fused(config, call, q, k, v, is_causal, causal_alignment, values_up, gathered)
         present_key, present_value = cache
     else:
         if config.latent is not None:  # the expanded form: the present cache is the latent and the rotary key
@@ -191,8 +195,10 @@ def multi_head_attention(
     return result[0] if len(result) == 1 else result
 
 
-def _fused(config, call, q, k, v, is_causal: bool, causal_alignment: str, values_up):
-    """logits .. attend through fused.sdpa_attend, then [expand_values] -> [gate] -> merge_heads -> output."""
+def _fused(config, call, q, k, v, is_causal: bool, causal_alignment: str, values_up, gathered=None):
+    """logits .. attend through fused.sdpa_attend, then [expand_values] -> [gate] -> merge_heads -> output.
+    gathered: the selected keys' own mask (B, 1|N, 1, k) where k and v are a decode step's gathered rows
+    (latent.gather_selected), else None."""
     p = call.params
     T, S = q.shape[2], k.shape[2]
     bias = call.bias4
@@ -205,7 +211,8 @@ def _fused(config, call, q, k, v, is_causal: bool, causal_alignment: str, values
     only_causal = (is_causal and bias is None and call.mask4 is None and config.window_left < 0
                    and config.window_right < 0 and config.local_chunk is None and call.segment_ids is None
                    and T <= S and (causal_alignment == "bottom_right" or T == S))
-    allowed = None if only_causal else call.allowed(config, is_causal, causal_alignment)
+    allowed = gathered if gathered is not None else None if only_causal else call.allowed(config, is_causal,
+                                                                                          causal_alignment)
     ctx = sdpa_attend(config, q, k, v, allowed=allowed, bias=bias, sinks=p.get("sinks"),
                       bottom_right_causal=only_causal)  # (B, N, T, V|C)
     if values_up is not None:  # the attended latent through each head's value up-projection

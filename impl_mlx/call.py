@@ -80,6 +80,7 @@ class Call:
     past_key_positions: Any = None  # (B|1, P) the cached keys' positions, or None
     selected: bool = False  # topk_indices or config.indexer: mask4 holds the selection (the chunked core skips unselected blocks)
     selection: Any = None  # config.indexer's selection (B, T, k) or (B, K, T, k) int64, joined to mask4, or None
+    topk: Any = None  # the selection that joined mask4 (topk_indices, or the indexer's) as an mx.array, or None
     present_index_keys: Any = None  # (B, P+S, J); with cache_length the caller's buffer (B, C, J)
     # kv_shared (issue 42): the cache's last S = T entries, the queries' own keys and values (B, K, S, H|V)
     shared_key: Any = None
@@ -214,6 +215,7 @@ def prepare(config, params, query, key, value, *, mask, bias, dropout_mask, is_c
         past_key_positions=F.default_positions(_ids(optional["past_key_positions"]), 0, shapes.P)
         if positioned and optional["past_key_positions"] is not None else None,
         selected=selection is not None or config.indexer is not None,
+        topk=None if selection is None else to_mx(selection),
     )
     axes = None if config.rope is None else mrope_axes(config.rope)
     if axes is not None:  # multimodal RoPE: each rotating pair's position, (B|1, L, R/2); nothing reads the cache's
@@ -271,6 +273,7 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
         buffer[:, P:P + S] = present[:, P:]  # the caller's array, written in place
         present = buffer
     call.selection, call.present_index_keys = result["topk_indices"], present
+    call.topk = call.selection
     selected = F.selection_mask(call.selection, config.num_heads, call.shapes.S_total)
     call.mask4 = selected if call.mask4 is None else call.mask4 & selected
 

@@ -189,22 +189,25 @@ GATHER_MIN_KEYS = 64
 
 def gathers_selection(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str) -> bool:
     """impl_numpy.chunked._selected_columns's conditions in keras.ops (impl_jax.latent.gathers_selection's): a
-    one-token latent call over one selection for every head, (B, 1, k), shapes known, at least GATHER_MIN_KEYS
-    keys and more than k, a mask (the selection in it) the same for every head, no window, local chunks,
-    ALiBi, segments, bias or dropout, causal (if at all) bottom-right, masked_row "zero"."""
+    one-token latent call over a selection, shared (B, 1, k) or per kv head (B, K, 1, k), shapes known, at
+    least GATHER_MIN_KEYS keys and more than k, a mask (the selection in it) per batch row or per head, no
+    window, local chunks, ALiBi, segments, bias or dropout, causal (if at all) bottom-right, masked_row
+    "zero" (a fully masked row's "uniform" 1/S_total and "nan" fill weigh every key of S_total: the masked
+    core keeps them)."""
     idx = call.topk
     shape = None if idx is None else tuple(idx.shape)
-    return (config.latent is not None and shape is not None and len(shape) == 3
-            and all(isinstance(n, int) for n in shape) and isinstance(call.T, int) and call.T == 1
+    return (config.latent is not None and shape is not None and len(shape) in (3, 4)
+            and all(isinstance(n, int) for n in shape) and shape[-2] == 1 and isinstance(call.T, int) and call.T == 1
             and isinstance(call.S_total, int) and GATHER_MIN_KEYS <= call.S_total and shape[-1] < call.S_total
-            and call.mask4 is not None and call.mask4.shape[1] == 1 and call.mask4.shape[3] == call.S_total
+            and call.mask4 is not None and call.mask4.shape[1] in (1, config.num_heads)
+            and call.mask4.shape[3] == call.S_total
             and call.bias4 is None and call.keep is None and call.segment_ids is None and not config.alibi
             and config.local_chunk is None and config.window_left < 0 and config.window_right < 0
             and (not is_causal or causal_alignment == "bottom_right") and config.masked_row == "zero")
 
 
 def kept_slots(idx):
-    """A selection's slots (B, k) sorted, and which of them gather_selected keeps: those that select a key
+    """A selection's slots (R, k) sorted, and which of them gather_selected keeps: those that select a key
     (not -1), each key once (the first of its slots; equal keys are adjacent once sorted)."""
     idx = ops.sort(idx, axis=-1)  # -1 slots first
     first = ops.concatenate([ops.ones((idx.shape[0], 1), dtype="bool"), ops.not_equal(idx[:, 1:], idx[:, :-1])],
@@ -212,26 +215,49 @@ def kept_slots(idx):
     return idx, ops.logical_and(idx >= 0, first)
 
 
-def gather_selected(call: Call, latent, rotary):
-    """The absorbed form over the selected keys alone (gathers_selection; impl_jax.latent.gather_selected's
-    way: each batch row's k selected rows by index, a static width), not the whole cache masked. latent (B,
-    1, S_x, C), rotary (B, 1, S_x, R) (S_x: S_total, or an in-place buffer's capacity: the selection
-    indexes S_total alone) -> keys (B, 1, k, C + R), values (B, 1, k, C), mask4 (B, 1, 1, k): a slot is
-    kept where it selects a key, the first of its slots, and the call's mask shows that key."""
-    B, _, k = call.topk.shape
-    idx, keep = kept_slots(ops.reshape(F._cast(call.topk, "int32"), (B, k)))
-    safe = ops.maximum(idx, 0)  # a dropped slot reads key 0, weight 0 (keep)
-    rows = ops.arange(B, dtype="int32")[:, None]
+def selection_rows(topk):
+    """The one query's selection (B, 1, k) or (B, Ks, 1, k) as rows (B * Ks, k) int32, and Ks (1: shared by
+    every head; else one per kv head, query head n reading n // G). Row r is batch row r // Ks's head r % Ks."""
+    idx = F._cast(topk, "int32")
+    Ks = 1 if len(idx.shape) == 3 else idx.shape[1]
+    return ops.reshape(idx, (idx.shape[0] * Ks, idx.shape[-1])), Ks
 
-    def take(x):  # (B, 1, L, F) at each row's safe slots -> (B, 1, k, F)
+
+def gather_selected(config: AttentionConfig, call: Call, latent, rotary):
+    """The absorbed form over the selected keys alone (gathers_selection; impl_jax.latent.gather_selected's
+    way: each batch row's (and selection head's) k selected rows by index, a static width), not the whole
+    cache masked. latent (B, 1, S_x, C), rotary (B, 1, S_x, R) (S_x: S_total, or an in-place buffer's
+    capacity: the selection indexes S_total alone) -> keys (B, Ks, k, C + R), values (B, Ks, k, C), mask4
+    (B, 1|N, 1, k): a slot is kept where it selects a key, the first of its slots, and the call's mask shows
+    that key to the head (Ks: 1, or one per kv head; the core reads key head n // G for query head n)."""
+    B, N, S = call.topk.shape[0], config.num_heads, call.S_total
+    idx, Ks = selection_rows(call.topk)  # (B * Ks, k)
+    k = idx.shape[-1]
+    idx, keep = kept_slots(idx)  # (B * Ks, k) sorted, and the slots that select a key once
+    safe = ops.maximum(idx, 0)  # a dropped slot reads key 0, weight 0 (keep)
+    batch_row = ops.arange(B * Ks, dtype="int32")[:, None] // Ks  # (B * Ks, 1): each row's batch row
+
+    def take(x):  # (B, 1, L, F) at each row's safe slots -> (B, Ks, k, F)
         L, width = x.shape[2], x.shape[3]
-        flat = ops.reshape(safe + rows * L, (B * k,))
-        return ops.reshape(ops.take(ops.reshape(x, (B * L, width)), flat, axis=0), (B, 1, k, width))
+        flat = ops.reshape(safe + batch_row * L, (B * Ks * k,))
+        return ops.reshape(ops.take(ops.reshape(x, (B * L, width)), flat, axis=0), (B, Ks, k, width))
 
     lat, rot = take(latent), take(rotary)
-    shown = ops.broadcast_to(call.mask4[:, :, :1], (B, 1, 1, call.S_total))  # (B, 1, 1, S_total)
-    keep = ops.logical_and(keep, ops.reshape(take(ops.reshape(shown, (B, 1, call.S_total, 1))), (B, k)))
-    return ops.concatenate([lat, rot], axis=-1), lat, ops.reshape(keep, (B, 1, 1, k))
+    M = call.mask4.shape[1]  # the mask's heads: 1, or N
+    shown = ops.reshape(ops.broadcast_to(call.mask4[:, :, :1], (B, M, 1, S)), (B * M * S,))  # (B, 1|N, 1, S)
+    keep = ops.reshape(keep, (B, Ks, k))
+    if M == 1:  # one mask per batch row: each selection head's slots read it
+        at = ops.reshape(safe, (B, Ks, k)) + ops.arange(B, dtype="int32")[:, None, None] * S
+        keep = ops.logical_and(keep, ops.reshape(ops.take(shown, ops.reshape(at, (B * Ks * k,)), axis=0), (B, Ks, k)))
+        if Ks > 1:
+            keep = ops.repeat(keep, N // Ks, axis=1)  # (B, N, k): query head n reads its kv head's slots
+    else:  # per head: head n reads its kv head's selection n // G and its own mask
+        G = N // Ks
+        keep = ops.repeat(keep, G, axis=1)  # (B, N, k)
+        at = (ops.repeat(ops.reshape(safe, (B, Ks, k)), G, axis=1)
+              + ops.reshape(ops.arange(B * N, dtype="int32"), (B, N, 1)) * S)  # (B, N, k) into (B * N * S,)
+        keep = ops.logical_and(keep, ops.reshape(ops.take(shown, ops.reshape(at, (B * N * k,)), axis=0), (B, N, k)))
+    return ops.concatenate([lat, rot], axis=-1), lat, ops.expand_dims(keep, 2)
 
 
 def expanded(config: AttentionConfig, call: Call, ctx):
@@ -255,7 +281,7 @@ def in_place_fused(config: AttentionConfig, call: Call, is_causal: bool, causal_
     p = call.params
     if gathers_selection(config, call, is_causal, causal_alignment):  # the selected rows alone, no mask over C
         q, _, _, (latent, rotary) = absorbed_heads(config, call, append=False)
-        keys, values, allowed = gather_selected(call, latent, rotary)
+        keys, values, allowed = gather_selected(config, call, latent, rotary)
         options = {name: value for name, value in _modern_core_options(config, call).items()
                    if name in ("softcap", "sinks")}
         ctx = _attention(q, keys, values, mask4=allowed, bias=None, keep=None, is_causal=False,
@@ -426,7 +452,7 @@ def multi_head_attention(
         decode_step = causal_alignment == "bottom_right" and isinstance(call.T, int) and call.T == 1
         mask4 = call.mask4
         if gather:  # a decode step over a selection: the selected rows alone (impl_numpy's gather)
-            k, v, mask4 = gather_selected(call, *present)
+            k, v, mask4 = gather_selected(config, call, *present)
         ctx = _attention(
             q, k, v, mask4=mask4, bias=call.bias4, keep=call.keep, is_causal=is_causal and not decode_step,
             causal_alignment=causal_alignment, scale=config.effective_scale, rate=config.dropout,

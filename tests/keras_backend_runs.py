@@ -7,6 +7,7 @@ Keras layer on that backend, judged by run_case on a few cases, with and without
     python tests/keras_backend_runs.py BACKEND_ID verify
     python tests/keras_backend_runs.py BACKEND_ID indexer MUTANT[,MUTANT...]
     python tests/keras_backend_runs.py BACKEND_ID v4 PREFILL STOP
+    python tests/keras_backend_runs.py BACKEND_ID gather MUTANT[,MUTANT...]
     python tests/keras_backend_runs.py BACKEND_ID batch '{"NAME": ["COMMAND", "ARG", ...], ...}'
     python tests/keras_backend_runs.py keras-jax programs DIR
 
@@ -19,7 +20,10 @@ selection) by conformance.suite.selection.judge_indexer, with each mutant plante
 two indexer cases judged by run_case ("layer": judge's rows). v4 runs impl_tf.compressed (DeepSeek V4's layer)
 in float32 on tests/test_compressed_v4.py's three layers, batch 2: a prefill of PREFILL tokens returning its
 cache, then the tokens up to STOP one at a time from the returned cache, and prints the outputs (and csa's selection)
-for the test to judge against the float64 reference. programs (keras-jax) runs a few cases' forward
+for the test to judge against the float64 reference. gather runs impl_tf's fused path in float32 on
+tests/test_sparse_gather.py's VARIANTS (a decode step over a selection shared or per kv head, batch 2) with each
+mutant planted alone ("wrong_kv_head": each kv head reads the next one's selection, on the per-kv-head variant
+the gather runs on) and prints the outputs and the gather's selection rows, for the test to judge. programs (keras-jax) runs a few cases' forward
 and vjp by jax.jit, then through the on-disk program cache in DIR (compiled and stored, then loaded as a new
 process would), then the cases' twins (same shapes, other values) through the cache, judged by run_case, and
 prints what it compared. batch runs several of these one after another in one process (the framework imported
@@ -176,6 +180,52 @@ def v4_calls(backend_id: str, prefill: int, stop: int) -> dict:
     return seen
 
 
+def gather_calls(backend_id: str, mutants: list[str]) -> dict:
+    """{mutant: {variant: {"output": (2, 1, O) as lists, "rows": [the gather's selection rows' shape, ...]}}}:
+    impl_tf's fused path (impl_tf.attention.gather_selected where it gathers) on this backend, eagerly on torch,
+    under jax.jit on jax (as the adapter runs the layer: eager jax compiles every op per shape)."""
+    from test_sparse_gather import VARIANTS, _variant, roll_kv_heads
+
+    from conformance.suite import backends
+    from impl_tf import attention
+
+    backends.load(backend_id)  # the adapter's process set-up (jax: x64 mode)
+    import keras
+
+    right = attention.selection_rows
+    seen = {}
+    for mutant in mutants:
+        taken = []
+
+        def spy(topk, mutant=mutant, taken=taken):
+            rows, Ks = right(topk)
+            taken.append(list(rows.shape))
+            return (rows if mutant == "none" else roll_kv_heads(rows, Ks, attention.ops)), Ks
+
+        attention.selection_rows = spy
+        seen[mutant] = {}
+        try:
+            for variant, (per_kv_head, masked_row, _, head_mask) in VARIANTS.items():
+                if mutant != "none" and not (per_kv_head and masked_row == "zero" and not head_mask):
+                    continue  # a planted gather bug, on the per-kv-head variant the gather runs on
+                (config, tensors, x, lat, rot, idx), mask = _variant(variant)
+
+                def call(t, x, lat, rot, idx, mask, config=config):
+                    return attention.multi_head_attention(config, t, x, past_key=lat, past_value=rot,
+                                                          topk_indices=idx, mask=mask, is_causal=True,
+                                                          causal_alignment="bottom_right")
+                if backend_id == "keras-jax":
+                    import jax
+
+                    call = jax.jit(call)
+                del taken[:]
+                out = np.asarray(keras.ops.convert_to_numpy(call(tensors, x, lat, rot, idx, mask)), np.float64)
+                seen[mutant][variant] = {"output": out.tolist(), "rows": list(taken)}
+        finally:
+            attention.selection_rows = right
+    return seen
+
+
 def round_trip(backend_id: str, folder: str) -> dict:
     """The layer (bfloat16: the storage dtype Keras's torch backend converts by hand) and a float32 Model
     holding it, saved and loaded as .keras files: the loaded weights equal byte for byte, the loaded layer's
@@ -317,6 +367,8 @@ def run_command(backend_id: str, command: str, rest: list[str]):
         return seen
     if command == "v4":  # v4 PREFILL STOP: {kind: {"output", "selection"}}
         return v4_calls(backend_id, int(rest[0]), int(rest[1]))
+    if command == "gather":  # gather MUTANT[,MUTANT...]: {mutant: {variant: {"output", "rows"}}}
+        return gather_calls(backend_id, rest[0].split(","))
     if command == "round_trip":
         return round_trip(backend_id, rest[0])
     if command == "programs":

@@ -57,7 +57,8 @@ def _commands(folder: Path, backend_id: str) -> dict:
                 "indexer": ["indexer", "none,keras_maximum"],
                 "round_trip": ["round_trip", str(folder)],
                 "verify": ["verify"],
-                "v4": ["v4", str(V4_PREFILL), str(V4_STOP)]}
+                "v4": ["v4", str(V4_PREFILL), str(V4_STOP)],
+                "gather": ["gather", "none,wrong_kv_head"]}
     if backend_id == "keras-jax":
         commands["programs"] = ["programs", str(folder / "programs")]
     return commands
@@ -206,6 +207,32 @@ def test_the_keras_v4_layer_reproduces_the_reference_prefill_and_decode(backend_
             np.testing.assert_array_equal(np.asarray(got["selection"]), selection[:, :V4_PREFILL])
         else:
             assert got["selection"] is None, got["selection"]
+
+
+@pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))
+def test_the_keras_gather_takes_a_selection_per_kv_head_on_the_backend(backend_id, keras_runs):
+    """impl_tf's gather of a decode step's selected keys (impl_tf.attention.gather_selected) on the backend:
+    tests/test_sparse_gather.py's VARIANTS (shared and per kv head, a mask per head, a fully masked row under
+    masked_row "zero", "uniform" and "nan", batch 2) against the float64 stages, the gather run where masked_row is "zero" alone
+    (the others stay with the masked core); each kv head reading the next one's selection fails."""
+    _needs(backend_id)
+    from test_sparse_gather import VARIANTS, _expected, _judge, _variant, gathers
+
+    seen = keras_runs(backend_id, "gather")
+    for mutant, variants in seen.items():
+        for variant, got in variants.items():
+            step, mask = _variant(variant)
+            expected, logits = _expected(*step, mask=mask)
+            output = np.asarray(got["output"], np.float64)
+            rows = 2 * (step[-1].shape[1] if VARIANTS[variant][0] else 1)
+            assert got["rows"] == ([[rows, 6]] if gathers(variant) else []), (mutant, variant, got["rows"])
+            if mutant == "none":
+                _judge(f"{backend_id} {variant}", output, expected, logits, step[0])
+            else:
+                with pytest.raises(AssertionError, match="FAIL"):
+                    _judge(f"{backend_id} {variant} ({mutant})", output, expected, logits, step[0])
+    assert set(seen) == {"none", "wrong_kv_head"} and set(seen["none"]) == set(VARIANTS), seen.keys()
+    assert list(seen["wrong_kv_head"]) == ["per_kv_head_empty"], list(seen["wrong_kv_head"])
 
 
 @pytest.mark.parametrize("backend_id", per_backend("keras-jax", "keras-torch"))

@@ -15,8 +15,8 @@ opt-in: --sparse-max). Per P and backend, each in a worker process of its own:
             has chosen (the attention part of a DSA step)
   indexer   the backend's lightning_indexer (impl_*/indexer.py) over the whole index cache (B, P, J) and the
             new token: its scores for every key and the top k (the other part of a DSA step)
-  read      one read of the latent cache (np.sum / torch.sum / jnp.sum / tf.reduce_sum over its buffers and
-            every weight): the machine's read bandwidth, measured in the same run
+  read      one read of the latent cache (np.sum / torch.sum / jnp.sum / tf.reduce_sum / mx.sum over its buffers
+            and every weight): the machine's read bandwidth, measured in the same run
 
 Each step is judged against its own physical bound (bounds()): max(bytes / read bandwidth, flops / matmul
 rate), the bytes being one read of what the step must read and the flops its own, the bandwidth that of the
@@ -49,7 +49,7 @@ SPARSE_LENGTHS = (8192, 16384, 32768, 65536, 131072)
 DEFAULT_MAX = 32768  # 64k and 128k opt-in (--sparse-max): on the shared 2-core VM they take minutes per backend
 QUICK_SPARSE_LENGTHS = (16, 32, 64)
 PATHS = ("dense", "sparse", "indexer", "read")
-BACKENDS = ("numpy", "torch", "tf", "jax")  # mlx: no latent family runner (its latent paths run in mha check)
+BACKENDS = ("numpy", "torch", "tf", "jax", "mlx")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,11 +270,47 @@ def tf_paths(config, tensors, data, P):
             "indexer": lambda: lightning_indexer(config, t, x, past_index_keys=keys)["topk_indices"], "read": read}
 
 
-BUILDERS = {"numpy": numpy_paths, "torch": torch_paths, "jax": jax_paths, "tf": tf_paths}
+def mlx_paths(config, tensors, data, P):
+    """impl_mlx's calls, eager (MLX is lazy: each call ends in mx.eval, as the runner's timed calls do): the
+    fused path (mx.fast.scaled_dot_product_attention) over the in-place buffers (mx.arrays written by slice
+    assignment), given the selection or not; the indexer; mx.sum over the buffers and every weight."""
+    import mlx.core as mx
+
+    from conformance.bench.frameworks.latent import latent_buffers
+    from impl_mlx.attention import multi_head_attention
+    from impl_mlx.indexer import lightning_indexer
+
+    ac = attention_config(config)
+    t = {k: mx.array(v) for k, v in tensors.items()}
+    att, _ = _split(t)
+    x, topk, keys = (mx.array(data[n]) for n in ("x", "topk", "index_keys"))
+    bk, bv = (mx.array(a) for a in latent_buffers(data["latent"], data["rotary"]))
+    mx.eval(t, x, topk, keys, bk, bv)
+    weights = list(att.values())
+
+    def evaluated(f):
+        def call():
+            out = f()
+            mx.eval(out)
+            return out
+        return call
+
+    def step(selection):
+        return evaluated(lambda: multi_head_attention(ac, att, x, past_key=bk, past_value=bv, cache_length=P,
+                                                      topk_indices=selection, **IN_PLACE))
+
+    return {"dense": step(None), "sparse": step(topk),
+            "indexer": evaluated(lambda: lightning_indexer(config, t, x, past_index_keys=keys)["topk_indices"]),
+            "read": evaluated(lambda: [mx.sum(a) for a in (bk, bv, *weights)])}
+
+
+BUILDERS = {"numpy": numpy_paths, "torch": torch_paths, "jax": jax_paths, "tf": tf_paths, "mlx": mlx_paths}
 NOTES = {"numpy": "multi_head_attention, cache_length (fused path); impl_numpy.indexer; np.sum",
          "torch": "multi_head_attention, cache_length, use_sdpa; impl_torch.indexer (eager); torch.sum",
          "jax": "apply under jax.jit, buffers donated; impl_jax.indexer (eager); jnp.sum under jax.jit",
-         "tf": "multi_head_attention in tf.function, variables; impl_tf.indexer (eager); tf.reduce_sum"}
+         "tf": "multi_head_attention in tf.function, variables; impl_tf.indexer (eager); tf.reduce_sum",
+         "mlx": "multi_head_attention (fused path), cache_length, eager, each call mx.eval'd; impl_mlx.indexer; "
+                "mx.sum"}
 
 
 # --- one backend, in a process of its own -------------------------------------------------------------------------

@@ -11,6 +11,12 @@ tensors named as impl_numpy.compressed.cache_names. Eager; validated by the refe
 backend's autodiff (the selection a constant, as impl_numpy/compressed_backward.py has it); the mirror of
 multi_head_attention
 refuses config.compressed (weights.contract.check_call).
+
+On Keras's TensorFlow backend alone, as the regular call's in-place cache and chunked path: in_place=True (past the
+caller's buffers, impl_numpy.compressed.buffer_shapes, as tf.Variables written in place: compress_in_place,
+write_ring, attend_blocks; the writes are tf_only.write_rows') and chunk_size= (attend_blockwise, impl_torch's
+stages and skips in keras.ops). Keras's jax and torch backends refuse both (IN_PLACE_UNSUPPORTED,
+CHUNKED_UNSUPPORTED).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def _write(axis: int, buffer, value, start):
     buffer.assign(xla.dynamic_update_slice(buffer.read_value(), value, at))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # (a sweep's random shapes: the programs kept bounded)
 def _writer(axis: int, buffer_shape: tuple, value_shape: tuple, dtype: str):
     """One XLA program per axis, shapes and dtype, each a tf.function of its own (TensorFlow counts the traces of
     one Python function's code as retraces and warns of them: a functools.partial has no code to count by)."""

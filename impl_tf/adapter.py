@@ -49,7 +49,11 @@ NAMES = {"tensorflow": "tf", "jax": "keras-jax", "torch": "keras-torch"}
 NAME = NAMES[BACKEND]
 
 # DeepSeek V4's layer (config.compressed) runs through this backend's compressed module (impl_tf.compressed, in
-# keras.ops), its gradients by the Keras backend's own autodiff: _compressed_gradients.
+# keras.ops), its gradients by the Keras backend's own autodiff: _compressed_gradients. Its in-place cache (the
+# buffers as tf.Variables: _compressed_forward) and its block-wise path (chunk_size=) run on TensorFlow alone, as
+# the regular call's (conformance.suite.compare.path_options reads these two).
+COMPRESSED_IN_PLACE = TENSORFLOW
+COMPRESSED_CHUNKED = TENSORFLOW
 
 if BACKEND == "jax":
     import jax
@@ -175,7 +179,7 @@ def forward(config, tensors, inputs, options, *, device="cpu", precision="highes
     if (v4 := as_compressed(config)) is not None:  # DeepSeek V4's layer: impl_tf.compressed (keras.ops)
         check_device(device), check_precision(precision)
         jit = (cpu_compile_options() if _cpu_compile == "fast" else {}) if BACKEND == "jax" else None
-        return compressed_call(functools.partial(compressed_attention, jit=jit), v4, tensors, inputs, options,
+        return compressed_call(functools.partial(_compressed_forward, jit=jit), v4, tensors, inputs, options,
                                trace=trace, convert=to_tensor, to_numpy=_numpy, dtypes=COMPRESSED_MIRROR_DTYPES, backend=NAME)
     _check_values(inputs)
     layer = _layer(config, tensors, options, device, precision)
@@ -307,6 +311,17 @@ if BACKEND == "jax":
                              paths=calls)
         return [_answer_and_grads(config, result, found, given, variables, returns)
                 for returns, (result, found) in zip(calls, ran)]
+
+
+def _compressed_forward(config, params, x, positions, past, *, in_place: bool = False, **kwargs):
+    """impl_tf.compressed.compressed_attention; in place (TensorFlow alone, else its NotImplementedError), the
+    buffers compressed_call hands over as tensors put into tf.Variables first, which the call writes and returns
+    as its present cache."""
+    if in_place and TENSORFLOW:
+        import tensorflow as tf
+
+        past = {name: tf.Variable(a) for name, a in past.items()}
+    return compressed_attention(config, params, x, positions, past, in_place=in_place, **kwargs)
 
 
 def _compressed_gradients(config, params, x, positions, past, d_out, *, jit, **returns):

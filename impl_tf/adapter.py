@@ -38,6 +38,8 @@ from ._keras import BACKEND, TENSORFLOW, keras
 from .attention import CHUNKED_UNSUPPORTED
 from .backend import gpus, to_tensor
 from .call import IN_PLACE_UNSUPPORTED
+from .compressed import CHUNKED_UNSUPPORTED as compressed_chunked_refused
+from .compressed import IN_PLACE_UNSUPPORTED as compressed_in_place_refused
 from .compressed import check_compressed_call, compressed_attention
 from .compressed import layer as compressed_layer
 from .layer import MultiHeadAttention, check_device, check_precision
@@ -54,6 +56,9 @@ NAME = NAMES[BACKEND]
 # the regular call's (conformance.suite.compare.path_options reads these two).
 COMPRESSED_IN_PLACE = TENSORFLOW
 COMPRESSED_CHUNKED = TENSORFLOW
+# ... and on jax and torch their reasons, which the keras-jax and keras-torch columns report as unsupported rows
+COMPRESSED_REFUSED = {} if TENSORFLOW else {"in_place": compressed_in_place_refused,
+                                            "chunked": compressed_chunked_refused}
 
 if BACKEND == "jax":
     import jax

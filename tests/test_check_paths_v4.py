@@ -103,3 +103,20 @@ def test_torch_has_no_chunked_row_for_any_other_layer():
     assert run_case(CASES["decode_cache"], "torch", dtype="float32", adapter=adapter, path="chunked") is None
     assert np.isfinite(run_case(CASES["v4_sliding_prefill"], "torch", dtype="float32", adapter=adapter,
                                 path="chunked").margin)
+
+
+@pytest.mark.reference
+def test_a_backend_that_refuses_a_v4_path_reports_its_reason():
+    """An adapter whose backend cannot run a V4 path (Keras on jax and torch: COMPRESSED_REFUSED) gets the row as
+    unsupported with the reason, on the cases that would have it (in_place: a case with a cache), and no row where
+    the case has none; without the refusal, no row at all."""
+    import types
+
+    refusing = types.SimpleNamespace(COMPRESSED_REFUSED={"chunked": "no blocks here", "in_place": "no writes here"})
+    for name in V4_CASES:
+        with pytest.raises(NotImplementedError, match="no blocks here"):
+            path_options(refusing, "chunked", CASES[name], "float32")
+    with pytest.raises(NotImplementedError, match="no writes here"):
+        path_options(refusing, "in_place", CASES["v4_hca_decode"], "float32")
+    assert path_options(refusing, "in_place", CASES["v4_csa_prefill"], "float32") is None  # no cache: no row
+    assert path_options(types.SimpleNamespace(), "chunked", CASES["v4_csa_prefill"], "float32") is None

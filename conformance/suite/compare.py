@@ -701,6 +701,11 @@ def path_options(adapter, path: str, case: Case, dtype: str) -> dict | None:
             found = options | {"chunk_size": chunk_size(expected_for(case, dtype)["inputs"])}
             reason = getattr(adapter, "COMPRESSED_CHUNKED_FORWARD_ONLY", None)
             return found | ({"forward_only": reason} if reason else {})
+        # ... refused with the reason where the adapter's backend cannot run the path (Keras on jax and torch:
+        # COMPRESSED_REFUSED), on the cases that would have the row
+        refused = getattr(adapter, "COMPRESSED_REFUSED", {}).get(path)
+        if refused and (path == "chunked" or "past_key" in expected_for(case, dtype)["inputs"]):
+            raise NotImplementedError(refused)
         return None
     if path == DEFAULT_PATH:
         return options

@@ -130,12 +130,13 @@ def _assert_steps_agree(paths, to_numpy, P=35):
     layer = v4.layers(d)
     data = _prefilled(d, layer, P)
     calls = paths(layer, data, P)
+    presents = {}
     for kind in v4.KINDS:
         want = _expected(layer, data, P, kind)
-        got = to_numpy(calls[kind]()[0])
-        err, scale = np.abs(got - want).max(), np.abs(want).max()
+        got, presents[kind] = calls[kind]()
+        err, scale = np.abs(to_numpy(got) - want).max(), np.abs(want).max()
         assert err <= BOUND * scale, f"{kind}: max |step - reference| {err:.3g} > {BOUND * scale:.3g}"
-    return d, layer, data, calls
+    return d, layer, data, presents
 
 
 @pytest.mark.reference
@@ -143,7 +144,7 @@ def test_numpy_steps_agree_with_the_float64_reference_on_a_prefilled_cache():
     """P 35: csa holds 8 entries and keeps 2, hca 4, both with tokens in the open window; the bar could fail:
     the same step with csa's open window dropped from its cache (a decode that forgets the buffered tokens)
     lands far outside it."""
-    d, layer, data, calls = _assert_steps_agree(v4.numpy_paths, np.asarray)
+    d, layer, data, _ = _assert_steps_agree(v4.numpy_paths, np.asarray)
     config, tensors = layer["csa"]
     past = dict(data["past"]["csa"])
     want = _expected(layer, data, 35, "csa")
@@ -158,6 +159,31 @@ def test_numpy_steps_agree_with_the_float64_reference_on_a_prefilled_cache():
 def test_torch_steps_agree_with_the_float64_reference_on_a_prefilled_cache():
     pytest.importorskip("torch")
     _assert_steps_agree(v4.torch_paths, lambda t: t.double().numpy())
+
+
+@pytest.mark.tf
+def test_tf_steps_in_place_agree_with_the_float64_reference_on_a_prefilled_cache():
+    """tf steps in place as the others (layer's buffers=, tf.Variables for P + 1 tokens): its output as numpy's
+    and torch's above, and the buffers it returns are its own variables, counted as the others' in-place cache (the
+    buffer_shapes for P + 1 tokens), holding the float64 reference's present cache after the step (logical_cache:
+    the ring, the entries, the open windows and overlap halves the step wrote; P 35 closes a csa window)."""
+    pytest.importorskip("tensorflow")
+    P = 35
+    d, layer, data, presents = _assert_steps_agree(v4.tf_paths, lambda t: np.asarray(t, np.float64), P)
+    for kind, present in presents.items():
+        config, tensors = layer[kind]
+        assert all(type(b).__name__.endswith("Variable") for b in present.values()), (kind, present)
+        held = {n: np.asarray(b) for n, b in present.items()}
+        assert v4.cache_bytes(held) == sum(4 * int(np.prod(s)) for s in buffer_shapes(config, d.B, P + 1).values())
+        _, want = compressed_attention(config, {n: t.astype(np.float64) for n, t in tensors.items()},
+                                       data["x"].astype(np.float64), np.array([P]),
+                                       {n: a.astype(np.float64) for n, a in data["past"][kind].items()},
+                                       return_cache=True)
+        got = logical_cache(config, held, P + 1)
+        assert set(got) == set(want), (kind, set(got) ^ set(want))
+        for name, w in want.items():
+            err, scale = np.abs(got[name] - w).max(initial=0), np.abs(w).max(initial=0)
+            assert err <= BOUND * scale, f"{kind} {name}: max |buffer - reference| {err:.3g} > {BOUND * scale:.3g}"
 
 
 @pytest.mark.reference

@@ -4,10 +4,11 @@ The cache bytes the bench reports are held to a count written from the spec's pr
 open window's buffered tokens, csa's overlap half and its indexer's own compressor; csa's top-k does not shrink
 the cache), at --quick sizes on the caches the steps return and at DeepSeek V4's sizes on the caches the bench
 draws; the bounds to a count from the reference's own arrays (the keys its mask leaves, the entries its indexer
-keeps); the steps the bench times (numpy, torch) to the float64 reference on the cache of a real prefill, at small
-P; the --quick family runs end to end in NumPy. No assertion is about speed: benchmarks are not tests. The
-reference-marked tests about 4 s (the end-to-end run 3.4 s of it: a worker process), the torch one under 1 s
-after torch's import (2-core AMD EPYC VM, loaded, 2026-11-29)."""
+keeps); the steps the bench times (numpy, torch, tf in place: its buffers too) to the float64 reference on the
+cache of a real prefill, at small P; the --quick family runs end to end in NumPy. No assertion is about speed:
+benchmarks are not tests. The reference-marked tests about 4 s (the end-to-end run 3.4 s of it: a worker process),
+the torch one under 1 s after torch's import, the tf one about 3.5 s after TensorFlow's (tracing the four kinds'
+tf.functions, 2.6 s of it csa's; 2-core AMD EPYC VM, loaded, 2026-11-29)."""
 
 from __future__ import annotations
 

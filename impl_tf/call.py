@@ -294,7 +294,8 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
     every other mask shows (call.allowed before the selection joins it, any head's), joined to call.mask4;
     call.selection and call.present_index_keys set. On every Keras backend, traced too (jax.jit: the
     keras-jax adapter's). An in-place cache (TensorFlow only, as cache_length): past_index_keys a tf.Variable
-    (B, C, J), the new index keys assigned at P..P+S-1, the variable returned. No gradient flows through it
+    (B, C, J), the new index keys written at P..P+S-1 by XLA in the variable's own buffer (tf_only.write_rows: an
+    eager sliced assign copies the whole buffer every step), the variable returned. No gradient flows through it
     (the selection is piecewise constant; the indexer's inputs are read through stop_gradient, so its
     variables get zeros)."""
     from .indexer import READS, lightning_indexer
@@ -322,8 +323,10 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
                                precision=config.indexer.scoring_precision,
                                fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
     present = result["present_index_keys"]
-    if in_place:
-        past_index_keys[:, P:P + S].assign(F._cast(present[:, P:], call.dtype))
+    if in_place:  # by XLA where the rows lie (tf_only.write_rows), not a sliced assign (a copy of the buffer)
+        from .tf_only import write_rows
+
+        write_rows(past_index_keys, F._cast(present[:, P:], call.dtype), P, 1)
         present = past_index_keys
     call.selection, call.present_index_keys = result["topk_indices"], present
     call.topk = call.selection

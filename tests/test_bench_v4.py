@@ -4,10 +4,11 @@ The cache bytes the bench reports are held to a count written from the spec's pr
 open window's buffered tokens, csa's overlap half and its indexer's own compressor; csa's top-k does not shrink
 the cache), at --quick sizes on the caches the steps return and at DeepSeek V4's sizes on the caches the bench
 draws; the bounds to a count from the reference's own arrays (the keys its mask leaves, the entries its indexer
-keeps); the steps the bench times (numpy, torch) to the float64 reference on the cache of a real prefill, at small
-P; the --quick family runs end to end in NumPy. No assertion is about speed: benchmarks are not tests. The
-reference-marked tests about 4 s (the end-to-end run 3.4 s of it: a worker process), the torch one under 1 s
-after torch's import (2-core AMD EPYC VM, loaded, 2026-11-29)."""
+keeps); the steps the bench times (numpy, torch, tf in place: its buffers too) to the float64 reference on the
+cache of a real prefill, at small P; the --quick family runs end to end in NumPy. No assertion is about speed:
+benchmarks are not tests. The reference-marked tests about 4 s (the end-to-end run 3.4 s of it: a worker process),
+the torch one under 1 s after torch's import, the tf one about 3.5 s after TensorFlow's (tracing the four kinds'
+tf.functions, 2.6 s of it csa's; 2-core AMD EPYC VM, loaded, 2026-11-29)."""
 
 from __future__ import annotations
 
@@ -130,12 +131,13 @@ def _assert_steps_agree(paths, to_numpy, P=35):
     layer = v4.layers(d)
     data = _prefilled(d, layer, P)
     calls = paths(layer, data, P)
+    presents = {}
     for kind in v4.KINDS:
         want = _expected(layer, data, P, kind)
-        got = to_numpy(calls[kind]()[0])
-        err, scale = np.abs(got - want).max(), np.abs(want).max()
+        got, presents[kind] = calls[kind]()
+        err, scale = np.abs(to_numpy(got) - want).max(), np.abs(want).max()
         assert err <= BOUND * scale, f"{kind}: max |step - reference| {err:.3g} > {BOUND * scale:.3g}"
-    return d, layer, data, calls
+    return d, layer, data, presents
 
 
 @pytest.mark.reference
@@ -143,7 +145,7 @@ def test_numpy_steps_agree_with_the_float64_reference_on_a_prefilled_cache():
     """P 35: csa holds 8 entries and keeps 2, hca 4, both with tokens in the open window; the bar could fail:
     the same step with csa's open window dropped from its cache (a decode that forgets the buffered tokens)
     lands far outside it."""
-    d, layer, data, calls = _assert_steps_agree(v4.numpy_paths, np.asarray)
+    d, layer, data, _ = _assert_steps_agree(v4.numpy_paths, np.asarray)
     config, tensors = layer["csa"]
     past = dict(data["past"]["csa"])
     want = _expected(layer, data, 35, "csa")
@@ -158,6 +160,31 @@ def test_numpy_steps_agree_with_the_float64_reference_on_a_prefilled_cache():
 def test_torch_steps_agree_with_the_float64_reference_on_a_prefilled_cache():
     pytest.importorskip("torch")
     _assert_steps_agree(v4.torch_paths, lambda t: t.double().numpy())
+
+
+@pytest.mark.tf
+def test_tf_steps_in_place_agree_with_the_float64_reference_on_a_prefilled_cache():
+    """tf steps in place as the others (layer's buffers=, tf.Variables for P + 1 tokens): its output as numpy's
+    and torch's above, and the buffers it returns are its own variables, counted as the others' in-place cache (the
+    buffer_shapes for P + 1 tokens), holding the float64 reference's present cache after the step (logical_cache:
+    the ring, the entries, the open windows and overlap halves the step wrote; P 35 closes a csa window)."""
+    pytest.importorskip("tensorflow")
+    P = 35
+    d, layer, data, presents = _assert_steps_agree(v4.tf_paths, lambda t: np.asarray(t, np.float64), P)
+    for kind, present in presents.items():
+        config, tensors = layer[kind]
+        assert all(type(b).__name__.endswith("Variable") for b in present.values()), (kind, present)
+        held = {n: np.asarray(b) for n, b in present.items()}
+        assert v4.cache_bytes(held) == sum(4 * int(np.prod(s)) for s in buffer_shapes(config, d.B, P + 1).values())
+        _, want = compressed_attention(config, {n: t.astype(np.float64) for n, t in tensors.items()},
+                                       data["x"].astype(np.float64), np.array([P]),
+                                       {n: a.astype(np.float64) for n, a in data["past"][kind].items()},
+                                       return_cache=True)
+        got = logical_cache(config, held, P + 1)
+        assert set(got) == set(want), (kind, set(got) ^ set(want))
+        for name, w in want.items():
+            err, scale = np.abs(got[name] - w).max(initial=0), np.abs(w).max(initial=0)
+            assert err <= BOUND * scale, f"{kind} {name}: max |buffer - reference| {err:.3g} > {BOUND * scale:.3g}"
 
 
 @pytest.mark.reference

@@ -558,6 +558,72 @@ def test_an_in_place_cache_refuses_a_buffer_it_cannot_write():
     assert not good.numpy().any(), "a refused call wrote into the buffer"
 
 
+# -- the indexer's index cache in place (past_index_keys with cache_length): written by XLA (tf_only.write_rows) ---
+
+
+def _decode_index_cache_in_place(dtype: str) -> None:
+    """indexer_dsa_prefill's DSA (MLA) layer, batch 2: a prefill of 5 tokens, then 4 decode steps, once with
+    every cache in place (tf.Variables of 9 + 2 spare positions, cache_length=P) and once copying (each step
+    handed the caches the last returned). After every call the index buffer's first P + S rows equal the copying
+    call's present_index_keys, its spare rows stay as they were, and the outputs agree; in float64 the index keys
+    equal the reference's too (impl_numpy, the same prefill)."""
+    case = CASES["indexer_dsa_prefill"]
+    config, tensors = case.config, cast_tensors(make_tensors(case), dtype)
+    x = make_inputs(case)["query"].astype(dtype)  # (2, 9, D)
+    B, T, SPARE = x.shape[0], x.shape[1], 2
+    kw = dict(is_causal=True, causal_alignment="bottom_right")
+    # The two calls run the same stages on the same values (the buffers' rows are the copies' rows), so they agree
+    # to a few roundings; 8 units of the dtype's epsilon, relative, leave room for another order of summation and
+    # no more (a row written one position early is off by the rows' own size, ~1).
+    tol = 8 * float(np.finfo(dtype).eps)
+    _, pk, pv, pik = impl_tf.multi_head_attention(config, tensors, x[:, :5], return_cache=True, **kw)
+    shapes = [tuple(a.shape) for a in (pk, pv, pik)]
+    rng = np.random.default_rng(5)
+    spare = (50.0 + rng.standard_normal((B, SPARE, shapes[2][2]))).astype(dtype)
+    grown = [np.zeros(s[:-2] + (T + SPARE, s[-1]), dtype) for s in shapes]  # positions: the next-to-last axis
+    grown[2][:, T:] = spare
+    buffers = [tf.Variable(a) for a in grown]
+    copying, P = None, 0
+    for S in (5, 1, 1, 1, 1):
+        step = x[:, P:P + S]
+        caches = {} if copying is None else dict(zip(("past_key", "past_value", "past_index_keys"), copying[1:]))
+        copying = impl_tf.multi_head_attention(config, tensors, step, step, step, return_cache=True, **caches, **kw)
+        placed = impl_tf.multi_head_attention(config, tensors, step, step, step, past_key=buffers[0],
+                                              past_value=buffers[1], past_index_keys=buffers[2], cache_length=P,
+                                              return_cache=True, **kw)
+        assert placed[3] is buffers[2], "the index buffer was not handed back"
+        want, held = np.asarray(copying[3]), buffers[2].numpy()
+        assert want.shape[1] == P + S
+        err = float(np.abs(held[:, :P + S] - want).max() / np.abs(want).max())
+        assert err <= tol, f"{dtype} P={P}: the index buffer's rows 0..{P + S - 1} differ from present_index_keys by " \
+                           f"{err:.3g} (relative)"
+        assert np.array_equal(held[:, T:], spare), f"{dtype} P={P}: the index buffer's spare rows were written"
+        out, ref = np.asarray(placed[0]), np.asarray(copying[0])
+        err = float(np.abs(out - ref).max() / np.abs(ref).max())
+        assert err <= tol, f"{dtype} P={P}: the in-place output differs from the copying call's by {err:.3g}"
+        P += S
+    if dtype == "float64":
+        reference = impl_numpy.multi_head_attention(config, tensors, x, return_cache=True, is_causal=True)[3]
+        err = float(np.abs(buffers[2].numpy()[:, :T] - reference).max())
+        assert err <= 1e-12, f"the index buffer differs from the float64 reference's present_index_keys by {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_index_cache_in_place_holds_the_copying_calls_index_keys(dtype):
+    _decode_index_cache_in_place(dtype)
+
+
+def test_an_index_cache_written_one_row_early_fails(monkeypatch):
+    """The mutant: the index keys written at P - 1 (an off-by-one a port makes): the check above fails at the first
+    decode step (at the prefill XLA clamps the offset -1 to 0: the same write)."""
+    from impl_tf import tf_only
+
+    real = tf_only.write_rows
+    monkeypatch.setattr(tf_only, "write_rows", lambda buffer, value, start, axis: real(buffer, value, start - 1, axis))
+    with pytest.raises(AssertionError, match=r"float64 P=5: the index buffer's rows 0..5 differ"):
+        _decode_index_cache_in_place("float64")
+
+
 @pytest.mark.parametrize("name", list(indexer_refusals()))
 def test_indexer_refusals_in_the_contracts_words(name):
     """A layer with an indexer: its cache's index keys required and sized, topk_indices refused beside it."""

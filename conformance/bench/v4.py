@@ -8,10 +8,10 @@ project's own hf-deepseek reader (weights.layouts.deepseek_v4.v4_config), so eve
 scaled down: a worker holds 481 + 16 MiB of weights (one copy of the shared tensors) and the caches, a few GB at
 most at P 131072 (measured figures: docs/performance.md, the DeepSeek V4 decode section).
 One new token at position P after a history of P tokens, P 8192 ... 131072 (64k and 128k opt-in: --v4-max).
-Per P and backend, in a worker process of its own, each step the backend's call returning its present cache; in
-numpy, torch, jax and mlx the in-place call (impl_numpy.compressed, in_place=True: buffers for P + 1 tokens that the
-step writes its token into, no copy of the cache; docs/spec-frontier.md, "The in-place cache"), in tf (Keras) the
-copying call (a new present cache every step: Keras has no in-place form yet):
+Per P and backend, in a worker process of its own, each step the backend's call returning its present cache, on
+every backend the in-place call (impl_numpy.compressed, in_place=True: buffers for P + 1 tokens that the step writes
+its token into, no copy of the cache; docs/spec-frontier.md, "The in-place cache"; tf (Keras on TensorFlow): the
+buffers tf.Variables written by XLA):
 
   csa      the compressed sparse layer: the last W - 1 keys, P // 4 entries (every one in the logits: the
            reference masks the entries its indexer leaves out, it does not gather), the indexer over its P // 4
@@ -316,20 +316,29 @@ def mlx_paths(layer, data, P, in_place=True):
     return paths
 
 
-def tf_paths(layer, data, P):
-    """layer() (the computation on checked tensors) in one tf.function per kind and P (Keras on TensorFlow)."""
+def tf_paths(layer, data, P, in_place=True):
+    """layer() (the computation on checked tensors) in one tf.function per kind and P (Keras on TensorFlow). In
+    place: the buffers tf.Variables the function captures (layer's buffers=), the step's rows written where they
+    lie by XLA (impl_tf.tf_only.write_rows), the variables themselves the present cache (as the public call's)."""
     from impl_tf._keras import tf
     from impl_tf.compressed import layer as v4_layer
 
     with tf.device("/CPU:0"):
         held = {id(a): tf.constant(a) for _, t in layer.values() for a in t.values()}
         x = tf.constant(data["x"])
-        pasts = {kind: {n: tf.constant(a) for n, a in data["past"][kind].items()} for kind in layer}
+        pasts = {kind: {n: tf.Variable(a) if in_place else tf.constant(a)
+                        for n, a in (buffers(layer, data, P, kind) if in_place else data["past"][kind]).items()}
+                 for kind in layer}
         dense_arrays = [tf.constant(a) for a in data["past"]["dense"].values()]
 
     def step(kind):
         config, tensors = layer[kind]
         t = {n: held[id(a)] for n, a in tensors.items()}
+        if in_place:  # the function returns the output alone: a variable returned would be read out as a tensor
+            written = pasts[kind]
+            run = tf.function(lambda tt, xx: v4_layer(config, tt, xx, None, p0=P, return_cache=True,
+                                                      return_selection=False, buffers=written)[0])
+            return lambda: (run(t, x), written)
         run = tf.function(functools.partial(v4_layer, config, p0=P, return_cache=True, return_selection=False))
         return lambda: run(t, x, pasts[kind])
 
@@ -347,8 +356,8 @@ NOTES = {"numpy": "compressed_attention in place (the public call: validates the
                 "per kind and P; jnp.sum jitted",
          "mlx": "compressed_attention in place, mx.eval (converts and validates "
                 "the tensors every call); mx.sum",
-         "tf": "compressed.layer copying its cache (no in-place form in Keras yet) in tf.function (Keras on "
-               "TensorFlow), one per kind and P; tf.reduce_sum"}
+         "tf": "compressed.layer in place in tf.function (Keras on TensorFlow; the buffers tf.Variables written "
+               "by XLA), one per kind and P; tf.reduce_sum"}
 
 
 # --- one backend, in a process of its own -------------------------------------------------------------------------

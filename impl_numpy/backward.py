@@ -126,11 +126,24 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     def per_feature(t, cfg):  # a norm tensor on xhat (B, L, groups, W): (W,) / (heads, W) per head, (F,) over all
         return t.astype(ct).reshape(-1) if cfg.scope == "all" else t.astype(ct)
 
+    # In magnitude mode x is the upstream magnitude m, and xhat's magnitude is the size of its terms, not |xhat|:
+    # m r, and (m + mean over the group of m) r for "layer" (x - mean(x) sums both), r the true forward's (as
+    # impl_numpy.magnitudes' norm). |xhat| would miss what a norm does to upstream rounding: a "layer" norm of a
+    # row that is constant up to rounding (every value clipped to c) gives xhat of pure rounding noise, 1e-14 in
+    # float64 and another noise in float32, times r = 1 / sqrt(eps) (the sweep's random_1454684: a value norm
+    # after qkv_clip, grad output.kernel expected 9e-14 against terms of |xhat| 8e-19).
+    xhat_terms: dict[str, np.ndarray] = {}
+
     def norm_forward(name, x, heads, cfg):  # functional.norm, its pieces kept for norm_back
         if not magnitude:
             kept[name + ".norm"] = _norm_parts(x, cfg.type, cfg.eps, heads, cfg.scope, ct)
-        xhat, _ = kept[name + ".norm"]
-        y = np.abs(xhat) if magnitude else xhat
+        xhat, r = kept[name + ".norm"]
+        if magnitude:
+            m = x.astype(ct).reshape(xhat.shape)
+            if cfg.type == "layer":
+                m = m + m.mean(axis=-1, keepdims=True)
+            xhat_terms[name] = m * r
+        y = xhat_terms[name] if magnitude else xhat
         if name + ".norm.scale" in p:
             y = y * per_feature(p[name + ".norm.scale"], cfg)
         if name + ".norm.bias" in p:
@@ -353,7 +366,7 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     def norm_back(name, dy, cfg):
         xhat, r = kept[name + ".norm"]
         if magnitude:
-            xhat = np.abs(xhat)
+            xhat = xhat_terms[name]  # the size of xhat's terms (norm_forward)
         dyc = dy.astype(ct).reshape(xhat.shape)  # (B, L, groups, W)
         dxhat = dyc
         if name + ".norm.scale" in p:

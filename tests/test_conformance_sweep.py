@@ -96,6 +96,23 @@ def test_a_saturated_softcap_gradient_is_judged_on_both_terms_of_its_slope():
     assert result.status == "pass", result.message
 
 
+def test_a_layer_norm_of_a_clipped_row_is_judged_on_its_terms():
+    """The tf sweep's find (seeds 1452900-, docs/conformance.md): qkv_clip 0.2 saturates every value feature of
+    a row, so the weightless value LayerNorm over every head normalises a constant row: x - mean(x) is rounding
+    noise (about 1e-17 in float64, 0 in float32) times 1 / sqrt(eps) = 1000. Every backend's float32 gradient of
+    output.kernel came out 0 where the float64 reference's is 9.3e-14 of noise, and the gradient magnitudes,
+    which took the normalised value's size |xhat| for its terms, allowed 1e-24: margin 8.8e4 on numpy, torch,
+    tf and MLX alike. Counted as the terms of x - mean(x) times r (impl_numpy.backward's norm_forward, as
+    impl_numpy.magnitudes does for the forward), it passes."""
+    from conformance.suite.cases import random_case
+    from conformance.suite.compare import run_case
+
+    case = random_case(1_454_684)
+    assert case.config.qkv_clip is not None and case.config.value_norm.type == "layer"
+    result = run_case(case, "numpy", dtype="float32", path="stages")
+    assert result.status == "pass", result.message
+
+
 def test_the_seeds_draw_multimodal_rope():
     """The 1000 seeds of the slow sweep reach every form of multimodal RoPE (issue 42): contiguous and
     interleaved sections, all three non-empty, an image and a video span, over a cache, on a latent layer."""

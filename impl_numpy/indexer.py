@@ -104,7 +104,7 @@ def scores(q: np.ndarray, k: np.ndarray, weights: np.ndarray | None, score_scale
     # matmuls (np.einsum sums these in its own loops: 131 of the 149 ms of CPU an indexer step took at P
     # 65536, docs/performance.md). The same products and sums, in another order: equal to round-off.
     B, I, T, J = q.shape
-    if T == 1 and not per_kv_head and k.shape[1] > SCORE_BLOCK:
+    if T == 1 and not per_kv_head and k.shape[1] >= DECODE_SCORES_MIN_KEYS:
         return _decode_scores(q, k, weights, score_scale, relu)
     dots = np.matmul(q.astype(ct, copy=False).reshape(B, I * T, J), k.astype(ct, copy=False).swapaxes(1, 2))  # (B, I*T, S)
     dots = dots.reshape(B, I, T, -1)  # (B, I, T, S)
@@ -119,18 +119,21 @@ def scores(q: np.ndarray, k: np.ndarray, weights: np.ndarray | None, score_scale
     return np.matmul(w, dots.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # (B, T, 1, S) -> (B, 1, T, S)
 
 
-# A decode step's scores (one query, one selection) are taken in blocks of this many keys: each block's (s, I)
-# dots, ReLU and weighted sum stay in cache, where the whole (I, S) intermediate (32 MiB at 64k keys) made each
-# of those passes one through memory. Measured (2-core AMD EPYC VM, 2026-11-30, loaded, one BLAS thread, CPU
-# time, min of 5): I 64, J 128, 65537 keys, the stage 22.5 ms whole, 17.0-17.6 ms in blocks of 1024-16384
-# keys (the product alone: 19.9 ms as (I, J) x (J, S), 15.2 ms with the keys as the rows).
-SCORE_BLOCK = 4096
+# A decode step's scores (one query, one selection) are taken with the keys as the rows: one (S, J) x (J, I)
+# product per batch row, then the scale and ReLU in place and the weighted sum a (S, I) x (I,) product, where the
+# (I, J) x (J, S) form ran at 54 GFLOP/s of CPU and its (1, I) x (I, S) sum read the (I, S) intermediate once more.
+# Measured (2-core AMD EPYC VM, 2026-11-30, loaded, CPU time, min of 5): I 64, J 128, 65537 keys, the stage
+# 22.1 ms as (I, J) x (J, S), 17.8-18.1 ms this way with one BLAS thread (28-31 ms with two). Taken in blocks
+# of keys that keep the (block, I) dots in cache it was 17.2 ms with one thread but 60-122 ms with two under
+# the load of other jobs (each BLAS call waking, and waiting on, the second thread): one call per batch row.
+# Under DECODE_SCORES_MIN_KEYS keys (every grid case) the stage keeps its first form.
+DECODE_SCORES_MIN_KEYS = 4096
 
 
 def _decode_scores(q, k, weights, score_scale, relu):
     """scores() for one query (T 1), one selection (not per kv head): the same products, scale, ReLU and sum
-    over the heads, taken per block of SCORE_BLOCK keys with the keys as the rows, (s, J) x (J, I), and the
-    weighted sum a (s, I) x (I,) product. -> (B, 1, 1, S), in compute dtype."""
+    over the heads, with the keys as the rows, (S, J) x (J, I), and the weighted sum a (S, I) x (I,) product.
+    -> (B, 1, 1, S), in compute dtype."""
     ct = compute_dtype(q.dtype)
     B, I, _, J = q.shape
     S = k.shape[1]
@@ -138,14 +141,12 @@ def _decode_scores(q, k, weights, score_scale, relu):
     kk = k.astype(ct, copy=False)
     w = None if weights is None else weights.astype(ct)[:, 0, :]  # (B, I)
     out = np.empty((B, 1, 1, S), dtype=ct)
-    scale = ct.type(score_scale)
     for b in range(B):
-        for s0 in range(0, S, SCORE_BLOCK):
-            dots = kk[b, s0:s0 + SCORE_BLOCK] @ qt[b]  # (s, I)
-            dots *= scale
-            if relu:
-                np.maximum(dots, ct.type(0), out=dots)
-            out[b, 0, 0, s0:s0 + SCORE_BLOCK] = dots.sum(axis=1) if w is None else dots @ w[b]
+        dots = kk[b] @ qt[b]  # (S, I)
+        dots *= ct.type(score_scale)
+        if relu:
+            np.maximum(dots, ct.type(0), out=dots)
+        out[b, 0, 0] = dots.sum(axis=1) if w is None else dots @ w[b]
     return out
 
 

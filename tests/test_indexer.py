@@ -199,10 +199,10 @@ def test_partitioned_top_k_is_the_sorted_selection():
 
 
 @pytest.mark.parametrize("extra", [{}, {"head_weights": False}], ids=["weighted", "unweighted"])
-def test_decode_scores_in_blocks_match_the_independent_formulation(monkeypatch, extra):
-    """A decode step's scores taken in blocks of keys (indexer._decode_scores; blocks of 2 here, the last one
-    short) and its selection by the partitioned top-k: the independent formulation's, for the last query."""
-    monkeypatch.setattr(indexer, "SCORE_BLOCK", 2)
+def test_decode_scores_with_keys_as_rows_match_the_independent_formulation(monkeypatch, extra):
+    """A decode step's scores with the keys as the rows (indexer._decode_scores, from 4096 keys on: from 2 here)
+    and its selection by the partitioned top-k: the independent formulation's, for the last query."""
+    monkeypatch.setattr(indexer, "DECODE_SCORES_MIN_KEYS", 2)
     config = _dsa(False, topk=1, **extra)
     t = init(config, seed=6, dtype="float64")
     x = _x()

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from impl_numpy import indexer
 from impl_numpy.indexer import lightning_indexer, quantize_fp8, select_topk
 from weights import AttentionConfig, init
 
@@ -179,6 +180,37 @@ def test_tie_rule_and_padding():
     assert select_topk(x[..., :2], 5).tolist() == [[[1, 0]]]
     zeros = np.zeros((1, 1, 4))  # a ReLU that zeroed every score: the first keys, in order
     assert select_topk(zeros, 2).tolist() == [[[0, 1]]]
+
+
+def test_partitioned_top_k_is_the_sorted_selection():
+    """select_topk's partitioned path (few long rows: the candidates at or above the k-th largest score, then
+    sorted) against sorting (score, key) pairs: rows of many ties, -inf and NaN, k from 1 to the row's
+    length."""
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        n, k = int(rng.integers(1, 60)), int(rng.integers(1, 70))
+        x = rng.integers(-2, 3, size=(2, 1, n)).astype(np.float32)  # five values: ties everywhere
+        x[rng.random(x.shape) < 0.2] = -np.inf
+        if trial % 4 == 0:
+            x[rng.random(x.shape) < 0.1] = np.nan
+        want = _independent_selection(x, k)
+        assert np.array_equal(indexer._select_topk_partitioned(x, min(k, n)), want), (x, k)
+        assert np.array_equal(select_topk(x, k), want), (x, k)
+
+
+@pytest.mark.parametrize("extra", [{}, {"head_weights": False}], ids=["weighted", "unweighted"])
+def test_decode_scores_with_keys_as_rows_match_the_independent_formulation(monkeypatch, extra):
+    """A decode step's scores with the keys as the rows (indexer._decode_scores, from 4096 keys on: from 2 here)
+    and its selection by the partitioned top-k: the independent formulation's, for the last query."""
+    monkeypatch.setattr(indexer, "DECODE_SCORES_MIN_KEYS", 2)
+    config = _dsa(False, topk=1, **extra)
+    t = init(config, seed=6, dtype="float64")
+    x = _x()
+    cache = lightning_indexer(config, t, x[:, :6])["present_index_keys"]
+    step = lightning_indexer(config, t, x[:, 6:], past_index_keys=cache, return_scores=True)
+    want = _independent_scores(config, t, x)[:, :, 6:]
+    _close("index_scores", step["index_scores"], want)
+    assert np.array_equal(step["topk_indices"], _independent_selection(want, 1)[:, 0])
 
 
 def test_padding_mask_acts_before_the_selection():

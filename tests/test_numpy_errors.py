@@ -134,6 +134,23 @@ def test_inf_inputs_get_the_same_words_from_every_adapter(backend_id):
                                "(an infinite logit would look like a masked one)")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_the_one_pass_finiteness_check_is_exact(dtype):
+    """extremes_finite decides by the sum where it is finite, by min and max where it is not: finite values whose
+    sum overflows are accepted; a NaN, an infinity, or infinities of both signs (whose sum is NaN) among them,
+    or among ordinary values, are refused wherever they sit."""
+    from weights.dtypes import extremes_finite
+
+    big = np.finfo(dtype).max
+    for base in (np.ones(1000, dtype=dtype), np.full(1000, big, dtype=dtype), np.tile([big, -big], 500).astype(dtype)):
+        assert extremes_finite(base)
+        for bad in ([np.nan], [np.inf], [-np.inf], [np.inf, -np.inf], [np.nan, np.inf]):
+            for at in (0, 517, 999):
+                x = base.copy()
+                x[at:at + len(bad)] = bad[:len(x) - at]
+                assert not extremes_finite(x), (base[:2], bad, at)
+
+
 @pytest.mark.parametrize("dtype, big", [("float16", 6.0e4), ("bfloat16", 3.0e38), ("float32", 3.0e38), ("float64", 1.7e308)])
 def test_finite_checks_catch_one_bad_element_in_every_dtype(dtype, big):
     """The weight and input checks run in the array's own dtype (bfloat16

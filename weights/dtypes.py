@@ -57,7 +57,23 @@ def extremes_finite(array: np.ndarray) -> bool:
     own extreme. Exact, and two reductions that write nothing, where
     np.isfinite(array).all() first writes a bool array the input's size
     (1.4x the time on a 256 MiB float32 cache, 2-core Xeon VM, 2026-11-25:
-    every decode step checks its whole cache)."""
+    every decode step checks its whole cache).
+
+    First one reduction, the sum (accumulated in float32 for float16: no
+    sum of float16 values overflows float32): IEEE arithmetic keeps an infinity or a
+    NaN in every partial sum that holds one (inf + finite = inf, inf - inf
+    = NaN, NaN + anything = NaN), in whatever order the sum is taken, so a
+    finite sum proves every element finite in one pass over the array
+    instead of two (a decode step checks its weights every call: 63 MB of
+    float32, 3.6 ms of CPU as min and max, 2.5 ms as the sum, one BLAS
+    thread, 2-core AMD EPYC VM, 2026-11-30; 64 MB of float16: 352 ms as
+    min and max, 58 ms as the float32-accumulated sum). A sum that is not finite (a
+    NaN or an infinity in the array, or finite values whose sum overflows)
+    is decided by the two extremes."""
+    with np.errstate(over="ignore", invalid="ignore"):  # what the sum meets is the question, not a warning
+        total = array.sum(dtype=np.float32 if array.dtype == np.float16 else None)
+    if np.isfinite(total):
+        return True
     return bool(np.isfinite(array.min()) and np.isfinite(array.max()))
 
 

@@ -8,7 +8,8 @@ Each call is held to impl_numpy's float64 stages (every key, the unselected mask
 under "zero", "uniform" and "nan"), on the SDPA path and on the in-place cache, with the thresholds lowered
 (SPLIT_MIN_KEYS 1, KEY_BLOCK 16: 81 keys in six blocks, the last a partial one) and, once, at the real ones (P
 2100). Each test first shows that absorbed_logits ran (so a pass is the split path's). The porting bugs a split
-makes, the rotary part dropped and a block's rotary keys read from the first block, are planted and must fail."""
+makes, the rotary part dropped and a block's rotary keys read from the first block, are planted and must fail.
+Under autograd (float64) the split core's gradients are held to SDPA's over the joined key."""
 
 from __future__ import annotations
 
@@ -116,3 +117,30 @@ def test_split_key_bugs_are_caught(monkeypatch, mutant):
     for path, got in _paths(config, tensors, x, lat, rot, None).items():
         with pytest.raises(AssertionError, match="FAIL"):
             _judge(f"torch {path} ({mutant.__name__})", got.numpy(), expected, logits, config)
+
+
+def test_split_keys_gradients_match_sdpas(monkeypatch):
+    """The split core under autograd (the SDPA path over a given cache, float64): every gradient (the query input,
+    both cache parts, every weight) equal to SDPA's over the joined key, an independent kernel (rtol 1e-10: the
+    same float64 sums in other orders)."""
+    from impl_torch import attention
+
+    config, tensors, x, lat, rot, idx = _step()
+
+    def grads():
+        t = {k: torch.from_numpy(v.astype(np.float64)).requires_grad_() for k, v in tensors.items()}
+        inputs = [torch.from_numpy(a.astype(np.float64)).requires_grad_() for a in (x, lat, rot)]
+        out = attention.multi_head_attention(config, t, inputs[0], past_key=inputs[1], past_value=inputs[2],
+                                             topk_indices=torch.from_numpy(idx), is_causal=True,
+                                             causal_alignment="bottom_right", use_sdpa=True)
+        out.square().sum().backward()
+        return [a.grad for a in inputs] + [t[k].grad for k in sorted(t)]
+
+    monkeypatch.setattr(attention, "SPLIT_MIN_KEYS", 10**9)
+    expected = grads()
+    ran = _spy(monkeypatch)
+    got = grads()
+    assert ran == [9], ran  # the union of both rows' selected keys gathered, then split
+    assert len(got) == len(expected) and all(g is not None for g in got)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)

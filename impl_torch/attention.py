@@ -504,8 +504,10 @@ def absorb_latent(config: AttentionConfig, call: Call, q: torch.Tensor, latent: 
 # cases, at most a few hundred keys) SDPA keeps the call: the `sdpa` column still checks SDPA's absorbed form.
 SPLIT_MIN_KEYS = 1024
 # absorbed_logits' keys per product: a (16, 512) x (512, s) product over 1024-4096 keys took 25 ms over 65537
-# keys against 32 ms in one product (the same measurement); 8192 keys and up 29-31 ms.
-KEY_BLOCK = 2048
+# keys against 32 ms in one product (the same measurement); 8192 keys and up 29-31 ms. 4096 rather than 2048
+# (the whole step 60-72 ms against 58-79 at 2048, one thread): half the products, so half the parallel regions
+# where torch's two threads wait for each other on a loaded machine.
+KEY_BLOCK = 4096
 
 
 def splits_keys(config: AttentionConfig, call: Call, absorbed: bool, keys: int) -> bool:

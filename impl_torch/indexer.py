@@ -72,8 +72,10 @@ def quantize_fp8(x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.
 # scores' keys per block where the head weights sum the heads: about this many (I T, block) dots at a time, so the
 # intermediate stays in cache instead of four passes over (B, I, T, S) (the dots, their scale, ReLU, the weighted
 # sum). Measured (2-core AMD EPYC VM, 2026-11-30, loaded, one thread, process CPU time, min of 7; I 64, J 128, T 1,
-# 65537 keys): 30 ms in one piece, 18-20 ms in blocks of 1024-4096 keys, 19-22 at 8192. 2^17: 2048 keys at I 64.
-SCORE_BLOCK_ELEMENTS = 2**17
+# 65537 keys): 30 ms in one piece, 18-20 ms in blocks of 1024-4096 keys, 19-22 at 8192. 2^19: 8192 keys at I 64,
+# the whole step 30-32 ms of CPU as at 2^17 (one thread), in 9 blocks instead of 33: on a loaded machine torch's two
+# threads wait for each other at every parallel region (4-5 ms each, measured: the step 1.2 s in 2^17's blocks).
+SCORE_BLOCK_ELEMENTS = 2**19
 SCORE_BLOCK_MIN_KEYS = 256
 
 
@@ -102,7 +104,8 @@ def _weighted_scores(q, k, weights, score_scale: float, relu: bool, ct):
     block = max(SCORE_BLOCK_MIN_KEYS, SCORE_BLOCK_ELEMENTS // (I * T))
     parts = []
     for start in range(0, S, block):
-        dots = torch.bmm(rows, k[:, start:start + block].to(ct).transpose(1, 2)) * score_scale  # (B, I T, s)
+        keys = k[:, start:start + block].to(ct).transpose(1, 2)  # (B, J, s)
+        dots = torch.baddbmm(rows.new_empty(()), rows, keys, beta=0, alpha=score_scale)  # s q.k: (B, I T, s)
         if relu:
             dots = torch.clamp(dots, min=0)
         parts.append(torch.matmul(w, dots.reshape(B, I, T, -1).transpose(1, 2)))  # (B, T, 1, s)
@@ -144,13 +147,31 @@ def select_topk(x, k: int):
 
 def _select_few(x, width: int):
     """select_topk's result (the stable sort's first `width`: descending score, ties by ascending index, -1 where
-    the score is -inf or NaN) without sorting the whole row: torch.topk finds each row's width-th score (its
-    choice among ties is unspecified, so only the value is read); every key above it is kept, and of the keys
-    equal to it the first ones by index, as many as the width leaves; the width kept keys (ascending, nonzero's
-    order) are then sorted stably by their negated scores. A NaN score counts as -inf here: the stable sort puts
-    NaN after -inf, and both give -1, so which of them fill the last slots does not show. Measured (2-core AMD
-    EPYC VM, 2026-11-30, loaded, one thread, process CPU time): 65537 scores, width 2048: the whole sort 5.7 ms,
-    torch.topk 0.8 ms."""
+    the score is -inf) without sorting the whole row. torch.topk's `width` keys are the selection itself where no
+    score equal to the width-th one is left out (its choice among ties is unspecified; checked by counting that
+    score in the row and in the chosen) and no NaN is among them (topk ranks NaN first, the stable sort last);
+    then only they are ordered (ascending index, then stably by their negated scores). Otherwise
+    _select_ties. A row of many ops over every score costs a loaded machine's two threads a wait at each
+    (impl_torch.indexer's SCORE_BLOCK_ELEMENTS): here two ops read the whole row, topk and the count. Measured
+    (2-core AMD EPYC VM, 2026-11-30, loaded, one thread, process CPU time): 65537 scores, width 2048: the whole
+    sort 5.7 ms, torch.topk 0.8 ms."""
+    vals, cols = torch.topk(x, width, dim=-1)  # (.., width), descending
+    kth = vals[..., -1:]
+    if torch.isnan(vals).any() or ((x == kth).sum(dim=-1, keepdim=True) != (vals == kth).sum(dim=-1, keepdim=True)).any():
+        return _select_ties(x, width)
+    cols = torch.sort(cols, dim=-1).values  # ascending index
+    chosen = torch.gather(x, -1, cols)
+    order = torch.sort(-chosen, dim=-1, stable=True).indices
+    chosen, cols = torch.gather(chosen, -1, order), torch.gather(cols, -1, order)
+    return torch.where(chosen > -math.inf, cols, torch.full_like(cols, -1))
+
+
+def _select_ties(x, width: int):
+    """_select_few where ties straddle the width-th score (or a NaN is among the chosen): every key above the
+    width-th score kept and, of the keys equal to it, the first ones by index, as many as the width leaves; the
+    width kept keys (ascending, nonzero's order) then sorted stably by their negated scores. A NaN score counts
+    as -inf here: the stable sort puts NaN after -inf, and both give -1, so which fill the last slots does not
+    show."""
     xs = torch.where(torch.isnan(x), -math.inf, x)
     kth = torch.topk(xs, width, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # (.., 1)
     above = xs > kth

@@ -28,13 +28,34 @@ def _scores_with_ties(rng, shape):
     return x
 
 
+def _distinct_scores(rng, shape):
+    """Scores without a tie at any width (a permutation of distinct values), a tenth of them -inf."""
+    x = rng.permuted(np.tile(np.arange(shape[-1], dtype=np.float32), (*shape[:-1], 1)), axis=-1)
+    x[rng.random(shape) < 0.1] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("scores", ["ties", "distinct"])
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1000), (2, 3, 4, 257)])
 @pytest.mark.parametrize("width", [1, 7, 100])
-def test_select_few_is_the_stable_sorts_selection(shape, width):
-    x = _scores_with_ties(np.random.default_rng(width), shape)
+def test_select_few_is_the_stable_sorts_selection(monkeypatch, scores, shape, width):
+    """Ties straddling the width-th score (and NaN) go to _select_ties; distinct scores stay with topk's keys."""
+    rng = np.random.default_rng(width)
+    x = _scores_with_ties(rng, shape) if scores == "ties" else _distinct_scores(rng, shape)
     assert width * 2 < shape[-1]  # the few-of-many path is the one select_topk takes
+    right, tied = indexer._select_ties, []
+    monkeypatch.setattr(indexer, "_select_ties", lambda *a: tied.append(1) or right(*a))
     got = indexer.select_topk(torch.from_numpy(x), width).numpy()
     np.testing.assert_array_equal(got, ref.select_topk(x, width))
+    if scores == "distinct" or width > 1:  # (width 1 over ties: the top score may stand alone)
+        assert bool(tied) == (scores == "ties"), tied
+
+
+def test_select_few_with_a_nan_among_the_chosen():
+    """No tie, but a NaN, which topk ranks first and the stable sort last (a -1 at the end)."""
+    x = _distinct_scores(np.random.default_rng(3), (1, 1, 2, 300))
+    x[0, 0, 1, 7] = np.nan
+    np.testing.assert_array_equal(indexer.select_topk(torch.from_numpy(x), 20).numpy(), ref.select_topk(x, 20))
 
 
 def _stage_inputs(rng, B=2, I=3, T=2, S=70, J=5):
@@ -60,15 +81,15 @@ def test_a_block_reading_the_wrong_keys_is_caught(monkeypatch):
     monkeypatch.setattr(indexer, "SCORE_BLOCK_ELEMENTS", 1)
     monkeypatch.setattr(indexer, "SCORE_BLOCK_MIN_KEYS", 16)
     q, k, w = _stage_inputs(np.random.default_rng(0))
-    right_bmm = torch.bmm
+    right_baddbmm = torch.baddbmm
     calls = []
 
-    def first_block_only(a, b):  # every block's keys read from the first block's (its start dropped)
+    def first_block_only(c, a, b, **kw):  # every block's keys read from the first block's (its start dropped)
         calls.append(b.shape)
-        return right_bmm(a, kt[..., :b.shape[-1]]) if b.shape[-1] <= kt.shape[-1] else right_bmm(a, b)
+        return right_baddbmm(c, a, kt[..., :b.shape[-1]], **kw)
 
     kt = torch.from_numpy(k)[:, :16].transpose(1, 2)
-    monkeypatch.setattr(indexer.torch, "bmm", first_block_only)
+    monkeypatch.setattr(indexer.torch, "baddbmm", first_block_only)
     got = indexer.scores(*(torch.from_numpy(a) for a in (q, k, w)), 0.3, True, False).numpy()
     monkeypatch.undo()
     assert len(calls) == 5, calls

@@ -7,7 +7,7 @@ Each call is held to impl_numpy's float64 stages (every key, the unselected mask
 (tests/test_sparse_gather.py's step and VARIANTS: a -1 pad, a key named twice, a mask per head, fully masked rows
 under "zero", "uniform" and "nan"), on the SDPA path and on the in-place cache, with the thresholds lowered
 (SPLIT_MIN_KEYS 1, KEY_BLOCK 16: 81 keys in six blocks, the last a partial one) and, once, at the real ones (P
-2100). Each test first shows that absorbed_logits ran (so a pass is the split path's). The porting bugs a split
+4200). Each test first shows that absorbed_logits ran (so a pass is the split path's). The porting bugs a split
 makes, the rotary part dropped and a block's rotary keys read from the first block, are planted and must fail.
 Under autograd (float64) the split core's gradients are held to SDPA's over the joined key."""
 
@@ -85,15 +85,15 @@ def test_split_keys_over_the_whole_cache_match_the_float64_stages(monkeypatch):
 
 
 def test_split_keys_at_the_real_threshold(monkeypatch):
-    """P 2100 (past SPLIT_MIN_KEYS 1024, in blocks of KEY_BLOCK): dense, the thresholds as shipped."""
+    """P 4200 (past SPLIT_MIN_KEYS 1024, in blocks of KEY_BLOCK): dense, the thresholds as shipped."""
     from impl_torch import attention
 
     ran = _spy(monkeypatch, low=False)
     config, tensors, x, _, _, _ = _step()
     rng = np.random.default_rng(11)
-    lat, rot = (rng.standard_normal((2, 1, 2100, n)).astype(np.float32) for n in (16, 4))
+    lat, rot = (rng.standard_normal((2, 1, 4200, n)).astype(np.float32) for n in (16, 4))
     _check((config, tensors, x, lat, rot, None))
-    assert ran == [2101] * 2 and attention.KEY_BLOCK < 2101, ran
+    assert ran == [4201] * 2 and attention.KEY_BLOCK < 4201, ran
 
 
 def _rotary_dropped(right, q, latent, rotary, scale):

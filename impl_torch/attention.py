@@ -25,7 +25,10 @@ Which path honours which feature:
   stage functions. The cache is the normed latent (B, 1, P+S, C) and the
   rotated shared key (B, 1, P+S, R) on every path. A decode step over a
   selection (one query, topk_indices or the indexer's) gathers the selected
-  rows and attends to them alone (_selected_columns, impl_numpy's).
+  rows and attends to them alone (_selected_columns, impl_numpy's). One
+  query over SPLIT_MIN_KEYS keys or more (whole cache or gathered) runs the
+  stage functions with the shared key read as its two parts, never joined
+  (splits_keys, absorbed_logits), on SDPA's path too.
 torch has no chunked path (no chunk_size argument): SDPA's kernels already
 work blockwise.
 """

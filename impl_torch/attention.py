@@ -25,7 +25,10 @@ Which path honours which feature:
   stage functions. The cache is the normed latent (B, 1, P+S, C) and the
   rotated shared key (B, 1, P+S, R) on every path. A decode step over a
   selection (one query, topk_indices or the indexer's) gathers the selected
-  rows and attends to them alone (_selected_columns, impl_numpy's).
+  rows and attends to them alone (_selected_columns, impl_numpy's). One
+  query over SPLIT_MIN_KEYS keys or more (whole cache or gathered) runs the
+  stage functions with the shared key read as its two parts, never joined
+  (splits_keys, absorbed_logits), on SDPA's path too.
 torch has no chunked path (no chunk_size argument): SDPA's kernels already
 work blockwise.
 """
@@ -495,6 +498,49 @@ def absorb_latent(config: AttentionConfig, call: Call, q: torch.Tensor, latent: 
     return q, torch.cat([latent, rotary], dim=-1), latent
 
 
+# A one-query absorbed call (a decode step; T 1) over at least this many keys, the whole cache or the gathered
+# selection, runs its core as the stages (logits .. attend) with the key read as its two parts, [latent |
+# rotary] (absorbed_logits), on the SDPA path too: not torch.cat of the whole cache per step and SDPA over one
+# shared head of width C + R. Measured (2-core AMD EPYC VM, 2026-11-30, loaded, one thread, process CPU time,
+# min of 5, torch 2.13 CPU with MKL; N 16, C 512, R 64, 65537 keys): the concatenation 70 ms and SDPA 125 ms
+# against the two products 25 + 4 ms, the softmax 1 ms and the attend 22 ms. Below it (the grid's decode
+# cases, at most a few hundred keys) SDPA keeps the call: the `sdpa` column still checks SDPA's absorbed form.
+SPLIT_MIN_KEYS = 1024
+# absorbed_logits' keys per product: a (16, 512) x (512, s) product over 1024-4096 keys took 25 ms over 65537
+# keys against 32 ms in one product (the same measurement); 8192 keys and up 29-31 ms. 4096 rather than 2048
+# (the whole step 60-72 ms against 58-79 at 2048, one thread): half the products, so half the parallel regions
+# where torch's two threads wait for each other on a loaded machine.
+KEY_BLOCK = 4096
+
+
+def splits_keys(config: AttentionConfig, call: Call, absorbed: bool, keys: int) -> bool:
+    """Whether an absorbed call's core runs as the stages over the key's two parts (SPLIT_MIN_KEYS): one query,
+    `keys` keys or more, SDPA's own causal flag not standing for a mask (plain_causal: no mask is built), no
+    differential pair (its values are not the latent alone), and not under torch.compile (the key blocks are a
+    Python loop over a size)."""
+    return (absorbed and call.shapes.T == 1 and keys >= SPLIT_MIN_KEYS and not call.plain_causal
+            and config.differential is None and not torch.compiler.is_compiling())
+
+
+def absorbed_logits(q: torch.Tensor, latent: torch.Tensor, rotary: torch.Tensor, scale: float) -> torch.Tensor:
+    """LOGITS of the absorbed form (F.logits' arithmetic) with its shared key held as two parts: q (B, N, T, C+R),
+    latent (B, 1, S, C), rotary (B, 1, S, R) -> (B, N, T, S), q's first C features against the latent and its
+    last R against the rotary key, added: q . [latent | rotary] without the join (a copy of the whole cache),
+    in blocks of KEY_BLOCK keys, each cast to the compute dtype on its own, in compute dtype, stored."""
+    B, N, T, _ = q.shape
+    C, S = latent.shape[-1], latent.shape[2]
+    ct = compute_dtype(q.dtype)
+    rows = q.to(ct).reshape(B, N * T, -1)  # (B, N T, C+R): every head's query against the one shared key head
+    q_lat, q_rot = rows[..., :C], rows[..., C:]
+    blocks = []
+    for start in range(0, S, KEY_BLOCK):
+        lat = latent[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, C)
+        rot = rotary[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, R)
+        blocks.append(torch.baddbmm(torch.bmm(q_rot, rot.transpose(1, 2)), q_lat, lat.transpose(1, 2)))
+    scores = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)  # (B, N T, S)
+    return (scores * scale).reshape(B, N, T, S).to(q.dtype)
+
+
 # Present caches of at least this many bytes, on the CPU and outside autograd, are written into memory
 # NumPy allocates (_append says why).
 HUGE_PAGE_MIN_BYTES = 4 * 2**20
@@ -619,27 +665,34 @@ def multi_head_attention(
                                                            segmented=segment_ids is not None)
         if cols is not None:  # a decode step over a selection: the selected rows alone (a gather), not the whole
             # cache masked (impl_numpy.chunked._fused_modern); the keys gathered before they are joined
-            q, k, v = absorb_latent(config, call, q, present_key.index_select(2, cols),
-                                    present_value.index_select(2, cols))  # (.., C+R), (B, 1, s, C+R), (B, 1, s, C)
+            latent, rotary = present_key.index_select(2, cols), present_value.index_select(2, cols)  # (B, 1, s, .)
             allowed = call.allowed.index_select(-1, cols)  # (B|1, N|1, 1, s)
+        else:
+            latent, rotary = present_key, present_value  # (B, 1, S_total, C|R)
+        split = splits_keys(config, call, absorbed, latent.shape[2])
+        if split:  # the stages' core over [latent | rotary] read as two parts (absorbed_logits), not joined
+            q = F.absorb_query(q, p["key.kernel"], config.latent.rope_dim)  # (B, N, 1, C+R)
+            k, v = None, latent  # the latent is the values
         elif absorbed:
-            q, k, v = absorb_latent(config, call, q, present_key, present_value)  # (.., C+R), (.., C+R), (.., C)
+            q, k, v = absorb_latent(config, call, q, latent, rotary)  # (.., C+R), (B, 1, s|S_total, C+R), (.., C)
         else:
             k, v = expand_latent(config, call, present_key, present_value, rec)  # (B, K, S_total, H|V)
     else:
+        split = False
         q, k, v = qkv_heads(config, call, rec)  # (B, N, T, H), (B, K, S_total, H), (B, K, S_total, V)
         present_key, present_value = k, v
     if config.differential is not None:  # each kv head's value joined with its pair's (the cache stays v)
         v = rec("value.pair", F.value_pair(v))  # (B, K, S_total, 2V)
     w = None
-    if will_use_sdpa:
+    if will_use_sdpa and not split:
         bias4 = call.bias4
         if config.alibi:  # ALiBi joins the call's bias in SDPA's float mask (a -inf there stays -inf)
             bias4 = call.alibi_bias(config) if bias4 is None else call.alibi_bias(config) + bias4
         ctx = sdpa_attend(config, q, k, v, allowed=allowed, bias=bias4,
                           plain_causal=call.plain_causal)  # (B, N, T, V)
     else:
-        x = rec("logits", F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
+        x = rec("logits", absorbed_logits(q, latent, rotary, config.effective_scale) if split
+                else F.logits(q, k, config.effective_scale))  # (B, N, T, S_total)
         if config.logit_softcap is not None:
             x = rec("softcap", F.softcap(x, config.logit_softcap))
         if config.alibi:

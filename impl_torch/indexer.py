@@ -3,7 +3,8 @@ strings; torch ops only). Shape letters as there: I index heads, J index head_di
 
 The fp8 simulation quantises through torch.float8_e4m3fn (round to nearest even, as ml_dtypes' cast) after
 DeepSeek's Hadamard transform; the top-k runs on the scores with the contract's tie rule (a stable sort of
-the negated scores: torch.topk's order among equal scores is unspecified, so it is not used).
+the negated scores: torch.topk's order among equal scores is unspecified, so it finds the k-th score alone,
+in select_topk's few-of-many path, never the order).
 """
 
 from __future__ import annotations
@@ -68,8 +69,20 @@ def quantize_fp8(x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.
     return q.reshape(shape), scale[..., 0]
 
 
+# scores' keys per block where the head weights sum the heads: about this many (I T, block) dots at a time, so the
+# intermediate stays in cache instead of four passes over (B, I, T, S) (the dots, their scale, ReLU, the weighted
+# sum). Measured (2-core AMD EPYC VM, 2026-11-30, loaded, one thread, process CPU time, min of 7; I 64, J 128, T 1,
+# 65537 keys): 30 ms in one piece, 18-20 ms in blocks of 1024-4096 keys, 19-22 at 8192. 2^19: 8192 keys at I 64,
+# the whole step 30-32 ms of CPU as at 2^17 (one thread), in 9 blocks instead of 33: on a loaded machine torch's two
+# threads wait for each other at every parallel region (4-5 ms each, measured: the step 1.2 s in 2^17's blocks).
+SCORE_BLOCK_ELEMENTS = 2**19
+SCORE_BLOCK_MIN_KEYS = 256
+
+
 def scores(q, k, weights, score_scale: float, relu: bool, per_kv_head: bool):
     ct = compute_dtype(q.dtype)
+    if weights is not None and not per_kv_head:
+        return _weighted_scores(q, k, weights.to(ct), score_scale, relu, ct)
     dots = torch.einsum("BITJ,BSJ->BITS", q.to(ct), k.to(ct)) * score_scale  # (B, I, T, S)
     if relu:
         dots = torch.clamp(dots, min=0)
@@ -78,6 +91,26 @@ def scores(q, k, weights, score_scale: float, relu: bool, per_kv_head: bool):
     if weights is None:
         return dots.sum(dim=1, keepdim=True)  # (B, 1, T, S)
     return torch.einsum("BTI,BITS->BTS", weights.to(ct), dots)[:, None]  # (B, 1, T, S)
+
+
+def _weighted_scores(q, k, weights, score_scale: float, relu: bool, ct):
+    """scores' stage with head weights, einsum("BITJ,BSJ->BITS") scaled, ReLU'd, then einsum("BTI,BITS->BTS"):
+    the same products and sums as matmuls, over blocks of keys (SCORE_BLOCK_ELEMENTS), each key's score from its
+    own block alone. q (B, I, T, J), k (B, S, J), weights (B, T, I) in ct -> (B, 1, T, S)."""
+    B, I, T, J = q.shape
+    S = k.shape[1]
+    rows = q.to(ct).reshape(B, I * T, J)  # every head's queries as the rows of one product per batch row
+    w = weights[:, :, None, :]  # (B, T, 1, I)
+    block = max(SCORE_BLOCK_MIN_KEYS, SCORE_BLOCK_ELEMENTS // (I * T))
+    parts = []
+    for start in range(0, S, block):
+        keys = k[:, start:start + block].to(ct).transpose(1, 2)  # (B, J, s)
+        dots = torch.baddbmm(rows.new_empty(()), rows, keys, beta=0, alpha=score_scale)  # s q.k: (B, I T, s)
+        if relu:
+            dots = torch.clamp(dots, min=0)
+        parts.append(torch.matmul(w, dots.reshape(B, I, T, -1).transpose(1, 2)))  # (B, T, 1, s)
+    x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # (B, T, 1, S)
+    return x.reshape(B, 1, T, S)
 
 
 def mask_scores(x, allowed):
@@ -105,9 +138,50 @@ def keep_local_blocks(x, query_slots: torch.Tensor, block_size: int, local_block
 
 def select_topk(x, k: int):
     width = min(k, x.shape[-1])
+    if width * 2 < x.shape[-1] and not torch.compiler.is_compiling():  # the few of many: no sort of every score
+        return _select_few(x, width)
     order = torch.sort(-x, dim=-1, stable=True).indices[..., :width]  # stable: ties keep ascending index
     chosen = torch.gather(x, -1, order)
     return torch.where(chosen > -math.inf, order, torch.full_like(order, -1))
+
+
+def _select_few(x, width: int):
+    """select_topk's result (the stable sort's first `width`: descending score, ties by ascending index, -1 where
+    the score is -inf) without sorting the whole row. torch.topk's `width` keys are the selection itself where no
+    score equal to the width-th one is left out (its choice among ties is unspecified; checked by counting that
+    score in the row and in the chosen) and no NaN is among them (topk ranks NaN first, the stable sort last);
+    then only they are ordered (ascending index, then stably by their negated scores). Otherwise
+    _select_ties. A row of many ops over every score costs a loaded machine's two threads a wait at each
+    (impl_torch.indexer's SCORE_BLOCK_ELEMENTS): here two ops read the whole row, topk and the count. Measured
+    (2-core AMD EPYC VM, 2026-11-30, loaded, one thread, process CPU time): 65537 scores, width 2048: the whole
+    sort 5.7 ms, torch.topk 0.8 ms."""
+    vals, cols = torch.topk(x, width, dim=-1)  # (.., width), descending
+    kth = vals[..., -1:]
+    if torch.isnan(vals).any() or ((x == kth).sum(dim=-1, keepdim=True) != (vals == kth).sum(dim=-1, keepdim=True)).any():
+        return _select_ties(x, width)
+    cols = torch.sort(cols, dim=-1).values  # ascending index
+    chosen = torch.gather(x, -1, cols)
+    order = torch.sort(-chosen, dim=-1, stable=True).indices
+    chosen, cols = torch.gather(chosen, -1, order), torch.gather(cols, -1, order)
+    return torch.where(chosen > -math.inf, cols, torch.full_like(cols, -1))
+
+
+def _select_ties(x, width: int):
+    """_select_few where ties straddle the width-th score (or a NaN is among the chosen): every key above the
+    width-th score kept and, of the keys equal to it, the first ones by index, as many as the width leaves; the
+    width kept keys (ascending, nonzero's order) then sorted stably by their negated scores. A NaN score counts
+    as -inf here: the stable sort puts NaN after -inf, and both give -1, so which fill the last slots does not
+    show."""
+    xs = torch.where(torch.isnan(x), -math.inf, x)
+    kth = torch.topk(xs, width, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # (.., 1)
+    above = xs > kth
+    ties = xs == kth
+    keep = above | (ties & (torch.cumsum(ties, dim=-1) <= width - above.sum(dim=-1, keepdim=True)))
+    cols = keep.nonzero()[:, -1].reshape(*x.shape[:-1], width)  # each row's width keys, ascending
+    chosen = torch.gather(xs, -1, cols)
+    order = torch.sort(-chosen, dim=-1, stable=True).indices
+    chosen, cols = torch.gather(chosen, -1, order), torch.gather(cols, -1, order)
+    return torch.where(chosen > -math.inf, cols, torch.full_like(cols, -1))
 
 
 def expand_blocks(blocks, block_size: int, allowed, S: int):
@@ -162,6 +236,28 @@ def left_pack(keys, width: int):
 
 
 # -- the call -----------------------------------------------------------------------------------------------
+
+# A present index cache of at least this many bytes, on the CPU and outside autograd, is written into memory NumPy
+# allocates (huge pages), as impl_torch.attention._append's present caches: (1, 65537, 128) float32, 34 MB, one
+# thread, process CPU time: torch.cat 15-17 ms, the same copy into NumPy's memory 5.2 ms (2-core AMD EPYC VM,
+# 2026-11-30, loaded).
+HUGE_PAGE_MIN_BYTES = 4 * 2**20
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _join_cache(past, new):
+    """torch.cat([past, new], dim=1): the present index cache (B, P+S, J|2J), a new tensor."""
+    size = past.element_size() * past.shape[0] * (past.shape[1] + new.shape[1]) * past.shape[2]
+    if (torch.compiler.is_compiling() or past.device.type != "cpu" or past.dtype not in _NUMPY_DTYPES
+            or new.dtype != past.dtype or size < HUGE_PAGE_MIN_BYTES
+            or (torch.is_grad_enabled() and (past.requires_grad or new.requires_grad))):
+        return torch.cat([past, new], dim=1)
+    P = past.shape[1]
+    joined = torch.from_numpy(np.empty((past.shape[0], P + new.shape[1], past.shape[2]), _NUMPY_DTYPES[past.dtype]))
+    joined[:, :P] = past
+    joined[:, P:] = new
+    return joined
+
 
 def _allowed(mask, B: int, T: int, S: int, is_causal: bool, device):
     allowed = torch.ones((1, 1, T, S), dtype=torch.bool, device=device)
@@ -260,7 +356,7 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else torch.cat([past_index_keys, k_new], dim=1)  # (B, P+S, J|2J)
+    k = k_new if past_index_keys is None else _join_cache(past_index_keys, k_new)  # (B, P+S, J|2J)
     if ix.block_pool == GATED:
         return _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
     weights = None

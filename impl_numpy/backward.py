@@ -126,24 +126,20 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     def per_feature(t, cfg):  # a norm tensor on xhat (B, L, groups, W): (W,) / (heads, W) per head, (F,) over all
         return t.astype(ct).reshape(-1) if cfg.scope == "all" else t.astype(ct)
 
-    # In magnitude mode x is the upstream magnitude m, and xhat's magnitude is the size of its terms, not |xhat|:
-    # m r, and (m + mean over the group of m) r for "layer" (x - mean(x) sums both), r the true forward's (as
-    # impl_numpy.magnitudes' norm). |xhat| would miss what a norm does to upstream rounding: a "layer" norm of a
-    # row that is constant up to rounding (every value clipped to c) gives xhat of pure rounding noise, 1e-14 in
-    # float64 and another noise in float32, times r = 1 / sqrt(eps) (the sweep's random_1454684: a value norm
-    # after qkv_clip, grad output.kernel expected 9e-14 against terms of |xhat| 8e-19).
-    xhat_terms: dict[str, np.ndarray] = {}
-
+    # In magnitude mode a "layer" norm's xhat counts the terms of its centring, as every other difference of
+    # this pass: (|x| + |mean(x)|) r of the true forward, not |x - mean(x)| r. A row that is constant up to
+    # rounding (every value clipped to c) centres to pure rounding noise, 1e-17 in float64 and another noise in
+    # float32, times r = 1 / sqrt(eps): its |xhat| allowed nothing of it (the sweep's random_1454684: a value
+    # norm after qkv_clip, grad output.kernel expected 9e-14 against terms of 8e-19). "rms" has no difference.
     def norm_forward(name, x, heads, cfg):  # functional.norm, its pieces kept for norm_back
         if not magnitude:
             kept[name + ".norm"] = _norm_parts(x, cfg.type, cfg.eps, heads, cfg.scope, ct)
-        xhat, r = kept[name + ".norm"]
-        if magnitude:
-            m = x.astype(ct).reshape(xhat.shape)
             if cfg.type == "layer":
-                m = m + m.mean(axis=-1, keepdims=True)
-            xhat_terms[name] = m * r
-        y = xhat_terms[name] if magnitude else xhat
+                xhat, r = kept[name + ".norm"]
+                y = x.astype(ct).reshape(xhat.shape)
+                kept[name + ".norm.terms"] = (np.abs(y) + np.abs(y.mean(axis=-1, keepdims=True))) * r
+        xhat, _ = kept[name + ".norm"]
+        y = kept.get(name + ".norm.terms", np.abs(xhat)) if magnitude else xhat
         if name + ".norm.scale" in p:
             y = y * per_feature(p[name + ".norm.scale"], cfg)
         if name + ".norm.bias" in p:
@@ -366,7 +362,7 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     def norm_back(name, dy, cfg):
         xhat, r = kept[name + ".norm"]
         if magnitude:
-            xhat = xhat_terms[name]  # the size of xhat's terms (norm_forward)
+            xhat = kept.get(name + ".norm.terms", np.abs(xhat))  # the size of xhat's terms (norm_forward)
         dyc = dy.astype(ct).reshape(xhat.shape)  # (B, L, groups, W)
         dxhat = dyc
         if name + ".norm.scale" in p:

@@ -102,8 +102,8 @@ def test_a_layer_norm_of_a_clipped_row_is_judged_on_its_terms():
     noise (about 1e-17 in float64, 0 in float32) times 1 / sqrt(eps) = 1000. Every backend's float32 gradient of
     output.kernel came out 0 where the float64 reference's is 9.3e-14 of noise, and the gradient magnitudes,
     which took the normalised value's size |xhat| for its terms, allowed 1e-24: margin 8.8e4 on numpy, torch,
-    tf and MLX alike. Counted as the terms of x - mean(x) times r (impl_numpy.backward's norm_forward, as
-    impl_numpy.magnitudes does for the forward), it passes."""
+    tf and MLX alike. Counted by the terms of its centring, (|x| + |mean(x)|) r (impl_numpy.backward's
+    norm_forward: every difference of the magnitude pass a sum), it passes."""
     from conformance.suite.cases import random_case
     from conformance.suite.compare import run_case
 

@@ -561,12 +561,13 @@ def test_an_in_place_cache_refuses_a_buffer_it_cannot_write():
 # -- the indexer's index cache in place (past_index_keys with cache_length): written by XLA (tf_only.write_rows) ---
 
 
-def _decode_index_cache_in_place(dtype: str) -> None:
+def _decode_index_cache_in_place(dtype: str) -> list[float]:
     """indexer_dsa_prefill's DSA (MLA) layer, batch 2: a prefill of 5 tokens, then 4 decode steps, once with
     every cache in place (tf.Variables of 9 + 2 spare positions, cache_length=P) and once copying (each step
     handed the caches the last returned). After every call the index buffer's first P + S rows equal the copying
     call's present_index_keys, its spare rows stay as they were, and the outputs agree; in float64 the index keys
-    equal the reference's too (impl_numpy, the same prefill)."""
+    equal the reference's too (impl_numpy, the same prefill). Returns each call's relative error of the index
+    buffer against present_index_keys (asserted here as it is measured, so a mutant fails at its step)."""
     case = CASES["indexer_dsa_prefill"]
     config, tensors = case.config, cast_tensors(make_tensors(case), dtype)
     x = make_inputs(case)["query"].astype(dtype)  # (2, 9, D)
@@ -583,7 +584,7 @@ def _decode_index_cache_in_place(dtype: str) -> None:
     grown = [np.zeros(s[:-2] + (T + SPARE, s[-1]), dtype) for s in shapes]  # positions: the next-to-last axis
     grown[2][:, T:] = spare
     buffers = [tf.Variable(a) for a in grown]
-    copying, P = None, 0
+    copying, P, errors = None, 0, []
     for S in (5, 1, 1, 1, 1):
         step = x[:, P:P + S]
         caches = {} if copying is None else dict(zip(("past_key", "past_value", "past_index_keys"), copying[1:]))
@@ -597,6 +598,7 @@ def _decode_index_cache_in_place(dtype: str) -> None:
         err = float(np.abs(held[:, :P + S] - want).max() / np.abs(want).max())
         assert err <= tol, f"{dtype} P={P}: the index buffer's rows 0..{P + S - 1} differ from present_index_keys by " \
                            f"{err:.3g} (relative)"
+        errors.append(err)
         assert np.array_equal(held[:, T:], spare), f"{dtype} P={P}: the index buffer's spare rows were written"
         out, ref = np.asarray(placed[0]), np.asarray(copying[0])
         err = float(np.abs(out - ref).max() / np.abs(ref).max())
@@ -606,11 +608,13 @@ def _decode_index_cache_in_place(dtype: str) -> None:
         reference = impl_numpy.multi_head_attention(config, tensors, x, return_cache=True, is_causal=True)[3]
         err = float(np.abs(buffers[2].numpy()[:, :T] - reference).max())
         assert err <= 1e-12, f"the index buffer differs from the float64 reference's present_index_keys by {err:.3g}"
+    return errors
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_the_index_cache_in_place_holds_the_copying_calls_index_keys(dtype):
-    _decode_index_cache_in_place(dtype)
+    errors = _decode_index_cache_in_place(dtype)  # the prefill and four decode steps, each checked as it ran
+    assert len(errors) == 5 and max(errors) <= 8 * float(np.finfo(dtype).eps), errors
 
 
 def test_an_index_cache_written_one_row_early_fails(monkeypatch):

@@ -271,24 +271,22 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
     KL loss against the attention's scores). rec: the call's trace recorder, handed to lightning_indexer."""
     from .indexer import lightning_indexer
 
-    S, P = call.shapes.S, call.shapes.P
+    P = call.shapes.P
     mask = index_mask(config, call, is_causal, causal_alignment)
-    buffer = None
-    past = past_index_keys
-    if past is not None and call.cache_length is not None:
-        buffer = past
+    in_place = past_index_keys is not None and call.cache_length is not None
+    if in_place:
+        buffer = past_index_keys
         if not isinstance(buffer, np.ndarray) or buffer.dtype != call.dtype or not buffer.flags.writeable:
             raise in_place_buffer_error("past_index_keys", f"be a writeable numpy array of the storage dtype "
                                         f"{call.dtype.name}", f"{type(buffer).__name__} {getattr(buffer, 'dtype', '')}")
-        past = buffer[:, :P]
+    # in place, the indexer writes the new index keys into the buffer at P..P+S-1 and scores over its first P+S
+    # rows (no copy of the index cache a step); present_index_keys is then the buffer, whole
     result = lightning_indexer(config, call.params, call.query, call.key, positions=positions,
-                               key_positions=key_positions, past_index_keys=past, mask=mask, is_causal=False,
-                               dtype=call.dtype.name, precision=config.indexer.scoring_precision,
-                               fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
+                               key_positions=key_positions, past_index_keys=past_index_keys, mask=mask,
+                               is_causal=False, dtype=call.dtype.name, precision=config.indexer.scoring_precision,
+                               fp8_scale_format=config.indexer.fp8_scale_format,
+                               cache_length=P if in_place else None, rec=rec)
     call.present_index_keys = result["present_index_keys"]
-    if buffer is not None:
-        buffer[:, P:P + S] = call.present_index_keys[:, P:]
-        call.present_index_keys = buffer
     call.selection = result["topk_indices"]
     return call.selection
 

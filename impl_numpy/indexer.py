@@ -363,7 +363,8 @@ def _check_fp8(config: AttentionConfig, precision, scale_format: str) -> None:
 def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *, positions=None,
                       key_positions=None, past_index_keys=None, mask=None, is_causal: bool = True,
                       dtype: str | None = None, precision: str | None = None, fp8_scale_format: str = "float",
-                      return_scores: bool = False, rec=lambda stage, value: value) -> dict:
+                      return_scores: bool = False, cache_length: int | None = None,
+                      rec=lambda stage, value: value) -> dict:
     """Run the indexer of `config.indexer` on one call.
 
     query (B, T, Dq), key (B, S, Dk) (default: query, self-attention); positions (T,) or (B, T) and
@@ -372,7 +373,11 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     where a key is visible (padding), (T, P+S), (B, T, P+S) or (B, 1, T, P+S), ANDed with the causal mask
     (bottom-right) when is_causal. dtype: the storage dtype (default: the query's). precision "fp8_e4m3":
     DeepSeek's scoring precision (Hadamard, e4m3 with one scale per head vector, fp8_scale_format "float" or
-    "ue8m0"), simulated through ml_dtypes.
+    "ue8m0"), simulated through ml_dtypes. cache_length: an in-place index cache, as the attention call's:
+    past_index_keys is the caller's buffer (B, C, J|2J) whose first cache_length = P rows are the cache; the
+    call writes the new index keys at P..P+S-1 and scores over the first P+S rows without copying;
+    present_index_keys is the buffer, whole. Refused (ValueError naming cache_length) without
+    past_index_keys, or where P+S exceeds the buffer's rows.
 
     -> {"topk_indices": (B, T, k') or, per kv head, (B, K, T, k') int64 (k' = min(topk, P+S), or with blocks
     min(topk * block_size, P+S)), "present_index_keys": (B, P+S, J)}; with blocks also "topk_blocks" (B, G,
@@ -392,6 +397,10 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
                          f"key {key.shape}")
     B, T, S = query.shape[0], query.shape[1], key.shape[1]
     P = 0
+    buffer = None
+    if cache_length is not None:
+        buffer = _index_cache_buffer(past_index_keys, cache_length, S, dt)
+        past_index_keys = buffer[:, :cache_length]
     if past_index_keys is not None:
         past_index_keys = np.asarray(past_index_keys).astype(dt, copy=False)  # (a copy of the index cache: only to cast)
         if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.cache_width:
@@ -404,10 +413,16 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else np.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
-    cache = k
+    if buffer is not None:  # in place: the new rows written, the first P+S rows a view (no copy of the cache)
+        buffer[:, P:P + S] = k_new
+        k = buffer[:, :P + S]
+    else:
+        k = k_new if past_index_keys is None else np.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    present = k if buffer is None else buffer  # the returned index cache: with cache_length the buffer, whole
     if ix.block_pool == GATED:
-        return _gated_selection(config, tensors, query, q, cache, B, T, P + S, mask, is_causal, return_scores, rec)
+        result = _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
+        result["present_index_keys"] = present
+        return result
     weights = None
     if ix.head_weights:
         ct = compute_dtype(dt)
@@ -424,7 +439,7 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     x = rec("indexer.scores", scores(qs, ks, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
     allowed = _allowed(mask, B, T, P + S, is_causal)  # (B|1, 1, T, P+S)
     x = rec("indexer.masked_scores", mask_scores(x, allowed))
-    result = {"present_index_keys": k}
+    result = {"present_index_keys": present}
     if return_scores:
         result["index_scores"] = x
         aw = None if weights is None else np.abs(weights.astype(np.float64))
@@ -444,6 +459,23 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
     result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
     return result
+
+
+def _index_cache_buffer(buffer, cache_length, S: int, dt: np.dtype) -> np.ndarray:
+    """lightning_indexer's in-place index cache, checked: a writeable NumPy array of the storage dtype (a cast or
+    a read-only array would write a copy the caller never sees), (B, C, J|2J) with room for the call's S keys
+    after its first cache_length rows (the shape's other checks are lightning_indexer's own)."""
+    if buffer is None:
+        raise ValueError("cache_length needs past_index_keys, the index cache's buffer: got past_index_keys None")
+    if not isinstance(buffer, np.ndarray) or buffer.dtype != dt or not buffer.flags.writeable:
+        raise ValueError(f"cache_length needs past_index_keys a writeable numpy array of the storage dtype {dt.name}: "
+                         f"got {type(buffer).__name__} {getattr(buffer, 'dtype', '')}".rstrip())
+    if isinstance(cache_length, bool) or not isinstance(cache_length, (int, np.integer)) or buffer.ndim != 3 \
+            or not 0 <= cache_length <= buffer.shape[1] - S:
+        raise ValueError(f"cache_length must be an int in 0..C-S = 0..{buffer.shape[1] - S if buffer.ndim == 3 else '?'}"
+                         f" (the buffer's rows less the call's {S} keys): got {cache_length!r} with past_index_keys "
+                         f"{buffer.shape}")
+    return buffer
 
 
 def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,

@@ -242,6 +242,49 @@ def test_decode_from_the_index_cache_matches_prefill(make):
     assert np.allclose(cache, full["present_index_keys"], rtol=1e-13, atol=0), "the index cache differs"
 
 
+@pytest.mark.parametrize("make", [lambda: _dsa(True), lambda: _m3(topk=2, block_size=2), lambda: _kpool()],
+                         ids=["dsa", "m3", "kpool"])
+def test_decode_into_an_in_place_index_cache_matches_prefill(make):
+    """cache_length: prefill 4 tokens into a buffer of 9 rows, then decode 3 one at a time in place: each step
+    selects what the 7-token prefill (copying, no buffer) selects for that query, returns the buffer itself, and
+    leaves the buffer's rows past P+S as they were (the write is the new rows alone)."""
+    config = make()
+    t = init(config, seed=4, dtype="float64")
+    x = _x()
+    full = lightning_indexer(config, t, x)
+    width = config.indexer.cache_width
+    buffer = np.full((2, 9, width), 7.0)
+    step = lightning_indexer(config, t, x[:, :4], past_index_keys=buffer, cache_length=0)
+    assert step["present_index_keys"] is buffer
+    for i in range(4, 7):
+        step = lightning_indexer(config, t, x[:, i:i + 1], past_index_keys=buffer, cache_length=i)
+        assert step["present_index_keys"] is buffer
+        got, want = step["topk_indices"][..., 0, :], full["topk_indices"][..., i, :]
+        width_k = got.shape[-1]
+        assert np.array_equal(got, want[..., :width_k]) and (want[..., width_k:] == -1).all(), (i, got, want)
+    assert np.allclose(buffer[:, :7], full["present_index_keys"], rtol=1e-13, atol=0), "the index cache differs"
+    assert (buffer[:, 7:] == 7.0).all(), "rows past the cache were written"
+
+
+def test_in_place_index_cache_refusals():
+    """cache_length's bad inputs: one line naming cache_length and what was received."""
+    config = _dsa(True)
+    t = init(config, seed=4, dtype="float64")
+    x = _x(T=2)
+    bad = [(dict(past_index_keys=None, cache_length=0), "cache_length needs past_index_keys"),
+           (dict(past_index_keys=np.zeros((2, 5, 8), np.float32), cache_length=0), "storage dtype float64"),
+           (dict(past_index_keys=np.zeros((2, 5, 8)), cache_length=4), "cache_length must be an int in 0..C-S = 0..3"),
+           (dict(past_index_keys=np.zeros((2, 5, 8)), cache_length=-1), "got -1"),
+           (dict(past_index_keys=np.zeros((2, 5, 8)), cache_length=1.0), "got 1.0")]
+    frozen = np.zeros((2, 5, 8))
+    frozen.flags.writeable = False
+    bad.append((dict(past_index_keys=frozen, cache_length=0), "writeable numpy array"))
+    for kwargs, words in bad:
+        with pytest.raises(ValueError, match="cache_length") as info:
+            lightning_indexer(config, t, x, **kwargs)
+        assert words in str(info.value) and "\n" not in str(info.value), (kwargs, str(info.value))
+
+
 def test_fp8_simulation_follows_deepseek_quantisation():
     """Each quantised value is an e4m3 number (|q| <= 448, at most 3 mantissa bits), the block's largest is
     near 448, ue8m0 scales are powers of two; the fp8 scores stay within fp8's error of the exact ones."""

@@ -14,7 +14,8 @@ opt-in: --sparse-max). Per P and backend, each in a worker process of its own:
             among them), the attention over the selected keys alone: what the step costs once the indexer
             has chosen (the attention part of a DSA step)
   indexer   the backend's lightning_indexer (impl_*/indexer.py) over the whole index cache (B, P, J) and the
-            new token: its scores for every key and the top k (the other part of a DSA step)
+            new token: its scores for every key and the top k (the other part of a DSA step); in place
+            (cache_length, index_buffer) where the indexer takes it (NumPy, torch), else the copying call
   read      one read of the latent cache (np.sum / torch.sum / jnp.sum / tf.reduce_sum / mx.sum over its buffers
             and every weight): the machine's read bandwidth, measured in the same run
 
@@ -162,6 +163,16 @@ def _split(tensors: dict) -> tuple[dict, dict]:
             {k: v for k, v in tensors.items() if k.startswith("indexer.")})
 
 
+def index_buffer(keys: np.ndarray) -> np.ndarray:
+    """The in-place index cache (the indexers that take cache_length: NumPy's, torch's): capacity P + 1, the
+    first P rows the cached index keys, the last the step's own (each timed call writes it again, the same
+    values), as latent_buffers does for the latent cache."""
+    B, P, J = keys.shape
+    buffer = np.zeros((B, P + 1, J), keys.dtype)
+    buffer[:, :P] = keys
+    return buffer
+
+
 def numpy_paths(config, tensors, data, P):
     from conformance.bench.frameworks.latent import latent_buffers
     from impl_numpy.attention import multi_head_attention
@@ -170,12 +181,13 @@ def numpy_paths(config, tensors, data, P):
     ac = attention_config(config)
     att, _ = _split(tensors)
     bk, bv = latent_buffers(data["latent"], data["rotary"])
-    x, topk, keys = data["x"], data["topk"], data["index_keys"]
+    x, topk, keys = data["x"], data["topk"], index_buffer(data["index_keys"])
     weights = list(att.values())
     return {"dense": lambda: multi_head_attention(ac, att, x, past_key=bk, past_value=bv, cache_length=P, **IN_PLACE),
             "sparse": lambda: multi_head_attention(ac, att, x, past_key=bk, past_value=bv, cache_length=P,
                                                    topk_indices=topk, **IN_PLACE),
-            "indexer": lambda: lightning_indexer(config, tensors, x, past_index_keys=keys)["topk_indices"],
+            "indexer": lambda: lightning_indexer(config, tensors, x, past_index_keys=keys,
+                                                 cache_length=P)["topk_indices"],
             "read": lambda: [np.sum(a) for a in (bk[:, :, :P], bv[:, :, :P], *weights)]}
 
 

@@ -375,7 +375,7 @@ def _fused_modern(config, call, *, is_causal, causal_alignment, chunk_size, retu
             k, v = np.concatenate([latent, rotary], axis=-1), latent  # (B, 1, S_total, C + R), (B, 1, S_total, C)
         else:  # a decode step over a selection: the selected rows alone (a gather), not the whole cache masked
             v = latent[:, :, cols]  # (B, 1, s, C)
-            k = np.concatenate([v, rotary[:, :, cols]], axis=-1)  # (B, 1, s, C + R)
+            k = JoinedKeys(v, rotary[:, :, cols])  # (B, 1, s, C + R) as two parts: no join of the gathered rows
             mask = call.mask4[..., cols]
     else:
         cols = None

@@ -176,8 +176,11 @@ def absorb_query(q: np.ndarray, key_kernel: np.ndarray, rope_dim: int) -> np.nda
     B, N, T, H = q.shape
     C, K, _ = key_kernel.shape
     ct = compute_dtype(q.dtype)
-    q_nope = q[..., : H - rope_dim].astype(ct).reshape(B, K, N // K, T, H - rope_dim)
-    q_latent = np.einsum("bkgth,ckh->bkgtc", q_nope, key_kernel.astype(ct)).reshape(B, N, T, C)
+    q_nope = q[..., : H - rope_dim].astype(ct).reshape(B, K, (N // K) * T, H - rope_dim)
+    # einsum("bkgth,ckh->bkgtc") as one matmul per batch row and kv head (BLAS; np.einsum's own loops took 1 ms of
+    # a 7 ms NumPy DSA decode step, and astype's default copy of the kernel 0.3 more: docs/performance.md)
+    w_uk = key_kernel.astype(ct, copy=False).transpose(1, 2, 0)  # (K, H - R, C)
+    q_latent = np.matmul(q_nope, w_uk).reshape(B, N, T, C)
     return np.concatenate([q_latent.astype(q.dtype), q[..., H - rope_dim:]], axis=-1)
 
 
@@ -187,9 +190,10 @@ def expand_values(ctx_latent: np.ndarray, value_kernel: np.ndarray) -> np.ndarra
     B, N, T, C = ctx_latent.shape
     K = value_kernel.shape[1]
     ct = compute_dtype(ctx_latent.dtype)
-    grouped = ctx_latent.astype(ct).reshape(B, K, N // K, T, C)
-    return np.einsum("bkgtc,ckv->bkgtv", grouped, value_kernel.astype(ct)).reshape(B, N, T, -1).astype(
-        ctx_latent.dtype)
+    grouped = ctx_latent.astype(ct).reshape(B, K, (N // K) * T, C)
+    # einsum("bkgtc,ckv->bkgtv") as one matmul per batch row and kv head (as absorb_query's)
+    w_uv = value_kernel.astype(ct, copy=False).transpose(1, 0, 2)  # (K, C, V)
+    return np.matmul(grouped, w_uv).reshape(B, N, T, -1).astype(ctx_latent.dtype)
 
 
 def temperature_factor(positions: np.ndarray, beta: float, floor: float, offset: int, dtype) -> np.ndarray:

@@ -14,9 +14,9 @@ from .attention import multi_head_attention
 
 class MultiHeadAttention:
     def __init__(self, config: AttentionConfig, tensors: dict[str, np.ndarray]):
-        weights.validate_tensors(config, tensors)
         self.config = config
-        self.tensors = {name: np.array(t) for name, t in tensors.items()}
+        # checked once, here (values included), and held read-only: a call reads the weights once, not twice
+        self.tensors = weights.CheckedTensors(config, tensors)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> MultiHeadAttention:

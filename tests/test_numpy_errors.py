@@ -178,3 +178,30 @@ def test_finite_checks_catch_one_bad_element_in_every_dtype(dtype, big):
         else:
             with pytest.raises(ValueError, match=r"query contains \+-inf"):
                 check_input_values(query=x)
+
+
+def test_checked_tensors_are_proven_once_and_held_read_only():
+    """weights.CheckedTensors: its construction refuses what validate_tensors refuses (a NaN weight); its arrays
+    are its own, read-only copies (the caller's array changing afterwards changes nothing); a call with them
+    gives the plain dict's output; a call still checks their names and shapes against its own config; and
+    impl_numpy's layer holds its tensors so."""
+    import impl_numpy
+
+    tensors = weights.init(CONFIG, seed=0, dtype="float64")
+    broken = dict(tensors, **{"output.kernel": tensors["output.kernel"].copy()})
+    broken["output.kernel"].flat[3] = np.nan
+    with pytest.raises(weights.WeightsFormatError, match="output.kernel contains NaN or Inf"):
+        weights.CheckedTensors(CONFIG, broken)
+    mine = {name: t.copy() for name, t in tensors.items()}
+    checked = weights.CheckedTensors(CONFIG, mine)
+    mine["output.kernel"].flat[3] = np.nan  # the caller's array, not the checked copy
+    assert np.isfinite(checked["output.kernel"]).all() and not checked["output.kernel"].flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        checked["query.kernel"][0] = 0.0
+    x = np.random.default_rng(5).standard_normal((2, 3, 4))
+    assert np.array_equal(multi_head_attention(CONFIG, checked, x), multi_head_attention(CONFIG, tensors, x))
+    with pytest.raises(weights.WeightsFormatError, match="has shape"):  # 4 heads of 1 against the tensors' 2 of 2
+        multi_head_attention(CONFIG.replace(num_heads=4, head_dim=1), checked, x)
+    layer = impl_numpy.MultiHeadAttention(CONFIG, tensors)
+    assert isinstance(layer.tensors, weights.CheckedTensors)
+    assert np.array_equal(layer(x), multi_head_attention(CONFIG, tensors, x))

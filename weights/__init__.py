@@ -8,6 +8,7 @@ from .dtypes import DTYPES, compute_dtype, dtype_from_name, dtype_name
 from .format import (
     FORMAT,
     FORMAT_VERSION,
+    CheckedTensors,
     WeightsFormatError,
     init,
     load,
@@ -19,7 +20,7 @@ from .format import (
 )
 
 __all__ = [
-    "AttentionConfig", "MASKED_ROW_POLICIES", "DTYPES", "FORMAT", "FORMAT_VERSION", "WeightsFormatError",
+    "AttentionConfig", "CheckedTensors", "MASKED_ROW_POLICIES", "DTYPES", "FORMAT", "FORMAT_VERSION", "WeightsFormatError",
     "compute_dtype", "dtype_from_name", "dtype_name", "init", "load", "read_safetensors", "save",
     "tensor_sha256", "to_bytes", "validate_tensors",
 ]

@@ -177,9 +177,12 @@ def numpy_paths(config, tensors, data, P):
     from conformance.bench.frameworks.latent import latent_buffers
     from impl_numpy.attention import multi_head_attention
     from impl_numpy.indexer import lightning_indexer
+    from weights import CheckedTensors
 
     ac = attention_config(config)
-    att, _ = _split(tensors)
+    # checked once, as impl_numpy's layer holds them (torch's call never reads weight values): a step reads its
+    # weights once, for the projections
+    att = CheckedTensors(ac, _split(tensors)[0])
     bk, bv = latent_buffers(data["latent"], data["rotary"])
     x, topk, keys = data["x"], data["topk"], index_buffer(data["index_keys"])
     weights = list(att.values())

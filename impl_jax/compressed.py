@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from impl_numpy.chunked import QUERY_ROWS
-from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
+from impl_numpy.compressed import blockwise_schedule, check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, compute_dtype, validate_tensors
 from weights.call import record
 from weights.contract import check_chunk_size
@@ -173,26 +172,24 @@ def attend_blockwise(config: AttentionConfig, q, window_keys: list, key_pos: np.
                      entries, selection, sinks, chunk_size: int):
     """impl_numpy.compressed.attend_blockwise in JAX: the stages from the logits to the context block by block with
     an online softmax started at the sink, never a (T, W + E) array; a Python loop over static blocks (key_pos and
-    positions are NumPy: p0 and T are static, under jax.jit too). The window's and the entries' skips are decided
-    on those static positions, so a skipped block is never traced (absent from a jitted program, as from an eager
-    run). csa's skip of an entry block no query selected depends on the selection's values: eagerly (a concrete
+    positions are NumPy: p0 and T are static, under jax.jit too). The window's and the entries' skips are
+    impl_numpy.compressed.blockwise_schedule's, decided on those static positions, so a skipped block is never
+    traced (absent from a jitted program, as from an eager run). csa's skip of an entry block no query selected depends on the selection's values: eagerly (a concrete
     array) the block is skipped as NumPy skips it; under jax.jit (a tracer) it cannot be, so the block is computed
     and every logit of it hidden (-inf: it adds exactly 0 to the running sum and numerator, the same result).
     Returns the context (B, N, T, H) in q's dtype."""
     B, N, T, H = q.shape
-    c, W = config.compressed, config.window_left + 1
     dtype, ct = q.dtype, _ct(q.dtype)
-    S = sum(part.shape[2] for part in window_keys)
     E = 0 if entries is None else entries.shape[1]
     ents = None if entries is None else entries[:, None]  # (B, 1, E, H): one kv head
     sink = None if sinks is None else sinks.astype(ct).reshape(1, N, 1, 1)
-    rows = max(1, min(chunk_size, QUERY_ROWS, T))
     traced = isinstance(selection, jax.core.Tracer)
     context = []
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        t, pos = t1 - t0, positions[t0:t1]
-        lo, hi = int(pos[0]), int(pos[-1])
+    # the shared host schedule; under jax.jit csa's selection is a tracer: the schedule's entry blocks then are every
+    # visible one (no selection given), each with its not-selected logits hidden from the tracer below
+    chosen = None if selection is None or traced else np.asarray(selection)
+    for t0, t1, blocks in blockwise_schedule(config, key_pos, positions, E, chunk_size, chosen):
+        t = t1 - t0
         qb = q[:, :, t0:t1]
         if sink is None:
             m = jnp.full((B, N, t, 1), -jnp.inf, ct)
@@ -213,27 +210,11 @@ def attend_blockwise(config: AttentionConfig, q, window_keys: list, key_pos: np.
             pv = _mm(e.reshape(B, 1, N * t, -1), kb.astype(ct)).reshape(B, N, t, H)
             return m_new, l * correction + e.sum(axis=-1, keepdims=True), acc * correction + pv
 
-        # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
-        near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
-        for s0 in (np.unique(near // chunk_size) * chunk_size).tolist():
-            s1 = min(S, s0 + chunk_size)
-            kp = key_pos[s0:s1]
-            hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
-            m, l, acc = step(_key_block(window_keys, s0, s1), hidden[None, None] if hidden.any() else None, m, l, acc)
-        # the entries: those visible to the block's last query, by blocks of chunk_size
-        seen = min(E, (hi + 1) // c.ratio) if E else 0
-        chosen = None if selection is None else selection[:, t0:t1]  # (B, t, k)
-        for e0 in range(0, seen, chunk_size):
-            e1 = min(seen, e0 + chunk_size)
-            if chosen is not None:
-                picked = (chosen[..., None] == jnp.arange(e0, e1)).any(axis=2)  # (B, t, s): selected here
-                if not traced and not bool(picked.any()):
-                    continue  # no query of the block selected an entry of this block
-                hidden = ~picked[:, None]
-            else:
-                hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
-                hidden = hidden[None, None] if hidden.any() else None
-            m, l, acc = step(ents[:, :, e0:e1], hidden, m, l, acc)
+        for source, b0, b1, hidden in blocks:  # the window's key blocks, then the entries'
+            if source == "entries" and traced:  # csa under jax.jit: every visible block, what was not selected hidden
+                hidden = ~(selection[:, t0:t1, :, None] == jnp.arange(b0, b1)).any(axis=2)[:, None]
+            kb = _key_block(window_keys, b0, b1) if source == "window" else ents[:, :, b0:b1]
+            m, l, acc = step(kb, hidden, m, l, acc)
         context.append((acc / l).astype(dtype))
     return jnp.concatenate(context, axis=2)
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from impl_numpy.chunked import QUERY_ROWS
-from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
+from impl_numpy.compressed import blockwise_schedule, check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, validate_tensors
 from weights.call import record
 from weights.contract import check_chunk_size
@@ -164,28 +163,23 @@ def attend_blockwise(config: AttentionConfig, q: mx.array, window_keys: list, ke
     """impl_numpy.compressed.attend_blockwise in MLX (impl_torch.compressed.attend_blockwise's blocks and skips):
     the stages from the logits to the context block by block with an online softmax started at the sink, never a
     (T, W + E) array. key_pos and positions are NumPy (the call's, known before any array is read): which window
-    and entry blocks a query block skips is decided on them, on the host; csa's per-block test of its selection
-    reads the selection's values on the host once (a constant of the backward, as impl_mlx/chunked.py reads a
-    selection's mask). The same blocks, the same skips, the same recurrence. Differentiable by mx.vjp as
+    and entry blocks a query block visits and skips is impl_numpy.compressed.blockwise_schedule's, decided on them
+    on the host; csa's from the selection's values, read on the host once (a constant of the backward, as
+    impl_mlx/chunked.py reads a selection's mask). The same blocks, the same skips, the same recurrence. Differentiable by mx.vjp as
     impl_mlx/chunked.py's core: a hidden logit selected by functional.where (its gradient 0), the running max a
     constant (mx.stop_gradient: the result does not depend on it), the sink's gradient through its exp(sink -
     max) term of the running sum. exp through functional.exp (float64-accurate in float64). Returns the context
     (B, N, T, H) in q's dtype."""
     B, N, T, H = q.shape
-    c, W = config.compressed, config.window_left + 1
     dtype, ct = q.dtype, compute_of(q.dtype)
-    S = sum(part.shape[2] for part in window_keys)
     E = 0 if entries is None else entries.shape[1]
     ents = None if entries is None else entries[:, None]  # (B, 1, E, H): one kv head
     sink = None if sinks is None else sinks.astype(ct).reshape(1, N, 1, 1)
     chosen_all = None if selection is None else np.array(selection)  # (B, T, k) on the host: no gradient
-    rows = max(1, min(chunk_size, QUERY_ROWS, T))
     minus_inf, zero = scalar(-np.inf, ct), scalar(0, ct)
     context = []
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        t, pos = t1 - t0, positions[t0:t1]
-        lo, hi = int(pos[0]), int(pos[-1])
+    for t0, t1, blocks in blockwise_schedule(config, key_pos, positions, E, chunk_size, chosen_all):
+        t = t1 - t0
         qb = q[:, :, t0:t1]
         if sink is None:
             m = mx.full((B, N, t, 1), -np.inf, dtype=ct)
@@ -207,28 +201,10 @@ def attend_blockwise(config: AttentionConfig, q: mx.array, window_keys: list, ke
             pv = (e.reshape(B, 1, N * t, -1) @ kb.astype(ct)).reshape(B, N, t, H)
             return m_new, l * correction + e.sum(axis=-1, keepdims=True), acc * correction + pv
 
-        # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
-        near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
-        for s0 in (np.unique(near // chunk_size) * chunk_size).tolist():
-            s1 = min(S, s0 + chunk_size)
-            kp = key_pos[s0:s1]
-            hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
-            hidden = mx.array(hidden)[None, None] if hidden.any() else None
-            m, l, acc = step(_key_block(window_keys, s0, s1), hidden, m, l, acc)
-        # the entries: those visible to the block's last query, by blocks of chunk_size
-        seen = min(E, (hi + 1) // c.ratio) if E else 0
-        chosen = None if chosen_all is None else chosen_all[:, t0:t1]  # (B, t, k)
-        for e0 in range(0, seen, chunk_size):
-            e1 = min(seen, e0 + chunk_size)
-            if chosen is not None:
-                picked = (chosen[..., None] == np.arange(e0, e1)).any(axis=2)  # (B, t, s): selected here
-                if not picked.any():
-                    continue  # no query of the block selected an entry of this block
-                hidden = mx.array(~picked)[:, None]
-            else:
-                hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
-                hidden = mx.array(hidden)[None, None] if hidden.any() else None
-            m, l, acc = step(ents[:, :, e0:e1], hidden, m, l, acc)
+        for source, b0, b1, hidden in blocks:  # the window's key blocks, then the entries'
+            hidden = None if hidden is None else mx.array(hidden)
+            kb = _key_block(window_keys, b0, b1) if source == "window" else ents[:, :, b0:b1]
+            m, l, acc = step(kb, hidden, m, l, acc)
         context.append((acc / l).astype(dtype))
     return mx.concatenate(context, axis=2)
 

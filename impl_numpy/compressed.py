@@ -387,6 +387,58 @@ def attend_blocks(w: np.ndarray, blocks: list) -> np.ndarray:
     return ctx.astype(w.dtype, copy=False).reshape(B, N, T, blocks[0].shape[-1])
 
 
+def blockwise_schedule(config: AttentionConfig, key_pos: np.ndarray, positions: np.ndarray, entry_count: int,
+                       chunk_size: int, selection: np.ndarray | None = None):
+    """The block-wise path's schedule, decided on the host from positions (and csa's selection's values) alone:
+    which window-key and entry blocks each query block visits, and what the stages' mask hides in each. Every
+    mirror's attend_blockwise walks this one schedule with its own arithmetic (impl_torch, impl_mlx, impl_tf,
+    impl_jax: under jax.jit too, the positions being static). key_pos (S,) the window's keys' positions (any
+    order: the in-place ring's slot order too); positions (T,) the queries'; entry_count E the entries after the
+    call (0: sliding); selection (B, T, k) csa's as NumPy (-1 padding), or None (every visible entry).
+
+    Yields, per query block of min(chunk_size, chunked.QUERY_ROWS, T) rows, (t0, t1, blocks): the block's rows
+    t0 .. t1 - 1 and an iterator over the key blocks it visits in the order attended, the window's then the
+    entries', each (source, b0, b1, hidden): source "window" (keys b0 .. b1 - 1 of the window's keys, read as one
+    along S) or "entries" (entries b0 .. b1 - 1), at most chunk_size of them; hidden the NumPy bool of what the
+    stages' mask hides there, (1, 1, t, b1 - b0), with a selection (B, 1, t, b1 - b0) (not selected), or None
+    where it hides nothing. Skipped entirely, never yielded, for a query block at positions lo .. hi: a window key
+    block none of whose positions lies in [lo - W + 1, hi]; an entry block at or past (hi + 1) // m (no query of
+    the block sees it: entry w is visible to t iff w < (t + 1) // m); with a selection, an entry block no query of
+    the block selected in any batch row."""
+    T = len(positions)
+    rows = max(1, min(chunk_size, QUERY_ROWS, T))
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        chosen = None if selection is None else selection[:, t0:t1]  # (B, t, k)
+        yield t0, t1, _query_block_schedule(config, key_pos, positions[t0:t1], entry_count, chunk_size, chosen)
+
+
+def _query_block_schedule(config: AttentionConfig, key_pos: np.ndarray, pos: np.ndarray, E: int, chunk_size: int,
+                          chosen: np.ndarray | None):
+    """blockwise_schedule's key blocks for one query block at positions pos (t,), its selection chosen (B, t, k)."""
+    c, W, S = config.compressed, config.window_left + 1, len(key_pos)
+    lo, hi = int(pos[0]), int(pos[-1])
+    # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
+    near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
+    for s0 in (np.unique(near // chunk_size) * chunk_size).tolist():
+        s1 = min(S, s0 + chunk_size)
+        kp = key_pos[s0:s1]
+        hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
+        yield "window", s0, s1, hidden[None, None] if hidden.any() else None
+    # the entries: those visible to the block's last query, by blocks of chunk_size
+    seen = min(E, (hi + 1) // c.ratio) if E else 0
+    for e0 in range(0, seen, chunk_size):
+        e1 = min(seen, e0 + chunk_size)
+        if chosen is not None:
+            picked = (chosen[..., None] == np.arange(e0, e1)).any(axis=2)  # (B, t, s): selected here
+            if not picked.any():
+                continue  # no query of the block selected an entry of this block
+            yield "entries", e0, e1, ~picked[:, None]
+        else:
+            hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
+            yield "entries", e0, e1, hidden[None, None] if hidden.any() else None
+
+
 def attend_blockwise(config: AttentionConfig, q: np.ndarray, window_keys: list, key_pos: np.ndarray,
                      positions: np.ndarray, entries: np.ndarray | None, selection: np.ndarray | None, sinks,
                      chunk_size: int) -> np.ndarray:
@@ -397,29 +449,23 @@ def attend_blockwise(config: AttentionConfig, q: np.ndarray, window_keys: list, 
     (B, E, H) or None (sliding); selection (B, T, k) csa's (-1 padding) or None (hca: every visible entry).
     Returns the context (B, N, T, H) in q's dtype.
 
-    Queries in blocks of min(chunk_size, chunked.QUERY_ROWS, T) rows, keys in blocks of chunk_size. Skipped
-    entirely, neither read nor multiplied, for a query block at positions lo .. hi: a window key block none of
-    whose positions lies in [lo - W + 1, hi]; an entry block at or past (hi + 1) // m (no query of the block sees
-    it: entry w is visible to t iff w < (t + 1) // m); with a selection, an entry block none of the block's
-    queries selected. Within a block, what the stages' mask hides is -inf. The running max, sum and numerator
+    The blocks visited and skipped are blockwise_schedule's (queries in blocks of min(chunk_size,
+    chunked.QUERY_ROWS, T) rows, keys in blocks of chunk_size; a skipped block neither read nor multiplied);
+    within a block, what the stages' mask hides is -inf. The running max, sum and numerator
     follow chunked.py's recurrence (Milakov & Gimelshein 2018): they start at the sink (max = sink, sum = 1,
     numerator 0) as the stages' softmax puts the sink in every row's denominator. Each block's logits are
     functional.logits' (the stage's rounding); the weights are never stored, so in 16 bits they are not rounded
     as the stages round them (chunked.py's rule): the same result to round-off in float32 and float64. Every
     row sees at least its own key (window_left >= 0), so no row is empty."""
     B, N, T, H = q.shape
-    c, W = config.compressed, config.window_left + 1
     dtype, ct = q.dtype, compute_dtype(q.dtype)
     keys = KeyParts(window_keys) if len(window_keys) > 1 else window_keys[0]
-    S, E = keys.shape[2], 0 if entries is None else entries.shape[1]
+    E = 0 if entries is None else entries.shape[1]
     ents = None if entries is None else entries[:, None]  # (B, 1, E, H): one kv head
     sink = None if sinks is None else sinks.astype(ct).reshape(1, N, 1, 1)
-    rows = max(1, min(chunk_size, QUERY_ROWS, T))
     context = np.empty((B, N, T, H), dtype)
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        t, pos = t1 - t0, positions[t0:t1]
-        lo, hi = int(pos[0]), int(pos[-1])
+    for t0, t1, blocks in blockwise_schedule(config, key_pos, positions, E, chunk_size, selection):
+        t = t1 - t0
         qb = q[:, :, t0:t1]
         if sink is None:
             m = np.full((B, N, t, 1), -np.inf, ct)
@@ -440,27 +486,8 @@ def attend_blockwise(config: AttentionConfig, q: np.ndarray, window_keys: list, 
             pv = np.matmul(e.reshape(B, 1, N * t, -1), kb.astype(ct, copy=False)).reshape(B, N, t, H)
             return m_new, l * correction + e.sum(axis=-1, keepdims=True), acc * correction + pv
 
-        # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
-        near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
-        for s0 in np.unique(near // chunk_size) * chunk_size:
-            s1 = min(S, s0 + chunk_size)
-            kp = key_pos[s0:s1]
-            hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
-            m, l, acc = step(keys[:, :, s0:s1], hidden[None, None] if hidden.any() else None, m, l, acc)
-        # the entries: those visible to the block's last query, by blocks of chunk_size
-        seen = min(E, (hi + 1) // c.ratio) if E else 0
-        chosen = None if selection is None else selection[:, t0:t1]  # (B, t, k)
-        for e0 in range(0, seen, chunk_size):
-            e1 = min(seen, e0 + chunk_size)
-            if chosen is not None:
-                picked = (chosen[..., None] == np.arange(e0, e1)).any(axis=2)  # (B, t, s): selected here
-                if not picked.any():
-                    continue  # no query of the block selected an entry of this block
-                hidden = ~picked[:, None]
-            else:
-                hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
-                hidden = hidden[None, None] if hidden.any() else None
-            m, l, acc = step(ents[:, :, e0:e1], hidden, m, l, acc)
+        for source, b0, b1, hidden in blocks:  # the window's key blocks, then the entries'
+            m, l, acc = step(keys[:, :, b0:b1] if source == "window" else ents[:, :, b0:b1], hidden, m, l, acc)
         context[:, :, t0:t1] = (acc / l).astype(dtype, copy=False)
     return context
 

@@ -26,8 +26,7 @@ import math
 
 import numpy as np
 
-from impl_numpy.chunked import QUERY_ROWS
-from impl_numpy.compressed import check_compressed_call, check_in_place_call, ring_positions
+from impl_numpy.compressed import blockwise_schedule, check_compressed_call, check_in_place_call, ring_positions
 from weights import AttentionConfig, validate_tensors
 from weights.call import record
 from weights.contract import check_chunk_size
@@ -190,23 +189,18 @@ def attend_blockwise(config: AttentionConfig, q, window_keys: list, key_pos: np.
     """impl_numpy.compressed.attend_blockwise (impl_torch.compressed's, stage for stage) in keras.ops, eagerly on
     Keras's TensorFlow backend: the stages from the logits to the context block by block with an online softmax
     started at the sink, never a (T, W + E) array. key_pos, positions and csa's selection are NumPy (the host
-    decides which window and entry blocks a query block skips: a skipped block is neither read nor multiplied).
-    The same blocks, the same skips, the same recurrence; differentiable by the backend's autodiff (a select
-    keeps a hidden logit's gradient 0). Returns the context (B, N, T, H) in q's dtype."""
+    decides which window and entry blocks a query block skips, impl_numpy.compressed.blockwise_schedule: a skipped
+    block is neither read nor multiplied). The same blocks, the same skips, the same recurrence; differentiable by
+    the backend's autodiff (a select keeps a hidden logit's gradient 0). Returns the context (B, N, T, H) in q's dtype."""
     B, N, T, H = q.shape
-    c, W = config.compressed, config.window_left + 1
     dtype, ct = F.dtype_name(q), _ct(q)
-    S = sum(part.shape[2] for part in window_keys)
     E = 0 if entries is None else entries.shape[1]
     ents = None if entries is None else entries[:, None]  # (B, 1, E, H): one kv head
     sink = None if sinks is None else bk.reshape(ops.cast(sinks, ct), (1, N, 1, 1))
-    rows = max(1, min(chunk_size, QUERY_ROWS, T))
     minus_inf, zero = bk.constant(-math.inf, ct), bk.constant(0.0, ct)
     context = []
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        t, pos = t1 - t0, positions[t0:t1]
-        lo, hi = int(pos[0]), int(pos[-1])
+    for t0, t1, blocks in blockwise_schedule(config, key_pos, positions, E, chunk_size, selection):
+        t = t1 - t0
         qb = q[:, :, t0:t1]
         if sink is None:
             m, l = ops.full((B, N, t, 1), -math.inf, ct), ops.zeros((B, N, t, 1), ct)
@@ -227,27 +221,9 @@ def attend_blockwise(config: AttentionConfig, q, window_keys: list, key_pos: np.
             pv = bk.reshape(bk.matmul(bk.reshape(e, (B, 1, N * t, e.shape[-1])), ops.cast(kb, ct)), (B, N, t, H))
             return m_new, l * correction + ops.sum(e, axis=-1, keepdims=True), acc * correction + pv
 
-        # the window's keys: the indices whose positions some query of the block sees, by blocks of chunk_size
-        near = np.flatnonzero((key_pos >= lo - W + 1) & (key_pos <= hi))
-        for s0 in (np.unique(near // chunk_size) * chunk_size).tolist():
-            s1 = min(S, s0 + chunk_size)
-            kp = key_pos[s0:s1]
-            hidden = ~((kp[None] <= pos[:, None]) & (kp[None] > pos[:, None] - W))  # (t, s)
-            m, l, acc = step(_key_block(window_keys, s0, s1), hidden[None, None] if hidden.any() else None, m, l, acc)
-        # the entries: those visible to the block's last query, by blocks of chunk_size
-        seen = min(E, (hi + 1) // c.ratio) if E else 0
-        chosen = None if selection is None else selection[:, t0:t1]  # (B, t, k)
-        for e0 in range(0, seen, chunk_size):
-            e1 = min(seen, e0 + chunk_size)
-            if chosen is not None:
-                picked = (chosen[..., None] == np.arange(e0, e1)).any(axis=2)  # (B, t, s): selected here
-                if not picked.any():
-                    continue  # no query of the block selected an entry of this block
-                hidden = ~picked[:, None]
-            else:
-                hidden = ~(np.arange(e0, e1)[None] < ((pos + 1) // c.ratio)[:, None])  # (t, s): not yet visible
-                hidden = hidden[None, None] if hidden.any() else None
-            m, l, acc = step(ents[:, :, e0:e1], hidden, m, l, acc)
+        for source, b0, b1, hidden in blocks:  # the window's key blocks, then the entries'
+            kb = _key_block(window_keys, b0, b1) if source == "window" else ents[:, :, b0:b1]
+            m, l, acc = step(kb, hidden, m, l, acc)
         context.append(ops.cast(acc / l, dtype))
     return context[0] if len(context) == 1 else ops.concatenate(context, axis=2)
 

@@ -51,6 +51,19 @@ def _x(seed=0, length=T):
     return np.random.default_rng(seed).standard_normal((2, length, D))
 
 
+def source_mutant(module, old: str, new: str, name: str):
+    """module's source with one passage replaced (it must stand there once), run as a module of its own named
+    name in module's package: a planted porting bug that leaves the module under test untouched."""
+    import types
+
+    source = open(module.__file__).read()
+    assert source.count(old) == 1, f"the passage the mutant replaces is not in {module.__name__} once: {old!r}"
+    mutant = types.ModuleType(f"{module.__package__}.{name}")
+    mutant.__package__ = module.__package__
+    exec(compile(source.replace(old, new), module.__file__, "exec"), mutant.__dict__)
+    return mutant
+
+
 @pytest.mark.reference
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_the_hand_port_reproduces_the_reference(kind):
@@ -191,16 +204,9 @@ RING_WRITTEN_FIRST = ("        blocks = [ring[:, :, :min(p0, W - 1)], k]\n",
 
 @pytest.mark.reference
 def test_a_ring_written_before_the_attention_fails_against_the_copying_cache():
-    import types
-
     import impl_numpy.compressed as v4
 
-    old, new = RING_WRITTEN_FIRST
-    source = open(v4.__file__).read()
-    assert source.count(old) == 1, "the line the mutant moves is not in impl_numpy/compressed.py once"
-    mutant = types.ModuleType("impl_numpy._v4_ring_mutant")
-    mutant.__package__ = "impl_numpy"
-    exec(compile(source.replace(old, new), v4.__file__, "exec"), mutant.__dict__)
+    mutant = source_mutant(v4, *RING_WRITTEN_FIRST, "_v4_ring_mutant")
     config, t = _layer("sliding")
     x = _x()
     buffers, past, wrong = mutant.cache_buffers(config, 2, T), None, 0.0

@@ -2,7 +2,8 @@
 the float64 NumPy stages (impl_numpy.compressed without chunk_size, never the path under test): prefills long
 enough that whole key and entry blocks are skipped, a decode through the returned cache and through the in-place
 buffers, batch 2, float64 (MLX's CPU device) and float32; with blocks of one key, exactly the keys and entries each
-query sees; its gradient; its refusals; and four porting bugs of a block-wise path caught. Marked `mlx`; timing in
+query sees; its gradient; its refusals; and three porting bugs of a block-wise path caught (the shared
+schedule's in tests/test_compressed_v4_schedule.py). Marked `mlx`; timing in
 docs/spec-frontier.md ("The block-wise path")."""
 
 from __future__ import annotations
@@ -122,22 +123,10 @@ def test_mlx_blockwise_path_refuses_a_trace_and_a_bad_chunk_size():
         compressed_attention(config, t, x, np.arange(8), chunk_size=4, trace=[])
 
 
-class _FirstVisibleBlockSkipped:
-    """NumPy as impl_mlx.compressed sees it, but np.unique drops its first value: attend_blockwise's list of the
-    window's key blocks that a query block sees loses its first (a skip test one block too eager, the bug of a
-    port that starts the window's blocks at the block after lo - W + 1's)."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    @staticmethod
-    def unique(a, *args, **kwargs):
-        return np.unique(a, *args, **kwargs)[1:]
-
-
-# Porting bugs of a block-wise path: NumPy's three, planted in attend_blockwise's arguments, and a skip of the
-# window's first visible block: each must fail the stages' bound.
-BLOCK_BUGS = {**NUMPY_BLOCK_BUGS, "first_visible_window_block_skipped": ("sliding", None)}
+# Porting bugs of a block-wise path: NumPy's three, planted in attend_blockwise's arguments: each must fail the
+# stages' bound (the schedule's own bugs, planted once in the shared impl_numpy.compressed.blockwise_schedule, fail
+# every mirror: tests/test_compressed_v4_schedule.py).
+BLOCK_BUGS = NUMPY_BLOCK_BUGS
 
 
 @pytest.mark.parametrize("bug", list(BLOCK_BUGS))
@@ -146,11 +135,8 @@ def test_each_mlx_blockwise_bug_fails_against_the_stages(bug, monkeypatch):
     config, t = _layer(kind)
     x = _x(length=L)
     want = reference(config, t, x, np.arange(L))
-    if plant is None:
-        monkeypatch.setattr(compressed, "np", _FirstVisibleBlockSkipped())
-    else:
-        original = compressed.attend_blockwise
-        names = ["config", "q", "window_keys", "key_pos", "positions", "entries", "selection", "sinks", "chunk_size"]
-        monkeypatch.setattr(compressed, "attend_blockwise", lambda *args: original(**plant(dict(zip(names, args)))))
+    original = compressed.attend_blockwise
+    names = ["config", "q", "window_keys", "key_pos", "positions", "entries", "selection", "sinks", "chunk_size"]
+    monkeypatch.setattr(compressed, "attend_blockwise", lambda *args: original(**plant(dict(zip(names, args)))))
     got = compressed_attention(config, t, mx.array(x, dtype=mx.float64), np.arange(L), chunk_size=8)
     assert _error(got, want) > 1e3 * BOUND["float64"], bug

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_compressed_v4 import IN_PLACE_CUTS, KINDS, T, _layer, _x, stage_dtypes
+from test_compressed_v4 import IN_PLACE_CUTS, KINDS, T, _layer, _x, source_mutant, stage_dtypes
 
 from impl_numpy.compressed import cache_buffers, logical_cache
 from impl_numpy.compressed import compressed_attention as reference
@@ -141,17 +141,10 @@ PRECISION_MUTANTS = {
 
 @pytest.mark.parametrize("bug", list(PRECISION_MUTANTS))
 def test_a_precision_bug_changes_the_stored_dtypes(bug, monkeypatch):
-    import types
-
     import impl_torch.adapter
     import impl_torch.compressed
 
-    old, new = PRECISION_MUTANTS[bug]
-    source = open(impl_torch.compressed.__file__).read()
-    assert source.count(old) == 1, f"{bug}: the line it replaces is not in impl_torch/compressed.py once"
-    mutant = types.ModuleType("impl_torch._v4_mutant")
-    mutant.__package__ = "impl_torch"
-    exec(compile(source.replace(old, new), impl_torch.compressed.__file__, "exec"), mutant.__dict__)
+    mutant = source_mutant(impl_torch.compressed, *PRECISION_MUTANTS[bug], "_v4_mutant")
     monkeypatch.setattr(impl_torch.adapter, "compressed_attention", mutant.compressed_attention)
     got, want = stage_dtypes("torch", "bfloat16"), stage_dtypes("numpy", "bfloat16")
     assert got != want, f"{bug}: every stage stored as the reference stores it"

@@ -334,23 +334,21 @@ def run_indexer(config: AttentionConfig, params, query, key, dtype, allowed, sha
     index_mask = None
     if allowed is not None:
         index_mask = allowed.any(dim=1, keepdim=True).expand(allowed.shape[0], 1, T, P + S)
-    buffer = past = past_index_keys
-    if in_place and past_index_keys is not None:
-        if not isinstance(buffer, torch.Tensor) or buffer.dtype != dtype or buffer.device != query.device:
-            raise in_place_buffer_error("past_index_keys", f"be a torch tensor of the storage dtype "
-                                        f"{dtype_name(dtype)} on {query.device}", f"a {type(buffer).__name__}")
-        past = buffer[:, :P]
+    in_place = in_place and past_index_keys is not None
+    if in_place and (not isinstance(past_index_keys, torch.Tensor) or past_index_keys.dtype != dtype
+                     or past_index_keys.device != query.device):
+        raise in_place_buffer_error("past_index_keys", f"be a torch tensor of the storage dtype "
+                                    f"{dtype_name(dtype)} on {query.device}", f"a {type(past_index_keys).__name__}")
+    # in place, the indexer writes the new index keys into the buffer at P..P+S-1 and scores over its first P+S
+    # rows (no copy of the index cache a step); present_index_keys is then the buffer, whole
     with torch.no_grad():
         result = lightning_indexer(config, {n: t.detach() for n, t in params.items()}, query.detach(), key.detach(),
-                                   positions=positions, key_positions=key_positions, past_index_keys=past,
+                                   positions=positions, key_positions=key_positions, past_index_keys=past_index_keys,
                                    mask=index_mask, is_causal=False, dtype=dtype_name(dtype), device=query.device,
                                    precision=config.indexer.scoring_precision,
-                                   fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
-        present = result["present_index_keys"]
-        if in_place and buffer is not None:
-            buffer[:, P:P + S] = present[:, P:]
-            present = buffer
-    return result["topk_indices"], present
+                                   fp8_scale_format=config.indexer.fp8_scale_format,
+                                   cache_length=P if in_place else None, rec=rec)
+    return result["topk_indices"], result["present_index_keys"]
 
 
 def past_key_buffers(past_key, past_value, dtype: torch.dtype, device: torch.device):

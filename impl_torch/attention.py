@@ -504,10 +504,12 @@ def absorb_latent(config: AttentionConfig, call: Call, q: torch.Tensor, latent: 
 # against the two products 25 + 4 ms, the softmax 1 ms and the attend 22 ms. Below it (the grid's decode
 # cases, at most a few hundred keys) SDPA keeps the call: the `sdpa` column still checks SDPA's absorbed form.
 SPLIT_MIN_KEYS = 1024
-# absorbed_logits' keys per product: a (16, 512) x (512, s) product over 1024-4096 keys took 25 ms over 65537
-# keys against 32 ms in one product (the same measurement); 8192 keys and up 29-31 ms. 4096 rather than 2048
-# (the whole step 60-72 ms against 58-79 at 2048, one thread): half the products, so half the parallel regions
-# where torch's two threads wait for each other on a loaded machine.
+# absorbed_logits' keys per product, the keys the rows: (s, C) x (C, N T), then (s, R) x (R, N T) added into the
+# same rows of one (B, S, N T) buffer. Measured (2-core AMD EPYC VM, 2026-11-30; N 16, C 512, R 64, 65537 keys): idle,
+# two threads, min of 15: q as the rows (16, 576) x (576, S) 25.6 ms, the keys as the rows in one product 17.3 ms, in
+# blocks of 4096 keys 14.3 ms; loaded (load average 3-5), one thread, process CPU time, min of 10: the keys as the
+# rows 33-35 ms in blocks of 1024-4096, 37-40 ms from 8192 keys up, q as the rows in blocks of 4096 34.5 ms; two
+# threads, loaded, CPU time: q as the rows in blocks of 4096 279 ms, the keys as the rows 40-70 ms.
 KEY_BLOCK = 4096
 
 
@@ -524,19 +526,50 @@ def absorbed_logits(q: torch.Tensor, latent: torch.Tensor, rotary: torch.Tensor,
     """LOGITS of the absorbed form (F.logits' arithmetic) with its shared key held as two parts: q (B, N, T, C+R),
     latent (B, 1, S, C), rotary (B, 1, S, R) -> (B, N, T, S), q's first C features against the latent and its
     last R against the rotary key, added: q . [latent | rotary] without the join (a copy of the whole cache),
-    in blocks of KEY_BLOCK keys, each cast to the compute dtype on its own, in compute dtype, stored."""
+    in blocks of KEY_BLOCK keys, each cast to the compute dtype on its own, in compute dtype, stored. The keys
+    are the rows of each product, (s, C) x (C, N T) (+ (s, R) x (R, N T)), written into one (B, S, N T) buffer
+    and turned to (B, N, T, S) as the scale is applied (outside autograd: with out=, no per-block copies)."""
     B, N, T, _ = q.shape
     C, S = latent.shape[-1], latent.shape[2]
     ct = compute_dtype(q.dtype)
-    rows = q.to(ct).reshape(B, N * T, -1)  # (B, N T, C+R): every head's query against the one shared key head
-    q_lat, q_rot = rows[..., :C], rows[..., C:]
-    blocks = []
-    for start in range(0, S, KEY_BLOCK):
-        lat = latent[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, C)
-        rot = rotary[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, R)
-        blocks.append(torch.baddbmm(torch.bmm(q_rot, rot.transpose(1, 2)), q_lat, lat.transpose(1, 2)))
-    scores = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)  # (B, N T, S)
-    return (scores * scale).reshape(B, N, T, S).to(q.dtype)
+    cols = q.to(ct).reshape(B, N * T, -1).transpose(1, 2).contiguous()  # (B, C+R, N T): each head's query a column
+    q_lat, q_rot = cols[:, :C], cols[:, C:]  # (B, C, N T), (B, R, N T)
+    if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad or rotary.requires_grad):
+        blocks = []
+        for start in range(0, S, KEY_BLOCK):
+            lat = latent[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, C)
+            rot = rotary[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, R)
+            blocks.append(torch.baddbmm(torch.bmm(rot, q_rot), lat, q_lat))  # (B, s, N T)
+        keys_first = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)  # (B, S, N T)
+        return (keys_first.transpose(1, 2) * scale).contiguous().reshape(B, N, T, S).to(q.dtype)
+    keys_first = torch.empty((B, S, N * T), dtype=ct, device=q.device)
+    for b in range(B):
+        for start in range(0, S, KEY_BLOCK):
+            out = keys_first[b, start:start + KEY_BLOCK]  # (s, N T), contiguous
+            torch.mm(latent[b, 0, start:start + KEY_BLOCK].to(ct), q_lat[b], out=out)
+            out.addmm_(rotary[b, 0, start:start + KEY_BLOCK].to(ct), q_rot[b])
+    scores = torch.empty((B, N * T, S), dtype=ct, device=q.device)
+    torch.mul(keys_first.transpose(1, 2), scale, out=scores)  # the turn to (B, N T, S) in the scale's pass
+    return scores.reshape(B, N, T, S).to(q.dtype)
+
+
+# absorbed_attend takes the product as latent^T w^T, (C, S) x (S, N T), from this many torch threads on, F.attend's
+# w (N T, S) x latent (S, C) below. Measured (2-core AMD EPYC VM, 2026-11-30, torch 2.13 with MKL; N 16, C 512, 65537
+# keys, min of 15): two threads, idle 17.7 -> 10.9 ms, loaded (load average 3-5) 45 -> 36 ms wall; one thread
+# (loaded, process CPU time) the other way, 22.8 ms as F.attend's against 29.7.
+ATTEND_COLUMNS_MIN_THREADS = 2
+
+
+def absorbed_attend(w: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """ATTEND of the absorbed form (F.attend's arithmetic, its values the latent): w (B, N, T, S), latent
+    (B, 1, S, C) -> (B, N, T, C), taken as latent^T w^T, (C, S) x (S, N T), both transposed views (no copy),
+    in compute dtype, stored; with fewer than ATTEND_COLUMNS_MIN_THREADS threads F.attend itself."""
+    if torch.get_num_threads() < ATTEND_COLUMNS_MIN_THREADS:
+        return F.attend(w, latent)
+    B, N, T, S = w.shape
+    ct = compute_dtype(w.dtype)
+    ctx = torch.matmul(latent[:, 0].to(ct).transpose(1, 2), w.to(ct).reshape(B, N * T, S).transpose(1, 2))
+    return ctx.transpose(1, 2).reshape(B, N, T, -1).to(w.dtype)  # (B, C, N T) -> (B, N, T, C)
 
 
 # Present caches of at least this many bytes, on the CPU and outside autograd, are written into memory
@@ -698,7 +731,7 @@ def multi_head_attention(
         x = rec("mask", F.mask_stage(x, allowed, call.bias4))
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
-        ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+        ctx = rec("attend", absorbed_attend(wd, v) if split else F.attend(wd, v))  # (B, N, T, V|C)
     if absorbed:  # the attended latent (B, N, T, C) through each head's value up-projection
         ctx = F.expand_values(ctx, p["value.kernel"])  # (B, N, T, V)
     if config.differential is not None:  # the halves subtracted with lambda, normed, scaled

@@ -28,7 +28,8 @@ Which path honours which feature:
   rows and attends to them alone (_selected_columns, impl_numpy's). One
   query over SPLIT_MIN_KEYS keys or more (whole cache or gathered) runs the
   stage functions with the shared key read as its two parts, never joined
-  (splits_keys, absorbed_logits), on SDPA's path too.
+  (splits_keys, absorbed_logits: the keys as the rows of its products;
+  absorbed_attend), on SDPA's path too.
 torch has no chunked path (no chunk_size argument): SDPA's kernels already
 work blockwise.
 """

@@ -506,11 +506,14 @@ def absorb_latent(config: AttentionConfig, call: Call, q: torch.Tensor, latent: 
 # cases, at most a few hundred keys) SDPA keeps the call: the `sdpa` column still checks SDPA's absorbed form.
 SPLIT_MIN_KEYS = 1024
 # absorbed_logits' keys per product, the keys the rows: (s, C) x (C, N T), then (s, R) x (R, N T) added into the
-# same rows of one (B, S, N T) buffer. Measured (2-core AMD EPYC VM, 2026-11-30; N 16, C 512, R 64, 65537 keys): idle,
-# two threads, min of 15: q as the rows (16, 576) x (576, S) 25.6 ms, the keys as the rows in one product 17.3 ms, in
-# blocks of 4096 keys 14.3 ms; loaded (load average 3-5), one thread, process CPU time, min of 10: the keys as the
-# rows 33-35 ms in blocks of 1024-4096, 37-40 ms from 8192 keys up, q as the rows in blocks of 4096 34.5 ms; two
-# threads, loaded, CPU time: q as the rows in blocks of 4096 279 ms, the keys as the rows 40-70 ms.
+# same rows of one block's buffer, turned and scaled into the result's columns. Measured (2-core AMD EPYC VM,
+# 2026-11-30, torch 2.13 with MKL; N 16, C 512, R 64, 65537 keys): idle, two threads, min of 15 (prototypes): q as the
+# rows (16, 576) x (576, S) 25.6 ms, the keys as the rows in one product 17.3 ms, in blocks of 4096 keys 14.3 ms;
+# loaded (load average 3-5), one thread, process CPU time, min of 10: the logits 29-30 ms in blocks of 2048-4096
+# keys, 32 ms at 8192 (q as the rows in blocks of 4096: 33-34.5 ms), the whole step 58-59 ms at 1024-4096 keys and
+# 62-66 ms from 8192 up; two threads, loaded, CPU time: q as the rows in blocks of 4096 up to 279 ms, the keys as
+# the rows 35-70 ms. 4096 rather than 2048 (one thread's best by 1 ms): half the products, so half the parallel
+# regions where two threads wait for each other on a loaded machine.
 KEY_BLOCK = 4096
 
 
@@ -528,8 +531,8 @@ def absorbed_logits(q: torch.Tensor, latent: torch.Tensor, rotary: torch.Tensor,
     latent (B, 1, S, C), rotary (B, 1, S, R) -> (B, N, T, S), q's first C features against the latent and its
     last R against the rotary key, added: q . [latent | rotary] without the join (a copy of the whole cache),
     in blocks of KEY_BLOCK keys, each cast to the compute dtype on its own, in compute dtype, stored. The keys
-    are the rows of each product, (s, C) x (C, N T) (+ (s, R) x (R, N T)), written into one (B, S, N T) buffer
-    and turned to (B, N, T, S) as the scale is applied (outside autograd: with out=, no per-block copies)."""
+    are the rows of each product, (s, C) x (C, N T) (+ (s, R) x (R, N T)), each block turned to (N T, s) as the
+    scale is applied (outside autograd: into one block's buffer and the result's columns, with out=)."""
     B, N, T, _ = q.shape
     C, S = latent.shape[-1], latent.shape[2]
     ct = compute_dtype(q.dtype)
@@ -543,14 +546,15 @@ def absorbed_logits(q: torch.Tensor, latent: torch.Tensor, rotary: torch.Tensor,
             blocks.append(torch.baddbmm(torch.bmm(rot, q_rot), lat, q_lat))  # (B, s, N T)
         keys_first = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)  # (B, S, N T)
         return (keys_first.transpose(1, 2) * scale).contiguous().reshape(B, N, T, S).to(q.dtype)
-    keys_first = torch.empty((B, S, N * T), dtype=ct, device=q.device)
+    scores = torch.empty((B, N * T, S), dtype=ct, device=q.device)
+    part = torch.empty((min(KEY_BLOCK, S), N * T), dtype=ct, device=q.device)  # a block's scores, keys as the rows
     for b in range(B):
         for start in range(0, S, KEY_BLOCK):
-            out = keys_first[b, start:start + KEY_BLOCK]  # (s, N T), contiguous
-            torch.mm(latent[b, 0, start:start + KEY_BLOCK].to(ct), q_lat[b], out=out)
+            lat = latent[b, 0, start:start + KEY_BLOCK].to(ct)  # (s, C)
+            out = part[:lat.shape[0]]
+            torch.mm(lat, q_lat[b], out=out)
             out.addmm_(rotary[b, 0, start:start + KEY_BLOCK].to(ct), q_rot[b])
-    scores = torch.empty((B, N * T, S), dtype=ct, device=q.device)
-    torch.mul(keys_first.transpose(1, 2), scale, out=scores)  # the turn to (B, N T, S) in the scale's pass
+            torch.mul(out.t(), scale, out=scores[b, :, start:start + KEY_BLOCK])  # turned to (N T, s) as it is scaled
     return scores.reshape(B, N, T, S).to(q.dtype)
 
 

@@ -117,10 +117,11 @@ def _weighted_scores(q, k, weights, score_scale: float, relu: bool, ct):
 
 
 # A decode step's weighted scores (one query) take the keys as the rows, as impl_numpy.indexer._decode_scores:
-# (s, J) x (J, I) per block of keys, the scale in the product, ReLU in place, the weighted sum (s, I) x (I, 1),
-# where the (I, J) x (J, s) form parallelises over the I rows alone. Measured (2-core AMD EPYC VM, 2026-11-30,
-# loaded (load average 5), process CPU time, min of 10; I 64, J 128, 65537 keys): the stage 20.0 ms as
-# (I, J) x (J, s) against 16.8 ms this way with one thread; 52 against 21 ms with two.
+# (s, J) x (J, I) per block of keys, the scale in the product, ReLU in place, the weighted sum (s, I) x (I, 1).
+# Measured (2-core AMD EPYC VM, 2026-11-30, torch 2.13 with MKL, loaded (load average 3-5), process CPU time, min
+# of 10; I 64, J 128, 65537 keys): the stage 20.0 ms as (I, J) x (J, s) against 16.1-16.8 ms this way with one
+# thread (blocks of 2048 to all 65537 keys alike), 52 against 21 ms with two; with the in-place index cache
+# (cache_length: no join of the 34 MB cache) the whole step 29.7-30.9 -> 21.3 ms with one thread.
 def _decode_scores(q, k, weights, score_scale: float, relu: bool, ct, block: int):
     """_weighted_scores for one query (T 1): q (B, I, 1, J), k (B, S, J), weights (B, 1, I) -> (B, 1, 1, S), in
     blocks of `block` keys, the keys the rows of each product."""

@@ -28,7 +28,8 @@ Which path honours which feature:
   rows and attends to them alone (_selected_columns, impl_numpy's). One
   query over SPLIT_MIN_KEYS keys or more (whole cache or gathered) runs the
   stage functions with the shared key read as its two parts, never joined
-  (splits_keys, absorbed_logits), on SDPA's path too.
+  (splits_keys, absorbed_logits: the keys as the rows of its products;
+  absorbed_attend), on SDPA's path too.
 torch has no chunked path (no chunk_size argument): SDPA's kernels already
 work blockwise.
 """
@@ -334,23 +335,21 @@ def run_indexer(config: AttentionConfig, params, query, key, dtype, allowed, sha
     index_mask = None
     if allowed is not None:
         index_mask = allowed.any(dim=1, keepdim=True).expand(allowed.shape[0], 1, T, P + S)
-    buffer = past = past_index_keys
-    if in_place and past_index_keys is not None:
-        if not isinstance(buffer, torch.Tensor) or buffer.dtype != dtype or buffer.device != query.device:
-            raise in_place_buffer_error("past_index_keys", f"be a torch tensor of the storage dtype "
-                                        f"{dtype_name(dtype)} on {query.device}", f"a {type(buffer).__name__}")
-        past = buffer[:, :P]
+    in_place = in_place and past_index_keys is not None
+    if in_place and (not isinstance(past_index_keys, torch.Tensor) or past_index_keys.dtype != dtype
+                     or past_index_keys.device != query.device):
+        raise in_place_buffer_error("past_index_keys", f"be a torch tensor of the storage dtype "
+                                    f"{dtype_name(dtype)} on {query.device}", f"a {type(past_index_keys).__name__}")
+    # in place, the indexer writes the new index keys into the buffer at P..P+S-1 and scores over its first P+S
+    # rows (no copy of the index cache a step); present_index_keys is then the buffer, whole
     with torch.no_grad():
         result = lightning_indexer(config, {n: t.detach() for n, t in params.items()}, query.detach(), key.detach(),
-                                   positions=positions, key_positions=key_positions, past_index_keys=past,
+                                   positions=positions, key_positions=key_positions, past_index_keys=past_index_keys,
                                    mask=index_mask, is_causal=False, dtype=dtype_name(dtype), device=query.device,
                                    precision=config.indexer.scoring_precision,
-                                   fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
-        present = result["present_index_keys"]
-        if in_place and buffer is not None:
-            buffer[:, P:P + S] = present[:, P:]
-            present = buffer
-    return result["topk_indices"], present
+                                   fp8_scale_format=config.indexer.fp8_scale_format,
+                                   cache_length=P if in_place else None, rec=rec)
+    return result["topk_indices"], result["present_index_keys"]
 
 
 def past_key_buffers(past_key, past_value, dtype: torch.dtype, device: torch.device):
@@ -506,10 +505,15 @@ def absorb_latent(config: AttentionConfig, call: Call, q: torch.Tensor, latent: 
 # against the two products 25 + 4 ms, the softmax 1 ms and the attend 22 ms. Below it (the grid's decode
 # cases, at most a few hundred keys) SDPA keeps the call: the `sdpa` column still checks SDPA's absorbed form.
 SPLIT_MIN_KEYS = 1024
-# absorbed_logits' keys per product: a (16, 512) x (512, s) product over 1024-4096 keys took 25 ms over 65537
-# keys against 32 ms in one product (the same measurement); 8192 keys and up 29-31 ms. 4096 rather than 2048
-# (the whole step 60-72 ms against 58-79 at 2048, one thread): half the products, so half the parallel regions
-# where torch's two threads wait for each other on a loaded machine.
+# absorbed_logits' keys per product, the keys the rows: (s, C) x (C, N T), then (s, R) x (R, N T) added into the
+# same rows of one block's buffer, turned and scaled into the result's columns. Measured (2-core AMD EPYC VM,
+# 2026-11-30, torch 2.13 with MKL; N 16, C 512, R 64, 65537 keys): idle, two threads, min of 15 (prototypes): q as the
+# rows (16, 576) x (576, S) 25.6 ms, the keys as the rows in one product 17.3 ms, in blocks of 4096 keys 14.3 ms;
+# loaded (load average 3-5), one thread, process CPU time, min of 10: the logits 29-30 ms in blocks of 2048-4096
+# keys, 32 ms at 8192 (q as the rows in blocks of 4096: 33-34.5 ms), the whole step 58-59 ms at 1024-4096 keys and
+# 62-66 ms from 8192 up; two threads, loaded, CPU time: q as the rows in blocks of 4096 up to 279 ms, the keys as
+# the rows 35-70 ms. 4096 rather than 2048 (one thread's best by 1 ms): half the products, so half the parallel
+# regions where two threads wait for each other on a loaded machine.
 KEY_BLOCK = 4096
 
 
@@ -526,19 +530,51 @@ def absorbed_logits(q: torch.Tensor, latent: torch.Tensor, rotary: torch.Tensor,
     """LOGITS of the absorbed form (F.logits' arithmetic) with its shared key held as two parts: q (B, N, T, C+R),
     latent (B, 1, S, C), rotary (B, 1, S, R) -> (B, N, T, S), q's first C features against the latent and its
     last R against the rotary key, added: q . [latent | rotary] without the join (a copy of the whole cache),
-    in blocks of KEY_BLOCK keys, each cast to the compute dtype on its own, in compute dtype, stored."""
+    in blocks of KEY_BLOCK keys, each cast to the compute dtype on its own, in compute dtype, stored. The keys
+    are the rows of each product, (s, C) x (C, N T) (+ (s, R) x (R, N T)), each block turned to (N T, s) as the
+    scale is applied (outside autograd: into one block's buffer and the result's columns, with out=)."""
     B, N, T, _ = q.shape
     C, S = latent.shape[-1], latent.shape[2]
     ct = compute_dtype(q.dtype)
-    rows = q.to(ct).reshape(B, N * T, -1)  # (B, N T, C+R): every head's query against the one shared key head
-    q_lat, q_rot = rows[..., :C], rows[..., C:]
-    blocks = []
-    for start in range(0, S, KEY_BLOCK):
-        lat = latent[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, C)
-        rot = rotary[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, R)
-        blocks.append(torch.baddbmm(torch.bmm(q_rot, rot.transpose(1, 2)), q_lat, lat.transpose(1, 2)))
-    scores = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)  # (B, N T, S)
-    return (scores * scale).reshape(B, N, T, S).to(q.dtype)
+    cols = q.to(ct).reshape(B, N * T, -1).transpose(1, 2).contiguous()  # (B, C+R, N T): each head's query a column
+    q_lat, q_rot = cols[:, :C], cols[:, C:]  # (B, C, N T), (B, R, N T)
+    if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad or rotary.requires_grad):
+        blocks = []
+        for start in range(0, S, KEY_BLOCK):
+            lat = latent[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, C)
+            rot = rotary[:, 0, start:start + KEY_BLOCK].to(ct)  # (B, s, R)
+            blocks.append(torch.baddbmm(torch.bmm(rot, q_rot), lat, q_lat))  # (B, s, N T)
+        keys_first = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)  # (B, S, N T)
+        return (keys_first.transpose(1, 2) * scale).contiguous().reshape(B, N, T, S).to(q.dtype)
+    scores = torch.empty((B, N * T, S), dtype=ct, device=q.device)
+    part = torch.empty((min(KEY_BLOCK, S), N * T), dtype=ct, device=q.device)  # a block's scores, keys as the rows
+    for b in range(B):
+        for start in range(0, S, KEY_BLOCK):
+            lat = latent[b, 0, start:start + KEY_BLOCK].to(ct)  # (s, C)
+            out = part[:lat.shape[0]]
+            torch.mm(lat, q_lat[b], out=out)
+            out.addmm_(rotary[b, 0, start:start + KEY_BLOCK].to(ct), q_rot[b])
+            torch.mul(out.t(), scale, out=scores[b, :, start:start + KEY_BLOCK])  # turned to (N T, s) as it is scaled
+    return scores.reshape(B, N, T, S).to(q.dtype)
+
+
+# absorbed_attend takes the product as latent^T w^T, (C, S) x (S, N T), from this many torch threads on, F.attend's
+# w (N T, S) x latent (S, C) below. Measured (2-core AMD EPYC VM, 2026-11-30, torch 2.13 with MKL; N 16, C 512, 65537
+# keys, min of 15): two threads, idle 17.7 -> 10.9 ms, loaded (load average 3-5) 45 -> 36 ms wall; one thread
+# (loaded, process CPU time) the other way, 22.8 ms as F.attend's against 29.7.
+ATTEND_COLUMNS_MIN_THREADS = 2
+
+
+def absorbed_attend(w: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """ATTEND of the absorbed form (F.attend's arithmetic, its values the latent): w (B, N, T, S), latent
+    (B, 1, S, C) -> (B, N, T, C), taken as latent^T w^T, (C, S) x (S, N T), both transposed views (no copy),
+    in compute dtype, stored; with fewer than ATTEND_COLUMNS_MIN_THREADS threads F.attend itself."""
+    if torch.get_num_threads() < ATTEND_COLUMNS_MIN_THREADS:
+        return F.attend(w, latent)
+    B, N, T, S = w.shape
+    ct = compute_dtype(w.dtype)
+    ctx = torch.matmul(latent[:, 0].to(ct).transpose(1, 2), w.to(ct).reshape(B, N * T, S).transpose(1, 2))
+    return ctx.transpose(1, 2).reshape(B, N, T, -1).to(w.dtype)  # (B, C, N T) -> (B, N, T, C)
 
 
 # Present caches of at least this many bytes, on the CPU and outside autograd, are written into memory
@@ -700,7 +736,7 @@ def multi_head_attention(
         x = rec("mask", F.mask_stage(x, allowed, call.bias4))
         w = rec("softmax", F.softmax(x, config.masked_row, p.get("sinks")))  # (B, N, T, S_total)
         wd = rec("dropout", F.dropout(w, call.keep, config.dropout))
-        ctx = rec("attend", F.attend(wd, v))  # (B, N, T, V)
+        ctx = rec("attend", absorbed_attend(wd, v) if split else F.attend(wd, v))  # (B, N, T, V|C)
     if absorbed:  # the attended latent (B, N, T, C) through each head's value up-projection
         ctx = F.expand_values(ctx, p["value.kernel"])  # (B, N, T, V)
     if config.differential is not None:  # the halves subtracted with lambda, normed, scaled

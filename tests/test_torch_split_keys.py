@@ -9,7 +9,9 @@ under "zero", "uniform" and "nan"), on the SDPA path and on the in-place cache, 
 (SPLIT_MIN_KEYS 1, KEY_BLOCK 16: 81 keys in six blocks, the last a partial one) and, once, at the real ones (P
 4200). Each test first shows that absorbed_logits ran (so a pass is the split path's). The porting bugs a split
 makes, the rotary part dropped and a block's rotary keys read from the first block, are planted and must fail.
-Under autograd (float64) the split core's gradients are held to SDPA's over the joined key."""
+Under autograd (float64) the split core's gradients are held to SDPA's over the joined key. The attend's two forms
+(absorbed_attend: latent^T w^T from ATTEND_COLUMNS_MIN_THREADS threads on, else F.attend's) are each held, whatever
+the machine's thread count."""
 
 from __future__ import annotations
 
@@ -77,7 +79,16 @@ def test_split_keys_over_a_selection_match_the_float64_stages(monkeypatch, varia
     assert len(ran) == 2, ran  # both paths split (gathered where masked_row is "zero", the whole cache otherwise)
 
 
-def test_split_keys_over_the_whole_cache_match_the_float64_stages(monkeypatch):
+# absorbed_attend's two forms, whatever the machine's thread count: latent^T w^T (1: from one thread on) and F.attend's
+# (10**6: never)
+ATTEND_FORMS = pytest.mark.parametrize("columns_from", [1, 10**6], ids=["columns", "rows"])
+
+
+@ATTEND_FORMS
+def test_split_keys_over_the_whole_cache_match_the_float64_stages(monkeypatch, columns_from):
+    from impl_torch import attention
+
+    monkeypatch.setattr(attention, "ATTEND_COLUMNS_MIN_THREADS", columns_from)
     ran = _spy(monkeypatch)
     config, tensors, x, lat, rot, _ = _step()
     _check((config, tensors, x, lat, rot, None))
@@ -119,12 +130,33 @@ def test_split_key_bugs_are_caught(monkeypatch, mutant):
             _judge(f"torch {path} ({mutant.__name__})", got.numpy(), expected, logits, config)
 
 
-def test_split_keys_gradients_match_sdpas(monkeypatch):
+def test_an_attend_left_untransposed_is_caught(monkeypatch):
+    """The porting bug of latent^T w^T: its (B, C, N T) result reshaped to (B, N, T, C) without turning it back (the
+    shape fits, the values are scrambled)."""
+    from impl_torch import attention
+
+    def untransposed(w, latent):
+        B, N, T, S = w.shape
+        return torch.matmul(latent[:, 0].transpose(1, 2), w.reshape(B, N * T, S).transpose(1, 2)).reshape(B, N, T, -1)
+
+    ran = _spy(monkeypatch)
+    monkeypatch.setattr(attention, "absorbed_attend", untransposed)
+    config, tensors, x, lat, rot, _ = _step()
+    expected, logits = _expected(config, tensors, x, lat, rot, None)
+    for path, got in _paths(config, tensors, x, lat, rot, None).items():
+        with pytest.raises(AssertionError, match="FAIL"):
+            _judge(f"torch {path} (attend untransposed)", got.numpy(), expected, logits, config)
+    assert len(ran) == 2, ran
+
+
+@ATTEND_FORMS
+def test_split_keys_gradients_match_sdpas(monkeypatch, columns_from):
     """The split core under autograd (the SDPA path over a given cache, float64): every gradient (the query input,
     both cache parts, every weight) equal to SDPA's over the joined key, an independent kernel (rtol 1e-10: the
     same float64 sums in other orders)."""
     from impl_torch import attention
 
+    monkeypatch.setattr(attention, "ATTEND_COLUMNS_MIN_THREADS", columns_from)
     config, tensors, x, lat, rot, idx = _step()
 
     def grads():

@@ -204,7 +204,8 @@ def torch_paths(config, tensors, data, P):
     ac = attention_config(config)
     t = {k: torch.from_numpy(v) for k, v in tensors.items()}
     att, _ = _split(t)
-    x, topk, keys = (torch.from_numpy(np.ascontiguousarray(data[n])) for n in ("x", "topk", "index_keys"))
+    x, topk = (torch.from_numpy(np.ascontiguousarray(data[n])) for n in ("x", "topk"))
+    keys = torch.from_numpy(index_buffer(data["index_keys"]))  # in place (cache_length)
     bk, bv = (torch.from_numpy(a) for a in latent_buffers(data["latent"], data["rotary"]))
     weights = list(att.values())
 
@@ -217,7 +218,7 @@ def torch_paths(config, tensors, data, P):
 
     def indexer():
         with torch.no_grad():
-            return lightning_indexer(config, t, x, past_index_keys=keys)["topk_indices"]
+            return lightning_indexer(config, t, x, past_index_keys=keys, cache_length=P)["topk_indices"]
 
     return {"dense": step(None), "sparse": step(topk), "indexer": indexer,
             "read": lambda: [torch.sum(a) for a in (bk[:, :, :P], bv[:, :, :P], *weights)]}

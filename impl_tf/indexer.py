@@ -23,6 +23,9 @@ from weights import AttentionConfig, dtype_from_name
 from . import backend as bk
 from . import functional as F
 from ._keras import BACKEND, TENSORFLOW, keras
+
+if TENSORFLOW:
+    from ._keras import tf
 from .backend import check_dtype
 from .masks import causal_mask
 
@@ -86,6 +89,9 @@ def quantize_fp8(x, block: int, scale_format: str):
 
 def scores(q, k, weights, score_scale: float, relu: bool, per_kv_head: bool):
     ct = F.compute_dtype(q.dtype)
+    S = k.shape[1]
+    if q.shape[2] == 1 and not per_kv_head and S is not None and S >= DECODE_SCORES_MIN_KEYS:
+        return _decode_scores(q, k, weights, score_scale, relu)
     dots = bk.einsum("BITJ,BSJ->BITS", F._cast(q, ct), F._cast(k, ct)) * bk.constant(score_scale, ct)  # (B, I, T, S)
     if relu:
         dots = bk.maximum(dots, ops.zeros_like(dots))  # bk.maximum: ops.maximum rounds float64 on torch
@@ -94,6 +100,36 @@ def scores(q, k, weights, score_scale: float, relu: bool, per_kv_head: bool):
     if weights is None:
         return ops.sum(dots, axis=1, keepdims=True)  # (B, 1, T, S)
     return bk.einsum("BTI,BITS->BTS", F._cast(weights, ct), dots)[:, None]  # (B, 1, T, S)
+
+
+# A decode step's scores (one query, one selection) are taken with the keys as the rows, as
+# impl_numpy.indexer._decode_scores: one (S, J) x (J, I) product per batch row (the scale folded into the (I, J)
+# queries first: s (q.k) and (s q).k are equal to round-off, and the (S, I) dots are not passed over once more for
+# it), ReLU, then the weighted sum a (S, I) x (I, 1) product. Measured (2-core AMD EPYC VM, 2026-11-30, loaded,
+# process CPU time, min of 7-9; I 64, J 128, 65537 keys, float32, TensorFlow eager): the stage 27-28 ms as the
+# einsums' (I, J) x (J, S) and (1, I) x (I, S), 15.1 ms this way. Compiled by XLA (tf.function(jit_compile=True))
+# it was no faster (15.0-15.4 ms), and XLA compiles once per shape where a decode step's key count grows by one
+# each step: left eager. Under DECODE_SCORES_MIN_KEYS keys (every grid case) the stage keeps its first form.
+DECODE_SCORES_MIN_KEYS = 4096
+
+
+def _decode_scores(q, k, weights, score_scale: float, relu: bool):
+    """scores() for one query (T 1), one selection (not per kv head): q (B, I, 1, J), k (B, S, J), weights (B, 1, I)
+    or None -> (B, 1, 1, S), in compute dtype; the keys as the rows of the products (one batch row: 2-D products,
+    which TensorFlow runs faster than its batched ones, 15.1 against 16.7-19.2 ms the stage, the VM above)."""
+    ct = F.compute_dtype(q.dtype)
+    B, S, J = k.shape
+    qs = F._cast(q[:, :, 0, :], ct) * bk.constant(score_scale, ct)  # (B, I, J), scaled
+    w = None if weights is None else F._cast(weights, ct)[:, 0, :, None]  # (B, I, 1)
+    if B == 1:
+        qs, w = ops.transpose(qs[0]), None if w is None else w[0]  # (J, I), (I, 1)
+        dots = bk.matmul(bk.reshape(F._cast(k, ct), (S, J)), qs)  # (S, I)
+    else:
+        dots = bk.matmul_nt(F._cast(k, ct), qs)  # (B, S, I)
+    if relu:
+        dots = ops.relu(dots)
+    x = ops.sum(dots, axis=-1) if w is None else bk.matmul(dots, w)  # (B|, S[, 1])
+    return bk.reshape(x, (-1, 1, 1, S))
 
 
 def mask_scores(x, allowed):
@@ -120,9 +156,50 @@ def keep_local_blocks(x, query_slots: np.ndarray, block_size: int, local_blocks:
 
 def select_topk(x, k: int):
     width = min(k, x.shape[-1])
+    n = x.shape[-1]
+    if width and n >= TOPK_FEW_MIN_KEYS and width * 2 < n and not bk.is_symbolic(x):
+        few = _select_few(x, width)
+        if few is not None:
+            return few
     order = ops.cast(bk.argsort_stable(-x)[..., :width], "int64")  # stable: ties keep ascending index
     chosen = ops.take_along_axis(x, order, axis=-1)
     return ops.where(chosen > -math.inf, order, ops.full_like(order, -1))
+
+
+# select_topk takes the few of many (a decode step's k 2048 of 65537 keys) without sorting every score, as
+# impl_torch.indexer._select_few: keras.ops.top_k, then only the chosen sorted. Measured (2-core AMD EPYC VM,
+# 2026-11-30, loaded, process CPU time, TensorFlow eager): 65537 scores, width 2048: the stable argsort of the row
+# 6.1-6.2 ms, top_k 1.0 ms. Eager calls alone (it reads two flags to the host), and from TOPK_FEW_MIN_KEYS keys:
+# the grid's cases keep the sort.
+TOPK_FEW_MIN_KEYS = 4096
+
+
+def _select_few(x, width: int):
+    """select_topk's result (the stable sort's first `width`: descending score, ties by ascending index, -1 where
+    the score is -inf) from ops.top_k's `width` keys, which are the selection itself where no score equal to the
+    width-th one is left out (top_k's choice among ties is unspecified: that score counted in the row and among
+    the chosen) and the row holds no NaN (ranked differently by top_k and the sort); then only they are ordered
+    (ascending index, then stably by their negated scores). None where those do not hold (the caller sorts)."""
+    vals, cols = ops.top_k(x, width, sorted=True)  # (..., width), descending
+    kth = vals[..., -1:]
+    in_row = ops.sum(ops.cast(x == kth, "int32"), axis=-1)
+    in_chosen = ops.sum(ops.cast(vals == kth, "int32"), axis=-1)
+    if bool(ops.convert_to_numpy(ops.logical_or(ops.any(ops.isnan(x)), ops.any(in_row != in_chosen)))):
+        return None
+    by_index = ops.argsort(cols, axis=-1)  # the chosen in ascending index (no two equal: any sort is the stable one)
+    vals, cols = _take_last(vals, by_index), _take_last(cols, by_index)
+    order = bk.argsort_stable(-vals)
+    vals, cols = _take_last(vals, order), ops.cast(_take_last(cols, order), "int64")
+    return ops.where(vals > -math.inf, cols, ops.full_like(cols, -1))
+
+
+def _take_last(x, index):
+    """ops.take_along_axis(x, index, axis=-1), index of x's leading shape: on TensorFlow tf.gather with batch_dims
+    (Keras 3.15.1's take_along_axis broadcasts and builds index grids: 0.94 against 0.06 ms for 2048 of 65537
+    scores, eagerly, the VM above)."""
+    if TENSORFLOW:
+        return tf.gather(x, index, batch_dims=len(x.shape) - 1)
+    return ops.take_along_axis(x, index, axis=-1)
 
 
 def expand_blocks(blocks, block_size: int, allowed, S: int):
@@ -178,6 +255,22 @@ def left_pack(keys, width: int):
     return ops.take_along_axis(keys, order, axis=-1)
 
 
+def project(x, kernel, bias):
+    """F.project (PROJECT: x (B, L, D) times kernel (D, heads, width) flattened -> (B, L, F)); on TensorFlow,
+    without a bias, as one 2-D product (B L, D) x (D, F), the same contraction: tf.einsum runs "BLD,DF->BLF" as a
+    batched matmul that took 7.3-7.7 ms against 3.7 ms for a decode step's index query projection (one row, D
+    2048, F 8192, float32, eager; 2-core AMD EPYC VM, 2026-11-30, loaded, process CPU time), and 25 against 22 ms
+    for 64 rows."""
+    if not TENSORFLOW or bias is not None or keras.backend.is_keras_tensor(x):
+        return F.project(x, kernel, bias)
+    D = kernel.shape[0]
+    B, L = bk.shape(x)[0], bk.shape(x)[1]
+    dt = F.dtype_name(x)
+    ct = F.compute_dtype(dt)
+    y = bk.matmul(bk.reshape(F._cast(x, ct), (-1, D)), bk.reshape(F._cast(kernel, ct), (D, -1)))  # (B L, F)
+    return F._cast(bk.reshape(y, (B, L, -1)), dt)
+
+
 # -- the call -----------------------------------------------------------------------------------------------
 
 def _allowed(mask, B: int, T: int, S: int, is_causal: bool):
@@ -200,7 +293,7 @@ def _rope_tables(rope, positions):
 
 def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=lambda stage, value: value):
     ix = config.indexer
-    k = rec("indexer.key.project", F.project(key, tensors["indexer.key.kernel"][:, None, :], None))  # (B, S, J)
+    k = rec("indexer.key.project", project(key, tensors["indexer.key.kernel"][:, None, :], None))  # (B, S, J)
     if ix.key_norm is not None:
         n = ix.key_norm
         k = rec("indexer.key.norm", F.norm(k, tensors.get("indexer.key.norm.scale"),
@@ -211,7 +304,7 @@ def index_keys(config: AttentionConfig, tensors, key, key_positions, dtype, rec=
                        ix.rope.interleaved, factor, ix.rope_end)[:, 0]
         k = rec("indexer.key.rope", k)
     if ix.block_pool == GATED:  # the gate logits travel with the key in the cache: (B, S, 2J)
-        gates = rec("indexer.pool.gates", F.project(key, tensors["indexer.pool.gate.kernel"][:, None, :], None))
+        gates = rec("indexer.pool.gates", project(key, tensors["indexer.pool.gate.kernel"][:, None, :], None))
         k = ops.concatenate([k, gates], axis=-1)
     return k  # (B, S, J), or (B, S, 2J) with block_pool gated
 
@@ -224,7 +317,7 @@ def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec
         source = F.project(query, tensors["query.down.kernel"], tensors.get("query.down.bias"))  # (B, T, Qr)
         source = rec("indexer.query.latent", F.norm(source, tensors["query.down.norm.scale"], None, "rms", L.eps,
                                                     1, "head"))
-    q = rec("indexer.query.project", F.project(source, tensors["indexer.query.kernel"], None))  # (B, T, I*J)
+    q = rec("indexer.query.project", project(source, tensors["indexer.query.kernel"], None))  # (B, T, I*J)
     if ix.query_norm is not None:
         n = ix.query_norm
         q = rec("indexer.query.norm", F.norm(q, tensors.get("indexer.query.norm.scale"),
@@ -240,9 +333,14 @@ def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec
 def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *, positions=None,
                       key_positions=None, past_index_keys=None, mask=None, is_causal: bool = True,
                       dtype: str | None = None, precision: str | None = None, fp8_scale_format: str = "float",
-                      return_scores: bool = False, rec=lambda stage, value: value) -> dict:
+                      return_scores: bool = False, cache_length: int | None = None,
+                      rec=lambda stage, value: value) -> dict:
     """impl_numpy.indexer.lightning_indexer in keras.ops: NumPy arrays or tensors of the backend in (traced
-    ones included), tensors of the backend out."""
+    ones included), tensors of the backend out. cache_length (Keras's TensorFlow backend alone): an
+    in-place index cache, as the attention call's: past_index_keys a tf.Variable (B, C, J|2J) of the storage dtype
+    whose first cache_length = P rows are the cache; the new index keys are written at P..P+S-1 by XLA in the
+    variable's own buffer (tf_only.write_rows) and scored over its first P+S rows without a join (where P+S is C,
+    the variable's value itself, no copy); present_index_keys is the variable, whole."""
     ix = config.indexer
     if ix is None:
         raise ValueError("config.indexer is null: this layer has no indexer")
@@ -270,6 +368,14 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     key = query if key is None else tensor(key)
     B, T, S = query.shape[0], query.shape[1], key.shape[1]
     P = 0
+    buffer = None
+    if cache_length is not None:
+        buffer = _index_cache_buffer(past_index_keys, cache_length, S, dt)
+        past_index_keys = None
+        if buffer.shape[0] != B or buffer.shape[2] != ix.cache_width:
+            raise ValueError(f"past_index_keys must have shape (B, C, {'2J' if ix.block_pool == GATED else 'J'}) = "
+                             f"({B}, C, {ix.cache_width}) with cache_length: got {tuple(buffer.shape)}")
+        P = int(cache_length)
     if past_index_keys is not None:
         past_index_keys = tensor(past_index_keys)
         if (len(past_index_keys.shape) != 3 or past_index_keys.shape[0] != B
@@ -283,13 +389,22 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else ops.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    if buffer is not None:  # in place: the new rows written, the first P+S rows read (no join)
+        from .tf_only import write_rows
+
+        write_rows(buffer, F._cast(k_new, dt), P, 1)
+        k = buffer.value() if buffer.shape[1] == P + S else buffer[:, :P + S]  # (B, P+S, J|2J)
+    else:
+        k = k_new if past_index_keys is None else ops.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    present = k if buffer is None else buffer  # the returned index cache: with cache_length the buffer, whole
     if ix.block_pool == GATED:
-        return _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
+        result = _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
+        result["present_index_keys"] = present
+        return result
     weights = None
     if ix.head_weights:
         ct = F.compute_dtype(dt)
-        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        w = project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
         weights = rec("indexer.weights", F._cast(F._cast(w, ct) * bk.constant(ix.effective_weight_scale, ct), dt))
     qs, ks = q, k
     if precision == "fp8_e4m3":
@@ -298,9 +413,11 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         qs = rec("indexer.query.fp8", qs * ops.repeat(q_scale, J, axis=-1))
         ks = rec("indexer.key.fp8", ks * ops.repeat(k_scale, J, axis=-1))
     x = rec("indexer.scores", scores(qs, ks, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
-    allowed = _allowed(mask, B, T, P + S, is_causal)  # (B|1, 1, T, P+S)
-    x = rec("indexer.masked_scores", mask_scores(x, allowed))
-    result = {"present_index_keys": k}
+    # every key visible (no mask; one query, or not causal): the mask would leave x as it is (1.5 ms of a decode
+    # step's 65537 keys, eagerly, for the mask and the select)
+    allowed = None if mask is None and (T == 1 or not is_causal) else _allowed(mask, B, T, P + S, is_causal)
+    x = rec("indexer.masked_scores", x if allowed is None else mask_scores(x, allowed))  # (B|1, 1, T, P+S)
+    result = {"present_index_keys": present}
     if return_scores:
         result["index_scores"] = x
     if ix.block_size is None:
@@ -313,9 +430,32 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         result["topk_blocks"] = blocks
         if return_scores:
             result["block_scores"] = bx
+        if allowed is None:
+            allowed = _allowed(mask, B, T, P + S, is_causal)
         selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
     result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
     return result
+
+
+def _index_cache_buffer(buffer, cache_length, S: int, dt: str):
+    """lightning_indexer's in-place index cache, checked as impl_numpy.indexer._index_cache_buffer: a tf.Variable of
+    the storage dtype (a tensor cannot be written; a cast would write a copy the caller never sees), (B, C, J|2J)
+    with room for the call's S keys after its first cache_length rows."""
+    if not TENSORFLOW:
+        raise ValueError(f"cache_length needs Keras's TensorFlow backend (an in-place index cache is a tf.Variable "
+                         f"written by XLA; keras runs on {BACKEND}): got cache_length={cache_length!r}")
+    if buffer is None:
+        raise ValueError("cache_length needs past_index_keys, the index cache's buffer: got past_index_keys None")
+    if not isinstance(buffer, tf.Variable) or F.dtype_name(buffer) != dt:
+        raise ValueError(f"cache_length needs past_index_keys a tf.Variable of the storage dtype {dt}: got "
+                         f"{type(buffer).__name__} {F.dtype_name(buffer) if hasattr(buffer, 'dtype') else ''}".rstrip())
+    shape = tuple(buffer.shape)
+    if isinstance(cache_length, bool) or not isinstance(cache_length, (int, np.integer)) or len(shape) != 3 \
+            or not 0 <= cache_length <= shape[1] - S:
+        raise ValueError(f"cache_length must be an int in 0..C-S = 0..{shape[1] - S if len(shape) == 3 else '?'} "
+                         f"(the buffer's rows less the call's {S} keys): got {cache_length!r} with past_index_keys "
+                         f"{shape}")
+    return buffer
 
 
 def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,
@@ -329,7 +469,7 @@ def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, 
     if ix.head_weights:
         dt = F.dtype_name(query)
         ct = F.compute_dtype(dt)
-        w = F.project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
+        w = project(query, tensors["indexer.weights.kernel"][:, :, None], None)  # (B, T, I)
         weights = rec("indexer.weights", F._cast(F._cast(w, ct) * bk.constant(ix.effective_weight_scale, ct), dt))
     x = rec("indexer.scores", scores(q, pooled, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
     allowed = _allowed(mask, B, T, S, is_causal)  # (B|1, 1, T, S)

@@ -121,18 +121,20 @@ def test_project_is_the_stage(dtype):
 
 
 def test_a_decode_step_over_many_keys_is_the_references(monkeypatch):
-    """A decode step (T 1) over a cache of 40 keys, every fast path taken (thresholds lowered): the float64
-    reference's selection (random inputs: no ties) and its index scores to round-off."""
+    """Decode steps (T 1) over caches of 40-42 keys, every fast path taken (thresholds lowered; the prelude a graph):
+    the float64 reference's selection (random inputs: no ties) and its index scores to round-off."""
     for name, value in (("DECODE_SCORES_MIN_KEYS", 16), ("TOPK_FEW_MIN_KEYS", 16)):
         monkeypatch.setattr(indexer, name, value)
     config = _dsa(True, topk=5)
     t = init(config, seed=4, dtype="float64")
     x = _x(T=1)
-    past = np.random.default_rng(2).standard_normal((2, 40, 8))
-    want = ref.lightning_indexer(config, t, x, past_index_keys=past, return_scores=True)
-    got = indexer.lightning_indexer(config, t, x, past_index_keys=past, return_scores=True)
-    np.testing.assert_array_equal(np.asarray(got["topk_indices"]), want["topk_indices"])
-    np.testing.assert_allclose(np.asarray(got["index_scores"]), want["index_scores"], rtol=1e-12, atol=1e-12)
+    past = np.random.default_rng(2).standard_normal((2, 42, 8))
+    for P in (40, 41, 42):  # a decode loop: the prelude's graph traced once (its shapes do not grow with P)
+        want = ref.lightning_indexer(config, t, x, past_index_keys=past[:, :P], return_scores=True)
+        got = indexer.lightning_indexer(config, t, x, past_index_keys=past[:, :P], return_scores=True)
+        np.testing.assert_array_equal(np.asarray(got["topk_indices"]), want["topk_indices"])
+        np.testing.assert_allclose(np.asarray(got["index_scores"]), want["index_scores"], rtol=1e-12, atol=1e-12)
+    assert indexer._decode_prelude(config, "float64").experimental_get_tracing_count() == 1
 
 
 # -- the in-place index cache (lightning_indexer's cache_length) ----------------------------------------------------

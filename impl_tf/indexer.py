@@ -4,9 +4,12 @@ Keras's tensorflow, jax and torch backends. Shape letters as there: I index head
 selection groups.
 
 Traceable (jax.jit, tf.function with static shapes): nothing is read to the host but a LongRoPE table's
-choice, eagerly (functional.rope_tables_of; traced, a where). The top-k is a stable argsort of the negated scores
+choice, eagerly (functional.rope_tables_of; traced, a where), and, eagerly from TOPK_FEW_MIN_KEYS keys, whether
+the top-k's fast form holds (_select_few). The top-k is a stable argsort of the negated scores
 (backend.argsort_stable: keras.ops.argsort is unstable on TensorFlow and no framework's top_k promises an
-order among equal scores; the contract's is higher score first, then lower key index). The fp8 simulation rounds through
+order among equal scores; the contract's is higher score first, then lower key index); a decode step's few of
+many keys take keras.ops.top_k where no tie straddles the k-th score. One query over DECODE_SCORES_MIN_KEYS keys
+or more takes the decode forms below (_decode_scores, _decode_prelude). The fp8 simulation rounds through
 TensorFlow's float8_e4m3fn (round to nearest even, as ml_dtypes) and builds UE8M0 scales from float32 bits
 (tf_only.round_fp8, tf_only.ue8m0): keras.ops has no float8 cast every backend honours and no bitcast, so
 precision "fp8_e4m3" runs on Keras's TensorFlow backend alone (FP8_UNSUPPORTED on the others).
@@ -433,7 +436,8 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     positions = F.default_positions(positions, P, T)  # (B|1, T)
     key_positions = F.default_positions(key_positions, P, S)  # (B|1, S)
 
-    if TENSORFLOW and rec is _unrecorded and T == 1 and P + S >= DECODE_SCORES_MIN_KEYS and not bk.is_symbolic(query):
+    if TENSORFLOW and rec is _unrecorded and T == S == 1 and P + S >= DECODE_SCORES_MIN_KEYS \
+            and not bk.is_symbolic(query):
         q, k_new, weights = _decode_prelude(config, dt)(tensors, query, key, positions, key_positions)
     else:
         q, k_new, weights = _prelude(config, tensors, query, key, positions, key_positions, dt, rec)

@@ -135,6 +135,9 @@ def test_a_decode_step_over_many_keys_is_the_references(monkeypatch):
         np.testing.assert_array_equal(np.asarray(got["topk_indices"]), want["topk_indices"])
         np.testing.assert_allclose(np.asarray(got["index_scores"]), want["index_scores"], rtol=1e-12, atol=1e-12)
     assert indexer._decode_prelude(config, "float64").experimental_get_tracing_count() == 1
+    traced = tf.function(lambda x, past: indexer.lightning_indexer(config, t, x, past_index_keys=past)["topk_indices"],
+                         autograph=False)  # traced: the decode scores, the sort (no flag read), the prelude inline
+    np.testing.assert_array_equal(np.asarray(traced(tf.constant(x), tf.constant(past))), want["topk_indices"])
 
 
 # -- the in-place index cache (lightning_indexer's cache_length) ----------------------------------------------------

@@ -173,8 +173,8 @@ def select_topk(x, k: int):
 # select_topk takes the few of many (a decode step's k 2048 of 65537 keys) without sorting every score, as
 # impl_torch.indexer._select_few: keras.ops.top_k, then only the chosen sorted. Measured (2-core AMD EPYC VM,
 # 2026-11-30, loaded, process CPU time, TensorFlow eager): 65537 scores, width 2048: the stable argsort of the row
-# 6.1-6.2 ms, top_k 1.0 ms. Eager calls alone (it reads two flags to the host), and from TOPK_FEW_MIN_KEYS keys:
-# the grid's cases keep the sort.
+# 6.1-6.2 ms, top_k 1.0 ms, the whole of _select_few 1.8 ms. Eager calls alone (it reads a flag to the host), and
+# from TOPK_FEW_MIN_KEYS keys: the grid's cases keep the sort.
 TOPK_FEW_MIN_KEYS = 4096
 
 
@@ -206,7 +206,7 @@ def _few(x, width: int):
 @functools.cache
 def _few_graph():
     """_few as a TensorFlow graph (not XLA), its key count left unknown after a second length (reduce_retracing: a
-    decode step's grows by one), the width a constant: 3.3 against 1.9 ms eagerly (65537 scores, width 2048, the
+    decode step's grows by one), the width a constant: 1.8 ms against 3.3 eagerly (65537 scores, width 2048, the
     VM above, process CPU time)."""
     return tf.function(_few, autograph=False, reduce_retracing=True)
 

@@ -15,7 +15,7 @@ opt-in: --sparse-max). Per P and backend, each in a worker process of its own:
             has chosen (the attention part of a DSA step)
   indexer   the backend's lightning_indexer (impl_*/indexer.py) over the whole index cache (B, P, J) and the
             new token: its scores for every key and the top k (the other part of a DSA step); in place
-            (cache_length, index_buffer) where the indexer takes it (NumPy, torch), else the copying call
+            (cache_length, index_buffer) where the indexer takes it (NumPy, torch, tf), else the copying call
   read      one read of the latent cache (np.sum / torch.sum / jnp.sum / tf.reduce_sum / mx.sum over its buffers
             and every weight): the machine's read bandwidth, measured in the same run
 
@@ -164,7 +164,7 @@ def _split(tensors: dict) -> tuple[dict, dict]:
 
 
 def index_buffer(keys: np.ndarray) -> np.ndarray:
-    """The in-place index cache (the indexers that take cache_length: NumPy's, torch's): capacity P + 1, the
+    """The in-place index cache (the indexers that take cache_length: NumPy's, torch's, tf's): capacity P + 1, the
     first P rows the cached index keys, the last the step's own (each timed call writes it again, the same
     values), as latent_buffers does for the latent cache."""
     B, P, J = keys.shape
@@ -273,7 +273,8 @@ def tf_paths(config, tensors, data, P):
     ac = attention_config(config)
     with tf.device("/CPU:0"):
         t = {k: tf.constant(v) for k, v in tensors.items()}
-        x, topk, keys = (tf.constant(data[n]) for n in ("x", "topk", "index_keys"))
+        x, topk = (tf.constant(data[n]) for n in ("x", "topk"))
+        keys = tf.Variable(index_buffer(data["index_keys"]))  # in place (cache_length)
         bk, bv = (tf.Variable(a) for a in latent_buffers(data["latent"], data["rotary"]))
     att, _ = _split(t)
     weights = list(att.values())
@@ -283,7 +284,8 @@ def tf_paths(config, tensors, data, P):
                                                                    cache_length=P, topk_indices=sel, **IN_PLACE))
     read = tf.function(lambda: [tf.reduce_sum(a) for a in (bk, bv, *weights)])
     return {"dense": lambda: dense(x, att), "sparse": lambda: sparse(x, att, topk),
-            "indexer": lambda: lightning_indexer(config, t, x, past_index_keys=keys)["topk_indices"], "read": read}
+            "indexer": lambda: lightning_indexer(config, t, x, past_index_keys=keys, cache_length=P)["topk_indices"],
+            "read": read}
 
 
 def mlx_paths(config, tensors, data, P):
@@ -321,10 +323,11 @@ def mlx_paths(config, tensors, data, P):
 
 
 BUILDERS = {"numpy": numpy_paths, "torch": torch_paths, "jax": jax_paths, "tf": tf_paths, "mlx": mlx_paths}
-NOTES = {"numpy": "multi_head_attention, cache_length (fused path); impl_numpy.indexer; np.sum",
-         "torch": "multi_head_attention, cache_length, use_sdpa; impl_torch.indexer (eager); torch.sum",
+NOTES = {"numpy": "multi_head_attention, cache_length (fused path), CheckedTensors; impl_numpy.indexer, "
+                  "cache_length; np.sum",
+         "torch": "multi_head_attention, cache_length, use_sdpa; impl_torch.indexer (eager), cache_length; torch.sum",
          "jax": "apply under jax.jit, buffers donated; impl_jax.indexer (eager); jnp.sum under jax.jit",
-         "tf": "multi_head_attention in tf.function, variables; impl_tf.indexer (eager); tf.reduce_sum",
+         "tf": "multi_head_attention in tf.function, variables; impl_tf.indexer (eager), cache_length; tf.reduce_sum",
          "mlx": "multi_head_attention (fused path), cache_length, eager, each call mx.eval'd; impl_mlx.indexer; "
                 "mx.sum"}
 

@@ -309,10 +309,11 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
     if in_place and (not _is_variable(past_index_keys) or F.dtype_name(past_index_keys) != call.dtype):
         raise in_place_buffer_error("past_index_keys", f"be a tf.Variable of the storage dtype {call.dtype}",
                                     f"a {type(past_index_keys).__name__}")
-    past = None
-    if past_index_keys is not None:
-        past = ops.stop_gradient(F._cast(to_tensor(past_index_keys[:, :P] if in_place else past_index_keys),
-                                         call.dtype))
+    # in place, the variable itself goes to the indexer (its cache_length): the new rows written by XLA where they
+    # lie, the first P+S rows read, no slice of the cache and no join (two copies of it a step before)
+    past = past_index_keys if in_place else None
+    if past_index_keys is not None and not in_place:
+        past = ops.stop_gradient(F._cast(to_tensor(past_index_keys), call.dtype))
 
     def held(x):
         return None if x is None else ops.stop_gradient(x)
@@ -321,14 +322,9 @@ def run_indexer(config: AttentionConfig, call: Call, is_causal: bool, causal_ali
                                held(call.query), held(call.key), positions=positions, key_positions=key_positions,
                                past_index_keys=past, mask=mask, is_causal=False, dtype=call.dtype,
                                precision=config.indexer.scoring_precision,
-                               fp8_scale_format=config.indexer.fp8_scale_format, rec=rec)
-    present = result["present_index_keys"]
-    if in_place:  # by XLA where the rows lie (tf_only.write_rows), not a sliced assign (a copy of the buffer)
-        from .tf_only import write_rows
-
-        write_rows(past_index_keys, F._cast(present[:, P:], call.dtype), P, 1)
-        present = past_index_keys
-    call.selection, call.present_index_keys = result["topk_indices"], present
+                               fp8_scale_format=config.indexer.fp8_scale_format,
+                               cache_length=P if in_place else None, rec=rec)
+    call.selection, call.present_index_keys = result["topk_indices"], result["present_index_keys"]
     call.topk = call.selection
     selected = F.selection_mask(call.selection, config.num_heads, call.S_total)
     call.mask4 = selected if call.mask4 is None else ops.logical_and(call.mask4, selected)

@@ -732,14 +732,16 @@ def _chunked_program(config, params, arrays, d_output, *, static):
     """apply(..., chunk_size=) and its jax.vjp, one compiled program (as impl_jax.adapter does for the plain
     path): query, key, value and the cache differentiated, the present cache returned beside the output."""
     inputs = {n: arrays[n] for n in ("query", "key", "value", "past_key", "past_value") if n in arrays}
-    others = {n: arrays.get(n) for n in numpy_adapter.OPTIONAL_INPUTS if n not in ("past_key", "past_value")}
+    # the other inputs, the indexer's too (its index cache: a decode case of a layer with an indexer needs it)
+    others = {n: arrays.get(n) for n in (*numpy_adapter.OPTIONAL_INPUTS, *numpy_adapter.INDEXER_INPUTS)
+              if n not in ("past_key", "past_value")}
 
     def f(params, inputs):
         result = impl_jax.apply(config, params, inputs["query"], inputs.get("key"), inputs.get("value"),
                                 past_key=inputs.get("past_key"), past_value=inputs.get("past_value"), **others,
                                 **dict(static))
-        out, *cache = result if dict(static)["return_cache"] else (result,)
-        return out, cache
+        out, *rest = result if isinstance(result, tuple) else (result,)
+        return out, rest  # [selection][, present_key, present_value[, present_index_keys]]
 
     out, pull, cache = jax.vjp(f, params, inputs, has_aux=True)
     d_params, d_inputs = pull(d_output.astype(out.dtype))
@@ -761,7 +763,8 @@ class ChunkedAdapter:
         static = (("is_causal", bool(options.get("is_causal", False))),
                   ("causal_alignment", options.get("causal_alignment", "top_left")),
                   ("training", bool(options.get("training", False))), ("dtype", options.get("dtype")),
-                  ("return_cache", bool(options.get("return_cache", False))), ("chunk_size", self.chunk_size))
+                  ("return_cache", bool(options.get("return_cache", False))), ("chunk_size", self.chunk_size),
+                  ("return_selection", config.indexer is not None))  # the selection judged, as the adapters do
         arrays = {n: np.asarray(a) for n, a in inputs.items() if a is not None}
         dtype = weights.dtype_from_name(options["dtype"])
         if d_output is None:
@@ -771,11 +774,10 @@ class ChunkedAdapter:
     def forward(self, config, tensors, inputs, options, *, device="cpu", precision="highest", trace=False):
         if trace:
             raise NotImplementedError("the chunked path has no stage trace")
-        out, cache, _, _ = self._run(config, tensors, inputs, options, None)
-        answer = {"output": np.asarray(out)}
-        if cache:
-            answer["present_key"], answer["present_value"] = (np.asarray(x) for x in cache)
-        return answer
+        out, rest, _, _ = self._run(config, tensors, inputs, options, None)
+        selection = config.indexer is not None
+        return weights.call.split_result((out, *rest) if rest else out, False, bool(options.get("return_cache", False)),
+                                         return_selection=selection, index_cache=selection)
 
     def vjp(self, config, tensors, inputs, options, d_output, *, device="cpu", precision="highest"):
         out, _, d_params, d_inputs = self._run(config, tensors, inputs, options, d_output)

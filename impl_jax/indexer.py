@@ -4,7 +4,8 @@ jax.numpy ops only). Shape letters as there: I index heads, J index head_dim, G 
 Runs op by op (the indexer's shapes change with every decode step, and its top-k is a sort, not a kernel to
 fuse); float64 needs JAX's x64 mode (impl_jax.call's check says so). The fp8 simulation rounds through
 jnp.float8_e4m3fn (round to nearest even, as ml_dtypes: JAX's float8 types are ml_dtypes'); the top-k is
-a stable sort of the negated scores (jax.lax.top_k's order among equal scores is not the contract's).
+a stable sort of the negated scores (jax.lax.top_k's order among equal scores is not the contract's; a long
+row's takes its k-th largest value from it: _select_topk_partitioned).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ GATED = "gated"  # Indexer.block_pool of GLM-5.3-Flash's k-pool
 # The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
 READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
+# An eager call over at least this many keys (P + S) runs as one jitted program (_jitted): op by op, the
+# step is mostly dispatch and the eager reshapes' copies of the weights (DeepSeek V3.2's sizes, I 64, J 128,
+# D 2048, one query, float32: 83 ms of CPU at P 8192 and 140 at P 65536 op by op, 2-core AMD EPYC VM,
+# 2026-11-30, loaded; jitted: see the measures at _one_query_scores and _select_topk_partitioned). Below it (the grid's and the tests' small calls, each
+# shape a program of its own to compile) it stays op by op.
+JIT_MIN_KEYS = 1024
 
 
 def _float8():
@@ -73,6 +80,8 @@ def quantize_fp8(x, block: int, scale_format: str):
 
 def scores(q, k, weights, score_scale: float, relu: bool, per_kv_head: bool):
     ct = compute_dtype(q.dtype)
+    if q.shape[2] == 1 and k.shape[1] >= JIT_MIN_KEYS and not per_kv_head:  # a decode step's long row
+        return _one_query_scores(q.astype(ct), k.astype(ct), weights, ct.type(score_scale), relu)
     dots = jnp.einsum("BITJ,BSJ->BITS", q.astype(ct), k.astype(ct), precision="highest") * ct.type(score_scale)
     if relu:
         dots = jnp.maximum(dots, 0)
@@ -81,6 +90,19 @@ def scores(q, k, weights, score_scale: float, relu: bool, per_kv_head: bool):
     if weights is None:
         return dots.sum(axis=1, keepdims=True)  # (B, 1, T, S)
     return jnp.einsum("BTI,BITS->BTS", weights.astype(ct), dots, precision="highest")[:, None]  # (B, 1, T, S)
+
+
+def _one_query_scores(q, k, weights, scale, relu: bool):
+    """scores() for one query (T 1) with the keys as rows: (S, J) x (J, I), then (S, I) x (I,) -> (B, 1, 1,
+    S). The same products and sums as the einsums above, in another order: XLA CPU runs the keys-as-rows
+    product about 3x faster than the 64-row one (P 65536, I 64, J 128, float32, under jax.jit: 17 vs 49 ms
+    of CPU for the scores, 2-core AMD EPYC VM, 2026-11-30, loaded)."""
+    dots = jnp.einsum("BSJ,BIJ->BSI", k, q[:, :, 0], precision="highest") * scale  # (B, S, I)
+    if relu:
+        dots = jnp.maximum(dots, 0)
+    if weights is None:
+        return dots.sum(axis=-1)[:, None, None]  # (B, 1, 1, S)
+    return jnp.einsum("BSI,BI->BS", dots, weights[:, 0].astype(dots.dtype), precision="highest")[:, None, None]
 
 
 def mask_scores(x, allowed):
@@ -106,9 +128,37 @@ def keep_local_blocks(x, query_slots: np.ndarray, block_size: int, local_blocks:
 
 def select_topk(x, k: int):
     width = min(k, x.shape[-1])
+    if width and x.shape[-1] >= max(JIT_MIN_KEYS, TOPK_PARTITION_MIN * width):
+        return _select_topk_partitioned(x, width)
     order = jnp.argsort(-x, axis=-1, stable=True)[..., :width]  # stable: ties keep ascending index
     chosen = jnp.take_along_axis(x, order, axis=-1)
     return jnp.where(chosen > -jnp.inf, order, -1)
+
+
+# select_topk sorts only the candidates where the rows are long (as impl_numpy's): a decode step's k 2048 of
+# 65537 keys under jax.jit, 15 ms of CPU for the full stable argsort (XLA CPU's comparator sort) against
+# under 2 ms (lax.top_k, a cumulative sum and a sort of the k candidates), the VM above.
+TOPK_PARTITION_MIN = 4
+
+
+def _select_topk_partitioned(x, width: int):
+    """select_topk's result from the candidates alone: the k-th largest score t (lax.top_k's values; its
+    order among equal scores is not used), then every score above t and the lowest-index ties at t, in
+    ascending index (jnp.nonzero), stably sorted by -x: exactly the stable full sort's first `width`. A NaN
+    score (last in the full sort, as -x sorts NaN last) counts as -inf here: either is -1 in the result,
+    and it is picked only once every finite score is."""
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    # (..., 1): the k-th largest, as the min of the k values: a slice of the last one would let XLA merge the
+    # slices and fall back from its TopK kernel to a full sort (11 ms more at 65537 keys)
+    t = jax.lax.top_k(x, width)[0].min(axis=-1, keepdims=True)
+    above = x > t
+    ties = (x == t) & (jnp.cumsum(x == t, axis=-1) <= width - above.sum(axis=-1, keepdims=True))
+    taken = (above | ties).reshape(-1, x.shape[-1])  # exactly `width` per row
+    candidates = jax.vmap(lambda row: jnp.nonzero(row, size=width)[0])(taken).reshape(*x.shape[:-1], width)
+    values = jnp.take_along_axis(x, candidates, axis=-1)
+    order = jnp.argsort(-values, axis=-1, stable=True)  # ties keep ascending index
+    chosen = jnp.take_along_axis(values, order, axis=-1)
+    return jnp.where(chosen > -jnp.inf, jnp.take_along_axis(candidates, order, axis=-1), -1)
 
 
 def expand_blocks(blocks, block_size: int, allowed, S: int):
@@ -222,14 +272,38 @@ def index_queries(config: AttentionConfig, tensors, query, positions, dtype, rec
     return q  # (B, I, T, J)
 
 
+def _no_record(stage: str, value):
+    return value
+
+
+
+
+def _jits(config: AttentionConfig, query, key, positions, key_positions, past_index_keys, rec) -> bool:
+    """Whether an eager call runs as _jitted: no trace asked, not already traced, at least JIT_MIN_KEYS keys,
+    and no longrope table chosen by the positions' values (_largest reads them eagerly, not under jit)."""
+    if rec is not _no_record or isinstance(query, jax.core.Tracer):
+        return False
+    rope = config.indexer.rope
+    if rope is not None and rope.scaling is not None and rope.scaling.type == "longrope":
+        return False
+    S = np.shape(query if key is None else key)[1]
+    P = 0 if past_index_keys is None else np.shape(past_index_keys)[1]
+    return P + S >= JIT_MIN_KEYS
+
+
 def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *, positions=None,
                       key_positions=None, past_index_keys=None, mask=None, is_causal: bool = True,
                       dtype: str | None = None, precision: str | None = None, fp8_scale_format: str = "float",
-                      return_scores: bool = False, rec=lambda stage, value: value) -> dict:
+                      return_scores: bool = False, rec=_no_record) -> dict:
     """impl_numpy.indexer.lightning_indexer in JAX: NumPy arrays in, jax arrays out."""
     ix = config.indexer
     if ix is None:
         raise ValueError("config.indexer is null: this layer has no indexer")
+    if _jits(config, query, key, positions, key_positions, past_index_keys, rec):
+        return _jitted(config, {n: t for n, t in tensors.items() if n.startswith(READS)}, query, key,
+                       positions=positions, key_positions=key_positions, past_index_keys=past_index_keys, mask=mask,
+                       is_causal=is_causal, dtype=dtype or np.dtype(query.dtype).name, precision=precision,
+                       fp8_scale_format=fp8_scale_format, return_scores=return_scores)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}: got {precision!r}")
     if fp8_scale_format not in FP8_SCALE_FORMATS:
@@ -279,7 +353,13 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         ks, k_scale = quantize_fp8(hadamard(k), J, fp8_scale_format)
         qs = rec("indexer.query.fp8", qs * jnp.repeat(q_scale, J, axis=-1))
         ks = rec("indexer.key.fp8", ks * jnp.repeat(k_scale, J, axis=-1))
-    x = rec("indexer.scores", scores(qs, ks, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head))
+    score = lambda keys: scores(qs, keys, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head)  # noqa: E731
+    if precision is None and P >= JIT_MIN_KEYS and T == 1 and not ix.per_kv_head:
+        # the cache's scores and the new keys', joined: the product reads the cache where it lies (under
+        # jax.jit XLA CPU otherwise writes the joined cache out once more as the product's operand)
+        x = rec("indexer.scores", jnp.concatenate([score(past_index_keys), score(k_new)], axis=-1))
+    else:
+        x = rec("indexer.scores", score(ks))
     allowed = _allowed(mask, B, T, P + S, is_causal)  # (B|1, 1, T, P+S)
     x = rec("indexer.masked_scores", mask_scores(x, allowed))
     result = {"present_index_keys": k}
@@ -298,6 +378,10 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         selection = expand_blocks(blocks, ix.block_size, allowed, P + S)
     result["topk_indices"] = rec("indexer.selection", selection if ix.per_kv_head else selection[:, 0])
     return result
+
+
+_jitted = jax.jit(lightning_indexer, static_argnames=("config", "is_causal", "dtype", "precision", "fp8_scale_format",
+                                                   "return_scores"))
 
 
 def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,

@@ -278,7 +278,7 @@ def _no_record(stage: str, value):
 
 
 
-def _jits(config: AttentionConfig, query, key, positions, key_positions, past_index_keys, rec) -> bool:
+def _jits(config: AttentionConfig, query, key, positions, key_positions, past_index_keys, cache_length, rec) -> bool:
     """Whether an eager call runs as _jitted: no trace asked, not already traced, at least JIT_MIN_KEYS keys,
     and no longrope table chosen by the positions' values (_largest reads them eagerly, not under jit)."""
     if rec is not _no_record or isinstance(query, jax.core.Tracer):
@@ -287,23 +287,33 @@ def _jits(config: AttentionConfig, query, key, positions, key_positions, past_in
     if rope is not None and rope.scaling is not None and rope.scaling.type == "longrope":
         return False
     S = np.shape(query if key is None else key)[1]
-    P = 0 if past_index_keys is None else np.shape(past_index_keys)[1]
+    P = cache_length if cache_length is not None else 0 if past_index_keys is None else np.shape(past_index_keys)[1]
     return P + S >= JIT_MIN_KEYS
 
 
 def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *, positions=None,
                       key_positions=None, past_index_keys=None, mask=None, is_causal: bool = True,
                       dtype: str | None = None, precision: str | None = None, fp8_scale_format: str = "float",
-                      return_scores: bool = False, rec=_no_record) -> dict:
-    """impl_numpy.indexer.lightning_indexer in JAX: NumPy arrays in, jax arrays out."""
+                      return_scores: bool = False, cache_length: int | None = None, rec=_no_record) -> dict:
+    """impl_numpy.indexer.lightning_indexer in JAX: NumPy arrays in, jax arrays out.
+
+    cache_length: an in-place index cache, as impl_numpy's, written the JAX way: past_index_keys is the buffer
+    (B, C, J|2J) whose first cache_length = P rows are the cache (a Python int); the call's S new keys are
+    written at P .. P+S-1 (lax.dynamic_update_slice) and present_index_keys is the written buffer, whole: the
+    caller keeps it for the next step (a jax array is immutable; an eager call from JIT_MIN_KEYS keys on runs
+    jitted with the buffer donated, so the write is in place and the given buffer is consumed). A long decode
+    row's scores then read the buffer where it lies (_scores_in_blocks), not a joined copy of it."""
     ix = config.indexer
     if ix is None:
         raise ValueError("config.indexer is null: this layer has no indexer")
-    if _jits(config, query, key, positions, key_positions, past_index_keys, rec):
-        return _jitted(config, {n: t for n, t in tensors.items() if n.startswith(READS)}, query, key,
-                       positions=positions, key_positions=key_positions, past_index_keys=past_index_keys, mask=mask,
-                       is_causal=is_causal, dtype=dtype or np.dtype(query.dtype).name, precision=precision,
-                       fp8_scale_format=fp8_scale_format, return_scores=return_scores)
+    if cache_length is not None:
+        _check_index_cache(past_index_keys, cache_length, np.shape(query if key is None else key)[1])
+    if _jits(config, query, key, positions, key_positions, past_index_keys, cache_length, rec):
+        jitted = _jitted if cache_length is None else _jitted_in_place
+        return jitted(config, {n: t for n, t in tensors.items() if n.startswith(READS)}, query, key,
+                      positions=positions, key_positions=key_positions, past_index_keys=past_index_keys, mask=mask,
+                      is_causal=is_causal, dtype=dtype or np.dtype(query.dtype).name, precision=precision,
+                      fp8_scale_format=fp8_scale_format, return_scores=return_scores, cache_length=cache_length)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}: got {precision!r}")
     if fp8_scale_format not in FP8_SCALE_FORMATS:
@@ -332,16 +342,24 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         if past_index_keys.ndim != 3 or past_index_keys.shape[0] != B or past_index_keys.shape[2] != ix.cache_width:
             raise ValueError(f"past_index_keys must have shape (B, P, {'2J' if ix.block_pool == GATED else 'J'}) = "
                              f"({B}, P, {ix.cache_width}): got {past_index_keys.shape}")
-        P = past_index_keys.shape[1]
+        P = past_index_keys.shape[1] if cache_length is None else cache_length
     tensors = {name: jnp.asarray(t).astype(dt) for name, t in tensors.items() if name.startswith(READS)}
     positions = F.default_positions(positions, P, T)
     key_positions = F.default_positions(key_positions, P, S)
 
     q = index_queries(config, tensors, query, positions, dt, rec)  # (B, I, T, J)
     k_new = index_keys(config, tensors, key, key_positions, dt, rec)  # (B, S, J)
-    k = k_new if past_index_keys is None else jnp.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    buffer = None
+    if cache_length is not None:  # in place: the new rows written into the buffer (B, C, J|2J)
+        buffer = jax.lax.dynamic_update_slice(past_index_keys, k_new, (0, P, 0))
+        k = buffer[:, :P + S]  # (B, P+S, J|2J): a slice (the long decode row reads the buffer whole instead)
+    else:
+        k = k_new if past_index_keys is None else jnp.concatenate([past_index_keys, k_new], axis=1)  # (B, P+S, J|2J)
+    present = k if buffer is None else buffer  # the returned index cache: with cache_length the buffer, whole
     if ix.block_pool == GATED:
-        return _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
+        result = _gated_selection(config, tensors, query, q, k, B, T, P + S, mask, is_causal, return_scores, rec)
+        result["present_index_keys"] = present
+        return result
     weights = None
     if ix.head_weights:
         ct = compute_dtype(dt)
@@ -354,7 +372,12 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         qs = rec("indexer.query.fp8", qs * jnp.repeat(q_scale, J, axis=-1))
         ks = rec("indexer.key.fp8", ks * jnp.repeat(k_scale, J, axis=-1))
     score = lambda keys: scores(qs, keys, weights, ix.effective_score_scale, ix.relu, ix.per_kv_head)  # noqa: E731
-    if precision is None and P >= JIT_MIN_KEYS and T == 1 and not ix.per_kv_head:
+    long_row = precision is None and P >= JIT_MIN_KEYS and T == 1 and not ix.per_kv_head
+    if long_row and buffer is not None:  # the written buffer read whole, in blocks; its first P+S scores
+        ct = compute_dtype(dt)
+        x = _scores_in_blocks(qs.astype(ct), buffer.astype(ct), weights, ct.type(ix.effective_score_scale), ix.relu)
+        x = rec("indexer.scores", x[..., :P + S])
+    elif long_row:
         # the cache's scores and the new keys', joined: the product reads the cache where it lies (under
         # jax.jit XLA CPU otherwise writes the joined cache out once more as the product's operand)
         x = rec("indexer.scores", jnp.concatenate([score(past_index_keys), score(k_new)], axis=-1))
@@ -362,7 +385,7 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
         x = rec("indexer.scores", score(ks))
     allowed = _allowed(mask, B, T, P + S, is_causal)  # (B|1, 1, T, P+S)
     x = rec("indexer.masked_scores", mask_scores(x, allowed))
-    result = {"present_index_keys": k}
+    result = {"present_index_keys": present}
     if return_scores:
         result["index_scores"] = x
     if ix.block_size is None:
@@ -380,8 +403,46 @@ def lightning_indexer(config: AttentionConfig, tensors: dict, query, key=None, *
     return result
 
 
-_jitted = jax.jit(lightning_indexer, static_argnames=("config", "is_causal", "dtype", "precision", "fp8_scale_format",
-                                                   "return_scores"))
+_STATIC = ("config", "is_causal", "dtype", "precision", "fp8_scale_format", "return_scores", "cache_length")
+_jitted = jax.jit(lightning_indexer, static_argnames=_STATIC)
+# the in-place call: the buffer donated, so that the write lands in it (a program per P: cache_length is static,
+# as the selection's width min(k, P+S) is)
+_jitted_in_place = jax.jit(lightning_indexer, static_argnames=_STATIC, donate_argnames=("past_index_keys",))
+
+
+def _check_index_cache(buffer, cache_length, S: int):
+    """lightning_indexer's in-place index cache, checked (as impl_numpy's _index_cache_buffer): a buffer (B, C,
+    J|2J) with room for the call's S keys after its first cache_length rows, cache_length a Python int (the
+    shape's other checks are lightning_indexer's own)."""
+    if buffer is None:
+        raise ValueError("cache_length needs past_index_keys, the index cache's buffer: got past_index_keys None")
+    shape = np.shape(buffer)
+    if isinstance(cache_length, (bool, np.bool_)) or not isinstance(cache_length, (int, np.integer)) \
+            or len(shape) != 3 or not 0 <= cache_length <= shape[1] - S:
+        raise ValueError(f"cache_length must be an int in 0..C-S = 0..{shape[1] - S if len(shape) == 3 else '?'}"
+                         f" (the buffer's rows less the call's {S} keys): got {cache_length!r} with past_index_keys "
+                         f"{shape}")
+
+
+# A long decode row over an in-place index cache reads the buffer in blocks of this many rows (_scores_in_blocks).
+INDEX_BLOCK = 8192
+
+
+def _scores_in_blocks(q, buffer, weights, scale, relu: bool):
+    """_one_query_scores over the written buffer (B, C, J) whole -> (B, 1, 1, C), INDEX_BLOCK rows per turn of
+    a fori_loop (the last block clamped back to end at C: its overlap scored twice, the same values). Why a
+    loop: XLA CPU fuses the in-place write into a product that reads the whole buffer and then copies the
+    buffer two or three times (compiled HLO, jax 0.10.2, P 65536, J 128: 57-64 ms of CPU for the write, the
+    scores and the top-k); as a loop operand it is read where it lies: 16-19 ms, the VM above."""
+    B, C, _ = buffer.shape
+    block = min(INDEX_BLOCK, C)
+
+    def body(i, out):
+        start = jnp.minimum(i * block, C - block)
+        rows = jax.lax.dynamic_slice_in_dim(buffer, start, block, axis=1)  # (B, block, J)
+        return jax.lax.dynamic_update_slice_in_dim(out, _one_query_scores(q, rows, weights, scale, relu), start, axis=3)
+
+    return jax.lax.fori_loop(0, -(-C // block), body, jnp.zeros((B, 1, 1, C), q.dtype))
 
 
 def _gated_selection(config: AttentionConfig, tensors, query, q, cache, B: int, T: int, S: int, mask,

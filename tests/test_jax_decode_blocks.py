@@ -137,11 +137,14 @@ def test_long_row_top_k_is_the_sorted_selection():
             assert np.array_equal(np.asarray(pick(x)), select_topk(x.astype(np.float64), k)), (x, k)
 
 
-def test_indexer_long_decode_row_is_judged_right(monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["copying", "in_place"])
+def test_indexer_long_decode_row_is_judged_right(monkeypatch, in_place):
     """A decode step of a DeepSeek V3.2-style indexer (head weights, ReLU, RoPE, LayerNorm key) over 40 cached
     index keys, with impl_jax's long-row path lowered to take it (jitted, the scores with the keys as rows, the
     top-k from its candidates): its scores and selection judged against the float64 reference
-    (conformance.suite.selection.judge_indexer)."""
+    (conformance.suite.selection.judge_indexer). in_place: the cache a buffer of 44 rows (cache_length 40),
+    read in blocks of 16 (the last clamped back over 4); the returned buffer holds the cache, the new key
+    where the copying call puts it, and the spare rows untouched."""
     pytest.importorskip("jax")  # the numpy env runs every file with no framework installed
     import impl_jax.indexer as jix
     from conformance.suite.selection import judge_indexer
@@ -149,8 +152,9 @@ def test_indexer_long_decode_row_is_judged_right(monkeypatch):
     from weights import AttentionConfig, init
 
     monkeypatch.setattr(jix, "JIT_MIN_KEYS", 2)
+    monkeypatch.setattr(jix, "INDEX_BLOCK", 16)
     ran = []
-    for name in ("_one_query_scores", "_select_topk_partitioned"):
+    for name in ("_one_query_scores", "_select_topk_partitioned", "_scores_in_blocks"):
         right = getattr(jix, name)
         monkeypatch.setattr(jix, name, lambda *a, right=right, name=name: ran.append(name) or right(*a))
     config = AttentionConfig(num_heads=4, query_dim=12, head_dim=8, use_value_bias=False,
@@ -161,8 +165,41 @@ def test_indexer_long_decode_row_is_judged_right(monkeypatch):
     x = np.random.default_rng(9).standard_normal((2, 41, 12)).astype(np.float32)
     cache = lightning_indexer(config, tensors, x[:, :40], dtype="float32")["present_index_keys"]
     inputs = {"query": x[:, 40:], "past_index_keys": cache}
-    got = jix.lightning_indexer(config, tensors, inputs["query"], past_index_keys=cache, return_scores=True)
-    assert sorted(set(ran)) == ["_one_query_scores", "_select_topk_partitioned"], ran
+    if in_place:
+        buffer = np.full((2, 44, cache.shape[-1]), 7.0, np.float32)  # the spare rows: 7, to be left as they are
+        buffer[:, :40] = cache
+        got = jix.lightning_indexer(config, tensors, inputs["query"], past_index_keys=buffer, cache_length=40,
+                                    return_scores=True)
+        copying = jix.lightning_indexer(config, tensors, inputs["query"], past_index_keys=cache)["present_index_keys"]
+        present = np.asarray(got["present_index_keys"])
+        assert present.shape == buffer.shape and np.array_equal(present[:, :40], cache)
+        assert np.array_equal(present[:, 41:], buffer[:, 41:])
+        np.testing.assert_allclose(present[:, 40], np.asarray(copying)[:, 40], rtol=1e-6, atol=1e-6)  # the same
+        # stages (index_keys) on the same float32 inputs: equal up to a reordered sum
+    else:
+        got = jix.lightning_indexer(config, tensors, inputs["query"], past_index_keys=cache, return_scores=True)
+    want = ["_one_query_scores", "_scores_in_blocks", "_select_topk_partitioned"] if in_place else \
+        ["_one_query_scores", "_select_topk_partitioned"]
+    assert sorted(set(ran)) == want, ran
     result = {"topk_indices": np.asarray(got["topk_indices"]), "index_scores": np.asarray(got["index_scores"])}
     verdicts = judge_indexer(config, tensors, inputs, result, dtype="float32")
     assert verdicts and all(v.ok for v in verdicts), [v.describe() if hasattr(v, "describe") else v for v in verdicts]
+
+
+def test_in_place_index_cache_refusals():
+    """cache_length without a buffer, past its room, or not an int: a ValueError naming it."""
+    pytest.importorskip("jax")  # the numpy env runs every file with no framework installed
+    import impl_jax.indexer as jix
+    from weights import AttentionConfig, init
+
+    config = AttentionConfig(num_heads=2, query_dim=8, head_dim=4, indexer={"heads": 2, "head_dim": 4, "topk": 2,
+                                                                                  "query_source": "input"})
+    tensors = init(config, seed=1, dtype="float32")
+    x = np.ones((1, 1, 8), np.float32)
+    buffer = np.zeros((1, 5, 4), np.float32)
+    for given, kwargs in (("past_index_keys None", dict(cache_length=2)),
+                          ("0..4", dict(past_index_keys=buffer, cache_length=5)),
+                          ("got 2.0", dict(past_index_keys=buffer, cache_length=2.0))):
+        with pytest.raises(ValueError, match="cache_length") as info:
+            jix.lightning_indexer(config, tensors, x, **kwargs)
+        assert given in str(info.value), str(info.value)

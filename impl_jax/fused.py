@@ -63,7 +63,8 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     (compiled HLO, jax 0.10.2, B 1 and 2); the reduction reads the written
     buffer as it is. At P 65536 (B 1, K 8, H 128, float32, 2-core VM) the
     step took 291 ms with the dot and 115 ms with the reduction, which alone
-    costs about twice the dot (67 vs 30 ms)."""
+    costs about twice the dot (67 vs 30 ms). The absorbed (latent) form's step
+    from DECODE_MIN_KEYS buffer positions on runs as absorbed_decode instead."""
     ks, vs = (k, v) if isinstance(k, tuple) else ((k,), (v,))
     B, N, T, H = q.shape
     K, S, V = ks[0].shape[1], sum(part.shape[2] for part in ks), vs[0].shape[3]

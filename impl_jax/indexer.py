@@ -2,10 +2,12 @@
 jax.numpy ops only). Shape letters as there: I index heads, J index head_dim, G selection groups.
 
 Runs op by op (the indexer's shapes change with every decode step, and its top-k is a sort, not a kernel to
-fuse); float64 needs JAX's x64 mode (impl_jax.call's check says so). The fp8 simulation rounds through
-jnp.float8_e4m3fn (round to nearest even, as ml_dtypes: JAX's float8 types are ml_dtypes'); the top-k is
-a stable sort of the negated scores (jax.lax.top_k's order among equal scores is not the contract's; a long
-row's takes its k-th largest value from it: _select_topk_partitioned).
+fuse), except an eager call over JIT_MIN_KEYS keys or more, which runs as one jitted program (a program per
+shape: op by op, such a call was mostly dispatch); float64 needs JAX's x64 mode (impl_jax.call's check says
+so). The fp8 simulation rounds through jnp.float8_e4m3fn (round to nearest even, as ml_dtypes: JAX's float8
+types are ml_dtypes'); the top-k is a stable sort of the negated scores (jax.lax.top_k's order among equal
+scores is not the contract's; a long row's takes only its k-th largest value from it:
+_select_topk_partitioned).
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ GATED = "gated"  # Indexer.block_pool of GLM-5.3-Flash's k-pool
 # The layer's tensors the indexer reads: its own, and the query latent's (query_source "latent").
 READS = ("indexer.", "query.down.")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
-# An eager call over at least this many keys (P + S) runs as one jitted program (_jitted): op by op, the
-# step is mostly dispatch and the eager reshapes' copies of the weights (DeepSeek V3.2's sizes, I 64, J 128,
-# D 2048, one query, float32: 83 ms of CPU at P 8192 and 140 at P 65536 op by op, 2-core AMD EPYC VM,
-# 2026-11-30, loaded; jitted: see the measures at _one_query_scores and _select_topk_partitioned). Below it (the grid's and the tests' small calls, each
-# shape a program of its own to compile) it stays op by op.
+
+# An eager call over at least this many keys (P + S) runs as one jitted program (_jitted): op by op, the step
+# is mostly dispatch and the eager reshapes' copies of the weights. DeepSeek V3.2's sizes (I 64, J 128, D 2048,
+# one query, float32), CPU time per call, 2-core AMD EPYC VM, 2026-11-30, loaded: 83 ms at P 8192 and 133-152
+# at P 65536 op by op; at P 65536 jitted 40-43 ms (the keys-as-rows scores and the candidates' top-k included:
+# _one_query_scores, _select_topk_partitioned), 21-24 ms with the in-place index cache (cache_length), of which
+# the scores are about 17. Below it (the grid's and the tests' small calls, each shape a program of its own to
+# compile) it stays op by op.
 JIT_MIN_KEYS = 1024
 
 

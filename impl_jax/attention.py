@@ -74,9 +74,9 @@ from .call import (  # noqa: F401 - re-exported: attention.py was their home, an
     x64_enabled,
 )
 from .chunked import chunked_attention
-from .fused import fused_attention
+from .fused import absorbed_decode, fused_attention
 from .heads import qkv_heads, trace_stages  # noqa: F401 - trace_stages re-exported (impl_jax's public name)
-from .latent import absorbed, expand, gather_selected, gathers_selection, latent_heads
+from .latent import absorbed, decodes_in_blocks, expand, gather_selected, gathers_selection, latent_heads
 
 # Arguments of `apply` that must be static under jax.jit (hashable Python values).
 STATIC_ARGNAMES = (
@@ -251,12 +251,15 @@ def apply(
         if call.hides_tail and not call.traced_length:
             pad_to_capacity(call)
     gathered = None  # a decode step over a selection: the selected keys' own mask (latent.gather_selected)
+    blocked = False  # an absorbed decode step in key blocks (fused.absorbed_decode)
     if config.latent is not None:  # k and v: the present cache (the latent and the rotary key) until expanded
         q, k, v = latent_heads(config, call, pr, rec, whole=whole)
         cache = k, v
         if fused and gathers_selection(config, call, is_causal, causal_alignment):  # (impl_numpy's gather)
             q, k, v, gathered = gather_selected(config, call, q, k, v, call.allowed(config, is_causal,
                                                                                      causal_alignment, tail=False), pr)
+        elif fused and decodes_in_blocks(config, call, is_causal, causal_alignment, whole):
+            q, blocked = F.absorb_query(q, p["key.kernel"], config.latent.rope_dim, pr), True  # k, v: the buffers
         else:
             q, k, v = absorbed(config, call, q, k, v, pr) if fused else (q, *expand(config, call, k, v, pr, rec))
     else:
@@ -270,12 +273,16 @@ def apply(
         # contractions; results equal to the stages' within the tolerance policy)
         if parts:
             k, v = (call.past_key, k), (call.past_value, v)
-        ctx = fused_attention(q, k, v, allowed, call.bias4, config.effective_scale, config.masked_row, pr,
-                              softcap=config.logit_softcap, sinks=p.get("sinks"),
-                              alibi=call.alibi_bias(config) if config.alibi else None,
-                              key_count=call.cache_length + call.shapes.S if call.hides_tail and gathered is None
-                              else None,
-                              attend_by_reduce=in_place and call.shapes.T == 1 and gathered is None)
+        if blocked:
+            ctx = absorbed_decode(q, k, v, config.effective_scale, call.cache_length + call.shapes.S
+                                  if call.hides_tail else None, pr)
+        else:
+            ctx = fused_attention(q, k, v, allowed, call.bias4, config.effective_scale, config.masked_row, pr,
+                                  softcap=config.logit_softcap, sinks=p.get("sinks"),
+                                  alibi=call.alibi_bias(config) if config.alibi else None,
+                                  key_count=call.cache_length + call.shapes.S if call.hides_tail and gathered is None
+                                  else None,
+                                  attend_by_reduce=in_place and call.shapes.T == 1 and gathered is None)
         if config.latent is not None:  # the attended latent through each head's value up-projection
             ctx = F.expand_values(ctx, p["value.kernel"], pr)  # (B, N, T, V)
     else:

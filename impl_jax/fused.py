@@ -63,7 +63,8 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
     (compiled HLO, jax 0.10.2, B 1 and 2); the reduction reads the written
     buffer as it is. At P 65536 (B 1, K 8, H 128, float32, 2-core VM) the
     step took 291 ms with the dot and 115 ms with the reduction, which alone
-    costs about twice the dot (67 vs 30 ms)."""
+    costs about twice the dot (67 vs 30 ms). The absorbed (latent) form's step
+    from DECODE_MIN_KEYS buffer positions on runs as absorbed_decode instead."""
     ks, vs = (k, v) if isinstance(k, tuple) else ((k,), (v,))
     B, N, T, H = q.shape
     K, S, V = ks[0].shape[1], sum(part.shape[2] for part in ks), vs[0].shape[3]
@@ -150,3 +151,74 @@ def fused_attention(q, k, v, allowed, bias, scale: float, masked_row: str, preci
         ctx = jnp.where(empty, fill, ctx)
     return ctx.astype(q.dtype)
 
+
+
+# An absorbed (latent) decode step over an in-place cache runs in key blocks (absorbed_decode) from this many
+# buffer positions on; below it (the grid's and the tests' small caches, each a program of its own to compile
+# in a cold `mha check`) fused_attention runs it as one expression.
+DECODE_MIN_KEYS = 1024
+DECODE_BLOCK = 2048  # keys per turn of absorbed_decode's loop (1024-4096 within noise of each other)
+
+
+def absorbed_decode(q, latent, rotary, scale: float, key_count=None, precision: str = "highest"):
+    """fused_attention for the absorbed form's one-query step over an in-place cache read whole, with
+    neither mask, bias, softcap, ALiBi nor sinks (nothing hidden but the positions past key_count): a
+    fori_loop over blocks of DECODE_BLOCK keys with an online softmax (running max, sum and context,
+    rescaled by exp(old max - new max) at each block): the block's logits with the keys as rows, (s, C) x
+    (C, N) + (s, R) x (R, N), its context as w^T (N, s) x (s, C). The same products as fused_attention's,
+    summed in another order, and the softmax's division applied to the context as there.
+
+    Why a loop: the buffers are loop operands, so XLA CPU cannot fuse the in-place write into a layout
+    change of the whole buffer and then copy it (fused_attention's attend_by_reduce), and the absorbed
+    form's joined key [latent | rotary] (a copy of the cache) is never formed: the compiled HLO (jax 0.10.2,
+    P 65536) holds no copy of either buffer. The DeepSeek V3.2 step (`mha bench --shapes sparse`, N 16, C
+    512, R 64, float32, P 65536) took 49-54 ms of CPU against 356-379 ms as one expression, back to back on
+    the 2-core AMD EPYC VM, 2026-11-30, loaded. Measured there per orientation, in the same loop of 4096-key
+    blocks: logits keys as rows 11 ms; the context as w^T x latent 22 ms, as latent^T x w (a (C, N) result)
+    107 ms; blocks of 1024-4096 keys within noise of each other, 8192 and 16384 slower.
+
+    q (B, N, 1, C + R) (absorbed: functional.absorb_query), latent (B, 1, S, C), rotary (B, 1, S, R) (S: the
+    buffer's capacity), key_count: the keys that count (P + S, a Python int or traced; None: all S; at least
+    1) -> context (B, N, 1, C) (the attended latent, before functional.expand_values). The last block is
+    clamped back to end at S; the keys it shares with the block before are hidden in it."""
+    B, N, _, _ = q.shape
+    S, C = latent.shape[2], latent.shape[3]
+    ct = compute_dtype(q.dtype)
+    pr = _precision(precision)
+    block = min(DECODE_BLOCK, S)
+    count = S if key_count is None else key_count
+    q_lat, q_rot = q[:, :, 0, :C].astype(ct), q[:, :, 0, C:].astype(ct)  # (B, N, C), (B, N, R)
+    scale = jnp.asarray(scale, ct)
+    neg = jnp.asarray(-jnp.inf, ct)
+
+    def body(i, carry):
+        top, total, ctx = carry  # (B, N), (B, N), (B, N, C)
+        start = jnp.minimum(i * block, S - block)
+        lat = lax.dynamic_slice_in_dim(latent, start, block, axis=2)[:, 0].astype(ct)  # (B, s, C)
+        rot = lax.dynamic_slice_in_dim(rotary, start, block, axis=2)[:, 0].astype(ct)  # (B, s, R)
+        x = (jnp.einsum("BsC,BNC->BsN", lat, q_lat, precision=pr)
+             + jnp.einsum("BsR,BNR->BsN", rot, q_rot, precision=pr)) * scale  # (B, s, N)
+        x = jnp.where(_counted(i, start, block, count)[None, :, None], x, neg)  # (B, s, N)
+        new_top = jnp.maximum(top, x.max(axis=1))  # (B, N): finite from the first block on (key 0 counts)
+        e = jnp.exp(x - new_top[:, None])  # (B, s, N)
+        rescale = _rescale(top, new_top)  # (B, N): 0 at the first block
+        total = total * rescale + e.sum(axis=1)
+        ctx = ctx * rescale[..., None] + jnp.einsum("BsN,BsC->BNC", e, lat, precision=pr)  # (B, N, C)
+        return new_top, total, ctx
+
+    init = (jnp.full((B, N), -jnp.inf, ct), jnp.zeros((B, N), ct), jnp.zeros((B, N, C), ct))
+    _, total, ctx = lax.fori_loop(0, -(-S // block), body, init)
+    ctx = ctx / total[..., None]  # (B, N, C)
+    return ctx[:, :, None].astype(q.dtype)  # (B, N, 1, C)
+
+
+def _counted(i, start, block: int, count):
+    """(block,) bool: which keys of absorbed_decode's block i (read from `start`) count: those before `count`
+    and not before i * block (the clamped last block's keys that the block before it attended)."""
+    pos = start + jnp.arange(block, dtype=jnp.int32)
+    return (pos >= i * block) & (pos < count)
+
+
+def _rescale(top, new_top):
+    """exp(old max - new max): the online softmax's factor on the sum and context of the blocks before."""
+    return jnp.exp(top - new_top)

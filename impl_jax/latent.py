@@ -23,6 +23,7 @@ from weights import AttentionConfig
 from weights.rope import rope_tables
 
 from . import functional as F
+from . import fused
 from .call import Call
 from .heads import present
 
@@ -96,6 +97,19 @@ def gathers_selection(config: AttentionConfig, call: Call, is_causal: bool, caus
             and config.local_chunk is None and config.window_left < 0 and config.window_right < 0
             and (not is_causal or causal_alignment == "bottom_right") and config.masked_row == "zero"
             and not call.traced_length)
+
+
+def decodes_in_blocks(config: AttentionConfig, call: Call, is_causal: bool, causal_alignment: str,
+                      whole: bool) -> bool:
+    """Whether the fused path's absorbed step runs as fused.absorbed_decode: one query over an in-place cache
+    read whole (whole), of at least fused.DECODE_MIN_KEYS positions, nothing hidden from it but the
+    positions past P + S (call.allowed without the tail is None: no mask, selection, window, local chunks or
+    segments, causal only bottom-right), and no bias, dropout, softcap, ALiBi or sinks."""
+    return (whole and call.cache_length is not None and call.shapes.T == 1
+            and call.shapes.capacity >= fused.DECODE_MIN_KEYS and call.topk is None
+            and call.bias4 is None and call.keep is None and config.logit_softcap is None and not config.alibi
+            and "sinks" not in call.params
+            and call.allowed(config, is_causal, causal_alignment, tail=False) is None)
 
 
 # An in-place buffer's selected rows are gathered this many slots at a time, in a loop (_gather_in_loop).

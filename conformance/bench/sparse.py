@@ -15,7 +15,7 @@ opt-in: --sparse-max). Per P and backend, each in a worker process of its own:
             has chosen (the attention part of a DSA step)
   indexer   the backend's lightning_indexer (impl_*/indexer.py) over the whole index cache (B, P, J) and the
             new token: its scores for every key and the top k (the other part of a DSA step); in place
-            (cache_length, index_buffer) where the indexer takes it (NumPy, torch, tf), else the copying call
+            (cache_length, index_buffer): every indexer but MLX's takes it (NumPy, torch, JAX, tf)
   read      one read of the latent cache (np.sum / torch.sum / jnp.sum / tf.reduce_sum / mx.sum over its buffers
             and every weight): the machine's read bandwidth, measured in the same run
 
@@ -236,7 +236,8 @@ def jax_paths(config, tensors, data, P):
     dev = jax.devices("cpu")[0]
     p = jax.device_put(tensors, dev)
     att, _ = _split(p)
-    x, topk, keys = (jax.device_put(data[n], dev) for n in ("x", "topk", "index_keys"))
+    x, topk = (jax.device_put(data[n], dev) for n in ("x", "topk"))
+    index = [jax.device_put(index_buffer(data["index_keys"]), dev)]  # donated by each call: the next reads its result
     # dense: cache_length traced (as the latent family's); sparse: a Python int (impl_jax refuses topk_indices
     # with a traced cache_length: the selection's width is sized by P + S)
     dense = jax.jit(lambda pp, inp, k, v, length: apply(ac, pp, inp, past_key=k, past_value=v, cache_length=length,
@@ -256,11 +257,14 @@ def jax_paths(config, tensors, data, P):
             return jax.block_until_ready(out)
         return call
 
+    def indexer():
+        result = lightning_indexer(config, p, x, past_index_keys=index[0], cache_length=P)
+        index[0] = result["present_index_keys"]
+        return jax.block_until_ready(result["topk_indices"])
+
     sums = jax.jit(lambda arrays: [jnp.sum(a) for a in arrays])
     weights = list(att.values())
-    return {"dense": step(None), "sparse": step(topk),
-            "indexer": lambda: jax.block_until_ready(lightning_indexer(config, p, x, past_index_keys=keys)
-                                                     ["topk_indices"]),
+    return {"dense": step(None), "sparse": step(topk), "indexer": indexer,
             "read": lambda: jax.block_until_ready(sums([held[0], held[1], *weights]))}
 
 
@@ -326,7 +330,8 @@ BUILDERS = {"numpy": numpy_paths, "torch": torch_paths, "jax": jax_paths, "tf": 
 NOTES = {"numpy": "multi_head_attention, cache_length (fused path), CheckedTensors; impl_numpy.indexer, "
                   "cache_length; np.sum",
          "torch": "multi_head_attention, cache_length, use_sdpa; impl_torch.indexer (eager), cache_length; torch.sum",
-         "jax": "apply under jax.jit, buffers donated; impl_jax.indexer (eager); jnp.sum under jax.jit",
+         "jax": "apply under jax.jit, buffers donated; impl_jax.indexer, cache_length (jitted inside, buffer donated); "
+                "jnp.sum under jax.jit",
          "tf": "multi_head_attention in tf.function, variables; impl_tf.indexer (eager), cache_length; tf.reduce_sum",
          "mlx": "multi_head_attention (fused path), cache_length, eager, each call mx.eval'd; impl_mlx.indexer; "
                 "mx.sum"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_indexer import _dsa, _kpool, _m3, _x
+from topk_draws import distinct_scores, scores_with_ties
 
 from impl_numpy import indexer as ref
 from weights import init
@@ -21,24 +22,6 @@ from impl_tf import functional as F  # noqa: E402
 from impl_tf import indexer  # noqa: E402
 
 
-def _scores_with_ties(rng, shape):
-    """Scores on a grid of 8 values (ties everywhere), with -inf and +inf sprinkled in, and the last row mostly
-    -inf (fewer visible keys than most widths). (No NaN: impl_tf's stable sort, which a row holding NaN goes back
-    to, places it otherwise than NumPy's; test_select_few_with_a_nan_among_the_scores.)"""
-    x = np.maximum(rng.integers(-4, 4, size=shape), 0).astype(np.float32) * 0.25
-    x[rng.random(shape) < 0.1] = -np.inf
-    x[rng.random(shape) < 0.01] = np.inf
-    x.reshape(-1, shape[-1])[-1, 5:] = -np.inf
-    return x
-
-
-def _distinct_scores(rng, shape):
-    """Scores without a tie at any width (a permutation of distinct values), a tenth of them -inf."""
-    x = rng.permuted(np.tile(np.arange(shape[-1], dtype=np.float32), (*shape[:-1], 1)), axis=-1)
-    x[rng.random(shape) < 0.1] = -np.inf
-    return x
-
-
 @pytest.mark.parametrize("scores", ["ties", "distinct"])
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1000), (2, 3, 4, 257)])
 @pytest.mark.parametrize("width", [1, 7, 100])
@@ -46,7 +29,9 @@ def test_select_few_is_the_stable_sorts_selection(monkeypatch, scores, shape, wi
     """Distinct scores take top_k's keys; ties straddling the width-th score (or a NaN) go back to the sort."""
     monkeypatch.setattr(indexer, "TOPK_FEW_MIN_KEYS", 16)
     rng = np.random.default_rng(width)
-    x = _scores_with_ties(rng, shape) if scores == "ties" else _distinct_scores(rng, shape)
+    # no NaN: impl_tf's stable sort, which a row holding NaN goes back to, places it otherwise than NumPy's
+    # (test_select_few_with_a_nan_among_the_scores)
+    x = scores_with_ties(rng, shape, nan=False) if scores == "ties" else distinct_scores(rng, shape)
     right, few = indexer._select_few, []
     monkeypatch.setattr(indexer, "_select_few", lambda *a: few.append(right(*a)) or few[-1])
     got = np.asarray(indexer.select_topk(tf.constant(x), width))
@@ -58,7 +43,7 @@ def test_select_few_is_the_stable_sorts_selection(monkeypatch, scores, shape, wi
 
 def test_select_few_with_a_nan_among_the_scores(monkeypatch):
     """A NaN, which top_k and the sort rank differently: the row goes back to the sort, whose selection it is."""
-    x = _distinct_scores(np.random.default_rng(3), (1, 1, 2, 300))
+    x = distinct_scores(np.random.default_rng(3), (1, 1, 2, 300))
     x[0, 0, 1, 7] = np.nan
     assert indexer._select_few(tf.constant(x), 20) is None
     sorted_ = np.asarray(indexer.select_topk(tf.constant(x), 20))  # 300 keys: under TOPK_FEW_MIN_KEYS, the sort

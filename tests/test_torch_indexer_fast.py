@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_indexer import _dsa, _kpool, _m3, _x
+from topk_draws import distinct_scores, scores_with_ties
 
 from impl_numpy import indexer as ref
 from weights import init
@@ -21,31 +22,13 @@ torch = pytest.importorskip("torch")  # the numpy env runs every file with no fr
 from impl_torch import indexer  # noqa: E402
 
 
-def _scores_with_ties(rng, shape):
-    """Scores on a grid of 8 values (ties everywhere, zeros the most), with -inf, +inf and NaN sprinkled in, and
-    the last row mostly -inf (fewer visible keys than most widths)."""
-    x = np.maximum(rng.integers(-4, 4, size=shape), 0).astype(np.float32) * 0.25
-    x[rng.random(shape) < 0.1] = -np.inf
-    x[rng.random(shape) < 0.01] = np.inf
-    x[rng.random(shape) < 0.01] = np.nan
-    x.reshape(-1, shape[-1])[-1, 5:] = -np.inf
-    return x
-
-
-def _distinct_scores(rng, shape):
-    """Scores without a tie at any width (a permutation of distinct values), a tenth of them -inf."""
-    x = rng.permuted(np.tile(np.arange(shape[-1], dtype=np.float32), (*shape[:-1], 1)), axis=-1)
-    x[rng.random(shape) < 0.1] = -np.inf
-    return x
-
-
 @pytest.mark.parametrize("scores", ["ties", "distinct"])
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1000), (2, 3, 4, 257)])
 @pytest.mark.parametrize("width", [1, 7, 100])
 def test_select_few_is_the_stable_sorts_selection(monkeypatch, scores, shape, width):
     """Ties straddling the width-th score (and NaN) go to _select_ties; distinct scores stay with topk's keys."""
     rng = np.random.default_rng(width)
-    x = _scores_with_ties(rng, shape) if scores == "ties" else _distinct_scores(rng, shape)
+    x = scores_with_ties(rng, shape) if scores == "ties" else distinct_scores(rng, shape)
     assert width * 2 < shape[-1]  # the few-of-many path is the one select_topk takes
     right, tied = indexer._select_ties, []
     monkeypatch.setattr(indexer, "_select_ties", lambda *a: tied.append(1) or right(*a))
@@ -57,7 +40,7 @@ def test_select_few_is_the_stable_sorts_selection(monkeypatch, scores, shape, wi
 
 def test_select_few_with_a_nan_among_the_chosen():
     """No tie, but a NaN, which topk ranks first and the stable sort last (a -1 at the end)."""
-    x = _distinct_scores(np.random.default_rng(3), (1, 1, 2, 300))
+    x = distinct_scores(np.random.default_rng(3), (1, 1, 2, 300))
     x[0, 0, 1, 7] = np.nan
     np.testing.assert_array_equal(indexer.select_topk(torch.from_numpy(x), 20).numpy(), ref.select_topk(x, 20))
 

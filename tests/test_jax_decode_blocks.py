@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from conformance.suite.tolerance import assert_close
+from test_sparse_gather import P, _expected, _judge  # the float64 stages and the judge of one decode step
 
 pytestmark = pytest.mark.jax
 
-P, SPARE = 80, 4  # the buffer: P cached keys, the new one, 3 spare positions (hidden)
+SPARE = 4  # the buffer: P cached keys (test_sparse_gather's 80), the new one, 3 spare positions (hidden)
 BLOCK = 32  # keys per turn (lowered): capacity 84 -> blocks at 0, 32 and 52 (the last clamped back over 12)
 
 
@@ -31,16 +30,6 @@ def _step():
     lat = (3 * rng.standard_normal((2, 1, P, d.C))).astype(np.float32)  # spread logits: the running max moves
     rot = rng.standard_normal((2, 1, P, d.R)).astype(np.float32)
     return config, tensors, x, lat, rot
-
-
-def _expected(config, tensors, x, lat, rot):
-    """impl_numpy's float64 stages over every key, and their logits (the bar's size)."""
-    from impl_numpy.attention import multi_head_attention
-
-    trace = []
-    out = np.asarray(multi_head_attention(config, tensors, x, past_key=lat, past_value=rot, is_causal=True,
-                                          causal_alignment="bottom_right", dtype="float64", trace=trace))
-    return out, next(e.value for e in trace if e.stage == "logits")
 
 
 def _in_place(config, tensors, x, lat, rot, traced: bool):
@@ -84,16 +73,11 @@ def _blocks(monkeypatch, bug=None):
     return ran
 
 
-def _judge(name, got, expected, logits, config):
-    assert_close(name, np.asarray(got), expected, config=config, dtype="float32", quantity="output", B=2, T=1,
-                 S=P + 1, logits=logits)
-
-
 @pytest.mark.parametrize("traced", [False, True], ids=["static_P", "traced_P"])
 def test_decode_in_blocks_matches_the_stages(monkeypatch, traced):
     pytest.importorskip("jax")  # the numpy env runs every file with no framework installed
     step = _step()
-    expected, logits = _expected(*step)
+    expected, logits = _expected(*step, None)  # every key attended
     ran = _blocks(monkeypatch)
     _judge("jax decode in blocks", _in_place(*step, traced), expected, logits, step[0])
     assert ran == [(2, 1, P + SPARE, step[0].latent.kv_rank)], ran  # the blocked step ran, over the whole buffer
@@ -103,7 +87,7 @@ def test_decode_in_blocks_matches_the_stages(monkeypatch, traced):
 def test_decode_in_blocks_bugs_are_caught(monkeypatch, bug):
     pytest.importorskip("jax")  # the numpy env runs every file with no framework installed
     step = _step()
-    expected, logits = _expected(*step)
+    expected, logits = _expected(*step, None)  # every key attended
     _blocks(monkeypatch, bug)
     with pytest.raises(AssertionError, match="FAIL"):
         _judge(f"jax decode in blocks ({bug})", _in_place(*step, False), expected, logits, step[0])

@@ -18,7 +18,8 @@ attention), the key and value gradients are folded into "query".
 difference turned into a sum, the softmax weights kept): the size of the
 terms each gradient element is summed from. Rounding errors are proportional
 to that, not to the gradient, which can cancel to nearly nothing (the key
-bias gradient is exactly zero); the tolerance policy scales by it.
+bias gradient is exactly zero); the tolerance policy scales by it. It runs and
+stores in float64 whatever the call's dtype: sizes are never rounded.
 """
 
 from __future__ import annotations
@@ -116,11 +117,19 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
 
     norm_cfg, rope_cfg, cap = config.qk_norm, config.rope, config.logit_softcap
     if magnitude:
+        # Sizes, not a backend's rounding: the pass runs and stores in float64 whatever the call's dtype (a
+        # 16-bit call's pass is the clip gate as 16 bits see it, compare.expected_for). Stored in float16,
+        # terms that a norm's 1/sqrt(eps) enlarges passed 65504 and came back inf, which the policy reads as
+        # no terms at all: random_1475876 (a LayerNorm of head_dim 1 after qkv_clip) judged its float16 key
+        # norm's bias gradient, rounding noise of an exact 0, against an allowance of 0.
+        dtype = ct = np.dtype(np.float64)
         kept = true_forward
-        p = {name: np.abs(t) for name, t in p.items()}
-        xq, xk, xv, d_out, scale = np.abs(xq), np.abs(xk), np.abs(xv), np.abs(d_out), abs(scale)
-        past_key = None if past_key is None else np.abs(past_key)
-        past_value = None if past_value is None else np.abs(past_value)
+
+        def wide(a):
+            return None if a is None else np.abs(np.asarray(a, dtype=np.float64))
+        p = {name: wide(t) for name, t in p.items()}
+        xq, xk, xv, d_out, scale = wide(xq), wide(xk), wide(xv), wide(d_out), abs(float(scale))
+        past_key, past_value = wide(past_key), wide(past_value)
     else:
         kept = {}
     def per_feature(t, cfg):  # a norm tensor on xhat (B, L, groups, W): (W,) / (heads, W) per head, (F,) over all
@@ -188,7 +197,7 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
         qp = F.project(xq, p["query.kernel"], p.get("query.bias"))  # (B, T, N*H)
         shared = config.kv_shared  # issue 42: k and v are the cache's last S entries (attention.share_cache)
         if shared:  # as (B, S, K*H|V), the form the stages below take; no clip, norm, rope or multiplier on them
-            kp, vp = (_merge(np.abs(x) if magnitude else x) for x in (call.shared_key, call.shared_value))
+            kp, vp = (_merge(wide(x) if magnitude else x) for x in (call.shared_key, call.shared_value))
         else:
             kp = F.project(xk, p["key.kernel"], p.get("key.bias"))  # (B, S, K*H)
             vp = F.project(xv, p["value.kernel"], p.get("value.bias"))  # (B, S, K*V)
@@ -570,5 +579,5 @@ def multi_head_attention_vjp(config, tensors, query, key=None, value=None, *, d_
     if not gradient_magnitudes:
         return out.astype(dtype), grads
     _, _, raw_mag = _backward(config, call, d_out, is_causal, causal_alignment, magnitude=True, true_forward=kept)
-    magnitudes = _fold(config, raw_mag, key is not None, value is not None, dtype)
+    magnitudes = _fold(config, raw_mag, key is not None, value is not None, np.dtype(np.float64))  # never rounded
     return out.astype(dtype), grads, magnitudes

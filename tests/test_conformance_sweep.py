@@ -113,6 +113,40 @@ def test_a_layer_norm_of_a_clipped_row_is_judged_on_its_terms():
     assert result.status == "pass", result.message
 
 
+def test_a_16_bit_clip_gate_counts_the_terms_a_norm_enlarges():
+    """The jax sweep's find (seeds 1471780-, docs/conformance.md): qkv_clip 0.6 and a per-head LayerNorm of
+    head_dim 1 on the keys, whose centring x - mean(x) is exactly 0, so every key is the norm's bias and its
+    gradient an exact 0. In float16 the gradient magnitudes also count the terms the clip's 16-bit gate passes
+    (compare.expected_for), from a magnitude pass that stored its sizes in float16: the norm's 1 / sqrt(eps)
+    took them past 65504 to inf, and the policy reads a non-finite size as no terms. torch's and JAX's float16
+    key.norm.bias gradient, -7.2e-5 of rounding noise, was judged against 0 terms: margin 1.88. The pass now
+    runs and stores in float64 whatever the call's dtype."""
+    import numpy as np
+
+    from conformance.suite.compare import expected_for
+
+    case = random_case(1_475_876)
+    assert case.config.qkv_clip is not None and case.config.qk_norm.type == "layer" and case.config.head_dim == 1
+    for dtype in ("float16", "bfloat16"):
+        sizes = expected_for(case, dtype)["magnitudes"]
+        assert all(np.isfinite(m).all() for m in sizes.values()), \
+            [name for name, m in sizes.items() if not np.isfinite(m).all()]
+        assert (sizes["key.norm.bias"] > 0).all(), sizes["key.norm.bias"]
+
+
+@pytest.mark.parametrize("backend_id", ["numpy", "torch"])
+def test_a_float16_gradient_of_a_centred_width_of_one_passes(backend_id):
+    """The same seed's float16 stages, judged: torch's gave the failing bits (JAX's the same), NumPy's passed
+    before the fix too."""
+    from conformance.suite.compare import run_case
+
+    ok, reason = backends.availability(backend_id)
+    if not ok:
+        pytest.skip(reason)
+    result = run_case(random_case(1_475_876), backend_id, dtype="float16", path="stages")
+    assert result.status == "pass", result.message
+
+
 def test_the_seeds_draw_multimodal_rope():
     """The 1000 seeds of the slow sweep reach every form of multimodal RoPE (issue 42): contiguous and
     interleaved sections, all three non-empty, an image and a video span, over a cache, on a latent layer."""

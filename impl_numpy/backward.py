@@ -88,7 +88,11 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
     fold_scale=True: the scale folded into the query before the logits' product, both stored in the storage
     dtype (q_s = round(q * round(scale)), logits = q_s k^T), as a fused kernel computing in the inputs' dtype
     does (MLX's mx.fast.scaled_dot_product_attention on CPU: mlx/fast.cpp's fallback multiplies q by
-    array(scale, q.dtype()) first): one more 16-bit rounding of every logit's terms. With chunked_core and
+    array(scale, q.dtype()) first): one more 16-bit rounding of every logit's terms. ALiBi's bias then joins
+    the logits rounded to the storage dtype itself, as a fused kernel takes it: its additive mask in the
+    inputs' dtype (MLX's must promote to the output type; impl_torch's SDPA attn_mask is in the query's):
+    rounded once more where |bias| is large (random_long_2200020: bfloat16, ALiBi over 1038 keys, MLX's
+    fused output 0.0747 from float64, this order's 0.0747, the stages' 0.0081). With chunked_core and
     fold_scale false it is the stages' pass; neither changes a float32/float64 result by more than round-off.
 
     magnitude=True: inputs, tensors and d_out are replaced by their absolute
@@ -253,7 +257,10 @@ def _backward(config, call, d_out, is_causal, causal_alignment, *, magnitude=Fal
             x0 = F.logits(q, k, scale)  # (B, N, T, S_total)
         xc = F.softcap(x0, cap) if cap is not None else x0
         if config.alibi:
-            xc = F.alibi(xc, call.alibi_bias(config))
+            alibi = call.alibi_bias(config)
+            if fold_scale:  # a fused kernel's additive mask is in the inputs' dtype: ALiBi's bias rounded first
+                alibi = alibi.astype(dtype).astype(alibi.dtype)
+            xc = F.alibi(xc, alibi)
         x = F.mask(xc, allowed, call.bias4)
         # (chunked_core: the softmax of the stored logits, kept in compute dtype)
         w = F.softmax(x.astype(ct) if chunked_core else x, config.masked_row, p.get("sinks"))  # (B, N, T, S_total)

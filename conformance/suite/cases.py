@@ -818,6 +818,42 @@ def random_compressed_case(seed: int) -> Case:
                 self_attention=False, input_scale=input_scale, return_cache=return_cache)
 
 
+# The long caches' lengths (random_long_cache_case): each range starts at a decode fast path's threshold, so a
+# third of the draws reach the gathers of selected keys (64: impl_jax / impl_mlx / impl_tf GATHER_MIN_KEYS), a third
+# the one-query paths from 1024 keys (impl_jax.fused.DECODE_MIN_KEYS, impl_jax.indexer.JIT_MIN_KEYS,
+# impl_torch.attention.SPLIT_MIN_KEYS) and a third those from 4096 (impl_numpy.indexer / impl_tf.indexer
+# DECODE_SCORES_MIN_KEYS, impl_tf.indexer.TOPK_FEW_MIN_KEYS).
+LONG_CACHE_RANGES = ((64, 300), (1024, 1100), (4096, 4200))
+
+
+def random_long_cache_case(seed: int) -> Case:
+    """random_case(seed) as a step over a long cache (name random_long_<seed>), for the sweep's --long-cache runs:
+    random_case's caches hold 1-4 keys, under every decode fast path's threshold, so its sweeps never take them.
+    From a stream of its own (default_rng([seed, 43])): P in one of LONG_CACHE_RANGES, and three times in four a
+    single query (T 1: a decode step; else random_case's T). The new keys are the queries' tokens where they were
+    (S = T), and the call's inputs explicit (a cache needs them: self_attention False); packed positions, which
+    refuse a cache, become the default ones; a causal call aligns bottom-right, as every call over a cache.
+    Half the draws keep everything else random_case drew (masks, biases, windows, the frontier and sparse fields,
+    latent layers, dropout), ANDed with the long cache: the fast paths must step aside where they cannot take a
+    call. The other half clear what they step aside for (a mask, a bias, dropout, a window, local chunks, ALiBi,
+    a softcap, sinks; masked_row "zero"), so that they run: the gathers of a selection, JAX's absorbed decode
+    in blocks."""
+    case = random_case(seed)
+    rng = np.random.default_rng([seed, 43])
+    low, high = LONG_CACHE_RANGES[int(rng.integers(len(LONG_CACHE_RANGES)))]
+    P = int(rng.integers(low, high))
+    T = 1 if rng.random() < 0.75 else case.T
+    S = T if case.self_attention or case.S == case.T else case.S
+    case = dataclasses.replace(case, name=f"random_long_{seed}", P=P, T=T, S=S, self_attention=False,
+                               positions=None if case.positions == "packed" else case.positions,
+                               causal_alignment="bottom_right")
+    if rng.random() < 0.5:
+        config = case.config.replace(window_left=-1, window_right=-1, local_chunk=None, alibi=False,
+                                     logit_softcap=None, use_sinks=False, dropout=0.0, masked_row="zero")
+        case = dataclasses.replace(case, config=config, mask=None, bias=None, training=False)
+    return case
+
+
 def _with_modern_features(case: Case, rng, pick) -> Case:
     H = case.config.head_dim
     features: dict[str, Any] = {}

@@ -6,7 +6,9 @@ Every seed's case runs on each of the backend's paths of --paths (conformance.su
 dtype; a result that is not a pass is a finding, listed in full. The policy's constants were set on seeds
 the tests use; a sweep of seeds no test uses is the check that they hold (docs/conformance.md lists the
 runs). tests/test_conformance_sweep.py runs small sweeps of its own seeds. --compressed sweeps DeepSeek V4's
-layers instead (cases.random_compressed_case, its own stream: random_case's seeds keep their cases).
+layers instead (cases.random_compressed_case, its own stream: random_case's seeds keep their cases); --long-cache
+takes random_case's draws over a cache of 64-4200 keys (cases.random_long_cache_case), so the decode fast paths
+run.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import sys
 import time
 
 from conformance.suite import backends
-from conformance.suite.cases import DTYPE_NAMES, random_case, random_compressed_case, random_differential_case
+from conformance.suite.cases import (
+    DTYPE_NAMES,
+    random_case,
+    random_compressed_case,
+    random_differential_case,
+    random_long_cache_case,
+)
 from conformance.suite.check import DEFAULT_PATH_KINDS, PATH_KINDS, paths_of
 from conformance.suite.compare import STATUS_PASS, STATUS_UNSUPPORTED, clear_cache, run_case_paths
 
@@ -71,10 +79,14 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
     p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATH_KINDS), choices=[*PATH_KINDS, "all"])
     p.add_argument("--json", metavar="FILE", help="write the summary here")
-    p.add_argument("--differential", action="store_true",
+    kind = p.add_mutually_exclusive_group()  # the case family: random_case's unless one is named
+    kind.add_argument("--differential", action="store_true",
                    help="cases.random_differential_case instead of random_case (differential attention's sweep)")
-    p.add_argument("--compressed", action="store_true",
+    kind.add_argument("--compressed", action="store_true",
                    help="cases.random_compressed_case instead of random_case (DeepSeek V4's layers, issue 41)")
+    kind.add_argument("--long-cache", action="store_true",
+                   help="cases.random_long_cache_case instead of random_case (a cache of 64-4200 keys: the decode "
+                        "fast paths)")
     args = p.parse_args(argv)
     kinds = PATH_KINDS if "all" in args.paths else tuple(args.paths)
     started = time.perf_counter()
@@ -97,7 +109,8 @@ def main(argv=None) -> int:
 
     summary = sweep(args.backend, range(*args.seeds), args.dtypes, kinds, progress=progress,
                     make_case=random_compressed_case if args.compressed
-                    else random_differential_case if args.differential else random_case)
+                    else random_differential_case if args.differential
+                    else random_long_cache_case if args.long_cache else random_case)
     print(write(summary))
     return 0 if not summary["failures"] else 1
 

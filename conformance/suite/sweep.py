@@ -81,12 +81,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE", help="write the summary here")
     kind = p.add_mutually_exclusive_group()  # the case family: random_case's unless one is named
     kind.add_argument("--differential", action="store_true",
-                   help="cases.random_differential_case instead of random_case (differential attention's sweep)")
+                      help="cases.random_differential_case instead of random_case (differential attention's sweep)")
     kind.add_argument("--compressed", action="store_true",
-                   help="cases.random_compressed_case instead of random_case (DeepSeek V4's layers, issue 41)")
+                      help="cases.random_compressed_case instead of random_case (DeepSeek V4's layers, issue 41)")
     kind.add_argument("--long-cache", action="store_true",
-                   help="cases.random_long_cache_case instead of random_case (a cache of 64-4200 keys: the decode "
-                        "fast paths)")
+                      help="cases.random_long_cache_case instead of random_case (a cache of 64-4200 keys: the "
+                           "decode fast paths)")
     args = p.parse_args(argv)
     kinds = PATH_KINDS if "all" in args.paths else tuple(args.paths)
     started = time.perf_counter()
